@@ -1,0 +1,57 @@
+# Two commands for a newcomer: `make course` (run every chapter, write figures and HTML pages)
+# and `make test` (sync/export checks, the test suite, every notebook re-executed by nbval).
+# Both create the virtual environment .venv from requirements.txt first if needed.
+#
+# On a machine whose python already has torch and triton (a GPU box, Colab), skip the venv:
+#     make test PY=python3
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY ?= $(VENV)/bin/python
+CHAPTERS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
+BUILD := build
+export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
+export MPLBACKEND := Agg
+
+ifeq ($(PY),$(VENV)/bin/python)
+SETUP := $(VENV)/.installed
+else
+SETUP :=
+endif
+
+.PHONY: install export sync check test course lab clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: requirements.txt
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt
+	touch $@
+
+export: $(SETUP)
+	$(PY) tools/nbtools.py export
+
+sync: $(SETUP)
+	$(PY) tools/nbtools.py sync
+
+check: $(SETUP)
+	$(PY) tools/nbtools.py check
+
+test: check
+	$(PY) -m pytest -q -p no:cacheprovider tests --nbval-lax --nbval-cell-timeout=1200 $(CHAPTERS)
+
+course: $(SETUP)
+	mkdir -p $(BUILD)/notebooks $(BUILD)/html
+	for nb in $(CHAPTERS); do \
+	  echo "== $$nb"; \
+	  $(PY) -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=3600 \
+	    --output-dir $(BUILD)/notebooks "$$nb" || exit 1; \
+	done
+	$(PY) -m jupyter nbconvert --to html --output-dir $(BUILD)/html $(BUILD)/notebooks/*.ipynb
+	@echo; echo "Executed chapters: $(BUILD)/notebooks/   HTML pages: open $(CURDIR)/$(BUILD)/html/00_triton.html"
+
+lab: $(SETUP)
+	$(PY) -m jupyter lab notebooks/
+
+clean:
+	rm -rf $(BUILD)

@@ -1,0 +1,9 @@
+"""scan_lib: parallel scans in Triton, from cumulative sums to Mamba's selective scan.
+
+The kernel modules are generated from the notebooks in notebooks/ (see their headers); this file,
+written by hand, is the public API. `runtime` is imported first: without a GPU it switches Triton
+to its CPU interpreter before any kernel is defined.
+"""
+from . import runtime  # noqa: F401  (must come before any module that defines kernels)
+
+__all__ = ["runtime"]
