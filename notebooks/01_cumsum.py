@@ -12,6 +12,19 @@
 # # 01 · Cumulative sums, one block then any length
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/01_cumsum.ipynb)
+#
+# A cumulative sum (a *scan* with `+`) is the simplest recurrence there is, and every later chapter
+# (moving averages, their gradients, Mamba's selective scan) is the same algorithm with a richer
+# combine operator. In this chapter you will:
+#
+# 1. write the sequential definition and a float64 reference every kernel is checked against;
+# 2. scan one block in a single Triton program with `tl.associative_scan`;
+# 3. see the tree that makes a scan parallel (Blelloch's up-sweep and down-sweep) and why it only
+#    works for an *associative* operator;
+# 4. scan any length by splitting it into blocks: the three-phase blocked scan, and why it needs
+#    three separate kernel launches;
+# 5. turn that into the exported `scan_lib.cumsum(x, dim=-1)`: any shape, any dim, four dtypes,
+#    moving $3N$ words of memory instead of $4N$, and benchmark it against `torch.cumsum` on a GPU.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -24,3 +37,639 @@ import scan_lib
 from scan_lib.runtime import DEVICE, ON_GPU
 print(scan_lib.runtime.describe())
 
+# %%
+#| default_exp cumsum
+
+# %%
+import math
+
+import matplotlib.pyplot as plt
+import torch
+import triton
+import triton.language as tl
+
+from scan_lib.runtime import INTERPRET, save_figure
+
+# %% [markdown]
+# ## The scan, sequentially
+#
+# Given $x_0, \dots, x_{N-1}$, the inclusive cumulative sum is
+#
+# $$y_i = \sum_{j=0}^{i} x_j, \qquad\text{or as a recurrence}\qquad h_{-1} = 0,\quad h_i = h_{i-1} + x_i,\quad y_i = h_i .$$
+#
+# The recurrence reads like a chain: $h_i$ needs $h_{i-1}$, which needs $h_{i-2}$, and so on, $N$
+# dependent steps. The plain Python loop below is that chain, word for word. It is the definition
+# we trust; the float64 `torch.cumsum` is the fast stand-in for it that all later checks use.
+
+# %%
+def cumsum_sequential(xs: list[float]) -> list[float]:
+    """The definition: carry a running total h from left to right."""
+    h, ys = 0.0, []
+    for x in xs:
+        h = h + x
+        ys.append(h)
+    return ys
+
+
+def cumsum_reference(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """What every kernel is checked against: torch.cumsum in float64."""
+    return torch.cumsum(x.double(), dim=dim)
+
+
+torch.manual_seed(0)
+x_seq = torch.randn(1000, dtype=torch.float64)
+assert torch.allclose(torch.tensor(cumsum_sequential(x_seq.tolist()), dtype=torch.float64), cumsum_reference(x_seq), rtol=0, atol=1e-12)
+print("sequential loop == float64 torch.cumsum (to 1e-12) on 1000 random values: ok")
+
+# %% [markdown]
+# How close must a float32 kernel come to the float64 reference? A sum of $i+1$ numbers computed in
+# a precision with unit roundoff $u$ is off by at most about $c\,u\sum_{j\le i}|x_j|$, where $c$
+# depends on the order of the additions (about $i$ for a left-to-right loop, about $\log_2 i$ for a
+# tree). So we compare each output with a tolerance proportional to $\sum_{j\le i}|x_j|$: scaled by
+# the size of what was summed, not by $y_i$ itself, which can be near zero by cancellation. For
+# float16 and bfloat16 outputs the final rounding to the output dtype dominates.
+
+# %%
+SCAN_TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def scan_error(y: torch.Tensor, x: torch.Tensor, dim: int = -1) -> float:
+    """max_i |y_i - reference_i| / sum_{j<=i} |x_j|: the error relative to the size of what was summed."""
+    scale = torch.cumsum(x.double().abs(), dim=dim).clamp_min(1e-30)
+    return ((y.double() - cumsum_reference(x, dim)).abs() / scale).max().item() if x.numel() else 0.0
+
+
+def assert_cumsum(y: torch.Tensor, x: torch.Tensor, dim: int = -1) -> float:
+    assert y.shape == x.shape and y.dtype == x.dtype, (y.shape, y.dtype, x.shape, x.dtype)
+    err = scan_error(y, x, dim)
+    assert err <= SCAN_TOLERANCE[x.dtype], f"scaled error {err:.2e} above {SCAN_TOLERANCE[x.dtype]:.0e} for {x.dtype}"
+    return err
+
+# %% [markdown]
+# ## One block: `tl.associative_scan`
+#
+# A Triton program loads a block of values into registers, and `tl.associative_scan(values, axis,
+# combine_fn)` scans them in parallel. The combine function must itself be a `@triton.jit`
+# function of two arguments. For a cumulative sum it is addition; it goes into `scan_lib` because
+# the exported kernels use it too.
+
+# %%
+#| export
+"""Cumulative sums along any dimension of a tensor, computed with Triton kernels (reduce-then-scan)."""
+import torch
+import triton
+import triton.language as tl
+
+from scan_lib.runtime import ON_GPU, check_float_tensor, check_same_device
+
+
+@triton.jit
+def add_combine(a, b):
+    """The combine operator of a cumulative sum. It is associative, so a scan may group it in any tree."""
+    return a + b
+
+# %% [markdown]
+# The simplest kernel: one program, one block of `BLOCK` lanes (a power of two, as every `tl.arange`
+# must be), covering a sequence of any length `N <= BLOCK`. The mask switches off the lanes past the
+# end: they read the neutral element `0.0` (which leaves every prefix unchanged) and are not stored.
+
+# %%
+@triton.jit
+def cumsum_one_block_kernel(X, Y, N, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)                          # BLOCK
+    mask = offsets < N                                     # BLOCK
+    x = tl.load(X + offsets, mask=mask, other=0.0)         # BLOCK, lanes >= N hold 0
+    y = tl.associative_scan(x.to(tl.float32), 0, add_combine)
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+
+
+def cumsum_one_block(x: torch.Tensor) -> torch.Tensor:
+    """Cumulative sum of a 1-D tensor short enough for one program."""
+    y = torch.empty_like(x)
+    cumsum_one_block_kernel[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    return y
+
+
+torch.manual_seed(1)
+print(f"{'N':>5} {'BLOCK':>5} {'scaled err':>10}")
+for n in (1, 7, 16, 129, 1000):
+    x_one = torch.randn(n, device=DEVICE)
+    print(f"{n:>5} {triton.next_power_of_2(n):>5} {assert_cumsum(cumsum_one_block(x_one), x_one):>10.1e}")
+
+# %% [markdown]
+# ## The tree behind it
+#
+# How can $N$ dependent additions run in parallel? Because $+$ is associative,
+# $(a + b) + c = a + (b + c)$, the partial sums can be grouped in any tree we like. Blelloch's
+# work-efficient scan uses a balanced binary tree over $N = 2^k$ elements, in two sweeps:
+#
+# * **up-sweep** (a reduction): at level $d = 1, 2, 4, \dots$ every element at index
+#   $i \equiv 2d - 1 \pmod{2d}$ adds in the element $d$ to its left. After $\log_2 N$ levels the last
+#   element holds the total, and the others hold the sums of their subtrees.
+# * **down-sweep**: set the last element to $0$ (the neutral element), then at level
+#   $d = N/2, \dots, 2, 1$ each such $i$ passes its value to its left child $i - d$ and takes
+#   (its value + the left child's old value). At the end element $i$ holds
+#   $\sum_{j<i} x_j$: the *exclusive* scan; adding $x_i$ gives the inclusive one.
+#
+# Each sweep does $N - 1$ additions, so the whole scan does $2(N-1)$: the same order of work as the
+# sequential loop, but only $2\log_2 N$ dependent steps instead of $N$. Below, the sweeps in plain
+# PyTorch, recording every step for the figure.
+
+# %%
+def blelloch_scan(x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor, torch.Tensor]], int]:
+    """Inclusive scan of a 1-D tensor of length 2^k by up-sweep and down-sweep.
+
+    Returns the scan, the steps (kind, updated indices, array after the step) and the number of additions."""
+    n = x.numel()
+    assert n & (n - 1) == 0, "a power of two"
+    a, steps, additions = x.clone(), [("input", torch.arange(0), x.clone())], 0
+    d = 1
+    while d < n:                                        # up-sweep
+        i = torch.arange(2 * d - 1, n, 2 * d)
+        a[i] = a[i - d] + a[i]
+        additions += i.numel()
+        steps.append((f"up d={d}", i, a.clone()))
+        d *= 2
+    a[n - 1] = 0
+    steps.append(("clear last", torch.tensor([n - 1]), a.clone()))
+    d = n // 2
+    while d >= 1:                                       # down-sweep
+        i = torch.arange(2 * d - 1, n, 2 * d)
+        left = a[i - d].clone()
+        a[i - d] = a[i]
+        a[i] = a[i] + left
+        additions += i.numel()
+        steps.append((f"down d={d}", i, a.clone()))
+        d //= 2
+    return a + x, steps, additions
+
+
+torch.manual_seed(2)
+x_tree = torch.randint(0, 10, (8,)).double()
+y_tree, tree_steps, tree_additions = blelloch_scan(x_tree)
+assert torch.equal(y_tree, cumsum_reference(x_tree))
+assert tree_additions == 2 * (8 - 1) and len(tree_steps) == 2 + 2 * int(math.log2(8))
+for n in (2, 16, 1024):
+    x_check = torch.randn(n, dtype=torch.float64)
+    y_check, _, adds = blelloch_scan(x_check)
+    assert torch.allclose(y_check, cumsum_reference(x_check), atol=1e-12) and adds == 2 * (n - 1)
+print("Blelloch scan == reference for N = 2, 8, 16, 1024, with 2(N-1) additions each")
+
+# %%
+def draw_blelloch(steps, inclusive: torch.Tensor) -> plt.Figure:
+    """One row per step; arrows run from the cells a step read (row above) to the cells it wrote."""
+    n = inclusive.numel()
+    rows = steps + [("+ input", torch.arange(n), inclusive)]
+    fig, ax = plt.subplots(figsize=(0.9 * n + 2, 0.8 * len(rows)))
+    arrow = dict(arrowstyle="->", lw=0.8, shrinkA=0, shrinkB=0)
+    for row, (label, updated, values) in enumerate(rows):
+        y = -row
+        ax.text(-0.9, y, label, ha="right", va="center", fontsize=9)
+        d = int(label.split("=")[1]) if "=" in label else 0
+        moved = [col - d for col in updated.tolist()] if label.startswith("down") else []
+        for col in range(n):
+            color = "#f4c542" if col in updated.tolist() else "#f2a7a0" if col in moved else "#dde6f0"
+            ax.add_patch(plt.Rectangle((col - 0.4, y - 0.3), 0.8, 0.6, facecolor=color, edgecolor="black", lw=0.5))
+            ax.text(col, y, f"{values[col]:.0f}", ha="center", va="center", fontsize=9)
+        for col in updated.tolist() if d else []:
+            for src in (col - d, col):                                    # sum of the two cells above
+                ax.annotate("", xy=(col, y + 0.3), xytext=(src, y + 0.7), arrowprops=dict(arrow, color="#333333"))
+            if label.startswith("down"):                                  # right cell's old value moves left
+                ax.annotate("", xy=(col - d, y + 0.3), xytext=(col, y + 0.7),
+                            arrowprops=dict(arrow, color="#c0392b", linestyle="--"))
+    ax.set_xlim(-3.2, n - 0.4)
+    ax.set_ylim(-len(rows) + 0.5, 0.6)
+    ax.axis("off")
+    ax.set_title(f"Blelloch scan of {n} values: the up-sweep builds subtree sums, the down-sweep hands prefixes down\n"
+                 "yellow: sum of the two cells above; red: copy of the right cell above (dashed)", fontsize=9)
+    return fig
+
+
+fig = draw_blelloch(tree_steps, y_tree)
+save_figure(fig, "blelloch_tree.png")
+plt.close(fig)
+print("input:", x_tree.tolist(), " inclusive scan:", y_tree.tolist())
+
+# %% [markdown]
+# ![Blelloch up-sweep and down-sweep on 8 values](../figures/blelloch_tree.png)
+#
+# The row before last is the exclusive scan; adding the input gives the inclusive one.
+# `tl.associative_scan` does not promise this particular tree: on a GPU each thread first scans the
+# few elements it holds, then warps combine partial results with shuffles, then warps combine
+# through shared memory. Any grouping gives the same answer *only because the operator is
+# associative*, so that is the one property every combine function in this course must have.
+#
+# Floating-point addition is associative only up to rounding, which is why the checks above use a
+# tolerance rather than `torch.equal`:
+
+# %%
+a32, b32, c32 = torch.tensor(1e8, dtype=torch.float32), torch.tensor(-1e8, dtype=torch.float32), torch.tensor(1.0, dtype=torch.float32)
+assert (a32 + b32) + c32 == 1.0 and a32 + (b32 + c32) == 0.0
+print("float32: (1e8 + -1e8) + 1 =", ((a32 + b32) + c32).item(), " but 1e8 + (-1e8 + 1) =", (a32 + (b32 + c32)).item())
+
+# %% [markdown]
+# Under Triton's CPU interpreter there is a trap (chapter 00 shows it): `tl.associative_scan` simply
+# folds left to right, so a non-associative combine function gives the "right" sequential answer on
+# the CPU and a different one on the GPU. Associativity has to be tested on its own, in plain
+# PyTorch; `tests/test_cumsum.py` does that for `add_combine`'s operator.
+#
+# ## Longer than one block: the three-phase scan
+#
+# One program holds at most a few thousand values in registers, and one program runs on one
+# streaming multiprocessor, so a long sequence is split into blocks of `BLOCK` values, one program
+# each. Write $b$ for a block and $T_b$ for its total. The output at position $i$ of block $b$ is
+#
+# $$y_i = \underbrace{\sum_{b' < b} T_{b'}}_{\text{carry } C_b} + \underbrace{\sum_{j \in b,\ j \le i} x_j}_{\text{scan inside block } b},$$
+#
+# and the carries $C_b$ are themselves an (exclusive) cumulative sum, of the block totals. Hence
+# three phases:
+#
+# 1. every program scans its block, writes it to $y$, and writes its total $T_b$;
+# 2. scan the totals: $S_b = \sum_{b' \le b} T_{b'}$ (a shorter sequence, so we can reuse the same
+#    function recursively, until it fits in one block); then $C_b = S_{b-1}$ and $C_0 = 0$;
+# 3. every program adds its carry $C_b$ to its block of $y$.
+
+# %%
+@triton.jit
+def scan_blocks_kernel(X, Y, T, N, BLOCK: tl.constexpr):
+    """Phase 1: scan block b of X into Y, write its total to T[b].  X, Y: N; T: cdiv(N, BLOCK)."""
+    b = tl.program_id(0)
+    offsets = b * BLOCK + tl.arange(0, BLOCK)             # BLOCK
+    mask = offsets < N
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + offsets, tl.associative_scan(x, 0, add_combine), mask=mask)
+    tl.store(T + b, tl.sum(x, axis=0))
+
+
+@triton.jit
+def add_carry_kernel(Y, S, N, BLOCK: tl.constexpr):
+    """Phase 3: add C_b = S[b-1] (0 for the first block) to block b of Y.  Y: N; S: cdiv(N, BLOCK)."""
+    b = tl.program_id(0)
+    offsets = b * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < N
+    carry = tl.load(S + b - 1, mask=b > 0, other=0.0)       # scalar
+    tl.store(Y + offsets, tl.load(Y + offsets, mask=mask) + carry, mask=mask)
+
+
+def cumsum_three_phase(x: torch.Tensor, block: int) -> torch.Tensor:
+    """Cumulative sum of a 1-D float32 tensor of any length, in blocks of `block` (a power of two)."""
+    n = x.numel()
+    num_blocks = triton.cdiv(n, block)
+    y = torch.empty_like(x)
+    totals = torch.empty(num_blocks, dtype=torch.float32, device=x.device)
+    scan_blocks_kernel[(num_blocks,)](x, y, totals, n, BLOCK=block)                 # launch 1
+    if num_blocks > 1:
+        inclusive_totals = cumsum_three_phase(totals, block)                        # launch(es) 2
+        add_carry_kernel[(num_blocks,)](y, inclusive_totals, n, BLOCK=block)        # launch 3
+    return y
+
+# %% [markdown]
+# Now the checks the source notebook could not make (it required the length to be a multiple of the
+# block): awkward lengths, and blocks small enough that the totals need a second and third level of
+# recursion (with `BLOCK = 16`, 4097 values give 257 totals, then 17, then 2).
+
+# %%
+torch.manual_seed(3)
+blocks = (16, 64, 1024) if not ON_GPU else (64, 1024, 4096)
+print(f"{'N':>5} " + " ".join(f"{'BLOCK=' + str(b):>11}" for b in blocks))
+for n in (1, 7, 129, 1000, 4097):
+    x_blocked = torch.randn(n, device=DEVICE)
+    errors = [assert_cumsum(cumsum_three_phase(x_blocked, b), x_blocked) for b in blocks]
+    print(f"{n:>5} " + " ".join(f"{e:>11.1e}" for e in errors))
+
+# %% [markdown]
+# ### Why three launches?
+#
+# Program $b$ can only finish once programs $0, \dots, b-1$ have written their totals. Inside one
+# launch there is no barrier across programs: a GPU runs as many programs as fit on its
+# multiprocessors, in an order it chooses, and starts the rest only when earlier ones *finish*. A
+# program that spins waiting for a total that a not-yet-started program will write can wait forever.
+# (Single-pass scans do exist: "decoupled look-back" scans assign block numbers in launch order
+# with an atomic counter, so every block only waits for blocks that have already started. That
+# careful protocol is a topic for the performance chapter.) The end of a launch *is* a grid-wide
+# barrier, so the simple safe design puts each dependency across a launch boundary.
+#
+# Here is the tempting wrong version: one launch, where program $b$ reads the running total that
+# program $b-1$ wrote, without waiting. The running totals start as NaN, so a read that comes too
+# early shows up.
+
+# %%
+@triton.jit
+def one_launch_chained_kernel(X, Y, RUNNING, N, BLOCK: tl.constexpr):
+    """WRONG on a GPU: reads RUNNING[b-1] whether or not program b-1 has written it yet."""
+    b = tl.program_id(0)
+    offsets = b * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < N
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    carry = tl.load(RUNNING + b - 1, mask=b > 0, other=0.0)
+    tl.store(Y + offsets, tl.associative_scan(x, 0, add_combine) + carry, mask=mask)
+    tl.store(RUNNING + b, carry + tl.sum(x, axis=0))
+
+
+torch.manual_seed(4)
+n_chain, block_chain = (2**24, 1024) if ON_GPU else (4096, 64)
+x_chain = torch.randn(n_chain, device=DEVICE)
+y_chain = torch.empty_like(x_chain)
+running = torch.full((triton.cdiv(n_chain, block_chain),), float("nan"), device=DEVICE)
+one_launch_chained_kernel[(running.numel(),)](x_chain, y_chain, running, n_chain, BLOCK=block_chain)
+y_blocks = y_chain.view(-1, block_chain).double()                        # blocks x BLOCK
+reference_blocks = cumsum_reference(x_chain).view(-1, block_chain)
+wrong_blocks = (~torch.isclose(y_blocks, reference_blocks, rtol=1e-4, atol=1e-2)).any(dim=1).sum().item()
+print(f"{'interpreter' if INTERPRET else 'GPU'}: {wrong_blocks} of {running.numel()} blocks wrong")
+if INTERPRET:
+    assert wrong_blocks == 0, "the interpreter runs programs 0, 1, 2, ... one after another, so this passes"
+
+# %% [markdown]
+# Under the interpreter it passes, because the interpreter runs program 0 to completion, then
+# program 1, and so on. On a GPU many programs run at once and most read a NaN or a stale total.
+# Such a bug is invisible to CPU tests; only a run on a real GPU exposes it.
+#
+# ## Reduce, then scan: $3N$ words instead of $4N$
+#
+# A cumulative sum does one addition per element and moves at least two words per element (read $x$,
+# write $y$): it is bound by memory bandwidth, so the number of words that cross the memory bus is
+# the cost. The three-phase scan above moves $4N$: phase 1 reads $x$ and writes $y$, phase 3 reads
+# $y$ again and writes it again. (The source notebook's version, which scanned every block twice,
+# moved $5N$.) Reordering the same work removes one pass over $y$:
+#
+# | pass | reduce-then-scan | words |
+# | --- | --- | --- |
+# | 1 | read block $b$ of $x$, write only its total $T_b$ | $N$ + $N/\text{BLOCK}$ |
+# | 2 | scan the totals (recursively; tiny) | $\approx 2N/\text{BLOCK}$ |
+# | 3 | read block $b$ of $x$ again, scan it, add the carry $S_{b-1}$, write $y$ | $2N$ |
+#
+# So $3N$ words, 1.5 times the floor of a copy. Getting to $2N$ needs the single-pass look-back
+# scan mentioned above.
+#
+# The exported kernels also handle batches: the input is viewed as $R$ rows of length $N$ (the
+# scanned dimension moved last and made contiguous), the program id numbers (row, block) pairs, and
+# offsets into the rows are 64-bit so that $R \cdot N$ may exceed $2^{31}$. Pass 3 walks the blocks
+# from the *end* of the tensor: pass 1 finished there, so with luck the tail of $x$ is still in the
+# GPU's L2 cache (50 MB on an H200) when pass 3 starts. Any order is correct, since pass 3's
+# programs are independent.
+#
+# Rows short enough for one block need only pass 3 (no carries), in one launch; then each program
+# takes a tile of several short rows, so that a batch of many short rows does not become millions
+# of tiny programs.
+
+# %%
+#| export
+@triton.jit
+def to_accumulator(x, FP64: tl.constexpr):
+    """Widen a loaded block to the accumulation dtype: float64 for float64 inputs, float32 otherwise."""
+    return x.to(tl.float64 if FP64 else tl.float32)
+
+
+@triton.jit
+def block_totals_kernel(X, T, N, NUM_BLOCKS, BLOCK: tl.constexpr, FP64: tl.constexpr):
+    """Pass 1 (reduce): T[r, b] = sum of block b of row r.  X: R x N; T: R x NUM_BLOCKS, program r * NUM_BLOCKS + b."""
+    pid = tl.program_id(0)
+    row = pid // NUM_BLOCKS
+    cols = (pid % NUM_BLOCKS) * BLOCK + tl.arange(0, BLOCK)                      # BLOCK
+    x = tl.load(X + row.to(tl.int64) * N + cols, mask=cols < N, other=0.0)      # BLOCK
+    tl.store(T + pid, tl.sum(to_accumulator(x, FP64), axis=0))
+
+
+@triton.jit
+def scan_tiles_kernel(X, S, Y, R, N, NUM_BLOCKS,
+                      ROWS: tl.constexpr, BLOCK: tl.constexpr, FP64: tl.constexpr):
+    """Pass 3 (scan): scan a ROWS x BLOCK tile of X along its rows, add each row's carry S[r, b-1]
+    (S: R x NUM_BLOCKS, the inclusive scan of the block totals; not read when NUM_BLOCKS == 1),
+    and write the tile to Y in Y's dtype.  X, Y: R x N."""
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)         # last tile first: pass 1 left it in L2
+    b = pid % NUM_BLOCKS
+    rows = (pid // NUM_BLOCKS) * ROWS + tl.arange(0, ROWS)[:, None]             # ROWS x 1
+    cols = b * BLOCK + tl.arange(0, BLOCK)[None, :]                             # 1 x BLOCK
+    mask = (rows < R) & (cols < N)                                              # ROWS x BLOCK
+    offsets = rows.to(tl.int64) * N + cols                                      # ROWS x BLOCK
+    x = tl.load(X + offsets, mask=mask, other=0.0)
+    carry = tl.load(S + rows * NUM_BLOCKS + b - 1, mask=(rows < R) & (b > 0), other=0.0)   # ROWS x 1
+    y = tl.associative_scan(to_accumulator(x, FP64), 1, add_combine) + carry
+    tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
+
+# %% [markdown]
+# The launcher picks the block size: up to 4096 elements with 8 warps (16 per thread) on a GPU, so
+# that pass 1 and pass 3 stream long contiguous runs; up to 1024 under the interpreter, whose cost
+# grows with the number of programs. `max_block` can be lowered (tests do, to exercise the
+# recursion on short inputs); it must be a power of two, since it becomes a `tl.arange` length.
+
+# %%
+#| export
+MAX_BLOCK = 4096 if ON_GPU else 1024
+
+
+def warps_for(elements: int) -> int:
+    """Warps for a program handling `elements` values: about 16 per thread, between 1 and 8 warps."""
+    return max(1, min(8, elements // 512))
+
+
+def scan_rows(x: torch.Tensor, max_block: int = MAX_BLOCK) -> torch.Tensor:
+    """Inclusive cumulative sum of each row of a contiguous R x N tensor, returned in x's dtype.
+
+    Accumulates in float32 (float64 for float64 input). Rows of at most `max_block` values take one
+    launch; longer rows take pass 1, a recursive scan of the block totals, and pass 3."""
+    if max_block < 16 or max_block & (max_block - 1):
+        raise ValueError(f"max_block must be a power of two >= 16, got {max_block}")
+    num_rows, n = x.shape
+    y = torch.empty_like(x)
+    if x.numel() == 0:
+        return y
+    fp64 = x.dtype == torch.float64
+    block = min(max_block, max(16, triton.next_power_of_2(n)))
+    num_blocks = triton.cdiv(n, block)
+    if num_blocks == 1:
+        rows = min(max_block // block, triton.next_power_of_2(num_rows))
+        scan_tiles_kernel[(triton.cdiv(num_rows, rows),)](
+            x, y, y, num_rows, n, 1, ROWS=rows, BLOCK=block, FP64=fp64, num_warps=warps_for(rows * block))
+        return y
+    totals = torch.empty(num_rows, num_blocks, dtype=torch.float64 if fp64 else torch.float32, device=x.device)
+    grid = (num_rows * num_blocks,)
+    block_totals_kernel[grid](x, totals, n, num_blocks, BLOCK=block, FP64=fp64, num_warps=warps_for(block))
+    inclusive_totals = scan_rows(totals, max_block)                              # R x NUM_BLOCKS
+    scan_tiles_kernel[grid](x, inclusive_totals, y, num_rows, n, num_blocks,
+                            ROWS=1, BLOCK=block, FP64=fp64, num_warps=warps_for(block))
+    return y
+
+# %% [markdown]
+# The public function: validate, move `dim` last, view as rows, scan, move it back. The gradient of
+# a cumulative sum is the *reverse* cumulative sum of the incoming gradient,
+# $\partial L/\partial x_j = \sum_{i \ge j} \partial L / \partial y_i$, so autograd support is a flip, the
+# same scan, and a flip back.
+
+# %%
+#| export
+def check_dim(dim, ndim: int) -> int:
+    """Return dim as a non-negative index, or raise TypeError/ValueError naming `dim`."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    if not -ndim <= dim < ndim:
+        raise ValueError(f"dim must be in [{-ndim}, {ndim - 1}] for a {ndim}-dim x, got {dim}")
+    return dim % ndim
+
+
+def cumsum_along(x: torch.Tensor, dim: int, max_block: int = MAX_BLOCK) -> torch.Tensor:
+    """The scan itself, without checks or autograd: dim moved last, rows made contiguous."""
+    moved = x.movedim(dim, -1).contiguous()                               # ... x N
+    rows = moved.view(-1, moved.shape[-1])                                # R x N
+    return scan_rows(rows, max_block).view(moved.shape).movedim(-1, dim)
+
+
+class CumsumFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim):
+        ctx.dim = dim
+        return cumsum_along(x, dim)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return cumsum_along(grad_y.flip(ctx.dim), ctx.dim).flip(ctx.dim), None
+
+
+def cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Inclusive cumulative sum of `x` along `dim`, like torch.cumsum, computed by Triton kernels.
+
+    x: a float16, bfloat16, float32 or float64 tensor with at least one dimension, on the GPU
+    (or on the CPU under Triton's interpreter). Sums are accumulated in float32 (float64 for
+    float64 input) and returned in x's dtype and shape (as a view when dim is not the last
+    dimension). Differentiable. Empty tensors give an empty result."""
+    check_float_tensor("x", x)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dimension to scan along, got a 0-dim tensor")
+    dim = check_dim(dim, x.dim())
+    check_same_device(x=x)
+    if x.numel() == 0:
+        return x.clone()
+    if torch.is_grad_enabled() and x.requires_grad:
+        return CumsumFunction.apply(x, dim)
+    return cumsum_along(x, dim)
+
+# %% [markdown]
+# ## Checking the exported `cumsum`
+#
+# The same awkward lengths and several block limits (so that 4097 values go through one, two or
+# three levels of recursion), then every dtype.
+
+# %%
+torch.manual_seed(5)
+max_blocks = (16, 128, 1024) if not ON_GPU else (256, 1024, 4096)
+print(f"{'N':>5} " + " ".join(f"{'max_block=' + str(b):>14}" for b in max_blocks))
+for n in (1, 7, 129, 1000, 4097):
+    x_rows = torch.randn(1, n, device=DEVICE)
+    errors = [assert_cumsum(scan_rows(x_rows, b), x_rows) for b in max_blocks]
+    print(f"{n:>5} " + " ".join(f"{e:>14.1e}" for e in errors))
+
+# %%
+torch.manual_seed(6)
+print(f"{'dtype':>15} {'shape':>16} {'dim':>3} {'scaled err':>10}")
+for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+    for shape, dim in (((3, 1000), -1), ((5, 37, 2), 1), ((129, 3), 0), ((2, 3, 4097), 2)):
+        x_any = torch.randn(shape, device=DEVICE, dtype=dtype)
+        err = assert_cumsum(scan_lib.cumsum(x_any, dim=dim), x_any, dim)
+        print(f"{str(dtype):>15} {str(shape):>16} {dim:>3} {err:>10.1e}")
+
+# %% [markdown]
+# Edge cases: non-contiguous views, empty tensors and length-1 dimensions behave like
+# `torch.cumsum`; the gradient matches `torch.cumsum`'s; bad input raises an exception naming
+# the argument.
+
+# %%
+torch.manual_seed(7)
+x_t = torch.randn(40, 30, device=DEVICE).t()                    # 30 x 40, not contiguous
+assert not x_t.is_contiguous()
+assert_cumsum(scan_lib.cumsum(x_t, dim=1), x_t, 1)
+assert scan_lib.cumsum(torch.empty(3, 0, device=DEVICE)).shape == (3, 0)
+x_single = torch.randn(4, 1, 5, device=DEVICE)
+assert torch.equal(scan_lib.cumsum(x_single, dim=1), x_single)
+
+x_grad = torch.randn(3, 50, device=DEVICE, requires_grad=True)
+weights = torch.randn(3, 50, device=DEVICE)
+(grad_ours,) = torch.autograd.grad((scan_lib.cumsum(x_grad) * weights).sum(), x_grad)
+(grad_torch,) = torch.autograd.grad((torch.cumsum(x_grad, -1) * weights).sum(), x_grad)
+assert torch.allclose(grad_ours, grad_torch, atol=1e-4), (grad_ours - grad_torch).abs().max()
+
+bad_inputs = [
+    (lambda: scan_lib.cumsum([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
+    (lambda: scan_lib.cumsum(torch.arange(5, device=DEVICE)), TypeError, "x must be float16"),
+    (lambda: scan_lib.cumsum(torch.tensor(1.0, device=DEVICE)), ValueError, "at least one dimension"),
+    (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=2), ValueError, "dim must be in"),
+    (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=1.0), TypeError, "dim must be an int"),
+]
+for call, error, words in bad_inputs:
+    try:
+        call()
+    except error as e:
+        assert words in str(e), str(e)
+        print(f"{error.__name__}: {e}")
+    else:
+        raise AssertionError(f"expected {error.__name__} ({words})")
+
+# %% [markdown]
+# ## Benchmark (GPU only)
+#
+# `scan_lib.cumsum` against `torch.cumsum` and the $4N$ three-phase scan above, on 1-D float32
+# inputs from $2^{10}$ to $2^{27}$ elements: median times from `triton.testing.do_bench`, and
+# bandwidth counted as the $2N$ words a cumulative sum must move. The memory floor is those bytes
+# divided by the copy bandwidth measured in the same cell (a 1 GiB `copy_`). Short inputs are
+# dominated by launch overhead (three launches, plus Python, for a multi-block scan); long ones
+# by bandwidth, where reduce-then-scan should land near $1.5\times$ the floor.
+
+# %%
+def benchmark_cumsum() -> None:
+    from triton.testing import do_bench
+    gpu = torch.cuda.get_device_name(DEVICE)
+    source = torch.empty(2**28, device=DEVICE)
+    target = torch.empty_like(source)
+    copy_us = do_bench(lambda: target.copy_(source), return_mode="median") * 1e3
+    copy_gbs = 2 * source.numel() * 4 / copy_us / 1e3
+    del source, target
+    print(f"{gpu}: copy bandwidth {copy_gbs:.0f} GB/s (1 GiB float32 copy_)")
+    sizes = [2**k for k in range(10, 28)]
+    methods = {"torch.cumsum": lambda x: torch.cumsum(x, 0), "scan_lib.cumsum": scan_lib.cumsum,
+               "three-phase (4N)": lambda x: cumsum_three_phase(x, 1024)}
+    times = {name: [] for name in methods}
+    floors = []
+    print(f"{'N':>10} {'floor us':>9} " + " ".join(f"{name + ' us':>21}" for name in methods) + f" {'ours GB/s':>9}")
+    for n in sizes:
+        x = torch.randn(n, device=DEVICE)
+        assert_cumsum(scan_lib.cumsum(x), x)
+        floors.append(2 * n * 4 / copy_gbs / 1e3)
+        for name, fn in methods.items():
+            times[name].append(do_bench(lambda: fn(x), return_mode="median") * 1e3)
+        ours_gbs = 2 * n * 4 / times["scan_lib.cumsum"][-1] / 1e3
+        print(f"{n:>10} {floors[-1]:>9.1f} " + " ".join(f"{times[name][-1]:>21.1f}" for name in methods) + f" {ours_gbs:>9.0f}")
+    fig, (ax_time, ax_bw) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, ts in times.items():
+        ax_time.loglog(sizes, ts, "o-", ms=3, label=name)
+        ax_bw.semilogx(sizes, [2 * n * 4 / t / 1e3 for n, t in zip(sizes, ts)], "o-", ms=3, label=name)
+    ax_time.loglog(sizes, floors, "k--", label="memory floor (2N words at copy bandwidth)")
+    ax_bw.axhline(copy_gbs, color="k", ls="--", label="copy bandwidth")
+    ax_time.set(xlabel="N (float32 elements)", ylabel="median time (us)", title=f"cumsum on {gpu}")
+    ax_bw.set(xlabel="N (float32 elements)", ylabel="GB/s (2N words / time)", title="effective bandwidth")
+    for ax in (ax_time, ax_bw):
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    save_figure(fig, "cumsum_benchmark.png")
+    plt.close(fig)
+
+
+if ON_GPU:
+    benchmark_cumsum()
+else:
+    print("skipped: no GPU (do_bench needs one)")
+
+# %% [markdown]
+# ![cumsum benchmark](../figures/cumsum_benchmark.png)
+#
+# (The figure is written when this notebook runs on a GPU.)
+#
+# ## Summary
+#
+# * A scan parallelises because its operator is associative: the partial results can be combined
+#   in a tree of depth $O(\log N)$ with $O(N)$ work. Non-associative operators silently break this,
+#   and the CPU interpreter does not notice.
+# * A long scan is blocks plus carries: per-block totals, a scan of the totals, and a carry added to
+#   each block, with kernel launches as the only grid-wide barriers.
+# * Memory traffic is the cost: reduce-then-scan moves $3N$ words instead of $4N$.
+#
+# The next chapter keeps this structure and swaps `+` for the operator of a first-order linear
+# recurrence, $h_t = a_t h_{t-1} + b_t$.

@@ -5,5 +5,7 @@ written by hand, is the public API. `runtime` is imported first: without a GPU i
 to its CPU interpreter before any kernel is defined.
 """
 from . import runtime  # noqa: F401  (must come before any module that defines kernels)
+from .cumsum import cumsum
+from .multistate import multistate_scan
 
-__all__ = ["runtime"]
+__all__ = ["runtime", "cumsum", "multistate_scan"]

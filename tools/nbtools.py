@@ -150,6 +150,8 @@ def check() -> list[str]:
         elif _inputs(jupytext.read(target)) != _inputs(notebook):
             problems.append(f"{target.relative_to(ROOT)} differs from {source.name}: run `make sync`")
         problems += _check_front_matter(source.stem, notebook)
+        if colab_link(source.stem) not in (ROOT / "README.md").read_text():
+            problems.append(f"README.md does not link to {colab_link(source.stem)}")
     return problems
 
 

@@ -1,0 +1,167 @@
+"""scan_lib.cumsum against a float64 reference: shapes, dims, dtypes, edge cases, gradients, bad input,
+and a property test that the combine operator is associative (which the CPU interpreter cannot see)."""
+import random
+
+import pytest
+import torch
+
+import scan_lib
+from scan_lib.cumsum import add_combine, scan_rows
+from scan_lib.runtime import DEVICE, ON_GPU
+
+# Largest error allowed, relative to sum_{j<=i} |x_j| (the size of what was summed up to i).
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+AWKWARD_LENGTHS = (1, 2, 7, 15, 16, 17, 129, 1000, 4097)
+
+
+def assert_matches_reference(y: torch.Tensor, x: torch.Tensor, dim: int) -> None:
+    assert y.shape == x.shape and y.dtype == x.dtype and y.device == x.device
+    reference = torch.cumsum(x.double(), dim=dim)
+    scale = torch.cumsum(x.double().abs(), dim=dim).clamp_min(1e-30)
+    error = ((y.double() - reference).abs() / scale).max().item()
+    assert error <= TOLERANCE[x.dtype], f"scaled error {error:.2e} for {x.dtype} {tuple(x.shape)} dim={dim}"
+
+
+def random_case(seed: int) -> tuple[tuple[int, ...], int]:
+    """A random shape of rank 1 to 3 with at least one awkward length, and a random dim (maybe negative)."""
+    rng = random.Random(seed)
+    rank = rng.randint(1, 3)
+    shape = [rng.choice((1, 3, 5, 8)) for _ in range(rank)]
+    shape[rng.randrange(rank)] = rng.choice((7, 129, 1000, 2049))
+    return tuple(shape), rng.randrange(-rank, rank)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("seed", range(4))
+def test_random_shapes_dims_dtypes(dtype, seed):
+    shape, dim = random_case(seed)
+    torch.manual_seed(seed)
+    x = torch.randn(shape, device=DEVICE, dtype=dtype)
+    assert_matches_reference(scan_lib.cumsum(x, dim=dim), x, dim)
+
+
+@pytest.mark.parametrize("max_block", [16, 64])
+def test_awkward_lengths_through_every_recursion_level(max_block):
+    """Small blocks send 4097 values through three levels of block totals (4097 -> 257 -> 17 -> 2 at 16)."""
+    torch.manual_seed(max_block)
+    for n in AWKWARD_LENGTHS:
+        x = torch.randn(2, n, device=DEVICE)
+        assert_matches_reference(scan_rows(x, max_block), x, -1)
+
+
+def test_default_blocks_on_long_rows():
+    n = 2**22 + 3 if ON_GPU else 3 * 1024 + 5
+    torch.manual_seed(1)
+    x = torch.randn(n, device=DEVICE)
+    assert_matches_reference(scan_lib.cumsum(x), x, -1)
+
+
+def test_many_short_rows_share_a_program():
+    torch.manual_seed(2)
+    x = torch.randn(300, 5, device=DEVICE)
+    assert_matches_reference(scan_lib.cumsum(x, dim=1), x, 1)
+
+
+def test_nonnegative_inputs_grow_monotonically():
+    torch.manual_seed(3)
+    y = scan_lib.cumsum(torch.rand(3, 1000, device=DEVICE), dim=1)
+    assert (y[:, 1:] >= y[:, :-1]).all()
+
+
+@pytest.mark.parametrize("shape,dim", [((0,), 0), ((3, 0), 1), ((0, 5), 0), ((0, 5), 1)])
+def test_empty_tensors(shape, dim):
+    x = torch.empty(shape, device=DEVICE)
+    y = scan_lib.cumsum(x, dim=dim)
+    assert y.shape == x.shape and y.dtype == x.dtype
+
+
+def test_size_one_dims_are_the_identity():
+    torch.manual_seed(4)
+    x = torch.randn(4, 1, 5, device=DEVICE)
+    assert torch.equal(scan_lib.cumsum(x, dim=1), x)
+    assert_matches_reference(scan_lib.cumsum(x, dim=2), x, 2)
+
+
+@pytest.mark.parametrize("view", ["transpose", "step", "expand"])
+def test_non_contiguous_input(view):
+    torch.manual_seed(5)
+    base = torch.randn(40, 60, device=DEVICE)
+    x = {"transpose": base.t(), "step": base[:, ::3], "expand": base[:1].expand(7, 60)}[view]
+    assert not x.is_contiguous()
+    for dim in (0, 1):
+        assert_matches_reference(scan_lib.cumsum(x, dim=dim), x, dim)
+
+
+def test_input_is_not_modified():
+    torch.manual_seed(6)
+    x = torch.randn(3, 100, device=DEVICE)
+    before = x.clone()
+    scan_lib.cumsum(x)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_gradcheck(dim):
+    torch.manual_seed(7)
+    x = torch.randn(5, 9, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: scan_lib.cumsum(t, dim=dim), (x,))
+
+
+def test_gradient_matches_torch_in_float32():
+    torch.manual_seed(8)
+    x = torch.randn(3, 200, device=DEVICE, requires_grad=True)
+    weights = torch.randn(3, 200, device=DEVICE)
+    (ours,) = torch.autograd.grad((scan_lib.cumsum(x, dim=1) * weights).sum(), x)
+    (theirs,) = torch.autograd.grad((torch.cumsum(x, dim=1) * weights).sum(), x)
+    assert torch.allclose(ours, theirs, atol=1e-4)
+
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda: scan_lib.cumsum([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
+    (lambda: scan_lib.cumsum(torch.arange(4, device=DEVICE)), TypeError, "x must be float16"),
+    (lambda: scan_lib.cumsum(torch.ones(4, device=DEVICE, dtype=torch.bool)), TypeError, "x must be float16"),
+    (lambda: scan_lib.cumsum(torch.ones(4, device=DEVICE, dtype=torch.complex64)), TypeError, "x must be float16"),
+    (lambda: scan_lib.cumsum(torch.tensor(1.0, device=DEVICE)), ValueError, "at least one dimension"),
+    (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=2), ValueError, "dim must be in"),
+    (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=-3), ValueError, "dim must be in"),
+    (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=1.0), TypeError, "dim must be an int"),
+    (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=True), TypeError, "dim must be an int"),
+    (lambda: scan_lib.cumsum(torch.ones(2, 3, device="meta")), ValueError, "x must be"),
+    (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), max_block=24), ValueError, "max_block"),
+])
+def test_bad_input(call, error, words):
+    with pytest.raises(error, match=words):
+        call()
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: on the CPU interpreter, CPU tensors are the right ones")
+def test_cpu_tensor_rejected_on_gpu():
+    with pytest.raises(ValueError, match="x must be CUDA"):
+        scan_lib.cumsum(torch.ones(8))
+
+
+# The interpreter folds tl.associative_scan left to right, so a non-associative combine function
+# passes every kernel test on the CPU. Associativity is therefore checked here, in plain PyTorch,
+# on the very Python function the kernels use (add_combine.fn).
+
+def is_associative(op, samples: int = 1000, seed: int = 0) -> bool:
+    """op(op(a, b), c) == op(a, op(b, c)) on random integer-valued float64 triples (exact, no rounding)."""
+    generator = torch.Generator().manual_seed(seed)
+    a, b, c = torch.randint(-1000, 1000, (3, samples), generator=generator).double()
+    return torch.equal(op(op(a, b), c), op(a, op(b, c)))
+
+
+def test_add_combine_is_associative_with_identity_zero():
+    op = add_combine.fn
+    assert is_associative(op)
+    x = torch.randn(100, dtype=torch.float64)
+    assert torch.equal(op(torch.zeros_like(x), x), x) and torch.equal(op(x, torch.zeros_like(x)), x)
+
+
+@pytest.mark.parametrize("name,op", [
+    ("subtraction", lambda a, b: a - b),
+    ("average", lambda a, b: (a + b) / 2),
+    ("right-weighted sum", lambda a, b: a + 2 * b),
+])
+def test_property_test_detects_non_associative_operators(name, op):
+    assert not is_associative(op), name
