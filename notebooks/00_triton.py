@@ -112,3 +112,381 @@ def check_same_device(**tensors) -> torch.device:
             "set TRITON_INTERPRET=1 before importing scan_lib"
         )
     return device
+
+# %% [markdown]
+# ## What this chapter teaches
+#
+# Triton is a small language, embedded in Python, for writing GPU kernels. A kernel *loads* blocks
+# of numbers from GPU memory into registers, computes on whole blocks at once, and *stores* results
+# back. There is no indexing of single elements and no Python inside: only block operations
+# (`tl.load`, `tl.store`, arithmetic, `tl.sum`, `tl.associative_scan`, ...). In this chapter:
+# programs and program ids; `tl.arange`, shapes and broadcasting; loads and stores with masks; two
+# blocked kernels over inputs of any length; and what Triton's CPU interpreter (which runs every
+# kernel of this course when there is no GPU) hides from you.
+
+# %%
+import time
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from scan_lib.runtime import INTERPRET
+
+# %% [markdown]
+# ## Programs and program ids
+#
+# Launching `kernel[grid](...)` runs `grid` copies of the kernel, called *programs*, on the same
+# arguments. Each program asks `tl.program_id(0)` which one it is and picks its share of the work
+# from that. Capital letters are pointers: a tensor argument arrives as a pointer to its first
+# element, and `X + offsets` is a block of pointers.
+
+# %%
+@triton.jit
+def which_program_kernel(OUT, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)                                # scalar: 0, 1, ..., grid - 1
+    offsets = pid * BLOCK + tl.arange(0, BLOCK)           # BLOCK: this program's slots
+    tl.store(OUT + offsets, tl.full((BLOCK,), pid, tl.int32))
+
+
+programs, block = 4, 8
+owner = torch.empty(programs * block, dtype=torch.int32, device=DEVICE)
+which_program_kernel[(programs,)](owner, BLOCK=block)
+assert torch.equal(owner.cpu(), torch.arange(programs, dtype=torch.int32).repeat_interleave(block))
+print(owner.view(programs, block))
+
+# %% [markdown]
+# `BLOCK` is a `tl.constexpr`: its value is known when the kernel is compiled (one compiled version
+# per value), so it can set shapes. Shapes must be compile-time constants, and `tl.arange` lengths
+# must be powers of two.
+#
+# ## `tl.arange`, shapes and broadcasting
+#
+# `tl.arange(0, K)` is a block of shape `(K,)`; indexing with `[:, None]` or `[None, :]` adds an axis
+# of length 1, and operations broadcast exactly as in PyTorch. A 2-D block of pointers into a
+# row-major `L x K` matrix is `Y + rows[:, None] * K + cols[None, :]`.
+
+# %%
+@triton.jit
+def broadcast_add_kernel(X, Y, Z, K: tl.constexpr, L: tl.constexpr):
+    cols = tl.arange(0, K)                                # K
+    rows = tl.arange(0, L)[:, None]                       # L x 1
+    x = tl.load(X + cols)                                 # K
+    y = tl.load(Y + rows * K + cols)                      # L x K   (L x 1 broadcast with K)
+    tl.store(Z + rows * K + cols, x + y)                  # L x K   (K broadcast over the rows)
+
+
+torch.manual_seed(0)
+x_row, y_mat = torch.randn(4, device=DEVICE), torch.randn(8, 4, device=DEVICE)
+z_mat = torch.empty(8, 4, device=DEVICE)
+broadcast_add_kernel[(1,)](x_row, y_mat, z_mat, K=4, L=8)
+assert torch.equal(z_mat, x_row + y_mat)
+print("Z = X[None, :] + Y, exactly as torch broadcasts: ok")
+
+# %% [markdown]
+# ## Loads and stores with masks
+#
+# A block has a power-of-two length, data rarely do. `tl.load(ptrs, mask=m, other=v)` reads only
+# where `m` is true and puts `v` elsewhere; `tl.store(ptrs, values, mask=m)` writes only where `m`
+# is true. Every load and store in this course has a mask, for a reason shown below.
+#
+# ## A blocked kernel: vector addition of any length
+#
+# One program per block of `BLOCK` elements, `cdiv(n, BLOCK)` programs in all; the last block is
+# ragged and its tail is masked off.
+
+# %%
+@triton.jit
+def vector_add_kernel(X, Y, Z, N, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)    # BLOCK
+    mask = offsets < N                                          # BLOCK
+    x = tl.load(X + offsets, mask=mask)
+    y = tl.load(Y + offsets, mask=mask)
+    tl.store(Z + offsets, x + y, mask=mask)
+
+
+def vector_add(x: torch.Tensor, y: torch.Tensor, block: int = 256) -> torch.Tensor:
+    z = torch.empty_like(x)
+    vector_add_kernel[(triton.cdiv(x.numel(), block),)](x, y, z, x.numel(), BLOCK=block)
+    return z
+
+
+torch.manual_seed(1)
+for n in (1, 7, 129, 1000, 4097):
+    x_vec, y_vec = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
+    assert torch.equal(vector_add(x_vec, y_vec), x_vec + y_vec)
+print("vector_add == x + y for n = 1, 7, 129, 1000, 4097 (BLOCK = 256)")
+
+# %% [markdown]
+# ## A blocked kernel with a loop: row sums over any length
+#
+# Here each program owns one row of an `R x N` matrix and walks along it `BLOCK` columns at a time,
+# accumulating in float32. A row can be longer than any block: the loop carries the partial sums
+# in registers. The loop is a `while` on purpose: Triton 3.6's interpreter under NumPy 2.4 or newer
+# cannot run a `for` loop whose bound is a kernel argument (that is why `requirements.txt` pins
+# NumPy 2.3; the cell after this one tries it with whatever NumPy you have), and a `while` loop
+# compiles to the same thing on a GPU.
+
+# %%
+@triton.jit
+def row_sums_kernel(X, OUT, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)                 # BLOCK partial sums
+    start = 0
+    while start < N:
+        cols = start + tl.arange(0, BLOCK)                     # BLOCK
+        acc += tl.load(X + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+        start += BLOCK
+    tl.store(OUT + row, tl.sum(acc, axis=0))
+
+
+def row_sums(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    rows, n = x.shape
+    out = torch.empty(rows, dtype=torch.float32, device=x.device)
+    row_sums_kernel[(rows,)](x.contiguous(), out, n, BLOCK=block)
+    return out
+
+
+torch.manual_seed(2)
+print(f"{'shape':>10} {'max abs err':>11}")
+for shape in ((3, 1), (5, 7), (2, 1000), (4, 4097)):
+    x_mat = torch.randn(shape, device=DEVICE)
+    err = (row_sums(x_mat).double() - x_mat.double().sum(1)).abs().max().item()
+    assert err < 1e-4 * shape[1] ** 0.5, err
+    print(f"{str(shape):>10} {err:>11.1e}")
+
+# %%
+@triton.jit
+def row_sums_for_kernel(X, OUT, N, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, N, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        acc += tl.load(X + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
+    tl.store(OUT + row, tl.sum(acc, axis=0))
+
+
+x_for = torch.randn(2, 100, device=DEVICE)
+out_for = torch.empty(2, device=DEVICE)
+try:
+    row_sums_for_kernel[(2,)](x_for, out_for, 100, BLOCK=64)
+    assert torch.allclose(out_for, x_for.sum(1), atol=1e-4)
+    print("the for loop over a runtime bound ran and is correct here")
+except Exception as error:  # the interpreter under a recent NumPy
+    print(f"numpy {np.__version__}, interpreter: {type(error).__name__}: {error}")
+
+# %% [markdown]
+# ## The CPU interpreter and what it hides
+#
+# Without a GPU, `TRITON_INTERPRET=1` makes `@triton.jit` return an *interpreted* function: each
+# program runs in Python, on NumPy arrays, over CPU tensors. That lets anyone run this course, and
+# the same kernel source runs on a GPU unchanged. But the interpreter is not a GPU, and five
+# differences matter.
+#
+# ### 1. Programs run one after another, so races pass
+#
+# Each program below reads a counter, adds one, writes it back. On a GPU, programs run at the same
+# time: two of them read the same old value and one increment is lost. `tl.atomic_add` makes the
+# read-modify-write indivisible.
+
+# %%
+@triton.jit
+def racy_count_kernel(COUNT):
+    tl.store(COUNT, tl.load(COUNT) + 1.0)                 # read, add, write: not atomic
+
+
+@triton.jit
+def atomic_count_kernel(COUNT):
+    tl.atomic_add(COUNT, 1.0)
+
+
+n_programs = 10_000 if ON_GPU else 200
+racy, atomic = torch.zeros(1, device=DEVICE), torch.zeros(1, device=DEVICE)
+racy_count_kernel[(n_programs,)](racy)
+atomic_count_kernel[(n_programs,)](atomic)
+print(f"{n_programs} programs: racy count {racy.item():.0f}, atomic count {atomic.item():.0f}")
+assert atomic.item() == n_programs
+if INTERPRET:
+    assert racy.item() == n_programs, "one program at a time: the race never happens"
+
+# %% [markdown]
+# Under the interpreter both counts are right. On a GPU the racy count is usually far below the
+# number of programs. A test suite that only runs on the CPU cannot catch a race.
+#
+# ### 2. `tl.associative_scan` folds left to right, so a non-associative combine passes
+#
+# `tl.associative_scan(x, 0, f)` is allowed to group the combines in any tree, because it assumes
+# `f` is associative. The interpreter evaluates it as a plain left fold $((x_0 f x_1) f x_2) \dots$,
+# so with subtraction, which is not associative, it returns the left fold, as a sequential loop
+# would. A GPU evaluates a tree and returns something else.
+
+# %%
+@triton.jit
+def subtract(a, b):
+    return a - b
+
+
+@triton.jit
+def scan_kernel(X, Y, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(Y + offsets, tl.associative_scan(tl.load(X + offsets), 0, subtract))
+
+
+def left_fold(xs: list[float], f) -> list[float]:
+    out = [xs[0]]
+    for x in xs[1:]:
+        out.append(f(out[-1], x))
+    return out
+
+
+x_fold = torch.arange(1.0, 17.0, device=DEVICE)
+y_fold = torch.empty_like(x_fold)
+scan_kernel[(1,)](x_fold, y_fold, BLOCK=16)
+sequential = torch.tensor(left_fold(x_fold.tolist(), lambda a, b: a - b), device=DEVICE)
+print("kernel:   ", y_fold.tolist())
+print("left fold:", sequential.tolist())
+if INTERPRET:
+    assert torch.equal(y_fold, sequential), "the interpreter folds left to right"
+
+# %% [markdown]
+# So the associativity of every combine operator must be checked separately, in plain PyTorch:
+# $f(f(a, b), c) = f(a, f(b, c))$ on random inputs. The check catches subtraction at once
+# (integer-valued floats keep the comparison exact):
+
+# %%
+def is_associative(f, samples: int = 1000) -> bool:
+    a, b, c = torch.randint(-100, 100, (3, samples), generator=torch.Generator().manual_seed(0)).double()
+    return torch.equal(f(f(a, b), c), f(a, f(b, c)))
+
+
+assert is_associative(lambda a, b: a + b) and not is_associative(lambda a, b: a - b)
+print("a + b is associative; a - b is not")
+
+# %% [markdown]
+# ### 3. Out-of-bounds reads are silent, so masks matter
+#
+# A kernel only receives a pointer: it does not know where the tensor ends. Below, `x` is the first
+# five elements of an eight-element buffer whose tail holds 100. Loading a block of 8 without a
+# mask reads the neighbours, on the CPU and on a GPU alike, with no error. (Past the end of an
+# allocation the result is garbage or a crash, depending on luck.) The mask makes it right.
+
+# %%
+@triton.jit
+def sum_of_block_kernel(X, OUT, N, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    if MASKED:
+        x = tl.load(X + offsets, mask=offsets < N, other=0.0)
+    else:
+        x = tl.load(X + offsets)                          # reads BLOCK values whatever N is
+    tl.store(OUT, tl.sum(x, axis=0))
+
+
+buffer = torch.full((8,), 100.0, device=DEVICE)
+x_short = buffer[:5]
+x_short.fill_(1.0)                                        # x = [1, 1, 1, 1, 1], then 100, 100, 100
+total = torch.zeros(1, device=DEVICE)
+sum_of_block_kernel[(1,)](x_short, total, x_short.numel(), BLOCK=8, MASKED=False)
+unmasked = total.item()
+sum_of_block_kernel[(1,)](x_short, total, x_short.numel(), BLOCK=8, MASKED=True)
+print(f"sum of five ones: unmasked {unmasked:.0f}, masked {total.item():.0f}")
+assert unmasked == 5 + 3 * 100 and total.item() == 5
+
+# %% [markdown]
+# ### 4. Rounding differs from the GPU's
+#
+# The interpreter computes with NumPy; a GPU uses its own instructions, some of them fast
+# approximations (`tl.exp` becomes a hardware `ex2.approx` after a multiplication by
+# $\log_2 e$), and sums in a different order. Results agree to a few units in the last place, not
+# bit for bit, which is why every check in this course compares with a float64 reference within a
+# tolerance instead of with `torch.equal`.
+
+# %%
+@triton.jit
+def exp_kernel(X, Y, N, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < N
+    tl.store(Y + offsets, tl.exp(tl.load(X + offsets, mask=mask)), mask=mask)
+
+
+x_exp = torch.linspace(-5, 5, 4097, device=DEVICE)
+y_exp = torch.empty_like(x_exp)
+exp_kernel[(triton.cdiv(x_exp.numel(), 1024),)](x_exp, y_exp, x_exp.numel(), BLOCK=1024)
+exact = torch.exp(x_exp.double())
+relative = ((y_exp.double() - exact).abs() / exact).max().item()
+differ = (y_exp != torch.exp(x_exp)).sum().item()
+print(f"tl.exp vs float64 exp: max relative error {relative:.1e}; differs bitwise from torch.exp (float32) at {differ} of {x_exp.numel()}")
+assert relative < 2e-6
+
+# %% [markdown]
+# ### 5. Speed
+#
+# The interpreter pays Python overhead for every operation of every program: the same vector
+# addition is orders of magnitude slower than PyTorch's, and many small blocks cost far more than a
+# few large ones. Hence two size profiles in every chapter (`if ON_GPU:` realistic sizes, else
+# small ones), and no timings on the CPU beyond this cell. On a GPU, timings come from
+# `triton.testing.do_bench`, which synchronises and takes the median of many runs.
+
+# %%
+torch.manual_seed(4)
+x_speed, y_speed = torch.randn(2**14, device=DEVICE), torch.randn(2**14, device=DEVICE)
+if INTERPRET:
+    seconds = {}
+    for block in (64, 1024):
+        start = time.perf_counter()
+        vector_add(x_speed, y_speed, block)
+        seconds[block] = time.perf_counter() - start
+    start = time.perf_counter()
+    x_speed + y_speed
+    seconds["torch"] = time.perf_counter() - start
+    print(f"2^14 additions: interpreter {seconds[64] * 1e3:.0f} ms (BLOCK 64, 256 programs), "
+          f"{seconds[1024] * 1e3:.0f} ms (BLOCK 1024, 16 programs); torch {seconds['torch'] * 1e3:.2f} ms")
+    assert seconds[64] > seconds[1024] > seconds["torch"]
+else:
+    from triton.testing import do_bench
+    kernel_us = do_bench(lambda: vector_add(x_speed, y_speed, 1024), return_mode="median") * 1e3
+    torch_us = do_bench(lambda: x_speed + y_speed, return_mode="median") * 1e3
+    print(f"{torch.cuda.get_device_name(DEVICE)}: 2^14 float32 additions, Triton {kernel_us:.1f} us, torch {torch_us:.1f} us")
+
+# %% [markdown]
+# ## Why the setup cell comes first
+#
+# `@triton.jit` looks at `TRITON_INTERPRET` at the moment it *defines* a kernel, and returns either
+# a compiled GPU function or an interpreted one. Setting the variable later does not change
+# kernels already defined, and a kernel defined while it was unset is compiled for a GPU: without
+# one, its first launch fails. That is why `import scan_lib`, which sets the variable when no GPU is
+# visible, is the first thing every chapter does.
+
+# %%
+import os
+
+from triton.runtime.interpreter import InterpretedFunction
+
+assert isinstance(vector_add_kernel, InterpretedFunction) == INTERPRET
+print(f"vector_add_kernel is a {type(vector_add_kernel).__name__}")
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        @triton.jit
+        def defined_too_late_kernel(X):
+            tl.store(X, 1.0)
+    finally:
+        os.environ["TRITON_INTERPRET"] = "1"
+    assert not isinstance(defined_too_late_kernel, InterpretedFunction)
+    try:
+        defined_too_late_kernel[(1,)](torch.zeros(1))
+        raise AssertionError("a GPU kernel should not launch without a GPU")
+    except RuntimeError as error:
+        print(f"defined with TRITON_INTERPRET=0, launched without a GPU: RuntimeError: {error}")
+
+# %% [markdown]
+# ## Summary
+#
+# * A launch runs `grid` programs; each finds its block from `tl.program_id` and `tl.arange`.
+# * Shapes are compile-time constants (powers of two for `tl.arange`) and broadcast like PyTorch.
+# * Mask every load and store: a kernel reads past the end of a tensor without complaint.
+# * The interpreter runs the same kernels on a CPU but serialises programs, folds scans left to
+#   right, rounds like NumPy and is slow. Test combine operators for associativity in PyTorch, and
+#   run everything on a real GPU before trusting it.
+#
+# Next: chapter 01 scans with `+`, first in one block, then at any length.

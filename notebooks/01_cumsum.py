@@ -662,6 +662,27 @@ else:
 #
 # (The figure is written when this notebook runs on a GPU.)
 #
+# The default `MAX_BLOCK` was chosen by the sweep below: larger blocks mean fewer programs and
+# fewer block totals, but more values per thread and fewer programs to spread over the 132
+# multiprocessors of an H200. (Warps grow with the block, `block // 512`, at most 8.)
+
+# %%
+def sweep_max_block() -> None:
+    from triton.testing import do_bench
+    x = torch.randn(1, 2**25, device=DEVICE)                           # 1 x N
+    print(f"{torch.cuda.get_device_name(DEVICE)}: scan_rows of 1 x 2^25 float32")
+    print(f"{'max_block':>9} {'warps':>5} {'median us':>9}")
+    for max_block in (1024, 2048, 4096, 8192, 16384):
+        assert_cumsum(scan_rows(x, max_block), x)
+        us = do_bench(lambda: scan_rows(x, max_block), return_mode="median") * 1e3
+        print(f"{max_block:>9} {warps_for(max_block):>5} {us:>9.1f}")
+
+
+if ON_GPU:
+    sweep_max_block()
+else:
+    print("skipped: no GPU (do_bench needs one)")
+#
 # ## Summary
 #
 # * A scan parallelises because its operator is associative: the partial results can be combined

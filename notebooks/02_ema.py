@@ -357,11 +357,11 @@ for length in [1, 7, 129, 1000]:
 #
 # One block cannot hold a long row (registers run out past a few thousand elements), so we cut the
 # row into chunks and pass a **state** from chunk to chunk: the $h$ at the end of one chunk is the
-# $h^{\text{init}}$ of the next. Chapter 01 had two ways to organise this for cumsum, and both work
-# for pairs:
+# $h^{\text{init}}$ of the next. Two organisations suggest themselves:
 #
-# - **three phases** (scan every chunk in parallel, scan the chunk totals, fix up): each chunk's
-#   total is now a *pair* $(\prod a, h)$, and every element is read twice and written twice;
+# - **three phases**, as chapter 01 did for cumsum (scan every chunk in parallel, scan the chunk
+#   totals, fix up): each chunk's total is now a *pair* $(\prod a, h)$, and every element is read
+#   twice and written twice;
 # - **one program per row, looping over its chunks in order**, keeping the carried state in a
 #   register: every element is read once and written once, in one launch.
 #
@@ -433,7 +433,7 @@ def linear_scan_fwd_kernel(A, U, H0, H, L, REVERSE: tl.constexpr, HAS_H0: tl.con
 # The launcher works on contiguous (R, L) rows; chapter 03 builds the public, differentiable
 # `scan_lib.linear_scan` (any leading dims, input checks) on top of it. The chunk is the largest power
 # of two up to 2048 that the row needs (at least 16): large enough that the loop runs a few times
-# at most, small enough to stay in registers.
+# at most, small enough to stay in registers (4 warps give each thread 16 elements of a 2048 chunk).
 
 # %%
 #| export
@@ -447,12 +447,18 @@ def default_chunk(length: int) -> int:
     return max(16, min(triton.next_power_of_2(max(length, 1)), 2048))
 
 
-def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=None, num_warps=4):
+def default_num_warps(chunk: int) -> int:
+    """Warps per program: at most 16 elements of a chunk per thread (4 warps up to 2048, then 8)."""
+    return 4 if chunk <= 2048 else 8
+
+
+def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=None, num_warps=None):
     """h_t = gates_t * h_{t-1} + tokens_t (reverse: h_{t+1}) for contiguous (R, L) tensors, L >= 1.
 
     initial_state: (R,) or None for zeros. No autograd here: see scan_lib.linear_scan."""
     rows, length = tokens.shape
     chunk = chunk or default_chunk(length)
+    num_warps = num_warps or default_num_warps(chunk)
     h = torch.empty_like(tokens)
     linear_scan_fwd_kernel[(rows,)](
         gates, tokens, tokens if initial_state is None else initial_state, h, length,

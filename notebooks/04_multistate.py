@@ -77,6 +77,7 @@ reference, a fused Triton forward and backward that keep the N states on chip, a
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
 from scan_lib.ema import first_order_op
 from scan_lib.runtime import check_float_tensor, check_same_device
@@ -97,9 +98,9 @@ def multistate_scan_ref(a, b, c, x, initial_state=None):
 
 
 # %% [markdown]
-# A first look, with the same four exponential moving averages the source notebook uses: constant
-# gates $a[n] = (n+1)/8$, input weights $b[n] = 1 - a[n]$ and $c[n] = 1$. Each state is an EMA of $x$
-# at its own rate and $y$ adds them up. The states never talk to each other (nothing couples $n$
+# A first look: four exponential moving averages of a pulse, with constant gates
+# $a[n] = 1 - 2^{-(n+1)}$ (memories of about 1, 3, 7 and 15 steps), input weights $b[n] = 1 - a[n]$,
+# and $c[n] = 1/N$, so that $y$ is their average. The states never talk to each other (nothing couples $n$
 # and $n'$), so the $N$-state scan must equal $N$ separate one-state scans added together: the cell
 # asserts it.
 
@@ -108,22 +109,23 @@ torch.manual_seed(0)
 length, n_states = 128, 4
 x_demo = torch.zeros(1, length, dtype=torch.float64)
 x_demo[0, 16:64] = 1.0                                      # 1 x L: a pulse
-alpha = ((torch.arange(n_states, dtype=torch.float64) + 1) / 8)[None, :, None].expand(1, n_states, length)
-a_demo, b_demo, c_demo = alpha, 1 - alpha, torch.ones(1, n_states, length, dtype=torch.float64)
+alpha = (1 - 0.5 ** (torch.arange(n_states, dtype=torch.float64) + 1))[None, :, None].expand(1, n_states, length)
+a_demo, b_demo = alpha, 1 - alpha                                       # 1 x N x L
+c_demo = torch.full((1, n_states, length), 1 / n_states, dtype=torch.float64)
 
 y_demo, _ = multistate_scan_ref(a_demo, b_demo, c_demo, x_demo)
 states_demo = torch.stack(
     [multistate_scan_ref(a_demo[:, n:n + 1], b_demo[:, n:n + 1], c_demo[:, n:n + 1], x_demo)[0][0] for n in range(n_states)]
-)                                                            # N x L: one single-state scan per n
+)                                                            # N x L: c[n] h_t[n], one single-state scan per n
 assert torch.allclose(y_demo[0], states_demo.sum(0), rtol=1e-12, atol=1e-12)
 print("N-state scan == sum of N one-state scans:", True)
 
 fig, ax = plt.subplots(figsize=(8, 3))
 ax.plot(x_demo[0], "k--", lw=1, label="$x_t$")
 for n in range(n_states):
-    ax.plot(states_demo[n], label=f"$h_t[{n}]$, $a={(n + 1) / 8:.3f}$")
-ax.plot(y_demo[0], "k", lw=2, label=r"$y_t=\sum_n h_t[n]$")
-ax.set_xlabel("t"); ax.legend(ncol=3, fontsize=8); ax.set_title("four states, four decay rates, one output")
+    ax.plot(states_demo[n] * n_states, label=f"$h_t[{n}]$, $a={alpha[0, n, 0]:.4f}$")
+ax.plot(y_demo[0], "k", lw=2, label=r"$y_t=\frac{1}{4}\sum_n h_t[n]$")
+ax.set_xlabel("t"); ax.legend(fontsize=8, loc="upper right"); ax.set_title("four states, four decay rates, one output")
 save_figure(fig, "multistate_emas.png"); plt.close(fig)
 
 # %% [markdown]
@@ -177,7 +179,8 @@ for design, nbytes in traffic.items():
     print(f"{design:30s} {nbytes / 2**20:9.0f} MiB")
 states_bytes = batch_big * n_states_big * length_big * 4
 print(f"{'all states (B, N, L)':30s} {states_bytes / 2**20:9.0f} MiB   <- kept for backward if materialised")
-print(f"{'chunk-boundary states, L_block=128':30s} {states_bytes / 128 / 2**20:9.0f} MiB   <- kept by the fused design")
+block_big = 64                                               # the default chunk length for N = 16
+print(f"{f'chunk-boundary states, L_block={block_big}':30s} {states_bytes / block_big / 2**20:9.0f} MiB   <- kept by the fused design")
 assert traffic["fused (states on chip)"] < traffic["two passes (states via HBM)"] < traffic["PyTorch doubling scan"]
 assert traffic["two passes (states via HBM)"] / traffic["fused (states on chip)"] > 1.6
 
@@ -186,7 +189,7 @@ assert traffic["two passes (states via HBM)"] / traffic["fused (states on chip)"
 # cross the boundary between HBM and the chip in each design, with the sizes above.
 
 # %%
-def draw_memory_figure(batch, length, n_states, block_l=128, itemsize=4):
+def draw_memory_figure(batch, length, n_states, block_l, itemsize=4):
     """Two panels: what each design reads from / writes to HBM and what stays on chip."""
     mib = lambda numel: f"{numel * itemsize / 2**20:.0f} MiB"
     bnl, bl = batch * n_states * length, batch * length
@@ -198,8 +201,8 @@ def draw_memory_figure(batch, length, n_states, block_l=128, itemsize=4):
             ["scan kernel: h = a*h + b*x", "reduce kernel: y = sum_n c*h"]),
         "fused: states stay on chip": (
             [("a  (B,N,L)", bnl, "r"), ("b  (B,N,L)", bnl, "r"), ("c  (B,N,L)", bnl, "r"), ("x  (B,L)", bl, "r"),
-             ("y  (B,L)", bl, "w"), (f"chunk states (B,L/{block_l},N)", bnl // block_l, "w*")],
-            [f"tile {block_l} x N: scan, c*h, sum over N", "carry (N,) in registers"]),
+             ("y  (B,L)", bl, "w"), (f"h at chunk\nstarts  (B,L/{block_l},N)", bnl // block_l, "w*")],
+            [f"tile {block_l} x N: scan,\nthen y = sum over N of c*h", "carry: N states\nin registers"]),
     }
     colours = {"r": "#4c72b0", "w": "#c44e52", "rw": "#8172b2", "w*": "#dd8452"}
     for ax, (title, (tensors, chip_boxes)) in zip(axes, designs.items()):
@@ -211,7 +214,7 @@ def draw_memory_figure(batch, length, n_states, block_l=128, itemsize=4):
         for i, (name, numel, mode) in enumerate(tensors):
             x0 = 0.4 + i * 1.9
             ax.add_patch(matplotlib.patches.Rectangle((x0, 5.0), 1.7, 1.9, fc="white", ec=colours[mode], lw=2))
-            ax.text(x0 + 0.85, 6.2, name.replace("  ", "\n"), ha="center", va="center", fontsize=7.5)
+            ax.text(x0 + 0.85, 6.2, name.replace("  ", "\n"), ha="center", va="center", fontsize=7)
             ax.text(x0 + 0.85, 5.3, mib(numel), ha="center", fontsize=7.5)
             up, down = "w" in mode, "r" in mode
             if down:
@@ -222,15 +225,16 @@ def draw_memory_figure(batch, length, n_states, block_l=128, itemsize=4):
             ax.add_patch(matplotlib.patches.FancyBboxPatch((0.6 + j * 5.6, 1.2), 5.0, 1.2, boxstyle="round", fc="white"))
             ax.text(3.1 + j * 5.6, 1.8, label, ha="center", va="center", fontsize=8.5)
         moved = sum(numel * (mode.count("r") + mode.count("w")) for _, numel, mode in tensors)
-        ax.text(6, 3.6, f"moved through HBM: {moved * itemsize / 2**20:.0f} MiB", ha="center", fontsize=10, weight="bold")
-    fig.suptitle(f"multi-state scan, B={batch}, L={length}, N={n_states}, float32   (blue: read, red: written)")
+        ax.text(6, 3.75, f"moved through HBM: {moved * itemsize / 2**20:.0f} MiB", ha="center", fontsize=10,
+                weight="bold", bbox=dict(fc="white", ec="none"), zorder=3)
+    fig.suptitle(f"multi-state scan, B={batch}, L={length}, N={n_states}, float32   (blue: read, red: written, orange: saved for the backward)")
     return fig, moved
 
 
-fig, fused_moved = draw_memory_figure(batch_big, length_big, n_states_big)
+fig, fused_moved = draw_memory_figure(batch_big, length_big, n_states_big, block_big)
 save_figure(fig, "multistate_memory.png"); plt.close(fig)
 # the figure's fused total = the count above plus the chunk-boundary states saved for backward
-assert fused_moved * 4 == traffic["fused (states on chip)"] + states_bytes // 128
+assert fused_moved * 4 == traffic["fused (states on chip)"] + states_bytes // block_big
 
 # %% [markdown]
 # ![HBM traffic of the two designs](../figures/multistate_memory.png)
@@ -306,8 +310,12 @@ for length in (1, 7, 129):
 
 # %% [markdown]
 # This kernel is right but cannot scale: the tile grows with $L$, and at some point it no longer fits
-# in registers (and Triton caps a tile at $2^{20}$ elements anyway). The fix is the one from
-# chapters 01 and 02: cut the sequence into chunks and carry a state from chunk to chunk.
+# in registers (and Triton caps a tile at $2^{20}$ elements anyway: the cell below asserts it). The fix
+# is the one from chapters 01 and 02: cut the sequence into chunks and carry a state from chunk to chunk.
+
+# %%
+assert tl.TRITON_MAX_TENSOR_NUMEL == 2**20
+print(f"largest tile: {tl.TRITON_MAX_TENSOR_NUMEL} elements, e.g. L = {2**20 // 16} at N = 16 (one chunk)")
 
 # %% [markdown]
 # ## 4 · The blocked kernel: a carry of N states in registers
@@ -315,10 +323,10 @@ for length in (1, 7, 129):
 # One program still owns one sequence, but now it walks through it in chunks of $L_{\text{block}}$
 # positions. Before chunk $k$ it holds $h_{\text{in}}[n]$, the $N$ states after the previous chunk.
 # The scan of the chunk's pairs from the identity gives, for every position, a pair
-# $(\bar a_t[n], \bar h_t[n])$: the product of the gates since the chunk start and the state the chunk
+# $(P_t[n], \tilde h_t[n])$: the product of the gates since the chunk start and the state the chunk
 # would reach from zero. The true state is then one multiply-add,
 #
-# $$h_t[n] = \bar a_t[n]\, h_{\text{in}}[n] + \bar h_t[n],$$
+# $$h_t[n] = P_t[n]\, h_{\text{in}}[n] + \tilde h_t[n],$$
 #
 # and the carry for the next chunk is the last row of the tile. (The last row is right even in a
 # partial last chunk: padded rows are identity steps.) Registers cannot be indexed by a variable, so
@@ -379,8 +387,8 @@ def multistate_fwd_kernel(
 
 # %%
 #| export
-MAX_STATES = 256        # BLOCK_N x BLOCK_L tiles must fit in registers
-MAX_TILE = 2**16
+MAX_STATES = 256        # BLOCK_L x BLOCK_N tiles must fit in registers
+MAX_TILE = 2**14
 
 
 def accumulator_dtype(dtype):
@@ -389,8 +397,14 @@ def accumulator_dtype(dtype):
 
 
 def default_block_l(length, n_states):
-    """About 2048 tile elements (16 per thread with 4 warps), at least 16 rows, no more than L needs."""
-    return max(16, min(triton.next_power_of_2(length), 2048 // triton.next_power_of_2(n_states)))
+    """About 1024 tile elements, at least 16 rows, no more rows than L needs."""
+    return max(16, min(triton.next_power_of_2(length), 1024 // triton.next_power_of_2(n_states)))
+
+
+def num_warps_for(block_l, n_states):
+    """About 8 tile elements per thread (1 to 8 warps of 32): ptxas for sm_90 then fits the forward in
+    ~70 registers and the backward, which holds about twice as many tiles, in ~145, without spilling."""
+    return max(1, min(8, block_l * triton.next_power_of_2(n_states) // 256))
 
 
 def multistate_forward(a, b, c, x, initial_state, block_l, save_chunks):
@@ -409,7 +423,7 @@ def multistate_forward(a, b, c, x, initial_state, block_l, save_chunks):
             length, n_states, n_chunks,
             HAS_H0=initial_state is not None, SAVE_CHUNKS=save_chunks,
             ACC=tl.float64 if acc == torch.float64 else tl.float32,
-            BLOCK_L=block_l, BLOCK_N=triton.next_power_of_2(n_states),
+            BLOCK_L=block_l, BLOCK_N=triton.next_power_of_2(n_states), num_warps=num_warps_for(block_l, n_states),
         )
     return y, h_last, h_chunks
 
@@ -446,6 +460,14 @@ for length in (1, 7, 129, 1000):
             ok = max(errs) < 1e-12
             print(f"{length:5d} {block_l:5d} {str(with_h0):>5} {errs[0]:9.1e} {errs[1]:9.1e} {errs[2]:10.1e}  {ok}")
             assert ok
+
+# %% [markdown]
+# One program per sequence is the right shape when there are many sequences (in Mamba, every
+# (sample, channel) pair is one, thousands of them). With only a few long sequences most of the GPU
+# would sit idle; then the chunks of one sequence are processed in parallel in three phases, as in
+# chapters 01 and 02: each chunk writes its $N$ composed pairs, a small scan over those gives every
+# chunk its entering state, and a second pass over the chunks uses them. The states that cross HBM
+# are again only the chunk-boundary ones. We leave that variant to the performance chapter.
 
 # %% [markdown]
 # ## 5 · The backward pass
@@ -511,7 +533,8 @@ for name, got, want in zip(("a", "b", "c", "x", "h0"), formula_grads, autograd_g
 #    directly, and then $h_t = a_t h_{t-1} + b_t x_t$ is elementwise;
 # 2. scan the pairs $(a_{t+1}[n], c_t[n] \bar y_t)$ with `reverse=True` (Triton's reverse scan
 #    composes from the end of the axis, so the same `first_order_op` applies, *later then earlier*),
-#    and apply the carry: $\bar h_t = \bar a^{\leftarrow}_t \bar h_{\text{carry}} + \bar h^{\leftarrow}_t$;
+#    and apply the carry: $\bar h_t = Q_t \bar h_{\text{carry}} + \tilde g_t$, where $Q_t$ is the product of
+#    the shifted gates from $t$ to the chunk's end and $\tilde g_t$ the adjoint the chunk gives from zero;
 #    $a_{t+1}$ is loaded one position to the right, so the last row of a chunk already reads the next
 #    chunk's first gate, and the position $t = L - 1$ reads the virtual $a_L = 1$ (masked load, `other=1`);
 # 3. write the four gradients; the new carry is the first row, $\bar h_s$.
@@ -586,7 +609,7 @@ def multistate_backward(a, b, c, x, h_chunks, dy, dh_last, block_l):
             length, n_states, h_chunks.shape[1],
             HAS_DH_LAST=dh_last is not None,
             ACC=tl.float64 if h_chunks.dtype == torch.float64 else tl.float32,
-            BLOCK_L=block_l, BLOCK_N=triton.next_power_of_2(n_states),
+            BLOCK_L=block_l, BLOCK_N=triton.next_power_of_2(n_states), num_warps=num_warps_for(block_l, n_states),
         )
     return da, db, dc, dx, dh0
 
@@ -626,7 +649,8 @@ for length in (1, 7, 129, 1000):
 #   float16 / bfloat16 / float32 inputs accumulate in float32, float64 in float64.
 # - differentiable in all inputs (a `torch.autograd.Function`); the forward keeps only the
 #   chunk-boundary states for the backward.
-# - `block_l` (a power of two, 2 to 4096) is the chunk length; by default about 2048 / N.
+# - `block_l` (a power of two, 2 to 4096, with `block_l` x N at most $2^{14}$) is the chunk length;
+#   by default about 1024 / N.
 #
 # Bad input raises `TypeError` (not a tensor, wrong dtype, mixed dtypes, `block_l` not an int) or
 # `ValueError` (shapes, empty, non-contiguous, devices, `block_l` value), naming the argument.
@@ -681,6 +705,7 @@ class MultistateScan(torch.autograd.Function):
         return y, h_last
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy, dh_last):  # either may be None: set_materialize_grads(False)
         a, b, c, x, h_chunks = ctx.saved_tensors
         da, db, dc, dx, dh0 = multistate_backward(a, b, c, x, h_chunks, dy, dh_last, ctx.block_l)
@@ -726,12 +751,12 @@ for dtype, tol in tolerances.items():
         assert ok
 
 # %% [markdown]
-# `torch.autograd.gradcheck` (finite differences, float64) on a tiny problem with `block_l=2`, so
-# that three chunks and a partial one are crossed, through both outputs.
+# `torch.autograd.gradcheck` (finite differences, float64) on a tiny problem, $L = 5$ with
+# `block_l=2`, so that three chunks (the last one partial) are crossed, through both outputs.
 
 # %%
-a, b, c, x = (t.requires_grad_() for t in random_inputs(2, 3, 7, dtype=torch.float64, seed=3))
-h0 = torch.randn(2, 3, dtype=torch.float64, device=DEVICE, requires_grad=True)
+a, b, c, x = (t.requires_grad_() for t in random_inputs(1, 2, 5, dtype=torch.float64, seed=3))
+h0 = torch.randn(1, 2, dtype=torch.float64, device=DEVICE, requires_grad=True)
 assert torch.autograd.gradcheck(
     lambda *args: multistate_scan(*args, return_last_state=True, block_l=2), (a, b, c, x, h0)
 )
@@ -770,7 +795,7 @@ for what, (call, error, name) in bad_calls.items():
 # allocating anything.
 
 # %%
-block_big = default_block_l(length_big, n_states_big)
+assert block_big == default_block_l(length_big, n_states_big)
 n_chunks_big = triton.cdiv(length_big, block_big)
 saved_chunk_states = batch_big * n_chunks_big * n_states_big * 4
 print(f"B={batch_big}, L={length_big}, N={n_states_big}, block_l={block_big}: chunk states "
@@ -856,7 +881,7 @@ else:
         print(f"a, b, c {tuple(a.shape)}, x {tuple(x.shape)}, {dtype}, default block_l "
               f"{default_block_l(length_big, n_states_big)}")
         for key in (f"{short} fwd", f"{short} fwd+bwd"):
-            print(f"   {key:14s} " + ", ".join(f"{k} {v:.0f} us" for k, v in results[key].items()))
+            print(f"   {key:16s} " + ", ".join(f"{k} {v:.0f} us" for k, v in results[key].items()))
         print("   block_l sweep, fused fwd (us): " + ", ".join(f"{bl}: {t:.0f}" for bl, t in sweep.items()))
         del a, b, c, x, dy
 

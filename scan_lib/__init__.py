@@ -6,6 +6,8 @@ to its CPU interpreter before any kernel is defined.
 """
 from . import runtime  # noqa: F401  (must come before any module that defines kernels)
 from .cumsum import cumsum
+from .linear_scan import linear_scan
 from .multistate import multistate_scan
+from .selective_scan import selective_scan
 
-__all__ = ["runtime", "cumsum", "multistate_scan"]
+__all__ = ["runtime", "cumsum", "linear_scan", "multistate_scan", "selective_scan"]

@@ -62,12 +62,18 @@ def default_chunk(length: int) -> int:
     return max(16, min(triton.next_power_of_2(max(length, 1)), 2048))
 
 
-def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=None, num_warps=4):
+def default_num_warps(chunk: int) -> int:
+    """Warps per program: at most 16 elements of a chunk per thread (4 warps up to 2048, then 8)."""
+    return 4 if chunk <= 2048 else 8
+
+
+def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=None, num_warps=None):
     """h_t = gates_t * h_{t-1} + tokens_t (reverse: h_{t+1}) for contiguous (R, L) tensors, L >= 1.
 
     initial_state: (R,) or None for zeros. No autograd here: see scan_lib.linear_scan."""
     rows, length = tokens.shape
     chunk = chunk or default_chunk(length)
+    num_warps = num_warps or default_num_warps(chunk)
     h = torch.empty_like(tokens)
     linear_scan_fwd_kernel[(rows,)](
         gates, tokens, tokens if initial_state is None else initial_state, h, length,

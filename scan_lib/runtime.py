@@ -53,16 +53,20 @@ def check_float_tensor(name: str, value) -> None:
 
 
 def check_same_device(**tensors) -> torch.device:
-    """Raise a ValueError naming the arguments unless all given tensors (None skipped) share one device.
+    """Raise a ValueError naming the arguments unless all given tensors (None skipped) share one device
+    on which the kernels can run, and return that device.
 
-    On a GPU machine kernels need CUDA tensors; under the interpreter, CPU tensors."""
+    On a GPU machine kernels need CUDA tensors; under the interpreter, CPU tensors (the interpreter
+    also copies CUDA tensors through the host, so those are accepted too). Meta tensors never are."""
     named = {name: t for name, t in tensors.items() if t is not None}
     devices = {t.device for t in named.values()}
     if len(devices) > 1:
         listing = ", ".join(f"{name} on {t.device}" for name, t in named.items())
         raise ValueError(f"all tensors must be on one device, got {listing}")
     device = devices.pop()
-    if device.type != "cuda" and not INTERPRET:
+    if INTERPRET and device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{', '.join(named)} must be CPU tensors for Triton's interpreter (got {device})")
+    if not INTERPRET and device.type != "cuda":
         raise ValueError(
             f"{', '.join(named)} must be CUDA tensors (got {device}); to run Triton kernels on the CPU "
             "set TRITON_INTERPRET=1 before importing scan_lib"

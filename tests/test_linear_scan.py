@@ -1,0 +1,144 @@
+"""scan_lib.linear_scan: h_t = gates_t * h_{t-1} + tokens_t, against a float64 loop and autograd."""
+import pytest
+import torch
+
+import scan_lib
+from scan_lib import linear_scan
+from scan_lib.runtime import DEVICE, ON_GPU
+
+
+def reference(gates, tokens, initial_state=None, reverse=False):
+    """The recurrence as a float64 loop along the last dim (differentiable by autograd)."""
+    if reverse:
+        return reference(gates.flip(-1), tokens.flip(-1), initial_state).flip(-1)
+    gates, tokens = gates.double(), tokens.double()
+    h = torch.zeros_like(tokens[..., 0]) if initial_state is None else initial_state.double()
+    states = []
+    for t in range(tokens.shape[-1]):
+        h = gates[..., t] * h + tokens[..., t]
+        states.append(h)
+    return torch.stack(states, -1)
+
+
+def make_inputs(shape, dtype=torch.float32, seed=0, with_init=True):
+    gen = torch.Generator().manual_seed(seed)
+    gates = torch.rand(shape, generator=gen, dtype=torch.float64).to(DEVICE, dtype)
+    tokens = torch.randn(shape, generator=gen, dtype=torch.float64).to(DEVICE, dtype)
+    init = torch.randn(shape[:-1], generator=gen, dtype=torch.float64).to(DEVICE, dtype) if with_init else None
+    return gates, tokens, init
+
+
+def test_exported_in_package():
+    assert scan_lib.linear_scan is linear_scan
+    assert "linear_scan" in scan_lib.__all__
+
+
+@pytest.mark.parametrize("shape", [(1,), (3, 7), (2, 3, 129), (2, 1000), (1, 4097)])
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("with_init", [False, True])
+def test_forward_matches_loop(shape, reverse, with_init):
+    gates, tokens, init = make_inputs(shape, seed=len(shape) + shape[-1], with_init=with_init)
+    h = linear_scan(gates, tokens, init, reverse)
+    assert h.shape == tokens.shape and h.dtype == tokens.dtype
+    torch.testing.assert_close(h.double(), reference(gates, tokens, init, reverse), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [16, 64, 1024])
+@pytest.mark.parametrize("length", [1, 33, 300])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_every_gradient_float64(chunk, length, reverse):
+    gates, tokens, init = make_inputs((2, length), torch.float64, seed=chunk + length)
+    grad = torch.randn(2, length, dtype=torch.float64, device=DEVICE)
+    ours = [t.clone().requires_grad_() for t in (gates, tokens, init)]
+    theirs = [t.clone().requires_grad_() for t in (gates, tokens, init)]
+    h_ours = linear_scan(*ours, reverse, chunk=chunk)
+    h_ref = reference(*theirs, reverse)
+    torch.testing.assert_close(h_ours, h_ref, rtol=1e-12, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(h_ours, ours, grad), torch.autograd.grad(h_ref, theirs, grad)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_gradcheck(reverse):
+    gates, tokens, init = make_inputs((2, 3, 21), torch.float64, seed=5)
+    leaves = [t.requires_grad_() for t in (gates, tokens, init)]
+    assert torch.autograd.gradcheck(lambda g, u, h: linear_scan(g, u, h, reverse, chunk=16), leaves, fast_mode=not ON_GPU)
+
+
+def test_gradient_without_initial_state_and_unused_inputs():
+    gates, tokens, _ = make_inputs((3, 50), torch.float64, seed=6, with_init=False)
+    tokens.requires_grad_()
+    h = linear_scan(gates, tokens, chunk=16)
+    (d_tokens,) = torch.autograd.grad(h.sum(), tokens)
+    expected = torch.autograd.grad(reference(gates, tokens).sum(), tokens)[0]
+    torch.testing.assert_close(d_tokens, expected)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.float16, 5e-3), (torch.bfloat16, 3e-2)])
+def test_low_precision_accumulates_in_float32(dtype, tolerance):
+    gates, tokens, init = make_inputs((4, 700), dtype, seed=7)
+    gates = 0.5 + 0.5 * gates  # long memory: errors would grow with L if each step were rounded
+    leaves = [t.clone().requires_grad_() for t in (gates, tokens, init)]
+    h = linear_scan(*leaves)
+    assert h.dtype == dtype
+    grads = torch.autograd.grad(h, leaves, torch.ones_like(h))
+    assert all(g.dtype == dtype for g in grads)
+    leaves64 = [t.double().requires_grad_() for t in (gates, tokens, init)]
+    h64 = reference(*leaves64)
+    grads64 = torch.autograd.grad(h64, leaves64, torch.ones_like(h64))
+    for got, want in zip([h, *grads], [h64, *grads64]):
+        assert ((got.double() - want).abs().max() / want.abs().max()).item() < tolerance
+
+
+def test_non_contiguous_inputs():
+    gates, tokens, init = make_inputs((40, 3), seed=8)
+    gates_t, tokens_t = gates.t(), tokens.t()  # (3, 40), not contiguous
+    init = init[:3]
+    assert not tokens_t.is_contiguous()
+    torch.testing.assert_close(linear_scan(gates_t, tokens_t, init).double(), reference(gates_t, tokens_t, init),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_reverse_is_flipped_forward():
+    gates, tokens, init = make_inputs((3, 77), seed=9)
+    flipped = linear_scan(gates.flip(-1), tokens.flip(-1), init).flip(-1)
+    torch.testing.assert_close(linear_scan(gates, tokens, init, reverse=True), flipped)
+
+
+@pytest.mark.parametrize("shape", [(3, 0), (0, 5), (0,)])
+def test_empty(shape):
+    gates = torch.rand(shape, device=DEVICE, requires_grad=True)
+    init = torch.zeros(shape[:-1], device=DEVICE, requires_grad=True)
+    h = linear_scan(gates, torch.randn(shape, device=DEVICE), init)
+    assert h.shape == shape
+    h.sum().backward()
+    assert gates.grad.shape == shape and init.grad.shape == shape[:-1]
+    assert not init.grad.any()
+
+
+def _bad_calls():
+    g, u = torch.rand(2, 5, device=DEVICE), torch.randn(2, 5, device=DEVICE)
+    calls = [
+        (ValueError, "same shape", lambda: linear_scan(g, u[:, :4])),
+        (ValueError, "same shape", lambda: linear_scan(g[:1], u)),  # no broadcasting
+        (TypeError, "same dtype", lambda: linear_scan(g.double(), u)),
+        (TypeError, "tokens", lambda: linear_scan(g, u.long())),
+        (TypeError, "gates", lambda: linear_scan(g.to(torch.int32), u.to(torch.int32))),
+        (TypeError, "gates", lambda: linear_scan(g.tolist(), u)),
+        (ValueError, "at least one dimension", lambda: linear_scan(g[0, 0], u[0, 0])),
+        (ValueError, "initial_state", lambda: linear_scan(g, u, torch.zeros(5, device=DEVICE))),
+        (ValueError, "initial_state", lambda: linear_scan(g, u, torch.zeros(2, 1, device=DEVICE))),
+        (TypeError, "initial_state", lambda: linear_scan(g, u, torch.zeros(2, device=DEVICE, dtype=torch.float64))),
+        (TypeError, "reverse", lambda: linear_scan(g, u, reverse="yes")),
+        (ValueError, "chunk", lambda: linear_scan(g, u, chunk=48)),
+    ]
+    if ON_GPU:
+        calls.append((ValueError, "device", lambda: linear_scan(g, u.cpu())))
+        calls.append((ValueError, "CUDA", lambda: linear_scan(g.cpu(), u.cpu())))
+    return calls
+
+
+@pytest.mark.parametrize("error, words, call", _bad_calls())
+def test_bad_input(error, words, call):
+    with pytest.raises(error, match=words):
+        call()

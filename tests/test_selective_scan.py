@@ -1,0 +1,185 @@
+"""scan_lib.selective_scan against the float64 reference, the chunking identity, gradcheck, bad input,
+and (where mamba_ssm is importable, on a GPU) against mamba_ssm's selective_scan_fn."""
+import pytest
+import torch
+
+import scan_lib
+from scan_lib.runtime import DEVICE, ON_GPU
+from scan_lib.selective_scan import selective_scan_ref
+
+NAMES = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state"]
+
+
+def make_inputs(batch, dim, N, L, groups=None, D=True, z=True, bias=True, h0=True, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=1.0, shift=0.0, dt=dtype):
+        return (torch.randn(*shape, generator=g) * scale + shift).to(device=DEVICE, dtype=dt)
+
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    bc = (batch, N, L) if groups is None else (batch, groups, N, L)
+    return dict(u=rand(batch, dim, L), delta=rand(batch, dim, L, scale=0.5, shift=-1.0),
+                A=(-torch.rand(dim, N, generator=g) - 0.2).to(device=DEVICE, dtype=wide), B=rand(*bc), C=rand(*bc),
+                D=rand(dim, dt=wide) if D else None, z=rand(batch, dim, L) if z else None,
+                delta_bias=rand(dim, scale=0.3, dt=wide) if bias else None,
+                initial_state=rand(batch, dim, N, dt=wide) if h0 else None)
+
+
+def run(fn, inputs, dout, dlast, softplus, cast=None):
+    leaves = {k: (v if cast is None else v.to(cast)).detach().requires_grad_(True)
+              for k, v in inputs.items() if v is not None}
+    out, last = fn(**{k: leaves.get(k) for k in inputs}, delta_softplus=softplus, return_last_state=True)
+    loss = (out.double() * dout).sum() + (last.double() * dlast).sum()
+    return out, last, dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+
+
+def rel_err(x, ref):
+    return ((x.double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-30)).item()
+
+
+def compare(inputs, softplus=True, tol=2e-5):
+    torch.manual_seed(1)
+    u = inputs["u"]
+    dout = torch.randn(u.shape, dtype=torch.float64, device=DEVICE)
+    dlast = torch.randn(*u.shape[:2], inputs["A"].shape[1], dtype=torch.float64, device=DEVICE)
+    out, last, grads = run(scan_lib.selective_scan, inputs, dout, dlast, softplus)
+    out_r, last_r, grads_r = run(selective_scan_ref, inputs, dout, dlast, softplus, cast=torch.float64)
+    assert out.dtype == u.dtype and out.shape == u.shape
+    assert last.dtype == (torch.float64 if u.dtype == torch.float64 else torch.float32)
+    errors = {"out": rel_err(out, out_r), "last": rel_err(last, last_r)}
+    assert set(grads) == {k for k, v in inputs.items() if v is not None}
+    for name, grad in grads.items():
+        assert grad.dtype == inputs[name].dtype and grad.shape == inputs[name].shape, name
+        errors["d" + name] = rel_err(grad, grads_r[name])
+    assert all(e < tol for e in errors.values()), errors
+
+
+@pytest.mark.parametrize("batch,dim,N,L,options", [
+    (2, 4, 3, 1, dict()),
+    (1, 6, 4, 7, dict(groups=3, bias=False)),
+    (2, 4, 2, 129, dict(groups=2, z=False, h0=False)),
+    (1, 3, 5, 50, dict(D=False, z=False, bias=False)),
+    (1, 2, 2, 1000, dict(groups=1)),
+])
+def test_matches_reference(batch, dim, N, L, options):
+    compare(make_inputs(batch, dim, N, L, seed=L, **options))
+
+
+def test_no_softplus_no_options():
+    compare(make_inputs(2, 5, 3, 40, D=False, z=False, bias=False, h0=False, seed=3), softplus=False)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 2e-3)])
+def test_half_precision_inputs(dtype, tol):
+    compare(make_inputs(2, 4, 4, 45, groups=2, dtype=dtype, seed=4), tol=tol)
+
+
+def test_non_contiguous_inputs():
+    inputs = make_inputs(2, 4, 3, 20, groups=2, seed=6)
+    # u, delta, z as slices of wider (batch, L, 2*dim) tensors, transposed: L is not the inner dimension.
+    for name in ("u", "delta", "z"):
+        wide = torch.cat([inputs[name], inputs[name]], dim=1).transpose(1, 2).contiguous().transpose(1, 2)
+        inputs[name] = wide[:, :4]
+        assert not inputs[name].is_contiguous()
+    compare(inputs)
+
+
+def test_random_shapes_and_options():
+    rng = torch.Generator().manual_seed(123)
+    for trial in range(3):
+        batch, groups, per_group, N = (int(torch.randint(1, 4, (1,), generator=rng)) for _ in range(4))
+        L = int(torch.randint(1, 70, (1,), generator=rng))
+        flags = torch.rand(4, generator=rng) < 0.5
+        compare(make_inputs(batch, groups * per_group, N, L, groups=groups, D=bool(flags[0]), z=bool(flags[1]),
+                            bias=bool(flags[2]), h0=bool(flags[3]), seed=trial),
+                softplus=trial % 2 == 0)
+
+
+def test_chunked_equals_whole():
+    """Scanning in pieces, carrying last_state into initial_state, gives the same outputs and gradients."""
+    inputs = {k: v.requires_grad_(True) for k, v in make_inputs(2, 4, 3, 45, groups=2, dtype=torch.float64).items()}
+    dout = torch.randn(2, 4, 45, dtype=torch.float64, device=DEVICE)
+    dlast = torch.randn(2, 4, 3, dtype=torch.float64, device=DEVICE)
+    results = []
+    for pieces in ([45], [10, 1, 34], [16, 16, 13]):
+        outs, state, start = [], inputs["initial_state"], 0
+        for length in pieces:
+            sl = slice(start, start + length)
+            part = {k: (v[..., sl] if k in ("u", "delta", "z", "B", "C") else v) for k, v in inputs.items()}
+            out, state = scan_lib.selective_scan(**{**part, "initial_state": state}, delta_softplus=True,
+                                                 return_last_state=True)
+            outs.append(out)
+            start += length
+        out = torch.cat(outs, dim=-1)
+        grads = torch.autograd.grad((out * dout).sum() + (state * dlast).sum(), list(inputs.values()))
+        results.append((out, state, grads))
+    for out, state, grads in results[1:]:
+        assert torch.allclose(out, results[0][0], rtol=0, atol=1e-12)
+        assert torch.allclose(state, results[0][1], rtol=0, atol=1e-12)
+        for g, w in zip(grads, results[0][2]):
+            assert torch.allclose(g, w, rtol=0, atol=1e-12)
+
+
+def test_gradcheck_float64():
+    inputs = make_inputs(1, 2, 2, 5, groups=2, dtype=torch.float64, seed=9)
+    leaves = [inputs[k].requires_grad_(True) for k in NAMES]
+
+    def f(*args):
+        out, last = scan_lib.selective_scan(*args[:8], delta_softplus=True, return_last_state=True,
+                                            initial_state=args[8])
+        return out, last
+
+    assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_return_types():
+    inputs = make_inputs(1, 2, 2, 3, seed=1)
+    out = scan_lib.selective_scan(**inputs)
+    assert isinstance(out, torch.Tensor) and out.shape == (1, 2, 3)
+    out2, last = scan_lib.selective_scan(**inputs, return_last_state=True)
+    assert torch.equal(out, out2) and last.shape == (1, 2, 2)
+
+
+@pytest.mark.parametrize("change,error,message", [
+    (dict(u=torch.randn(4, 9)), ValueError, "u must have shape"),
+    (dict(u=torch.randn(2, 4, 0)), ValueError, "u must not be empty"),
+    (dict(delta=torch.randn(2, 4, 5)), ValueError, "delta must have shape"),
+    (dict(A=torch.randn(4, 3, dtype=torch.complex64)), TypeError, "complex A is not supported"),
+    (dict(A=torch.randn(5, 3)), ValueError, "A must have shape"),
+    (dict(B=torch.randn(2, 3, 3, 9)), ValueError, "B: the number of groups (3) must divide dim (4)"),
+    (dict(C=torch.randn(2, 3, 8)), ValueError, "C must have shape"),
+    (dict(D=torch.randn(5)), ValueError, "D must have shape"),
+    (dict(z=torch.randn(2, 4, 8)), ValueError, "z must have shape"),
+    (dict(delta_bias=torch.randn(3)), ValueError, "delta_bias must have shape"),
+    (dict(initial_state=torch.randn(2, 4, 2)), ValueError, "initial_state must have shape"),
+    (dict(u=torch.ones(2, 4, 9, dtype=torch.int32)), TypeError, "u must be float16"),
+    (dict(B=[1.0]), TypeError, "B must be a torch.Tensor"),
+    (dict(D=torch.randn(4, device="meta")), ValueError, "all tensors must be on one device"),
+])
+def test_bad_input(change, error, message):
+    good = make_inputs(2, 4, 3, 9, groups=2)
+    change = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v)
+              for k, v in change.items()}
+    with pytest.raises(error, match=None) as info:
+        scan_lib.selective_scan(**{**good, **change})
+    assert message in str(info.value)
+
+
+def test_against_mamba_ssm():
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+    except ImportError as exc:
+        pytest.skip(f"mamba_ssm.ops.selective_scan_interface not importable: {exc}")
+    if not ON_GPU:
+        pytest.skip("mamba_ssm's selective_scan_fn needs a CUDA GPU")
+    for groups, L in [(None, 1), (None, 257), (2, 1000)]:
+        inputs = make_inputs(2, 64, 16, L, groups=groups, h0=False, seed=L)
+        inputs.pop("initial_state")
+        dout = torch.randn(2, 64, L, dtype=torch.float64, device=DEVICE)
+        dlast = torch.zeros(2, 64, 16, dtype=torch.float64, device=DEVICE)  # mamba_ssm ignores d last_state
+        ours = run(scan_lib.selective_scan, inputs, dout, dlast, True)
+        theirs = run(selective_scan_fn, inputs, dout, dlast, True)
+        assert rel_err(ours[0], theirs[0]) < 1e-4
+        assert rel_err(ours[1], theirs[1]) < 1e-4
+        for name in ours[2]:
+            assert rel_err(ours[2][name], theirs[2][name]) < 1e-4, name
