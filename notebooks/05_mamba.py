@@ -69,8 +69,12 @@ def max_err(x, ref):
 
 
 def rel_err(x, ref):
-    """Largest absolute difference relative to the largest magnitude of the reference."""
-    return max_err(x, ref) / max(ref.double().abs().max().item(), 1e-30)
+    """Largest absolute difference relative to the largest magnitude of the reference.
+    A reference that is exactly zero must be matched exactly: 0 if it is, inf otherwise."""
+    scale, err = ref.double().abs().max().item(), max_err(x, ref)
+    if scale == 0.0:
+        return 0.0 if err == 0.0 else math.inf
+    return err / scale
 
 # %% [markdown]
 # ## 1. The model: one scan per channel and state
@@ -241,9 +245,13 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
 #   du_t = D\,\bar y_t + \Delta_t \sum_n G_t B_t, $$
 # $$dB_t = \sum_d G_t\, \Delta_t u_t, \quad dC_t = \sum_d \bar y_t\, h_t, \quad dD = \sum_t \bar y_t u_t .$$
 #
-# One identity makes the kernel simpler: $a_t h_{t-1} = h_t - b_t$. The product with the *previous*
-# state, which would need a shifted copy of $h$, is the current state minus the current input, both
-# of which we have. With the gate $\text{out} = y\,\operatorname{silu}(z)$ and $\sigma$ the sigmoid:
+# The product $a_t h_{t-1}$ needs the *previous* state. It is tempting to write it as $h_t - b_t$ (true
+# in exact arithmetic, and it avoids a shifted copy of $h$), but in floating point that subtraction
+# cancels catastrophically whenever $|b_t| \gg |a_t h_{t-1}|$: at $t = 0$ with a zero initial state the
+# true value is exactly $0$ while $h_0 - b_0$ is whatever rounding (or an FMA contraction on the GPU)
+# left behind. So the kernels below compute $h_{t-1}$ itself, by shifting the recomputed states one
+# position along time (the cell after the derivation shows the cancellation).
+# With the gate $\text{out} = y\,\operatorname{silu}(z)$ and $\sigma$ the sigmoid:
 # $\bar y = \overline{\text{out}}\, z\sigma(z)$ and
 # $dz = \overline{\text{out}}\; y\; \sigma(z)\,(1 + z(1 - \sigma(z)))$; with the softplus,
 # $d\Delta_{\text{raw}} = d\Delta\; \sigma(\Delta_{\text{raw}} + \text{bias})$ and $d\,\text{bias} = \sum_{b,t} d\Delta_{\text{raw}}$.
@@ -274,7 +282,8 @@ def selective_scan_backward_by_hand(u, delta_raw, A, B, C, D, z, delta_bias, h0,
         g = c[:, :, t] + g                                             # G_t = c_t + a_{t+1} G_{t+1}
         G[:, :, t] = g
         g = a[:, :, t] * g                                             # what flows into h_{t-1}
-    ah = hs - b                                                        # a_t h_{t-1}
+    h_prev = torch.cat([h0[:, :, None], hs[:, :, :-1]], dim=2)        # h_{t-1}: shifted by one
+    ah = a * h_prev                                                    # a_t h_{t-1}
     ddelta = (G * ah * A[:, None, :]).sum(-1) + u * (G * B.transpose(1, 2)[:, None]).sum(-1)
     ddelta_raw = ddelta * torch.sigmoid(pre)
     return dict(
@@ -311,6 +320,21 @@ for name in inputs:
     assert torch.allclose(by_hand[name], auto[name], rtol=1e-10, atol=1e-12), name
 
 # %% [markdown]
+# Why not $h_t - b_t$: in float32, a small decayed state next to a large input. The subtraction keeps
+# only the bits of $a_t h_{t-1}$ that survived the rounding of $h_t$ to the scale of $b_t$; the shifted
+# state gives the product to full precision.
+
+# %%
+a_c, h_prev_c, b_c = (torch.tensor(v, dtype=torch.float32) for v in (0.5, 1e-3, 1000.0))
+h_c = a_c * h_prev_c + b_c
+exact = 0.5 * 1e-3
+err_subtract = abs((h_c - b_c).item() - exact) / exact
+err_shifted = abs((a_c * h_prev_c).item() - exact) / exact
+print(f"a*h_prev = {exact}: h - b gives {(h_c - b_c).item():.6g} (rel err {err_subtract:.1e}), "
+      f"a * h_prev gives {(a_c * h_prev_c).item():.6g} (rel err {err_shifted:.1e})")
+assert err_subtract > 1e-2 and err_shifted < 1e-7
+
+# %% [markdown]
 # ## 5. One sequence in one Triton program
 #
 # The simplest kernel that is right: one program holds a whole sequence as an $(N \times L)$ tile
@@ -322,10 +346,11 @@ for name in inputs:
 # `tl.associative_scan(..., reverse=True)` (whose operand order for non-commutative operators has
 # changed between Triton versions, and which the interpreter cannot vouch for), we **load the inputs
 # of the backward in reversed order**, so that an ordinary left-to-right scan runs backwards in time.
-# The two shifts of the derivation are handled at load time: the gate $a_{t+1}$ comes from loading
-# $\Delta$ one position further, and the previous state never appears thanks to
-# $a_t h_{t-1} = h_t - b_t$. Only that one tile, computed in forward order, is flipped with `tl.flip`
-# to meet the reversed adjoint. Padding positions get $\Delta = 0$, i.e. $a = 1$, $b = 0$: the identity
+# The two shifts of the derivation are handled at load time and with `tl.gather`: the gate $a_{t+1}$
+# comes from loading $\Delta$ one position further, and the previous state $h_{t-1}$ is the state tile
+# gathered at index $t-1$ (with $h_{-1} = 0$ put in at $t = 0$, exactly, so that $d\bar A_0 = 0$ exactly).
+# Only the tile $a_t h_{t-1}$, computed in forward order, is flipped with `tl.flip` to meet the
+# reversed adjoint. Padding positions get $\Delta = 0$, i.e. $a = 1$, $b = 0$: the identity
 # step, which the scan passes through untouched.
 
 # %%
@@ -362,7 +387,9 @@ def single_sequence_kernel(U, DELTA, A, B, C, DOUT,          # L, L, N, N x L, N
     tl.store(Y + ls, tl.sum(C_f * h, axis=0), ls < L)
     dout = tl.load(DOUT + ls, ls < L, other=0.0)
     tl.store(DC + nl, h * dout[None, :], nl_ok)               # dC_t = dy_t h_t
-    ah = tl.flip(h - b, 1)                                   # a_t h_{t-1}, now in reversed order
+    prev = tl.broadcast_to(tl.maximum(ls - 1, 0)[None, :], (BLOCK_N, BLOCK_L))
+    h_prev = tl.where(ls[None, :] == 0, 0.0, tl.gather(h, prev, 1))          # h_{t-1}, h_{-1} = 0
+    ah = tl.flip(a * h_prev, 1)                              # a_t h_{t-1}, now in reversed order
     # Backward, in reversed order: G_t = c_t + a_{t+1} G_{t+1} is a left-to-right scan here.
     nr = ns[:, None] * L + rs[None, :]
     nr_ok = n_ok[:, None] & (rs < L)[None, :]
@@ -390,7 +417,9 @@ def single_sequence(u, delta, A, B, C, dout):
 
 # %% [markdown]
 # Checked against autograd of the reference (batch 1, one channel), every gradient including
-# $d\Delta$, at awkward lengths, with $N = 3$ so the state axis is padded too:
+# $d\Delta$, at awkward lengths, with $N = 3$ so the state axis is padded too. Errors are relative to
+# the largest magnitude of each reference gradient; at $L = 1$ the reference $dA$ is exactly zero
+# ($h_{-1} = 0$), and `rel_err` then demands an exact zero (it returns `inf` otherwise):
 
 # %%
 print(f"{'L':>5s} {'y':>9s} {'du':>9s} {'ddelta':>9s} {'dA':>9s} {'dB':>9s} {'dC':>9s}")
@@ -410,6 +439,8 @@ for L in [1, 7, 129, 1000]:
     errs = [rel_err(x, r) for x, r in zip(ours, refs)]
     print(f"{L:5d} " + " ".join(f"{e:9.1e}" for e in errs))
     assert max(errs) < 1e-5, errs
+    if L == 1:
+        assert torch.equal(ours[3], torch.zeros_like(ours[3])), ours[3]
 
 # %% [markdown]
 # ## 6. The batched, chunked kernel

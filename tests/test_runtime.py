@@ -30,7 +30,8 @@ def test_non_float_rejected_with_name(value, words):
 
 
 def test_same_device_returns_it_and_skips_none():
-    assert check_same_device(a=torch.ones(1, device=DEVICE), b=None, c=torch.ones(2, device=DEVICE)) == DEVICE
+    a, c = torch.ones(1, device=DEVICE), torch.ones(2, device=DEVICE)
+    assert check_same_device(a=a, b=None, c=c) == a.device      # cuda:0 on a GPU, not the bare "cuda"
 
 
 def test_mixed_devices_rejected_naming_each():
