@@ -31,7 +31,10 @@ print(scan_lib.runtime.describe())
 # below marked `#| export`. Triton decides *when a kernel is defined* whether it will compile it for
 # the GPU or run it in its CPU interpreter, by reading the environment variable `TRITON_INTERPRET`.
 # So the variable must be set before the first `@triton.jit`: that is why every chapter imports
-# `scan_lib` in its first cell.
+# `scan_lib` in its first cell (the last section of this chapter shows what goes wrong otherwise).
+# The lines before the import run only on Colab (detected by `google.colab` being imported): they
+# `pip install` this repository, which declares torch and triton with lower bounds only, so Colab's
+# own torch and triton are kept. `describe()` prints one line saying where the kernels will run.
 
 # %%
 #| default_exp runtime
@@ -99,6 +102,8 @@ def check_same_device(**tensors) -> torch.device:
     On a GPU machine kernels need CUDA tensors; under the interpreter, CPU tensors (the interpreter
     also copies CUDA tensors through the host, so those are accepted too). Meta tensors never are."""
     named = {name: t for name, t in tensors.items() if t is not None}
+    if not named:
+        raise ValueError(f"{', '.join(tensors) or 'tensors'}: no tensor given, only None")
     devices = {t.device for t in named.values()}
     if len(devices) > 1:
         listing = ", ".join(f"{name} on {t.device}" for name, t in named.items())
@@ -156,10 +161,18 @@ which_program_kernel[(programs,)](owner, BLOCK=block)
 assert torch.equal(owner.cpu(), torch.arange(programs, dtype=torch.int32).repeat_interleave(block))
 print(owner.view(programs, block))
 
+try:                                                      # a block of 6 is refused when compiled
+    which_program_kernel[(1,)](torch.empty(6, dtype=torch.int32, device=DEVICE), BLOCK=6)
+    refusal = "none"
+except Exception as error:
+    refusal = f"{type(error).__name__}: {error}"
+assert "power of 2" in refusal, refusal
+print("BLOCK=6 is refused: arange's range must be a power of 2")
+
 # %% [markdown]
 # `BLOCK` is a `tl.constexpr`: its value is known when the kernel is compiled (one compiled version
 # per value), so it can set shapes. Shapes must be compile-time constants, and `tl.arange` lengths
-# must be powers of two.
+# must be powers of two (the cell above checks that `BLOCK=6` is refused).
 #
 # ## `tl.arange`, shapes and broadcasting
 #
@@ -189,7 +202,8 @@ print("Z = X[None, :] + Y, exactly as torch broadcasts: ok")
 #
 # A block has a power-of-two length, data rarely do. `tl.load(ptrs, mask=m, other=v)` reads only
 # where `m` is true and puts `v` elsewhere; `tl.store(ptrs, values, mask=m)` writes only where `m`
-# is true. Every load and store in this course has a mask, for a reason shown below.
+# is true. The kernels above got away without masks because their sizes were exactly their
+# power-of-two blocks; from here on, every load and store over data has a mask, for a reason shown below.
 #
 # ## A blocked kernel: vector addition of any length
 #
@@ -224,9 +238,10 @@ print("vector_add == x + y for n = 1, 7, 129, 1000, 4097 (BLOCK = 256)")
 # Here each program owns one row of an `R x N` matrix and walks along it `BLOCK` columns at a time,
 # accumulating in float32. A row can be longer than any block: the loop carries the partial sums
 # in registers. The loop is a `while` on purpose: Triton 3.6's interpreter under NumPy 2.4 or newer
-# cannot run a `for` loop whose bound is a kernel argument (that is why `requirements.txt` pins
-# NumPy 2.3; the cell after this one tries it with whatever NumPy you have), and a `while` loop
-# compiles to the same thing on a GPU.
+# cannot run a `for` loop whose bound is a kernel argument (it fails with "only 0-dimensional arrays
+# can be converted to Python scalars"; that is why `requirements.txt` pins NumPy 2.3, and the cell
+# after this one tries it with whatever NumPy you have), and a `while` loop compiles to the same
+# thing on a GPU.
 
 # %%
 @triton.jit
@@ -267,14 +282,20 @@ def row_sums_for_kernel(X, OUT, N, BLOCK: tl.constexpr):
     tl.store(OUT + row, tl.sum(acc, axis=0))
 
 
+numpy_version = tuple(int(part) for part in np.__version__.split(".")[:2])
+known_to_fail = INTERPRET and triton.__version__.startswith("3.6.") and numpy_version >= (2, 4)
+torch.manual_seed(3)
 x_for = torch.randn(2, 100, device=DEVICE)
 out_for = torch.empty(2, device=DEVICE)
 try:
     row_sums_for_kernel[(2,)](x_for, out_for, 100, BLOCK=64)
-    assert torch.allclose(out_for, x_for.sum(1), atol=1e-4)
-    print("the for loop over a runtime bound ran and is correct here")
-except Exception as error:  # the interpreter under a recent NumPy
+except Exception as error:
     print(f"numpy {np.__version__}, interpreter: {type(error).__name__}: {error}")
+    assert INTERPRET and numpy_version >= (2, 4), "only the interpreter under NumPy >= 2.4 is known to fail"
+else:
+    assert not known_to_fail, "Triton 3.6's interpreter under NumPy >= 2.4 was expected to fail"
+    assert torch.allclose(out_for, x_for.sum(1), atol=1e-4)
+    print(f"numpy {np.__version__}: the for loop over a runtime bound ran and is correct")
 
 # %% [markdown]
 # ## The CPU interpreter and what it hides
@@ -309,10 +330,12 @@ print(f"{n_programs} programs: racy count {racy.item():.0f}, atomic count {atomi
 assert atomic.item() == n_programs
 if INTERPRET:
     assert racy.item() == n_programs, "one program at a time: the race never happens"
+else:
+    assert racy.item() < n_programs, "programs run at the same time: increments are lost"
 
 # %% [markdown]
-# Under the interpreter both counts are right. On a GPU the racy count is usually far below the
-# number of programs. A test suite that only runs on the CPU cannot catch a race.
+# Under the interpreter both counts are right. On a GPU the racy count comes out below the number
+# of programs (the cell asserts it there). A test suite that only runs on the CPU cannot catch a race.
 #
 # ### 2. `tl.associative_scan` folds left to right, so a non-associative combine passes
 #
@@ -348,6 +371,8 @@ print("kernel:   ", y_fold.tolist())
 print("left fold:", sequential.tolist())
 if INTERPRET:
     assert torch.equal(y_fold, sequential), "the interpreter folds left to right"
+else:
+    assert not torch.equal(y_fold, sequential), "a GPU combines in a tree"
 
 # %% [markdown]
 # So the associativity of every combine operator must be checked separately, in plain PyTorch:
@@ -416,7 +441,34 @@ exact = torch.exp(x_exp.double())
 relative = ((y_exp.double() - exact).abs() / exact).max().item()
 differ = (y_exp != torch.exp(x_exp)).sum().item()
 print(f"tl.exp vs float64 exp: max relative error {relative:.1e}; differs bitwise from torch.exp (float32) at {differ} of {x_exp.numel()}")
-assert relative < 2e-6
+assert relative < 2e-6 and differ > 0
+
+# %% [markdown]
+# Half precision works under the interpreter (bfloat16 and float16 tensors load, store and convert),
+# but one conversion rounds differently: the interpreter turns float32 into bfloat16 by dropping the
+# low 16 bits (truncation, towards zero), while PyTorch and a GPU round to nearest. Float32 to
+# float16 is rounded to nearest in both. Take $1 + 2^{-8} + 2^{-10}$: bfloat16 keeps 8 significant
+# bits, so the neighbours are $1$ and $1 + 2^{-7}$, and the nearest is $1 + 2^{-7}$.
+
+# %%
+@triton.jit
+def convert_kernel(X, Y, N, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < N
+    tl.store(Y + offsets, tl.load(X + offsets, mask=mask).to(Y.dtype.element_ty), mask=mask)
+
+
+x_round = torch.tensor([1 + 2**-8 + 2**-10, -(1 + 2**-8 + 2**-10)], device=DEVICE)   # float32
+for dtype in (torch.bfloat16, torch.float16):
+    y_round = torch.empty(2, dtype=dtype, device=DEVICE)
+    convert_kernel[(1,)](x_round, y_round, 2, BLOCK=2)
+    nearest = x_round.to(dtype)
+    print(f"{str(dtype):>15}: kernel {y_round.tolist()}, torch (nearest) {nearest.tolist()}")
+    if INTERPRET and dtype == torch.bfloat16:
+        assert torch.equal(y_round.float(), torch.tensor([1.0, -1.0], device=DEVICE)), "truncated"
+        assert not torch.equal(y_round, nearest)
+    else:
+        assert torch.equal(y_round, nearest)
 
 # %% [markdown]
 # ### 5. Speed
@@ -486,7 +538,7 @@ if INTERPRET:
 # * Shapes are compile-time constants (powers of two for `tl.arange`) and broadcast like PyTorch.
 # * Mask every load and store: a kernel reads past the end of a tensor without complaint.
 # * The interpreter runs the same kernels on a CPU but serialises programs, folds scans left to
-#   right, rounds like NumPy and is slow. Test combine operators for associativity in PyTorch, and
+#   right, rounds like NumPy (and truncates float32 to bfloat16) and is slow. Test combine operators for associativity in PyTorch, and
 #   run everything on a real GPU before trusting it.
 #
 # Next: chapter 01 scans with `+`, first in one block, then at any length.

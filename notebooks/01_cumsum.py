@@ -23,8 +23,11 @@
 #    works for an *associative* operator;
 # 4. scan any length by splitting it into blocks: the three-phase blocked scan, and why it needs
 #    three separate kernel launches;
-# 5. turn that into the exported `scan_lib.cumsum(x, dim=-1)`: any shape, any dim, four dtypes,
-#    moving $3N$ words of memory instead of $4N$, and benchmark it against `torch.cumsum` on a GPU.
+# 5. cut the memory traffic from $4N$ words to $3N$ (reduce, then scan), then to the minimum $2N$
+#    in a single launch (decoupled look-back), and learn why that needs atomics, a ticket counter
+#    and care about memory ordering;
+# 6. turn that into the exported `scan_lib.cumsum(x, dim=-1)` (any shape, any dim, four dtypes) and
+#    benchmark it against `torch.cumsum` on a GPU, separating the GPU's time from the host's.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -115,7 +118,7 @@ def assert_cumsum(y: torch.Tensor, x: torch.Tensor, dim: int = -1) -> float:
 
 # %%
 #| export
-"""Cumulative sums along any dimension of a tensor, computed with Triton kernels (reduce-then-scan)."""
+"""Cumulative sums along any dimension of a tensor, computed with Triton kernels (decoupled look-back or reduce-then-scan)."""
 import torch
 import triton
 import triton.language as tl
@@ -344,10 +347,9 @@ for n in (1, 7, 129, 1000, 4097):
 # launch there is no barrier across programs: a GPU runs as many programs as fit on its
 # multiprocessors, in an order it chooses, and starts the rest only when earlier ones *finish*. A
 # program that spins waiting for a total that a not-yet-started program will write can wait forever.
-# (Single-pass scans do exist: "decoupled look-back" scans assign block numbers in launch order
-# with an atomic counter, so every block only waits for blocks that have already started. That
-# careful protocol is a topic for the performance chapter.) The end of a launch *is* a grid-wide
-# barrier, so the simple safe design puts each dependency across a launch boundary.
+# The end of a launch *is* a grid-wide barrier, so the simple safe design puts each dependency
+# across a launch boundary. (A single launch can be made safe, with an atomic ticket counter and a
+# careful publishing protocol: that is the decoupled look-back scan at the end of this chapter.)
 #
 # Here is the tempting wrong version: one launch, where program $b$ reads the running total that
 # program $b-1$ wrote, without waiting. The running totals start as NaN, so a read that comes too
@@ -395,18 +397,23 @@ if INTERPRET:
 # | pass | reduce-then-scan | words |
 # | --- | --- | --- |
 # | 1 | read block $b$ of $x$, write only its total $T_b$ | $N$ + $N/\text{BLOCK}$ |
-# | 2 | scan the totals (recursively; tiny) | $\approx 2N/\text{BLOCK}$ |
+# | 2 | scan the totals in place, $S_b = \sum_{b' \le b} T_{b'}$ | $2N/\text{BLOCK}$ |
 # | 3 | read block $b$ of $x$ again, scan it, add the carry $S_{b-1}$, write $y$ | $2N$ |
 #
-# So $3N$ words, 1.5 times the floor of a copy. Getting to $2N$ needs the single-pass look-back
-# scan mentioned above.
+# So $3N$ words, 1.5 times the floor of a copy, in three launches whatever the length. Pass 2 is
+# tiny: one program per row walks that row's totals in chunks, carrying the running sum from one
+# chunk to the next, so the totals are never scanned recursively. (The first GPU run of this
+# chapter used the recursion of `cumsum_three_phase` here: up to five launches for $2^{25}$ values.
+# Each Triton launch costs the host some 15 to 20 microseconds of Python (that run timed a one-launch
+# scan of 1024 values at 22 us, against 7 us for `torch.cumsum`), and the benchmark below shows that
+# this overhead, not the GPU, is what a user waits for at small and medium sizes.)
 #
 # The exported kernels also handle batches: the input is viewed as $R$ rows of length $N$ (the
 # scanned dimension moved last and made contiguous), the program id numbers (row, block) pairs, and
-# offsets into the rows are 64-bit so that $R \cdot N$ may exceed $2^{31}$. Pass 3 walks the blocks
-# from the *end* of the tensor: pass 1 finished there, so with luck the tail of $x$ is still in the
-# GPU's L2 cache (50 MB on an H200) when pass 3 starts. Any order is correct, since pass 3's
-# programs are independent.
+# offsets into the rows are 64-bit so that $R \cdot N$ may exceed $2^{31}$. Pass 3 can walk the
+# blocks from the *end* of the tensor (`REVERSE`): pass 1 finished there, so part of the tail of
+# $x$ may still be in the GPU's L2 cache (50 MB on an H200) when pass 3 starts. Any order is
+# correct, since pass 3's programs are independent; `benchmarks/bench_cumsum.py` measures both.
 #
 # Rows short enough for one block need only pass 3 (no carries), in one launch; then each program
 # takes a tile of several short rows, so that a batch of many short rows does not become millions
@@ -431,12 +438,25 @@ def block_totals_kernel(X, T, N, NUM_BLOCKS, BLOCK: tl.constexpr, FP64: tl.const
 
 
 @triton.jit
+def scan_totals_kernel(T, NUM_BLOCKS, CHUNK: tl.constexpr):
+    """Pass 2: replace row r of T (R x NUM_BLOCKS) by its inclusive scan, CHUNK totals at a time.
+    One program per row; `carry` is the sum of the chunks already done."""
+    ROW = T + tl.program_id(0).to(tl.int64) * NUM_BLOCKS
+    carry = tl.zeros((), T.dtype.element_ty)
+    for start in range(0, NUM_BLOCKS, CHUNK):
+        cols = start + tl.arange(0, CHUNK)                                      # CHUNK
+        totals = tl.load(ROW + cols, mask=cols < NUM_BLOCKS, other=0.0)
+        tl.store(ROW + cols, carry + tl.associative_scan(totals, 0, add_combine), mask=cols < NUM_BLOCKS)
+        carry += tl.sum(totals, axis=0)
+
+
+@triton.jit
 def scan_tiles_kernel(X, S, Y, R, N, NUM_BLOCKS,
-                      ROWS: tl.constexpr, BLOCK: tl.constexpr, FP64: tl.constexpr):
+                      ROWS: tl.constexpr, BLOCK: tl.constexpr, FP64: tl.constexpr, REVERSE: tl.constexpr):
     """Pass 3 (scan): scan a ROWS x BLOCK tile of X along its rows, add each row's carry S[r, b-1]
     (S: R x NUM_BLOCKS, the inclusive scan of the block totals; not read when NUM_BLOCKS == 1),
-    and write the tile to Y in Y's dtype.  X, Y: R x N."""
-    pid = tl.num_programs(0) - 1 - tl.program_id(0)         # last tile first: pass 1 left it in L2
+    and write the tile to Y in Y's dtype.  X, Y: R x N.  REVERSE: last tile first."""
+    pid = tl.num_programs(0) - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)
     b = pid % NUM_BLOCKS
     rows = (pid // NUM_BLOCKS) * ROWS + tl.arange(0, ROWS)[:, None]             # ROWS x 1
     cols = b * BLOCK + tl.arange(0, BLOCK)[None, :]                             # 1 x BLOCK
@@ -448,14 +468,200 @@ def scan_tiles_kernel(X, S, Y, R, N, NUM_BLOCKS,
     tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
 
 # %% [markdown]
-# The launcher picks the block size: up to 4096 elements with 8 warps (16 per thread) on a GPU, so
-# that pass 1 and pass 3 stream long contiguous runs; up to 1024 under the interpreter, whose cost
-# grows with the number of programs. `max_block` can be lowered (tests do, to exercise the
-# recursion on short inputs); it must be a power of two, since it becomes a `tl.arange` length.
+# ## One pass: decoupled look-back, $2N$ words
+#
+# Reduce-then-scan still reads $x$ twice. To read it once, the program that holds block $b$ in
+# registers must learn its carry $C_b = \sum_{b'<b} T_{b'}$ *during the same launch*, from the
+# programs that hold the earlier blocks. The chained kernel above showed the two dangers: waiting
+# for a program that has not started can deadlock, and reading a value that has not been written
+# yet gives garbage. Merrill and Garland's *decoupled look-back* (2016, the algorithm behind CUB's
+# and `torch.cumsum`'s device scans) removes both.
+#
+# **A ticket instead of the program id.** The first thing every program does is
+# `tile = atomic_add(counter, 1)`: tiles are numbered in the order in which programs *start*, not
+# in the order of their ids (which CUDA does not promise to follow). So when tile $t$ waits for
+# tile $t-1$, that tile belongs to a program that is already running on some multiprocessor, and,
+# as we will see, it publishes its first result without waiting for anyone. A wait can be long, but
+# never forever: no deadlock, whatever order the hardware picks.
+#
+# **Publish early, in a state word per tile.** Each tile $t$ owns a state word that moves only
+# forward: EMPTY $\to$ (AGGREGATE, $T_t$) $\to$ (PREFIX, $S_t$), where $T_t$ is the total of its own
+# block and $S_t = \sum_{t' \le t} T_{t'}$ its inclusive prefix. A tile publishes its aggregate as
+# soon as it has loaded its block, before it looks at anyone else (tile 0, which has no
+# predecessors, publishes its prefix straight away).
+#
+# **Look back.** Tile $t$ then walks backwards, $t-1, t-2, \dots$, adding up aggregates until it
+# meets a prefix $S_j$:
+#
+# $$C_t = S_j + \sum_{j < k < t} T_k,$$
+#
+# spinning on a predecessor whose word is still EMPTY. It publishes (PREFIX, $C_t + T_t$), adds
+# $C_t$ to its scanned block and writes $y$: $x$ is read once and $y$ written once, $2N$ words plus
+# two 64-bit words per tile. *Decoupled* means a tile need not wait for its predecessor's prefix
+# (which would chain all tiles into one serial line); aggregates appear as soon as blocks are
+# loaded, and prefixes of older tiles are usually found a few steps back. Our look-back inspects
+# `WINDOW` predecessors at once, with one vector load: it finds the newest PREFIX in the window, and
+# uses the window only if every word newer than that is already non-empty (otherwise it loads the
+# same window again). Tiles past the start of the tile's row read as (PREFIX, 0), so a look-back
+# stops at its row's start by itself.
+#
+# **Memory ordering: why this is correct on a GPU.** A GPU's memory model is weak: two stores by one
+# program may become visible to another multiprocessor in the opposite order, and an ordinary load
+# in a loop may be served from the multiprocessor's own (non-coherent) L1 cache, or hoisted out of
+# the loop by the compiler, and never see the new value. Had we kept the flag and the value in two
+# separate words, a reader could see the flag AGGREGATE together with the *old* value 0 of the other
+# word. The textbook fix is a *release* store of the flag after the value and an *acquire* load of
+# the flag before the value. We sidestep it: the flag (high 32 bits) and the float32 bits of the
+# value (low 32 bits) share **one int64 word**, written by one 64-bit atomic exchange and read by
+# 64-bit loads. A naturally aligned 64-bit access is indivisible, so a reader sees the old word or
+# the new one, never half of each; and every value a word ever holds is final for its flag. Since
+# the programs share nothing else (each writes only its own part of $y$), no ordering between
+# *different* addresses is needed, and the atomics can be `sem="relaxed"`. The look-back reads with
+# `tl.load(..., volatile=True)`, which becomes PTX `ld.volatile` (a relaxed load in PTX's memory
+# model): it is issued again on every trip round the loop and reads the coherent copy in L2, where
+# the atomics are performed. The counter and the state words are zeroed by one `torch.zeros` before
+# the launch, and the launch boundary orders that memset before every program.
+#
+# Two consequences. Float64 sums do not fit next to a flag in 64 bits, so float64 inputs take the
+# reduce-then-scan path. And the CPU interpreter cannot test any of this: it runs the programs one
+# after another in ticket order, so every look-back finds a PREFIX at $t-1$ on the first try, and
+# the ordering never matters. The CPU tests check the arithmetic, the indexing and (below) the
+# look-back on hand-made snapshots of the state words; only many GPU runs with fresh data can catch
+# a race (`benchmarks/bench_cumsum.py` does that).
 
 # %%
 #| export
-MAX_BLOCK = 4096 if ON_GPU else 1024
+AGGREGATE = tl.constexpr(1)      # state word flags (high 32 bits); 0 means EMPTY
+PREFIX = tl.constexpr(2)
+
+
+@triton.jit
+def pack_state(flag, value):
+    """One int64 state word: the flag in the high 32 bits, the float32 bits of value in the low 32."""
+    return (flag.to(tl.int64) << 32) | value.to(tl.uint32, bitcast=True).to(tl.int64)
+
+
+@triton.jit
+def state_value(word):
+    """The float32 value stored in the low 32 bits of a state word."""
+    return (word & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def look_back(STATE, tile, first, WINDOW: tl.constexpr):
+    """The exclusive prefix of `tile`: the sum of the blocks of tiles first .. tile-1 (its row's
+    earlier tiles), read from their state words WINDOW at a time, newest first.  STATE: one int64 word
+    per tile; words of tiles before `first` are treated as (PREFIX, 0)."""
+    lanes = tl.arange(0, WINDOW)                                                # WINDOW
+    newest = tile - 1                                                           # newest tile not yet added
+    exclusive = tl.zeros((), tl.float32)
+    while newest >= first:
+        tiles = newest - lanes                                                  # WINDOW, newest first
+        word = tl.load(STATE + tiles, mask=tiles >= first, other=PREFIX << 32, volatile=True)
+        flag = word >> 32
+        stop = tl.min(tl.where(flag == PREFIX, lanes, WINDOW))                 # newest PREFIX, WINDOW if none
+        ready = tl.sum(((lanes < stop) & (flag == 0)).to(tl.int32)) == 0        # none newer than it EMPTY
+        window_sum = tl.sum(tl.where(lanes <= stop, state_value(word), 0.0))
+        exclusive = tl.where(ready, exclusive + window_sum, exclusive)
+        newest = tl.where(ready, tl.where(stop < WINDOW, first - 1, newest - WINDOW), newest)
+    return exclusive
+
+
+@triton.jit
+def lookback_scan_kernel(X, Y, STATE, N, NUM_BLOCKS, BLOCK: tl.constexpr, WINDOW: tl.constexpr):
+    """Single-pass scan of the rows of X into Y.  X, Y: R x N, blocks of BLOCK values, NUM_BLOCKS per row;
+    STATE: 1 + R * NUM_BLOCKS zeros (int64): STATE[0] hands out tickets, STATE[1 + t] is tile t's word."""
+    tile = tl.atomic_add(STATE, 1, sem="relaxed")                               # tickets in start order
+    b = tile % NUM_BLOCKS
+    cols = b * BLOCK + tl.arange(0, BLOCK)                                      # BLOCK
+    offsets = (tile // NUM_BLOCKS) * N + cols                                   # BLOCK, int64
+    x = tl.load(X + offsets, mask=cols < N, other=0.0).to(tl.float32)
+    aggregate = tl.sum(x, axis=0)
+    tl.atomic_xchg(STATE + 1 + tile, pack_state(tl.where(b == 0, PREFIX, AGGREGATE), aggregate), sem="relaxed")
+    y = tl.associative_scan(x, 0, add_combine)                                  # BLOCK, while others publish
+    exclusive = look_back(STATE + 1, tile, tile - b, WINDOW)
+    tl.atomic_xchg(STATE + 1 + tile, pack_state(tl.full((), PREFIX, tl.int32), exclusive + aggregate),
+                   mask=b > 0, sem="relaxed")
+    tl.store(Y + offsets, (y + exclusive).to(Y.dtype.element_ty), mask=cols < N)
+
+# %% [markdown]
+# The interpreter cannot show a look-back that has to walk, but we can hand `look_back` a snapshot
+# of state words as a GPU might leave them mid-flight: tile 37 of a row whose only PREFIX so far is
+# tile 5, with aggregates in between (so a window of 4 must walk eight windows back), and a second
+# row that starts at tile 20 and has no PREFIX yet at all (so the row start must stop the walk).
+# The words are built in PyTorch with the same bit layout as `pack_state`.
+
+# %%
+def pack_words(flags: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """State words as pack_state writes them: flag << 32 | float32 bits of value."""
+    bits = values.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return flags.to(torch.int64) << 32 | bits
+
+
+@triton.jit
+def look_back_probe_kernel(STATE, OUT, TILE, FIRST, WINDOW: tl.constexpr):
+    tl.store(OUT, look_back(STATE, TILE, FIRST, WINDOW))
+
+
+def probe_look_back(words: torch.Tensor, tile: int, first: int, window: int) -> float:
+    out = torch.empty(1, device=DEVICE)
+    look_back_probe_kernel[(1,)](words.to(DEVICE), out, tile, first, WINDOW=window)
+    return out.item()
+
+
+torch.manual_seed(8)
+block_totals = torch.randint(-9, 10, (40,)).float()                     # exact in float32
+flags = torch.full((40,), 1)                                             # AGGREGATE everywhere ...
+flags[5] = 2                                                             # ... but tile 5 is a PREFIX
+values = block_totals.clone()
+values[5] = block_totals[:6].sum()                                       # S_5
+words = pack_words(flags, values)
+for window in (1, 4, 32):
+    assert probe_look_back(words, 37, 0, window) == block_totals[:37].sum().item()
+    assert probe_look_back(words, 37, 20, window) == block_totals[20:37].sum().item()
+    assert probe_look_back(words, 20, 20, window) == 0.0                # first tile of its row
+assert torch.equal(pack_words(torch.tensor([2]), torch.tensor([-1.5])), torch.tensor([(2 << 32) | 0xBFC00000]))
+print("look_back on snapshots: the walk over aggregates, the stop at a PREFIX and at the row start: ok")
+
+# %% [markdown]
+# ## The launcher
+#
+# `scan_rows` picks the path: rows of at most `block` values take one launch of `scan_tiles_kernel`;
+# longer rows take the look-back (one launch, after a memset) or reduce-then-scan (three launches).
+# The choices live in the module-level dict `CONFIG`, read on every call, so a benchmark can switch
+# algorithm, block size, warps and window without touching the code; keyword arguments override it
+# for one call (tests use tiny blocks to send short inputs through many blocks). Block sizes and
+# windows become `tl.arange` lengths, so they must be powers of two.
+
+# %%
+#| export
+ALGORITHMS = ("lookback", "reduce_then_scan")
+CONFIG = {
+    "algorithm": "lookback",                # rows longer than one block; float64 always reduce_then_scan
+    "block": 4096 if ON_GPU else 1024,      # values per program on those rows (the interpreter prefers few programs)
+    "num_warps": 8,                         # warps per program on those rows
+    "window": 32,                           # predecessors one look-back step inspects
+    "reverse": True,                        # reduce_then_scan: pass 3 starts with the last block
+}
+
+
+def is_power_of_two(value) -> bool:
+    return isinstance(value, int) and value > 0 and value & (value - 1) == 0
+
+
+def resolve_config(overrides: dict) -> dict:
+    """CONFIG with `overrides` applied, checked; raise TypeError/ValueError naming the bad key."""
+    unknown = set(overrides) - set(CONFIG)
+    if unknown:
+        raise TypeError(f"unknown scan option(s) {sorted(unknown)}; options are {sorted(CONFIG)}")
+    config = {**CONFIG, **overrides}
+    if config["algorithm"] not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {config['algorithm']!r}")
+    if not is_power_of_two(config["block"]) or config["block"] < 16:
+        raise ValueError(f"block must be a power of two >= 16, got {config['block']}")
+    if not is_power_of_two(config["window"]):
+        raise ValueError(f"window must be a power of two, got {config['window']}")
+    return config
 
 
 def warps_for(elements: int) -> int:
@@ -463,35 +669,60 @@ def warps_for(elements: int) -> int:
     return max(1, min(8, elements // 512))
 
 
-def scan_rows(x: torch.Tensor, max_block: int = MAX_BLOCK) -> torch.Tensor:
+def scan_short_rows(x: torch.Tensor, y: torch.Tensor, max_block: int) -> torch.Tensor:
+    """One launch for R x N with N <= max_block: each program scans ROWS whole rows."""
+    num_rows, n = x.shape
+    block = max(16, triton.next_power_of_2(n))
+    rows = min(max_block // block, triton.next_power_of_2(num_rows))
+    scan_tiles_kernel[(triton.cdiv(num_rows, rows),)](
+        x, y, y, num_rows, n, 1, ROWS=rows, BLOCK=block, FP64=x.dtype == torch.float64, REVERSE=False,
+        num_warps=warps_for(rows * block))
+    return y
+
+
+def scan_reduce_then_scan(x: torch.Tensor, y: torch.Tensor, config: dict) -> torch.Tensor:
+    """Three launches: block totals, their scan (one program per row), the scan of x plus carries."""
+    num_rows, n = x.shape
+    fp64, block, warps = x.dtype == torch.float64, config["block"], config["num_warps"]
+    num_blocks = triton.cdiv(n, block)
+    totals = torch.empty(num_rows, num_blocks, dtype=torch.float64 if fp64 else torch.float32, device=x.device)
+    grid = (num_rows * num_blocks,)
+    block_totals_kernel[grid](x, totals, n, num_blocks, BLOCK=block, FP64=fp64, num_warps=warps)
+    chunk = min(block, triton.next_power_of_2(num_blocks))
+    scan_totals_kernel[(num_rows,)](totals, num_blocks, CHUNK=chunk, num_warps=warps_for(chunk))
+    scan_tiles_kernel[grid](x, totals, y, num_rows, n, num_blocks,
+                            ROWS=1, BLOCK=block, FP64=fp64, REVERSE=config["reverse"], num_warps=warps)
+    return y
+
+
+def scan_lookback(x: torch.Tensor, y: torch.Tensor, config: dict) -> torch.Tensor:
+    """One launch (after a memset): the decoupled look-back scan, float32 accumulation."""
+    num_rows, n = x.shape
+    num_blocks = triton.cdiv(n, config["block"])
+    state = torch.zeros(1 + num_rows * num_blocks, dtype=torch.int64, device=x.device)   # ticket, words
+    lookback_scan_kernel[(num_rows * num_blocks,)](x, y, state, n, num_blocks, BLOCK=config["block"],
+                                                   WINDOW=config["window"], num_warps=config["num_warps"])
+    return y
+
+
+def scan_rows(x: torch.Tensor, **overrides) -> torch.Tensor:
     """Inclusive cumulative sum of each row of a contiguous R x N tensor, returned in x's dtype.
 
-    Accumulates in float32 (float64 for float64 input). Rows of at most `max_block` values take one
-    launch; longer rows take pass 1, a recursive scan of the block totals, and pass 3."""
-    if max_block < 16 or max_block & (max_block - 1):
-        raise ValueError(f"max_block must be a power of two >= 16, got {max_block}")
-    num_rows, n = x.shape
+    Accumulates in float32 (float64 for float64 input). The path and its parameters come from CONFIG,
+    with `overrides` (algorithm, block, num_warps, window, reverse) applied for this call."""
+    config = resolve_config(overrides)
     y = torch.empty_like(x)
     if x.numel() == 0:
         return y
-    fp64 = x.dtype == torch.float64
-    block = min(max_block, max(16, triton.next_power_of_2(n)))
-    num_blocks = triton.cdiv(n, block)
-    if num_blocks == 1:
-        rows = min(max_block // block, triton.next_power_of_2(num_rows))
-        scan_tiles_kernel[(triton.cdiv(num_rows, rows),)](
-            x, y, y, num_rows, n, 1, ROWS=rows, BLOCK=block, FP64=fp64, num_warps=warps_for(rows * block))
-        return y
-    totals = torch.empty(num_rows, num_blocks, dtype=torch.float64 if fp64 else torch.float32, device=x.device)
-    grid = (num_rows * num_blocks,)
-    block_totals_kernel[grid](x, totals, n, num_blocks, BLOCK=block, FP64=fp64, num_warps=warps_for(block))
-    inclusive_totals = scan_rows(totals, max_block)                              # R x NUM_BLOCKS
-    scan_tiles_kernel[grid](x, inclusive_totals, y, num_rows, n, num_blocks,
-                            ROWS=1, BLOCK=block, FP64=fp64, num_warps=warps_for(block))
-    return y
+    if x.shape[1] <= config["block"]:
+        return scan_short_rows(x, y, config["block"])
+    if config["algorithm"] == "lookback" and x.dtype != torch.float64:
+        return scan_lookback(x, y, config)
+    return scan_reduce_then_scan(x, y, config)
 
 # %% [markdown]
-# The public function: validate, move `dim` last, view as rows, scan, move it back. The gradient of
+# The public function: validate, move `dim` last, view as rows, scan, move it back (for a
+# contiguous tensor scanned along its last dimension all of this is a free view). The gradient of
 # a cumulative sum is the *reverse* cumulative sum of the incoming gradient,
 # $\partial L/\partial x_j = \sum_{i \ge j} \partial L / \partial y_i$, so autograd support is a flip, the
 # same scan, and a flip back.
@@ -507,11 +738,11 @@ def check_dim(dim, ndim: int) -> int:
     return dim % ndim
 
 
-def cumsum_along(x: torch.Tensor, dim: int, max_block: int = MAX_BLOCK) -> torch.Tensor:
+def cumsum_along(x: torch.Tensor, dim: int) -> torch.Tensor:
     """The scan itself, without checks or autograd: dim moved last, rows made contiguous."""
     moved = x.movedim(dim, -1).contiguous()                               # ... x N
     rows = moved.view(-1, moved.shape[-1])                                # R x N
-    return scan_rows(rows, max_block).view(moved.shape).movedim(-1, dim)
+    return scan_rows(rows).view(moved.shape).movedim(-1, dim)
 
 
 class CumsumFunction(torch.autograd.Function):
@@ -531,7 +762,8 @@ def cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     x: a float16, bfloat16, float32 or float64 tensor with at least one dimension, on the GPU
     (or on the CPU under Triton's interpreter). Sums are accumulated in float32 (float64 for
     float64 input) and returned in x's dtype and shape (as a view when dim is not the last
-    dimension). Differentiable. Empty tensors give an empty result."""
+    dimension). Differentiable. Empty tensors give an empty result. The algorithm for long rows
+    is chosen by the module-level CONFIG (see scan_rows)."""
     check_float_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension to scan along, got a 0-dim tensor")
@@ -546,17 +778,24 @@ def cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
 # %% [markdown]
 # ## Checking the exported `cumsum`
 #
-# The same awkward lengths and several block limits (so that 4097 values go through one, two or
-# three levels of recursion), then every dtype.
+# Both algorithms, at the awkward lengths and with blocks small enough that 4097 values make up to
+# 257 blocks (so pass 2 walks its totals in many chunks, and the look-back runs through 257 tiles),
+# then batches of rows (the look-back's tiles of one row must not look into the previous row), then
+# every dtype through the public function.
 
 # %%
 torch.manual_seed(5)
-max_blocks = (16, 128, 1024) if not ON_GPU else (256, 1024, 4096)
-print(f"{'N':>5} " + " ".join(f"{'max_block=' + str(b):>14}" for b in max_blocks))
-for n in (1, 7, 129, 1000, 4097):
-    x_rows = torch.randn(1, n, device=DEVICE)
-    errors = [assert_cumsum(scan_rows(x_rows, b), x_rows) for b in max_blocks]
-    print(f"{n:>5} " + " ".join(f"{e:>14.1e}" for e in errors))
+block_sizes = (16, 128, 1024) if not ON_GPU else (256, 1024, 4096)
+print(f"{'algorithm':>16} {'N':>5} " + " ".join(f"{'block=' + str(b):>10}" for b in block_sizes))
+for algorithm in ALGORITHMS:
+    for n in (1, 7, 129, 1000, 4097):
+        x_rows = torch.randn(1, n, device=DEVICE)
+        errors = [assert_cumsum(scan_rows(x_rows, algorithm=algorithm, block=b), x_rows) for b in block_sizes]
+        print(f"{algorithm:>16} {n:>5} " + " ".join(f"{e:>10.1e}" for e in errors))
+    x_batch = torch.randn(3, 1000, device=DEVICE) + torch.arange(3, device=DEVICE)[:, None] * 100
+    for window in (1, 4, 32):
+        assert_cumsum(scan_rows(x_batch, algorithm=algorithm, block=16, window=window), x_batch)
+print("3 rows x 1000 values in blocks of 16, windows 1, 4, 32: ok")
 
 # %%
 torch.manual_seed(6)
@@ -593,6 +832,8 @@ bad_inputs = [
     (lambda: scan_lib.cumsum(torch.tensor(1.0, device=DEVICE)), ValueError, "at least one dimension"),
     (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=2), ValueError, "dim must be in"),
     (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=1.0), TypeError, "dim must be an int"),
+    (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), block=24), ValueError, "block must be a power of two"),
+    (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), algorithm="chained"), ValueError, "algorithm must be"),
 ]
 for call, error, words in bad_inputs:
     try:
@@ -606,37 +847,77 @@ for call, error, words in bad_inputs:
 # %% [markdown]
 # ## Benchmark (GPU only)
 #
-# `scan_lib.cumsum` against `torch.cumsum` and the $4N$ three-phase scan above, on 1-D float32
-# inputs from $2^{10}$ to $2^{27}$ elements: median times from `triton.testing.do_bench`, and
-# bandwidth counted as the $2N$ words a cumulative sum must move. The memory floor is those bytes
-# divided by the copy bandwidth measured in the same cell (a 1 GiB `copy_`). Short inputs are
-# dominated by launch overhead (three launches, plus Python, for a multi-block scan); long ones
-# by bandwidth, where reduce-then-scan should land near $1.5\times$ the floor.
+# `torch.cumsum` against the look-back scan, reduce-then-scan and the $4N$ three-phase scan above, on
+# 1-D float32 inputs from $2^{10}$ to $2^{27}$ elements. Each time is the median of
+# `triton.testing.do_bench`, which flushes the L2 cache before every call and times the call with
+# CUDA events: that is what a user waits for, *including* the host's time to launch the kernels
+# whenever the GPU runs out of queued work. To see which of the two dominates, the table adds, for
+# `scan_lib.cumsum`, the GPU time alone (`do_bench_cudagraph`: a CUDA graph replays the launches
+# with no Python in between) and the host time per call (a loop of calls without synchronising,
+# timed on the CPU). The memory floor is the $2N$ words a cumulative sum must move, divided by the
+# copy bandwidth measured in the same cell (a 1 GiB `copy_`).
+#
+# What to expect: below about $2^{20}$ values the GPU needs only a few microseconds, and every
+# variant's time is host time, a few microseconds for `torch.cumsum`'s C++ launch and several times
+# that for each launch of a Triton kernel from Python; fewer launches (one for a single block, two
+# for the look-back counting its memset, three for reduce-then-scan) is the only cure there. The
+# host and the GPU overlap only partly (the L2 flush gives the host a head start on each call), so
+# host-bound medians jitter from run to run. From about $2^{23}$ values on, bandwidth dominates:
+# $2N$ words for the look-back against $3N$ for reduce-then-scan and $4N$ for the three-phase scan.
+# `benchmarks/bench_cumsum.py` checks both algorithms many times on fresh data, sweeps their block
+# size, warps and window, and prints the same split; `CONFIG` holds its defaults.
 
 # %%
-def benchmark_cumsum() -> None:
+def median_us(fn) -> float:
     from triton.testing import do_bench
-    gpu = torch.cuda.get_device_name(DEVICE)
+    return do_bench(fn, return_mode="median") * 1e3
+
+
+def graph_us(fn) -> float:
+    from triton.testing import do_bench_cudagraph
+    return do_bench_cudagraph(fn, return_mode="median") * 1e3
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """Host time per call: launches queued back to back, timed on the CPU, no synchronisation inside."""
+    import time
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+def copy_bandwidth_gbs() -> float:
     source = torch.empty(2**28, device=DEVICE)
     target = torch.empty_like(source)
-    copy_us = do_bench(lambda: target.copy_(source), return_mode="median") * 1e3
-    copy_gbs = 2 * source.numel() * 4 / copy_us / 1e3
-    del source, target
-    print(f"{gpu}: copy bandwidth {copy_gbs:.0f} GB/s (1 GiB float32 copy_)")
+    return 2 * source.numel() * 4 / median_us(lambda: target.copy_(source)) / 1e3
+
+
+def benchmark_cumsum() -> None:
+    gpu = torch.cuda.get_device_name(DEVICE)
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"{gpu}: copy bandwidth {copy_gbs:.0f} GB/s (1 GiB float32 copy_); CONFIG {CONFIG}")
     sizes = [2**k for k in range(10, 28)]
-    methods = {"torch.cumsum": lambda x: torch.cumsum(x, 0), "scan_lib.cumsum": scan_lib.cumsum,
+    methods = {"torch.cumsum": lambda x: torch.cumsum(x, 0),
+               "look-back": lambda x: scan_rows(x[None], algorithm="lookback")[0],
+               "reduce-then-scan": lambda x: scan_rows(x[None], algorithm="reduce_then_scan")[0],
                "three-phase (4N)": lambda x: cumsum_three_phase(x, 1024)}
     times = {name: [] for name in methods}
     floors = []
-    print(f"{'N':>10} {'floor us':>9} " + " ".join(f"{name + ' us':>21}" for name in methods) + f" {'ours GB/s':>9}")
+    print(f"{'N':>10} {'floor':>7} " + " ".join(f"{name:>16}" for name in methods)
+          + f" {'ours GPU-only':>13} {'ours host':>9}   (median us, float32)")
     for n in sizes:
         x = torch.randn(n, device=DEVICE)
-        assert_cumsum(scan_lib.cumsum(x), x)
         floors.append(2 * n * 4 / copy_gbs / 1e3)
         for name, fn in methods.items():
-            times[name].append(do_bench(lambda: fn(x), return_mode="median") * 1e3)
-        ours_gbs = 2 * n * 4 / times["scan_lib.cumsum"][-1] / 1e3
-        print(f"{n:>10} {floors[-1]:>9.1f} " + " ".join(f"{times[name][-1]:>21.1f}" for name in methods) + f" {ours_gbs:>9.0f}")
+            assert_cumsum(fn(x), x)
+            times[name].append(median_us(lambda: fn(x)))
+        gpu_only, host = graph_us(lambda: scan_lib.cumsum(x)), host_us(lambda: scan_lib.cumsum(x))
+        print(f"{n:>10} {floors[-1]:>7.1f} " + " ".join(f"{times[name][-1]:>16.1f}" for name in methods)
+              + f" {gpu_only:>13.1f} {host:>9.1f}")
     fig, (ax_time, ax_bw) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name, ts in times.items():
         ax_time.loglog(sizes, ts, "o-", ms=3, label=name)
@@ -662,35 +943,18 @@ else:
 #
 # (The figure is written when this notebook runs on a GPU.)
 #
-# The default `MAX_BLOCK` was chosen by the sweep below: larger blocks mean fewer programs and
-# fewer block totals, but more values per thread and fewer programs to spread over the 132
-# multiprocessors of an H200. (Warps grow with the block, `block // 512`, at most 8.)
-
-# %%
-def sweep_max_block() -> None:
-    from triton.testing import do_bench
-    x = torch.randn(1, 2**25, device=DEVICE)                           # 1 x N
-    print(f"{torch.cuda.get_device_name(DEVICE)}: scan_rows of 1 x 2^25 float32")
-    print(f"{'max_block':>9} {'warps':>5} {'median us':>9}")
-    for max_block in (1024, 2048, 4096, 8192, 16384):
-        assert_cumsum(scan_rows(x, max_block), x)
-        us = do_bench(lambda: scan_rows(x, max_block), return_mode="median") * 1e3
-        print(f"{max_block:>9} {warps_for(max_block):>5} {us:>9.1f}")
-
-
-if ON_GPU:
-    sweep_max_block()
-else:
-    print("skipped: no GPU (do_bench needs one)")
-#
 # ## Summary
 #
 # * A scan parallelises because its operator is associative: the partial results can be combined
 #   in a tree of depth $O(\log N)$ with $O(N)$ work. Non-associative operators silently break this,
 #   and the CPU interpreter does not notice.
 # * A long scan is blocks plus carries: per-block totals, a scan of the totals, and a carry added to
-#   each block, with kernel launches as the only grid-wide barriers.
-# * Memory traffic is the cost: reduce-then-scan moves $3N$ words instead of $4N$.
+#   each block. Launch boundaries are the safe grid-wide barriers; reduce-then-scan uses three and
+#   moves $3N$ words instead of $4N$.
+# * The decoupled look-back scan needs no barrier: tickets in start order rule out deadlock, a
+#   flag and a value packed into one atomically written word rule out torn reads, and the data
+#   crosses the memory bus once in each direction, $2N$ words.
+# * At small sizes the host's launch overhead, not the GPU, sets the time: count launches.
 #
 # The next chapter keeps this structure and swaps `+` for the operator of a first-order linear
 # recurrence, $h_t = a_t h_{t-1} + b_t$.

@@ -380,14 +380,32 @@ for length in [1, 7, 129, 1000]:
 # identity $(1, 0)$ carries a state through unchanged, so this "last position" may even be padding.
 #
 # The **reverse** direction, $h_t = a_t h_{t+1} + u_t$, is the same story read from the right: the
-# loop visits chunks from the last one, `tl.associative_scan(..., reverse=True)` scans each chunk from
-# its end, the state enters at the chunk's last position and leaves at its first. The combine
-# operator does not change: in a reverse scan, Triton's "left" operand is the one that comes earlier
-# *in scan order*, that is, later in memory.
+# loop visits chunks from the last one, and each chunk is scanned from its end. There are two ways to
+# scan a chunk from its end, and the kernel offers both (`REVERSED_LOADS`):
 #
-# Two details for GPUs: the loop is a `while` over a runtime length (one compiled kernel serves every
-# $L$), and loads are converted to an accumulator type, float32 for float16/bfloat16/float32 inputs and
-# float64 for float64, with the output stored back in the input's dtype.
+# - load the chunk with ascending addresses, as usual, and call
+#   `tl.associative_scan(..., reverse=True)`: the state enters at the chunk's last position and leaves
+#   at its first. The combine operator does not change: in a reverse scan, Triton's "left" operand is
+#   the one that comes earlier *in scan order*, that is, later in memory. The loads stay aligned and
+#   vectorised, but to run the scan right to left the compiled code reverses the order of the values
+#   across the threads of each warp before the scan and again after it: extra data movement between
+#   threads (warp shuffles) on every chunk;
+# - load the chunk with **descending** addresses, so that position $j$ of the block holds element
+#   $e - j$ of the row ($e$ the chunk's last element), and run the ordinary forward scan. The block is
+#   then in scan order: nothing is reversed between threads. The price is on the memory side: each
+#   warp still reads 32 neighbouring elements (coalesced), but the compiler cannot merge a thread's
+#   neighbours into one wide (vectorised) load, since they run backwards.
+#
+# Which costs less is a measurement, not an argument: `benchmarks/bench_linear_scan.py` times both on
+# a GPU. The helper `chunk_positions` gives the memory positions of the block for each case, and
+# `scan_chunk` scans in either direction.
+#
+# Three details for GPUs. The chunk loop is a `for` over a runtime number of chunks, so one compiled
+# kernel serves every $L$, and `tl.range(..., num_stages=STAGES)` lets the compiler *software-pipeline*
+# it (issue the loads of the next chunk while the current one is scanned) when `STAGES` > 1. Loads are
+# converted to an accumulator type, float32 for float16/bfloat16/float32 inputs and float64 for float64,
+# with the output stored back in the input's dtype. And each row starts at `row * L`, computed in 64-bit
+# integers: in 32 bits it would overflow past $2^{31}$ elements.
 
 # %%
 #| export
@@ -408,62 +426,84 @@ def scan_chunk(a, u, carry, REVERSE: tl.constexpr):
 
 
 @triton.jit
-def linear_scan_fwd_kernel(A, U, H0, H, L, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
-                           CHUNK: tl.constexpr, ACC: tl.constexpr):
-    # A, U, H: R x L contiguous; H0: R (read only if HAS_H0). One program per row, its chunks in order.
+def chunk_positions(k, L, CHUNK: tl.constexpr, REVERSE: tl.constexpr, REVERSED_LOADS: tl.constexpr):
+    """Memory positions (CHUNK, within the row) of the k-th chunk that a scan visits, and their mask.
+
+    Forward: chunks from the left, ascending. Reverse: chunks from the right; ascending within the
+    chunk (aligned to multiples of CHUNK), or with REVERSED_LOADS descending, so that the block is in
+    scan order (its chunks end at L - 1, L - 1 - CHUNK, ...).
+    """
+    idx = tl.arange(0, CHUNK)
+    if not REVERSE:
+        t = k * CHUNK + idx
+    elif REVERSED_LOADS:
+        t = L - 1 - k * CHUNK - idx
+    else:
+        t = ((L - 1) // CHUNK - k) * CHUNK + idx
+    return t, (t >= 0) & (t < L)
+
+
+@triton.jit
+def linear_scan_fwd_kernel(A, U, H0, H, L, REVERSE: tl.constexpr, HAS_H0: tl.constexpr, CHUNK: tl.constexpr,
+                           REVERSED_LOADS: tl.constexpr, STAGES: tl.constexpr, ACC: tl.constexpr):
+    # A, U, H: R x L contiguous; H0: R (read only if HAS_H0). One program per row, its chunks in scan order.
     row = tl.program_id(0)
     base = row.to(tl.int64) * L
-    idx = tl.arange(0, CHUNK)
     if HAS_H0:
         carry = tl.load(H0 + row).to(ACC)
     else:
         carry = tl.zeros((), ACC)
-    last_start = (L - 1) // CHUNK * CHUNK
-    done = 0
-    while done < L:
-        t = (last_start - done if REVERSE else done) + idx  # CHUNK positions of this chunk
-        mask = t < L
+    SCAN_REVERSE: tl.constexpr = REVERSE and not REVERSED_LOADS  # does the block scan run right to left?
+    for k in tl.range(0, tl.cdiv(L, CHUNK), num_stages=STAGES):
+        t, mask = chunk_positions(k, L, CHUNK, REVERSE, REVERSED_LOADS)
         a = tl.load(A + base + t, mask=mask, other=1.0).to(ACC)
         u = tl.load(U + base + t, mask=mask, other=0.0).to(ACC)
-        h, carry = scan_chunk(a, u, carry, REVERSE)
+        h, carry = scan_chunk(a, u, carry, SCAN_REVERSE)
         tl.store(H + base + t, h.to(H.dtype.element_ty), mask=mask)
-        done += CHUNK
 
 # %% [markdown]
 # The launcher works on contiguous (R, L) rows; chapter 03 builds the public, differentiable
-# `scan_lib.linear_scan` (any leading dims, input checks) on top of it. The chunk is the largest power
-# of two up to 2048 that the row needs (at least 16): large enough that the loop runs a few times
-# at most, small enough to stay in registers (4 warps give each thread 16 elements of a 2048 chunk).
+# `scan_lib.linear_scan` (any leading dims, input checks) on top of it. Its launch parameters live in
+# one module-level dict, `FWD_CONFIG`, so that a benchmark script can try others without touching the
+# code: the chunk is the largest power of two up to `max_chunk` that the row needs (at least 16), and
+# the number of warps gives each thread about `elements_per_thread` elements of it (within 1 to 16
+# warps). On the CPU interpreter only the chunk matters.
 
 # %%
 #| export
+# Launch parameters of the forward kernel (benchmarks/bench_linear_scan.py sweeps them on a GPU).
+FWD_CONFIG = {"max_chunk": 2048, "elements_per_thread": 16, "stages": 1, "reversed_loads": False}
+
+
 def accumulator_dtype(dtype: torch.dtype):
     """The type kernels compute in: float64 for float64 inputs, float32 for everything else."""
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def default_chunk(length: int) -> int:
-    """Elements per step of the chunk loop: a power of two in [16, 2048] covering the row if it can."""
-    return max(16, min(triton.next_power_of_2(max(length, 1)), 2048))
+def default_chunk(length: int, max_chunk: int = 2048) -> int:
+    """Elements per step of the chunk loop: a power of two in [16, max_chunk] covering the row if it can."""
+    return max(16, min(triton.next_power_of_2(max(length, 1)), max_chunk))
 
 
-def default_num_warps(chunk: int) -> int:
-    """Warps per program: at most 16 elements of a chunk per thread (4 warps up to 2048, then 8)."""
-    return 4 if chunk <= 2048 else 8
+def launch_options(length: int, config: dict, chunk=None) -> dict:
+    """Constexprs and launch options for a scan kernel over rows of `length` (chunk: None for the default)."""
+    chunk = chunk or default_chunk(length, config["max_chunk"])
+    num_warps = min(16, max(1, chunk // (32 * config["elements_per_thread"])))
+    return {"CHUNK": chunk, "STAGES": config["stages"], "REVERSED_LOADS": config["reversed_loads"],
+            "num_warps": num_warps}
 
 
-def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=None, num_warps=None):
+def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=None, config=None):
     """h_t = gates_t * h_{t-1} + tokens_t (reverse: h_{t+1}) for contiguous (R, L) tensors, L >= 1.
 
-    initial_state: (R,) or None for zeros. No autograd here: see scan_lib.linear_scan."""
+    initial_state: (R,) or None for zeros; config: launch parameters, FWD_CONFIG if None.
+    No autograd here: see scan_lib.linear_scan."""
     rows, length = tokens.shape
-    chunk = chunk or default_chunk(length)
-    num_warps = num_warps or default_num_warps(chunk)
     h = torch.empty_like(tokens)
     linear_scan_fwd_kernel[(rows,)](
         gates, tokens, tokens if initial_state is None else initial_state, h, length,
-        REVERSE=reverse, HAS_H0=initial_state is not None, CHUNK=chunk,
-        ACC=accumulator_dtype(tokens.dtype), num_warps=num_warps,
+        REVERSE=reverse, HAS_H0=initial_state is not None, ACC=accumulator_dtype(tokens.dtype),
+        **launch_options(length, config or FWD_CONFIG, chunk),
     )
     return h
 
@@ -471,25 +511,29 @@ def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=Non
 # ### Checks: every length, several chunk sizes, both directions, with and without an initial state
 #
 # Small chunks (16) make the loop run hundreds of times and exercise the carry; a chunk larger than
-# the row exercises the padding. Length 4097 is one past a power of two, so its last chunk holds a
-# single element.
+# the row exercises the padding. Length 4097 is one past a power of two, so one chunk holds a single
+# element. The reverse direction is checked both ways: descending loads and `reverse=True`.
 
 # %%
 torch.manual_seed(4)
 rows_check = 64 if ON_GPU else 3
-print(f"{'L':>5} {'chunk':>6} {'reverse':>8} {'init':>5} {'max abs err':>12}")
+print(f"{'L':>5} {'chunk':>6} {'reverse':>16} {'init':>5} {'max abs err':>12}")
 for length in [1, 7, 129, 1000, 4097]:
     gates_ck = torch.rand(rows_check, length, device=DEVICE)  # in [0, 1): a decaying state
     tokens_ck = torch.randn(rows_check, length, device=DEVICE)
     init_ck = torch.randn(rows_check, device=DEVICE)
-    for reverse in [False, True]:
+    for reverse, reversed_loads in [(False, False), (True, True), (True, False)]:
+        config_ck = {**FWD_CONFIG, "reversed_loads": reversed_loads}
+        how = ("descending loads" if reversed_loads else "reverse=True") if reverse else "no"
         for init in [None, init_ck]:
             expected_ck = linear_scan_loop(gates_ck, tokens_ck, init, reverse)
             for chunk in [16, 128, 1024]:
-                h_ck = linear_scan_rows(gates_ck, tokens_ck, init, reverse=reverse, chunk=chunk)
+                h_ck = linear_scan_rows(gates_ck, tokens_ck, init, reverse=reverse, chunk=chunk, config=config_ck)
                 err = (h_ck.double() - expected_ck).abs().max().item()
-                assert err < 1e-4, (length, chunk, reverse, init is not None, err)
-                print(f"{length:5} {chunk:6} {str(reverse):>8} {'yes' if init is not None else 'no':>5} {err:12.2e}")
+                assert err < 1e-4, (length, chunk, reverse, reversed_loads, init is not None, err)
+                if chunk == 16 and init is not None:
+                    print(f"{length:5} {chunk:6} {how:>16} {'yes' if init is not None else 'no':>5} {err:12.2e}")
+print("every length, chunk, direction and initial state: max abs err < 1e-4")
 
 # %% [markdown]
 # Low precision: float16 and bfloat16 inputs are scanned in float32 and rounded once on the way out,
@@ -568,8 +612,9 @@ plt.close(fig)
 #   $(a_p, b_p) \bullet (a_q, b_q) = (a_p a_q,\ a_q b_p + b_q)$, associative because it is a product of
 #   $2\times2$ matrices; a property test in plain PyTorch confirms it and rejects a plausible wrong one
 #   that the interpreter's left-to-right fold would have accepted.
-# - `scan_lib.ema` exports `first_order_op`, `scan_chunk`, `linear_scan_fwd_kernel` and the launcher
-#   `linear_scan_rows`: one program per row, chunks in order, the state carried in a register and folded
-#   into each chunk's first pair; initial state and reverse direction included.
+# - `scan_lib.ema` exports `first_order_op`, `scan_chunk`, `chunk_positions`, `linear_scan_fwd_kernel`
+#   and the launcher `linear_scan_rows` with its launch parameters `FWD_CONFIG`: one program per row,
+#   chunks in order, the state carried in a register and folded into each chunk's first pair in scan
+#   order; initial state and reverse direction (by descending loads or by `reverse=True`) included.
 # - Chapter 03 derives the gradients, finds that the backward pass is the same scan run the other way,
 #   and wraps both into the differentiable `scan_lib.linear_scan`, with a GPU benchmark.

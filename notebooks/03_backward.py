@@ -42,12 +42,14 @@ print(scan_lib.runtime.describe())
 #| default_exp linear_scan
 
 # %%
+import sys
+
 import matplotlib.pyplot as plt
 import torch
 import triton
 import triton.language as tl
 
-from scan_lib.ema import linear_scan_rows, scan_chunk
+from scan_lib.ema import FWD_CONFIG, linear_scan_rows, scan_chunk
 from scan_lib.runtime import save_figure
 
 # %% [markdown]
@@ -252,8 +254,8 @@ for length in [1, 7, 129, 1000, 4097]:
 #
 # The forward kernel of chapter 02 walks a row's chunks left to right with the state in a register.
 # The backward kernel walks them **right to left** with the adjoint state $\delta$ in a register,
-# folded into each chunk's last pair exactly as the forward folds $h$ into the first: it is the same
-# `scan_chunk`, called with `REVERSE` flipped. States flow both ways: $\delta$ from the right through
+# folded into the first pair of each chunk *in the adjoint's scan order* (its last in memory) exactly
+# as the forward folds $h$ into the first: it is the same `scan_chunk`, run in the other direction. States flow both ways: $\delta$ from the right through
 # the loop, $h$ from the left through memory.
 #
 # **What is stored, what is recomputed.** $\partial a_t = h_{t-1}\delta_t$ needs the forward states. Two
@@ -277,6 +279,13 @@ for length in [1, 7, 129, 1000, 4097]:
 # the adjoint state left over after the last chunk, times one gate. In the padding we load the
 # identity pair $(1, 0)$ so that the adjoint state passes through it unchanged whichever end the
 # padding sits at.
+#
+# The kernel reuses chapter 02's machinery: `chunk_positions` walks the chunks in the adjoint's order
+# (for the usual forward scan, from the right: either with descending loads, the block then in scan
+# order, or with ascending loads and `reverse=True`), and `scan_chunk` scans them. All three loads are
+# issued at the top of the loop body, before the scan, so that their memory latencies overlap. Its
+# launch parameters are a dict of their own, `BWD_CONFIG`: the backward moves 5 tensors where the
+# forward moves 3, so its best chunk, warps and loads need not be the forward's.
 
 # %%
 #| export
@@ -288,82 +297,62 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from scan_lib.ema import accumulator_dtype, default_chunk, default_num_warps, linear_scan_rows, scan_chunk
+from scan_lib.ema import accumulator_dtype, chunk_positions, launch_options, linear_scan_rows, scan_chunk
 from scan_lib.runtime import check_float_tensor, check_same_device
+
+# Launch parameters of the backward kernel (benchmarks/bench_linear_scan.py sweeps them on a GPU).
+BWD_CONFIG = {"max_chunk": 2048, "elements_per_thread": 16, "stages": 1, "reversed_loads": False}
 
 
 @triton.jit
 def linear_scan_bwd_kernel(A, H, H0, G, DA, DU, DH0, L, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
-                           CHUNK: tl.constexpr, ACC: tl.constexpr):
+                           CHUNK: tl.constexpr, REVERSED_LOADS: tl.constexpr, STAGES: tl.constexpr,
+                           ACC: tl.constexpr):
     # A, H (the forward output), G (dL/dh), DA, DU: R x L contiguous; H0, DH0: R (used only if HAS_H0).
-    # One program per row, walking its chunks against the direction of the forward scan.
+    # One program per row, walking its chunks in the adjoint's order: against the forward scan.
     row = tl.program_id(0)
     base = row.to(tl.int64) * L
-    idx = tl.arange(0, CHUNK)
     if HAS_H0:
         h_init = tl.load(H0 + row).to(ACC)
     else:
         h_init = tl.zeros((), ACC)
     delta_carry = tl.zeros((), ACC)
-    last_start = (L - 1) // CHUNK * CHUNK
-    done = 0
-    while done < L:
-        t = (done if REVERSE else last_start - done) + idx  # CHUNK positions of this chunk
-        mask = t < L
-        later = t - 1 if REVERSE else t + 1  # the step after t in the forward scan
-        earlier = t + 1 if REVERSE else t - 1  # the step before t
-        a_later = tl.load(A + base + later, mask=mask & (later >= 0) & (later < L), other=0.0).to(ACC)
-        a_later = tl.where(mask, a_later, 1.0)  # identity pairs in the padding
-        g = tl.load(G + base + t, mask=mask, other=0.0).to(ACC)
-        delta, delta_carry = scan_chunk(a_later, g, delta_carry, not REVERSE)
+    ADJOINT_REVERSE: tl.constexpr = not REVERSE
+    SCAN_REVERSE: tl.constexpr = ADJOINT_REVERSE and not REVERSED_LOADS  # does the block scan run right to left?
+    STEP: tl.constexpr = -1 if REVERSE else 1  # t + STEP: the step after t in the forward scan
+    for k in tl.range(0, tl.cdiv(L, CHUNK), num_stages=STAGES):
+        t, mask = chunk_positions(k, L, CHUNK, ADJOINT_REVERSE, REVERSED_LOADS)
+        later, earlier = t + STEP, t - STEP
+        has_later = mask & (later >= 0) & (later < L)
         has_earlier = mask & (earlier >= 0) & (earlier < L)
+        a_later = tl.load(A + base + later, mask=has_later, other=0.0).to(ACC)
+        g = tl.load(G + base + t, mask=mask, other=0.0).to(ACC)
         h_earlier = tl.load(H + base + earlier, mask=has_earlier, other=0.0).to(ACC)
+        a_later = tl.where(mask, a_later, 1.0)  # identity pairs in the padding, 0 past the last step
+        delta, delta_carry = scan_chunk(a_later, g, delta_carry, SCAN_REVERSE)
         h_earlier = tl.where(has_earlier, h_earlier, h_init)
         tl.store(DU + base + t, delta.to(DU.dtype.element_ty), mask=mask)
         tl.store(DA + base + t, (h_earlier * delta).to(DA.dtype.element_ty), mask=mask)
-        done += CHUNK
     if HAS_H0:
         first = L - 1 if REVERSE else 0  # the first step of the forward scan
         a_first = tl.load(A + base + first).to(ACC)
         tl.store(DH0 + row, (a_first * delta_carry).to(DH0.dtype.element_ty))
 
 
-def linear_scan_rows_backward(gates, h, grad_h, initial_state=None, reverse=False, chunk=None, num_warps=None):
-    """(d_gates, d_tokens, d_initial_state or None) for contiguous (R, L) tensors, L >= 1."""
+def linear_scan_rows_backward(gates, h, grad_h, initial_state=None, reverse=False, chunk=None, config=None):
+    """(d_gates, d_tokens, d_initial_state or None) for contiguous (R, L) tensors, L >= 1.
+
+    config: launch parameters, BWD_CONFIG if None."""
     rows, length = h.shape
-    chunk = chunk or default_chunk(length)
-    num_warps = num_warps or default_num_warps(chunk)
     d_gates, d_tokens = torch.empty_like(gates), torch.empty_like(h)
     d_init = None if initial_state is None else torch.empty_like(initial_state)
     linear_scan_bwd_kernel[(rows,)](
         gates, h, h if initial_state is None else initial_state, grad_h, d_gates, d_tokens,
         h if d_init is None else d_init, length, REVERSE=reverse, HAS_H0=initial_state is not None,
-        CHUNK=chunk, ACC=accumulator_dtype(h.dtype), num_warps=num_warps,
+        ACC=accumulator_dtype(h.dtype), **launch_options(length, config or BWD_CONFIG, chunk),
     )
     return d_gates, d_tokens, d_init
 
-# %% [markdown]
-# ## 5. Autograd and the public function
-#
-# `torch.autograd.Function` ties the two kernels together: `forward` flattens the leading dims into
-# rows, runs the forward kernel and saves the gates, the output and the initial state; `backward`
-# runs the backward kernel. `linear_scan` checks its inputs first, so that a mistake gets a message
-# naming the argument instead of a crash inside a kernel.
-#
-# Its contract:
-#
-# - `gates`, `tokens`: the same shape (..., L) (no broadcasting), the same floating dtype, one
-#   device; scanned along the last dim. Non-contiguous inputs are copied to contiguous ones.
-# - `initial_state`: shape (...) (the leading dims), the same dtype, or `None` for zeros.
-# - `reverse=True` scans from the end: $h_t = a_t h_{t+1} + u_t$ and `initial_state` is $h_L$.
-# - Returns $h$ with the shape and dtype of `tokens`; float16/bfloat16/float32 are computed in float32,
-#   float64 in float64. Gradients flow to all three tensors (first order only).
-# - $L = 0$ (or no rows) is allowed: the result is empty and the gradients are zeros.
-# - `chunk` (keyword only, a power of two $\ge 16$) overrides the chunk size; the tests use it to
-#   exercise the carry, the benchmark to tune.
-
-# %%
-#| export
 class LinearScanFunction(torch.autograd.Function):
     """Autograd for linear_scan on already-checked inputs."""
 
@@ -469,6 +458,29 @@ for length in [1, 7, 129, 1000, 4097]:
 print("without an initial state: y, dx, da, db, dc also match at every length, direction and chunk")
 
 # %% [markdown]
+# The loop above ran the backward kernel with its default launch parameters `BWD_CONFIG`. The other
+# way of running the adjoint against the memory order (descending loads instead of `reverse=True`,
+# or the reverse) must give the same gradients:
+
+# %%
+bwd_config = sys.modules["scan_lib.linear_scan"].BWD_CONFIG  # the module's dict (scan_lib.linear_scan is the function)
+default_bwd_config = dict(bwd_config)
+bwd_config["reversed_loads"] = not default_bwd_config["reversed_loads"]
+try:
+    for length in [129, 4097]:
+        x, b, c, dy = (torch.randn(rows_full, length, dtype=torch.float64, device=DEVICE) for _ in range(4))
+        a = torch.rand(rows_full, length, dtype=torch.float64, device=DEVICE)
+        h0 = torch.randn(rows_full, dtype=torch.float64, device=DEVICE)
+        for reverse in [False, True]:
+            expected = reference_grads(x, a, b, c, h0, dy, reverse)
+            got = ssm_with_linear_scan(x, a, b, c, h0, dy, reverse, 128)
+            errors = [(g.cpu() - e.cpu()).abs().max().item() for g, e in zip(got, expected)]
+            assert max(errors) < 1e-9, (length, reverse, dict(zip(names, errors)))
+finally:
+    bwd_config.update(default_bwd_config)
+print(f"backward with reversed_loads={not default_bwd_config['reversed_loads']}: all gradients match at L = 129 and 4097")
+
+# %% [markdown]
 # `torch.autograd.gradcheck` compares our backward with finite differences of our own forward, in
 # float64, on small shapes with extra leading dims and a non-contiguous input. On the CPU we use its
 # `fast_mode` (it checks the Jacobian along random directions instead of column by column: hundreds
@@ -553,19 +565,22 @@ print("L = 0: empty result, empty gradients: ok")
 #   and the incoming gradient and writes $\partial$gates and $\partial$tokens: **8 tensors** (1 GiB).
 #   The shifted second read of the gates is counted once: it should come from the cache.
 #
-# We compare with accelerated-scan's Triton kernel (`accelerated_scan.triton.scan(gates, tokens)`, same
-# recurrence, (B, C, T) tensors with T a power of two) when it is installed, and try a few chunk sizes
-# of ours. Times are medians of `triton.testing.do_bench`; fwd+bwd uses `torch.autograd.grad` so no
-# `.grad` accumulation is timed.
+# We compare with accelerated-scan's Triton kernel (`from accelerated_scan.scalar import scan`, or
+# `accelerated_scan.triton` in other versions: `scan(gates, tokens)`, same recurrence, contiguous
+# (B, C, T) tensors) when it is installed. Its structure is the one of our round-one kernel: one
+# program per row, chunks of 2048, the adjoint scanned with `reverse=True` over ascending loads, the
+# shifted gates and states read by a second, offset load. Ours is timed with the default launch
+# parameters (`FWD_CONFIG`, `BWD_CONFIG`) and with the other way of running the adjoint backwards
+# (descending loads); `benchmarks/bench_linear_scan.py` sweeps all the parameters. Times are medians
+# of `triton.testing.do_bench`; fwd+bwd uses `torch.autograd.grad` so no `.grad` accumulation is timed.
 
 # %%
 if not ON_GPU:
     print("skipped: needs a GPU")
 else:
-    import functools
-
     from triton.testing import do_bench
 
+    backward_config = sys.modules["scan_lib.linear_scan"].BWD_CONFIG  # the module's dict (scan_lib.linear_scan is the function)
     torch.manual_seed(6)
     shape_bench = (8, 1024, 4096)
     gates_b = (0.5 + 0.5 * torch.rand(shape_bench, device=DEVICE)).requires_grad_()
@@ -580,36 +595,49 @@ else:
     del copy_src, copy_dst
     floors_us = {"fwd": 3 * tensor_bytes / bandwidth * 1e6, "fwd+bwd": 8 * tensor_bytes / bandwidth * 1e6}
 
-    scans = {"ours (default)": linear_scan}
-    scans.update({f"ours, chunk {chunk}": functools.partial(linear_scan, chunk=chunk) for chunk in (1024, 4096)})
+    # name -> (scan function, backward launch parameters or None for a third-party scan)
+    scans = {"ours (default)": (linear_scan, dict(backward_config)),
+             f"ours, backward with {'reverse=True' if backward_config['reversed_loads'] else 'descending loads'}":
+                 (linear_scan, {**backward_config, "reversed_loads": not backward_config["reversed_loads"]})}
     try:
-        from accelerated_scan.triton import scan as accelerated_scan_triton
-        scans["accelerated-scan (Triton)"] = accelerated_scan_triton
+        from accelerated_scan.scalar import scan as accelerated_scan_triton
     except ImportError:
-        print("skipped accelerated-scan: accelerated_scan is not importable (pip install accelerated-scan)")
+        try:
+            from accelerated_scan.triton import scan as accelerated_scan_triton
+        except ImportError:
+            accelerated_scan_triton = None
+            print("skipped accelerated-scan: accelerated_scan is not importable (pip install accelerated-scan)")
+    if accelerated_scan_triton is not None:
+        scans["accelerated-scan (Triton)"] = (accelerated_scan_triton, None)
+
+    def grads_of(scan):
+        return torch.autograd.grad(scan(gates_b, tokens_b), (gates_b, tokens_b), grad_b)
 
     # correctness at full size first: every variant against our float64 scan of the same inputs
-    with torch.no_grad():
-        h_ref = linear_scan(gates_b.double(), tokens_b.double())
-    for name, scan in scans.items():
-        with torch.no_grad():
-            err = (scan(gates_b, tokens_b).double() - h_ref).abs().max().item()
-        assert err < 1e-3, (name, err)
-    del h_ref
-
+    leaves64 = [gates_b.detach().double().requires_grad_(), tokens_b.detach().double().requires_grad_()]
+    h64 = linear_scan(*leaves64)
+    expected_b = [h64.detach(), *torch.autograd.grad(h64, leaves64, grad_b.double())]
+    del h64, leaves64
+    default_config = dict(backward_config)
     times_us = {}
-    for name, scan in scans.items():
+    for name, (scan, config) in scans.items():
+        backward_config.update(config or default_config)
+        got = [scan(gates_b, tokens_b).detach(), *grads_of(scan)]
+        errors = [((g.double() - e).abs().max() / e.abs().max()).item() for g, e in zip(got, expected_b)]
+        assert max(errors) < 1e-5, (name, errors)
         forward_us = do_bench(lambda: scan(gates_b, tokens_b), return_mode="median") * 1e3
-        both_us = do_bench(lambda: torch.autograd.grad(scan(gates_b, tokens_b), (gates_b, tokens_b), grad_b),
-                           return_mode="median") * 1e3
+        both_us = do_bench(lambda: grads_of(scan), return_mode="median") * 1e3
         times_us[name] = (forward_us, both_us)
+    backward_config.update(default_config)
+    del expected_b, got
 
     print(f"shapes: gates, tokens, grad {shape_bench} float32; one tensor = {tensor_bytes / 2**20:.0f} MiB")
     print(f"copy bandwidth (1 GiB copy_): {bandwidth / 1e12:.2f} TB/s")
+    print(f"FWD_CONFIG = {FWD_CONFIG}\nBWD_CONFIG = {backward_config}")
     print(f"floors: fwd 3 tensors = {floors_us['fwd']:.0f} us, fwd+bwd 8 tensors = {floors_us['fwd+bwd']:.0f} us")
-    print(f"{'':28} {'fwd us':>8} {'x floor':>8} {'fwd+bwd us':>11} {'x floor':>8}")
+    print(f"{'':40} {'fwd us':>8} {'x floor':>8} {'fwd+bwd us':>11} {'x floor':>8}")
     for name, (forward_us, both_us) in times_us.items():
-        print(f"{name:28} {forward_us:8.1f} {forward_us / floors_us['fwd']:8.2f} "
+        print(f"{name:40} {forward_us:8.1f} {forward_us / floors_us['fwd']:8.2f} "
               f"{both_us:11.1f} {both_us / floors_us['fwd+bwd']:8.2f}")
 
     fig, ax = plt.subplots(figsize=(8, 3.5))
@@ -629,10 +657,12 @@ else:
 # %% [markdown]
 # ![benchmark](../figures/linear_scan_benchmark.png)
 #
-# (The figure is written by the cell above on a GPU.) What to read in it: both passes are memory-bound,
-# so the time should sit a little above the dashed floor. The forward moves each element once each way;
-# the backward adds 5 tensors and one scan per chunk. A larger chunk means fewer trips around the loop
-# but more registers per thread; the default (2048, 4 warps) is the middle of the three.
+# (The figure is written by the cell above on a GPU.) What to read in it: both passes are memory-bound
+# in principle, so the time should sit a little above the dashed floor. The forward moves each element
+# once each way. The backward adds 5 tensors, and a scan that runs against the memory order: with
+# `reverse=True` the compiled code reverses the values across each warp's threads before and after the
+# scan; with descending loads it does not, but gives up wide loads and needs more registers per
+# thread (fewer programs fit on an SM at once). The table above says which costs less on this GPU.
 #
 # ## Summary
 #
@@ -641,7 +671,10 @@ else:
 #   $\partial h^{\text{init}} = a_0\delta_0$; with $b$ and $c$ around it, $\partial x = b\delta$, $\partial b = x\delta$,
 #   $\partial c = h\,g$.
 # - The backward kernel walks each row's chunks right to left, carrying $\delta$ in a register and
-#   reading the stored forward output one step back; one kernel serves both scan directions.
+#   reading the stored forward output one step back; one kernel serves both scan directions. It runs
+#   the adjoint against the memory order either with `reverse=True` or with descending loads; its
+#   launch parameters are `BWD_CONFIG` (the forward's, `FWD_CONFIG`), swept by
+#   `benchmarks/bench_linear_scan.py`.
 # - `scan_lib.linear_scan(gates, tokens, initial_state=None, reverse=False)` is differentiable in all
 #   three tensors; every gradient was checked against autograd in float64, at lengths 1 to 4097,
 #   chunk sizes 16 to 1024, both directions, with and without an initial state, and by `gradcheck`.

@@ -457,30 +457,44 @@ for L in [1, 7, 129, 1000]:
 #   from a zero state; adds the carried state decayed by the cumulative gate, $h_t = \bar a_{t} h_{\text{carry}} + \bar b_t$;
 #   reduces $y_t = \sum_n C_{t,n} h_{t,n}$; applies `D` and the gate; writes `out`. The last column
 #   becomes the next carry.
-# * **Boundary states** (the state entering each chunk, `(batch, dim, n_chunks, N)`) are written for the
-#   backward: `1/CHUNK` of the full state tensor.
+# * **Boundary states** (the state entering each backward chunk, `(batch, dim, n_saved, N)`) are written
+#   for the backward: `1/CHUNK_bwd` of the full state tensor. The forward may use a smaller chunk than
+#   the backward; it then writes a state only every `CHUNK_bwd / CHUNK_fwd` chunks. When no input needs a
+#   gradient (inference), it writes none at all.
 # * **The backward kernel** walks the chunks right to left with the adjoint carry $\partial\mathcal L/\partial h$
-#   in registers. For each chunk it recomputes the chunk's states from its stored boundary state,
-#   runs the adjoint as a left-to-right scan over reversed loads (section 5), and writes
-#   `du`, `d delta`, `dz` directly. `dA`, `dD`, `d delta_bias` are accumulated in registers over the
-#   whole sequence and written once per program (then summed over the batch). `dB`, `dC` are sums over
-#   the channels of a group, which live in different programs: those are added with `tl.atomic_add` into
-#   float32 buffers.
+#   in registers. For each chunk it recomputes the chunk's states from its stored boundary state
+#   (one `exp` per element), runs the adjoint as a left-to-right scan over reversed loads (section 5),
+#   and writes `du`, `d delta`, `dz` directly. The reversed tiles it needs from the recomputation,
+#   $a_t$, $a_{t+1}$ and $h_{t-1}$, are *gathered* from the forward-order tiles (`tl.gather`, one
+#   permutation each: a flip, a flip shifted by one); no second `exp` and no `tl.flip` (by default: the
+#   switch `gather_a=False` recomputes $a$ with a second `exp` instead, for the tuning script).
+#   `dA`, `dD`, `d delta_bias` are accumulated in registers over the whole sequence and written once per
+#   program (then summed over the batch). `dB`, `dC` are sums over the channels of a group, which live in
+#   different programs: those are added with `tl.atomic_add` into float32 buffers. To spread the
+#   contention (every program of a batch element adds into the same addresses), there are `bc_slots`
+#   copies of each buffer, program `pid` adds into copy `pid % bc_slots`, and the copies are summed
+#   afterwards.
 # * Channels of one block must share a group (so the block loads one `B` tile): the launcher
 #   shrinks `BLOCK_D` to a power of two dividing `dim // groups` when needed.
 # * Lengths need not be multiples of anything: positions past `L` load $\Delta = 0$, the identity step.
 #
-# The launch parameters are module-level dictionaries, so they are easy to change when tuning on a GPU.
+# The launch parameters are module-level dictionaries, so they are easy to change when tuning on a GPU
+# (`benchmarks/tune_selective_scan.py` sweeps them).
 
 # %%
 #| export
 from scan_lib.runtime import INTERPRET
 
-# Launch parameters. On a GPU: BLOCK_D channels per program, CHUNK positions per loop step, num_warps.
-# Under the CPU interpreter: small blocks, so that small tests still cross several chunks and blocks.
-GPU_FWD_CONFIG = dict(block_d=4, chunk=32, num_warps=4)
-GPU_BWD_CONFIG = dict(block_d=4, chunk=32, num_warps=4)
-CPU_CONFIG = dict(block_d=2, chunk=16, num_warps=1)
+# Launch parameters. On a GPU: BLOCK_D channels per program, CHUNK positions per loop step, num_warps,
+# num_stages (software pipelining of the chunk loop); for the backward also bc_slots (copies of the
+# dB, dC buffers that the atomics spread over) and gather_a (a_t, a_{t+1} in reversed order gathered
+# from the forward tile; False: recomputed with a second exp).
+# Under the CPU interpreter: small blocks, so that small tests still cross several chunks and blocks,
+# and a forward chunk smaller than the backward's, so that saving every k-th boundary state is exercised.
+GPU_FWD_CONFIG = dict(block_d=4, chunk=32, num_warps=4, num_stages=1)
+GPU_BWD_CONFIG = dict(block_d=4, chunk=32, num_warps=4, num_stages=1, bc_slots=8, gather_a=True)
+CPU_FWD_CONFIG = dict(block_d=2, chunk=8, num_warps=1, num_stages=1)
+CPU_BWD_CONFIG = dict(block_d=2, chunk=16, num_warps=1, num_stages=1, bc_slots=2, gather_a=True)
 
 
 @triton.jit
@@ -504,19 +518,19 @@ def _load_delta(DELTA, BIAS, offs, mask, ds, d_ok, HAS_BIAS: tl.constexpr, SOFTP
 @triton.jit
 def _chunk_states(delta, u, A_dn, B_nt, h_carry):
     """States of one chunk: BLOCK_D x N x CHUNK, from the carried state (BLOCK_D x N) and the chunk's
-    inputs delta, u (BLOCK_D x CHUNK), A (BLOCK_D x N), B (N x CHUNK). Also returns b = delta*B*u."""
+    inputs delta, u (BLOCK_D x CHUNK), A (BLOCK_D x N), B (N x CHUNK). Also returns the gates a = exp(delta*A)."""
     a, b = discretize(delta[:, None, :], A_dn[:, :, None], B_nt[None, :, :], u[:, None, :])
     a_cum, b_cum = tl.associative_scan((a, b), axis=2, combine_fn=first_order_op)
-    return a_cum * h_carry[:, :, None] + b_cum, b
+    return a_cum * h_carry[:, :, None] + b_cum, a
 
 
 @triton.jit
 def selective_scan_fwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, H0,       # b x d x L, b x d x L, d x N, b x gB x N x L, b x gC x N x L, d, b x d x L, d, b x d x N
-    OUT, STATES, LAST,                        # b x d x L, b x d x n_chunks x N, b x d x N
-    dim, L, N, n_chunks, groups_b, groups_c,
+    OUT, STATES, LAST,                        # b x d x L, b x d x n_saved x N, b x d x N
+    dim, L, N, n_chunks, n_saved, groups_b, groups_c,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr,
-    SOFTPLUS: tl.constexpr, ACC: tl.constexpr,
+    SOFTPLUS: tl.constexpr, ACC: tl.constexpr, SAVE_STATES: tl.constexpr, SAVE_EVERY: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid_b, pid_d = tl.program_id(0), tl.program_id(1)
@@ -531,22 +545,22 @@ def selective_scan_fwd_kernel(
     C_row = C + (pid_b * groups_c + pid_d * BLOCK_D // (dim // groups_c)) * N * L
     dl_row = (pid_b * dim + ds) * L                                  # BLOCK_D
     state_offs = (pid_b * dim + ds[:, None]) * N + ns[None, :]       # BLOCK_D x N
-    boundary_offs = (pid_b * dim + ds[:, None]) * n_chunks * N + ns[None, :]
+    boundary_offs = (pid_b * dim + ds[:, None]) * n_saved * N + ns[None, :]
     if HAS_H0:
         h = tl.load(H0 + state_offs, dn_ok, other=0.0).to(ACC)
     else:
         h = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
     if HAS_D:
         D_d = tl.load(D + ds, d_ok, other=0.0).to(ACC)[:, None]
-    k = 0
-    while k < n_chunks:  # a `for` over a runtime bound trips Triton 3.6's interpreter under numpy 2.4
+    for k in range(0, n_chunks):
         t = k * CHUNK + ts
         t_ok = t < L
         offs = dl_row[:, None] + t[None, :]                          # BLOCK_D x CHUNK
         mask = d_ok[:, None] & t_ok[None, :]
         nt_offs = ns[:, None] * L + t[None, :]                       # N x CHUNK
         nt_ok = n_ok[:, None] & t_ok[None, :]
-        tl.store(STATES + boundary_offs + k * N, h, dn_ok)          # the state entering chunk k
+        if SAVE_STATES:  # the state entering chunk k, when k starts a backward chunk
+            tl.store(STATES + boundary_offs + (k // SAVE_EVERY) * N, h, dn_ok & (k % SAVE_EVERY == 0))
         u = tl.load(U + offs, mask, other=0.0).to(ACC)
         delta, _ = _load_delta(DELTA, BIAS, offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
         B_nt = tl.load(B_row + nt_offs, nt_ok, other=0.0).to(ACC)
@@ -560,15 +574,16 @@ def selective_scan_fwd_kernel(
             y = y * zv * tl.sigmoid(zv)
         tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask)
         h = tl.sum(tl.where(ts[None, None, :] == CHUNK - 1, hs, 0.0), axis=2)   # last column: the carry
-        k += 1
     tl.store(LAST + state_offs, h, dn_ok)
 
 # %% [markdown]
 # The backward kernel. Per chunk, right to left: (1) reload the chunk in forward order, recompute its
-# states from the stored boundary state, and produce what needs the states in forward order ($y$ for
-# $dz$, $dC$, and $a_t h_{t-1} = h_t - b_t$, flipped); (2) reload it in reversed order and run the
-# adjoint scan from the carry $K = \partial\mathcal L/\partial h_{\text{chunk start} - 1}$ of the chunk
-# to the right; (3) combine. At the end, the carry is the gradient of the initial state.
+# states $h_t$ and gates $a_t$ from the stored boundary state, and produce what needs them in forward
+# order ($y$ for $dz$, and $dC$); (2) gather the reversed tiles $a$, $a_{t+1}$ and $h_{t-1}$ (the
+# boundary state itself at the chunk's first position, so a zero initial state gives exact zeros);
+# (3) reload the 2-D inputs in reversed order and run the adjoint scan from the carry
+# $K = \partial\mathcal L/\partial h_{\text{chunk end}}$ coming from the chunk to the right; (4) combine.
+# At the end, the carry is the gradient of the initial state.
 
 # %%
 #| export
@@ -589,13 +604,19 @@ def _gate_dz(dout, y, zv):
 
 
 @triton.jit
+def _along_time(x, index):
+    """x (BLOCK_D x N x CHUNK) gathered along time: out[..., j] = x[..., index[j]]."""
+    return tl.gather(x, tl.broadcast_to(index[None, None, :], x.shape), 2)
+
+
+@triton.jit
 def selective_scan_bwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, STATES, DOUT, DLAST,   # as in the forward; DOUT b x d x L, DLAST b x d x N
-    DU, DDELTA, DZ, DB, DC,                                 # b x d x L (x3), b x gB x N x L, b x gC x N x L (fp32 atomics)
+    DU, DDELTA, DZ, DB, DC,                                 # b x d x L (x3), slots x b x gB x N x L, slots x b x gC x N x L (fp32 atomics)
     DA_PART, DD_PART, DBIAS_PART, DH0,                      # b x d x N, b x d, b x d, b x d x N
     dim, L, N, n_chunks, groups_b, groups_c,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DLAST: tl.constexpr,
-    SOFTPLUS: tl.constexpr, ACC: tl.constexpr,
+    SOFTPLUS: tl.constexpr, ACC: tl.constexpr, GATHER_A: tl.constexpr, BC_SLOTS: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid_b, pid_d = tl.program_id(0), tl.program_id(1)
@@ -607,9 +628,16 @@ def selective_scan_bwd_kernel(
     A_dn = tl.load(A + ds[:, None] * N + ns[None, :], dn_ok, other=0.0).to(ACC)   # BLOCK_D x N
     B_off = (pid_b * groups_b + pid_d * BLOCK_D // (dim // groups_b)) * N * L
     C_off = (pid_b * groups_c + pid_d * BLOCK_D // (dim // groups_c)) * N * L
+    slot = pid_d % BC_SLOTS                                        # which copy of dB, dC this program adds into
+    DB_slot = DB + slot * tl.num_programs(0) * groups_b * N * L
+    DC_slot = DC + slot * tl.num_programs(0) * groups_c * N * L
     dl_row = (pid_b * dim + ds) * L
     state_offs = (pid_b * dim + ds[:, None]) * N + ns[None, :]
     boundary_offs = (pid_b * dim + ds[:, None]) * n_chunks * N + ns[None, :]
+    # Reversed index j of the chunk holds position CHUNK-1-j; these index the forward-order tiles.
+    flip = CHUNK - 1 - ts                                          # a_t at reversed j
+    prev = tl.maximum(CHUNK - 2 - ts, 0)                           # h_{t-1} (j = CHUNK-1: the boundary state)
+    succ = tl.minimum(CHUNK - ts, CHUNK - 1)                       # a_{t+1} (j = 0: in the carry already)
     if HAS_DLAST:
         K = tl.load(DLAST + state_offs, dn_ok, other=0.0).to(ACC)   # dL/dh after the last position
     else:
@@ -620,9 +648,9 @@ def selective_scan_bwd_kernel(
     dA_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
     dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
     dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
-    k = n_chunks - 1
-    while k >= 0:  # chunks from right to left
-        # (1) forward order: recompute states, then y, dz, dC, and a_t h_{t-1} = h_t - b_t.
+    for i in range(0, n_chunks):
+        k = n_chunks - 1 - i                                         # chunks from right to left
+        # (1) forward order: recompute states and gates, then y, dz, dC.
         t = k * CHUNK + ts
         offs = dl_row[:, None] + t[None, :]
         mask = d_ok[:, None] & (t < L)[None, :]
@@ -632,7 +660,7 @@ def selective_scan_bwd_kernel(
         delta, _ = _load_delta(DELTA, BIAS, offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
         C_nt = tl.load(C + C_off + nt_offs, nt_ok, other=0.0).to(ACC)
         h0 = tl.load(STATES + boundary_offs + k * N, dn_ok, other=0.0)
-        hs, b = _chunk_states(delta, u, A_dn, tl.load(B + B_off + nt_offs, nt_ok, other=0.0).to(ACC), h0)
+        hs, a = _chunk_states(delta, u, A_dn, tl.load(B + B_off + nt_offs, nt_ok, other=0.0).to(ACC), h0)
         y = tl.sum(hs * C_nt[None, :, :], axis=1) + D_d[:, None] * u                    # BLOCK_D x CHUNK
         dout = tl.load(DOUT + offs, mask, other=0.0).to(ACC)
         zv = u
@@ -641,29 +669,34 @@ def selective_scan_bwd_kernel(
             tl.store(DZ + offs, _gate_dz(dout, y, zv).to(DZ.dtype.element_ty), mask)
         dy = _gate_dy(dout, zv, HAS_Z)
         dD_acc += tl.sum(dy * u, axis=1)
-        tl.atomic_add(DC + C_off + nt_offs, tl.sum(hs * dy[:, None, :], axis=0), nt_ok, sem="relaxed")
-        ah = tl.flip(hs - b, 2)                                      # reversed order from here on
-        # (2) reversed order: the adjoint G_t = c_t + a_{t+1} G_{t+1} as a left-to-right scan.
-        r = k * CHUNK + (CHUNK - 1 - ts)
+        tl.atomic_add(DC_slot + C_off + nt_offs, tl.sum(hs * dy[:, None, :], axis=0), nt_ok, sem="relaxed")
+        # (2) reversed order from here on: j = 0 is the chunk's last position.
+        r = k * CHUNK + flip
         offs_r = dl_row[:, None] + r[None, :]
         mask_r = d_ok[:, None] & (r < L)[None, :]
         nr_offs = ns[:, None] * L + r[None, :]
         nr_ok = n_ok[:, None] & (r < L)[None, :]
         u_r = tl.load(U + offs_r, mask_r, other=0.0).to(ACC)
         delta_r, pre_r = _load_delta(DELTA, BIAS, offs_r, mask_r, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
-        # a_{t+1} inside this chunk only; the last position's successor is already in the carry K.
-        next_ok = d_ok[:, None] & ((r + 1 < L) & (ts > 0))[None, :]
-        delta_next, _ = _load_delta(DELTA, BIAS, offs_r + 1, next_ok, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        if GATHER_A:
+            a_r = _along_time(a, flip)                               # a_t
+            alpha = _along_time(a, succ)                             # a_{t+1}
+        else:
+            a_r = tl.exp(delta_r[:, None, :] * A_dn[:, :, None])
+            alpha = _along_time(a_r, tl.maximum(ts - 1, 0))
+        alpha = tl.where(ts[None, None, :] == 0, 1.0, alpha)
+        h_prev = tl.where(ts[None, None, :] == CHUNK - 1, h0[:, :, None], _along_time(hs, prev))
+        ah = a_r * h_prev                                            # a_t h_{t-1}, exactly
+        # (3) the adjoint G_t = c_t + a_{t+1} G_{t+1} as a left-to-right scan.
         B_r = tl.load(B + B_off + nr_offs, nr_ok, other=0.0).to(ACC)
         zr = u_r
         if HAS_Z:
             zr = tl.load(Z + offs_r, mask_r, other=0.0).to(ACC)
         dy_r = _gate_dy(tl.load(DOUT + offs_r, mask_r, other=0.0).to(ACC), zr, HAS_Z)
         c = tl.load(C + C_off + nr_offs, nr_ok, other=0.0).to(ACC)[None, :, :] * dy_r[:, None, :]
-        alpha = tl.exp(delta_next[:, None, :] * A_dn[:, :, None])                          # a_{t+1}
         P, R = tl.associative_scan((alpha, c), axis=2, combine_fn=first_order_op)
         G = P * K[:, :, None] + R                                    # dL/dh_t, BLOCK_D x N x CHUNK
-        # (3) the gradients of this chunk.
+        # (4) the gradients of this chunk.
         GB = tl.sum(G * B_r[None, :, :], axis=1)                    # BLOCK_D x CHUNK
         GahA = G * ah
         ddelta = tl.sum(GahA * A_dn[:, :, None], axis=1) + u_r * GB
@@ -674,13 +707,10 @@ def selective_scan_bwd_kernel(
         tl.store(DU + offs_r, (D_d[:, None] * dy_r + delta_r * GB).to(DU.dtype.element_ty), mask_r)
         dbias_acc += tl.sum(ddelta, axis=1)
         dA_acc += tl.sum(GahA * delta_r[:, None, :], axis=2)
-        tl.atomic_add(DB + B_off + nr_offs, tl.sum(G * (delta_r * u_r)[:, None, :], axis=0), nr_ok, sem="relaxed")
+        tl.atomic_add(DB_slot + B_off + nr_offs, tl.sum(G * (delta_r * u_r)[:, None, :], axis=0), nr_ok,
+                      sem="relaxed")
         # Carry to the chunk on the left: dL/dh_{s-1} = a_s G_s, s = this chunk's first position.
-        first = ts[None, :] == CHUNK - 1                             # reversed index of position s
-        delta_s = tl.sum(tl.where(first, delta_r, 0.0), axis=1)      # BLOCK_D
-        G_s = tl.sum(tl.where(first[:, None, :], G, 0.0), axis=2)   # BLOCK_D x N
-        K = G_s * tl.exp(delta_s[:, None] * A_dn)
-        k -= 1
+        K = tl.sum(tl.where(ts[None, None, :] == CHUNK - 1, a_r * G, 0.0), axis=2)
     tl.store(DA_PART + state_offs, dA_acc, dn_ok)
     tl.store(DH0 + state_offs, K, dn_ok)
     tl.store(DD_PART + pid_b * dim + ds, dD_acc, d_ok)
@@ -690,19 +720,26 @@ def selective_scan_bwd_kernel(
 # The launcher and autograd wrapper. Inputs are made contiguous (a no-op when they already are; a
 # differentiable copy otherwise, so non-contiguous views work), the state and every accumulation
 # are float32 (float64 when an input is float64), outputs and gradients come back in their input's dtype.
+# The forward keeps boundary states at the backward's chunk size when it can (its own chunk divides the
+# backward's); otherwise, or when the forward ran without any input needing a gradient, the backward
+# first recomputes them with a forward pass of its own.
 
 # %%
 #| export
 def _launch_config(kind, dim, groups_b, groups_c, L):
-    """BLOCK_D (a power of two whose blocks never straddle a group), CHUNK, num_warps."""
-    config = CPU_CONFIG if INTERPRET else (GPU_FWD_CONFIG if kind == "fwd" else GPU_BWD_CONFIG)
+    """The config dict for 'fwd' or 'bwd', with block_d (a power of two whose blocks never straddle a
+    group) and chunk (at most the padded length) adapted to this problem."""
+    if INTERPRET:
+        config = dict(CPU_FWD_CONFIG if kind == "fwd" else CPU_BWD_CONFIG)
+    else:
+        config = dict(GPU_FWD_CONFIG if kind == "fwd" else GPU_BWD_CONFIG)
     block_d = min(config["block_d"], triton.next_power_of_2(dim))
     for groups in (groups_b, groups_c):
         if groups > 1:
             per_group = dim // groups
             block_d = min(block_d, per_group & -per_group)   # largest power of two dividing per_group
-    chunk = min(config["chunk"], max(triton.next_power_of_2(L), 2))
-    return block_d, chunk, config["num_warps"]
+    config.update(block_d=block_d, chunk=min(config["chunk"], max(triton.next_power_of_2(L), 2)))
+    return config
 
 
 def _acc_dtype(*tensors):
@@ -713,25 +750,41 @@ def _tl_dtype(dtype):
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
+def _forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk):
+    """Launch the forward kernel: out, last state, and the state entering every `save_chunk` positions
+    (None when save_chunk is None)."""
+    batch, dim, L = u.shape
+    N = A.shape[1]
+    acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    config = _launch_config("fwd", dim, B.shape[1], C.shape[1], L)
+    chunk = config["chunk"] if save_chunk is None else min(config["chunk"], save_chunk)
+    n_saved = 1 if save_chunk is None else triton.cdiv(L, save_chunk)
+    out = torch.empty_like(u)
+    states = torch.empty(batch, dim, n_saved, N, device=u.device, dtype=acc) if save_chunk else None
+    last = torch.empty(batch, dim, N, device=u.device, dtype=acc)
+    selective_scan_fwd_kernel[(batch, triton.cdiv(dim, config["block_d"]))](
+        u, delta, A, B, C, D, z, delta_bias, initial_state, out, states, last,
+        dim, L, N, triton.cdiv(L, chunk), n_saved, B.shape[1], C.shape[1],
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+        HAS_H0=initial_state is not None, SOFTPLUS=delta_softplus, ACC=_tl_dtype(acc),
+        SAVE_STATES=save_chunk is not None, SAVE_EVERY=1 if save_chunk is None else save_chunk // chunk,
+        BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(N), CHUNK=chunk,
+        num_warps=config["num_warps"], num_stages=config["num_stages"])
+    return out, last, states
+
+
 class SelectiveScanFn(torch.autograd.Function):
-    """out, last_state = S6(u, delta, A, B, C, D, z, delta_bias, initial_state); B, C are 4-D here."""
+    """out, last_state = S6(u, delta, A, B, C, D, z, delta_bias, initial_state); B, C are 4-D here.
+    keep_states: whether the forward keeps boundary states for the backward (False in inference)."""
 
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus):
-        batch, dim, L = u.shape
-        N = A.shape[1]
-        acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-        block_d, chunk, num_warps = _launch_config("fwd", dim, B.shape[1], C.shape[1], L)
-        n_chunks = triton.cdiv(L, chunk)
-        out = torch.empty_like(u)
-        states = torch.empty(batch, dim, n_chunks, N, device=u.device, dtype=acc)
-        last = torch.empty(batch, dim, N, device=u.device, dtype=acc)
-        selective_scan_fwd_kernel[(batch, triton.cdiv(dim, block_d))](
-            u, delta, A, B, C, D, z, delta_bias, initial_state, out, states, last,
-            dim, L, N, n_chunks, B.shape[1], C.shape[1],
-            HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-            HAS_H0=initial_state is not None, SOFTPLUS=delta_softplus, ACC=_tl_dtype(acc),
-            BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(N), CHUNK=chunk, num_warps=num_warps)
+    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, keep_states):
+        dim, L = u.shape[1:]
+        fwd_chunk = _launch_config("fwd", dim, B.shape[1], C.shape[1], L)["chunk"]
+        bwd_chunk = _launch_config("bwd", dim, B.shape[1], C.shape[1], L)["chunk"]
+        save = keep_states and bwd_chunk % fwd_chunk == 0
+        out, last, states = _forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
+                                     bwd_chunk if save else None)
         ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, states)
         ctx.delta_softplus = delta_softplus
         ctx.set_materialize_grads(False)
@@ -742,53 +795,39 @@ class SelectiveScanFn(torch.autograd.Function):
         u, delta, A, B, C, D, z, delta_bias, initial_state, states = ctx.saved_tensors
         batch, dim, L = u.shape
         N = A.shape[1]
+        config = _launch_config("bwd", dim, B.shape[1], C.shape[1], L)
+        chunk, slots = config["chunk"], config["bc_slots"]
+        n_chunks = triton.cdiv(L, chunk)
+        if states is None:  # not kept by the forward: recompute them (the output is discarded)
+            _, _, states = _forward(u, delta, A, B, C, None, None, delta_bias, initial_state,
+                                    ctx.delta_softplus, chunk)
         acc = states.dtype
         if dout is None:
             dout = torch.zeros_like(u)
         dout = dout.contiguous()
         dlast = None if dlast is None else dlast.contiguous()
-        block_d, chunk, num_warps = _launch_config("bwd", dim, B.shape[1], C.shape[1], L)
-        n_chunks = triton.cdiv(L, chunk)
-        if n_chunks != states.shape[2]:  # fwd and bwd chunks differ: recompute the boundary states
-            states = _boundary_states(u, delta, A, B, C, delta_bias, initial_state, ctx.delta_softplus, chunk)
         du, ddelta = torch.empty_like(u), torch.empty_like(delta)
         dz = torch.empty_like(z) if z is not None else None
-        dB = torch.zeros(B.shape, device=u.device, dtype=acc)
-        dC = torch.zeros(C.shape, device=u.device, dtype=acc)
+        dB = torch.zeros((slots, *B.shape), device=u.device, dtype=acc)
+        dC = torch.zeros((slots, *C.shape), device=u.device, dtype=acc)
         dA_part = torch.empty(batch, dim, N, device=u.device, dtype=acc)
         dD_part, dbias_part = (torch.empty(batch, dim, device=u.device, dtype=acc) for _ in range(2))
         dh0 = torch.empty(batch, dim, N, device=u.device, dtype=acc)
-        selective_scan_bwd_kernel[(batch, triton.cdiv(dim, block_d))](
+        selective_scan_bwd_kernel[(batch, triton.cdiv(dim, config["block_d"]))](
             u, delta, A, B, C, D, z, delta_bias, states, dout, dlast,
             du, ddelta, dz, dB, dC, dA_part, dD_part, dbias_part, dh0,
             dim, L, N, n_chunks, B.shape[1], C.shape[1],
             HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
             HAS_DLAST=dlast is not None, SOFTPLUS=ctx.delta_softplus, ACC=_tl_dtype(acc),
-            BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(N), CHUNK=chunk, num_warps=num_warps)
+            GATHER_A=config["gather_a"], BC_SLOTS=slots,
+            BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(N), CHUNK=chunk,
+            num_warps=config["num_warps"], num_stages=config["num_stages"])
 
         def cast(grad, like):
             return None if like is None else grad.to(like.dtype)
 
-        return (du, ddelta, cast(dA_part.sum(0), A), cast(dB, B), cast(dC, C), cast(dD_part.sum(0), D), dz,
-                cast(dbias_part.sum(0), delta_bias), cast(dh0, initial_state), None)
-
-
-def _boundary_states(u, delta, A, B, C, delta_bias, initial_state, delta_softplus, chunk):
-    """The states entering each chunk of length `chunk` (a forward pass whose output is discarded)."""
-    batch, dim, L = u.shape
-    N = A.shape[1]
-    acc = _acc_dtype(u, delta, A, B, C, delta_bias, initial_state)
-    block_d, _, num_warps = _launch_config("fwd", dim, B.shape[1], C.shape[1], L)
-    n_chunks = triton.cdiv(L, chunk)
-    states = torch.empty(batch, dim, n_chunks, N, device=u.device, dtype=acc)
-    last = torch.empty(batch, dim, N, device=u.device, dtype=acc)
-    selective_scan_fwd_kernel[(batch, triton.cdiv(dim, block_d))](
-        u, delta, A, B, C, None, None, delta_bias, initial_state, torch.empty_like(u), states, last,
-        dim, L, N, n_chunks, B.shape[1], C.shape[1],
-        HAS_D=False, HAS_Z=False, HAS_BIAS=delta_bias is not None, HAS_H0=initial_state is not None,
-        SOFTPLUS=delta_softplus, ACC=_tl_dtype(acc),
-        BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(N), CHUNK=chunk, num_warps=num_warps)
-    return states
+        return (du, ddelta, cast(dA_part.sum(0), A), cast(dB.sum(0), B), cast(dC.sum(0), C),
+                cast(dD_part.sum(0), D), dz, cast(dbias_part.sum(0), delta_bias), cast(dh0, initial_state), None, None)
 
 # %% [markdown]
 # The public function validates everything first, with errors that name the argument.
@@ -852,7 +891,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     C4 = C.unsqueeze(1) if C.dim() == 3 else C
     contiguous = [None if t is None else t.contiguous()
                   for t in (u, delta, A, B4, C4, D, z, delta_bias, initial_state)]
-    out, last = SelectiveScanFn.apply(*contiguous, bool(delta_softplus))
+    keep_states = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in contiguous)
+    out, last = SelectiveScanFn.apply(*contiguous, bool(delta_softplus), keep_states)
     return (out, last) if return_last_state else out
 
 # %% [markdown]
@@ -911,6 +951,7 @@ def check_selective_scan(inputs, softplus=True, tol=2e-5, verbose=True):
 
 cases = [  # (batch, dim, N, L, options)
     (2, 4, 3, 1, dict(groups=None)),
+    (2, 4, 3, 1, dict(groups=None, h0=False)),  # dA is exactly 0 here: rel_err demands an exact 0
     (2, 6, 4, 7, dict(groups=2, bias=False)),
     (2, 4, 5, 129, dict(groups=None, z=False, h0=False)),
     (1, 8, 3, 129, dict(groups=4, D=False)),
@@ -920,6 +961,26 @@ for batch, dim, N, L, options in cases:
     check_selective_scan(make_inputs(batch, dim, N, L, **options, seed=L))
 check_selective_scan(make_inputs(1, 4, 3, 33, z=False, D=False, bias=False, h0=False), softplus=False)
 print("selective_scan matches the float64 reference: outputs and all gradients")
+
+# %% [markdown]
+# The switches of the launch configuration must not change the result: the second `exp` instead of the
+# gathers, one or three copies of the `dB`, `dC` buffers, and a forward chunk larger than the
+# backward's (the backward then recomputes the boundary states itself).
+
+# %%
+ss_module = sys.modules["scan_lib.selective_scan"]  # the module (scan_lib.selective_scan is the function)
+fwd_config = ss_module.GPU_FWD_CONFIG if ON_GPU else ss_module.CPU_FWD_CONFIG  # the dicts in use
+bwd_config = ss_module.GPU_BWD_CONFIG if ON_GPU else ss_module.CPU_BWD_CONFIG
+defaults = dict(fwd=dict(fwd_config), bwd=dict(bwd_config))
+variants = [dict(bwd=dict(gather_a=False)), dict(bwd=dict(bc_slots=1)), dict(bwd=dict(bc_slots=3)),
+            dict(fwd=dict(chunk=2 * bwd_config["chunk"]))]
+for variant in variants:
+    fwd_config.update(variant.get("fwd", {}))
+    bwd_config.update(variant.get("bwd", {}))
+    print(variant, end=" ")
+    check_selective_scan(make_inputs(2, 4, 3, 300 if ON_GPU else 45, groups=2, h0=False, seed=2))
+    fwd_config.update(defaults["fwd"])
+    bwd_config.update(defaults["bwd"])
 
 # %% [markdown]
 # Half precision: `u`, `delta`, `B`, `C`, `z` in bfloat16 or float16, state and sums in float32, the
@@ -1000,42 +1061,56 @@ for message, change in bad_cases.items():
 # ## 9. Memory in training
 #
 # Autograd through the reference would keep every state: `batch x dim x L x N` values. Our forward keeps
-# only the boundary states, `batch x dim x ceil(L / CHUNK) x N` float32 values, and the backward
-# recomputes the rest chunk by chunk. What the backward allocates on top of what the forward kept:
+# only the boundary states, `batch x dim x ceil(L / CHUNK_bwd) x N` float32 values, and the backward
+# recomputes the rest chunk by chunk. What the backward allocates on top of what the forward kept, at its
+# peak (which is while the last of the `dB`, `dC` copies is being summed and cast):
 #
-# $$\underbrace{3\,bdL\,s_{\text{in}}}_{du,\ d\Delta,\ dz} + \underbrace{2\,b\,g\,N L \cdot 4}_{dB,\ dC\ \text{(fp32 atomics)}}
-#   + \underbrace{2\,b\,g\,N L\, s_{\text{in}}}_{\text{cast, if not fp32}} + \underbrace{(2 bdN + 2bd)\cdot 4}_{\text{partial } dA,\ dh_0,\ dD,\ d\text{bias}}$$
+# $$\underbrace{3\,bdL\,s}_{du,\ d\Delta,\ dz} + \underbrace{2\,S\,bgNL \cdot 4}_{S \text{ copies of } dB,\ dC}
+#   + \underbrace{bgNL\,(4 + 2s)}_{\text{sums: } dB \text{ cast},\ dC \text{ fp32 + cast}}
+#   + \underbrace{(2 bdN + 2bd)\cdot 4}_{\text{partial } dA,\ dh_0,\ dD,\ d\text{bias}}$$
 #
-# bytes, with $s_{\text{in}}$ the input element size and $g$ the number of groups (two gradient tensors
-# instead of three when there is no `z`). For (8, 1024, 2048, N=16) in float32 that is about 195 MiB of
-# gradients, which any backward must produce, plus 32 MiB of boundary states instead of 1 GiB of states.
+# bytes, with $s$ the input element size, $g$ the number of groups and $S$ the `bc_slots` copies (two
+# gradient tensors instead of three when there is no `z`). For float32 inputs the cast is a no-op and
+# the sums take $bgNL \cdot 8$. Should the forward's chunk not divide the backward's, the backward also
+# allocates the boundary states and a throw-away output for its recomputation; `backward_extra_bytes`
+# counts that too. For (8, 1024, 2048, N=16) in float32 that is about 210 MiB, almost all of it the
+# gradients that any backward must produce, plus 32 MiB of boundary states (CHUNK_bwd = 32) instead of
+# 1 GiB of states.
 
 # %%
+from scan_lib.selective_scan import GPU_BWD_CONFIG, GPU_FWD_CONFIG  # noqa: E402
+
+
 def boundary_state_bytes(batch, dim, L, N, chunk):
     return batch * dim * triton.cdiv(L, chunk) * N * 4
 
 
-def backward_extra_bytes(batch, dim, L, N, groups=1, in_size=4, has_z=True):
-    """Bytes the backward allocates: input gradients, fp32 dB/dC buffers (+ their cast), partial sums."""
+def backward_extra_bytes(batch, dim, L, N, groups=1, in_size=4, has_z=True, fwd=GPU_FWD_CONFIG, bwd=GPU_BWD_CONFIG):
+    """Peak bytes the backward allocates: input gradients, the S fp32 copies of dB/dC, their sums and
+    casts, partial sums, and (if the forward could not keep them) recomputed boundary states."""
     grads = (3 if has_z else 2) * batch * dim * L * in_size
-    bc = 2 * batch * groups * N * L * (4 + (0 if in_size == 4 else in_size))
+    bc = 2 * bwd["bc_slots"] * batch * groups * N * L * 4
+    bc_sums = batch * groups * N * L * (8 if in_size == 4 else 4 + 2 * in_size)
     partial = (2 * batch * dim * N + 2 * batch * dim) * 4
-    return grads + bc + partial
+    recompute = 0
+    if bwd["chunk"] % fwd["chunk"] != 0:
+        recompute = boundary_state_bytes(batch, dim, L, N, bwd["chunk"]) + batch * dim * L * in_size
+    return grads + bc + bc_sums + partial + recompute
 
-
-from scan_lib.selective_scan import GPU_BWD_CONFIG  # noqa: E402
 
 shape = dict(batch=8, dim=1024, L=2048, N=16)
+chunk_bwd = GPU_BWD_CONFIG["chunk"]
 all_states = shape["batch"] * shape["dim"] * shape["L"] * shape["N"] * 4
-print(f"all states: {all_states / 2**20:.0f} MiB; boundary states (CHUNK={GPU_BWD_CONFIG['chunk']}): "
-      f"{boundary_state_bytes(**shape, chunk=GPU_BWD_CONFIG['chunk']) / 2**20:.0f} MiB; "
+print(f"all states: {all_states / 2**20:.0f} MiB; boundary states (CHUNK_bwd={chunk_bwd}): "
+      f"{boundary_state_bytes(**shape, chunk=chunk_bwd) / 2**20:.0f} MiB; "
       f"backward allocations: {backward_extra_bytes(**shape) / 2**20:.0f} MiB")
-assert all_states == GPU_BWD_CONFIG["chunk"] * boundary_state_bytes(**shape, chunk=GPU_BWD_CONFIG["chunk"])
+assert all_states == chunk_bwd * boundary_state_bytes(**shape, chunk=chunk_bwd)
 
 fig, ax = plt.subplots(figsize=(6, 3.2))
 lengths = [2**k for k in range(8, 18)]
 ax.loglog(lengths, [8 * 1024 * L * 16 * 4 / 2**30 for L in lengths], "o-", label="every state (autograd of the loop)")
-ax.loglog(lengths, [boundary_state_bytes(8, 1024, L, 16, 32) / 2**30 for L in lengths], "s-", label="boundary states, CHUNK=32")
+ax.loglog(lengths, [boundary_state_bytes(8, 1024, L, 16, chunk_bwd) / 2**30 for L in lengths], "s-",
+          label=f"boundary states, CHUNK_bwd={chunk_bwd}")
 ax.loglog(lengths, [8 * 1024 * L * 4 / 2**30 for L in lengths], "--", color="gray", label="one (batch, dim, L) fp32 tensor")
 ax.set_xlabel("sequence length L")
 ax.set_ylabel("GiB kept for the backward")
@@ -1109,7 +1184,11 @@ compare_with_mamba_ssm();
 # on, `A`, `D`, `delta_bias` in fp32; `u`, `delta`, `B`, `C`, `z` in fp32 and then bf16. The memory floor
 # is the bytes that must move (inputs read once, outputs written once) over the copy bandwidth measured
 # in the same cell. The forward is also bounded by `exp`: one per (batch, dim, L, N) element is 268 million
-# of them, about 65 us on an H200's special-function units.
+# of them, about 65 us on an H200's special-function units; the backward recomputes them once (one `exp`
+# per element again, thanks to the gathers of section 6). The forward is timed without gradients (so
+# it writes no boundary states), the forward+backward with all inputs requiring gradients. The launch
+# parameters are the defaults of `GPU_FWD_CONFIG` / `GPU_BWD_CONFIG`; `benchmarks/tune_selective_scan.py`
+# sweeps them. Whatever the cell prints is the measurement; no number in this text is one.
 #
 # ![benchmark](../figures/05_benchmark.png)
 #
@@ -1179,7 +1258,9 @@ else:
 # * Every gradient is checked, $d\Delta$ included, against a float64 reference and (on a GPU) against
 #   `mamba_ssm`; so are the options and half-precision inputs.
 # * The backward never stores the `(batch, dim, L, N)` states: it recomputes them per chunk from
-#   `1/CHUNK` as many boundary states.
+#   `1/CHUNK_bwd` as many boundary states (none are written when no gradient is needed), and it takes
+#   the previous state $h_{t-1}$ from the recomputed tile itself (a gather), never as $h_t - b_t$, whose
+#   cancellation gave a wrong $dA$ on the GPU in a first version of this chapter.
 # * `initial_state` and a differentiable `last_state` make the scan composable.
 #
 # Chapter 07 profiles these kernels on the GPU and tunes them, one change at a time.

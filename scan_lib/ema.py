@@ -31,53 +31,73 @@ def scan_chunk(a, u, carry, REVERSE: tl.constexpr):
 
 
 @triton.jit
-def linear_scan_fwd_kernel(A, U, H0, H, L, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
-                           CHUNK: tl.constexpr, ACC: tl.constexpr):
-    # A, U, H: R x L contiguous; H0: R (read only if HAS_H0). One program per row, its chunks in order.
+def chunk_positions(k, L, CHUNK: tl.constexpr, REVERSE: tl.constexpr, REVERSED_LOADS: tl.constexpr):
+    """Memory positions (CHUNK, within the row) of the k-th chunk that a scan visits, and their mask.
+
+    Forward: chunks from the left, ascending. Reverse: chunks from the right; ascending within the
+    chunk (aligned to multiples of CHUNK), or with REVERSED_LOADS descending, so that the block is in
+    scan order (its chunks end at L - 1, L - 1 - CHUNK, ...).
+    """
+    idx = tl.arange(0, CHUNK)
+    if not REVERSE:
+        t = k * CHUNK + idx
+    elif REVERSED_LOADS:
+        t = L - 1 - k * CHUNK - idx
+    else:
+        t = ((L - 1) // CHUNK - k) * CHUNK + idx
+    return t, (t >= 0) & (t < L)
+
+
+@triton.jit
+def linear_scan_fwd_kernel(A, U, H0, H, L, REVERSE: tl.constexpr, HAS_H0: tl.constexpr, CHUNK: tl.constexpr,
+                           REVERSED_LOADS: tl.constexpr, STAGES: tl.constexpr, ACC: tl.constexpr):
+    # A, U, H: R x L contiguous; H0: R (read only if HAS_H0). One program per row, its chunks in scan order.
     row = tl.program_id(0)
     base = row.to(tl.int64) * L
-    idx = tl.arange(0, CHUNK)
     if HAS_H0:
         carry = tl.load(H0 + row).to(ACC)
     else:
         carry = tl.zeros((), ACC)
-    last_start = (L - 1) // CHUNK * CHUNK
-    done = 0
-    while done < L:
-        t = (last_start - done if REVERSE else done) + idx  # CHUNK positions of this chunk
-        mask = t < L
+    SCAN_REVERSE: tl.constexpr = REVERSE and not REVERSED_LOADS  # does the block scan run right to left?
+    for k in tl.range(0, tl.cdiv(L, CHUNK), num_stages=STAGES):
+        t, mask = chunk_positions(k, L, CHUNK, REVERSE, REVERSED_LOADS)
         a = tl.load(A + base + t, mask=mask, other=1.0).to(ACC)
         u = tl.load(U + base + t, mask=mask, other=0.0).to(ACC)
-        h, carry = scan_chunk(a, u, carry, REVERSE)
+        h, carry = scan_chunk(a, u, carry, SCAN_REVERSE)
         tl.store(H + base + t, h.to(H.dtype.element_ty), mask=mask)
-        done += CHUNK
+
+# Launch parameters of the forward kernel (benchmarks/bench_linear_scan.py sweeps them on a GPU).
+FWD_CONFIG = {"max_chunk": 2048, "elements_per_thread": 16, "stages": 1, "reversed_loads": False}
+
 
 def accumulator_dtype(dtype: torch.dtype):
     """The type kernels compute in: float64 for float64 inputs, float32 for everything else."""
     return tl.float64 if dtype == torch.float64 else tl.float32
 
 
-def default_chunk(length: int) -> int:
-    """Elements per step of the chunk loop: a power of two in [16, 2048] covering the row if it can."""
-    return max(16, min(triton.next_power_of_2(max(length, 1)), 2048))
+def default_chunk(length: int, max_chunk: int = 2048) -> int:
+    """Elements per step of the chunk loop: a power of two in [16, max_chunk] covering the row if it can."""
+    return max(16, min(triton.next_power_of_2(max(length, 1)), max_chunk))
 
 
-def default_num_warps(chunk: int) -> int:
-    """Warps per program: at most 16 elements of a chunk per thread (4 warps up to 2048, then 8)."""
-    return 4 if chunk <= 2048 else 8
+def launch_options(length: int, config: dict, chunk=None) -> dict:
+    """Constexprs and launch options for a scan kernel over rows of `length` (chunk: None for the default)."""
+    chunk = chunk or default_chunk(length, config["max_chunk"])
+    num_warps = min(16, max(1, chunk // (32 * config["elements_per_thread"])))
+    return {"CHUNK": chunk, "STAGES": config["stages"], "REVERSED_LOADS": config["reversed_loads"],
+            "num_warps": num_warps}
 
 
-def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=None, num_warps=None):
+def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=None, config=None):
     """h_t = gates_t * h_{t-1} + tokens_t (reverse: h_{t+1}) for contiguous (R, L) tensors, L >= 1.
 
-    initial_state: (R,) or None for zeros. No autograd here: see scan_lib.linear_scan."""
+    initial_state: (R,) or None for zeros; config: launch parameters, FWD_CONFIG if None.
+    No autograd here: see scan_lib.linear_scan."""
     rows, length = tokens.shape
-    chunk = chunk or default_chunk(length)
-    num_warps = num_warps or default_num_warps(chunk)
     h = torch.empty_like(tokens)
     linear_scan_fwd_kernel[(rows,)](
         gates, tokens, tokens if initial_state is None else initial_state, h, length,
-        REVERSE=reverse, HAS_H0=initial_state is not None, CHUNK=chunk,
-        ACC=accumulator_dtype(tokens.dtype), num_warps=num_warps,
+        REVERSE=reverse, HAS_H0=initial_state is not None, ACC=accumulator_dtype(tokens.dtype),
+        **launch_options(length, config or FWD_CONFIG, chunk),
     )
     return h

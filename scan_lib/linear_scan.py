@@ -8,57 +8,59 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from scan_lib.ema import accumulator_dtype, default_chunk, default_num_warps, linear_scan_rows, scan_chunk
+from scan_lib.ema import accumulator_dtype, chunk_positions, launch_options, linear_scan_rows, scan_chunk
 from scan_lib.runtime import check_float_tensor, check_same_device
+
+# Launch parameters of the backward kernel (benchmarks/bench_linear_scan.py sweeps them on a GPU).
+BWD_CONFIG = {"max_chunk": 2048, "elements_per_thread": 16, "stages": 1, "reversed_loads": False}
 
 
 @triton.jit
 def linear_scan_bwd_kernel(A, H, H0, G, DA, DU, DH0, L, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
-                           CHUNK: tl.constexpr, ACC: tl.constexpr):
+                           CHUNK: tl.constexpr, REVERSED_LOADS: tl.constexpr, STAGES: tl.constexpr,
+                           ACC: tl.constexpr):
     # A, H (the forward output), G (dL/dh), DA, DU: R x L contiguous; H0, DH0: R (used only if HAS_H0).
-    # One program per row, walking its chunks against the direction of the forward scan.
+    # One program per row, walking its chunks in the adjoint's order: against the forward scan.
     row = tl.program_id(0)
     base = row.to(tl.int64) * L
-    idx = tl.arange(0, CHUNK)
     if HAS_H0:
         h_init = tl.load(H0 + row).to(ACC)
     else:
         h_init = tl.zeros((), ACC)
     delta_carry = tl.zeros((), ACC)
-    last_start = (L - 1) // CHUNK * CHUNK
-    done = 0
-    while done < L:
-        t = (done if REVERSE else last_start - done) + idx  # CHUNK positions of this chunk
-        mask = t < L
-        later = t - 1 if REVERSE else t + 1  # the step after t in the forward scan
-        earlier = t + 1 if REVERSE else t - 1  # the step before t
-        a_later = tl.load(A + base + later, mask=mask & (later >= 0) & (later < L), other=0.0).to(ACC)
-        a_later = tl.where(mask, a_later, 1.0)  # identity pairs in the padding
-        g = tl.load(G + base + t, mask=mask, other=0.0).to(ACC)
-        delta, delta_carry = scan_chunk(a_later, g, delta_carry, not REVERSE)
+    ADJOINT_REVERSE: tl.constexpr = not REVERSE
+    SCAN_REVERSE: tl.constexpr = ADJOINT_REVERSE and not REVERSED_LOADS  # does the block scan run right to left?
+    STEP: tl.constexpr = -1 if REVERSE else 1  # t + STEP: the step after t in the forward scan
+    for k in tl.range(0, tl.cdiv(L, CHUNK), num_stages=STAGES):
+        t, mask = chunk_positions(k, L, CHUNK, ADJOINT_REVERSE, REVERSED_LOADS)
+        later, earlier = t + STEP, t - STEP
+        has_later = mask & (later >= 0) & (later < L)
         has_earlier = mask & (earlier >= 0) & (earlier < L)
+        a_later = tl.load(A + base + later, mask=has_later, other=0.0).to(ACC)
+        g = tl.load(G + base + t, mask=mask, other=0.0).to(ACC)
         h_earlier = tl.load(H + base + earlier, mask=has_earlier, other=0.0).to(ACC)
+        a_later = tl.where(mask, a_later, 1.0)  # identity pairs in the padding, 0 past the last step
+        delta, delta_carry = scan_chunk(a_later, g, delta_carry, SCAN_REVERSE)
         h_earlier = tl.where(has_earlier, h_earlier, h_init)
         tl.store(DU + base + t, delta.to(DU.dtype.element_ty), mask=mask)
         tl.store(DA + base + t, (h_earlier * delta).to(DA.dtype.element_ty), mask=mask)
-        done += CHUNK
     if HAS_H0:
         first = L - 1 if REVERSE else 0  # the first step of the forward scan
         a_first = tl.load(A + base + first).to(ACC)
         tl.store(DH0 + row, (a_first * delta_carry).to(DH0.dtype.element_ty))
 
 
-def linear_scan_rows_backward(gates, h, grad_h, initial_state=None, reverse=False, chunk=None, num_warps=None):
-    """(d_gates, d_tokens, d_initial_state or None) for contiguous (R, L) tensors, L >= 1."""
+def linear_scan_rows_backward(gates, h, grad_h, initial_state=None, reverse=False, chunk=None, config=None):
+    """(d_gates, d_tokens, d_initial_state or None) for contiguous (R, L) tensors, L >= 1.
+
+    config: launch parameters, BWD_CONFIG if None."""
     rows, length = h.shape
-    chunk = chunk or default_chunk(length)
-    num_warps = num_warps or default_num_warps(chunk)
     d_gates, d_tokens = torch.empty_like(gates), torch.empty_like(h)
     d_init = None if initial_state is None else torch.empty_like(initial_state)
     linear_scan_bwd_kernel[(rows,)](
         gates, h, h if initial_state is None else initial_state, grad_h, d_gates, d_tokens,
         h if d_init is None else d_init, length, REVERSE=reverse, HAS_H0=initial_state is not None,
-        CHUNK=chunk, ACC=accumulator_dtype(h.dtype), num_warps=num_warps,
+        ACC=accumulator_dtype(h.dtype), **launch_options(length, config or BWD_CONFIG, chunk),
     )
     return d_gates, d_tokens, d_init
 

@@ -59,6 +59,8 @@ def check_same_device(**tensors) -> torch.device:
     On a GPU machine kernels need CUDA tensors; under the interpreter, CPU tensors (the interpreter
     also copies CUDA tensors through the host, so those are accepted too). Meta tensors never are."""
     named = {name: t for name, t in tensors.items() if t is not None}
+    if not named:
+        raise ValueError(f"{', '.join(tensors) or 'tensors'}: no tensor given, only None")
     devices = {t.device for t in named.values()}
     if len(devices) > 1:
         listing = ", ".join(f"{name} on {t.device}" for name, t in named.items())

@@ -5,8 +5,10 @@ import random
 import pytest
 import torch
 
-import scan_lib
-from scan_lib.cumsum import add_combine, scan_rows
+import scan_lib  # noqa: I001  (before triton: without a GPU it switches Triton to its interpreter)
+import triton
+import triton.language as tl
+from scan_lib.cumsum import ALGORITHMS, CONFIG, add_combine, look_back, scan_rows
 from scan_lib.runtime import DEVICE, ON_GPU
 
 # Largest error allowed, relative to sum_{j<=i} |x_j| (the size of what was summed up to i).
@@ -40,13 +42,86 @@ def test_random_shapes_dims_dtypes(dtype, seed):
     assert_matches_reference(scan_lib.cumsum(x, dim=dim), x, dim)
 
 
-@pytest.mark.parametrize("max_block", [16, 64])
-def test_awkward_lengths_through_every_recursion_level(max_block):
-    """Small blocks send 4097 values through three levels of block totals (4097 -> 257 -> 17 -> 2 at 16)."""
-    torch.manual_seed(max_block)
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("block", [16, 64])
+def test_awkward_lengths_through_many_blocks(algorithm, block):
+    """Blocks of 16 cut 4097 values into 257 tiles: a long look-back chain, or 257 totals scanned in chunks."""
+    torch.manual_seed(block)
     for n in AWKWARD_LENGTHS:
         x = torch.randn(2, n, device=DEVICE)
-        assert_matches_reference(scan_rows(x, max_block), x, -1)
+        assert_matches_reference(scan_rows(x, algorithm=algorithm, block=block), x, -1)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("window", [1, 2, 32])
+def test_rows_do_not_leak_into_each_other(algorithm, window):
+    """Rows with very different sums: a look-back that crossed a row start would be far off."""
+    torch.manual_seed(window)
+    x = torch.randn(5, 300, device=DEVICE) + 1000 * torch.arange(5, device=DEVICE)[:, None]
+    assert_matches_reference(scan_rows(x, algorithm=algorithm, block=16, window=window), x, -1)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_both_algorithms_in_every_dtype(algorithm, dtype):
+    """float64 always takes reduce_then_scan (its sum does not fit in a state word), and stays exact to 1e-12."""
+    torch.manual_seed(9)
+    x = torch.randn(3, 1000, device=DEVICE, dtype=dtype)
+    assert_matches_reference(scan_rows(x, algorithm=algorithm, block=64), x, -1)
+
+
+def test_reverse_order_of_pass_three():
+    torch.manual_seed(10)
+    x = torch.randn(2, 1000, device=DEVICE)
+    for reverse in (False, True):
+        assert_matches_reference(scan_rows(x, algorithm="reduce_then_scan", block=16, reverse=reverse), x, -1)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_config_switches_the_public_function(algorithm, monkeypatch):
+    monkeypatch.setitem(CONFIG, "algorithm", algorithm)
+    monkeypatch.setitem(CONFIG, "block", 32)
+    torch.manual_seed(11)
+    x = torch.randn(4, 500, device=DEVICE)
+    assert_matches_reference(scan_lib.cumsum(x, dim=1), x, 1)
+
+
+# Under the interpreter every look-back finds its predecessor's PREFIX at once, so the walk over
+# aggregates is tested here on hand-made snapshots of the state words, as a GPU might leave them.
+
+@triton.jit
+def look_back_probe_kernel(STATE, OUT, TILE, FIRST, WINDOW: tl.constexpr):
+    tl.store(OUT, look_back(STATE, TILE, FIRST, WINDOW))
+
+
+def pack_words(flags: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """State words as the kernel's pack_state writes them: flag << 32 | float32 bits of value."""
+    return flags.to(torch.int64) << 32 | (values.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF)
+
+
+def probe_look_back(words: torch.Tensor, tile: int, first: int, window: int) -> float:
+    out = torch.empty(1, device=DEVICE)
+    look_back_probe_kernel[(1,)](words.to(DEVICE), out, tile, first, WINDOW=window)
+    return out.item()
+
+
+@pytest.mark.parametrize("window", [1, 2, 8, 64])
+def test_look_back_on_snapshots(window):
+    rng = random.Random(window)
+    totals = torch.tensor([float(rng.randint(-9, 9)) for _ in range(50)])   # integers: exact in float32
+    flags = torch.ones(50, dtype=torch.int64)                                # AGGREGATE ...
+    prefix_tile = 7
+    flags[prefix_tile] = 2                                                   # ... one PREFIX
+    values = totals.clone()
+    values[prefix_tile] = totals[: prefix_tile + 1].sum()
+    words = pack_words(flags, values)
+    for tile, first in ((49, 0), (8, 0), (30, 10), (10, 10), (49, 40)):
+        expected = totals[first:tile].sum().item()
+        assert probe_look_back(words, tile, first, window) == expected, (tile, first)
+
+
+def test_state_word_layout():
+    assert pack_words(torch.tensor([2]), torch.tensor([-1.5])).item() == (2 << 32) | 0xBFC00000
 
 
 def test_default_blocks_on_long_rows():
@@ -127,7 +202,11 @@ def test_gradient_matches_torch_in_float32():
     (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=1.0), TypeError, "dim must be an int"),
     (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=True), TypeError, "dim must be an int"),
     (lambda: scan_lib.cumsum(torch.ones(2, 3, device="meta")), ValueError, "x must be"),
-    (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), max_block=24), ValueError, "max_block"),
+    (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), block=24), ValueError, "block must be a power of two"),
+    (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), block=8), ValueError, "block must be a power of two"),
+    (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), window=3), ValueError, "window must be a power of two"),
+    (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), algorithm="chained"), ValueError, "algorithm must be"),
+    (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), max_block=16), TypeError, "unknown scan option"),
 ])
 def test_bad_input(call, error, words):
     with pytest.raises(error, match=words):

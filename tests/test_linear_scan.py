@@ -1,4 +1,6 @@
 """scan_lib.linear_scan: h_t = gates_t * h_{t-1} + tokens_t, against a float64 loop and autograd."""
+import sys
+
 import pytest
 import torch
 
@@ -56,6 +58,33 @@ def test_every_gradient_float64(chunk, length, reverse):
     torch.testing.assert_close(h_ours, h_ref, rtol=1e-12, atol=1e-12)
     for got, want in zip(torch.autograd.grad(h_ours, ours, grad), torch.autograd.grad(h_ref, theirs, grad)):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("reversed_loads", [False, True])
+@pytest.mark.parametrize("reverse", [False, True])
+def test_both_ways_of_scanning_against_memory_order(reverse, reversed_loads, monkeypatch):
+    """Descending loads or tl.associative_scan(reverse=True): the same h and gradients, in both kernels."""
+    ema, ls = sys.modules["scan_lib.ema"], sys.modules["scan_lib.linear_scan"]
+    monkeypatch.setitem(ema.FWD_CONFIG, "reversed_loads", reversed_loads)
+    monkeypatch.setitem(ls.BWD_CONFIG, "reversed_loads", reversed_loads)
+    gates, tokens, init = make_inputs((2, 300), torch.float64, seed=11)
+    grad = torch.randn(2, 300, dtype=torch.float64, device=DEVICE)
+    ours = [t.clone().requires_grad_() for t in (gates, tokens, init)]
+    theirs = [t.clone().requires_grad_() for t in (gates, tokens, init)]
+    h_ours = linear_scan(*ours, reverse, chunk=64)
+    h_ref = reference(*theirs, reverse)
+    torch.testing.assert_close(h_ours, h_ref, rtol=1e-12, atol=1e-12)
+    for got, want in zip(torch.autograd.grad(h_ours, ours, grad), torch.autograd.grad(h_ref, theirs, grad)):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_launch_options():
+    ema = sys.modules["scan_lib.ema"]
+    config = {"max_chunk": 2048, "elements_per_thread": 8, "stages": 2, "reversed_loads": True}
+    assert ema.launch_options(4096, config) == {"CHUNK": 2048, "STAGES": 2, "REVERSED_LOADS": True, "num_warps": 8}
+    assert ema.launch_options(5, config)["CHUNK"] == 16 and ema.launch_options(5, config)["num_warps"] == 1
+    assert ema.launch_options(300, config, chunk=64)["CHUNK"] == 64
+    assert ema.launch_options(10**6, {**config, "max_chunk": 8192, "elements_per_thread": 4})["num_warps"] == 16
 
 
 @pytest.mark.parametrize("reverse", [False, True])

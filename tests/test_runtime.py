@@ -39,6 +39,11 @@ def test_mixed_devices_rejected_naming_each():
         check_same_device(a=torch.ones(1, device=DEVICE), b=torch.ones(1, device="meta"))
 
 
+def test_only_none_rejected_naming_the_arguments():
+    with pytest.raises(ValueError, match="a, b: no tensor given"):
+        check_same_device(a=None, b=None)
+
+
 def test_meta_tensor_rejected():
     with pytest.raises(ValueError, match="x must be"):
         check_same_device(x=torch.ones(1, device="meta"))

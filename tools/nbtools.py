@@ -75,9 +75,15 @@ def exported_modules() -> dict[Path, str]:
             if directive is None:
                 continue
             kind, arg = directive
+            if kind not in ("default_exp", "export"):
+                sys.exit(f"{source.name}: unknown directive `#| {kind}` (expected `#| default_exp name` or `#| export`)")
+            if arg and not arg.isidentifier():
+                sys.exit(f"{source.name}: `#| {kind} {arg}`: the module name must be a Python identifier")
             if kind == "default_exp":
+                if not arg:
+                    sys.exit(f"{source.name}: `#| default_exp` needs a module name")
                 default = arg
-            elif kind == "export":
+            else:
                 module = arg or default
                 if not module:
                     sys.exit(f"{source.name}: an `#| export` cell comes before any `#| default_exp`")
