@@ -636,11 +636,12 @@ print("look_back on snapshots: the walk over aggregates, the stop at a PREFIX an
 # %%
 #| export
 ALGORITHMS = ("lookback", "reduce_then_scan")
+# GPU defaults: the fastest correct configuration of benchmarks/bench_cumsum.py on an H200 (2026-11-29).
 CONFIG = {
     "algorithm": "lookback",                # rows longer than one block; float64 always reduce_then_scan
     "block": 4096 if ON_GPU else 1024,      # values per program on those rows (the interpreter prefers few programs)
-    "num_warps": 8,                         # warps per program on those rows
-    "window": 32,                           # predecessors one look-back step inspects
+    "num_warps": 4,                         # warps per program on those rows
+    "window": 16,                           # predecessors one look-back step inspects
     "reverse": True,                        # reduce_then_scan: pass 3 starts with the last block
 }
 

@@ -624,7 +624,7 @@ else:
         backward_config.update(config or default_config)
         got = [scan(gates_b, tokens_b).detach(), *grads_of(scan)]
         errors = [((g.double() - e).abs().max() / e.abs().max()).item() for g, e in zip(got, expected_b)]
-        assert max(errors) < 1e-5, (name, errors)
+        assert max(errors) < 1e-4, (name, errors)
         forward_us = do_bench(lambda: scan(gates_b, tokens_b), return_mode="median") * 1e3
         both_us = do_bench(lambda: grads_of(scan), return_mode="median") * 1e3
         times_us[name] = (forward_us, both_us)

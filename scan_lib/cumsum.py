@@ -113,11 +113,12 @@ def lookback_scan_kernel(X, Y, STATE, N, NUM_BLOCKS, BLOCK: tl.constexpr, WINDOW
     tl.store(Y + offsets, (y + exclusive).to(Y.dtype.element_ty), mask=cols < N)
 
 ALGORITHMS = ("lookback", "reduce_then_scan")
+# GPU defaults: the fastest correct configuration of benchmarks/bench_cumsum.py on an H200 (2026-11-29).
 CONFIG = {
     "algorithm": "lookback",                # rows longer than one block; float64 always reduce_then_scan
     "block": 4096 if ON_GPU else 1024,      # values per program on those rows (the interpreter prefers few programs)
-    "num_warps": 8,                         # warps per program on those rows
-    "window": 32,                           # predecessors one look-back step inspects
+    "num_warps": 4,                         # warps per program on those rows
+    "window": 16,                           # predecessors one look-back step inspects
     "reverse": True,                        # reduce_then_scan: pass 3 starts with the last block
 }
 

@@ -60,8 +60,9 @@ from scan_lib.runtime import INTERPRET
 # from the forward tile; False: recomputed with a second exp).
 # Under the CPU interpreter: small blocks, so that small tests still cross several chunks and blocks,
 # and a forward chunk smaller than the backward's, so that saving every k-th boundary state is exercised.
-GPU_FWD_CONFIG = dict(block_d=4, chunk=32, num_warps=4, num_stages=1)
-GPU_BWD_CONFIG = dict(block_d=4, chunk=32, num_warps=4, num_stages=1, bc_slots=8, gather_a=True)
+# GPU defaults: the fastest of benchmarks/tune_selective_scan.py's sweep on an H200 (2026-11-29).
+GPU_FWD_CONFIG = dict(block_d=2, chunk=64, num_warps=4, num_stages=2)
+GPU_BWD_CONFIG = dict(block_d=4, chunk=32, num_warps=4, num_stages=1, bc_slots=1, gather_a=True)
 CPU_FWD_CONFIG = dict(block_d=2, chunk=8, num_warps=1, num_stages=1)
 CPU_BWD_CONFIG = dict(block_d=2, chunk=16, num_warps=1, num_stages=1, bc_slots=2, gather_a=True)
 
