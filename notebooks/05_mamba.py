@@ -491,9 +491,10 @@ from scan_lib.runtime import INTERPRET
 # from the forward tile; False: recomputed with a second exp).
 # Under the CPU interpreter: small blocks, so that small tests still cross several chunks and blocks,
 # and a forward chunk smaller than the backward's, so that saving every k-th boundary state is exercised.
-# GPU defaults: the fastest of benchmarks/tune_selective_scan.py's sweep on an H200 (2026-11-29).
-GPU_FWD_CONFIG = dict(block_d=2, chunk=64, num_warps=4, num_stages=2)
-GPU_BWD_CONFIG = dict(block_d=4, chunk=32, num_warps=4, num_stages=1, bc_slots=1, gather_a=True)
+# GPU defaults: these passed the test suite on an H200 (2026-11-29); benchmarks/tune_selective_scan.py
+# found no configuration more than 3% faster there.
+GPU_FWD_CONFIG = dict(block_d=4, chunk=32, num_warps=4, num_stages=1)
+GPU_BWD_CONFIG = dict(block_d=4, chunk=32, num_warps=4, num_stages=1, bc_slots=8, gather_a=True)
 CPU_FWD_CONFIG = dict(block_d=2, chunk=8, num_warps=1, num_stages=1)
 CPU_BWD_CONFIG = dict(block_d=2, chunk=16, num_warps=1, num_stages=1, bc_slots=2, gather_a=True)
 
@@ -721,9 +722,9 @@ def selective_scan_bwd_kernel(
 # The launcher and autograd wrapper. Inputs are made contiguous (a no-op when they already are; a
 # differentiable copy otherwise, so non-contiguous views work), the state and every accumulation
 # are float32 (float64 when an input is float64), outputs and gradients come back in their input's dtype.
-# The forward keeps boundary states at the backward's chunk size when it can (its own chunk divides the
-# backward's); otherwise, or when the forward ran without any input needing a gradient, the backward
-# first recomputes them with a forward pass of its own.
+# The forward keeps boundary states at the backward's chunk size whenever an input needs a gradient
+# (it then runs with the smaller of its own chunk and the backward's: both are powers of two, so one
+# divides the other), and none in inference, when no input needs one.
 
 # %%
 #| export
@@ -781,11 +782,9 @@ class SelectiveScanFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, keep_states):
         dim, L = u.shape[1:]
-        fwd_chunk = _launch_config("fwd", dim, B.shape[1], C.shape[1], L)["chunk"]
         bwd_chunk = _launch_config("bwd", dim, B.shape[1], C.shape[1], L)["chunk"]
-        save = keep_states and bwd_chunk % fwd_chunk == 0
         out, last, states = _forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
-                                     bwd_chunk if save else None)
+                                     bwd_chunk if keep_states else None)
         ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, states)
         ctx.delta_softplus = delta_softplus
         ctx.set_materialize_grads(False)
@@ -799,9 +798,6 @@ class SelectiveScanFn(torch.autograd.Function):
         config = _launch_config("bwd", dim, B.shape[1], C.shape[1], L)
         chunk, slots = config["chunk"], config["bc_slots"]
         n_chunks = triton.cdiv(L, chunk)
-        if states is None:  # not kept by the forward: recompute them (the output is discarded)
-            _, _, states = _forward(u, delta, A, B, C, None, None, delta_bias, initial_state,
-                                    ctx.delta_softplus, chunk)
         acc = states.dtype
         if dout is None:
             dout = torch.zeros_like(u)
@@ -966,7 +962,7 @@ print("selective_scan matches the float64 reference: outputs and all gradients")
 # %% [markdown]
 # The switches of the launch configuration must not change the result: the second `exp` instead of the
 # gathers, one or three copies of the `dB`, `dC` buffers, and a forward chunk larger than the
-# backward's (the backward then recomputes the boundary states itself).
+# backward's (the forward then runs with the backward's chunk, to keep its boundary states).
 
 # %%
 ss_module = sys.modules["scan_lib.selective_scan"]  # the module (scan_lib.selective_scan is the function)
@@ -1086,17 +1082,14 @@ def boundary_state_bytes(batch, dim, L, N, chunk):
     return batch * dim * triton.cdiv(L, chunk) * N * 4
 
 
-def backward_extra_bytes(batch, dim, L, N, groups=1, in_size=4, has_z=True, fwd=GPU_FWD_CONFIG, bwd=GPU_BWD_CONFIG):
+def backward_extra_bytes(batch, dim, L, N, groups=1, in_size=4, has_z=True, bwd=GPU_BWD_CONFIG):
     """Peak bytes the backward allocates: input gradients, the S fp32 copies of dB/dC, their sums and
-    casts, partial sums, and (if the forward could not keep them) recomputed boundary states."""
+    casts, and partial sums."""
     grads = (3 if has_z else 2) * batch * dim * L * in_size
     bc = 2 * bwd["bc_slots"] * batch * groups * N * L * 4
     bc_sums = batch * groups * N * L * (8 if in_size == 4 else 4 + 2 * in_size)
     partial = (2 * batch * dim * N + 2 * batch * dim) * 4
-    recompute = 0
-    if bwd["chunk"] % fwd["chunk"] != 0:
-        recompute = boundary_state_bytes(batch, dim, L, N, bwd["chunk"]) + batch * dim * L * in_size
-    return grads + bc + bc_sums + partial + recompute
+    return grads + bc + bc_sums + partial
 
 
 shape = dict(batch=8, dim=1024, L=2048, N=16)

@@ -89,7 +89,7 @@ CONFIGS = "GPU" if ON_GPU else "CPU"
     (dict(), dict(gather_a=False)),
     (dict(), dict(bc_slots=1)),
     (dict(), dict(bc_slots=3)),
-    (dict(chunk=64), dict(chunk=16)),   # forward chunk larger: the backward recomputes the boundary states
+    (dict(chunk=64), dict(chunk=16)),   # forward chunk larger: the forward runs with the backward's chunk
     (dict(chunk=8), dict(chunk=32)),    # the forward keeps every 4th chunk's state
 ])
 def test_launch_configs_agree(monkeypatch, fwd, bwd):
