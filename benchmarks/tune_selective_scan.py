@@ -10,9 +10,17 @@ Times are do_bench medians in microseconds. Steps:
      bc_slots (copies of the dB/dC atomic buffers), gather_a=False (second exp instead of gathers),
      num_stages;
   3. bf16 inputs with the best configs.
-The final BEST line holds the winning GPU_FWD_CONFIG / GPU_BWD_CONFIG for notebooks/05_mamba.py.
-Reference points measured on the H200 in round 1: mamba_ssm fp32 557 us fwd, 1967 us fwd+bwd;
-bf16 273 / 1439 us.
+The final BEST line holds the winning configs of this sweep; the defaults in notebooks/05_mamba.py are
+chosen from it (they need not be the BEST line: a forward chunk larger than the backward's is not used in
+training, where the forward runs with the smaller of the two chunks to keep boundary states).
+
+Recorded run: benchmarks/results/tune_selective_scan_h200.txt (NVIDIA H200, 2026-11-29, code of commit
+3ce3e0c). Its fwd+bwd times include one extra forward pass (about 1.2 ms) that the backward of that
+version made to recompute boundary states when the forward's chunk (64, the best forward config) exceeded
+the backward's (32); the current code always keeps them in the forward, so those times overstate it.
+Its bf16 line used the best configs (forward block_d 2, chunk 64), not the notebook's defaults.
+Reference points on the same H200, 2026-11-29 (COURSE_DESIGN.md): mamba_ssm fp32 557 us fwd, 1967 us
+fwd+bwd; bf16 273 / 1439 us; memory floor 48 us fwd, 127 us fwd+bwd.
 """
 import pathlib
 import sys

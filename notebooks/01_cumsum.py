@@ -404,16 +404,19 @@ if INTERPRET:
 # tiny: one program per row walks that row's totals in chunks, carrying the running sum from one
 # chunk to the next, so the totals are never scanned recursively. (The first GPU run of this
 # chapter used the recursion of `cumsum_three_phase` here: up to five launches for $2^{25}$ values.
-# Each Triton launch costs the host some 15 to 20 microseconds of Python (that run timed a one-launch
-# scan of 1024 values at 22 us, against 7 us for `torch.cumsum`), and the benchmark below shows that
-# this overhead, not the GPU, is what a user waits for at small and medium sizes.)
+# Each launch of a Triton kernel from Python costs the host tens of microseconds: in the H200 run of
+# 2026-11-29, one launch of `scan_blocks_kernel` on 1024 values took 23.8 us, against 7.0 us for
+# `torch.cumsum`; the benchmark below shows that this overhead, not the GPU, is what a user waits
+# for at small and medium sizes.)
 #
 # The exported kernels also handle batches: the input is viewed as $R$ rows of length $N$ (the
 # scanned dimension moved last and made contiguous), the program id numbers (row, block) pairs, and
 # offsets into the rows are 64-bit so that $R \cdot N$ may exceed $2^{31}$. Pass 3 can walk the
 # blocks from the *end* of the tensor (`REVERSE`): pass 1 finished there, so part of the tail of
 # $x$ may still be in the GPU's L2 cache (50 MB on an H200) when pass 3 starts. Any order is
-# correct, since pass 3's programs are independent; `benchmarks/bench_cumsum.py` measures both.
+# correct, since pass 3's programs are independent; `benchmarks/bench_cumsum.py` measures both. On
+# the H200 (2026-11-29, $2^{25}$ values) the two orders took 108.0 and 110.3 us: a difference within
+# the noise, so the cache effect is too small to see; `REVERSE` stays on because it costs nothing.
 #
 # Rows short enough for one block need only pass 3 (no carries), in one launch; then each program
 # takes a tile of several short rows, so that a batch of many short rows does not become millions
@@ -863,8 +866,9 @@ for call, error, words in bad_inputs:
 # that for each launch of a Triton kernel from Python; fewer launches (one for a single block, two
 # for the look-back counting its memset, three for reduce-then-scan) is the only cure there. The
 # host and the GPU overlap only partly (the L2 flush gives the host a head start on each call), so
-# host-bound medians jitter from run to run. From about $2^{23}$ values on, bandwidth dominates:
-# $2N$ words for the look-back against $3N$ for reduce-then-scan and $4N$ for the three-phase scan.
+# host-bound medians jitter from run to run. Only from about $2^{25}$ values (128 MiB) on does the
+# median match the GPU-only time, and then bandwidth dominates: $2N$ words for the look-back against
+# $3N$ for reduce-then-scan and $4N$ for the three-phase scan.
 # `benchmarks/bench_cumsum.py` checks both algorithms many times on fresh data, sweeps their block
 # size, warps and window, and prints the same split; `CONFIG` holds its defaults.
 
@@ -944,6 +948,30 @@ else:
 #
 # (The figure is written when this notebook runs on a GPU.)
 #
+# **What the H200 measured (2026-11-29, the table above; copy bandwidth 4.25 TB/s).**
+#
+# * *Small and medium sizes: we are slower, and the host is why.* Up to $2^{24}$ values the look-back
+#   path takes 46 to 63 us whatever the size (one outlier: 16.2 us at $2^{13}$), while the GPU needs
+#   only 1.3 us ($2^{10}$) to 44.5 us ($2^{24}$) of it (the "GPU-only" column), and one call of
+#   `scan_lib.cumsum` costs the host 69 to 124 us (checks, views, our launcher and Triton's Python
+#   launch path). `torch.cumsum` launches from C++ and wins by a wide margin there: 7.0 against 51.5 us at $2^{10}$, 11.9 against 59.1 us at
+#   $2^{20}$, still 58.6 against 63.4 us at $2^{24}$. These medians are noisy: for $N \le 4096$ the
+#   look-back and reduce-then-scan columns run the very same single launch, yet at $2^{11}$ they read
+#   47.1 and 22.5 us. Only fewer launches, CUDA graphs or a C++ launcher would close this gap.
+# * *Large sizes: the single pass wins.* From $2^{25}$ values the look-back beats `torch.cumsum`:
+#   84.6 against 110.8 us at $2^{25}$, 158.8 against 213.6 at $2^{26}$, 305.1 against 417.3 at $2^{27}$,
+#   that is 1.34, 1.26 and 1.21 times the memory floor (63.2, 126.4, 252.7 us), where `torch.cumsum`
+#   sits at 1.65 to 1.75 times. The GPU-only time at $2^{25}$, 81.2 us, is still 1.28 times the floor:
+#   the look-back does not reach copy speed, and we have not profiled where the last 20 to 30% go.
+# * *Words moved, as predicted, roughly.* At $2^{27}$ reduce-then-scan ($3N$) takes 398.8 us, 1.31
+#   times the look-back ($2N$), and the three-phase scan ($4N$) 520.6 us, 1.71 times: less than the
+#   word counts' 1.5 and 2 because the multi-pass scans come closer to *their* floors (1.05 and 1.03
+#   times $3N$ and $4N$ words at copy bandwidth) than the look-back does to its own (1.21). `CONFIG`
+#   is the fastest look-back of `benchmarks/bench_cumsum.py`'s sweep (block 4096, 4 warps, window 16: 85.2 us
+#   at $2^{25}$); the best reduce-then-scan there (block 16384, 8 warps) took 108 us, still slower.
+#   Every look-back correctness check of that script, repeated many times on fresh data up to
+#   $2^{27}$ values, passed on the GPU.
+#
 # ## Summary
 #
 # * A scan parallelises because its operator is associative: the partial results can be combined
@@ -955,7 +983,9 @@ else:
 # * The decoupled look-back scan needs no barrier: tickets in start order rule out deadlock, a
 #   flag and a value packed into one atomically written word rule out torn reads, and the data
 #   crosses the memory bus once in each direction, $2N$ words.
-# * At small sizes the host's launch overhead, not the GPU, sets the time: count launches.
+# * At small sizes the host's launch overhead, not the GPU, sets the time: count launches. On the
+#   H200 our Python-launched kernels lose to `torch.cumsum` below about $2^{25}$ values and beat it
+#   above, at 1.2 to 1.3 times the memory floor.
 #
 # The next chapter keeps this structure and swaps `+` for the operator of a first-order linear
 # recurrence, $h_t = a_t h_{t-1} + b_t$.

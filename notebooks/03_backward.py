@@ -269,9 +269,11 @@ for length in [1, 7, 129, 1000, 4097]:
 # Both are 3 reads and 2 writes per element. We store the output: the kernel is simpler (one scan per
 # chunk instead of two) and the tokens need not be kept alive, which matters when they are a
 # temporary like $b_t x_t$. The recomputing variant becomes necessary in chapter 04, where there are
-# N states per position and storing them all would cost N times the memory. Nothing else is
-# recomputed: $\delta$ is new, and the shifted gates $a_{t+1}$ are a second, offset load of the same
-# gates, which mostly hits the cache.
+# N states per position and storing them all would cost N times the memory. Nothing is
+# recomputed: $\delta$ is new, and the two neighbours' values, $a_{t+1}$ and $h_{t-1}$, come from loads
+# offset by one position. The loop never needs the unshifted gates, so each tensor is still read
+# once; only the one element of an offset load that falls in the next chunk is read twice, and that
+# one comes from the cache.
 #
 # One launch does the whole backward pass for both directions of the forward scan: for `reverse=True`
 # the roles of left and right swap (the adjoint runs left to right with gates $a_{t-1}$, and
@@ -563,11 +565,11 @@ print("L = 0: empty result, empty gradients: ok")
 # - forward: read gates and tokens, write $h$: **3 tensors** (384 MiB);
 # - forward + backward: the forward's 3, plus the backward reads gates, $h$ (or, recomputing, tokens)
 #   and the incoming gradient and writes $\partial$gates and $\partial$tokens: **8 tensors** (1 GiB).
-#   The shifted second read of the gates is counted once: it should come from the cache.
+#   The backward reads the gates and $h$ at positions offset by one, but still each element once.
 #
 # We compare with accelerated-scan's Triton kernel (`from accelerated_scan.scalar import scan`, or
 # `accelerated_scan.triton` in other versions: `scan(gates, tokens)`, same recurrence, contiguous
-# (B, C, T) tensors) when it is installed. Its structure is the one of our round-one kernel: one
+# (B, C, T) tensors) when it is installed. Its structure is close to ours: one
 # program per row, chunks of 2048, the adjoint scanned with `reverse=True` over ascending loads, the
 # shifted gates and states read by a second, offset load. Ours is timed with the default launch
 # parameters (`FWD_CONFIG`, `BWD_CONFIG`) and with the other way of running the adjoint backwards
@@ -657,12 +659,31 @@ else:
 # %% [markdown]
 # ![benchmark](../figures/linear_scan_benchmark.png)
 #
-# (The figure is written by the cell above on a GPU.) What to read in it: both passes are memory-bound
-# in principle, so the time should sit a little above the dashed floor. The forward moves each element
-# once each way. The backward adds 5 tensors, and a scan that runs against the memory order: with
-# `reverse=True` the compiled code reverses the values across each warp's threads before and after the
-# scan; with descending loads it does not, but gives up wide loads and needs more registers per
-# thread (fewer programs fit on an SM at once). The table above says which costs less on this GPU.
+# (The figure is written by the cell above on a GPU.) Both passes are memory-bound, so the time should
+# sit a little above the dashed floor. The forward moves each element once each way. The backward adds
+# 5 tensors, and a scan that runs against the memory order: with `reverse=True` the compiled code
+# reverses the values across each warp's threads before and after the scan; with descending loads it
+# does not, but gives up wide loads and needs more registers per thread.
+#
+# **What the H200 measured (2026-11-29, the table above; copy bandwidth 4.25 TB/s).**
+#
+# - *Forward: at the floor.* 101.3 us, 1.07 times the 95 us floor; accelerated-scan took 103.6 us.
+#   Both kernels are within 10% of what memory allows; there is little left to win.
+# - *Forward + backward: 350.0 us, 1.39 times the 253 us floor*, against 385.9 us for accelerated-scan
+#   in the same run. The gap to the floor is not in the kernels: timed alone by
+#   `benchmarks/bench_linear_scan.py`, the backward kernel takes 169 us against its 159 us floor
+#   (5 tensors), so the two kernels add up to about 270 us. The remaining 80 us lie outside them
+#   (presumably autograd, allocations and the gaps between launches), and that part varies a lot
+#   from run to run: an earlier run measured accelerated-scan at 281.6 us and ours between 277 and
+#   660 us depending on launch parameters, in an order unrelated to the kernels' own times (the
+#   configuration with the fastest backward kernel, 169 us, measured 660 us forward + backward). We
+#   have not found the source of this variance, so read the fwd+bwd column as a rough figure: it
+#   does not show that we beat accelerated-scan, only that our two kernels run close to their floors.
+# - *Descending loads lose.* In the backward they took 219 us against 169 us for `reverse=True`
+#   (571.4 us fwd+bwd in the table above), so `BWD_CONFIG` keeps ascending loads.
+# - *Direction and dtype.* The forward pass of `linear_scan(..., reverse=True)` costs about 10% more
+#   than a left-to-right one (109.7 against 100.4 us): the price of reversing values across each warp. bfloat16 inputs halve
+#   the bytes: the forward took 54.3 us (floor about 48 us).
 #
 # ## Summary
 #

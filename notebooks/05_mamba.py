@@ -27,11 +27,14 @@
 #    writes only chunk-boundary states, and recomputes everything else in the backward;
 # 6. `scan_lib.selective_scan`, a drop-in for `mamba_ssm`'s `selective_scan_fn` that also takes an
 #    `initial_state` (so a long sequence can be processed in pieces), checked gradient by gradient;
-# 7. on a GPU: the memory the backward uses, and a benchmark against the official CUDA kernel.
+# 7. on a GPU: the memory the backward uses, and a benchmark against the official CUDA kernel;
+# 8. where this kernel stands against `mamba_ssm` (2-3x slower with fp32 inputs, about 4x with bf16), and why.
 #
 # The source notebook this course follows stopped at a kernel that only handled lengths that are a
 # multiple of its block, one `A` per batch element, compared outputs only (never $d\Delta$), and was
-# slower than the official kernel. We fix all four.
+# slower than the official kernel. We fix the first three. The fourth we do not: our kernel is also
+# slower than `mamba_ssm`'s (section 12 gives the measured numbers and the likely reasons); closing that
+# gap is chapter 07's job.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -102,9 +105,11 @@ def rel_err(x, ref):
 # ## 2. Discretisation
 #
 # Mamba thinks of $h$ as a continuous-time system $h'(s) = A\,h(s) + B\,u(s)$ sampled with step $\Delta$.
-# Holding $u$ constant over a step gives $\bar A = e^{\Delta A}$; `mamba_ssm` (and the paper's code)
-# then uses the simplified Euler form $\bar B = \Delta B$ rather than the exact zero-order hold
-# $(\Delta A)^{-1}(e^{\Delta A} - 1)\,\Delta B$. So one step is
+# Over one step the state decays exactly by $\bar A = e^{\Delta A}$, whatever the input does. If $u$ (and
+# $B$) are held constant over the step (the zero-order hold), the input adds exactly
+# $\bar B u = (\Delta A)^{-1}(e^{\Delta A} - 1)\,\Delta B\, u$. `mamba_ssm` (and the paper's code) keeps the
+# exact $\bar A$ but uses the first-order (Euler) form $\bar B = \Delta B$, which agrees with the zero-order
+# hold up to $O(\Delta^2)$: $(\Delta A)^{-1}(e^{\Delta A} - 1) = 1 + \Delta A/2 + O(\Delta^2)$. So one step is
 #
 # $$a_t = e^{\Delta_t A}, \qquad b_t = \Delta_t\, B_t\, u_t, \qquad h_t = a_t h_{t-1} + b_t .$$
 #
@@ -237,13 +242,14 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
 # $$\frac{\partial\mathcal L}{\partial a_t} = G_t h_{t-1}, \qquad \frac{\partial\mathcal L}{\partial b_t} = G_t,
 #   \qquad \frac{\partial \mathcal L}{\partial h_{-1}} = a_0 G_0 \;(\text{the initial state}).$$
 #
-# Chained through the discretisation, summing over the states $n$ (and the channels $d$ that share a
-# group for $B$ and $C$):
+# Chained through the discretisation ($\partial a/\partial\Delta = A a$, $\partial b/\partial\Delta = B u$, ...),
+# summing over whatever the parameter is shared by: the states $n$ for the per-channel $\Delta_t$ and $u_t$,
+# the batch and the positions for $A$ and $D$, the channels $d$ of a group for $B_t$ and $C_t$:
 #
 # $$d\Delta_t = \sum_n \big(G_t\, a_t h_{t-1} A + G_t B_t u_t\big), \quad
-#   dA = \sum_t \Delta_t\, G_t\, a_t h_{t-1}, \quad
+#   dA = \sum_{\text{batch},\,t} \Delta_t\, G_t\, a_t h_{t-1}, \quad
 #   du_t = D\,\bar y_t + \Delta_t \sum_n G_t B_t, $$
-# $$dB_t = \sum_d G_t\, \Delta_t u_t, \quad dC_t = \sum_d \bar y_t\, h_t, \quad dD = \sum_t \bar y_t u_t .$$
+# $$dB_t = \sum_d G_t\, \Delta_t u_t, \quad dC_t = \sum_d \bar y_t\, h_t, \quad dD = \sum_{\text{batch},\,t} \bar y_t u_t .$$
 #
 # The product $a_t h_{t-1}$ needs the *previous* state. It is tempting to write it as $h_t - b_t$ (true
 # in exact arithmetic, and it avoids a shifted copy of $h$), but in floating point that subtraction
@@ -251,10 +257,15 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
 # true value is exactly $0$ while $h_0 - b_0$ is whatever rounding (or an FMA contraction on the GPU)
 # left behind. So the kernels below compute $h_{t-1}$ itself, by shifting the recomputed states one
 # position along time (the cell after the derivation shows the cancellation).
-# With the gate $\text{out} = y\,\operatorname{silu}(z)$ and $\sigma$ the sigmoid:
-# $\bar y = \overline{\text{out}}\, z\sigma(z)$ and
-# $dz = \overline{\text{out}}\; y\; \sigma(z)\,(1 + z(1 - \sigma(z)))$; with the softplus,
-# $d\Delta_{\text{raw}} = d\Delta\; \sigma(\Delta_{\text{raw}} + \text{bias})$ and $d\,\text{bias} = \sum_{b,t} d\Delta_{\text{raw}}$.
+#
+# The two elementwise functions around the scan. The gate $\text{out} = y\,\operatorname{silu}(z) = y\,z\,\sigma(z)$,
+# with $\sigma$ the sigmoid and $\sigma' = \sigma(1-\sigma)$, gives
+# $\bar y = \overline{\text{out}}\; z\sigma(z)$ and
+# $dz = \overline{\text{out}}\; y\,\big(\sigma(z) + z\,\sigma(z)(1-\sigma(z))\big) = \overline{\text{out}}\; y\; \sigma(z)\,\big(1 + z(1 - \sigma(z))\big)$.
+# The step is $\Delta = \operatorname{softplus}(\Delta_{\text{raw}} + \text{bias})$ with
+# $\operatorname{softplus}(x) = \log(1 + e^x)$, whose derivative is $e^x/(1+e^x) = \sigma(x)$; so
+# $d\Delta_{\text{raw}} = d\Delta\; \sigma(\Delta_{\text{raw}} + \text{bias})$ and
+# $d\,\text{bias} = \sum_{\text{batch},\,t} d\Delta_{\text{raw}}$ (without the softplus, $d\Delta_{\text{raw}} = d\Delta$).
 #
 # Here are those formulas as plain PyTorch (one sequence-batch, no groups, for readability),
 # checked against autograd of the reference. If this passes, the derivation is right, and the kernels
@@ -342,10 +353,11 @@ assert err_subtract > 1e-2 and err_shifted < 1e-7
 # 02's `first_order_op`, one independent scan per state. The discretisation is a `@triton.jit`
 # helper of its own, exported once and reused by every kernel below.
 #
-# The backward needs the adjoint, a scan from right to left. Rather than rely on
-# `tl.associative_scan(..., reverse=True)` (whose operand order for non-commutative operators has
-# changed between Triton versions, and which the interpreter cannot vouch for), we **load the inputs
-# of the backward in reversed order**, so that an ordinary left-to-right scan runs backwards in time.
+# The backward needs the adjoint, a scan from right to left. Rather than depend on how
+# `tl.associative_scan(..., reverse=True)` orders the operands of a non-commutative combine (an easy
+# thing to get subtly wrong, and one the CPU interpreter, which runs programs one after another on
+# the CPU, is a poor judge of), we **load the inputs of the backward in reversed order**, so that an
+# ordinary left-to-right scan runs backwards in time.
 # The two shifts of the derivation are handled at load time and with `tl.gather`: the gate $a_{t+1}$
 # comes from loading $\Delta$ one position further, and the previous state $h_{t-1}$ is the state tile
 # gathered at index $t-1$ (with $h_{-1} = 0$ put in at $t = 0$, exactly, so that $d\bar A_0 = 0$ exactly).
@@ -450,12 +462,13 @@ for L in [1, 7, 129, 1000]:
 #
 # * **One program per (batch element, block of `BLOCK_D` channels)**. Its state is a
 #   `BLOCK_D x N` tile that lives in registers for the whole sequence. (8 x 1024 / 4 = 2048
-#   programs fill the 132 SMs of an H200 many times over.)
+#   programs: about 15 for each of the 132 SMs of an H200, each walking its chunks one after another.
+#   Section 12 comes back to whether that is enough work in flight.)
 # * **Loop over L in chunks of `CHUNK` positions.** Each chunk loads `u`, `delta`, `z`
 #   as `BLOCK_D x CHUNK` tiles and the group's `B`, `C` as `N x CHUNK` tiles, each byte once;
 #   discretises into `BLOCK_D x N x CHUNK` tiles (softplus, bias fused); scans them along the last axis
-#   from a zero state; adds the carried state decayed by the cumulative gate, $h_t = \bar a_{t} h_{\text{carry}} + \bar b_t$;
-#   reduces $y_t = \sum_n C_{t,n} h_{t,n}$; applies `D` and the gate; writes `out`. The last column
+#   from a zero state; adds the carried state decayed by the cumulative gate (the chunking identity
+#   below); reduces $y_t = \sum_n C_{t,n} h_{t,n}$; applies `D` and the gate; writes `out`. The last column
 #   becomes the next carry.
 # * **Boundary states** (the state entering each backward chunk, `(batch, dim, n_saved, N)`) are written
 #   for the backward: `1/CHUNK_bwd` of the full state tensor. The forward may use a smaller chunk than
@@ -480,6 +493,51 @@ for L in [1, 7, 129, 1000]:
 #
 # The launch parameters are module-level dictionaries, so they are easy to change when tuning on a GPU
 # (`benchmarks/tune_selective_scan.py` sweeps them).
+#
+# **The chunking identity.** Unrolling $h_t = a_t h_{t-1} + b_t$ from the state $h_{s-1}$ entering a chunk
+# that starts at position $s$:
+#
+# $$h_t = \underbrace{\Big(\prod_{r=s}^{t} a_r\Big)}_{\hat a_t}\, h_{s-1}
+#       + \underbrace{\sum_{q=s}^{t} \Big(\prod_{r=q+1}^{t} a_r\Big) b_q}_{\hat b_t}, \qquad s \le t < s + \texttt{CHUNK}.$$
+#
+# $(\hat a_t, \hat b_t)$ is exactly the inclusive scan of the pairs $(a_r, b_r)$ under chapter 02's
+# `first_order_op`, $(a, b) \circ (a', b') = (a a', a' b + b')$, and $\hat b_t$ alone is the chunk's
+# states computed from a zero state. So one `tl.associative_scan` per chunk, which knows nothing of the
+# past, plus one multiply-add with the carry $h_{s-1}$ give the exact states. The backward uses the same
+# identity on the adjoint, right to left: with $K$ the gradient reaching the chunk's last state
+# $h_e$ from the chunks to its right (so $G_e = c_e + K$),
+# $G_t = \big(\prod_{r=t+1}^{e} a_r\big) K + \hat R_t$, where $\hat R_t$ is the adjoint scan of the chunk from
+# $K = 0$. Padding positions ($a = 1$, $b = 0$, $c = 0$) change neither product nor sum.
+#
+# In plain PyTorch, against the sequential recurrence, with chunks that do not divide the length:
+
+# %%
+def chunked_states(a, b, h_init, chunk):
+    """States of h_t = a_t h_{t-1} + b_t (a, b: N x L) chunk by chunk: a scan from zero, plus the carry."""
+    states, h = [], h_init                                             # h: N
+    for s in range(0, a.shape[1], chunk):
+        a_hat = torch.cumprod(a[:, s:s + chunk], dim=1)                # prod_{r=s}^{t} a_r
+        b_hat, acc = [], torch.zeros_like(h)
+        for t in range(s, min(s + chunk, a.shape[1])):                 # the chunk from a zero state
+            acc = a[:, t] * acc + b[:, t]
+            b_hat.append(acc)
+        chunk_h = a_hat * h[:, None] + torch.stack(b_hat, dim=1)       # N x chunk
+        states.append(chunk_h)
+        h = chunk_h[:, -1]
+    return torch.cat(states, dim=1)
+
+
+torch.manual_seed(2)
+a_chk, b_chk = torch.rand(3, 37, dtype=torch.float64), torch.randn(3, 37, dtype=torch.float64)
+h_chk, h_seq = torch.randn(3, dtype=torch.float64), []
+h = h_chk
+for t in range(37):
+    h = a_chk[:, t] * h + b_chk[:, t]
+    h_seq.append(h)
+for chunk in (1, 4, 8, 37, 64):
+    err = max_err(chunked_states(a_chk, b_chk, h_chk, chunk), torch.stack(h_seq, dim=1))
+    print(f"chunk {chunk:2d}: max abs err vs the sequential recurrence {err:.1e}")
+    assert err < 1e-13
 
 # %%
 #| export
@@ -1068,11 +1126,11 @@ for message, change in bad_cases.items():
 #
 # bytes, with $s$ the input element size, $g$ the number of groups and $S$ the `bc_slots` copies (two
 # gradient tensors instead of three when there is no `z`). For float32 inputs the cast is a no-op and
-# the sums take $bgNL \cdot 8$. Should the forward's chunk not divide the backward's, the backward also
-# allocates the boundary states and a throw-away output for its recomputation; `backward_extra_bytes`
-# counts that too. For (8, 1024, 2048, N=16) in float32 that is about 210 MiB, almost all of it the
-# gradients that any backward must produce, plus 32 MiB of boundary states (CHUNK_bwd = 32) instead of
-# 1 GiB of states.
+# the sums take $bgNL \cdot 8$. The backward allocates nothing else: the forward always keeps the boundary
+# states at the backward's chunk when a gradient is needed, so there is no recomputation pass. For
+# (8, 1024, 2048, N=16) in float32, with the default `bc_slots` = 8, that is about 211 MiB, 192 MiB of
+# it the three gradients that any backward must produce; the forward keeps 32 MiB of boundary states
+# (CHUNK_bwd = 32) instead of 1 GiB of states. The cell below prints and asserts these numbers.
 
 # %%
 from scan_lib.selective_scan import GPU_BWD_CONFIG, GPU_FWD_CONFIG  # noqa: E402
@@ -1099,6 +1157,10 @@ print(f"all states: {all_states / 2**20:.0f} MiB; boundary states (CHUNK_bwd={ch
       f"{boundary_state_bytes(**shape, chunk=chunk_bwd) / 2**20:.0f} MiB; "
       f"backward allocations: {backward_extra_bytes(**shape) / 2**20:.0f} MiB")
 assert all_states == chunk_bwd * boundary_state_bytes(**shape, chunk=chunk_bwd)
+assert (chunk_bwd, GPU_BWD_CONFIG["bc_slots"]) == (32, 8)  # the defaults the text above is about
+assert round(boundary_state_bytes(**shape, chunk=chunk_bwd) / 2**20) == 32
+assert round(backward_extra_bytes(**shape) / 2**20) == 211
+assert 3 * math.prod(shape[k] for k in ("batch", "dim", "L")) * 4 == 192 * 2**20  # du, d delta, dz
 
 fig, ax = plt.subplots(figsize=(6, 3.2))
 lengths = [2**k for k in range(8, 18)]
@@ -1116,7 +1178,11 @@ plt.close(fig)
 # %% [markdown]
 # ![memory kept for the backward](../figures/05_memory.png)
 #
-# On a GPU, the measured peak of the backward against that formula:
+# On a GPU, the measured peak of the backward against that formula. This cell has not yet run on the GPU
+# with the current code, so no output of it is committed. An earlier version (H200, 2026-11-29, with
+# `bc_slots` = 1 and a forward chunk larger than the backward's, which made the backward recompute the
+# boundary states) measured 229.6 MiB for float32: 32 MiB of recomputed states plus 197.6 MiB, within
+# 0.5 MiB of this formula's 197.1 MiB for `bc_slots` = 1. That recomputation no longer exists.
 
 # %%
 if not ON_GPU:
@@ -1182,11 +1248,10 @@ compare_with_mamba_ssm();
 # per element again, thanks to the gathers of section 6). The forward is timed without gradients (so
 # it writes no boundary states), the forward+backward with all inputs requiring gradients. The launch
 # parameters are the defaults of `GPU_FWD_CONFIG` / `GPU_BWD_CONFIG`; `benchmarks/tune_selective_scan.py`
-# sweeps them. Whatever the cell prints is the measurement; no number in this text is one.
-#
-# ![benchmark](../figures/05_benchmark.png)
-#
-# (The plot is written by this cell on a GPU.)
+# sweeps them. Whatever the cell prints is the measurement. The cell saves its plot as
+# `figures/05_benchmark.png`; neither the plot nor the cell's output is committed yet, because this
+# notebook has not yet run to the end on the GPU with the current code. Section 12 gives the numbers
+# measured so far, by the tuning script.
 
 # %%
 def io_bytes(batch, dim, L, N, size, backward):
@@ -1245,16 +1310,83 @@ else:
     plt.close(fig)
 
 # %% [markdown]
+# ## 12. Where we stand
+#
+# The numbers below were measured on an NVIDIA H200 (torch 2.11, Triton 3.6) on 2026-11-29, at the
+# benchmark shape of section 11 (batch 8, dim 1024, L 2048, N 16; softplus, `D`, `z`, `delta_bias` on),
+# as `do_bench` medians. They come from `benchmarks/tune_selective_scan.py` (raw output in
+# `benchmarks/results/tune_selective_scan_h200.txt`), not from this notebook's cell; the `mamba_ssm` and
+# floor columns are the reference measurements of the course design, taken on the same GPU the same day.
+#
+# | inputs, pass | ours | `mamba_ssm` (CUDA) | ours / `mamba_ssm` | memory floor |
+# | --- | --- | --- | --- | --- |
+# | fp32, forward (no grad) | 1193 us (defaults); 1158 us best of the sweep | 557 us | 2.1x | 48 us (`exp`-bound ~65 us) |
+# | fp32, forward + backward | 5690-5700 us (see below) | 1967 us | 2.9x | 127 us |
+# | bf16, forward (no grad) | 1109 us | 273 us | 4.1x | - |
+# | bf16, forward + backward | 6431 us (see below) | 1439 us | 4.5x | - |
+#
+# Caveats, plainly. The forward+backward times were measured with an earlier version that, with the
+# sweep's best forward config (chunk 64 against the backward's 32), ran one extra forward pass in the
+# backward to recompute the boundary states; that pass (about 1.2 ms) no longer exists, so the current
+# code should take about 4.5 ms in fp32, still about 2.3x `mamba_ssm`. That is an estimate: it has not
+# been measured. The bf16 rows use the sweep's best forward config (`block_d` 2, `chunk` 64), not the
+# defaults. In the sweep, 8 warps were always slower than 4, `block_d` 8 or 16 slower (1350-2170 us),
+# `bc_slots` 1, 4, 8 or 16 within 0.5% of each other, and recomputing $a$ with a second `exp` instead of
+# the gathers (`gather_a=False`) 2% slower (5798 against 5697 us).
+#
+# So our kernel is about 2x slower than `mamba_ssm` in the forward and 2-3x slower forward+backward
+# in fp32, about 4x slower with bf16 inputs; its fp32 forward takes 24 times the memory floor. What those numbers say about the limits:
+#
+# * **It is not memory-bound.** bf16 inputs halve the bytes but save only 4% (1109 against 1158 us at the
+#   same config), where `mamba_ssm` gets 2x faster. `dB`/`dC` atomic contention is not it either: the
+#   number of buffer copies makes no difference.
+# * **It is not `exp`-bound.** We compute one `exp` per (batch, dim, position, state) element in the
+#   forward and one more in the backward's recomputation, as `mamba_ssm` does; 268 million of them take
+#   about 65 us, a twentieth of our forward.
+# * **It executes, or waits, far too long per element.** At about 1.98 GHz, 132 SMs with 128 fp32 lanes
+#   each issue about $3.3 \cdot 10^{13}$ lane-instructions per second: 1158 us is room for about 140 of
+#   them per element, where the arithmetic needs fewer than ten (an `exp`, the discretisation, one
+#   multiply-add for the recurrence, one for $C h$). The likely reasons, from the design (not yet
+#   confirmed by a profiler):
+#   * *A log-depth tree scan over a 3-D tile.* Each chunk runs `tl.associative_scan` over a
+#     `(BLOCK_D, N, CHUNK)` tile. Where the chunk axis is spread over the lanes of a warp (the compiler
+#     chooses the layout), every one of the $\log_2 32 = 5$ levels costs two warp shuffles, two
+#     multiplies, an add and a select per element, for the pair $(a, b)$. `mamba_ssm` instead gives each
+#     thread several consecutive positions, scans them sequentially in registers (one multiply-add per
+#     element), and runs a single block-wide scan over the per-thread totals, so the tree's cost is
+#     shared by all the items of a thread.
+#   * *More reductions than the arithmetic needs.* Per chunk the forward also reduces over $N$ for $y$
+#     (across warps if $N$ is spread over them) and reads the carry, the chunk's last column, with a
+#     `where` and a full sum along time. The backward adds three `tl.gather`s along time, the adjoint
+#     scan, the sums over $N$ for $GB$ and $d\Delta$, and loads every 2-D input twice (once per order).
+#   * *Little work in flight.* Each program walks its 64 chunks one after another, each a dependent
+#     chain (load, `exp`, scan, carry), and there are only batch x dim / `BLOCK_D` = 2048 programs, about
+#     15 per SM. Larger `BLOCK_D` (more work per program, fewer programs) was slower, `num_stages` 2 or 3
+#     (prefetching the next chunk) changed nothing.
+#
+# What chapter 07 should try, one change at a time and with the tests of this chapter as the guard:
+# profile first (Nsight Compute: issued instructions per element, stall reasons, achieved occupancy, and
+# the layout Triton gives the 3-D tile), then (1) a two-level scan inside the chunk, each thread scanning
+# a few consecutive positions sequentially before one tree scan over the thread totals, as `mamba_ssm`
+# does; (2) a layout that keeps the $N$ states of a position in one thread, so the sums over $N$ need no
+# shuffles; (3) reading the carry from the scan's total instead of a masked sum; (4) more parallelism
+# along $L$, splitting the sequence over several programs with a pass that scans the chunk totals
+# (the decoupled look-back of chapter 01), so that fewer chunks run in series; (5) for the backward,
+# loading each input once and reversing in registers.
+#
 # ## What we fixed, and what is next
 #
 # * Any length: positions past `L` are identity steps, so nothing needs to be a multiple of a block.
 # * `A` is `(dim, N)`, as in Mamba, not one per batch element; `B`, `C` may be grouped.
-# * Every gradient is checked, $d\Delta$ included, against a float64 reference and (on a GPU) against
-#   `mamba_ssm`; so are the options and half-precision inputs.
+# * Every gradient is checked, $d\Delta$ included, against a float64 reference, and (on the H200, by
+#   `tests/test_selective_scan.py`) every output and gradient against `mamba_ssm`'s CUDA
+#   `selective_scan_fn`; so are the options and half-precision inputs.
 # * The backward never stores the `(batch, dim, L, N)` states: it recomputes them per chunk from
 #   `1/CHUNK_bwd` as many boundary states (none are written when no gradient is needed), and it takes
 #   the previous state $h_{t-1}$ from the recomputed tile itself (a gather), never as $h_t - b_t$, whose
 #   cancellation gave a wrong $dA$ on the GPU in a first version of this chapter.
 # * `initial_state` and a differentiable `last_state` make the scan composable.
 #
-# Chapter 07 profiles these kernels on the GPU and tunes them, one change at a time.
+# Not fixed: speed. The kernel is correct and memory-frugal but about 2x slower than `mamba_ssm` in the
+# forward and 2-3x slower forward+backward with fp32 inputs, about 4x with bf16 (section 12). Chapter 07 profiles these kernels on the GPU
+# and tunes them, one change at a time.

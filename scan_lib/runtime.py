@@ -2,16 +2,25 @@
 # Do not edit: change the notebook and run `make export`.
 """Where kernels run: the GPU when there is one, else Triton's CPU interpreter; shared input checks."""
 import os
+import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
 def use_interpreter_without_gpu() -> bool:
-    """Set TRITON_INTERPRET=1 when no CUDA GPU is visible. Call before any @triton.jit is defined."""
+    """Set TRITON_INTERPRET=1 when no CUDA GPU is visible. Call before any @triton.jit is defined.
+
+    Warns when NumPy is 2.4 or newer: Triton 3.6's interpreter cannot run a `for` loop over a runtime
+    bound with it (section "A blocked kernel with a loop" shows the failure)."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if interpret and tuple(int(part) for part in np.__version__.split(".")[:2]) >= (2, 4):
+        warnings.warn(f"Triton's CPU interpreter may fail with NumPy {np.__version__}: "
+                      "use numpy<2.4 (requirements.txt pins 2.3.5)", stacklevel=2)
+    return interpret
 
 
 INTERPRET: bool = use_interpreter_without_gpu()

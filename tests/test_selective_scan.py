@@ -100,23 +100,44 @@ def test_launch_configs_agree(monkeypatch, fwd, bwd):
 
 
 def test_boundary_states_kept_only_for_grad(monkeypatch):
-    """Inference (no input needs a gradient) keeps no boundary states; the output is the same."""
+    """Inference (no input needs a gradient) keeps no boundary states; training keeps one float32 state per
+    backward chunk, (batch, dim, ceil(L / CHUNK_bwd), N), and no more; the output is the same."""
     module = sys.modules["scan_lib.selective_scan"]
-    save_chunks = []
+    save_chunks, kept = [], []
 
     def recording_forward(*args):
         save_chunks.append(args[-1])
-        return forward(*args)
+        result = forward(*args)
+        kept.append(result[2])
+        return result
 
     forward = module._forward
     monkeypatch.setattr(module, "_forward", recording_forward)
-    inputs = make_inputs(1, 4, 3, 40, seed=2)
+    batch, dim, N, L = 1, 4, 3, 40
+    inputs = make_inputs(batch, dim, N, L, seed=2)
     with torch.no_grad():
         out_ng = scan_lib.selective_scan(**inputs, delta_softplus=True)
     leaves = {k: v.detach().requires_grad_(True) for k, v in inputs.items()}
     out = scan_lib.selective_scan(**leaves, delta_softplus=True)
-    assert save_chunks[0] is None and save_chunks[1] is not None
+    chunk_bwd = getattr(module, f"{CONFIGS}_BWD_CONFIG")["chunk"]
+    assert save_chunks == [None, chunk_bwd] and kept[0] is None
+    assert kept[1].shape == (batch, dim, -(-L // chunk_bwd), N) and kept[1].dtype == torch.float32
     assert torch.equal(out.detach(), out_ng)
+
+
+def test_softplus_keeps_tiny_steps():
+    """softplus(x) for x around -20 is about 2e-9: log(1 + e^x) in float32 would round it to 0 (and with
+    no D, z the output to 0); the kernel's log1p trick keeps it to full relative precision."""
+    inputs = make_inputs(2, 4, 3, 33, D=False, z=False, bias=False, h0=False, seed=10)
+    inputs["delta"] = inputs["delta"] - 19.0   # pre-activations around -20
+    compare(inputs, softplus=True)
+
+
+def test_softplus_large_steps():
+    """Large pre-activations: softplus(x) = x to rounding, the state forgets almost at once."""
+    inputs = make_inputs(2, 4, 3, 33, bias=False, seed=11)
+    inputs["delta"] = inputs["delta"] + 26.0   # pre-activations around 25
+    compare(inputs, softplus=True)
 
 
 def test_no_softplus_no_options():
