@@ -22,7 +22,9 @@ import torch
 
 import scan_lib  # noqa: I001  (before triton, as everywhere)
 import triton
-from triton.testing import do_bench, do_bench_cudagraph
+from triton.testing import do_bench
+
+from scan_lib.runtime import graph_us, host_us
 
 cs = sys.modules["scan_lib.cumsum"]  # the module: scan_lib.cumsum is the function
 WATCHDOG_S = 150
@@ -61,20 +63,6 @@ def check_all(algorithm: str, **config) -> None:
 
 def median_us(fn) -> float:
     return do_bench(fn, warmup=5, rep=40, return_mode="median") * 1e3
-
-
-def graph_us(fn) -> float:
-    return do_bench_cudagraph(fn, rep=10, return_mode="median") * 1e3
-
-
-def host_us(fn, calls: int = 50) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def sweep(algorithm: str, grid: list[dict], inputs: dict) -> dict:

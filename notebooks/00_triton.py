@@ -128,6 +128,37 @@ def check_same_device(**tensors) -> torch.device:
     return device
 
 # %% [markdown]
+# Last, the timers every benchmark cell uses (GPU only). `median_us` is what the tables report: the
+# median of `triton.testing.do_bench`, which synchronises through CUDA events and flushes the L2 cache
+# before each run. `graph_us` replays a captured CUDA graph, which removes the host's launch overhead
+# and so shows the GPU's time alone; `host_us` shows the host's time per call alone.
+
+# %%
+#| export
+def median_us(fn) -> float:
+    """Median GPU time of fn() in microseconds (triton.testing.do_bench; needs a GPU)."""
+    from triton.testing import do_bench
+    return do_bench(fn, return_mode="median") * 1e3
+
+
+def graph_us(fn) -> float:
+    """Median time of fn() replayed from a CUDA graph, in microseconds: the GPU's time without launch overhead."""
+    from triton.testing import do_bench_cudagraph
+    return do_bench_cudagraph(fn, return_mode="median") * 1e3
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """Host time per call: launches queued back to back, timed on the CPU, no synchronisation inside."""
+    import time
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+# %% [markdown]
 # ## What this chapter teaches
 #
 # Triton is a small language, embedded in Python, for writing GPU kernels. A kernel *loads* blocks

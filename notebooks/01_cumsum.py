@@ -873,26 +873,7 @@ for call, error, words in bad_inputs:
 # size, warps and window, and prints the same split; `CONFIG` holds its defaults.
 
 # %%
-def median_us(fn) -> float:
-    from triton.testing import do_bench
-    return do_bench(fn, return_mode="median") * 1e3
-
-
-def graph_us(fn) -> float:
-    from triton.testing import do_bench_cudagraph
-    return do_bench_cudagraph(fn, return_mode="median") * 1e3
-
-
-def host_us(fn, calls: int = 50) -> float:
-    """Host time per call: launches queued back to back, timed on the CPU, no synchronisation inside."""
-    import time
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
+from scan_lib.runtime import graph_us, host_us, median_us  # the timers of chapter 00
 
 
 def copy_bandwidth_gbs() -> float:

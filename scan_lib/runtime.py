@@ -83,3 +83,26 @@ def check_same_device(**tensors) -> torch.device:
             "set TRITON_INTERPRET=1 before importing scan_lib"
         )
     return device
+
+def median_us(fn) -> float:
+    """Median GPU time of fn() in microseconds (triton.testing.do_bench; needs a GPU)."""
+    from triton.testing import do_bench
+    return do_bench(fn, return_mode="median") * 1e3
+
+
+def graph_us(fn) -> float:
+    """Median time of fn() replayed from a CUDA graph, in microseconds: the GPU's time without launch overhead."""
+    from triton.testing import do_bench_cudagraph
+    return do_bench_cudagraph(fn, return_mode="median") * 1e3
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """Host time per call: launches queued back to back, timed on the CPU, no synchronisation inside."""
+    import time
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
