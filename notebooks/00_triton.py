@@ -44,6 +44,7 @@ print(scan_lib.runtime.describe())
 """Where kernels run: the GPU when there is one, else Triton's CPU interpreter; shared input checks."""
 import os
 import warnings
+from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
@@ -53,15 +54,20 @@ import torch
 def use_interpreter_without_gpu() -> bool:
     """Set TRITON_INTERPRET=1 when no CUDA GPU is visible. Call before any @triton.jit is defined.
 
-    Warns when NumPy is 2.4 or newer: Triton 3.6's interpreter cannot run a `for` loop over a runtime
-    bound with it (section "A blocked kernel with a loop" shows the failure)."""
+    Warns when NumPy is 2.4 or newer and Triton older than 3.9: Triton 3.6's interpreter cannot run a
+    `for` loop over a runtime bound with that NumPy (section "A blocked kernel with a loop" shows the
+    failure); 3.9's can; 3.7 and 3.8 were not tried."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if interpret and tuple(int(part) for part in np.__version__.split(".")[:2]) >= (2, 4):
-        warnings.warn(f"Triton's CPU interpreter may fail with NumPy {np.__version__}: "
-                      "use numpy<2.4 (requirements.txt pins 2.3.5)", stacklevel=2)
+    if interpret and _major_minor(np.__version__) >= (2, 4) and _major_minor(version("triton")) < (3, 9):
+        warnings.warn(f"Triton {version('triton')}'s CPU interpreter may fail with NumPy {np.__version__}: "
+                      "use numpy<2.4 (requirements.txt pins 2.3.5) or Triton 3.9", stacklevel=2)
     return interpret
+
+
+def _major_minor(version_string: str) -> tuple:
+    return tuple(int(part) for part in version_string.split(".")[:2])
 
 
 INTERPRET: bool = use_interpreter_without_gpu()

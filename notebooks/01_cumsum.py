@@ -466,7 +466,9 @@ def scan_tiles_kernel(X, S, Y, R, N, NUM_BLOCKS,
     mask = (rows < R) & (cols < N)                                              # ROWS x BLOCK
     offsets = rows.to(tl.int64) * N + cols                                      # ROWS x BLOCK
     x = tl.load(X + offsets, mask=mask, other=0.0)
-    carry = tl.load(S + rows * NUM_BLOCKS + b - 1, mask=(rows < R) & (b > 0), other=0.0)   # ROWS x 1
+    # b > 0 is spelled out as a ROWS x 1 tile: Triton 3.9's interpreter rejects a mask that broadcasts a scalar.
+    has_carry = tl.zeros_like(rows) + b > 0                                     # ROWS x 1
+    carry = tl.load(S + rows * NUM_BLOCKS + b - 1, mask=(rows < R) & has_carry, other=0.0)   # ROWS x 1
     y = tl.associative_scan(to_accumulator(x, FP64), 1, add_combine) + carry
     tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
 
