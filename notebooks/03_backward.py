@@ -421,7 +421,7 @@ def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None)
     return LinearScanFunction.apply(gates, tokens, initial_state, reverse, chunk)
 
 # %% [markdown]
-# ## 6. Every gradient, every length, several chunk sizes
+# ## 5. Every gradient, every length, several chunk sizes
 #
 # The full model $y = c \odot \text{linear\_scan}(a,\ b \odot x,\ h^{\text{init}})$ is now ordinary
 # PyTorch around our function, so autograd combines our gradients with the elementwise ones. We check
@@ -555,7 +555,7 @@ assert empty_gates.grad.shape == (3, 0)
 print("L = 0: empty result, empty gradients: ok")
 
 # %% [markdown]
-# ## 7. On a GPU: how fast, and how far from the floor
+# ## 6. On a GPU: how fast, and how far from the floor
 #
 # The workload of the design table: gates and tokens of shape (batch 8, channels 1024, L 4096) in
 # float32, 8192 rows of 4096. Every scan must read its inputs and write its outputs at least once, so
