@@ -356,34 +356,31 @@ def linear_scan_rows_backward(gates, h, grad_h, initial_state=None, reverse=Fals
     return d_gates, d_tokens, d_init
 
 class LinearScanFunction(torch.autograd.Function):
-    """Autograd for linear_scan on already-checked inputs."""
+    """Autograd for linear_scan on checked, contiguous rows: gates, tokens (R, L), initial_state (R,) or None.
+    linear_scan reshapes outside it, so that its inputs and output are whole tensors, not views: the
+    saved inputs then share the version counters of the caller's tensors, and the output may be
+    modified in place (until backward, which needs it: autograd then reports the modification)."""
 
     @staticmethod
     def forward(ctx, gates, tokens, initial_state, reverse, chunk):
-        rows, length = math.prod(tokens.shape[:-1]), tokens.shape[-1]
-        rows_gates = gates.reshape(rows, length).contiguous()  # R x L
-        rows_tokens = tokens.reshape(rows, length).contiguous()  # R x L
-        rows_init = None if initial_state is None else initial_state.reshape(rows).contiguous()  # R
         if tokens.numel() == 0:
-            h = torch.empty(tokens.shape, dtype=tokens.dtype, device=tokens.device)
+            h = torch.empty_like(tokens)  # R x 0 or 0 x L
         else:
-            h = linear_scan_rows(rows_gates, rows_tokens, rows_init, reverse, chunk).view(tokens.shape)
-        ctx.save_for_backward(rows_gates, h, rows_init)
+            h = linear_scan_rows(gates, tokens, initial_state, reverse, chunk)  # R x L
+        ctx.save_for_backward(gates, h, initial_state)
         ctx.reverse, ctx.chunk = reverse, chunk
         return h
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_h):
-        rows_gates, h, rows_init = ctx.saved_tensors
-        shape = h.shape
+        gates, h, initial_state = ctx.saved_tensors
         if h.numel() == 0:
-            d_init = None if rows_init is None else torch.zeros(shape[:-1], dtype=h.dtype, device=h.device)
+            d_init = None if initial_state is None else torch.zeros_like(initial_state)
             return torch.zeros_like(h), torch.zeros_like(h), d_init, None, None
-        rows_grad = grad_h.reshape(rows_gates.shape).contiguous()
         d_gates, d_tokens, d_init = linear_scan_rows_backward(
-            rows_gates, h.view(rows_gates.shape), rows_grad, rows_init, ctx.reverse, ctx.chunk)
-        return d_gates.view(shape), d_tokens.view(shape), None if d_init is None else d_init.view(shape[:-1]), None, None
+            gates, h, grad_h.contiguous(), initial_state, ctx.reverse, ctx.chunk)
+        return d_gates, d_tokens, d_init, None, None
 
 
 def _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk) -> None:
@@ -416,9 +413,14 @@ def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None)
     reverse=True: h_t = gates_t * h_{t+1} + tokens_t, with h_L = initial_state.
     gates, tokens: (..., L), same shape and floating dtype; initial_state: (...) or None.
     Returns h with the shape and dtype of tokens (computed in float32, or float64 for float64 inputs).
+    Differentiable once: differentiating its gradient again raises an error (once_differentiable).
     """
     _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk)
-    return LinearScanFunction.apply(gates, tokens, initial_state, reverse, chunk)
+    rows, length = math.prod(tokens.shape[:-1]), tokens.shape[-1]
+    rows_gates = gates.reshape(rows, length).contiguous()  # R x L
+    rows_tokens = tokens.reshape(rows, length).contiguous()  # R x L
+    rows_init = None if initial_state is None else initial_state.reshape(rows).contiguous()  # R
+    return LinearScanFunction.apply(rows_gates, rows_tokens, rows_init, reverse, chunk).view(tokens.shape)
 
 # %% [markdown]
 # ## 5. Every gradient, every length, several chunk sizes

@@ -209,22 +209,27 @@ def check_dim(dim, ndim: int) -> int:
     return dim % ndim
 
 
-def cumsum_along(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """The scan itself, without checks or autograd: dim moved last, rows made contiguous."""
-    moved = x.movedim(dim, -1).contiguous()                               # ... x N
-    rows = moved.view(-1, moved.shape[-1])                                # R x N
-    return scan_rows(rows).view(moved.shape).movedim(-1, dim)
-
-
 class CumsumFunction(torch.autograd.Function):
+    """Autograd for scan_rows on a contiguous R x N tensor. The Function's input and output are whole
+    tensors, not views, so that users may modify the output in place; its backward calls the public
+    cumsum, so that it is differentiable again (the gradient of a scan is a scan)."""
+
     @staticmethod
-    def forward(ctx, x, dim):
-        ctx.dim = dim
-        return cumsum_along(x, dim)
+    def forward(ctx, rows):
+        return scan_rows(rows)                                            # R x N
 
     @staticmethod
     def backward(ctx, grad_y):
-        return cumsum_along(grad_y.flip(ctx.dim), ctx.dim).flip(ctx.dim), None
+        return cumsum(grad_y.flip(-1)).flip(-1)                           # R x N
+
+
+def cumsum_along(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The scan without checks: dim moved last, rows made contiguous, scanned (through CumsumFunction
+    when autograd records), moved back."""
+    moved = x.movedim(dim, -1).contiguous()                               # ... x N
+    rows = moved.view(-1, moved.shape[-1])                                # R x N
+    y = CumsumFunction.apply(rows) if torch.is_grad_enabled() and x.requires_grad else scan_rows(rows)
+    return y.view(moved.shape).movedim(-1, dim)
 
 
 def cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -233,8 +238,8 @@ def cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     x: a float16, bfloat16, float32 or float64 tensor with at least one dimension, on the GPU
     (or on the CPU under Triton's interpreter). Sums are accumulated in float32 (float64 for
     float64 input) and returned in x's dtype and shape (as a view when dim is not the last
-    dimension). Differentiable. Empty tensors give an empty result. The algorithm for long rows
-    is chosen by the module-level CONFIG (see scan_rows)."""
+    dimension). Differentiable, twice or more. Empty tensors give an empty result. The algorithm
+    for long rows is chosen by the module-level CONFIG (see scan_rows)."""
     check_float_tensor("x", x)
     if x.dim() == 0:
         raise ValueError("x must have at least one dimension to scan along, got a 0-dim tensor")
@@ -242,6 +247,4 @@ def cumsum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     check_same_device(x=x)
     if x.numel() == 0:
         return x.clone()
-    if torch.is_grad_enabled() and x.requires_grad:
-        return CumsumFunction.apply(x, dim)
     return cumsum_along(x, dim)

@@ -5,7 +5,6 @@ reference, a fused Triton forward and backward that keep the N states on chip, a
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from scan_lib.ema import first_order_op
 from scan_lib.runtime import check_float_tensor, check_same_device
@@ -227,8 +226,12 @@ class MultistateScan(torch.autograd.Function):
         return y, h_last
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, dy, dh_last):  # either may be None: set_materialize_grads(False)
+        # Grad mode is on in a backward only under create_graph=True. The kernel's gradients carry no
+        # graph, so second derivatives would silently miss this scan (once_differentiable's lazy error
+        # is pruned by autograd.grad(..., inputs)): refuse loudly instead.
+        if torch.is_grad_enabled():
+            raise RuntimeError("multistate_scan has no double backward: do not use create_graph=True through it")
         a, b, c, x, h_chunks = ctx.saved_tensors
         da, db, dc, dx, dh0 = multistate_backward(a, b, c, x, h_chunks, dy, dh_last, ctx.block_l)
         return da, db, dc, dx, dh0 if ctx.has_initial_state else None, None

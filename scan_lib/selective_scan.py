@@ -340,6 +340,10 @@ class SelectiveScanFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, dlast):
+        # Grad mode is on in a backward only under create_graph=True; the kernel's gradients carry no
+        # graph, so second derivatives would silently miss this scan: refuse loudly instead.
+        if torch.is_grad_enabled():
+            raise RuntimeError("selective_scan has no double backward: do not use create_graph=True through it")
         u, delta, A, B, C, D, z, delta_bias, initial_state, states = ctx.saved_tensors
         batch, dim, L = u.shape
         N = A.shape[1]
@@ -409,6 +413,22 @@ def _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state):
     check_same_device(**named)
 
 
+def _check_index_range(u_shape, N, groups_b, groups_c):
+    """The kernels index with 32-bit offsets: refuse inputs whose largest buffer they would overrun.
+
+    The largest are the (batch, dim, L) tensors, the bc_slots fp32 copies of dB and dC, and the
+    boundary states (batch, dim, ceil(L / CHUNK_bwd), N)."""
+    batch, dim, L = u_shape
+    bwd = _launch_config("bwd", dim, groups_b, groups_c, L)
+    groups = max(groups_b, groups_c)
+    largest = max(batch * dim * L, bwd["bc_slots"] * batch * groups * N * L,
+                  batch * dim * triton.cdiv(L, bwd["chunk"]) * N)
+    if largest >= 2**31:
+        raise ValueError(f"u of shape {tuple(u_shape)} with N={N}: a buffer of {largest} elements needs 64-bit "
+                         "offsets, which these kernels do not use yet; split the batch or the sequence "
+                         "(initial_state and last_state make the pieces exact)")
+
+
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                    return_last_state=False, initial_state=None):
     """Mamba's selective scan (S6), a drop-in for mamba_ssm's selective_scan_fn, plus initial_state.
@@ -429,6 +449,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     B4 = B.unsqueeze(1) if B.dim() == 3 else B
     C4 = C.unsqueeze(1) if C.dim() == 3 else C
+    _check_index_range(u.shape, A.shape[1], B4.shape[1], C4.shape[1])
     contiguous = [None if t is None else t.contiguous()
                   for t in (u, delta, A, B4, C4, D, z, delta_bias, initial_state)]
     keep_states = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in contiguous)

@@ -244,3 +244,56 @@ def test_add_combine_is_associative_with_identity_zero():
 ])
 def test_property_test_detects_non_associative_operators(name, op):
     assert not is_associative(op), name
+
+
+# Autograd as users meet it: second derivatives, in-place edits of the output, NaN and inf.
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_second_derivative_matches_torch(dim):
+    """The backward is the public cumsum, so a gradient of a gradient is a scan too (not silently zero)."""
+    torch.manual_seed(12)
+    x = torch.randn(4, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda t: scan_lib.cumsum(t, dim=dim), (x,))
+    grads = []
+    for fn in (scan_lib.cumsum, torch.cumsum):
+        (g,) = torch.autograd.grad((fn(x, dim=dim) ** 3).sum(), x, create_graph=True)
+        grads.append(torch.autograd.grad((g ** 2).sum(), x)[0])
+    torch.testing.assert_close(*grads, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_output_may_be_modified_in_place_under_autograd(dim):
+    x = torch.randn(3, 5, device=DEVICE, requires_grad=True)
+    y = scan_lib.cumsum(x, dim=dim)
+    y.mul_(2)
+    y[0] = 0.0
+    (ours,) = torch.autograd.grad(y.sum(), x)
+    reference = torch.cumsum(x, dim=dim) * 2
+    reference[0] = 0.0
+    (theirs,) = torch.autograd.grad(reference.sum(), x)
+    torch.testing.assert_close(y, reference)
+    torch.testing.assert_close(ours, theirs)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_nan_and_inf_propagate_like_torch(algorithm):
+    """NaN and +-inf pass through both algorithms' carries (state words, block totals) as in torch.cumsum."""
+    torch.manual_seed(13)
+    x = torch.randn(4, 200, device=DEVICE)
+    inf, nan = float("inf"), float("nan")
+    x[0, 5], x[1, 100], x[2, 10], x[2, 150], x[3, 199] = nan, inf, inf, -inf, nan   # row 2: inf - inf = nan
+    y, reference = scan_rows(x, algorithm=algorithm, block=16), torch.cumsum(x.double(), dim=1)
+    assert torch.equal(y.isnan(), reference.isnan()) and torch.equal(y.isinf(), reference.isinf())
+    infinite, finite = reference.isinf(), reference.isfinite()
+    assert torch.equal(y[infinite].sign().double(), reference[infinite].sign())
+    torch.testing.assert_close(y[finite].double(), reference[finite], rtol=1e-5, atol=1e-4)
+
+
+def test_no_graph_under_no_grad_and_inference_mode():
+    x = torch.randn(2, 9, device=DEVICE, requires_grad=True)
+    with torch.no_grad():
+        assert not scan_lib.cumsum(x).requires_grad
+    with torch.inference_mode():
+        y = scan_lib.cumsum(x, dim=0)
+    assert y.is_inference() and not y.requires_grad
+    assert_matches_reference(y, x.detach(), 0)

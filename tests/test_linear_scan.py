@@ -171,3 +171,64 @@ def _bad_calls():
 def test_bad_input(error, words, call):
     with pytest.raises(error, match=words):
         call()
+
+
+# Autograd as users meet it: version counters, in-place edits, second derivatives, 0-dim states, NaN.
+
+def test_in_place_change_of_a_saved_input_is_reported_at_backward():
+    """The saved gates and initial state share the caller's version counters: editing them after the
+    call (and before backward) raises autograd's usual error instead of giving a wrong gradient."""
+    for edited in ("gates", "initial_state"):
+        gates, tokens, init = make_inputs((2, 9), seed=12)
+        gates, init = gates.requires_grad_() * 1, init.requires_grad_() * 1   # non-leaf, require grad
+        h = linear_scan(gates, tokens, init)
+        {"gates": gates, "initial_state": init}[edited].mul_(3)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            h.sum().backward()
+
+
+def test_output_may_be_modified_in_place_when_no_backward_follows():
+    gates, tokens, init = make_inputs((2, 9), seed=13)
+    tokens.requires_grad_()
+    h = linear_scan(gates, tokens, init)
+    h.mul_(2)
+    torch.testing.assert_close(h.detach().double(), 2 * reference(gates, tokens.detach(), init), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        h.sum().backward()   # the backward needs h as the forward wrote it
+
+
+def test_second_derivative_raises():
+    gates, tokens, _ = make_inputs((2, 9), torch.float64, seed=14, with_init=False)
+    gates.requires_grad_(), tokens.requires_grad_()
+    (d_tokens,) = torch.autograd.grad((linear_scan(gates, tokens) ** 2).sum(), tokens, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        d_tokens.sum().backward()
+
+
+def test_zero_dim_initial_state_of_a_single_row():
+    gates, tokens, _ = make_inputs((11,), torch.float64, seed=15, with_init=False)
+    init = torch.tensor(0.7, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    for reverse in (False, True):
+        torch.testing.assert_close(linear_scan(gates, tokens, init, reverse), reference(gates, tokens, init, reverse))
+        (d_init,) = torch.autograd.grad(linear_scan(gates, tokens, init, reverse).sum(), init)
+        (expected,) = torch.autograd.grad(reference(gates, tokens, init, reverse).sum(), init)
+        assert d_init.shape == () and torch.allclose(d_init, expected)
+
+
+def test_expanded_inputs_and_gradient_in_one_argument_only():
+    gates, tokens, _ = make_inputs((1, 40), torch.float64, seed=16)
+    shared = tokens[0].clone().requires_grad_()
+    h = linear_scan(gates.expand(3, 40), shared.expand(3, 40))   # stride-0 rows
+    (ours,) = torch.autograd.grad(h.sum(), shared)
+    (theirs,) = torch.autograd.grad(reference(gates.expand(3, 40), shared.expand(3, 40)).sum(), shared)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_nan_and_inf_propagate_like_the_loop():
+    gates, tokens, init = make_inputs((3, 40), torch.float64, seed=17)
+    gates[0, 7], tokens[1, 20], init[2] = float("nan"), float("inf"), float("nan")
+    for reverse in (False, True):
+        h, expected = linear_scan(gates, tokens, init, reverse), reference(gates, tokens, init, reverse)
+        assert torch.equal(h.isnan(), expected.isnan()) and torch.equal(h.isinf(), expected.isinf())
+        assert h.isnan().any() and h.isfinite().any()
+        torch.testing.assert_close(h[expected.isfinite()], expected[expected.isfinite()])

@@ -117,6 +117,18 @@ def test_no_grad_and_grad_paths_agree():
     assert torch.equal(plain, tracked.detach())
 
 
+
+@pytest.mark.parametrize("loss", ["y", "y_squared"])
+def test_double_backward_raises(loss):
+    """create_graph=True must fail loudly: once_differentiable alone let autograd.grad return only the
+    x**3 term's second derivative, silently dropping the scan's."""
+    a, b, c, x, _ = make_inputs(2, 3, 9, torch.float64, seed=7)
+    x.requires_grad_(True)
+    y = scan_lib.multistate_scan(a, b, c, x)
+    total = (y if loss == "y" else y ** 2).sum() + (x ** 3).sum()
+    with pytest.raises(RuntimeError, match="multistate_scan has no double backward"):
+        torch.autograd.grad(total, x, create_graph=True)
+
 def _bad_calls():
     a, b, c, x, h0 = make_inputs(2, 4, 9, torch.float32, seed=8)
     non_contiguous = a.transpose(1, 2).contiguous().transpose(1, 2)

@@ -207,6 +207,29 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-7, rtol=1e-5)
 
 
+
+@pytest.mark.parametrize("loss", ["out", "out_squared"])
+def test_double_backward_raises(loss):
+    """create_graph=True must fail loudly: the kernel's gradients carry no graph, so a second derivative
+    (here the x**3 term would be all autograd.grad returned) would silently miss the scan's part."""
+    inputs = make_inputs(1, 2, 3, 5, dtype=torch.float64, seed=4)
+    u = inputs.pop("u").requires_grad_(True)
+    out = scan_lib.selective_scan(u, **inputs)
+    total = (out if loss == "out" else out ** 2).sum() + (u ** 3).sum()
+    with pytest.raises(RuntimeError, match="selective_scan has no double backward"):
+        torch.autograd.grad(total, u, create_graph=True)
+
+
+def test_gradient_of_one_input_through_the_last_state_only():
+    inputs = make_inputs(2, 4, 3, 11, groups=2, dtype=torch.float64, seed=6)
+    for name in ("A", "initial_state", "u"):
+        grads = []
+        for fn in (scan_lib.selective_scan, selective_scan_ref):
+            leaf = inputs[name].detach().requires_grad_(True)
+            _, last = fn(**{**inputs, name: leaf}, delta_softplus=True, return_last_state=True)
+            grads.append(torch.autograd.grad((last ** 2).sum(), leaf)[0])
+        assert rel_err(*grads) < 1e-12, name
+
 def test_return_types():
     inputs = make_inputs(1, 2, 2, 3, seed=1)
     out = scan_lib.selective_scan(**inputs)
@@ -260,3 +283,14 @@ def test_against_mamba_ssm():
         assert rel_err(ours[1], theirs[1]) < 1e-4
         for name in ours[2]:
             assert rel_err(ours[2][name], theirs[2][name]) < 1e-4, (L, name)
+
+
+def test_sizes_past_32_bit_offsets_are_refused():
+    """The kernels use 32-bit offsets: an input whose (batch, dim, L) tensors hold 2^31 elements or more
+    is refused with a clear error (stride-0 views: nothing that large is allocated)."""
+    batch, dim, L, N = 8, 2**14, 2**14, 4
+    u = torch.zeros(1, 1, 1, device=DEVICE).expand(batch, dim, L)
+    A = -torch.ones(dim, N, device=DEVICE)
+    B = torch.zeros(1, 1, 1, device=DEVICE).expand(batch, N, L)
+    with pytest.raises(ValueError, match="64-bit offsets"):
+        scan_lib.selective_scan(u, u, A, B, B)
