@@ -19,7 +19,7 @@ else
 SETUP :=
 endif
 
-.PHONY: install export sync check test course lab clean
+.PHONY: install export sync check test course outputs lab clean
 
 install: $(VENV)/.installed
 
@@ -49,6 +49,13 @@ course: $(SETUP)
 	done
 	$(PY) -m jupyter nbconvert --to html --output-dir $(BUILD)/html $(BUILD)/notebooks/*.ipynb
 	@echo; echo "Executed chapters: $(BUILD)/notebooks/   HTML pages: open $(CURDIR)/$(BUILD)/html/00_triton.html"
+
+# Refresh the outputs committed in notebooks/*.ipynb (maintainers, on a GPU: make outputs PY=python3).
+outputs: check
+	for nb in $(or $(NB),$(CHAPTERS)); do \
+	  echo "== $$nb"; \
+	  $(PY) -m nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=3600 "$$nb" || exit 1; \
+	done
 
 lab: $(SETUP)
 	$(PY) -m jupyter lab notebooks/
