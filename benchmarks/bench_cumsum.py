@@ -14,7 +14,6 @@
 Times are in microseconds. The last lines, BEST ..., give the values for CONFIG in notebooks/01_cumsum.py.
 """
 import faulthandler
-import itertools
 import sys
 import time
 
@@ -22,9 +21,8 @@ import torch
 
 import scan_lib  # noqa: I001  (before triton, as everywhere)
 import triton
-from triton.testing import do_bench
 
-from scan_lib.runtime import graph_us, host_us
+from scan_lib.runtime import copy_bandwidth, graph_us, host_us, median_us
 
 cs = sys.modules["scan_lib.cumsum"]  # the module: scan_lib.cumsum is the function
 WATCHDOG_S = 150
@@ -61,8 +59,8 @@ def check_all(algorithm: str, **config) -> None:
     print(f"check {algorithm:16s} bf16 (4, 2**21+1) worst scaled error {worst:.1e}", flush=True)
 
 
-def median_us(fn) -> float:
-    return do_bench(fn, warmup=5, rep=40, return_mode="median") * 1e3
+def quick_us(fn) -> float:
+    return median_us(fn, warmup=5, rep=40)
 
 
 def sweep(algorithm: str, grid: list[dict], inputs: dict) -> dict:
@@ -72,7 +70,7 @@ def sweep(algorithm: str, grid: list[dict], inputs: dict) -> dict:
     for config in grid:
         try:
             check(algorithm, (1, 2**25), 2, **config)
-            times = {name: median_us(lambda: cs.scan_rows(x, algorithm=algorithm, **config))
+            times = {name: quick_us(lambda: cs.scan_rows(x, algorithm=algorithm, **config))
                      for name, x in inputs.items()}
         except Exception as e:  # e.g. out of registers / shared memory for a large tile
             print(f"sweep {algorithm:16s} {config}: failed ({type(e).__name__}: {str(e)[:80]})", flush=True)
@@ -85,10 +83,7 @@ def sweep(algorithm: str, grid: list[dict], inputs: dict) -> dict:
 def main() -> None:
     assert scan_lib.runtime.ON_GPU, "needs a GPU"
     print(scan_lib.runtime.describe(), f"triton {triton.__version__}; CONFIG {cs.CONFIG}", flush=True)
-    source = torch.empty(2**28, device="cuda")
-    target = torch.empty_like(source)
-    copy_gbs = 2 * source.numel() * 4 / median_us(lambda: target.copy_(source)) / 1e3
-    del source, target
+    copy_gbs = copy_bandwidth() / 1e9
     print(f"copy bandwidth {copy_gbs:.0f} GB/s", flush=True)
 
     faulthandler.dump_traceback_later(WATCHDOG_S, exit=True)   # a look-back that never finishes ends the run
@@ -112,17 +107,17 @@ def main() -> None:
     totals = {a: {} for a in best}
     for k in range(10, 28):
         x = torch.randn(1, 2**k, device="cuda")
-        row = [2 * x.numel() * 4 / copy_gbs / 1e3, median_us(lambda: torch.cumsum(x, 1)),
+        row = [2 * x.numel() * 4 / copy_gbs / 1e3, quick_us(lambda: torch.cumsum(x, 1)),
                graph_us(lambda: torch.cumsum(x, 1))]
         for algorithm, config in best.items():
             fn = lambda: cs.scan_rows(x, algorithm=algorithm, **config)  # noqa: E731
-            totals[algorithm][k] = median_us(fn)
+            totals[algorithm][k] = quick_us(fn)
             row += [totals[algorithm][k], graph_us(fn), host_us(fn)]
         print(f"{2**k:>10} {row[0]:>7.1f} {row[1]:>7.1f} {row[2]:>11.1f} " + " ".join(f"{t:>24.1f}" for t in row[3:]),
               flush=True)
     batched = torch.randn(64, 2**19, device="cuda")
-    print("batched 64 x 2^19: torch %.1f, " % median_us(lambda: torch.cumsum(batched, 1)) + ", ".join(
-        f"{a} {median_us(lambda: cs.scan_rows(batched, algorithm=a, **c)):.1f}" for a, c in best.items()))
+    print("batched 64 x 2^19: torch %.1f, " % quick_us(lambda: torch.cumsum(batched, 1)) + ", ".join(
+        f"{a} {quick_us(lambda: cs.scan_rows(batched, algorithm=a, **c)):.1f}" for a, c in best.items()))
     for algorithm, config in best.items():
         print(f"BEST {algorithm}: {config}; 2^25 {totals[algorithm][25]:.1f} us, 2^27 {totals[algorithm][27]:.1f} us")
     winner = min(best, key=lambda a: totals[a][25] + totals[a][27])

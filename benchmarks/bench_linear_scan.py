@@ -17,7 +17,8 @@ import time
 import torch
 
 import scan_lib  # first: without a GPU it would switch Triton to its interpreter (this script needs a GPU)
-from triton.testing import do_bench
+
+from scan_lib.runtime import copy_bandwidth, median_us
 
 ema = sys.modules["scan_lib.ema"]
 ls = sys.modules["scan_lib.linear_scan"]  # the module: scan_lib.linear_scan is the function
@@ -27,14 +28,7 @@ START = time.perf_counter()
 
 
 def time_us(fn):
-    return 1e3 * do_bench(fn, warmup=5, rep=40, return_mode="median")
-
-
-def copy_bandwidth():
-    src = torch.empty(2**28, device="cuda")  # 1 GiB of float32, far larger than the L2 cache
-    dst = torch.empty_like(src)
-    seconds = time_us(lambda: dst.copy_(src)) * 1e-6
-    return 2 * src.numel() * src.element_size() / seconds  # bytes/s, read + write
+    return median_us(fn, warmup=5, rep=40)
 
 
 def inputs(dtype=torch.float32):

@@ -29,9 +29,9 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the repo root, for scan_lib
 
 import torch  # noqa: E402
-from triton.testing import do_bench  # noqa: E402
 
 import scan_lib  # noqa: E402
+from scan_lib.runtime import median_us  # noqa: E402
 
 ss = sys.modules["scan_lib.selective_scan"]  # the module: scan_lib.selective_scan is the function
 START = time.time()
@@ -50,8 +50,8 @@ def inputs(batch=8, dim=1024, L=2048, N=16, dtype=torch.float32):
 
 def time_fwd(args):
     with torch.no_grad():
-        return 1e3 * do_bench(lambda: ss.selective_scan(*args[:7], delta_bias=args[7], delta_softplus=True),
-                              return_mode="median", warmup=5, rep=40)
+        return median_us(lambda: ss.selective_scan(*args[:7], delta_bias=args[7], delta_softplus=True),
+                         warmup=5, rep=40)
 
 
 def time_fwd_bwd(args):
@@ -61,7 +61,7 @@ def time_fwd_bwd(args):
     def step():
         o = ss.selective_scan(*leaves[:7], delta_bias=leaves[7], delta_softplus=True)
         torch.autograd.grad(o, leaves, grad)
-    return 1e3 * do_bench(step, return_mode="median", warmup=5, rep=40)
+    return median_us(step, warmup=5, rep=40)
 
 
 def smoke_test():

@@ -879,18 +879,12 @@ for call, error, words in bad_inputs:
 # size, warps and window, and prints the same split; `CONFIG` holds its defaults.
 
 # %%
-from scan_lib.runtime import graph_us, host_us, median_us  # the timers of chapter 00
-
-
-def copy_bandwidth_gbs() -> float:
-    source = torch.empty(2**28, device=DEVICE)
-    target = torch.empty_like(source)
-    return 2 * source.numel() * 4 / median_us(lambda: target.copy_(source)) / 1e3
+from scan_lib.runtime import copy_bandwidth, graph_us, host_us, median_us  # the timers of chapter 00
 
 
 def benchmark_cumsum() -> None:
     gpu = torch.cuda.get_device_name(DEVICE)
-    copy_gbs = copy_bandwidth_gbs()
+    copy_gbs = copy_bandwidth() / 1e9
     print(f"{gpu}: copy bandwidth {copy_gbs:.0f} GB/s (1 GiB float32 copy_); CONFIG {CONFIG}")
     sizes = [2**k for k in range(10, 28)]
     methods = {"torch.cumsum": lambda x: torch.cumsum(x, 0),

@@ -174,15 +174,17 @@ def first_order_op(a_left, b_left, a_right, b_right):
     return a_left * a_right, a_right * b_left + b_right
 
 # %% [markdown]
-# A `@triton.jit` function can only be called inside a kernel, so for plain-PyTorch experiments we
-# write the same formula as an ordinary function, `compose`. First the matrix view, numerically:
+# A `@triton.jit` function is launched only from inside a kernel, but it keeps the plain Python
+# function it was made from as `.fn`. Its body is arithmetic that PyTorch tensors understand too, so
+# the plain-PyTorch experiments below run the very operator the kernels use, not a copy of it:
 
 # %%
-def compose(a_left, b_left, a_right, b_right):
-    """The combine operator on tensors: first (a_left, b_left), then (a_right, b_right)."""
-    return a_left * a_right, a_right * b_left + b_right
+compose = first_order_op.fn  # (a_left, b_left, a_right, b_right) -> the composed pair, on tensors
 
+# %% [markdown]
+# First the matrix view, numerically:
 
+# %%
 def step_matrix(a, b):
     """The 2x2 matrix [[a, b], [0, 1]] of the step h -> a*h + b, for tensors a, b of shape (N,)."""
     return torch.stack([torch.stack([a, b], -1), torch.stack([torch.zeros_like(a), torch.ones_like(a)], -1)], -2)

@@ -1284,18 +1284,15 @@ def io_bytes(batch, dim, L, N, size, backward):
 if not ON_GPU:
     print("skipped: needs a GPU")
 else:
-    from triton.testing import do_bench
+    from scan_lib.runtime import copy_bandwidth, median_us
     try:
         from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
     except ImportError as error:
         selective_scan_fn = None
         print(f"mamba_ssm not importable ({error}): timing ours only")
     print(torch.cuda.get_device_name(), f"(batch, dim, L, N) = {tuple(shape.values())}")
-    src = torch.empty(2**28, device=DEVICE)
-    dst = torch.empty_like(src)
-    bandwidth = 2 * src.numel() * 4 / (do_bench(lambda: dst.copy_(src), return_mode="median") * 1e-3)
+    bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    del src, dst
     rows = []
     for in_dtype in (torch.float32, torch.bfloat16):
         inputs = make_inputs(**{k: shape[k] for k in ("batch", "dim", "N", "L")}, dtype=in_dtype, h0=False)
@@ -1312,10 +1309,10 @@ else:
                 if backward:
                     def step(fn=fn):
                         fn(**leaves, delta_softplus=True).backward(dout)
-                    row[name] = do_bench(step, grad_to_none=list(leaves.values()), return_mode="median") * 1e3
+                    row[name] = median_us(step, grad_to_none=list(leaves.values()))
                 else:
                     with torch.no_grad():
-                        row[name] = do_bench(lambda fn=fn: fn(**inputs, delta_softplus=True), return_mode="median") * 1e3
+                        row[name] = median_us(lambda fn=fn: fn(**inputs, delta_softplus=True))
             rows.append(row)
             print("  ".join(f"{k} {v:8.0f} us" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     fig, ax = plt.subplots(figsize=(7, 3.5))

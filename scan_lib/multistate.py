@@ -52,7 +52,7 @@ def multistate_fwd_kernel(
     if HAS_H0:
         h = tl.load(H0 + seq * N + n, mask=n < N, other=0.0).to(ACC)
     chunk = 0
-    while chunk < n_chunks:   # a while loop: the CPU interpreter with numpy 2 cannot `range` over a runtime int
+    while chunk < n_chunks:   # a while loop: Triton 3.6's interpreter under NumPy >= 2.4 cannot `range` over a runtime int
         t = chunk * BLOCK_L + rows                                # BLOCK_L
         mask = (t < L)[:, None] & (n < N)[None, :]                # BLOCK_L x BLOCK_N
         tile = n[None, :] * L + t[:, None]                        # BLOCK_L x BLOCK_N offsets

@@ -90,10 +90,11 @@ def check_same_device(**tensors) -> torch.device:
         )
     return device
 
-def median_us(fn) -> float:
-    """Median GPU time of fn() in microseconds (triton.testing.do_bench; needs a GPU)."""
+def median_us(fn, **do_bench_options) -> float:
+    """Median GPU time of fn() in microseconds (triton.testing.do_bench; needs a GPU). Sweeps that
+    must be quick pass shorter warm-up and repeat times, e.g. warmup=5, rep=40 (milliseconds)."""
     from triton.testing import do_bench
-    return do_bench(fn, return_mode="median") * 1e3
+    return do_bench(fn, return_mode="median", **do_bench_options) * 1e3
 
 
 def graph_us(fn) -> float:
@@ -112,3 +113,11 @@ def host_us(fn, calls: int = 50) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / calls * 1e6
+
+
+def copy_bandwidth() -> float:
+    """Device memory bandwidth in bytes per second, read plus write, measured by copying 1 GiB of
+    float32 (far larger than the L2 cache): the rate every memory floor in the course divides by."""
+    source = torch.empty(2**28, device=DEVICE)
+    target = torch.empty_like(source)
+    return 2 * source.numel() * source.element_size() / (median_us(lambda: target.copy_(source)) * 1e-6)

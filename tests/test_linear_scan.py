@@ -232,3 +232,25 @@ def test_nan_and_inf_propagate_like_the_loop():
         assert torch.equal(h.isnan(), expected.isnan()) and torch.equal(h.isinf(), expected.isinf())
         assert h.isnan().any() and h.isfinite().any()
         torch.testing.assert_close(h[expected.isfinite()], expected[expected.isfinite()])
+
+
+# The interpreter folds tl.associative_scan left to right, so a non-associative combine would pass every
+# kernel test on the CPU: check the property itself, on the very Python function the kernels trace.
+def test_first_order_op_is_associative_with_identity():
+    op = sys.modules["scan_lib.ema"].first_order_op.fn
+    gen = torch.Generator().manual_seed(0)
+    p, q, r = (torch.randn(2, 10_000, dtype=torch.float64, generator=gen) for _ in range(3))
+    for left, right in zip(op(*op(*p, *q), *r), op(*p, *op(*q, *r))):
+        torch.testing.assert_close(left, right, rtol=1e-12, atol=1e-12)
+    one, zero = torch.ones_like(p[0]), torch.zeros_like(p[1])
+    assert all(torch.equal(x, y) for x, y in zip(op(one, zero, *p), p))
+    assert all(torch.equal(x, y) for x, y in zip(op(*p, one, zero), p))
+
+
+def test_the_associativity_check_can_fail():
+    def later_gate_only(a_left, b_left, a_right, b_right):  # forgets the earlier gate: not associative
+        return a_right, a_right * b_left + b_right
+    gen = torch.Generator().manual_seed(1)
+    p, q, r = (torch.randn(2, 1000, dtype=torch.float64, generator=gen) for _ in range(3))
+    left, right = later_gate_only(*later_gate_only(*p, *q), *r), later_gate_only(*p, *later_gate_only(*q, *r))
+    assert not all(torch.allclose(x, y) for x, y in zip(left, right))
