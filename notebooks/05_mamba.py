@@ -28,7 +28,7 @@
 # 6. `scan_lib.selective_scan`, a drop-in for `mamba_ssm`'s `selective_scan_fn` that also takes an
 #    `initial_state` (so a long sequence can be processed in pieces), checked gradient by gradient;
 # 7. on a GPU: the memory the backward uses, and a benchmark against the official CUDA kernel;
-# 8. where this kernel stands against `mamba_ssm` (2-3x slower with fp32 inputs, about 4x with bf16), and why.
+# 8. where this kernel stands against `mamba_ssm` (2-2.4x slower with fp32 inputs, about 4x with bf16), and why.
 #
 # The source notebook this course follows stopped at a kernel that only handled lengths that are a
 # multiple of its block, one `A` per batch element, compared outputs only (never $d\Delta$), and was
@@ -1199,11 +1199,8 @@ plt.close(fig)
 # %% [markdown]
 # ![memory kept for the backward](../figures/05_memory.png)
 #
-# On a GPU, the measured peak of the backward against that formula. This cell has not yet run on the GPU
-# with the current code, so no output of it is committed. An earlier version (H200, 2026-11-29, with
-# `bc_slots` = 1 and a forward chunk larger than the backward's, which made the backward recompute the
-# boundary states) measured 229.6 MiB for float32: 32 MiB of recomputed states plus 197.6 MiB, within
-# 0.5 MiB of this formula's 197.1 MiB for `bc_slots` = 1. That recomputation no longer exists.
+# On a GPU, the measured peak of the backward against that formula, for fp32 and bf16 inputs (the
+# cell asserts that they agree within 10%; the committed output is from an H200).
 
 # %%
 if not ON_GPU:
@@ -1269,10 +1266,8 @@ compare_with_mamba_ssm();
 # per element again, thanks to the gathers of section 6). The forward is timed without gradients (so
 # it writes no boundary states), the forward+backward with all inputs requiring gradients. The launch
 # parameters are the defaults of `GPU_FWD_CONFIG` / `GPU_BWD_CONFIG`; `benchmarks/tune_selective_scan.py`
-# sweeps them. Whatever the cell prints is the measurement. The cell saves its plot as
-# `figures/05_benchmark.png`; neither the plot nor the cell's output is committed yet, because this
-# notebook has not yet run to the end on the GPU with the current code. Section 12 gives the numbers
-# measured so far, by the tuning script.
+# sweeps them. Whatever the cell prints is the measurement; the committed output and the plot below
+# come from an H200.
 
 # %%
 def io_bytes(batch, dim, L, N, size, backward):
@@ -1328,41 +1323,43 @@ else:
     plt.close(fig)
 
 # %% [markdown]
+# ![selective scan benchmark](../figures/05_benchmark.png)
+#
 # ## 12. Where we stand
 #
-# The numbers below were measured on an NVIDIA H200 (torch 2.11, Triton 3.6) on 2026-11-29, at the
-# benchmark shape of section 11 (batch 8, dim 1024, L 2048, N 16; softplus, `D`, `z`, `delta_bias` on),
-# as `do_bench` medians. They come from `benchmarks/tune_selective_scan.py` (raw output in
-# `benchmarks/results/tune_selective_scan_h200.txt`), not from this notebook's cell; the `mamba_ssm` and
-# floor columns are the reference measurements of the course design, taken on the same GPU the same day.
+# The committed output of section 11's cell, run on an NVIDIA H200 (torch 2.11, Triton 3.6) on
+# 2026-11-29 with the default launch parameters, in one table (`do_bench` medians; the floor is the
+# cell's, from the copy bandwidth it measured, 4.25 TB/s):
 #
 # | inputs, pass | ours | `mamba_ssm` (CUDA) | ours / `mamba_ssm` | memory floor |
 # | --- | --- | --- | --- | --- |
-# | fp32, forward (no grad) | 1193 us (defaults); 1158 us best of the sweep | 557 us | 2.1x | 48 us (`exp`-bound ~65 us) |
-# | fp32, forward + backward | 5690-5700 us (see below) | 1967 us | 2.9x | 127 us |
-# | bf16, forward (no grad) | 1109 us | 273 us | 4.1x | - |
-# | bf16, forward + backward | 6431 us (see below) | 1439 us | 4.5x | - |
+# | fp32, forward (no grad) | 1188 us | 594 us | 2.0x | 64 us (`exp`-bound: ~65 us) |
+# | fp32, forward + backward | 4829 us | 1973 us | 2.4x | 175 us |
+# | bf16, forward (no grad) | 1187 us | 305 us | 3.9x | 32 us |
+# | bf16, forward + backward | 5716 us | 1481 us | 3.9x | 88 us |
 #
-# Caveats, plainly. The forward+backward times were measured with an earlier version that, with the
-# sweep's best forward config (chunk 64 against the backward's 32), ran one extra forward pass in the
-# backward to recompute the boundary states; that pass (about 1.2 ms) no longer exists, so the current
-# code should take about 4.5 ms in fp32, still about 2.3x `mamba_ssm`. That is an estimate: it has not
-# been measured. The bf16 rows use the sweep's best forward config (`block_d` 2, `chunk` 64), not the
-# defaults. In the sweep, 8 warps were always slower than 4, `block_d` 8 or 16 slower (1350-2170 us),
+# Two oddities, plainly. With bf16 inputs our forward is no faster than with fp32, and our
+# forward+backward is *slower* (5716 against 4829 us) although it moves half the bytes; we have not
+# established why (the conversions to and from fp32 are few next to the arithmetic, so a different code
+# generation or register allocation for the bf16 specialisation is the first suspect). The parameter
+# sweep of `benchmarks/tune_selective_scan.py` (raw output in `benchmarks/results/tune_selective_scan_h200.txt`,
+# measured with an earlier version of the backward) found 8 warps always slower than 4, `block_d` 8 or 16
+# slower than 2 or 4 (1350-2170 against 1158-1193 us forward), `num_stages` 2 or 3 no different from 1,
 # `bc_slots` 1, 4, 8 or 16 within 0.5% of each other, and recomputing $a$ with a second `exp` instead of
-# the gathers (`gather_a=False`) 2% slower (5798 against 5697 us).
+# the gathers (`gather_a=False`) 2% slower.
 #
-# So our kernel is about 2x slower than `mamba_ssm` in the forward and 2-3x slower forward+backward
-# in fp32, about 4x slower with bf16 inputs; its fp32 forward takes 24 times the memory floor. What those numbers say about the limits:
+# So our kernel is about 2x slower than `mamba_ssm` in the forward and 2.4x slower forward+backward
+# in fp32, about 4x slower with bf16 inputs; its fp32 forward takes 19 times the memory floor. What those
+# numbers say about the limits:
 #
-# * **It is not memory-bound.** bf16 inputs halve the bytes but save only 4% (1109 against 1158 us at the
-#   same config), where `mamba_ssm` gets 2x faster. `dB`/`dC` atomic contention is not it either: the
-#   number of buffer copies makes no difference.
+# * **It is not memory-bound.** bf16 inputs halve the bytes but save nothing, where `mamba_ssm` gets 2x
+#   faster. `dB`/`dC` atomic contention is not it either: the number of buffer copies (`bc_slots`) makes
+#   no difference.
 # * **It is not `exp`-bound.** We compute one `exp` per (batch, dim, position, state) element in the
 #   forward and one more in the backward's recomputation, as `mamba_ssm` does; 268 million of them take
 #   about 65 us, a twentieth of our forward.
 # * **It executes, or waits, far too long per element.** At about 1.98 GHz, 132 SMs with 128 fp32 lanes
-#   each issue about $3.3 \cdot 10^{13}$ lane-instructions per second: 1158 us is room for about 140 of
+#   each issue about $3.3 \cdot 10^{13}$ lane-instructions per second: 1188 us is room for about 140 of
 #   them per element, where the arithmetic needs fewer than ten (an `exp`, the discretisation, one
 #   multiply-add for the recurrence, one for $C h$). The likely reasons, from the design (not yet
 #   confirmed by a profiler):
@@ -1406,5 +1403,5 @@ else:
 # * `initial_state` and a differentiable `last_state` make the scan composable.
 #
 # Not fixed: speed. The kernel is correct and memory-frugal but about 2x slower than `mamba_ssm` in the
-# forward and 2-3x slower forward+backward with fp32 inputs, about 4x with bf16 (section 12). Chapter 07 profiles these kernels on the GPU
+# forward and 2.4x slower forward+backward with fp32 inputs, about 4x with bf16 (section 12). Chapter 07 profiles these kernels on the GPU
 # and tunes them, one change at a time.
