@@ -532,8 +532,9 @@ for dtype in (torch.bfloat16, torch.float16):
 # The interpreter pays Python overhead for every operation of every program: the same vector
 # addition is orders of magnitude slower than PyTorch's, and many small blocks cost far more than a
 # few large ones. Hence two size profiles in every chapter (`if ON_GPU:` realistic sizes, else
-# small ones), and no timings on the CPU beyond this cell. On a GPU, timings come from
-# `triton.testing.do_bench`, which synchronises and takes the median of many runs.
+# small ones), and no timings on the CPU beyond this cell. On a GPU, timings come from `median_us`
+# (defined above), that is `triton.testing.do_bench`, which synchronises and takes the median of
+# many runs.
 
 # %%
 torch.manual_seed(4)
@@ -551,9 +552,8 @@ if INTERPRET:
           f"{seconds[1024] * 1e3:.0f} ms (BLOCK 1024, 16 programs); torch {seconds['torch'] * 1e3:.2f} ms")
     assert seconds[64] > seconds[1024] > seconds["torch"]
 else:
-    from triton.testing import do_bench
-    kernel_us = do_bench(lambda: vector_add(x_speed, y_speed, 1024), return_mode="median") * 1e3
-    torch_us = do_bench(lambda: x_speed + y_speed, return_mode="median") * 1e3
+    kernel_us = median_us(lambda: vector_add(x_speed, y_speed, 1024))
+    torch_us = median_us(lambda: x_speed + y_speed)
     print(f"{torch.cuda.get_device_name(DEVICE)}: 2^14 float32 additions, Triton {kernel_us:.1f} us, torch {torch_us:.1f} us")
 
 # %% [markdown]

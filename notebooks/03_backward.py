@@ -562,7 +562,8 @@ print("L = 0: empty result, empty gradients: ok")
 # The workload of the design table: gates and tokens of shape (batch 8, channels 1024, L 4096) in
 # float32, 8192 rows of 4096. Every scan must read its inputs and write its outputs at least once, so
 # the **memory floor** is the bytes that must move divided by the copy bandwidth, which we measure in
-# the same cell with a large `copy_`. One tensor is $8 \cdot 1024 \cdot 4096 \cdot 4$ bytes = 128 MiB. We count:
+# the same cell with `copy_bandwidth` (chapter 00: a 1 GiB `copy_`, timed by `median_us`). One tensor
+# is $8 \cdot 1024 \cdot 4096 \cdot 4$ bytes = 128 MiB. We count:
 #
 # - forward: read gates and tokens, write $h$: **3 tensors** (384 MiB);
 # - forward + backward: the forward's 3, plus the backward reads gates, $h$ (or, recomputing, tokens)
@@ -576,13 +577,14 @@ print("L = 0: empty result, empty gradients: ok")
 # shifted gates and states read by a second, offset load. Ours is timed with the default launch
 # parameters (`FWD_CONFIG`, `BWD_CONFIG`) and with the other way of running the adjoint backwards
 # (descending loads); `benchmarks/bench_linear_scan.py` sweeps all the parameters. Times are medians
-# of `triton.testing.do_bench`; fwd+bwd uses `torch.autograd.grad` so no `.grad` accumulation is timed.
+# of `triton.testing.do_bench` (`median_us`, chapter 00); fwd+bwd uses `torch.autograd.grad` so no
+# `.grad` accumulation is timed.
 
 # %%
 if not ON_GPU:
     print("skipped: needs a GPU")
 else:
-    from triton.testing import do_bench
+    from scan_lib.runtime import copy_bandwidth, median_us
 
     backward_config = sys.modules["scan_lib.linear_scan"].BWD_CONFIG  # the module's dict (scan_lib.linear_scan is the function)
     torch.manual_seed(6)
@@ -592,11 +594,7 @@ else:
     grad_b = torch.randn(shape_bench, device=DEVICE)
     tensor_bytes = gates_b.numel() * gates_b.element_size()
 
-    copy_src = torch.empty(2**28, device=DEVICE)  # 1 GiB of float32, far larger than the L2 cache
-    copy_dst = torch.empty_like(copy_src)
-    copy_s = do_bench(lambda: copy_dst.copy_(copy_src), return_mode="median") * 1e-3
-    bandwidth = 2 * copy_src.numel() * copy_src.element_size() / copy_s  # bytes/s, read + write
-    del copy_src, copy_dst
+    bandwidth = copy_bandwidth()  # bytes/s, read + write, from a 1 GiB copy (far larger than the L2 cache)
     floors_us = {"fwd": 3 * tensor_bytes / bandwidth * 1e6, "fwd+bwd": 8 * tensor_bytes / bandwidth * 1e6}
 
     # name -> (scan function, backward launch parameters or None for a third-party scan)
@@ -629,8 +627,8 @@ else:
         got = [scan(gates_b, tokens_b).detach(), *grads_of(scan)]
         errors = [((g.double() - e).abs().max() / e.abs().max()).item() for g, e in zip(got, expected_b)]
         assert max(errors) < 1e-4, (name, errors)
-        forward_us = do_bench(lambda: scan(gates_b, tokens_b), return_mode="median") * 1e3
-        both_us = do_bench(lambda: grads_of(scan), return_mode="median") * 1e3
+        forward_us = median_us(lambda: scan(gates_b, tokens_b))
+        both_us = median_us(lambda: grads_of(scan))
         times_us[name] = (forward_us, both_us)
     backward_config.update(default_config)
     del expected_b, got

@@ -812,7 +812,7 @@ assert states_bytes == saved_chunk_states * block_big
 # Hillis-Steele doubling, $\lceil \log_2 L \rceil$ steps, each composing every position with the one
 # `shift` places before it, all $(B, N, L)$ at once; then $y = \sum_n c \odot h$. It is checked
 # against the reference first (on the CPU too, at a small size). The memory floor is the fused design's
-# bytes divided by the copy bandwidth measured in the same cell.
+# bytes divided by the copy bandwidth measured in the same cell (`copy_bandwidth`, chapter 00).
 
 # %%
 def multistate_scan_materialised(a, b, c, x):
@@ -836,10 +836,7 @@ print("the materialising PyTorch scan matches the reference")
 if not ON_GPU:
     print("skipped: no GPU (the benchmark needs do_bench on CUDA)")
 else:
-    from triton.testing import do_bench
-
-    def us(fn):
-        return do_bench(fn, return_mode="median") * 1e3
+    from scan_lib.runtime import copy_bandwidth, median_us
 
     def device_inputs(dtype):
         """Benchmark inputs made on the GPU directly: a in (0.5, 1), b, c, x normal."""
@@ -850,11 +847,8 @@ else:
         return [t.to(dtype) for t in (a, b, c, x)]
 
     print(torch.cuda.get_device_name(DEVICE))
-    copy_src = torch.empty(2**30, dtype=torch.uint8, device=DEVICE)
-    copy_dst = torch.empty_like(copy_src)
-    bandwidth = 2 * copy_src.numel() / (us(lambda: copy_dst.copy_(copy_src)) * 1e-6)   # bytes / s
+    bandwidth = copy_bandwidth()   # bytes / s, read + write
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (1 GiB device-to-device copy)")
-    del copy_src, copy_dst
 
     results = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -868,17 +862,17 @@ else:
         fwd_floor = traffic_bytes(batch_big, length_big, n_states_big, itemsize)["fused (states on chip)"]
         results[f"{short} fwd"] = {
             "memory floor": fwd_floor / bandwidth * 1e6,
-            "fused Triton": us(lambda: multistate_scan(a, b, c, x)),
-            "materialised PyTorch": us(lambda: multistate_scan_materialised(a, b, c, x)),
+            "fused Triton": median_us(lambda: multistate_scan(a, b, c, x)),
+            "materialised PyTorch": median_us(lambda: multistate_scan_materialised(a, b, c, x)),
         }
-        sweep = {bl: us(lambda: multistate_scan(a, b, c, x, block_l=bl)) for bl in (16, 32, 64, 128, 256)}
+        sweep = {bl: median_us(lambda: multistate_scan(a, b, c, x, block_l=bl)) for bl in (16, 32, 64, 128, 256)}
         for t in (a, b, c, x):
             t.requires_grad_()
         dy = torch.randn_like(x)
         results[f"{short} fwd+bwd"] = {
             "memory floor": training_traffic_bytes(batch_big, length_big, n_states_big, itemsize) / bandwidth * 1e6,
-            "fused Triton": us(lambda: torch.autograd.grad(multistate_scan(a, b, c, x), (a, b, c, x), dy)),
-            "materialised PyTorch": us(lambda: torch.autograd.grad(multistate_scan_materialised(a, b, c, x), (a, b, c, x), dy)),
+            "fused Triton": median_us(lambda: torch.autograd.grad(multistate_scan(a, b, c, x), (a, b, c, x), dy)),
+            "materialised PyTorch": median_us(lambda: torch.autograd.grad(multistate_scan_materialised(a, b, c, x), (a, b, c, x), dy)),
         }
         print(f"a, b, c {tuple(a.shape)}, x {tuple(x.shape)}, {dtype}, default block_l "
               f"{default_block_l(length_big, n_states_big)}")
