@@ -1,26 +1,20 @@
 """Sweep selective_scan's GPU launch parameters at the course's benchmark shape; one line per measurement.
 
-    python benchmarks/tune_selective_scan.py            (GPU only; about 90 s on an H200)
+    python benchmarks/tune_selective_scan.py            (GPU only; about 150 s on an H200)
 
 Shape: batch 8, dim 1024, L 2048, N 16, fp32 inputs, D, z, delta_bias and softplus on (as in a Mamba block).
 Times are do_bench medians in microseconds. Steps:
   0. a correctness smoke test on this GPU: dA exactly zero at L=1 without an initial state;
-  1. forward (no grad: no boundary states written): block_d x chunk x num_warps, then num_stages;
-  2. forward+backward, with the best forward config: the backward's block_d x chunk x num_warps, then
-     bc_slots (copies of the dB/dC atomic buffers), gather_a=False (second exp instead of gathers),
-     num_stages;
+  1. forward (no grad: no boundary states written): block_d x chunk x num_warps;
+  2. forward+backward (the forward then runs with the backward's chunk): the backward's
+     block_d x chunk x num_warps;
   3. bf16 inputs with the best configs.
 The final BEST line holds the winning configs of this sweep; the defaults in notebooks/05_mamba.py are
-chosen from it (they need not be the BEST line: a forward chunk larger than the backward's is not used in
-training, where the forward runs with the smaller of the two chunks to keep boundary states).
+chosen from it.
 
-Recorded run: benchmarks/results/tune_selective_scan_h200.txt (NVIDIA H200, 2026-11-29, code of commit
-3ce3e0c). Its fwd+bwd times include one extra forward pass (about 1.2 ms) that the backward of that
-version made to recompute boundary states when the forward's chunk (64, the best forward config) exceeded
-the backward's (32); the current code always keeps them in the forward, so those times overstate it.
-Its bf16 line used the best configs (forward block_d 2, chunk 64), not the notebook's defaults.
-Reference points on the same H200, 2026-11-29 (COURSE_DESIGN.md): mamba_ssm fp32 557 us fwd, 1967 us
-fwd+bwd; bf16 273 / 1439 us; memory floor 48 us fwd, 127 us fwd+bwd.
+Recorded run: benchmarks/results/tune_selective_scan_h200.txt (NVIDIA H200).
+Reference points on the same H200, 2026-11-29 (notebook 05, section 11): mamba_ssm fp32 594 us fwd,
+1973 us fwd+bwd; bf16 305 / 1481 us; memory floor 64 us fwd, 175 us fwd+bwd (fp32).
 """
 import pathlib
 import sys
@@ -35,7 +29,7 @@ from scan_lib.runtime import median_us  # noqa: E402
 
 ss = sys.modules["scan_lib.selective_scan"]  # the module: scan_lib.selective_scan is the function
 START = time.time()
-BUDGET_S = 70  # stop sweeping (keep the best so far) once this much wall time has passed
+BUDGET_S = 120  # stop sweeping (keep the best so far) once this much wall time has passed
 
 
 def inputs(batch=8, dim=1024, L=2048, N=16, dtype=torch.float32):
@@ -100,7 +94,10 @@ def sweep(name, table, timer, args, candidates):
     return float("nan")
 
 
-TILES = [(2, 64), (4, 32), (4, 64), (4, 128), (8, 16), (8, 32), (8, 64), (16, 32)]  # (block_d, chunk)
+FWD_CANDIDATES = ([dict(block_d=1, chunk=c, num_warps=w) for c in (256, 512, 1024, 2048) for w in (2, 4, 8)]
+                  + [dict(block_d=2, chunk=c, num_warps=w) for c in (256, 512) for w in (2, 4)])
+BWD_CANDIDATES = ([dict(block_d=1, chunk=c, num_warps=w) for c in (256, 512, 1024) for w in (2, 4, 8)]
+                  + [dict(block_d=2, chunk=256, num_warps=4)])
 
 if __name__ == "__main__":
     assert scan_lib.runtime.ON_GPU, "needs a GPU"
@@ -108,13 +105,8 @@ if __name__ == "__main__":
     smoke_test()
     args = inputs()
     fwd, bwd = ss.GPU_FWD_CONFIG, ss.GPU_BWD_CONFIG
-    sweep("fwd", fwd, time_fwd, args,
-          [dict(block_d=b, chunk=c, num_warps=w) for b, c in TILES for w in (4, 8)])
-    t_fwd = sweep("fwd", fwd, time_fwd, args, [dict(num_stages=s) for s in (1, 2, 3)])
-    sweep("fwd+bwd", bwd, time_fwd_bwd, args,
-          [dict(block_d=b, chunk=c, num_warps=w) for b, c in TILES if b * c <= 256 for w in (4, 8)])
-    t_both = sweep("fwd+bwd", bwd, time_fwd_bwd, args,
-                   [dict(bc_slots=s) for s in (1, 4, 8, 16)] + [dict(gather_a=False), dict(num_stages=2)])
+    t_fwd = sweep("fwd", fwd, time_fwd, args, FWD_CANDIDATES)
+    t_both = sweep("fwd+bwd", bwd, time_fwd_bwd, args, BWD_CANDIDATES)
     bf16 = inputs(dtype=torch.bfloat16)
     t_fwd16, t_both16 = time_fwd(bf16), time_fwd_bwd(bf16)
     print(f"bf16 inputs with the best configs: fwd {t_fwd16:.1f} us, fwd+bwd {t_both16:.1f} us", flush=True)

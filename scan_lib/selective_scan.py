@@ -49,23 +49,20 @@ from scan_lib.ema import first_order_op
 
 @triton.jit
 def discretize(delta, A, B, u):
-    """One S6 step from its continuous-time parameters: a = exp(delta*A), b = delta*B*u (broadcasting)."""
-    return tl.exp(delta * A), delta * B * u
+    """One S6 step from its continuous-time parameters: a = exp(delta*A), b = (delta*u)*B (broadcasting;
+    delta*u first, as in the reference, so that a loop over the states computes it once)."""
+    return tl.exp(delta * A), delta * u * B
 
 from scan_lib.runtime import INTERPRET
 
-# Launch parameters. On a GPU: BLOCK_D channels per program, CHUNK positions per loop step, num_warps,
-# num_stages (software pipelining of the chunk loop); for the backward also bc_slots (copies of the
-# dB, dC buffers that the atomics spread over) and gather_a (a_t, a_{t+1} in reversed order gathered
-# from the forward tile; False: recomputed with a second exp).
+# Launch parameters: BLOCK_D channels per program, CHUNK positions per loop step, num_warps.
+# GPU defaults: the fastest of a sweep on an H200 (2026-11-29; benchmarks/tune_selective_scan.py).
 # Under the CPU interpreter: small blocks, so that small tests still cross several chunks and blocks,
-# and a forward chunk smaller than the backward's, so that saving every k-th boundary state is exercised.
-# GPU defaults: these passed the test suite on an H200 (2026-11-29); benchmarks/tune_selective_scan.py
-# found no forward configuration more than 3% faster there (its forward+backward sweep measured an older code path).
-GPU_FWD_CONFIG = dict(block_d=4, chunk=32, num_warps=4, num_stages=1)
-GPU_BWD_CONFIG = dict(block_d=4, chunk=32, num_warps=4, num_stages=1, bc_slots=8, gather_a=True)
-CPU_FWD_CONFIG = dict(block_d=2, chunk=8, num_warps=1, num_stages=1)
-CPU_BWD_CONFIG = dict(block_d=2, chunk=16, num_warps=1, num_stages=1, bc_slots=2, gather_a=True)
+# and a backward chunk smaller than the forward's (training runs the forward with the backward's chunk).
+GPU_FWD_CONFIG = dict(block_d=1, chunk=512, num_warps=2)
+GPU_BWD_CONFIG = dict(block_d=1, chunk=512, num_warps=4)
+CPU_FWD_CONFIG = dict(block_d=2, chunk=16, num_warps=1)
+CPU_BWD_CONFIG = dict(block_d=2, chunk=8, num_warps=1)
 
 
 @triton.jit
@@ -87,21 +84,18 @@ def _load_delta(DELTA, BIAS, offs, mask, ds, d_ok, HAS_BIAS: tl.constexpr, SOFTP
 
 
 @triton.jit
-def _chunk_states(delta, u, A_dn, B_nt, h_carry):
-    """States of one chunk: BLOCK_D x N x CHUNK, from the carried state (BLOCK_D x N) and the chunk's
-    inputs delta, u (BLOCK_D x CHUNK), A (BLOCK_D x N), B (N x CHUNK). Also returns the gates a = exp(delta*A)."""
-    a, b = discretize(delta[:, None, :], A_dn[:, :, None], B_nt[None, :, :], u[:, None, :])
-    a_cum, b_cum = tl.associative_scan((a, b), axis=2, combine_fn=first_order_op)
-    return a_cum * h_carry[:, :, None] + b_cum, a
+def _column(tile, n, cols):
+    """tile[:, n] of a BLOCK_D x BLOCK_N tile (cols = its column indices)."""
+    return tl.sum(tl.where(cols[None, :] == n, tile, 0.0), axis=1)
 
 
 @triton.jit
 def selective_scan_fwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, H0,       # b x d x L, b x d x L, d x N, b x gB x N x L, b x gC x N x L, d, b x d x L, d, b x d x N
-    OUT, STATES, LAST,                        # b x d x L, b x d x n_saved x N, b x d x N
-    dim, L, N, n_chunks, n_saved, groups_b, groups_c,
+    OUT, Y, STATES, LAST,                     # b x d x L, b x d x L (y before the gate), b x d x N x n_chunks, b x d x N
+    dim, L, N, n_chunks, groups_b, groups_c,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr,
-    SOFTPLUS: tl.constexpr, ACC: tl.constexpr, SAVE_STATES: tl.constexpr, SAVE_EVERY: tl.constexpr,
+    SOFTPLUS: tl.constexpr, ACC: tl.constexpr, SAVE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid_b, pid_d = tl.program_id(0), tl.program_id(1)
@@ -110,42 +104,46 @@ def selective_scan_fwd_kernel(
     ts = tl.arange(0, CHUNK)
     d_ok, n_ok = ds < dim, ns < N
     dn_ok = d_ok[:, None] & n_ok[None, :]
-    A_dn = tl.load(A + ds[:, None] * N + ns[None, :], dn_ok, other=0.0).to(ACC)   # BLOCK_D x N
-    # All channels of the block share one group (the launcher makes sure), so one B and C tile each.
+    # All channels of the block share one group (the launcher makes sure), so one B and C row each.
     B_row = B + (pid_b * groups_b + pid_d * BLOCK_D // (dim // groups_b)) * N * L
     C_row = C + (pid_b * groups_c + pid_d * BLOCK_D // (dim // groups_c)) * N * L
     dl_row = (pid_b * dim + ds) * L                                  # BLOCK_D
     state_offs = (pid_b * dim + ds[:, None]) * N + ns[None, :]       # BLOCK_D x N
-    boundary_offs = (pid_b * dim + ds[:, None]) * n_saved * N + ns[None, :]
     if HAS_H0:
-        h = tl.load(H0 + state_offs, dn_ok, other=0.0).to(ACC)
+        carry = tl.load(H0 + state_offs, dn_ok, other=0.0).to(ACC)  # BLOCK_D x N
     else:
-        h = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
+        carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
     if HAS_D:
         D_d = tl.load(D + ds, d_ok, other=0.0).to(ACC)[:, None]
+    first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
     for k in range(0, n_chunks):
+        if SAVE:  # the state entering chunk k, for the backward
+            tl.store(STATES + state_offs * n_chunks + k, carry, dn_ok)
         t = k * CHUNK + ts
         t_ok = t < L
         offs = dl_row[:, None] + t[None, :]                          # BLOCK_D x CHUNK
         mask = d_ok[:, None] & t_ok[None, :]
-        nt_offs = ns[:, None] * L + t[None, :]                       # N x CHUNK
-        nt_ok = n_ok[:, None] & t_ok[None, :]
-        if SAVE_STATES:  # the state entering chunk k, when k starts a backward chunk
-            tl.store(STATES + boundary_offs + (k // SAVE_EVERY) * N, h, dn_ok & (k % SAVE_EVERY == 0))
         u = tl.load(U + offs, mask, other=0.0).to(ACC)
         delta, _ = _load_delta(DELTA, BIAS, offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
-        B_nt = tl.load(B_row + nt_offs, nt_ok, other=0.0).to(ACC)
-        C_nt = tl.load(C_row + nt_offs, nt_ok, other=0.0).to(ACC)
-        hs, _ = _chunk_states(delta, u, A_dn, B_nt, h)              # BLOCK_D x N x CHUNK
-        y = tl.sum(hs * C_nt[None, :, :], axis=1)                    # BLOCK_D x CHUNK
+        y = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)
+        for n in range(0, N):
+            A_n = tl.load(A + ds * N + n, d_ok, other=0.0).to(ACC)[:, None]          # BLOCK_D x 1
+            B_n = tl.load(B_row + n * L + t, t_ok, other=0.0).to(ACC)[None, :]       # 1 x CHUNK
+            C_n = tl.load(C_row + n * L + t, t_ok, other=0.0).to(ACC)[None, :]
+            a, b = discretize(delta, A_n, B_n, u)                                     # BLOCK_D x CHUNK
+            b += tl.where(first, a * _column(carry, n, ns)[:, None], 0.0)             # start from the carry
+            _, h = tl.associative_scan((a, b), axis=1, combine_fn=first_order_op)
+            y += C_n * h
+            carry = tl.where(ns[None, :] == n, tl.sum(tl.where(last, h, 0.0), axis=1)[:, None], carry)
         if HAS_D:
             y += D_d * u
         if HAS_Z:
+            if SAVE:
+                tl.store(Y + offs, y, mask)
             zv = tl.load(Z + offs, mask, other=0.0).to(ACC)
             y = y * zv * tl.sigmoid(zv)
         tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask)
-        h = tl.sum(tl.where(ts[None, None, :] == CHUNK - 1, hs, 0.0), axis=2)   # last column: the carry
-    tl.store(LAST + state_offs, h, dn_ok)
+    tl.store(LAST + state_offs, carry, dn_ok)
 
 @triton.jit
 def _gate_dy(dout, zv, HAS_Z: tl.constexpr):
@@ -164,19 +162,13 @@ def _gate_dz(dout, y, zv):
 
 
 @triton.jit
-def _along_time(x, index):
-    """x (BLOCK_D x N x CHUNK) gathered along time: out[..., j] = x[..., index[j]]."""
-    return tl.gather(x, tl.broadcast_to(index[None, None, :], x.shape), 2)
-
-
-@triton.jit
 def selective_scan_bwd_kernel(
-    U, DELTA, A, B, C, D, Z, BIAS, STATES, DOUT, DLAST,   # as in the forward; DOUT b x d x L, DLAST b x d x N
-    DU, DDELTA, DZ, DB, DC,                                 # b x d x L (x3), slots x b x gB x N x L, slots x b x gC x N x L (fp32 atomics)
+    U, DELTA, A, B, C, D, Z, BIAS, STATES, Y, DOUT, DLAST,  # as in the forward; DOUT b x d x L, DLAST b x d x N
+    DU, DDELTA, DZ, DB, DC,                                 # b x d x L (x3), b x gB x N x L, b x gC x N x L (fp32 atomics)
     DA_PART, DD_PART, DBIAS_PART, DH0,                      # b x d x N, b x d, b x d, b x d x N
     dim, L, N, n_chunks, groups_b, groups_c,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DLAST: tl.constexpr,
-    SOFTPLUS: tl.constexpr, ACC: tl.constexpr, GATHER_A: tl.constexpr, BC_SLOTS: tl.constexpr,
+    SOFTPLUS: tl.constexpr, ACC: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid_b, pid_d = tl.program_id(0), tl.program_id(1)
@@ -185,21 +177,12 @@ def selective_scan_bwd_kernel(
     ts = tl.arange(0, CHUNK)
     d_ok, n_ok = ds < dim, ns < N
     dn_ok = d_ok[:, None] & n_ok[None, :]
-    A_dn = tl.load(A + ds[:, None] * N + ns[None, :], dn_ok, other=0.0).to(ACC)   # BLOCK_D x N
     B_off = (pid_b * groups_b + pid_d * BLOCK_D // (dim // groups_b)) * N * L
     C_off = (pid_b * groups_c + pid_d * BLOCK_D // (dim // groups_c)) * N * L
-    slot = pid_d % BC_SLOTS                                        # which copy of dB, dC this program adds into
-    DB_slot = DB + slot * tl.num_programs(0) * groups_b * N * L
-    DC_slot = DC + slot * tl.num_programs(0) * groups_c * N * L
     dl_row = (pid_b * dim + ds) * L
     state_offs = (pid_b * dim + ds[:, None]) * N + ns[None, :]
-    boundary_offs = (pid_b * dim + ds[:, None]) * n_chunks * N + ns[None, :]
-    # Reversed index j of the chunk holds position CHUNK-1-j; these index the forward-order tiles.
-    flip = CHUNK - 1 - ts                                          # a_t at reversed j
-    prev = tl.maximum(CHUNK - 2 - ts, 0)                           # h_{t-1} (j = CHUNK-1: the boundary state)
-    succ = tl.minimum(CHUNK - ts, CHUNK - 1)                       # a_{t+1} (j = 0: in the carry already)
     if HAS_DLAST:
-        K = tl.load(DLAST + state_offs, dn_ok, other=0.0).to(ACC)   # dL/dh after the last position
+        K = tl.load(DLAST + state_offs, dn_ok, other=0.0).to(ACC)   # dL/dh at the end of the chunk
     else:
         K = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
     D_d = tl.zeros((BLOCK_D,), dtype=ACC)
@@ -208,69 +191,61 @@ def selective_scan_bwd_kernel(
     dA_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
     dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
     dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
+    first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
     for i in range(0, n_chunks):
         k = n_chunks - 1 - i                                         # chunks from right to left
-        # (1) forward order: recompute states and gates, then y, dz, dC.
         t = k * CHUNK + ts
-        offs = dl_row[:, None] + t[None, :]
-        mask = d_ok[:, None] & (t < L)[None, :]
-        nt_offs = ns[:, None] * L + t[None, :]
-        nt_ok = n_ok[:, None] & (t < L)[None, :]
+        t_ok = t < L
+        prev_ok = (ts > 0) & t_ok                                    # position t-1 is in this chunk
+        next_ok = (ts < CHUNK - 1) & (t + 1 < L)                     # position t+1 is in this chunk
+        offs = dl_row[:, None] + t[None, :]                          # BLOCK_D x CHUNK
+        mask = d_ok[:, None] & t_ok[None, :]
+        prev_mask, next_mask = d_ok[:, None] & prev_ok[None, :], d_ok[:, None] & next_ok[None, :]
         u = tl.load(U + offs, mask, other=0.0).to(ACC)
-        delta, _ = _load_delta(DELTA, BIAS, offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
-        C_nt = tl.load(C + C_off + nt_offs, nt_ok, other=0.0).to(ACC)
-        h0 = tl.load(STATES + boundary_offs + k * N, dn_ok, other=0.0)
-        hs, a = _chunk_states(delta, u, A_dn, tl.load(B + B_off + nt_offs, nt_ok, other=0.0).to(ACC), h0)
-        y = tl.sum(hs * C_nt[None, :, :], axis=1) + D_d[:, None] * u                    # BLOCK_D x CHUNK
+        delta, pre = _load_delta(DELTA, BIAS, offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        u_prev = tl.load(U + offs - 1, prev_mask, other=0.0).to(ACC)
+        delta_prev, _ = _load_delta(DELTA, BIAS, offs - 1, prev_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        delta_next, _ = _load_delta(DELTA, BIAS, offs + 1, next_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
         dout = tl.load(DOUT + offs, mask, other=0.0).to(ACC)
         zv = u
         if HAS_Z:
             zv = tl.load(Z + offs, mask, other=0.0).to(ACC)
-            tl.store(DZ + offs, _gate_dz(dout, y, zv).to(DZ.dtype.element_ty), mask)
+            tl.store(DZ + offs, _gate_dz(dout, tl.load(Y + offs, mask, other=0.0), zv).to(DZ.dtype.element_ty), mask)
         dy = _gate_dy(dout, zv, HAS_Z)
         dD_acc += tl.sum(dy * u, axis=1)
-        tl.atomic_add(DC_slot + C_off + nt_offs, tl.sum(hs * dy[:, None, :], axis=0), nt_ok, sem="relaxed")
-        # (2) reversed order from here on: j = 0 is the chunk's last position.
-        r = k * CHUNK + flip
-        offs_r = dl_row[:, None] + r[None, :]
-        mask_r = d_ok[:, None] & (r < L)[None, :]
-        nr_offs = ns[:, None] * L + r[None, :]
-        nr_ok = n_ok[:, None] & (r < L)[None, :]
-        u_r = tl.load(U + offs_r, mask_r, other=0.0).to(ACC)
-        delta_r, pre_r = _load_delta(DELTA, BIAS, offs_r, mask_r, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
-        if GATHER_A:
-            a_r = _along_time(a, flip)                               # a_t
-            alpha = _along_time(a, succ)                             # a_{t+1}
-        else:
-            a_r = tl.exp(delta_r[:, None, :] * A_dn[:, :, None])
-            alpha = _along_time(a_r, tl.maximum(ts - 1, 0))
-        alpha = tl.where(ts[None, None, :] == 0, 1.0, alpha)
-        h_prev = tl.where(ts[None, None, :] == CHUNK - 1, h0[:, :, None], _along_time(hs, prev))
-        ah = a_r * h_prev                                            # a_t h_{t-1}, exactly
-        # (3) the adjoint G_t = c_t + a_{t+1} G_{t+1} as a left-to-right scan.
-        B_r = tl.load(B + B_off + nr_offs, nr_ok, other=0.0).to(ACC)
-        zr = u_r
-        if HAS_Z:
-            zr = tl.load(Z + offs_r, mask_r, other=0.0).to(ACC)
-        dy_r = _gate_dy(tl.load(DOUT + offs_r, mask_r, other=0.0).to(ACC), zr, HAS_Z)
-        c = tl.load(C + C_off + nr_offs, nr_ok, other=0.0).to(ACC)[None, :, :] * dy_r[:, None, :]
-        P, R = tl.associative_scan((alpha, c), axis=2, combine_fn=first_order_op)
-        G = P * K[:, :, None] + R                                    # dL/dh_t, BLOCK_D x N x CHUNK
-        # (4) the gradients of this chunk.
-        GB = tl.sum(G * B_r[None, :, :], axis=1)                    # BLOCK_D x CHUNK
-        GahA = G * ah
-        ddelta = tl.sum(GahA * A_dn[:, :, None], axis=1) + u_r * GB
+        GB_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)              # sum_n G_t B_t
+        GahA_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)            # sum_n G_t a_t h_{t-1} A
+        for n in range(0, N):
+            A_n = tl.load(A + ds * N + n, d_ok, other=0.0).to(ACC)[:, None]
+            B_n = tl.load(B + B_off + n * L + t, t_ok, other=0.0).to(ACC)[None, :]
+            B_prev = tl.load(B + B_off + n * L + t - 1, prev_ok, other=0.0).to(ACC)[None, :]
+            C_n = tl.load(C + C_off + n * L + t, t_ok, other=0.0).to(ACC)[None, :]
+            h_in = tl.load(STATES + ((pid_b * dim + ds) * N + n) * n_chunks + k, d_ok, other=0.0)
+            # (1) h_{t-1}: the steps of positions t-1, the first one setting the boundary state.
+            a, b = discretize(delta, A_n, B_n, u)
+            a_prev, b_prev = discretize(delta_prev, A_n, B_prev, u_prev)
+            _, h_prev = tl.associative_scan((tl.where(first, 0.0, a_prev), tl.where(first, h_in[:, None], b_prev)),
+                                            axis=1, combine_fn=first_order_op)
+            h = a * h_prev + b
+            tl.atomic_add(DC + C_off + n * L + t, tl.sum(h * dy, axis=0), t_ok, sem="relaxed")
+            # (2) the adjoint, right to left; the carry K enters at the chunk's last position.
+            c = C_n * dy + tl.where(last, _column(K, n, ns)[:, None], 0.0)
+            _, G = tl.associative_scan((tl.exp(delta_next * A_n), c), axis=1, combine_fn=first_order_op,
+                                       reverse=True)
+            # (3) the gradients.
+            GB_sum += G * B_n
+            Gah = G * a * h_prev
+            GahA_sum += Gah * A_n
+            dA_acc += tl.where(ns[None, :] == n, tl.sum(Gah * delta, axis=1)[:, None], 0.0)
+            tl.atomic_add(DB + B_off + n * L + t, tl.sum(G * delta * u, axis=0), t_ok, sem="relaxed")
+            K = tl.where(ns[None, :] == n, tl.sum(tl.where(first, a * G, 0.0), axis=1)[:, None], K)
+        ddelta = GahA_sum + u * GB_sum
         if SOFTPLUS:
-            ddelta = ddelta * tl.sigmoid(pre_r)
-        ddelta = tl.where(mask_r, ddelta, 0.0)
-        tl.store(DDELTA + offs_r, ddelta.to(DDELTA.dtype.element_ty), mask_r)
-        tl.store(DU + offs_r, (D_d[:, None] * dy_r + delta_r * GB).to(DU.dtype.element_ty), mask_r)
+            ddelta = ddelta * tl.sigmoid(pre)
+        ddelta = tl.where(mask, ddelta, 0.0)
+        tl.store(DDELTA + offs, ddelta.to(DDELTA.dtype.element_ty), mask)
+        tl.store(DU + offs, (D_d[:, None] * dy + delta * GB_sum).to(DU.dtype.element_ty), mask)
         dbias_acc += tl.sum(ddelta, axis=1)
-        dA_acc += tl.sum(GahA * delta_r[:, None, :], axis=2)
-        tl.atomic_add(DB_slot + B_off + nr_offs, tl.sum(G * (delta_r * u_r)[:, None, :], axis=0), nr_ok,
-                      sem="relaxed")
-        # Carry to the chunk on the left: dL/dh_{s-1} = a_s G_s, s = this chunk's first position.
-        K = tl.sum(tl.where(ts[None, None, :] == CHUNK - 1, a_r * G, 0.0), axis=2)
     tl.store(DA_PART + state_offs, dA_acc, dn_ok)
     tl.store(DH0 + state_offs, K, dn_ok)
     tl.store(DD_PART + pid_b * dim + ds, dD_acc, d_ok)
@@ -301,26 +276,28 @@ def _tl_dtype(dtype):
 
 
 def _forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk):
-    """Launch the forward kernel: out, last state, and the state entering every `save_chunk` positions
-    (None when save_chunk is None)."""
+    """Launch the forward kernel: out, the last state, and, unless save_chunk is None (inference), the
+    state entering every chunk of save_chunk positions (batch, dim, N, n_chunks) and y before the gate
+    (None without z)."""
     batch, dim, L = u.shape
     N = A.shape[1]
     acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     config = _launch_config("fwd", dim, B.shape[1], C.shape[1], L)
-    chunk = config["chunk"] if save_chunk is None else min(config["chunk"], save_chunk)
-    n_saved = 1 if save_chunk is None else triton.cdiv(L, save_chunk)
+    save = save_chunk is not None
+    chunk = save_chunk if save else config["chunk"]
+    n_chunks = triton.cdiv(L, chunk)
     out = torch.empty_like(u)
-    states = torch.empty(batch, dim, n_saved, N, device=u.device, dtype=acc) if save_chunk else None
+    y = torch.empty(u.shape, device=u.device, dtype=acc) if save and z is not None else None
+    states = torch.empty(batch, dim, N, n_chunks, device=u.device, dtype=acc) if save else None
     last = torch.empty(batch, dim, N, device=u.device, dtype=acc)
     selective_scan_fwd_kernel[(batch, triton.cdiv(dim, config["block_d"]))](
-        u, delta, A, B, C, D, z, delta_bias, initial_state, out, states, last,
-        dim, L, N, triton.cdiv(L, chunk), n_saved, B.shape[1], C.shape[1],
+        u, delta, A, B, C, D, z, delta_bias, initial_state, out, y, states, last,
+        dim, L, N, n_chunks, B.shape[1], C.shape[1],
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        HAS_H0=initial_state is not None, SOFTPLUS=delta_softplus, ACC=_tl_dtype(acc),
-        SAVE_STATES=save_chunk is not None, SAVE_EVERY=1 if save_chunk is None else save_chunk // chunk,
+        HAS_H0=initial_state is not None, SOFTPLUS=delta_softplus, ACC=_tl_dtype(acc), SAVE=save,
         BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(N), CHUNK=chunk,
-        num_warps=config["num_warps"], num_stages=config["num_stages"])
-    return out, last, states
+        num_warps=config["num_warps"])
+    return out, last, states, y
 
 
 class SelectiveScanFn(torch.autograd.Function):
@@ -331,10 +308,10 @@ class SelectiveScanFn(torch.autograd.Function):
     def forward(ctx, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, keep_states):
         dim, L = u.shape[1:]
         bwd_chunk = _launch_config("bwd", dim, B.shape[1], C.shape[1], L)["chunk"]
-        out, last, states = _forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
-                                     bwd_chunk if keep_states else None)
-        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, states)
-        ctx.delta_softplus = delta_softplus
+        out, last, states, y = _forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
+                                        bwd_chunk if keep_states else None)
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, states, y)
+        ctx.delta_softplus, ctx.chunk = delta_softplus, bwd_chunk
         ctx.set_materialize_grads(False)
         return out, last
 
@@ -344,12 +321,10 @@ class SelectiveScanFn(torch.autograd.Function):
         # graph, so second derivatives would silently miss this scan: refuse loudly instead.
         if torch.is_grad_enabled():
             raise RuntimeError("selective_scan has no double backward: do not use create_graph=True through it")
-        u, delta, A, B, C, D, z, delta_bias, initial_state, states = ctx.saved_tensors
+        u, delta, A, B, C, D, z, delta_bias, initial_state, states, y = ctx.saved_tensors
         batch, dim, L = u.shape
-        N = A.shape[1]
+        N, n_chunks = A.shape[1], states.shape[-1]
         config = _launch_config("bwd", dim, B.shape[1], C.shape[1], L)
-        chunk, slots = config["chunk"], config["bc_slots"]
-        n_chunks = triton.cdiv(L, chunk)
         acc = states.dtype
         if dout is None:
             dout = torch.zeros_like(u)
@@ -357,25 +332,24 @@ class SelectiveScanFn(torch.autograd.Function):
         dlast = None if dlast is None else dlast.contiguous()
         du, ddelta = torch.empty_like(u), torch.empty_like(delta)
         dz = torch.empty_like(z) if z is not None else None
-        dB = torch.zeros((slots, *B.shape), device=u.device, dtype=acc)
-        dC = torch.zeros((slots, *C.shape), device=u.device, dtype=acc)
+        dB = torch.zeros(B.shape, device=u.device, dtype=acc)
+        dC = torch.zeros(C.shape, device=u.device, dtype=acc)
         dA_part = torch.empty(batch, dim, N, device=u.device, dtype=acc)
         dD_part, dbias_part = (torch.empty(batch, dim, device=u.device, dtype=acc) for _ in range(2))
         dh0 = torch.empty(batch, dim, N, device=u.device, dtype=acc)
         selective_scan_bwd_kernel[(batch, triton.cdiv(dim, config["block_d"]))](
-            u, delta, A, B, C, D, z, delta_bias, states, dout, dlast,
+            u, delta, A, B, C, D, z, delta_bias, states, y, dout, dlast,
             du, ddelta, dz, dB, dC, dA_part, dD_part, dbias_part, dh0,
             dim, L, N, n_chunks, B.shape[1], C.shape[1],
             HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
             HAS_DLAST=dlast is not None, SOFTPLUS=ctx.delta_softplus, ACC=_tl_dtype(acc),
-            GATHER_A=config["gather_a"], BC_SLOTS=slots,
-            BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(N), CHUNK=chunk,
-            num_warps=config["num_warps"], num_stages=config["num_stages"])
+            BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(N), CHUNK=ctx.chunk,
+            num_warps=config["num_warps"])
 
         def cast(grad, like):
             return None if like is None else grad.to(like.dtype)
 
-        return (du, ddelta, cast(dA_part.sum(0), A), cast(dB.sum(0), B), cast(dC.sum(0), C),
+        return (du, ddelta, cast(dA_part.sum(0), A), cast(dB, B), cast(dC, C),
                 cast(dD_part.sum(0), D), dz, cast(dbias_part.sum(0), delta_bias), cast(dh0, initial_state), None, None)
 
 from scan_lib.runtime import check_float_tensor, check_same_device
@@ -416,13 +390,12 @@ def _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state):
 def _check_index_range(u_shape, N, groups_b, groups_c):
     """The kernels index with 32-bit offsets: refuse inputs whose largest buffer they would overrun.
 
-    The largest are the (batch, dim, L) tensors, the bc_slots fp32 copies of dB and dC, and the
-    boundary states (batch, dim, ceil(L / CHUNK_bwd), N)."""
+    The largest are the (batch, dim, L) tensors, the fp32 dB and dC buffers (batch, groups, N, L), and
+    the boundary states (batch, dim, N, ceil(L / CHUNK_bwd))."""
     batch, dim, L = u_shape
     bwd = _launch_config("bwd", dim, groups_b, groups_c, L)
-    groups = max(groups_b, groups_c)
-    largest = max(batch * dim * L, bwd["bc_slots"] * batch * groups * N * L,
-                  batch * dim * triton.cdiv(L, bwd["chunk"]) * N)
+    largest = max(batch * dim * L, batch * max(groups_b, groups_c) * N * L,
+                  batch * dim * N * triton.cdiv(L, bwd["chunk"]))
     if largest >= 2**31:
         raise ValueError(f"u of shape {tuple(u_shape)} with N={N}: a buffer of {largest} elements needs 64-bit "
                          "offsets, which these kernels do not use yet; split the batch or the sequence "
