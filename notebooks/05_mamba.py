@@ -1366,17 +1366,20 @@ else:
 #
 # | inputs, pass | ours | first design | `mamba_ssm` (CUDA) | ours / `mamba_ssm` | memory floor |
 # | --- | --- | --- | --- | --- | --- |
-# | fp32, forward (no grad) | 471 us | 1188 us | 594 us | 0.79 | 64 us (`exp`-bound: ~65 us) |
-# | fp32, forward + backward | 2852 us | 4829 us | 1973 us | 1.45 | 175 us |
-# | bf16, forward (no grad) | 458 us | 1187 us | 305 us | 1.50 | 32 us |
-# | bf16, forward + backward | 2670 us | 5716 us | 1481 us | 1.80 | 88 us |
+# | fp32, forward (no grad) | 476 us | 1188 us | 593 us | 0.80 | 64 us (`exp`-bound: ~65 us) |
+# | fp32, forward + backward | 2740 us | 4829 us | 1968 us | 1.39 | 175 us |
+# | bf16, forward (no grad) | 458 us | 1187 us | 304 us | 1.51 | 32 us |
+# | bf16, forward + backward | 2582 us | 5716 us | 1490 us | 1.73 | 88 us |
 #
-# Laying the work out as `mamba_ssm` does made the forward 2.5x faster and forward+backward 1.7x
-# faster: our forward now beats the official kernel with fp32 inputs. Everything else is still slower,
+# Laying the work out as `mamba_ssm` does made the forward 2.5x faster and forward+backward 1.8x
+# faster (fp32): our forward now beats the official kernel with fp32 inputs. The launch parameters are
+# the best of the sweep in `benchmarks/tune_selective_scan.py` (raw output in
+# `benchmarks/results/tune_selective_scan_h200.txt`): one channel per program, chunks of 512, 2 warps
+# forward and 4 backward; 8 warps, chunks of 256 or 2048, or two channels per program were all slower. Everything else is still slower,
 # and the table says where to look:
 #
 # * **Our forward is not memory-bound; `mamba_ssm`'s is.** bf16 inputs halve the bytes: `mamba_ssm` gets
-#   2x faster, ours 3% faster. So at about 460 us our forward is limited by the instructions it issues
+#   2x faster, ours 4% faster. So at about 460 us our forward is limited by the instructions it issues
 #   (or their latency), not by memory. At about 1.98 GHz, 132 SMs with 128 fp32 lanes issue about
 #   $3.3 \cdot 10^{13}$ lane-instructions per second: 460 us is room for about 57 per (batch, dim,
 #   position, state) element, where the arithmetic needs about ten (an `exp`, the discretisation, a
@@ -1412,6 +1415,6 @@ else:
 #
 # * Speed, in part: with fp32 inputs our forward is faster than `mamba_ssm`'s.
 #
-# Not fixed: the rest of the speed. Forward+backward is about 1.5x slower than `mamba_ssm` with fp32
-# inputs, and with bf16 inputs the forward is 1.5x and forward+backward 1.8x slower (section 12).
+# Not fixed: the rest of the speed. Forward+backward is about 1.4x slower than `mamba_ssm` with fp32
+# inputs, and with bf16 inputs the forward is 1.5x and forward+backward 1.7x slower (section 12).
 # Chapter 07 profiles these kernels on the GPU and tunes them, one change at a time.

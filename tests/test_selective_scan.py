@@ -120,7 +120,7 @@ def test_boundary_states_kept_only_for_grad(monkeypatch):
         out_ng = scan_lib.selective_scan(**inputs, delta_softplus=True)
     leaves = {k: v.detach().requires_grad_(True) for k, v in inputs.items()}
     out = scan_lib.selective_scan(**leaves, delta_softplus=True)
-    chunk_bwd = getattr(module, f"{CONFIGS}_BWD_CONFIG")["chunk"]
+    chunk_bwd = module._launch_config("bwd", dim, 1, 1, L)["chunk"]   # the configured chunk, capped by L
     assert save_chunks == [None, chunk_bwd] and kept[0] == (None, None)
     states, y = kept[1]
     assert states.shape == (batch, dim, N, -(-L // chunk_bwd)) and states.dtype == torch.float32
