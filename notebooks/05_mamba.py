@@ -1388,10 +1388,14 @@ else:
 #   reductions across the whole program (`_column`, and the last column of the scan by a masked sum),
 #   and the scan's cross-thread levels; `mamba_ssm` passes the carry as the block scan's running prefix
 #   instead.
-# * **The backward does about three times the forward's work.** It recomputes the states (one `exp`), and
+# * **The backward takes almost five times the forward's time.** It recomputes the states (one `exp`), and
 #   computes $a_{t-1}$ and $a_{t+1}$ with two more, runs two scans (states and adjoint) where the
 #   forward runs one, and adds $dB$, $dC$ with two `tl.atomic_add` per element (as `mamba_ssm` does;
-#   536 million atomic adds at this size).
+#   536 million atomic adds at this size). A one-off diagnostic on the same H200 (variants of the
+#   backward kept out of the repository because they compute wrong gradients: plain stores instead of the
+#   atomic adds, and $\Delta$ itself instead of the two extra `exp`) timed the backward alone at 2248 us,
+#   2001 us without the atomics, 2090 us without the extra `exp`, 1872 us without either. So neither is
+#   the main cost: the two scans per state, and the reductions around them, are.
 #
 # What chapter 07 should try, one change at a time and with the tests of this chapter as the guard:
 # profile first (Nsight Compute: issued instructions per element, stall reasons, the layout Triton gives
