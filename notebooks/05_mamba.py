@@ -467,7 +467,7 @@ for L in [1, 7, 129, 1000]:
 # **A first design, and why it was slow.** The first version of this chapter gave each program a
 # `BLOCK_D x N x CHUNK` tile (4 channels, all 16 states, 32 positions) and ran `tl.associative_scan`
 # along its last axis: states *and* time spread over the threads. It was correct, and 2x slower than
-# `mamba_ssm`'s forward on an H200 (1188 against 594 us at the size above). Every chunk paid for two
+# `mamba_ssm`'s forward on an H200 (about 1190 against 590 us at the size above). Every chunk paid for two
 # things that move data between threads: the output $y_t = \sum_n C_{t,n} h_{t,n}$ is a sum over the
 # state axis, which lived on other threads (and other warps), and the tree scan ran its
 # $\log_2 32 = 5$ levels of warp shuffles for *every* element.
@@ -481,11 +481,16 @@ for L in [1, 7, 129, 1000]:
 #   one state $n$ after another: load row $n$ of `B` and `C`, discretise ($a$ and $b$ of this state
 #   only: a `BLOCK_D x CHUNK` tile), scan along time, and add $C_n h$ into $y$. Every thread adds the
 #   terms of its own positions, state after state, so $y$ needs no sum across threads at all.
-# * **A two-level scan for free.** Each thread holds several *consecutive* positions (the compiler gives
-#   it 4 or more, to vectorise the loads), and Triton's scan first runs over a thread's own positions
-#   one after another in registers, then runs the log-depth tree only over the per-thread totals, and
-#   finally applies each thread's prefix to its positions. That is the scheme `mamba_ssm` writes by
-#   hand; the tree's cost is shared by all the positions of a thread.
+# * **A scan in levels.** Each thread holds several *consecutive* positions (512 positions over 64
+#   threads: 8 each; the compiler lays them out so that loads are vectorised), and Triton's scan first
+#   runs over a thread's own positions one after another in registers, then over the per-thread totals:
+#   a log-depth tree of shuffles within each warp, and one more level between warps through shared
+#   memory; finally each thread applies its prefix to its positions. That is the scheme `mamba_ssm`
+#   writes by hand; the cost of the upper levels is shared by all the positions of a thread.
+# * **What still crosses threads**: per state and chunk, the carry. Reading it (`_column`, a sum over the
+#   $N$ columns of the carry tile) and taking the scan's last column as the next carry (a sum over the
+#   whole chunk, across warps) are two reductions per state and chunk. Long chunks (512 positions, where
+#   the first design used 32) spread that cost thin.
 # * **The carry of each state** across chunks is the chunking identity below: folded into the chunk's
 #   first step, it makes the scan produce the exact states, and the scan's last column is the carry
 #   of state $n$ for the next chunk. The carries of all states form a `BLOCK_D x N` tile in registers.
@@ -507,9 +512,12 @@ for L in [1, 7, 129, 1000]:
 # $(\hat a_t, \hat b_t)$ is exactly the inclusive scan of the pairs $(a_r, b_r)$ under chapter 02's
 # `first_order_op`, $(a, b) \circ (a', b') = (a a', a' b + b')$, and $\hat b_t$ alone is the chunk's
 # states computed from a zero state. So a scan that knows nothing of the past, plus one multiply-add
-# with the carry, give the exact states. The kernel uses the identity in a cheaper form: replace the
+# with the carry, give the exact states. The kernel uses the identity in an equivalent form: replace the
 # chunk's first pair $(a_s, b_s)$ by $(a_s,\ a_s h_{s-1} + b_s)$, which is the step from the carried
-# state itself; then the scan's $\hat b_t$ *is* $h_t$, and $\hat a_t$ is never needed. The backward uses
+# state itself; then the scan's $\hat b_t$ *is* $h_t$, and $\hat a_t$ is never used afterwards. (Which
+# form is faster we have not measured: the folded one costs a multiply, a select and an add on every
+# element of the tile, since the test for the first position is per element; the other one, one
+# multiply-add with $\hat a_t$, which the scan computes anyway.) The backward uses
 # the same identity on the adjoint, right to left: the gradient $K$ reaching the chunk's last state
 # from the chunks to its right is folded into the last position. Padding positions ($a = 1$, $b = 0$,
 # $c = 0$) change neither product nor sum.
@@ -652,7 +660,8 @@ def selective_scan_fwd_kernel(
 # avoids a second set of loads, but only after checking what it computes with our non-commutative
 # combine: on pairs $(\alpha_t, c_t)$ it must give $G_t = c_t + \alpha_t G_{t+1}$, the adjoint recurrence,
 # with the accumulated right part as the *earlier* operand of `first_order_op`. On the GPU this checks the
-# compiled code; on the interpreter, its emulation:
+# compiled code; on the interpreter, its emulation. It checks one layout (a 1-D tile); the kernel's own
+# setting is covered by the gradient checks of section 7.
 
 # %%
 @triton.jit
@@ -698,6 +707,10 @@ assert max_err(g_chk, g_loop) < 1e-5
 # `dA`, `dD`, `d delta_bias` are accumulated in registers over the whole sequence and written once per
 # program (then summed over the batch). `dB`, `dC` are sums over the channels of a group, which live in
 # different programs: those are added with `tl.atomic_add` into float32 buffers, as `mamba_ssm` does.
+# The order of those additions changes from run to run, so `dB` and `dC` are not bitwise reproducible
+# (they agree to float32 rounding), as with `mamba_ssm`. Padding positions past `L` see $\Delta = 0$,
+# $B = C = 0$, so they add nothing, but their adjoint is $G = K$, not 0: the kernel zeroes $d\Delta$
+# there explicitly before summing it into `d delta_bias`.
 # The price of the shifted loads is two more `exp` per element ($a_{t-1}$ and $a_{t+1}$, three in all);
 # the alternative, `tl.gather` along time (the first version's choice), moves the tile through shared
 # memory. We did not measure the two in isolation.
@@ -755,7 +768,7 @@ def selective_scan_bwd_kernel(
         k = n_chunks - 1 - i                                         # chunks from right to left
         t = k * CHUNK + ts
         t_ok = t < L
-        prev_ok = (ts > 0) & t_ok                                    # position t-1 is in this chunk
+        prev_ok = (ts > 0) & t_ok                                    # t-1 is in this chunk (and t < L)
         next_ok = (ts < CHUNK - 1) & (t + 1 < L)                     # position t+1 is in this chunk
         offs = dl_row[:, None] + t[None, :]                          # BLOCK_D x CHUNK
         mask = d_ok[:, None] & t_ok[None, :]
@@ -801,7 +814,7 @@ def selective_scan_bwd_kernel(
         ddelta = GahA_sum + u * GB_sum
         if SOFTPLUS:
             ddelta = ddelta * tl.sigmoid(pre)
-        ddelta = tl.where(mask, ddelta, 0.0)
+        ddelta = tl.where(mask, ddelta, 0.0)                         # padding: G = K there, not 0
         tl.store(DDELTA + offs, ddelta.to(DDELTA.dtype.element_ty), mask)
         tl.store(DU + offs, (D_d[:, None] * dy + delta * GB_sum).to(DU.dtype.element_ty), mask)
         dbias_acc += tl.sum(ddelta, axis=1)
@@ -1039,7 +1052,8 @@ def run_with_grads(fn, inputs, dout, dlast, softplus, cast=None):
 
 
 def check_selective_scan(inputs, softplus=True, tol=2e-5, verbose=True):
-    """Compare selective_scan with the float64 reference: output, last state and every gradient."""
+    """Compare selective_scan with the float64 reference: output, last state and every gradient (printed),
+    and, asserted silently, the inference path (no gradient: the forward's own chunk, nothing kept)."""
     torch.manual_seed(1)
     u = inputs["u"]
     dout = torch.randn(u.shape, dtype=torch.float64, device=DEVICE)
@@ -1054,6 +1068,9 @@ def check_selective_scan(inputs, softplus=True, tol=2e-5, verbose=True):
     if verbose:
         print(f"L={u.shape[2]:5d}: " + "  ".join(f"{k} {v:.0e}" for k, v in errors.items()))
     assert all(e < tol for e in errors.values()), errors
+    with torch.no_grad():
+        out_ng, last_ng = scan_lib.selective_scan(**inputs, delta_softplus=softplus, return_last_state=True)
+    assert rel_err(out_ng, out_r) < tol and rel_err(last_ng, last_r) < tol, "inference path"
     return errors
 
 
@@ -1072,8 +1089,8 @@ print("selective_scan matches the float64 reference: outputs and all gradients")
 
 # %% [markdown]
 # The launch parameters must not change the result: one channel per program or several, and other chunk
-# sizes for either pass (in training the forward runs with the backward's chunk, so a forward chunk
-# larger or smaller than the backward's only matters in inference).
+# sizes for either pass (in training the forward runs with the backward's chunk, so the forward's own
+# chunk only matters in inference, which `check_selective_scan` also checks).
 
 # %%
 ss_module = sys.modules["scan_lib.selective_scan"]  # the module (scan_lib.selective_scan is the function)
@@ -1170,7 +1187,8 @@ for message, change in bad_cases.items():
 #
 # Autograd through the reference would keep every state: `batch x dim x L x N` values. Our forward keeps
 # only the boundary states, `batch x dim x N x ceil(L / CHUNK_bwd)` float32 values, and, when `z` is
-# given, $y$ before the gate, one `batch x dim x L` float32 tensor (as `mamba_ssm` keeps its `out`); the
+# given, $y$ before the gate, one `batch x dim x L` float32 tensor (`mamba_ssm` keeps its `out` too, in the
+# input dtype: half as many bytes for bf16 inputs); the
 # backward recomputes the states chunk by chunk. What the backward allocates on top, at its peak (the
 # end, when the gradients are cast to their inputs' dtypes):
 #
@@ -1375,11 +1393,13 @@ else:
 # faster (fp32): our forward now beats the official kernel with fp32 inputs. The launch parameters are
 # the best of the sweep in `benchmarks/tune_selective_scan.py` (raw output in
 # `benchmarks/results/tune_selective_scan_h200.txt`): one channel per program, chunks of 512, 2 warps
-# forward and 4 backward; 8 warps, chunks of 256 or 2048, or two channels per program were all slower. Everything else is still slower,
+# forward and 4 backward; 8 warps, chunks of 256, 1024 or (forward only) 2048, or two channels per
+# program were all slower. Everything else is still slower,
 # and the table says where to look:
 #
-# * **Our forward is not memory-bound; `mamba_ssm`'s is.** bf16 inputs halve the bytes: `mamba_ssm` gets
-#   2x faster, ours 4% faster. So at about 460 us our forward is limited by the instructions it issues
+# * **Our forward does not get faster with fewer bytes; `mamba_ssm`'s does.** bf16 inputs halve the
+#   bytes: `mamba_ssm` gets 2x faster (its time scales with what it loads, though at about 9x the memory
+#   floor, so it is not bandwidth-bound either), ours 4% faster. So at about 460 us our forward is limited by the instructions it issues
 #   (or their latency), not by memory. At about 1.98 GHz, 132 SMs with 128 fp32 lanes issue about
 #   $3.3 \cdot 10^{13}$ lane-instructions per second: 460 us is room for about 57 per (batch, dim,
 #   position, state) element, where the arithmetic needs about ten (an `exp`, the discretisation, a
@@ -1395,11 +1415,13 @@ else:
 #   backward kept out of the repository because they compute wrong gradients: plain stores instead of the
 #   atomic adds, and $\Delta$ itself instead of the two extra `exp`) timed the backward alone at 2248 us,
 #   2001 us without the atomics, 2090 us without the extra `exp`, 1872 us without either. So neither is
-#   the main cost: the two scans per state, and the reductions around them, are.
+#   the main cost; by elimination (not measured), probably the two scans per state and the reductions
+#   around them are.
 #
 # What chapter 07 should try, one change at a time and with the tests of this chapter as the guard:
 # profile first (Nsight Compute: issued instructions per element, stall reasons, the layout Triton gives
-# the tiles); then a cheaper carry (a running prefix instead of two reductions per state and chunk);
+# the tiles); then a cheaper carry (a running prefix instead of two reductions per state and chunk; the
+# unfolded form of the chunking identity);
 # $a_{t\pm1}$ from $a_t$ by a shift within each thread's positions instead of two more `exp`; the
 # `dB`, `dC` sums over channels done in registers for several channels per program before one atomic
 # add; and more than one state per loop step, so that independent scans overlap.

@@ -196,7 +196,7 @@ def selective_scan_bwd_kernel(
         k = n_chunks - 1 - i                                         # chunks from right to left
         t = k * CHUNK + ts
         t_ok = t < L
-        prev_ok = (ts > 0) & t_ok                                    # position t-1 is in this chunk
+        prev_ok = (ts > 0) & t_ok                                    # t-1 is in this chunk (and t < L)
         next_ok = (ts < CHUNK - 1) & (t + 1 < L)                     # position t+1 is in this chunk
         offs = dl_row[:, None] + t[None, :]                          # BLOCK_D x CHUNK
         mask = d_ok[:, None] & t_ok[None, :]
@@ -242,7 +242,7 @@ def selective_scan_bwd_kernel(
         ddelta = GahA_sum + u * GB_sum
         if SOFTPLUS:
             ddelta = ddelta * tl.sigmoid(pre)
-        ddelta = tl.where(mask, ddelta, 0.0)
+        ddelta = tl.where(mask, ddelta, 0.0)                         # padding: G = K there, not 0
         tl.store(DDELTA + offs, ddelta.to(DDELTA.dtype.element_ty), mask)
         tl.store(DU + offs, (D_d[:, None] * dy + delta * GB_sum).to(DU.dtype.element_ty), mask)
         dbias_acc += tl.sum(ddelta, axis=1)
