@@ -481,9 +481,10 @@ for L in [1, 7, 129, 1000]:
 #   one state $n$ after another: load row $n$ of `B` and `C`, discretise ($a$ and $b$ of this state
 #   only: a `BLOCK_D x CHUNK` tile), scan along time, and add $C_n h$ into $y$. Every thread adds the
 #   terms of its own positions, state after state, so $y$ needs no sum across threads at all.
-# * **A scan in levels.** Each thread holds several *consecutive* positions (512 positions over 64
-#   threads: 8 each; the compiler lays them out so that loads are vectorised), and Triton's scan first
-#   runs over a thread's own positions one after another in registers, then over the per-thread totals:
+# * **A scan in levels.** Each thread holds several positions (512 positions over the 64 threads of
+#   2 warps: 8 each), in runs of consecutive ones (Triton lays contiguous loads out that way, to
+#   vectorise them), and Triton's scan first runs over each run of a thread's positions one after
+#   another in registers, then over the per-thread totals:
 #   a log-depth tree of shuffles within each warp, and one more level between warps through shared
 #   memory; finally each thread applies its prefix to its positions. That is the scheme `mamba_ssm`
 #   writes by hand; the cost of the upper levels is shared by all the positions of a thread.
@@ -1394,13 +1395,13 @@ else:
 # the best of the sweep in `benchmarks/tune_selective_scan.py` (raw output in
 # `benchmarks/results/tune_selective_scan_h200.txt`): one channel per program, chunks of 512, 2 warps
 # forward and 4 backward; 8 warps, chunks of 256, 1024 or (forward only) 2048, or two channels per
-# program were all slower. Everything else is still slower,
-# and the table says where to look:
+# program were all slower. Everything else is still slower than `mamba_ssm`, and the table says where
+# to look:
 #
 # * **Our forward does not get faster with fewer bytes; `mamba_ssm`'s does.** bf16 inputs halve the
 #   bytes: `mamba_ssm` gets 2x faster (its time scales with what it loads, though at about 9x the memory
-#   floor, so it is not bandwidth-bound either), ours 4% faster. So at about 460 us our forward is limited by the instructions it issues
-#   (or their latency), not by memory. At about 1.98 GHz, 132 SMs with 128 fp32 lanes issue about
+#   floor, so it is not bandwidth-bound either), ours 4% faster. So at about 460 us our forward is
+#   limited by the instructions it issues (or their latency), not by memory. At about 1.98 GHz, 132 SMs with 128 fp32 lanes issue about
 #   $3.3 \cdot 10^{13}$ lane-instructions per second: 460 us is room for about 57 per (batch, dim,
 #   position, state) element, where the arithmetic needs about ten (an `exp`, the discretisation, a
 #   multiply-add for the recurrence and one for $C h$, the scan's combine). Likely costs, from the
