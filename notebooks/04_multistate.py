@@ -78,7 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
-from scan_lib.ema import first_order_op
+from scan_lib.ema import accumulator_dtype, first_order_op
 from scan_lib.runtime import check_float_tensor, check_same_device
 
 
@@ -389,11 +389,6 @@ MAX_STATES = 256        # BLOCK_L x BLOCK_N tiles must fit in registers
 MAX_TILE = 2**14
 
 
-def accumulator_dtype(dtype):
-    """float64 for float64 inputs, float32 for everything else (fp16, bf16, fp32)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 def default_block_l(length, n_states):
     """About 1024 tile elements, at least 16 rows, no more rows than L needs."""
     return max(16, min(triton.next_power_of_2(length), 1024 // triton.next_power_of_2(n_states)))
@@ -410,7 +405,7 @@ def multistate_forward(a, b, c, x, initial_state, block_l, save_chunks):
     save_chunks, the state entering each chunk (batch, n_chunks, N) in the accumulator dtype, else None."""
     batch, n_states, length = a.shape
     n_chunks = triton.cdiv(length, block_l)
-    acc = accumulator_dtype(a.dtype)
+    acc = torch.promote_types(a.dtype, torch.float32)   # float64 stays, half precision computes in float32
     y = torch.empty_like(x)
     h_last = torch.empty(batch, n_states, device=a.device, dtype=a.dtype)
     h_chunks = torch.empty(batch, n_chunks, n_states, device=a.device, dtype=acc) if save_chunks else None
@@ -420,7 +415,7 @@ def multistate_forward(a, b, c, x, initial_state, block_l, save_chunks):
             h_chunks if save_chunks else y,
             length, n_states, n_chunks,
             HAS_H0=initial_state is not None, SAVE_CHUNKS=save_chunks,
-            ACC=tl.float64 if acc == torch.float64 else tl.float32,
+            ACC=accumulator_dtype(acc),
             BLOCK_L=block_l, BLOCK_N=triton.next_power_of_2(n_states), num_warps=num_warps_for(block_l, n_states),
         )
     return y, h_last, h_chunks
@@ -606,7 +601,7 @@ def multistate_backward(a, b, c, x, h_chunks, dy, dh_last, block_l):
             da, db, dc, dx, dh0,
             length, n_states, h_chunks.shape[1],
             HAS_DH_LAST=dh_last is not None,
-            ACC=tl.float64 if h_chunks.dtype == torch.float64 else tl.float32,
+            ACC=accumulator_dtype(h_chunks.dtype),
             BLOCK_L=block_l, BLOCK_N=triton.next_power_of_2(n_states), num_warps=num_warps_for(block_l, n_states),
         )
     return da, db, dc, dx, dh0

@@ -44,7 +44,7 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
 import triton
 import triton.language as tl
 
-from scan_lib.ema import first_order_op
+from scan_lib.ema import accumulator_dtype, first_order_op
 
 
 @triton.jit
@@ -271,10 +271,6 @@ def _acc_dtype(*tensors):
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _tl_dtype(dtype):
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
 def _forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk):
     """Launch the forward kernel: out, the last state, and, unless save_chunk is None (inference), the
     state entering every chunk of save_chunk positions (batch, dim, N, n_chunks) and y before the gate
@@ -294,7 +290,7 @@ def _forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
         u, delta, A, B, C, D, z, delta_bias, initial_state, out, y, states, last,
         dim, L, N, n_chunks, B.shape[1], C.shape[1],
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        HAS_H0=initial_state is not None, SOFTPLUS=delta_softplus, ACC=_tl_dtype(acc), SAVE=save,
+        HAS_H0=initial_state is not None, SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc), SAVE=save,
         BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(N), CHUNK=chunk,
         num_warps=config["num_warps"])
     return out, last, states, y
@@ -342,7 +338,7 @@ class SelectiveScanFn(torch.autograd.Function):
             du, ddelta, dz, dB, dC, dA_part, dD_part, dbias_part, dh0,
             dim, L, N, n_chunks, B.shape[1], C.shape[1],
             HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-            HAS_DLAST=dlast is not None, SOFTPLUS=ctx.delta_softplus, ACC=_tl_dtype(acc),
+            HAS_DLAST=dlast is not None, SOFTPLUS=ctx.delta_softplus, ACC=accumulator_dtype(acc),
             BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(N), CHUNK=ctx.chunk,
             num_warps=config["num_warps"])
 
