@@ -44,10 +44,10 @@ course: $(SETUP)
 	mkdir -p $(BUILD)/notebooks $(BUILD)/html
 	for nb in $(CHAPTERS); do \
 	  echo "== $$nb"; \
-	  $(PY) -m jupyter nbconvert --to notebook --execute --ExecutePreprocessor.timeout=3600 \
+	  $(PY) -m nbconvert --to notebook --execute --ExecutePreprocessor.timeout=3600 \
 	    --output-dir $(BUILD)/notebooks "$$nb" || exit 1; \
 	done
-	$(PY) -m jupyter nbconvert --to html --output-dir $(BUILD)/html $(BUILD)/notebooks/*.ipynb
+	$(PY) -m nbconvert --to html --output-dir $(BUILD)/html $(BUILD)/notebooks/*.ipynb
 	@echo; echo "Executed chapters: $(BUILD)/notebooks/   HTML pages: open $(CURDIR)/$(BUILD)/html/00_triton.html"
 
 # Refresh the outputs committed in notebooks/*.ipynb (maintainers, on a GPU: make outputs PY=python3).
