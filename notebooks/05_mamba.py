@@ -354,11 +354,12 @@ assert err_subtract > 1e-2 and err_shifted < 1e-7
 # 02's `first_order_op`, one independent scan per state. The discretisation is a `@triton.jit`
 # helper of its own, exported once and reused by every kernel below.
 #
-# The backward needs the adjoint, a scan from right to left. Rather than depend on how
-# `tl.associative_scan(..., reverse=True)` orders the operands of a non-commutative combine (an easy
-# thing to get subtly wrong, and one the CPU interpreter, which runs programs one after another on
-# the CPU, is a poor judge of), we **load the inputs of the backward in reversed order**, so that an
-# ordinary left-to-right scan runs backwards in time.
+# The backward needs the adjoint, a scan from right to left. Chapter 02 showed two ways to scan right
+# to left: `tl.associative_scan(..., reverse=True)` on ordinary loads, or loads in descending order and
+# an ordinary scan. This first kernel takes the second, which needs nothing but the forward scan and
+# makes the reversal visible in the code: we **load the inputs of the backward in reversed order**, so
+# that an ordinary left-to-right scan runs backwards in time. (The batched kernel of section 6 takes the
+# first, which was the faster on the H200 in chapter 02.)
 # The two shifts of the derivation are handled at load time and with `tl.gather`: the gate $a_{t+1}$
 # comes from loading $\Delta$ one position further, and the previous state $h_{t-1}$ is the state tile
 # gathered at index $t-1$ (with $h_{-1} = 0$ put in at $t = 0$, exactly, so that $d\bar A_0 = 0$ exactly).
@@ -513,9 +514,9 @@ for L in [1, 7, 129, 1000]:
 # $(\hat a_t, \hat b_t)$ is exactly the inclusive scan of the pairs $(a_r, b_r)$ under chapter 02's
 # `first_order_op`, $(a, b) \circ (a', b') = (a a', a' b + b')$, and $\hat b_t$ alone is the chunk's
 # states computed from a zero state. So a scan that knows nothing of the past, plus one multiply-add
-# with the carry, give the exact states. The kernel uses the identity in an equivalent form: replace the
-# chunk's first pair $(a_s, b_s)$ by $(a_s,\ a_s h_{s-1} + b_s)$, which is the step from the carried
-# state itself; then the scan's $\hat b_t$ *is* $h_t$, and $\hat a_t$ is never used afterwards. (Which
+# with the carry, give the exact states. The kernel uses the identity in the equivalent form of chapter
+# 02's `scan_chunk` (which does it for one row): replace the chunk's first pair $(a_s, b_s)$ by
+# $(a_s,\ a_s h_{s-1} + b_s)$, which is the step from the carried state itself; then the scan's $\hat b_t$ *is* $h_t$, and $\hat a_t$ is never used afterwards. (Which
 # form is faster we have not measured: the folded one costs a multiply, a select and an add on every
 # element of the tile, since the test for the first position is per element; the other one, one
 # multiply-add with $\hat a_t$, which the scan computes anyway.) The backward uses
@@ -656,37 +657,6 @@ def selective_scan_fwd_kernel(
     tl.store(LAST + state_offs, carry, dn_ok)
 
 # %% [markdown]
-# The backward's adjoint runs right to left. The single-sequence kernel of section 5 reversed its loads
-# so as to need only the left-to-right scan; here we use `tl.associative_scan(..., reverse=True)`, which
-# avoids a second set of loads, but only after checking what it computes with our non-commutative
-# combine: on pairs $(\alpha_t, c_t)$ it must give $G_t = c_t + \alpha_t G_{t+1}$, the adjoint recurrence,
-# with the accumulated right part as the *earlier* operand of `first_order_op`. On the GPU this checks the
-# compiled code; on the interpreter, its emulation. It checks one layout (a 1-D tile); the kernel's own
-# setting is covered by the gradient checks of section 7.
-
-# %%
-@triton.jit
-def reverse_scan_kernel(ALPHA, C, G, L, BLOCK: tl.constexpr):
-    ts = tl.arange(0, BLOCK)
-    alpha = tl.load(ALPHA + ts, ts < L, other=1.0)
-    c = tl.load(C + ts, ts < L, other=0.0)
-    _, g = tl.associative_scan((alpha, c), axis=0, combine_fn=first_order_op, reverse=True)
-    tl.store(G + ts, g, ts < L)
-
-
-torch.manual_seed(4)
-alpha_chk, c_chk = torch.rand(300, device=DEVICE), torch.randn(300, device=DEVICE)
-g_chk = torch.empty_like(c_chk)
-reverse_scan_kernel[(1,)](alpha_chk, c_chk, g_chk, 300, BLOCK=512)
-g_loop, acc = [], torch.zeros((), dtype=torch.float64)
-for t in reversed(range(300)):
-    acc = c_chk[t].double() + alpha_chk[t].double() * acc
-    g_loop.append(acc)
-g_loop = torch.stack(g_loop[::-1]).to(DEVICE)
-print(f"reverse=True against G_t = c_t + alpha_t G_(t+1): max abs err {max_err(g_chk, g_loop):.1e}")
-assert max_err(g_chk, g_loop) < 1e-5
-
-# %% [markdown]
 # The backward kernel walks the chunks right to left with the adjoint carry
 # $K = \partial\mathcal L/\partial h$ at the chunk's end, a `BLOCK_D x N` tile (the gradient of
 # `last_state` at the start). Per chunk it loads the 2-D inputs once ($u$ and $\Delta$, also one position
@@ -698,8 +668,10 @@ assert max_err(g_chk, g_loop) < 1e-5
 #    one is done by the loads, not by moving a tile between threads. Then $h_t = a_t h_{t-1} + b_t$,
 #    exactly: never $a_t h_{t-1} = h_t - b_t$, whose cancellation gave a wrong $dA$ on the GPU in a
 #    first version of this chapter.
-# 2. **The adjoint** $G_t = C_t\,dy_t + a_{t+1} G_{t+1}$, by the reverse scan on the pairs
-#    $(a_{t+1}, c_t)$, with $K$ added to $c$ at the chunk's last position.
+# 2. **The adjoint** $G_t = C_t\,dy_t + a_{t+1} G_{t+1}$, by `tl.associative_scan(..., reverse=True)` on
+#    the pairs $(a_{t+1}, c_t)$, with $K$ added to $c$ at the chunk's last position. This is chapter 02's
+#    reverse recurrence $h_t = a_t h_{t+1} + u_t$ with other names: there the accumulated right part is
+#    the *earlier* operand of `first_order_op`, and chapter 02 checks the reverse scan against the loop.
 # 3. **The gradients** (section 4): $dC_t \mathrel{+}= h_t\,dy_t$ and $dB_t \mathrel{+}= G_t \Delta_t u_t$;
 #    per position, $\sum_n G B$ and $\sum_n G\, a\, h_{t-1} A$, from which $du$ and $d\Delta$ follow after
 #    the loop; $dA_n \mathrel{+}= \sum_t G\, a\, h_{t-1} \Delta$; and the new carry
