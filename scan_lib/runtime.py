@@ -49,12 +49,37 @@ def figure_path(name: str) -> Path:
     return folder / name
 
 
-def save_figure(fig, name: str) -> Path:
-    """Save a matplotlib figure to figures/<name> with no timestamp or version in the file,
-    so that re-running a notebook rewrites the same bytes and leaves git clean."""
+def save_figure(fig, name: str, dpi: int = 100) -> None:
+    """Save a matplotlib figure to figures/<name> and show it as the cell's output.
+
+    The file has no timestamp or version in it, so re-running a notebook rewrites the same bytes and
+    leaves git clean. The figure is shown as an image output (not a link to ../figures/, which Colab
+    and the HTML pages cannot follow), then closed so that it is not drawn a second time."""
+    import matplotlib.pyplot as plt
     path = figure_path(name)
-    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
-    return path
+    fig.savefig(path, dpi=dpi, bbox_inches="tight", metadata={"Software": None})
+    plt.close(fig)
+    try:
+        from IPython import get_ipython
+        from IPython.display import Image, display
+    except ImportError:
+        return
+    if get_ipython() is not None:
+        display(Image(filename=str(path)))
+
+
+_LOCAL_OPS = iter(range(1, 1 << 62))
+
+
+def custom_op(name: str, module: str, **options):
+    """torch.library.custom_op for a scan_lib public op: `@custom_op("cumsum", __name__)`.
+
+    In a scan_lib module the op is `scan_lib::name`. Defined anywhere else (a notebook cell, whose
+    module is `__main__`), it gets a namespace of its own each time the cell runs, because scan_lib,
+    imported by the setup cell, has already registered `scan_lib::name`, and torch refuses a second
+    registration of one name."""
+    namespace = "scan_lib" if module.startswith("scan_lib.") else f"scan_lib_local{next(_LOCAL_OPS)}"
+    return torch.library.custom_op(f"{namespace}::{name}", mutates_args=(), **options)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
