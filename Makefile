@@ -50,12 +50,11 @@ course: $(SETUP)
 	$(PY) -m nbconvert --to html --output-dir $(BUILD)/html $(BUILD)/notebooks/*.ipynb
 	@echo; echo "Executed chapters: $(BUILD)/notebooks/   HTML pages: open $(CURDIR)/$(BUILD)/html/00_triton.html"
 
-# Refresh the outputs committed in notebooks/*.ipynb (maintainers, on a GPU: make outputs PY=python3).
-outputs: check
-	for nb in $(or $(NB),$(CHAPTERS)); do \
-	  echo "== $$nb"; \
-	  $(PY) -m nbconvert --to notebook --execute --inplace --ExecutePreprocessor.timeout=3600 "$$nb" || exit 1; \
-	done
+# Refresh the outputs committed in notebooks/*.ipynb (maintainers, on a GPU: make outputs PY=python3,
+# or NB=notebooks/05_mamba.ipynb for one chapter): runs each chapter in place and records its fingerprint.
+outputs: $(SETUP)
+	$(PY) tools/nbtools.py check --inputs-only
+	$(PY) tools/nbtools.py execute $(or $(NB),$(CHAPTERS))
 
 lab: $(SETUP)
 	$(PY) -m jupyter lab notebooks/

@@ -4,16 +4,26 @@ The jupytext percent files `notebooks/NN_name.py` are the sources people edit. F
 
     python tools/nbtools.py export   # write scan_lib/<module>.py from the `#| export` cells
     python tools/nbtools.py sync     # write each paired .ipynb's inputs from its .py (outputs kept)
-    python tools/nbtools.py check    # fail if either of the above would change a file, or if a
-                                     # notebook's setup cell or Colab link is not the standard one
+    python tools/nbtools.py check    # fail if either of the above would change a file, if a
+                                     # notebook's setup cell or Colab link is not the standard one, or
+                                     # if its committed outputs are not from its current code
+    python tools/nbtools.py execute NB...   # run notebooks in place and record their fingerprint
 
 Export markers follow nbdev: a cell starting with `#| default_exp name` sets the notebook's module
 (`scan_lib/name.py`); a cell starting with `#| export` is copied there, in notebook order.
 `#| export other` sends one cell to `scan_lib/other.py` instead.
+
+Fingerprints: `execute` runs a notebook top to bottom in a fresh kernel and records in its metadata
+(`scan_course.fingerprint`) a hash of its code cells, a hash of the scan_lib modules it depends on
+(those it imports, followed through their own scan_lib imports), and the device it ran on. `check`
+recomputes both hashes and fails when they differ, or when a code cell has no execution count or the
+counts are not 1, 2, 3, ... in order: the outputs would not be one run of today's code.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
+import re
 import sys
 from pathlib import Path
 
@@ -112,6 +122,108 @@ def paired_notebook(source: Path) -> nbformat.NotebookNode:
     return notebook
 
 
+def _sha(texts: list[str]) -> str:
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(text.encode())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
+def code_hash(notebook) -> str:
+    """Hash of the notebook's code cells, in order (whitespace at either end of a cell ignored)."""
+    return _sha([c.source.strip() for c in notebook.cells if c.cell_type == "code"])
+
+
+_SCAN_LIB_NAME = re.compile(r"\bscan_lib\.([A-Za-z_]\w*)|from scan_lib import ([\w, ()\n]+)")
+
+
+def _scan_lib_modules_named(code: str) -> set[str]:
+    """Modules of scan_lib that `code` refers to: `scan_lib.name`, `from scan_lib.name import`,
+    `from scan_lib import name` (when name is a module)."""
+    found = set()
+    for dotted, imported in _SCAN_LIB_NAME.findall(code):
+        names = [dotted] if dotted else re.findall(r"\w+", imported)
+        found |= {name for name in names if (PACKAGE / f"{name}.py").exists()}
+    return found
+
+
+def scan_lib_dependencies(notebook) -> list[str]:
+    """The scan_lib modules a notebook runs with: the runtime (the setup cell), those its code names,
+    and, transitively, those they import."""
+    todo = {"runtime"} | _scan_lib_modules_named("\n".join(c.source for c in notebook.cells if c.cell_type == "code"))
+    done: set[str] = set()
+    while todo:
+        module = todo.pop()
+        done.add(module)
+        todo |= _scan_lib_modules_named((PACKAGE / f"{module}.py").read_text()) - done
+    return sorted(done)
+
+
+def scan_lib_hash(modules: list[str]) -> str:
+    return _sha([f"{m}\n{(PACKAGE / f'{m}.py').read_text()}" for m in modules])
+
+
+def fingerprint(notebook, device: str) -> dict:
+    modules = scan_lib_dependencies(notebook)
+    return {"code": code_hash(notebook), "scan_lib": scan_lib_hash(modules), "scan_lib_modules": modules,
+            "device": device}
+
+
+def device_name() -> str:
+    """The device the kernels ran on, as the setup cell's scan_lib.runtime saw it."""
+    import torch
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)} (torch {torch.__version__})"
+    return f"CPU, Triton interpreter (torch {torch.__version__})"
+
+
+def execute(paths: list[Path], timeout: int = 3600) -> list[Path]:
+    """Run each notebook in place in a fresh kernel (from notebooks/, as Jupyter would), then record
+    its fingerprint, computed before the run from the code that runs. A notebook whose run fails is
+    left as it was, and the others still run. Returns the notebooks that failed."""
+    import time
+    from nbclient.exceptions import CellExecutionError
+    from nbconvert.preprocessors import ExecutePreprocessor
+    failed = []
+    for path in paths:
+        notebook = nbformat.read(path, as_version=4)
+        stamp = fingerprint(notebook, device_name())
+        print(f"== {path}", flush=True)
+        start = time.time()
+        try:
+            ExecutePreprocessor(timeout=timeout, kernel_name="python3").preprocess(
+                notebook, {"metadata": {"path": str(path.parent)}})
+        except CellExecutionError as error:
+            print(f"FAILED {path} (left unchanged):\n{error}", flush=True)
+            failed.append(path)
+            continue
+        notebook.metadata["scan_course"] = {"fingerprint": stamp}
+        nbformat.write(notebook, path)
+        print(f"   ran in {time.time() - start:.0f} s", flush=True)
+    return failed
+
+
+def _check_outputs(ipynb: Path) -> list[str]:
+    """The committed outputs are one top-to-bottom run of the current code (see the module docstring)."""
+    notebook = nbformat.read(ipynb, as_version=4)
+    name = ipynb.relative_to(ROOT) if ipynb.is_relative_to(ROOT) else ipynb
+    redo = "re-record it on a GPU: `make outputs PY=python3 NB=" + str(name) + "`"
+    stamp = notebook.metadata.get("scan_course", {}).get("fingerprint")
+    if stamp is None:
+        return [f"{name} has no output fingerprint: {redo}"]
+    problems = []
+    if stamp.get("code") != code_hash(notebook):
+        problems.append(f"{name}: its code changed after its outputs were recorded ({stamp.get('device')}): {redo}")
+    modules = scan_lib_dependencies(notebook)
+    if stamp.get("scan_lib") != scan_lib_hash(modules):
+        problems.append(f"{name}: scan_lib ({', '.join(modules)}) changed after its outputs were recorded: {redo}")
+    counts = [c.get("execution_count") for c in notebook.cells if c.cell_type == "code"]
+    if counts != list(range(1, len(counts) + 1)):
+        problems.append(f"{name}: code cells were not run once each, in order (execution counts {counts}): {redo}")
+    return problems
+
+
 def _inputs(notebook) -> list[tuple[str, str]]:
     return [(c.cell_type, c.source.strip()) for c in notebook.cells]
 
@@ -136,7 +248,8 @@ def sync() -> None:
             print(f"wrote {target.relative_to(ROOT)}")
 
 
-def check() -> list[str]:
+def check(outputs: bool = True) -> list[str]:
+    """Every problem `make check` reports; outputs=False leaves out the fingerprints (before `execute`)."""
     problems = []
     wanted = exported_modules()
     for path, text in wanted.items():
@@ -156,6 +269,8 @@ def check() -> list[str]:
         elif _inputs(jupytext.read(target)) != _inputs(notebook):
             problems.append(f"{target.relative_to(ROOT)} differs from {source.name}: run `make sync`")
         problems += _check_front_matter(source.stem, notebook)
+        if outputs and target.exists():
+            problems += _check_outputs(target)
         if colab_link(source.stem) not in (ROOT / "README.md").read_text():
             problems.append(f"README.md does not link to {colab_link(source.stem)}")
     return problems
@@ -175,16 +290,22 @@ def _check_front_matter(name: str, notebook) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["export", "sync", "check", "setup-cell"])
-    command = parser.parse_args().command
-    if command == "export":
+    parser.add_argument("command", choices=["export", "sync", "check", "execute", "setup-cell"])
+    parser.add_argument("notebooks", nargs="*", type=Path, help="execute: the .ipynb files (default: every chapter)")
+    parser.add_argument("--inputs-only", action="store_true", help="check: leave out the output fingerprints")
+    arguments = parser.parse_args()
+    command = arguments.command
+    if command == "execute":
+        if execute([p.resolve() for p in arguments.notebooks] or [s.with_suffix(".ipynb") for s in chapter_sources()]):
+            sys.exit(1)
+    elif command == "export":
         export()
     elif command == "sync":
         sync()
     elif command == "setup-cell":
         print(SETUP_CELL)
     else:
-        problems = check()
+        problems = check(outputs=not arguments.inputs_only)
         for problem in problems:
             print(f"FAIL {problem}")
         if problems:
