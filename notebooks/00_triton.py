@@ -179,7 +179,7 @@ for sm in range(4):                                        # left: grid = 8 prog
     ax_grid.text(sm * 1.1 + 0.5, 2.35, f"SM {sm}", ha="center", fontsize=8)
     for slot, program in enumerate((sm, sm + 4)):
         ax_grid.add_patch(Rectangle((sm * 1.1 + 0.1, 0.2 + slot * 1.05), 0.8, 0.85, facecolor="white", edgecolor="0.3"))
-        ax_grid.text(sm * 1.1 + 0.5, 0.62 + slot * 1.05, f"program\n{program}", ha="center", va="center", fontsize=7)
+        ax_grid.text(sm * 1.1 + 0.5, 0.62 + slot * 1.05, f"program\n{program}", ha="center", va="center", fontsize=6)
 ax_grid.set_xlim(-0.1, 4.4); ax_grid.set_ylim(-0.1, 2.8); ax_grid.axis("off")
 ax_grid.set_title("kernel[(8,)]: 8 programs on 4 SMs", fontsize=9)
 for row in range(8):                                       # right: one block of 1024 float32
@@ -192,7 +192,8 @@ for row in range(8):                                       # right: one block of
 ax_block.annotate("thread 0 of warp 0:\nvalues 0-3 and 512-515", xy=(2, 7.4), xytext=(20, 8.6), fontsize=7,
                   arrowprops={"arrowstyle": "->", "linewidth": 0.6})
 ax_block.annotate("", xy=(2, 3.4), xytext=(20, 8.5), arrowprops={"arrowstyle": "->", "linewidth": 0.6})
-ax_block.set_xlim(-28, 156); ax_block.set_ylim(-0.3, 9.6); ax_block.axis("off")
+ax_block.text(64, -0.35, "one cell: the 4 consecutive values of one thread", ha="center", va="top", fontsize=7)
+ax_block.set_xlim(-28, 156); ax_block.set_ylim(-1.2, 9.6); ax_block.axis("off")
 ax_block.set_title("one program: BLOCK = 1024 float32, num_warps = 4\n(4 warps x 32 threads, 8 values each)", fontsize=9)
 save_figure(fig, "00_programs_warps_threads.png")
 
