@@ -369,8 +369,8 @@ for num_warps in (1, 4, 8):
     print(f"{num_warps:>9} {lanes * warps:>7} {1024 // (lanes * warps):>17}   {layout}")
 
 # %% [markdown]
-# Each thread loads 4 neighbouring float32 (16 bytes, one vector load) and the layout repeats until
-# it covers the block: with 4 warps a thread holds 8 values, as in the figure. More warps mean fewer
+# Each thread holds 4 neighbouring float32 (16 bytes) and the layout repeats until it covers the
+# block: with 4 warps a thread holds 8 values, as in the figure. More warps mean fewer
 # values per thread and more threads to hide memory latency, but also more work to combine values
 # across warps in a sum or a scan; later chapters choose `num_warps` per kernel.
 #
@@ -475,6 +475,19 @@ for shape in ((3, 1), (5, 7), (2, 1000), (4, 4097)):
 # The bound is the usual size of the error of `n` float32 additions, $\sqrt{n}\,2^{-24}\sum|x|$
 # (the roundings, each at most $2^{-24}$ relative, mostly cancel like a random walk); the
 # transposed rows, read with stride `n_rows`, give the same sums.
+#
+# `tl.sum` needs values held by other threads. The compiled code shows how it gets them: with one
+# warp, only shuffles (`shfl.sync`); with four, shuffles within each warp, then shared memory
+# (`st.shared`, `ld.shared`) to combine the four warps' partial sums.
+
+# %%
+row_sums_types = {"X": "*fp32", "OUT": "*fp32", "n_cols": "i32", "stride_row": "i32", "stride_col": "i32"}
+print(f"{'num_warps':>9} {'shfl.sync':>9} {'st.shared':>9} {'ld.shared':>9}   (instructions in row_sums_kernel's PTX)")
+for num_warps in (1, 4):
+    ptx = gpu_assembly(row_sums_kernel, row_sums_types, num_warps=num_warps, BLOCK=1024)["ptx"]
+    counts = [ptx.count(instruction) for instruction in ("shfl.sync", "st.shared", "ld.shared")]
+    assert counts[0] > 0 and (min(counts[1:]) > 0) == (num_warps > 1), counts
+    print(f"{num_warps:>9} {counts[0]:>9} {counts[1]:>9} {counts[2]:>9}")
 
 # %% [markdown]
 # ## Timing a kernel on a GPU
