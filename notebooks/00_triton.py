@@ -148,10 +148,11 @@ from scan_lib.runtime import INTERPRET, save_figure
 # tile of values whose shape is fixed when the kernel is compiled, like the 1024 values in the
 # figure below. The pieces of hardware involved:
 #
-# * An **SM** (streaming multiprocessor) is one of the GPU's cores; a GPU has many (the next cell
-#   prints how many this one has). The GPU schedules each program onto one SM, which runs several
+# * An **SM** (streaming multiprocessor) is one of the GPU's cores; a GPU has many (on a GPU the
+#   next cell prints how many). The GPU schedules each program onto one SM, which runs several
 #   programs at once when its registers and shared memory allow; programs that do not fit wait for
-#   one to finish. Programs cannot wait for each other, and share values only through global memory.
+#   one to finish. Programs exchange values only through global memory (the GPU's main memory), and
+#   nothing orders them unless the kernel itself does.
 # * A **thread** is one lane of execution with its own registers. A program's block is spread over
 #   `num_warps x 32` threads: each thread holds a few values of each block in its registers.
 # * A **warp** is 32 threads that execute the same instruction at the same time. `num_warps` (a
@@ -707,16 +708,14 @@ assert unmasked == 5 + 3 * 100 and total.item() == 5
 # ### 4. Rounding differs from the GPU's
 #
 # The interpreter computes with NumPy; a GPU uses its own instructions, some of them fast
-# approximations, and sums in a different order. So results agree within a rounding error, not bit
-# for bit, which is why every check in this course compares with a float64 reference within a
-# tolerance instead of with `torch.equal`. For example, on a GPU `tl.exp(x)` is compiled to a
-# multiplication by $\log_2 e$ followed by `ex2.approx.f32`, a hardware approximation of $2^t$ with
-# a relative error of at most 2 units in the last place (ulp), $2^{-22}$; and the rounding of
-# $t = x \log_2 e$ is off by up to $2^{-23}|t|$, which changes $2^t$ by a relative $|x|\,2^{-23}$.
-# The cell reads the instruction in the compiled code (with `gpu_assembly`, on any machine) and
-# asserts that the kernel's error, measured against float64, stays within
-# $2^{-22} + |x|\,2^{-23}$ plus a last rounding of $2^{-24}$, on the GPU and under the interpreter
-# (which calls NumPy's float32 `exp`).
+# approximations, and sums in another order. Results agree within rounding errors, not bit for bit,
+# so every check in this course compares with a float64 reference within a tolerance, never with
+# `torch.equal`. For example, on a GPU `tl.exp(x)` computes $2^t$, $t = x \log_2 e$, with the fast
+# instruction `ex2.approx.f32`, whose error is at most 2 units in the last place (ulp), a relative
+# $2^{-22}$; the rounding of $t$ (up to $2^{-23}|t|$) adds a relative $|x|\,2^{-23}$. The cell finds
+# the instruction in the compiled code and asserts, on the GPU and under the interpreter (NumPy's
+# float32 `exp`), that the error against float64 stays within $2^{-22} + |x|\,2^{-23} + 2^{-24}$
+# (the last term for the final rounding).
 
 # %%
 @triton.jit
@@ -748,16 +747,15 @@ print(f"tl.exp on [-10, 10]: max relative error {relative.max().item():.1e} ({ma
 assert (relative <= bound).all()
 
 # %% [markdown]
-# Conversions to half precision can round differently too. Float32 keeps 24 significant bits,
-# bfloat16 8 and float16 11; converting must drop the others, and PyTorch and a GPU round to the
-# nearest representable value. Triton 3.6's interpreter instead converts float32 to bfloat16 by
-# dropping the low 16 bits: truncation, towards zero. A test value must tell the two apart: it must
-# not be representable (else both are exact) and must lie closer to the upper neighbour.
-# `rounds_to_nearest` uses $\pm(1 + \tfrac34\varepsilon)$, where $\varepsilon$ is the gap between 1
-# and the next value of the target type ($2^{-7}$ for bfloat16, $2^{-10}$ for float16): nearest
-# gives $\pm(1 + \varepsilon)$, truncation $\pm 1$. (A value such as $1 + 2^{-8} + 2^{-10}$ would
-# not do for float16, where it is exact; `tests/test_runtime.py` shows a truncating conversion
-# passing with it and failing with this one.)
+# Conversions to half precision can round differently too: PyTorch and a GPU round float32 to the
+# nearest bfloat16 or float16, while Triton 3.6's interpreter converts float32 to bfloat16 by
+# dropping the low 16 bits, that is truncation, towards zero. A test value must tell the two apart:
+# not representable in the target type, and closer to its upper neighbour. `rounds_to_nearest` uses
+# $\pm(1 + \tfrac34\varepsilon)$, where $\varepsilon$ is the gap between 1 and the next value of the
+# type ($2^{-7}$ for bfloat16, $2^{-10}$ for float16): nearest gives $\pm(1 + \varepsilon)$,
+# truncation $\pm 1$. (A value exact in the type, such as $1 + 2^{-8} + 2^{-10}$ in float16, cannot
+# catch truncation: `tests/test_runtime.py` shows a truncating conversion passing with it and
+# failing with this one.)
 
 # %%
 #| export
