@@ -501,8 +501,8 @@ for num_warps in (1, 4):
 # before its memory) by writing a 256 MiB buffer, so that every run reads its inputs from memory
 # as a real workload would; `median_us` reports the median in microseconds.
 #
-# Each launch also costs the host some microseconds (Python, argument checks, the driver): for a
-# small kernel that **host overhead** is more than the GPU's time. `host_us` measures the host's time
+# Each launch also costs the host time (Python, argument checks, the driver): for a small kernel
+# this **host overhead** can exceed the GPU's time. `host_us` measures the host's time
 # per call, launches queued back to back; `graph_us` replays the calls from a **CUDA graph** (a
 # recorded sequence of launches, replayed by one call), which removes the host's overhead and leaves
 # the GPU's. Last, a kernel that moves `bytes` through memory cannot take less than `bytes` over the
@@ -566,7 +566,7 @@ if ON_GPU:
         for name, op in ops.items():
             gpu, graph, host = median_us(op), graph_us(op), host_us(op)
             assert gpu >= 0.8 * floor_us, f"{name} beats the memory floor at 2^{log_n}: the timing is wrong"
-            print(f"2^{log_n} {name:>7} {gpu:>9.1f} {graph:>9.1f} {host:>8.1f} {floor_us:>8.1f}  "
+            print(f"{'2^' + str(log_n):>5} {name:>7} {gpu:>9.1f} {graph:>9.1f} {host:>8.1f} {floor_us:>8.1f}  "
                   f"{'the host' if host > graph else 'the GPU'}")
     assert torch.equal(z_speed, x_speed + y_speed)
 else:
