@@ -25,23 +25,31 @@ from scan_lib.runtime import DEVICE, ON_GPU
 print(scan_lib.runtime.describe())
 
 # %% [markdown]
+# ## What this chapter teaches
+#
+# Triton is a small language, embedded in Python, for writing GPU kernels. A kernel *loads* blocks
+# of numbers from GPU memory into registers, computes on whole blocks at once, and *stores* results
+# back. There is no indexing of single elements and no Python inside: only block operations
+# (`tl.load`, `tl.store`, arithmetic, `tl.sum`, `tl.associative_scan`, ...). In this chapter: how a
+# GPU runs a kernel (programs, warps, threads, SMs); program ids, `tl.arange`, shapes and
+# broadcasting; masks; strides; two blocked kernels over inputs of any length; how to time a kernel;
+# and what Triton's CPU interpreter, which runs every kernel of this course when there is no GPU,
+# hides from you.
+#
 # ## The setup cell, opened up
 #
-# What `import scan_lib` did above lives in `scan_lib/runtime.py`, which is written from the cells
-# below marked `#| export`. Triton decides *when a kernel is defined* whether it will compile it for
-# the GPU or run it in its CPU interpreter, by reading the environment variable `TRITON_INTERPRET`.
-# So the variable must be set before the first `@triton.jit`: that is why every chapter imports
-# `scan_lib` in its first cell (the last section of this chapter shows what goes wrong otherwise).
-# The lines before the import run only on Colab (detected by `google.colab` being imported): they
-# `pip install` this repository, which declares torch and triton with lower bounds only, so Colab's
-# own torch and triton are kept. `describe()` prints one line saying where the kernels will run.
+# What `import scan_lib` did above lives in `scan_lib/runtime.py`, written from the cells of this
+# chapter marked `#| export`. Without a CUDA GPU it sets `TRITON_INTERPRET=1`, so that Triton runs
+# kernels in its CPU interpreter; it must do so before the first `@triton.jit` (the section "Why the
+# setup cell comes first" shows what goes wrong otherwise). On Colab the first lines `pip install`
+# this repository. `describe()` prints where the kernels will run.
 
 # %%
 #| default_exp runtime
 
 # %%
 #| export
-"""Where kernels run: the GPU when there is one, else Triton's CPU interpreter; shared input checks."""
+"""Where kernels run (the GPU, else Triton's CPU interpreter), figures, compiled code, timers, input checks."""
 import os
 import warnings
 from importlib.metadata import version
@@ -55,8 +63,8 @@ def use_interpreter_without_gpu() -> bool:
     """Set TRITON_INTERPRET=1 when no CUDA GPU is visible. Call before any @triton.jit is defined.
 
     Warns when NumPy is 2.4 or newer and Triton older than 3.9: Triton 3.6's interpreter cannot run a
-    `for` loop over a runtime bound with that NumPy (section "A blocked kernel with a loop" shows the
-    failure); 3.9's can; 3.7 and 3.8 were not tried."""
+    `for` loop over a runtime bound with that NumPy (section "Going deeper: the interpreter and NumPy"
+    shows the failure); 3.9's can; 3.7 and 3.8 were not tried."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -123,47 +131,383 @@ def custom_op(name: str, module: str, **options):
     return torch.library.custom_op(f"{namespace}::{name}", mutates_args=(), **options)
 
 # %%
-#| export
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+import time
 
+import numpy as np
+import torch
+import triton
+import triton.language as tl
 
-def check_float_tensor(name: str, value) -> None:
-    """Raise a TypeError naming `name` unless `value` is a tensor of a floating dtype we support."""
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    if value.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {value.dtype}")
-
-
-def check_same_device(**tensors) -> torch.device:
-    """Raise a ValueError naming the arguments unless all given tensors (None skipped) share one device
-    on which the kernels can run, and return that device.
-
-    On a GPU machine kernels need CUDA tensors; under the interpreter, CPU tensors (the interpreter
-    also copies CUDA tensors through the host, so those are accepted too). Meta tensors never are."""
-    named = {name: t for name, t in tensors.items() if t is not None}
-    if not named:
-        raise ValueError(f"{', '.join(tensors) or 'tensors'}: no tensor given, only None")
-    devices = {t.device for t in named.values()}
-    if len(devices) > 1:
-        listing = ", ".join(f"{name} on {t.device}" for name, t in named.items())
-        raise ValueError(f"all tensors must be on one device, got {listing}")
-    device = devices.pop()
-    if INTERPRET and device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{', '.join(named)} must be CPU tensors for Triton's interpreter (got {device})")
-    if not INTERPRET and device.type != "cuda":
-        raise ValueError(
-            f"{', '.join(named)} must be CUDA tensors (got {device}); to run Triton kernels on the CPU "
-            "set TRITON_INTERPRET=1 before importing scan_lib"
-        )
-    return device
+from scan_lib.runtime import INTERPRET, save_figure
 
 # %% [markdown]
-# Last, the timers every benchmark cell uses (GPU only). `median_us` is what the tables report: the
-# median of `triton.testing.do_bench`, which synchronises through CUDA events and flushes the L2 cache
-# before each run. `graph_us` replays a captured CUDA graph, which removes the host's launch overhead
-# and so shows the GPU's time alone; `host_us` shows the host's time per call alone. `copy_bandwidth`
-# measures the rate that memory floors are computed with: bytes that must move over this rate.
+# ## How a GPU runs a kernel
+#
+# Launching `kernel[grid](...)` runs `grid` copies of the kernel, called **programs**, on the same
+# arguments (CUDA calls a program a *thread block*, or CTA). Each program works on a **block**: a
+# tile of values whose shape is fixed when the kernel is compiled, like the 1024 values in the
+# figure below. The pieces of hardware involved:
+#
+# * An **SM** (streaming multiprocessor) is one of the GPU's cores; a GPU has many (on a GPU the
+#   next cell prints how many). The GPU schedules each program onto one SM, which runs several
+#   programs at once when its registers and shared memory allow; programs that do not fit wait for
+#   one to finish. Programs exchange values only through global memory (the GPU's main memory), and
+#   nothing orders them unless the kernel itself does.
+# * A **thread** is one lane of execution with its own registers. A program's block is spread over
+#   `num_warps x 32` threads: each thread holds a few values of each block in its registers.
+# * A **warp** is 32 threads that execute the same instruction at the same time. `num_warps` (a
+#   launch option, 4 by default) sets how many warps a program has, so how many values each thread
+#   holds: a block of 1024 float32 over 4 warps is 8 values per thread.
+# * When values must move between threads, as in a sum or a scan over the block, the compiler uses
+#   **shuffles** (a thread reads a register of another thread of its warp) and **shared memory**
+#   (a small, fast memory of the SM that all threads of a program can read and write). `tl.sum` and
+#   `tl.associative_scan` do this for you: in Triton you never name a thread.
+#
+# The figure draws a launch of eight programs on four SMs, and how one program's block of 1024
+# float32 is spread over 4 warps; the section "What `num_warps` changes" shows the compiler choosing
+# that layout.
+
+# %%
+import matplotlib.pyplot as plt
+from matplotlib.patches import Rectangle
+
+if ON_GPU:
+    print(f"{torch.cuda.get_device_name(DEVICE)}: {torch.cuda.get_device_properties(DEVICE).multi_processor_count} SMs")
+warp_colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+fig, (ax_grid, ax_block) = plt.subplots(1, 2, figsize=(7.5, 3.5), gridspec_kw={"width_ratios": [1, 1.4]})
+for sm in range(4):                                        # left: grid = 8 programs, 4 SMs
+    ax_grid.add_patch(Rectangle((sm * 1.1, 0), 1, 2.6, facecolor="0.92", edgecolor="0.3"))
+    ax_grid.text(sm * 1.1 + 0.5, 2.35, f"SM {sm}", ha="center", fontsize=8)
+    for slot, program in enumerate((sm, sm + 4)):
+        ax_grid.add_patch(Rectangle((sm * 1.1 + 0.1, 0.2 + slot * 1.05), 0.8, 0.85, facecolor="white", edgecolor="0.3"))
+        ax_grid.text(sm * 1.1 + 0.5, 0.62 + slot * 1.05, f"program\n{program}", ha="center", va="center", fontsize=6)
+ax_grid.set_xlim(-0.1, 4.4); ax_grid.set_ylim(-0.1, 2.8); ax_grid.axis("off")
+ax_grid.set_title("kernel[(8,)]: 8 programs on 4 SMs", fontsize=9)
+for row in range(8):                                       # right: one block of 1024 float32
+    warp = row % 4                                         # 4 values per thread, 32 threads per warp
+    for thread in range(32):
+        ax_block.add_patch(Rectangle((thread * 4, 7 - row), 4, 0.8, facecolor=warp_colors[warp],
+                                     edgecolor="white", linewidth=0.3, alpha=1.0 if thread else 0.55))
+    ax_block.text(-3, 7.4 - row, f"{128 * row}-{128 * row + 127}", ha="right", va="center", fontsize=7)
+    ax_block.text(131, 7.4 - row, f"warp {warp}", ha="left", va="center", fontsize=7, color=warp_colors[warp])
+ax_block.annotate("thread 0 of warp 0:\nvalues 0-3 and 512-515", xy=(2, 7.4), xytext=(20, 8.6), fontsize=7,
+                  arrowprops={"arrowstyle": "->", "linewidth": 0.6})
+ax_block.annotate("", xy=(2, 3.4), xytext=(20, 8.5), arrowprops={"arrowstyle": "->", "linewidth": 0.6})
+ax_block.text(64, -0.35, "one cell: the 4 consecutive values of one thread", ha="center", va="top", fontsize=7)
+ax_block.set_xlim(-28, 156); ax_block.set_ylim(-1.2, 9.6); ax_block.axis("off")
+ax_block.set_title("one program: BLOCK = 1024 float32, num_warps = 4\n(4 warps x 32 threads, 8 values each)", fontsize=9)
+save_figure(fig, "00_programs_warps_threads.png")
+
+# %% [markdown]
+# ## Programs and program ids
+#
+# Each program asks `tl.program_id(0)` which one it is and picks its share of the work from that.
+# A tensor argument arrives as a pointer to its first element, and `X + offsets` is a block of
+# pointers. Names in the kernels of this course follow one rule:
+#
+# * **Pointers** are capitalised words: `X`, `Y`, `GATES`, `DA`.
+# * **Compile-time constants** (`tl.constexpr` parameters) are upper case too: `BLOCK`, `CHUNK`,
+#   `REVERSE`. The annotation tells them from pointers.
+# * **Runtime values**, sizes included, are lower case: `length`, `n_rows`, `stride_t`, `num_blocks`.
+#
+# So an upper-case name in a kernel is a pointer or a constant, and never changes while the kernel runs.
+
+# %%
+@triton.jit
+def which_program_kernel(OUT, BLOCK: tl.constexpr):
+    pid = tl.program_id(0)                                # scalar: 0, 1, ..., grid - 1
+    offsets = pid * BLOCK + tl.arange(0, BLOCK)           # BLOCK: this program's slots
+    tl.store(OUT + offsets, tl.full((BLOCK,), pid, tl.int32))
+
+
+programs, block = 4, 8
+owner = torch.empty(programs * block, dtype=torch.int32, device=DEVICE)
+which_program_kernel[(programs,)](owner, BLOCK=block)
+assert torch.equal(owner.cpu(), torch.arange(programs, dtype=torch.int32).repeat_interleave(block))
+print(owner.view(programs, block))
+
+try:                                                      # a block of 6 is refused when compiled
+    which_program_kernel[(1,)](torch.empty(6, dtype=torch.int32, device=DEVICE), BLOCK=6)
+    refusal = "none"
+except Exception as error:
+    refusal = f"{type(error).__name__}: {error}"
+assert "power of 2" in refusal, refusal
+print("BLOCK=6 is refused: arange's range must be a power of 2")
+
+# %% [markdown]
+# `BLOCK` is a `tl.constexpr`: its value is known when the kernel is compiled (one compiled version
+# per value), so it can set shapes. Shapes must be compile-time constants, and `tl.arange` lengths
+# must be powers of two (the cell above checks that `BLOCK=6` is refused).
+#
+# ## `tl.arange`, shapes and broadcasting
+#
+# `tl.arange(0, K)` is a block of shape `(K,)`; indexing with `[:, None]` or `[None, :]` adds an axis
+# of length 1, and operations broadcast exactly as in PyTorch. A 2-D block of pointers into a
+# row-major `ROWS x COLS` matrix is `Y + rows[:, None] * COLS + cols[None, :]`.
+
+# %%
+@triton.jit
+def broadcast_add_kernel(X, Y, Z, ROWS: tl.constexpr, COLS: tl.constexpr):
+    cols = tl.arange(0, COLS)                             # COLS
+    rows = tl.arange(0, ROWS)[:, None]                    # ROWS x 1
+    x = tl.load(X + cols)                                 # COLS
+    y = tl.load(Y + rows * COLS + cols)                   # ROWS x COLS  (ROWS x 1 broadcast with COLS)
+    tl.store(Z + rows * COLS + cols, x + y)               # ROWS x COLS  (COLS broadcast over the rows)
+
+
+torch.manual_seed(0)
+x_row, y_mat = torch.randn(4, device=DEVICE), torch.randn(8, 4, device=DEVICE)
+z_mat = torch.empty(8, 4, device=DEVICE)
+broadcast_add_kernel[(1,)](x_row, y_mat, z_mat, ROWS=8, COLS=4)
+assert torch.equal(z_mat, x_row + y_mat)
+print("Z = X[None, :] + Y, exactly as torch broadcasts: ok")
+
+# %% [markdown]
+# ## Loads and stores with masks
+#
+# A block has a power-of-two length, data rarely do. `tl.load(ptrs, mask=m, other=v)` reads only
+# where `m` is true and puts `v` elsewhere; `tl.store(ptrs, values, mask=m)` writes only where `m`
+# is true. The kernels above got away without masks because their sizes were exactly their
+# power-of-two blocks; from here on, every load and store over data has a mask, for a reason shown
+# in the interpreter section.
+#
+# ## A blocked kernel: vector addition of any length
+#
+# One program per block of `BLOCK` elements, `cdiv(n, BLOCK)` programs in all; the last block is
+# ragged and its tail is masked off.
+
+# %%
+@triton.jit
+def vector_add_kernel(X, Y, Z, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)    # BLOCK
+    mask = offsets < n                                          # BLOCK
+    x = tl.load(X + offsets, mask=mask)
+    y = tl.load(Y + offsets, mask=mask)
+    tl.store(Z + offsets, x + y, mask=mask)
+
+
+def vector_add(x: torch.Tensor, y: torch.Tensor, block: int = 256) -> torch.Tensor:
+    z = torch.empty_like(x)
+    vector_add_kernel[(triton.cdiv(x.numel(), block),)](x, y, z, x.numel(), BLOCK=block)
+    return z
+
+
+torch.manual_seed(1)
+for n in (1, 7, 129, 1000, 4097):
+    x_vec, y_vec = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
+    assert torch.equal(vector_add(x_vec, y_vec), x_vec + y_vec)
+print("vector_add == x + y for n = 1, 7, 129, 1000, 4097 (BLOCK = 256)")
+
+# %% [markdown]
+# ## What `num_warps` changes
+#
+# `num_warps` is a launch option, like the grid: `vector_add_kernel[grid](..., num_warps=8)`. It does
+# not change what a kernel computes, only how its blocks are spread over threads. To see that
+# spreading, `gpu_assembly` (exported below into `scan_lib.runtime`) compiles a kernel for an H100 or
+# H200 without running it, on any machine, and returns the compiler's output at each stage. The
+# stage `ttgir` states the layout of the block: `sizePerThread` consecutive values per thread,
+# `threadsPerWarp` and `warpsPerCTA` (warps per program); a layout smaller than the block repeats
+# until it covers it.
+
+# %%
+#| export
+_COMPILE_FOR_GPU = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from kernel_source import kernel
+types, constexprs, num_warps, capability = json.loads(sys.argv[2])
+aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(types.values()) if kind.startswith("*")}
+source = triton.compiler.ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=aligned)
+compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+print(json.dumps({stage: code for stage, code in compiled.asm.items() if isinstance(code, str)}))
+"""
+
+
+def gpu_assembly(kernel, signature: dict, num_warps: int = 4, capability: int = 90, **constexprs) -> dict:
+    """Compile `kernel` for an NVIDIA GPU without running it, on any machine, and return its code by
+    stage: "ttir" (Triton's IR), "ttgir" (the same with the layout of the block over threads), "llir",
+    "ptx" (the GPU's assembly). `capability` 90 is the H100 and H200.
+
+    `signature` gives the type of each runtime argument ("*fp32" a float32 pointer, "i32" an int);
+    `constexprs` the values of the tl.constexpr ones. Pointers are taken as 16-byte aligned, as
+    PyTorch's allocations are. The kernel is compiled in a fresh Python with the interpreter off (the
+    interpreter changes triton.language while it runs kernels), so it may use triton.language only,
+    not other @triton.jit functions or globals of its notebook."""
+    import inspect
+    import json
+    import re
+    import subprocess
+    import sys
+    import tempfile
+    import textwrap
+    source = textwrap.dedent(inspect.getsource(kernel.fn))
+    source = source[re.search(r"^def ", source, re.MULTILINE).start():]            # drop the decorator
+    names = list(inspect.signature(kernel.fn).parameters)
+    types = {name: signature.get(name, "constexpr") for name in names}
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "kernel_source.py").write_text(
+            f"import triton\nimport triton.language as tl\n\n\n@triton.jit\n{source}\n\nkernel = {kernel.fn.__name__}\n")
+        result = subprocess.run(
+            [sys.executable, "-c", _COMPILE_FOR_GPU, folder, json.dumps([types, constexprs, num_warps, capability])],
+            capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"})
+    if result.returncode != 0:
+        raise RuntimeError(f"compiling {kernel.fn.__name__} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+# %%
+import re
+
+vector_add_types = {"X": "*fp32", "Y": "*fp32", "Z": "*fp32", "n": "i32"}
+print(f"{'num_warps':>9} {'threads':>7} {'values per thread':>17}   layout (BLOCK = 1024 float32)")
+for num_warps in (1, 4, 8):
+    ttgir = gpu_assembly(vector_add_kernel, vector_add_types, num_warps=num_warps, BLOCK=1024)["ttgir"]
+    layout = re.search(r"#ttg\.blocked<\{(.*?)\}>", ttgir).group(1)
+    size, lanes, warps = (int(re.search(rf"{key} = \[(\d+)\]", layout).group(1))
+                          for key in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
+    assert lanes == 32 and warps == num_warps and size == 4, layout
+    print(f"{num_warps:>9} {lanes * warps:>7} {1024 // (lanes * warps):>17}   {layout}")
+
+# %% [markdown]
+# Each thread holds 4 neighbouring float32 (16 bytes) and the layout repeats until it covers the
+# block: with 4 warps a thread holds 8 values, as in the figure. More warps mean fewer
+# values per thread and more threads to hide memory latency, but also more work to combine values
+# across warps in a sum or a scan; later chapters choose `num_warps` per kernel.
+#
+# ## Strides and contiguity
+#
+# A tensor is a flat piece of memory plus a shape and **strides**: `x.stride(d)` is how many
+# elements to step in memory to move by one along dimension `d`, so element `[i, j]` of a 2-D tensor
+# sits at offset `i * x.stride(0) + j * x.stride(1)` from its first element. A row-major `3 x 4`
+# matrix has strides `(4, 1)`. Its transpose `m.t()` is a *view*: the same memory with the strides
+# swapped, `(1, 4)`, so no copy is made, and the view is not **contiguous** (its elements are not
+# laid out row after row). `.contiguous()` returns the tensor itself if it is contiguous, otherwise a
+# row-major copy.
+
+# %%
+m = torch.arange(12.0, device=DEVICE).view(3, 4)
+m_t = m.t()
+m_t_copy = m_t.contiguous()
+for name, tensor in (("m", m), ("m.t()", m_t), ("m.t().contiguous()", m_t_copy)):
+    print(f"{name:>18}: shape {tuple(tensor.shape)}, stride {tensor.stride()}, "
+          f"contiguous {tensor.is_contiguous()}, shares m's memory {tensor.data_ptr() == m.data_ptr()}")
+assert m.stride() == (4, 1) and m_t.stride() == (1, 4) and m_t_copy.stride() == (3, 1)
+assert not m_t.is_contiguous() and m_t.data_ptr() == m.data_ptr() and m_t_copy.data_ptr() != m.data_ptr()
+assert m.contiguous().data_ptr() == m.data_ptr()                      # already contiguous: no copy
+flat = m.view(-1)                                                     # the memory, in order
+assert all(m_t[i, j] == flat[i * m_t.stride(0) + j * m_t.stride(1)] for i in range(4) for j in range(3))
+print("m.t()[i, j] is memory[i * 1 + j * 4]: ok")
+
+# %% [markdown]
+# A kernel sees only the pointer to the first element, so it must be given the strides and compute
+# `offsets = row * stride_row + col * stride_col` itself. A kernel that assumes row-major (as
+# `broadcast_add_kernel` does) reads the wrong elements of a transposed view; one that takes strides
+# reads any view in place, without the copy `.contiguous()` would make. Below, a kernel copies any
+# 2-D view into a contiguous output; it reads `m.t()` through its strides.
+
+# %%
+@triton.jit
+def copy_2d_kernel(X, Y, n_rows, n_cols, stride_row, stride_col, ROWS: tl.constexpr, COLS: tl.constexpr):
+    rows = tl.arange(0, ROWS)[:, None]                                # ROWS x 1
+    cols = tl.arange(0, COLS)[None, :]                                # 1 x COLS
+    mask = (rows < n_rows) & (cols < n_cols)                          # ROWS x COLS
+    x = tl.load(X + rows * stride_row + cols * stride_col, mask=mask)  # any strides
+    tl.store(Y + rows * n_cols + cols, x, mask=mask)                  # Y is contiguous: strides (n_cols, 1)
+
+
+def copy_2d(x: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    copy_2d_kernel[(1,)](x, y, x.shape[0], x.shape[1], x.stride(0), x.stride(1),
+                         ROWS=triton.next_power_of_2(x.shape[0]), COLS=triton.next_power_of_2(x.shape[1]))
+    return y
+
+
+assert torch.equal(copy_2d(m_t), m_t) and torch.equal(copy_2d(m), m)
+assert torch.equal(copy_2d(m[:, ::2]), m[:, ::2])                    # every other column: strides (4, 2)
+wrong = torch.empty(4, 3, device=DEVICE)                              # pretend m.t() were row-major
+copy_2d_kernel[(1,)](m_t, wrong, 4, 3, 3, 1, ROWS=4, COLS=4)
+assert not torch.equal(wrong, m_t)
+print("copy_2d reads m.t() and m[:, ::2] through their strides: ok; assuming row-major reads m in order:")
+print(wrong)
+
+# %% [markdown]
+# ## A blocked kernel with a loop: row sums over any length
+#
+# Here each program owns one row of a matrix, reached through its strides, and walks along it
+# `BLOCK` columns at a time, accumulating in float32. A row can be longer than any block: the loop
+# carries the partial sums in registers, and `tl.sum` adds them up at the end (across the threads of
+# the program, with shuffles and shared memory). The loop is a `while`; the section "Going deeper:
+# the interpreter and NumPy" says why not a `for`.
+
+# %%
+@triton.jit
+def row_sums_kernel(X, OUT, n_cols, stride_row, stride_col, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)                 # BLOCK partial sums
+    start = 0
+    while start < n_cols:
+        cols = start + tl.arange(0, BLOCK)                     # BLOCK
+        x = tl.load(X + row * stride_row + cols * stride_col, mask=cols < n_cols, other=0.0)
+        acc += x.to(tl.float32)
+        start += BLOCK
+    tl.store(OUT + row, tl.sum(acc, axis=0))
+
+
+def row_sums(x: torch.Tensor, block: int = 64) -> torch.Tensor:
+    n_rows, n_cols = x.shape
+    out = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    row_sums_kernel[(n_rows,)](x, out, n_cols, x.stride(0), x.stride(1), BLOCK=block)
+    return out
+
+
+torch.manual_seed(2)
+print(f"{'shape':>10} {'layout':>10} {'max abs err':>11} {'bound':>8}")
+for shape in ((3, 1), (5, 7), (2, 1000), (4, 4097)):
+    for layout in ("row-major", "transposed"):
+        x_mat = torch.randn(shape, device=DEVICE) if layout == "row-major" else torch.randn(shape[::-1], device=DEVICE).t()
+        exact = x_mat.double().sum(1)
+        err = (row_sums(x_mat).double() - exact).abs().max().item()
+        bound = shape[1] ** 0.5 * 2**-24 * x_mat.double().abs().sum(1).max().item()   # see below
+        assert err <= bound, (shape, layout, err, bound)
+        print(f"{str(shape):>10} {layout:>10} {err:>11.1e} {bound:>8.1e}")
+
+# %% [markdown]
+# The bound is the usual size of the error of `n` float32 additions, $\sqrt{n}\,2^{-24}\sum|x|$
+# (the roundings, each at most $2^{-24}$ relative, mostly cancel like a random walk); the
+# transposed rows, read with stride `n_rows`, give the same sums.
+#
+# `tl.sum` needs values held by other threads. The compiled code shows how it gets them: with one
+# warp, only shuffles (`shfl.sync`); with four, shuffles within each warp, then shared memory
+# (`st.shared`, `ld.shared`) to combine the four warps' partial sums.
+
+# %%
+row_sums_types = {"X": "*fp32", "OUT": "*fp32", "n_cols": "i32", "stride_row": "i32", "stride_col": "i32"}
+print(f"{'num_warps':>9} {'shfl.sync':>9} {'st.shared':>9} {'ld.shared':>9}   (instructions in row_sums_kernel's PTX)")
+for num_warps in (1, 4):
+    ptx = gpu_assembly(row_sums_kernel, row_sums_types, num_warps=num_warps, BLOCK=1024)["ptx"]
+    counts = [ptx.count(instruction) for instruction in ("shfl.sync", "st.shared", "ld.shared")]
+    assert counts[0] > 0 and (min(counts[1:]) > 0) == (num_warps > 1), counts
+    print(f"{num_warps:>9} {counts[0]:>9} {counts[1]:>9} {counts[2]:>9}")
+
+# %% [markdown]
+# ## Timing a kernel on a GPU
+#
+# A launch only *queues* the kernel: the call returns to Python before the GPU has run it, so
+# `time.perf_counter()` around a launch measures the host, not the GPU. The GPU's time is measured
+# with **CUDA events**, markers that the GPU stamps with its own clock when it reaches them in the
+# queue. `triton.testing.do_bench` records events around many runs, after warm-up runs (the first
+# launch compiles the kernel), and before each run **flushes the L2 cache** (the GPU's last cache
+# before its memory) by writing a 256 MiB buffer, so that every run reads its inputs from memory
+# as a real workload would; `median_us` reports the median in microseconds.
+#
+# Each launch also costs the host time (Python, argument checks, the driver): for a small kernel
+# this **host overhead** can exceed the GPU's time. `host_us` measures the host's time
+# per call, launches queued back to back; `graph_us` replays the calls from a **CUDA graph** (a
+# recorded sequence of launches, replayed by one call), which removes the host's overhead and leaves
+# the GPU's. Last, a kernel that moves `bytes` through memory cannot take less than `bytes` over the
+# memory bandwidth: `copy_bandwidth` measures that rate by copying 1 GiB, and every benchmark of the
+# course compares its times with this **memory floor**.
 
 # %%
 #| export
@@ -200,191 +544,52 @@ def copy_bandwidth() -> float:
     return 2 * source.numel() * source.element_size() / (median_us(lambda: target.copy_(source)) * 1e-6)
 
 # %% [markdown]
-# ## What this chapter teaches
-#
-# Triton is a small language, embedded in Python, for writing GPU kernels. A kernel *loads* blocks
-# of numbers from GPU memory into registers, computes on whole blocks at once, and *stores* results
-# back. There is no indexing of single elements and no Python inside: only block operations
-# (`tl.load`, `tl.store`, arithmetic, `tl.sum`, `tl.associative_scan`, ...). In this chapter:
-# programs and program ids; `tl.arange`, shapes and broadcasting; loads and stores with masks; two
-# blocked kernels over inputs of any length; and what Triton's CPU interpreter (which runs every
-# kernel of this course when there is no GPU) hides from you.
+# On a GPU, the cell below times `vector_add` and `torch.add` at a small and a large size with the
+# three timers, prints the memory floor (3 float32 of 4 bytes move per element), and says which of
+# host and GPU sets the pace. Without a GPU it times the interpreter instead: every operation of
+# every program runs in Python, so many small blocks cost far more than a few large ones, and both
+# are much slower than PyTorch. That is why every chapter has two size profiles (`if ON_GPU:`
+# realistic sizes, else small ones) and reports no CPU timings.
 
 # %%
-import time
-
-import numpy as np
-import torch
-import triton
-import triton.language as tl
-
-from scan_lib.runtime import INTERPRET
-
-# %% [markdown]
-# ## Programs and program ids
-#
-# Launching `kernel[grid](...)` runs `grid` copies of the kernel, called *programs*, on the same
-# arguments. Each program asks `tl.program_id(0)` which one it is and picks its share of the work
-# from that. Capital letters are pointers: a tensor argument arrives as a pointer to its first
-# element, and `X + offsets` is a block of pointers.
-
-# %%
-@triton.jit
-def which_program_kernel(OUT, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)                                # scalar: 0, 1, ..., grid - 1
-    offsets = pid * BLOCK + tl.arange(0, BLOCK)           # BLOCK: this program's slots
-    tl.store(OUT + offsets, tl.full((BLOCK,), pid, tl.int32))
-
-
-programs, block = 4, 8
-owner = torch.empty(programs * block, dtype=torch.int32, device=DEVICE)
-which_program_kernel[(programs,)](owner, BLOCK=block)
-assert torch.equal(owner.cpu(), torch.arange(programs, dtype=torch.int32).repeat_interleave(block))
-print(owner.view(programs, block))
-
-try:                                                      # a block of 6 is refused when compiled
-    which_program_kernel[(1,)](torch.empty(6, dtype=torch.int32, device=DEVICE), BLOCK=6)
-    refusal = "none"
-except Exception as error:
-    refusal = f"{type(error).__name__}: {error}"
-assert "power of 2" in refusal, refusal
-print("BLOCK=6 is refused: arange's range must be a power of 2")
-
-# %% [markdown]
-# `BLOCK` is a `tl.constexpr`: its value is known when the kernel is compiled (one compiled version
-# per value), so it can set shapes. Shapes must be compile-time constants, and `tl.arange` lengths
-# must be powers of two (the cell above checks that `BLOCK=6` is refused).
-#
-# ## `tl.arange`, shapes and broadcasting
-#
-# `tl.arange(0, K)` is a block of shape `(K,)`; indexing with `[:, None]` or `[None, :]` adds an axis
-# of length 1, and operations broadcast exactly as in PyTorch. A 2-D block of pointers into a
-# row-major `L x K` matrix is `Y + rows[:, None] * K + cols[None, :]`.
-
-# %%
-@triton.jit
-def broadcast_add_kernel(X, Y, Z, K: tl.constexpr, L: tl.constexpr):
-    cols = tl.arange(0, K)                                # K
-    rows = tl.arange(0, L)[:, None]                       # L x 1
-    x = tl.load(X + cols)                                 # K
-    y = tl.load(Y + rows * K + cols)                      # L x K   (L x 1 broadcast with K)
-    tl.store(Z + rows * K + cols, x + y)                  # L x K   (K broadcast over the rows)
-
-
-torch.manual_seed(0)
-x_row, y_mat = torch.randn(4, device=DEVICE), torch.randn(8, 4, device=DEVICE)
-z_mat = torch.empty(8, 4, device=DEVICE)
-broadcast_add_kernel[(1,)](x_row, y_mat, z_mat, K=4, L=8)
-assert torch.equal(z_mat, x_row + y_mat)
-print("Z = X[None, :] + Y, exactly as torch broadcasts: ok")
-
-# %% [markdown]
-# ## Loads and stores with masks
-#
-# A block has a power-of-two length, data rarely do. `tl.load(ptrs, mask=m, other=v)` reads only
-# where `m` is true and puts `v` elsewhere; `tl.store(ptrs, values, mask=m)` writes only where `m`
-# is true. The kernels above got away without masks because their sizes were exactly their
-# power-of-two blocks; from here on, every load and store over data has a mask, for a reason shown below.
-#
-# ## A blocked kernel: vector addition of any length
-#
-# One program per block of `BLOCK` elements, `cdiv(n, BLOCK)` programs in all; the last block is
-# ragged and its tail is masked off.
-
-# %%
-@triton.jit
-def vector_add_kernel(X, Y, Z, N, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)    # BLOCK
-    mask = offsets < N                                          # BLOCK
-    x = tl.load(X + offsets, mask=mask)
-    y = tl.load(Y + offsets, mask=mask)
-    tl.store(Z + offsets, x + y, mask=mask)
-
-
-def vector_add(x: torch.Tensor, y: torch.Tensor, block: int = 256) -> torch.Tensor:
-    z = torch.empty_like(x)
-    vector_add_kernel[(triton.cdiv(x.numel(), block),)](x, y, z, x.numel(), BLOCK=block)
-    return z
-
-
-torch.manual_seed(1)
-for n in (1, 7, 129, 1000, 4097):
-    x_vec, y_vec = torch.randn(n, device=DEVICE), torch.randn(n, device=DEVICE)
-    assert torch.equal(vector_add(x_vec, y_vec), x_vec + y_vec)
-print("vector_add == x + y for n = 1, 7, 129, 1000, 4097 (BLOCK = 256)")
-
-# %% [markdown]
-# ## A blocked kernel with a loop: row sums over any length
-#
-# Here each program owns one row of an `R x N` matrix and walks along it `BLOCK` columns at a time,
-# accumulating in float32. A row can be longer than any block: the loop carries the partial sums
-# in registers. The loop is a `while` on purpose: Triton 3.6's interpreter under NumPy 2.4 or newer
-# cannot run a `for` loop whose bound is a kernel argument (it fails with "only 0-dimensional arrays
-# can be converted to Python scalars"; that is why `requirements.txt` pins NumPy 2.3, and the cell
-# after this one tries it with whatever NumPy you have), and a `while` loop compiles to the same
-# thing on a GPU.
-
-# %%
-@triton.jit
-def row_sums_kernel(X, OUT, N, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)                 # BLOCK partial sums
-    start = 0
-    while start < N:
-        cols = start + tl.arange(0, BLOCK)                     # BLOCK
-        acc += tl.load(X + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
-        start += BLOCK
-    tl.store(OUT + row, tl.sum(acc, axis=0))
-
-
-def row_sums(x: torch.Tensor, block: int = 64) -> torch.Tensor:
-    rows, n = x.shape
-    out = torch.empty(rows, dtype=torch.float32, device=x.device)
-    row_sums_kernel[(rows,)](x.contiguous(), out, n, BLOCK=block)
-    return out
-
-
-torch.manual_seed(2)
-print(f"{'shape':>10} {'max abs err':>11}")
-for shape in ((3, 1), (5, 7), (2, 1000), (4, 4097)):
-    x_mat = torch.randn(shape, device=DEVICE)
-    err = (row_sums(x_mat).double() - x_mat.double().sum(1)).abs().max().item()
-    assert err < 1e-4 * shape[1] ** 0.5, err
-    print(f"{str(shape):>10} {err:>11.1e}")
-
-# %%
-@triton.jit
-def row_sums_for_kernel(X, OUT, N, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(0, N, BLOCK):
-        cols = start + tl.arange(0, BLOCK)
-        acc += tl.load(X + row * N + cols, mask=cols < N, other=0.0).to(tl.float32)
-    tl.store(OUT + row, tl.sum(acc, axis=0))
-
-
-numpy_version = tuple(int(part) for part in np.__version__.split(".")[:2])
-known_to_fail = INTERPRET and triton.__version__.startswith("3.6.") and numpy_version >= (2, 4)
-torch.manual_seed(3)
-x_for = torch.randn(2, 100, device=DEVICE)
-out_for = torch.empty(2, device=DEVICE)
-try:
-    row_sums_for_kernel[(2,)](x_for, out_for, 100, BLOCK=64)
-except Exception as error:
-    print(f"numpy {np.__version__}, interpreter: {type(error).__name__}: {error}")
-    assert INTERPRET and numpy_version >= (2, 4), "only the interpreter under NumPy >= 2.4 is known to fail"
+torch.manual_seed(4)
+if ON_GPU:
+    bandwidth = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name(DEVICE)}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; float32, BLOCK 1024")
+    print(f"{'n':>5} {'op':>7} {'median_us':>9} {'graph_us':>9} {'host_us':>8} {'floor_us':>8}  paced by")
+    for log_n in (14, 26):
+        n = 2**log_n
+        x_speed, y_speed, z_speed = (torch.randn(n, device=DEVICE) for _ in range(3))
+        floor_us = 3 * 4 * n / bandwidth * 1e6
+        ops = {"triton": lambda: vector_add_kernel[(triton.cdiv(n, 1024),)](x_speed, y_speed, z_speed, n, BLOCK=1024),
+               "torch": lambda: torch.add(x_speed, y_speed, out=z_speed)}
+        for name, op in ops.items():
+            gpu, graph, host = median_us(op), graph_us(op), host_us(op)
+            assert gpu >= 0.8 * floor_us, f"{name} beats the memory floor at 2^{log_n}: the timing is wrong"
+            print(f"{'2^' + str(log_n):>5} {name:>7} {gpu:>9.1f} {graph:>9.1f} {host:>8.1f} {floor_us:>8.1f}  "
+                  f"{'the host' if host > graph else 'the GPU'}")
+    assert torch.equal(z_speed, x_speed + y_speed)
 else:
-    assert not known_to_fail, "Triton 3.6's interpreter under NumPy >= 2.4 was expected to fail"
-    assert torch.allclose(out_for, x_for.sum(1), atol=1e-4)
-    print(f"numpy {np.__version__}: the for loop over a runtime bound ran and is correct")
+    x_speed, y_speed = torch.randn(2**14, device=DEVICE), torch.randn(2**14, device=DEVICE)
+    seconds = {}
+    for block in (64, 1024):
+        start = time.perf_counter()
+        vector_add(x_speed, y_speed, block)
+        seconds[block] = time.perf_counter() - start
+    start = time.perf_counter()
+    x_speed + y_speed
+    seconds["torch"] = time.perf_counter() - start
+    print(f"2^14 additions: interpreter {seconds[64] * 1e3:.0f} ms (BLOCK 64, 256 programs), "
+          f"{seconds[1024] * 1e3:.0f} ms (BLOCK 1024, 16 programs); torch {seconds['torch'] * 1e3:.2f} ms")
+    assert seconds[64] > seconds[1024] > seconds["torch"]
 
 # %% [markdown]
 # ## The CPU interpreter and what it hides
 #
 # Without a GPU, `TRITON_INTERPRET=1` makes `@triton.jit` return an *interpreted* function: each
 # program runs in Python, on NumPy arrays, over CPU tensors. That lets anyone run this course, and
-# the same kernel source runs on a GPU unchanged. But the interpreter is not a GPU, and five
-# differences matter.
+# the same kernel source runs on a GPU unchanged. But the interpreter is not a GPU: besides its
+# speed (the cell above), four differences matter.
 #
 # ### 1. Programs run one after another, so races pass
 #
@@ -415,14 +620,15 @@ else:
     assert racy.item() < n_programs, "programs run at the same time: increments are lost"
 
 # %% [markdown]
-# Under the interpreter both counts are right. On a GPU the racy count comes out below the number
-# of programs (the cell asserts it there). A test suite that only runs on the CPU cannot catch a race.
+# Under the interpreter both counts are right; on a GPU the racy count is below the number of
+# programs (the cell asserts each). A test suite that only runs on the CPU cannot catch a race.
 #
 # ### 2. `tl.associative_scan` folds left to right, so a non-associative combine passes
 #
-# `tl.associative_scan(x, 0, f)` is allowed to group the combines in any tree, because it assumes
-# `f` is associative. The interpreter evaluates it as a plain left fold $((x_0 f x_1) f x_2) \dots$,
-# so with subtraction, which is not associative, it returns the left fold, as a sequential loop
+# `tl.associative_scan(x, 0, f)` computes the running combination $x_0,\ f(x_0, x_1),\
+# f(f(x_0, x_1), x_2), \dots$ (with `f = +`, a cumulative sum), and is allowed to group the
+# combines in any tree, because it assumes `f` is associative. The interpreter evaluates it as a
+# plain left fold, so with subtraction, which is not associative, it returns what a sequential loop
 # would. A GPU evaluates a tree and returns something else.
 
 # %%
@@ -479,12 +685,12 @@ print("a + b is associative; a - b is not")
 
 # %%
 @triton.jit
-def sum_of_block_kernel(X, OUT, N, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+def sum_of_block_kernel(X, OUT, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
     offsets = tl.arange(0, BLOCK)
     if MASKED:
-        x = tl.load(X + offsets, mask=offsets < N, other=0.0)
+        x = tl.load(X + offsets, mask=offsets < n, other=0.0)
     else:
-        x = tl.load(X + offsets)                          # reads BLOCK values whatever N is
+        x = tl.load(X + offsets)                          # reads BLOCK values whatever n is
     tl.store(OUT, tl.sum(x, axis=0))
 
 
@@ -502,84 +708,89 @@ assert unmasked == 5 + 3 * 100 and total.item() == 5
 # ### 4. Rounding differs from the GPU's
 #
 # The interpreter computes with NumPy; a GPU uses its own instructions, some of them fast
-# approximations (`tl.exp` becomes a hardware `ex2.approx` after a multiplication by
-# $\log_2 e$), and sums in a different order. Results agree to a few units in the last place, not
-# bit for bit, which is why every check in this course compares with a float64 reference within a
-# tolerance instead of with `torch.equal`.
+# approximations, and sums in another order. Results agree within rounding errors, not bit for bit,
+# so every check in this course compares with a float64 reference within a tolerance, never with
+# `torch.equal`. For example, on a GPU `tl.exp(x)` computes $2^t$, $t = x \log_2 e$, with the fast
+# instruction `ex2.approx.f32`, whose error is at most 2 units in the last place (ulp), a relative
+# $2^{-22}$; the rounding of $t$ (up to $2^{-23}|t|$) adds a relative $|x|\,2^{-23}$. The cell finds
+# the instruction in the compiled code and asserts, on the GPU and under the interpreter (NumPy's
+# float32 `exp`), that the error against float64 stays within $2^{-22} + |x|\,2^{-23} + 2^{-24}$
+# (the last term for the final rounding).
 
 # %%
 @triton.jit
-def exp_kernel(X, Y, N, BLOCK: tl.constexpr):
+def exp_kernel(X, Y, n, BLOCK: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < N
+    mask = offsets < n
     tl.store(Y + offsets, tl.exp(tl.load(X + offsets, mask=mask)), mask=mask)
 
 
-x_exp = torch.linspace(-5, 5, 4097, device=DEVICE)
+ptx = gpu_assembly(exp_kernel, {"X": "*fp32", "Y": "*fp32", "n": "i32"}, BLOCK=1024)["ptx"]
+assert "ex2.approx.f32" in ptx
+print("PTX of exp_kernel:", next(line.strip() for line in ptx.splitlines() if "ex2.approx" in line))
+
+x_exp = torch.linspace(-10, 10, 4097, device=DEVICE)
 y_exp = torch.empty_like(x_exp)
 exp_kernel[(triton.cdiv(x_exp.numel(), 1024),)](x_exp, y_exp, x_exp.numel(), BLOCK=1024)
 exact = torch.exp(x_exp.double())
-relative = ((y_exp.double() - exact).abs() / exact).max().item()
-differ = (y_exp != torch.exp(x_exp)).sum().item()
-print(f"tl.exp vs float64 exp: max relative error {relative:.1e}; differs bitwise from torch.exp (float32) at {differ} of {x_exp.numel()}")
-assert relative < 2e-6 and differ > 0
+relative = (y_exp.double() - exact).abs() / exact
+bound = 2**-22 + x_exp.double().abs() * 2**-23 + 2**-24
+
+
+def max_ulps(y: torch.Tensor) -> float:
+    """Largest error of float32 values y, in units of the last place of the exact result."""
+    return ((y.double() - exact).abs() / (2**-23 * 2.0 ** torch.floor(torch.log2(exact)))).max().item()
+
+
+print(f"tl.exp on [-10, 10]: max relative error {relative.max().item():.1e} ({max_ulps(y_exp):.2f} ulp; "
+      f"torch.exp {max_ulps(torch.exp(x_exp)):.2f} ulp), within the bound everywhere: {bool((relative <= bound).all())}")
+assert (relative <= bound).all()
 
 # %% [markdown]
-# Half precision works under the interpreter (bfloat16 and float16 tensors load, store and convert),
-# but one conversion rounds differently: the interpreter turns float32 into bfloat16 by dropping the
-# low 16 bits (truncation, towards zero), while PyTorch and a GPU round to nearest. Float32 to
-# float16 is rounded to nearest in both. Take $1 + 2^{-8} + 2^{-10}$: bfloat16 keeps 8 significant
-# bits, so the neighbours are $1$ and $1 + 2^{-7}$, and the nearest is $1 + 2^{-7}$.
+# Conversions to half precision can round differently too: PyTorch and a GPU round float32 to the
+# nearest bfloat16 or float16, while Triton 3.6's interpreter converts float32 to bfloat16 by
+# dropping the low 16 bits, that is truncation, towards zero. A test value must tell the two apart:
+# not representable in the target type, and closer to its upper neighbour. `rounds_to_nearest` uses
+# $\pm(1 + \tfrac34\varepsilon)$, where $\varepsilon$ is the gap between 1 and the next value of the
+# type ($2^{-7}$ for bfloat16, $2^{-10}$ for float16): nearest gives $\pm(1 + \varepsilon)$,
+# truncation $\pm 1$. (A value exact in the type, such as $1 + 2^{-8} + 2^{-10}$ in float16, cannot
+# catch truncation: `tests/test_runtime.py` shows a truncating conversion passing with it and
+# failing with this one.)
+
+# %%
+#| export
+def rounds_to_nearest(convert, dtype: torch.dtype) -> bool:
+    """Whether `convert(x, dtype)`, a float32 -> dtype conversion, rounds to nearest (not towards zero).
+
+    Tries ±(1 + 3/4 eps) (eps: the gap between 1 and the next dtype value): exact in float32, not in
+    dtype, and nearer its upper neighbour ±(1 + eps) than its lower one ±1, where truncation goes."""
+    eps = torch.finfo(dtype).eps
+    x = torch.tensor([1 + 0.75 * eps, -(1 + 0.75 * eps)], dtype=torch.float32, device=DEVICE)
+    nearest = torch.tensor([1 + eps, -(1 + eps)], dtype=torch.float64).to(dtype)
+    return torch.equal(convert(x, dtype).cpu(), nearest)
 
 # %%
 @triton.jit
-def convert_kernel(X, Y, N, BLOCK: tl.constexpr):
+def convert_kernel(X, Y, n, BLOCK: tl.constexpr):
     offsets = tl.arange(0, BLOCK)
-    mask = offsets < N
+    mask = offsets < n
     tl.store(Y + offsets, tl.load(X + offsets, mask=mask).to(Y.dtype.element_ty), mask=mask)
 
 
-x_round = torch.tensor([1 + 2**-8 + 2**-10, -(1 + 2**-8 + 2**-10)], device=DEVICE)   # float32
+def convert(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    y = torch.empty(x.shape, dtype=dtype, device=x.device)
+    convert_kernel[(1,)](x, y, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    return y
+
+
 for dtype in (torch.bfloat16, torch.float16):
-    y_round = torch.empty(2, dtype=dtype, device=DEVICE)
-    convert_kernel[(1,)](x_round, y_round, 2, BLOCK=2)
-    nearest = x_round.to(dtype)
-    print(f"{str(dtype):>15}: kernel {y_round.tolist()}, torch (nearest) {nearest.tolist()}")
+    assert rounds_to_nearest(lambda x, dtype: x.to(dtype), dtype)    # torch's conversion: the reference
+    nearest = rounds_to_nearest(convert, dtype)
+    print(f"{str(dtype):>15}: convert_kernel {'rounds to nearest' if nearest else 'truncates'}")
     if INTERPRET and dtype == torch.bfloat16:
-        assert torch.equal(y_round.float(), torch.tensor([1.0, -1.0], device=DEVICE)), "truncated"
-        assert not torch.equal(y_round, nearest)
+        assert not nearest, "Triton 3.6's interpreter truncates float32 to bfloat16"
     else:
-        assert torch.equal(y_round, nearest)
-
-# %% [markdown]
-# ### 5. Speed
-#
-# The interpreter pays Python overhead for every operation of every program: the same vector
-# addition is orders of magnitude slower than PyTorch's, and many small blocks cost far more than a
-# few large ones. Hence two size profiles in every chapter (`if ON_GPU:` realistic sizes, else
-# small ones), and no timings on the CPU beyond this cell. On a GPU, timings come from `median_us`
-# (defined above), that is `triton.testing.do_bench`, which synchronises and takes the median of
-# many runs.
-
-# %%
-torch.manual_seed(4)
-x_speed, y_speed = torch.randn(2**14, device=DEVICE), torch.randn(2**14, device=DEVICE)
-if INTERPRET:
-    seconds = {}
-    for block in (64, 1024):
-        start = time.perf_counter()
-        vector_add(x_speed, y_speed, block)
-        seconds[block] = time.perf_counter() - start
-    start = time.perf_counter()
-    x_speed + y_speed
-    seconds["torch"] = time.perf_counter() - start
-    print(f"2^14 additions: interpreter {seconds[64] * 1e3:.0f} ms (BLOCK 64, 256 programs), "
-          f"{seconds[1024] * 1e3:.0f} ms (BLOCK 1024, 16 programs); torch {seconds['torch'] * 1e3:.2f} ms")
-    assert seconds[64] > seconds[1024] > seconds["torch"]
-else:
-    kernel_us = median_us(lambda: vector_add(x_speed, y_speed, 1024))
-    torch_us = median_us(lambda: x_speed + y_speed)
-    print(f"{torch.cuda.get_device_name(DEVICE)}: 2^14 float32 additions, Triton {kernel_us:.1f} us, torch {torch_us:.1f} us")
+        assert nearest
 
 # %% [markdown]
 # ## Why the setup cell comes first
@@ -615,11 +826,94 @@ if INTERPRET:
 # %% [markdown]
 # ## Summary
 #
-# * A launch runs `grid` programs; each finds its block from `tl.program_id` and `tl.arange`.
+# * A launch runs `grid` programs, scheduled onto the GPU's SMs; each finds its block from
+#   `tl.program_id` and `tl.arange`, and spreads it over `num_warps x 32` threads.
 # * Shapes are compile-time constants (powers of two for `tl.arange`) and broadcast like PyTorch.
+# * Upper-case names in kernels are pointers and `tl.constexpr` constants; runtime values, sizes and
+#   strides included, are lower case.
+# * A kernel reads a tensor through its strides, `row * stride_row + col * stride_col`; a view
+#   such as a transpose needs no copy.
 # * Mask every load and store: a kernel reads past the end of a tensor without complaint.
+# * Time GPU code with `median_us` (CUDA events, L2 flushed), and compare with the memory floor.
 # * The interpreter runs the same kernels on a CPU but serialises programs, folds scans left to
-#   right, rounds like NumPy (and truncates float32 to bfloat16) and is slow. Test combine operators for associativity in PyTorch, and
-#   run everything on a real GPU before trusting it.
+#   right, rounds like NumPy (and truncates float32 to bfloat16) and is slow. Test combine operators
+#   for associativity in PyTorch, and run everything on a real GPU before trusting it.
 #
 # Next: chapter 01 scans with `+`, first in one block, then at any length.
+#
+# ## Going deeper: the rest of `scan_lib.runtime`
+#
+# The public functions of later chapters check their inputs with the two helpers below, so that a
+# wrong argument raises a `TypeError` or `ValueError` naming it, before any kernel runs.
+
+# %%
+#| export
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_float_tensor(name: str, value) -> None:
+    """Raise a TypeError naming `name` unless `value` is a tensor of a floating dtype we support."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if value.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {value.dtype}")
+
+
+def check_same_device(**tensors) -> torch.device:
+    """Raise a ValueError naming the arguments unless all given tensors (None skipped) share one device
+    on which the kernels can run, and return that device.
+
+    On a GPU machine kernels need CUDA tensors; under the interpreter, CPU tensors (the interpreter
+    also copies CUDA tensors through the host, so those are accepted too). Meta tensors never are."""
+    named = {name: t for name, t in tensors.items() if t is not None}
+    if not named:
+        raise ValueError(f"{', '.join(tensors) or 'tensors'}: no tensor given, only None")
+    devices = {t.device for t in named.values()}
+    if len(devices) > 1:
+        listing = ", ".join(f"{name} on {t.device}" for name, t in named.items())
+        raise ValueError(f"all tensors must be on one device, got {listing}")
+    device = devices.pop()
+    if INTERPRET and device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{', '.join(named)} must be CPU tensors for Triton's interpreter (got {device})")
+    if not INTERPRET and device.type != "cuda":
+        raise ValueError(
+            f"{', '.join(named)} must be CUDA tensors (got {device}); to run Triton kernels on the CPU "
+            "set TRITON_INTERPRET=1 before importing scan_lib"
+        )
+    return device
+
+# %% [markdown]
+# ## Going deeper: the interpreter and NumPy
+#
+# The loop in `row_sums_kernel` is a `while` on purpose. Triton 3.6's interpreter under NumPy 2.4 or
+# newer cannot run a `for` loop whose bound is a kernel argument (it fails with "only 0-dimensional
+# arrays can be converted to Python scalars"), which is why `requirements.txt` pins NumPy 2.3 and
+# `use_interpreter_without_gpu` warns about newer ones; Triton 3.9's interpreter runs it, 3.7 and
+# 3.8 were not tried. On a GPU a `while` loop compiles to the same thing as the `for`. The cell
+# tries the `for` loop with whatever NumPy you have.
+
+# %%
+@triton.jit
+def row_sums_for_kernel(X, OUT, n_cols, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        acc += tl.load(X + row * n_cols + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    tl.store(OUT + row, tl.sum(acc, axis=0))
+
+
+numpy_version = tuple(int(part) for part in np.__version__.split(".")[:2])
+known_to_fail = INTERPRET and triton.__version__.startswith("3.6.") and numpy_version >= (2, 4)
+torch.manual_seed(3)
+x_for = torch.randn(2, 100, device=DEVICE)
+out_for = torch.empty(2, device=DEVICE)
+try:
+    row_sums_for_kernel[(2,)](x_for, out_for, 100, BLOCK=64)
+except Exception as error:
+    print(f"numpy {np.__version__}, interpreter: {type(error).__name__}: {error}")
+    assert INTERPRET and numpy_version >= (2, 4), "only the interpreter under NumPy >= 2.4 is known to fail"
+else:
+    assert not known_to_fail, "Triton 3.6's interpreter under NumPy >= 2.4 was expected to fail"
+    assert torch.allclose(out_for, x_for.sum(1), atol=1e-4)
+    print(f"numpy {np.__version__}: the for loop over a runtime bound ran and is correct")

@@ -1,4 +1,4 @@
-"""scan_lib.runtime: where kernels run, input checks, deterministic figures."""
+"""scan_lib.runtime: where kernels run, input checks, deterministic figures, compiled code, rounding."""
 import matplotlib
 
 matplotlib.use("Agg")
@@ -6,7 +6,11 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
-from scan_lib.runtime import DEVICE, INTERPRET, ON_GPU, check_float_tensor, check_same_device, save_figure
+import triton
+import triton.language as tl
+
+from scan_lib.runtime import (DEVICE, INTERPRET, ON_GPU, check_float_tensor, check_same_device, gpu_assembly,
+                              rounds_to_nearest, save_figure)
 
 
 def test_device_and_interpreter_agree():
@@ -55,6 +59,40 @@ def test_save_figure_is_deterministic(tmp_path, monkeypatch):
     for _ in range(2):
         fig, ax = plt.subplots()
         ax.plot([0, 1, 2], [1, 0, 1])
-        contents.append(save_figure(fig, "line.png").read_bytes())
-        plt.close(fig)
-    assert (tmp_path / "figures" / "line.png").exists() and contents[0] == contents[1]
+        assert save_figure(fig, "line.png") is None             # nothing to echo as the cell's output
+        contents.append((tmp_path / "figures" / "line.png").read_bytes())
+        assert not plt.fignum_exists(fig.number)                # closed: not drawn a second time
+    assert contents[0] == contents[1]
+
+
+def truncate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A float32 -> dtype conversion that drops the low bits (towards zero), as Triton 3.6's
+    interpreter does for bfloat16: the bug rounds_to_nearest must catch."""
+    dropped = 23 - round(-torch.log2(torch.tensor(torch.finfo(dtype).eps)).item())   # 16 for bf16, 13 for fp16
+    bits = x.float().view(torch.int32) & ~((1 << dropped) - 1)
+    return bits.view(torch.float32).to(dtype)                                 # now exact in dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rounding_check_catches_a_truncating_cast(dtype):
+    assert rounds_to_nearest(lambda x, dtype: x.to(dtype), dtype)
+    assert not rounds_to_nearest(truncate, dtype)
+
+
+def test_old_rounding_value_could_not_catch_truncation_in_float16():
+    x = torch.tensor([1 + 2**-8 + 2**-10, -(1 + 2**-8 + 2**-10)])           # exact in float16
+    assert torch.equal(truncate(x, torch.float16), x.to(torch.float16))
+
+
+@triton.jit
+def _scale_kernel(X, Y, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(Y + offsets, tl.exp(tl.load(X + offsets, mask=mask)), mask=mask)
+
+
+@pytest.mark.parametrize("num_warps", [2, 8])
+def test_gpu_assembly_shows_the_layout_and_the_fast_exp(num_warps):
+    code = gpu_assembly(_scale_kernel, {"X": "*fp32", "Y": "*fp32", "n": "i32"}, num_warps=num_warps, BLOCK=512)
+    assert f"warpsPerCTA = [{num_warps}]" in code["ttgir"] and "threadsPerWarp = [32]" in code["ttgir"]
+    assert "ex2.approx.f32" in code["ptx"]
