@@ -38,13 +38,13 @@ check: $(SETUP)
 	$(PY) tools/nbtools.py check
 
 test: check
-	$(PY) -m pytest -q -p no:cacheprovider tests --nbval-lax --nbval-cell-timeout=1200 $(CHAPTERS)
+	SCAN_COURSE_FIGURES=$(CURDIR)/$(BUILD)/figures $(PY) -m pytest -q -p no:cacheprovider tests --nbval-lax --nbval-cell-timeout=1200 $(CHAPTERS)
 
 course: $(SETUP)
 	mkdir -p $(BUILD)/notebooks $(BUILD)/html
 	for nb in $(CHAPTERS); do \
 	  echo "== $$nb"; \
-	  $(PY) -m nbconvert --to notebook --execute --ExecutePreprocessor.timeout=3600 \
+	  SCAN_COURSE_FIGURES=$(CURDIR)/$(BUILD)/figures $(PY) -m nbconvert --to notebook --execute --ExecutePreprocessor.timeout=3600 \
 	    --output-dir $(BUILD)/notebooks "$$nb" || exit 1; \
 	done
 	$(PY) -m nbconvert --to html --output-dir $(BUILD)/html $(BUILD)/notebooks/*.ipynb

@@ -42,10 +42,12 @@ def describe() -> str:
 
 
 def figure_path(name: str) -> Path:
-    """Where a notebook saves a figure: the repository's figures/ folder, or ./figures elsewhere (Colab)."""
+    """Where a notebook saves a figure: $SCAN_COURSE_FIGURES if set (`make test` and `make course` set it,
+    so that a CPU run leaves the committed GPU figures alone), else the repository's figures/ folder,
+    or ./figures elsewhere (Colab)."""
     here = Path.cwd()
-    folder = (here.parent if here.name == "notebooks" else here) / "figures"
-    folder.mkdir(exist_ok=True)
+    folder = Path(os.environ.get("SCAN_COURSE_FIGURES") or (here.parent if here.name == "notebooks" else here) / "figures")
+    folder.mkdir(parents=True, exist_ok=True)
     return folder / name
 
 

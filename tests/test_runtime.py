@@ -55,6 +55,7 @@ def test_meta_tensor_rejected():
 
 def test_save_figure_is_deterministic(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("SCAN_COURSE_FIGURES", raising=False)
     contents = []
     for _ in range(2):
         fig, ax = plt.subplots()
@@ -63,6 +64,16 @@ def test_save_figure_is_deterministic(tmp_path, monkeypatch):
         contents.append((tmp_path / "figures" / "line.png").read_bytes())
         assert not plt.fignum_exists(fig.number)                # closed: not drawn a second time
     assert contents[0] == contents[1]
+
+
+def test_figures_go_where_scan_course_figures_says(tmp_path, monkeypatch):
+    """make test and make course set SCAN_COURSE_FIGURES so that a CPU run leaves figures/ alone."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("SCAN_COURSE_FIGURES", str(tmp_path / "elsewhere"))
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    save_figure(fig, "line.png")
+    assert (tmp_path / "elsewhere" / "line.png").exists() and not (tmp_path / "figures").exists()
 
 
 def truncate(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
