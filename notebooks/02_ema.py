@@ -76,13 +76,10 @@ print(f"EMA of a unit step after 1, 10, 50 samples: {climb[0]:.3f}, {climb[9]:.3
 # $$h_t = a_t\, h_{t-1} + b_t, \qquad h_{-1} = h^{\text{init}},$$
 #
 # with a *gate* $a_t$ that scales the previous state and a term $b_t$ added at step $t$. The EMA is
-# $a_t = \alpha$, $b_t = (1-\alpha)\,x_t$; in Mamba (chapter 05) $a_t$ and $b_t$ are computed from
-# the input. Computing $b_t$ from $x_t$ is elementwise; only the recurrence is sequential, so it is
-# all the kernels have to solve. The functions take `gates` ($a_t$) and `tokens` ($b_t$), the
-# argument names of chapter 03's `linear_scan`, as tensors of shape (..., L), and scan the last
-# dimension, with an optional initial state and an optional **reverse** direction,
-# $h_t = a_t h_{t+1} + b_t$, running from the end. The float64 loop below is the reference for
-# every check; it is exported, with the rest of this chapter's pieces, to `scan_lib.ema`.
+# $a_t = \alpha$, $b_t = (1-\alpha)\,x_t$; in Mamba (chapter 05) both are computed from the input.
+# The float64 loop below, the reference for every check, takes `gates` ($a_t$) and `tokens` ($b_t$)
+# of shape (..., L), an optional initial state, and an optional **reverse** direction,
+# $h_t = a_t h_{t+1} + b_t$, running from the end.
 
 # %%
 #| export
@@ -130,8 +127,7 @@ print("the EMA is the linear scan with gates a_t = alpha and tokens b_t = (1 - a
 # $$(a_p, b_p) \bullet (a_q, b_q) = (a_p a_q,\; a_q b_p + b_q).$$
 #
 # The state $h_t$ is the second component of $(a_0, a_0 h^{\text{init}} + b_0) \bullet (a_1, b_1)
-# \bullet \dots \bullet (a_t, b_t)$: an inclusive scan with $\bullet$. The pair $(1, 0)$, the map
-# $h \mapsto h$, is its identity, which is what we pad blocks with.
+# \bullet \dots \bullet (a_t, b_t)$: an inclusive scan with $\bullet$, whose identity is $(1, 0)$.
 #
 # **Associativity.** For three steps $p, q, r$:
 #
@@ -142,13 +138,10 @@ print("the EMA is the linear scan with gates a_t = alpha and tokens b_t = (1 - a
 #   = \big(a_p a_q a_r,\ a_q a_r b_p + a_r b_q + b_r\big),
 # \end{aligned}$$
 #
-# equal because real multiplication commutes. Another way to see it: the step is the matrix
-# $M(a, b) = \begin{pmatrix} a & b \\ 0 & 1 \end{pmatrix}$ acting on $(h, 1)^\top$, composing steps is
-# multiplying matrices, $M(a_q, b_q)\,M(a_p, b_p) = M\big((a_p,b_p)\bullet(a_q,b_q)\big)$, and matrix
-# multiplication is associative. It is *not* commutative: $p \bullet q \ne q \bullet p$ in general,
-# so the order of the operands matters everywhere below.
-#
-# The operator the kernels use:
+# equal because real multiplication commutes. Equivalently, the step is the matrix
+# $M(a, b) = \begin{pmatrix} a & b \\ 0 & 1 \end{pmatrix}$ acting on $(h, 1)^\top$,
+# $M(a_q, b_q)\,M(a_p, b_p) = M\big((a_p,b_p)\bullet(a_q,b_q)\big)$, and matrix products are
+# associative. They are *not* commutative: $p \bullet q \ne q \bullet p$, so operand order matters.
 
 # %%
 #| export
@@ -167,9 +160,9 @@ def first_order_op(a_left, b_left, a_right, b_right):
     return a_left * a_right, a_right * b_left + b_right
 
 # %% [markdown]
-# A `@triton.jit` function is launched only from inside a kernel, but it keeps the plain Python
-# function it was made from as `.fn`. Its body is arithmetic that PyTorch tensors understand too, so
-# the plain-PyTorch checks below run the very operator the kernels use, not a copy of it:
+# A `@triton.jit` function keeps the plain Python function it was made from as `.fn`. Its body is
+# arithmetic that PyTorch tensors understand too, so the checks below run the very operator the
+# kernels use, not a copy:
 
 # %%
 compose = first_order_op.fn  # (a_left, b_left, a_right, b_right) -> the composed pair, on tensors
@@ -190,11 +183,10 @@ print("M(q) @ M(p) == M(p . q) on 1000 random pairs: ok;  p . q != q . p: ok (or
 # %% [markdown]
 # ### A property test for associativity
 #
-# A proof on paper is good; a test that fails if the *code* has a typo is better. `is_associative`
-# draws random triples and compares both groupings in float64. We run it on the right operator and
-# on a tempting wrong one, `broken`, which keeps only the later gate instead of the product. This
-# test matters: a kernel using `broken` passes every check on Triton's CPU interpreter, and fails only
-# on a GPU ("Going deeper" shows why).
+# A test that fails if the *code* has a typo: `is_associative` compares both groupings on random
+# float64 triples. It accepts the operator and rejects a tempting wrong one, `broken`, which keeps
+# only the later gate. This test matters: a kernel using `broken` passes every check on Triton's CPU
+# interpreter and fails only on a GPU ("Going deeper" shows why).
 
 # %%
 #| export
@@ -230,11 +222,10 @@ for name, op in [("compose", compose), ("broken", broken)]:
 # ## 3. One block: `tl.associative_scan` over pairs
 #
 # `tl.associative_scan(values, axis, combine_fn)` scans a block along `axis`. Given a *tuple* of
-# tensors it scans them together, calling `combine_fn` with twice as many arguments (the earlier
-# element's, then the later one's), here `first_order_op(a_left, b_left, a_right, b_right)`, and
-# returns the scanned tuple. One program scans one row held in one block. The block is a power of
-# two, so the padding past the row's end must not change the result: we load the **identity pair**
-# $(1, 0)$ there (`other=1.0` for gates, `other=0.0` for tokens) and mask the store.
+# tensors it scans them together, calling `combine_fn` with the earlier element's values, then the
+# later one's, and returns the scanned tuple. One program scans one row held in one block; the
+# padding up to the power of two holds the **identity pair** $(1, 0)$ (`other=1.0` for gates,
+# `other=0.0` for tokens), so it changes nothing, and the store is masked.
 
 # %%
 @triton.jit
@@ -270,22 +261,17 @@ for length in [1, 7, 129, 1000]:
 # ## 4. Any length: chunks and a carried state
 #
 # One block cannot hold a long row (registers run out past a few thousand elements), so one
-# program walks its row **chunk by chunk, in order**, and carries the state from chunk to chunk in a
-# register: the $h$ at the end of one chunk is the $h^{\text{init}}$ of the next. Inside a chunk,
-# `tl.associative_scan` still does the work in parallel across the block's threads, and every element
-# is read once and written once, in one launch. The parallelism across the sequence is given up, but
-# the rows are many: a Mamba layer scans batch $\times$ dim rows, enough programs to keep a GPU busy.
-# ("Going deeper" below compares this with chapter 01's three-phase scan.)
+# program walks its row **chunk by chunk, in order**, and carries the state in a register: the $h$ at
+# the end of one chunk is the $h^{\text{init}}$ of the next. Inside a chunk `tl.associative_scan`
+# still works in parallel, and every element is read once and written once. The parallelism along
+# the sequence is given up, but the rows are many (batch $\times$ dim in a Mamba layer).
 #
-# The carried state enters a chunk by being **folded into its first pair**,
-# $(a_0, b_0) \to (a_0,\ a_0 h^{\text{in}} + b_0)$, which is $(1, h^{\text{in}}) \bullet (a_0, b_0)$; the
-# chunk is then scanned as it is, and the state leaving it is the scanned value at its last position.
-# Padding with the identity $(1, 0)$ carries a state through unchanged, so that last position may be
-# padding. The **reverse** direction is the same picture read from the right: the program visits the
-# chunks from the last one, the state enters each chunk at its last element and leaves at its first,
-# and the chunk is scanned right to left, which `tl.associative_scan(..., reverse=True)` does. The
-# combine operator does not change: in a reverse scan, Triton's left operand is the one that comes
-# earlier *in scan order*, that is, later in memory.
+# The state enters a chunk **folded into its first pair**, $(a_0, b_0) \to (a_0,\ a_0 h^{\text{in}} + b_0)$,
+# which is $(1, h^{\text{in}}) \bullet (a_0, b_0)$; it leaves as the scanned value at the chunk's last
+# position (padding, the identity, carries it through unchanged). The **reverse** direction is the
+# same picture read from the right: chunks from the last one, each scanned right to left by
+# `tl.associative_scan(..., reverse=True)`, with the same operator (Triton's left operand is the one
+# earlier *in scan order*, so later in memory).
 
 # %%
 def draw_carried_state(length=12, chunk=4):
@@ -318,16 +304,14 @@ def draw_carried_state(length=12, chunk=4):
 save_figure(draw_carried_state(), "ema_carried_state.png")
 
 # %% [markdown]
-# `scan_chunk` scans one chunk from a carried state and returns the state that leaves it. Two
-# `tl.where` tricks do the work at a single position of the block: `tl.where(idx == entry, a * carry + b, b)`
-# rewrites only the entry element (the fold above), and `tl.sum(tl.where(idx == leave, h, 0.0))`
-# picks the leaving element out of the block as a scalar (every other element contributes zero).
-# `chunk_positions` gives the memory positions a chunk covers in either direction, and the kernel
-# loops over the chunks (`tl.range` is a `for` loop over a runtime count, so one compiled kernel serves
-# every length). Loads are converted to an accumulator type `ACC`, float32 for float16, bfloat16 and
-# float32 inputs and float64 for float64, and the output is rounded once, on the store, to the input's
-# dtype. The arguments `REVERSED_LOADS` and `STAGES` are performance options explained in "Going
-# deeper"; with their defaults the kernel is exactly the picture above.
+# `scan_chunk` scans one chunk from a carried state. Two `tl.where` tricks act on a single position:
+# `tl.where(idx == entry, a * carry + b, b)` rewrites only the entry element (the fold), and
+# `tl.sum(tl.where(idx == leave, h, 0.0))` picks the leaving element out as a scalar (all others add
+# zero). `chunk_positions` gives the memory positions of the $k$-th chunk in either direction; the
+# kernel loops over chunks with `tl.range` (a loop over a runtime count: one compiled kernel serves
+# every length). It computes in an accumulator type `ACC` (float32, or float64 for float64 inputs) and
+# rounds once, on the store, to the input's dtype. `REVERSED_LOADS` and `STAGES` are performance
+# options ("Going deeper"); with their defaults the kernel is exactly the picture above.
 
 # %%
 #| export
@@ -430,8 +414,8 @@ def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=Non
 # %% [markdown]
 # ## 5. Checks, with tolerances derived from the dtype and the length
 #
-# We compare the kernel with the float64 loop run on the *same* inputs (rounded to the kernel's
-# dtype first), so what is left is the kernel's own rounding. It has two sources:
+# We compare the kernel with the float64 loop on the *same* (already rounded) inputs, so what is
+# left is the kernel's own rounding. It has two sources:
 #
 # - the output is rounded once to the input dtype: at most $u_{\text{out}}|h_t|$, with $u_{\text{out}}$
 #   the unit roundoff ($2^{-11}$ for float16, $2^{-8}$ for bfloat16, 0 when the output keeps the
@@ -514,9 +498,8 @@ for length in [1, 7, 129, 1000, 4097]:
 print("every length, chunk, direction and initial state: error within the bound")
 
 # %% [markdown]
-# Low precision: float16 and bfloat16 inputs are scanned in float32 and rounded once on the way out,
-# so their bound is dominated by one rounding of the output, not a rounding per step; float64 inputs
-# are scanned in float64. The gates are close to 1 (long memory), the hard case for rounding.
+# Every dtype, with gates close to 1 (long memory, the hard case for rounding): float16 and bfloat16
+# are scanned in float32, so one output rounding dominates their bound.
 
 # %%
 torch.manual_seed(5)
@@ -553,11 +536,10 @@ assert ratio_acc16 > 1 and ratio_no_carry > 1
 # Back to where we started, now with the kernel: gates $a_t = \alpha$ and tokens $b_t = (1-\alpha)x_t$.
 # A causal EMA lags behind the signal: for a sine of angular frequency $\omega$ the lag is
 # $\arctan\!\big(\alpha \sin\omega / (1 - \alpha\cos\omega)\big)/\omega$ samples (the phase of
-# $(1-\alpha)/(1-\alpha e^{-i\omega})$), about $\alpha/(1-\alpha)$ for slow signals. The reverse EMA
-# (same gates, `reverse=True`) leads by about as much, and running the reverse scan on the output of
-# the forward one cancels the lag, like a zero-phase filter. The cell measures each lag by
-# cross-correlating with the clean sine and prints it next to the theory. (The noise is drawn on the
-# CPU, so a GPU run smooths the same signal.)
+# $(1-\alpha)/(1-\alpha e^{-i\omega})$). The reverse EMA (`reverse=True`) leads by about as much, and
+# the reverse scan of the forward one cancels the lag, like a zero-phase filter. The cell measures
+# the lags by cross-correlation and prints them next to the theory (the noise is drawn on the CPU,
+# so every device smooths the same signal).
 
 # %%
 gen = torch.Generator().manual_seed(6)
@@ -602,10 +584,9 @@ save_figure(fig, "ema_noisy_signal.png")
 # %% [markdown]
 # ## 7. Speed
 #
-# A scan reads the gates and the tokens and writes the states: its floor is the time to move those
-# three arrays at the copy bandwidth of chapter 00. On a GPU the cell times the forward scan and the
-# two ways of scanning in reverse ("Going deeper" explains them), and prints each as a fraction of
-# the floor. Chapter 03 benchmarks the differentiable `linear_scan` against other implementations.
+# A scan reads the gates and tokens and writes the states: its floor is moving those three arrays at
+# chapter 00's copy bandwidth. On a GPU the cell times the forward scan and the two ways of scanning
+# in reverse ("Going deeper"), against that floor. Chapter 03 benchmarks the differentiable version.
 
 # %%
 if not ON_GPU:
