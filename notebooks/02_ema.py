@@ -277,25 +277,21 @@ for length in [1, 7, 129, 1000]:
 def draw_carried_state(length=12, chunk=4):
     """The state carried between the chunks of one row, forward (top) and reverse (bottom)."""
     fig, ax = plt.subplots(figsize=(7, 2.8))
-    colors = ["#cfe2f3", "#d9ead3", "#fce5cd", "#ead1dc"]
     for y, reverse in [(1.6, False), (0.0, True)]:
         for t in range(length):
-            ax.add_patch(plt.Rectangle((t, y), 0.9, 0.7, facecolor=colors[t // chunk], edgecolor="0.3"))
+            ax.add_patch(plt.Rectangle((t, y), 0.9, 0.7, facecolor=f"C{t // chunk}", alpha=0.3, edgecolor="0.3"))
             ax.text(t + 0.45, y + 0.35, f"{t}", ha="center", va="center", fontsize=8)
-        order = range(length // chunk - 1, 0, -1) if reverse else range(1, length // chunk)
-        for k in order:
-            start, end = (k * chunk - 1, k * chunk) if not reverse else (k * chunk, k * chunk - 1)
-            ax.annotate("", xy=(end + 0.45, y + 0.72), xytext=(start + 0.45, y + 0.72),
-                        arrowprops=dict(arrowstyle="->", connectionstyle="arc3,rad=-0.6" if not reverse else "arc3,rad=0.6", color="C3", lw=1.5))
-            ax.text((start + end) / 2 + 0.45, y + 1.05, "h", color="C3", ha="center", fontsize=9)
-        first = 0 if not reverse else length - 1
-        ax.annotate("", xy=(first + 0.45, y + 0.72), xytext=(first + 0.45 + (-1.2 if not reverse else 1.2), y + 1.15),
-                    arrowprops=dict(arrowstyle="->", color="C0", lw=1.5))
-        ax.text(first + 0.45 + (-1.3 if not reverse else 1.3), y + 1.2, r"$h^{init}$", color="C0", ha="center", fontsize=9)
-        label = "reverse: chunks from the right,\neach scanned right to left" if reverse else "forward: chunks from the left,\neach scanned left to right"
-        ax.text(length + 0.4, y + 0.35, label, va="center", fontsize=8)
-    ax.set_xlim(-1.8, length + 4.6)
-    ax.set_ylim(-0.2, 3.0)
+        arrow = dict(arrowstyle="->", color="C3", lw=1.5, connectionstyle=f"arc3,rad={0.6 if reverse else -0.6}")
+        for k in range(1, length // chunk):  # the state leaves one chunk and enters the next in scan order
+            leave, enter = (k * chunk, k * chunk - 1) if reverse else (k * chunk - 1, k * chunk)
+            ax.annotate("", xy=(enter + 0.45, y + 0.72), xytext=(leave + 0.45, y + 0.72), arrowprops=arrow)
+            ax.text(k * chunk - 0.05, y + 1.05, "h", color="C3", ha="center", fontsize=9)
+        first, side = (length - 1, 1) if reverse else (0, -1)
+        ax.annotate(r"$h^{init}$", xy=(first + 0.45, y + 0.72), xytext=(first + 0.45 + 1.3 * side, y + 1.2), color="C0",
+                    ha="center", fontsize=9, arrowprops=dict(arrowstyle="->", color="C0", lw=1.5))
+        how = "reverse: chunks from the right,\neach scanned right to left" if reverse else "forward: chunks from the left,\neach scanned left to right"
+        ax.text(length + 0.4, y + 0.35, how, va="center", fontsize=8)
+    ax.set(xlim=(-1.8, length + 4.6), ylim=(-0.2, 3.0))
     ax.axis("off")
     ax.set_title(f"One program per row: {length // chunk} chunks of {chunk}, the state h carried in a register", fontsize=9)
     return fig
@@ -457,7 +453,7 @@ def error_bound(gates, tokens, initial_state=None, reverse=False, dtype=None):
     steps = linear_scan_loop(gates.abs(), magnitude, None, reverse)  # each term weighted by t - s + 1
     second_order = 1 + 4 * (length + depth) * u_acc
     return (u_out * h.abs() + u_out * torch.finfo(dtype).tiny
-            + 2 * u_acc * second_order * (steps + depth * magnitude))
+            + 2 * u_acc * (1 + u_out) * second_order * (steps + depth * magnitude))
 
 
 def error_ratio(h, gates, tokens, initial_state=None, reverse=False) -> float:
@@ -488,7 +484,7 @@ for length in [1, 7, 129, 1000, 4097]:
             for reversed_loads in ([False, True] if reverse else [False]):
                 how = ("descending loads" if reversed_loads else "reverse=True") if reverse else "no"
                 config_ck = {**FWD_CONFIG, "reversed_loads": reversed_loads}
-                for chunk in [16, 128, 1024] if length <= 1000 or ON_GPU else [128, 1024]:
+                for chunk in [16, 128, 1024] if length <= 1000 or ON_GPU else [1024]:
                     h_ck = linear_scan_rows(gates_ck, tokens_ck, init, reverse=reverse, chunk=chunk, config=config_ck)
                     ratio = ((h_ck.double() - expected_ck).abs() / bound_ck).max().item()
                     assert ratio <= 1, (length, chunk, how, init is not None, ratio)

@@ -155,7 +155,7 @@ def error_bound(gates, tokens, initial_state=None, reverse=False, dtype=None):
     steps = linear_scan_loop(gates.abs(), magnitude, None, reverse)  # each term weighted by t - s + 1
     second_order = 1 + 4 * (length + depth) * u_acc
     return (u_out * h.abs() + u_out * torch.finfo(dtype).tiny
-            + 2 * u_acc * second_order * (steps + depth * magnitude))
+            + 2 * u_acc * (1 + u_out) * second_order * (steps + depth * magnitude))
 
 
 def error_ratio(h, gates, tokens, initial_state=None, reverse=False) -> float:
