@@ -415,7 +415,8 @@ def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=Non
 #
 # - the output is rounded once to the input dtype: at most $u_{\text{out}}|h_t|$, with $u_{\text{out}}$
 #   the unit roundoff ($2^{-11}$ for float16, $2^{-8}$ for bfloat16, 0 when the output keeps the
-#   accumulator type);
+#   accumulator type; Triton 3.6's CPU interpreter truncates to bfloat16 instead of rounding, so
+#   there the bound allows $2^{-7}$);
 # - each multiply and add in the accumulator type has relative error at most $u_{\text{acc}}$
 #   ($2^{-24}$ in float32, $2^{-53}$ in float64). The term $b_s$ reaches $h_t$ through $t-s$ gate
 #   multiplications and $t-s+1$ additions, and in a tree through at most one multiply and one add per
@@ -426,9 +427,9 @@ def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=Non
 #
 # with the initial state as the term $b_{-1}$. The sum is two scans of absolute values:
 # $S = \mathrm{scan}(|a|, |b|)$ is $\sum_s P_{s,t}|b_s|$ and $\mathrm{scan}(|a|, S)$ is
-# $\sum_s (t-s+1) P_{s,t}|b_s|$. The bound holds element by element, so it is tight where $|h_t|$ is
-# small as well as where it is large; the end of this section shows that a kernel accumulating in
-# float16, or one that forgets the carry, fails it.
+# $\sum_s (t-s+1) P_{s,t}|b_s|$. The bound holds element by element, so a small $|h_t|$ gets a small
+# tolerance too; the end of this section shows that a kernel accumulating in float16, or one that
+# forgets the carry, fails it.
 
 # %%
 #| export
@@ -615,7 +616,7 @@ else:
 #   and the launcher `linear_scan_rows` with its launch parameters `FWD_CONFIG`: one program per row,
 #   chunks in order, the state carried in a register and folded into each chunk's first pair in scan
 #   order, with an initial state and the reverse direction; and the checks `linear_scan_loop`,
-#   `error_bound` and `is_associative`.
+#   `error_bound` (with `error_ratio`) and `is_associative`.
 # - Chapter 03 derives the gradients, finds that the backward pass is the same scan run the other way,
 #   and wraps both into the differentiable `scan_lib.linear_scan`.
 
