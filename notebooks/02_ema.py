@@ -754,13 +754,15 @@ print(f"first_order_op: (p.q).r == p.(q.r) on {n_triples} random float64 triples
 # Associativity holds for real numbers, not for IEEE's infinities. The recurrence applied step by
 # step to the gates $0, \infty$ computes $\infty\cdot(0 \cdot h + b_1) + b_2$, which is $\pm\infty$ for
 # a finite state $h$. A tree may first compose the two steps, and their gate is $0 \cdot \infty =$ NaN,
-# which then turns the state into NaN. No select in the operator can fix this in general (after two
-# infinite gates a negative state gives $-\infty$ step by step and $-\infty + \infty =$ NaN in the
-# tree), so `first_order_op` keeps the plain formula and its docstring says what it gives: with finite
-# gates and tokens the recurrence up to rounding, in any grouping; with infinite gates, possibly NaN on
-# a GPU where the recurrence gives $\pm\infty$. The interpreter folds left to right, which is the
-# recurrence step by step, so on the CPU the kernel gives the loop's values. Here both, on a row
-# whose gate 0 is followed by an infinite one:
+# which then turns the state into NaN. A select, `tl.where(a_left == 0, 0, a_left * a_right)`, would
+# mend this one case but not infinities in general (after two infinite gates a negative state gives
+# $-\infty$ step by step, and $-\infty + \infty =$ NaN in a tree), and it would stop
+# `first_order_op.fn` from running on PyTorch tensors (`tl.where` exists only inside a kernel). So
+# `first_order_op` keeps the plain formula and its docstring says what it gives: with finite gates
+# and tokens the recurrence up to rounding, in any grouping; with infinite gates, possibly NaN on a GPU
+# where the recurrence gives $\pm\infty$. The interpreter folds left to right, which is the
+# recurrence step by step, so on the CPU the kernel gives the loop's values. Both, on a row whose
+# gate 0 is followed by an infinite one:
 
 # %%
 gates_inf = torch.tensor([[0.5, 0.0, math.inf, 0.5, 0.5]], dtype=torch.float64)
