@@ -13,17 +13,12 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/02_ema.ipynb)
 #
-# Chapter 01 scanned with `+`. This chapter scans with something that does not look like it can be
-# scanned at all: a recurrence whose next value *multiplies* the previous one. By the end you will
-#
-# - write the exponential moving average (EMA) and its generalisation
-#   $h_t = a_t h_{t-1} + b_t x_t$ as a plain loop, the reference for everything after;
-# - turn one step of it into a **pair** $(a, b)$, compose pairs, and prove the composition is
-#   associative (twice: by algebra and by $2\times2$ matrices), then *test* it in plain PyTorch;
-# - see why a test on Triton's CPU interpreter alone would not catch a wrong combine operator;
-# - scan pairs with `tl.associative_scan` in one block, then over any length with a carried state,
-#   an initial state, and in reverse. The blocked kernel is exported to `scan_lib.ema`; chapter 03
-#   adds its backward pass and wraps both as `scan_lib.linear_scan`.
+# Chapter 01 scanned with `+`. This chapter scans a recurrence whose next value *multiplies* the
+# previous one, $h_t = a_t h_{t-1} + b_t$, of which the exponential moving average (EMA) is the
+# simplest case. The trick is to scan *steps* instead of values: a step is a pair $(a_t, b_t)$, and
+# pairs compose associatively. We prove that, test it in plain PyTorch, scan pairs in one Triton
+# block, then over any length with a state carried from chunk to chunk, in both directions. The
+# blocked kernel is exported to `scan_lib.ema`; chapter 03 adds its backward pass.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -58,7 +53,7 @@ from scan_lib.runtime import save_figure
 # $$h_t = \alpha\, h_{t-1} + (1-\alpha)\, x_t, \qquad h_{-1} = 0 .$$
 #
 # Unrolled, $h_t = (1-\alpha)\sum_{s \le t} \alpha^{t-s} x_s$: old samples fade geometrically.
-# The loop below is the definition; it runs in float64 and is the reference we test against.
+# The loop below is the definition.
 
 # %%
 def ema_loop(x: list[float], alpha: float) -> list[float]:
@@ -76,29 +71,33 @@ assert all(abs(h - (1 - 0.9 ** (t + 1))) < 1e-12 for t, h in enumerate(climb))
 print(f"EMA of a unit step after 1, 10, 50 samples: {climb[0]:.3f}, {climb[9]:.3f}, {climb[49]:.3f}")
 
 # %% [markdown]
-# ### The general first-order recurrence
+# Let the coefficients change with the position and we get the **first-order linear recurrence**
 #
-# Let every coefficient change with the position, and read the state out through one more
-# coefficient:
+# $$h_t = a_t\, h_{t-1} + b_t, \qquad h_{-1} = h^{\text{init}},$$
 #
-# $$h_t = a_t\, h_{t-1} + b_t\, x_t, \qquad y_t = c_t\, h_t, \qquad h_{-1} = h_0^{\text{init}} .$$
-#
-# The EMA is $a_t = \alpha$, $b_t = 1-\alpha$, $c_t = 1$. Mamba's selective scan (chapter 05) is this
-# recurrence with $a_t, b_t, c_t$ computed from the input. Only the line for $h$ is sequential:
-# $u_t = b_t x_t$ and $y_t = c_t h_t$ are elementwise. So the kernel problem is the **linear scan**
-#
-# $$h_t = a_t\, h_{t-1} + u_t ,$$
-#
-# with *gates* $a_t$ and *tokens* $u_t$. Here is its reference for tensors of shape (..., L), scanning
-# the last dimension, with an optional initial state and an optional reverse direction
-# ($h_t = a_t h_{t+1} + u_t$, running from the end).
+# with a *gate* $a_t$ that scales the previous state and a term $b_t$ added at step $t$. The EMA is
+# $a_t = \alpha$, $b_t = (1-\alpha)\,x_t$; in Mamba (chapter 05) both are computed from the input.
+# The float64 loop below, the reference for every check, takes `gates` ($a_t$) and `tokens` ($b_t$)
+# of shape (..., L), an optional initial state, and an optional **reverse** direction,
+# $h_t = a_t h_{t+1} + b_t$, running from the end.
 
 # %%
+#| export
+"""The first-order (linear) scan h_t = a_t * h_{t-1} + b_t: its combine operator, forward kernels and checks."""
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from scan_lib.runtime import INTERPRET
+
+
 def linear_scan_loop(gates, tokens, initial_state=None, reverse=False):
-    """h_t = gates_t * h_{t-1} + tokens_t along the last dim (reverse: h_{t+1}), in float64."""
+    """h_t = gates_t * h_{t-1} + tokens_t along the last dim (reverse: h_{t+1}), in float64: the reference."""
     if reverse:
         return linear_scan_loop(gates.flip(-1), tokens.flip(-1), initial_state).flip(-1)
-    gates, tokens = gates.double(), tokens.double()
+    gates, tokens = torch.broadcast_tensors(gates.double(), tokens.double())
     h = torch.zeros_like(tokens[..., 0]) if initial_state is None else initial_state.double()
     states = []
     for t in range(tokens.shape[-1]):
@@ -106,87 +105,71 @@ def linear_scan_loop(gates, tokens, initial_state=None, reverse=False):
         states.append(h)
     return torch.stack(states, dim=-1)  # (..., L)
 
-
+# %%
+alpha = 0.9
 samples = torch.tensor(steps, dtype=torch.float64)
-ema_as_scan = linear_scan_loop(torch.full_like(samples, 0.9), 0.1 * samples)
+ema_as_scan = linear_scan_loop(torch.full_like(samples, alpha), (1 - alpha) * samples)
 assert torch.allclose(ema_as_scan, torch.tensor(climb, dtype=torch.float64))
-print("the EMA is the linear scan with gates = alpha and tokens = (1 - alpha) * x: ok")
+print("the EMA is the linear scan with gates a_t = alpha and tokens b_t = (1 - alpha) * x_t: ok")
 
 # %% [markdown]
 # ## 2. One step is a pair, and pairs compose
 #
 # A cumulative sum can be split anywhere because $+$ is associative. The recurrence looks
 # sequential: $h_t$ needs $h_{t-1}$. The way out is to stop thinking about the *value* $h$ and think
-# about the *step*: step $t$ is the affine map
+# about the *step*: step $t$ is the affine map $h \mapsto a_t h + b_t$, which we store as the pair
+# $(a_t, b_t)$. Doing a step $p = (a_p, b_p)$ and then a later step $q = (a_q, b_q)$ is again an affine map,
 #
-# $$f_t(h) = a_t h + u_t ,$$
-#
-# which we store as the pair $(a_t, u_t)$. Doing one step $p = (a_p, b_p)$ and then a later step
-# $q = (a_q, b_q)$ is again an affine map:
-#
-# $$q(p(h)) = a_q (a_p h + b_p) + b_q = (a_p a_q)\,h + (a_q b_p + b_q),$$
+# $$a_q (a_p h + b_p) + b_q = (a_p a_q)\,h + (a_q b_p + b_q),$$
 #
 # so we define the **combine operator** on pairs, earlier operand on the left:
 #
 # $$(a_p, b_p) \bullet (a_q, b_q) = (a_p a_q,\; a_q b_p + b_q).$$
 #
-# The state after step $t$ is the second component of $(a_0, u_0 + a_0 h^{\text{init}}) \bullet
-# (a_1, u_1) \bullet \dots \bullet (a_t, u_t)$: an inclusive scan with $\bullet$. The pair $(1, 0)$
-# (the map $h \mapsto h$) is its identity, which is what we pad blocks with.
+# The state $h_t$ is the second component of $(a_0, a_0 h^{\text{init}} + b_0) \bullet (a_1, b_1)
+# \bullet \dots \bullet (a_t, b_t)$: an inclusive scan with $\bullet$, whose identity is $(1, 0)$.
 #
-# **Associativity, by algebra.** For three steps $p, q, r$:
+# **Associativity.** For three steps $p, q, r$:
 #
 # $$\begin{aligned}
 # (p \bullet q) \bullet r &= (a_p a_q,\ a_q b_p + b_q) \bullet (a_r, b_r)
 #   = \big(a_p a_q a_r,\ a_r a_q b_p + a_r b_q + b_r\big),\\
 # p \bullet (q \bullet r) &= (a_p, b_p) \bullet (a_q a_r,\ a_r b_q + b_r)
-#   = \big(a_p a_q a_r,\ a_q a_r b_p + a_r b_q + b_r\big).
+#   = \big(a_p a_q a_r,\ a_q a_r b_p + a_r b_q + b_r\big),
 # \end{aligned}$$
 #
-# Both are equal (real multiplication commutes). **Associativity, by matrices.** Write the step as
-# a $2\times2$ matrix acting on the column $(h, 1)^\top$:
-#
-# $$M(a, b) = \begin{pmatrix} a & b \\ 0 & 1 \end{pmatrix}, \qquad
-# M(a,b)\begin{pmatrix} h \\ 1\end{pmatrix} = \begin{pmatrix} a h + b \\ 1 \end{pmatrix},\qquad
-# M(a_q, b_q)\,M(a_p, b_p) = M\big((a_p,b_p)\bullet(a_q,b_q)\big).$$
-#
-# Composing steps is multiplying matrices (later on the left), and matrix multiplication is
-# associative. The pair is the compressed form of that matrix: its bottom row never changes.
-# (It is *not* commutative: $p \bullet q \ne q \bullet p$ in general, so the order of operands
-# matters everywhere below.)
-#
-# The operator Triton will use is exported now; the Mamba chapter imports it from here.
+# equal because real multiplication commutes. Equivalently, the step is the matrix
+# $M(a, b) = \begin{pmatrix} a & b \\ 0 & 1 \end{pmatrix}$ acting on $(h, 1)^\top$,
+# $M(a_q, b_q)\,M(a_p, b_p) = M\big((a_p,b_p)\bullet(a_q,b_q)\big)$, and matrix products are
+# associative. They are *not* commutative: $p \bullet q \ne q \bullet p$, so operand order matters.
 
 # %%
 #| export
-"""Forward kernels of the first-order (linear) scan h_t = a_t * h_{t-1} + u_t, built on one combine operator."""
-import torch
-import triton
-import triton.language as tl
-
-
 @triton.jit
 def first_order_op(a_left, b_left, a_right, b_right):
     """Compose two steps of h -> a*h + b: first the left (earlier) one, then the right (later) one.
 
     a_right * (a_left * h + b_left) + b_right = (a_left * a_right) * h + (a_right * b_left + b_right)
+
+    With finite gates and tokens a scan with this operator gives the recurrence up to rounding, in any
+    grouping. With infinite gates it need not: a zero gate followed later by an infinite one gives the
+    composed gate 0 * inf = NaN, so a tree scan (a GPU's) returns NaN where the recurrence, applied
+    step by step, gives +-inf or a finite value; a left-to-right fold (Triton's CPU interpreter) gives
+    the recurrence's values. See "Zero and infinite gates" in notebooks/02_ema.
     """
     return a_left * a_right, a_right * b_left + b_right
 
 # %% [markdown]
-# A `@triton.jit` function is launched only from inside a kernel, but it keeps the plain Python
-# function it was made from as `.fn`. Its body is arithmetic that PyTorch tensors understand too, so
-# the plain-PyTorch experiments below run the very operator the kernels use, not a copy of it:
+# A `@triton.jit` function keeps the plain Python function it was made from as `.fn`. Its body is
+# arithmetic that PyTorch tensors understand too, so the checks below run the very operator the
+# kernels use, not a copy:
 
 # %%
 compose = first_order_op.fn  # (a_left, b_left, a_right, b_right) -> the composed pair, on tensors
 
-# %% [markdown]
-# First the matrix view, numerically:
-
 # %%
 def step_matrix(a, b):
-    """The 2x2 matrix [[a, b], [0, 1]] of the step h -> a*h + b, for tensors a, b of shape (N,)."""
+    """The 2x2 matrix [[a, b], [0, 1]] of the step h -> a*h + b, for tensors a, b of shape (n,)."""
     return torch.stack([torch.stack([a, b], -1), torch.stack([torch.zeros_like(a), torch.ones_like(a)], -1)], -2)
 
 
@@ -200,24 +183,26 @@ print("M(q) @ M(p) == M(p . q) on 1000 random pairs: ok;  p . q != q . p: ok (or
 # %% [markdown]
 # ### A property test for associativity
 #
-# A proof on paper is good; a test that would fail if the *code* had a typo is better. The test
-# draws many random triples and compares both groupings in float64. We run it on the right operator
-# and on a tempting wrong one, `broken`, which forgets to multiply the gates and keeps only the later
-# one.
+# A test that fails if the *code* has a typo: `is_associative` compares both groupings on random
+# float64 triples. It accepts the operator and rejects a tempting wrong one, `broken`, which keeps
+# only the later gate. This test matters: a kernel using `broken` passes every check on Triton's CPU
+# interpreter and fails only on a GPU ("Going deeper" shows why).
 
 # %%
-def broken(a_left, b_left, a_right, b_right):
-    """A wrong combine: keeps only the later gate instead of the product of both."""
-    return a_right, a_right * b_left + b_right
-
-
+#| export
 def is_associative(op, n: int = 10_000, seed: int = 0) -> bool:
-    """Compare (p.q).r with p.(q.r) on n random triples of pairs, in float64."""
+    """Property test: (p.q).r == p.(q.r) on n random float64 triples of pairs; op works on tensors
+    (for a @triton.jit combine, pass its .fn)."""
     gen = torch.Generator().manual_seed(seed)
     p, q, r = (torch.randn(2, n, dtype=torch.float64, generator=gen) for _ in range(3))
     left = op(*op(*p, *q), *r)
     right = op(*p, *op(*q, *r))
     return all(torch.allclose(u, v, rtol=1e-12, atol=1e-12) for u, v in zip(left, right))
+
+# %%
+def broken(a_left, b_left, a_right, b_right):
+    """A wrong combine: keeps only the later gate instead of the product of both."""
+    return a_right, a_right * b_left + b_right
 
 
 def is_identity(op, n: int = 1000) -> bool:
@@ -234,18 +219,464 @@ for name, op in [("compose", compose), ("broken", broken)]:
     print(f"{name:10} {str(is_associative(op)):>12} {str(is_identity(op)):>15}")
 
 # %% [markdown]
-# ### Why the interpreter would not have caught `broken`
+# ## 3. One block: `tl.associative_scan` over pairs
 #
-# Folding left to right, one new step at a time, only ever combines an accumulated pair with a
-# *single* step, and for that `broken` gives the right state: the state part $a_q b_p + b_q$ is
-# correct, only the gate part is wrong, and a single step's gate is its own. A parallel scan also
-# combines two *accumulated* pairs, and then the wrong gate part poisons the result. Triton's CPU
-# interpreter folds `tl.associative_scan` left to right; the GPU combines in a tree. So a kernel using
-# `broken` passes every test on the CPU and fails on the GPU.
+# `tl.associative_scan(values, axis, combine_fn)` scans a block along `axis`. Given a *tuple* of
+# tensors it scans them together, calling `combine_fn` with the earlier element's values, then the
+# later one's, and returns the scanned tuple. One program scans one row held in one block; the
+# padding up to the power of two holds the **identity pair** $(1, 0)$ (`other=1.0` for gates,
+# `other=0.0` for tokens), so it changes nothing, and the store is masked.
+
+# %%
+@triton.jit
+def scan_one_block_kernel(GATES, TOKENS, H, length, BLOCK: tl.constexpr):
+    # GATES, TOKENS, H: rows x length contiguous, one program per row, BLOCK >= length
+    row = tl.program_id(0)
+    t = tl.arange(0, BLOCK)
+    mask = t < length
+    a = tl.load(GATES + row * length + t, mask=mask, other=1.0)  # BLOCK gates, identity past the end
+    b = tl.load(TOKENS + row * length + t, mask=mask, other=0.0)  # BLOCK tokens
+    _, h = tl.associative_scan((a, b), 0, first_order_op)
+    tl.store(H + row * length + t, h, mask=mask)
+
+
+def scan_one_block(gates, tokens):
+    """h for contiguous (rows, L) float32/float64 tensors, each row in a single block."""
+    rows, length = tokens.shape
+    h = torch.empty_like(tokens)
+    scan_one_block_kernel[(rows,)](gates, tokens, h, length, BLOCK=triton.next_power_of_2(length))
+    return h
+
+
+torch.manual_seed(3)
+print(f"{'L':>5} {'max abs err':>12}")
+for length in [1, 7, 129, 1000]:
+    gates_1b = torch.rand(3, length, device=DEVICE)
+    tokens_1b = torch.randn(3, length, device=DEVICE)
+    err = (scan_one_block(gates_1b, tokens_1b).double() - linear_scan_loop(gates_1b, tokens_1b)).abs().max().item()
+    print(f"{length:5} {err:12.2e}")
+    assert err < 1e-5  # section 5 replaces this fixed tolerance by one derived from dtype and length
+
+# %% [markdown]
+# ## 4. Any length: chunks and a carried state
 #
-# We can show this without a GPU. `scan_by_doubling` is the Hillis-Steele scan in plain PyTorch: in
-# round $k$ every position combines with the position $2^k$ to its left, so after $\lceil\log_2 L\rceil$
-# rounds each holds the composition of all steps up to it, grouped as a tree.
+# One block cannot hold a long row (registers run out past a few thousand elements), so one
+# program walks its row **chunk by chunk, in order**, and carries the state in a register: the $h$ at
+# the end of one chunk is the $h^{\text{init}}$ of the next. Inside a chunk `tl.associative_scan`
+# still works in parallel, and every element is read once and written once. The parallelism along
+# the sequence is given up, but the rows are many (batch $\times$ dim in a Mamba layer).
+#
+# The state enters a chunk **folded into its first pair**, $(a_0, b_0) \to (a_0,\ a_0 h^{\text{in}} + b_0)$,
+# which is $(1, h^{\text{in}}) \bullet (a_0, b_0)$; it leaves as the scanned value at the chunk's last
+# position (padding, the identity, carries it through unchanged). The **reverse** direction is the
+# same picture read from the right: chunks from the last one, each scanned right to left by
+# `tl.associative_scan(..., reverse=True)`, with the same operator (Triton's left operand is the one
+# earlier *in scan order*, so later in memory).
+
+# %%
+def draw_carried_state(length=12, chunk=4):
+    """The state carried between the chunks of one row, forward (top) and reverse (bottom)."""
+    fig, ax = plt.subplots(figsize=(7, 2.8))
+    for y, reverse in [(1.6, False), (0.0, True)]:
+        for t in range(length):
+            ax.add_patch(plt.Rectangle((t, y), 0.9, 0.7, facecolor=f"C{t // chunk}", alpha=0.3, edgecolor="0.3"))
+            ax.text(t + 0.45, y + 0.35, f"{t}", ha="center", va="center", fontsize=8)
+        arrow = dict(arrowstyle="->", color="C3", lw=1.5, connectionstyle=f"arc3,rad={0.6 if reverse else -0.6}")
+        for k in range(1, length // chunk):  # the state leaves one chunk and enters the next in scan order
+            leave, enter = (k * chunk, k * chunk - 1) if reverse else (k * chunk - 1, k * chunk)
+            ax.annotate("", xy=(enter + 0.45, y + 0.72), xytext=(leave + 0.45, y + 0.72), arrowprops=arrow)
+            ax.text(k * chunk - 0.05, y + 1.05, "h", color="C3", ha="center", fontsize=9)
+        first, side = (length - 1, 1) if reverse else (0, -1)
+        ax.annotate(r"$h^{init}$", xy=(first + 0.45, y + 0.72), xytext=(first + 0.45 + 1.3 * side, y + 1.2), color="C0",
+                    ha="center", fontsize=9, arrowprops=dict(arrowstyle="->", color="C0", lw=1.5))
+        how = "reverse: chunks from the right,\neach scanned right to left" if reverse else "forward: chunks from the left,\neach scanned left to right"
+        ax.text(length + 0.4, y + 0.35, how, va="center", fontsize=8)
+    ax.set(xlim=(-1.8, length + 4.6), ylim=(-0.2, 3.0))
+    ax.axis("off")
+    ax.set_title(f"One program per row: {length // chunk} chunks of {chunk}, the state h carried in a register", fontsize=9)
+    return fig
+
+
+save_figure(draw_carried_state(), "ema_carried_state.png")
+
+# %% [markdown]
+# `scan_chunk` scans one chunk from a carried state. Two `tl.where` tricks act on a single position:
+# `tl.where(idx == entry, a * carry + b, b)` rewrites only the entry element (the fold), and
+# `tl.sum(tl.where(idx == leave, h, 0.0))` picks the leaving element out as a scalar (all others add
+# zero). `chunk_positions` gives the memory positions of the $k$-th chunk in either direction; the
+# kernel loops over chunks with `tl.range` (a loop over a runtime count: one compiled kernel serves
+# every length). It computes in an accumulator type `ACC` (float32, or float64 for float64 inputs) and
+# rounds once, on the store, to the input's dtype. `REVERSED_LOADS` and `STAGES` are performance
+# options ("Going deeper"); with their defaults the kernel is exactly the picture above.
+
+# %%
+#| export
+@triton.jit
+def scan_chunk(a, b, carry, REVERSE: tl.constexpr):
+    """Scan one chunk of pairs (a, b) starting from the state `carry`; return (h, state leaving the chunk).
+
+    a, b: CHUNK values (identity pairs (1, 0) in the padding); carry: a scalar.
+    Forward, the state enters at position 0 and leaves at CHUNK - 1; in reverse, the other way round.
+    """
+    CHUNK: tl.constexpr = a.shape[0]
+    idx = tl.arange(0, CHUNK)
+    entry: tl.constexpr = CHUNK - 1 if REVERSE else 0
+    leave: tl.constexpr = 0 if REVERSE else CHUNK - 1
+    b = tl.where(idx == entry, a * carry + b, b)  # fold the carried state into the entry pair
+    _, h = tl.associative_scan((a, b), 0, first_order_op, reverse=REVERSE)
+    return h, tl.sum(tl.where(idx == leave, h, 0.0), axis=0)
+
+
+@triton.jit
+def chunk_positions(k, length, CHUNK: tl.constexpr, REVERSE: tl.constexpr, REVERSED_LOADS: tl.constexpr):
+    """Memory positions (CHUNK, within the row) of the k-th chunk that a scan visits, and their mask.
+
+    Forward: chunks from the left, ascending. Reverse: chunks from the right; ascending within the
+    chunk (aligned to multiples of CHUNK), or with REVERSED_LOADS descending, so that the block is in
+    scan order (its chunks end at length - 1, length - 1 - CHUNK, ...).
+    """
+    idx = tl.arange(0, CHUNK)
+    if not REVERSE:
+        t = k * CHUNK + idx
+    elif REVERSED_LOADS:
+        t = length - 1 - k * CHUNK - idx
+    else:
+        t = ((length - 1) // CHUNK - k) * CHUNK + idx
+    return t, (t >= 0) & (t < length)
+
+
+@triton.jit
+def linear_scan_fwd_kernel(GATES, TOKENS, H0, H, length, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
+                           CHUNK: tl.constexpr, REVERSED_LOADS: tl.constexpr, STAGES: tl.constexpr, ACC: tl.constexpr):
+    # GATES, TOKENS, H: rows x length contiguous; H0: rows (read only if HAS_H0). One program per row,
+    # its chunks in scan order.
+    row = tl.program_id(0)
+    base = row.to(tl.int64) * length
+    if HAS_H0:
+        carry = tl.load(H0 + row).to(ACC)
+    else:
+        carry = tl.zeros((), ACC)
+    SCAN_REVERSE: tl.constexpr = REVERSE and not REVERSED_LOADS  # does the block scan run right to left?
+    for k in tl.range(0, tl.cdiv(length, CHUNK), num_stages=STAGES):
+        t, mask = chunk_positions(k, length, CHUNK, REVERSE, REVERSED_LOADS)
+        a = tl.load(GATES + base + t, mask=mask, other=1.0).to(ACC)
+        b = tl.load(TOKENS + base + t, mask=mask, other=0.0).to(ACC)
+        h, carry = scan_chunk(a, b, carry, SCAN_REVERSE)
+        tl.store(H + base + t, h.to(H.dtype.element_ty), mask=mask)
+
+# %% [markdown]
+# The launcher scans contiguous (rows, L) tensors; chapter 03 builds the public, differentiable
+# `scan_lib.linear_scan` on top of it. Its launch parameters (chunk size, warps) live in the dict
+# `FWD_CONFIG`, explained in "Going deeper".
+
+# %%
+#| export
+# Launch parameters of the forward kernel (benchmarks/bench_linear_scan.py sweeps them on a GPU).
+FWD_CONFIG = {"max_chunk": 2048, "elements_per_thread": 16, "stages": 1, "reversed_loads": False}
+
+
+def accumulator_dtype(dtype: torch.dtype):
+    """The type kernels compute in: float64 for float64 inputs, float32 for everything else."""
+    return tl.float64 if dtype == torch.float64 else tl.float32
+
+
+def default_chunk(length: int, max_chunk: int = 2048) -> int:
+    """Elements per step of the chunk loop: a power of two in [16, max_chunk] covering the row if it can."""
+    return max(16, min(triton.next_power_of_2(max(length, 1)), max_chunk))
+
+
+def launch_options(length: int, config: dict, chunk=None) -> dict:
+    """Constexprs and launch options for a scan kernel over rows of `length` (chunk: None for the default)."""
+    chunk = chunk or default_chunk(length, config["max_chunk"])
+    num_warps = min(16, max(1, chunk // (32 * config["elements_per_thread"])))
+    return {"CHUNK": chunk, "STAGES": config["stages"], "REVERSED_LOADS": config["reversed_loads"],
+            "num_warps": num_warps}
+
+
+def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=None, config=None):
+    """h_t = gates_t * h_{t-1} + tokens_t (reverse: h_{t+1}) for contiguous (rows, L) tensors, L >= 1.
+
+    initial_state: (rows,) or None for zeros; config: launch parameters, FWD_CONFIG if None.
+    No autograd here: see scan_lib.linear_scan."""
+    rows, length = tokens.shape
+    h = torch.empty_like(tokens)
+    linear_scan_fwd_kernel[(rows,)](
+        gates, tokens, tokens if initial_state is None else initial_state, h, length,
+        REVERSE=reverse, HAS_H0=initial_state is not None, ACC=accumulator_dtype(tokens.dtype),
+        **launch_options(length, config or FWD_CONFIG, chunk),
+    )
+    return h
+
+# %% [markdown]
+# ## 5. Checks, with tolerances derived from the dtype and the length
+#
+# We compare the kernel with the float64 loop on the *same* (already rounded) inputs, so what is
+# left is the kernel's own rounding. It has two sources:
+#
+# - the output is rounded once to the input dtype: at most $u_{\text{out}}|h_t|$, with $u_{\text{out}}$
+#   the unit roundoff ($2^{-11}$ for float16, $2^{-8}$ for bfloat16, 0 when the output keeps the
+#   accumulator type; Triton 3.6's CPU interpreter truncates to bfloat16 instead of rounding, so
+#   there the bound allows $2^{-7}$);
+# - each multiply and add in the accumulator type has relative error at most $u_{\text{acc}}$
+#   ($2^{-24}$ in float32, $2^{-53}$ in float64). The term $b_s$ reaches $h_t$ through $t-s$ gate
+#   multiplications and $t-s+1$ additions, and in a tree through at most one multiply and one add per
+#   level, $d = \lceil\log_2 L\rceil + 2$ levels. To first order in $u_{\text{acc}}$:
+#
+# $$|\hat h_t - h_t| \;\le\; u_{\text{out}}\,|h_t| \;+\; 2u_{\text{acc}} \sum_{s \le t} (t-s+1+d)\, P_{s,t}\, |b_s|,
+# \qquad P_{s,t} = \prod_{r=s+1}^{t} |a_r| ,$$
+#
+# with the initial state as the term $b_{-1}$. The sum is two scans of absolute values:
+# $S = \mathrm{scan}(|a|, |b|)$ is $\sum_s P_{s,t}|b_s|$ and $\mathrm{scan}(|a|, S)$ is
+# $\sum_s (t-s+1) P_{s,t}|b_s|$. The bound holds element by element, so a small $|h_t|$ gets a small
+# tolerance too; the end of this section shows that a kernel accumulating in float16, or one that
+# forgets the carry, fails it.
+
+# %%
+#| export
+def error_bound(gates, tokens, initial_state=None, reverse=False, dtype=None):
+    """Elementwise bound on |kernel - linear_scan_loop| for a scan whose output has `dtype` (tokens'
+    dtype if None), computed in float32 (float64 for float64 output), rounded once to the output dtype
+    (to nearest; truncated for bfloat16 by Triton's CPU interpreter).
+
+    u_out |h_t| + 2 u_acc sum_s (t - s + 1 + d) prod_{r=s+1..t} |a_r| |b_s|, d = ceil(log2 L) + 2 tree
+    levels, first order in u_acc (with a margin for the second-order terms)."""
+    dtype = dtype or tokens.dtype
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    u_acc = torch.finfo(acc).eps / 2
+    u_out = 0.0 if dtype == acc else torch.finfo(dtype).eps / 2
+    if dtype == torch.bfloat16 and INTERPRET:
+        u_out *= 2  # Triton 3.6's interpreter truncates float32 to bfloat16; a GPU rounds to nearest
+    length = tokens.shape[-1]
+    depth = math.ceil(math.log2(max(length, 2))) + 2
+    h = linear_scan_loop(gates, tokens, initial_state, reverse)
+    magnitude = linear_scan_loop(gates.abs(), tokens.abs(),
+                                 None if initial_state is None else initial_state.abs(), reverse)
+    steps = linear_scan_loop(gates.abs(), magnitude, None, reverse)  # each term weighted by t - s + 1
+    second_order = 1 + 4 * (length + depth) * u_acc
+    return (u_out * h.abs() + u_out * torch.finfo(dtype).tiny
+            + 2 * u_acc * (1 + u_out) * second_order * (steps + depth * magnitude))
+
+
+def error_ratio(h, gates, tokens, initial_state=None, reverse=False) -> float:
+    """max |h - linear_scan_loop| / error_bound: at most 1 for a correct kernel."""
+    expected = linear_scan_loop(gates, tokens, initial_state, reverse)
+    bound = error_bound(gates, tokens, initial_state, reverse, dtype=h.dtype)
+    return ((h.double() - expected).abs() / bound).max().item()
+
+# %% [markdown]
+# Every length, several chunk sizes, both directions (the reverse one both ways of "Going deeper"),
+# with and without an initial state. Small chunks make the loop run many times and exercise the
+# carry; a chunk larger than the row exercises the padding; length 4097 leaves a last chunk of one
+# element. The table prints the worst ratio of error to bound per length and direction.
+
+# %%
+torch.manual_seed(4)
+rows_check = 64 if ON_GPU else 2
+print(f"{'L':>5} {'reverse':>16} {'max err / bound':>16}")
+for length in [1, 7, 129, 1000, 4097]:
+    gates_ck = torch.rand(rows_check, length, device=DEVICE)  # in [0, 1): a decaying state
+    tokens_ck = torch.randn(rows_check, length, device=DEVICE)
+    init_ck = torch.randn(rows_check, device=DEVICE)
+    worst = {}
+    for reverse in [False, True]:
+        for init in [None, init_ck]:
+            expected_ck = linear_scan_loop(gates_ck, tokens_ck, init, reverse)
+            bound_ck = error_bound(gates_ck, tokens_ck, init, reverse)
+            for reversed_loads in ([False, True] if reverse else [False]):
+                how = ("descending loads" if reversed_loads else "reverse=True") if reverse else "no"
+                config_ck = {**FWD_CONFIG, "reversed_loads": reversed_loads}
+                for chunk in [16, 128, 1024] if length <= 1000 or ON_GPU else [1024]:
+                    h_ck = linear_scan_rows(gates_ck, tokens_ck, init, reverse=reverse, chunk=chunk, config=config_ck)
+                    ratio = ((h_ck.double() - expected_ck).abs() / bound_ck).max().item()
+                    assert ratio <= 1, (length, chunk, how, init is not None, ratio)
+                    worst[how] = max(worst.get(how, 0.0), ratio)
+    for how, ratio in worst.items():
+        print(f"{length:5} {how:>16} {ratio:16.3f}")
+print("every length, chunk, direction and initial state: error within the bound")
+
+# %% [markdown]
+# Every dtype, with gates close to 1 (long memory, the hard case for rounding): float16 and bfloat16
+# are scanned in float32, so one output rounding dominates their bound.
+
+# %%
+torch.manual_seed(5)
+gates_lp = torch.rand(4, 3000, device=DEVICE) * 0.5 + 0.5  # long memory: h grows to about 1/(1-a)
+tokens_lp = torch.randn(4, 3000, device=DEVICE)
+print(f"{'dtype':>15} {'max err / bound':>16}")
+for dtype in [torch.float64, torch.float32, torch.float16, torch.bfloat16]:
+    gates_d, tokens_d = gates_lp.to(dtype), tokens_lp.to(dtype)
+    h_lp = linear_scan_rows(gates_d, tokens_d, chunk=256)
+    assert h_lp.dtype == dtype
+    ratio = error_ratio(h_lp, gates_d, tokens_d)
+    print(f"{str(dtype):>15} {ratio:16.3f}")
+    assert ratio <= 1, (dtype, ratio)
+
+# %% [markdown]
+# **The checks can fail.** Two plausible bugs, run through the same check: the kernel with its
+# accumulator forced to float16 (`ACC=tl.float16`, a rounding per step), and a scan that forgets the
+# carry, that is, scans every chunk of 256 on its own from a zero state.
+
+# %%
+gates_16, tokens_16 = gates_lp.to(torch.float16), tokens_lp.to(torch.float16)
+h_acc16 = torch.empty_like(tokens_16)
+linear_scan_fwd_kernel[(4,)](gates_16, tokens_16, tokens_16, h_acc16, 3000, REVERSE=False, HAS_H0=False,
+                             ACC=tl.float16, **launch_options(3000, FWD_CONFIG, 256))
+no_carry = linear_scan_rows(gates_lp[:, :2816].reshape(-1, 256), tokens_lp[:, :2816].reshape(-1, 256)).reshape(4, 2816)
+ratio_acc16 = error_ratio(h_acc16, gates_16, tokens_16)
+ratio_no_carry = error_ratio(no_carry, gates_lp[:, :2816], tokens_lp[:, :2816])
+print(f"float16 accumulation: max err / bound = {ratio_acc16:.1f};  carry skipped: {ratio_no_carry:.3g}")
+assert ratio_acc16 > 1 and ratio_no_carry > 1
+
+# %% [markdown]
+# ## 6. The EMA of a noisy signal
+#
+# Back to where we started, now with the kernel: gates $a_t = \alpha$ and tokens $b_t = (1-\alpha)x_t$.
+# A causal EMA lags behind the signal: for a sine of angular frequency $\omega$ the lag is
+# $\arctan\!\big(\alpha \sin\omega / (1 - \alpha\cos\omega)\big)/\omega$ samples (the phase of
+# $(1-\alpha)/(1-\alpha e^{-i\omega})$). The reverse EMA (`reverse=True`) leads by about as much, and
+# the reverse scan of the forward one cancels the lag, like a zero-phase filter. The cell measures
+# the lags by cross-correlation and prints them next to the theory (the noise is drawn on the CPU,
+# so every device smooths the same signal).
+
+# %%
+gen = torch.Generator().manual_seed(6)
+alpha, n_samples = 0.9, 400
+time_axis = torch.arange(n_samples, dtype=torch.float32)
+clean = torch.sin(2 * math.pi * time_axis / 200)
+noisy = clean + 0.4 * torch.randn(n_samples, generator=gen)
+ema_gates = torch.full((1, n_samples), alpha, device=DEVICE)
+ema_tokens = (1 - alpha) * noisy[None].to(DEVICE)
+causal = linear_scan_rows(ema_gates, ema_tokens)[0]
+anticausal = linear_scan_rows(ema_gates, ema_tokens, reverse=True)[0]
+two_pass = linear_scan_rows(ema_gates, (1 - alpha) * causal[None], reverse=True)[0]
+causal, anticausal, two_pass = causal.cpu(), anticausal.cpu(), two_pass.cpu()
+
+assert error_ratio(causal[None], ema_gates.cpu(), ema_tokens.cpu()) <= 1
+assert torch.allclose(causal.double(), torch.tensor(ema_loop(noisy.tolist(), alpha), dtype=torch.float64), atol=1e-5)
+
+
+def lag(series) -> int:
+    """The shift s in [-30, 30] for which series[t + s] best matches the clean sine (s > 0: it lags)."""
+    window = slice(100, 300)  # away from the start-up transient and the ends
+    scores = [(series[100 + s:300 + s] * clean[window]).sum().item() for s in range(-30, 31)]
+    return max(range(-30, 31), key=lambda s: scores[s + 30])
+
+
+expected_lag = math.atan(alpha * math.sin(2 * math.pi / 200) / (1 - alpha * math.cos(2 * math.pi / 200))) / (2 * math.pi / 200)
+print(f"lag behind the clean sine (samples): causal {lag(causal)}, reverse {lag(anticausal)}, two-pass {lag(two_pass)}"
+      f"  (theory for the causal EMA at this frequency: {expected_lag:.1f})")
+assert abs(lag(causal) - expected_lag) <= 2 and abs(lag(anticausal) + expected_lag) <= 2 and abs(lag(two_pass)) <= 1
+
+fig, ax = plt.subplots(figsize=(7, 3.5))
+ax.plot(noisy, color="0.75", lw=0.8, label="noisy signal")
+ax.plot(clean, "k--", lw=1, label="clean")
+ax.plot(causal, lw=1.6, label=f"EMA, alpha = {alpha} (lags)")
+ax.plot(anticausal, lw=1.6, label="reverse EMA (leads)")
+ax.plot(two_pass, lw=1.6, label="forward then reverse (no lag)")
+ax.set_xlabel("t")
+ax.legend(loc="lower left", fontsize=7, ncol=2)
+ax.set_title("Exponential moving averages computed by linear_scan_fwd_kernel", fontsize=10)
+save_figure(fig, "ema_noisy_signal.png")
+
+# %% [markdown]
+# ## 7. Speed
+#
+# A scan reads the gates and tokens and writes the states: its floor is moving those three arrays at
+# chapter 00's copy bandwidth. On a GPU the cell times the forward scan and the two ways of scanning
+# in reverse ("Going deeper"), against that floor. Chapter 03 benchmarks the differentiable version.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    from scan_lib.runtime import copy_bandwidth, median_us
+    rows_sp, length_sp = 8192, 4096
+    gates_sp = torch.rand(rows_sp, length_sp, device=DEVICE)
+    tokens_sp = torch.randn(rows_sp, length_sp, device=DEVICE)
+    floor_us = 3 * gates_sp.numel() * gates_sp.element_size() / copy_bandwidth() * 1e6  # read a, b; write h
+    print(f"{torch.cuda.get_device_name(DEVICE)}: {rows_sp} rows x {length_sp} float32, "
+          f"chunks of {default_chunk(length_sp, FWD_CONFIG['max_chunk'])}; memory floor {floor_us:.1f} us")
+    times_sp = {}
+    for name, reverse, reversed_loads in [("forward", False, False), ("reverse, reverse=True", True, False),
+                                          ("reverse, descending loads", True, True)]:
+        config_sp = {**FWD_CONFIG, "reversed_loads": reversed_loads}
+        times_sp[name] = median_us(lambda: linear_scan_rows(gates_sp, tokens_sp, reverse=reverse, config=config_sp))
+        print(f"{name:26} {times_sp[name]:8.1f} us   floor / time = {floor_us / times_sp[name]:.2f}")
+    faster = min(["reverse, reverse=True", "reverse, descending loads"], key=times_sp.get)
+    print(f"fastest reverse scan here: {faster}; FWD_CONFIG['reversed_loads'] = {FWD_CONFIG['reversed_loads']}")
+
+# %% [markdown]
+# ## What we have, and what comes next
+#
+# - The recurrence $h_t = a_t h_{t-1} + b_t$ is a scan with the pair operator
+#   $(a_p, b_p) \bullet (a_q, b_q) = (a_p a_q,\ a_q b_p + b_q)$, associative because it is a product of
+#   $2\times2$ matrices; a property test in plain PyTorch confirms it and rejects a plausible wrong one
+#   that the interpreter's left-to-right fold would have accepted.
+# - `scan_lib.ema` exports `first_order_op`, `scan_chunk`, `chunk_positions`, `linear_scan_fwd_kernel`
+#   and the launcher `linear_scan_rows` with its launch parameters `FWD_CONFIG`: one program per row,
+#   chunks in order, the state carried in a register and folded into each chunk's first pair in scan
+#   order, with an initial state and the reverse direction; and the checks `linear_scan_loop`,
+#   `error_bound` (with `error_ratio`) and `is_associative`.
+# - Chapter 03 derives the gradients, finds that the backward pass is the same scan run the other way,
+#   and wraps both into the differentiable `scan_lib.linear_scan`.
+
+# %% [markdown]
+# ## Going deeper
+#
+# The main line is complete; what follows is detail for readers who tune or debug these kernels.
+#
+# ### Launch parameters
+#
+# `launch_options` picks the chunk as the largest power of two up to `max_chunk` that the row needs
+# (at least 16), and the number of warps so that each thread holds about `elements_per_thread`
+# elements of the chunk (within 1 to 16 warps). `STAGES` > 1 lets the compiler *software-pipeline*
+# the chunk loop (`tl.range(..., num_stages=STAGES)`: issue the loads of the next chunk while the
+# current one is scanned). Each row starts at `row * length`, computed in 64-bit integers
+# (`row.to(tl.int64)`): in 32 bits it would overflow past $2^{31}$ elements. The parameters live in
+# one module-level dict so that `benchmarks/bench_linear_scan.py` can sweep others without touching
+# the code. On the CPU interpreter only the chunk matters.
+#
+# ### One loop per row, or three phases
+#
+# Chapter 01's cumsum scanned long rows in three phases: scan every chunk in parallel, scan the
+# chunk totals, fix up. That works here too, with a *pair* $(\prod a, h)$ as each chunk's total, but
+# reads and writes every element twice. The loop reads and writes once, and gives up only the
+# parallelism along the sequence, which the many rows of a Mamba layer (batch $\times$ dim) make up
+# for. With few rows and very long sequences, say 16 rows of a million, the loop would leave most of
+# a GPU idle and the three-phase form would win.
+#
+# ### Scanning a chunk from its end: `REVERSED_LOADS`
+#
+# There are two ways to scan a chunk right to left, and the kernel offers both:
+#
+# - load the chunk with ascending addresses and call `tl.associative_scan(..., reverse=True)` (the
+#   default, `reversed_loads = False`). The loads stay aligned and vectorised, but to run the scan
+#   right to left the compiled code reverses the order of the values across the threads of each
+#   warp before the scan and again after it: extra data movement between threads (warp shuffles) on
+#   every chunk;
+# - load the chunk with **descending** addresses (`REVERSED_LOADS=True`), so that position $j$ of
+#   the block holds element $e - j$ of the row ($e$ the chunk's last element), and run the ordinary
+#   forward scan. The block is then in scan order and nothing is reversed between threads. The price
+#   is on the memory side: each warp still reads 32 neighbouring elements (coalesced), but the
+#   compiler cannot merge a thread's neighbours into one wide (vectorised) load, since they run
+#   backwards. The chunks then end at $L-1, L-1-\text{CHUNK}, \dots$ instead of being aligned.
+#
+# Which costs less is a measurement, not an argument: the speed table of section 7 times both on a
+# GPU and names the faster, and `benchmarks/bench_linear_scan.py` sweeps them with the other launch
+# parameters. Section 5 checks both against the loop.
+
+# %% [markdown]
+# ### Why a kernel test on the CPU would not catch `broken`
+#
+# Folding left to right only ever combines the accumulated pair with a *single* step, and for that
+# `broken` gives the right state: its state part $a_q b_p + b_q$ is correct, only the gate part is
+# wrong, and a single step's gate is its own. A parallel scan also combines two *accumulated* pairs,
+# and then the wrong gate poisons the result. Triton's CPU interpreter folds `tl.associative_scan`
+# left to right; a GPU combines in a tree. So a kernel using `broken` would pass every test on the
+# CPU and fail on the GPU: the property test of section 2 is the check that catches it everywhere.
+#
+# `scan_by_doubling` shows it without a GPU: the Hillis-Steele scan in plain PyTorch, where in round
+# $k$ every position combines with the position $2^k$ to its left, a tree of combines.
 
 # %%
 def scan_left_fold(op, gates, tokens):
@@ -284,27 +715,29 @@ assert not torch.allclose(scan_by_doubling(broken, gates_demo, tokens_demo), exp
 assert torch.allclose(scan_by_doubling(compose, gates_demo, tokens_demo), expected_demo)
 
 # %% [markdown]
-# The same property test, run on the operator Triton actually uses: a tiny kernel evaluates both
-# groupings of `first_order_op` on random triples. (On the interpreter this checks the formula; on a
-# GPU it also checks the compiled code.)
+# ### The combine as compiled
+#
+# The property test of section 2 ran `first_order_op.fn` in PyTorch. The same test on the operator
+# as Triton compiles it: a tiny kernel evaluates both groupings on random triples. On the interpreter
+# this checks the formula again; on a GPU it also checks the compiled code.
 
 # %%
 @triton.jit
-def associativity_kernel(P, Q, R, OUT, N, BLOCK: tl.constexpr):
-    # P, Q, R: 2 x N pairs (gates in row 0, states in row 1); OUT: 4 x N = both groupings
+def associativity_kernel(P, Q, R, OUT, n, BLOCK: tl.constexpr):
+    # P, Q, R: 2 x n pairs (gates in row 0, tokens in row 1); OUT: 4 x n = both groupings
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = i < N
-    a_p, b_p = tl.load(P + i, mask=mask), tl.load(P + N + i, mask=mask)
-    a_q, b_q = tl.load(Q + i, mask=mask), tl.load(Q + N + i, mask=mask)
-    a_r, b_r = tl.load(R + i, mask=mask), tl.load(R + N + i, mask=mask)
+    mask = i < n
+    a_p, b_p = tl.load(P + i, mask=mask), tl.load(P + n + i, mask=mask)
+    a_q, b_q = tl.load(Q + i, mask=mask), tl.load(Q + n + i, mask=mask)
+    a_r, b_r = tl.load(R + i, mask=mask), tl.load(R + n + i, mask=mask)
     a_pq, b_pq = first_order_op(a_p, b_p, a_q, b_q)
     a_left, b_left = first_order_op(a_pq, b_pq, a_r, b_r)
     a_qr, b_qr = first_order_op(a_q, b_q, a_r, b_r)
     a_right, b_right = first_order_op(a_p, b_p, a_qr, b_qr)
     tl.store(OUT + i, a_left, mask=mask)
-    tl.store(OUT + N + i, b_left, mask=mask)
-    tl.store(OUT + 2 * N + i, a_right, mask=mask)
-    tl.store(OUT + 3 * N + i, b_right, mask=mask)
+    tl.store(OUT + n + i, b_left, mask=mask)
+    tl.store(OUT + 2 * n + i, a_right, mask=mask)
+    tl.store(OUT + 3 * n + i, b_right, mask=mask)
 
 
 torch.manual_seed(2)
@@ -316,312 +749,32 @@ assert torch.allclose(groupings[:2], groupings[2:], rtol=1e-12, atol=1e-12)
 print(f"first_order_op: (p.q).r == p.(q.r) on {n_triples} random float64 triples: ok")
 
 # %% [markdown]
-# ## 3. One block: `tl.associative_scan` over pairs
+# ### Zero and infinite gates
 #
-# `tl.associative_scan` takes a *tuple* of tensors and a combine function with twice as many
-# arguments, here `first_order_op(a_left, b_left, a_right, b_right)`, and returns the scanned tuple.
-# One program scans one row held entirely in one block. The block is a power of two, so rows whose
-# length is not get padded, and the padding must not change the result: we load the **identity pair**
-# $(1, 0)$ there (`other=1.0` for gates, `other=0.0` for tokens) and mask the store.
+# Associativity holds for real numbers, not for IEEE's infinities. The recurrence applied step by
+# step to the gates $0, \infty$ computes $\infty\cdot(0 \cdot h + b_1) + b_2$, which is $\pm\infty$ for
+# a finite state $h$. A tree may first compose the two steps, and their gate is $0 \cdot \infty =$ NaN,
+# which then turns the state into NaN. A select, `tl.where(a_left == 0, 0, a_left * a_right)`, would
+# mend this one case but not infinities in general (after two infinite gates a negative state gives
+# $-\infty$ step by step, and $-\infty + \infty =$ NaN in a tree), and it would stop
+# `first_order_op.fn` from running on PyTorch tensors (`tl.where` exists only inside a kernel). So
+# `first_order_op` keeps the plain formula and its docstring says what it gives: with finite gates
+# and tokens the recurrence up to rounding, in any grouping; with infinite gates, possibly NaN on a GPU
+# where the recurrence gives $\pm\infty$. The interpreter folds left to right, which is the
+# recurrence step by step, so on the CPU the kernel gives the loop's values. Both, on a row whose
+# gate 0 is followed by an infinite one:
 
 # %%
-@triton.jit
-def scan_one_block_kernel(A, U, H, L, BLOCK: tl.constexpr):
-    # A, U, H: R x L contiguous, one program per row, BLOCK >= L
-    row = tl.program_id(0)
-    t = tl.arange(0, BLOCK)
-    mask = t < L
-    a = tl.load(A + row * L + t, mask=mask, other=1.0)  # BLOCK gates, identity past the end
-    u = tl.load(U + row * L + t, mask=mask, other=0.0)  # BLOCK tokens
-    _, h = tl.associative_scan((a, u), 0, first_order_op)
-    tl.store(H + row * L + t, h, mask=mask)
-
-
-def scan_one_block(gates, tokens):
-    """h for contiguous (R, L) float32/float64 tensors, each row in a single block."""
-    rows, length = tokens.shape
-    h = torch.empty_like(tokens)
-    scan_one_block_kernel[(rows,)](gates, tokens, h, length, BLOCK=triton.next_power_of_2(length))
-    return h
-
-
-torch.manual_seed(3)
-print(f"{'L':>5} {'max abs err':>12}")
-for length in [1, 7, 129, 1000]:
-    gates_1b = torch.rand(3, length, device=DEVICE)
-    tokens_1b = torch.randn(3, length, device=DEVICE)
-    err = (scan_one_block(gates_1b, tokens_1b).double() - linear_scan_loop(gates_1b, tokens_1b)).abs().max().item()
-    print(f"{length:5} {err:12.2e}")
-    assert err < 1e-5
-
-# %% [markdown]
-# ## 4. Any length: chunks and a carried state
-#
-# One block cannot hold a long row (registers run out past a few thousand elements), so we cut the
-# row into chunks and pass a **state** from chunk to chunk: the $h$ at the end of one chunk is the
-# $h^{\text{init}}$ of the next. Two organisations suggest themselves:
-#
-# - **three phases**, as chapter 01 did for cumsum (scan every chunk in parallel, scan the chunk
-#   totals, fix up): each chunk's total is now a *pair* $(\prod a, h)$, and every element is read
-#   twice and written twice;
-# - **one program per row, looping over its chunks in order**, keeping the carried state in a
-#   register: every element is read once and written once, in one launch.
-#
-# We take the loop. Our rows are many: a Mamba layer scans batch $\times$ channels rows (8 x 1024 =
-# 8192 in the benchmark of chapter 03), enough programs to fill every SM of a GPU several times, so
-# the parallelism along the sequence is not needed and the loop costs nothing but the memory traffic
-# that any scan must pay. Inside a chunk, `tl.associative_scan` still does the work in parallel across
-# the block's threads; consecutive elements of a row are consecutive in memory, so the loads are
-# coalesced. (With few rows and very long sequences, say 16 rows of a million, the loop would leave
-# most SMs idle and the three-phase form would win.)
-#
-# How the carried state enters a chunk: rather than scanning the chunk and fixing every element up
-# afterwards, we **fold the state into the first pair** of the chunk,
-# $(a_0, u_0) \to (a_0,\ a_0 h^{\text{in}} + u_0)$, which is $(1, h^{\text{in}}) \bullet (a_0, u_0)$, and scan.
-# The state that leaves the chunk is then the scanned value at its last position. Padding with the
-# identity $(1, 0)$ carries a state through unchanged, so this "last position" may even be padding.
-#
-# The **reverse** direction, $h_t = a_t h_{t+1} + u_t$, is the same story read from the right: the
-# loop visits chunks from the last one, and each chunk is scanned from its end. There are two ways to
-# scan a chunk from its end, and the kernel offers both (`REVERSED_LOADS`):
-#
-# - load the chunk with ascending addresses, as usual, and call
-#   `tl.associative_scan(..., reverse=True)`: the state enters at the chunk's last position and leaves
-#   at its first. The combine operator does not change: in a reverse scan, Triton's "left" operand is
-#   the one that comes earlier *in scan order*, that is, later in memory. The loads stay aligned and
-#   vectorised, but to run the scan right to left the compiled code reverses the order of the values
-#   across the threads of each warp before the scan and again after it: extra data movement between
-#   threads (warp shuffles) on every chunk;
-# - load the chunk with **descending** addresses, so that position $j$ of the block holds element
-#   $e - j$ of the row ($e$ the chunk's last element), and run the ordinary forward scan. The block is
-#   then in scan order: nothing is reversed between threads. The price is on the memory side: each
-#   warp still reads 32 neighbouring elements (coalesced), but the compiler cannot merge a thread's
-#   neighbours into one wide (vectorised) load, since they run backwards.
-#
-# Which costs less is a measurement, not an argument: `benchmarks/bench_linear_scan.py` times both on
-# a GPU. On the H200 (2026-11-29; 8192 rows of 4096 float32 values, chunks of 2048) `reverse=True`
-# won: a reverse scan took 109.7 us with it and 141.6 us with descending loads, and chapter 03's
-# backward kernel 169 against 219 us, so both default configurations use it. Scanning right to left
-# still costs about 10% over the plain forward scan (109.7 against 100.4 us).
-#
-# The helper `chunk_positions` gives the memory positions of the block for each case, and
-# `scan_chunk` scans in either direction.
-#
-# Three details for GPUs. The chunk loop is a `for` over a runtime number of chunks, so one compiled
-# kernel serves every $L$, and `tl.range(..., num_stages=STAGES)` lets the compiler *software-pipeline*
-# it (issue the loads of the next chunk while the current one is scanned) when `STAGES` > 1. Loads are
-# converted to an accumulator type, float32 for float16/bfloat16/float32 inputs and float64 for float64,
-# with the output stored back in the input's dtype. And each row starts at `row * L`, computed in 64-bit
-# integers: in 32 bits it would overflow past $2^{31}$ elements.
-
-# %%
-#| export
-@triton.jit
-def scan_chunk(a, u, carry, REVERSE: tl.constexpr):
-    """Scan one chunk of pairs (a, u) starting from the state `carry`; return (h, state leaving the chunk).
-
-    a, u: CHUNK values (identity pairs (1, 0) in the padding); carry: a scalar.
-    Forward, the state enters at position 0 and leaves at CHUNK - 1; in reverse, the other way round.
-    """
-    CHUNK: tl.constexpr = a.shape[0]
-    idx = tl.arange(0, CHUNK)
-    entry: tl.constexpr = CHUNK - 1 if REVERSE else 0
-    leave: tl.constexpr = 0 if REVERSE else CHUNK - 1
-    u = tl.where(idx == entry, a * carry + u, u)  # fold the carried state into the entry pair
-    _, h = tl.associative_scan((a, u), 0, first_order_op, reverse=REVERSE)
-    return h, tl.sum(tl.where(idx == leave, h, 0.0), axis=0)
-
-
-@triton.jit
-def chunk_positions(k, L, CHUNK: tl.constexpr, REVERSE: tl.constexpr, REVERSED_LOADS: tl.constexpr):
-    """Memory positions (CHUNK, within the row) of the k-th chunk that a scan visits, and their mask.
-
-    Forward: chunks from the left, ascending. Reverse: chunks from the right; ascending within the
-    chunk (aligned to multiples of CHUNK), or with REVERSED_LOADS descending, so that the block is in
-    scan order (its chunks end at L - 1, L - 1 - CHUNK, ...).
-    """
-    idx = tl.arange(0, CHUNK)
-    if not REVERSE:
-        t = k * CHUNK + idx
-    elif REVERSED_LOADS:
-        t = L - 1 - k * CHUNK - idx
-    else:
-        t = ((L - 1) // CHUNK - k) * CHUNK + idx
-    return t, (t >= 0) & (t < L)
-
-
-@triton.jit
-def linear_scan_fwd_kernel(A, U, H0, H, L, REVERSE: tl.constexpr, HAS_H0: tl.constexpr, CHUNK: tl.constexpr,
-                           REVERSED_LOADS: tl.constexpr, STAGES: tl.constexpr, ACC: tl.constexpr):
-    # A, U, H: R x L contiguous; H0: R (read only if HAS_H0). One program per row, its chunks in scan order.
-    row = tl.program_id(0)
-    base = row.to(tl.int64) * L
-    if HAS_H0:
-        carry = tl.load(H0 + row).to(ACC)
-    else:
-        carry = tl.zeros((), ACC)
-    SCAN_REVERSE: tl.constexpr = REVERSE and not REVERSED_LOADS  # does the block scan run right to left?
-    for k in tl.range(0, tl.cdiv(L, CHUNK), num_stages=STAGES):
-        t, mask = chunk_positions(k, L, CHUNK, REVERSE, REVERSED_LOADS)
-        a = tl.load(A + base + t, mask=mask, other=1.0).to(ACC)
-        u = tl.load(U + base + t, mask=mask, other=0.0).to(ACC)
-        h, carry = scan_chunk(a, u, carry, SCAN_REVERSE)
-        tl.store(H + base + t, h.to(H.dtype.element_ty), mask=mask)
-
-# %% [markdown]
-# The launcher works on contiguous (R, L) rows; chapter 03 builds the public, differentiable
-# `scan_lib.linear_scan` (any leading dims, input checks) on top of it. Its launch parameters live in
-# one module-level dict, `FWD_CONFIG`, so that a benchmark script can try others without touching the
-# code: the chunk is the largest power of two up to `max_chunk` that the row needs (at least 16), and
-# the number of warps gives each thread about `elements_per_thread` elements of it (within 1 to 16
-# warps). On the CPU interpreter only the chunk matters.
-
-# %%
-#| export
-# Launch parameters of the forward kernel (benchmarks/bench_linear_scan.py sweeps them on a GPU).
-FWD_CONFIG = {"max_chunk": 2048, "elements_per_thread": 16, "stages": 1, "reversed_loads": False}
-
-
-def accumulator_dtype(dtype: torch.dtype):
-    """The type kernels compute in: float64 for float64 inputs, float32 for everything else."""
-    return tl.float64 if dtype == torch.float64 else tl.float32
-
-
-def default_chunk(length: int, max_chunk: int = 2048) -> int:
-    """Elements per step of the chunk loop: a power of two in [16, max_chunk] covering the row if it can."""
-    return max(16, min(triton.next_power_of_2(max(length, 1)), max_chunk))
-
-
-def launch_options(length: int, config: dict, chunk=None) -> dict:
-    """Constexprs and launch options for a scan kernel over rows of `length` (chunk: None for the default)."""
-    chunk = chunk or default_chunk(length, config["max_chunk"])
-    num_warps = min(16, max(1, chunk // (32 * config["elements_per_thread"])))
-    return {"CHUNK": chunk, "STAGES": config["stages"], "REVERSED_LOADS": config["reversed_loads"],
-            "num_warps": num_warps}
-
-
-def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=None, config=None):
-    """h_t = gates_t * h_{t-1} + tokens_t (reverse: h_{t+1}) for contiguous (R, L) tensors, L >= 1.
-
-    initial_state: (R,) or None for zeros; config: launch parameters, FWD_CONFIG if None.
-    No autograd here: see scan_lib.linear_scan."""
-    rows, length = tokens.shape
-    h = torch.empty_like(tokens)
-    linear_scan_fwd_kernel[(rows,)](
-        gates, tokens, tokens if initial_state is None else initial_state, h, length,
-        REVERSE=reverse, HAS_H0=initial_state is not None, ACC=accumulator_dtype(tokens.dtype),
-        **launch_options(length, config or FWD_CONFIG, chunk),
-    )
-    return h
-
-# %% [markdown]
-# ### Checks: every length, several chunk sizes, both directions, with and without an initial state
-#
-# Small chunks (16) make the loop run hundreds of times and exercise the carry; a chunk larger than
-# the row exercises the padding. Length 4097 is one past a power of two, so one chunk holds a single
-# element. The reverse direction is checked both ways: descending loads and `reverse=True`.
-
-# %%
-torch.manual_seed(4)
-rows_check = 64 if ON_GPU else 3
-print(f"{'L':>5} {'chunk':>6} {'reverse':>16} {'init':>5} {'max abs err':>12}")
-for length in [1, 7, 129, 1000, 4097]:
-    gates_ck = torch.rand(rows_check, length, device=DEVICE)  # in [0, 1): a decaying state
-    tokens_ck = torch.randn(rows_check, length, device=DEVICE)
-    init_ck = torch.randn(rows_check, device=DEVICE)
-    for reverse, reversed_loads in [(False, False), (True, True), (True, False)]:
-        config_ck = {**FWD_CONFIG, "reversed_loads": reversed_loads}
-        how = ("descending loads" if reversed_loads else "reverse=True") if reverse else "no"
-        for init in [None, init_ck]:
-            expected_ck = linear_scan_loop(gates_ck, tokens_ck, init, reverse)
-            for chunk in [16, 128, 1024]:
-                h_ck = linear_scan_rows(gates_ck, tokens_ck, init, reverse=reverse, chunk=chunk, config=config_ck)
-                err = (h_ck.double() - expected_ck).abs().max().item()
-                assert err < 1e-4, (length, chunk, reverse, reversed_loads, init is not None, err)
-                if chunk == 16 and init is not None:
-                    print(f"{length:5} {chunk:6} {how:>16} {'yes' if init is not None else 'no':>5} {err:12.2e}")
-print("every length, chunk, direction and initial state: max abs err < 1e-4")
-
-# %% [markdown]
-# Low precision: float16 and bfloat16 inputs are scanned in float32 and rounded once on the way out,
-# so the error is about one rounding of the output (relative $2^{-11}$ and $2^{-8}$), not a rounding per
-# step; float64 inputs are scanned in float64.
-
-# %%
-torch.manual_seed(5)
-gates_lp = torch.rand(4, 3000, device=DEVICE) * 0.5 + 0.5  # long memory: h grows to about 1/(1-a)
-tokens_lp = torch.randn(4, 3000, device=DEVICE)
-expected_lp = linear_scan_loop(gates_lp, tokens_lp)
-scale_lp = expected_lp.abs().max().item()
-print(f"{'dtype':>15} {'max abs err / max |h|':>22}")
-for dtype, tolerance in [(torch.float64, 1e-12), (torch.float32, 1e-5), (torch.float16, 2e-3), (torch.bfloat16, 1e-2)]:
-    h_lp = linear_scan_rows(gates_lp.to(dtype), tokens_lp.to(dtype), chunk=256)
-    assert h_lp.dtype == dtype
-    # compare with the float64 scan of the *rounded* inputs: what is left is the kernel's own error
-    err = (h_lp.double() - linear_scan_loop(gates_lp.to(dtype), tokens_lp.to(dtype))).abs().max().item() / scale_lp
-    print(f"{str(dtype):>15} {err:22.2e}")
-    assert err < tolerance
-
-# %% [markdown]
-# ## 5. The EMA of a noisy signal
-#
-# Back to where we started, now with the kernel. A causal EMA lags behind the signal: for a sine of
-# angular frequency $\omega$ the lag is $\arctan\!\big(\alpha \sin\omega / (1 - \alpha\cos\omega)\big)/\omega$
-# samples (the phase of $(1-\alpha)/(1-\alpha e^{-i\omega})$), about $\alpha/(1-\alpha)$ for slow signals.
-# The reverse EMA (same gates, `reverse=True`) leads by the same amount, and running the reverse scan
-# on the output of the forward one cancels the lag, like a zero-phase filter. We measure each lag by
-# cross-correlating with the clean sine.
-
-# %%
-torch.manual_seed(6)
-alpha, n_samples = 0.9, 400
-time_axis = torch.arange(n_samples, device=DEVICE, dtype=torch.float32)
-clean = torch.sin(2 * math.pi * time_axis / 200)
-noisy = clean + 0.4 * torch.randn(n_samples, device=DEVICE)
-ema_gates = torch.full((1, n_samples), alpha, device=DEVICE)
-causal = linear_scan_rows(ema_gates, (1 - alpha) * noisy[None])[0]
-anticausal = linear_scan_rows(ema_gates, (1 - alpha) * noisy[None], reverse=True)[0]
-two_pass = linear_scan_rows(ema_gates, (1 - alpha) * causal[None], reverse=True)[0]
-
-assert torch.allclose(causal.double().cpu(), torch.tensor(ema_loop(noisy.tolist(), alpha), dtype=torch.float64), atol=1e-5)
-
-
-def lag(series) -> int:
-    """The shift s in [-30, 30] for which series[t + s] best matches the clean sine (s > 0: it lags)."""
-    window = slice(100, 300)  # away from the start-up transient and the ends
-    scores = [(series[100 + s:300 + s] * clean[window]).sum().item() for s in range(-30, 31)]
-    return max(range(-30, 31), key=lambda s: scores[s + 30])
-
-
-expected_lag = math.atan(alpha * math.sin(2 * math.pi / 200) / (1 - alpha * math.cos(2 * math.pi / 200))) / (2 * math.pi / 200)
-print(f"lag behind the clean sine (samples): causal {lag(causal)}, reverse {lag(anticausal)}, two-pass {lag(two_pass)}"
-      f"  (theory for the causal EMA at this frequency: {expected_lag:.1f})")
-assert abs(lag(causal) - expected_lag) <= 2 and abs(lag(anticausal) + expected_lag) <= 2 and abs(lag(two_pass)) <= 1
-
-fig, ax = plt.subplots(figsize=(9, 3.5))
-ax.plot(noisy.cpu(), color="0.75", lw=0.8, label="noisy signal")
-ax.plot(clean.cpu(), "k--", lw=1, label="clean")
-ax.plot(causal.cpu(), lw=1.6, label=f"EMA, alpha = {alpha} (lags)")
-ax.plot(anticausal.cpu(), lw=1.6, label="reverse EMA (leads)")
-ax.plot(two_pass.cpu(), lw=1.6, label="forward then reverse (no lag)")
-ax.set_xlabel("t")
-ax.legend(loc="lower left", fontsize=8, ncol=2)
-ax.set_title("Exponential moving averages computed by linear_scan_fwd_kernel")
-save_figure(fig, "ema_noisy_signal.png")
-plt.close(fig)
-
-# %% [markdown]
-# ![EMA of a noisy signal](../figures/ema_noisy_signal.png)
-#
-# ## What we have, and what comes next
-#
-# - The recurrence $h_t = a_t h_{t-1} + u_t$ is a scan with the pair operator
-#   $(a_p, b_p) \bullet (a_q, b_q) = (a_p a_q,\ a_q b_p + b_q)$, associative because it is a product of
-#   $2\times2$ matrices; a property test in plain PyTorch confirms it and rejects a plausible wrong one
-#   that the interpreter's left-to-right fold would have accepted.
-# - `scan_lib.ema` exports `first_order_op`, `scan_chunk`, `chunk_positions`, `linear_scan_fwd_kernel`
-#   and the launcher `linear_scan_rows` with its launch parameters `FWD_CONFIG`: one program per row,
-#   chunks in order, the state carried in a register and folded into each chunk's first pair in scan
-#   order; initial state and reverse direction (by descending loads or by `reverse=True`) included.
-# - Chapter 03 derives the gradients, finds that the backward pass is the same scan run the other way,
-#   and wraps both into the differentiable `scan_lib.linear_scan`, with a GPU benchmark.
+gates_inf = torch.tensor([[0.5, 0.0, math.inf, 0.5, 0.5]], dtype=torch.float64)
+tokens_inf = torch.ones_like(gates_inf)
+loop_inf = linear_scan_loop(gates_inf, tokens_inf)
+fold_inf = scan_left_fold(compose, gates_inf, tokens_inf)
+tree_inf = scan_by_doubling(compose, gates_inf, tokens_inf)
+kernel_inf = linear_scan_rows(gates_inf.to(DEVICE), tokens_inf.to(DEVICE)).cpu()
+for name, row in [("loop", loop_inf), ("left fold", fold_inf), ("tree", tree_inf), (f"kernel ({DEVICE.type})", kernel_inf)]:
+    print(f"{name:14}", " ".join(f"{v:6}" for v in row[0].tolist()))
+assert torch.equal(fold_inf, loop_inf) and tree_inf.isnan().any() and not loop_inf.isnan().any()
+# the kernel gives the loop's value, or NaN where the loop gives +-inf (a tree on a GPU)
+differs = ~torch.eq(kernel_inf, loop_inf)
+assert (kernel_inf[differs].isnan() & loop_inf[differs].isinf()).all()
+assert ON_GPU or torch.equal(kernel_inf, loop_inf)
