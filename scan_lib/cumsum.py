@@ -190,12 +190,12 @@ def scan_lookback(x: torch.Tensor, y: torch.Tensor, config: dict) -> torch.Tenso
     return y
 
 
-def scan_rows(x: torch.Tensor, **overrides) -> torch.Tensor:
+def scan_rows(x: torch.Tensor, out: torch.Tensor | None = None, **overrides) -> torch.Tensor:
     """Inclusive cumulative sum of each row of a contiguous n_rows x length tensor, returned in x's dtype
-    (one of KERNEL_DTYPES). The path and its parameters come from CONFIG, with `overrides`
-    (algorithm, block, num_warps, window, reverse) applied for this call."""
+    (one of KERNEL_DTYPES), in `out` if given (contiguous, like x). The path and its parameters come from
+    CONFIG, with `overrides` (algorithm, block, num_warps, window, reverse) applied for this call."""
     config = resolve_config(overrides)
-    y = torch.empty_like(x)
+    y = torch.empty_like(x) if out is None else out
     if x.numel() == 0:
         return y
     if x.shape[1] <= config["block"]:
@@ -214,8 +214,9 @@ def cumsum_op(x: torch.Tensor, dim: int) -> torch.Tensor:
     if x.dim() == 0 or x.numel() == 0:
         return x.clone(memory_format=torch.contiguous_format)
     moved = x.movedim(dim, -1).contiguous()                               # ... x length
-    y = scan_rows(moved.view(-1, moved.shape[-1]))                        # n_rows x length
-    return y.view(moved.shape).movedim(-1, dim).contiguous()
+    y = torch.empty_like(moved)
+    scan_rows(moved.view(-1, moved.shape[-1]), out=y.view(-1, moved.shape[-1]))   # n_rows x length
+    return y if dim == -1 else y.movedim(-1, dim).clone(memory_format=torch.contiguous_format)
 
 
 @cumsum_op.register_fake
