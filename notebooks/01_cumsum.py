@@ -462,15 +462,15 @@ def draw_look_back() -> plt.Figure:
     for tile, state in enumerate(states):
         text = {"P": f"PREFIX\nS={prefix[tile]}", "A": f"AGGREGATE\nT={totals[tile]}", "E": "EMPTY"}[state]
         ax.add_patch(plt.Rectangle((tile - 0.45, -0.4), 0.9, 0.8, facecolor=colors[state], edgecolor="black", lw=0.6))
-        ax.text(tile, 0, text, ha="center", va="center", fontsize=6.5)
+        ax.text(tile, 0, text, ha="center", va="center", fontsize=5.5)
         ax.text(tile, 0.55, f"tile {tile}", ha="center", fontsize=7)
     for source in (5, 4, 3):                                            # tile 6 reads back to the first PREFIX
         ax.annotate("", xy=(source, -0.45), xytext=(6, -0.45),
-                    arrowprops=dict(arrowstyle="->", color="#c0392b", lw=0.8, connectionstyle=f"arc3,rad={0.12 * (7 - source)}"))
-    ax.text(3.5, -1.35, f"tile 6: carry = S(3) + T(4) + T(5) = {prefix[3]} + {totals[4]} + {totals[5]} = {prefix[5]}; "
+                    arrowprops=dict(arrowstyle="->", color="#c0392b", lw=0.8, connectionstyle=f"arc3,rad={-0.12 * (7 - source)}"))
+    ax.text(3.5, -1.45, f"tile 6: carry = S(3) + T(4) + T(5) = {prefix[3]} + {totals[4]} + {totals[5]} = {prefix[5]}; "
             f"then it publishes PREFIX S(6) = {prefix[6]}", ha="center", fontsize=7.5)
     ax.set_xlim(-0.6, 7.6)
-    ax.set_ylim(-1.6, 0.8)
+    ax.set_ylim(-1.65, 0.8)
     ax.axis("off")
     ax.set_title("Decoupled look-back: tiles in ticket order, their state words, tile 6 looking back", fontsize=9)
     return fig
