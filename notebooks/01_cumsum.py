@@ -446,10 +446,12 @@ else:
 #   carry is $S_{k-1} = S_j + T_{j+1} + \dots + T_{k-1}$. It publishes (PREFIX, $S_{k-1} + T_k$), adds the
 #   carry to its scanned block and writes $y$.
 #
-# `tl.atomic_add(pointer, value)` adds to a word in global memory and returns the old value, as one
-# indivisible step even when many programs do it at once; `tl.atomic_xchg` writes a word the same
-# way. The picture shows tile 6's look-back at one moment; "Going deeper" explains why it is correct
-# under the GPU's weak memory ordering.
+# New primitives: `tl.atomic_add(pointer, value)` adds to a word in global memory and returns the old
+# value, as one indivisible step even when many programs do it at once; `tl.atomic_xchg` writes a
+# word the same way; `tl.where(condition, a, b)` picks elementwise, like `torch.where`; and
+# `.to(tl.uint32, bitcast=True)` reinterprets a float32's bits as an integer, so that a flag and a
+# float32 fit in one int64 state word. The picture shows tile 6's look-back at one moment; "Going
+# deeper" explains why it is correct under the GPU's weak memory ordering.
 
 # %%
 def draw_look_back() -> plt.Figure:
@@ -693,16 +695,10 @@ def scan_rows(x: torch.Tensor, out: torch.Tensor | None = None, **overrides) -> 
 # %% [markdown]
 # The public function follows `torch.cumsum`: any dim, integer and bool inputs summed in int64, a
 # `dtype=` argument (the input is cast to it first), 0-dim tensors, a contiguous result of `x`'s
-# shape, `IndexError` for a bad dim. Around the kernels sit the pieces that make it a PyTorch op:
-#
-# * `cumsum_op` is a custom op (`torch.library.custom_op`, through `scan_lib.runtime.custom_op`):
-#   `torch.compile` treats it as one opaque node, its *fake* version says the result's shape and dtype
-#   without running a kernel, and its *vmap* rule moves the batch dimension to the front, where the
-#   op treats it as one more row.
-# * The gradient of a cumulative sum is the *reverse* cumulative sum of the incoming gradient,
-#   $\partial\mathcal{L}/\partial x_j = \sum_{t \ge j} \partial\mathcal{L}/\partial y_t$: a flip, the
-#   same scan, a flip back. `CumsumFunction`'s backward calls `CumsumFunction` again, so it is itself
-#   differentiable, and second derivatives (a Hessian, a gradient penalty) come out right.
+# shape, `IndexError` for a bad dim. Its gradient is the *reverse* cumulative sum of the incoming
+# gradient, $\partial\mathcal{L}/\partial x_j = \sum_{t \ge j} \partial\mathcal{L}/\partial y_t$: a flip, the
+# same scan, a flip back. The wrapping that makes it a PyTorch op (a custom op with a fake and a vmap
+# rule, an autograd Function that is differentiable again) is explained in "Going deeper".
 
 # %%
 #| export
@@ -788,9 +784,10 @@ def cumsum(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None) 
 # %% [markdown]
 # ## Checking the exported `cumsum`
 #
-# Both algorithms at awkward lengths, with blocks small enough that 4097 values make many blocks
-# (so pass 2 walks its totals in several chunks, and the look-back runs through a long chain of
-# tiles), then batches of rows (a look-back must not run into the previous row):
+# Both algorithms at awkward lengths, with blocks small enough that 4097 values span many of them
+# (257 blocks of 16 under the interpreter, 17 of 256 on a GPU: a chain of tiles to look back over,
+# totals that pass 2 walks in chunks), then a batch of rows (a look-back must not run into the
+# previous row):
 
 # %%
 torch.manual_seed(6)
@@ -1018,6 +1015,20 @@ assert torch.equal(pack_words(torch.tensor([2]), torch.tensor([-1.5])), torch.te
 print("look_back on snapshots: the walk over aggregates, the stop at a PREFIX and at the row start: ok")
 
 # %% [markdown]
+# ## Going deeper: `cumsum` as a PyTorch op
+#
+# * `cumsum_op` is a custom op (`torch.library.custom_op`, through `scan_lib.runtime.custom_op`):
+#   `torch.compile` treats it as one opaque node instead of tracing into Triton's launcher, its *fake*
+#   version gives the result's shape and dtype without running a kernel (what the compiler traces
+#   with), and its *vmap* rule moves the batch dimension to the front, where the op treats it as one
+#   more row. `dim` is kept negative, so it names the same dimension once a batch dimension is added.
+# * `CumsumFunction` gives the op its gradient. It uses the `forward` + `setup_context` form, which
+#   `torch.func.grad` and `vmap` require, and `generate_vmap_rule = True`. Its backward calls
+#   `CumsumFunction` again (on the flipped gradient), so the backward is itself differentiable:
+#   `gradgradcheck` and Hessians come out right, as the checks above and `tests/test_cumsum.py` show.
+# * The op returns a fresh tensor, never a view of its input or of a temporary, so that users may
+#   modify the result in place under autograd.
+#
 # ## Going deeper: launch configuration and tuning
 #
 # * `block`: values per program on long rows. Larger blocks mean fewer carries and fewer tiles to
