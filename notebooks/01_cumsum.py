@@ -520,7 +520,7 @@ def scan_tiles_kernel(X, S, Y, n_rows, length, num_blocks,
     """Pass 3 (scan): scan a ROWS x BLOCK tile of X along its rows, add each row's carry S[r, k-1]
     (S: n_rows x num_blocks, the inclusive scan of the block totals; not read when num_blocks == 1),
     and write the tile to Y in Y's dtype.  X, Y: n_rows x length.  REVERSE: last tile first."""
-    pid = tl.num_programs(0) - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)
+    pid = tl.num_programs(0) - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)   # num_programs: grid size
     k = pid % num_blocks
     rows = (pid // num_blocks) * ROWS + tl.arange(0, ROWS)[:, None]            # ROWS x 1
     cols = k * BLOCK + tl.arange(0, BLOCK)[None, :]                             # 1 x BLOCK
