@@ -1,6 +1,10 @@
-"""scan_lib.cumsum against a float64 reference: shapes, dims, dtypes, edge cases, gradients, bad input,
-and a property test that the combine operator is associative (which the CPU interpreter cannot see)."""
+"""scan_lib.cumsum against a float64 reference and against torch.cumsum: shapes, dims, dtypes (integers and
+bool included), edge cases, gradients of any order, torch.func / vmap / torch.compile, bad input; a property
+test that the combine operator is associative (which the CPU interpreter cannot see); and injected bugs
+(a skipped carry, float16 accumulation, a look-back that runs past its row) that the checks must catch."""
+import math
 import random
+import sys
 
 import pytest
 import torch
@@ -9,19 +13,32 @@ import scan_lib  # noqa: I001  (before triton: without a GPU it switches Triton 
 import triton
 import triton.language as tl
 from scan_lib.cumsum import ALGORITHMS, CONFIG, add_combine, look_back, scan_rows
-from scan_lib.runtime import DEVICE, ON_GPU
+from scan_lib.runtime import DEVICE, INTERPRET, ON_GPU
 
-# Largest error allowed, relative to sum_{j<=i} |x_j| (the size of what was summed up to i).
-TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+cs = sys.modules["scan_lib.cumsum"]  # the module: scan_lib.cumsum is the function
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 AWKWARD_LENGTHS = (1, 2, 7, 15, 16, 17, 129, 1000, 4097)
 
 
-def assert_matches_reference(y: torch.Tensor, x: torch.Tensor, dim: int) -> None:
-    assert y.shape == x.shape and y.dtype == x.dtype and y.device == x.device
+def tolerance(dtype: torch.dtype, length: int) -> float:
+    """The notebook's scan_tolerance: rounding to the output dtype (twice that for bfloat16 under the
+    interpreter, which truncates) plus 32 log2(length) roundings in the accumulation dtype."""
+    accumulate = torch.float64 if dtype == torch.float64 else torch.float32
+    output = (2 if INTERPRET and dtype == torch.bfloat16 else 1) * UNIT_ROUNDOFF[dtype]
+    return output + 32 * UNIT_ROUNDOFF[accumulate] * math.log2(max(length, 2))
+
+
+def scaled_error(y: torch.Tensor, x: torch.Tensor, dim: int) -> float:
     reference = torch.cumsum(x.double(), dim=dim)
     scale = torch.cumsum(x.double().abs(), dim=dim).clamp_min(1e-30)
-    error = ((y.double() - reference).abs() / scale).max().item()
-    assert error <= TOLERANCE[x.dtype], f"scaled error {error:.2e} for {x.dtype} {tuple(x.shape)} dim={dim}"
+    return ((y.double() - reference).abs() / scale).max().item()
+
+
+def assert_matches_reference(y: torch.Tensor, x: torch.Tensor, dim: int) -> None:
+    """Relative to sum_{j<=t} |x_j| (the size of what was summed up to t)."""
+    assert y.shape == x.shape and y.dtype == x.dtype and y.device == x.device
+    error, allowed = scaled_error(y, x, dim), tolerance(x.dtype, x.shape[dim])
+    assert error <= allowed, f"scaled error {error:.2e} > {allowed:.1e} for {x.dtype} {tuple(x.shape)} dim={dim}"
 
 
 def random_case(seed: int) -> tuple[tuple[int, ...], int]:
@@ -48,7 +65,7 @@ def test_awkward_lengths_through_many_blocks(algorithm, block):
     """Blocks of 16 cut 4097 values into 257 tiles: a long look-back chain, or 257 totals scanned in chunks."""
     torch.manual_seed(block)
     for n in AWKWARD_LENGTHS:
-        x = torch.randn(2, n, device=DEVICE)
+        x = torch.randn(1, n, device=DEVICE)
         assert_matches_reference(scan_rows(x, algorithm=algorithm, block=block), x, -1)
 
 
@@ -90,8 +107,8 @@ def test_config_switches_the_public_function(algorithm, monkeypatch):
 # aggregates is tested here on hand-made snapshots of the state words, as a GPU might leave them.
 
 @triton.jit
-def look_back_probe_kernel(STATE, OUT, TILE, FIRST, WINDOW: tl.constexpr):
-    tl.store(OUT, look_back(STATE, TILE, FIRST, WINDOW))
+def look_back_probe_kernel(STATE, OUT, tile, first, WINDOW: tl.constexpr):
+    tl.store(OUT, look_back(STATE, tile, first, WINDOW))
 
 
 def pack_words(flags: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -178,8 +195,8 @@ def test_input_is_not_modified():
 @pytest.mark.parametrize("dim", [0, 1])
 def test_gradcheck(dim):
     torch.manual_seed(7)
-    x = torch.randn(5, 9, device=DEVICE, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda t: scan_lib.cumsum(t, dim=dim), (x,))
+    x = torch.randn(4, 5, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: scan_lib.cumsum(t, dim=dim), (x,), fast_mode=False)
 
 
 def test_gradient_matches_torch_in_float32():
@@ -193,14 +210,15 @@ def test_gradient_matches_torch_in_float32():
 
 @pytest.mark.parametrize("call,error,words", [
     (lambda: scan_lib.cumsum([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
-    (lambda: scan_lib.cumsum(torch.arange(4, device=DEVICE)), TypeError, "x must be float16"),
-    (lambda: scan_lib.cumsum(torch.ones(4, device=DEVICE, dtype=torch.bool)), TypeError, "x must be float16"),
-    (lambda: scan_lib.cumsum(torch.ones(4, device=DEVICE, dtype=torch.complex64)), TypeError, "x must be float16"),
-    (lambda: scan_lib.cumsum(torch.tensor(1.0, device=DEVICE)), ValueError, "at least one dimension"),
-    (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=2), ValueError, "dim must be in"),
-    (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=-3), ValueError, "dim must be in"),
+    (lambda: scan_lib.cumsum(torch.ones(4, device=DEVICE, dtype=torch.complex64)), TypeError, "x must be a floating"),
+    (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=2), IndexError, r"range of \[-2, 1\], but got 2"),
+    (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=-3), IndexError, "Dimension out of range"),
+    (lambda: scan_lib.cumsum(torch.tensor(1.0, device=DEVICE), dim=1), IndexError, r"range of \[-1, 0\]"),
     (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=1.0), TypeError, "dim must be an int"),
     (lambda: scan_lib.cumsum(torch.ones(2, 3, device=DEVICE), dim=True), TypeError, "dim must be an int"),
+    (lambda: scan_lib.cumsum(torch.ones(3, device=DEVICE), dtype=torch.bool), TypeError, "dtype must be None or one of"),
+    (lambda: scan_lib.cumsum(torch.ones(3, device=DEVICE), dtype="float32"), TypeError, "dtype must be None or one of"),
+    (lambda: scan_lib.cumsum(torch.ones(3, device=DEVICE), 0, torch.float64), TypeError, "positional"),
     (lambda: scan_lib.cumsum(torch.ones(2, 3, device="meta")), ValueError, "x must be"),
     (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), block=24), ValueError, "block must be a power of two"),
     (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), block=8), ValueError, "block must be a power of two"),
@@ -253,7 +271,6 @@ def test_second_derivative_matches_torch(dim):
     """The backward is the public cumsum, so a gradient of a gradient is a scan too (not silently zero)."""
     torch.manual_seed(12)
     x = torch.randn(4, 6, device=DEVICE, dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradgradcheck(lambda t: scan_lib.cumsum(t, dim=dim), (x,))
     grads = []
     for fn in (scan_lib.cumsum, torch.cumsum):
         (g,) = torch.autograd.grad((fn(x, dim=dim) ** 3).sum(), x, create_graph=True)
@@ -297,3 +314,209 @@ def test_no_graph_under_no_grad_and_inference_mode():
         y = scan_lib.cumsum(x, dim=0)
     assert y.is_inference() and not y.requires_grad
     assert_matches_reference(y, x.detach(), 0)
+
+
+# Behaving like torch.cumsum: dtypes, shapes, layout.
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_integer_and_bool_inputs_sum_to_int64_like_torch(dtype, dim):
+    torch.manual_seed(20)
+    if dtype == torch.bool:
+        x = torch.rand(3, 1000, device=DEVICE) < 0.5
+    else:
+        info = torch.iinfo(dtype)
+        x = torch.randint(max(info.min, -2**40), min(info.max, 2**40), (3, 1000), device=DEVICE, dtype=dtype)
+    y = scan_lib.cumsum(x, dim=dim)
+    assert y.dtype == torch.int64 and torch.equal(y, torch.cumsum(x, dim))
+
+
+def test_int64_sums_are_exact_and_wrap_like_torch():
+    """int64 totals beyond 2^53 (inexact in float64) and beyond 2^63 (wrapping), through many blocks."""
+    x = torch.full((2, 600), 2**61 + 1, device=DEVICE, dtype=torch.int64)
+    for algorithm in ALGORITHMS:                       # int64 always takes reduce_then_scan on long rows
+        assert torch.equal(scan_rows(x, algorithm=algorithm, block=16), torch.cumsum(x, 1))
+
+
+@pytest.mark.parametrize("source,dtype", [
+    (torch.float16, torch.float32), (torch.float32, torch.float64), (torch.float64, torch.float16),
+    (torch.int32, torch.float32), (torch.float32, torch.int32), (torch.int64, torch.int8), (torch.bool, torch.int16),
+])
+def test_dtype_argument_casts_first_like_torch(source, dtype):
+    torch.manual_seed(21)
+    x = (torch.randn(4, 300, device=DEVICE) * 50).to(source)
+    y, expected = scan_lib.cumsum(x, dim=1, dtype=dtype), torch.cumsum(x, 1, dtype=dtype)
+    assert y.dtype == dtype
+    if dtype.is_floating_point:
+        assert_matches_reference(y, x.to(dtype), 1)
+    else:
+        assert torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("dim", [0, -1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32, torch.bool])
+def test_zero_dim_tensor_gives_a_copy_like_torch(dim, dtype):
+    x = torch.tensor(3, device=DEVICE).to(dtype)
+    y = scan_lib.cumsum(x, dim=dim)
+    expected = torch.cumsum(x, dim)
+    assert y.shape == () and y.dtype == expected.dtype and torch.equal(y, expected)
+    assert y.data_ptr() != x.data_ptr()
+
+
+@pytest.mark.parametrize("shape,dim", [((6, 7), 0), ((2, 3, 4), 1), ((5, 1, 3), 0), ((3, 0, 2), 0)])
+def test_result_is_contiguous_with_the_input_shape(shape, dim):
+    torch.manual_seed(22)
+    x = torch.randn(shape, device=DEVICE)
+    y = scan_lib.cumsum(x, dim=dim)
+    assert y.shape == x.shape and y.is_contiguous()
+    assert y.view(-1).shape == (x.numel(),)
+    assert_matches_reference(y, x, dim) if x.numel() else None
+
+
+def test_result_is_not_a_view_of_the_input():
+    x = torch.randn(4, 1, device=DEVICE)
+    y = scan_lib.cumsum(x, dim=1)
+    y.add_(1.0)
+    assert not torch.equal(x, y)
+
+
+# Autograd, torch.func and torch.compile.
+
+def test_gradcheck_and_gradgradcheck_in_full_mode():
+    torch.manual_seed(23)
+    x = torch.randn(2, 3, 2, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: scan_lib.cumsum(t, dim=1), (x,), fast_mode=False)
+    assert torch.autograd.gradgradcheck(lambda t: scan_lib.cumsum(t, dim=2), (x,), fast_mode=False)
+
+
+def test_hessian_matches_torch():
+    torch.manual_seed(24)
+    x = torch.randn(2, 5, device=DEVICE, dtype=torch.float64)
+    hessians = [torch.autograd.functional.hessian(lambda t: (fn(t, dim=1) ** 3).sum(), x)
+                for fn in (scan_lib.cumsum, torch.cumsum)]
+    assert hessians[1].abs().max() > 0
+    torch.testing.assert_close(*hessians, rtol=1e-12, atol=1e-12)
+
+
+def test_dtype_argument_keeps_the_gradient():
+    x = torch.randn(3, 20, device=DEVICE, dtype=torch.float32, requires_grad=True)
+    (ours,) = torch.autograd.grad(scan_lib.cumsum(x, dim=1, dtype=torch.float64).pow(2).sum(), x)
+    (theirs,) = torch.autograd.grad(torch.cumsum(x, 1, dtype=torch.float64).pow(2).sum(), x)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_torch_func_grad_and_vmap():
+    torch.manual_seed(25)
+    x = torch.randn(4, 6, device=DEVICE, dtype=torch.float64)
+    loss = lambda fn: (lambda t: (fn(t, dim=0) ** 2).sum())  # noqa: E731
+    torch.testing.assert_close(torch.func.grad(loss(scan_lib.cumsum))(x), torch.func.grad(loss(torch.cumsum))(x))
+    for in_dims in (0, 1):
+        ours = torch.func.vmap(lambda t: scan_lib.cumsum(t, dim=0), in_dims=in_dims)(x)
+        theirs = torch.func.vmap(lambda t: torch.cumsum(t, 0), in_dims=in_dims)(x)
+        torch.testing.assert_close(ours, theirs)
+    per_row = torch.func.vmap(torch.func.grad(loss(scan_lib.cumsum)))(x)
+    torch.testing.assert_close(per_row, torch.func.vmap(torch.func.grad(loss(torch.cumsum)))(x))
+
+
+def test_torch_compile_fullgraph():
+    torch.manual_seed(26)
+    x = torch.randn(3, 40, device=DEVICE, requires_grad=True)
+    compiled = torch.compile(lambda t: scan_lib.cumsum(t, dim=1) * 2, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    (ours,) = torch.autograd.grad(y.pow(2).sum(), x)
+    (theirs,) = torch.autograd.grad((torch.cumsum(x, 1) * 2).pow(2).sum(), x)
+    assert_matches_reference(y.detach() / 2, x.detach(), 1)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-3)
+    integers = torch.randint(0, 9, (2, 30), device=DEVICE)
+    compiled_int = torch.compile(lambda t: scan_lib.cumsum(t, dim=0), fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled_int(integers), torch.cumsum(integers, 0))
+
+
+def test_fake_tensor_gives_shape_and_dtype():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        y = torch.ops.scan_lib.cumsum(torch.empty(3, 5, 2), -2)
+    assert y.shape == (3, 5, 2) and y.dtype == torch.float32 and y.is_contiguous()
+
+
+# Injected bugs: each check must fail on the bug it guards against.
+
+class NoOpLaunch:
+    """Stands in for a kernel: `kernel[grid](...)` runs `effect` on the arguments instead."""
+    def __init__(self, effect):
+        self.effect = effect
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.effect(*args)
+
+
+def test_check_catches_a_skipped_carry(monkeypatch):
+    """Pass 2 replaced by zeros: every block after the first misses its carry."""
+    torch.manual_seed(27)
+    x = torch.randn(2, 1000, device=DEVICE)
+    monkeypatch.setattr(cs, "scan_totals_kernel", NoOpLaunch(lambda totals, *rest: totals.zero_()))
+    y = scan_rows(x, algorithm="reduce_then_scan", block=64)
+    with pytest.raises(AssertionError, match="scaled error"):
+        assert_matches_reference(y, x, -1)
+
+
+def test_check_catches_carries_that_are_not_scanned(monkeypatch):
+    """Pass 2 skipped: block k adds only T_{k-1} instead of S_{k-1}."""
+    torch.manual_seed(28)
+    x = torch.rand(2, 1000, device=DEVICE)
+    monkeypatch.setattr(cs, "scan_totals_kernel", NoOpLaunch(lambda totals, *rest: None))
+    with pytest.raises(AssertionError, match="scaled error"):
+        assert_matches_reference(scan_rows(x, algorithm="reduce_then_scan", block=64), x, -1)
+
+
+def test_tolerance_catches_float16_accumulation(monkeypatch):
+    """A kernel that adds float16 values in float16 (instead of float32) fails the float16 tolerance;
+    the real kernels pass it on the same input."""
+    torch.manual_seed(29)
+    x = torch.rand(1, 2049, device=DEVICE).half()                 # positive: the partial sums grow
+    assert_matches_reference(scan_rows(x, algorithm="reduce_then_scan", block=16), x, -1)
+    monkeypatch.setattr(cs, "accumulator", lambda dtype: dtype)
+    monkeypatch.setattr(cs, "tl_dtype", lambda dtype: {torch.float16: tl.float16}.get(dtype, tl.float32))
+    with pytest.raises(AssertionError, match="scaled error"):
+        assert_matches_reference(scan_rows(x, algorithm="reduce_then_scan", block=16), x, -1)
+
+
+@triton.jit
+def look_back_past_row_start_kernel(STATE, OUT, tile, first, WINDOW: tl.constexpr):
+    """A look-back with the bug the row-start test guards against: it ignores `first` and walks to tile 0."""
+    tl.store(OUT, look_back(STATE, tile, 0, WINDOW))
+
+
+def test_snapshot_check_catches_a_look_back_past_its_row_start():
+    totals = torch.arange(1.0, 51.0)
+    words = pack_words(torch.ones(50, dtype=torch.int64), totals)           # all AGGREGATE
+    out = torch.empty(1, device=DEVICE)
+    look_back_past_row_start_kernel[(1,)](words.to(DEVICE), out, 30, 10, WINDOW=8)
+    assert out.item() != totals[10:30].sum().item()
+    assert probe_look_back(words, 30, 10, 8) == totals[10:30].sum().item()
+
+
+@triton.jit
+def subtract_combine(a, b):
+    return a - b
+
+
+@triton.jit
+def scan_block_with_subtraction_kernel(X, Y, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    tl.store(Y + offsets, tl.associative_scan(tl.load(X + offsets), 0, subtract_combine))
+
+
+@pytest.mark.skipif(not INTERPRET, reason="shows what the interpreter hides")
+def test_property_test_catches_what_a_kernel_test_under_the_interpreter_cannot():
+    """With a non-associative combine (subtraction), the interpreter's left fold gives exactly the
+    sequential answer, so a kernel-against-reference check passes; only the property test fails."""
+    x = torch.randn(64, dtype=torch.float64)
+    y = torch.empty_like(x)
+    scan_block_with_subtraction_kernel[(1,)](x, y, BLOCK=64)
+    fold, expected = x[0].item(), [x[0].item()]
+    for value in x[1:].tolist():
+        fold = fold - value
+        expected.append(fold)
+    assert torch.allclose(y, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert not is_associative(subtract_combine.fn)
