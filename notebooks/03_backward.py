@@ -291,29 +291,29 @@ for length in [1, 7, 129, 1000, 4097]:
 
 # %%
 #| export
-"""The differentiable linear scan h_t = gates_t * h_{t-1} + tokens_t: backward kernel, autograd, public API."""
+"""The differentiable linear scan h_t = a_t * h_{t-1} + b_t: backward kernel, custom ops, autograd, public API."""
 import math
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from scan_lib.ema import accumulator_dtype, chunk_positions, launch_options, linear_scan_rows, scan_chunk
-from scan_lib.runtime import check_float_tensor, check_same_device
+from scan_lib.runtime import FLOAT_DTYPES, check_same_device, custom_op
 
 # Launch parameters of the backward kernel (benchmarks/bench_linear_scan.py sweeps them on a GPU).
 BWD_CONFIG = {"max_chunk": 2048, "elements_per_thread": 16, "stages": 1, "reversed_loads": False}
 
 
 @triton.jit
-def linear_scan_bwd_kernel(A, H, H0, G, DA, DU, DH0, L, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
+def linear_scan_bwd_kernel(A, H, H0, DY, DA, DB, DH0, length, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
                            CHUNK: tl.constexpr, REVERSED_LOADS: tl.constexpr, STAGES: tl.constexpr,
                            ACC: tl.constexpr):
-    # A, H (the forward output), G (dL/dh), DA, DU: R x L contiguous; H0, DH0: R (used only if HAS_H0).
+    # A (gates), H (the forward's output), DY (dL/dy), DA, DB: rows x length contiguous; H0, DH0: rows.
     # One program per row, walking its chunks in the adjoint's order: against the forward scan.
     row = tl.program_id(0)
-    base = row.to(tl.int64) * L
+    base = row.to(tl.int64) * length
     if HAS_H0:
         h_init = tl.load(H0 + row).to(ACC)
     else:
@@ -322,29 +322,29 @@ def linear_scan_bwd_kernel(A, H, H0, G, DA, DU, DH0, L, REVERSE: tl.constexpr, H
     ADJOINT_REVERSE: tl.constexpr = not REVERSE
     SCAN_REVERSE: tl.constexpr = ADJOINT_REVERSE and not REVERSED_LOADS  # does the block scan run right to left?
     STEP: tl.constexpr = -1 if REVERSE else 1  # t + STEP: the step after t in the forward scan
-    for k in tl.range(0, tl.cdiv(L, CHUNK), num_stages=STAGES):
-        t, mask = chunk_positions(k, L, CHUNK, ADJOINT_REVERSE, REVERSED_LOADS)
+    for k in tl.range(0, tl.cdiv(length, CHUNK), num_stages=STAGES):
+        t, mask = chunk_positions(k, length, CHUNK, ADJOINT_REVERSE, REVERSED_LOADS)
         later, earlier = t + STEP, t - STEP
-        has_later = mask & (later >= 0) & (later < L)
-        has_earlier = mask & (earlier >= 0) & (earlier < L)
+        has_later = mask & (later >= 0) & (later < length)
+        has_earlier = mask & (earlier >= 0) & (earlier < length)
         a_later = tl.load(A + base + later, mask=has_later, other=0.0).to(ACC)
-        g = tl.load(G + base + t, mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + base + t, mask=mask, other=0.0).to(ACC)
         h_earlier = tl.load(H + base + earlier, mask=has_earlier, other=0.0).to(ACC)
         a_later = tl.where(mask, a_later, 1.0)  # identity pairs in the padding, 0 past the last step
-        delta, delta_carry = scan_chunk(a_later, g, delta_carry, SCAN_REVERSE)
+        delta, delta_carry = scan_chunk(a_later, dy, delta_carry, SCAN_REVERSE)
         h_earlier = tl.where(has_earlier, h_earlier, h_init)
-        tl.store(DU + base + t, delta.to(DU.dtype.element_ty), mask=mask)
+        tl.store(DB + base + t, delta.to(DB.dtype.element_ty), mask=mask)
         tl.store(DA + base + t, (h_earlier * delta).to(DA.dtype.element_ty), mask=mask)
     if HAS_H0:
-        first = L - 1 if REVERSE else 0  # the first step of the forward scan
+        first = length - 1 if REVERSE else 0  # the first step of the forward scan
         a_first = tl.load(A + base + first).to(ACC)
         tl.store(DH0 + row, (a_first * delta_carry).to(DH0.dtype.element_ty))
 
 
 def linear_scan_rows_backward(gates, h, grad_h, initial_state=None, reverse=False, chunk=None, config=None):
-    """(d_gates, d_tokens, d_initial_state or None) for contiguous (R, L) tensors, L >= 1.
+    """(d_gates, d_tokens, d_initial_state or None) for contiguous (rows, L) tensors, L >= 1.
 
-    config: launch parameters, BWD_CONFIG if None."""
+    grad_h: dL/dy for the output y = h; config: launch parameters, BWD_CONFIG if None."""
     rows, length = h.shape
     d_gates, d_tokens = torch.empty_like(gates), torch.empty_like(h)
     d_init = None if initial_state is None else torch.empty_like(initial_state)
@@ -355,72 +355,181 @@ def linear_scan_rows_backward(gates, h, grad_h, initial_state=None, reverse=Fals
     )
     return d_gates, d_tokens, d_init
 
+
+# The two kernels as torch ops: opaque to torch.compile (which sees only their fake implementations)
+# and batched by torch.func.vmap through their vmap rules. Inputs: contiguous rows of one dtype.
+@custom_op("linear_scan_fwd", __name__)
+def linear_scan_fwd(gates: torch.Tensor, tokens: torch.Tensor, initial_state: Optional[torch.Tensor],
+                    reverse: bool, chunk: Optional[int]) -> torch.Tensor:
+    """h for gates, tokens (rows, L) and initial_state (rows,) or None."""
+    if tokens.numel() == 0:
+        return torch.empty_like(tokens)
+    return linear_scan_rows(gates, tokens, initial_state, reverse, chunk)
+
+
+@linear_scan_fwd.register_fake
+def _(gates, tokens, initial_state, reverse, chunk):
+    return torch.empty_like(tokens)
+
+
+@custom_op("linear_scan_bwd", __name__)
+def linear_scan_bwd(gates: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor, initial_state: Optional[torch.Tensor],
+                    reverse: bool, chunk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_gates, d_tokens, d_initial_state), the last of shape (0,) when initial_state is None."""
+    d_init = gates.new_empty(0) if initial_state is None else torch.zeros_like(initial_state)
+    if h.numel() == 0:
+        return torch.zeros_like(gates), torch.zeros_like(h), d_init
+    d_gates, d_tokens, d_init_rows = linear_scan_rows_backward(gates, h, grad_h, initial_state, reverse, chunk)
+    return d_gates, d_tokens, d_init if d_init_rows is None else d_init_rows
+
+
+@linear_scan_bwd.register_fake
+def _(gates, h, grad_h, initial_state, reverse, chunk):
+    d_init = gates.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
+    return torch.empty_like(gates), torch.empty_like(h), d_init
+
+
+def _rows_of_batch(info, in_dims, *tensors):
+    """vmap: move each batch dim to the front (expanding unbatched tensors), then fold it into the rows:
+    (batch, rows, L) -> (batch * rows, L), (batch, rows) -> (batch * rows,)."""
+    out = []
+    for tensor, dim in zip(tensors, in_dims):
+        if tensor is not None:
+            tensor = tensor.movedim(dim, 0) if dim is not None else tensor.expand(info.batch_size, *tensor.shape)
+            tensor = tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).contiguous()
+        out.append(tensor)
+    return out
+
+
+def _linear_scan_fwd_vmap(info, in_dims, gates, tokens, initial_state, reverse, chunk):
+    rows = tokens.shape[0] if in_dims[1] is None else tokens.movedim(in_dims[1], 0).shape[1]
+    h = linear_scan_fwd(*_rows_of_batch(info, in_dims[:3], gates, tokens, initial_state), reverse, chunk)
+    return h.view(info.batch_size, rows, h.shape[-1]), 0
+
+
+def _linear_scan_bwd_vmap(info, in_dims, gates, h, grad_h, initial_state, reverse, chunk):
+    rows = h.shape[0] if in_dims[1] is None else h.movedim(in_dims[1], 0).shape[1]
+    d_gates, d_tokens, d_init = linear_scan_bwd(*_rows_of_batch(info, in_dims[:4], gates, h, grad_h, initial_state),
+                                                reverse, chunk)
+    batch, length = info.batch_size, h.shape[-1]
+    d_init = d_init.view(batch, rows) if initial_state is not None else d_init.new_empty(batch, 0)
+    return (d_gates.view(batch, rows, length), d_tokens.view(batch, rows, length), d_init), (0, 0, 0)
+
+
+linear_scan_fwd.register_vmap(_linear_scan_fwd_vmap)
+linear_scan_bwd.register_vmap(_linear_scan_bwd_vmap)
+
+
+def _shift(x, reverse, fill):
+    """x_{t+1} at position t with `fill` at the end (reverse: x_{t-1}, `fill` at the start). (rows, L)."""
+    pad = fill.expand_as(x[:, :1]) if isinstance(fill, torch.Tensor) else torch.full_like(x[:, :1], fill)
+    return torch.cat([pad, x[:, :-1]], -1) if reverse else torch.cat([x[:, 1:], pad], -1)
+
+
 class LinearScanFunction(torch.autograd.Function):
-    """Autograd for linear_scan on checked, contiguous rows: gates, tokens (R, L), initial_state (R,) or None.
-    linear_scan reshapes outside it, so that its inputs and output are whole tensors, not views: the
-    saved inputs then share the version counters of the caller's tensors, and the output may be
-    modified in place (until backward, which needs it: autograd then reports the modification)."""
+    """Autograd for linear_scan on contiguous rows of one dtype: gates, tokens (rows, L), initial_state (rows,) or None."""
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, gates, tokens, initial_state, reverse, chunk):
-        if tokens.numel() == 0:
-            h = torch.empty_like(tokens)  # R x 0 or 0 x L
-        else:
-            h = linear_scan_rows(gates, tokens, initial_state, reverse, chunk)  # R x L
-        ctx.save_for_backward(gates, h, initial_state)
+    def forward(gates, tokens, initial_state, reverse, chunk):
+        return linear_scan_fwd(gates, tokens, initial_state, reverse, chunk)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        gates, _, initial_state, reverse, chunk = inputs
+        ctx.save_for_backward(gates, output, initial_state)
         ctx.reverse, ctx.chunk = reverse, chunk
-        return h
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_h):
         gates, h, initial_state = ctx.saved_tensors
-        if h.numel() == 0:
-            d_init = None if initial_state is None else torch.zeros_like(initial_state)
-            return torch.zeros_like(h), torch.zeros_like(h), d_init, None, None
-        d_gates, d_tokens, d_init = linear_scan_rows_backward(
-            gates, h, grad_h.contiguous(), initial_state, ctx.reverse, ctx.chunk)
-        return d_gates, d_tokens, d_init, None, None
+        if torch.is_grad_enabled() and h.shape[-1] > 0:  # create_graph=True: a backward autograd can differentiate
+            d_gates, d_tokens, d_init = _backward_by_scan(gates, h, grad_h, initial_state, ctx.reverse, ctx.chunk)
+        else:  # the usual case: one fused kernel
+            d_gates, d_tokens, d_init = linear_scan_bwd(gates, h, grad_h.contiguous(), initial_state,
+                                                        ctx.reverse, ctx.chunk)
+        return d_gates, d_tokens, None if initial_state is None else d_init, None, None
 
 
-def _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk) -> None:
-    check_float_tensor("gates", gates)
-    check_float_tensor("tokens", tokens)
-    if gates.dtype != tokens.dtype:
-        raise TypeError(f"gates and tokens must have the same dtype, got {gates.dtype} and {tokens.dtype}")
-    if tokens.dim() == 0:
-        raise ValueError("tokens must have at least one dimension (..., L), got a 0-dim tensor")
-    if gates.shape != tokens.shape:
-        raise ValueError(f"gates and tokens must have the same shape, got {tuple(gates.shape)} and {tuple(tokens.shape)}")
+def _backward_by_scan(gates, h, grad_h, initial_state, reverse, chunk):
+    """The backward pass written with differentiable pieces: the adjoint is a linear scan the other way
+    on the shifted gates, so autograd can differentiate it again (Hessians, double backward)."""
+    delta = LinearScanFunction.apply(_shift(gates, reverse, 0.0), grad_h.contiguous(), None, not reverse, chunk)
+    h_init = torch.zeros_like(h[:, :1]) if initial_state is None else initial_state[:, None]
+    h_prev = _shift(h, not reverse, h_init)  # h_{t-1} (reverse: h_{t+1}), the initial state at the first step
+    first = -1 if reverse else 0
+    return h_prev * delta, delta, gates[:, first] * delta[:, first]
+
+
+def _promoted_dtype(gates, tokens):
+    """torch.result_type(gates, tokens) for floating tensors (or a Python number for gates), written with
+    torch.promote_types so that torch.compile can trace it: a tensor with dimensions outranks a 0-dim
+    one, which outranks a Python number; tensors of the same rank promote as torch.promote_types says."""
+    if not isinstance(gates, torch.Tensor) or (gates.dim() == 0 and tokens.dim() > 0):
+        return tokens.dtype
+    if tokens.dim() == 0 and gates.dim() > 0:
+        return gates.dtype
+    return torch.promote_types(gates.dtype, tokens.dtype)
+
+
+def _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk):
+    """Validate the arguments; return (shape of h, dtype of h)."""
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
+    if not isinstance(gates, torch.Tensor) and (isinstance(gates, bool) or not isinstance(gates, (int, float))):
+        raise TypeError(f"gates must be a torch.Tensor or a real number, got {type(gates).__name__}")
+    named = {"gates": gates, "tokens": tokens, "initial_state": initial_state}
+    for name, value in named.items():
+        if isinstance(value, torch.Tensor) and value.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {value.dtype}")
+    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
+        raise TypeError(f"initial_state must be None or a torch.Tensor, got {type(initial_state).__name__}")
+    gate_shape = gates.shape if isinstance(gates, torch.Tensor) else ()
+    try:
+        shape = torch.broadcast_shapes(gate_shape, tokens.shape)
+    except RuntimeError:
+        raise ValueError(f"gates and tokens must have broadcastable shapes, got {tuple(gate_shape)} and "
+                         f"{tuple(tokens.shape)}") from None
+    if len(shape) == 0:
+        raise ValueError("gates and tokens must have at least one dimension (..., L) between them, got 0-dim tensors")
+    dtype = _promoted_dtype(gates, tokens)  # the dtype of gates * tokens
     if initial_state is not None:
-        check_float_tensor("initial_state", initial_state)
-        if initial_state.dtype != tokens.dtype:
-            raise TypeError(f"initial_state must have the dtype of tokens ({tokens.dtype}), got {initial_state.dtype}")
-        if initial_state.shape != tokens.shape[:-1]:
-            raise ValueError(f"initial_state must have shape {tuple(tokens.shape[:-1])} (the leading dims of tokens), "
+        dtype = torch.promote_types(dtype, initial_state.dtype)
+        try:
+            ok = torch.broadcast_shapes(initial_state.shape, shape[:-1]) == shape[:-1]
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"initial_state must broadcast to {tuple(shape[:-1])} (the leading dims of h), "
                              f"got {tuple(initial_state.shape)}")
     if not isinstance(reverse, bool):
         raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
-    if chunk is not None and (not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1)):
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1)):
         raise ValueError(f"chunk must be None or a power of two >= 16, got {chunk!r}")
-    check_same_device(gates=gates, tokens=tokens, initial_state=initial_state)
+    check_same_device(**{name: value for name, value in named.items() if isinstance(value, torch.Tensor)})
+    return shape, dtype
 
 
 def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None):
-    """The first-order linear scan along the last dim, differentiable in gates, tokens and initial_state.
+    """The first-order linear scan along the last dim, differentiable (twice and more) in all three tensors.
 
     h_t = gates_t * h_{t-1} + tokens_t, with h_{-1} = initial_state (zeros if None);
     reverse=True: h_t = gates_t * h_{t+1} + tokens_t, with h_L = initial_state.
-    gates, tokens: (..., L), same shape and floating dtype; initial_state: (...) or None.
-    Returns h with the shape and dtype of tokens (computed in float32, or float64 for float64 inputs).
-    Differentiable once: differentiating its gradient again raises an error (once_differentiable).
+    gates: a tensor broadcastable against tokens (a scalar () or a per-channel (..., 1) gate, for an EMA)
+    or a Python number; tokens: (..., L); initial_state: None or broadcastable to the leading dims (...).
+    h has the broadcast shape of gates and tokens and the dtype torch's promotion gives gates * tokens
+    (and initial_state); it is computed in float32 (float64 for float64). The gradient of a broadcast
+    argument is summed back to its shape, in its dtype. Works under torch.func (grad, vmap), and
+    torch.compile sees the kernels as the custom ops scan_lib::linear_scan_fwd / linear_scan_bwd.
     """
-    _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk)
-    rows, length = math.prod(tokens.shape[:-1]), tokens.shape[-1]
-    rows_gates = gates.reshape(rows, length).contiguous()  # R x L
-    rows_tokens = tokens.reshape(rows, length).contiguous()  # R x L
-    rows_init = None if initial_state is None else initial_state.reshape(rows).contiguous()  # R
-    return LinearScanFunction.apply(rows_gates, rows_tokens, rows_init, reverse, chunk).view(tokens.shape)
+    shape, dtype = _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk)
+    rows, length = math.prod(shape[:-1]), shape[-1]
+    if not isinstance(gates, torch.Tensor):
+        gates = torch.tensor(gates, dtype=dtype, device=tokens.device)
+    rows_gates = gates.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
+    rows_tokens = tokens.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
+    rows_init = None if initial_state is None else initial_state.to(dtype).expand(shape[:-1]).reshape(rows).contiguous()
+    return LinearScanFunction.apply(rows_gates, rows_tokens, rows_init, reverse, chunk).view(shape)
 
 # %% [markdown]
 # ## 5. Every gradient, every length, several chunk sizes
