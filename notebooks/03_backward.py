@@ -13,19 +13,15 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/03_backward.ipynb)
 #
-# A Triton kernel is opaque to autograd: to train through the scan of chapter 02 we must write its
-# backward pass ourselves. In this chapter you will
+# A Triton kernel is opaque to autograd: to train through chapter 02's scan we write its backward
+# pass ourselves. You will
 #
-# - derive $\partial\mathcal L/\partial x$, $\partial a$, $\partial b$, $\partial c$ and
-#   $\partial h^{\text{init}}$ for $h_t = a_t h_{t-1} + b_t x_t$, $y_t = c_t h_t$, and see that the
-#   adjoint is **the same linear scan, run right to left, with the gates shifted by one**;
-# - check the derivation in plain PyTorch against `torch.autograd`, then in a single-block kernel that
-#   does forward and backward in one program;
-# - write the blocked backward kernel (the forward state comes in from the left, the adjoint from the
-#   right), decide what to store and what to recompute, and wrap both directions as the
-#   differentiable `scan_lib.linear_scan`;
-# - check **every** gradient against autograd in float64, at lengths 1, 7, 129, 1000, 4097 and several
-#   chunk sizes, then benchmark against the best Triton scan we know of, and the memory floor.
+# - derive the gradients of $h_t = a_t h_{t-1} + b_t$ and see that the adjoint is **the same linear
+#   scan, run right to left, with the gates shifted by one**;
+# - check the formulas against `torch.autograd`, then in a kernel that does forward and backward in one
+#   program, then in the blocked backward kernel that handles any length;
+# - export `scan_lib.linear_scan`, differentiable (twice, too) in gates, tokens and initial state, check
+#   **every** gradient in float64, and time it on a GPU against the memory floor.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -42,8 +38,6 @@ print(scan_lib.runtime.describe())
 #| default_exp linear_scan
 
 # %%
-import sys
-
 import matplotlib.pyplot as plt
 import torch
 import triton
@@ -53,241 +47,234 @@ from scan_lib.ema import FWD_CONFIG, linear_scan_rows, scan_chunk
 from scan_lib.runtime import save_figure
 
 # %% [markdown]
-# ## 1. A reference with autograd
+# ## 1. The adjoint
 #
-# The model of chapter 02, with every coefficient free to change along the sequence, and an initial
-# state. All tensors are (R, L): R independent rows, scanned along L. The loop is slow and obviously
-# right, and `torch.autograd` differentiates it for us: that is what every gradient below is checked
-# against, in float64. For the reverse direction the loop runs on flipped inputs (flips are
-# differentiable too).
+# Chapter 02 scans the pairs $(a_t, b_t)$: $h_t = a_t h_{t-1} + b_t$ for $t = 0, \dots, L-1$, from an
+# initial state $h_{-1}$, and the output is the state, $y_t = h_t$. Let $\mathcal L$ be any loss of the
+# outputs; the layers above hand us $\partial\mathcal L/\partial y_t$ (`dy` in the code). The state $h_t$
+# reaches the loss in two ways: through its own output $y_t$, and through the next state
+# $h_{t+1} = a_{t+1} h_t + b_{t+1}$, which carries everything later. Call the total derivative the
+# **adjoint**, $\delta_t = \partial\mathcal L/\partial h_t$ (`delta`). The chain rule gives
+#
+# $$\delta_t \;=\; \frac{\partial\mathcal L}{\partial y_t} \;+\; a_{t+1}\,\delta_{t+1},
+#   \qquad \delta_{L-1} = \frac{\partial\mathcal L}{\partial y_{L-1}} .$$
+#
+# This is the recurrence we can already scan, with three changes: it runs **right to left**, its tokens
+# are the incoming gradients $\partial\mathcal L/\partial y_t$, and its gate at position $t$ is $a_{t+1}$:
+# the **gates shifted by one**, with $0$ past the end, where nothing follows. Each input touches the loss
+# through one state only, so the rest is one line each:
+#
+# $$\frac{\partial\mathcal L}{\partial b_t} = \delta_t, \qquad
+#   \frac{\partial\mathcal L}{\partial a_t} = h_{t-1}\,\delta_t, \qquad
+#   \frac{\partial\mathcal L}{\partial h_{-1}} = a_0\,\delta_0 .$$
+#
+# The gate's gradient needs the state *one step earlier*: the backward pass uses values from both
+# directions, $h$ from the left and $\delta$ from the right. For the reverse scan
+# ($h_t = a_t h_{t+1} + b_t$, initial state $h_L$) everything mirrors: the adjoint runs left to right with
+# gates $a_{t-1}$, $\partial\mathcal L/\partial a_t = h_{t+1}\delta_t$ and
+# $\partial\mathcal L/\partial h_L = a_{L-1}\delta_{L-1}$.
 
 # %%
-def ssm_loop(x, a, b, c, h0=None, reverse=False):
-    """y_t = c_t * h_t with h_t = a_t * h_{t-1} + b_t * x_t (reverse: h_{t+1}); all (R, L), h0 (R,)."""
-    if reverse:
-        return ssm_loop(x.flip(-1), a.flip(-1), b.flip(-1), c.flip(-1), h0).flip(-1)
-    h = torch.zeros_like(x[:, 0]) if h0 is None else h0
-    ys = []
-    for t in range(x.shape[-1]):
-        h = a[:, t] * h + b[:, t] * x[:, t]  # R
-        ys.append(c[:, t] * h)
-    return torch.stack(ys, -1)  # R x L
-
-
-def reference_grads(x, a, b, c, h0, dy, reverse=False):
-    """(y, dx, da, db, dc, dh0) in float64 from autograd through ssm_loop, for the loss sum(y * dy)."""
-    inputs = [t.detach().double().requires_grad_() for t in (x, a, b, c, h0)]
-    y = ssm_loop(*inputs, reverse=reverse)
-    grads = torch.autograd.grad(y, inputs, dy.double())
-    return (y.detach(), *grads)
+fig, ax = plt.subplots(figsize=(7, 2.6))
+steps = 6
+for t in range(steps):
+    ax.text(t, 1, f"$h_{t}$", ha="center", va="center", bbox=dict(boxstyle="circle", fc="C0", alpha=0.25))
+    ax.text(t, 0, rf"$\delta_{t}$", ha="center", va="center", bbox=dict(boxstyle="circle", fc="C1", alpha=0.25))
+    ax.annotate(f"$b_{t}$", (t, 1.18), (t, 1.55), ha="center", arrowprops=dict(arrowstyle="->"))
+    ax.annotate(rf"$\partial\mathcal{{L}}/\partial y_{t}$", (t, -0.18), (t, -0.6), ha="center",
+                arrowprops=dict(arrowstyle="->"))
+for t in range(steps - 1):
+    ax.annotate("", (t + 0.8, 1), (t + 0.2, 1), arrowprops=dict(arrowstyle="->", color="C0"))
+    ax.text(t + 0.5, 1.08, f"$a_{t + 1}$", ha="center", color="C0", fontsize=9)
+    ax.annotate("", (t + 0.2, 0), (t + 0.8, 0), arrowprops=dict(arrowstyle="->", color="C1"))
+    ax.text(t + 0.5, 0.08, f"$a_{t + 1}$", ha="center", color="C1", fontsize=9)
+    ax.plot([t + 0.1, t + 0.9], [0.85, 0.15], ":", color="gray")  # h_{t-1} meets delta_t in d a_t
+ax.text(steps - 0.4, 0.5, r"$\partial\mathcal{L}/\partial a_t = h_{t-1}\,\delta_t$ (dotted)", fontsize=9, va="center")
+ax.set_xlim(-0.5, steps + 2.2)
+ax.set_ylim(-0.8, 1.8)
+ax.axis("off")
+ax.set_title(r"the state $h$ flows from the left, the adjoint $\delta$ from the right, through the same gates")
+save_figure(fig, "adjoint_flow.png")
 
 # %% [markdown]
-# ## 2. The derivation
+# ## 2. A reference, and the formulas checked against it
 #
-# Let $\mathcal L$ be any loss of the outputs and write $g_t = \partial\mathcal L/\partial y_t$ (in the code:
-# `dy`, the gradient that arrives from the layers above). The state $h_t$ influences the loss in two
-# ways: through its own output $y_t = c_t h_t$, and through the next state
-# $h_{t+1} = a_{t+1} h_t + b_{t+1} x_{t+1}$, which carries everything later. Call the total derivative
-# $\delta_t = d\mathcal L/d h_t$ (`dh` in the code). The chain rule gives
-#
-# $$\delta_t \;=\; \frac{\partial \mathcal L}{\partial y_t}\frac{\partial y_t}{\partial h_t}
-#   + \frac{d\mathcal L}{d h_{t+1}}\frac{\partial h_{t+1}}{\partial h_t}
-#   \;=\; c_t\, g_t \;+\; a_{t+1}\, \delta_{t+1}, \qquad \delta_{L-1} = c_{L-1}\, g_{L-1}.$$
-#
-# This is the recurrence we already know how to scan, $h_t = a_t h_{t-1} + u_t$, with three changes:
-# it runs **right to left**, its tokens are $c_t g_t$, and its gate at position $t$ is
-# $a_{t+1}$: the **gates shifted by one** (and $0$ past the end, where nothing follows). Unrolled,
-# $\delta_t = \sum_{s \ge t} \big(\prod_{t < k \le s} a_k\big)\, c_s g_s$: the mirror image of the forward
-# sum. Every parameter touches the loss only through one $h_t$ or one $y_t$, so the rest is one line each:
-#
-# $$\frac{\partial\mathcal L}{\partial x_t} = b_t\,\delta_t,\qquad
-#   \frac{\partial\mathcal L}{\partial b_t} = x_t\,\delta_t,\qquad
-#   \frac{\partial\mathcal L}{\partial c_t} = h_t\, g_t,\qquad
-#   \frac{\partial\mathcal L}{\partial a_t} = h_{t-1}\,\delta_t,\qquad
-#   \frac{\partial\mathcal L}{\partial h^{\text{init}}} = a_0\,\delta_0 ,$$
-#
-# with $h_{-1} = h^{\text{init}}$. The gradient of the gates needs the forward state *one step
-# earlier*: the backward pass needs values from both directions, $\delta$ from the right and $h$ from
-# the left. For the reverse scan ($h_t = a_t h_{t+1} + u_t$) everything mirrors: the adjoint runs left to
-# right with gates $a_{t-1}$, $\partial a_t = h_{t+1}\delta_t$ and $\partial h^{\text{init}} = a_{L-1}\delta_{L-1}$.
-#
-# For the bare linear scan $h_t = a_t h_{t-1} + u_t$ (what `scan_lib.linear_scan` computes, with
-# $b = c = 1$): $\partial u_t = \delta_t$ and $\partial a_t = h_{t-1}\delta_t$, where $\delta$ is the reverse scan
-# of the incoming gradient $g$ with the shifted gates.
-#
-# First check, in plain PyTorch: the formulas, with $\delta$ computed by chapter 02's *forward* kernel
-# run in reverse on shifted gates, against autograd.
+# The loop is slow and obviously right, and `torch.autograd` differentiates it: that is what every
+# gradient in this chapter is checked against, in float64. All tensors are (rows, L): independent rows,
+# scanned along L; the reverse direction runs the loop on flipped inputs (flips are differentiable too).
+
+# %%
+def scan_loop(a, b, h0=None, reverse=False):
+    """h_t = a_t * h_{t-1} + b_t along the last dim (reverse: h_{t+1}); a, b (rows, L), h0 (rows,) or None."""
+    if reverse:
+        return scan_loop(a.flip(-1), b.flip(-1), h0).flip(-1)
+    h = torch.zeros_like(b[:, 0]) if h0 is None else h0
+    states = []
+    for t in range(b.shape[-1]):
+        h = a[:, t] * h + b[:, t]  # rows
+        states.append(h)
+    return torch.stack(states, -1)  # rows x L
+
+
+def reference_grads(a, b, h0, dy, reverse=False):
+    """(h, da, db, dh0) in float64 by autograd through scan_loop, for the loss sum(h * dy)."""
+    inputs = [t.detach().double().requires_grad_() for t in (a, b, h0)]
+    h = scan_loop(*inputs, reverse=reverse)
+    return (h.detach(), *torch.autograd.grad(h, inputs, dy.double()))
+
+# %% [markdown]
+# The formulas in PyTorch, with both scans done by chapter 02's forward kernel: the adjoint is its
+# reverse scan of the incoming gradient with the shifted gates.
 
 # %%
 def shift_gates(a, reverse=False):
-    """a_{t+1} at position t, 0 at the end (reverse: a_{t-1}, 0 at the start). (R, L) -> (R, L)."""
+    """a_{t+1} at position t, 0 at the end (reverse: a_{t-1}, 0 at the start). (rows, L) -> (rows, L)."""
     zero = torch.zeros_like(a[:, :1])
     return torch.cat([zero, a[:, :-1]], -1) if reverse else torch.cat([a[:, 1:], zero], -1)
 
 
-def grads_by_formula(x, a, b, c, h0, dy, reverse=False):
-    """(dx, da, db, dc, dh0) from the formulas above; both scans are chapter 02's kernel."""
-    h = linear_scan_rows(a, b * x, h0, reverse=reverse)
-    delta = linear_scan_rows(shift_gates(a, reverse), c * dy, reverse=not reverse)  # the adjoint
-    h_prev = torch.cat([h0[:, None], h[:, :-1]], -1) if not reverse else torch.cat([h[:, 1:], h0[:, None]], -1)
-    a_first = a[:, -1] if reverse else a[:, 0]
-    delta_first = delta[:, -1] if reverse else delta[:, 0]
-    return b * delta, h_prev * delta, x * delta, h * dy, a_first * delta_first
+def grads_by_formula(a, b, h0, dy, reverse=False):
+    """(h, da, db, dh0) from the formulas of section 1; both scans are chapter 02's kernel."""
+    h = linear_scan_rows(a, b, h0, reverse=reverse)
+    delta = linear_scan_rows(shift_gates(a, reverse), dy, reverse=not reverse)  # the adjoint
+    if reverse:
+        h_prev, first = torch.cat([h[:, 1:], h0[:, None]], -1), -1  # h_{t+1}; the scan starts at L - 1
+    else:
+        h_prev, first = torch.cat([h0[:, None], h[:, :-1]], -1), 0  # h_{t-1}
+    return h, h_prev * delta, delta, a[:, first] * delta[:, first]
 
 
+names = ["h", "da", "db", "dh0"]
 torch.manual_seed(0)
-print(f"{'L':>5} {'reverse':>8} " + " ".join(f"{n:>9}" for n in ["dx", "da", "db", "dc", "dh0"]))
+print(f"{'L':>5} {'reverse':>8} " + " ".join(f"{n:>9}" for n in names))
 for length in [1, 7, 129]:
-    x, a, b, c, dy = (torch.randn(3, length, dtype=torch.float64, device=DEVICE) for _ in range(5))
     a = torch.rand(3, length, dtype=torch.float64, device=DEVICE)
+    b, dy = torch.randn(2, 3, length, dtype=torch.float64, device=DEVICE)
     h0 = torch.randn(3, dtype=torch.float64, device=DEVICE)
     for reverse in [False, True]:
-        expected = reference_grads(x, a, b, c, h0, dy, reverse)[1:]
-        got = grads_by_formula(x, a, b, c, h0, dy, reverse)
+        expected = reference_grads(a, b, h0, dy, reverse)
+        got = grads_by_formula(a, b, h0, dy, reverse)
         errors = [(g.cpu() - e.cpu()).abs().max().item() for g, e in zip(got, expected)]
         print(f"{length:5} {str(reverse):>8} " + " ".join(f"{err:9.1e}" for err in errors))
-        assert max(errors) < 1e-10
+        assert max(errors) < 1e-12
 
 # %% [markdown]
-# What the adjoint looks like: for the loss $\mathcal L = \sum_t y_t$ with constant $a_t = 0.95$,
-# $\partial\mathcal L/\partial x_t$ counts how many later outputs $x_t$ still reaches, discounted by
-# $0.95$ per step: flat far from the end, falling to $b\,c$ at the last position. The gate gradient
-# $h_{t-1}\delta_t$ is that curve times the state the gate multiplied.
+# What the adjoint looks like: for the loss $\mathcal L = \sum_t y_t$ (every $\partial\mathcal L/\partial y_t = 1$)
+# with constant gates $a_t = 0.95$, $\partial\mathcal L/\partial b_t = \delta_t$ counts how many later
+# outputs $b_t$ still reaches, discounted by $0.95$ per step: flat far from the end at
+# $1/(1 - 0.95) = 20$, falling to $1$ at the last position. The gate's gradient $h_{t-1}\delta_t$ is that
+# curve times the state the gate multiplied.
 
 # %%
 torch.manual_seed(1)
 length_plot = 200
-x_plot = torch.randn(1, length_plot, dtype=torch.float64, device=DEVICE)
-a_plot = torch.full_like(x_plot, 0.95)
-ones_plot = torch.ones_like(x_plot)
-dx_plot, da_plot, *_ = grads_by_formula(x_plot, a_plot, ones_plot, ones_plot, torch.zeros(1, dtype=torch.float64, device=DEVICE), ones_plot)
-assert abs(dx_plot[0, 0].item() - (1 - 0.95 ** length_plot) / 0.05) < 1e-9 and abs(dx_plot[0, -1].item() - 1) < 1e-12
+b_plot = torch.randn(1, length_plot, dtype=torch.float64, device=DEVICE)
+a_plot = torch.full_like(b_plot, 0.95)
+zero_plot = torch.zeros(1, dtype=torch.float64, device=DEVICE)
+_, da_plot, db_plot, _ = grads_by_formula(a_plot, b_plot, zero_plot, torch.ones_like(b_plot))
+assert abs(db_plot[0, 0].item() - (1 - 0.95 ** length_plot) / 0.05) < 1e-9 and abs(db_plot[0, -1].item() - 1) < 1e-12
 
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
-ax1.plot(dx_plot[0].cpu())
-ax1.set_title(r"$\partial\mathcal{L}/\partial x_t$ = reverse scan of the shifted gates")
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3))
+ax1.plot(db_plot[0].cpu())
+ax1.set_ylabel(r"$\partial\mathcal{L}/\partial b_t = \delta_t$")
+ax1.set_title("the adjoint: a reverse scan")
 ax2.plot(da_plot[0].cpu(), color="C1")
-ax2.set_title(r"$\partial\mathcal{L}/\partial a_t = h_{t-1}\,\delta_t$")
+ax2.set_ylabel(r"$\partial\mathcal{L}/\partial a_t = h_{t-1}\,\delta_t$")
+ax2.set_title("the gate's gradient")
 for ax in (ax1, ax2):
     ax.set_xlabel("t")
+fig.tight_layout()
 save_figure(fig, "adjoint_gradients.png")
-plt.close(fig)
 
 # %% [markdown]
-# ![gradients of the sum of outputs](../figures/adjoint_gradients.png)
-#
 # ## 3. One block: forward and backward in one program
 #
-# With the whole row in one block, one program can do everything: the forward scan (for $y$ and $h$),
-# the adjoint scan, and all five gradients. Two scans need the neighbour of each position, and a block
-# of registers has no cheap "shift by one", so we shift **on the way in**: loading `A + t + 1` gives
-# the gates $a_{t+1}$ for the adjoint, and loading the pairs at `t - 1` and scanning them gives
-# $h_{t-1}$ directly (position 0 gets the identity pair, and the initial state folded in, so it
-# scans to $h^{\text{init}}$). That is a recomputation: the program does three scans instead of two, to
-# avoid moving data between threads. `scan_chunk` from chapter 02 folds the starting state in.
+# With the whole row in one block, one program can do everything: the forward scan, the adjoint scan
+# and the gradients. Both need the neighbour of each position, and a block of registers has no cheap
+# "shift by one", so we shift **on the way in**: loading `A + t + 1` gives the gates $a_{t+1}$ for the
+# adjoint, and loading the pairs at `t - 1` and scanning them gives $h_{t-1}$ directly (position 0
+# gets the identity pair $(1, 0)$ with the initial state folded in, so it scans to $h_{-1}$). That is a
+# recomputation, three scans instead of two, to avoid moving data between threads. `scan_chunk`
+# (chapter 02) folds a starting state into the first pair of its scan order and returns the state
+# that leaves the block.
 
 # %%
 @triton.jit
-def ssm_one_block_kernel(X, A, B, C, H0, DY, Y, DX, DA, DB, DC, DH0, L, BLOCK: tl.constexpr):
-    # X, A, B, C, DY, Y, DX, DA, DB, DC: R x L contiguous; H0, DH0: R. One row per program, BLOCK >= L.
+def scan_one_block_kernel(A, B, H0, DY, H, DA, DB, DH0, length, BLOCK: tl.constexpr):
+    # A, B, DY, H, DA, DB: rows x length contiguous; H0, DH0: rows. One row per program, BLOCK >= length.
     row = tl.program_id(0)
     t = tl.arange(0, BLOCK)
-    mask = t < L
-    offs = row * L + t
-    x = tl.load(X + offs, mask=mask, other=0.0)
+    mask = t < length
+    offs = row * length + t
     a = tl.load(A + offs, mask=mask, other=1.0)
     b = tl.load(B + offs, mask=mask, other=0.0)
-    c = tl.load(C + offs, mask=mask, other=0.0)
     dy = tl.load(DY + offs, mask=mask, other=0.0)
-    h0 = tl.load(H0 + row)
-    # forward, left to right: h_t
-    h, _ = scan_chunk(a, b * x, h0, False)
-    # the same scan on pairs shifted right by one: h_{t-1} (h0 at t = 0)
+    h_init = tl.load(H0 + row)
+    h, _ = scan_chunk(a, b, h_init, False)  # forward, left to right: h_t
     before = mask & (t >= 1)
     a_prev = tl.load(A + offs - 1, mask=before, other=1.0)
-    u_prev = tl.load(B + offs - 1, mask=before, other=0.0) * tl.load(X + offs - 1, mask=before, other=0.0)
-    h_prev, _ = scan_chunk(a_prev, u_prev, h0, False)
-    # adjoint, right to left, gates shifted left by one: delta_t = c_t dy_t + a_{t+1} delta_{t+1}
-    a_next = tl.load(A + offs + 1, mask=t + 1 < L, other=0.0)
-    delta, delta_0 = scan_chunk(a_next, c * dy, 0.0, True)
-    tl.store(Y + offs, c * h, mask=mask)
-    tl.store(DX + offs, b * delta, mask=mask)
+    b_prev = tl.load(B + offs - 1, mask=before, other=0.0)
+    h_prev, _ = scan_chunk(a_prev, b_prev, h_init, False)  # the pairs shifted right by one: h_{t-1}
+    a_next = tl.load(A + offs + 1, mask=t + 1 < length, other=0.0)
+    delta, delta_0 = scan_chunk(a_next, dy, 0.0, True)  # right to left: delta_t = dy_t + a_{t+1} delta_{t+1}
+    tl.store(H + offs, h, mask=mask)
     tl.store(DA + offs, h_prev * delta, mask=mask)
-    tl.store(DB + offs, x * delta, mask=mask)
-    tl.store(DC + offs, h * dy, mask=mask)
-    tl.store(DH0 + row, tl.load(A + row * L) * delta_0)
+    tl.store(DB + offs, delta, mask=mask)
+    tl.store(DH0 + row, tl.load(A + row * length) * delta_0)
 
 
-def ssm_one_block(x, a, b, c, h0, dy):
-    """(y, dx, da, db, dc, dh0) for contiguous (R, L) float32/float64 inputs and h0 (R,)."""
-    rows, length = x.shape
-    y, dx, da, db, dc = (torch.empty_like(x) for _ in range(5))
+def scan_one_block(a, b, h0, dy):
+    """(h, da, db, dh0) for contiguous (rows, L) float32/float64 inputs and h0 (rows,)."""
+    rows, length = b.shape
+    h, da, db = (torch.empty_like(b) for _ in range(3))
     dh0 = torch.empty_like(h0)
-    ssm_one_block_kernel[(rows,)](x, a, b, c, h0, dy, y, dx, da, db, dc, dh0, length,
-                                  BLOCK=triton.next_power_of_2(length))
-    return y, dx, da, db, dc, dh0
+    scan_one_block_kernel[(rows,)](a, b, h0, dy, h, da, db, dh0, length, BLOCK=triton.next_power_of_2(length))
+    return h, da, db, dh0
 
 # %% [markdown]
 # In the adjoint the padding needs a moment's thought: past the end the shifted gate is $0$, not the
-# identity's $1$. That is harmless here because the adjoint *starts* in the padding (it runs right to
-# left) with a zero state and zero tokens, so the padding scans to zeros whatever the gate.
-#
-# Every output and gradient, against autograd in float64:
+# identity's $1$. That is harmless because the adjoint *starts* in the padding (it runs right to left)
+# with a zero state and zero tokens, so the padding scans to zeros whatever the gate. Every output and
+# gradient, against autograd in float64:
 
 # %%
 torch.manual_seed(2)
 rows_1b = 4 if ON_GPU else 2
-names = ["y", "dx", "da", "db", "dc", "dh0"]
 print(f"{'L':>5} " + " ".join(f"{n:>9}" for n in names))
 for length in [1, 7, 129, 1000, 4097]:
-    x, b, c, dy = (torch.randn(rows_1b, length, dtype=torch.float64, device=DEVICE) for _ in range(4))
     a = torch.rand(rows_1b, length, dtype=torch.float64, device=DEVICE)
+    b, dy = torch.randn(2, rows_1b, length, dtype=torch.float64, device=DEVICE)
     h0 = torch.randn(rows_1b, dtype=torch.float64, device=DEVICE)
-    expected = reference_grads(x, a, b, c, h0, dy)
-    got = ssm_one_block(x, a, b, c, h0, dy)
+    expected = reference_grads(a, b, h0, dy)
+    got = scan_one_block(a, b, h0, dy)
     errors = [(g.cpu() - e.cpu()).abs().max().item() for g, e in zip(got, expected)]
     print(f"{length:5} " + " ".join(f"{err:9.1e}" for err in errors))
     assert max(errors) < 1e-9, dict(zip(names, errors))
 
 # %% [markdown]
-# ## 4. Any length: the blocked backward
+# ## 4. Any length: the blocked backward, and `scan_lib.linear_scan`
 #
-# The forward kernel of chapter 02 walks a row's chunks left to right with the state in a register.
-# The backward kernel walks them **right to left** with the adjoint state $\delta$ in a register,
-# folded into the first pair of each chunk *in the adjoint's scan order* (its last in memory) exactly
-# as the forward folds $h$ into the first: it is the same `scan_chunk`, run in the other direction. States flow both ways: $\delta$ from the right through
-# the loop, $h$ from the left through memory.
+# Chapter 02's forward kernel walks a row's chunks left to right with the state in a register. The
+# backward kernel walks them **right to left** with the adjoint $\delta$ in a register, folded into each
+# chunk by the same `scan_chunk`, run the other way: $\delta$ flows from the right through the loop, $h$
+# from the left through memory. The backward reads the forward's stored output $h$, shifted by one,
+# for $h_{t-1}$, and the gates shifted the other way for $a_{t+1}$: each from a load offset by one
+# position, so nothing is recomputed. One kernel serves both directions of the forward scan (for
+# `reverse=True` left and right swap), and the initial state's gradient $a_0\delta_0$ is the adjoint
+# left over after the last chunk, times one gate. In the padding the kernel loads the identity pair
+# $(1, 0)$, so that the carried adjoint passes through it unchanged at whichever end it sits.
 #
-# **What is stored, what is recomputed.** $\partial a_t = h_{t-1}\delta_t$ needs the forward states. Two
-# options move the same bytes from memory in the backward pass:
+# The cell below is exported to `scan_lib/linear_scan.py`: the kernel, its launcher, and the
+# differentiable `linear_scan`. The two launchers are registered as torch ops (so `torch.compile` and
+# `torch.func` can handle them), an `autograd.Function` calls the forward op and, in its backward, the
+# backward op, and `linear_scan` checks its arguments, broadcasts a scalar or per-channel gate against
+# the tokens and promotes dtypes as `gates * tokens` would. "Going deeper" at the end explains that
+# plumbing, the choice of storing $h$, and the launch parameters `BWD_CONFIG`.
 #
-# - *store the output* $h$ (it exists anyway) with the gates, and read $h_{t-1}$ back, shifted by one:
-#   reads gates, $h$ and $g$, writes $\partial a$ and $\partial u$;
-# - *store the inputs* (gates and tokens) plus the state at every chunk boundary, and recompute $h_{t-1}$
-#   inside each chunk as in the single-block kernel: reads gates, tokens and $g$, writes the same two.
-#
-# Both are 3 reads and 2 writes per element. We store the output: the kernel is simpler (one scan per
-# chunk instead of two) and the tokens need not be kept alive, which matters when they are a
-# temporary like $b_t x_t$. The recomputing variant becomes necessary in chapter 04, where there are
-# N states per position and storing them all would cost N times the memory. Nothing is
-# recomputed: $\delta$ is new, and the two neighbours' values, $a_{t+1}$ and $h_{t-1}$, come from loads
-# offset by one position. The loop never needs the unshifted gates, so each tensor is still read
-# once; only the one element of an offset load that falls in the next chunk is read twice, and that
-# one comes from the cache.
-#
-# One launch does the whole backward pass for both directions of the forward scan: for `reverse=True`
-# the roles of left and right swap (the adjoint runs left to right with gates $a_{t-1}$, and
-# $\partial a_t = h_{t+1}\delta_t$). The initial state's gradient $a_0\delta_0$ (reverse: $a_{L-1}\delta_{L-1}$) is
-# the adjoint state left over after the last chunk, times one gate. In the padding we load the
-# identity pair $(1, 0)$ so that the adjoint state passes through it unchanged whichever end the
-# padding sits at.
-#
-# The kernel reuses chapter 02's machinery: `chunk_positions` walks the chunks in the adjoint's order
-# (for the usual forward scan, from the right: either with descending loads, the block then in scan
-# order, or with ascending loads and `reverse=True`), and `scan_chunk` scans them. All three loads are
-# issued at the top of the loop body, before the scan, so that their memory latencies overlap. Its
-# launch parameters are a dict of their own, `BWD_CONFIG`: the backward moves 5 tensors where the
-# forward moves 3, so its best chunk, warps and loads need not be the forward's.
+# Differentiating the backward again (a Hessian, a gradient penalty) needs no second kernel: the
+# backward is itself a linear scan of the shifted gates followed by elementwise products, so when
+# autograd records the backward (`create_graph=True`), `_backward_by_scan` writes it with
+# `linear_scan` and torch ops, which autograd differentiates once more.
 
 # %%
 #| export
@@ -531,121 +518,131 @@ def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None)
     rows_init = None if initial_state is None else initial_state.to(dtype).expand(shape[:-1]).reshape(rows).contiguous()
     return LinearScanFunction.apply(rows_gates, rows_tokens, rows_init, reverse, chunk).view(shape)
 
+
 # %% [markdown]
 # ## 5. Every gradient, every length, several chunk sizes
 #
-# The full model $y = c \odot \text{linear\_scan}(a,\ b \odot x,\ h^{\text{init}})$ is now ordinary
-# PyTorch around our function, so autograd combines our gradients with the elementwise ones. We check
-# $y$ and all five gradients against the float64 loop, at lengths 1, 7, 129, 1000, 4097, with chunks
-# of 16 (hundreds of carries), 128 and 1024, in both directions, with and without an initial state.
+# In chapters 04 and 05 the scan sits between elementwise products: the token is $b_t = B_t x_t$ and the
+# state is read out through $C_t$ (04's model with one state). With `linear_scan` that model is ordinary
+# PyTorch, $y = C \odot \text{linear\_scan}(a,\ B \odot x,\ h_{-1})$, and autograd chains our gradients
+# with the elementwise ones ($\partial\mathcal L/\partial x_t = B_t\,\partial\mathcal L/\partial b_t$, and so on).
+# We check $y$ and all five gradients against the float64 loop, at lengths 1, 7, 129, 1000, 4097, with
+# chunks of 16 (hundreds of carries), 128 and 1024, in both directions, with and without an initial state.
 
 # %%
-def ssm_with_linear_scan(x, a, b, c, h0, dy, reverse, chunk):
-    """(y, dx, da, db, dc, dh0) with the scan done by linear_scan; h0 may be None."""
-    inputs = [t.detach().requires_grad_() for t in (x, a, b, c)]
-    h0_leaf = None if h0 is None else h0.detach().requires_grad_()
-    x_, a_, b_, c_ = inputs
-    y = c_ * linear_scan(a_, b_ * x_, h0_leaf, reverse, chunk=chunk)
-    leaves = inputs + ([] if h0_leaf is None else [h0_leaf])
-    grads = torch.autograd.grad(y, leaves, dy)
-    return (y.detach(), *grads)
+def model_grads(x, a, B, C, h0, dy, reverse, scan):
+    """(y, dx, da, dB, dC[, dh0]) for y = C * scan(a, B * x, h0, reverse), by autograd; h0 may be None."""
+    leaves = [t.detach().requires_grad_() for t in (x, a, B, C) + (() if h0 is None else (h0,))]
+    x_, a_, B_, C_ = leaves[:4]
+    y = C_ * scan(a_, B_ * x_, leaves[4] if h0 is not None else None, reverse)
+    return (y.detach(), *torch.autograd.grad(y, leaves, dy))
 
 
+model_names = ["y", "dx", "da", "dB", "dC", "dh0"]
 torch.manual_seed(3)
 rows_full = 16 if ON_GPU else 2
-print(f"{'L':>5} {'reverse':>8} {'init':>5} {'chunk':>6} " + " ".join(f"{n:>9}" for n in names))
+print(f"{'L':>5} {'reverse':>8} {'init':>5} {'chunk':>6} " + " ".join(f"{n:>9}" for n in model_names))
 for length in [1, 7, 129, 1000, 4097]:
-    x, b, c, dy = (torch.randn(rows_full, length, dtype=torch.float64, device=DEVICE) for _ in range(4))
+    x, B, C, dy = torch.randn(4, rows_full, length, dtype=torch.float64, device=DEVICE)
     a = torch.rand(rows_full, length, dtype=torch.float64, device=DEVICE)
     h0 = torch.randn(rows_full, dtype=torch.float64, device=DEVICE)
     for reverse in [False, True]:
-        for with_init in [True, False]:
-            init = h0 if with_init else torch.zeros_like(h0)
-            expected = reference_grads(x, a, b, c, init, dy, reverse)
+        for init in [h0, None]:
+            expected = model_grads(x, a, B, C, init, dy, reverse, scan_loop)
             for chunk in [16, 128, 1024]:
-                got = ssm_with_linear_scan(x, a, b, c, h0 if with_init else None, dy, reverse, chunk)
+                got = model_grads(x, a, B, C, init, dy, reverse,
+                                  lambda *args: linear_scan(*args, chunk=chunk))
                 errors = [(g.cpu() - e.cpu()).abs().max().item() for g, e in zip(got, expected)]
-                assert max(errors) < 1e-9, (length, reverse, with_init, chunk, dict(zip(names, errors)))
-                if with_init:
+                assert max(errors) < 1e-9, (length, reverse, init is None, chunk, dict(zip(model_names, errors)))
+                if init is not None:
                     print(f"{length:5} {str(reverse):>8} {'yes':>5} {chunk:6} " + " ".join(f"{err:9.1e}" for err in errors))
-print("without an initial state: y, dx, da, db, dc also match at every length, direction and chunk")
+print("without an initial state: y, dx, da, dB, dC also match at every length, direction and chunk")
 
 # %% [markdown]
-# The loop above ran the backward kernel with its default launch parameters `BWD_CONFIG`. The other
-# way of running the adjoint against the memory order (descending loads instead of `reverse=True`,
-# or the reverse) must give the same gradients:
-
-# %%
-bwd_config = sys.modules["scan_lib.linear_scan"].BWD_CONFIG  # the module's dict (scan_lib.linear_scan is the function)
-default_bwd_config = dict(bwd_config)
-bwd_config["reversed_loads"] = not default_bwd_config["reversed_loads"]
-try:
-    for length in [129, 4097]:
-        x, b, c, dy = (torch.randn(rows_full, length, dtype=torch.float64, device=DEVICE) for _ in range(4))
-        a = torch.rand(rows_full, length, dtype=torch.float64, device=DEVICE)
-        h0 = torch.randn(rows_full, dtype=torch.float64, device=DEVICE)
-        for reverse in [False, True]:
-            expected = reference_grads(x, a, b, c, h0, dy, reverse)
-            got = ssm_with_linear_scan(x, a, b, c, h0, dy, reverse, 128)
-            errors = [(g.cpu() - e.cpu()).abs().max().item() for g, e in zip(got, expected)]
-            assert max(errors) < 1e-9, (length, reverse, dict(zip(names, errors)))
-finally:
-    bwd_config.update(default_bwd_config)
-print(f"backward with reversed_loads={not default_bwd_config['reversed_loads']}: all gradients match at L = 129 and 4097")
-
-# %% [markdown]
-# `torch.autograd.gradcheck` compares our backward with finite differences of our own forward, in
-# float64, on small shapes with extra leading dims and a non-contiguous input. On the CPU we use its
-# `fast_mode` (it checks the Jacobian along random directions instead of column by column: hundreds
-# of interpreted launches fewer); on a GPU, the full Jacobian.
+# `torch.autograd.gradcheck` compares our backward with finite differences of our own forward, column by
+# column of the Jacobian (`fast_mode=False`), in float64, on small shapes with extra leading dims, a
+# non-contiguous input and chunks of 16 so that carries are crossed. `gradgradcheck` does the same for
+# the second derivatives, and the Hessian of a loss through `linear_scan` must equal the loop's: $h$ is
+# bilinear in the gates and the tokens, so the true Hessian is not zero.
 
 # %%
 torch.manual_seed(4)
-gates_gc = torch.rand(2, 3, 37, dtype=torch.float64, device=DEVICE).requires_grad_()
-tokens_gc = torch.randn(2, 37, 3, dtype=torch.float64, device=DEVICE).transpose(1, 2).requires_grad_()  # non-contiguous
+gates_gc = torch.rand(2, 3, 19, dtype=torch.float64, device=DEVICE).requires_grad_()
+tokens_gc = torch.randn(2, 19, 3, dtype=torch.float64, device=DEVICE).transpose(1, 2).requires_grad_()  # non-contiguous
 init_gc = torch.randn(2, 3, dtype=torch.float64, device=DEVICE).requires_grad_()
 assert not tokens_gc.is_contiguous()
 for reverse in [False, True]:
     assert torch.autograd.gradcheck(lambda g, u, h: linear_scan(g, u, h, reverse, chunk=16),
-                                    (gates_gc, tokens_gc, init_gc), fast_mode=not ON_GPU)
-print(f"gradcheck (float64, shape (2, 3, 37), chunk 16, both directions, fast_mode={not ON_GPU}): ok")
+                                    (gates_gc, tokens_gc, init_gc), fast_mode=False)
+    small = [t.detach().requires_grad_() for t in (gates_gc[0, :1, :17], tokens_gc[0, :1, :17], init_gc[0, :1])]
+    assert torch.autograd.gradgradcheck(lambda g, u, h: linear_scan(g, u, h, reverse, chunk=16), small)
+print("gradcheck (float64, shape (2, 3, 19), full Jacobian) and gradgradcheck (1, 17), chunk 16, both directions: ok")
+
+
+def squared_loss(scan):
+    return lambda g, u, h: (scan(g[None], u[None], h[None]) ** 2).sum()
+
+
+hessian_args = (gates_gc[0, 0, :9].detach(), tokens_gc[0, 0, :9].detach(), init_gc[0, 0].detach())
+ours = torch.autograd.functional.hessian(squared_loss(linear_scan), hessian_args)
+theirs = torch.autograd.functional.hessian(squared_loss(scan_loop), hessian_args)
+hessian_error = max((o - t).abs().max().item() for row_o, row_t in zip(ours, theirs) for o, t in zip(row_o, row_t))
+print(f"Hessian of sum(h^2) in (gates, tokens, initial state), L = 9: largest entry "
+      f"{max(t.abs().max().item() for row in theirs for t in row):.2f}, max abs error {hessian_error:.1e}")
+assert hessian_error < 1e-10
 
 # %% [markdown]
-# Low precision: the gradients of float16/bfloat16/float32 inputs, relative to the largest float64
-# gradient. The scans accumulate in float32, so the error is a few roundings of the stored values.
+# Low precision: the gradients of float32, float16 and bfloat16 inputs, relative to the largest float64
+# gradient of the same (rounded) inputs. The kernels accumulate in float32, so the error is the rounding
+# of the stored values (the output $h$, which the backward reads again, and the gradients: about 2 ulps
+# of the dtype) plus float32 rounding along the length: the tolerance is
+# $2\,\varepsilon_{\text{dtype}} + L\,\varepsilon_{\text{float32}}$. Gates near 1 give a long memory, so a
+# scan that rounded its state to float16 or bfloat16 at every step would fail it (the tests inject that bug).
 
 # %%
 torch.manual_seed(5)
-gates_lp = torch.rand(4, 2000, device=DEVICE) * 0.5 + 0.5
-tokens_lp, grad_lp = torch.randn(2, 4, 2000, device=DEVICE)
+length_lp = 2000
+gates_lp = 0.98 + 0.02 * torch.rand(4, length_lp, device=DEVICE)
+tokens_lp, grad_lp = torch.randn(2, 4, length_lp, device=DEVICE)
 init_lp = torch.randn(4, device=DEVICE)
-leaves64 = [t.double().requires_grad_() for t in (gates_lp, tokens_lp, init_lp)]
-h64 = linear_scan(*leaves64)
-ref_lp = [h64.detach(), *torch.autograd.grad(h64, leaves64, grad_lp.double())]
-print(f"{'dtype':>15} " + " ".join(f"{n:>9}" for n in ["h", "d_gates", "d_tokens", "d_init"]))
-for dtype, tolerance in [(torch.float32, 1e-5), (torch.float16, 5e-3), (torch.bfloat16, 3e-2)]:
+print(f"{'dtype':>15} " + " ".join(f"{n:>9}" for n in ["h", "d_gates", "d_tokens", "d_init"]) + f" {'tolerance':>9}")
+for dtype in [torch.float32, torch.float16, torch.bfloat16]:
     leaves = [t.to(dtype).requires_grad_() for t in (gates_lp, tokens_lp, init_lp)]
     h_lp = linear_scan(*leaves)
     got = [h_lp.detach(), *torch.autograd.grad(h_lp, leaves, grad_lp.to(dtype))]
     assert all(t.dtype == dtype for t in got)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]  # the same rounded inputs, in float64
+    h64 = scan_loop(*leaves64)
+    ref_lp = [h64.detach(), *torch.autograd.grad(h64, leaves64, grad_lp.to(dtype).double())]
     errors = [((g.double() - r).abs().max() / r.abs().max()).item() for g, r in zip(got, ref_lp)]
-    print(f"{str(dtype):>15} " + " ".join(f"{err:9.1e}" for err in errors))
+    tolerance = 2 * torch.finfo(dtype).eps + length_lp * torch.finfo(torch.float32).eps
+    print(f"{str(dtype):>15} " + " ".join(f"{err:9.1e}" for err in errors) + f" {tolerance:9.1e}")
     assert max(errors) < tolerance
 
 # %% [markdown]
+# `linear_scan` takes what `gates * tokens` would: an EMA's scalar or per-channel gate without a manual
+# expand (its gradient is summed back to its shape), and mixed dtypes, promoted as torch promotes them.
 # Bad input gets an exception that names the argument; empty sequences are allowed.
 
 # %%
+tokens_ema = torch.randn(2, 3, 50, device=DEVICE)
+alpha = torch.tensor([[0.9], [0.5], [0.99]], dtype=torch.float16, device=DEVICE, requires_grad=True)  # 3 x 1: per channel
+h_ema = linear_scan(alpha, (1 - alpha) * tokens_ema)
+d_alpha, = torch.autograd.grad(h_ema.sum(), alpha)
+h_expanded = linear_scan(alpha.detach().float().expand(2, 3, 50).contiguous(), (1 - alpha.detach().float()) * tokens_ema)
+assert h_ema.dtype == torch.float32 and d_alpha.shape == alpha.shape and d_alpha.dtype == torch.float16
+assert torch.equal(h_ema.detach(), h_expanded)
+print(f"per-channel float16 gate {tuple(alpha.shape)} with float32 tokens {tuple(tokens_ema.shape)}: "
+      f"h {h_ema.dtype} {tuple(h_ema.shape)}, d_alpha {d_alpha.dtype} {tuple(d_alpha.shape)}")
+
 ok_gates = torch.rand(2, 5, device=DEVICE)
 ok_tokens = torch.randn(2, 5, device=DEVICE)
 bad_calls = {
-    "shape mismatch": (ValueError, lambda: linear_scan(ok_gates, ok_tokens[:, :4])),
-    "dtype mismatch": (TypeError, lambda: linear_scan(ok_gates.double(), ok_tokens)),
+    "shapes not broadcastable": (ValueError, lambda: linear_scan(ok_gates, ok_tokens[:, :4])),
     "integer tokens": (TypeError, lambda: linear_scan(ok_gates, torch.ones(2, 5, dtype=torch.int64, device=DEVICE))),
-    "not a tensor": (TypeError, lambda: linear_scan([0.5] * 5, ok_tokens)),
+    "gates a list": (TypeError, lambda: linear_scan([0.5] * 5, ok_tokens)),
     "0-dim tensors": (ValueError, lambda: linear_scan(ok_gates[0, 0], ok_tokens[0, 0])),
     "initial_state shape": (ValueError, lambda: linear_scan(ok_gates, ok_tokens, torch.zeros(5, device=DEVICE))),
-    "initial_state dtype": (TypeError, lambda: linear_scan(ok_gates, ok_tokens, torch.zeros(2, device=DEVICE, dtype=torch.float64))),
     "chunk not a power of two": (ValueError, lambda: linear_scan(ok_gates, ok_tokens, chunk=100)),
 }
 if ON_GPU:
@@ -669,24 +666,20 @@ print("L = 0: empty result, empty gradients: ok")
 # ## 6. On a GPU: how fast, and how far from the floor
 #
 # The workload of the design table: gates and tokens of shape (batch 8, channels 1024, L 4096) in
-# float32, 8192 rows of 4096. Every scan must read its inputs and write its outputs at least once, so
-# the **memory floor** is the bytes that must move divided by the copy bandwidth, which we measure in
-# the same cell with `copy_bandwidth` (chapter 00: a 1 GiB `copy_`, timed by `median_us`). One tensor
-# is $8 \cdot 1024 \cdot 4096 \cdot 4$ bytes = 128 MiB. We count:
+# float32. Every scan must read its inputs and write its outputs at least once, so the **memory floor**
+# is the bytes that must move divided by the copy bandwidth, measured in the same cell with
+# `copy_bandwidth` (chapter 00). We count:
 #
-# - forward: read gates and tokens, write $h$: **3 tensors** (384 MiB);
-# - forward + backward: the forward's 3, plus the backward reads gates, $h$ (or, recomputing, tokens)
-#   and the incoming gradient and writes $\partial$gates and $\partial$tokens: **8 tensors** (1 GiB).
-#   The backward reads the gates and $h$ at positions offset by one, but still each element once.
+# - forward: read gates and tokens, write $h$: **3 tensors**;
+# - forward + backward: the forward's 3, plus the backward reads gates, $h$ and the incoming gradient and
+#   writes $\partial$gates and $\partial$tokens: **8 tensors**. (It reads the gates and $h$ at positions
+#   offset by one, but still each element once.)
 #
-# We compare with accelerated-scan's Triton kernel (`from accelerated_scan.scalar import scan`, or
-# `accelerated_scan.triton` in other versions: `scan(gates, tokens)`, same recurrence, contiguous
-# (B, C, T) tensors) when it is installed. Its structure is close to ours: one
-# program per row, chunks of 2048, the adjoint scanned with `reverse=True` over ascending loads, the
-# shifted gates and states read by a second, offset load. Ours is timed with the default launch
-# parameters (`FWD_CONFIG`, `BWD_CONFIG`) and with the other way of running the adjoint backwards
-# (descending loads); `benchmarks/bench_linear_scan.py` sweeps all the parameters. Times are medians
-# of `triton.testing.do_bench` (`median_us`, chapter 00); fwd+bwd uses `torch.autograd.grad` so no
+# We compare with accelerated-scan's Triton kernel (`scan(gates, tokens)`, the same recurrence) when it
+# is installed: one program per row, chunks of 2048, the adjoint scanned with `reverse=True` and the
+# shifted gates and states read by offset loads, much like ours. Ours runs with its default launch
+# parameters, and with the other way of running the adjoint against the memory order (see "Going
+# deeper"). Times are medians of `triton.testing.do_bench`; fwd+bwd uses `torch.autograd.grad`, so no
 # `.grad` accumulation is timed.
 
 # %%
@@ -695,7 +688,7 @@ if not ON_GPU:
 else:
     from scan_lib.runtime import copy_bandwidth, median_us
 
-    backward_config = sys.modules["scan_lib.linear_scan"].BWD_CONFIG  # the module's dict (scan_lib.linear_scan is the function)
+    backward_config = BWD_CONFIG  # the dict this notebook's linear_scan reads (scan_lib's own is another copy)
     torch.manual_seed(6)
     shape_bench = (8, 1024, 4096)
     gates_b = (0.5 + 0.5 * torch.rand(shape_bench, device=DEVICE)).requires_grad_()
@@ -762,50 +755,127 @@ else:
     ax.set_ylabel("median time (us)")
     ax.set_title(f"linear scan {shape_bench} float32 on {torch.cuda.get_device_name(DEVICE)}")
     ax.legend(fontsize=8)
+    ours_fwd, ours_both = times_us["ours (default)"]
+    print(f"ours: forward {ours_fwd / floors_us['fwd']:.2f}x the floor, forward + backward "
+          f"{ours_both / floors_us['fwd+bwd']:.2f}x the floor")
+    if "accelerated-scan (Triton)" in times_us:
+        peer_fwd, peer_both = times_us["accelerated-scan (Triton)"]
+        print(f"accelerated-scan / ours: forward {peer_fwd / ours_fwd:.2f}, forward + backward {peer_both / ours_both:.2f} "
+              "(above 1: ours is faster in this run)")
     save_figure(fig, "linear_scan_benchmark.png")
-    plt.close(fig)
+
 
 # %% [markdown]
-# ![benchmark](../figures/linear_scan_benchmark.png)
-#
-# (The figure is written by the cell above on a GPU.) Both passes are memory-bound, so the time should
-# sit a little above the dashed floor. The forward moves each element once each way. The backward adds
-# 5 tensors, and a scan that runs against the memory order: with `reverse=True` the compiled code
-# reverses the values across each warp's threads before and after the scan; with descending loads it
-# does not, but gives up wide loads and needs more registers per thread.
-#
-# **What the H200 measured (2026-11-29, the table above; copy bandwidth 4.25 TB/s).**
-#
-# - *Forward: at the floor.* 101.3 us, 1.07 times the 95 us floor; accelerated-scan took 103.6 us.
-#   Both kernels are within 10% of what memory allows; there is little left to win.
-# - *Forward + backward: 350.0 us, 1.39 times the 253 us floor*, against 385.9 us for accelerated-scan
-#   in the same run. The gap to the floor is not in the kernels: timed alone by
-#   `benchmarks/bench_linear_scan.py`, the backward kernel takes 169 us against its 159 us floor
-#   (5 tensors), so the two kernels add up to about 270 us. The remaining 80 us lie outside them
-#   (presumably autograd, allocations and the gaps between launches), and that part varies a lot
-#   from run to run: an earlier run measured accelerated-scan at 281.6 us and ours between 277 and
-#   660 us depending on launch parameters, in an order unrelated to the kernels' own times (the
-#   configuration with the fastest backward kernel, 169 us, measured 660 us forward + backward). We
-#   have not found the source of this variance, so read the fwd+bwd column as a rough figure: it
-#   does not show that we beat accelerated-scan, only that our two kernels run close to their floors.
-# - *Descending loads lose.* In the backward they took 219 us against 169 us for `reverse=True`
-#   (571.4 us fwd+bwd in the table above), so `BWD_CONFIG` keeps ascending loads.
-# - *Direction and dtype.* The forward pass of `linear_scan(..., reverse=True)` costs about 10% more
-#   than a left-to-right one (109.7 against 100.4 us): the price of reversing values across each warp. bfloat16 inputs halve
-#   the bytes: the forward took 54.3 us (floor about 48 us).
+# (On a GPU the cell above prints the table, its conclusions and the figure.) Both passes are
+# memory-bound, so their times should sit a little above the dashed floors. The backward adds 5 tensors
+# and a scan that runs against the memory order. The forward + backward column also contains what lies
+# outside the two kernels (autograd, allocations, the gaps between launches), which varies from run to
+# run: `benchmarks/bench_linear_scan.py` times the backward kernel alone and sweeps its launch parameters.
 #
 # ## Summary
 #
-# - The adjoint of $h_t = a_t h_{t-1} + u_t$ is $\delta_t = g_t + a_{t+1}\delta_{t+1}$: the same scan run the
-#   other way on the shifted gates; $\partial u = \delta$, $\partial a_t = h_{t-1}\delta_t$,
-#   $\partial h^{\text{init}} = a_0\delta_0$; with $b$ and $c$ around it, $\partial x = b\delta$, $\partial b = x\delta$,
-#   $\partial c = h\,g$.
-# - The backward kernel walks each row's chunks right to left, carrying $\delta$ in a register and
-#   reading the stored forward output one step back; one kernel serves both scan directions. It runs
-#   the adjoint against the memory order either with `reverse=True` or with descending loads; its
-#   launch parameters are `BWD_CONFIG` (the forward's, `FWD_CONFIG`), swept by
-#   `benchmarks/bench_linear_scan.py`.
-# - `scan_lib.linear_scan(gates, tokens, initial_state=None, reverse=False)` is differentiable in all
-#   three tensors; every gradient was checked against autograd in float64, at lengths 1 to 4097,
-#   chunk sizes 16 to 1024, both directions, with and without an initial state, and by `gradcheck`.
+# - The adjoint of $h_t = a_t h_{t-1} + b_t$ is $\delta_t = \partial\mathcal L/\partial y_t + a_{t+1}\delta_{t+1}$:
+#   the same scan run the other way on the shifted gates; $\partial\mathcal L/\partial b_t = \delta_t$,
+#   $\partial\mathcal L/\partial a_t = h_{t-1}\delta_t$, $\partial\mathcal L/\partial h_{-1} = a_0\delta_0$.
+# - The backward kernel walks each row's chunks right to left, carrying $\delta$ in a register and reading
+#   the stored forward output one step back; one kernel serves both scan directions.
+# - `scan_lib.linear_scan(gates, tokens, initial_state=None, reverse=False)` is differentiable in all three
+#   tensors, twice too; it broadcasts gates against tokens and promotes dtypes like torch arithmetic.
+#   Every gradient was checked against autograd in float64 at lengths 1 to 4097, chunks 16 to 1024, both
+#   directions, with and without an initial state, by full-Jacobian `gradcheck`, `gradgradcheck` and a Hessian.
 # - Next, chapter 04: N states per position, where storing $h$ is no longer an option.
+#
+# ## Going deeper
+#
+# ### What the backward stores, and what it recomputes
+#
+# $\partial a_t = h_{t-1}\delta_t$ needs the forward states. Two options move the same bytes in the
+# backward pass:
+#
+# - *store the output* $h$ (it exists anyway) with the gates, and read $h_{t-1}$ back, shifted by one:
+#   reads gates, $h$ and $\partial\mathcal L/\partial y$, writes $\partial a$ and $\partial b$;
+# - *store the inputs* (gates and tokens) plus the state at every chunk boundary, and recompute $h_{t-1}$
+#   inside each chunk as the single-block kernel does: reads gates, tokens and $\partial\mathcal L/\partial y$,
+#   writes the same two.
+#
+# Both are 3 reads and 2 writes per element. `linear_scan` stores the output: the kernel does one scan
+# per chunk instead of two, and the tokens need not be kept alive, which matters when they are a
+# temporary like $B_t x_t$. Chapter 04 needs the recomputing variant: with N states per position,
+# storing them all would cost N times the memory. The loop never needs the unshifted gates, so each
+# tensor is read once; only the element of an offset load that falls in the next chunk is read twice,
+# from the cache. All three loads are issued at the top of the loop body, before the scan, so that their
+# memory latencies overlap.
+#
+# ### Launch parameters, and two ways to scan against the memory order
+#
+# The backward's launch parameters are a dict of their own, `BWD_CONFIG` (the forward's is chapter 02's
+# `FWD_CONFIG`): the backward moves 5 tensors where the forward moves 3, so its best chunk, warps and loads
+# need not be the forward's; `benchmarks/bench_linear_scan.py` sweeps both on a GPU. For the usual
+# (left-to-right) forward scan the adjoint runs right to left, and `chunk_positions` (chapter 02) offers
+# two ways to walk a chunk against the memory order: ascending loads scanned with
+# `tl.associative_scan(..., reverse=True)` (the compiled code reverses the values across each warp's
+# threads before and after the scan), or descending loads, the block then in scan order (no reversal, but
+# no wide loads and more registers per thread). `reversed_loads` in `BWD_CONFIG` picks one; the other must
+# give the same gradients:
+
+# %%
+default_bwd_config = dict(BWD_CONFIG)  # BWD_CONFIG: this notebook's dict, the one its linear_scan reads
+BWD_CONFIG["reversed_loads"] = not default_bwd_config["reversed_loads"]
+torch.manual_seed(6)
+try:
+    for length in [129, 4097]:
+        x, B, C, dy = torch.randn(4, rows_full, length, dtype=torch.float64, device=DEVICE)
+        a = torch.rand(rows_full, length, dtype=torch.float64, device=DEVICE)
+        h0 = torch.randn(rows_full, dtype=torch.float64, device=DEVICE)
+        for reverse in [False, True]:
+            expected = model_grads(x, a, B, C, h0, dy, reverse, scan_loop)
+            got = model_grads(x, a, B, C, h0, dy, reverse, lambda *args: linear_scan(*args, chunk=128))
+            errors = [(g.cpu() - e.cpu()).abs().max().item() for g, e in zip(got, expected)]
+            assert max(errors) < 1e-9, (length, reverse, dict(zip(model_names, errors)))
+finally:
+    BWD_CONFIG.update(default_bwd_config)
+print(f"backward with reversed_loads={not default_bwd_config['reversed_loads']}: all gradients match at L = 129 and 4097")
+
+# %% [markdown]
+# ### Autograd plumbing: torch ops, `setup_context`, double backward
+#
+# - **Custom ops.** `linear_scan_fwd` and `linear_scan_bwd` are `torch.library.custom_op`s (made by
+#   `scan_lib.runtime.custom_op`, namespace `scan_lib` in the package): `torch.compile` does not trace into
+#   Triton's launcher but calls the op, using its *fake* implementation (shapes and dtypes only) to build
+#   the graph; `torch.func.vmap` uses its *vmap rule*, which folds the batch dim into the rows. Their
+#   outputs are fresh tensors, never views of the inputs, as custom ops require.
+# - **The autograd.Function** has the new-style `forward` without `ctx` plus `setup_context`, which is
+#   what `torch.func` needs, and `generate_vmap_rule = True`. Its backward uses the fused kernel unless
+#   autograd is recording the backward itself (`torch.is_grad_enabled()`, i.e. `create_graph=True`, as in
+#   `gradgradcheck`, `hessian` or `torch.func.grad`); then `_backward_by_scan` computes the same gradients
+#   from `LinearScanFunction` and torch ops, which autograd can differentiate. A once-differentiable
+#   backward would be wrong here: autograd would return a zero Hessian or `None` for a second derivative
+#   without any error.
+# - **Saved tensors.** The Function saves the gates, the initial state and its own output $h$. The saved
+#   inputs share the caller's version counters, so editing them in place after the call (and before
+#   backward) raises autograd's usual error instead of giving a wrong gradient; likewise for $h$, which may
+#   be modified in place when no backward follows. `linear_scan` broadcasts, casts and reshapes outside the
+#   Function, so autograd sums the gradient of a broadcast gate back to its shape and casts it to its dtype.
+#
+# The transforms, against the plain call:
+
+# %%
+torch.manual_seed(7)
+gates_fn = torch.rand(4, 3, 20, dtype=torch.float64, device=DEVICE)
+tokens_fn = torch.randn(4, 3, 20, dtype=torch.float64, device=DEVICE)
+loss_fn = lambda g, u: (linear_scan(g, u) ** 2).sum()  # noqa: E731
+leaves_fn = [t.clone().requires_grad_() for t in (gates_fn, tokens_fn)]
+plain_grads = torch.autograd.grad(loss_fn(*leaves_fn), leaves_fn)
+checks = {
+    "torch.func.grad": torch.func.grad(loss_fn, argnums=(0, 1))(gates_fn, tokens_fn),
+    "torch.func.vmap(grad) over dim 0": torch.func.vmap(torch.func.grad(loss_fn, argnums=(0, 1)))(gates_fn, tokens_fn),
+}
+compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+checks["torch.compile(fullgraph=True)"] = torch.autograd.grad(compiled(*leaves_fn), leaves_fn)
+for what, grads in checks.items():
+    error = max((g - p).abs().max().item() for g, p in zip(grads, plain_grads))
+    print(f"{what:34} gradients, max abs difference from autograd: {error:.1e}")
+    assert error < 1e-12
+batched = torch.func.vmap(linear_scan, in_dims=(1, 1))(gates_fn, tokens_fn)
+assert torch.equal(batched, linear_scan(gates_fn.transpose(0, 1), tokens_fn.transpose(0, 1)))
+print("torch.func.vmap over dim 1: equal to the plain call")
