@@ -93,7 +93,7 @@ ax.text(steps - 0.4, 0.5, r"$\partial\mathcal{L}/\partial a_t = h_{t-1}\,\delta_
 ax.set_xlim(-0.5, steps + 2.2)
 ax.set_ylim(-0.8, 1.8)
 ax.axis("off")
-ax.set_title(r"the state $h$ flows from the left, the adjoint $\delta$ from the right, through the same gates")
+ax.set_title(r"$h$ flows from the left, the adjoint $\delta$ from the right, through the same gates", fontsize=10)
 save_figure(fig, "adjoint_flow.png")
 
 # %% [markdown]
@@ -256,25 +256,18 @@ for length in [1, 7, 129, 1000, 4097]:
 #
 # Chapter 02's forward kernel walks a row's chunks left to right with the state in a register. The
 # backward kernel walks them **right to left** with the adjoint $\delta$ in a register, folded into each
-# chunk by the same `scan_chunk`, run the other way: $\delta$ flows from the right through the loop, $h$
-# from the left through memory. The backward reads the forward's stored output $h$, shifted by one,
-# for $h_{t-1}$, and the gates shifted the other way for $a_{t+1}$: each from a load offset by one
-# position, so nothing is recomputed. One kernel serves both directions of the forward scan (for
-# `reverse=True` left and right swap), and the initial state's gradient $a_0\delta_0$ is the adjoint
-# left over after the last chunk, times one gate. In the padding the kernel loads the identity pair
-# $(1, 0)$, so that the carried adjoint passes through it unchanged at whichever end it sits.
+# chunk by the same `scan_chunk` run the other way: $\delta$ flows from the right through the loop, $h$
+# from the left through memory, read back from the forward's output by a load offset by one position
+# ($h_{t-1}$), as the gates are by the opposite offset ($a_{t+1}$). In the padding it loads the identity
+# pair $(1, 0)$, so the carried adjoint passes through unchanged; what is left after the last chunk,
+# times $a_0$, is the initial state's gradient. One kernel serves both directions of the forward scan.
 #
-# The cell below is exported to `scan_lib/linear_scan.py`: the kernel, its launcher, and the
-# differentiable `linear_scan`. The two launchers are registered as torch ops (so `torch.compile` and
-# `torch.func` can handle them), an `autograd.Function` calls the forward op and, in its backward, the
-# backward op, and `linear_scan` checks its arguments, broadcasts a scalar or per-channel gate against
-# the tokens and promotes dtypes as `gates * tokens` would. "Going deeper" at the end explains that
-# plumbing, the choice of storing $h$, and the launch parameters `BWD_CONFIG`.
-#
-# Differentiating the backward again (a Hessian, a gradient penalty) needs no second kernel: the
-# backward is itself a linear scan of the shifted gates followed by elementwise products, so when
-# autograd records the backward (`create_graph=True`), `_backward_by_scan` writes it with
-# `linear_scan` and torch ops, which autograd differentiates once more.
+# The exported cell also makes `linear_scan` behave like a torch op ("Going deeper" explains the
+# plumbing): both launchers are registered as custom ops, an `autograd.Function` calls them, and the
+# public function checks its arguments, broadcasts a scalar or per-channel gate against the tokens and
+# promotes dtypes as `gates * tokens` would. A second derivative needs no second kernel: the backward is
+# a linear scan of the shifted gates plus elementwise products, so when autograd records the backward
+# (`create_graph=True`), `_backward_by_scan` computes it with `linear_scan` and torch ops.
 
 # %%
 #| export
@@ -768,10 +761,9 @@ else:
 
 # %% [markdown]
 # (On a GPU the cell above prints the table, its conclusions and the figure.) Both passes are
-# memory-bound, so their times should sit a little above the dashed floors. The backward adds 5 tensors
-# and a scan that runs against the memory order. The forward + backward column also contains what lies
-# outside the two kernels (autograd, allocations, the gaps between launches), which varies from run to
-# run: `benchmarks/bench_linear_scan.py` times the backward kernel alone and sweeps its launch parameters.
+# memory-bound, so their times should sit a little above the dashed floors. The forward + backward
+# column also holds what lies outside the two kernels (autograd, allocations, gaps between launches),
+# which varies from run to run; `benchmarks/bench_linear_scan.py` times the backward kernel alone.
 #
 # ## Summary
 #
