@@ -659,22 +659,14 @@ print("L = 0: empty result, empty gradients: ok")
 # %% [markdown]
 # ## 6. On a GPU: how fast, and how far from the floor
 #
-# The workload of the design table: gates and tokens of shape (batch 8, channels 1024, L 4096) in
-# float32. Every scan must read its inputs and write its outputs at least once, so the **memory floor**
-# is the bytes that must move divided by the copy bandwidth, measured in the same cell with
-# `copy_bandwidth` (chapter 00). We count:
-#
-# - forward: read gates and tokens, write $h$: **3 tensors**;
-# - forward + backward: the forward's 3, plus the backward reads gates, $h$ and the incoming gradient and
-#   writes $\partial$gates and $\partial$tokens: **8 tensors**. (It reads the gates and $h$ at positions
-#   offset by one, but still each element once.)
-#
-# We compare with accelerated-scan's Triton kernel (`scan(gates, tokens)`, the same recurrence) when it
-# is installed: one program per row, chunks of 2048, the adjoint scanned with `reverse=True` and the
-# shifted gates and states read by offset loads, much like ours. Ours runs with its default launch
-# parameters, and with the other way of running the adjoint against the memory order (see "Going
-# deeper"). Times are medians of `triton.testing.do_bench`; fwd+bwd uses `torch.autograd.grad`, so no
-# `.grad` accumulation is timed.
+# Gates and tokens of shape (batch 8, channels 1024, L 4096) in float32. Both passes are memory-bound:
+# the **memory floor** is the bytes that must move over the copy bandwidth (`copy_bandwidth`, chapter 00,
+# measured in the same cell). The forward moves **3 tensors** (reads gates and tokens, writes $h$); forward +
+# backward **8** (the backward also reads gates, $h$ and the incoming gradient, and writes two gradients).
+# The peer is accelerated-scan's Triton kernel (`scan(gates, tokens)`, the same recurrence, built much like
+# ours), when it is installed. Ours runs with its default `BWD_CONFIG` and with the other way of running the
+# adjoint against the memory order ("Going deeper"). Times are `do_bench` medians; fwd+bwd calls
+# `torch.autograd.grad`, so no `.grad` accumulation is timed.
 
 # %%
 if not ON_GPU:
@@ -772,44 +764,32 @@ else:
 #   $\partial\mathcal L/\partial a_t = h_{t-1}\delta_t$, $\partial\mathcal L/\partial h_{-1} = a_0\delta_0$.
 # - The backward kernel walks each row's chunks right to left, carrying $\delta$ in a register and reading
 #   the stored forward output one step back; one kernel serves both scan directions.
-# - `scan_lib.linear_scan(gates, tokens, initial_state=None, reverse=False)` is differentiable in all three
-#   tensors, twice too; it broadcasts gates against tokens and promotes dtypes like torch arithmetic.
-#   Every gradient was checked against autograd in float64 at lengths 1 to 4097 (2049 on the CPU), chunks 16 to 1024, both
-#   directions, with and without an initial state, by full-Jacobian `gradcheck`, `gradgradcheck` and a Hessian.
+# - `scan_lib.linear_scan(gates, tokens, initial_state=None, reverse=False)` is differentiable (twice too) in
+#   all three tensors, broadcasts gates against tokens and promotes dtypes like torch arithmetic. Every
+#   gradient was checked against the float64 loop, and by full-Jacobian `gradcheck`, `gradgradcheck` and a Hessian.
 # - Next, chapter 04: N states per position, where storing $h$ is no longer an option.
 #
 # ## Going deeper
 #
 # ### What the backward stores, and what it recomputes
 #
-# $\partial a_t = h_{t-1}\delta_t$ needs the forward states. Two options move the same bytes in the
-# backward pass:
-#
-# - *store the output* $h$ (it exists anyway) with the gates, and read $h_{t-1}$ back, shifted by one:
-#   reads gates, $h$ and $\partial\mathcal L/\partial y$, writes $\partial a$ and $\partial b$;
-# - *store the inputs* (gates and tokens) plus the state at every chunk boundary, and recompute $h_{t-1}$
-#   inside each chunk as the single-block kernel does: reads gates, tokens and $\partial\mathcal L/\partial y$,
-#   writes the same two.
-#
-# Both are 3 reads and 2 writes per element. `linear_scan` stores the output: the kernel does one scan
-# per chunk instead of two, and the tokens need not be kept alive, which matters when they are a
-# temporary like $B_t x_t$. Chapter 04 needs the recomputing variant: with N states per position,
-# storing them all would cost N times the memory. The loop never needs the unshifted gates, so each
-# tensor is read once; only the element of an offset load that falls in the next chunk is read twice,
-# from the cache. All three loads are issued at the top of the loop body, before the scan, so that their
-# memory latencies overlap.
+# $\partial a_t = h_{t-1}\delta_t$ needs the forward states. Storing the output $h$ (it exists anyway) and
+# reading $h_{t-1}$ back, or storing the inputs plus the state at each chunk boundary and recomputing
+# $h_{t-1}$ in each chunk (as the single-block kernel does), both cost 3 reads and 2 writes per element.
+# `linear_scan` stores $h$: one scan per chunk instead of two, and the tokens need not be kept alive
+# (they are often a temporary like $B_t x_t$). Chapter 04 must recompute: with N states per position,
+# storing them all would cost N times the memory. Each tensor is read once; only the element of an offset
+# load that falls in the next chunk is read twice, from the cache. The three loads are issued before the
+# scan, so that their latencies overlap.
 #
 # ### Launch parameters, and two ways to scan against the memory order
 #
-# The backward's launch parameters are a dict of their own, `BWD_CONFIG` (the forward's is chapter 02's
-# `FWD_CONFIG`): the backward moves 5 tensors where the forward moves 3, so its best chunk, warps and loads
-# need not be the forward's; `benchmarks/bench_linear_scan.py` sweeps both on a GPU. For the usual
-# (left-to-right) forward scan the adjoint runs right to left, and `chunk_positions` (chapter 02) offers
-# two ways to walk a chunk against the memory order: ascending loads scanned with
-# `tl.associative_scan(..., reverse=True)` (the compiled code reverses the values across each warp's
-# threads before and after the scan), or descending loads, the block then in scan order (no reversal, but
-# no wide loads and more registers per thread). `reversed_loads` in `BWD_CONFIG` picks one; the other must
-# give the same gradients:
+# The backward has its own launch parameters, `BWD_CONFIG` (the forward's are chapter 02's `FWD_CONFIG`):
+# it moves 5 tensors where the forward moves 3, so its best chunk and warps need not be the same;
+# `benchmarks/bench_linear_scan.py` sweeps both on a GPU. The adjoint of a left-to-right scan runs right to
+# left, and `chunk_positions` (chapter 02) offers two ways to do that: ascending loads scanned with
+# `tl.associative_scan(..., reverse=True)`, or descending loads with the block in scan order.
+# `reversed_loads` picks one; the other must give the same gradients:
 
 # %%
 default_bwd_config = dict(BWD_CONFIG)  # BWD_CONFIG: this notebook's dict, the one its linear_scan reads
@@ -832,23 +812,18 @@ print(f"backward with reversed_loads={not default_bwd_config['reversed_loads']}:
 # %% [markdown]
 # ### Autograd plumbing: torch ops, `setup_context`, double backward
 #
-# - **Custom ops.** `linear_scan_fwd` and `linear_scan_bwd` are `torch.library.custom_op`s (made by
-#   `scan_lib.runtime.custom_op`, namespace `scan_lib` in the package): `torch.compile` does not trace into
-#   Triton's launcher but calls the op, using its *fake* implementation (shapes and dtypes only) to build
-#   the graph; `torch.func.vmap` uses its *vmap rule*, which folds the batch dim into the rows. Their
-#   outputs are fresh tensors, never views of the inputs, as custom ops require.
-# - **The autograd.Function** has the new-style `forward` without `ctx` plus `setup_context`, which is
-#   what `torch.func` needs, and `generate_vmap_rule = True`. Its backward uses the fused kernel unless
-#   autograd is recording the backward itself (`torch.is_grad_enabled()`, i.e. `create_graph=True`, as in
-#   `gradgradcheck`, `hessian` or `torch.func.grad`); then `_backward_by_scan` computes the same gradients
-#   from `LinearScanFunction` and torch ops, which autograd can differentiate. A once-differentiable
-#   backward would be wrong here: autograd would return a zero Hessian or `None` for a second derivative
-#   without any error.
-# - **Saved tensors.** The Function saves the gates, the initial state and its own output $h$. The saved
-#   inputs share the caller's version counters, so editing them in place after the call (and before
-#   backward) raises autograd's usual error instead of giving a wrong gradient; likewise for $h$, which may
-#   be modified in place when no backward follows. `linear_scan` broadcasts, casts and reshapes outside the
-#   Function, so autograd sums the gradient of a broadcast gate back to its shape and casts it to its dtype.
+# - **Custom ops.** `torch.compile` does not trace into a Triton launcher: it calls the custom ops
+#   `linear_scan_fwd` / `linear_scan_bwd` and builds its graph from their *fake* implementations (shapes and
+#   dtypes only); `torch.func.vmap` uses their *vmap rules*, which fold the batch dim into the rows.
+# - **The autograd.Function** has `forward` without `ctx` plus `setup_context` (what `torch.func` needs) and
+#   `generate_vmap_rule = True`. Its backward is the fused kernel unless autograd records the backward
+#   (`create_graph=True`: `gradgradcheck`, `hessian`, `torch.func.grad`); then `_backward_by_scan` computes
+#   it from `LinearScanFunction` and torch ops, which autograd differentiates again. A once-differentiable
+#   backward would give a zero Hessian, or `None` for a second derivative, without any error.
+# - **Saved tensors.** The Function saves the gates, the initial state and its output $h$, which share the
+#   caller's version counters: editing one in place before backward raises autograd's usual error instead
+#   of giving a wrong gradient. Broadcasting and casting happen outside the Function, so autograd sums the
+#   gradient of a broadcast gate back to its shape and casts it to its dtype.
 #
 # The transforms, against the plain call:
 
