@@ -13,19 +13,15 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/03_backward.ipynb)
 #
-# A Triton kernel is opaque to autograd: to train through the scan of chapter 02 we must write its
-# backward pass ourselves. In this chapter you will
+# A Triton kernel is opaque to autograd: to train through chapter 02's scan we write its backward
+# pass ourselves. You will
 #
-# - derive $\partial\mathcal L/\partial x$, $\partial a$, $\partial b$, $\partial c$ and
-#   $\partial h^{\text{init}}$ for $h_t = a_t h_{t-1} + b_t x_t$, $y_t = c_t h_t$, and see that the
-#   adjoint is **the same linear scan, run right to left, with the gates shifted by one**;
-# - check the derivation in plain PyTorch against `torch.autograd`, then in a single-block kernel that
-#   does forward and backward in one program;
-# - write the blocked backward kernel (the forward state comes in from the left, the adjoint from the
-#   right), decide what to store and what to recompute, and wrap both directions as the
-#   differentiable `scan_lib.linear_scan`;
-# - check **every** gradient against autograd in float64, at lengths 1, 7, 129, 1000, 4097 and several
-#   chunk sizes, then benchmark against the best Triton scan we know of, and the memory floor.
+# - derive the gradients of $h_t = a_t h_{t-1} + b_t$ and see that the adjoint is **the same linear
+#   scan, run right to left, with the gates shifted by one**;
+# - check the formulas against `torch.autograd`, then in a kernel that does forward and backward in one
+#   program, then in the blocked backward kernel that handles any length;
+# - export `scan_lib.linear_scan`, differentiable (twice, too) in gates, tokens and initial state, check
+#   **every** gradient in float64, and time it on a GPU against the memory floor.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -42,8 +38,6 @@ print(scan_lib.runtime.describe())
 #| default_exp linear_scan
 
 # %%
-import sys
-
 import matplotlib.pyplot as plt
 import torch
 import triton
@@ -53,267 +47,253 @@ from scan_lib.ema import FWD_CONFIG, linear_scan_rows, scan_chunk
 from scan_lib.runtime import save_figure
 
 # %% [markdown]
-# ## 1. A reference with autograd
+# ## 1. The adjoint
 #
-# The model of chapter 02, with every coefficient free to change along the sequence, and an initial
-# state. All tensors are (R, L): R independent rows, scanned along L. The loop is slow and obviously
-# right, and `torch.autograd` differentiates it for us: that is what every gradient below is checked
-# against, in float64. For the reverse direction the loop runs on flipped inputs (flips are
-# differentiable too).
+# Chapter 02 scans the pairs $(a_t, b_t)$: $h_t = a_t h_{t-1} + b_t$ for $t = 0, \dots, L-1$, from an
+# initial state $h_{-1}$, and the output is the state, $y_t = h_t$. Let $\mathcal L$ be any loss of the
+# outputs; the layers above hand us $\partial\mathcal L/\partial y_t$ (`dy` in the code). The state $h_t$
+# reaches the loss in two ways: through its own output $y_t$, and through the next state
+# $h_{t+1} = a_{t+1} h_t + b_{t+1}$, which carries everything later. Call the total derivative the
+# **adjoint**, $\delta_t = \partial\mathcal L/\partial h_t$ (`delta`). The chain rule gives
+#
+# $$\delta_t \;=\; \frac{\partial\mathcal L}{\partial y_t} \;+\; a_{t+1}\,\delta_{t+1},
+#   \qquad \delta_{L-1} = \frac{\partial\mathcal L}{\partial y_{L-1}} .$$
+#
+# This is the recurrence we can already scan, with three changes: it runs **right to left**, its tokens
+# are the incoming gradients $\partial\mathcal L/\partial y_t$, and its gate at position $t$ is $a_{t+1}$:
+# the **gates shifted by one**, with $0$ past the end, where nothing follows. Each input touches the loss
+# through one state only, so the rest is one line each:
+#
+# $$\frac{\partial\mathcal L}{\partial b_t} = \delta_t, \qquad
+#   \frac{\partial\mathcal L}{\partial a_t} = h_{t-1}\,\delta_t, \qquad
+#   \frac{\partial\mathcal L}{\partial h_{-1}} = a_0\,\delta_0 .$$
+#
+# The gate's gradient needs the state *one step earlier*: the backward pass uses values from both
+# directions, $h$ from the left and $\delta$ from the right. For the reverse scan
+# ($h_t = a_t h_{t+1} + b_t$, initial state $h_L$) everything mirrors: the adjoint runs left to right with
+# gates $a_{t-1}$, $\partial\mathcal L/\partial a_t = h_{t+1}\delta_t$ and
+# $\partial\mathcal L/\partial h_L = a_{L-1}\delta_{L-1}$.
 
 # %%
-def ssm_loop(x, a, b, c, h0=None, reverse=False):
-    """y_t = c_t * h_t with h_t = a_t * h_{t-1} + b_t * x_t (reverse: h_{t+1}); all (R, L), h0 (R,)."""
-    if reverse:
-        return ssm_loop(x.flip(-1), a.flip(-1), b.flip(-1), c.flip(-1), h0).flip(-1)
-    h = torch.zeros_like(x[:, 0]) if h0 is None else h0
-    ys = []
-    for t in range(x.shape[-1]):
-        h = a[:, t] * h + b[:, t] * x[:, t]  # R
-        ys.append(c[:, t] * h)
-    return torch.stack(ys, -1)  # R x L
-
-
-def reference_grads(x, a, b, c, h0, dy, reverse=False):
-    """(y, dx, da, db, dc, dh0) in float64 from autograd through ssm_loop, for the loss sum(y * dy)."""
-    inputs = [t.detach().double().requires_grad_() for t in (x, a, b, c, h0)]
-    y = ssm_loop(*inputs, reverse=reverse)
-    grads = torch.autograd.grad(y, inputs, dy.double())
-    return (y.detach(), *grads)
+fig, ax = plt.subplots(figsize=(7, 2.6))
+steps = 6
+for t in range(steps):
+    ax.text(t, 1, f"$h_{t}$", ha="center", va="center", bbox=dict(boxstyle="circle", fc="C0", alpha=0.25))
+    ax.text(t, 0, rf"$\delta_{t}$", ha="center", va="center", bbox=dict(boxstyle="circle", fc="C1", alpha=0.25))
+    ax.annotate(f"$b_{t}$", (t, 1.18), (t, 1.55), ha="center", arrowprops=dict(arrowstyle="->"))
+    ax.annotate(rf"$\partial\mathcal{{L}}/\partial y_{t}$", (t, -0.18), (t, -0.6), ha="center",
+                arrowprops=dict(arrowstyle="->"))
+for t in range(steps - 1):
+    ax.annotate("", (t + 0.8, 1), (t + 0.2, 1), arrowprops=dict(arrowstyle="->", color="C0"))
+    ax.text(t + 0.5, 1.08, f"$a_{t + 1}$", ha="center", color="C0", fontsize=9)
+    ax.annotate("", (t + 0.2, 0), (t + 0.8, 0), arrowprops=dict(arrowstyle="->", color="C1"))
+    ax.text(t + 0.5, 0.08, f"$a_{t + 1}$", ha="center", color="C1", fontsize=9)
+    ax.plot([t + 0.1, t + 0.9], [0.85, 0.15], ":", color="gray")  # h_{t-1} meets delta_t in d a_t
+ax.text(steps - 0.4, 0.5, r"$\partial\mathcal{L}/\partial a_t = h_{t-1}\,\delta_t$ (dotted)", fontsize=9, va="center")
+ax.set_xlim(-0.5, steps + 2.2)
+ax.set_ylim(-0.8, 1.8)
+ax.axis("off")
+ax.set_title(r"$h$ flows from the left, the adjoint $\delta$ from the right, through the same gates", fontsize=10)
+save_figure(fig, "adjoint_flow.png")
 
 # %% [markdown]
-# ## 2. The derivation
+# ## 2. A reference, and the formulas checked against it
 #
-# Let $\mathcal L$ be any loss of the outputs and write $g_t = \partial\mathcal L/\partial y_t$ (in the code:
-# `dy`, the gradient that arrives from the layers above). The state $h_t$ influences the loss in two
-# ways: through its own output $y_t = c_t h_t$, and through the next state
-# $h_{t+1} = a_{t+1} h_t + b_{t+1} x_{t+1}$, which carries everything later. Call the total derivative
-# $\delta_t = d\mathcal L/d h_t$ (`dh` in the code). The chain rule gives
-#
-# $$\delta_t \;=\; \frac{\partial \mathcal L}{\partial y_t}\frac{\partial y_t}{\partial h_t}
-#   + \frac{d\mathcal L}{d h_{t+1}}\frac{\partial h_{t+1}}{\partial h_t}
-#   \;=\; c_t\, g_t \;+\; a_{t+1}\, \delta_{t+1}, \qquad \delta_{L-1} = c_{L-1}\, g_{L-1}.$$
-#
-# This is the recurrence we already know how to scan, $h_t = a_t h_{t-1} + u_t$, with three changes:
-# it runs **right to left**, its tokens are $c_t g_t$, and its gate at position $t$ is
-# $a_{t+1}$: the **gates shifted by one** (and $0$ past the end, where nothing follows). Unrolled,
-# $\delta_t = \sum_{s \ge t} \big(\prod_{t < k \le s} a_k\big)\, c_s g_s$: the mirror image of the forward
-# sum. Every parameter touches the loss only through one $h_t$ or one $y_t$, so the rest is one line each:
-#
-# $$\frac{\partial\mathcal L}{\partial x_t} = b_t\,\delta_t,\qquad
-#   \frac{\partial\mathcal L}{\partial b_t} = x_t\,\delta_t,\qquad
-#   \frac{\partial\mathcal L}{\partial c_t} = h_t\, g_t,\qquad
-#   \frac{\partial\mathcal L}{\partial a_t} = h_{t-1}\,\delta_t,\qquad
-#   \frac{\partial\mathcal L}{\partial h^{\text{init}}} = a_0\,\delta_0 ,$$
-#
-# with $h_{-1} = h^{\text{init}}$. The gradient of the gates needs the forward state *one step
-# earlier*: the backward pass needs values from both directions, $\delta$ from the right and $h$ from
-# the left. For the reverse scan ($h_t = a_t h_{t+1} + u_t$) everything mirrors: the adjoint runs left to
-# right with gates $a_{t-1}$, $\partial a_t = h_{t+1}\delta_t$ and $\partial h^{\text{init}} = a_{L-1}\delta_{L-1}$.
-#
-# For the bare linear scan $h_t = a_t h_{t-1} + u_t$ (what `scan_lib.linear_scan` computes, with
-# $b = c = 1$): $\partial u_t = \delta_t$ and $\partial a_t = h_{t-1}\delta_t$, where $\delta$ is the reverse scan
-# of the incoming gradient $g$ with the shifted gates.
-#
-# First check, in plain PyTorch: the formulas, with $\delta$ computed by chapter 02's *forward* kernel
-# run in reverse on shifted gates, against autograd.
+# The loop is slow and obviously right, and `torch.autograd` differentiates it: that is what every
+# gradient in this chapter is checked against, in float64. All tensors are (rows, L): independent rows,
+# scanned along L; the reverse direction runs the loop on flipped inputs (flips are differentiable too).
+
+# %%
+def scan_loop(a, b, h0=None, reverse=False):
+    """h_t = a_t * h_{t-1} + b_t along the last dim (reverse: h_{t+1}); a, b (rows, L), h0 (rows,) or None."""
+    if reverse:
+        return scan_loop(a.flip(-1), b.flip(-1), h0).flip(-1)
+    h = torch.zeros_like(b[:, 0]) if h0 is None else h0
+    states = []
+    for t in range(b.shape[-1]):
+        h = a[:, t] * h + b[:, t]  # rows
+        states.append(h)
+    return torch.stack(states, -1)  # rows x L
+
+
+def reference_grads(a, b, h0, dy, reverse=False):
+    """(h, da, db, dh0) in float64 by autograd through scan_loop, for the loss sum(h * dy)."""
+    inputs = [t.detach().double().requires_grad_() for t in (a, b, h0)]
+    h = scan_loop(*inputs, reverse=reverse)
+    return (h.detach(), *torch.autograd.grad(h, inputs, dy.double()))
+
+# %% [markdown]
+# The formulas in PyTorch, with both scans done by chapter 02's forward kernel: the adjoint is its
+# reverse scan of the incoming gradient with the shifted gates.
 
 # %%
 def shift_gates(a, reverse=False):
-    """a_{t+1} at position t, 0 at the end (reverse: a_{t-1}, 0 at the start). (R, L) -> (R, L)."""
+    """a_{t+1} at position t, 0 at the end (reverse: a_{t-1}, 0 at the start). (rows, L) -> (rows, L)."""
     zero = torch.zeros_like(a[:, :1])
     return torch.cat([zero, a[:, :-1]], -1) if reverse else torch.cat([a[:, 1:], zero], -1)
 
 
-def grads_by_formula(x, a, b, c, h0, dy, reverse=False):
-    """(dx, da, db, dc, dh0) from the formulas above; both scans are chapter 02's kernel."""
-    h = linear_scan_rows(a, b * x, h0, reverse=reverse)
-    delta = linear_scan_rows(shift_gates(a, reverse), c * dy, reverse=not reverse)  # the adjoint
-    h_prev = torch.cat([h0[:, None], h[:, :-1]], -1) if not reverse else torch.cat([h[:, 1:], h0[:, None]], -1)
-    a_first = a[:, -1] if reverse else a[:, 0]
-    delta_first = delta[:, -1] if reverse else delta[:, 0]
-    return b * delta, h_prev * delta, x * delta, h * dy, a_first * delta_first
+def grads_by_formula(a, b, h0, dy, reverse=False):
+    """(h, da, db, dh0) from the formulas of section 1; both scans are chapter 02's kernel."""
+    h = linear_scan_rows(a, b, h0, reverse=reverse)
+    delta = linear_scan_rows(shift_gates(a, reverse), dy, reverse=not reverse)  # the adjoint
+    if reverse:
+        h_prev, first = torch.cat([h[:, 1:], h0[:, None]], -1), -1  # h_{t+1}; the scan starts at L - 1
+    else:
+        h_prev, first = torch.cat([h0[:, None], h[:, :-1]], -1), 0  # h_{t-1}
+    return h, h_prev * delta, delta, a[:, first] * delta[:, first]
 
 
+names = ["h", "da", "db", "dh0"]
 torch.manual_seed(0)
-print(f"{'L':>5} {'reverse':>8} " + " ".join(f"{n:>9}" for n in ["dx", "da", "db", "dc", "dh0"]))
+print(f"{'L':>5} {'reverse':>8} " + " ".join(f"{n:>9}" for n in names))
 for length in [1, 7, 129]:
-    x, a, b, c, dy = (torch.randn(3, length, dtype=torch.float64, device=DEVICE) for _ in range(5))
     a = torch.rand(3, length, dtype=torch.float64, device=DEVICE)
+    b, dy = torch.randn(2, 3, length, dtype=torch.float64, device=DEVICE)
     h0 = torch.randn(3, dtype=torch.float64, device=DEVICE)
     for reverse in [False, True]:
-        expected = reference_grads(x, a, b, c, h0, dy, reverse)[1:]
-        got = grads_by_formula(x, a, b, c, h0, dy, reverse)
+        expected = reference_grads(a, b, h0, dy, reverse)
+        got = grads_by_formula(a, b, h0, dy, reverse)
         errors = [(g.cpu() - e.cpu()).abs().max().item() for g, e in zip(got, expected)]
         print(f"{length:5} {str(reverse):>8} " + " ".join(f"{err:9.1e}" for err in errors))
-        assert max(errors) < 1e-10
+        assert max(errors) < 1e-12
 
 # %% [markdown]
-# What the adjoint looks like: for the loss $\mathcal L = \sum_t y_t$ with constant $a_t = 0.95$,
-# $\partial\mathcal L/\partial x_t$ counts how many later outputs $x_t$ still reaches, discounted by
-# $0.95$ per step: flat far from the end, falling to $b\,c$ at the last position. The gate gradient
-# $h_{t-1}\delta_t$ is that curve times the state the gate multiplied.
+# What the adjoint looks like: for the loss $\mathcal L = \sum_t y_t$ (every $\partial\mathcal L/\partial y_t = 1$)
+# with constant gates $a_t = 0.95$, $\partial\mathcal L/\partial b_t = \delta_t$ counts how many later
+# outputs $b_t$ still reaches, discounted by $0.95$ per step: flat far from the end at
+# $1/(1 - 0.95) = 20$, falling to $1$ at the last position. The gate's gradient $h_{t-1}\delta_t$ is that
+# curve times the state the gate multiplied.
 
 # %%
 torch.manual_seed(1)
 length_plot = 200
-x_plot = torch.randn(1, length_plot, dtype=torch.float64, device=DEVICE)
-a_plot = torch.full_like(x_plot, 0.95)
-ones_plot = torch.ones_like(x_plot)
-dx_plot, da_plot, *_ = grads_by_formula(x_plot, a_plot, ones_plot, ones_plot, torch.zeros(1, dtype=torch.float64, device=DEVICE), ones_plot)
-assert abs(dx_plot[0, 0].item() - (1 - 0.95 ** length_plot) / 0.05) < 1e-9 and abs(dx_plot[0, -1].item() - 1) < 1e-12
+b_plot = torch.randn(1, length_plot, dtype=torch.float64, device=DEVICE)
+a_plot = torch.full_like(b_plot, 0.95)
+zero_plot = torch.zeros(1, dtype=torch.float64, device=DEVICE)
+_, da_plot, db_plot, _ = grads_by_formula(a_plot, b_plot, zero_plot, torch.ones_like(b_plot))
+assert abs(db_plot[0, 0].item() - (1 - 0.95 ** length_plot) / 0.05) < 1e-9 and abs(db_plot[0, -1].item() - 1) < 1e-12
 
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.2))
-ax1.plot(dx_plot[0].cpu())
-ax1.set_title(r"$\partial\mathcal{L}/\partial x_t$ = reverse scan of the shifted gates")
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3))
+ax1.plot(db_plot[0].cpu())
+ax1.set_ylabel(r"$\partial\mathcal{L}/\partial b_t = \delta_t$")
+ax1.set_title("the adjoint: a reverse scan")
 ax2.plot(da_plot[0].cpu(), color="C1")
-ax2.set_title(r"$\partial\mathcal{L}/\partial a_t = h_{t-1}\,\delta_t$")
+ax2.set_ylabel(r"$\partial\mathcal{L}/\partial a_t = h_{t-1}\,\delta_t$")
+ax2.set_title("the gate's gradient")
 for ax in (ax1, ax2):
     ax.set_xlabel("t")
+fig.tight_layout()
 save_figure(fig, "adjoint_gradients.png")
-plt.close(fig)
 
 # %% [markdown]
-# ![gradients of the sum of outputs](../figures/adjoint_gradients.png)
-#
 # ## 3. One block: forward and backward in one program
 #
-# With the whole row in one block, one program can do everything: the forward scan (for $y$ and $h$),
-# the adjoint scan, and all five gradients. Two scans need the neighbour of each position, and a block
-# of registers has no cheap "shift by one", so we shift **on the way in**: loading `A + t + 1` gives
-# the gates $a_{t+1}$ for the adjoint, and loading the pairs at `t - 1` and scanning them gives
-# $h_{t-1}$ directly (position 0 gets the identity pair, and the initial state folded in, so it
-# scans to $h^{\text{init}}$). That is a recomputation: the program does three scans instead of two, to
-# avoid moving data between threads. `scan_chunk` from chapter 02 folds the starting state in.
+# With the whole row in one block, one program can do everything: the forward scan, the adjoint scan
+# and the gradients. Both need the neighbour of each position, and a block of registers has no cheap
+# "shift by one", so we shift **on the way in**: loading `A + t + 1` gives the gates $a_{t+1}$ for the
+# adjoint, and loading the pairs at `t - 1` and scanning them gives $h_{t-1}$ directly (position 0
+# gets the identity pair $(1, 0)$ with the initial state folded in, so it scans to $h_{-1}$). That is a
+# recomputation, three scans instead of two, to avoid moving data between threads. `scan_chunk`
+# (chapter 02) folds a starting state into the first pair of its scan order and returns the state
+# that leaves the block.
 
 # %%
 @triton.jit
-def ssm_one_block_kernel(X, A, B, C, H0, DY, Y, DX, DA, DB, DC, DH0, L, BLOCK: tl.constexpr):
-    # X, A, B, C, DY, Y, DX, DA, DB, DC: R x L contiguous; H0, DH0: R. One row per program, BLOCK >= L.
+def scan_one_block_kernel(A, B, H0, DY, H, DA, DB, DH0, length, BLOCK: tl.constexpr):
+    # A, B, DY, H, DA, DB: rows x length contiguous; H0, DH0: rows. One row per program, BLOCK >= length.
     row = tl.program_id(0)
     t = tl.arange(0, BLOCK)
-    mask = t < L
-    offs = row * L + t
-    x = tl.load(X + offs, mask=mask, other=0.0)
+    mask = t < length
+    offs = row * length + t
     a = tl.load(A + offs, mask=mask, other=1.0)
     b = tl.load(B + offs, mask=mask, other=0.0)
-    c = tl.load(C + offs, mask=mask, other=0.0)
     dy = tl.load(DY + offs, mask=mask, other=0.0)
-    h0 = tl.load(H0 + row)
-    # forward, left to right: h_t
-    h, _ = scan_chunk(a, b * x, h0, False)
-    # the same scan on pairs shifted right by one: h_{t-1} (h0 at t = 0)
+    h_init = tl.load(H0 + row)
+    h, _ = scan_chunk(a, b, h_init, False)  # forward, left to right: h_t
     before = mask & (t >= 1)
     a_prev = tl.load(A + offs - 1, mask=before, other=1.0)
-    u_prev = tl.load(B + offs - 1, mask=before, other=0.0) * tl.load(X + offs - 1, mask=before, other=0.0)
-    h_prev, _ = scan_chunk(a_prev, u_prev, h0, False)
-    # adjoint, right to left, gates shifted left by one: delta_t = c_t dy_t + a_{t+1} delta_{t+1}
-    a_next = tl.load(A + offs + 1, mask=t + 1 < L, other=0.0)
-    delta, delta_0 = scan_chunk(a_next, c * dy, 0.0, True)
-    tl.store(Y + offs, c * h, mask=mask)
-    tl.store(DX + offs, b * delta, mask=mask)
+    b_prev = tl.load(B + offs - 1, mask=before, other=0.0)
+    h_prev, _ = scan_chunk(a_prev, b_prev, h_init, False)  # the pairs shifted right by one: h_{t-1}
+    a_next = tl.load(A + offs + 1, mask=t + 1 < length, other=0.0)
+    delta, delta_0 = scan_chunk(a_next, dy, 0.0, True)  # right to left: delta_t = dy_t + a_{t+1} delta_{t+1}
+    tl.store(H + offs, h, mask=mask)
     tl.store(DA + offs, h_prev * delta, mask=mask)
-    tl.store(DB + offs, x * delta, mask=mask)
-    tl.store(DC + offs, h * dy, mask=mask)
-    tl.store(DH0 + row, tl.load(A + row * L) * delta_0)
+    tl.store(DB + offs, delta, mask=mask)
+    tl.store(DH0 + row, tl.load(A + row * length) * delta_0)
 
 
-def ssm_one_block(x, a, b, c, h0, dy):
-    """(y, dx, da, db, dc, dh0) for contiguous (R, L) float32/float64 inputs and h0 (R,)."""
-    rows, length = x.shape
-    y, dx, da, db, dc = (torch.empty_like(x) for _ in range(5))
+def scan_one_block(a, b, h0, dy):
+    """(h, da, db, dh0) for contiguous (rows, L) float32/float64 inputs and h0 (rows,)."""
+    rows, length = b.shape
+    h, da, db = (torch.empty_like(b) for _ in range(3))
     dh0 = torch.empty_like(h0)
-    ssm_one_block_kernel[(rows,)](x, a, b, c, h0, dy, y, dx, da, db, dc, dh0, length,
-                                  BLOCK=triton.next_power_of_2(length))
-    return y, dx, da, db, dc, dh0
+    scan_one_block_kernel[(rows,)](a, b, h0, dy, h, da, db, dh0, length, BLOCK=triton.next_power_of_2(length))
+    return h, da, db, dh0
 
 # %% [markdown]
 # In the adjoint the padding needs a moment's thought: past the end the shifted gate is $0$, not the
-# identity's $1$. That is harmless here because the adjoint *starts* in the padding (it runs right to
-# left) with a zero state and zero tokens, so the padding scans to zeros whatever the gate.
-#
-# Every output and gradient, against autograd in float64:
+# identity's $1$. That is harmless because the adjoint *starts* in the padding (it runs right to left)
+# with a zero state and zero tokens, so the padding scans to zeros whatever the gate. Every output and
+# gradient, against autograd in float64:
 
 # %%
 torch.manual_seed(2)
 rows_1b = 4 if ON_GPU else 2
-names = ["y", "dx", "da", "db", "dc", "dh0"]
 print(f"{'L':>5} " + " ".join(f"{n:>9}" for n in names))
 for length in [1, 7, 129, 1000, 4097]:
-    x, b, c, dy = (torch.randn(rows_1b, length, dtype=torch.float64, device=DEVICE) for _ in range(4))
     a = torch.rand(rows_1b, length, dtype=torch.float64, device=DEVICE)
+    b, dy = torch.randn(2, rows_1b, length, dtype=torch.float64, device=DEVICE)
     h0 = torch.randn(rows_1b, dtype=torch.float64, device=DEVICE)
-    expected = reference_grads(x, a, b, c, h0, dy)
-    got = ssm_one_block(x, a, b, c, h0, dy)
+    expected = reference_grads(a, b, h0, dy)
+    got = scan_one_block(a, b, h0, dy)
     errors = [(g.cpu() - e.cpu()).abs().max().item() for g, e in zip(got, expected)]
     print(f"{length:5} " + " ".join(f"{err:9.1e}" for err in errors))
     assert max(errors) < 1e-9, dict(zip(names, errors))
 
 # %% [markdown]
-# ## 4. Any length: the blocked backward
+# ## 4. Any length: the blocked backward, and `scan_lib.linear_scan`
 #
-# The forward kernel of chapter 02 walks a row's chunks left to right with the state in a register.
-# The backward kernel walks them **right to left** with the adjoint state $\delta$ in a register,
-# folded into the first pair of each chunk *in the adjoint's scan order* (its last in memory) exactly
-# as the forward folds $h$ into the first: it is the same `scan_chunk`, run in the other direction. States flow both ways: $\delta$ from the right through
-# the loop, $h$ from the left through memory.
+# Chapter 02's forward kernel walks a row's chunks left to right with the state in a register. The
+# backward kernel walks them **right to left** with the adjoint $\delta$ in a register, folded into each
+# chunk by the same `scan_chunk` run the other way: $\delta$ flows from the right through the loop, $h$
+# from the left through memory, read back from the forward's output by a load offset by one position
+# ($h_{t-1}$), as the gates are by the opposite offset ($a_{t+1}$). In the padding it loads the identity
+# pair $(1, 0)$, so the carried adjoint passes through unchanged; what is left after the last chunk,
+# times $a_0$, is the initial state's gradient. One kernel serves both directions of the forward scan.
 #
-# **What is stored, what is recomputed.** $\partial a_t = h_{t-1}\delta_t$ needs the forward states. Two
-# options move the same bytes from memory in the backward pass:
-#
-# - *store the output* $h$ (it exists anyway) with the gates, and read $h_{t-1}$ back, shifted by one:
-#   reads gates, $h$ and $g$, writes $\partial a$ and $\partial u$;
-# - *store the inputs* (gates and tokens) plus the state at every chunk boundary, and recompute $h_{t-1}$
-#   inside each chunk as in the single-block kernel: reads gates, tokens and $g$, writes the same two.
-#
-# Both are 3 reads and 2 writes per element. We store the output: the kernel is simpler (one scan per
-# chunk instead of two) and the tokens need not be kept alive, which matters when they are a
-# temporary like $b_t x_t$. The recomputing variant becomes necessary in chapter 04, where there are
-# N states per position and storing them all would cost N times the memory. Nothing is
-# recomputed: $\delta$ is new, and the two neighbours' values, $a_{t+1}$ and $h_{t-1}$, come from loads
-# offset by one position. The loop never needs the unshifted gates, so each tensor is still read
-# once; only the one element of an offset load that falls in the next chunk is read twice, and that
-# one comes from the cache.
-#
-# One launch does the whole backward pass for both directions of the forward scan: for `reverse=True`
-# the roles of left and right swap (the adjoint runs left to right with gates $a_{t-1}$, and
-# $\partial a_t = h_{t+1}\delta_t$). The initial state's gradient $a_0\delta_0$ (reverse: $a_{L-1}\delta_{L-1}$) is
-# the adjoint state left over after the last chunk, times one gate. In the padding we load the
-# identity pair $(1, 0)$ so that the adjoint state passes through it unchanged whichever end the
-# padding sits at.
-#
-# The kernel reuses chapter 02's machinery: `chunk_positions` walks the chunks in the adjoint's order
-# (for the usual forward scan, from the right: either with descending loads, the block then in scan
-# order, or with ascending loads and `reverse=True`), and `scan_chunk` scans them. All three loads are
-# issued at the top of the loop body, before the scan, so that their memory latencies overlap. Its
-# launch parameters are a dict of their own, `BWD_CONFIG`: the backward moves 5 tensors where the
-# forward moves 3, so its best chunk, warps and loads need not be the forward's.
+# The exported cell also makes `linear_scan` behave like a torch op ("Going deeper" explains the
+# plumbing): both launchers are registered as custom ops, an `autograd.Function` calls them, and the
+# public function checks its arguments, broadcasts a scalar or per-channel gate against the tokens and
+# promotes dtypes as `gates * tokens` would. A second derivative needs no second kernel: the backward is
+# a linear scan of the shifted gates plus elementwise products, so when autograd records the backward
+# (`create_graph=True`), `_backward_by_scan` computes it with `linear_scan` and torch ops.
 
 # %%
 #| export
-"""The differentiable linear scan h_t = gates_t * h_{t-1} + tokens_t: backward kernel, autograd, public API."""
+"""The differentiable linear scan h_t = a_t * h_{t-1} + b_t: backward kernel, custom ops, autograd, public API."""
 import math
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
-from torch.autograd.function import once_differentiable
 
 from scan_lib.ema import accumulator_dtype, chunk_positions, launch_options, linear_scan_rows, scan_chunk
-from scan_lib.runtime import check_float_tensor, check_same_device
+from scan_lib.runtime import FLOAT_DTYPES, check_same_device, custom_op
 
 # Launch parameters of the backward kernel (benchmarks/bench_linear_scan.py sweeps them on a GPU).
 BWD_CONFIG = {"max_chunk": 2048, "elements_per_thread": 16, "stages": 1, "reversed_loads": False}
 
 
 @triton.jit
-def linear_scan_bwd_kernel(A, H, H0, G, DA, DU, DH0, L, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
+def linear_scan_bwd_kernel(A, H, H0, DY, DA, DB, DH0, length, REVERSE: tl.constexpr, HAS_H0: tl.constexpr,
                            CHUNK: tl.constexpr, REVERSED_LOADS: tl.constexpr, STAGES: tl.constexpr,
                            ACC: tl.constexpr):
-    # A, H (the forward output), G (dL/dh), DA, DU: R x L contiguous; H0, DH0: R (used only if HAS_H0).
+    # A (gates), H (the forward's output), DY (dL/dy), DA, DB: rows x length contiguous; H0, DH0: rows.
     # One program per row, walking its chunks in the adjoint's order: against the forward scan.
     row = tl.program_id(0)
-    base = row.to(tl.int64) * L
+    base = row.to(tl.int64) * length
     if HAS_H0:
         h_init = tl.load(H0 + row).to(ACC)
     else:
@@ -322,29 +302,29 @@ def linear_scan_bwd_kernel(A, H, H0, G, DA, DU, DH0, L, REVERSE: tl.constexpr, H
     ADJOINT_REVERSE: tl.constexpr = not REVERSE
     SCAN_REVERSE: tl.constexpr = ADJOINT_REVERSE and not REVERSED_LOADS  # does the block scan run right to left?
     STEP: tl.constexpr = -1 if REVERSE else 1  # t + STEP: the step after t in the forward scan
-    for k in tl.range(0, tl.cdiv(L, CHUNK), num_stages=STAGES):
-        t, mask = chunk_positions(k, L, CHUNK, ADJOINT_REVERSE, REVERSED_LOADS)
+    for k in tl.range(0, tl.cdiv(length, CHUNK), num_stages=STAGES):
+        t, mask = chunk_positions(k, length, CHUNK, ADJOINT_REVERSE, REVERSED_LOADS)
         later, earlier = t + STEP, t - STEP
-        has_later = mask & (later >= 0) & (later < L)
-        has_earlier = mask & (earlier >= 0) & (earlier < L)
+        has_later = mask & (later >= 0) & (later < length)
+        has_earlier = mask & (earlier >= 0) & (earlier < length)
         a_later = tl.load(A + base + later, mask=has_later, other=0.0).to(ACC)
-        g = tl.load(G + base + t, mask=mask, other=0.0).to(ACC)
+        dy = tl.load(DY + base + t, mask=mask, other=0.0).to(ACC)
         h_earlier = tl.load(H + base + earlier, mask=has_earlier, other=0.0).to(ACC)
         a_later = tl.where(mask, a_later, 1.0)  # identity pairs in the padding, 0 past the last step
-        delta, delta_carry = scan_chunk(a_later, g, delta_carry, SCAN_REVERSE)
+        delta, delta_carry = scan_chunk(a_later, dy, delta_carry, SCAN_REVERSE)
         h_earlier = tl.where(has_earlier, h_earlier, h_init)
-        tl.store(DU + base + t, delta.to(DU.dtype.element_ty), mask=mask)
+        tl.store(DB + base + t, delta.to(DB.dtype.element_ty), mask=mask)
         tl.store(DA + base + t, (h_earlier * delta).to(DA.dtype.element_ty), mask=mask)
     if HAS_H0:
-        first = L - 1 if REVERSE else 0  # the first step of the forward scan
+        first = length - 1 if REVERSE else 0  # the first step of the forward scan
         a_first = tl.load(A + base + first).to(ACC)
         tl.store(DH0 + row, (a_first * delta_carry).to(DH0.dtype.element_ty))
 
 
 def linear_scan_rows_backward(gates, h, grad_h, initial_state=None, reverse=False, chunk=None, config=None):
-    """(d_gates, d_tokens, d_initial_state or None) for contiguous (R, L) tensors, L >= 1.
+    """(d_gates, d_tokens, d_initial_state or None) for contiguous (rows, L) tensors, L >= 1.
 
-    config: launch parameters, BWD_CONFIG if None."""
+    grad_h: dL/dy for the output y = h; config: launch parameters, BWD_CONFIG if None."""
     rows, length = h.shape
     d_gates, d_tokens = torch.empty_like(gates), torch.empty_like(h)
     d_init = None if initial_state is None else torch.empty_like(initial_state)
@@ -355,188 +335,308 @@ def linear_scan_rows_backward(gates, h, grad_h, initial_state=None, reverse=Fals
     )
     return d_gates, d_tokens, d_init
 
+
+# The two kernels as torch ops: opaque to torch.compile (which sees only their fake implementations)
+# and batched by torch.func.vmap through their vmap rules. Inputs: contiguous rows of one dtype.
+@custom_op("linear_scan_fwd", __name__)
+def linear_scan_fwd(gates: torch.Tensor, tokens: torch.Tensor, initial_state: Optional[torch.Tensor],
+                    reverse: bool, chunk: Optional[int]) -> torch.Tensor:
+    """h for gates, tokens (rows, L) and initial_state (rows,) or None."""
+    if tokens.numel() == 0:
+        return torch.empty_like(tokens)
+    return linear_scan_rows(gates, tokens, initial_state, reverse, chunk)
+
+
+@linear_scan_fwd.register_fake
+def _(gates, tokens, initial_state, reverse, chunk):
+    return torch.empty_like(tokens)
+
+
+@custom_op("linear_scan_bwd", __name__)
+def linear_scan_bwd(gates: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor, initial_state: Optional[torch.Tensor],
+                    reverse: bool, chunk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_gates, d_tokens, d_initial_state), the last of shape (0,) when initial_state is None."""
+    d_init = gates.new_empty(0) if initial_state is None else torch.zeros_like(initial_state)
+    if h.numel() == 0:
+        return torch.zeros_like(gates), torch.zeros_like(h), d_init
+    d_gates, d_tokens, d_init_rows = linear_scan_rows_backward(gates, h, grad_h, initial_state, reverse, chunk)
+    return d_gates, d_tokens, d_init if d_init_rows is None else d_init_rows
+
+
+@linear_scan_bwd.register_fake
+def _(gates, h, grad_h, initial_state, reverse, chunk):
+    d_init = gates.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
+    return torch.empty_like(gates), torch.empty_like(h), d_init
+
+
+def _rows_of_batch(info, in_dims, *tensors):
+    """vmap: move each batch dim to the front (expanding unbatched tensors), then fold it into the rows:
+    (batch, rows, L) -> (batch * rows, L), (batch, rows) -> (batch * rows,)."""
+    out = []
+    for tensor, dim in zip(tensors, in_dims):
+        if tensor is not None:
+            tensor = tensor.movedim(dim, 0) if dim is not None else tensor.expand(info.batch_size, *tensor.shape)
+            tensor = tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).contiguous()
+        out.append(tensor)
+    return out
+
+
+def _linear_scan_fwd_vmap(info, in_dims, gates, tokens, initial_state, reverse, chunk):
+    rows = tokens.shape[0] if in_dims[1] is None else tokens.movedim(in_dims[1], 0).shape[1]
+    h = linear_scan_fwd(*_rows_of_batch(info, in_dims[:3], gates, tokens, initial_state), reverse, chunk)
+    return h.view(info.batch_size, rows, h.shape[-1]), 0
+
+
+def _linear_scan_bwd_vmap(info, in_dims, gates, h, grad_h, initial_state, reverse, chunk):
+    rows = h.shape[0] if in_dims[1] is None else h.movedim(in_dims[1], 0).shape[1]
+    d_gates, d_tokens, d_init = linear_scan_bwd(*_rows_of_batch(info, in_dims[:4], gates, h, grad_h, initial_state),
+                                                reverse, chunk)
+    batch, length = info.batch_size, h.shape[-1]
+    d_init = d_init.view(batch, rows) if initial_state is not None else d_init.new_empty(batch, 0)
+    return (d_gates.view(batch, rows, length), d_tokens.view(batch, rows, length), d_init), (0, 0, 0)
+
+
+linear_scan_fwd.register_vmap(_linear_scan_fwd_vmap)
+linear_scan_bwd.register_vmap(_linear_scan_bwd_vmap)
+
+
+def _shift(x, reverse, fill):
+    """x_{t+1} at position t with `fill` at the end (reverse: x_{t-1}, `fill` at the start). (rows, L)."""
+    pad = fill.expand_as(x[:, :1]) if isinstance(fill, torch.Tensor) else torch.full_like(x[:, :1], fill)
+    return torch.cat([pad, x[:, :-1]], -1) if reverse else torch.cat([x[:, 1:], pad], -1)
+
+
 class LinearScanFunction(torch.autograd.Function):
-    """Autograd for linear_scan on checked, contiguous rows: gates, tokens (R, L), initial_state (R,) or None.
-    linear_scan reshapes outside it, so that its inputs and output are whole tensors, not views: the
-    saved inputs then share the version counters of the caller's tensors, and the output may be
-    modified in place (until backward, which needs it: autograd then reports the modification)."""
+    """Autograd for linear_scan on contiguous rows of one dtype: gates, tokens (rows, L), initial_state (rows,) or None."""
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, gates, tokens, initial_state, reverse, chunk):
-        if tokens.numel() == 0:
-            h = torch.empty_like(tokens)  # R x 0 or 0 x L
-        else:
-            h = linear_scan_rows(gates, tokens, initial_state, reverse, chunk)  # R x L
-        ctx.save_for_backward(gates, h, initial_state)
+    def forward(gates, tokens, initial_state, reverse, chunk):
+        return linear_scan_fwd(gates, tokens, initial_state, reverse, chunk)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        gates, _, initial_state, reverse, chunk = inputs
+        ctx.save_for_backward(gates, output, initial_state)
         ctx.reverse, ctx.chunk = reverse, chunk
-        return h
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_h):
         gates, h, initial_state = ctx.saved_tensors
-        if h.numel() == 0:
-            d_init = None if initial_state is None else torch.zeros_like(initial_state)
-            return torch.zeros_like(h), torch.zeros_like(h), d_init, None, None
-        d_gates, d_tokens, d_init = linear_scan_rows_backward(
-            gates, h, grad_h.contiguous(), initial_state, ctx.reverse, ctx.chunk)
-        return d_gates, d_tokens, d_init, None, None
+        if torch.is_grad_enabled() and h.shape[-1] > 0:  # create_graph=True: a backward autograd can differentiate
+            d_gates, d_tokens, d_init = _backward_by_scan(gates, h, grad_h, initial_state, ctx.reverse, ctx.chunk)
+        else:  # the usual case: one fused kernel
+            d_gates, d_tokens, d_init = linear_scan_bwd(gates, h, grad_h.contiguous(), initial_state,
+                                                        ctx.reverse, ctx.chunk)
+        return d_gates, d_tokens, None if initial_state is None else d_init, None, None
 
 
-def _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk) -> None:
-    check_float_tensor("gates", gates)
-    check_float_tensor("tokens", tokens)
-    if gates.dtype != tokens.dtype:
-        raise TypeError(f"gates and tokens must have the same dtype, got {gates.dtype} and {tokens.dtype}")
-    if tokens.dim() == 0:
-        raise ValueError("tokens must have at least one dimension (..., L), got a 0-dim tensor")
-    if gates.shape != tokens.shape:
-        raise ValueError(f"gates and tokens must have the same shape, got {tuple(gates.shape)} and {tuple(tokens.shape)}")
+def _backward_by_scan(gates, h, grad_h, initial_state, reverse, chunk):
+    """The backward pass written with differentiable pieces: the adjoint is a linear scan the other way
+    on the shifted gates, so autograd can differentiate it again (Hessians, double backward)."""
+    delta = LinearScanFunction.apply(_shift(gates, reverse, 0.0), grad_h.contiguous(), None, not reverse, chunk)
+    h_init = torch.zeros_like(h[:, :1]) if initial_state is None else initial_state[:, None]
+    h_prev = _shift(h, not reverse, h_init)  # h_{t-1} (reverse: h_{t+1}), the initial state at the first step
+    first = -1 if reverse else 0
+    return h_prev * delta, delta, gates[:, first] * delta[:, first]
+
+
+def _promoted_dtype(gates, tokens):
+    """torch.result_type(gates, tokens) for floating tensors (or a Python number for gates), written with
+    torch.promote_types so that torch.compile can trace it: a tensor with dimensions outranks a 0-dim
+    one, which outranks a Python number; tensors of the same rank promote as torch.promote_types says."""
+    if not isinstance(gates, torch.Tensor) or (gates.dim() == 0 and tokens.dim() > 0):
+        return tokens.dtype
+    if tokens.dim() == 0 and gates.dim() > 0:
+        return gates.dtype
+    return torch.promote_types(gates.dtype, tokens.dtype)
+
+
+def _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk):
+    """Validate the arguments; return (shape of h, dtype of h)."""
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
+    if not isinstance(gates, torch.Tensor) and (isinstance(gates, bool) or not isinstance(gates, (int, float))):
+        raise TypeError(f"gates must be a torch.Tensor or a real number, got {type(gates).__name__}")
+    named = {"gates": gates, "tokens": tokens, "initial_state": initial_state}
+    for name, value in named.items():
+        if isinstance(value, torch.Tensor) and value.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {value.dtype}")
+    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
+        raise TypeError(f"initial_state must be None or a torch.Tensor, got {type(initial_state).__name__}")
+    gate_shape = gates.shape if isinstance(gates, torch.Tensor) else ()
+    try:
+        shape = torch.broadcast_shapes(gate_shape, tokens.shape)
+    except RuntimeError:
+        raise ValueError(f"gates and tokens must have broadcastable shapes, got {tuple(gate_shape)} and "
+                         f"{tuple(tokens.shape)}") from None
+    if len(shape) == 0:
+        raise ValueError("gates and tokens must have at least one dimension (..., L) between them, got 0-dim tensors")
+    dtype = _promoted_dtype(gates, tokens)  # the dtype of gates * tokens
     if initial_state is not None:
-        check_float_tensor("initial_state", initial_state)
-        if initial_state.dtype != tokens.dtype:
-            raise TypeError(f"initial_state must have the dtype of tokens ({tokens.dtype}), got {initial_state.dtype}")
-        if initial_state.shape != tokens.shape[:-1]:
-            raise ValueError(f"initial_state must have shape {tuple(tokens.shape[:-1])} (the leading dims of tokens), "
+        dtype = torch.promote_types(dtype, initial_state.dtype)
+        try:
+            ok = torch.broadcast_shapes(initial_state.shape, shape[:-1]) == shape[:-1]
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"initial_state must broadcast to {tuple(shape[:-1])} (the leading dims of h), "
                              f"got {tuple(initial_state.shape)}")
     if not isinstance(reverse, bool):
         raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
-    if chunk is not None and (not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1)):
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1)):
         raise ValueError(f"chunk must be None or a power of two >= 16, got {chunk!r}")
-    check_same_device(gates=gates, tokens=tokens, initial_state=initial_state)
+    check_same_device(**{name: value for name, value in named.items() if isinstance(value, torch.Tensor)})
+    return shape, dtype
 
 
 def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None):
-    """The first-order linear scan along the last dim, differentiable in gates, tokens and initial_state.
+    """The first-order linear scan along the last dim, differentiable (twice and more) in all three tensors.
 
     h_t = gates_t * h_{t-1} + tokens_t, with h_{-1} = initial_state (zeros if None);
     reverse=True: h_t = gates_t * h_{t+1} + tokens_t, with h_L = initial_state.
-    gates, tokens: (..., L), same shape and floating dtype; initial_state: (...) or None.
-    Returns h with the shape and dtype of tokens (computed in float32, or float64 for float64 inputs).
-    Differentiable once: differentiating its gradient again raises an error (once_differentiable).
+    gates: a tensor broadcastable against tokens (a scalar () or a per-channel (..., 1) gate, for an EMA)
+    or a Python number; tokens: (..., L); initial_state: None or broadcastable to the leading dims (...).
+    h has the broadcast shape of gates and tokens and the dtype torch's promotion gives gates * tokens
+    (and initial_state); it is computed in float32 (float64 for float64). The gradient of a broadcast
+    argument is summed back to its shape, in its dtype. Works under torch.func (grad, vmap), and
+    torch.compile sees the kernels as the custom ops scan_lib::linear_scan_fwd / linear_scan_bwd.
     """
-    _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk)
-    rows, length = math.prod(tokens.shape[:-1]), tokens.shape[-1]
-    rows_gates = gates.reshape(rows, length).contiguous()  # R x L
-    rows_tokens = tokens.reshape(rows, length).contiguous()  # R x L
-    rows_init = None if initial_state is None else initial_state.reshape(rows).contiguous()  # R
-    return LinearScanFunction.apply(rows_gates, rows_tokens, rows_init, reverse, chunk).view(tokens.shape)
+    shape, dtype = _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk)
+    rows, length = math.prod(shape[:-1]), shape[-1]
+    if not isinstance(gates, torch.Tensor):
+        gates = torch.tensor(gates, dtype=dtype, device=tokens.device)
+    rows_gates = gates.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
+    rows_tokens = tokens.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
+    rows_init = None if initial_state is None else initial_state.to(dtype).expand(shape[:-1]).reshape(rows).contiguous()
+    return LinearScanFunction.apply(rows_gates, rows_tokens, rows_init, reverse, chunk).view(shape)
+
 
 # %% [markdown]
 # ## 5. Every gradient, every length, several chunk sizes
 #
-# The full model $y = c \odot \text{linear\_scan}(a,\ b \odot x,\ h^{\text{init}})$ is now ordinary
-# PyTorch around our function, so autograd combines our gradients with the elementwise ones. We check
-# $y$ and all five gradients against the float64 loop, at lengths 1, 7, 129, 1000, 4097, with chunks
-# of 16 (hundreds of carries), 128 and 1024, in both directions, with and without an initial state.
+# In chapters 04 and 05 the scan sits between elementwise products: the token is $b_t = B_t x_t$ and the
+# state is read out through $C_t$ (04's model with one state). With `linear_scan` that model is ordinary
+# PyTorch, $y = C \odot \mathrm{linear\_scan}(a,\ B \odot x,\ h_{-1})$, and autograd chains our gradients
+# with the elementwise ones ($\partial\mathcal L/\partial x_t = B_t\,\partial\mathcal L/\partial b_t$, and so on).
+# We check $y$ and all five gradients against the float64 loop, at lengths 1, 7, 129, 1000 and 4097 (1100
+# under the interpreter), with chunks of 16 (a carry every 16 steps), 128 and 1024, in both directions, with and
+# without an initial state. The table shows the runs with an initial state and chunks of 16.
 
 # %%
-def ssm_with_linear_scan(x, a, b, c, h0, dy, reverse, chunk):
-    """(y, dx, da, db, dc, dh0) with the scan done by linear_scan; h0 may be None."""
-    inputs = [t.detach().requires_grad_() for t in (x, a, b, c)]
-    h0_leaf = None if h0 is None else h0.detach().requires_grad_()
-    x_, a_, b_, c_ = inputs
-    y = c_ * linear_scan(a_, b_ * x_, h0_leaf, reverse, chunk=chunk)
-    leaves = inputs + ([] if h0_leaf is None else [h0_leaf])
-    grads = torch.autograd.grad(y, leaves, dy)
-    return (y.detach(), *grads)
+def model_grads(x, a, B, C, h0, dy, reverse, scan):
+    """(y, dx, da, dB, dC[, dh0]) for y = C * scan(a, B * x, h0, reverse), by autograd; h0 may be None."""
+    leaves = [t.detach().requires_grad_() for t in (x, a, B, C) + (() if h0 is None else (h0,))]
+    x_, a_, B_, C_ = leaves[:4]
+    y = C_ * scan(a_, B_ * x_, leaves[4] if h0 is not None else None, reverse)
+    return (y.detach(), *torch.autograd.grad(y, leaves, dy))
 
 
+model_names = ["y", "dx", "da", "dB", "dC", "dh0"]
 torch.manual_seed(3)
 rows_full = 16 if ON_GPU else 2
-print(f"{'L':>5} {'reverse':>8} {'init':>5} {'chunk':>6} " + " ".join(f"{n:>9}" for n in names))
-for length in [1, 7, 129, 1000, 4097]:
-    x, b, c, dy = (torch.randn(rows_full, length, dtype=torch.float64, device=DEVICE) for _ in range(4))
+print(f"{'L':>5} {'reverse':>8} {'init':>5} {'chunk':>6} " + " ".join(f"{n:>9}" for n in model_names))
+for length in [1, 7, 129, 1000, 4097 if ON_GPU else 1100]:
+    x, B, C, dy = torch.randn(4, rows_full, length, dtype=torch.float64, device=DEVICE)
     a = torch.rand(rows_full, length, dtype=torch.float64, device=DEVICE)
     h0 = torch.randn(rows_full, dtype=torch.float64, device=DEVICE)
     for reverse in [False, True]:
-        for with_init in [True, False]:
-            init = h0 if with_init else torch.zeros_like(h0)
-            expected = reference_grads(x, a, b, c, init, dy, reverse)
+        for init in [h0, None]:
+            expected = model_grads(x, a, B, C, init, dy, reverse, scan_loop)
             for chunk in [16, 128, 1024]:
-                got = ssm_with_linear_scan(x, a, b, c, h0 if with_init else None, dy, reverse, chunk)
+                got = model_grads(x, a, B, C, init, dy, reverse,
+                                  lambda *args: linear_scan(*args, chunk=chunk))
                 errors = [(g.cpu() - e.cpu()).abs().max().item() for g, e in zip(got, expected)]
-                assert max(errors) < 1e-9, (length, reverse, with_init, chunk, dict(zip(names, errors)))
-                if with_init:
+                assert max(errors) < 1e-9, (length, reverse, init is None, chunk, dict(zip(model_names, errors)))
+                if init is not None and chunk == 16:
                     print(f"{length:5} {str(reverse):>8} {'yes':>5} {chunk:6} " + " ".join(f"{err:9.1e}" for err in errors))
-print("without an initial state: y, dx, da, db, dc also match at every length, direction and chunk")
+print("the other runs (chunks of 128 and 1024, no initial state) match too, at every length and direction")
 
 # %% [markdown]
-# The loop above ran the backward kernel with its default launch parameters `BWD_CONFIG`. The other
-# way of running the adjoint against the memory order (descending loads instead of `reverse=True`,
-# or the reverse) must give the same gradients:
-
-# %%
-bwd_config = sys.modules["scan_lib.linear_scan"].BWD_CONFIG  # the module's dict (scan_lib.linear_scan is the function)
-default_bwd_config = dict(bwd_config)
-bwd_config["reversed_loads"] = not default_bwd_config["reversed_loads"]
-try:
-    for length in [129, 4097]:
-        x, b, c, dy = (torch.randn(rows_full, length, dtype=torch.float64, device=DEVICE) for _ in range(4))
-        a = torch.rand(rows_full, length, dtype=torch.float64, device=DEVICE)
-        h0 = torch.randn(rows_full, dtype=torch.float64, device=DEVICE)
-        for reverse in [False, True]:
-            expected = reference_grads(x, a, b, c, h0, dy, reverse)
-            got = ssm_with_linear_scan(x, a, b, c, h0, dy, reverse, 128)
-            errors = [(g.cpu() - e.cpu()).abs().max().item() for g, e in zip(got, expected)]
-            assert max(errors) < 1e-9, (length, reverse, dict(zip(names, errors)))
-finally:
-    bwd_config.update(default_bwd_config)
-print(f"backward with reversed_loads={not default_bwd_config['reversed_loads']}: all gradients match at L = 129 and 4097")
-
-# %% [markdown]
-# `torch.autograd.gradcheck` compares our backward with finite differences of our own forward, in
-# float64, on small shapes with extra leading dims and a non-contiguous input. On the CPU we use its
-# `fast_mode` (it checks the Jacobian along random directions instead of column by column: hundreds
-# of interpreted launches fewer); on a GPU, the full Jacobian.
+# `torch.autograd.gradcheck` compares our backward with finite differences of our own forward, column by
+# column of the Jacobian (`fast_mode=False`), in float64, on small shapes with extra leading dims, a
+# non-contiguous input and chunks of 16 so that carries are crossed. `gradgradcheck` does the same for
+# the second derivatives, and the Hessian of a loss through `linear_scan` must equal the loop's: $h$ is
+# bilinear in the gates and the tokens, so the true Hessian is not zero.
 
 # %%
 torch.manual_seed(4)
-gates_gc = torch.rand(2, 3, 37, dtype=torch.float64, device=DEVICE).requires_grad_()
-tokens_gc = torch.randn(2, 37, 3, dtype=torch.float64, device=DEVICE).transpose(1, 2).requires_grad_()  # non-contiguous
-init_gc = torch.randn(2, 3, dtype=torch.float64, device=DEVICE).requires_grad_()
+gates_gc = torch.rand(1, 2, 20, dtype=torch.float64, device=DEVICE).requires_grad_()
+tokens_gc = torch.randn(1, 20, 2, dtype=torch.float64, device=DEVICE).transpose(1, 2).requires_grad_()  # non-contiguous
+init_gc = torch.randn(1, 2, dtype=torch.float64, device=DEVICE).requires_grad_()
 assert not tokens_gc.is_contiguous()
 for reverse in [False, True]:
     assert torch.autograd.gradcheck(lambda g, u, h: linear_scan(g, u, h, reverse, chunk=16),
-                                    (gates_gc, tokens_gc, init_gc), fast_mode=not ON_GPU)
-print(f"gradcheck (float64, shape (2, 3, 37), chunk 16, both directions, fast_mode={not ON_GPU}): ok")
+                                    (gates_gc, tokens_gc, init_gc), fast_mode=False)
+    small = [t.detach().requires_grad_() for t in (gates_gc[0, :1, :17], tokens_gc[0, :1, :17], init_gc[0, :1])]
+    assert torch.autograd.gradgradcheck(lambda g, u, h: linear_scan(g, u, h, reverse, chunk=16), small)
+print("gradcheck (float64, shape (1, 2, 20), full Jacobian) and gradgradcheck (1, 17), chunk 16, both directions: ok")
+
+
+def squared_loss(scan):
+    return lambda g, u, h: (scan(g[None], u[None], h[None]) ** 2).sum()
+
+
+hessian_args = (gates_gc[0, 0, :9].detach(), tokens_gc[0, 0, :9].detach(), init_gc[0, 0].detach())
+ours = torch.autograd.functional.hessian(squared_loss(linear_scan), hessian_args)
+theirs = torch.autograd.functional.hessian(squared_loss(scan_loop), hessian_args)
+hessian_error = max((o - t).abs().max().item() for row_o, row_t in zip(ours, theirs) for o, t in zip(row_o, row_t))
+print(f"Hessian of sum(h^2) in (gates, tokens, initial state), L = 9: largest entry "
+      f"{max(t.abs().max().item() for row in theirs for t in row):.2f}, max abs error {hessian_error:.1e}")
+assert hessian_error < 1e-10
 
 # %% [markdown]
-# Low precision: the gradients of float16/bfloat16/float32 inputs, relative to the largest float64
-# gradient. The scans accumulate in float32, so the error is a few roundings of the stored values.
+# Low precision: the gradients of float32, float16 and bfloat16 inputs, relative to the largest float64
+# gradient of the same (rounded) inputs. The kernels accumulate in float32, so the error is the rounding
+# of the stored values (the output $h$, which the backward reads again, and the gradients: about 2 ulps
+# of the dtype) plus float32 rounding along the length: the tolerance is
+# $2\,\varepsilon_{\text{dtype}} + L\,\varepsilon_{\text{float32}}$. Gates near 1 give a long memory, so a
+# scan that rounded its state to float16 or bfloat16 at every step would fail it (the tests inject that bug).
 
 # %%
 torch.manual_seed(5)
-gates_lp = torch.rand(4, 2000, device=DEVICE) * 0.5 + 0.5
-tokens_lp, grad_lp = torch.randn(2, 4, 2000, device=DEVICE)
+length_lp = 2000
+gates_lp = 0.98 + 0.02 * torch.rand(4, length_lp, device=DEVICE)
+tokens_lp, grad_lp = torch.randn(2, 4, length_lp, device=DEVICE)
 init_lp = torch.randn(4, device=DEVICE)
-leaves64 = [t.double().requires_grad_() for t in (gates_lp, tokens_lp, init_lp)]
-h64 = linear_scan(*leaves64)
-ref_lp = [h64.detach(), *torch.autograd.grad(h64, leaves64, grad_lp.double())]
-print(f"{'dtype':>15} " + " ".join(f"{n:>9}" for n in ["h", "d_gates", "d_tokens", "d_init"]))
-for dtype, tolerance in [(torch.float32, 1e-5), (torch.float16, 5e-3), (torch.bfloat16, 3e-2)]:
+print(f"{'dtype':>15} " + " ".join(f"{n:>9}" for n in ["h", "d_gates", "d_tokens", "d_init"]) + f" {'tolerance':>9}")
+for dtype in [torch.float32, torch.float16, torch.bfloat16]:
     leaves = [t.to(dtype).requires_grad_() for t in (gates_lp, tokens_lp, init_lp)]
     h_lp = linear_scan(*leaves)
     got = [h_lp.detach(), *torch.autograd.grad(h_lp, leaves, grad_lp.to(dtype))]
     assert all(t.dtype == dtype for t in got)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]  # the same rounded inputs, in float64
+    h64 = scan_loop(*leaves64)
+    ref_lp = [h64.detach(), *torch.autograd.grad(h64, leaves64, grad_lp.to(dtype).double())]
     errors = [((g.double() - r).abs().max() / r.abs().max()).item() for g, r in zip(got, ref_lp)]
-    print(f"{str(dtype):>15} " + " ".join(f"{err:9.1e}" for err in errors))
+    tolerance = 2 * torch.finfo(dtype).eps + length_lp * torch.finfo(torch.float32).eps
+    print(f"{str(dtype):>15} " + " ".join(f"{err:9.1e}" for err in errors) + f" {tolerance:9.1e}")
     assert max(errors) < tolerance
 
 # %% [markdown]
+# `linear_scan` takes what `gates * tokens` would: an EMA's scalar or per-channel gate without a manual
+# expand (its gradient is summed back to its shape), and mixed dtypes, promoted as torch promotes them.
 # Bad input gets an exception that names the argument; empty sequences are allowed.
 
 # %%
+tokens_ema = torch.randn(2, 3, 50, device=DEVICE)
+alpha = torch.tensor([[0.9], [0.5], [0.99]], dtype=torch.float16, device=DEVICE, requires_grad=True)  # 3 x 1: per channel
+h_ema = linear_scan(alpha, (1 - alpha) * tokens_ema)
+d_alpha, = torch.autograd.grad(h_ema.sum(), alpha)
+h_expanded = linear_scan(alpha.detach().float().expand(2, 3, 50).contiguous(), (1 - alpha.detach().float()) * tokens_ema)
+assert h_ema.dtype == torch.float32 and d_alpha.shape == alpha.shape and d_alpha.dtype == torch.float16
+assert torch.equal(h_ema.detach(), h_expanded)
+print(f"per-channel float16 gate {tuple(alpha.shape)} with float32 tokens {tuple(tokens_ema.shape)}: "
+      f"h {h_ema.dtype} {tuple(h_ema.shape)}, d_alpha {d_alpha.dtype} {tuple(d_alpha.shape)}")
+
 ok_gates = torch.rand(2, 5, device=DEVICE)
 ok_tokens = torch.randn(2, 5, device=DEVICE)
 bad_calls = {
-    "shape mismatch": (ValueError, lambda: linear_scan(ok_gates, ok_tokens[:, :4])),
-    "dtype mismatch": (TypeError, lambda: linear_scan(ok_gates.double(), ok_tokens)),
+    "shapes not broadcastable": (ValueError, lambda: linear_scan(ok_gates, ok_tokens[:, :4])),
     "integer tokens": (TypeError, lambda: linear_scan(ok_gates, torch.ones(2, 5, dtype=torch.int64, device=DEVICE))),
-    "not a tensor": (TypeError, lambda: linear_scan([0.5] * 5, ok_tokens)),
+    "gates a list": (TypeError, lambda: linear_scan([0.5] * 5, ok_tokens)),
     "0-dim tensors": (ValueError, lambda: linear_scan(ok_gates[0, 0], ok_tokens[0, 0])),
     "initial_state shape": (ValueError, lambda: linear_scan(ok_gates, ok_tokens, torch.zeros(5, device=DEVICE))),
-    "initial_state dtype": (TypeError, lambda: linear_scan(ok_gates, ok_tokens, torch.zeros(2, device=DEVICE, dtype=torch.float64))),
     "chunk not a power of two": (ValueError, lambda: linear_scan(ok_gates, ok_tokens, chunk=100)),
 }
 if ON_GPU:
@@ -559,26 +659,14 @@ print("L = 0: empty result, empty gradients: ok")
 # %% [markdown]
 # ## 6. On a GPU: how fast, and how far from the floor
 #
-# The workload of the design table: gates and tokens of shape (batch 8, channels 1024, L 4096) in
-# float32, 8192 rows of 4096. Every scan must read its inputs and write its outputs at least once, so
-# the **memory floor** is the bytes that must move divided by the copy bandwidth, which we measure in
-# the same cell with `copy_bandwidth` (chapter 00: a 1 GiB `copy_`, timed by `median_us`). One tensor
-# is $8 \cdot 1024 \cdot 4096 \cdot 4$ bytes = 128 MiB. We count:
-#
-# - forward: read gates and tokens, write $h$: **3 tensors** (384 MiB);
-# - forward + backward: the forward's 3, plus the backward reads gates, $h$ (or, recomputing, tokens)
-#   and the incoming gradient and writes $\partial$gates and $\partial$tokens: **8 tensors** (1 GiB).
-#   The backward reads the gates and $h$ at positions offset by one, but still each element once.
-#
-# We compare with accelerated-scan's Triton kernel (`from accelerated_scan.scalar import scan`, or
-# `accelerated_scan.triton` in other versions: `scan(gates, tokens)`, same recurrence, contiguous
-# (B, C, T) tensors) when it is installed. Its structure is close to ours: one
-# program per row, chunks of 2048, the adjoint scanned with `reverse=True` over ascending loads, the
-# shifted gates and states read by a second, offset load. Ours is timed with the default launch
-# parameters (`FWD_CONFIG`, `BWD_CONFIG`) and with the other way of running the adjoint backwards
-# (descending loads); `benchmarks/bench_linear_scan.py` sweeps all the parameters. Times are medians
-# of `triton.testing.do_bench` (`median_us`, chapter 00); fwd+bwd uses `torch.autograd.grad` so no
-# `.grad` accumulation is timed.
+# Gates and tokens of shape (batch 8, channels 1024, L 4096) in float32. Both passes are memory-bound:
+# the **memory floor** is the bytes that must move over the copy bandwidth (`copy_bandwidth`, chapter 00,
+# measured in the same cell). The forward moves **3 tensors** (reads gates and tokens, writes $h$); forward +
+# backward **8** (the backward also reads gates, $h$ and the incoming gradient, and writes two gradients).
+# The peer is accelerated-scan's Triton kernel (`scan(gates, tokens)`, the same recurrence, built much like
+# ours), when it is installed. Ours runs with its default `BWD_CONFIG` and with the other way of running the
+# adjoint against the memory order ("Going deeper"). Times are `do_bench` medians; fwd+bwd calls
+# `torch.autograd.grad`, so no `.grad` accumulation is timed.
 
 # %%
 if not ON_GPU:
@@ -586,7 +674,7 @@ if not ON_GPU:
 else:
     from scan_lib.runtime import copy_bandwidth, median_us
 
-    backward_config = sys.modules["scan_lib.linear_scan"].BWD_CONFIG  # the module's dict (scan_lib.linear_scan is the function)
+    backward_config = BWD_CONFIG  # the dict this notebook's linear_scan reads (scan_lib's own is another copy)
     torch.manual_seed(6)
     shape_bench = (8, 1024, 4096)
     gates_b = (0.5 + 0.5 * torch.rand(shape_bench, device=DEVICE)).requires_grad_()
@@ -653,50 +741,109 @@ else:
     ax.set_ylabel("median time (us)")
     ax.set_title(f"linear scan {shape_bench} float32 on {torch.cuda.get_device_name(DEVICE)}")
     ax.legend(fontsize=8)
+    ours_fwd, ours_both = times_us["ours (default)"]
+    print(f"ours: forward {ours_fwd / floors_us['fwd']:.2f}x the floor, forward + backward "
+          f"{ours_both / floors_us['fwd+bwd']:.2f}x the floor")
+    if "accelerated-scan (Triton)" in times_us:
+        peer_fwd, peer_both = times_us["accelerated-scan (Triton)"]
+        print(f"accelerated-scan / ours: forward {peer_fwd / ours_fwd:.2f}, forward + backward {peer_both / ours_both:.2f} "
+              "(above 1: ours is faster in this run)")
     save_figure(fig, "linear_scan_benchmark.png")
-    plt.close(fig)
+
 
 # %% [markdown]
-# ![benchmark](../figures/linear_scan_benchmark.png)
-#
-# (The figure is written by the cell above on a GPU.) Both passes are memory-bound, so the time should
-# sit a little above the dashed floor. The forward moves each element once each way. The backward adds
-# 5 tensors, and a scan that runs against the memory order: with `reverse=True` the compiled code
-# reverses the values across each warp's threads before and after the scan; with descending loads it
-# does not, but gives up wide loads and needs more registers per thread.
-#
-# **What the H200 measured (2026-11-29, the table above; copy bandwidth 4.25 TB/s).**
-#
-# - *Forward: at the floor.* 101.3 us, 1.07 times the 95 us floor; accelerated-scan took 103.6 us.
-#   Both kernels are within 10% of what memory allows; there is little left to win.
-# - *Forward + backward: 350.0 us, 1.39 times the 253 us floor*, against 385.9 us for accelerated-scan
-#   in the same run. The gap to the floor is not in the kernels: timed alone by
-#   `benchmarks/bench_linear_scan.py`, the backward kernel takes 169 us against its 159 us floor
-#   (5 tensors), so the two kernels add up to about 270 us. The remaining 80 us lie outside them
-#   (presumably autograd, allocations and the gaps between launches), and that part varies a lot
-#   from run to run: an earlier run measured accelerated-scan at 281.6 us and ours between 277 and
-#   660 us depending on launch parameters, in an order unrelated to the kernels' own times (the
-#   configuration with the fastest backward kernel, 169 us, measured 660 us forward + backward). We
-#   have not found the source of this variance, so read the fwd+bwd column as a rough figure: it
-#   does not show that we beat accelerated-scan, only that our two kernels run close to their floors.
-# - *Descending loads lose.* In the backward they took 219 us against 169 us for `reverse=True`
-#   (571.4 us fwd+bwd in the table above), so `BWD_CONFIG` keeps ascending loads.
-# - *Direction and dtype.* The forward pass of `linear_scan(..., reverse=True)` costs about 10% more
-#   than a left-to-right one (109.7 against 100.4 us): the price of reversing values across each warp. bfloat16 inputs halve
-#   the bytes: the forward took 54.3 us (floor about 48 us).
+# (On a GPU the cell above prints the table, its conclusions and the figure.) Both passes are
+# memory-bound, so their times should sit a little above the dashed floors. The forward + backward
+# column also holds what lies outside the two kernels (autograd, allocations, gaps between launches),
+# which varies from run to run; `benchmarks/bench_linear_scan.py` times the backward kernel alone.
 #
 # ## Summary
 #
-# - The adjoint of $h_t = a_t h_{t-1} + u_t$ is $\delta_t = g_t + a_{t+1}\delta_{t+1}$: the same scan run the
-#   other way on the shifted gates; $\partial u = \delta$, $\partial a_t = h_{t-1}\delta_t$,
-#   $\partial h^{\text{init}} = a_0\delta_0$; with $b$ and $c$ around it, $\partial x = b\delta$, $\partial b = x\delta$,
-#   $\partial c = h\,g$.
-# - The backward kernel walks each row's chunks right to left, carrying $\delta$ in a register and
-#   reading the stored forward output one step back; one kernel serves both scan directions. It runs
-#   the adjoint against the memory order either with `reverse=True` or with descending loads; its
-#   launch parameters are `BWD_CONFIG` (the forward's, `FWD_CONFIG`), swept by
-#   `benchmarks/bench_linear_scan.py`.
-# - `scan_lib.linear_scan(gates, tokens, initial_state=None, reverse=False)` is differentiable in all
-#   three tensors; every gradient was checked against autograd in float64, at lengths 1 to 4097,
-#   chunk sizes 16 to 1024, both directions, with and without an initial state, and by `gradcheck`.
+# - The adjoint of $h_t = a_t h_{t-1} + b_t$ is $\delta_t = \partial\mathcal L/\partial y_t + a_{t+1}\delta_{t+1}$:
+#   the same scan run the other way on the shifted gates; $\partial\mathcal L/\partial b_t = \delta_t$,
+#   $\partial\mathcal L/\partial a_t = h_{t-1}\delta_t$, $\partial\mathcal L/\partial h_{-1} = a_0\delta_0$.
+# - The backward kernel walks each row's chunks right to left, carrying $\delta$ in a register and reading
+#   the stored forward output one step back; one kernel serves both scan directions.
+# - `scan_lib.linear_scan(gates, tokens, initial_state=None, reverse=False)` is differentiable (twice too) in
+#   all three tensors, broadcasts gates against tokens and promotes dtypes like torch arithmetic. Every
+#   gradient was checked against the float64 loop, and by full-Jacobian `gradcheck`, `gradgradcheck` and a Hessian.
 # - Next, chapter 04: N states per position, where storing $h$ is no longer an option.
+#
+# ## Going deeper
+#
+# ### What the backward stores, and what it recomputes
+#
+# $\partial a_t = h_{t-1}\delta_t$ needs the forward states. Storing the output $h$ (it exists anyway) and
+# reading $h_{t-1}$ back, or storing the inputs plus the state at each chunk boundary and recomputing
+# $h_{t-1}$ in each chunk (as the single-block kernel does), both cost 3 reads and 2 writes per element.
+# `linear_scan` stores $h$: one scan per chunk instead of two, and the tokens need not be kept alive
+# (they are often a temporary like $B_t x_t$). Chapter 04 must recompute: with N states per position,
+# storing them all would cost N times the memory. Each tensor is read once; only the element of an offset
+# load that falls in the next chunk is read twice, from the cache. The three loads are issued before the
+# scan, so that their latencies overlap.
+#
+# ### Launch parameters, and two ways to scan against the memory order
+#
+# The backward has its own launch parameters, `BWD_CONFIG` (the forward's are chapter 02's `FWD_CONFIG`):
+# it moves 5 tensors where the forward moves 3, so its best chunk and warps need not be the same;
+# `benchmarks/bench_linear_scan.py` sweeps both on a GPU. The adjoint of a left-to-right scan runs right to
+# left, and `chunk_positions` (chapter 02) offers two ways to do that: ascending loads scanned with
+# `tl.associative_scan(..., reverse=True)`, or descending loads with the block in scan order.
+# `reversed_loads` picks one; the other must give the same gradients:
+
+# %%
+default_bwd_config = dict(BWD_CONFIG)  # BWD_CONFIG: this notebook's dict, the one its linear_scan reads
+BWD_CONFIG["reversed_loads"] = not default_bwd_config["reversed_loads"]
+torch.manual_seed(6)
+try:
+    for length in [129, 4097 if ON_GPU else 1100]:
+        x, B, C, dy = torch.randn(4, rows_full, length, dtype=torch.float64, device=DEVICE)
+        a = torch.rand(rows_full, length, dtype=torch.float64, device=DEVICE)
+        h0 = torch.randn(rows_full, dtype=torch.float64, device=DEVICE)
+        for reverse in [False, True]:
+            expected = model_grads(x, a, B, C, h0, dy, reverse, scan_loop)
+            got = model_grads(x, a, B, C, h0, dy, reverse, lambda *args: linear_scan(*args, chunk=128))
+            errors = [(g.cpu() - e.cpu()).abs().max().item() for g, e in zip(got, expected)]
+            assert max(errors) < 1e-9, (length, reverse, dict(zip(model_names, errors)))
+finally:
+    BWD_CONFIG.update(default_bwd_config)
+print(f"backward with reversed_loads={not default_bwd_config['reversed_loads']}: all gradients match at L = 129 and {length}")
+
+# %% [markdown]
+# ### Autograd plumbing: torch ops, `setup_context`, double backward
+#
+# - **Custom ops.** `torch.compile` does not trace into a Triton launcher: it calls the custom ops
+#   `linear_scan_fwd` / `linear_scan_bwd` and builds its graph from their *fake* implementations (shapes and
+#   dtypes only); `torch.func.vmap` uses their *vmap rules*, which fold the batch dim into the rows.
+# - **The autograd.Function** has `forward` without `ctx` plus `setup_context` (what `torch.func` needs) and
+#   `generate_vmap_rule = True`. Its backward is the fused kernel unless autograd records the backward
+#   (`create_graph=True`: `gradgradcheck`, `hessian`, `torch.func.grad`); then `_backward_by_scan` computes
+#   it from `LinearScanFunction` and torch ops, which autograd differentiates again. A once-differentiable
+#   backward would give a zero Hessian, or `None` for a second derivative, without any error.
+# - **Saved tensors.** The Function saves the gates, the initial state and its output $h$, which share the
+#   caller's version counters: editing one in place before backward raises autograd's usual error instead
+#   of giving a wrong gradient. Broadcasting and casting happen outside the Function, so autograd sums the
+#   gradient of a broadcast gate back to its shape and casts it to its dtype.
+#
+# The transforms, against the plain call:
+
+# %%
+torch.manual_seed(7)
+gates_fn = torch.rand(4, 3, 20, dtype=torch.float64, device=DEVICE)
+tokens_fn = torch.randn(4, 3, 20, dtype=torch.float64, device=DEVICE)
+loss_fn = lambda g, u: (linear_scan(g, u) ** 2).sum()  # noqa: E731
+leaves_fn = [t.clone().requires_grad_() for t in (gates_fn, tokens_fn)]
+plain_grads = torch.autograd.grad(loss_fn(*leaves_fn), leaves_fn)
+checks = {
+    "torch.func.grad": torch.func.grad(loss_fn, argnums=(0, 1))(gates_fn, tokens_fn),
+    "torch.func.vmap(grad) over dim 0": torch.func.vmap(torch.func.grad(loss_fn, argnums=(0, 1)))(gates_fn, tokens_fn),
+}
+compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+checks["torch.compile(fullgraph=True)"] = torch.autograd.grad(compiled(*leaves_fn), leaves_fn)
+for what, grads in checks.items():
+    error = max((g - p).abs().max().item() for g, p in zip(grads, plain_grads))
+    print(f"{what:34} gradients, max abs difference from autograd: {error:.1e}")
+    assert error < 1e-12
+batched = torch.func.vmap(linear_scan, in_dims=(1, 1))(gates_fn, tokens_fn)
+assert torch.equal(batched, linear_scan(gates_fn.transpose(0, 1), tokens_fn.transpose(0, 1)))
+print("torch.func.vmap over dim 1: equal to the plain call")
