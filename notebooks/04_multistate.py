@@ -105,7 +105,7 @@ def multistate_scan_ref(a, b, c, x, initial_state=None):
 # $(a[n], B[n] x)$, weighted by $C$ and added up. That is an independent computation (a Triton kernel,
 # not the loop), so the cell checks the reference against it, at awkward lengths, in float64.
 #
-# The inputs used throughout: gates $a$ in $(0.9, 1)$, memories of ten to a few hundred steps, like
+# The inputs used throughout: gates $a$ in $(0.9, 1)$, memories of ten steps and longer, like
 # Mamba's $e^{\Delta A}$; $B$, $C$, $x$ standard normal.
 
 # %%
@@ -159,69 +159,25 @@ save_figure(fig, "multistate_emas.png")
 # Per position the inputs are $3N + 1$ numbers ($a$, $B$, $C$, $x$) and the output is one. The states
 # are $N$ numbers per position too, so a design that *writes the states out* (a scan kernel writes $h$,
 # a second kernel reads $h$ and $C$ and sums over $N$) moves two more $(\text{batch}, N, L)$ tensors
-# through the GPU's main memory (HBM). Training makes it worse: autograd keeps the states for the
-# backward pass. A PyTorch parallel scan (Hillis-Steele doubling: $\lceil\log_2 L\rceil$ steps, each
-# composing every position with the one `shift` places before it) writes and reads whole
-# $(\text{batch}, N, L)$ tensors at every step.
+# through the GPU's main memory (HBM), and for training autograd keeps them too.
 #
 # The fused design (the one Mamba's CUDA kernel uses) never writes the states: a chunk of
 # $L_{\text{block}} \times N$ states lives on chip, is reduced to $y$ there, and only the $N$ states at
 # the end of the chunk are carried to the next chunk. For the backward pass it saves the state entering
 # each chunk, $\lceil L / L_{\text{block}} \rceil \cdot N$ numbers per sequence, and recomputes the
-# states inside a chunk from them. Its forward moves, in numbers,
+# states inside a chunk from them. Its forward moves
 #
 # $$\underbrace{3\,\text{batch}\,N L + \text{batch}\,L}_{a,\ B,\ C,\ x\ \text{read}} +
 # \underbrace{\text{batch}\,L + \text{batch}\,N}_{y,\ \text{last state written}}
-# \ \big(+\ \text{batch}\,\lceil L/L_{\text{block}}\rceil N\ \text{boundary states, for training}\big).$$
+# \ \big(+\ \text{batch}\,\lceil L/L_{\text{block}}\rceil N\ \text{boundary states, for training}\big)$$
 #
-# That formula is checked below against a measurement: `bytes_moved` runs a function under a
-# `TorchDispatchMode`, which sees every operator call, and adds up the bytes of each call's tensor
-# inputs and outputs (views are free). For the fused op, whose kernel reads its inputs and writes its
-# outputs once, that count is its HBM traffic; for the PyTorch scan it is a lower bound on it. First the
-# PyTorch doubling scan, checked against the reference:
+# numbers. The table evaluates it at a realistic size: batch = 4096 sequences (say 4 samples x 1024
+# channels of a small Mamba layer) of length $L = 1024$ with $N = 16$ states, in float32. ("Going
+# deeper: counting the bytes" checks the formula against the bytes the op really reads and writes,
+# and what autograd really keeps.)
 
 # %%
-def multistate_scan_materialised(a, b, c, x):
-    """All (batch, N, L) states in memory: a log-depth doubling scan in PyTorch, then the sum over N."""
-    a_acc, h = a, b * x[:, None, :]                                   # batch x N x L each
-    shift = 1
-    while shift < a.shape[-1]:
-        # position t composes (a_acc, h) at t - shift (earlier) with its own (later): first_order_op
-        h = torch.cat([h[..., :shift], a_acc[..., shift:] * h[..., :-shift] + h[..., shift:]], dim=-1)
-        a_acc = torch.cat([a_acc[..., :shift], a_acc[..., :-shift] * a_acc[..., shift:]], dim=-1)
-        shift *= 2
-    return (c * h).sum(dim=1)
-
-
-for length in (1, 7, 129, 1000):
-    a, b, c, x = random_inputs(2, 5, length, dtype=torch.float64, seed=4)
-    assert rel_err(multistate_scan_materialised(a, b, c, x), multistate_scan_ref(a, b, c, x)[0]) < 1e-12
-print("the materialising PyTorch scan matches the reference")
-
-# %%
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from scan_lib.multistate import default_block_l, multistate_scan
-
-
-class BytesMoved(TorchDispatchMode):
-    """Adds up the bytes of the tensor inputs and outputs of every operator call (views excepted)."""
-    def __init__(self):
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if not func.is_view:
-            self.total += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
-                              if isinstance(t, torch.Tensor))
-        return out
-
-
-def bytes_moved(fn, *args):
-    with BytesMoved() as counter:
-        fn(*args)
-    return counter.total
+from scan_lib.multistate import default_block_l
 
 
 def fused_bytes(batch, length, n_states, itemsize=4, block_l=None, acc_itemsize=4):
@@ -231,35 +187,15 @@ def fused_bytes(batch, length, n_states, itemsize=4, block_l=None, acc_itemsize=
     return numbers * itemsize + boundary
 
 
-# measured on small inputs: inference (no grad) and training (boundary states saved)
-batch, length, n_states = 3, 100, 5
-a, b, c, x = random_inputs(batch, n_states, length)
-inference = bytes_moved(lambda: multistate_scan(a, b, c, x))
-training = bytes_moved(lambda: multistate_scan(a.requires_grad_(), b, c, x, block_l=16))
-print(f"batch={batch}, L={length}, N={n_states}: fused forward moves {inference} B (formula {fused_bytes(batch, length, n_states)}), "
-      f"{training} B when it saves boundary states (formula {fused_bytes(batch, length, n_states, block_l=16)})")
-assert inference == fused_bytes(batch, length, n_states)
-assert training == fused_bytes(batch, length, n_states, block_l=16)
-
-# %% [markdown]
-# At a realistic size, batch = 4096 sequences (say 4 samples x 1024 channels of a small Mamba layer)
-# of length $L = 1024$ with $N = 16$ states, in float32, the fused design from the checked formula
-# and the doubling scan counted on `meta` tensors (shapes without data: nothing is computed or allocated):
-
-# %%
 batch_big, length_big, n_states_big = 4096, 1024, 16
-block_big = default_block_l(length_big, n_states_big)
+block_big = default_block_l(length_big, n_states_big)            # the chunk length multistate_scan picks
 states_big = batch_big * n_states_big * length_big * 4            # all states, float32, bytes
-meta = [torch.empty(batch_big, n_states_big, length_big, device="meta") for _ in "abc"] + [torch.empty(batch_big, length_big, device="meta")]
-doubling_big = bytes_moved(multistate_scan_materialised, *meta)
 fused_big = fused_bytes(batch_big, length_big, n_states_big)
-traffic = {"fused (states on chip)": fused_big,
-           "two passes (states via HBM)": fused_big + 2 * states_big,    # + write h, read h back
-           "PyTorch doubling scan (counted)": doubling_big}
-for design, nbytes in traffic.items():
-    print(f"{design:32s} {nbytes / 2**20:8.0f} MiB  ({nbytes / fused_big:4.1f} x fused)")
-print(f"{'all states (batch, N, L)':32s} {states_big / 2**20:8.0f} MiB")
-assert doubling_big > 10 * fused_big
+for design, nbytes in {"fused (states on chip)": fused_big,
+                       "two passes (states via HBM)": fused_big + 2 * states_big,     # + write h, read h back
+                       "all states (batch, N, L)": states_big,
+                       f"boundary states, block_l={block_big}": fused_bytes(batch_big, length_big, n_states_big, block_l=block_big) - fused_big}.items():
+    print(f"{design:32s} {nbytes / 2**20:8.0f} MiB")
 
 # %% [markdown]
 # The picture: which tensors cross between HBM and the chip in each design, with the sizes above.
@@ -366,19 +302,29 @@ def multistate_single_block(a, b, c, x):
 
 
 # %% [markdown]
-# The kernel accumulates in float32, so its error is a few float32 roundings per step, which decay
-# with the gates: the tolerance is 64 units of float32 roundoff ($2^{-24}$), relative to the largest
-# $|y|$. A kernel that accumulated in bfloat16 or float16 would be off by hundreds of times that.
+# How close must it be? Relative to the largest $|y|$, a kernel that accumulates in float32 (float64
+# for float64 inputs) makes one rounding of the output to its dtype, half a unit in the last place:
+# $2^{-24}$ (float32), $2^{-11}$ (float16), $2^{-8}$ (bfloat16; $2^{-7}$ under the CPU interpreter, which
+# truncates float32 to bfloat16 instead of rounding, chapter 00), plus the accumulation's error, a few
+# roundings that decay with the gates: we allow 64 units of $2^{-24}$ ($2^{-53}$ in float64).
+# Accumulating in float16 or bfloat16 fails this (`tests/test_multistate.py` injects it).
 
 # %%
+def tolerance(dtype):
+    """Largest error relative to max |reference|: one rounding of the output plus 64 of the accumulator."""
+    output = {torch.float64: 2**-53, torch.float32: 2**-24, torch.float16: 2**-11,
+              torch.bfloat16: 2**-7 if scan_lib.runtime.INTERPRET else 2**-8}[dtype]
+    return output + 64 * (2**-53 if dtype == torch.float64 else 2**-24)
+
+
 print(f"{'L':>5} {'N':>3} {'max rel err':>12}  ok")
 for length in (1, 7, 129):
     for n_states in (4, 5):
         a, b, c, x = random_inputs(3, n_states, length)
         y_ref, _ = multistate_scan_ref(*(t.double() for t in (a, b, c, x)))
         err = rel_err(multistate_single_block(a, b, c, x), y_ref)
-        print(f"{length:5d} {n_states:3d} {err:12.2e}  {err < 64 * 2**-24}")
-        assert err < 64 * 2**-24
+        print(f"{length:5d} {n_states:3d} {err:12.2e}  {err < tolerance(torch.float32)}")
+        assert err < tolerance(torch.float32)
 
 # %% [markdown]
 # This kernel is right but cannot scale: the tile grows with $L$, it stops fitting in registers, and
@@ -723,22 +669,10 @@ def multistate_scan(a, b, c, x, initial_state=None, return_last_state=False, blo
 
 # %% [markdown]
 # The public function in every dtype against the float64 reference computed from the same (rounded)
-# inputs, relative to the largest $|y|$. Accumulation is in float32, so the error is one rounding of
-# the output to the dtype, half a unit in the last place: $2^{-11}$ (float16), $2^{-8}$ (bfloat16,
-# $2^{-7}$ under the CPU interpreter, which truncates float32 to bfloat16 instead of rounding, chapter 00),
-# plus the accumulation's, 64 units of $2^{-24}$ ($2^{-53}$ in float64). Accumulating float16 inputs in
-# float16 fails this (`tests/test_multistate.py` injects it).
+# inputs, with section 3's `tolerance`.
 
 # %%
 from scan_lib.multistate import multistate_scan  # the exported copy, wiring included, as a user imports it
-
-
-def tolerance(dtype):
-    """Largest error of y relative to max |y|: one rounding of the output plus 64 roundings of the accumulator."""
-    output = {torch.float64: 2**-53, torch.float32: 2**-24, torch.float16: 2**-11,
-              torch.bfloat16: 2**-7 if scan_lib.runtime.INTERPRET else 2**-8}[dtype]
-    return output + 64 * (2**-53 if dtype == torch.float64 else 2**-24)
-
 
 print(f"{'dtype':>15} {'L':>5} {'err y':>9} {'err last':>9} {'tolerance':>9}  ok")
 for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
@@ -765,47 +699,33 @@ assert torch.autograd.gradcheck(
 print("gradcheck (fast_mode=False) passed")
 
 # %% [markdown]
-# What autograd keeps for the backward pass, measured: `torch.autograd.graph.saved_tensors_hooks`
-# sees every tensor saved for the backward; the cell adds up the bytes of those that are not inputs.
-# The fused scan must keep exactly the boundary states, $\text{batch}\lceil L/L_{\text{block}}\rceil N$
-# float32 numbers; the PyTorch doubling scan keeps at least every state.
-
-# %%
-def saved_bytes(fn, *inputs):
-    """Bytes of memory that the tensors autograd saves while fn(*inputs) runs keep alive, inputs excluded."""
-    inputs_at = {t.untyped_storage().data_ptr() for t in inputs}
-    saved = {}                                                   # storage address -> bytes
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in inputs_at:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        fn(*inputs)
-    return sum(saved.values())
-
-
-batch, length, n_states, block_l = 3, 100, 5, 16
-inputs = [t.requires_grad_() for t in random_inputs(batch, n_states, length)]
-fused_saved = saved_bytes(lambda *t: multistate_scan(*t, block_l=block_l), *inputs)
-doubling_saved = saved_bytes(multistate_scan_materialised, *inputs)
-all_states = batch * n_states * length * 4
-print(f"batch={batch}, L={length}, N={n_states}, block_l={block_l}: fused keeps {fused_saved} B, "
-      f"the doubling scan {doubling_saved} B; all states are {all_states} B")
-assert fused_saved == batch * math.ceil(length / block_l) * n_states * 4
-assert doubling_saved >= all_states
-print(f"at batch={batch_big}, L={length_big}, N={n_states_big}, block_l={block_big}: the fused scan keeps "
-      f"{batch_big * math.ceil(length_big / block_big) * n_states_big * 4 / 2**20:.0f} MiB, all states are {states_big / 2**20:.0f} MiB")
-
-# %% [markdown]
 # ## 7 · Speed on a GPU
 #
-# At batch = 4096, $L = 1024$, $N = 16$, in float32 and bfloat16: the fused scan against the PyTorch
-# doubling scan of section 2, which materialises every state, forward and forward + backward. The memory
-# floor is the fused design's bytes (section 2's formula; for the backward, reading $a, B, C, x$,
-# $\partial\mathcal L/\partial y$ and writing the four gradients) divided by the copy bandwidth measured in
-# section 2. The cell also times the forward at five chunk lengths, and prints what the measurements say.
+# At batch = 4096, $L = 1024$, $N = 16$, in float32 and bfloat16, forward and forward + backward: the
+# fused scan against a PyTorch scan that materialises every state. That one is a real parallel scan,
+# not a Python loop: Hillis-Steele doubling, $\lceil \log_2 L \rceil$ steps, each composing every position
+# with the one `shift` places before it, all $(\text{batch}, N, L)$ at once; then $y = \sum_n C \odot h$.
+# It is checked against the reference first. The memory floor is the fused design's bytes (section 2's
+# formula; for the backward, reading $a, B, C, x$, $\partial\mathcal L/\partial y$ and writing the four
+# gradients) divided by the copy bandwidth measured in section 2. The cell prints what the measurements say.
+
+# %%
+def multistate_scan_materialised(a, b, c, x):
+    """All (batch, N, L) states in memory: a log-depth doubling scan in PyTorch, then the sum over N."""
+    a_acc, h = a, b * x[:, None, :]                                   # batch x N x L each
+    shift = 1
+    while shift < a.shape[-1]:
+        # position t composes (a_acc, h) at t - shift (earlier) with its own (later): first_order_op
+        h = torch.cat([h[..., :shift], a_acc[..., shift:] * h[..., :-shift] + h[..., shift:]], dim=-1)
+        a_acc = torch.cat([a_acc[..., :shift], a_acc[..., :-shift] * a_acc[..., shift:]], dim=-1)
+        shift *= 2
+    return (c * h).sum(dim=1)
+
+
+for length in (1, 7, 129, 1000):
+    a, b, c, x = random_inputs(2, 5, length, dtype=torch.float64, seed=4)
+    assert rel_err(multistate_scan_materialised(a, b, c, x), multistate_scan_ref(a, b, c, x)[0]) < 1e-12
+print("the materialising PyTorch scan matches the reference")
 
 # %%
 def training_bytes(batch, length, n_states, itemsize=4):
@@ -829,7 +749,7 @@ else:
 
     print(f"{torch.cuda.get_device_name(DEVICE)}, copy bandwidth {bandwidth / 1e12:.2f} TB/s; "
           f"a, b, c ({batch_big}, {n_states_big}, {length_big}), x ({batch_big}, {length_big}), default block_l {block_big}")
-    results, sweeps = {}, {}
+    results = {}
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(5)
         a, b, c, x = device_inputs(dtype)
@@ -843,7 +763,6 @@ else:
             "fused Triton": median_us(lambda: multistate_scan(a, b, c, x)),
             "materialised PyTorch": median_us(lambda: multistate_scan_materialised(a, b, c, x)),
         }
-        sweeps[short] = {bl: median_us(lambda: multistate_scan(a, b, c, x, block_l=bl)) for bl in (16, 32, 64, 128, 256)}
         for t in (a, b, c, x):
             t.requires_grad_()
         dy = torch.randn_like(x)
@@ -858,10 +777,6 @@ else:
     for key, r in results.items():
         print(f"{key:17s} {r['memory floor']:9.0f} us {r['fused Triton']:9.0f} us {r['materialised PyTorch']:9.0f} us"
               f"   {r['fused Triton'] / r['memory floor']:13.2f}   {r['materialised PyTorch'] / r['fused Triton']:20.1f}")
-    for short, sweep in sweeps.items():
-        best = min(sweep, key=sweep.get)
-        print(f"block_l sweep, {short} forward (us): " + ", ".join(f"{bl}: {t:.0f}" for bl, t in sweep.items())
-              + f"; fastest {best}, {'the default' if best == block_big else f'the default {block_big} is {sweep[block_big] / sweep[best]:.2f}x slower'}")
     for key, r in results.items():
         assert r["fused Triton"] < r["materialised PyTorch"], key
     speedup = results["float32 fwd"]["fused Triton"] / results["bfloat16 fwd"]["fused Triton"]
@@ -886,18 +801,11 @@ else:
 #
 # - "fused / floor" says how close the fused kernel is to moving its bytes at copy speed; close to 1
 #   means memory-bound. "materialised / fused" is the price of writing the states: the doubling scan's
-#   $\lceil \log_2 L \rceil$ passes over $(\text{batch}, N, L)$ tensors (section 2 counted its bytes).
-# - The chunk-length sweep says which `block_l` was fastest in each dtype, and how far the default is
-#   from it: chunk length is a knob to measure, not to predict, and its best value changes with the dtype.
+#   $\lceil \log_2 L \rceil$ passes over $(\text{batch}, N, L)$ tensors ("Going deeper" counts its bytes).
 # - If bfloat16 is much further from its floor than float32, the kernel is not memory-bound in
 #   bfloat16: the work on chip (everything converted to float32, a $\log_2 L_{\text{block}}$-level scan
 #   per chunk, chunks walked one after another by one program) does not shrink with the dtype. Cutting
 #   that work is for a later chapter.
-#
-# One program per sequence suits many sequences (in Mamba, every (sample, channel) pair is one). With
-# only a few long sequences most of the GPU would sit idle; then the chunks of one sequence run in
-# parallel in three phases, as in chapters 01 and 02, and again only chunk-boundary states cross HBM.
-# That variant is left to a later chapter.
 #
 # ## Summary
 #
@@ -905,7 +813,7 @@ else:
 #   mixed into one output; a 2-D tile scanned along time handles all of them with one `tl.associative_scan`.
 # - The arithmetic is cheap; the $(\text{batch}, N, L)$ states are not. The fused kernel keeps them in
 #   registers, carries $N$ numbers from chunk to chunk, and writes only $y$, the last state and, for
-#   training, the state at each chunk boundary: section 2 measured its bytes, section 6 what autograd keeps.
+#   training, the state at each chunk boundary ("Going deeper" measures both).
 # - The backward is the same scan run right to left with the gate shifted by one, per state; it
 #   recomputes each chunk's states from the saved boundary state instead of storing them.
 # - Next, chapter 05 adds Mamba's discretisation, $a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t u_t$, and shares
@@ -914,11 +822,15 @@ else:
 # %% [markdown]
 # ## Going deeper: launch configuration
 #
+# One program per sequence suits many sequences (in Mamba, every (sample, channel) pair is one). With
+# only a few long sequences most of the GPU would sit idle; then the chunks of one sequence would run in
+# parallel in three phases, as in chapters 01 and 02, and again only chunk-boundary states would cross
+# HBM. That variant is left to a later chapter.
+#
 # `default_block_l` picks about 1024 tile elements ($L_{\text{block}} \times N$), at least 16 rows and
 # no more rows than $L$ needs. `num_warps_for` gives about 8 tile elements per thread, 1 to 8 warps of
-# 32 threads: on an H200 (sm_90), ptxas then fits the forward in about 70 registers per thread and the
-# backward, which holds about twice as many tiles, in about 145, without spilling to memory. The tile
-# sizes are capped (`MAX_STATES`, `MAX_TILE`) so that the tiles fit in registers.
+# 32 threads, so that the forward's tiles, and the backward's (about twice as many), stay in registers.
+# The tile sizes are capped (`MAX_STATES`, `MAX_TILE`) for the same reason.
 
 # %%
 #| export
@@ -932,9 +844,29 @@ def default_block_l(length, n_states):
 
 
 def num_warps_for(block_l, n_states):
-    """About 8 tile elements per thread (1 to 8 warps of 32): ptxas for sm_90 then fits the forward in
-    ~70 registers and the backward, which holds about twice as many tiles, in ~145, without spilling."""
+    """About 8 tile elements per thread (1 to 8 warps of 32), so that the forward's tiles and the
+    backward's (about twice as many) stay in registers."""
     return max(1, min(8, block_l * triton.next_power_of_2(n_states) // 256))
+
+
+# %% [markdown]
+# Whether the default chunk length is the fastest is a measurement, not a prediction: on a GPU the cell
+# times the forward of section 7's problem at five chunk lengths, in both dtypes, and says.
+
+# %%
+if not ON_GPU:
+    print("skipped: no GPU (the sweep needs do_bench on CUDA)")
+else:
+    print(f"forward time (us) by block_l, batch={batch_big}, L={length_big}, N={n_states_big}, default block_l {block_big}")
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(5)
+        a, b, c, x = device_inputs(dtype)
+        sweep = {bl: median_us(lambda: multistate_scan(a, b, c, x, block_l=bl)) for bl in (16, 32, 64, 128, 256)}
+        best = min(sweep, key=sweep.get)
+        verdict = ("the default is the fastest" if best == block_big
+                   else f"the fastest is {best}; the default is {sweep[block_big] / sweep[best]:.2f}x slower")
+        print(f"  {str(dtype):15s} " + ", ".join(f"{bl}: {t:.0f}" for bl, t in sweep.items()) + f"; {verdict}")
+        del a, b, c, x
 
 
 # %% [markdown]
@@ -1167,3 +1099,92 @@ for what, (call, error, name) in bad_calls.items():
         print(f"{what:28s} -> {error.__name__}: {e}")
     else:
         raise AssertionError(f"{what}: no {error.__name__}")
+
+
+# %% [markdown]
+# ## Going deeper: counting the bytes
+#
+# Section 2's formula, checked against what the op really reads and writes: `bytes_moved` runs a
+# function under a `TorchDispatchMode`, which sees every operator call, and adds up the bytes of each
+# call's tensor inputs and outputs (views are free). `multistate_scan` is one operator call, a custom op
+# whose kernel reads its inputs and writes its outputs once, so the count is its HBM traffic: it must
+# equal the formula, with and without the boundary states. A kernel that wrote the states would have to
+# return them and fail this. The PyTorch doubling scan of section 7 is counted too, at the realistic
+# size, on `meta` tensors (shapes without data: nothing is computed or allocated); for it the count is
+# a lower bound on the traffic.
+
+# %%
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class BytesMoved(TorchDispatchMode):
+    """Adds up the bytes of the tensor inputs and outputs of every operator call (views excepted)."""
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view:
+            self.total += sum(t.numel() * t.element_size() for t in tree_leaves((args, kwargs, out))
+                              if isinstance(t, torch.Tensor))
+        return out
+
+
+def bytes_moved(fn, *args):
+    with BytesMoved() as counter:
+        fn(*args)
+    return counter.total
+
+
+# measured on small inputs: inference (no grad) and training (boundary states saved)
+batch, length, n_states = 3, 100, 5
+a, b, c, x = random_inputs(batch, n_states, length)
+inference = bytes_moved(lambda: multistate_scan(a, b, c, x))
+training = bytes_moved(lambda: multistate_scan(a.requires_grad_(), b, c, x, block_l=16))
+print(f"batch={batch}, L={length}, N={n_states}: fused forward moves {inference} B (formula {fused_bytes(batch, length, n_states)}), "
+      f"{training} B when it saves boundary states (formula {fused_bytes(batch, length, n_states, block_l=16)})")
+assert inference == fused_bytes(batch, length, n_states)
+assert training == fused_bytes(batch, length, n_states, block_l=16)
+
+meta = [torch.empty(batch_big, n_states_big, length_big, device="meta") for _ in "abc"] + [torch.empty(batch_big, length_big, device="meta")]
+doubling_big = bytes_moved(multistate_scan_materialised, *meta)
+print(f"batch={batch_big}, L={length_big}, N={n_states_big}: the doubling scan moves at least "
+      f"{doubling_big / 2**20:.0f} MiB, {doubling_big / fused_big:.1f} times the fused forward's {fused_big / 2**20:.0f} MiB")
+assert doubling_big > 10 * fused_big
+
+
+# %% [markdown]
+# What autograd keeps for the backward pass, measured the same way: `torch.autograd.graph.saved_tensors_hooks`
+# sees every tensor saved for the backward; the cell adds up the bytes of those that are not inputs.
+# The fused scan must keep exactly the boundary states, $\text{batch}\lceil L/L_{\text{block}}\rceil N$
+# float32 numbers; the PyTorch doubling scan keeps at least every state.
+
+# %%
+def saved_bytes(fn, *inputs):
+    """Bytes of memory that the tensors autograd saves while fn(*inputs) runs keep alive, inputs excluded."""
+    inputs_at = {t.untyped_storage().data_ptr() for t in inputs}
+    saved = {}                                                   # storage address -> bytes
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in inputs_at:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*inputs)
+    return sum(saved.values())
+
+
+batch, length, n_states, block_l = 3, 100, 5, 16
+inputs = [t.requires_grad_() for t in random_inputs(batch, n_states, length)]
+fused_saved = saved_bytes(lambda *t: multistate_scan(*t, block_l=block_l), *inputs)
+doubling_saved = saved_bytes(multistate_scan_materialised, *inputs)
+all_states = batch * n_states * length * 4
+print(f"batch={batch}, L={length}, N={n_states}, block_l={block_l}: fused keeps {fused_saved} B, "
+      f"the doubling scan {doubling_saved} B; all states are {all_states} B")
+assert fused_saved == batch * math.ceil(length / block_l) * n_states * 4
+assert doubling_saved >= all_states
+print(f"at batch={batch_big}, L={length_big}, N={n_states_big}, block_l={block_big}: the fused scan keeps "
+      f"{batch_big * math.ceil(length_big / block_big) * n_states_big * 4 / 2**20:.0f} MiB, all states are {states_big / 2**20:.0f} MiB")

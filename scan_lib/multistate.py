@@ -183,8 +183,8 @@ def default_block_l(length, n_states):
 
 
 def num_warps_for(block_l, n_states):
-    """About 8 tile elements per thread (1 to 8 warps of 32): ptxas for sm_90 then fits the forward in
-    ~70 registers and the backward, which holds about twice as many tiles, in ~145, without spilling."""
+    """About 8 tile elements per thread (1 to 8 warps of 32), so that the forward's tiles and the
+    backward's (about twice as many) stay in registers."""
     return max(1, min(8, block_l * triton.next_power_of_2(n_states) // 256))
 
 def check_multistate_inputs(a, b, c, x, initial_state, block_l):
