@@ -211,45 +211,38 @@ if ON_GPU:
 
 
 def draw_memory_figure(batch, length, n_states, block_l, bandwidth, itemsize=4):
-    """Two panels: what each design reads from / writes to HBM and what stays on chip."""
-    mib = lambda numel: f"{numel * itemsize / 2**20:.0f} MiB"
+    """Two panels: the tensors each design reads from (blue) or writes to (red) HBM, and what stays on chip."""
     bnl, bl = batch * n_states * length, batch * length
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    designs = {
-        "two passes: states written to HBM": (
-            [("a (b,N,L)", bnl, "r"), ("B (b,N,L)", bnl, "r"), ("x (b,L)", bl, "r"),
-             ("h (b,N,L)", bnl, "rw"), ("C (b,N,L)", bnl, "r"), ("y (b,L)", bl, "w")],
-            ["scan kernel:\nh = a h + B x", "reduce kernel:\ny = sum_n C h"]),
-        "fused: states stay on chip": (
-            [("a (b,N,L)", bnl, "r"), ("B (b,N,L)", bnl, "r"), ("C (b,N,L)", bnl, "r"), ("x (b,L)", bl, "r"),
-             ("y (b,L)", bl, "w"), (f"h at chunk\nstarts", bnl // block_l, "w*")],
-            [f"tile {block_l} x N: scan,\ny = sum over N of C h", "carry: N states\nin registers"]),
-    }
-    colours = {"r": "#4c72b0", "w": "#c44e52", "rw": "#8172b2", "w*": "#dd8452"}
+    designs = {"two passes: states written to HBM": (
+                   [("a", bnl, "r"), ("B", bnl, "r"), ("x", bl, "r"), ("h", bnl, "rw"), ("C", bnl, "r"), ("y", bl, "w")],
+                   "scan kernel: h = a h + B x\nreduce kernel: y = sum_n C h"),
+               "fused: states stay on chip": (
+                   [("a", bnl, "r"), ("B", bnl, "r"), ("C", bnl, "r"), ("x", bl, "r"), ("y", bl, "w"),
+                    ("h at\nchunk\nstarts", bnl // block_l, "w")],
+                   f"tiles of {block_l} x N: scan, y = sum over N of C h;\ncarry: N states in registers")}
     hbm = "HBM (off chip" + (f", {bandwidth / 1e12:.2f} TB/s copy)" if bandwidth else ")")
-    for ax, (title, (tensors, chip_boxes)) in zip(axes, designs.items()):
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, (title, (tensors, on_chip)) in zip(axes, designs.items()):
         ax.set_xlim(0, 12); ax.set_ylim(0, 8); ax.axis("off"); ax.set_title(title, fontsize=10)
         ax.add_patch(matplotlib.patches.Rectangle((0.2, 4.6), 11.6, 3.1, fc="#eeeeee", ec="k"))
-        ax.text(0.4, 7.3, hbm, fontsize=8, weight="bold")
         ax.add_patch(matplotlib.patches.Rectangle((0.2, 0.3), 11.6, 2.6, fc="#fff7e0", ec="k"))
+        ax.text(0.4, 7.3, hbm, fontsize=8, weight="bold")
         ax.text(0.4, 0.5, "on chip: registers of one program", fontsize=8, weight="bold")
+        ax.text(6, 1.7, on_chip, ha="center", va="center", fontsize=8)
         for i, (name, numel, mode) in enumerate(tensors):
             x0 = 0.4 + i * 1.9
-            ax.add_patch(matplotlib.patches.Rectangle((x0, 5.0), 1.7, 1.9, fc="white", ec=colours[mode], lw=2))
-            ax.text(x0 + 0.85, 6.2, name.replace(" (", "\n("), ha="center", va="center", fontsize=6.5)
-            ax.text(x0 + 0.85, 5.3, mib(numel), ha="center", fontsize=6.5)
-            if "r" in mode:
-                ax.annotate("", (x0 + 0.6, 2.95), (x0 + 0.6, 4.95), arrowprops=dict(arrowstyle="->", color=colours["r"]))
-            if "w" in mode:
-                ax.annotate("", (x0 + 1.1, 4.95), (x0 + 1.1, 2.95), arrowprops=dict(arrowstyle="->", color=colours["w"]))
-        for j, label in enumerate(chip_boxes):
-            ax.add_patch(matplotlib.patches.FancyBboxPatch((0.6 + j * 5.6, 1.2), 5.0, 1.2, boxstyle="round", fc="white"))
-            ax.text(3.1 + j * 5.6, 1.8, label, ha="center", va="center", fontsize=7.5)
-        moved = sum(numel * (mode.count("r") + mode.count("w")) for _, numel, mode in tensors)
+            ax.add_patch(matplotlib.patches.Rectangle((x0, 5.0), 1.7, 1.9, fc="white", ec="k"))
+            ax.text(x0 + 0.85, 6.3, name, ha="center", va="center", fontsize=8 if len(name) < 3 else 6.5)
+            ax.text(x0 + 0.85, 5.3, f"{numel * itemsize / 2**20:.0f} MiB", ha="center", fontsize=7)
+            for kind, dx, ends in (("r", 0.6, (2.95, 4.95)), ("w", 1.1, (4.95, 2.95))):
+                if kind in mode:
+                    ax.annotate("", (x0 + dx, ends[0]), (x0 + dx, ends[1]),
+                                arrowprops=dict(arrowstyle="->", color="#4c72b0" if kind == "r" else "#c44e52"))
+        moved = sum(numel * len(mode) for _, numel, mode in tensors)
         ax.text(6, 3.75, f"moved through HBM: {moved * itemsize / 2**20:.0f} MiB", ha="center", fontsize=9,
                 weight="bold", bbox=dict(fc="white", ec="none"), zorder=3)
-    fig.suptitle(f"batch b={batch}, L={length}, N={n_states}, float32 (blue: read, red: written, "
-                 "orange: saved for the backward)", fontsize=9)
+    fig.suptitle(f"batch={batch}, L={length}, N={n_states}, float32; blue: read, red: written "
+                 "(chunk-start states: for the backward)", fontsize=9)
     return fig
 
 
