@@ -270,7 +270,7 @@ def multistate_single_block_kernel(
     length, n_states,
     BLOCK_L: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    seq = tl.program_id(0).to(tl.int64)
+    seq = tl.program_id(0).to(tl.int64)                        # int64: seq * N * L may pass 2^31
     t = tl.arange(0, BLOCK_L)                                  # BLOCK_L: time
     n = tl.arange(0, BLOCK_N)                                  # BLOCK_N: state
     mask = (t < length)[:, None] & (n < n_states)[None, :]     # BLOCK_L x BLOCK_N
@@ -321,28 +321,9 @@ for length in (1, 7, 129):
 
 # %% [markdown]
 # This kernel is right but cannot scale: the tile grows with $L$, it stops fitting in registers, and
-# Triton refuses any block of more than $2^{20}$ elements (`tl.TRITON_MAX_TENSOR_NUMEL`). The cell asks
-# for a $2^{20} \times 2$ tile ($L = 2^{19} + 1$, $N = 2$) and shows the refusal. The fix is the one
-# from chapters 01 and 02: cut the sequence into chunks and carry a state from chunk to chunk.
-
-# %%
-def error_text(error):
-    """The messages of an exception and its causes (the GPU compiler wraps the one from tl)."""
-    texts = []
-    while error is not None:
-        texts.append(str(error))
-        error = error.__cause__ or error.__context__
-    return " | ".join(texts)
-
-
-a, b, c, x = random_inputs(1, 2, 2**19 + 1)
-try:
-    multistate_single_block(a, b, c, x)
-except Exception as e:  # a ValueError from tl, or on the GPU a CompilationError wrapping it
-    assert "exceeds triton maximum tensor numel" in error_text(e), error_text(e)
-    print(f"L = {2**19 + 1}, N = 2: refused: {error_text(e).splitlines()[-1][:100]}")
-else:
-    raise AssertionError("a tile of 2^21 elements was accepted")
+# Triton refuses any block of more than $2^{20}$ elements ("Going deeper: the largest tile" shows the
+# refusal). The fix is the one from chapters 01 and 02: cut the sequence into chunks and carry a state
+# from chunk to chunk.
 
 # %% [markdown]
 # ## 4 · The blocked kernel: a carry of N states in registers
@@ -1181,3 +1162,30 @@ assert fused_saved == batch * math.ceil(length / block_l) * n_states * 4
 assert doubling_saved >= all_states
 print(f"at batch={batch_big}, L={length_big}, N={n_states_big}, block_l={block_big}: the fused scan keeps "
       f"{batch_big * math.ceil(length_big / block_big) * n_states_big * 4 / 2**20:.0f} MiB, all states are {states_big / 2**20:.0f} MiB")
+
+
+# %% [markdown]
+# ## Going deeper: the largest tile
+#
+# Triton refuses any block of more than $2^{20}$ elements (`tl.TRITON_MAX_TENSOR_NUMEL`), so section 3's
+# single-block kernel has a hard limit besides registers. The cell asks it for a $2^{20} \times 2$ tile
+# ($L = 2^{19} + 1$, $N = 2$) and shows the refusal.
+
+# %%
+def error_text(error):
+    """The messages of an exception and its causes (the GPU compiler wraps the one from tl)."""
+    texts = []
+    while error is not None:
+        texts.append(str(error))
+        error = error.__cause__ or error.__context__
+    return " | ".join(texts)
+
+
+a, b, c, x = random_inputs(1, 2, 2**19 + 1)
+try:
+    multistate_single_block(a, b, c, x)
+except Exception as e:  # a ValueError from tl, or on the GPU a CompilationError wrapping it
+    assert "exceeds triton maximum tensor numel" in error_text(e), error_text(e)
+    print(f"L = {2**19 + 1}, N = 2: refused: {error_text(e).splitlines()[-1][:100]}")
+else:
+    raise AssertionError("a tile of 2^21 elements was accepted")
