@@ -122,7 +122,7 @@ import torch
 import triton
 import triton.language as tl
 
-from scan_lib.runtime import ON_GPU, check_same_device, custom_op
+from scan_lib.runtime import ON_GPU, apply, check_same_device, custom_op
 
 
 @triton.jit
@@ -749,7 +749,7 @@ class CumsumFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        return CumsumFunction.apply(grad_y.flip(ctx.dim), ctx.dim).flip(ctx.dim), None
+        return apply(CumsumFunction, grad_y.flip(ctx.dim), ctx.dim).flip(ctx.dim), None
 
 
 def cumsum(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -781,7 +781,7 @@ def cumsum(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None) 
         return x.clone()
     if not x.is_floating_point():
         return cumsum_op(x.to(torch.int64), dim).to(result)          # integers are summed in int64
-    return CumsumFunction.apply(x, dim)
+    return apply(CumsumFunction, x, dim)
 
 # %% [markdown]
 # ## Checking the exported `cumsum`

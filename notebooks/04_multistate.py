@@ -82,7 +82,7 @@ import triton
 import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype, first_order_op
-from scan_lib.runtime import check_float_tensor, check_same_device, custom_op
+from scan_lib.runtime import apply, check_float_tensor, check_same_device, custom_op
 
 
 def multistate_scan_ref(a, b, c, x, initial_state=None):
@@ -635,7 +635,7 @@ def multistate_scan(a, b, c, x, initial_state=None, return_last_state=False, blo
     block_l = check_multistate_inputs(a, b, c, x, initial_state, block_l)
     tensors = (a, b, c, x) if initial_state is None else (a, b, c, x, initial_state)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        y, h_last, _ = MultistateScan.apply(a, b, c, x, initial_state, block_l)
+        y, h_last, _ = apply(MultistateScan, a, b, c, x, initial_state, block_l)
     else:
         y, h_last, _ = multistate_fwd(a, b, c, x, initial_state, block_l, False)
     return (y, h_last) if return_last_state else y
@@ -986,7 +986,7 @@ class MultistateScan(torch.autograd.Function):
         args = (a, b, c, x, h_chunks, dy, dh_last, ctx.block_l)
         # Grad mode is on in a backward under create_graph=True and under torch.func.grad: the kernel then
         # runs inside MultistateScanBackward, whose backward refuses to differentiate it a second time.
-        da, db, dc, dx, dh0 = MultistateScanBackward.apply(*args) if torch.is_grad_enabled() else multistate_bwd(*args)
+        da, db, dc, dx, dh0 = apply(MultistateScanBackward, *args) if torch.is_grad_enabled() else multistate_bwd(*args)
         return da, db, dc, dx, dh0 if ctx.has_initial_state else None, None
 
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from scan_lib.runtime import ON_GPU, check_same_device, custom_op
+from scan_lib.runtime import ON_GPU, apply, check_same_device, custom_op
 
 
 @triton.jit
@@ -249,7 +249,7 @@ class CumsumFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        return CumsumFunction.apply(grad_y.flip(ctx.dim), ctx.dim).flip(ctx.dim), None
+        return apply(CumsumFunction, grad_y.flip(ctx.dim), ctx.dim).flip(ctx.dim), None
 
 
 def cumsum(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -281,4 +281,4 @@ def cumsum(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None) 
         return x.clone()
     if not x.is_floating_point():
         return cumsum_op(x.to(torch.int64), dim).to(result)          # integers are summed in int64
-    return CumsumFunction.apply(x, dim)
+    return apply(CumsumFunction, x, dim)

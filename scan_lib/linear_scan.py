@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype, chunk_positions, launch_options, linear_scan_rows, scan_chunk
-from scan_lib.runtime import FLOAT_DTYPES, check_same_device, custom_op
+from scan_lib.runtime import FLOAT_DTYPES, apply, check_same_device, custom_op
 
 # Launch parameters of the backward kernel (benchmarks/bench_linear_scan.py sweeps them on a GPU).
 BWD_CONFIG = {"max_chunk": 2048, "elements_per_thread": 16, "stages": 1, "reversed_loads": False}
@@ -163,7 +163,7 @@ class LinearScanFunction(torch.autograd.Function):
 def _backward_by_scan(gates, h, grad_h, initial_state, reverse, chunk):
     """The backward pass written with differentiable pieces: the adjoint is a linear scan the other way
     on the shifted gates, so autograd can differentiate it again (Hessians, double backward)."""
-    delta = LinearScanFunction.apply(_shift(gates, reverse, 0.0), grad_h.contiguous(), None, not reverse, chunk)
+    delta = apply(LinearScanFunction, _shift(gates, reverse, 0.0), grad_h.contiguous(), None, not reverse, chunk)
     h_init = torch.zeros_like(h[:, :1]) if initial_state is None else initial_state[:, None]
     h_prev = _shift(h, not reverse, h_init)  # h_{t-1} (reverse: h_{t+1}), the initial state at the first step
     first = -1 if reverse else 0
@@ -238,4 +238,4 @@ def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None)
     rows_gates = gates.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
     rows_tokens = tokens.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
     rows_init = None if initial_state is None else initial_state.to(dtype).expand(shape[:-1]).reshape(rows).contiguous()
-    return LinearScanFunction.apply(rows_gates, rows_tokens, rows_init, reverse, chunk).view(shape)
+    return apply(LinearScanFunction, rows_gates, rows_tokens, rows_init, reverse, chunk).view(shape)

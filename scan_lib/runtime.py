@@ -83,6 +83,37 @@ def custom_op(name: str, module: str, **options):
     namespace = "scan_lib" if module.startswith("scan_lib.") else f"scan_lib_local{next(_LOCAL_OPS)}"
     return torch.library.custom_op(f"{namespace}::{name}", mutates_args=(), **options)
 
+
+def apply(function, *args):
+    """`function.apply(*args)` for a torch.autograd.Function in the style torch.func needs (a forward
+    without ctx, and setup_context), without that style's cost in plain eager calls.
+
+    For that style, Function.apply binds the arguments with inspect.signature on every call: tens of
+    microseconds of host time, as much as a kernel launch. Outside torch.compile and torch.func
+    transforms, the same forward, setup_context and backward run as an old-style Function, whose
+    apply goes straight to C++. Pass every argument positionally."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return _eager_twin(function).apply(*args)
+
+
+_EAGER_TWINS: dict = {}
+
+
+def _eager_twin(function):
+    """An old-style autograd.Function, named like `function`, that runs its forward, setup_context and backward."""
+    if function not in _EAGER_TWINS:
+        def forward(ctx, *args):
+            output = function.forward(*args)
+            function.setup_context(ctx, args, output)
+            return output
+
+        def backward(ctx, *grads):
+            return function.backward(ctx, *grads)
+        _EAGER_TWINS[function] = type(function.__name__, (torch.autograd.Function,),
+                                      {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    return _EAGER_TWINS[function]
+
 _COMPILE_FOR_GPU = """
 import json, sys
 sys.path.insert(0, sys.argv[1])

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from scan_lib.runtime import (DEVICE, INTERPRET, ON_GPU, check_float_tensor, check_same_device, gpu_assembly,
+from scan_lib.runtime import (DEVICE, INTERPRET, ON_GPU, apply, check_float_tensor, check_same_device, gpu_assembly,
                               rounds_to_nearest, save_figure)
 
 
@@ -107,3 +107,38 @@ def test_gpu_assembly_shows_the_layout_and_the_fast_exp(num_warps):
     code = gpu_assembly(_scale_kernel, {"X": "*fp32", "Y": "*fp32", "n": "i32"}, num_warps=num_warps, BLOCK=512)
     assert f"warpsPerCTA = [{num_warps}]" in code["ttgir"] and "threadsPerWarp = [32]" in code["ttgir"]
     assert "ex2.approx.f32" in code["ptx"]
+
+
+class _Square(torch.autograd.Function):
+    """A new-style Function (forward without ctx, setup_context), as scan_lib's ops are."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, scale):
+        return x * x * scale
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, scale = inputs
+        ctx.save_for_backward(x)
+        ctx.scale = scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return apply(_Square, x, 2.0 * ctx.scale) / x * grad, None  # 2 x scale grad, through the Function again
+
+
+def test_apply_runs_the_function_in_eager_mode_and_under_transforms():
+    x = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    y = apply(_Square, x, 3.0)
+    assert type(y.grad_fn).__name__ == "_SquareBackward"            # the eager twin, named like the Function
+    (g,) = torch.autograd.grad(y.sum(), x, create_graph=True)
+    assert torch.allclose(g, 6 * x)
+    (gg,) = torch.autograd.grad(g.sum(), x)                          # double backward through the twin
+    assert torch.allclose(gg, torch.full_like(x, 6.0))
+    func_grad = torch.func.grad(lambda t: apply(_Square, t, 3.0).sum())(x.detach())
+    assert torch.allclose(func_grad, 6 * x.detach())
+    assert torch.allclose(torch.func.vmap(lambda t: apply(_Square, t, 3.0))(x.detach()[:, None]), 3 * x.detach()[:, None] ** 2)
+    compiled = torch.compile(lambda t: apply(_Square, t, 3.0), fullgraph=True, backend="aot_eager")
+    assert torch.allclose(compiled(x), 3 * x * x)
