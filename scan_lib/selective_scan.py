@@ -405,8 +405,8 @@ def _vmap_by_loop(op):
     def rule(info, in_dims, *args):
         results = [op(*[a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)])
                    for i in range(info.batch_size)]
-        stacked = [torch.stack(parts) for parts in zip(*results)]
-        return (tuple(stacked) if isinstance(results[0], tuple) else stacked), [0] * len(stacked)
+        kind = type(results[0])                                   # a tuple or a list of tensors
+        return kind(torch.stack(parts) for parts in zip(*results)), kind([0] * len(results[0]))
     return rule
 
 
@@ -462,8 +462,9 @@ class SelectiveScanFn(torch.autograd.Function):
                                "gradient when it ran), so there is nothing to differentiate")
         if dout is None:
             dout = torch.zeros_like(u)
-        grads = selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, states, ybar, dout.to(u.dtype),
-                                   dlast, ctx.delta_softplus, ctx.chunk)
+        with torch.no_grad():  # the op's own outputs carry no graph (see _NoSecondDerivative below)
+            grads = selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, states, ybar, dout.to(u.dtype),
+                                       dlast, ctx.delta_softplus, ctx.chunk)
         inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
         grads = [None if x is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
         if torch.is_grad_enabled():  # create_graph=True (or torch.func.grad): make a second derivative raise
