@@ -3,11 +3,14 @@ torch.func / torch.compile, bugs injected into the kernels, and (where mamba_ssm
 against mamba_ssm's selective_scan_fn."""
 import math
 import sys
+import types
 
 import pytest
 import torch
 
-import scan_lib
+import scan_lib  # first: without a GPU it switches Triton to its interpreter, before triton.language loads
+import triton
+import triton.language as tl
 from scan_lib.runtime import DEVICE, INTERPRET, ON_GPU
 from scan_lib.selective_scan import selective_scan_ref
 
@@ -370,23 +373,32 @@ def test_fake_tensors_give_shapes():
 interpreter_only = pytest.mark.skipif(not INTERPRET, reason="injects bugs through the interpreter")
 
 
+def _no_carry(tile, n, cols):
+    """_column, broken: the carry (forward) and the adjoint carry (backward) between chunks read as 0."""
+    return tl.sum(tl.where(cols[None, :] == n, tile, 0.0), axis=1) * 0.0
+
+
+def _discretize_without_u(delta, A, B, u):
+    """discretize, broken: b = delta * B, the input u left out."""
+    return tl.exp(delta * A), delta * B + 0.0 * u
+
+
+def _half_combine(a_left, b_left, a_right, b_right):
+    """first_order_op, broken: the scan's state rounded to float16 at every combine."""
+    return a_left * a_right, (a_right * b_left + b_right).to(tl.float16).to(tl.float32)
+
+
+def _as_kernel_helper(fn):
+    """fn as a @triton.jit helper living in the kernels' module (the interpreter expects a kernel's helpers
+    to share its globals)."""
+    return triton.jit(types.FunctionType(fn.__code__, MODULE.__dict__, fn.__name__))
+
+
 @interpreter_only
-@pytest.mark.parametrize("bug", ["skipped carry", "discretisation without u", "float16 state"])
-def test_checks_catch_injected_bugs(monkeypatch, bug):
-    import triton
-    import triton.language as tl
-    if bug == "skipped carry":      # the state (and the adjoint) entering a chunk is dropped
-        @triton.jit
-        def no_carry(tile, n, cols):
-            return tl.sum(tl.where(cols[None, :] == n, tile, 0.0), axis=1) * 0.0
-        monkeypatch.setattr(MODULE, "_column", no_carry)
-    elif bug == "discretisation without u":
-        @triton.jit
-        def wrong_discretize(delta, A, B, u):
-            return tl.exp(delta * A), delta * B + 0.0 * u
-        monkeypatch.setattr(MODULE, "discretize", wrong_discretize)
-    else:                           # state and sums in float16
-        monkeypatch.setattr(MODULE, "accumulator_dtype", lambda dtype: tl.float16)
+@pytest.mark.parametrize("helper,bug", [("_column", _no_carry), ("discretize", _discretize_without_u),
+                                        ("first_order_op", _half_combine)])
+def test_checks_catch_injected_bugs(monkeypatch, helper, bug):
+    monkeypatch.setattr(MODULE, helper, _as_kernel_helper(bug))
     inputs = make_inputs(1, 2, 3, 40, h0=False, seed=13)   # 40 positions: several chunks
     with pytest.raises(AssertionError):
         compare(inputs)
