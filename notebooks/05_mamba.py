@@ -771,310 +771,12 @@ def selective_scan_bwd_kernel(
     tl.store(DBIAS_PART + pid_b * dim + ds, dbias_acc, d_ok)
 
 # %% [markdown]
-# The launchers. Each is a PyTorch custom operator (`torch.library`), so that `torch.compile`,
-# `torch.func` and fake tensors know the kernels' output shapes without running them ("Going deeper"
-# explains the plumbing). Inputs are made contiguous, the state and every sum are float32 (float64
-# when an input is float64), outputs and gradients come back in their input's dtype.
-
-# %%
-#| export
-from typing import Optional
-
-from scan_lib.runtime import custom_op
-
-
-def _launch_config(kind, dim, groups_b, groups_c, length):
-    """The config dict for 'fwd' or 'bwd', with block_d (a power of two whose blocks never straddle a
-    group) and chunk (at most the padded length) adapted to this problem."""
-    if INTERPRET:
-        config = dict(CPU_FWD_CONFIG if kind == "fwd" else CPU_BWD_CONFIG)
-    else:
-        config = dict(GPU_FWD_CONFIG if kind == "fwd" else GPU_BWD_CONFIG)
-    block_d = min(config["block_d"], triton.next_power_of_2(dim))
-    for groups in (groups_b, groups_c):
-        if groups > 1:
-            per_group = dim // groups
-            block_d = min(block_d, per_group & -per_group)   # largest power of two dividing per_group
-    config.update(block_d=block_d, chunk=min(config["chunk"], max(triton.next_power_of_2(length), 2)))
-    return config
-
-
-def _acc_dtype(*tensors):
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def _groups(M):
-    """Groups of a per-position B or C (batch, groups, N, L); 1 for the time-invariant (dim, N)."""
-    return M.shape[1] if M.dim() == 4 else 1
-
-
-def _contiguous(*tensors):
-    return [None if t is None else t.contiguous() for t in tensors]
-
-
-@custom_op("selective_scan_fwd", __name__)
-def selective_scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                       D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
-                       initial_state: Optional[torch.Tensor], delta_softplus: bool, save_chunk: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward kernel. B, C: (batch, groups, N, L) or (dim, N). Returns out, the last state, and,
-    when save_chunk > 0 (training), the state entering every chunk of save_chunk positions
-    (batch, dim, N, n_chunks) and ybar (out before the gate; only with z). Tensors not kept are empty."""
-    u, delta, A, B, C, D, z, delta_bias, initial_state = _contiguous(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    batch, dim, length = u.shape
-    n_states = A.shape[1]
-    acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    config = _launch_config("fwd", dim, _groups(B), _groups(C), length)
-    save = save_chunk > 0
-    chunk = save_chunk if save else config["chunk"]
-    n_chunks = triton.cdiv(length, chunk)
-    out = torch.empty_like(u)
-    last = u.new_empty(batch, dim, n_states, dtype=acc)
-    states = u.new_empty(batch, dim, n_states, n_chunks if save else 0, dtype=acc)
-    ybar = u.new_empty(u.shape if save and z is not None else (0,), dtype=acc)
-    selective_scan_fwd_kernel[(batch, triton.cdiv(dim, config["block_d"]))](
-        u, delta, A, B, C, D, z, delta_bias, initial_state, out, ybar, states, last,
-        dim, length, n_states, n_chunks, _groups(B), _groups(C),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        HAS_H0=initial_state is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
-        SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc), SAVE=save,
-        BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk,
-        num_warps=config["num_warps"])
-    return out, last, states, ybar
-
-
-@selective_scan_fwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk):
-    batch, dim, length = u.shape
-    acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    n_chunks = (length + save_chunk - 1) // save_chunk if save_chunk > 0 else 0
-    return (u.new_empty(u.shape), u.new_empty(batch, dim, A.shape[1], dtype=acc),
-            u.new_empty(batch, dim, A.shape[1], n_chunks, dtype=acc),
-            u.new_empty(u.shape if save_chunk > 0 and z is not None else (0,), dtype=acc))
-
-
-@custom_op("selective_scan_bwd", __name__)
-def selective_scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
-                       D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
-                       states: torch.Tensor, ybar: torch.Tensor, dout: torch.Tensor, dlast: Optional[torch.Tensor],
-                       delta_softplus: bool, chunk: int) -> list[torch.Tensor]:
-    """The backward kernel: du, d delta, dA, dB, dC, dD, dz, d delta_bias, d initial_state; dA, dB, dC,
-    dD, d delta_bias and d initial_state in the accumulation dtype (float32 or float64), the others in
-    their input's; dD, dz, d delta_bias are empty when D, z, delta_bias are None."""
-    u, delta, A, B, C, D, z, delta_bias, states, ybar, dout, dlast = _contiguous(
-        u, delta, A, B, C, D, z, delta_bias, states, ybar, dout, dlast)
-    batch, dim, length = u.shape
-    n_states, n_chunks, acc = A.shape[1], states.shape[-1], states.dtype
-    config = _launch_config("bwd", dim, _groups(B), _groups(C), length)
-    du, ddelta = torch.empty_like(u), torch.empty_like(delta)
-    dz = torch.empty_like(z) if z is not None else u.new_empty(0)
-    dB = torch.zeros(B.shape if B.dim() == 4 else (batch, dim, n_states), device=u.device, dtype=acc)
-    dC = torch.zeros(C.shape if C.dim() == 4 else (batch, dim, n_states), device=u.device, dtype=acc)
-    dA_part, dh0 = (u.new_empty(batch, dim, n_states, dtype=acc) for _ in range(2))
-    dD_part, dbias_part = (u.new_empty(batch, dim, dtype=acc) for _ in range(2))
-    selective_scan_bwd_kernel[(batch, triton.cdiv(dim, config["block_d"]))](
-        u, delta, A, B, C, D, z, delta_bias, states, ybar, dout, dlast,
-        du, ddelta, dz, dB, dC, dA_part, dD_part, dbias_part, dh0,
-        dim, length, n_states, n_chunks, _groups(B), _groups(C),
-        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        HAS_DLAST=dlast is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
-        SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc),
-        BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk,
-        num_warps=config["num_warps"])
-    if B.dim() == 2:
-        dB = dB.sum(0)
-    if C.dim() == 2:
-        dC = dC.sum(0)
-    return [du, ddelta, dA_part.sum(0), dB, dC, dD_part.sum(0) if D is not None else u.new_empty(0, dtype=acc),
-            dz, dbias_part.sum(0) if delta_bias is not None else u.new_empty(0, dtype=acc), dh0]
-
-
-@selective_scan_bwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, states, ybar, dout, dlast, delta_softplus, chunk):
-    acc, dim = states.dtype, u.shape[1]
-    return [u.new_empty(u.shape), delta.new_empty(delta.shape), A.new_empty(A.shape, dtype=acc),
-            B.new_empty(B.shape, dtype=acc), C.new_empty(C.shape, dtype=acc),
-            u.new_empty((dim,) if D is not None else (0,), dtype=acc),
-            (z if z is not None else u).new_empty(z.shape if z is not None else (0,)),
-            u.new_empty((dim,) if delta_bias is not None else (0,), dtype=acc),
-            u.new_empty(u.shape[0], dim, A.shape[1], dtype=acc)]
-
-
-def _vmap_by_loop(op):
-    """A vmap rule for op: call it once per element of the vmapped dimension and stack the results."""
-    def rule(info, in_dims, *args):
-        results = [op(*[a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)])
-                   for i in range(info.batch_size)]
-        kind = type(results[0])                                   # a tuple or a list of tensors
-        return kind(torch.stack(parts) for parts in zip(*results)), kind([0] * len(results[0]))
-    return rule
-
-
-selective_scan_fwd.register_vmap(_vmap_by_loop(selective_scan_fwd))
-selective_scan_bwd.register_vmap(_vmap_by_loop(selective_scan_bwd))
-
-# %% [markdown]
-# Autograd: a `torch.autograd.Function` whose forward calls the forward op and keeps what the
-# backward needs, and whose backward calls the backward op. The backward kernel's gradients are not
-# themselves differentiable: a second derivative through the scan raises a `RuntimeError` instead of
-# silently leaving the scan's part out ("Going deeper" shows how).
-
-# %%
-#| export
-_NO_SECOND_DERIVATIVE = ("selective_scan has no second derivative: its backward kernel's gradients cannot "
-                         "be differentiated again (create_graph=True gives first derivatives only; "
-                         "hessians, double backward and gradgradcheck through selective_scan are not supported)")
-
-
-class _NoSecondDerivative(torch.autograd.Function):
-    """The identity on selective_scan's gradients, attached to the tensors they depend on; differentiating
-    through it (a second derivative of selective_scan) raises instead of returning a silent zero."""
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(n_anchors, *tensors):
-        return tuple(t.clone() for t in tensors[n_anchors:])
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(_NO_SECOND_DERIVATIVE)
-
-
-class SelectiveScanFn(torch.autograd.Function):
-    """(out, last_state, states, ybar) = S6(u, delta, A, B, C, D, z, delta_bias, initial_state);
-    B, C are 4-D or (dim, N) here; save_chunk > 0 keeps boundary states for the backward."""
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk):
-        return selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk = inputs
-        _, _, states, ybar = output
-        ctx.mark_non_differentiable(states, ybar)
-        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, states, ybar)
-        ctx.delta_softplus, ctx.chunk = delta_softplus, save_chunk
-        ctx.set_materialize_grads(False)
-
-    @staticmethod
-    def backward(ctx, dout, dlast, _dstates, _dybar):
-        u, delta, A, B, C, D, z, delta_bias, initial_state, states, ybar = ctx.saved_tensors
-        if ctx.chunk == 0:
-            raise RuntimeError("selective_scan: the forward kept no boundary states (no input required a "
-                               "gradient when it ran), so there is nothing to differentiate")
-        if dout is None:
-            dout = torch.zeros_like(u)
-        with torch.no_grad():  # the op's own outputs carry no graph (see _NoSecondDerivative below)
-            grads = selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, states, ybar, dout.to(u.dtype),
-                                       dlast, ctx.delta_softplus, ctx.chunk)
-        inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
-        grads = [None if x is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
-        if torch.is_grad_enabled():  # create_graph=True (or torch.func.grad): make a second derivative raise
-            anchors = [x for x in (*inputs, dout, dlast) if x is not None]
-            given = [g for g in grads if g is not None]
-            poisoned = iter(_NoSecondDerivative.apply(len(anchors), *anchors, *given))
-            grads = [None if g is None else next(poisoned) for g in grads]
-        return (*grads, None, None)
-
-# %% [markdown]
-# The public function checks its inputs first, with errors that name the argument.
-
-# %%
-#| export
-from scan_lib.runtime import check_float_tensor, check_same_device
-
-
-def _check_shape(name, tensor, shape):
-    if tensor is not None and tuple(tensor.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
-
-
-def _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state):
-    if isinstance(A, torch.Tensor) and A.is_complex():
-        raise TypeError(f"A must be real: complex A ({A.dtype}, mamba_ssm's complex variant) is not supported")
-    named = dict(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias, initial_state=initial_state)
-    for name, value in named.items():
-        if value is not None or name in ("u", "delta", "A", "B", "C"):
-            check_float_tensor(name, value)
-    if u.dim() != 3:
-        raise ValueError(f"u must have shape (batch, dim, L), got {tuple(u.shape)}")
-    if u.numel() == 0:
-        raise ValueError(f"u must not be empty, got shape {tuple(u.shape)}")
-    batch, dim, length = u.shape
-    if A.dim() != 2 or A.shape[0] != dim or A.shape[1] == 0:
-        raise ValueError(f"A must have shape (dim={dim}, N) with N >= 1, got {tuple(A.shape)}")
-    n_states = A.shape[1]
-    for name, M in (("B", B), ("C", C)):
-        if M.dim() == 2:
-            if tuple(M.shape) != (dim, n_states):
-                raise ValueError(f"{name} of 2 dimensions (time-invariant) must have shape (dim={dim}, "
-                                 f"N={n_states}), got {tuple(M.shape)}")
-            continue
-        if M.dim() not in (3, 4) or M.shape[0] != batch or tuple(M.shape[-2:]) != (n_states, length):
-            raise ValueError(f"{name} must have shape (batch={batch}, N={n_states}, L={length}), "
-                             f"(batch={batch}, groups, N={n_states}, L={length}) or (dim={dim}, N={n_states}), "
-                             f"got {tuple(M.shape)}")
-        if M.dim() == 4 and (M.shape[1] == 0 or dim % M.shape[1] != 0):
-            raise ValueError(f"{name}: the number of groups ({M.shape[1]}) must divide dim ({dim})")
-    for name, value, shape in (("delta", delta, u.shape), ("z", z, u.shape), ("D", D, (dim,)),
-                               ("delta_bias", delta_bias, (dim,)),
-                               ("initial_state", initial_state, (batch, dim, n_states))):
-        _check_shape(name, value, shape)
-    check_same_device(**named)
-
-
-def _check_index_range(u_shape, n_states, groups_b, groups_c):
-    """The kernels index with 32-bit offsets: refuse inputs whose largest buffer they would overrun.
-
-    The largest are the (batch, dim, L) tensors, the fp32 dB and dC buffers (batch, groups, N, L), and
-    the boundary states (batch, dim, N, ceil(L / CHUNK_bwd))."""
-    batch, dim, length = u_shape
-    bwd = _launch_config("bwd", dim, groups_b, groups_c, length)
-    largest = max(batch * dim * length, batch * max(groups_b, groups_c) * n_states * length,
-                  batch * dim * n_states * triton.cdiv(length, bwd["chunk"]))
-    if largest >= 2**31:
-        raise ValueError(f"u of shape {tuple(u_shape)} with N={n_states}: a buffer of {largest} elements needs "
-                         "64-bit offsets, which these kernels do not use yet; split the batch or the sequence "
-                         "(initial_state and last_state make the pieces exact)")
-
-
-def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
-                   return_last_state=False, initial_state=None):
-    """Mamba's selective scan (S6), a drop-in for mamba_ssm's selective_scan_fn (real A), plus initial_state.
-
-    u, delta: (batch, dim, L); A: (dim, N), real (complex A raises TypeError); B, C: (batch, N, L),
-    (batch, groups, N, L) with channel d using group d // (dim // groups), or (dim, N), the same for
-    every batch element and position; D, delta_bias: (dim,); z: (batch, dim, L);
-    initial_state: (batch, dim, N), the state before position 0 (default zeros).
-
-        delta <- softplus(delta + delta_bias) if delta_softplus else delta + delta_bias
-        h_t = exp(delta_t * A) * h_{t-1} + delta_t * B_t * u_t,   ybar_t = sum_n C_t h_t + D * u_t
-        out = ybar * silu(z) if z is given else ybar
-
-    Returns out (dtype of u), and with return_last_state also h after the last position (batch, dim, N)
-    in float32 (float64 for float64 inputs). Gradients flow to every tensor argument, including
-    initial_state and through last_state: scanning a sequence in pieces, each piece starting from the
-    previous piece's last_state, gives the same outputs and gradients as one scan. First derivatives
-    only: differentiating the gradients again raises RuntimeError. Works under torch.compile,
-    torch.func.grad and torch.func.vmap.
-    """
-    _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    B4 = B.unsqueeze(1) if B.dim() == 3 else B
-    C4 = C.unsqueeze(1) if C.dim() == 3 else C
-    _check_index_range(u.shape, A.shape[1], _groups(B4), _groups(C4))
-    tensors = (u, delta, A, B4, C4, D, z, delta_bias, initial_state)
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    save_chunk = _launch_config("bwd", u.shape[1], _groups(B4), _groups(C4), u.shape[2])["chunk"] if training else 0
-    out, last, _, _ = SelectiveScanFn.apply(*tensors, bool(delta_softplus), save_chunk)
-    return (out, last) if return_last_state else out
-
-# %% [markdown]
+# `scan_lib.selective_scan` wraps the two kernels: it checks its inputs (errors name the argument),
+# launches the forward, and, when an input needs a gradient, makes the forward keep the boundary states
+# and registers the backward with autograd. Each launcher is a PyTorch custom operator, so that
+# `torch.compile`, `torch.func.grad` and `torch.func.vmap` work through it. Its code, about 300 lines of
+# plumbing, is in "Going deeper: the launchers and autograd" at the end; from here on we use the function.
+#
 # ## 7. Checks: every gradient, every option, awkward lengths
 #
 # `make_inputs` draws one problem; `check_selective_scan` runs our function and the float64 reference on
@@ -1422,10 +1124,315 @@ else:
 # `benchmarks/tune_selective_scan.py` on an H200 (raw output in
 # `benchmarks/results/tune_selective_scan_h200.txt`); under the interpreter the blocks are small so
 # that small tests cross several chunks and blocks.
+
+# %% [markdown]
+# ## Going deeper: the launchers and autograd
 #
-# ## Going deeper: the autograd plumbing
-#
-# `selective_scan_fwd` and `selective_scan_bwd` are custom operators (`torch.library.custom_op`): to
+# The launchers. Each is a PyTorch custom operator (`torch.library`), so that `torch.compile`,
+# `torch.func` and fake tensors know the kernels' output shapes without running them (explained after
+# the code). Inputs are made contiguous, the state and every sum are float32 (float64
+# when an input is float64), outputs and gradients come back in their input's dtype.
+
+# %%
+#| export
+from typing import Optional
+
+from scan_lib.runtime import custom_op
+
+
+def _launch_config(kind, dim, groups_b, groups_c, length):
+    """The config dict for 'fwd' or 'bwd', with block_d (a power of two whose blocks never straddle a
+    group) and chunk (at most the padded length) adapted to this problem."""
+    if INTERPRET:
+        config = dict(CPU_FWD_CONFIG if kind == "fwd" else CPU_BWD_CONFIG)
+    else:
+        config = dict(GPU_FWD_CONFIG if kind == "fwd" else GPU_BWD_CONFIG)
+    block_d = min(config["block_d"], triton.next_power_of_2(dim))
+    for groups in (groups_b, groups_c):
+        if groups > 1:
+            per_group = dim // groups
+            block_d = min(block_d, per_group & -per_group)   # largest power of two dividing per_group
+    config.update(block_d=block_d, chunk=min(config["chunk"], max(triton.next_power_of_2(length), 2)))
+    return config
+
+
+def _acc_dtype(*tensors):
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _groups(M):
+    """Groups of a per-position B or C (batch, groups, N, L); 1 for the time-invariant (dim, N)."""
+    return M.shape[1] if M.dim() == 4 else 1
+
+
+def _contiguous(*tensors):
+    return [None if t is None else t.contiguous() for t in tensors]
+
+
+@custom_op("selective_scan_fwd", __name__)
+def selective_scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
+                       initial_state: Optional[torch.Tensor], delta_softplus: bool, save_chunk: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward kernel. B, C: (batch, groups, N, L) or (dim, N). Returns out, the last state, and,
+    when save_chunk > 0 (training), the state entering every chunk of save_chunk positions
+    (batch, dim, N, n_chunks) and ybar (out before the gate; only with z). Tensors not kept are empty."""
+    u, delta, A, B, C, D, z, delta_bias, initial_state = _contiguous(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    batch, dim, length = u.shape
+    n_states = A.shape[1]
+    acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    config = _launch_config("fwd", dim, _groups(B), _groups(C), length)
+    save = save_chunk > 0
+    chunk = save_chunk if save else config["chunk"]
+    n_chunks = triton.cdiv(length, chunk)
+    out = torch.empty_like(u)
+    last = u.new_empty(batch, dim, n_states, dtype=acc)
+    states = u.new_empty(batch, dim, n_states, n_chunks if save else 0, dtype=acc)
+    ybar = u.new_empty(u.shape if save and z is not None else (0,), dtype=acc)
+    selective_scan_fwd_kernel[(batch, triton.cdiv(dim, config["block_d"]))](
+        u, delta, A, B, C, D, z, delta_bias, initial_state, out, ybar, states, last,
+        dim, length, n_states, n_chunks, _groups(B), _groups(C),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+        HAS_H0=initial_state is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
+        SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc), SAVE=save,
+        BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk,
+        num_warps=config["num_warps"])
+    return out, last, states, ybar
+
+
+@selective_scan_fwd.register_fake
+def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk):
+    batch, dim, length = u.shape
+    acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    n_chunks = (length + save_chunk - 1) // save_chunk if save_chunk > 0 else 0
+    return (u.new_empty(u.shape), u.new_empty(batch, dim, A.shape[1], dtype=acc),
+            u.new_empty(batch, dim, A.shape[1], n_chunks, dtype=acc),
+            u.new_empty(u.shape if save_chunk > 0 and z is not None else (0,), dtype=acc))
+
+
+@custom_op("selective_scan_bwd", __name__)
+def selective_scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
+                       states: torch.Tensor, ybar: torch.Tensor, dout: torch.Tensor, dlast: Optional[torch.Tensor],
+                       delta_softplus: bool, chunk: int) -> list[torch.Tensor]:
+    """The backward kernel: du, d delta, dA, dB, dC, dD, dz, d delta_bias, d initial_state; dA, dB, dC,
+    dD, d delta_bias and d initial_state in the accumulation dtype (float32 or float64), the others in
+    their input's; dD, dz, d delta_bias are empty when D, z, delta_bias are None."""
+    u, delta, A, B, C, D, z, delta_bias, states, ybar, dout, dlast = _contiguous(
+        u, delta, A, B, C, D, z, delta_bias, states, ybar, dout, dlast)
+    batch, dim, length = u.shape
+    n_states, n_chunks, acc = A.shape[1], states.shape[-1], states.dtype
+    config = _launch_config("bwd", dim, _groups(B), _groups(C), length)
+    du, ddelta = torch.empty_like(u), torch.empty_like(delta)
+    dz = torch.empty_like(z) if z is not None else u.new_empty(0)
+    dB = torch.zeros(B.shape if B.dim() == 4 else (batch, dim, n_states), device=u.device, dtype=acc)
+    dC = torch.zeros(C.shape if C.dim() == 4 else (batch, dim, n_states), device=u.device, dtype=acc)
+    dA_part, dh0 = (u.new_empty(batch, dim, n_states, dtype=acc) for _ in range(2))
+    dD_part, dbias_part = (u.new_empty(batch, dim, dtype=acc) for _ in range(2))
+    selective_scan_bwd_kernel[(batch, triton.cdiv(dim, config["block_d"]))](
+        u, delta, A, B, C, D, z, delta_bias, states, ybar, dout, dlast,
+        du, ddelta, dz, dB, dC, dA_part, dD_part, dbias_part, dh0,
+        dim, length, n_states, n_chunks, _groups(B), _groups(C),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+        HAS_DLAST=dlast is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
+        SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc),
+        BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk,
+        num_warps=config["num_warps"])
+    if B.dim() == 2:
+        dB = dB.sum(0)
+    if C.dim() == 2:
+        dC = dC.sum(0)
+    return [du, ddelta, dA_part.sum(0), dB, dC, dD_part.sum(0) if D is not None else u.new_empty(0, dtype=acc),
+            dz, dbias_part.sum(0) if delta_bias is not None else u.new_empty(0, dtype=acc), dh0]
+
+
+@selective_scan_bwd.register_fake
+def _(u, delta, A, B, C, D, z, delta_bias, states, ybar, dout, dlast, delta_softplus, chunk):
+    acc, dim = states.dtype, u.shape[1]
+    return [u.new_empty(u.shape), delta.new_empty(delta.shape), A.new_empty(A.shape, dtype=acc),
+            B.new_empty(B.shape, dtype=acc), C.new_empty(C.shape, dtype=acc),
+            u.new_empty((dim,) if D is not None else (0,), dtype=acc),
+            (z if z is not None else u).new_empty(z.shape if z is not None else (0,)),
+            u.new_empty((dim,) if delta_bias is not None else (0,), dtype=acc),
+            u.new_empty(u.shape[0], dim, A.shape[1], dtype=acc)]
+
+
+def _vmap_by_loop(op):
+    """A vmap rule for op: call it once per element of the vmapped dimension and stack the results."""
+    def rule(info, in_dims, *args):
+        results = [op(*[a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)])
+                   for i in range(info.batch_size)]
+        kind = type(results[0])                                   # a tuple or a list of tensors
+        return kind(torch.stack(parts) for parts in zip(*results)), kind([0] * len(results[0]))
+    return rule
+
+
+selective_scan_fwd.register_vmap(_vmap_by_loop(selective_scan_fwd))
+selective_scan_bwd.register_vmap(_vmap_by_loop(selective_scan_bwd))
+
+# %% [markdown]
+# Autograd: a `torch.autograd.Function` whose forward calls the forward op and keeps what the
+# backward needs, and whose backward calls the backward op. The backward kernel's gradients are not
+# themselves differentiable: a second derivative through the scan raises a `RuntimeError` instead of
+# silently leaving the scan's part out (explained after the code).
+
+# %%
+#| export
+_NO_SECOND_DERIVATIVE = ("selective_scan has no second derivative: its backward kernel's gradients cannot "
+                         "be differentiated again (create_graph=True gives first derivatives only; "
+                         "hessians, double backward and gradgradcheck through selective_scan are not supported)")
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """The identity on selective_scan's gradients, attached to the tensors they depend on; differentiating
+    through it (a second derivative of selective_scan) raises instead of returning a silent zero."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(n_anchors, *tensors):
+        return tuple(t.clone() for t in tensors[n_anchors:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_NO_SECOND_DERIVATIVE)
+
+
+class SelectiveScanFn(torch.autograd.Function):
+    """(out, last_state, states, ybar) = S6(u, delta, A, B, C, D, z, delta_bias, initial_state);
+    B, C are 4-D or (dim, N) here; save_chunk > 0 keeps boundary states for the backward."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk):
+        return selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk = inputs
+        _, _, states, ybar = output
+        ctx.mark_non_differentiable(states, ybar)
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, states, ybar)
+        ctx.delta_softplus, ctx.chunk = delta_softplus, save_chunk
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, dout, dlast, _dstates, _dybar):
+        u, delta, A, B, C, D, z, delta_bias, initial_state, states, ybar = ctx.saved_tensors
+        if ctx.chunk == 0:
+            raise RuntimeError("selective_scan: the forward kept no boundary states (no input required a "
+                               "gradient when it ran), so there is nothing to differentiate")
+        if dout is None:
+            dout = torch.zeros_like(u)
+        with torch.no_grad():  # the op's own outputs carry no graph (see _NoSecondDerivative below)
+            grads = selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, states, ybar, dout.to(u.dtype),
+                                       dlast, ctx.delta_softplus, ctx.chunk)
+        inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+        grads = [None if x is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
+        if torch.is_grad_enabled():  # create_graph=True (or torch.func.grad): make a second derivative raise
+            anchors = [x for x in (*inputs, dout, dlast) if x is not None]
+            given = [g for g in grads if g is not None]
+            poisoned = iter(_NoSecondDerivative.apply(len(anchors), *anchors, *given))
+            grads = [None if g is None else next(poisoned) for g in grads]
+        return (*grads, None, None)
+
+# %% [markdown]
+# The public function checks its inputs first, with errors that name the argument.
+
+# %%
+#| export
+from scan_lib.runtime import check_float_tensor, check_same_device
+
+
+def _check_shape(name, tensor, shape):
+    if tensor is not None and tuple(tensor.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
+
+
+def _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state):
+    if isinstance(A, torch.Tensor) and A.is_complex():
+        raise TypeError(f"A must be real: complex A ({A.dtype}, mamba_ssm's complex variant) is not supported")
+    named = dict(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias, initial_state=initial_state)
+    for name, value in named.items():
+        if value is not None or name in ("u", "delta", "A", "B", "C"):
+            check_float_tensor(name, value)
+    if u.dim() != 3:
+        raise ValueError(f"u must have shape (batch, dim, L), got {tuple(u.shape)}")
+    if u.numel() == 0:
+        raise ValueError(f"u must not be empty, got shape {tuple(u.shape)}")
+    batch, dim, length = u.shape
+    if A.dim() != 2 or A.shape[0] != dim or A.shape[1] == 0:
+        raise ValueError(f"A must have shape (dim={dim}, N) with N >= 1, got {tuple(A.shape)}")
+    n_states = A.shape[1]
+    for name, M in (("B", B), ("C", C)):
+        if M.dim() == 2:
+            if tuple(M.shape) != (dim, n_states):
+                raise ValueError(f"{name} of 2 dimensions (time-invariant) must have shape (dim={dim}, "
+                                 f"N={n_states}), got {tuple(M.shape)}")
+            continue
+        if M.dim() not in (3, 4) or M.shape[0] != batch or tuple(M.shape[-2:]) != (n_states, length):
+            raise ValueError(f"{name} must have shape (batch={batch}, N={n_states}, L={length}), "
+                             f"(batch={batch}, groups, N={n_states}, L={length}) or (dim={dim}, N={n_states}), "
+                             f"got {tuple(M.shape)}")
+        if M.dim() == 4 and (M.shape[1] == 0 or dim % M.shape[1] != 0):
+            raise ValueError(f"{name}: the number of groups ({M.shape[1]}) must divide dim ({dim})")
+    for name, value, shape in (("delta", delta, u.shape), ("z", z, u.shape), ("D", D, (dim,)),
+                               ("delta_bias", delta_bias, (dim,)),
+                               ("initial_state", initial_state, (batch, dim, n_states))):
+        _check_shape(name, value, shape)
+    check_same_device(**named)
+
+
+def _check_index_range(u_shape, n_states, groups_b, groups_c):
+    """The kernels index with 32-bit offsets: refuse inputs whose largest buffer they would overrun.
+
+    The largest are the (batch, dim, L) tensors, the fp32 dB and dC buffers (batch, groups, N, L), and
+    the boundary states (batch, dim, N, ceil(L / CHUNK_bwd))."""
+    batch, dim, length = u_shape
+    bwd = _launch_config("bwd", dim, groups_b, groups_c, length)
+    largest = max(batch * dim * length, batch * max(groups_b, groups_c) * n_states * length,
+                  batch * dim * n_states * triton.cdiv(length, bwd["chunk"]))
+    if largest >= 2**31:
+        raise ValueError(f"u of shape {tuple(u_shape)} with N={n_states}: a buffer of {largest} elements needs "
+                         "64-bit offsets, which these kernels do not use yet; split the batch or the sequence "
+                         "(initial_state and last_state make the pieces exact)")
+
+
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                   return_last_state=False, initial_state=None):
+    """Mamba's selective scan (S6), a drop-in for mamba_ssm's selective_scan_fn (real A), plus initial_state.
+
+    u, delta: (batch, dim, L); A: (dim, N), real (complex A raises TypeError); B, C: (batch, N, L),
+    (batch, groups, N, L) with channel d using group d // (dim // groups), or (dim, N), the same for
+    every batch element and position; D, delta_bias: (dim,); z: (batch, dim, L);
+    initial_state: (batch, dim, N), the state before position 0 (default zeros).
+
+        delta <- softplus(delta + delta_bias) if delta_softplus else delta + delta_bias
+        h_t = exp(delta_t * A) * h_{t-1} + delta_t * B_t * u_t,   ybar_t = sum_n C_t h_t + D * u_t
+        out = ybar * silu(z) if z is given else ybar
+
+    Returns out (dtype of u), and with return_last_state also h after the last position (batch, dim, N)
+    in float32 (float64 for float64 inputs). Gradients flow to every tensor argument, including
+    initial_state and through last_state: scanning a sequence in pieces, each piece starting from the
+    previous piece's last_state, gives the same outputs and gradients as one scan. First derivatives
+    only: differentiating the gradients again raises RuntimeError. Works under torch.compile,
+    torch.func.grad and torch.func.vmap.
+    """
+    _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    B4 = B.unsqueeze(1) if B.dim() == 3 else B
+    C4 = C.unsqueeze(1) if C.dim() == 3 else C
+    _check_index_range(u.shape, A.shape[1], _groups(B4), _groups(C4))
+    tensors = (u, delta, A, B4, C4, D, z, delta_bias, initial_state)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    save_chunk = _launch_config("bwd", u.shape[1], _groups(B4), _groups(C4), u.shape[2])["chunk"] if training else 0
+    out, last, _, _ = SelectiveScanFn.apply(*tensors, bool(delta_softplus), save_chunk)
+    return (out, last) if return_last_state else out
+
+# %% [markdown]
+# **How the pieces fit.** `selective_scan_fwd` and `selective_scan_bwd` are custom operators (`torch.library.custom_op`): to
 # PyTorch they are opaque functions of tensors, with a *fake* implementation that only computes the
 # shapes and dtypes of the outputs. That is what `torch.compile` traces with (no kernel runs while it
 # builds the graph), and it never has to look inside Triton. The autograd rule lives in
