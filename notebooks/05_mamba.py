@@ -918,44 +918,6 @@ for dtype in (torch.bfloat16, torch.float16):
 # breaks the kernels on purpose (the carry between chunks dropped, the input term discretised without
 # $u$, the state kept in float16) and asserts that the comparison fails.
 #
-# ## 8. Beyond `mamba_ssm`: scanning in pieces
-#
-# `initial_state` and the differentiable `last_state` make the scan composable: process a long
-# sequence in pieces, each starting from the previous piece's last state, and you get the same outputs
-# *and gradients* as in one go (chunked inference, truncated training). Checked in float64, with
-# uneven pieces:
-
-# %%
-def scan_in_pieces(pieces, inputs, softplus=True):
-    """Run selective_scan piece by piece along L, carrying last_state into the next initial_state."""
-    outs, state, start = [], inputs["initial_state"], 0
-    for length in pieces:
-        sl = slice(start, start + length)
-        part = {k: (v[..., sl] if k in ("u", "delta", "z", "B", "C") and v is not None else v) for k, v in inputs.items()}
-        part["initial_state"] = state
-        out, state = scan_lib.selective_scan(**part, delta_softplus=softplus, return_last_state=True)
-        outs.append(out)
-        start += length
-    return torch.cat(outs, dim=-1), state
-
-
-base = make_inputs(1, 4, 3, 41, groups=2, dtype=torch.float64, seed=7)
-base = {k: (None if v is None else v.requires_grad_(True)) for k, v in base.items()}
-torch.manual_seed(3)
-dout = torch.randn(1, 4, 41, dtype=torch.float64, device=DEVICE)
-dlast = torch.randn(1, 4, 3, dtype=torch.float64, device=DEVICE)
-results = []
-for pieces in ([41], [13, 1, 27], [17, 17, 7]):
-    out, last = scan_in_pieces(pieces, base)
-    grads = torch.autograd.grad((out * dout).sum() + (last * dlast).sum(), list(base.values()))
-    results.append((pieces, out, last, grads))
-whole = results[0]
-for pieces, out, last, grads in results[1:]:
-    errs = [max_err(out, whole[1]), max_err(last, whole[2])] + [max_err(g, w) for g, w in zip(grads, whole[3])]
-    print(f"pieces {pieces}: max abs diff vs one piece, out/last/grads: {max(errs):.1e}")
-    assert max(errs) < 1e-12
-
-# %% [markdown]
 # Bad input gets an exception naming the argument:
 
 # %%
@@ -983,7 +945,7 @@ for message, change in bad_cases.items():
         raise AssertionError(f"no error for {message}")
 
 # %% [markdown]
-# ## 9. Against the official kernel
+# ## 8. Against the official kernel
 #
 # Where `mamba_ssm` is installed (it needs a CUDA GPU), `selective_scan_fn` and ours should agree on
 # outputs, the last state and every gradient, for fp32 inputs with groups, `D`, `z`, `delta_bias`
@@ -1017,7 +979,7 @@ compare_with_mamba_ssm()
 compare_with_mamba_ssm(groups=None, time_invariant="BC");
 
 # %% [markdown]
-# ## 10. Speed (GPU only)
+# ## 9. Speed (GPU only)
 #
 # At Mamba's usual layer size (batch 8, dim 1024, L 2048, N 16), softplus, `D`, `z` and `delta_bias`
 # on, `A`, `D`, `delta_bias` in fp32; `u`, `delta`, `B`, `C`, `z` in fp32 and then bf16. The memory floor
@@ -1097,7 +1059,8 @@ else:
 #   `mamba_ssm`'s CUDA `selective_scan_fn`.
 # * The backward never stores the `(batch, dim, L, N)` states: it recomputes them chunk by chunk from
 #   the boundary states, and it computes $h_{t-1}$ by a scan of its own, never as $h_t - b_t$.
-# * `initial_state` and a differentiable `last_state` make the scan composable.
+# * `initial_state` and a differentiable `last_state` make the scan composable ("Going deeper: scanning
+#   in pieces").
 #
 # ## Going deeper: launch parameters and the layout
 #
@@ -1472,6 +1435,44 @@ except RuntimeError as error:
     print(f"hessian: RuntimeError: {str(error)[:60]}...")
 else:
     raise AssertionError("hessian through selective_scan must raise")
+
+# %% [markdown]
+# ## Going deeper: scanning in pieces
+#
+# `initial_state` and the differentiable `last_state` make the scan composable: process a long
+# sequence in pieces, each starting from the previous piece's last state, and you get the same outputs
+# *and gradients* as in one go (chunked inference, truncated training). Checked in float64, with
+# uneven pieces:
+
+# %%
+def scan_in_pieces(pieces, inputs, softplus=True):
+    """Run selective_scan piece by piece along L, carrying last_state into the next initial_state."""
+    outs, state, start = [], inputs["initial_state"], 0
+    for length in pieces:
+        sl = slice(start, start + length)
+        part = {k: (v[..., sl] if k in ("u", "delta", "z", "B", "C") and v is not None else v) for k, v in inputs.items()}
+        part["initial_state"] = state
+        out, state = scan_lib.selective_scan(**part, delta_softplus=softplus, return_last_state=True)
+        outs.append(out)
+        start += length
+    return torch.cat(outs, dim=-1), state
+
+
+base = make_inputs(1, 4, 3, 41, groups=2, dtype=torch.float64, seed=7)
+base = {k: (None if v is None else v.requires_grad_(True)) for k, v in base.items()}
+torch.manual_seed(3)
+dout = torch.randn(1, 4, 41, dtype=torch.float64, device=DEVICE)
+dlast = torch.randn(1, 4, 3, dtype=torch.float64, device=DEVICE)
+results = []
+for pieces in ([41], [13, 1, 27], [17, 17, 7]):
+    out, last = scan_in_pieces(pieces, base)
+    grads = torch.autograd.grad((out * dout).sum() + (last * dlast).sum(), list(base.values()))
+    results.append((pieces, out, last, grads))
+whole = results[0]
+for pieces, out, last, grads in results[1:]:
+    errs = [max_err(out, whole[1]), max_err(last, whole[2])] + [max_err(g, w) for g, w in zip(grads, whole[3])]
+    print(f"pieces {pieces}: max abs diff vs one piece, out/last/grads: {max(errs):.1e}")
+    assert max(errs) < 1e-12
 
 # %% [markdown]
 # ## Going deeper: memory in training
