@@ -568,9 +568,10 @@ def _column(tile, n, cols):
 def _load_coef(ROW, M, n, t, t_ok, ds, d_ok, n_states, length, PER_STEP: tl.constexpr, ACC: tl.constexpr):
     """State n's coefficient: ROW[n, t] of the channel's group (1 x CHUNK), or M[d, n] (BLOCK_D x 1)."""
     if PER_STEP:
-        return tl.load(ROW + n * length + t, t_ok, other=0.0).to(ACC)[None, :]
+        coef = tl.load(ROW + n * length + t, t_ok, other=0.0).to(ACC)[None, :]
     else:
-        return tl.load(M + ds * n_states + n, d_ok, other=0.0).to(ACC)[:, None]
+        coef = tl.load(M + ds * n_states + n, d_ok, other=0.0).to(ACC)[:, None]
+    return coef
 
 
 @triton.jit
