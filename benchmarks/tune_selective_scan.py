@@ -13,7 +13,7 @@ The final BEST line holds the winning configs of this sweep; the defaults in not
 chosen from it.
 
 Recorded run: benchmarks/results/tune_selective_scan_h200.txt (NVIDIA H200).
-Reference points on the same H200, 2026-11-29 (notebook 05, section 11): mamba_ssm fp32 593 us fwd,
+Reference points on the same H200, 2026-11-29 (notebook 05, the benchmark of section 9): mamba_ssm fp32 593 us fwd,
 1968 us fwd+bwd; bf16 304 / 1490 us; memory floor 64 us fwd, 175 us fwd+bwd (fp32).
 """
 import pathlib

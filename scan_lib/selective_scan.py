@@ -5,8 +5,11 @@ import torch
 import torch.nn.functional as F
 
 
-def _expand_groups(M, dim):
-    """(batch, N, L) or (batch, groups, N, L) -> (batch, dim, N, L): channel d uses group d // (dim // groups)."""
+def _expand_coefficients(M, batch, dim, length):
+    """B or C as (batch, dim, N, L): from (batch, N, L) or (batch, groups, N, L) (channel d uses group
+    d // (dim // groups)), or from the time-invariant (dim, N)."""
+    if M.dim() == 2:
+        return M[None, :, :, None].expand(batch, dim, M.shape[1], length)
     if M.dim() == 3:
         M = M.unsqueeze(1)
     return M.repeat_interleave(dim // M.shape[1], dim=1)
@@ -16,22 +19,23 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
                        return_last_state=False, initial_state=None):
     """The float64 oracle: mamba_ssm's selective_scan_ref semantics, one position at a time.
 
-    u, delta, z: (batch, dim, L); A: (dim, N); B, C: (batch, N, L) or (batch, groups, N, L);
+    u, delta, z: (batch, dim, L); A: (dim, N); B, C: (batch, N, L), (batch, groups, N, L) or (dim, N);
     D, delta_bias: (dim,); initial_state: (batch, dim, N). Returns out (batch, dim, L) in float64,
     and with return_last_state also the state after the last position (batch, dim, N), float64.
     """
     u, delta, A = u.double(), delta.double(), A.double()
-    dim = u.shape[1]
+    batch, dim, length = u.shape
     if delta_bias is not None:
         delta = delta + delta_bias.double()[:, None]
     if delta_softplus:
         delta = F.softplus(delta)
-    B, C = _expand_groups(B.double(), dim), _expand_groups(C.double(), dim)  # batch x dim x N x L
+    B = _expand_coefficients(B.double(), batch, dim, length)                 # batch x dim x N x L
+    C = _expand_coefficients(C.double(), batch, dim, length)
     a = torch.exp(delta[:, :, :, None] * A[None, :, None, :])               # batch x dim x L x N
     b = (delta * u)[:, :, :, None] * B.transpose(2, 3)                      # batch x dim x L x N
-    h = u.new_zeros(u.shape[0], dim, A.shape[1]) if initial_state is None else initial_state.double()
+    h = u.new_zeros(batch, dim, A.shape[1]) if initial_state is None else initial_state.double()
     ys = []
-    for t in range(u.shape[2]):
+    for t in range(length):
         h = a[:, :, t] * h + b[:, :, t]
         ys.append((h * C[:, :, :, t]).sum(-1))                              # batch x dim
     out = torch.stack(ys, dim=2)
@@ -75,8 +79,7 @@ def _load_delta(DELTA, BIAS, offs, mask, ds, d_ok, HAS_BIAS: tl.constexpr, SOFTP
         pre = pre + tl.load(BIAS + ds, d_ok, other=0.0).to(ACC)[:, None]
     delta = pre
     if SOFTPLUS:
-        # log(1 + e^x) = max(x, 0) + log1p(e^-|x|); log1p(e) = log(w) * e / (w - 1) with w = 1 + e
-        # keeps full relative precision when e^-|x| is tiny (Goldberg's trick; no log1p in tl).
+        # softplus(x) = max(x, 0) + log1p(e^-|x|); log1p(e) = log(w) * e / (w - 1) with w = 1 + e.
         e = tl.exp(-tl.abs(pre))
         w = 1.0 + e
         delta = tl.maximum(pre, 0.0) + tl.where(w == 1.0, e, tl.log(w) * e / (w - 1.0))
@@ -85,16 +88,27 @@ def _load_delta(DELTA, BIAS, offs, mask, ds, d_ok, HAS_BIAS: tl.constexpr, SOFTP
 
 @triton.jit
 def _column(tile, n, cols):
-    """tile[:, n] of a BLOCK_D x BLOCK_N tile (cols = its column indices)."""
+    """tile[:, n] of a BLOCK_D x BLOCK_N tile (cols = its column indices): a masked sum."""
     return tl.sum(tl.where(cols[None, :] == n, tile, 0.0), axis=1)
 
 
 @triton.jit
+def _load_coef(ROW, M, n, t, t_ok, ds, d_ok, n_states, length, PER_STEP: tl.constexpr, ACC: tl.constexpr):
+    """State n's coefficient: ROW[n, t] of the channel's group (1 x CHUNK), or M[d, n] (BLOCK_D x 1)."""
+    if PER_STEP:
+        coef = tl.load(ROW + n * length + t, t_ok, other=0.0).to(ACC)[None, :]
+    else:
+        coef = tl.load(M + ds * n_states + n, d_ok, other=0.0).to(ACC)[:, None]
+    return coef
+
+
+@triton.jit
 def selective_scan_fwd_kernel(
-    U, DELTA, A, B, C, D, Z, BIAS, H0,       # b x d x L, b x d x L, d x N, b x gB x N x L, b x gC x N x L, d, b x d x L, d, b x d x N
-    OUT, Y, STATES, LAST,                     # b x d x L, b x d x L (y before the gate), b x d x N x n_chunks, b x d x N
-    dim, L, N, n_chunks, groups_b, groups_c,
+    U, DELTA, A, B, C, D, Z, BIAS, H0,       # b x d x L, b x d x L, d x N, b x gB x N x L or d x N (C alike), d, b x d x L, d, b x d x N
+    OUT, YBAR, STATES, LAST,                  # b x d x L, b x d x L (before the gate), b x d x N x n_chunks, b x d x N
+    dim, length, n_states, n_chunks, groups_b, groups_c,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr,
+    B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr,
     SOFTPLUS: tl.constexpr, ACC: tl.constexpr, SAVE: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
@@ -102,102 +116,105 @@ def selective_scan_fwd_kernel(
     ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)                     # BLOCK_D
     ns = tl.arange(0, BLOCK_N)
     ts = tl.arange(0, CHUNK)
-    d_ok, n_ok = ds < dim, ns < N
+    d_ok, n_ok = ds < dim, ns < n_states
     dn_ok = d_ok[:, None] & n_ok[None, :]
     # All channels of the block share one group (the launcher makes sure), so one B and C row each.
-    B_row = B + (pid_b * groups_b + pid_d * BLOCK_D // (dim // groups_b)) * N * L
-    C_row = C + (pid_b * groups_c + pid_d * BLOCK_D // (dim // groups_c)) * N * L
-    dl_row = (pid_b * dim + ds) * L                                  # BLOCK_D
-    state_offs = (pid_b * dim + ds[:, None]) * N + ns[None, :]       # BLOCK_D x N
+    B_ROW = B + (pid_b * groups_b + pid_d * BLOCK_D // (dim // groups_b)) * n_states * length
+    C_ROW = C + (pid_b * groups_c + pid_d * BLOCK_D // (dim // groups_c)) * n_states * length
+    dl_row = (pid_b * dim + ds) * length                             # BLOCK_D
+    state_offs = (pid_b * dim + ds[:, None]) * n_states + ns[None, :]  # BLOCK_D x N
     if HAS_H0:
         carry = tl.load(H0 + state_offs, dn_ok, other=0.0).to(ACC)  # BLOCK_D x N
     else:
         carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
     if HAS_D:
-        D_d = tl.load(D + ds, d_ok, other=0.0).to(ACC)[:, None]
+        skip = tl.load(D + ds, d_ok, other=0.0).to(ACC)[:, None]
     first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
     for k in range(0, n_chunks):
         if SAVE:  # the state entering chunk k, for the backward
             tl.store(STATES + state_offs * n_chunks + k, carry, dn_ok)
         t = k * CHUNK + ts
-        t_ok = t < L
+        t_ok = t < length
         offs = dl_row[:, None] + t[None, :]                          # BLOCK_D x CHUNK
         mask = d_ok[:, None] & t_ok[None, :]
         u = tl.load(U + offs, mask, other=0.0).to(ACC)
         delta, _ = _load_delta(DELTA, BIAS, offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
-        y = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)
-        for n in range(0, N):
-            A_n = tl.load(A + ds * N + n, d_ok, other=0.0).to(ACC)[:, None]          # BLOCK_D x 1
-            B_n = tl.load(B_row + n * L + t, t_ok, other=0.0).to(ACC)[None, :]       # 1 x CHUNK
-            C_n = tl.load(C_row + n * L + t, t_ok, other=0.0).to(ACC)[None, :]
-            a, b = discretize(delta, A_n, B_n, u)                                     # BLOCK_D x CHUNK
-            b += tl.where(first, a * _column(carry, n, ns)[:, None], 0.0)             # start from the carry
+        ybar = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)
+        for n in range(0, n_states):
+            rate = tl.load(A + ds * n_states + n, d_ok, other=0.0).to(ACC)[:, None]   # BLOCK_D x 1
+            b_coef = _load_coef(B_ROW, B, n, t, t_ok, ds, d_ok, n_states, length, B_PER_STEP, ACC)
+            c_coef = _load_coef(C_ROW, C, n, t, t_ok, ds, d_ok, n_states, length, C_PER_STEP, ACC)
+            a, b = discretize(delta, rate, b_coef, u)                                 # BLOCK_D x CHUNK
+            b += tl.where(first, a * _column(carry, n, ns)[:, None], 0.0)            # start from the carry
             _, h = tl.associative_scan((a, b), axis=1, combine_fn=first_order_op)
-            y += C_n * h
+            ybar += c_coef * h
             carry = tl.where(ns[None, :] == n, tl.sum(tl.where(last, h, 0.0), axis=1)[:, None], carry)
         if HAS_D:
-            y += D_d * u
+            ybar += skip * u
+        out = ybar
         if HAS_Z:
             if SAVE:
-                tl.store(Y + offs, y, mask)
+                tl.store(YBAR + offs, ybar, mask)
             zv = tl.load(Z + offs, mask, other=0.0).to(ACC)
-            y = y * zv * tl.sigmoid(zv)
-        tl.store(OUT + offs, y.to(OUT.dtype.element_ty), mask)
+            out = ybar * zv * tl.sigmoid(zv)
+        tl.store(OUT + offs, out.to(OUT.dtype.element_ty), mask)
     tl.store(LAST + state_offs, carry, dn_ok)
 
 @triton.jit
-def _gate_dy(dout, zv, HAS_Z: tl.constexpr):
-    """Gradient reaching y through out = y * silu(z)."""
-    dy = dout
+def _gate_dybar(dout, zv, HAS_Z: tl.constexpr):
+    """Gradient reaching ybar through out = ybar * silu(z)."""
+    dybar = dout
     if HAS_Z:
-        dy = dout * zv * tl.sigmoid(zv)
-    return dy
+        dybar = dout * zv * tl.sigmoid(zv)
+    return dybar
 
 
 @triton.jit
-def _gate_dz(dout, y, zv):
-    """Gradient of z in out = y * silu(z): dout * y * sigmoid(z) * (1 + z * (1 - sigmoid(z)))."""
+def _gate_dz(dout, ybar, zv):
+    """Gradient of z in out = ybar * silu(z): dout * ybar * sigmoid(z) * (1 + z * (1 - sigmoid(z)))."""
     sig = tl.sigmoid(zv)
-    return dout * y * sig * (1.0 + zv * (1.0 - sig))
+    return dout * ybar * sig * (1.0 + zv * (1.0 - sig))
 
 
 @triton.jit
 def selective_scan_bwd_kernel(
-    U, DELTA, A, B, C, D, Z, BIAS, STATES, Y, DOUT, DLAST,  # as in the forward; DOUT b x d x L, DLAST b x d x N
-    DU, DDELTA, DZ, DB, DC,                                 # b x d x L (x3), b x gB x N x L, b x gC x N x L (fp32 atomics)
-    DA_PART, DD_PART, DBIAS_PART, DH0,                      # b x d x N, b x d, b x d, b x d x N
-    dim, L, N, n_chunks, groups_b, groups_c,
+    U, DELTA, A, B, C, D, Z, BIAS, STATES, YBAR, DOUT, DLAST,  # as in the forward; DOUT b x d x L, DLAST b x d x N
+    DU, DDELTA, DZ, DB, DC,          # b x d x L (x3); dB, dC: b x gB x N x L fp32 (atomics), or b x d x N if time-invariant
+    DA_PART, DD_PART, DBIAS_PART, DH0,                         # b x d x N, b x d, b x d, b x d x N
+    dim, length, n_states, n_chunks, groups_b, groups_c,
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DLAST: tl.constexpr,
-    SOFTPLUS: tl.constexpr, ACC: tl.constexpr,
+    B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr, ACC: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid_b, pid_d = tl.program_id(0), tl.program_id(1)
     ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     ns = tl.arange(0, BLOCK_N)
     ts = tl.arange(0, CHUNK)
-    d_ok, n_ok = ds < dim, ns < N
+    d_ok, n_ok = ds < dim, ns < n_states
     dn_ok = d_ok[:, None] & n_ok[None, :]
-    B_off = (pid_b * groups_b + pid_d * BLOCK_D // (dim // groups_b)) * N * L
-    C_off = (pid_b * groups_c + pid_d * BLOCK_D // (dim // groups_c)) * N * L
-    dl_row = (pid_b * dim + ds) * L
-    state_offs = (pid_b * dim + ds[:, None]) * N + ns[None, :]
+    b_off = (pid_b * groups_b + pid_d * BLOCK_D // (dim // groups_b)) * n_states * length
+    c_off = (pid_b * groups_c + pid_d * BLOCK_D // (dim // groups_c)) * n_states * length
+    dl_row = (pid_b * dim + ds) * length
+    state_offs = (pid_b * dim + ds[:, None]) * n_states + ns[None, :]
     if HAS_DLAST:
-        K = tl.load(DLAST + state_offs, dn_ok, other=0.0).to(ACC)   # dL/dh at the end of the chunk
+        adj_carry = tl.load(DLAST + state_offs, dn_ok, other=0.0).to(ACC)   # dL/dh at the end of the chunk
     else:
-        K = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
-    D_d = tl.zeros((BLOCK_D,), dtype=ACC)
+        adj_carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
+    skip = tl.zeros((BLOCK_D,), dtype=ACC)
     if HAS_D:
-        D_d = tl.load(D + ds, d_ok, other=0.0).to(ACC)
+        skip = tl.load(D + ds, d_ok, other=0.0).to(ACC)
     dA_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
+    dB_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)                 # time-invariant B only
+    dC_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)                 # time-invariant C only
     dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
     dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
     first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
     for i in range(0, n_chunks):
         k = n_chunks - 1 - i                                         # chunks from right to left
         t = k * CHUNK + ts
-        t_ok = t < L
+        t_ok = t < length
         prev_ok = (ts > 0) & t_ok                                    # t-1 is in this chunk (and t < L)
-        next_ok = (ts < CHUNK - 1) & (t + 1 < L)                     # position t+1 is in this chunk
+        next_ok = (ts < CHUNK - 1) & (t + 1 < length)                # position t+1 is in this chunk
         offs = dl_row[:, None] + t[None, :]                          # BLOCK_D x CHUNK
         mask = d_ok[:, None] & t_ok[None, :]
         prev_mask, next_mask = d_ok[:, None] & prev_ok[None, :], d_ok[:, None] & next_ok[None, :]
@@ -210,48 +227,64 @@ def selective_scan_bwd_kernel(
         zv = u
         if HAS_Z:
             zv = tl.load(Z + offs, mask, other=0.0).to(ACC)
-            tl.store(DZ + offs, _gate_dz(dout, tl.load(Y + offs, mask, other=0.0), zv).to(DZ.dtype.element_ty), mask)
-        dy = _gate_dy(dout, zv, HAS_Z)
-        dD_acc += tl.sum(dy * u, axis=1)
-        GB_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)              # sum_n G_t B_t
-        GahA_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)            # sum_n G_t a_t h_{t-1} A
-        for n in range(0, N):
-            A_n = tl.load(A + ds * N + n, d_ok, other=0.0).to(ACC)[:, None]
-            B_n = tl.load(B + B_off + n * L + t, t_ok, other=0.0).to(ACC)[None, :]
-            B_prev = tl.load(B + B_off + n * L + t - 1, prev_ok, other=0.0).to(ACC)[None, :]
-            C_n = tl.load(C + C_off + n * L + t, t_ok, other=0.0).to(ACC)[None, :]
-            h_in = tl.load(STATES + ((pid_b * dim + ds) * N + n) * n_chunks + k, d_ok, other=0.0)
+            tl.store(DZ + offs, _gate_dz(dout, tl.load(YBAR + offs, mask, other=0.0), zv).to(DZ.dtype.element_ty), mask)
+        dybar = _gate_dybar(dout, zv, HAS_Z)
+        dD_acc += tl.sum(dybar * u, axis=1)
+        adj_b_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)           # sum_n delta_t B_t
+        adj_ah_rate_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)     # sum_n delta_t a_t h_{t-1} A
+        for n in range(0, n_states):
+            rate = tl.load(A + ds * n_states + n, d_ok, other=0.0).to(ACC)[:, None]
+            b_coef = _load_coef(B + b_off, B, n, t, t_ok, ds, d_ok, n_states, length, B_PER_STEP, ACC)
+            b_coef_prev = _load_coef(B + b_off, B, n, t - 1, prev_ok, ds, d_ok, n_states, length, B_PER_STEP, ACC)
+            c_coef = _load_coef(C + c_off, C, n, t, t_ok, ds, d_ok, n_states, length, C_PER_STEP, ACC)
+            h_in = tl.load(STATES + ((pid_b * dim + ds) * n_states + n) * n_chunks + k, d_ok, other=0.0)
             # (1) h_{t-1}: the steps of positions t-1, the first one setting the boundary state.
-            a, b = discretize(delta, A_n, B_n, u)
-            a_prev, b_prev = discretize(delta_prev, A_n, B_prev, u_prev)
+            a, b = discretize(delta, rate, b_coef, u)
+            a_prev, b_prev = discretize(delta_prev, rate, b_coef_prev, u_prev)
             _, h_prev = tl.associative_scan((tl.where(first, 0.0, a_prev), tl.where(first, h_in[:, None], b_prev)),
                                             axis=1, combine_fn=first_order_op)
             h = a * h_prev + b
-            tl.atomic_add(DC + C_off + n * L + t, tl.sum(h * dy, axis=0), t_ok, sem="relaxed")
-            # (2) the adjoint, right to left; the carry K enters at the chunk's last position.
-            c = C_n * dy + tl.where(last, _column(K, n, ns)[:, None], 0.0)
-            _, G = tl.associative_scan((tl.exp(delta_next * A_n), c), axis=1, combine_fn=first_order_op,
-                                       reverse=True)
+            # (2) the adjoint, right to left; the adjoint carry enters at the chunk's last position.
+            c = c_coef * dybar + tl.where(last, _column(adj_carry, n, ns)[:, None], 0.0)
+            _, adj = tl.associative_scan((tl.exp(delta_next * rate), c), axis=1, combine_fn=first_order_op,
+                                         reverse=True)
             # (3) the gradients.
-            GB_sum += G * B_n
-            Gah = G * a * h_prev
-            GahA_sum += Gah * A_n
-            dA_acc += tl.where(ns[None, :] == n, tl.sum(Gah * delta, axis=1)[:, None], 0.0)
-            tl.atomic_add(DB + B_off + n * L + t, tl.sum(G * delta * u, axis=0), t_ok, sem="relaxed")
-            K = tl.where(ns[None, :] == n, tl.sum(tl.where(first, a * G, 0.0), axis=1)[:, None], K)
-        ddelta = GahA_sum + u * GB_sum
+            adj_b_sum += adj * b_coef
+            adj_ah = adj * a * h_prev
+            adj_ah_rate_sum += adj_ah * rate
+            at_n = ns[None, :] == n
+            dA_acc += tl.where(at_n, tl.sum(adj_ah * delta, axis=1)[:, None], 0.0)
+            if B_PER_STEP:
+                tl.atomic_add(DB + b_off + n * length + t, tl.sum(adj * delta * u, axis=0), t_ok, sem="relaxed")
+            else:
+                dB_acc += tl.where(at_n, tl.sum(adj * delta * u, axis=1)[:, None], 0.0)
+            if C_PER_STEP:
+                tl.atomic_add(DC + c_off + n * length + t, tl.sum(h * dybar, axis=0), t_ok, sem="relaxed")
+            else:
+                dC_acc += tl.where(at_n, tl.sum(tl.where(mask, h * dybar, 0.0), axis=1)[:, None], 0.0)
+            adj_carry = tl.where(at_n, tl.sum(tl.where(first, a * adj, 0.0), axis=1)[:, None], adj_carry)
+        ddelta = adj_ah_rate_sum + u * adj_b_sum
         if SOFTPLUS:
             ddelta = ddelta * tl.sigmoid(pre)
-        ddelta = tl.where(mask, ddelta, 0.0)                         # padding: G = K there, not 0
+        ddelta = tl.where(mask, ddelta, 0.0)                         # padding: the adjoint is the carry there, not 0
         tl.store(DDELTA + offs, ddelta.to(DDELTA.dtype.element_ty), mask)
-        tl.store(DU + offs, (D_d[:, None] * dy + delta * GB_sum).to(DU.dtype.element_ty), mask)
+        tl.store(DU + offs, (skip[:, None] * dybar + delta * adj_b_sum).to(DU.dtype.element_ty), mask)
         dbias_acc += tl.sum(ddelta, axis=1)
     tl.store(DA_PART + state_offs, dA_acc, dn_ok)
-    tl.store(DH0 + state_offs, K, dn_ok)
+    if not B_PER_STEP:
+        tl.store(DB + state_offs, dB_acc, dn_ok)
+    if not C_PER_STEP:
+        tl.store(DC + state_offs, dC_acc, dn_ok)
+    tl.store(DH0 + state_offs, adj_carry, dn_ok)
     tl.store(DD_PART + pid_b * dim + ds, dD_acc, d_ok)
     tl.store(DBIAS_PART + pid_b * dim + ds, dbias_acc, d_ok)
 
-def _launch_config(kind, dim, groups_b, groups_c, L):
+from typing import Optional
+
+from scan_lib.runtime import custom_op
+
+
+def _launch_config(kind, dim, groups_b, groups_c, length):
     """The config dict for 'fwd' or 'bwd', with block_d (a power of two whose blocks never straddle a
     group) and chunk (at most the padded length) adapted to this problem."""
     if INTERPRET:
@@ -263,7 +296,7 @@ def _launch_config(kind, dim, groups_b, groups_c, L):
         if groups > 1:
             per_group = dim // groups
             block_d = min(block_d, per_group & -per_group)   # largest power of two dividing per_group
-    config.update(block_d=block_d, chunk=min(config["chunk"], max(triton.next_power_of_2(L), 2)))
+    config.update(block_d=block_d, chunk=min(config["chunk"], max(triton.next_power_of_2(length), 2)))
     return config
 
 
@@ -271,82 +304,176 @@ def _acc_dtype(*tensors):
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def _forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk):
-    """Launch the forward kernel: out, the last state, and, unless save_chunk is None (inference), the
-    state entering every chunk of save_chunk positions (batch, dim, N, n_chunks) and y before the gate
-    (None without z)."""
-    batch, dim, L = u.shape
-    N = A.shape[1]
+def _groups(M):
+    """Groups of a per-position B or C (batch, groups, N, L); 1 for the time-invariant (dim, N)."""
+    return M.shape[1] if M.dim() == 4 else 1
+
+
+def _contiguous(*tensors):
+    return [None if t is None else t.contiguous() for t in tensors]
+
+
+@custom_op("selective_scan_fwd", __name__)
+def selective_scan_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
+                       initial_state: Optional[torch.Tensor], delta_softplus: bool, save_chunk: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward kernel. B, C: (batch, groups, N, L) or (dim, N). Returns out, the last state, and,
+    when save_chunk > 0 (training), the state entering every chunk of save_chunk positions
+    (batch, dim, N, n_chunks) and ybar (out before the gate; only with z). Tensors not kept are empty."""
+    u, delta, A, B, C, D, z, delta_bias, initial_state = _contiguous(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    batch, dim, length = u.shape
+    n_states = A.shape[1]
     acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    config = _launch_config("fwd", dim, B.shape[1], C.shape[1], L)
-    save = save_chunk is not None
+    config = _launch_config("fwd", dim, _groups(B), _groups(C), length)
+    save = save_chunk > 0
     chunk = save_chunk if save else config["chunk"]
-    n_chunks = triton.cdiv(L, chunk)
+    n_chunks = triton.cdiv(length, chunk)
     out = torch.empty_like(u)
-    y = torch.empty(u.shape, device=u.device, dtype=acc) if save and z is not None else None
-    states = torch.empty(batch, dim, N, n_chunks, device=u.device, dtype=acc) if save else None
-    last = torch.empty(batch, dim, N, device=u.device, dtype=acc)
+    last = u.new_empty(batch, dim, n_states, dtype=acc)
+    states = u.new_empty(batch, dim, n_states, n_chunks if save else 0, dtype=acc)
+    ybar = u.new_empty(u.shape if save and z is not None else (0,), dtype=acc)
     selective_scan_fwd_kernel[(batch, triton.cdiv(dim, config["block_d"]))](
-        u, delta, A, B, C, D, z, delta_bias, initial_state, out, y, states, last,
-        dim, L, N, n_chunks, B.shape[1], C.shape[1],
+        u, delta, A, B, C, D, z, delta_bias, initial_state, out, ybar, states, last,
+        dim, length, n_states, n_chunks, _groups(B), _groups(C),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        HAS_H0=initial_state is not None, SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc), SAVE=save,
-        BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(N), CHUNK=chunk,
+        HAS_H0=initial_state is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
+        SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc), SAVE=save,
+        BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk,
         num_warps=config["num_warps"])
-    return out, last, states, y
+    return out, last, states, ybar
+
+
+@selective_scan_fwd.register_fake
+def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk):
+    batch, dim, length = u.shape
+    acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    n_chunks = (length + save_chunk - 1) // save_chunk if save_chunk > 0 else 0
+    return (u.new_empty(u.shape), u.new_empty(batch, dim, A.shape[1], dtype=acc),
+            u.new_empty(batch, dim, A.shape[1], n_chunks, dtype=acc),
+            u.new_empty(u.shape if save_chunk > 0 and z is not None else (0,), dtype=acc))
+
+
+@custom_op("selective_scan_bwd", __name__)
+def selective_scan_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                       D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
+                       states: torch.Tensor, ybar: torch.Tensor, dout: torch.Tensor, dlast: Optional[torch.Tensor],
+                       delta_softplus: bool, chunk: int) -> list[torch.Tensor]:
+    """The backward kernel: du, d delta, dA, dB, dC, dD, dz, d delta_bias, d initial_state; dA, dB, dC,
+    dD, d delta_bias and d initial_state in the accumulation dtype (float32 or float64), the others in
+    their input's; dD, dz, d delta_bias are empty when D, z, delta_bias are None."""
+    u, delta, A, B, C, D, z, delta_bias, states, ybar, dout, dlast = _contiguous(
+        u, delta, A, B, C, D, z, delta_bias, states, ybar, dout, dlast)
+    batch, dim, length = u.shape
+    n_states, n_chunks, acc = A.shape[1], states.shape[-1], states.dtype
+    config = _launch_config("bwd", dim, _groups(B), _groups(C), length)
+    du, ddelta = torch.empty_like(u), torch.empty_like(delta)
+    dz = torch.empty_like(z) if z is not None else u.new_empty(0)
+    dB = torch.zeros(B.shape if B.dim() == 4 else (batch, dim, n_states), device=u.device, dtype=acc)
+    dC = torch.zeros(C.shape if C.dim() == 4 else (batch, dim, n_states), device=u.device, dtype=acc)
+    dA_part, dh0 = (u.new_empty(batch, dim, n_states, dtype=acc) for _ in range(2))
+    dD_part, dbias_part = (u.new_empty(batch, dim, dtype=acc) for _ in range(2))
+    selective_scan_bwd_kernel[(batch, triton.cdiv(dim, config["block_d"]))](
+        u, delta, A, B, C, D, z, delta_bias, states, ybar, dout, dlast,
+        du, ddelta, dz, dB, dC, dA_part, dD_part, dbias_part, dh0,
+        dim, length, n_states, n_chunks, _groups(B), _groups(C),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+        HAS_DLAST=dlast is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
+        SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc),
+        BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk,
+        num_warps=config["num_warps"])
+    if B.dim() == 2:
+        dB = dB.sum(0)
+    if C.dim() == 2:
+        dC = dC.sum(0)
+    return [du, ddelta, dA_part.sum(0), dB, dC, dD_part.sum(0) if D is not None else u.new_empty(0, dtype=acc),
+            dz, dbias_part.sum(0) if delta_bias is not None else u.new_empty(0, dtype=acc), dh0]
+
+
+@selective_scan_bwd.register_fake
+def _(u, delta, A, B, C, D, z, delta_bias, states, ybar, dout, dlast, delta_softplus, chunk):
+    acc, dim = states.dtype, u.shape[1]
+    return [u.new_empty(u.shape), delta.new_empty(delta.shape), A.new_empty(A.shape, dtype=acc),
+            B.new_empty(B.shape, dtype=acc), C.new_empty(C.shape, dtype=acc),
+            u.new_empty((dim,) if D is not None else (0,), dtype=acc),
+            (z if z is not None else u).new_empty(z.shape if z is not None else (0,)),
+            u.new_empty((dim,) if delta_bias is not None else (0,), dtype=acc),
+            u.new_empty(u.shape[0], dim, A.shape[1], dtype=acc)]
+
+
+def _vmap_by_loop(op):
+    """A vmap rule for op: call it once per element of the vmapped dimension and stack the results."""
+    def rule(info, in_dims, *args):
+        results = [op(*[a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)])
+                   for i in range(info.batch_size)]
+        kind = type(results[0])                                   # a tuple or a list of tensors
+        return kind(torch.stack(parts) for parts in zip(*results)), kind([0] * len(results[0]))
+    return rule
+
+
+selective_scan_fwd.register_vmap(_vmap_by_loop(selective_scan_fwd))
+selective_scan_bwd.register_vmap(_vmap_by_loop(selective_scan_bwd))
+
+_NO_SECOND_DERIVATIVE = ("selective_scan has no second derivative: its backward kernel's gradients cannot "
+                         "be differentiated again (create_graph=True gives first derivatives only; "
+                         "hessians, double backward and gradgradcheck through selective_scan are not supported)")
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """The identity on selective_scan's gradients, attached to the tensors they depend on; differentiating
+    through it (a second derivative of selective_scan) raises instead of returning a silent zero."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(n_anchors, *tensors):
+        return tuple(t.clone() for t in tensors[n_anchors:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_NO_SECOND_DERIVATIVE)
 
 
 class SelectiveScanFn(torch.autograd.Function):
-    """out, last_state = S6(u, delta, A, B, C, D, z, delta_bias, initial_state); B, C are 4-D here.
-    keep_states: whether the forward keeps boundary states for the backward (False in inference)."""
+    """(out, last_state, states, ybar) = S6(u, delta, A, B, C, D, z, delta_bias, initial_state);
+    B, C are 4-D or (dim, N) here; save_chunk > 0 keeps boundary states for the backward."""
+    generate_vmap_rule = True
 
     @staticmethod
-    def forward(ctx, u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, keep_states):
-        dim, L = u.shape[1:]
-        bwd_chunk = _launch_config("bwd", dim, B.shape[1], C.shape[1], L)["chunk"]
-        out, last, states, y = _forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
-                                        bwd_chunk if keep_states else None)
-        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, states, y)
-        ctx.delta_softplus, ctx.chunk = delta_softplus, bwd_chunk
+    def forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk):
+        return selective_scan_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk = inputs
+        _, _, states, ybar = output
+        ctx.mark_non_differentiable(states, ybar)
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, states, ybar)
+        ctx.delta_softplus, ctx.chunk = delta_softplus, save_chunk
         ctx.set_materialize_grads(False)
-        return out, last
 
     @staticmethod
-    def backward(ctx, dout, dlast):
-        # Grad mode is on in a backward only under create_graph=True; the kernel's gradients carry no
-        # graph, so second derivatives would silently miss this scan: refuse loudly instead.
-        if torch.is_grad_enabled():
-            raise RuntimeError("selective_scan has no double backward: do not use create_graph=True through it")
-        u, delta, A, B, C, D, z, delta_bias, initial_state, states, y = ctx.saved_tensors
-        batch, dim, L = u.shape
-        N, n_chunks = A.shape[1], states.shape[-1]
-        config = _launch_config("bwd", dim, B.shape[1], C.shape[1], L)
-        acc = states.dtype
+    def backward(ctx, dout, dlast, _dstates, _dybar):
+        u, delta, A, B, C, D, z, delta_bias, initial_state, states, ybar = ctx.saved_tensors
+        if ctx.chunk == 0:
+            raise RuntimeError("selective_scan: the forward kept no boundary states (no input required a "
+                               "gradient when it ran), so there is nothing to differentiate")
         if dout is None:
             dout = torch.zeros_like(u)
-        dout = dout.contiguous()
-        dlast = None if dlast is None else dlast.contiguous()
-        du, ddelta = torch.empty_like(u), torch.empty_like(delta)
-        dz = torch.empty_like(z) if z is not None else None
-        dB = torch.zeros(B.shape, device=u.device, dtype=acc)
-        dC = torch.zeros(C.shape, device=u.device, dtype=acc)
-        dA_part = torch.empty(batch, dim, N, device=u.device, dtype=acc)
-        dD_part, dbias_part = (torch.empty(batch, dim, device=u.device, dtype=acc) for _ in range(2))
-        dh0 = torch.empty(batch, dim, N, device=u.device, dtype=acc)
-        selective_scan_bwd_kernel[(batch, triton.cdiv(dim, config["block_d"]))](
-            u, delta, A, B, C, D, z, delta_bias, states, y, dout, dlast,
-            du, ddelta, dz, dB, dC, dA_part, dD_part, dbias_part, dh0,
-            dim, L, N, n_chunks, B.shape[1], C.shape[1],
-            HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-            HAS_DLAST=dlast is not None, SOFTPLUS=ctx.delta_softplus, ACC=accumulator_dtype(acc),
-            BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(N), CHUNK=ctx.chunk,
-            num_warps=config["num_warps"])
-
-        def cast(grad, like):
-            return None if like is None else grad.to(like.dtype)
-
-        return (du, ddelta, cast(dA_part.sum(0), A), cast(dB, B), cast(dC, C),
-                cast(dD_part.sum(0), D), dz, cast(dbias_part.sum(0), delta_bias), cast(dh0, initial_state), None, None)
+        with torch.no_grad():  # the op's own outputs carry no graph (see _NoSecondDerivative below)
+            grads = selective_scan_bwd(u, delta, A, B, C, D, z, delta_bias, states, ybar, dout.to(u.dtype),
+                                       dlast, ctx.delta_softplus, ctx.chunk)
+        inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+        grads = [None if x is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
+        if torch.is_grad_enabled():  # create_graph=True (or torch.func.grad): make a second derivative raise
+            anchors = [x for x in (*inputs, dout, dlast) if x is not None]
+            given = [g for g in grads if g is not None]
+            poisoned = iter(_NoSecondDerivative.apply(len(anchors), *anchors, *given))
+            grads = [None if g is None else next(poisoned) for g in grads]
+        return (*grads, None, None)
 
 from scan_lib.runtime import check_float_tensor, check_same_device
 
@@ -358,7 +485,7 @@ def _check_shape(name, tensor, shape):
 
 def _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state):
     if isinstance(A, torch.Tensor) and A.is_complex():
-        raise TypeError("complex A is not supported (A must be real, of shape (dim, N))")
+        raise TypeError(f"A must be real: complex A ({A.dtype}, mamba_ssm's complex variant) is not supported")
     named = dict(u=u, delta=delta, A=A, B=B, C=C, D=D, z=z, delta_bias=delta_bias, initial_state=initial_state)
     for name, value in named.items():
         if value is not None or name in ("u", "delta", "A", "B", "C"):
@@ -367,60 +494,70 @@ def _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state):
         raise ValueError(f"u must have shape (batch, dim, L), got {tuple(u.shape)}")
     if u.numel() == 0:
         raise ValueError(f"u must not be empty, got shape {tuple(u.shape)}")
-    batch, dim, L = u.shape
+    batch, dim, length = u.shape
     if A.dim() != 2 or A.shape[0] != dim or A.shape[1] == 0:
         raise ValueError(f"A must have shape (dim={dim}, N) with N >= 1, got {tuple(A.shape)}")
-    N = A.shape[1]
+    n_states = A.shape[1]
     for name, M in (("B", B), ("C", C)):
-        if M.dim() not in (3, 4) or M.shape[0] != batch or M.shape[-2:] != (N, L):
-            raise ValueError(f"{name} must have shape (batch={batch}, N={N}, L={L}) or "
-                             f"(batch={batch}, groups, N={N}, L={L}), got {tuple(M.shape)}")
+        if M.dim() == 2:
+            if tuple(M.shape) != (dim, n_states):
+                raise ValueError(f"{name} of 2 dimensions (time-invariant) must have shape (dim={dim}, "
+                                 f"N={n_states}), got {tuple(M.shape)}")
+            continue
+        if M.dim() not in (3, 4) or M.shape[0] != batch or tuple(M.shape[-2:]) != (n_states, length):
+            raise ValueError(f"{name} must have shape (batch={batch}, N={n_states}, L={length}), "
+                             f"(batch={batch}, groups, N={n_states}, L={length}) or (dim={dim}, N={n_states}), "
+                             f"got {tuple(M.shape)}")
         if M.dim() == 4 and (M.shape[1] == 0 or dim % M.shape[1] != 0):
             raise ValueError(f"{name}: the number of groups ({M.shape[1]}) must divide dim ({dim})")
     for name, value, shape in (("delta", delta, u.shape), ("z", z, u.shape), ("D", D, (dim,)),
-                               ("delta_bias", delta_bias, (dim,)), ("initial_state", initial_state, (batch, dim, N))):
+                               ("delta_bias", delta_bias, (dim,)),
+                               ("initial_state", initial_state, (batch, dim, n_states))):
         _check_shape(name, value, shape)
     check_same_device(**named)
 
 
-def _check_index_range(u_shape, N, groups_b, groups_c):
+def _check_index_range(u_shape, n_states, groups_b, groups_c):
     """The kernels index with 32-bit offsets: refuse inputs whose largest buffer they would overrun.
 
     The largest are the (batch, dim, L) tensors, the fp32 dB and dC buffers (batch, groups, N, L), and
     the boundary states (batch, dim, N, ceil(L / CHUNK_bwd))."""
-    batch, dim, L = u_shape
-    bwd = _launch_config("bwd", dim, groups_b, groups_c, L)
-    largest = max(batch * dim * L, batch * max(groups_b, groups_c) * N * L,
-                  batch * dim * N * triton.cdiv(L, bwd["chunk"]))
+    batch, dim, length = u_shape
+    bwd = _launch_config("bwd", dim, groups_b, groups_c, length)
+    largest = max(batch * dim * length, batch * max(groups_b, groups_c) * n_states * length,
+                  batch * dim * n_states * triton.cdiv(length, bwd["chunk"]))
     if largest >= 2**31:
-        raise ValueError(f"u of shape {tuple(u_shape)} with N={N}: a buffer of {largest} elements needs 64-bit "
-                         "offsets, which these kernels do not use yet; split the batch or the sequence "
+        raise ValueError(f"u of shape {tuple(u_shape)} with N={n_states}: a buffer of {largest} elements needs "
+                         "64-bit offsets, which these kernels do not use yet; split the batch or the sequence "
                          "(initial_state and last_state make the pieces exact)")
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                    return_last_state=False, initial_state=None):
-    """Mamba's selective scan (S6), a drop-in for mamba_ssm's selective_scan_fn, plus initial_state.
+    """Mamba's selective scan (S6), a drop-in for mamba_ssm's selective_scan_fn (real A), plus initial_state.
 
-    u, delta: (batch, dim, L); A: (dim, N) real; B, C: (batch, N, L) or (batch, groups, N, L), channel d
-    using group d // (dim // groups); D, delta_bias: (dim,); z: (batch, dim, L);
+    u, delta: (batch, dim, L); A: (dim, N), real (complex A raises TypeError); B, C: (batch, N, L),
+    (batch, groups, N, L) with channel d using group d // (dim // groups), or (dim, N), the same for
+    every batch element and position; D, delta_bias: (dim,); z: (batch, dim, L);
     initial_state: (batch, dim, N), the state before position 0 (default zeros).
 
         delta <- softplus(delta + delta_bias) if delta_softplus else delta + delta_bias
-        h_t = exp(delta_t * A) * h_{t-1} + delta_t * B_t * u_t,   y_t = sum_n C_t h_t + D * u_t
-        out = y * silu(z) if z is given else y
+        h_t = exp(delta_t * A) * h_{t-1} + delta_t * B_t * u_t,   ybar_t = sum_n C_t h_t + D * u_t
+        out = ybar * silu(z) if z is given else ybar
 
     Returns out (dtype of u), and with return_last_state also h after the last position (batch, dim, N)
     in float32 (float64 for float64 inputs). Gradients flow to every tensor argument, including
     initial_state and through last_state: scanning a sequence in pieces, each piece starting from the
-    previous piece's last_state, gives the same outputs and gradients as one scan.
+    previous piece's last_state, gives the same outputs and gradients as one scan. First derivatives
+    only: differentiating the gradients again raises RuntimeError. Works under torch.compile,
+    torch.func.grad and torch.func.vmap.
     """
     _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     B4 = B.unsqueeze(1) if B.dim() == 3 else B
     C4 = C.unsqueeze(1) if C.dim() == 3 else C
-    _check_index_range(u.shape, A.shape[1], B4.shape[1], C4.shape[1])
-    contiguous = [None if t is None else t.contiguous()
-                  for t in (u, delta, A, B4, C4, D, z, delta_bias, initial_state)]
-    keep_states = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in contiguous)
-    out, last = SelectiveScanFn.apply(*contiguous, bool(delta_softplus), keep_states)
+    _check_index_range(u.shape, A.shape[1], _groups(B4), _groups(C4))
+    tensors = (u, delta, A, B4, C4, D, z, delta_bias, initial_state)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    save_chunk = _launch_config("bwd", u.shape[1], _groups(B4), _groups(C4), u.shape[2])["chunk"] if training else 0
+    out, last, _, _ = SelectiveScanFn.apply(*tensors, bool(delta_softplus), save_chunk)
     return (out, last) if return_last_state else out
