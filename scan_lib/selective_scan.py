@@ -475,7 +475,7 @@ class SelectiveScanFn(torch.autograd.Function):
             grads = [None if g is None else next(poisoned) for g in grads]
         return (*grads, None, None)
 
-from scan_lib.runtime import check_float_tensor, check_same_device
+from scan_lib.runtime import apply, check_float_tensor, check_same_device
 
 
 def _check_shape(name, tensor, shape):
@@ -559,5 +559,5 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     tensors = (u, delta, A, B4, C4, D, z, delta_bias, initial_state)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     save_chunk = _launch_config("bwd", u.shape[1], _groups(B4), _groups(C4), u.shape[2])["chunk"] if training else 0
-    out, last, _, _ = SelectiveScanFn.apply(*tensors, bool(delta_softplus), save_chunk)
+    out, last, _, _ = apply(SelectiveScanFn, *tensors, bool(delta_softplus), save_chunk)
     return (out, last) if return_last_state else out
