@@ -16,13 +16,11 @@
 # Chapters 02 and 03 scanned one state per position. A state space model such as Mamba keeps
 # **N states per position** (N = 16 in Mamba), each with its own decay, and reads its output out of
 # all of them. The arithmetic hardly changes; what changes is the memory the states would occupy if
-# we wrote them out. This chapter is about not writing them out:
-# 1. the multi-state recurrence and a float64 PyTorch reference;
-# 2. why the $(L, N)$ states, not the arithmetic, are the expensive part, counted in bytes;
-# 3. the simplest kernel: one $L_{\text{block}} \times N$ tile, `tl.associative_scan` along time, a sum over $N$;
-# 4. the blocked kernel: chunks walked in order, the $N$ states carried on chip, only chunk-boundary states written;
-# 5. the backward pass, which *recomputes* the states from those chunk-boundary states;
-# 6. the exported `scan_lib.multistate_scan` and, on a GPU, its speed.
+# we wrote them out. This chapter is about not writing them out: a float64 reference (1), the bytes the
+# states would cost (2), the simplest kernel, one tile scanned along time (3), the blocked kernel that
+# carries the $N$ states on chip from chunk to chunk and writes only the states at chunk boundaries (4),
+# the backward that *recomputes* the states from those (5), and the exported `scan_lib.multistate_scan`
+# with, on a GPU, its speed (6, 7).
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -41,7 +39,6 @@ print(scan_lib.runtime.describe())
 # %%
 import math
 
-import matplotlib
 import matplotlib.pyplot as plt
 import torch
 import triton
@@ -63,8 +60,8 @@ from scan_lib.runtime import save_figure
 #
 # This is Mamba's scan for one channel before discretisation (chapter 05 sets $a_t = e^{\Delta_t A}$).
 # In code `a, b, c` are `(batch, N, L)`, Mamba's layout, and `x` is `(batch, L)`: **`b` holds $B$ and
-# `c` holds $C$** (the public API's names). A batch row is one independent sequence; in Mamba, one
-# (sample, channel) pair. The reference is the loop itself, run in float64; it is exported for the tests.
+# `c` holds $C$**. A batch row is one independent sequence (in Mamba, one (sample, channel) pair). The
+# reference is the loop itself, in float64; it is exported for the tests.
 
 # %%
 #| export
@@ -96,10 +93,9 @@ def multistate_scan_ref(a, b, c, x, initial_state=None):
 
 
 # %% [markdown]
-# Nothing couples $n$ and $n'$, so the $N$-state scan must equal $N$ separate first-order scans: chapter
-# 03's `scan_lib.linear_scan` (a Triton kernel, not the loop) over the rows $(a[n], B[n] x)$, weighted by
-# $C$ and added up. The inputs used throughout: gates $a$ in $(0.9, 1)$, memories of ten steps and longer,
-# like Mamba's $e^{\Delta A}$; $B$, $C$, $x$ standard normal.
+# Nothing couples $n$ and $n'$, so the reference must equal $N$ runs of chapter 03's `scan_lib.linear_scan`
+# over the rows $(a[n], B[n] x)$, weighted by $C$ and added up. Inputs throughout: gates in $(0.9, 1)$,
+# memories of ten steps and longer, like Mamba's $e^{\Delta A}$; $B$, $C$, $x$ standard normal.
 
 # %%
 def random_inputs(batch, n_states, length, dtype=torch.float32, seed=0):
@@ -116,10 +112,14 @@ def rel_err(got, want):
     return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
 
 
+def reference_states(a, b, x, initial_state=None):
+    """All states h, batch x N x L: N first-order scans, chapter 03's linear_scan over the rows (a[n], B[n] x)."""
+    return scan_lib.linear_scan(a, b * x[:, None, :], initial_state)
+
+
 for length in (1, 7, 129, 1000):
     a, b, c, x = random_inputs(3, 5, length, dtype=torch.float64, seed=length)
-    h_rows = scan_lib.linear_scan(a, b * x[:, None, :])                      # batch x N x L, N scans
-    err = rel_err(multistate_scan_ref(a, b, c, x)[0], (c * h_rows).sum(dim=1))
+    err = rel_err(multistate_scan_ref(a, b, c, x)[0], (c * reference_states(a, b, x)).sum(dim=1))
     print(f"L = {length:4d}: reference vs N linear_scans, max rel err {err:.1e}")
     assert err < 1e-12
 
@@ -134,14 +134,13 @@ x_demo = torch.zeros(1, length, dtype=torch.float64)
 x_demo[0, 16:64] = 1.0                                                     # 1 x L: a pulse
 gates = 1 - 0.5 ** (torch.arange(n_states, dtype=torch.float64) + 1)      # N
 a_demo = gates[None, :, None].expand(1, n_states, length)                 # 1 x N x L
-b_demo, c_demo = 1 - a_demo, torch.full_like(a_demo, 1 / n_states)
-y_demo, _ = multistate_scan_ref(a_demo, b_demo, c_demo, x_demo)
+y_demo, _ = multistate_scan_ref(a_demo, 1 - a_demo, torch.full_like(a_demo, 1 / n_states), x_demo)
+h_demo = reference_states(a_demo, 1 - a_demo, x_demo)[0]                  # N x L
 
 fig, ax = plt.subplots(figsize=(7, 3.5))
 ax.plot(x_demo[0], "k--", lw=1, label="$x_t$")
 for n in range(n_states):
-    h_n, _ = multistate_scan_ref(a_demo[:, n:n + 1], b_demo[:, n:n + 1], torch.ones_like(c_demo[:, :1]), x_demo)
-    ax.plot(h_n[0], label=f"$h_t[{n}]$, $a={gates[n]:.4f}$")
+    ax.plot(h_demo[n], label=f"$h_t[{n}]$, $a={gates[n]:.4f}$")
 ax.plot(y_demo[0], "k", lw=2, label=r"$y_t=\frac{1}{4}\sum_n h_t[n]$")
 ax.set_xlabel("t"); ax.legend(fontsize=7, loc="upper right"); ax.set_title("four states, four decay rates, one output")
 save_figure(fig, "multistate_emas.png")
@@ -149,23 +148,22 @@ save_figure(fig, "multistate_emas.png")
 # %% [markdown]
 # ## 2 · The states are the expensive part
 #
-# Per position the inputs are $3N + 1$ numbers ($a$, $B$, $C$, $x$) and the output is one; the states are
-# $N$ more. A design that *writes the states out* (a scan kernel writes $h$, a second kernel reads $h$ and
-# $C$ and sums over $N$) moves two more $(\text{batch}, N, L)$ tensors through the GPU's main memory (HBM),
-# and for training autograd keeps them too.
-#
-# The fused design (Mamba's CUDA kernel) never writes them: a chunk of $L_{\text{block}} \times N$ states
-# lives on chip, is reduced to $y$ there, and only its last $N$ states are carried to the next chunk. For
-# the backward it saves the state entering each chunk, $\lceil L / L_{\text{block}} \rceil \cdot N$ numbers
-# per sequence, and recomputes the states inside a chunk from it. Its forward moves
+# Per position the inputs are $3N + 1$ numbers ($a$, $B$, $C$, $x$), the output is one, and the states
+# are $N$ more. Writing the states out (a scan kernel writes $h$, a second kernel reads it back with $C$)
+# moves two more $(\text{batch}, N, L)$ tensors through the GPU's main memory (HBM), and autograd keeps
+# them for the backward. The fused design
+# (Mamba's CUDA kernel) never writes them: a chunk of $L_{\text{block}} \times N$ states lives on chip, is
+# reduced to $y$ there, and only its last $N$ states are carried to the next chunk. For the backward it
+# saves the state entering each chunk, $\lceil L / L_{\text{block}} \rceil N$ numbers per sequence, and
+# recomputes the rest. It moves
 #
 # $$\underbrace{3\,\text{batch}\,N L + \text{batch}\,L}_{a,\ B,\ C,\ x\ \text{read}} +
 # \underbrace{\text{batch}\,L + \text{batch}\,N}_{y,\ \text{last state written}}
 # \ \big(+\ \text{batch}\,\lceil L/L_{\text{block}}\rceil N\ \text{boundary states, for training}\big)$$
 #
-# numbers. The table evaluates it at a realistic size: batch = 4096 sequences (say 4 samples x 1024
-# channels of a small Mamba layer) of length $L = 1024$ with $N = 16$ states, in float32. ("Going deeper:
-# counting the bytes" checks the formula against what the op really moves and keeps, and draws both designs.)
+# numbers, here at batch = 4096 sequences (say 4 samples x 1024 channels) of $L = 1024$, $N = 16$, in
+# float32. ("Going deeper: counting the bytes" checks the formula against what the op really moves and
+# keeps, and draws both designs.)
 
 # %%
 def fused_bytes(batch, length, n_states, itemsize=4, block_l=None, acc_itemsize=4):
@@ -179,9 +177,9 @@ batch_big, length_big, n_states_big = 4096, 1024, 16
 block_big = default_block_l(length_big, n_states_big)            # the chunk length multistate_scan picks
 states_big = batch_big * n_states_big * length_big * 4            # all states, float32, bytes
 fused_big = fused_bytes(batch_big, length_big, n_states_big)
-boundary_big = fused_bytes(batch_big, length_big, n_states_big, block_l=block_big) - fused_big
 for design, nbytes in {"fused (states on chip)": fused_big, "two passes (states via HBM)": fused_big + 2 * states_big,
-                       "all states (batch, N, L)": states_big, f"boundary states, block_l={block_big}": boundary_big}.items():
+                       "all states (batch, N, L)": states_big, f"boundary states, block_l={block_big}":
+                       fused_bytes(batch_big, length_big, n_states_big, block_l=block_big) - fused_big}.items():
     print(f"{design:32s} {nbytes / 2**20:8.0f} MiB")
 
 # %% [markdown]
@@ -192,7 +190,8 @@ for design, nbytes in {"fused (states on chip)": fused_big, "two passes (states 
 # scan of the pairs $(a_t[n],\, B_t[n] x_t)$, so one `tl.associative_scan(..., axis=0)` with chapter 02's
 # `first_order_op` (it composes *earlier then later*: $(a_1, b_1) \circ (a_2, b_2) = (a_1 a_2,\, a_2 b_1 + b_2)$)
 # does all $N$ at once. Its second output is $h_t[n]$ (from $h_{-1} = 0$); `tl.sum(c * h, axis=1)` gives
-# $y$. Tiles are powers of two; masked positions and states load $a = 1$, $B = 0$, the identity step.
+# $y$. Tiles are powers of two; padding loads $a = 1$, $B = 0$, the identity step. The states exist only
+# in registers.
 
 # %%
 @triton.jit
@@ -229,8 +228,7 @@ def multistate_single_block(a, b, c, x):
 # How close must it be? Relative to the largest $|y|$: one rounding of the output to its dtype, $2^{-24}$
 # (float32), $2^{-11}$ (float16), $2^{-8}$ (bfloat16; $2^{-7}$ under the CPU interpreter, which truncates
 # to bfloat16 instead of rounding, chapter 00), plus 64 units of $2^{-24}$ ($2^{-53}$ in float64) for the
-# float32 (float64) accumulation. Accumulating in float16 or bfloat16 fails this (`tests/test_multistate.py`
-# injects it).
+# float32 (float64) accumulation. Accumulating in float16 or bfloat16 fails this (the tests inject it).
 
 # %%
 def tolerance(dtype):
@@ -256,15 +254,12 @@ for length in (1, 7, 129):
 # than $2^{20}$ elements: "Going deeper: the largest tile"). The fix is chapters 01 and 02's: one program
 # still owns one sequence, but walks it in chunks of $L_{\text{block}}$ positions, holding $h_{\text{in}}[n]$,
 # the $N$ states after the previous chunk. The chunk's scan gives, per position, $(P_t[n], \tilde h_t[n])$:
-# the product of the gates since the chunk start and the state reached from zero. So
-# $h_t[n] = P_t[n]\, h_{\text{in}}[n] + \tilde h_t[n]$ (`scan_tile`), and the next carry is the tile's last
-# row (right even in a partial last chunk: padded rows are identity steps). Registers cannot be indexed by
-# a variable, so `row_of` takes row $i$ as a masked sum: `tl.where(rows[:, None] == i, tile, 0.0)` zeroes
-# the other rows and `tl.sum(..., axis=0)` collapses them into $N$ numbers.
-#
-# When gradients will be needed the program writes $h_{\text{in}}$ for every chunk (`SAVE_CHUNKS`): the only
-# states that reach memory. It accumulates in float32 (float64 for float64 inputs: `ACC`) and writes $y$
-# and the last state in the input dtype.
+# the product of the gates since the chunk start and the state reached from zero, so
+# $h_t[n] = P_t[n]\, h_{\text{in}}[n] + \tilde h_t[n]$ (`scan_tile`). The next carry is the tile's last row
+# (right in a partial chunk too: padded rows are identity steps). Registers cannot be indexed by a variable,
+# so `row_of` takes row $i$ as a masked sum: `tl.where` zeroes the other rows, `tl.sum(..., axis=0)`
+# collapses them. When gradients will be needed the program writes $h_{\text{in}}$ of every chunk
+# (`SAVE_CHUNKS`), the only states that reach memory. It accumulates in `ACC` (float32; float64 for float64).
 
 # %%
 #| export
@@ -337,22 +332,11 @@ def multistate_forward(a, b, c, x, initial_state, block_l, save_chunks):
 
 
 # %% [markdown]
-# Checks in float64 at lengths 1, 7, 129, 1000 and chunk lengths 16 and 64 (1000 is 63 chunks of 16, or
-# 16 of 64 with a partial last one), with and without an initial state. The state saved entering chunk $k$
-# must be the reference's $h$ at position $k L_{\text{block}} - 1$. A kernel that dropped the carry between
-# chunks fails every row after the first chunk (`tests/test_multistate.py` injects that bug).
+# Checks in float64 at lengths 1, 7, 129, 1000, chunk lengths 16 and 64, with and without an initial state;
+# the state saved entering chunk $k$ must be $h_{k L_{\text{block}} - 1}$ (`reference_states`). Dropping the carry
+# between chunks fails every row past the first chunk (the tests inject that bug).
 
 # %%
-def reference_states(a, b, x, initial_state=None):
-    """All states, batch x N x L, by the loop (float64): for checking the saved chunk states."""
-    h = torch.zeros_like(a[:, :, 0]) if initial_state is None else initial_state
-    out = []
-    for t in range(a.shape[-1]):
-        h = a[:, :, t] * h + b[:, :, t] * x[:, None, t]
-        out.append(h)
-    return torch.stack(out, dim=-1)
-
-
 print(f"{'L':>5} {'block':>5} {'h0':>5} {'err y':>9} {'err last':>9} {'err chunks':>10}  ok")
 for length in (1, 7, 129, 1000):
     for block_l in (16, 64):
@@ -372,10 +356,9 @@ for length in (1, 7, 129, 1000):
 # %% [markdown]
 # ## 5 · The backward pass
 #
-# Given $\partial\mathcal L/\partial y_t$, and $\partial\mathcal L/\partial h_{L-1}$ when the caller used
-# the last state, let $\delta_t[n] = \partial\mathcal L / \partial h_t[n]$ be the adjoint: everything
-# that flows into $h_t[n]$. It reaches the loss directly through $y_t$ (weight $C_t[n]$) and through
-# $h_{t+1}[n] = a_{t+1}[n] h_t[n] + \dots$ (weight $a_{t+1}[n]$), so
+# Given $\partial\mathcal L/\partial y_t$ (and $\partial\mathcal L/\partial h_{L-1}$ if the last state was
+# used), the adjoint $\delta_t[n] = \partial\mathcal L / \partial h_t[n]$ collects what flows into $h_t[n]$:
+# through $y_t$ (weight $C_t[n]$) and through $h_{t+1}[n] = a_{t+1}[n] h_t[n] + \dots$ (weight $a_{t+1}[n]$):
 #
 # $$\delta_t[n] = a_{t+1}[n]\, \delta_{t+1}[n] + C_t[n]\, \frac{\partial\mathcal L}{\partial y_t},
 # \qquad \delta_{L}[n] := \frac{\partial\mathcal L}{\partial h_{L-1}[n]},\ a_{L}[n] := 1 .$$
@@ -390,22 +373,17 @@ for length in (1, 7, 129, 1000):
 # \frac{\partial\mathcal L}{\partial h_{-1}[n]} = a_0[n]\, \delta_0[n].$$
 #
 # ("Going deeper: the backward formulas as a loop" checks them against autograd.) The gradients of $a$
-# and $C$ need the forward states, and storing every $h_t[n]$ would bring back the $(\text{batch}, N, L)$
-# tensor we avoided. So the backward kernel **recomputes** each chunk's states from the saved state
-# entering it (as Mamba does): one more scan over data already on chip, cheap next to an HBM round trip.
-#
-# One program per sequence walks the chunks **from last to first**, carrying $\delta$ for the $N$ states
-# in registers. For the chunk starting at $s$:
-# 1. load the saved $h_{s-1}$ and scan the pairs shifted right by one position, $(a_{t-1}, B_{t-1} x_{t-1})$
-#    with the identity at the first row: that gives $h_{t-1}$ for every row, and $h_t = a_t h_{t-1} + B_t x_t$;
-# 2. scan the pairs $(a_{t+1}[n], C_t[n]\, \partial\mathcal L/\partial y_t)$ with `reverse=True` (Triton's
-#    reverse scan composes from the end of the axis, so `first_order_op` applies, *later then earlier*)
-#    and apply the carry: $\delta_t = Q_t \delta_{\text{carry}} + \tilde\delta_t$, with $Q_t$ the product of the
-#    shifted gates from $t$ to the chunk's end. $a_{t+1}$ is loaded one position to the right, so the
-#    chunk's last row reads the next chunk's first gate, and $t = L - 1$ reads $a_L = 1$ (`other=1`);
-# 3. write the four gradients; the new carry is the first row, $\delta_s$.
-#
-# After the leftmost chunk, the initial state's gradient is $a_0 \delta_0$.
+# and $C$ need the forward states; storing them would bring back the $(\text{batch}, N, L)$ tensor, so the
+# kernel **recomputes** each chunk's states from the saved state entering it (as Mamba does), one more
+# scan of data already on chip. One program per sequence walks the chunks **from last to first**, carrying
+# $\delta$ for the $N$ states in registers. For the chunk starting at $s$:
+# 1. scan the pairs shifted right by one, $(a_{t-1}, B_{t-1} x_{t-1})$ (the identity at the first row), from
+#    the saved $h_{s-1}$: that gives $h_{t-1}$ on every row, and $h_t = a_t h_{t-1} + B_t x_t$;
+# 2. scan $(a_{t+1}[n], C_t[n]\, \partial\mathcal L/\partial y_t)$ with `reverse=True` (it composes from the
+#    end of the axis, so `first_order_op` applies, *later then earlier*) and apply the carry:
+#    $\delta_t = Q_t \delta_{\text{carry}} + \tilde\delta_t$, $Q_t$ the product of the shifted gates from $t$ to the
+#    chunk's end. The last row reads the next chunk's first gate; $t = L - 1$ reads $a_L = 1$ (`other=1`);
+# 3. write the four gradients; the new carry is the first row, $\delta_s$. At the end, $a_0 \delta_0$.
 
 # %%
 #| export
@@ -476,8 +454,7 @@ def multistate_backward(a, b, c, x, h_chunks, dy, dh_last, block_l):
 
 # %% [markdown]
 # Every gradient against autograd through the float64 loop, at lengths 1, 7, 129, 1000, chunk lengths
-# 16 and 64, with an initial state, a gradient flowing into the last state, and $N = 5$ (not a power
-# of two, so the state axis is masked too).
+# 16 and 64, with an initial state, a gradient into the last state, and $N = 5$ (the state axis masked).
 
 # %%
 print(f"{'L':>5} {'block':>5} " + " ".join(f"{'d' + k:>8}" for k in ("a", "B", "C", "x", "h0")) + "  ok")
@@ -499,14 +476,9 @@ for length in (1, 7, 129, 1000):
 # %% [markdown]
 # ## 6 · The exported API
 #
-# `multistate_scan(a, b, c, x, initial_state=None, return_last_state=False, block_l=None)` takes `a`, `b`,
-# `c` `(batch, N, L)`, `x` `(batch, L)` and `initial_state` `(batch, N)` or `None` (zeros), in one floating
-# dtype, contiguous, on one device, $N \le 256$, any $L \ge 1$. It returns `y` `(batch, L)`, or
-# `(y, last_state)`, in the input dtype (float16 / bfloat16 / float32 accumulate in float32). It is
-# differentiable once, in every input: a second derivative raises a `RuntimeError` naming
-# `multistate_scan`. `block_l` is the chunk length (a power of two; by default about 1024 / N). The
-# argument checks, the custom ops and the autograd wiring (`torch.func`, `torch.compile`) are in
-# "Going deeper".
+# The docstring is the contract. The function checks its arguments, then runs the forward as a torch
+# custom op, through an autograd Function when a gradient may be needed; that wiring, and why a second
+# derivative raises, are in "Going deeper".
 
 # %%
 #| export
@@ -528,9 +500,7 @@ def multistate_scan(a, b, c, x, initial_state=None, return_last_state=False, blo
 
 
 # %% [markdown]
-# Every dtype against the float64 reference of the same (rounded) inputs, with section 3's `tolerance`;
-# then `torch.autograd.gradcheck` (finite differences in float64, `fast_mode=False`) on $L = 5$ with
-# `block_l=2`, so that three chunks (the last one partial) are crossed, through both outputs.
+# Every dtype against the float64 reference of the same (rounded) inputs, with section 3's `tolerance`:
 
 # %%
 from scan_lib.multistate import multistate_scan  # the exported copy, wiring included, as a user imports it
@@ -546,23 +516,14 @@ for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
         print(f"{str(dtype):>15} {length:5d} {errs[0]:9.1e} {errs[1]:9.1e} {tolerance(dtype):9.1e}  {ok}")
         assert ok
 
-a, b, c, x = (t.requires_grad_() for t in random_inputs(1, 2, 5, dtype=torch.float64, seed=3))
-h0 = torch.randn(1, 2, dtype=torch.float64, device=DEVICE, requires_grad=True)
-assert torch.autograd.gradcheck(
-    lambda *args: multistate_scan(*args, return_last_state=True, block_l=2), (a, b, c, x, h0), fast_mode=False
-)
-print("gradcheck (fast_mode=False) passed")
-
 # %% [markdown]
 # ## 7 · Speed on a GPU
 #
 # At section 2's size, in float32 and bfloat16, forward and forward + backward: the fused scan against a
-# PyTorch scan that materialises every state. That one is a real parallel scan, not a Python loop:
-# Hillis-Steele doubling, $\lceil \log_2 L \rceil$ steps, each composing every position with the one `shift`
-# places before it, all $(\text{batch}, N, L)$ at once; then $y = \sum_n C \odot h$. It is checked against
-# the reference first. The memory floor is the fused design's bytes (section 2's formula; for the backward,
-# reading $a, B, C, x$, $\partial\mathcal L/\partial y$ and writing the four gradients) divided by the
-# measured copy bandwidth (`scan_lib.runtime.copy_bandwidth`).
+# PyTorch scan that materialises every state, a real parallel scan (Hillis-Steele doubling: $\lceil \log_2 L
+# \rceil$ steps, each composing every position with the one `shift` places before it), checked first. The
+# memory floor is the fused design's bytes (section 2; the backward reads $a, B, C, x$,
+# $\partial\mathcal L/\partial y$ and writes four gradients) over the measured copy bandwidth.
 
 # %%
 def multistate_scan_materialised(a, b, c, x):
@@ -636,11 +597,39 @@ else:
               f"   {r['fused Triton'] / r['memory floor']:13.2f}   {r['materialised PyTorch'] / r['fused Triton']:20.1f}")
     for key, r in results.items():
         assert r["fused Triton"] < r["materialised PyTorch"], key
+
+# %% [markdown]
+# "fused / floor" near 1 means memory-bound; "materialised / fused" is the price of writing the states.
+# The table drawn, bfloat16 against float32, and which chunk length is fastest: "Going deeper".
+#
+# ## Summary
+#
+# - $N$ states per position are $N$ independent first-order scans sharing the input $x$, mixed into one
+#   output; a 2-D tile scanned along time handles all of them with one `tl.associative_scan`.
+# - The arithmetic is cheap; the $(\text{batch}, N, L)$ states are not. The fused kernel keeps them in
+#   registers, carries $N$ numbers from chunk to chunk, and writes only $y$, the last state and, for
+#   training, the states at chunk boundaries, from which the backward (the same scan right to left, the
+#   gate shifted by one) recomputes them.
+# - Next, chapter 05 adds Mamba's discretisation, $a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t u_t$, and shares
+#   $B$, $C$ across channels.
+
+# %% [markdown]
+# ## Going deeper: launch configuration
+#
+# First, on a GPU, section 7's table as a chart, and bfloat16 against float32. bfloat16 halves the
+# bytes; if its forward is much further from its memory floor than float32's, the kernel is not
+# memory-bound in bfloat16: the work on chip (everything converted to float32, a
+# $\log_2 L_{\text{block}}$-level scan per chunk, chunks walked one after another by one program) does not
+# shrink with the dtype.
+
+# %%
+if not ON_GPU:
+    print("skipped: no GPU (section 7's benchmark did not run)")
+else:
     time_ratio = results["bfloat16 fwd"]["fused Triton"] / results["float32 fwd"]["fused Triton"]
     print(f"bfloat16 halves the bytes; its fused forward takes {time_ratio:.2f}x the float32 time, at "
           f"{results['bfloat16 fwd']['fused Triton'] / results['bfloat16 fwd']['memory floor']:.1f}x its memory floor "
           f"(float32: {results['float32 fwd']['fused Triton'] / results['float32 fwd']['memory floor']:.1f}x)")
-
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = list(next(iter(results.values())))
     width = 0.8 / len(names)
@@ -653,27 +642,8 @@ else:
     ax.legend(fontsize=8)
     save_figure(fig, "multistate_benchmark.png")
 
-# %% [markdown]
-# "fused / floor" says how close the fused kernel comes to moving its bytes at copy speed (close to 1:
-# memory-bound); "materialised / fused" is the price of writing the states, the doubling scan's
-# $\lceil \log_2 L \rceil$ passes over $(\text{batch}, N, L)$ tensors. Why bfloat16 may sit further from its
-# floor, and which chunk length is fastest, is in "Going deeper: launch configuration".
-#
-# ## Summary
-#
-# - $N$ states per position are $N$ independent first-order scans that share the input $x$ and are
-#   mixed into one output; a 2-D tile scanned along time handles all of them with one `tl.associative_scan`.
-# - The arithmetic is cheap; the $(\text{batch}, N, L)$ states are not. The fused kernel keeps them in
-#   registers, carries $N$ numbers from chunk to chunk, and writes only $y$, the last state and, for
-#   training, the state at each chunk boundary.
-# - The backward is the same scan run right to left with the gate shifted by one, per state; it
-#   recomputes each chunk's states from the saved boundary state instead of storing them.
-# - Next, chapter 05 adds Mamba's discretisation, $a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t u_t$, and shares
-#   $B$, $C$ across channels.
 
 # %% [markdown]
-# ## Going deeper: launch configuration
-#
 # One program per sequence suits many sequences (in Mamba, every (sample, channel) pair is one). With
 # only a few long sequences most of the GPU would sit idle; then the chunks of one sequence would run in
 # parallel in three phases, as in chapters 01 and 02, and again only chunk-boundary states would cross
@@ -703,11 +673,7 @@ def num_warps_for(block_l, n_states):
 
 # %% [markdown]
 # Whether the default chunk length is the fastest is a measurement, not a prediction: on a GPU the cell
-# times the forward of section 7's problem at five chunk lengths, in both dtypes, and says. If bfloat16
-# is much further from its memory floor than float32 (section 7 prints both), the kernel is not
-# memory-bound in bfloat16: the work on chip (everything converted to float32, a
-# $\log_2 L_{\text{block}}$-level scan per chunk, chunks walked one after another by one program) does not
-# shrink with the dtype.
+# times the forward of section 7's problem at five chunk lengths, in both dtypes, and says.
 
 # %%
 if not ON_GPU:
@@ -916,12 +882,20 @@ class MultistateScanBackward(torch.autograd.Function):
 
 
 # %% [markdown]
-# The op under each transform, against the plain call: `torch.func.grad`, `torch.func.vmap` (over an
+# First `torch.autograd.gradcheck` through this wiring (finite differences in float64, `fast_mode=False`)
+# on $L = 5$ with `block_l=2`, so that three chunks (the last one partial) are crossed, through both
+# outputs. Then the op under each transform, against the plain call: `torch.func.grad`, `torch.func.vmap` (over an
 # extra leading dimension), `torch.compile(fullgraph=True)` (a graph break would be an error; the
 # `aot_eager` backend traces forward and backward through the fake implementations without needing
 # a C compiler), and a Hessian, which must raise.
 
 # %%
+a, b, c, x = (t.requires_grad_() for t in random_inputs(1, 2, 5, dtype=torch.float64, seed=3))
+h0 = torch.randn(1, 2, dtype=torch.float64, device=DEVICE, requires_grad=True)
+assert torch.autograd.gradcheck(
+    lambda *args: multistate_scan(*args, return_last_state=True, block_l=2), (a, b, c, x, h0), fast_mode=False
+)
+print("gradcheck (fast_mode=False) passed")
 
 a, b, c, x = random_inputs(2, 3, 20, dtype=torch.float64, seed=6)
 loss = lambda a, b, c, x: (multistate_scan(a, b, c, x, block_l=8) ** 2).sum()
@@ -1076,6 +1050,9 @@ print(f"at batch={batch_big}, L={length_big}, N={n_states_big}, block_l={block_b
 # its label carries the copy bandwidth measured in section 7.)
 
 # %%
+import matplotlib
+
+
 def draw_memory_figure(batch, length, n_states, block_l, bandwidth, itemsize=4):
     """Two panels: the tensors each design reads from (blue) or writes to (red) HBM, and what stays on chip."""
     bnl, bl = batch * n_states * length, batch * length
