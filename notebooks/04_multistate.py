@@ -94,8 +94,9 @@ def multistate_scan_ref(a, b, c, x, initial_state=None):
 
 # %% [markdown]
 # Nothing couples $n$ and $n'$, so the reference must equal $N$ runs of chapter 03's `scan_lib.linear_scan`
-# over the rows $(a[n], B[n] x)$, weighted by $C$ and added up. Inputs throughout: gates in $(0.9, 1)$,
-# memories of ten steps and longer, like Mamba's $e^{\Delta A}$; $B$, $C$, $x$ standard normal.
+# over the rows $(a[n], B[n] x)$ (`reference_states`, all the states), weighted by $C$ and added up.
+# Inputs throughout: gates in $(0.9, 1)$, memories of ten steps and longer, like Mamba's $e^{\Delta A}$;
+# $B$, $C$, $x$ standard normal.
 
 # %%
 def random_inputs(batch, n_states, length, dtype=torch.float32, seed=0):
@@ -614,13 +615,12 @@ else:
 #   $B$, $C$ across channels.
 
 # %% [markdown]
-# ## Going deeper: launch configuration
+# ## Going deeper: the speed table drawn, and bfloat16
 #
-# First, on a GPU, section 7's table as a chart, and bfloat16 against float32. bfloat16 halves the
-# bytes; if its forward is much further from its memory floor than float32's, the kernel is not
-# memory-bound in bfloat16: the work on chip (everything converted to float32, a
-# $\log_2 L_{\text{block}}$-level scan per chunk, chunks walked one after another by one program) does not
-# shrink with the dtype.
+# On a GPU, section 7's table as a chart, and bfloat16 against float32. If bfloat16's forward is much
+# further from its memory floor than float32's, the kernel is not memory-bound in bfloat16: the work on
+# chip (everything converted to float32, a $\log_2 L_{\text{block}}$-level scan per chunk, chunks walked one
+# after another by one program) does not shrink with the dtype.
 
 # %%
 if not ON_GPU:
@@ -644,6 +644,8 @@ else:
 
 
 # %% [markdown]
+# ## Going deeper: launch configuration
+#
 # One program per sequence suits many sequences (in Mamba, every (sample, channel) pair is one). With
 # only a few long sequences most of the GPU would sit idle; then the chunks of one sequence would run in
 # parallel in three phases, as in chapters 01 and 02, and again only chunk-boundary states would cross
