@@ -384,7 +384,9 @@ for length in (1, 7, 129, 1000):
 #    end of the axis, so `first_order_op` applies, *later then earlier*) and apply the carry:
 #    $\delta_t = Q_t \delta_{\text{carry}} + \tilde\delta_t$, $Q_t$ the product of the shifted gates from $t$ to the
 #    chunk's end. The last row reads the next chunk's first gate; $t = L - 1$ reads $a_L = 1$ (`other=1`);
-# 3. write the four gradients; the new carry is the first row, $\delta_s$. At the end, $a_0 \delta_0$.
+# 3. write the four gradients; the new carry is the first row, $\delta_s$.
+#
+# After the leftmost chunk, the initial state's gradient is $a_0 \delta_0$.
 
 # %%
 #| export
