@@ -16,16 +16,11 @@
 # Chapters 02 and 03 scanned one state per position. A state space model such as Mamba keeps
 # **N states per position** (N = 16 in Mamba), each with its own decay, and reads its output out of
 # all of them. The arithmetic hardly changes; what changes is the memory the states would occupy if
-# we wrote them out. This chapter is about not writing them out.
-#
-# You will learn:
-# 1. the multi-state recurrence and a float64 PyTorch reference;
-# 2. why the $(L, N)$ states, not the arithmetic, are the expensive part, counted in bytes;
-# 3. the simplest kernel: one $L_{\text{block}} \times N$ tile, `tl.associative_scan` along time, a sum over $N$;
-# 4. the blocked kernel: one program per sequence walks over chunks, the $N$ states stay on chip,
-#    and only the state at each chunk boundary is written to memory;
-# 5. the backward pass, which *recomputes* the states from those chunk-boundary states;
-# 6. the exported `scan_lib.multistate_scan` and, on a GPU, its speed.
+# we wrote them out. This chapter is about not writing them out: a float64 reference (1), the bytes the
+# states would cost (2), the simplest kernel, one tile scanned along time (3), the blocked kernel that
+# carries the $N$ states on chip from chunk to chunk and writes only the states at chunk boundaries (4),
+# the backward that *recomputes* the states from those (5), and the exported `scan_lib.multistate_scan`
+# with, on a GPU, its speed (6, 7).
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -44,31 +39,29 @@ print(scan_lib.runtime.describe())
 # %%
 import math
 
-import matplotlib
 import matplotlib.pyplot as plt
 import torch
 import triton
 import triton.language as tl
 
 from scan_lib.ema import first_order_op
+from scan_lib.multistate import default_block_l, num_warps_for  # launch configuration: see "Going deeper"
 from scan_lib.runtime import save_figure
 
 # %% [markdown]
 # ## 1 · The recurrence
 #
-# At every position $t$ there are $N$ states $h_t[0], \dots, h_t[N-1]$. Each is the first-order
-# recurrence of chapter 02 with its own gate $a_t[n]$ and its own input coefficient $B_t[n]$, all fed
-# by the same scalar input $x_t$; the output mixes them with the output coefficients $C_t[n]$:
+# At every position $t$ there are $N$ states $h_t[0], \dots, h_t[N-1]$. Each is chapter 02's first-order
+# recurrence with its own gate $a_t[n]$ and its own input coefficient $B_t[n]$, all fed by the same scalar
+# input $x_t$; the output mixes them with the output coefficients $C_t[n]$:
 #
 # $$h_t[n] = a_t[n]\, h_{t-1}[n] + b_t[n], \quad b_t[n] = B_t[n]\, x_t, \qquad
 # y_t = \sum_{n=0}^{N-1} C_t[n]\, h_t[n], \qquad h_{-1}[n] = \text{the initial state (zero by default)}.$$
 #
 # This is Mamba's scan for one channel before discretisation (chapter 05 sets $a_t = e^{\Delta_t A}$).
-# Mamba stores $B$ and $C$ as `(batch, N, L)`, so we do too. In code the arguments are
-# `a, b, c` `(batch, N, L)` and `x` `(batch, L)`: **`b` holds $B$ and `c` holds $C$** (the public
-# API's names). A batch row is one independent sequence; in Mamba, one (sample, channel) pair.
-#
-# The reference is the loop itself, run in float64. It is exported: the tests use it.
+# In code `a, b, c` are `(batch, N, L)`, Mamba's layout, and `x` is `(batch, L)`: **`b` holds $B$ and
+# `c` holds $C$**. A batch row is one independent sequence (in Mamba, one (sample, channel) pair). The
+# reference is the loop itself, in float64; it is exported for the tests.
 
 # %%
 #| export
@@ -100,13 +93,10 @@ def multistate_scan_ref(a, b, c, x, initial_state=None):
 
 
 # %% [markdown]
-# The states never talk to each other (nothing couples $n$ and $n'$), so the $N$-state scan must equal
-# $N$ separate first-order scans, each one chapter 03's `scan_lib.linear_scan` over a row of
-# $(a[n], B[n] x)$, weighted by $C$ and added up. That is an independent computation (a Triton kernel,
-# not the loop), so the cell checks the reference against it, at awkward lengths, in float64.
-#
-# The inputs used throughout: gates $a$ in $(0.9, 1)$, memories of ten steps and longer, like
-# Mamba's $e^{\Delta A}$; $B$, $C$, $x$ standard normal.
+# Nothing couples $n$ and $n'$, so the reference must equal $N$ runs of chapter 03's `scan_lib.linear_scan`
+# over the rows $(a[n], B[n] x)$ (`reference_states`, all the states), weighted by $C$ and added up.
+# Inputs throughout: gates in $(0.9, 1)$, memories of ten steps and longer, like Mamba's $e^{\Delta A}$;
+# $B$, $C$, $x$ standard normal.
 
 # %%
 def random_inputs(batch, n_states, length, dtype=torch.float32, seed=0):
@@ -123,10 +113,14 @@ def rel_err(got, want):
     return ((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
 
 
+def reference_states(a, b, x, initial_state=None):
+    """All states h, batch x N x L: N first-order scans, chapter 03's linear_scan over the rows (a[n], B[n] x)."""
+    return scan_lib.linear_scan(a, b * x[:, None, :], initial_state)
+
+
 for length in (1, 7, 129, 1000):
     a, b, c, x = random_inputs(3, 5, length, dtype=torch.float64, seed=length)
-    h_rows = scan_lib.linear_scan(a, b * x[:, None, :])                      # batch x N x L, N scans
-    err = rel_err(multistate_scan_ref(a, b, c, x)[0], (c * h_rows).sum(dim=1))
+    err = rel_err(multistate_scan_ref(a, b, c, x)[0], (c * reference_states(a, b, x)).sum(dim=1))
     print(f"L = {length:4d}: reference vs N linear_scans, max rel err {err:.1e}")
     assert err < 1e-12
 
@@ -141,14 +135,13 @@ x_demo = torch.zeros(1, length, dtype=torch.float64)
 x_demo[0, 16:64] = 1.0                                                     # 1 x L: a pulse
 gates = 1 - 0.5 ** (torch.arange(n_states, dtype=torch.float64) + 1)      # N
 a_demo = gates[None, :, None].expand(1, n_states, length)                 # 1 x N x L
-b_demo, c_demo = 1 - a_demo, torch.full_like(a_demo, 1 / n_states)
-y_demo, _ = multistate_scan_ref(a_demo, b_demo, c_demo, x_demo)
+y_demo, _ = multistate_scan_ref(a_demo, 1 - a_demo, torch.full_like(a_demo, 1 / n_states), x_demo)
+h_demo = reference_states(a_demo, 1 - a_demo, x_demo)[0]                  # N x L
 
 fig, ax = plt.subplots(figsize=(7, 3.5))
 ax.plot(x_demo[0], "k--", lw=1, label="$x_t$")
 for n in range(n_states):
-    h_n, _ = multistate_scan_ref(a_demo[:, n:n + 1], b_demo[:, n:n + 1], torch.ones_like(c_demo[:, :1]), x_demo)
-    ax.plot(h_n[0], label=f"$h_t[{n}]$, $a={gates[n]:.4f}$")
+    ax.plot(h_demo[n], label=f"$h_t[{n}]$, $a={gates[n]:.4f}$")
 ax.plot(y_demo[0], "k", lw=2, label=r"$y_t=\frac{1}{4}\sum_n h_t[n]$")
 ax.set_xlabel("t"); ax.legend(fontsize=7, loc="upper right"); ax.set_title("four states, four decay rates, one output")
 save_figure(fig, "multistate_emas.png")
@@ -156,30 +149,24 @@ save_figure(fig, "multistate_emas.png")
 # %% [markdown]
 # ## 2 · The states are the expensive part
 #
-# Per position the inputs are $3N + 1$ numbers ($a$, $B$, $C$, $x$) and the output is one. The states
-# are $N$ numbers per position too, so a design that *writes the states out* (a scan kernel writes $h$,
-# a second kernel reads $h$ and $C$ and sums over $N$) moves two more $(\text{batch}, N, L)$ tensors
-# through the GPU's main memory (HBM), and for training autograd keeps them too.
-#
-# The fused design (the one Mamba's CUDA kernel uses) never writes the states: a chunk of
-# $L_{\text{block}} \times N$ states lives on chip, is reduced to $y$ there, and only the $N$ states at
-# the end of the chunk are carried to the next chunk. For the backward pass it saves the state entering
-# each chunk, $\lceil L / L_{\text{block}} \rceil \cdot N$ numbers per sequence, and recomputes the
-# states inside a chunk from them. Its forward moves
+# Per position the inputs are $3N + 1$ numbers ($a$, $B$, $C$, $x$), the output is one, and the states
+# are $N$ more. Writing the states out (a scan kernel writes $h$, a second kernel reads it back with $C$)
+# moves two more $(\text{batch}, N, L)$ tensors through the GPU's main memory (HBM), and autograd keeps
+# them for the backward. The fused design
+# (Mamba's CUDA kernel) never writes them: a chunk of $L_{\text{block}} \times N$ states lives on chip, is
+# reduced to $y$ there, and only its last $N$ states are carried to the next chunk. For the backward it
+# saves the state entering each chunk, $\lceil L / L_{\text{block}} \rceil N$ numbers per sequence, and
+# recomputes the rest. It moves
 #
 # $$\underbrace{3\,\text{batch}\,N L + \text{batch}\,L}_{a,\ B,\ C,\ x\ \text{read}} +
 # \underbrace{\text{batch}\,L + \text{batch}\,N}_{y,\ \text{last state written}}
 # \ \big(+\ \text{batch}\,\lceil L/L_{\text{block}}\rceil N\ \text{boundary states, for training}\big)$$
 #
-# numbers. The table evaluates it at a realistic size: batch = 4096 sequences (say 4 samples x 1024
-# channels of a small Mamba layer) of length $L = 1024$ with $N = 16$ states, in float32. ("Going
-# deeper: counting the bytes" checks the formula against the bytes the op really reads and writes,
-# and what autograd really keeps.)
+# numbers, here at batch = 4096 sequences (say 4 samples x 1024 channels) of $L = 1024$, $N = 16$, in
+# float32. ("Going deeper: counting the bytes" checks the formula against what the op really moves and
+# keeps, and draws both designs.)
 
 # %%
-from scan_lib.multistate import default_block_l
-
-
 def fused_bytes(batch, length, n_states, itemsize=4, block_l=None, acc_itemsize=4):
     """The formula above: the fused forward's traffic; with block_l, plus the saved boundary states."""
     numbers = 3 * batch * n_states * length + 2 * batch * length + batch * n_states
@@ -191,77 +178,21 @@ batch_big, length_big, n_states_big = 4096, 1024, 16
 block_big = default_block_l(length_big, n_states_big)            # the chunk length multistate_scan picks
 states_big = batch_big * n_states_big * length_big * 4            # all states, float32, bytes
 fused_big = fused_bytes(batch_big, length_big, n_states_big)
-for design, nbytes in {"fused (states on chip)": fused_big,
-                       "two passes (states via HBM)": fused_big + 2 * states_big,     # + write h, read h back
-                       "all states (batch, N, L)": states_big,
-                       f"boundary states, block_l={block_big}": fused_bytes(batch_big, length_big, n_states_big, block_l=block_big) - fused_big}.items():
+for design, nbytes in {"fused (states on chip)": fused_big, "two passes (states via HBM)": fused_big + 2 * states_big,
+                       "all states (batch, N, L)": states_big, f"boundary states, block_l={block_big}":
+                       fused_bytes(batch_big, length_big, n_states_big, block_l=block_big) - fused_big}.items():
     print(f"{design:32s} {nbytes / 2**20:8.0f} MiB")
-
-# %% [markdown]
-# The picture: which tensors cross between HBM and the chip in each design, with the sizes above.
-# (On a GPU its label carries the copy bandwidth measured here, `scan_lib.runtime.copy_bandwidth`, the
-# rate the benchmark's memory floor divides by.)
-
-# %%
-bandwidth = None
-if ON_GPU:
-    from scan_lib.runtime import copy_bandwidth
-    bandwidth = copy_bandwidth()   # bytes / s, read + write, of a 1 GiB device-to-device copy
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-
-
-def draw_memory_figure(batch, length, n_states, block_l, bandwidth, itemsize=4):
-    """Two panels: the tensors each design reads from (blue) or writes to (red) HBM, and what stays on chip."""
-    bnl, bl = batch * n_states * length, batch * length
-    designs = {"two passes: states written to HBM": (
-                   [("a", bnl, "r"), ("B", bnl, "r"), ("x", bl, "r"), ("h", bnl, "rw"), ("C", bnl, "r"), ("y", bl, "w")],
-                   "scan kernel: h = a h + B x\nreduce kernel: y = sum_n C h"),
-               "fused: states stay on chip": (
-                   [("a", bnl, "r"), ("B", bnl, "r"), ("C", bnl, "r"), ("x", bl, "r"), ("y", bl, "w"),
-                    ("h at\nchunk\nstarts", bnl // block_l, "w")],
-                   f"tiles of {block_l} x N: scan, y = sum over N of C h;\ncarry: N states in registers")}
-    hbm = "HBM (off chip" + (f", {bandwidth / 1e12:.2f} TB/s copy)" if bandwidth else ")")
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
-    for ax, (title, (tensors, on_chip)) in zip(axes, designs.items()):
-        ax.set_xlim(0, 12); ax.set_ylim(0, 8); ax.axis("off"); ax.set_title(title, fontsize=10)
-        ax.add_patch(matplotlib.patches.Rectangle((0.2, 4.6), 11.6, 3.1, fc="#eeeeee", ec="k"))
-        ax.add_patch(matplotlib.patches.Rectangle((0.2, 0.3), 11.6, 2.6, fc="#fff7e0", ec="k"))
-        ax.text(0.4, 7.3, hbm, fontsize=8, weight="bold")
-        ax.text(0.4, 0.5, "on chip: registers of one program", fontsize=8, weight="bold")
-        ax.text(6, 1.7, on_chip, ha="center", va="center", fontsize=8)
-        for i, (name, numel, mode) in enumerate(tensors):
-            x0 = 0.4 + i * 1.9
-            ax.add_patch(matplotlib.patches.Rectangle((x0, 5.0), 1.7, 1.9, fc="white", ec="k"))
-            ax.text(x0 + 0.85, 6.3, name, ha="center", va="center", fontsize=8 if len(name) < 3 else 6.5)
-            ax.text(x0 + 0.85, 5.3, f"{numel * itemsize / 2**20:.0f} MiB", ha="center", fontsize=7)
-            for kind, dx, ends in (("r", 0.6, (2.95, 4.95)), ("w", 1.1, (4.95, 2.95))):
-                if kind in mode:
-                    ax.annotate("", (x0 + dx, ends[0]), (x0 + dx, ends[1]),
-                                arrowprops=dict(arrowstyle="->", color="#4c72b0" if kind == "r" else "#c44e52"))
-        moved = sum(numel * len(mode) for _, numel, mode in tensors)
-        ax.text(6, 3.75, f"moved through HBM: {moved * itemsize / 2**20:.0f} MiB", ha="center", fontsize=9,
-                weight="bold", bbox=dict(fc="white", ec="none"), zorder=3)
-    fig.suptitle(f"batch={batch}, L={length}, N={n_states}, float32; blue: read, red: written "
-                 "(chunk-start states: for the backward)", fontsize=9)
-    return fig
-
-
-save_figure(draw_memory_figure(batch_big, length_big, n_states_big, block_big, bandwidth), "multistate_memory.png")
 
 # %% [markdown]
 # ## 3 · The simplest kernel: one block holds the whole sequence
 #
-# One program per sequence loads a 2-D tile of shape $L_{\text{block}} \times N$ (time along axis 0,
-# state along axis 1) for each of $a$, $B$, $C$, and a vector of $L_{\text{block}}$ inputs $x$. The
-# pairs $(a_t[n],\, B_t[n] x_t)$ are scanned along axis 0 with chapter 02's combine operator
-# `first_order_op`, imported from `scan_lib.ema` (it composes *earlier then later*:
-# $(a_1, b_1) \circ (a_2, b_2) = (a_1 a_2,\, a_2 b_1 + b_2)$). Every column $n$ is an independent
-# scan, so one `tl.associative_scan(..., axis=0)` does all $N$ at once. Its second output is the state
-# $h_t[n]$ (from $h_{-1} = 0$); multiplying by $C$ and summing over axis 1 (`tl.sum(..., axis=1)`)
-# gives $y$. The $L \times N$ states exist only in registers.
-#
-# Tiles are powers of two: positions past $L$ and states past $N$ are masked, and the padding loads
-# $a = 1$, $B = 0$, the identity step, so it cannot disturb anything.
+# One program per sequence loads $L_{\text{block}} \times N$ tiles of $a$, $B$, $C$ (time along axis 0,
+# state along axis 1) and a vector of $L_{\text{block}}$ inputs $x$. Every column $n$ is an independent
+# scan of the pairs $(a_t[n],\, B_t[n] x_t)$, so one `tl.associative_scan(..., axis=0)` with chapter 02's
+# `first_order_op` (it composes *earlier then later*: $(a_1, b_1) \circ (a_2, b_2) = (a_1 a_2,\, a_2 b_1 + b_2)$)
+# does all $N$ at once. Its second output is $h_t[n]$ (from $h_{-1} = 0$); `tl.sum(c * h, axis=1)` gives
+# $y$. Tiles are powers of two; padding loads $a = 1$, $B = 0$, the identity step. The states exist only
+# in registers.
 
 # %%
 @triton.jit
@@ -295,12 +226,10 @@ def multistate_single_block(a, b, c, x):
 
 
 # %% [markdown]
-# How close must it be? Relative to the largest $|y|$, a kernel that accumulates in float32 (float64
-# for float64 inputs) makes one rounding of the output to its dtype, half a unit in the last place:
-# $2^{-24}$ (float32), $2^{-11}$ (float16), $2^{-8}$ (bfloat16; $2^{-7}$ under the CPU interpreter, which
-# truncates float32 to bfloat16 instead of rounding, chapter 00), plus the accumulation's error, a few
-# roundings that decay with the gates: we allow 64 units of $2^{-24}$ ($2^{-53}$ in float64).
-# Accumulating in float16 or bfloat16 fails this (`tests/test_multistate.py` injects it).
+# How close must it be? Relative to the largest $|y|$: one rounding of the output to its dtype, $2^{-24}$
+# (float32), $2^{-11}$ (float16), $2^{-8}$ (bfloat16; $2^{-7}$ under the CPU interpreter, which truncates
+# to bfloat16 instead of rounding, chapter 00), plus 64 units of $2^{-24}$ ($2^{-53}$ in float64) for the
+# float32 (float64) accumulation. Accumulating in float16 or bfloat16 fails this (the tests inject it).
 
 # %%
 def tolerance(dtype):
@@ -320,27 +249,18 @@ for length in (1, 7, 129):
         assert err < tolerance(torch.float32)
 
 # %% [markdown]
-# This kernel is right but cannot scale: the tile grows with $L$, it stops fitting in registers, and
-# Triton refuses any block of more than $2^{20}$ elements ("Going deeper: the largest tile" shows the
-# refusal). The fix is the one from chapters 01 and 02: cut the sequence into chunks and carry a state
-# from chunk to chunk.
-
-# %% [markdown]
 # ## 4 · The blocked kernel: a carry of N states in registers
 #
-# One program still owns one sequence, but now it walks through it in chunks of $L_{\text{block}}$
-# positions. Before a chunk it holds $h_{\text{in}}[n]$, the $N$ states after the previous chunk.
-# The scan of the chunk's pairs gives, for every position, a pair $(P_t[n], \tilde h_t[n])$: the
-# product of the gates since the chunk start and the state the chunk would reach from zero. The true
-# state is one multiply-add, $h_t[n] = P_t[n]\, h_{\text{in}}[n] + \tilde h_t[n]$ (`scan_tile`),
-# and the carry for the next chunk is the tile's last row. (The last row is right even in a partial
-# last chunk: padded rows are identity steps.) Registers cannot be indexed by a variable, so "row $i$
-# of a tile" is `row_of`: `tl.where(rows[:, None] == i, tile, 0.0)` keeps row $i$ and zeroes the
-# others, and `tl.sum(..., axis=0)` collapses the rows into one vector of $N$.
-#
-# This is where the chunk-boundary states go to memory: when gradients will be needed the program
-# writes $h_{\text{in}}$ for every chunk (`SAVE_CHUNKS`). Accumulation is in float32 (float64 for
-# float64 inputs: `ACC`); $y$ and the last state are written in the input dtype.
+# The single tile grows with $L$ until it no longer fits in registers (and Triton refuses blocks of more
+# than $2^{20}$ elements: "Going deeper: the largest tile"). The fix is chapters 01 and 02's: one program
+# still owns one sequence, but walks it in chunks of $L_{\text{block}}$ positions, holding $h_{\text{in}}[n]$,
+# the $N$ states after the previous chunk. The chunk's scan gives, per position, $(P_t[n], \tilde h_t[n])$:
+# the product of the gates since the chunk start and the state reached from zero, so
+# $h_t[n] = P_t[n]\, h_{\text{in}}[n] + \tilde h_t[n]$ (`scan_tile`). The next carry is the tile's last row
+# (right in a partial chunk too: padded rows are identity steps). Registers cannot be indexed by a variable,
+# so `row_of` takes row $i$ as a masked sum: `tl.where` zeroes the other rows, `tl.sum(..., axis=0)`
+# collapses them. When gradients will be needed the program writes $h_{\text{in}}$ of every chunk
+# (`SAVE_CHUNKS`), the only states that reach memory. It accumulates in `ACC` (float32; float64 for float64).
 
 # %%
 #| export
@@ -413,26 +333,11 @@ def multistate_forward(a, b, c, x, initial_state, block_l, save_chunks):
 
 
 # %% [markdown]
-# Checks at awkward lengths and two chunk lengths (so that 1000 is 63 chunks of 16, or 16 chunks of 64
-# with a partial last one), with and without an initial state, in float64 against the reference. The
-# saved boundary states are checked too: the state entering chunk $k$ must be the reference's $h$ at
-# position $k L_{\text{block}} - 1$. A kernel that dropped the carry between chunks fails every row of
-# this table after the first chunk (`tests/test_multistate.py` injects that bug).
+# Checks in float64 at lengths 1, 7, 129, 1000, chunk lengths 16 and 64, with and without an initial state;
+# the state saved entering chunk $k$ must be $h_{k L_{\text{block}} - 1}$ (`reference_states`). Dropping the carry
+# between chunks fails every row past the first chunk (the tests inject that bug).
 
 # %%
-from scan_lib.multistate import num_warps_for  # the launch configuration, explained in "Going deeper"
-
-
-def reference_states(a, b, x, initial_state=None):
-    """All states, batch x N x L, by the loop (float64): for checking the saved chunk states."""
-    h = torch.zeros_like(a[:, :, 0]) if initial_state is None else initial_state
-    out = []
-    for t in range(a.shape[-1]):
-        h = a[:, :, t] * h + b[:, :, t] * x[:, None, t]
-        out.append(h)
-    return torch.stack(out, dim=-1)
-
-
 print(f"{'L':>5} {'block':>5} {'h0':>5} {'err y':>9} {'err last':>9} {'err chunks':>10}  ok")
 for length in (1, 7, 129, 1000):
     for block_l in (16, 64):
@@ -452,10 +357,9 @@ for length in (1, 7, 129, 1000):
 # %% [markdown]
 # ## 5 · The backward pass
 #
-# Given $\partial\mathcal L/\partial y_t$, and $\partial\mathcal L/\partial h_{L-1}$ when the caller used
-# the last state, let $\delta_t[n] = \partial\mathcal L / \partial h_t[n]$ be the adjoint: everything
-# that flows into $h_t[n]$. It reaches the loss directly through $y_t$ (weight $C_t[n]$) and through
-# $h_{t+1}[n] = a_{t+1}[n] h_t[n] + \dots$ (weight $a_{t+1}[n]$), so
+# Given $\partial\mathcal L/\partial y_t$ (and $\partial\mathcal L/\partial h_{L-1}$ if the last state was
+# used), the adjoint $\delta_t[n] = \partial\mathcal L / \partial h_t[n]$ collects what flows into $h_t[n]$:
+# through $y_t$ (weight $C_t[n]$) and through $h_{t+1}[n] = a_{t+1}[n] h_t[n] + \dots$ (weight $a_{t+1}[n]$):
 #
 # $$\delta_t[n] = a_{t+1}[n]\, \delta_{t+1}[n] + C_t[n]\, \frac{\partial\mathcal L}{\partial y_t},
 # \qquad \delta_{L}[n] := \frac{\partial\mathcal L}{\partial h_{L-1}[n]},\ a_{L}[n] := 1 .$$
@@ -469,48 +373,17 @@ for length in (1, 7, 129, 1000):
 # \frac{\partial\mathcal L}{\partial x_t} = \sum_n \delta_t[n]\, B_t[n], \quad
 # \frac{\partial\mathcal L}{\partial h_{-1}[n]} = a_0[n]\, \delta_0[n].$$
 #
-# The gradients of $a$ and $C$ need the forward states. First the formulas, as a PyTorch loop,
-# against autograd through the reference:
-
-# %%
-def multistate_backward_ref(a, b, c, x, initial_state, dy, dh_last):
-    """The formulas above as loops (float64). Returns the gradients of a, B, C, x and the initial state."""
-    states = reference_states(a, b, x, initial_state)                          # batch x N x L
-    h_prev = torch.cat([initial_state[..., None], states[..., :-1]], dim=-1)    # h_{t-1}
-    delta = torch.empty_like(a)                                                 # batch x N x L
-    carry, gate = dh_last, torch.ones_like(dh_last)                             # delta_L, a_L
-    for t in reversed(range(a.shape[-1])):
-        carry = gate * carry + c[:, :, t] * dy[:, None, t]
-        delta[:, :, t], gate = carry, a[:, :, t]
-    return delta * h_prev, delta * x[:, None, :], dy[:, None, :] * states, (delta * b).sum(1), a[:, :, 0] * delta[:, :, 0]
-
-
-a, b, c, x = (t.requires_grad_() for t in random_inputs(2, 3, 50, dtype=torch.float64, seed=1))
-h0 = torch.randn(2, 3, dtype=torch.float64, device=DEVICE, requires_grad=True)
-dy, dh_last = torch.randn(2, 50, dtype=torch.float64, device=DEVICE), torch.randn(2, 3, dtype=torch.float64, device=DEVICE)
-autograd_grads = torch.autograd.grad(multistate_scan_ref(a, b, c, x, h0), (a, b, c, x, h0), (dy, dh_last))
-with torch.no_grad():
-    formula_grads = multistate_backward_ref(a, b, c, x, h0, dy, dh_last)
-for name, got, want in zip(("a", "B", "C", "x", "h0"), formula_grads, autograd_grads):
-    print(f"d{name:3s} max rel err {rel_err(got, want):.1e}")
-    assert rel_err(got, want) < 1e-12
-
-# %% [markdown]
-# ### The backward kernel: states recomputed from the chunk boundaries
-#
-# Storing every $h_t[n]$ for the backward would bring back the $(\text{batch}, N, L)$ tensor we
-# avoided. Instead the backward **recomputes** the states of a chunk from the saved state entering it
-# (as Mamba does): one more scan over data already on chip, cheap next to an HBM round trip.
-#
-# One program per sequence walks the chunks **from last to first**, carrying $\delta$ for the $N$ states
-# in registers. For the chunk starting at $s$:
-# 1. load the saved $h_{s-1}$ and scan the pairs shifted right by one position, $(a_{t-1}, B_{t-1} x_{t-1})$
-#    with the identity at the first row: that gives $h_{t-1}$ for every row, and $h_t = a_t h_{t-1} + B_t x_t$;
-# 2. scan the pairs $(a_{t+1}[n], C_t[n]\, \partial\mathcal L/\partial y_t)$ with `reverse=True` (Triton's
-#    reverse scan composes from the end of the axis, so `first_order_op` applies, *later then earlier*)
-#    and apply the carry: $\delta_t = Q_t \delta_{\text{carry}} + \tilde\delta_t$, with $Q_t$ the product of the
-#    shifted gates from $t$ to the chunk's end. $a_{t+1}$ is loaded one position to the right, so the
-#    chunk's last row reads the next chunk's first gate, and $t = L - 1$ reads $a_L = 1$ (`other=1`);
+# ("Going deeper: the backward formulas as a loop" checks them against autograd.) The gradients of $a$
+# and $C$ need the forward states; storing them would bring back the $(\text{batch}, N, L)$ tensor, so the
+# kernel **recomputes** each chunk's states from the saved state entering it (as Mamba does), one more
+# scan of data already on chip. One program per sequence walks the chunks **from last to first**, carrying
+# $\delta$ for the $N$ states in registers. For the chunk starting at $s$:
+# 1. scan the pairs shifted right by one, $(a_{t-1}, B_{t-1} x_{t-1})$ (the identity at the first row), from
+#    the saved $h_{s-1}$: that gives $h_{t-1}$ on every row, and $h_t = a_t h_{t-1} + B_t x_t$;
+# 2. scan $(a_{t+1}[n], C_t[n]\, \partial\mathcal L/\partial y_t)$ with `reverse=True` (it composes from the
+#    end of the axis, so `first_order_op` applies, *later then earlier*) and apply the carry:
+#    $\delta_t = Q_t \delta_{\text{carry}} + \tilde\delta_t$, $Q_t$ the product of the shifted gates from $t$ to the
+#    chunk's end. The last row reads the next chunk's first gate; $t = L - 1$ reads $a_L = 1$ (`other=1`);
 # 3. write the four gradients; the new carry is the first row, $\delta_s$.
 #
 # After the leftmost chunk, the initial state's gradient is $a_0 \delta_0$.
@@ -584,8 +457,7 @@ def multistate_backward(a, b, c, x, h_chunks, dy, dh_last, block_l):
 
 # %% [markdown]
 # Every gradient against autograd through the float64 loop, at lengths 1, 7, 129, 1000, chunk lengths
-# 16 and 64, with an initial state, a gradient flowing into the last state, and $N = 5$ (not a power
-# of two, so the state axis is masked too).
+# 16 and 64, with an initial state, a gradient into the last state, and $N = 5$ (the state axis masked).
 
 # %%
 print(f"{'L':>5} {'block':>5} " + " ".join(f"{'d' + k:>8}" for k in ("a", "B", "C", "x", "h0")) + "  ok")
@@ -607,20 +479,9 @@ for length in (1, 7, 129, 1000):
 # %% [markdown]
 # ## 6 · The exported API
 #
-# `multistate_scan(a, b, c, x, initial_state=None, return_last_state=False, block_l=None)`:
-#
-# - `a`, `b` ($B$), `c` ($C$): `(batch, N, L)`, `x`: `(batch, L)`, `initial_state`: `(batch, N)` or `None`
-#   (zeros); one floating dtype, contiguous, on one device, none empty, $N \le 256$, any $L \ge 1$.
-# - returns `y` `(batch, L)`, or `(y, last_state)` with `last_state` `(batch, N)`, in the input dtype;
-#   float16 / bfloat16 / float32 accumulate in float32, float64 in float64.
-# - differentiable in every input, once: second derivatives raise a `RuntimeError` naming
-#   `multistate_scan`. It works under `torch.func.grad`, `torch.func.vmap` and
-#   `torch.compile(fullgraph=True)` ("Going deeper" shows how and checks each).
-# - `block_l`, the chunk length (a power of two, 2 to 4096, with `block_l` x N at most $2^{14}$), by
-#   default about 1024 / N.
-#
-# The function checks its arguments, then calls the forward as a torch custom op, through an autograd
-# Function when a gradient may be needed (the wiring is in "Going deeper").
+# The docstring is the contract. The function checks its arguments, then runs the forward as a torch
+# custom op, through an autograd Function when a gradient may be needed; that wiring, and why a second
+# derivative raises, are in "Going deeper".
 
 # %%
 #| export
@@ -642,8 +503,7 @@ def multistate_scan(a, b, c, x, initial_state=None, return_last_state=False, blo
 
 
 # %% [markdown]
-# The public function in every dtype against the float64 reference computed from the same (rounded)
-# inputs, with section 3's `tolerance`.
+# Every dtype against the float64 reference of the same (rounded) inputs, with section 3's `tolerance`:
 
 # %%
 from scan_lib.multistate import multistate_scan  # the exported copy, wiring included, as a user imports it
@@ -660,28 +520,13 @@ for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
         assert ok
 
 # %% [markdown]
-# `torch.autograd.gradcheck` (finite differences in float64, every input perturbed: `fast_mode=False`)
-# on $L = 5$ with `block_l=2`, so that three chunks (the last one partial) are crossed, through both
-# outputs.
-
-# %%
-a, b, c, x = (t.requires_grad_() for t in random_inputs(1, 2, 5, dtype=torch.float64, seed=3))
-h0 = torch.randn(1, 2, dtype=torch.float64, device=DEVICE, requires_grad=True)
-assert torch.autograd.gradcheck(
-    lambda *args: multistate_scan(*args, return_last_state=True, block_l=2), (a, b, c, x, h0), fast_mode=False
-)
-print("gradcheck (fast_mode=False) passed")
-
-# %% [markdown]
 # ## 7 · Speed on a GPU
 #
-# At batch = 4096, $L = 1024$, $N = 16$, in float32 and bfloat16, forward and forward + backward: the
-# fused scan against a PyTorch scan that materialises every state. That one is a real parallel scan,
-# not a Python loop: Hillis-Steele doubling, $\lceil \log_2 L \rceil$ steps, each composing every position
-# with the one `shift` places before it, all $(\text{batch}, N, L)$ at once; then $y = \sum_n C \odot h$.
-# It is checked against the reference first. The memory floor is the fused design's bytes (section 2's
-# formula; for the backward, reading $a, B, C, x$, $\partial\mathcal L/\partial y$ and writing the four
-# gradients) divided by the copy bandwidth measured in section 2. The cell prints what the measurements say.
+# At section 2's size, in float32 and bfloat16, forward and forward + backward: the fused scan against a
+# PyTorch scan that materialises every state, a real parallel scan (Hillis-Steele doubling: $\lceil \log_2 L
+# \rceil$ steps, each composing every position with the one `shift` places before it), checked first. The
+# memory floor is the fused design's bytes (section 2; the backward reads $a, B, C, x$,
+# $\partial\mathcal L/\partial y$ and writes four gradients) over the measured copy bandwidth.
 
 # %%
 def multistate_scan_materialised(a, b, c, x):
@@ -709,9 +554,11 @@ def training_bytes(batch, length, n_states, itemsize=4):
 
 
 if not ON_GPU:
+    bandwidth = None
     print("skipped: no GPU (the benchmark needs do_bench on CUDA)")
 else:
-    from scan_lib.runtime import median_us
+    from scan_lib.runtime import copy_bandwidth, median_us
+    bandwidth = copy_bandwidth()   # bytes / s, read + write, of a 1 GiB device-to-device copy
 
     def device_inputs(dtype):
         """Benchmark inputs made on the GPU directly: a in (0.9, 1), b, c, x normal."""
@@ -753,11 +600,38 @@ else:
               f"   {r['fused Triton'] / r['memory floor']:13.2f}   {r['materialised PyTorch'] / r['fused Triton']:20.1f}")
     for key, r in results.items():
         assert r["fused Triton"] < r["materialised PyTorch"], key
+
+# %% [markdown]
+# "fused / floor" near 1 means memory-bound; "materialised / fused" is the price of writing the states.
+# The table drawn, bfloat16 against float32, and which chunk length is fastest: "Going deeper".
+#
+# ## Summary
+#
+# - $N$ states per position are $N$ independent first-order scans sharing the input $x$, mixed into one
+#   output; a 2-D tile scanned along time handles all of them with one `tl.associative_scan`.
+# - The arithmetic is cheap; the $(\text{batch}, N, L)$ states are not. The fused kernel keeps them in
+#   registers, carries $N$ numbers from chunk to chunk, and writes only $y$, the last state and, for
+#   training, the states at chunk boundaries, from which the backward (the same scan right to left, the
+#   gate shifted by one) recomputes them.
+# - Next, chapter 05 adds Mamba's discretisation, $a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t u_t$, and shares
+#   $B$, $C$ across channels.
+
+# %% [markdown]
+# ## Going deeper: the speed table drawn, and bfloat16
+#
+# On a GPU, section 7's table as a chart, and bfloat16 against float32. If bfloat16's forward is much
+# further from its memory floor than float32's, the kernel is not memory-bound in bfloat16: the work on
+# chip (everything converted to float32, a $\log_2 L_{\text{block}}$-level scan per chunk, chunks walked one
+# after another by one program) does not shrink with the dtype.
+
+# %%
+if not ON_GPU:
+    print("skipped: no GPU (section 7's benchmark did not run)")
+else:
     time_ratio = results["bfloat16 fwd"]["fused Triton"] / results["float32 fwd"]["fused Triton"]
     print(f"bfloat16 halves the bytes; its fused forward takes {time_ratio:.2f}x the float32 time, at "
           f"{results['bfloat16 fwd']['fused Triton'] / results['bfloat16 fwd']['memory floor']:.1f}x its memory floor "
           f"(float32: {results['float32 fwd']['fused Triton'] / results['float32 fwd']['memory floor']:.1f}x)")
-
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = list(next(iter(results.values())))
     width = 0.8 / len(names)
@@ -770,29 +644,6 @@ else:
     ax.legend(fontsize=8)
     save_figure(fig, "multistate_benchmark.png")
 
-# %% [markdown]
-# How to read the printed lines:
-#
-# - "fused / floor" says how close the fused kernel is to moving its bytes at copy speed; close to 1
-#   means memory-bound. "materialised / fused" is the price of writing the states: the doubling scan's
-#   $\lceil \log_2 L \rceil$ passes over $(\text{batch}, N, L)$ tensors ("Going deeper" counts its bytes).
-# - If bfloat16 is much further from its floor than float32, the kernel is not memory-bound in
-#   bfloat16: the work on chip (everything converted to float32, a $\log_2 L_{\text{block}}$-level scan
-#   per chunk, chunks walked one after another by one program) does not shrink with the dtype. Cutting
-#   that work is for a later chapter.
-# - Which chunk length is fastest, in each dtype, is measured in "Going deeper: launch configuration".
-#
-# ## Summary
-#
-# - $N$ states per position are $N$ independent first-order scans that share the input $x$ and are
-#   mixed into one output; a 2-D tile scanned along time handles all of them with one `tl.associative_scan`.
-# - The arithmetic is cheap; the $(\text{batch}, N, L)$ states are not. The fused kernel keeps them in
-#   registers, carries $N$ numbers from chunk to chunk, and writes only $y$, the last state and, for
-#   training, the state at each chunk boundary ("Going deeper" measures both).
-# - The backward is the same scan run right to left with the gate shifted by one, per state; it
-#   recomputes each chunk's states from the saved boundary state instead of storing them.
-# - Next, chapter 05 adds Mamba's discretisation, $a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t u_t$, and shares
-#   $B$, $C$ across channels.
 
 # %% [markdown]
 # ## Going deeper: launch configuration
@@ -845,27 +696,53 @@ else:
 
 
 # %% [markdown]
+# ## Going deeper: the backward formulas as a loop
+#
+# Section 5's formulas, written as a PyTorch loop in float64 (the adjoint run right to left, then the
+# local products), against autograd through the reference:
+
+# %%
+def multistate_backward_ref(a, b, c, x, initial_state, dy, dh_last):
+    """The formulas above as loops (float64). Returns the gradients of a, B, C, x and the initial state."""
+    states = reference_states(a, b, x, initial_state)                          # batch x N x L
+    h_prev = torch.cat([initial_state[..., None], states[..., :-1]], dim=-1)    # h_{t-1}
+    delta = torch.empty_like(a)                                                 # batch x N x L
+    carry, gate = dh_last, torch.ones_like(dh_last)                             # delta_L, a_L
+    for t in reversed(range(a.shape[-1])):
+        carry = gate * carry + c[:, :, t] * dy[:, None, t]
+        delta[:, :, t], gate = carry, a[:, :, t]
+    return delta * h_prev, delta * x[:, None, :], dy[:, None, :] * states, (delta * b).sum(1), a[:, :, 0] * delta[:, :, 0]
+
+
+a, b, c, x = (t.requires_grad_() for t in random_inputs(2, 3, 50, dtype=torch.float64, seed=1))
+h0 = torch.randn(2, 3, dtype=torch.float64, device=DEVICE, requires_grad=True)
+dy, dh_last = torch.randn(2, 50, dtype=torch.float64, device=DEVICE), torch.randn(2, 3, dtype=torch.float64, device=DEVICE)
+autograd_grads = torch.autograd.grad(multistate_scan_ref(a, b, c, x, h0), (a, b, c, x, h0), (dy, dh_last))
+with torch.no_grad():
+    formula_grads = multistate_backward_ref(a, b, c, x, h0, dy, dh_last)
+for name, got, want in zip(("a", "B", "C", "x", "h0"), formula_grads, autograd_grads):
+    print(f"d{name:3s} max rel err {rel_err(got, want):.1e}")
+    assert rel_err(got, want) < 1e-12
+
+# %% [markdown]
 # ## Going deeper: a torch op, autograd, and transforms
 #
 # The launchers become torch custom ops (`scan_lib.runtime.custom_op`, a thin wrapper of
-# `torch.library.custom_op`): `multistate_fwd` and `multistate_bwd`. To torch they are opaque
-# operators with
+# `torch.library.custom_op`), `multistate_fwd` and `multistate_bwd`, opaque to torch except for
 # - a **fake** implementation (`register_fake`): output shapes and dtypes without running the kernel, so
 #   `torch.compile` can trace through them on fake tensors without a graph break;
-# - a **vmap** rule (`register_vmap`): `torch.func.vmap` adds a batch dimension; the rule moves it to
-#   the front and folds it into the kernel's batch of sequences, which are independent anyway.
+# - a **vmap** rule (`register_vmap`): the rule moves `torch.func.vmap`'s batch dimension to the front and
+#   folds it into the kernel's batch of sequences, which are independent anyway.
 #
-# Autograd is a `torch.autograd.Function` with the forward / `setup_context` / backward split, which
+# Autograd is a `torch.autograd.Function` with the forward / `setup_context` / backward split that
 # `torch.func.grad` requires, and `generate_vmap_rule = True`. The forward returns the boundary states
 # as a third, non-differentiable output so that `setup_context` can save them.
 #
 # **Second derivatives are not supported.** The backward kernel's outputs carry no graph, so a second
-# derivative through them would silently miss this scan's contribution (the Hessian would come out
-# wrong, or zero). The backward therefore runs the kernel inside a second autograd Function,
-# `MultistateScanBackward`, whose own backward raises a `RuntimeError` naming `multistate_scan`: a
-# first derivative, also under `torch.func.grad` (which runs backward with gradients enabled), works;
-# anything that differentiates it again, `torch.autograd.functional.hessian` or `gradgradcheck`
-# included, fails loudly.
+# derivative would silently miss this scan's contribution (a wrong or zero Hessian). So the backward
+# runs the kernel inside a second autograd Function, `MultistateScanBackward`, whose own backward raises
+# a `RuntimeError` naming `multistate_scan`: a first derivative works (also under `torch.func.grad`,
+# which runs the backward with gradients enabled); differentiating it again fails loudly.
 
 # %%
 #| export
@@ -1009,13 +886,20 @@ class MultistateScanBackward(torch.autograd.Function):
 
 
 # %% [markdown]
-# The op under each transform, against the plain call: `torch.func.grad`, `torch.func.vmap` (over an
+# First `torch.autograd.gradcheck` through this wiring (finite differences in float64, `fast_mode=False`)
+# on $L = 5$ with `block_l=2`, so that three chunks (the last one partial) are crossed, through both
+# outputs. Then the op under each transform, against the plain call: `torch.func.grad`, `torch.func.vmap` (over an
 # extra leading dimension), `torch.compile(fullgraph=True)` (a graph break would be an error; the
 # `aot_eager` backend traces forward and backward through the fake implementations without needing
 # a C compiler), and a Hessian, which must raise.
 
 # %%
-from scan_lib.multistate import multistate_scan
+a, b, c, x = (t.requires_grad_() for t in random_inputs(1, 2, 5, dtype=torch.float64, seed=3))
+h0 = torch.randn(1, 2, dtype=torch.float64, device=DEVICE, requires_grad=True)
+assert torch.autograd.gradcheck(
+    lambda *args: multistate_scan(*args, return_last_state=True, block_l=2), (a, b, c, x, h0), fast_mode=False
+)
+print("gradcheck (fast_mode=False) passed")
 
 a, b, c, x = random_inputs(2, 3, 20, dtype=torch.float64, seed=6)
 loss = lambda a, b, c, x: (multistate_scan(a, b, c, x, block_l=8) ** 2).sum()
@@ -1164,6 +1048,52 @@ assert doubling_saved >= all_states
 print(f"at batch={batch_big}, L={length_big}, N={n_states_big}, block_l={block_big}: the fused scan keeps "
       f"{batch_big * math.ceil(length_big / block_big) * n_states_big * 4 / 2**20:.0f} MiB, all states are {states_big / 2**20:.0f} MiB")
 
+
+# %% [markdown]
+# The picture: which tensors cross between HBM and the chip in each design, at section 2's size. (On a GPU
+# its label carries the copy bandwidth measured in section 7.)
+
+# %%
+import matplotlib
+
+
+def draw_memory_figure(batch, length, n_states, block_l, bandwidth, itemsize=4):
+    """Two panels: the tensors each design reads from (blue) or writes to (red) HBM, and what stays on chip."""
+    bnl, bl = batch * n_states * length, batch * length
+    designs = {"two passes: states written to HBM": (
+                   [("a", bnl, "r"), ("B", bnl, "r"), ("x", bl, "r"), ("h", bnl, "rw"), ("C", bnl, "r"), ("y", bl, "w")],
+                   "scan kernel: h = a h + B x\nreduce kernel: y = sum_n C h"),
+               "fused: states stay on chip": (
+                   [("a", bnl, "r"), ("B", bnl, "r"), ("C", bnl, "r"), ("x", bl, "r"), ("y", bl, "w"),
+                    ("h at\nchunk\nstarts", bnl // block_l, "w")],
+                   f"tiles of {block_l} x N: scan, y = sum over N of C h;\ncarry: N states in registers")}
+    hbm = "HBM (off chip" + (f", {bandwidth / 1e12:.2f} TB/s copy)" if bandwidth else ")")
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, (title, (tensors, on_chip)) in zip(axes, designs.items()):
+        ax.set_xlim(0, 12); ax.set_ylim(0, 8); ax.axis("off"); ax.set_title(title, fontsize=10)
+        ax.add_patch(matplotlib.patches.Rectangle((0.2, 4.6), 11.6, 3.1, fc="#eeeeee", ec="k"))
+        ax.add_patch(matplotlib.patches.Rectangle((0.2, 0.3), 11.6, 2.6, fc="#fff7e0", ec="k"))
+        ax.text(0.4, 7.3, hbm, fontsize=8, weight="bold")
+        ax.text(0.4, 0.5, "on chip: registers of one program", fontsize=8, weight="bold")
+        ax.text(6, 1.7, on_chip, ha="center", va="center", fontsize=8)
+        for i, (name, numel, mode) in enumerate(tensors):
+            x0 = 0.4 + i * 1.9
+            ax.add_patch(matplotlib.patches.Rectangle((x0, 5.0), 1.7, 1.9, fc="white", ec="k"))
+            ax.text(x0 + 0.85, 6.3, name, ha="center", va="center", fontsize=8 if len(name) < 3 else 6.5)
+            ax.text(x0 + 0.85, 5.3, f"{numel * itemsize / 2**20:.0f} MiB", ha="center", fontsize=7)
+            for kind, dx, ends in (("r", 0.6, (2.95, 4.95)), ("w", 1.1, (4.95, 2.95))):
+                if kind in mode:
+                    ax.annotate("", (x0 + dx, ends[0]), (x0 + dx, ends[1]),
+                                arrowprops=dict(arrowstyle="->", color="#4c72b0" if kind == "r" else "#c44e52"))
+        moved = sum(numel * len(mode) for _, numel, mode in tensors)
+        ax.text(6, 3.75, f"moved through HBM: {moved * itemsize / 2**20:.0f} MiB", ha="center", fontsize=9,
+                weight="bold", bbox=dict(fc="white", ec="none"), zorder=3)
+    fig.suptitle(f"batch={batch}, L={length}, N={n_states}, float32; blue: read, red: written "
+                 "(chunk-start states: for the backward)", fontsize=9)
+    return fig
+
+
+save_figure(draw_memory_figure(batch_big, length_big, n_states_big, block_big, bandwidth), "multistate_memory.png")
 
 # %% [markdown]
 # ## Going deeper: the largest tile
