@@ -114,8 +114,10 @@ def rel_err(got, want):
 
 
 def reference_states(a, b, x, initial_state=None):
-    """All states h, batch x N x L: N first-order scans, chapter 03's linear_scan over the rows (a[n], B[n] x)."""
-    return scan_lib.linear_scan(a, b * x[:, None, :], initial_state)
+    """All states h, batch x N x L: N first-order scans, chapter 03's linear_scan over the rows (a[n], B[n] x),
+    run on DEVICE (the kernels need CUDA tensors on a GPU) and returned on a's device."""
+    on_device = [None if t is None else t.to(DEVICE) for t in (a, b * x[:, None, :], initial_state)]
+    return scan_lib.linear_scan(*on_device).to(a.device)
 
 
 for length in (1, 7, 129, 1000):
