@@ -10,6 +10,9 @@ VENV := .venv
 PY ?= $(VENV)/bin/python
 CHAPTERS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 BUILD := build
+# pytest-xdist workers for make test, one per core: tests spread one by one, notebooks one per worker
+# (a notebook's cells run in order in one kernel)
+WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 export MPLBACKEND := Agg
 
@@ -38,7 +41,9 @@ check: $(SETUP)
 	$(PY) tools/nbtools.py check
 
 test: check
-	SCAN_COURSE_FIGURES=$(CURDIR)/$(BUILD)/figures $(PY) -m pytest -q -p no:cacheprovider tests --nbval-lax --nbval-cell-timeout=1200 $(CHAPTERS)
+	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist load tests
+	SCAN_COURSE_FIGURES=$(CURDIR)/$(BUILD)/figures $(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist loadfile \
+	  --nbval-lax --nbval-cell-timeout=1200 $(CHAPTERS)
 
 course: $(SETUP)
 	mkdir -p $(BUILD)/notebooks $(BUILD)/html
