@@ -659,8 +659,8 @@ print("L = 0: empty result, empty gradients: ok")
 # %% [markdown]
 # ## 6. On a GPU: how fast, and how far from the floor
 #
-# Gates and tokens of shape (batch 8, channels 1024, L 4096) in float32. Both passes are memory-bound:
-# the **memory floor** is the bytes that must move over the copy bandwidth (`copy_bandwidth`, chapter 00,
+# Gates and tokens of shape (batch 8, channels 1024, L 4096) in float32. Both passes do a few flops per
+# element, so the least time they can take is set by memory traffic: the **memory floor** is the bytes that must move over the copy bandwidth (`copy_bandwidth`, chapter 00,
 # measured in the same cell). The forward moves **3 tensors** (reads gates and tokens, writes $h$); forward +
 # backward **8** (the backward also reads gates, $h$ and the incoming gradient, and writes two gradients).
 # The peer is accelerated-scan's Triton kernel (`scan(gates, tokens)`, the same recurrence, built much like
@@ -752,14 +752,17 @@ else:
 
 
 # %% [markdown]
-# (On a GPU the cell above prints the table, its conclusions and the figure.) Both kernels are
-# memory-bound: chapter 02's speed cell times the forward kernel alone, launched directly, against the
-# same floor. The public `linear_scan` adds what lies outside the kernels: the host's Python work per
-# call (input checks, broadcasting, the torch-op and autograd dispatch), allocations and gaps between
-# launches. When that host work takes longer than the GPU's, the GPU waits and the time rises well
-# above the floor, and it varies from run to run: the two "ours" rows run the same forward, so the
-# difference between their forward columns is that variation. Trimming the host's work per call is
-# performance work; `benchmarks/bench_linear_scan.py` times the backward kernel alone.
+# (On a GPU the cell above prints the table, its conclusions and the figure.) The table times the public
+# `linear_scan`, and its "x floor" columns show it several times above the floor. The kernels alone come
+# close to it, but this notebook does not show that: chapter 02's speed cell times the forward kernel
+# alone, launched directly, against the same floor, and `benchmarks/bench_linear_scan.py` times the
+# backward kernel alone (its H200 output is in `benchmarks/results/bench_linear_scan_h200.txt`). The
+# public call adds what lies outside the kernels: the host's Python work per call (input checks,
+# broadcasting, the torch-op and autograd dispatch), allocations and gaps between launches. When that
+# host work takes longer than the GPU's, the GPU waits and the time rises above the floor, and it
+# varies from run to run: the two "ours" rows run the same forward, so the difference between their
+# forward columns is that variation. (The cell does not time the host's work separately: this is the
+# likely explanation, not a measurement.) Trimming the host's work per call is performance work.
 #
 # ## Summary
 #

@@ -604,7 +604,9 @@ else:
         assert r["fused Triton"] < r["materialised PyTorch"], key
 
 # %% [markdown]
-# "fused / floor" near 1 means memory-bound; "materialised / fused" is the price of writing the states.
+# "fused / floor" near 1 means memory-bound; in the table only the float32 forward comes near it, the
+# backward and the bfloat16 rows are further away ("Going deeper" looks at bfloat16). "materialised / fused"
+# is the price of writing the states.
 # The table drawn, bfloat16 against float32, and which chunk length is fastest: "Going deeper".
 #
 # ## Summary
@@ -653,7 +655,7 @@ else:
 # One program per sequence suits many sequences (in Mamba, every (sample, channel) pair is one). With
 # only a few long sequences most of the GPU would sit idle; then the chunks of one sequence would run in
 # parallel in three phases, as in chapters 01 and 02, and again only chunk-boundary states would cross
-# HBM. That variant is left to a later chapter.
+# HBM. This course does not build that variant.
 #
 # `default_block_l` picks about 1024 tile elements ($L_{\text{block}} \times N$), at least 16 rows and
 # no more rows than $L$ needs. `num_warps_for` gives about 8 tile elements per thread, 1 to 8 warps of
