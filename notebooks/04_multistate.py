@@ -655,7 +655,7 @@ else:
 # One program per sequence suits many sequences (in Mamba, every (sample, channel) pair is one). With
 # only a few long sequences most of the GPU would sit idle; then the chunks of one sequence would run in
 # parallel in three phases, as in chapters 01 and 02, and again only chunk-boundary states would cross
-# HBM. This course does not build that variant.
+# HBM. That variant is not built yet.
 #
 # `default_block_l` picks about 1024 tile elements ($L_{\text{block}} \times N$), at least 16 rows and
 # no more rows than $L$ needs. `num_warps_for` gives about 8 tile elements per thread, 1 to 8 warps of

@@ -1056,8 +1056,8 @@ else:
 # %% [markdown]
 # (On a GPU.) The last four lines above say, per dtype and pass, whether ours is faster or slower than
 # the official kernel and how many times the memory floor it takes: in this run ours is far from the
-# floor in every line, and faster than `mamba_ssm` in only one. Closing that gap is not done in this
-# course; "Where the time goes" below lists the likely costs and what to try.
+# floor in every line, and faster than `mamba_ssm` in only one. Closing that gap is still to do;
+# "Where the time goes" below lists the likely costs and what to try.
 #
 # ## What we built
 #
