@@ -538,9 +538,12 @@ for num_warps in (1, 4):
 # this **host overhead** can exceed the GPU's time. `host_us` measures the host's time
 # per call, launches queued back to back; `graph_us` replays the calls from a **CUDA graph** (a
 # recorded sequence of launches, replayed by one call), which removes the host's overhead and leaves
-# the GPU's. Last, a kernel that moves `bytes` through memory cannot take less than `bytes` over the
-# memory bandwidth: `copy_bandwidth` measures that rate by copying 1 GiB, and every benchmark of the
-# course compares its times with this **memory floor**.
+# the GPU's. Last, a kernel that moves `bytes` through memory needs about `bytes` over the memory
+# bandwidth: `copy_bandwidth` measures that rate by copying 1 GiB, and every benchmark of the course
+# compares its times with this **memory floor**. The floor is itself a measurement, of a copy, so a
+# kernel that streams as well as a copy lands on it give or take the run-to-run variation, and may
+# come in slightly under it (the large additions in the table below do); the cell below treats
+# only a time under 0.8 of the floor as a timing error.
 
 # %%
 #| export
@@ -622,7 +625,8 @@ else:
 # Without a GPU, `TRITON_INTERPRET=1` makes `@triton.jit` return an *interpreted* function: each
 # program runs in Python, on NumPy arrays, over CPU tensors. That lets anyone run this course, and
 # the same kernel source runs on a GPU unchanged. But the interpreter is not a GPU: besides its
-# speed (the cell above), four differences matter.
+# speed (which the cell above times when run without a GPU; on a GPU it times the GPU instead),
+# four differences matter.
 #
 # ### 1. Programs run one after another, so races pass
 #
@@ -788,7 +792,9 @@ assert (relative <= bound).all()
 # type ($2^{-7}$ for bfloat16, $2^{-10}$ for float16): nearest gives $\pm(1 + \varepsilon)$,
 # truncation $\pm 1$. (A value exact in the type, such as $1 + 2^{-8} + 2^{-10}$ in float16, cannot
 # catch truncation: `tests/test_runtime.py` shows a truncating conversion passing with it and
-# failing with this one.)
+# failing with this one.) The second cell below prints what `convert_kernel` does on your device:
+# on a GPU, as in the committed run, both conversions round to nearest; under the interpreter the
+# bfloat16 one truncates.
 
 # %%
 #| export
@@ -923,7 +929,10 @@ def check_same_device(**tensors) -> torch.device:
 # arrays can be converted to Python scalars"), which is why `requirements.txt` pins NumPy 2.3 and
 # `use_interpreter_without_gpu` warns about newer ones; Triton 3.9's interpreter runs it, 3.7 and
 # 3.8 were not tried. On a GPU a `while` loop compiles to the same thing as the `for`. The cell
-# tries the `for` loop with whatever NumPy you have.
+# tries the `for` loop with whatever NumPy you have. On a GPU the kernel is compiled, not
+# interpreted, so NumPy plays no part there: the committed output, from a GPU run, shows the `for`
+# loop compiling and running correctly with a NumPy newer than 2.4, which says nothing about the
+# interpreter.
 
 # %%
 @triton.jit

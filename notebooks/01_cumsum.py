@@ -353,8 +353,9 @@ def cumsum_three_phase(x: torch.Tensor, block: int) -> torch.Tensor:
     return y
 
 # %% [markdown]
-# Checked at awkward lengths, with blocks small enough that the totals recurse two and three levels
-# deep (with `BLOCK = 16`, 4097 values give 257 totals, then 17, then 2):
+# Checked at awkward lengths, with blocks small enough that the totals recurse: on a GPU the
+# smallest block is 64, and 4097 values give 65 totals, then 2 (two levels); without a GPU the
+# blocks start at 16, and 4097 values give 257 totals, then 17, then 2 (three levels):
 
 # %%
 torch.manual_seed(4)
@@ -807,9 +808,17 @@ else:
     print("skipped: no GPU (do_bench needs one)")
 
 # %% [markdown]
-# At large sizes the words moved decide ($2L$ for the look-back, $3L$ for reduce-then-scan, $4L$ for
-# the three-phase scan); at small sizes the time is the host's: launching Triton kernels from Python
-# costs more than `torch.cumsum`'s C++ launch ("Going deeper" plots the table and measures the split).
+# What the table shows: only at the largest size, $L = 2^{27}$, do the words moved set the order
+# ($2L$ for the look-back, $3L$ for reduce-then-scan, $4L$ for the three-phase scan): there the
+# look-back is the fastest of the four and beats `torch.cumsum`, as the cell's last lines say. At
+# $2^{26}$ and $2^{25}$ it does not (at $2^{25}$ the look-back is the slowest column). Up to
+# $2^{25}$ the public `cumsum`'s time is mostly the host's: its host time per call alone is many
+# times `torch.cumsum`'s whole median at small sizes, and more than its own GPU time ("Going
+# deeper" plots the table and measures the split). The bare launchers of this chapter carry less
+# host work: the three-phase scan of a single block ($L = 2^{10}$, one launch) even comes in under
+# `torch.cumsum`. At small sizes the Triton columns jump up and down between neighbouring sizes,
+# where GPU work would grow with $L$: host time and its variation from call to call, not the
+# kernels.
 #
 # ## Summary
 #
