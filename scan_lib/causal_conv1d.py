@@ -162,7 +162,7 @@ def causal_conv1d_bwd_kernel(
 # Launch parameters: (block of channels, block of positions, warps). The interpreter runs a program as
 # NumPy array operations, so larger blocks mean fewer programs and a faster CPU run.
 GPU_CONFIG = {"block_d": 32, "block_l": 128, "num_warps": 4}
-CPU_CONFIG = {"block_d": 32, "block_l": 256, "num_warps": 4}
+CPU_CONFIG = {"block_d": 32, "block_l": 512, "num_warps": 4}
 
 
 def _launch_config(dim, length):
