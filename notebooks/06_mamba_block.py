@@ -669,6 +669,9 @@ def _check_inputs(x, weight, bias, initial_states, final_states_out):
     if weight.dim() != 2 or weight.shape[0] != dim or not 2 <= weight.shape[1] <= 4:
         raise ValueError(f"weight must have shape (dim={dim}, width) with width 2, 3 or 4, got {tuple(weight.shape)}")
     width = weight.shape[1]
+    if (dim - 1) * abs(x.stride(1)) + (length - 1) * abs(x.stride(2)) >= 2**31:
+        raise ValueError(f"x of shape {tuple(x.shape)}: one batch element spans 2^31 elements or more, past the "
+                         "kernels' 32-bit offsets within a batch element; split the channels or the sequence")
     for name, value, shape in (("bias", bias, (dim,)), ("initial_states", initial_states, (batch, dim, width - 1)),
                                ("final_states_out", final_states_out, (batch, dim, width - 1))):
         if value is not None and tuple(value.shape) != shape:

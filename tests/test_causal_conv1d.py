@@ -310,3 +310,9 @@ def test_against_the_causal_conv1d_package():
             got.append([out, *torch.autograd.grad((out.double() * dout).sum(), leaves)])
         for a, b in zip(*got):
             assert rel_err(a, b) <= tol
+
+
+def test_offsets_past_32_bits_are_refused():
+    x = torch.empty(1, 2, 2**30 + 2, device="meta")   # shapes only: the check comes before any kernel
+    with pytest.raises(ValueError, match="32-bit offsets"):
+        causal_conv1d(x, torch.empty(2, 4, device="meta"))
