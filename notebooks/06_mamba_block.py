@@ -429,27 +429,30 @@ else:
                     continue
                 print(f"{str(dtype)[6:]:>9} {layout:>22}  " + "  ".join(f"{n} {e:.1e}" for n, e in zip(names, errors)))
                 assert max(errors) < (2**-6 if dtype == torch.bfloat16 else 1e-4), errors
-    batch, dim, length = 8, 2048, 2048
-    g = torch.Generator(device=DEVICE).manual_seed(0)
-    bench_x = torch.randn(batch, dim, length, device=DEVICE, dtype=torch.bfloat16, generator=g).requires_grad_(True)
-    bench_w = (0.5 * torch.randn(dim, 4, device=DEVICE, generator=g)).to(torch.bfloat16).requires_grad_(True)
-    bench_b = torch.randn(dim, device=DEVICE, generator=g).to(torch.bfloat16).requires_grad_(True)
+    bench_batch, bench_dim, bench_length = 8, 2048, 2048
+    bench_gen = torch.Generator(device=DEVICE).manual_seed(0)
+    bench_x = torch.randn(bench_batch, bench_dim, bench_length, device=DEVICE, generator=bench_gen)
+    bench_x = bench_x.to(torch.bfloat16).requires_grad_(True)
+    bench_w = (0.5 * torch.randn(bench_dim, 4, device=DEVICE, generator=bench_gen)).to(torch.bfloat16).requires_grad_(True)
+    bench_b = torch.randn(bench_dim, device=DEVICE, generator=bench_gen).to(torch.bfloat16).requires_grad_(True)
     bench_dout = torch.randn_like(bench_x)
-    impls = {"scan_lib": lambda x, w, b: causal_conv1d(x, w, b, activation="silu"),
-             "F.conv1d+silu": lambda x, w, b: F.silu(F.conv1d(x, w.unsqueeze(1), b, padding=3, groups=dim)[..., :length])}
+    conv_impls = {
+        "scan_lib": lambda x, w, b: causal_conv1d(x, w, b, activation="silu"),
+        "F.conv1d+silu": lambda x, w, b: F.silu(F.conv1d(x, w.unsqueeze(1), b, padding=3, groups=bench_dim)[..., :bench_length]),
+    }
     if causal_conv1d_fn is not None:
-        impls["causal-conv1d"] = lambda x, w, b: causal_conv1d_fn(x, w, b, activation="silu")
+        conv_impls["causal-conv1d"] = lambda x, w, b: causal_conv1d_fn(x, w, b, activation="silu")
     bandwidth = copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}, (batch, dim, L) = {(batch, dim, length)}, bf16, width 4, bias, silu; "
-          f"copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print(f"{torch.cuda.get_device_name()}, (batch, dim, L) = {(bench_batch, bench_dim, bench_length)}, bf16, "
+          f"width 4, bias, silu; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     print(f"{'':>16} {'fwd (us)':>10} {'fwd+bwd (us)':>13}")
-    floors = [conv_io_bytes(batch, dim, length, 2, bwd) / bandwidth * 1e6 for bwd in (False, True)]
+    floors = [conv_io_bytes(bench_batch, bench_dim, bench_length, 2, bwd) / bandwidth * 1e6 for bwd in (False, True)]
     print(f"{'memory floor':>16} {floors[0]:10.0f} {floors[1]:13.0f}")
-    leaves = [bench_x, bench_w, bench_b]
-    for name, fn in impls.items():
+    bench_leaves = [bench_x, bench_w, bench_b]
+    for name, fn in conv_impls.items():
         with torch.no_grad():
             forward = median_us(lambda fn=fn: fn(bench_x, bench_w, bench_b))
-        both = median_us(lambda fn=fn: fn(bench_x, bench_w, bench_b).backward(bench_dout), grad_to_none=leaves)
+        both = median_us(lambda fn=fn: fn(bench_x, bench_w, bench_b).backward(bench_dout), grad_to_none=bench_leaves)
         print(f"{name:>16} {forward:10.0f} {both:13.0f}")
 
 # %% [markdown]
