@@ -142,8 +142,8 @@ assert moved_causal == [5, 6, 7]       # the change reaches t = 5 .. 5 + K - 1, 
 # from cache: the kernel reads $x$ about once. `_x_at` is the one place that knows the padding:
 # positions $< 0$ come from `initial_states` (or are zero), positions $\ge L$ are masked. Bias and
 # SiLU are applied in registers before the single store. The program of the first block of
-# positions also writes the final states, the last $K-1$ columns of $[\,h_0, x\,]$, which are the
-# next piece's `initial_states`. Strides are arguments, so a transposed (channel-last) or sliced `x`
+# positions also writes the final states, the last $K-1$ columns of `cat(initial_states, x)`, which
+# are the next piece's `initial_states`. Strides are arguments, so a transposed (channel-last) or sliced `x`
 # is read in place, never copied.
 
 # %%
@@ -218,8 +218,8 @@ def causal_conv1d_fwd_kernel(
 # $$\frac{\partial\mathcal{L}}{\partial x_s} = \sum_{j=0}^{K-1} w_{K-1-j}\, g_{s+j}:$$
 #
 # the same convolution with the **flipped** filter, run **forward** in time (reading positions
-# $s, \dots, s+K-1$, zero past $L$): the kernel loads $g$ at $K$ shifted positions as the forward
-# loads $x$. The initial states are the inputs at $s = -K+1, \dots, -1$, the same formula. The weight
+# $s, \dots, s+K-1$, zero past $L$): the kernel computes $g$ at $K$ shifted positions as the
+# forward loads $x$ at $K$ shifted positions. The initial states are the inputs at $s = -K+1, \dots, -1$, the same formula. The weight
 # and bias gradients sum over every batch element and position:
 #
 # $$\frac{\partial\mathcal{L}}{\partial w_{d,k}} = \sum_{b,\,t} g_{b,t,d}\; x_{b,\,t-K+1+k,\,d},
