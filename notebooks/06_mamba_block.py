@@ -724,21 +724,24 @@ def causal_conv1d(x, weight, bias=None, seq_idx=None, initial_states=None, retur
 # initial states of a sequence of length 1. `causal_conv1d_update` does it in one small kernel, forward
 # only: the output from the last $K-1$ columns of the state and the new input, then the state shifted
 # left by one with the new input appended, in place (every program reads its rows of the old state,
-# waits at a barrier, then writes them). The check: $L$ steps give the outputs and the final state of
+# waits at a barrier, then writes them); under `torch.compile`, a functional custom op (new state
+# out) and a `copy_` into the state. The check: $L$ steps give the outputs and the final state of
 # one `causal_conv1d` call over the whole sequence.
 
 # %%
 #| export causal_conv1d
 @triton.jit
 def causal_conv1d_update_kernel(
-    X, STATE, WEIGHT, BIAS, OUT,              # b x d, b x d x state_len (updated in place), d x W, d, b x d
+    X, STATE, NEW_STATE, WEIGHT, BIAS, OUT,   # b x d, b x d x state_len (twice: NEW_STATE may be STATE), d x W, d, b x d
     dim, state_len,
-    stride_xb, stride_xd, stride_sb, stride_sd, stride_sl, stride_wd, stride_wk, stride_bias, stride_ob, stride_od,
+    stride_xb, stride_xd, stride_sb, stride_sd, stride_sl, stride_nb, stride_nd, stride_nl,
+    stride_wd, stride_wk, stride_bias, stride_ob, stride_od,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
     """One program per (batch element, block of channels): out = act(bias + sum_k w[k] window[k]), where the
-    window is the last WIDTH columns of cat(state, x); then the state shifts left by one and takes x."""
+    window is the last WIDTH columns of cat(state, x); then the state shifted left by one, with x appended,
+    goes to NEW_STATE (in place when NEW_STATE is STATE)."""
     b = tl.program_id(0).to(tl.int64)
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)                # BLOCK_D
     d_ok = ds < dim
@@ -758,7 +761,33 @@ def causal_conv1d_update_kernel(
     shifted = tl.load(S_ROW[:, None] + (c + 1) * stride_sl, d_ok[:, None] & (c + 1 < state_len), other=0.0)
     shifted = tl.where(c == state_len - 1, x[:, None], shifted)             # BLOCK_D x BLOCK_S
     tl.debug_barrier()  # every read of the old state before any write
-    tl.store(S_ROW[:, None] + c * stride_sl, shifted, d_ok[:, None] & (c < state_len))
+    tl.store(NEW_STATE + b * stride_nb + ds[:, None] * stride_nd + c * stride_nl, shifted,
+             d_ok[:, None] & (c < state_len))
+
+
+def _launch_update(x, conv_state, new_state, weight, bias, silu):
+    out = torch.empty_like(x)
+    state_len = conv_state.shape[2]
+    block_d = min(64, max(triton.next_power_of_2(x.shape[1]), 2))
+    causal_conv1d_update_kernel[(x.shape[0], triton.cdiv(x.shape[1], block_d))](
+        x, conv_state, new_state, weight, bias, out, x.shape[1], state_len, *x.stride(), *conv_state.stride(),
+        *new_state.stride(), *weight.stride(), *_strides(bias, 1), *out.stride(), WIDTH=weight.shape[1],
+        HAS_BIAS=bias is not None, SILU=silu, ACC=accumulator_dtype(_acc_dtype(x, weight)), BLOCK_D=block_d,
+        BLOCK_S=max(triton.next_power_of_2(state_len), 2))
+    return out
+
+
+@custom_op("causal_conv1d_update", __name__)
+def causal_conv1d_update_op(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                            bias: Optional[torch.Tensor], silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The functional form, for torch.compile: out and the new state (a custom op mutates nothing)."""
+    new_state = torch.empty_like(conv_state)
+    return _launch_update(x, conv_state, new_state, weight, bias, silu), new_state
+
+
+@causal_conv1d_update_op.register_fake
+def _(x, conv_state, weight, bias, silu):
+    return torch.empty_like(x), torch.empty_like(conv_state)
 
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
@@ -766,7 +795,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     causal_conv1d_update (forward only). x: (batch, dim), the new input; conv_state: (batch, dim,
     state_len) with state_len >= width - 1, the last inputs, updated in place (shifted left by one, x
     appended); weight: (dim, width); bias: (dim,); activation None, "silu" or "swish".
-    Returns out (batch, dim) in x's dtype: the causal_conv1d output at the new position."""
+    Returns out (batch, dim) in x's dtype: the causal_conv1d output at the new position. No gradients;
+    works under torch.compile (as a functional op and a copy into conv_state)."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
     named = dict(x=x, conv_state=conv_state, weight=weight, bias=bias)
@@ -787,15 +817,12 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     if conv_state.dtype != x.dtype:
         raise TypeError(f"conv_state must have x's dtype {x.dtype}, got {conv_state.dtype}")
     check_same_device(**named)
-    out = torch.empty_like(x)
-    state_len = conv_state.shape[2]
-    block_d = min(64, max(triton.next_power_of_2(dim), 2))
-    causal_conv1d_update_kernel[(batch, triton.cdiv(dim, block_d))](
-        x, conv_state, weight, bias, out, dim, state_len, *x.stride(), *conv_state.stride(), *weight.stride(),
-        *_strides(bias, 1), *out.stride(), WIDTH=width, HAS_BIAS=bias is not None, SILU=activation is not None,
-        ACC=accumulator_dtype(_acc_dtype(x, weight)), BLOCK_D=block_d,
-        BLOCK_S=max(triton.next_power_of_2(state_len), 2))
-    return out
+    silu = activation is not None
+    if torch.compiler.is_compiling():  # traced: the functional op, then the in-place copy torch.compile tracks
+        out, new_state = causal_conv1d_update_op(x, conv_state, weight, bias, silu)
+        conv_state.copy_(new_state)
+        return out
+    return _launch_update(x, conv_state, conv_state, weight, bias, silu)   # eager: one launch, in place
 
 # %%
 from scan_lib.causal_conv1d import causal_conv1d_update

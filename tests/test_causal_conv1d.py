@@ -316,3 +316,17 @@ def test_offsets_past_32_bits_are_refused():
     x = torch.empty(1, 2, 2**30 + 2, device="meta")   # shapes only: the check comes before any kernel
     with pytest.raises(ValueError, match="32-bit offsets"):
         causal_conv1d(x, torch.empty(2, 4, device="meta"))
+
+
+def test_update_under_compile():
+    torch._dynamo.reset()
+    x, weight, b, h0 = make(2, 5, 3, 4, seed=19)[:4]
+
+    def steps(x, state):
+        return torch.stack([causal_conv1d_update(x[..., t], state, weight, b, "silu") for t in range(3)], -1)
+
+    state_eager, state_compiled = h0.clone(), h0.clone()
+    expected = steps(x, state_eager)
+    got = torch.compile(steps, fullgraph=True, backend="aot_eager")(x, state_compiled)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(state_compiled, state_eager, rtol=0, atol=0)
