@@ -100,14 +100,13 @@ def test_final_states_out_and_return_types():
         causal_conv1d(x, weight, final_states_out=buffer)
 
 
-@pytest.mark.parametrize("width,length,activation", [(3, 2, "silu"), (4, 1, None)])
-def test_gradcheck(width, length, activation):
-    """Every input's Jacobian column by column, through out and the final states (L = 1 < width - 1: the
-    final states come partly from initial_states)."""
-    leaves = [t.requires_grad_(True) for t in make(1, 1, length, width, seed=11)[:4]]
+def test_gradcheck():
+    """Every input's Jacobian column by column, through out and the final states (L = 2 < width - 1 = 3:
+    the final states come from initial_states and x)."""
+    leaves = [t.requires_grad_(True) for t in make(1, 1, 2, 4, seed=11)[:4]]
 
     def f(x, weight, bias, h0):
-        return causal_conv1d(x, weight, bias, initial_states=h0, return_final_states=True, activation=activation)
+        return causal_conv1d(x, weight, bias, initial_states=h0, return_final_states=True, activation="silu")
 
     assert torch.autograd.gradcheck(f, leaves, fast_mode=False)
 
