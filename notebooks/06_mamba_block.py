@@ -139,7 +139,7 @@ def causal_conv1d_ref(x, weight, bias=None, initial_states=None, return_final_st
 # $t+1$. The cell changes one input, at position 5, and asks which outputs moved:
 
 # %%
-from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref
+from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update
 
 torch.manual_seed(0)
 conv_x = torch.randn(1, 1, 10, dtype=torch.float64, device=DEVICE)
@@ -495,7 +495,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref
+from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update
 from scan_lib.ema import accumulator_dtype
 from scan_lib.runtime import ON_GPU, check_float_tensor, check_same_device
 from scan_lib.selective_scan import _load_delta, discretize, selective_scan
@@ -723,12 +723,16 @@ class Mamba(nn.Module):
                              f"got {tuple(hidden_states.shape)}")
         self._check_states(hidden_states.shape[0], conv_state, ssm_state)
         x, z = self.in_proj(hidden_states[:, 0]).chunk(2, dim=-1)               # batch x d_inner each
-        conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
-        conv_state[:, :, -1] = x
-        x = (conv_state * self.conv1d.weight[:, 0]).sum(-1)                    # batch x d_inner
-        if self.conv1d.bias is not None:
-            x = x + self.conv1d.bias
-        x = F.silu(x).to(hidden_states.dtype)
+        weight = self.conv1d.weight[:, 0]                                       # d_inner x d_conv
+        if self.backend == "triton":
+            x = causal_conv1d_update(x, conv_state, weight, self.conv1d.bias, self.activation)
+        else:   # shift the window left by one position, append x, and apply the filter
+            conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+            conv_state[:, :, -1] = x
+            x = (conv_state * weight).sum(-1)                                   # batch x d_inner
+            if self.conv1d.bias is not None:
+                x = x + self.conv1d.bias
+            x = F.silu(x).to(hidden_states.dtype)
         delta, B, C = (p[..., 0] for p in self.ssm_parameters(x[:, :, None]))  # b x d_inner; b x N; b x N
         A = -torch.exp(self.A_log.float())
         if self.backend == "triton":
