@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from scan_lib.runtime import save_figure
+from scan_lib.selective_scan import selective_scan_ref
 
 matplotlib.use("Agg")
 
@@ -63,27 +64,1098 @@ def max_err(x, ref):
 # %% [markdown]
 # ## 1. The block at a glance
 #
-# (lead: the data flow of one block)
+# A Mamba language model is a stack of residual blocks `h + Mamba(RMSNorm(h))`. One block maps
+# `hidden_states` of shape (batch, L, d_model) to the same shape in six steps, with
+# $d_{inner} = \text{expand} \cdot d_{model}$ channels inside (`mamba_ssm`'s parameter names in brackets):
+#
+# 1. **Project up** [`in_proj`]: each position's vector becomes two of $d_{inner}$ channels,
+#    $x$ (the signal) and $z$ (the gate).
+# 2. **Mix neighbours** [`conv1d`]: a causal depthwise convolution of width `d_conv` over positions, then
+#    SiLU. Each channel sees its own last few positions, never a later one.
+# 3. **Compute the selection** [`x_proj`, `dt_proj`]: from $x_t$, a low-rank step size
+#    $\Delta_t = \mathrm{softplus}(W_\Delta\, W_r x_t + b_\Delta)$ per channel, and $B_t$, $C_t$ of $N$
+#    values each, shared by all channels. This is what makes the scan *selective*: how much to keep and
+#    what to write and read depend on the token.
+# 4. **Scan** [`A_log`, `D`]: chapter 05's $h_t = e^{\Delta_t A} h_{t-1} + \Delta_t B_t x_t$,
+#    $\bar y_t = C_t \cdot h_t + D x_t$, with $A = -e^{A_{log}}$.
+# 5. **Gate**: $y_t = \bar y_t \cdot \mathrm{SiLU}(z_t)$ (fused into the scan).
+# 6. **Project down** [`out_proj`]: back to d_model.
+#
+# Only steps 2 and 4 look across positions, and they are the two kernels: the convolution (section 2)
+# and the selective scan (chapter 05). The rest are matrix products that cuBLAS does well.
 
 # %% [markdown]
 # ## 2. The causal convolution
 #
-# (conv helper: this section)
+# Before the scan, Mamba mixes each channel with its few predecessors: a **depthwise** convolution
+# (each of the `dim` channels has its own filter; channels never mix) that is **causal** (position $t$
+# sees positions $t-K+1, \dots, t$ only). With filter width $K$ (2 to 4; Mamba uses 4), weights
+# $w_{d,k}$ and bias $\beta_d$ for channel $d$, the output is the scan's input $u$ of chapter 05:
+#
+# $$u_{t,d} = \mathrm{silu}\Big(\beta_d + \sum_{k=0}^{K-1} w_{d,k}\, x_{t-K+1+k,\,d}\Big),
+# \qquad \mathrm{silu}(p) = p\,\sigma(p) = \frac{p}{1 + e^{-p}},$$
+#
+# where $x_s$ for $s < 0$ is zero, or the `initial_states` (the last $K-1$ inputs of a previous
+# piece of the sequence). The weight $w_{d,K-1}$ multiplies the current input; $w_{d,0}$ the oldest.
+# `mamba_ssm` gets this from the `causal-conv1d` CUDA package; we write it in Triton with the same
+# function signature as that package's `causal_conv1d_fn`, so either can be imported. The
+# reference is the package's own, on `F.conv1d` (`groups=dim` makes it depthwise; padding $K-1$ on
+# both sides, then keeping the first $L$ outputs, makes it causal):
+
+# %%
+#| export causal_conv1d
+"""Causal depthwise conv1d (Mamba's short convolution): float64 reference and the Triton kernels behind
+`causal_conv1d` (a drop-in for the causal-conv1d package's causal_conv1d_fn) and `causal_conv1d_update`."""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from scan_lib.ema import accumulator_dtype
+from scan_lib.runtime import INTERPRET, apply, check_float_tensor, check_same_device, custom_op
+
+
+def causal_conv1d_ref(x, weight, bias=None, initial_states=None, return_final_states=False, activation=None):
+    """The package's reference (causal_conv1d_ref), with F.conv1d: x (batch, dim, L), weight (dim, width)."""
+    dtype_in, length, (dim, width) = x.dtype, x.shape[-1], weight.shape
+    x = x.to(weight.dtype)
+    if initial_states is None:
+        out = F.conv1d(x, weight.unsqueeze(1), bias, padding=width - 1, groups=dim)
+    else:
+        x = torch.cat([initial_states.to(weight.dtype), x], dim=-1)
+        out = F.conv1d(x, weight.unsqueeze(1), bias, padding=0, groups=dim)
+    out = out[..., :length]
+    out = (out if activation is None else F.silu(out)).to(dtype_in)
+    if not return_final_states:
+        return out
+    return out, F.pad(x, (width - 1 - x.shape[-1], 0)).to(dtype_in)
+
+# %% [markdown]
+# **Why causal.** A language model predicts token $t+1$ from tokens $\le t$; if any layer lets
+# position $t$ read $t+1$, training shows the model the answer and generation (where $t+1$ does not
+# exist yet) breaks. The usual "same" convolution pads symmetrically, so its output at $t$ reads
+# $t+1$. The cell changes one input, at position 5, and asks which outputs moved:
+
+# %%
+from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update
+
+torch.manual_seed(0)
+conv_x = torch.randn(1, 1, 10, dtype=torch.float64, device=DEVICE)
+conv_w = torch.randn(1, 3, dtype=torch.float64, device=DEVICE)
+conv_x_changed = conv_x.clone()
+conv_x_changed[..., 5] += 1.0                                          # a different token at t = 5
+same = lambda v: F.conv1d(v, conv_w.unsqueeze(1), padding=1)           # symmetric padding, width 3
+moved_same = (same(conv_x_changed) != same(conv_x)).flatten().nonzero().flatten().tolist()
+moved_causal = (causal_conv1d(conv_x_changed, conv_w) != causal_conv1d(conv_x, conv_w)).flatten().nonzero().flatten().tolist()
+print(f"outputs that moved, symmetric padding: {moved_same};  causal: {moved_causal}")
+assert min(moved_same) == 4            # position 4 saw the future
+assert moved_causal == [5, 6, 7]       # the change reaches t = 5 .. 5 + K - 1, never before
+
+# %% [markdown]
+# **The kernel.** One program per (batch element, block of `BLOCK_D` channels, block of `BLOCK_L`
+# positions) computes a `BLOCK_D x BLOCK_L` tile of outputs. The sum over $k$ is unrolled
+# (`tl.static_range(WIDTH)`): $K$ loads of the same tile shifted by $k - K + 1$ positions, each
+# times the channels' weight $w_{\cdot,k}$. The shifted loads overlap, so after the first they come
+# from cache: the kernel reads $x$ about once. `_x_at` is the one place that knows the padding:
+# positions $< 0$ come from `initial_states` (or are zero), positions $\ge L$ are masked. Bias and
+# SiLU are applied in registers before the single store. The program of the first block of
+# positions also writes the final states, the last $K-1$ columns of `cat(initial_states, x)`, which
+# are the next piece's `initial_states`. Strides are arguments, so a transposed (channel-last) or sliced `x`
+# is read in place, never copied.
+
+# %%
+#| export causal_conv1d
+@triton.jit
+def _x_at(X_ROW, H0_ROW, s, d_ok, length, stride_xl, stride_hl,
+          WIDTH: tl.constexpr, HAS_H0: tl.constexpr, ACC: tl.constexpr):
+    """x at positions s (1 x BLOCK_L, may be negative) of a block of channels (X_ROW: BLOCK_D x 1):
+    x[s] for 0 <= s < L, initial_states[WIDTH - 1 + s] for -(WIDTH - 1) <= s < 0 (zero without), 0 past L."""
+    val = tl.load(X_ROW + s * stride_xl, d_ok & (s >= 0) & (s < length), other=0.0).to(ACC)
+    if HAS_H0:
+        val += tl.load(H0_ROW + (s + WIDTH - 1) * stride_hl, d_ok & (s < 0) & (s >= 1 - WIDTH), other=0.0).to(ACC)
+    return val
+
+
+@triton.jit
+def _pre_activation(X_ROW, H0_ROW, W_ROW, bias, t, d_ok, length, stride_xl, stride_hl, stride_wk,
+                    WIDTH: tl.constexpr, HAS_H0: tl.constexpr, ACC: tl.constexpr):
+    """bias + sum_k w[k] x[t - (WIDTH - 1) + k] at positions t (1 x BLOCK_L): BLOCK_D x BLOCK_L."""
+    acc = bias + tl.zeros(t.shape, ACC)                                    # BLOCK_D x BLOCK_L
+    for k in tl.static_range(WIDTH):
+        w = tl.load(W_ROW + k * stride_wk, d_ok, other=0.0).to(ACC)        # BLOCK_D x 1
+        acc += w * _x_at(X_ROW, H0_ROW, t - (WIDTH - 1) + k, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC)
+    return acc
+
+
+@triton.jit
+def causal_conv1d_fwd_kernel(
+    X, WEIGHT, BIAS, H0, OUT, FINAL,          # b x d x L, d x W, d, b x d x (W-1), b x d x L, b x d x (W-1)
+    dim, length,
+    stride_xb, stride_xd, stride_xl, stride_wd, stride_wk, stride_bias,
+    stride_hb, stride_hd, stride_hl, stride_ob, stride_od, stride_ol, stride_fb, stride_fd, stride_fl,
+    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    """One program per (batch element, block of channels, block of positions)."""
+    b = tl.program_id(0).to(tl.int64)
+    pid_l = tl.program_id(2)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
+    d_ok = ds < dim
+    ts = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]                  # 1 x BLOCK_L
+    X_ROW = X + b * stride_xb + ds * stride_xd
+    H0_ROW = X_ROW
+    if HAS_H0:
+        H0_ROW = H0 + b * stride_hb + ds * stride_hd
+    bias = tl.zeros((BLOCK_D, 1), ACC)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
+    pre = _pre_activation(X_ROW, H0_ROW, WEIGHT + ds * stride_wd, bias, ts, d_ok, length, stride_xl, stride_hl,
+                          stride_wk, WIDTH, HAS_H0, ACC)
+    out = pre
+    if SILU:
+        out = pre / (1.0 + tl.exp(-pre))
+    tl.store(OUT + b * stride_ob + ds * stride_od + ts * stride_ol, out.to(OUT.dtype.element_ty), d_ok & (ts < length))
+    if pid_l == 0:  # the final states: the last WIDTH - 1 columns of cat(initial_states, x)
+        j = tl.arange(0, 4)[None, :]                                       # 1 x 4, WIDTH - 1 <= 3 used
+        final = _x_at(X_ROW, H0_ROW, length - (WIDTH - 1) + j, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC)
+        tl.store(FINAL + b * stride_fb + ds * stride_fd + j * stride_fl, final.to(FINAL.dtype.element_ty),
+                 d_ok & (j < WIDTH - 1))
+
+# %% [markdown]
+# **The backward.** Write $p_{t,d}$ for the pre-activation (the argument of silu) and pad $x$ on the
+# left with the $K-1$ initial states. The incoming gradient through the activation is
+#
+# $$g_t = \frac{\partial\mathcal{L}}{\partial p_t} = \frac{\partial\mathcal{L}}{\partial u_t}\,
+# \mathrm{silu}'(p_t), \qquad \mathrm{silu}'(p) = \sigma(p)\big(1 + p\,(1 - \sigma(p))\big),$$
+#
+# with $p_t$ recomputed from $x$ (cheaper than storing it: $K$ loads of $x$ against a write and a
+# read of a `(batch, dim, L)` tensor). Input $x_s$ appears in the outputs $t = s, \dots, s+K-1$, as the
+# term $k = s - t + K - 1$, so
+#
+# $$\frac{\partial\mathcal{L}}{\partial x_s} = \sum_{j=0}^{K-1} w_{K-1-j}\, g_{s+j}:$$
+#
+# the same convolution with the **flipped** filter, run **forward** in time (reading positions
+# $s, \dots, s+K-1$, zero past $L$): the kernel computes $g$ at $K$ shifted positions as the
+# forward loads $x$ at $K$ shifted positions. The initial states are the inputs at $s = -K+1, \dots, -1$, the same formula. The weight
+# and bias gradients sum over every batch element and position:
+#
+# $$\frac{\partial\mathcal{L}}{\partial w_{d,k}} = \sum_{b,\,t} g_{b,t,d}\; x_{b,\,t-K+1+k,\,d},
+# \qquad \frac{\partial\mathcal{L}}{\partial \beta_d} = \sum_{b,\,t} g_{b,t,d}.$$
+#
+# Each program writes its block's partial sums, and PyTorch adds them up afterwards in a fixed order:
+# no atomics, so the gradients are the same bits on every run. A gradient arriving through the final
+# states flows straight into the inputs they copied (the last $K-1$ columns of $x$, or initial states
+# when $L < K-1$).
+
+# %%
+#| export causal_conv1d
+@triton.jit
+def _grad_pre(X_ROW, H0_ROW, W_ROW, bias, DOUT_ROW, t, d_ok, length, stride_xl, stride_hl, stride_wk, stride_gl,
+              WIDTH: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr):
+    """g = dL/d(pre-activation) at positions t (1 x BLOCK_L): dout * silu'(pre), recomputing pre; 0 past L."""
+    g = tl.load(DOUT_ROW + t * stride_gl, d_ok & (t < length), other=0.0).to(ACC)
+    if SILU:
+        pre = _pre_activation(X_ROW, H0_ROW, W_ROW, bias, t, d_ok, length, stride_xl, stride_hl, stride_wk,
+                              WIDTH, HAS_H0, ACC)
+        sig = 1.0 / (1.0 + tl.exp(-pre))
+        g = g * sig * (1.0 + pre * (1.0 - sig))
+    return g
+
+
+@triton.jit
+def causal_conv1d_bwd_kernel(
+    X, WEIGHT, BIAS, H0, DOUT, DFINAL,        # as the forward; b x d x L, b x d x (W-1)
+    DX, DW_PART, DBIAS_PART, DH0,             # b x d x L, (b * n_blocks_l) x d x W, (b * n_blocks_l) x d, b x d x (W-1)
+    dim, length, n_blocks_l,
+    stride_xb, stride_xd, stride_xl, stride_wd, stride_wk, stride_bias, stride_hb, stride_hd, stride_hl,
+    stride_gb, stride_gd, stride_gl, stride_fb, stride_fd, stride_fl, stride_dxb, stride_dxd, stride_dxl,
+    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DFINAL: tl.constexpr,
+    SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    pid_l = tl.program_id(2)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
+    d_ok = ds < dim
+    ts = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]                  # 1 x BLOCK_L
+    X_ROW = X + b * stride_xb + ds * stride_xd
+    W_ROW = WEIGHT + ds * stride_wd
+    DOUT_ROW = DOUT + b * stride_gb + ds * stride_gd
+    H0_ROW = X_ROW
+    if HAS_H0:
+        H0_ROW = H0 + b * stride_hb + ds * stride_hd
+    bias = tl.zeros((BLOCK_D, 1), ACC)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
+    # dx[s] = sum_j w[WIDTH - 1 - j] g[s + j]: the flipped filter, reading forward in time
+    dx = tl.zeros((BLOCK_D, BLOCK_L), ACC)
+    g0 = dx
+    for j in tl.static_range(WIDTH):
+        g = _grad_pre(X_ROW, H0_ROW, W_ROW, bias, DOUT_ROW, ts + j, d_ok, length, stride_xl, stride_hl, stride_wk,
+                      stride_gl, WIDTH, HAS_H0, SILU, ACC)
+        if j == 0:
+            g0 = g
+        dx += tl.load(W_ROW + (WIDTH - 1 - j) * stride_wk, d_ok, other=0.0).to(ACC) * g
+    F_ROW = X_ROW
+    if HAS_DFINAL:
+        F_ROW = DFINAL + b * stride_fb + ds * stride_fd
+    if HAS_DFINAL:  # x's last WIDTH - 1 columns are the final states
+        jf = ts - (length - (WIDTH - 1))
+        dx += tl.load(F_ROW + jf * stride_fl, d_ok & (jf >= 0) & (ts < length), other=0.0).to(ACC)
+    tl.store(DX + b * stride_dxb + ds * stride_dxd + ts * stride_dxl, dx.to(DX.dtype.element_ty),
+             d_ok & (ts < length))
+    # this block's share of dweight[k] = sum_t g[t] x[t - (WIDTH - 1) + k] and of dbias = sum_t g[t]
+    part = (b * n_blocks_l + pid_l) * dim
+    for k in tl.static_range(WIDTH):
+        xk = _x_at(X_ROW, H0_ROW, ts - (WIDTH - 1) + k, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC)
+        tl.store(DW_PART + (part + ds) * WIDTH + k, tl.sum(g0 * xk, axis=1)[:, None], d_ok)
+    if HAS_BIAS:
+        tl.store(DBIAS_PART + part + ds, tl.sum(g0, axis=1)[:, None], d_ok)
+    if HAS_H0:
+        if pid_l == 0:  # dh0[i] = sum_{k <= i} w[k] g[i - k], plus dfinal[i - L] when L < WIDTH - 1
+            q = tl.arange(0, 4)[None, :]                                   # positions 0..3
+            gq = _grad_pre(X_ROW, H0_ROW, W_ROW, bias, DOUT_ROW, q, d_ok, length, stride_xl, stride_hl, stride_wk,
+                           stride_gl, WIDTH, HAS_H0, SILU, ACC)
+            for i in tl.static_range(WIDTH - 1):
+                dh = tl.zeros((BLOCK_D, 1), ACC)
+                for k in tl.static_range(i + 1):
+                    w = tl.load(W_ROW + k * stride_wk, d_ok, other=0.0).to(ACC)
+                    dh += tl.sum(tl.where(q == i - k, w * gq, 0.0), axis=1)[:, None]
+                if HAS_DFINAL:
+                    dh += tl.load(F_ROW + (i - length) * stride_fl, d_ok & (i >= length), other=0.0).to(ACC)
+                tl.store(DH0 + (b * dim + ds) * (WIDTH - 1) + i, dh.to(DH0.dtype.element_ty), d_ok)
+
+# %% [markdown]
+# **Checks.** `causal_conv1d` (the launchers and the `autograd.Function` around these kernels are in
+# "Going deeper: the convolution kernels") against the reference in float64, at lengths that are not
+# multiples of anything (1 is shorter than the filter), for every width, with bias, SiLU, initial
+# states and final states all on, and every gradient: $x$, $w$, $\beta$, the initial states, and a
+# gradient arriving through the final states. In float64 both sides sum the same few terms, so they
+# agree to rounding ($10^{-12}$ relative is far above it). `tests/test_causal_conv1d.py` adds
+# `gradcheck` (our backward against finite differences of our own forward) for every input.
+
+# %%
+def conv_grads(fn, x, weight, bias, h0, dout, dfinal, dtype=None):
+    """out, final states and the four gradients of sum(out * dout) + sum(final * dfinal)."""
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_(True) for t in (x, weight, bias, h0)]
+    out, final = fn(leaves[0], leaves[1], leaves[2], initial_states=leaves[3], return_final_states=True,
+                    activation="silu")
+    loss = (out.double() * dout).sum() + (final.double() * dfinal).sum()
+    return [out, final, *torch.autograd.grad(loss, leaves)]
+
+
+def rel_err(x, ref):
+    """Largest absolute difference relative to the reference's largest magnitude."""
+    return max_err(x, ref) / max(ref.double().abs().max().item(), 1e-300)
+
+
+def conv_problem(batch, dim, length, width, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(batch, dim, length), (dim, width), (dim,), (batch, dim, width - 1), (batch, dim, length),
+              (batch, dim, width - 1)]
+    return [torch.randn(*s, generator=g, dtype=torch.float64).to(DEVICE) for s in shapes]
+
+
+CONV_NAMES = ["out", "final", "dx", "dweight", "dbias", "dinitial"]
+print(" width      L  " + "  ".join(f"{n:>8}" for n in CONV_NAMES))
+for width in (2, 3, 4):
+    for length in (1, 7, 129, 1000):
+        problem = conv_problem(2, 3, length, width, seed=width * length)
+        ours, ref = conv_grads(causal_conv1d, *problem), conv_grads(causal_conv1d_ref, *problem)
+        errors = [rel_err(a, r) for a, r in zip(ours, ref)]
+        print(f"{width:6d} {length:6d}  " + "  ".join(f"{e:8.1e}" for e in errors))
+        assert max(errors) < 1e-12, (width, length, errors)
+
+# %% [markdown]
+# In half precision the inputs are rounded to the dtype for both sides, the kernel sums in float32,
+# and only the final cast of each output and gradient to the dtype differs from the float64 reference:
+# half a unit in the last place, $2^{-11}$ relative for float16 and $2^{-8}$ for bfloat16 (rounding to
+# nearest; Triton's CPU interpreter truncates to bfloat16, a whole unit, $2^{-7}$), plus float32 sums of
+# up to `batch x L` terms. The bound is relative to each tensor's largest magnitude.
+
+# %%
+from scan_lib.runtime import INTERPRET
+
+conv_length = 1000 if ON_GPU else 129
+print(f"{'dtype':>9}  " + "  ".join(f"{n:>8}" for n in CONV_NAMES) + "     bound")
+for dtype in (torch.float16, torch.bfloat16):
+    problem = conv_problem(2, 8, conv_length, 4, seed=1)
+    problem = [t.to(dtype).double() for t in problem]                    # representable in dtype
+    ours = conv_grads(causal_conv1d, *problem, dtype=dtype)
+    ref = conv_grads(causal_conv1d_ref, *problem)
+    unit = {torch.float16: 2**-11, torch.bfloat16: 2**-7 if INTERPRET else 2**-8}[dtype]
+    bound = unit + 32 * (2 * conv_length) ** 0.5 * 2**-24
+    errors = [rel_err(a, r) for a, r in zip(ours, ref)]
+    print(f"{str(dtype)[6:]:>9}  " + "  ".join(f"{e:8.1e}" for e in errors) + f"  {bound:8.1e}")
+    assert all(o.dtype == dtype for o in ours) and max(errors) <= bound, errors
+
+# %% [markdown]
+# **Against the `causal-conv1d` package** (GPU only, where it is installed). Its kernel wants
+# channel-last `x` (`x.stride(1) == 1`) for `initial_states` and final states, so the second
+# comparison hands both functions the same channel-last view (ours reads any strides). Then the speed
+# at Mamba's size (batch 8, dim 2048, L 2048, bf16, width 4, bias, SiLU), beside `F.conv1d` + `F.silu`,
+# and the memory floor: the bytes that must move (forward: read $x$, write $u$; backward: also read
+# $x$ and $\partial\mathcal{L}/\partial u$, write $\partial\mathcal{L}/\partial x$) over the copy
+# bandwidth measured in the same cell.
+
+# %%
+def package_errors(causal_conv1d_fn, dtype, channel_last):
+    """Relative differences between ours and the package's outputs and gradients on one problem."""
+    problem = conv_problem(4, 512, 1000, 4, seed=7)
+    if channel_last:  # x and the states with stride 1 along dim; .to() below keeps the layout
+        problem = [p.transpose(1, 2).contiguous().transpose(1, 2) if p.dim() == 3 else p for p in problem]
+    x, weight, bias, h0, dout, dfinal = [t.to(dtype).double() for t in problem]
+    h0 = h0 if channel_last else None
+    names = ["out", "final", "dx", "dweight", "dbias", "dinitial"] if channel_last else ["out", "dx", "dweight", "dbias"]
+
+    def run(fn):
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (x, weight, bias, h0) if t is not None]
+        result = fn(*leaves[:3], initial_states=leaves[3] if channel_last else None,
+                    return_final_states=channel_last, activation="silu")
+        outs = list(result) if channel_last else [result]
+        loss = sum((o.double() * d).sum() for o, d in zip(outs, (dout, dfinal)))
+        return outs + list(torch.autograd.grad(loss, leaves))
+
+    return names, [rel_err(a, r) for a, r in zip(run(causal_conv1d), run(causal_conv1d_fn))]
+
+
+def conv_io_bytes(batch, dim, length, size, backward):
+    return (2 + 3 * backward) * batch * dim * length * size
+
+
+try:
+    from causal_conv1d import causal_conv1d_fn
+except ImportError as error:
+    causal_conv1d_fn = None
+    conv_package_error = error
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    from scan_lib.runtime import copy_bandwidth, median_us
+    if causal_conv1d_fn is None:
+        print(f"causal-conv1d not importable ({conv_package_error}): no comparison, timing ours and F.conv1d only")
+    else:
+        for dtype in (torch.float32, torch.bfloat16):
+            for channel_last in (False, True):
+                layout = "channel-last + states" if channel_last else "contiguous"
+                try:
+                    names, errors = package_errors(causal_conv1d_fn, dtype, channel_last)
+                except (RuntimeError, AssertionError) as error:  # the package's own layout checks
+                    if not channel_last:
+                        raise
+                    print(f"{str(dtype)[6:]:>9} {layout:>22}: the package refused ({error})")
+                    continue
+                print(f"{str(dtype)[6:]:>9} {layout:>22}  " + "  ".join(f"{n} {e:.1e}" for n, e in zip(names, errors)))
+                assert max(errors) < (2**-6 if dtype == torch.bfloat16 else 1e-4), errors
+    bench_batch, bench_dim, bench_length = 8, 2048, 2048
+    bench_gen = torch.Generator(device=DEVICE).manual_seed(0)
+    bench_x = torch.randn(bench_batch, bench_dim, bench_length, device=DEVICE, generator=bench_gen)
+    bench_x = bench_x.to(torch.bfloat16).requires_grad_(True)
+    bench_w = (0.5 * torch.randn(bench_dim, 4, device=DEVICE, generator=bench_gen)).to(torch.bfloat16).requires_grad_(True)
+    bench_b = torch.randn(bench_dim, device=DEVICE, generator=bench_gen).to(torch.bfloat16).requires_grad_(True)
+    bench_dout = torch.randn_like(bench_x)
+    conv_impls = {
+        "scan_lib": lambda x, w, b: causal_conv1d(x, w, b, activation="silu"),
+        "F.conv1d+silu": lambda x, w, b: F.silu(F.conv1d(x, w.unsqueeze(1), b, padding=3, groups=bench_dim)[..., :bench_length]),
+    }
+    if causal_conv1d_fn is not None:
+        conv_impls["causal-conv1d"] = lambda x, w, b: causal_conv1d_fn(x, w, b, activation="silu")
+    bandwidth = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, (batch, dim, L) = {(bench_batch, bench_dim, bench_length)}, bf16, "
+          f"width 4, bias, silu; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print(f"{'':>16} {'fwd (us)':>10} {'fwd+bwd (us)':>13}")
+    floors = [conv_io_bytes(bench_batch, bench_dim, bench_length, 2, bwd) / bandwidth * 1e6 for bwd in (False, True)]
+    print(f"{'memory floor':>16} {floors[0]:10.0f} {floors[1]:13.0f}")
+    bench_leaves = [bench_x, bench_w, bench_b]
+    for name, fn in conv_impls.items():
+        with torch.no_grad():
+            forward = median_us(lambda fn=fn: fn(bench_x, bench_w, bench_b))
+        both = median_us(lambda fn=fn: fn(bench_x, bench_w, bench_b).backward(bench_dout), grad_to_none=bench_leaves)
+        print(f"{name:>16} {forward:10.0f} {both:13.0f}")
 
 # %% [markdown]
 # ## 3. The block, piece by piece
 #
-# (lead)
+# The CPU needs a way to *train* the block: Triton's interpreter runs a kernel thousands of times
+# slower than a GPU, fine for checking a kernel, hopeless for a training loop. So the block has two
+# backends: `"triton"` (the kernels of section 2 and chapter 05) and `"torch"` (plain PyTorch: the
+# convolution's reference and the scan as a loop over positions, below). They compute the same function;
+# section 3's checks hold them to each other.
+
+# %%
+#| export
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update
+from scan_lib.ema import accumulator_dtype
+from scan_lib.runtime import ON_GPU, check_float_tensor, check_same_device
+from scan_lib.selective_scan import _load_delta, discretize, selective_scan
+
+
+def selective_scan_loop(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                        return_last_state=False, initial_state=None):
+    """selective_scan's semantics in plain PyTorch, one position at a time, for B and C of shape
+    (batch, N, L). Computes in float32 (float64 for float64 u) and differentiates through autograd."""
+    acc = torch.float64 if u.dtype == torch.float64 else torch.float32
+    u_acc, delta = u.to(acc), delta.to(acc)
+    if delta_bias is not None:
+        delta = delta + delta_bias.to(acc)[:, None]
+    if delta_softplus:
+        delta = F.softplus(delta)
+    a = torch.exp(delta[..., None] * A.to(acc)[:, None, :])                 # batch x dim x L x N
+    b = (delta * u_acc)[..., None] * B.to(acc).transpose(1, 2)[:, None]     # batch x dim x L x N
+    h = a.new_zeros(a.shape[0], a.shape[1], a.shape[3]) if initial_state is None else initial_state.to(acc)
+    states = []
+    for t in range(u.shape[-1]):
+        h = a[:, :, t] * h + b[:, :, t]                                     # batch x dim x N
+        states.append(h)
+    y = torch.einsum("bdln,bnl->bdl", torch.stack(states, 2), C.to(acc))    # batch x dim x L
+    if D is not None:
+        y = y + D.to(acc)[:, None] * u_acc
+    if z is not None:
+        y = y * F.silu(z.to(acc))
+    y = y.to(u.dtype)
+    return (y, h) if return_last_state else y
+
+# %% [markdown]
+# Generation reads one token at a time, so it needs the scan's single step as a kernel of its own: load
+# the state $h$ (dim x N) of one sequence, apply $h \leftarrow e^{\Delta A} h + \Delta B x$ with chapter 05's
+# `discretize`, store it back in place, and read out $y = C \cdot h + D x$, gated. One program covers
+# `BLOCK_D` channels of one batch element. It is `mamba_ssm`'s `selective_state_update`, without heads.
+
+# %%
+#| export
+@triton.jit
+def selective_state_update_kernel(
+    STATE, X, DT, A, B, C, D, Z, DT_BIAS, OUT,   # STATE: batch x dim x N (updated in place); A: dim x N
+    dim, n_states, stride_x, stride_dt, stride_b, stride_c, stride_z,   # row strides of X, DT, B, C, Z
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0)                                     # the batch element
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)    # its channels: BLOCK_D
+    ns = tl.arange(0, BLOCK_N)
+    d_ok, n_ok = ds < dim, ns < n_states
+    tile = ds[:, None] * n_states + ns[None, :]                # BLOCK_D x BLOCK_N
+    tile_ok = d_ok[:, None] & n_ok[None, :]
+    STATE_ROW = STATE + row * dim * n_states
+    h = tl.load(STATE_ROW + tile, tile_ok, other=0.0).to(ACC)
+    delta, _ = _load_delta(DT + row * stride_dt, DT_BIAS, ds[:, None], d_ok[:, None], ds, d_ok,
+                           HAS_BIAS, SOFTPLUS, ACC)            # BLOCK_D x 1
+    u = tl.load(X + row * stride_x + ds, d_ok, other=0.0).to(ACC)             # BLOCK_D
+    b_coef = tl.load(B + row * stride_b + ns, n_ok, other=0.0).to(ACC)        # BLOCK_N
+    c_coef = tl.load(C + row * stride_c + ns, n_ok, other=0.0).to(ACC)        # BLOCK_N
+    a, b = discretize(delta, tl.load(A + tile, tile_ok, other=0.0).to(ACC), b_coef[None, :], u[:, None])
+    h = a * h + b
+    tl.store(STATE_ROW + tile, h.to(STATE.dtype.element_ty), tile_ok)
+    y = tl.sum(h * c_coef[None, :], axis=1)                    # BLOCK_D
+    if HAS_D:
+        y += tl.load(D + ds, d_ok, other=0.0).to(ACC) * u
+    if HAS_Z:
+        zv = tl.load(Z + row * stride_z + ds, d_ok, other=0.0).to(ACC)
+        y = y * zv * tl.sigmoid(zv)
+    tl.store(OUT + row * dim + ds, y.to(OUT.dtype.element_ty), d_ok)
+
+
+def _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias):
+    named = dict(state=state, x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+    for name, value in named.items():
+        if value is not None or name in ("state", "x", "dt", "A", "B", "C"):
+            check_float_tensor(name, value)
+    if state.dim() != 3:
+        raise ValueError(f"state must have shape (batch, dim, N), got {tuple(state.shape)}")
+    batch, dim, n_states = state.shape
+    shapes = dict(x=(batch, dim), dt=(batch, dim), z=(batch, dim), A=(dim, n_states), B=(batch, n_states),
+                  C=(batch, n_states), D=(dim,), dt_bias=(dim,))
+    for name, shape in shapes.items():
+        if named[name] is not None and tuple(named[name].shape) != shape:
+            raise ValueError(f"{name} must have shape {shape} (state is {tuple(state.shape)}), "
+                             f"got {tuple(named[name].shape)}")
+    if not state.is_contiguous():
+        raise ValueError("state must be contiguous: it is updated in place")
+    for name in ("x", "dt", "z", "B", "C", "A", "D", "dt_bias"):
+        if named[name] is not None and named[name].stride(-1) != 1:
+            raise ValueError(f"{name} must have stride 1 along its last dimension, got strides {named[name].stride()}")
+    if torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in named.values()):
+        raise RuntimeError("selective_state_update is for inference and has no autograd: call it under "
+                           "torch.no_grad(), or train through selective_scan")
+    check_same_device(**named)
+
+
+def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
+    """One position of the selective scan, updating `state` in place; mamba_ssm's selective_state_update
+    for states without heads. state: (batch, dim, N), contiguous; x, dt, z: (batch, dim); A: (dim, N);
+    B, C: (batch, N); D, dt_bias: (dim,). Returns y (batch, dim) in x's dtype. Inference only."""
+    _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias)
+    batch, dim, n_states = state.shape
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    block_n = triton.next_power_of_2(n_states)
+    block_d = max(1, min(triton.next_power_of_2(dim), 4096 // block_n))
+    acc = torch.float64 if state.dtype == torch.float64 or x.dtype == torch.float64 else torch.float32
+    selective_state_update_kernel[(batch, triton.cdiv(dim, block_d))](
+        state, x, dt, A, B, C, D, z, dt_bias, out, dim, n_states,
+        x.stride(0), dt.stride(0), B.stride(0), C.stride(0), 0 if z is None else z.stride(0),
+        HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
+        ACC=accumulator_dtype(acc), BLOCK_D=block_d, BLOCK_N=block_n)
+    return out
+
+# %% [markdown]
+# The module itself. Its constructor takes `mamba_ssm`'s arguments and creates the same parameters with
+# the same shapes, in the same order and with the same random draws, so a `state_dict` moves between
+# the two and a seeded construction gives the same weights. `ssm_parameters` is the selection (step 3
+# above) in a method of its own, so that section 6's baseline can replace it.
+
+# %%
+#| export
+@dataclass
+class InferenceParams:
+    """Generation state in the layout mamba_ssm's modules read (mamba_ssm.utils.generation.InferenceParams):
+    block `layer_idx` keeps (conv_state, ssm_state) in key_value_memory_dict[layer_idx]; the caller
+    advances seqlen_offset by the number of positions fed so far."""
+    max_seqlen: int
+    max_batch_size: int
+    seqlen_offset: int = 0
+    batch_size_offset: int = 0
+    key_value_memory_dict: dict = field(default_factory=dict)
+    lengths_per_sample: Optional[torch.Tensor] = None
+
+
+class Mamba(nn.Module):
+    """The Mamba (S6) block of mamba_ssm.modules.mamba_simple.Mamba: the same constructor arguments,
+    parameter names and shapes, forward, step and allocate_inference_cache, on scan_lib's kernels.
+
+    backend: "triton" (scan_lib.causal_conv1d, selective_scan, selective_state_update) or "torch"
+    (plain PyTorch, for training on a CPU); None picks "triton" on a GPU and "torch" otherwise.
+    use_fast_path is accepted for compatibility and has no effect.
+    forward(hidden_states, inference_params): with inference_params, the block continues from the states
+    cached under layer_idx (zeros at first) and leaves its final states there, so a prompt can be fed in
+    chunks; a single position after the first (seqlen_offset > 0) runs `step`, as in mamba_ssm.
+    """
+
+    def __init__(self, d_model, d_state=16, d_conv=4, expand=2, dt_rank="auto", dt_min=0.001, dt_max=0.1,
+                 dt_init="random", dt_scale=1.0, dt_init_floor=1e-4, conv_bias=True, bias=False,
+                 use_fast_path=True, layer_idx=None, device=None, dtype=None, backend=None):
+        factory = {"device": device, "dtype": dtype}
+        super().__init__()
+        if backend not in (None, "triton", "torch"):
+            raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
+        if not 2 <= d_conv <= 4:
+            raise ValueError(f"d_conv must be 2, 3 or 4 (the convolution kernel's widths), got {d_conv}")
+        self.backend = backend or ("triton" if ON_GPU else "torch")
+        self.d_model, self.d_state, self.d_conv, self.expand = d_model, d_state, d_conv, expand
+        self.d_inner = int(expand * d_model)
+        self.dt_rank = math.ceil(d_model / 16) if dt_rank == "auto" else dt_rank
+        self.use_fast_path, self.layer_idx = use_fast_path, layer_idx
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner, bias=bias, **factory)
+        self.conv1d = nn.Conv1d(self.d_inner, self.d_inner, d_conv, groups=self.d_inner, padding=d_conv - 1,
+                                bias=conv_bias, **factory)
+        self.activation = "silu"
+        self.x_proj = nn.Linear(self.d_inner, self.dt_rank + 2 * d_state, bias=False, **factory)
+        self.dt_proj = nn.Linear(self.dt_rank, self.d_inner, bias=True, **factory)
+        init_dt_proj(self.dt_proj, self.dt_rank, dt_min, dt_max, dt_init, dt_scale, dt_init_floor)
+        self.A_log = nn.Parameter(torch.log(s4d_real_A(self.d_inner, d_state, device)))   # float32 always
+        self.A_log._no_weight_decay = True
+        self.D = nn.Parameter(torch.ones(self.d_inner, device=device))                   # float32 always
+        self.D._no_weight_decay = True
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **factory)
+
+    def ssm_parameters(self, x):
+        """x: batch x d_inner x L (the convolution's output) -> delta before dt_proj.bias and softplus
+        (batch x d_inner x L), B and C (batch x N x L)."""
+        x_dbl = self.x_proj(x.transpose(1, 2))                                  # batch x L x (R + 2N)
+        dt, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
+        delta = self.dt_proj.weight @ dt.transpose(1, 2)                        # batch x d_inner x L
+        return delta, B.transpose(1, 2), C.transpose(1, 2)
+
+    def forward(self, hidden_states, inference_params=None):
+        """hidden_states: batch x L x d_model -> batch x L x d_model."""
+        self._check_hidden(hidden_states)
+        if inference_params is None:
+            return self._sequence(hidden_states)[0]
+        conv_state, ssm_state = self._get_states_from_cache(inference_params, hidden_states.shape[0])
+        if inference_params.seqlen_offset > 0 and hidden_states.shape[1] == 1:
+            return self.step(hidden_states, conv_state, ssm_state)[0]
+        out, new_conv_state, new_ssm_state = self._sequence(hidden_states, conv_state, ssm_state)
+        conv_state.copy_(new_conv_state)
+        ssm_state.copy_(new_ssm_state)
+        return out
+
+    def _sequence(self, hidden_states, conv_state=None, ssm_state=None):
+        """The whole sequence, or one chunk continuing from conv_state and ssm_state (then also returns
+        the states after it)."""
+        xz = self.in_proj.weight @ hidden_states.transpose(1, 2)               # batch x 2 d_inner x L
+        if self.in_proj.bias is not None:
+            xz = xz + self.in_proj.bias.to(xz.dtype)[:, None]
+        x, z = xz.chunk(2, dim=1)                                               # batch x d_inner x L each
+        keep = conv_state is not None
+        x_conv = self._conv(x, conv_state[..., 1:].to(x.dtype) if keep else None)
+        delta, B, C = self.ssm_parameters(x_conv)
+        A = -torch.exp(self.A_log.float())                                      # d_inner x N, negative
+        scan = selective_scan if self.backend == "triton" else selective_scan_loop
+        y = scan(x_conv, delta, A, B, C, self.D.float(), z=z, delta_bias=self.dt_proj.bias.float(),
+                 delta_softplus=True, return_last_state=keep, initial_state=ssm_state)
+        if not keep:
+            return self.out_proj(y.transpose(1, 2)), None, None
+        y, last_state = y
+        new_conv_state = torch.cat([conv_state, x.to(conv_state.dtype)], dim=-1)[..., -self.d_conv:]
+        return self.out_proj(y.transpose(1, 2)), new_conv_state, last_state
+
+    def _conv(self, x, initial_states=None):
+        conv = causal_conv1d if self.backend == "triton" else causal_conv1d_ref
+        return conv(x, self.conv1d.weight[:, 0], self.conv1d.bias, initial_states=initial_states,
+                    activation=self.activation)
+
+    def step(self, hidden_states, conv_state, ssm_state):
+        """One position: hidden_states batch x 1 x d_model; conv_state (batch, d_inner, d_conv) and
+        ssm_state (batch, d_inner, N) are updated in place. Returns (out, conv_state, ssm_state)."""
+        self._check_hidden(hidden_states)
+        if hidden_states.shape[1] != 1:
+            raise ValueError(f"step takes one position: hidden_states of shape (batch, 1, {self.d_model}), "
+                             f"got {tuple(hidden_states.shape)}")
+        self._check_states(hidden_states.shape[0], conv_state, ssm_state)
+        x, z = self.in_proj(hidden_states[:, 0]).chunk(2, dim=-1)               # batch x d_inner each
+        weight = self.conv1d.weight[:, 0]                                       # d_inner x d_conv
+        if self.backend == "triton":
+            x = causal_conv1d_update(x, conv_state, weight, self.conv1d.bias, self.activation)
+        else:   # shift the window left by one position, append x, and apply the filter
+            conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+            conv_state[:, :, -1] = x
+            x = (conv_state * weight).sum(-1)                                   # batch x d_inner
+            if self.conv1d.bias is not None:
+                x = x + self.conv1d.bias
+            x = F.silu(x).to(hidden_states.dtype)
+        delta, B, C = (p[..., 0] for p in self.ssm_parameters(x[:, :, None]))  # b x d_inner; b x N; b x N
+        A = -torch.exp(self.A_log.float())
+        if self.backend == "triton":
+            y = selective_state_update(ssm_state, x, delta, A, B, C, self.D.float(), z=z,
+                                       dt_bias=self.dt_proj.bias.float(), dt_softplus=True)
+        else:   # one position of the loop: L = 1
+            y, last_state = selective_scan_loop(x[..., None], delta[..., None], A, B[..., None], C[..., None],
+                                                self.D.float(), z[..., None], self.dt_proj.bias.float(),
+                                                delta_softplus=True, return_last_state=True,
+                                                initial_state=ssm_state)
+            ssm_state.copy_(last_state)
+            y = y[..., 0]
+        return self.out_proj(y)[:, None], conv_state, ssm_state
+
+    def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None, **kwargs):
+        """Zero states for generation: conv_state (batch, d_inner, d_conv), ssm_state (batch, d_inner, N),
+        in the dtype of conv1d.weight and dt_proj.weight unless dtype is given. Their size does not
+        depend on max_seqlen: that is the point."""
+        device = self.out_proj.weight.device
+        conv_state = torch.zeros(batch_size, self.d_inner, self.d_conv, device=device,
+                                 dtype=dtype or self.conv1d.weight.dtype)
+        ssm_state = torch.zeros(batch_size, self.d_inner, self.d_state, device=device,
+                                dtype=dtype or self.dt_proj.weight.dtype)
+        return conv_state, ssm_state
+
+    def _get_states_from_cache(self, inference_params, batch_size):
+        if self.layer_idx is None:
+            raise ValueError("inference_params needs the block's layer_idx (Mamba(..., layer_idx=i)): the "
+                             "states are cached under it")
+        cache = inference_params.key_value_memory_dict
+        if self.layer_idx not in cache:
+            cache[self.layer_idx] = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)
+        conv_state, ssm_state = cache[self.layer_idx]
+        self._check_states(batch_size, conv_state, ssm_state)
+        return conv_state, ssm_state
+
+    def _check_hidden(self, hidden_states):
+        check_float_tensor("hidden_states", hidden_states)
+        if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.d_model:
+            raise ValueError(f"hidden_states must have shape (batch, L, d_model={self.d_model}), "
+                             f"got {tuple(hidden_states.shape)}")
+        if hidden_states.shape[0] == 0 or hidden_states.shape[1] == 0:
+            raise ValueError(f"hidden_states must not be empty, got shape {tuple(hidden_states.shape)}")
+
+    def _check_states(self, batch_size, conv_state, ssm_state):
+        for name, state, shape in (("conv_state", conv_state, (batch_size, self.d_inner, self.d_conv)),
+                                   ("ssm_state", ssm_state, (batch_size, self.d_inner, self.d_state))):
+            check_float_tensor(name, state)
+            if tuple(state.shape) != shape:
+                raise ValueError(f"{name} must have shape {shape}, got {tuple(state.shape)}")
+            if not state.is_contiguous():
+                raise ValueError(f"{name} must be contiguous: it is updated in place")
+
+# %% [markdown]
+# ### Initialisation
+#
+# Two parameters get special starting values, and both exist to keep the recurrence
+# $h_t = e^{\Delta_t A} h_{t-1} + \Delta_t B_t x_t$ stable and useful from the first step.
+#
+# **$A$ negative.** $A = -e^{A_{log}}$ is negative whatever $A_{log}$ learns, so $e^{\Delta A}$ lies in
+# $(0, 1)$: every state decays. At the start $A_{:,n} = -(n+1)$ for $n = 0 \dots N-1$ (S4D-real): the
+# states forget at rates spread from slow to fast, so some hold long context and some short.
+#
+# **$\Delta$ in $[\Delta_{min}, \Delta_{max}]$.** $\Delta = \mathrm{softplus}(\dots + b_\Delta)$ starts
+# near $\mathrm{softplus}(b_\Delta)$, because `dt_proj.weight` starts small. Drawing the target
+# $\Delta_0$ log-uniformly in $[\Delta_{min}, \Delta_{max}]$ (default $[10^{-3}, 10^{-1}]$) and setting
+# the bias to softplus's inverse, $b_\Delta = \Delta_0 + \log(1 - e^{-\Delta_0})$, gives channels that
+# remember for about $1/\Delta$ steps, from ten to a thousand positions.
+
+# %%
+#| export
+def s4d_real_A(d_inner, d_state, device=None):
+    """The S4D-real initial -A: (1, 2, ..., N) for every channel (A = -exp(A_log) = -(1..N))."""
+    return torch.arange(1, d_state + 1, dtype=torch.float32, device=device).repeat(d_inner, 1)
+
+
+def inverse_softplus(y):
+    """x with softplus(x) = y, for y > 0: y + log(1 - exp(-y)), written with expm1 for small y."""
+    return y + torch.log(-torch.expm1(-y))
+
+
+def init_dt_proj(dt_proj, dt_rank, dt_min=0.001, dt_max=0.1, dt_init="random", dt_scale=1.0, dt_init_floor=1e-4):
+    """mamba_ssm's initialisation of dt_proj: small weights, and a bias that puts softplus(bias)
+    log-uniformly in [dt_min, dt_max] (never below dt_init_floor)."""
+    std = dt_rank ** -0.5 * dt_scale
+    if dt_init == "constant":
+        nn.init.constant_(dt_proj.weight, std)
+    elif dt_init == "random":
+        nn.init.uniform_(dt_proj.weight, -std, std)
+    else:
+        raise ValueError(f"dt_init must be 'random' or 'constant', got {dt_init!r}")
+    log_dt = torch.rand(dt_proj.out_features, device=dt_proj.bias.device, dtype=dt_proj.bias.dtype)
+    dt = torch.exp(log_dt * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=dt_init_floor)
+    with torch.no_grad():
+        dt_proj.bias.copy_(inverse_softplus(dt))
+    dt_proj.bias._no_reinit = True
+
+# %%
+torch.manual_seed(0)
+block = Mamba(d_model=64, d_state=16, backend="torch")
+dt0 = F.softplus(block.dt_proj.bias.detach())
+assert 0.001 * (1 - 1e-5) <= dt0.min() and dt0.max() <= 0.1 * (1 + 1e-5), "softplus(bias) outside [dt_min, dt_max]"
+assert torch.allclose(inverse_softplus(F.softplus(torch.linspace(-5, 5, 11))), torch.linspace(-5, 5, 11), atol=1e-5)
+A = -torch.exp(block.A_log.detach())
+assert torch.allclose(A[0], -torch.arange(1.0, 17.0), rtol=1e-6) and (A < 0).all()
+print(f"softplus(dt bias) in [{dt0.min():.4f}, {dt0.max():.4f}]; A[0] = {A[0, :4].tolist()} ... {A[0, -1].item()}")
+fig, ax = plt.subplots(figsize=(7, 3))
+ax.hist(dt0.log10().numpy(), bins=20, color="tab:blue")
+ax.set(xlabel=r"$\log_{10} \Delta_0$ per channel", ylabel="channels",
+       title=r"initial step sizes: log-uniform in $[\Delta_{min}, \Delta_{max}]$")
+save_figure(fig, "06_dt_init.png")
+
+# %% [markdown]
+# ### What goes wrong without them
+#
+# The source sketch this chapter started from initialises $A$ as `torch.rand(d_model, d_state) * 0.1`
+# and uses it as it is: positive. Then $e^{\Delta A} > 1$ and every state *grows* by that factor at every
+# position, whatever the input. Below, the same block's scan runs 4096 positions with the trained sign
+# ($A = -(1..N)$) and with the sketch's positive $A$, from the same $\Delta$, $B$, $C$ and input.
+
+# %%
+def state_norms(A, length=4096, d_inner=32, d_state=16, seed=0):
+    """max |h_t| over channels and states, at every position, for the block's initial dt and A."""
+    torch.manual_seed(seed)
+    init = Mamba(d_model=d_inner // 2, d_state=d_state, backend="torch")
+    u = torch.randn(1, d_inner, length)
+    delta = F.softplus(init.dt_proj.bias.detach())[None, :, None].expand(1, d_inner, length)
+    B = torch.randn(1, d_state, length)
+    a = torch.exp(delta[..., None] * A[:, None, :])[0]                       # d_inner x L x N
+    b = (delta * u)[0, :, :, None] * B[0].T[None]
+    h, norms = torch.zeros(d_inner, d_state), []
+    for t in range(length):
+        h = a[:, t] * h + b[:, t]
+        norms.append(h.abs().max().item())
+    return norms
+
+
+torch.manual_seed(1)
+stable = state_norms(-s4d_real_A(32, 16))
+sketch = state_norms(torch.rand(32, 16) * 0.1)
+print(f"max |h| at the last position: A = -(1..N): {stable[-1]:.3g};  the sketch's positive A: {sketch[-1]:.3g}")
+assert max(stable) < 10 and sketch[-1] > 1e6 * stable[-1]
+fig, ax = plt.subplots(figsize=(7, 3))
+ax.semilogy(stable, label=r"$A = -(1..N)$: $e^{\Delta A} < 1$")
+ax.semilogy(sketch, label=r"positive $A$: $e^{\Delta A} > 1$")
+ax.set(xlabel="position t", ylabel=r"max $|h_t|$", title="a positive A makes every state grow")
+ax.legend()
+save_figure(fig, "06_positive_A.png")
+
+# %% [markdown]
+# The sketch has a second bug. It projects $x$ to $2N$ values, splits them into $\Delta$'s input and
+# $B$, and then takes $C$ as `x_proj(x)[..., d_state:]`: the same slice as $B$. So $C_t = B_t$ and the
+# block can only read a state in the direction it writes it: at the current position the output gets
+# $\Delta_t x_t \lVert B_t\rVert^2 \geq 0$, a term whose sign it cannot choose. `x_proj` above has
+# $R + 2N$ outputs and $B$ and $C$ come from disjoint rows of it, so they are independent.
+
+# %%
+torch.manual_seed(0)
+d_model, d_state = 16, 4
+sketch_x_proj = nn.Linear(d_model, 2 * d_state)
+x = torch.randn(3, 10, d_model)
+delta_in, B_sketch = sketch_x_proj(x).split(d_state, dim=-1)
+C_sketch = sketch_x_proj(x)[..., d_state:]
+assert torch.equal(C_sketch, B_sketch)
+block = Mamba(d_model=d_model, d_state=d_state, backend="torch")
+_, B_ours, C_ours = block.ssm_parameters(torch.randn(3, block.d_inner, 10))
+assert not torch.allclose(B_ours, C_ours)
+print("the sketch's C is its B: True;  the block's B and C differ: True")
+
+# %% [markdown]
+# ### Checks: the same parameters as `mamba_ssm`, the same function on both backends
+#
+# The parameter names and shapes are `mamba_ssm`'s (its `Mamba.__init__`, listed here by hand so the
+# check runs without it); a `state_dict` saved by one loads into the other.
+
+# %%
+def mamba_ssm_layout(d_model, d_state=16, d_conv=4, expand=2, conv_bias=True, bias=False):
+    """The parameter names and shapes of mamba_ssm.modules.mamba_simple.Mamba(d_model, ...)."""
+    d_inner, rank = expand * d_model, math.ceil(d_model / 16)
+    layout = {"A_log": (d_inner, d_state), "D": (d_inner,), "in_proj.weight": (2 * d_inner, d_model),
+              "conv1d.weight": (d_inner, 1, d_conv), "x_proj.weight": (rank + 2 * d_state, d_inner),
+              "dt_proj.weight": (d_inner, rank), "dt_proj.bias": (d_inner,), "out_proj.weight": (d_model, d_inner)}
+    if conv_bias:
+        layout["conv1d.bias"] = (d_inner,)
+    if bias:
+        layout.update({"in_proj.bias": (2 * d_inner,), "out_proj.bias": (d_model,)})
+    return layout
+
+
+for options in ({}, dict(d_state=8, d_conv=3, expand=3, conv_bias=False, bias=True)):
+    block = Mamba(40, **options)
+    shapes = {name: tuple(p.shape) for name, p in block.state_dict().items()}
+    assert shapes == mamba_ssm_layout(40, **options), shapes
+    twin = Mamba(40, **options)
+    twin.load_state_dict(block.state_dict())
+    assert all(torch.equal(p, q) for p, q in zip(block.parameters(), twin.parameters()))
+print("parameter names and shapes as mamba_ssm's; state_dict round trip: ok")
+
+# %% [markdown]
+# The two backends against each other: the `"torch"` block in float64 is the reference, and the
+# `"triton"` block with the same weights in float32 must match it, output and every parameter's
+# gradient, at awkward lengths. The tolerance is relative to the largest value: float32 carries 24 bits
+# (about $6 \cdot 10^{-8}$), and each output sums a few hundred products through the projections and
+# the scan, so errors of a few $10^{-6}$ are expected; $10^{-4}$ would still catch any wrong term.
+
+# %%
+def rel_err(x, ref):
+    scale = ref.double().abs().max().item()
+    return max_err(x, ref) / scale if scale else max_err(x, ref)
+
+
+def compare_backends(length, d_model, d_state, batch=2, seed=0):
+    """Max relative error of the float32 triton block against the float64 torch block: output and grads."""
+    torch.manual_seed(seed)
+    reference = Mamba(d_model, d_state=d_state, bias=True, backend="torch", device=DEVICE, dtype=torch.float64)
+    with torch.no_grad():   # an A that is not the initial one, to catch a wrong index into A
+        reference.A_log.add_(0.3 * torch.randn_like(reference.A_log))
+    block = Mamba(d_model, d_state=d_state, bias=True, backend="triton", device=DEVICE)
+    block.load_state_dict(reference.state_dict())
+    hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=torch.float64)
+    errors = {}
+    outputs = [m(hidden.to(dtype)) for m, dtype in ((reference, torch.float64), (block, torch.float32))]
+    errors["out"] = rel_err(outputs[1], outputs[0])
+    weight = torch.randn_like(outputs[0])
+    for m, out in zip((reference, block), outputs):
+        (out * weight.to(out.dtype)).sum().backward()
+    for (name, p), q in zip(reference.named_parameters(), block.parameters()):
+        errors[name] = rel_err(q.grad, p.grad)
+    return errors
+
+
+sizes = dict(d_model=64, d_state=16, batch=2) if ON_GPU else dict(d_model=4, d_state=4, batch=1)
+for length in (1, 7, 129, 1000) if ON_GPU else (1, 7, 40):
+    errors = compare_backends(length, **sizes)
+    worst = max(errors, key=errors.get)
+    print(f"L={length:5d}: out {errors['out']:.1e}, worst gradient {worst} {errors[worst]:.1e}")
+    assert max(errors.values()) < 1e-4, errors
 
 # %% [markdown]
 # ## 4. Inference three ways
 #
-# (lead)
+# A model generates text one token at a time, and a Transformer keeps every past key and value for it:
+# its cache grows with the sequence. The block needs only two small states to continue: the last
+# `d_conv` inputs of the convolution and the scan's $h$ (d_inner x N). So there are three ways to run
+# the block that must agree:
+#
+# 1. **the whole sequence** at once (training, or a short prompt);
+# 2. **chunks**: a long prompt fed in pieces, each starting from the states the previous piece left
+#    (the convolution's `initial_states` and the scan's `initial_state`), as chapter 02 carried a state
+#    from block to block;
+# 3. **one token at a time**: `step`, which updates both states in place; on a GPU its scan is the
+#    `selective_state_update` kernel above.
+#
+# The cell runs all three on the same weights and input, in float64 so that any difference beyond
+# rounding is a bug, for several lengths and chunkings.
+
+# %%
+def three_ways(length, chunks, d_model, d_state, batch, seed=0, dtype=torch.float64):
+    """Max difference between whole-sequence, chunked and token-by-token outputs (and final states)."""
+    torch.manual_seed(seed)
+    block = Mamba(d_model, d_state=d_state, layer_idx=0, backend="triton", device=DEVICE, dtype=dtype)
+    hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        whole = block(hidden)
+        params = InferenceParams(max_seqlen=length, max_batch_size=batch)
+        pieces, start = [], 0
+        for size in chunks:
+            pieces.append(block(hidden[:, start:start + size], params))
+            params.seqlen_offset += size
+            start += size
+        chunked = torch.cat(pieces, dim=1)
+        conv_state, ssm_state = block.allocate_inference_cache(batch, length)
+        tokens = torch.cat([block.step(hidden[:, t:t + 1], conv_state, ssm_state)[0] for t in range(length)], 1)
+    cached = params.key_value_memory_dict[0]
+    return {"chunks": max_err(chunked, whole), "tokens": max_err(tokens, whole),
+            "states": max(max_err(conv_state, cached[0]), max_err(ssm_state, cached[1]))}
+
+
+if ON_GPU:
+    sizes, cases = dict(d_model=64, d_state=16, batch=2), {1: [1], 7: [3, 4], 129: [64, 1, 64], 1000: [500, 300, 200]}
+else:
+    sizes, cases = dict(d_model=4, d_state=4, batch=1), {1: [1], 7: [3, 4], 40: [20, 1, 19]}
+for length, chunks in cases.items():
+    diffs = three_ways(length, chunks, **sizes)
+    print(f"L={length:5d} in chunks {chunks}: " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+    assert max(diffs.values()) < 1e-10, diffs
+
+# %% [markdown]
+# What the states buy: the cost of the next token. A Transformer layer's decoding step attends over
+# every cached key and value, so its memory and its time grow with the position; the block's step
+# touches the same two states at every position. The cell measures both per layer, at the same
+# d_model, batch 1: the block's `step`, and an attention layer's step (project q, k, v, append k and v
+# to the cache, attend with `F.scaled_dot_product_attention`, project out).
+
+# %%
+import time
+
+
+def time_us(fn, repeats=20):
+    """Median time of fn() in microseconds: do_bench on a GPU, the host clock on a CPU (synchronous there)."""
+    if ON_GPU:
+        return scan_lib.runtime.median_us(fn, warmup=5, rep=40)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return sorted(samples)[len(samples) // 2]
+
+
+class AttentionStep(nn.Module):
+    """One attention layer's decoding step over a preallocated key/value cache (batch x heads x max_len x head_dim)."""
+
+    def __init__(self, d_model, heads, max_len, device=None, dtype=None):
+        super().__init__()
+        self.heads, self.head_dim = heads, d_model // heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False, device=device, dtype=dtype)
+        self.out = nn.Linear(d_model, d_model, bias=False, device=device, dtype=dtype)
+        self.k_cache = torch.zeros(1, heads, max_len, self.head_dim, device=device, dtype=dtype)
+        self.v_cache = torch.zeros_like(self.k_cache)
+
+    def forward(self, hidden, position):                                  # hidden: 1 x 1 x d_model
+        q, k, v = self.qkv(hidden).view(1, 1, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        self.k_cache[:, :, position] = k[:, :, 0]
+        self.v_cache[:, :, position] = v[:, :, 0]
+        keys, values = self.k_cache[:, :, :position + 1], self.v_cache[:, :, :position + 1]
+        return self.out(F.scaled_dot_product_attention(q, keys, values).transpose(1, 2).reshape(1, 1, -1))
+
+
+d_model, dtype = (1024, torch.bfloat16) if ON_GPU else (64, torch.float32)
+positions = [2**k for k in (range(8, 18, 2) if ON_GPU else range(6, 13, 2))]
+torch.manual_seed(0)
+block = Mamba(d_model, device=DEVICE, dtype=dtype)
+attention = AttentionStep(d_model, heads=d_model // 64, max_len=max(positions) + 1, device=DEVICE, dtype=dtype)
+token = torch.randn(1, 1, d_model, device=DEVICE, dtype=dtype)
+conv_state, ssm_state = block.allocate_inference_cache(1, max(positions))
+rows = []
+with torch.no_grad():
+    for position in positions:
+        mamba_us = time_us(lambda: block.step(token, conv_state, ssm_state))
+        attention_us = time_us(lambda: attention(token, position))
+        kv_bytes = 2 * (position + 1) * d_model * dtype.itemsize
+        rows.append((position, mamba_us, attention_us, conv_state.nbytes + ssm_state.nbytes, kv_bytes))
+print(f"{scan_lib.runtime.describe()}; d_model {d_model}, {dtype}, batch 1, one layer")
+print(f"{'position':>9} {'Mamba step us':>14} {'attention us':>13} {'Mamba state B':>14} {'KV cache B':>11}")
+for row in rows:
+    print(f"{row[0]:>9} {row[1]:>14.1f} {row[2]:>13.1f} {row[3]:>14} {row[4]:>11}")
+assert len({row[3] for row in rows}) == 1, "the block's state must not grow with the position"
+assert rows[-1][4] == rows[0][4] * (positions[-1] + 1) // (positions[0] + 1)
+fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(9, 3.2))
+ax_time.loglog(positions, [r[1] for r in rows], "o-", label="Mamba step")
+ax_time.loglog(positions, [r[2] for r in rows], "s-", label="attention step")
+ax_time.set(xlabel="position", ylabel="time per token (us)", title="time per token, one layer")
+ax_mem.loglog(positions, [r[3] for r in rows], "o-", label="Mamba: conv + SSM state")
+ax_mem.loglog(positions, [r[4] for r in rows], "s-", label="Transformer: KV cache")
+ax_mem.set(xlabel="position", ylabel="bytes", title="memory carried, one layer")
+for ax in (ax_time, ax_mem):
+    ax.legend(fontsize=8)
+fig.tight_layout()
+save_figure(fig, "06_generation_cost.png")
 
 # %% [markdown]
 # ## 5. The scan three ways
 #
-# (lead)
+# The block's scan can be written three ways, from the most obvious to the fastest:
+#
+# 1. **a loop over positions** in PyTorch (`selective_scan_loop`, the CPU backend): one small kernel
+#    launch per position on a GPU, so time grows with $L$ however wide the GPU is;
+# 2. **PyTorch's `associative_scan`** (`torch._higher_order_ops.associative_scan`, still private in
+#    the versions this course runs on) with chapter 02's combine operator
+#    $(a_1, b_1) \circ (a_2, b_2) = (a_1 a_2,\; a_2 b_1 + b_2)$ on the discretised pairs, under
+#    `torch.compile`, which turns it into a generated Triton scan on a GPU. It materialises $a$ and $b$
+#    for every (batch, channel, position, state): $N$ times the input's size, twice;
+# 3. **`scan_lib.selective_scan`**, which computes $a$ and $b$ on chip and never writes the states.
+#
+# On a CPU `associative_scan` has no fused form (its `"pointwise"` mode needs CUDA), so the cell
+# compiles the `"generic"` mode there, with the `aot_eager` backend to keep the compile short.
+
+# %%
+from torch._higher_order_ops.associative_scan import associative_scan
+from scan_lib.ema import first_order_op
+
+
+def combine(left, right):
+    """Chapter 02's first-order operator, (a1, b1) then (a2, b2) = (a1 a2, a2 b1 + b2), on tensors
+    (`.fn` is the Python function under the @triton.jit)."""
+    return first_order_op.fn(left[0], left[1], right[0], right[1])
+
+
+def selective_scan_assoc(u, delta, A, B, C, D, z, delta_bias):
+    """The block's scan (softplus on, B and C batch x N x L) by associative_scan along positions."""
+    delta = F.softplus(delta + delta_bias[:, None])
+    a = torch.exp(delta[..., None] * A[:, None, :])                          # batch x dim x L x N
+    b = (delta * u)[..., None] * B.transpose(1, 2)[:, None]                  # batch x dim x L x N
+    _, h = associative_scan(combine, (a, b), dim=2, combine_mode="pointwise" if ON_GPU else "generic")
+    y = torch.einsum("bdln,bnl->bdl", h, C) + D[:, None] * u
+    return y * F.silu(z)
+
+
+compiled_assoc = torch.compile(selective_scan_assoc, fullgraph=True, backend="inductor" if ON_GPU else "aot_eager")
+batch, dim, length, n_states = (8, 1024, 2048, 16) if ON_GPU else (2, 8, 129, 4)
+torch.manual_seed(0)
+u, delta, z = (torch.randn(batch, dim, length, device=DEVICE) for _ in range(3))
+A = -torch.rand(dim, n_states, device=DEVICE) - 0.5
+B, C = (torch.randn(batch, n_states, length, device=DEVICE) for _ in range(2))
+D, delta_bias = torch.randn(dim, device=DEVICE), torch.randn(dim, device=DEVICE) - 2
+args = (u, delta, A, B, C, D, z, delta_bias)
+ways = {
+    "loop (PyTorch)": lambda: selective_scan_loop(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True),
+    "associative_scan, compiled": lambda: compiled_assoc(*args),
+    "scan_lib.selective_scan": lambda: scan_lib.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True),
+}
+reference = selective_scan_ref(u, delta, A, B, C, D, z, delta_bias, delta_softplus=True)
+for name, way in ways.items():
+    err = rel_err(way(), reference)
+    print(f"{name:28s} relative error against float64: {err:.1e}")
+    assert err < 1e-4, name
+if not ON_GPU:
+    print("skipped: the speed comparison needs a GPU")
+else:
+    print(f"{scan_lib.runtime.describe()}; batch {batch}, dim {dim}, L {length}, N {n_states}, float32, forward")
+    for name, way in ways.items():
+        print(f"{name:28s} {scan_lib.runtime.median_us(way, warmup=5, rep=50):10.0f} us")
 
 # %% [markdown]
 # ## 6. A model that learns: selective copying
@@ -320,9 +1392,498 @@ assert logit_err <= logit_tol
 assert torch.equal(step_tokens[gen_mask], full_tokens[gen_mask])
 
 # %% [markdown]
-# ## 7. On the GPU: one block against mamba_ssm's
+# ## 7. On the GPU: one block against `mamba_ssm`'s
 #
-# (lead)
+# The same weights in `scan_lib.Mamba` and in `mamba_ssm`'s `Mamba` (built for this GPU; skipped where it
+# is not installed), at the size of a small language model's layer: batch 8, L 2048, d_model 1024
+# (d_inner 2048, N 16). First the outputs and gradients must agree; then the times, forward (inference,
+# no autograd) and forward+backward, in float32 and bfloat16. `mamba_ssm`'s module runs its unfused
+# path (`use_fast_path=False`: its convolution and its CUDA scan as separate calls, like ours) and,
+# where the `causal-conv1d` package is installed, also its fused path (`mamba_inner_fn`, one autograd
+# function for the whole block).
+
+# %%
+#| export
+def _mamba_ssm_block():
+    """mamba_ssm's Mamba module class, or None and the reason it is missing. mamba_ssm's package
+    __init__ also imports Mamba2, Mamba3 and transformers; only mamba_simple is needed here."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+    try:
+        spec = importlib.util.find_spec("mamba_ssm")
+        if spec is None:
+            return None, "mamba_ssm is not installed"
+        if "mamba_ssm" not in sys.modules:   # the package without its __init__
+            package = types.ModuleType("mamba_ssm")
+            package.__path__ = list(spec.submodule_search_locations)
+            sys.modules["mamba_ssm"] = package
+        return importlib.import_module("mamba_ssm.modules.mamba_simple").Mamba, None
+    except Exception as error:   # noqa: BLE001 (a missing CUDA extension shows up as any of several errors)
+        return None, f"mamba_ssm not importable: {type(error).__name__}: {error}"
+
+# %%
+def block_pair(d_model, dtype, fast_path, seed=0):
+    """scan_lib's block and mamba_ssm's with the same weights."""
+    MambaSSM, _ = _mamba_ssm_block()
+    torch.manual_seed(seed)
+    ours = Mamba(d_model, device=DEVICE, dtype=dtype)
+    theirs = MambaSSM(d_model, use_fast_path=fast_path, device=DEVICE, dtype=dtype)
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def agreement(ours, theirs, hidden):
+    """Relative differences of output and of every parameter's gradient (ours against theirs)."""
+    outs = []
+    for m in (ours, theirs):
+        m.zero_grad(set_to_none=True)
+        out = m(hidden)
+        out.float().square().mean().backward()
+        outs.append(out)
+    diffs = {"out": rel_err(outs[0], outs[1])}
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        diffs[name] = rel_err(p.grad, q.grad)
+    return diffs
+
+
+def block_times(m, hidden):
+    with torch.no_grad():
+        forward = scan_lib.runtime.median_us(lambda: m(hidden), rep=200)
+    grad = torch.randn_like(hidden)
+    training = scan_lib.runtime.median_us(lambda: m(hidden).backward(grad), rep=400)
+    return forward, training
+
+
+MambaSSM, missing = _mamba_ssm_block()
+if not ON_GPU or MambaSSM is None:
+    print(f"skipped: {'needs a GPU' if not ON_GPU else missing}")
+else:
+    try:
+        import causal_conv1d  # noqa: F401
+        paths = {"mamba_ssm (unfused)": False, "mamba_ssm (fused)": True}
+    except ImportError:
+        paths = {"mamba_ssm (unfused)": False}
+        print("causal-conv1d is not installed: mamba_ssm's fused path and its conv kernel are not measured")
+    batch, length, d_model = 8, 2048, 1024
+    print(f"{scan_lib.runtime.describe()}; batch {batch}, L {length}, d_model {d_model} (d_inner 2048, N 16)")
+    results = []
+    for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2)):
+        hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=dtype)
+        for label, fast_path in paths.items():
+            ours, theirs = block_pair(d_model, dtype, fast_path)
+            diffs = agreement(ours, theirs, hidden)
+            worst = max(diffs, key=diffs.get)
+            print(f"{str(dtype):15s} vs {label}: out {diffs['out']:.1e}, worst gradient {worst} {diffs[worst]:.1e}")
+            assert max(diffs.values()) < tol, diffs
+            if fast_path is False:
+                results.append((dtype, "scan_lib", *block_times(ours, hidden)))
+            results.append((dtype, label, *block_times(theirs, hidden)))
+    print(f"\n{'dtype':15s} {'block':22s} {'forward us':>11s} {'fwd+bwd us':>11s}")
+    for dtype, label, fwd, train in results:
+        print(f"{str(dtype):15s} {label:22s} {fwd:11.0f} {train:11.0f}")
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = {label: (fwd, train) for d, label, fwd, train in results if d == dtype}
+        for label in paths:
+            print(f"{str(dtype)}: {label} / scan_lib = {rows[label][0] / rows['scan_lib'][0]:.2f} forward, "
+                  f"{rows[label][1] / rows['scan_lib'][1]:.2f} forward+backward (above 1: scan_lib faster)")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    labels = ["scan_lib"] + list(paths)
+    for ax, dtype in zip(axes, (torch.float32, torch.bfloat16)):
+        rows = {label: (fwd, train) for d, label, fwd, train in results if d == dtype}
+        xs = torch.arange(len(labels)).float()
+        ax.bar(xs - 0.2, [rows[l][0] for l in labels], 0.4, label="forward")
+        ax.bar(xs + 0.2, [rows[l][1] for l in labels], 0.4, label="forward+backward")
+        ax.set_xticks(xs.tolist(), [l.replace("mamba_ssm ", "mamba_ssm\n") for l in labels], fontsize=8)
+        ax.set(ylabel="us", title=f"one block, {str(dtype)[6:]}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, "06_block_benchmark.png")
+
+# %% [markdown]
+# Where the time goes in scan_lib's block, bfloat16, forward+backward: the kernels that take the most
+# GPU time, from `torch.profiler`.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    block = Mamba(1024, device=DEVICE, dtype=torch.bfloat16)
+    hidden = torch.randn(8, 2048, 1024, device=DEVICE, dtype=torch.bfloat16)
+    grad = torch.randn_like(hidden)
+    for _ in range(3):
+        block(hidden).backward(grad)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            block(hidden).backward(grad)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events)
+    print(f"GPU time per forward+backward: {total / 5:.0f} us")
+    for e in events[:10]:
+        print(f"{e.self_device_time_total / 5:8.0f} us {100 * e.self_device_time_total / total:5.1f}%  {e.key[:90]}")
 
 # %% [markdown]
 # ## Going deeper
+
+# %% [markdown]
+# ### The convolution kernels
+#
+# **Launch configuration.** A program computes a `BLOCK_D x BLOCK_L` tile; the grid is
+# `(batch, cdiv(dim, BLOCK_D), cdiv(L, BLOCK_L))`, thousands of programs at Mamba's size, so the GPU
+# is full without a loop inside the program. The $K$ shifted loads of a tile overlap in all but
+# $K-1$ columns and hit the L1 cache; the backward makes $K$ recomputations of $g$ at shifted
+# positions, each $K$ loads of $x$ and one of $\partial\mathcal{L}/\partial u$, all from cache after
+# the first. The defaults are a starting point, not tuned; under the interpreter the blocks are
+# larger, because the interpreter runs each program as NumPy array operations.
+#
+# **Autograd plumbing.** As in chapter 05: the two launchers are custom operators with a fake
+# (shape-only) implementation, so `torch.compile` traces them without running them, and a vmap rule
+# that loops over the vmapped dimension; `CausalConv1dFn` is an `autograd.Function` in the style
+# `torch.func` needs (`forward` without `ctx`, `setup_context`, `generate_vmap_rule`), called through
+# `scan_lib.runtime.apply`. The backward runs its kernel under `no_grad`; when the caller asks for a
+# graph of the gradients (`create_graph=True`, `torch.func.grad` of a gradient) the gradients pass
+# through `_NoSecondDerivative`, an identity whose own backward raises, so a second derivative fails
+# loudly instead of coming back as a silent zero. `final_states_out` is filled with `copy_` outside
+# the operator (custom operators here do not mutate their inputs), which autograd and `torch.compile`
+# both track.
+
+# %%
+#| export causal_conv1d
+# Launch parameters: (block of channels, block of positions, warps). The interpreter runs a program as
+# NumPy array operations, so larger blocks mean fewer programs and a faster CPU run.
+GPU_CONFIG = {"block_d": 32, "block_l": 128, "num_warps": 4}
+CPU_CONFIG = {"block_d": 32, "block_l": 512, "num_warps": 4}
+
+
+def _launch_config(dim, length):
+    config = dict(CPU_CONFIG if INTERPRET else GPU_CONFIG)
+    config.update(block_d=min(config["block_d"], max(triton.next_power_of_2(dim), 2)),
+                  block_l=min(config["block_l"], max(triton.next_power_of_2(length), 16)))
+    return config
+
+
+def _acc_dtype(x, weight):
+    return torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
+
+
+def _strides(t, n=3):
+    """A tensor's strides, or zeros for None (the kernel never reads it)."""
+    return tuple(t.stride()) if t is not None else (0,) * n
+
+
+@custom_op("causal_conv1d_fwd", __name__)
+def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      initial_states: Optional[torch.Tensor], silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward kernel, on x of any strides: out (x's layout and dtype) and the final states
+    (batch, dim, width - 1), the last width - 1 columns of cat(initial_states or zeros, x)."""
+    batch, dim, length = x.shape
+    width = weight.shape[1]
+    out = torch.empty_like(x)
+    final = x.new_empty(batch, dim, width - 1)
+    config = _launch_config(dim, length)
+    grid = (batch, triton.cdiv(dim, config["block_d"]), triton.cdiv(length, config["block_l"]))
+    causal_conv1d_fwd_kernel[grid](
+        x, weight, bias, initial_states, out, final, dim, length,
+        *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_states), *out.stride(), *final.stride(),
+        WIDTH=width, HAS_BIAS=bias is not None, HAS_H0=initial_states is not None, SILU=silu,
+        ACC=accumulator_dtype(_acc_dtype(x, weight)), BLOCK_D=config["block_d"], BLOCK_L=config["block_l"],
+        num_warps=config["num_warps"])
+    return out, final
+
+
+@causal_conv1d_fwd.register_fake
+def _(x, weight, bias, initial_states, silu):
+    return torch.empty_like(x), x.new_empty(x.shape[0], x.shape[1], weight.shape[1] - 1)
+
+
+@custom_op("causal_conv1d_bwd", __name__)
+def causal_conv1d_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      initial_states: Optional[torch.Tensor], dout: torch.Tensor, dfinal: Optional[torch.Tensor],
+                      silu: bool) -> list[torch.Tensor]:
+    """The backward kernel: dx (x's layout and dtype), dweight and dbias (float32, float64 for float64
+    inputs; dbias empty without bias), dinitial_states (its dtype; empty without). dweight and dbias are
+    sums of per-program partials, so the result does not depend on the order programs run in."""
+    batch, dim, length = x.shape
+    width = weight.shape[1]
+    acc = _acc_dtype(x, weight)
+    config = _launch_config(dim, length)
+    n_blocks_l = triton.cdiv(length, config["block_l"])
+    dx = torch.empty_like(x)
+    dw_part = x.new_empty(batch * n_blocks_l, dim, width, dtype=acc)
+    dbias_part = x.new_empty(batch * n_blocks_l, dim if bias is not None else 0, dtype=acc)
+    dh0 = x.new_empty(batch, dim, width - 1) if initial_states is not None else x.new_empty(0)
+    grid = (batch, triton.cdiv(dim, config["block_d"]), n_blocks_l)
+    causal_conv1d_bwd_kernel[grid](
+        x, weight, bias, initial_states, dout, dfinal, dx, dw_part, dbias_part, dh0, dim, length, n_blocks_l,
+        *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_states), *dout.stride(),
+        *_strides(dfinal), *dx.stride(),
+        WIDTH=width, HAS_BIAS=bias is not None, HAS_H0=initial_states is not None, HAS_DFINAL=dfinal is not None,
+        SILU=silu, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"], BLOCK_L=config["block_l"],
+        num_warps=config["num_warps"])
+    return [dx, dw_part.sum(0), dbias_part.sum(0), dh0]
+
+
+@causal_conv1d_bwd.register_fake
+def _(x, weight, bias, initial_states, dout, dfinal, silu):
+    acc = _acc_dtype(x, weight)
+    return [torch.empty_like(x), weight.new_empty(weight.shape, dtype=acc),
+            weight.new_empty(weight.shape[0] if bias is not None else 0, dtype=acc),
+            x.new_empty(initial_states.shape if initial_states is not None else (0,))]
+
+
+def _vmap_by_loop(op):
+    """A vmap rule for op: call it once per element of the vmapped dimension and stack the results."""
+    def rule(info, in_dims, *args):
+        results = [op(*[a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)])
+                   for i in range(info.batch_size)]
+        kind = type(results[0])                                   # a tuple or a list of tensors
+        return kind(torch.stack(parts) for parts in zip(*results)), kind([0] * len(results[0]))
+    return rule
+
+
+causal_conv1d_fwd.register_vmap(_vmap_by_loop(causal_conv1d_fwd))
+causal_conv1d_bwd.register_vmap(_vmap_by_loop(causal_conv1d_bwd))
+
+# %%
+#| export causal_conv1d
+_NO_SECOND_DERIVATIVE = ("causal_conv1d has no second derivative: its backward kernel's gradients cannot be "
+                         "differentiated again (create_graph=True gives first derivatives only; hessians, "
+                         "double backward and gradgradcheck through causal_conv1d are not supported)")
+
+
+class _NoSecondDerivative(torch.autograd.Function):
+    """The identity on causal_conv1d's gradients, attached to the tensors they depend on; differentiating
+    through it (a second derivative) raises instead of returning a silent zero."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(n_anchors, *tensors):
+        return tuple(t.clone() for t in tensors[n_anchors:])
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_NO_SECOND_DERIVATIVE)
+
+
+class CausalConv1dFn(torch.autograd.Function):
+    """(out, final_states) = causal_conv1d(x, weight, bias, initial_states, silu)."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, weight, bias, initial_states, silu):
+        return causal_conv1d_fwd(x, weight, bias, initial_states, silu)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, initial_states, silu = inputs
+        ctx.save_for_backward(x, weight, bias, initial_states)
+        ctx.silu = silu
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, dout, dfinal):
+        x, weight, bias, initial_states = ctx.saved_tensors
+        if dout is None:
+            dout = torch.zeros_like(x)
+        with torch.no_grad():  # the op's own outputs carry no graph (see _NoSecondDerivative)
+            grads = causal_conv1d_bwd(x, weight, bias, initial_states, dout, dfinal, ctx.silu)
+        inputs = (x, weight, bias, initial_states)
+        grads = [None if t is None else g.to(t.dtype) for g, t in zip(grads, inputs)]
+        if torch.is_grad_enabled():  # create_graph=True (or torch.func.grad): make a second derivative raise
+            anchors = [t for t in (*inputs, dout, dfinal) if t is not None]
+            given = [g for g in grads if g is not None]
+            poisoned = iter(_NoSecondDerivative.apply(len(anchors), *anchors, *given))
+            grads = [None if g is None else next(poisoned) for g in grads]
+        return (*grads, None)
+
+
+def _check_inputs(x, weight, bias, initial_states, final_states_out):
+    named = dict(x=x, weight=weight, bias=bias, initial_states=initial_states, final_states_out=final_states_out)
+    for name, value in named.items():
+        if value is not None or name in ("x", "weight"):
+            check_float_tensor(name, value)
+    if x.dim() != 3:
+        raise ValueError(f"x must have shape (batch, dim, L), got {tuple(x.shape)}")
+    if x.numel() == 0:
+        raise ValueError(f"x must not be empty, got shape {tuple(x.shape)}")
+    batch, dim, length = x.shape
+    if weight.dim() != 2 or weight.shape[0] != dim or not 2 <= weight.shape[1] <= 4:
+        raise ValueError(f"weight must have shape (dim={dim}, width) with width 2, 3 or 4, got {tuple(weight.shape)}")
+    width = weight.shape[1]
+    if (dim - 1) * abs(x.stride(1)) + (length - 1) * abs(x.stride(2)) >= 2**31:
+        raise ValueError(f"x of shape {tuple(x.shape)}: one batch element spans 2^31 elements or more, past the "
+                         "kernels' 32-bit offsets within a batch element; split the channels or the sequence")
+    for name, value, shape in (("bias", bias, (dim,)), ("initial_states", initial_states, (batch, dim, width - 1)),
+                               ("final_states_out", final_states_out, (batch, dim, width - 1))):
+        if value is not None and tuple(value.shape) != shape:
+            raise ValueError(f"{name} must have shape {shape}, got {tuple(value.shape)}")
+    for name, value, like in (("bias", bias, "weight"), ("initial_states", initial_states, "x"),
+                              ("final_states_out", final_states_out, "x")):
+        if value is not None and value.dtype != named[like].dtype:
+            raise TypeError(f"{name} must have {like}'s dtype {named[like].dtype}, got {value.dtype}")
+    check_same_device(**named)
+
+
+def causal_conv1d(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
+                  final_states_out=None, activation=None):
+    """Causal depthwise conv1d, a drop-in for the causal-conv1d package's causal_conv1d_fn.
+
+    x: (batch, dim, L), any strides; weight: (dim, width), width 2, 3 or 4; bias: (dim,);
+    initial_states: (batch, dim, width - 1), the inputs before position 0 (default zeros);
+    activation: None, "silu" or "swish" (the same). seq_idx is not supported (NotImplementedError).
+
+        out[b, d, t] = act(bias[d] + sum_k weight[d, k] * x[b, d, t - (width - 1) + k])
+
+    Returns out (x's dtype and layout), and with return_final_states also final_states
+    (batch, dim, width - 1): the last width - 1 columns of cat(initial_states or zeros, x), the
+    initial_states of the next piece of the sequence; written into final_states_out when given (in
+    place, then returned). Sums in float32 (float64 for float64 inputs); weight may have another float
+    dtype than x (bias has weight's, initial_states and final_states_out x's). Gradients flow to x,
+    weight, bias, initial_states, also through final_states. First derivatives only: differentiating
+    the gradients again raises RuntimeError. Works under torch.compile, torch.func.grad and vmap.
+    """
+    if seq_idx is not None:
+        raise NotImplementedError("causal_conv1d: seq_idx (several sequences packed in one row) is not supported")
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    if final_states_out is not None and not return_final_states:
+        raise ValueError("final_states_out is only written with return_final_states=True")
+    _check_inputs(x, weight, bias, initial_states, final_states_out)
+    out, final_states = apply(CausalConv1dFn, x, weight, bias, initial_states, activation is not None)
+    if not return_final_states:
+        return out
+    if final_states_out is not None:
+        final_states = final_states_out.copy_(final_states)
+    return out, final_states
+
+# %% [markdown]
+# **One token at a time.** Generation feeds one position per call: the last $K-1$ inputs (the
+# `conv_state`, `(batch, dim, state_len)` with `state_len >= K-1`, as the package keeps it) are the
+# initial states of a sequence of length 1. `causal_conv1d_update` does it in one small kernel, forward
+# only: the output from the last $K-1$ columns of the state and the new input, then the state shifted
+# left by one with the new input appended, in place (every program reads its rows of the old state,
+# waits at a barrier, then writes them); under `torch.compile`, a functional custom op (new state
+# out) and a `copy_` into the state. The check: $L$ steps give the outputs and the final state of
+# one `causal_conv1d` call over the whole sequence.
+
+# %%
+#| export causal_conv1d
+@triton.jit
+def causal_conv1d_update_kernel(
+    X, STATE, NEW_STATE, WEIGHT, BIAS, OUT,   # b x d, b x d x state_len (twice: NEW_STATE may be STATE), d x W, d, b x d
+    dim, state_len,
+    stride_xb, stride_xd, stride_sb, stride_sd, stride_sl, stride_nb, stride_nd, stride_nl,
+    stride_wd, stride_wk, stride_bias, stride_ob, stride_od,
+    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """One program per (batch element, block of channels): out = act(bias + sum_k w[k] window[k]), where the
+    window is the last WIDTH columns of cat(state, x); then the state shifted left by one, with x appended,
+    goes to NEW_STATE (in place when NEW_STATE is STATE)."""
+    b = tl.program_id(0).to(tl.int64)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)                # BLOCK_D
+    d_ok = ds < dim
+    S_ROW = STATE + b * stride_sb + ds * stride_sd
+    x = tl.load(X + b * stride_xb + ds * stride_xd, d_ok, other=0.0)
+    acc = tl.zeros((BLOCK_D,), ACC)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
+    for k in tl.static_range(WIDTH - 1):   # columns state_len - (WIDTH - 1) + k of the old state
+        col = tl.load(S_ROW + (state_len - (WIDTH - 1) + k) * stride_sl, d_ok, other=0.0).to(ACC)
+        acc += tl.load(WEIGHT + ds * stride_wd + k * stride_wk, d_ok, other=0.0).to(ACC) * col
+    acc += tl.load(WEIGHT + ds * stride_wd + (WIDTH - 1) * stride_wk, d_ok, other=0.0).to(ACC) * x.to(ACC)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(OUT + b * stride_ob + ds * stride_od, acc.to(OUT.dtype.element_ty), d_ok)
+    c = tl.arange(0, BLOCK_S)[None, :]                                     # 1 x BLOCK_S
+    shifted = tl.load(S_ROW[:, None] + (c + 1) * stride_sl, d_ok[:, None] & (c + 1 < state_len), other=0.0)
+    shifted = tl.where(c == state_len - 1, x[:, None], shifted)             # BLOCK_D x BLOCK_S
+    tl.debug_barrier()  # every read of the old state before any write
+    tl.store(NEW_STATE + b * stride_nb + ds[:, None] * stride_nd + c * stride_nl, shifted,
+             d_ok[:, None] & (c < state_len))
+
+
+def _launch_update(x, conv_state, new_state, weight, bias, silu):
+    out = torch.empty_like(x)
+    state_len = conv_state.shape[2]
+    block_d = min(64, max(triton.next_power_of_2(x.shape[1]), 2))
+    causal_conv1d_update_kernel[(x.shape[0], triton.cdiv(x.shape[1], block_d))](
+        x, conv_state, new_state, weight, bias, out, x.shape[1], state_len, *x.stride(), *conv_state.stride(),
+        *new_state.stride(), *weight.stride(), *_strides(bias, 1), *out.stride(), WIDTH=weight.shape[1],
+        HAS_BIAS=bias is not None, SILU=silu, ACC=accumulator_dtype(_acc_dtype(x, weight)), BLOCK_D=block_d,
+        BLOCK_S=max(triton.next_power_of_2(state_len), 2))
+    return out
+
+
+@custom_op("causal_conv1d_update", __name__)
+def causal_conv1d_update_op(x: torch.Tensor, conv_state: torch.Tensor, weight: torch.Tensor,
+                            bias: Optional[torch.Tensor], silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The functional form, for torch.compile: out and the new state (a custom op mutates nothing)."""
+    new_state = torch.empty_like(conv_state)
+    return _launch_update(x, conv_state, new_state, weight, bias, silu), new_state
+
+
+@causal_conv1d_update_op.register_fake
+def _(x, conv_state, weight, bias, silu):
+    return torch.empty_like(x), torch.empty_like(conv_state)
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
+    """One step of the causal conv for token-by-token generation, like the causal-conv1d package's
+    causal_conv1d_update (forward only). x: (batch, dim), the new input; conv_state: (batch, dim,
+    state_len) with state_len >= width - 1, the last inputs, updated in place (shifted left by one, x
+    appended); weight: (dim, width); bias: (dim,); activation None, "silu" or "swish".
+    Returns out (batch, dim) in x's dtype: the causal_conv1d output at the new position. No gradients;
+    works under torch.compile (as a functional op and a copy into conv_state)."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    named = dict(x=x, conv_state=conv_state, weight=weight, bias=bias)
+    for name, value in named.items():
+        if value is not None or name != "bias":
+            check_float_tensor(name, value)
+    if x.dim() != 2:
+        raise ValueError(f"x must have shape (batch, dim), got {tuple(x.shape)}")
+    batch, dim = x.shape
+    if weight.dim() != 2 or weight.shape[0] != dim or not 2 <= weight.shape[1] <= 4:
+        raise ValueError(f"weight must have shape (dim={dim}, width) with width 2, 3 or 4, got {tuple(weight.shape)}")
+    width = weight.shape[1]
+    if conv_state.dim() != 3 or tuple(conv_state.shape[:2]) != (batch, dim) or conv_state.shape[2] < width - 1:
+        raise ValueError(f"conv_state must have shape (batch={batch}, dim={dim}, state_len >= {width - 1}), "
+                         f"got {tuple(conv_state.shape)}")
+    if bias is not None and tuple(bias.shape) != (dim,):
+        raise ValueError(f"bias must have shape ({dim},), got {tuple(bias.shape)}")
+    if conv_state.dtype != x.dtype:
+        raise TypeError(f"conv_state must have x's dtype {x.dtype}, got {conv_state.dtype}")
+    check_same_device(**named)
+    silu = activation is not None
+    if torch.compiler.is_compiling():  # traced: the functional op, then the in-place copy torch.compile tracks
+        out, new_state = causal_conv1d_update_op(x, conv_state, weight, bias, silu)
+        conv_state.copy_(new_state)
+        return out
+    return _launch_update(x, conv_state, conv_state, weight, bias, silu)   # eager: one launch, in place
+
+# %%
+from scan_lib.causal_conv1d import causal_conv1d_update
+
+torch.manual_seed(0)
+for width, state_len in ((4, 3), (3, 5)):
+    step_x = torch.randn(2, 6, 7, dtype=torch.float64, device=DEVICE)
+    step_w, step_b = torch.randn(6, width, dtype=torch.float64, device=DEVICE), torch.randn(6, dtype=torch.float64, device=DEVICE)
+    step_h0 = torch.randn(2, 6, width - 1, dtype=torch.float64, device=DEVICE)
+    whole, final = causal_conv1d_ref(step_x, step_w, step_b, step_h0, return_final_states=True, activation="silu")
+    state = torch.cat([torch.zeros(2, 6, state_len - width + 1, dtype=torch.float64, device=DEVICE), step_h0], -1)
+    steps = torch.stack([causal_conv1d_update(step_x[..., t], state, step_w, step_b, "silu")
+                         for t in range(step_x.shape[-1])], -1)
+    print(f"width {width}, state_len {state_len}: max err of {step_x.shape[-1]} steps {max_err(steps, whole):.1e}, "
+          f"of the state {max_err(state[..., -(width - 1):], final):.1e}")
+    assert max_err(steps, whole) < 1e-12 and max_err(state[..., -(width - 1):], final) < 1e-12

@@ -1,4 +1,4 @@
-"""scan_lib: parallel scans in Triton, from cumulative sums to Mamba's selective scan.
+"""scan_lib: parallel scans in Triton, from cumulative sums to Mamba's selective scan and block.
 
 The kernel modules are generated from the notebooks in notebooks/ (see their headers); this file,
 written by hand, is the public API. `runtime` is imported first: without a GPU it switches Triton
@@ -9,5 +9,8 @@ from .cumsum import cumsum
 from .linear_scan import linear_scan
 from .multistate import multistate_scan
 from .selective_scan import selective_scan
+from .causal_conv1d import causal_conv1d, causal_conv1d_update
+from .mamba import InferenceParams, Mamba, selective_state_update
 
-__all__ = ["runtime", "cumsum", "linear_scan", "multistate_scan", "selective_scan"]
+__all__ = ["runtime", "cumsum", "linear_scan", "multistate_scan", "selective_scan", "causal_conv1d",
+           "causal_conv1d_update", "Mamba", "InferenceParams", "selective_state_update"]
