@@ -1214,19 +1214,22 @@ for row in range(2):
 #
 # The weight $k_{t-s}$ that token $s$ gets at position $t$ depends only on the distance $t - s$, fixed
 # once trained, never on what the tokens in between were. The block can make the value $u_s$ of a
-# blank small, but each blank still decays what the state holds: the trace the $k$-th data token
-# leaves at the markers depends on the random number of blanks after it, so no fixed kernel recovers
-# the data tokens in order. A selective scan computes $\Delta_t$ from the token: near 0 on a blank,
-# $a_t = e^{\Delta_t A} \approx 1$ and $b_t \approx 0$, the state passes through untouched, as if the
-# blank were not there; large on a data token, which is written in. The state then evolves only on
-# the data tokens, and the $k$-th of them is always $K - k$ writes back, however long the gaps.
+# blank small, but then a kernel that decays weighs the $k$-th data token by the random number of
+# positions after it, and a kernel that does not decay ($a \approx 1$) sums the data tokens in no
+# order: no fixed kernel recovers them in order. A selective scan computes $\Delta_t$, $B_t$ and
+# $C_t$ from the token, so it can, for instance, take $\Delta_t$ near 0 on a blank
+# ($a_t = e^{\Delta_t A} \approx 1$ and $b_t \approx 0$: the state passes through untouched, as if the
+# blank were not there) and a large $\Delta_t$ on a data token, which is written in. The state then
+# evolves only on the data tokens, and the $k$-th of them is always $K - k$ writes back, however long
+# the gaps. That is one solution the selective block can represent and the LTI block cannot; training
+# finds its own mix of $\Delta$, $B$ and $C$.
 #
 # The model is one such block in a residual stream. With one block the argument covers the whole
 # baseline: besides its time-invariant scan, only the causal conv (a window of `d_conv` tokens) and the
 # gate $z_t$ (the current token alone) see the input, and neither can skip a gap. Stacked LTI blocks
 # do better: the nonlinear parts of one block can hand the next features such as the number of data
-# tokens seen so far (a kernel that barely decays sums them), which is how the gated LTI models in the
-# paper's table score well above chance; one block keeps the comparison to the selection alone.
+# tokens seen so far (a kernel that barely decays sums them); the gated LTI models in the paper's
+# table also score well above chance. One block keeps the comparison to the selection alone.
 #
 # The language model around the block: an embedding, `n_layers` residual blocks
 # $x \leftarrow x + \mathrm{Mamba}(\mathrm{RMSNorm}(x))$, a final RMSNorm and a linear head. The
@@ -1391,24 +1394,6 @@ print(f"max |step logits - forward logits| = {logit_err:.2e} (tolerance {logit_t
       f"greedy tokens agree at the scored positions: {torch.equal(step_tokens[gen_mask], full_tokens[gen_mask])}")
 assert logit_err <= logit_tol
 assert torch.equal(step_tokens[gen_mask], full_tokens[gen_mask])
-
-# %% [markdown]
-# What the selection learned: the step size $\Delta_t$ that the trained block computes at each position,
-# as the geometric mean over its channels, for each kind of token of the held-out batch. A small
-# $\Delta_t$ keeps the state ($a_t \approx 1$) and writes little; a large one forgets and writes.
-
-# %%
-block = copy_model.mixers[0]
-with torch.no_grad():
-    hidden = copy_model.norms[0](copy_model.embedding(test_in))                # batch x L x d_model
-    x_in = block.in_proj(hidden).transpose(1, 2)[:, :block.d_inner]             # batch x d_inner x L
-    x_conv = F.silu(block.conv1d(x_in)[..., :test_in.shape[1]])                # the causal conv
-    delta = F.softplus(block.ssm_parameters(x_conv)[0] + block.dt_proj.bias[:, None])
-    log_delta = delta.log().mean(1)                                             # batch x L
-kinds = {"blank": test_in == BLANK, "data token": (test_in > MARKER) & ~test_mask, "marker": test_in == MARKER}
-delta_by_kind = {kind: log_delta[where].mean().exp().item() for kind, where in kinds.items()}
-for kind, value in delta_by_kind.items():
-    print(f"{kind:10s} Delta = {value:.4f}")
 
 # %% [markdown]
 # ## 7. On the GPU: one block against `mamba_ssm`'s
