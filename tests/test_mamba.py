@@ -26,6 +26,16 @@ TORCH = dict(d_model=8, d_state=4, batch=2)
 TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_cpu_thread():
+    """These tensors are tiny and the time goes to Python and the interpreter: several intra-op threads on a
+    shared CPU only wait for each other (a 1000-step loop took 100x longer with them). Restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def rel_err(x, ref):
     """Max abs error relative to the reference's largest magnitude; an all-zero reference must be matched exactly."""
     scale, err = ref.double().abs().max().item(), (x.double() - ref.double()).abs().max().item()
