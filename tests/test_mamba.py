@@ -103,12 +103,17 @@ def test_triton_block_matches_float64_reference(length, dtype):
     assert max(errors.values()) < TOL[dtype], errors
 
 
-@pytest.mark.parametrize("options", [dict(bias=True), dict(conv_bias=False), dict(bias=True, conv_bias=False, d_conv=3)],
-                         ids=["bias", "no_conv_bias", "bias_no_conv_bias_d_conv3"])
+VARIANTS = [dict(bias=True), dict(conv_bias=False), dict(bias=True, conv_bias=False, d_conv=3),
+            dict(d_model=3, d_state=3, dt_rank=2, expand=3, d_conv=2)]
+
+
+@pytest.mark.parametrize("options", VARIANTS, ids=["bias", "no_conv_bias", "bias_no_conv_bias_d_conv3", "odd_sizes_d_conv2"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_block_variants_match_float64_reference(backend, options):
     sizes = dict(TRITON if backend == "triton" else TORCH)
     batch = sizes.pop("batch")
+    options = dict(options)
+    sizes.update({k: options.pop(k) for k in ("d_model", "d_state") if k in options})
     block = make_block(**sizes, backend=backend, dtype=torch.float32, **options)
     assert (block.in_proj.bias is not None) == options.get("bias", False)
     assert (block.conv1d.bias is not None) == options.get("conv_bias", True)
@@ -338,6 +343,18 @@ def test_selective_state_update_matches_one_scan_step(dtype, options):
     assert rel_err(y, y_ref[..., 0]) < tol and rel_err(state, h_ref) < tol
     assert rel_err(y, y_loop[..., 0]) < tol and rel_err(state, h_loop) < tol
     assert not torch.equal(state, h0)
+
+
+@pytest.mark.parametrize("batch, dim, n", [(1, 1, 1), (2, 300, 16), (3, 200, 17)])
+def test_selective_state_update_shapes(batch, dim, n):
+    """Several programs along the channels (the last one masked), N not a power of two."""
+    t = step_inputs(batch, dim, n, torch.float64)
+    h0 = t["state"].clone()
+    y = selective_state_update(**t, dt_softplus=True)
+    y_ref, h_ref = selective_scan_ref(t["x"][..., None], t["dt"][..., None], t["A"], t["B"][..., None],
+                                      t["C"][..., None], t["D"], t["z"][..., None], t["dt_bias"], True,
+                                      return_last_state=True, initial_state=h0)
+    assert rel_err(y, y_ref[..., 0]) < 1e-12 and rel_err(t["state"], h_ref) < 1e-12
 
 
 def test_selective_state_update_strided_A():
