@@ -141,8 +141,21 @@ def test_reference_comparison_catches_an_injected_bug():
 
 def test_triton_block_gradcheck_input():
     block = make_block(2, 2, backend="triton", dtype=torch.float64)
-    hidden = torch.randn(1, 3, 2, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    hidden = torch.randn(1, 2, 2, dtype=torch.float64, device=DEVICE, requires_grad=True)
     assert torch.autograd.gradcheck(block, (hidden,), fast_mode=False)
+
+
+def test_triton_block_under_compile_and_func_grad():
+    """torch.compile(fullgraph=True) through the block's custom ops, and torch.func.grad, against eager."""
+    block = make_block(**{k: v for k, v in TRITON.items() if k != "batch"}, backend="triton", dtype=torch.float64)
+    hidden = torch.randn(1, 5, block.d_model, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    eager = block(hidden)
+    (grad_eager,) = torch.autograd.grad(eager.square().sum(), hidden)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(hidden)
+    (grad_compiled,) = torch.autograd.grad(compiled.square().sum(), hidden)
+    grad_func = torch.func.grad(lambda x: block(x).square().sum())(hidden.detach())
+    assert rel_err(compiled, eager) < 1e-12 and rel_err(grad_compiled, grad_eager) < 1e-12
+    assert rel_err(grad_func, grad_eager) < 1e-12
 
 
 # ---------------------------------------------------------------------------- parameters and initialisation
