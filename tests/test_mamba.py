@@ -148,7 +148,7 @@ def test_triton_block_gradcheck_input():
 def test_triton_block_under_compile_and_func_grad():
     """torch.compile(fullgraph=True) through the block's custom ops, and torch.func.grad, against eager."""
     block = make_block(**{k: v for k, v in TRITON.items() if k != "batch"}, backend="triton", dtype=torch.float64)
-    hidden = torch.randn(1, 5, block.d_model, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    hidden = torch.randn(1, 3, block.d_model, dtype=torch.float64, device=DEVICE, requires_grad=True)
     eager = block(hidden)
     (grad_eager,) = torch.autograd.grad(eager.square().sum(), hidden)
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(hidden)
@@ -293,7 +293,7 @@ def expected_step_chunks(chunks):
     return sum(1 for i, size in enumerate(chunks) if size == 1 and i > 0)
 
 
-THREE_WAYS = [("triton", 1, [1]), ("triton", 7, [3, 4]), ("triton", 7, [1, 1, 5]),
+THREE_WAYS = [("triton", 1, [1]), ("triton", 7, [1, 2, 4]),
               ("triton", 24 if not ON_GPU else 1000, [10, 1, 13] if not ON_GPU else [500, 1, 299, 200]),
               ("torch", 1, [1]), ("torch", 7, [2, 1, 4]), ("torch", 129, [64, 1, 64]), ("torch", 1000, [500, 300, 1, 199])]
 
