@@ -17,7 +17,7 @@ from scan_lib.selective_scan import selective_scan_ref
 
 # Size profiles: the triton backend runs in Triton's (slow) CPU interpreter without a GPU.
 TRITON = dict(d_model=64, d_state=16, batch=2) if ON_GPU else dict(d_model=4, d_state=4, batch=1)
-TRITON_LENGTHS = (1, 7, 129, 1000) if ON_GPU else (1, 7, 40)
+TRITON_LENGTHS = (1, 7, 129, 1000) if ON_GPU else (1, 7, 33)   # CPU: 33 = 2 chunks of 16 (fwd), 4 of 8 (bwd), and 1
 TORCH = dict(d_model=8, d_state=4, batch=2)
 # Relative to the reference's largest value. float64 blocks keep A_log and D in float32 and compute
 # A = -exp(A_log.float()) in float32, as mamba_ssm does: that limits them to about float32's 6e-8 per
@@ -104,15 +104,16 @@ def test_triton_block_matches_float64_reference(length, dtype):
 
 
 VARIANTS = [dict(bias=True), dict(conv_bias=False), dict(bias=True, conv_bias=False, d_conv=3),
-            dict(d_model=3, d_state=3, dt_rank=2, expand=3, d_conv=2)]
+            dict(d_model=3, d_state=3, dt_rank=2, expand=3, d_conv=2, batch=2)]
 
 
 @pytest.mark.parametrize("options", VARIANTS, ids=["bias", "no_conv_bias", "bias_no_conv_bias_d_conv3", "odd_sizes_d_conv2"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_block_variants_match_float64_reference(backend, options):
     sizes = dict(TRITON if backend == "triton" else TORCH)
-    batch = sizes.pop("batch")
     options = dict(options)
+    batch = options.pop("batch", sizes.pop("batch"))
+    sizes.pop("batch", None)
     sizes.update({k: options.pop(k) for k in ("d_model", "d_state") if k in options})
     block = make_block(**sizes, backend=backend, dtype=torch.float32, **options)
     assert (block.in_proj.bias is not None) == options.get("bias", False)
@@ -145,17 +146,15 @@ def test_triton_block_gradcheck_input():
     assert torch.autograd.gradcheck(block, (hidden,), fast_mode=False)
 
 
-def test_triton_block_under_compile_and_func_grad():
-    """torch.compile(fullgraph=True) through the block's custom ops, and torch.func.grad, against eager."""
+def test_triton_block_under_compile():
+    """torch.compile(fullgraph=True) through the block's custom ops and autograd Functions, against eager."""
     block = make_block(**{k: v for k, v in TRITON.items() if k != "batch"}, backend="triton", dtype=torch.float64)
     hidden = torch.randn(1, 3, block.d_model, dtype=torch.float64, device=DEVICE, requires_grad=True)
     eager = block(hidden)
     (grad_eager,) = torch.autograd.grad(eager.square().sum(), hidden)
     compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(hidden)
     (grad_compiled,) = torch.autograd.grad(compiled.square().sum(), hidden)
-    grad_func = torch.func.grad(lambda x: block(x).square().sum())(hidden.detach())
     assert rel_err(compiled, eager) < 1e-12 and rel_err(grad_compiled, grad_eager) < 1e-12
-    assert rel_err(grad_func, grad_eager) < 1e-12
 
 
 # ---------------------------------------------------------------------------- parameters and initialisation
@@ -264,9 +263,9 @@ def test_invalid_dt_init_raises():
 # ------------------------------------------------------------------------------------ inference three ways
 def three_ways(backend, length, chunks, d_model, d_state, batch, dtype=torch.float64, seed=0):
     """Max differences of chunked and token-by-token outputs from the whole sequence's, and of the cached
-    states from the token-by-token ones; and how many chunks went through step."""
+    states from the token-by-token ones; and how many chunks went through step. The input is a strided view."""
     block = make_block(d_model, d_state, backend, dtype=dtype, seed=seed, layer_idx=3)
-    hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=dtype)
+    hidden = torch.randn(batch, length, 2 * d_model, device=DEVICE, dtype=dtype)[..., ::2]   # not contiguous
     calls = []
     step = block.step
     block.step = lambda *args: calls.append(args[0].shape[1]) or step(*args)
