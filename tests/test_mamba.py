@@ -4,6 +4,7 @@ both backends; mamba_ssm's parameter layout and initialisation; inference three 
 chunks through InferenceParams, token by token); selective_state_update against one step of the scan; bad
 input; and, on a GPU where it is installed, mamba_ssm's own module."""
 import math
+import sys
 
 import pytest
 import torch
@@ -188,8 +189,8 @@ def test_state_dict_layout_is_mamba_ssms(options):
 def test_state_dict_round_trip_gives_identical_outputs(options):
     options = dict(options)
     block = make_block(options.pop("d_model"), options.pop("d_state", 16), "torch", torch.float32, **options)
-    fresh = Mamba(block.d_model, d_state=block.d_state, backend="torch", **options)
-    hidden = torch.randn(2, 9, block.d_model)
+    fresh = Mamba(block.d_model, d_state=block.d_state, backend="torch", device=DEVICE, **options)
+    hidden = torch.randn(2, 9, block.d_model, device=DEVICE)
     assert not torch.equal(fresh(hidden), block(hidden))
     fresh.load_state_dict(block.state_dict())
     assert torch.equal(fresh(hidden), block(hidden))
@@ -494,11 +495,18 @@ def test_default_backend():
 # ------------------------------------------------------------------------------------ mamba_ssm (GPU only)
 MambaSSM, MISSING = _mamba_ssm_block() if ON_GPU else (None, "needs a GPU")
 needs_mamba_ssm = pytest.mark.skipif(not ON_GPU or MambaSSM is None, reason=MISSING or "needs a GPU")
-try:
-    import causal_conv1d  # noqa: F401
-    FAST_PATHS = [False, True]
-except ImportError:
-    FAST_PATHS = [False]
+# mamba_ssm takes its fused path (mamba_inner_fn) only where the causal-conv1d package imported in mamba_simple
+FAST_PATHS = [False, True] if getattr(sys.modules.get(getattr(MambaSSM, "__module__", "")), "causal_conv1d_fn", None) else [False]
+
+
+@pytest.fixture
+def no_tf32():
+    """Full float32 in cuBLAS and cuDNN (mamba_ssm's unfused path runs nn.Conv1d, where cuDNN allows TF32 by
+    default). Set by hand: pytest's monkeypatch cannot restore these flags (torch implements them in __setattr__)."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def ssm_pair(dtype, fast_path, d_model=64, seed=0):
@@ -516,7 +524,7 @@ def ssm_pair(dtype, fast_path, d_model=64, seed=0):
 @needs_mamba_ssm
 @pytest.mark.parametrize("fast_path", FAST_PATHS, ids=lambda f: "fast_path" if f else "unfused")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-4), (torch.bfloat16, 5e-2)], ids=["fp32", "bf16"])
-def test_block_matches_mamba_ssm(dtype, tol, fast_path):
+def test_block_matches_mamba_ssm(dtype, tol, fast_path, no_tf32):
     ours, theirs = ssm_pair(dtype, fast_path)
     hidden = torch.randn(2, 1000, 64, device=DEVICE, dtype=dtype)
     weight = torch.randn_like(hidden, dtype=torch.float32)
@@ -534,7 +542,7 @@ def test_block_matches_mamba_ssm(dtype, tol, fast_path):
 
 @needs_mamba_ssm
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)], ids=["fp32", "bf16"])
-def test_step_matches_mamba_ssm(dtype, tol):
+def test_step_matches_mamba_ssm(dtype, tol, no_tf32):
     ours, theirs = ssm_pair(dtype, fast_path=False)
     hidden = torch.randn(2, 24, 64, device=DEVICE, dtype=dtype)
     outs, states = [], []
