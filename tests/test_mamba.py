@@ -147,17 +147,6 @@ def test_triton_block_gradcheck_input():
     assert torch.autograd.gradcheck(block, (hidden,), fast_mode=False)
 
 
-def test_triton_block_under_compile():
-    """torch.compile(fullgraph=True) through the block's custom ops and autograd Functions, against eager."""
-    block = make_block(**{k: v for k, v in TRITON.items() if k != "batch"}, backend="triton", dtype=torch.float64)
-    hidden = torch.randn(1, 3, block.d_model, dtype=torch.float64, device=DEVICE, requires_grad=True)
-    eager = block(hidden)
-    (grad_eager,) = torch.autograd.grad(eager.square().sum(), hidden)
-    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")(hidden)
-    (grad_compiled,) = torch.autograd.grad(compiled.square().sum(), hidden)
-    assert rel_err(compiled, eager) < 1e-12 and rel_err(grad_compiled, grad_eager) < 1e-12
-
-
 # ---------------------------------------------------------------------------- parameters and initialisation
 def mamba_ssm_layout(d_model, d_state=16, d_conv=4, expand=2, dt_rank="auto", conv_bias=True, bias=False):
     """The names and shapes of mamba_ssm.modules.mamba_simple.Mamba(d_model, ...).state_dict()."""
