@@ -61,6 +61,12 @@ def max_err(x, ref):
     """Largest absolute difference, in float64."""
     return (x.double() - ref.double()).abs().max().item()
 
+
+def rel_err(x, ref):
+    """Largest absolute difference relative to the reference's largest magnitude (absolute if that is 0)."""
+    scale = ref.double().abs().max().item()
+    return max_err(x, ref) / scale if scale else max_err(x, ref)
+
 # %% [markdown]
 # ## 1. The block at a glance
 #
@@ -344,11 +350,6 @@ def conv_grads(fn, x, weight, bias, h0, dout, dfinal, dtype=None):
                     activation="silu")
     loss = (out.double() * dout).sum() + (final.double() * dfinal).sum()
     return [out, final, *torch.autograd.grad(loss, leaves)]
-
-
-def rel_err(x, ref):
-    """Largest absolute difference relative to the reference's largest magnitude."""
-    return max_err(x, ref) / max(ref.double().abs().max().item(), 1e-300)
 
 
 def conv_problem(batch, dim, length, width, seed=0):
@@ -940,11 +941,6 @@ print("parameter names and shapes as mamba_ssm's; state_dict round trip: ok")
 # the scan, so errors of a few $10^{-6}$ are expected; $10^{-4}$ would still catch any wrong term.
 
 # %%
-def rel_err(x, ref):
-    scale = ref.double().abs().max().item()
-    return max_err(x, ref) / scale if scale else max_err(x, ref)
-
-
 def compare_backends(length, d_model, d_state, batch=2, seed=0):
     """Max relative error of the float32 triton block against the float64 torch block: output and grads."""
     torch.manual_seed(seed)
