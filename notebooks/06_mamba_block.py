@@ -61,6 +61,12 @@ def max_err(x, ref):
     """Largest absolute difference, in float64."""
     return (x.double() - ref.double()).abs().max().item()
 
+
+def rel_err(x, ref):
+    """Largest absolute difference relative to the reference's largest magnitude (absolute if that is 0)."""
+    scale = ref.double().abs().max().item()
+    return max_err(x, ref) / scale if scale else max_err(x, ref)
+
 # %% [markdown]
 # ## 1. The block at a glance
 #
@@ -115,6 +121,7 @@ import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype
 from scan_lib.runtime import INTERPRET, apply, check_float_tensor, check_same_device, custom_op
+from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
 
 
 def causal_conv1d_ref(x, weight, bias=None, initial_states=None, return_final_states=False, activation=None):
@@ -343,11 +350,6 @@ def conv_grads(fn, x, weight, bias, h0, dout, dfinal, dtype=None):
                     activation="silu")
     loss = (out.double() * dout).sum() + (final.double() * dfinal).sum()
     return [out, final, *torch.autograd.grad(loss, leaves)]
-
-
-def rel_err(x, ref):
-    """Largest absolute difference relative to the reference's largest magnitude."""
-    return max_err(x, ref) / max(ref.double().abs().max().item(), 1e-300)
 
 
 def conv_problem(batch, dim, length, width, seed=0):
@@ -602,7 +604,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     block_d = max(1, min(triton.next_power_of_2(dim), 4096 // block_n))
     acc = torch.float64 if state.dtype == torch.float64 or x.dtype == torch.float64 else torch.float32
     selective_state_update_kernel[(batch, triton.cdiv(dim, block_d))](
-        state, x, dt, A, B, C, D, z, dt_bias, out, dim, n_states,
+        state, x, dt, A.contiguous(), B, C, D, z, dt_bias, out, dim, n_states,   # the kernel reads A as dim x N rows
         x.stride(0), dt.stride(0), B.stride(0), C.stride(0), 0 if z is None else z.stride(0),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
         ACC=accumulator_dtype(acc), BLOCK_D=block_d, BLOCK_N=block_n)
@@ -939,11 +941,6 @@ print("parameter names and shapes as mamba_ssm's; state_dict round trip: ok")
 # the scan, so errors of a few $10^{-6}$ are expected; $10^{-4}$ would still catch any wrong term.
 
 # %%
-def rel_err(x, ref):
-    scale = ref.double().abs().max().item()
-    return max_err(x, ref) / scale if scale else max_err(x, ref)
-
-
 def compare_backends(length, d_model, d_state, batch=2, seed=0):
     """Max relative error of the float32 triton block against the float64 torch block: output and grads."""
     torch.manual_seed(seed)
@@ -1025,16 +1022,18 @@ for length, chunks in cases.items():
 # every cached key and value, so its memory and its time grow with the position; the block's step
 # touches the same two states at every position. The cell measures both per layer, at the same
 # d_model, batch 1: the block's `step`, and an attention layer's step (project q, k, v, append k and v
-# to the cache, attend with `F.scaled_dot_product_attention`, project out).
+# to the cache, attend with `F.scaled_dot_product_attention`, project out). On a GPU both are replayed
+# from CUDA graphs, as generation loops run them, so the time is the GPU's and not the host's launches.
 
 # %%
 import time
 
 
 def time_us(fn, repeats=20):
-    """Median time of fn() in microseconds: do_bench on a GPU, the host clock on a CPU (synchronous there)."""
+    """Median time of fn() in microseconds: on a GPU replayed from a CUDA graph (as generation loops do,
+    so the launches' host time is not counted), on a CPU by the host clock (synchronous there)."""
     if ON_GPU:
-        return scan_lib.runtime.median_us(fn, warmup=5, rep=40)
+        return scan_lib.runtime.graph_us(fn)
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -1063,7 +1062,7 @@ class AttentionStep(nn.Module):
 
 
 d_model, dtype = (1024, torch.bfloat16) if ON_GPU else (64, torch.float32)
-positions = [2**k for k in (range(8, 18, 2) if ON_GPU else range(6, 13, 2))]
+positions = [2**k for k in (range(8, 21, 2) if ON_GPU else range(6, 13, 2))]
 torch.manual_seed(0)
 block = Mamba(d_model, device=DEVICE, dtype=dtype)
 attention = AttentionStep(d_model, heads=d_model // 64, max_len=max(positions) + 1, device=DEVICE, dtype=dtype)
@@ -1115,11 +1114,12 @@ save_figure(fig, "06_generation_cost.png")
 from torch._higher_order_ops.associative_scan import associative_scan
 from scan_lib.ema import first_order_op
 
+combine_pairs = first_order_op.fn   # chapter 02's operator as a Python function (the @triton.jit wraps it)
+
 
 def combine(left, right):
-    """Chapter 02's first-order operator, (a1, b1) then (a2, b2) = (a1 a2, a2 b1 + b2), on tensors
-    (`.fn` is the Python function under the @triton.jit)."""
-    return first_order_op.fn(left[0], left[1], right[0], right[1])
+    """(a1, b1) then (a2, b2) = (a1 a2, a2 b1 + b2), on pairs of tensors."""
+    return combine_pairs(*left, *right)
 
 
 def selective_scan_assoc(u, delta, A, B, C, D, z, delta_bias):
@@ -1641,16 +1641,6 @@ def _(x, weight, bias, initial_states, dout, dfinal, silu):
             x.new_empty(initial_states.shape if initial_states is not None else (0,))]
 
 
-def _vmap_by_loop(op):
-    """A vmap rule for op: call it once per element of the vmapped dimension and stack the results."""
-    def rule(info, in_dims, *args):
-        results = [op(*[a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)])
-                   for i in range(info.batch_size)]
-        kind = type(results[0])                                   # a tuple or a list of tensors
-        return kind(torch.stack(parts) for parts in zip(*results)), kind([0] * len(results[0]))
-    return rule
-
-
 causal_conv1d_fwd.register_vmap(_vmap_by_loop(causal_conv1d_fwd))
 causal_conv1d_bwd.register_vmap(_vmap_by_loop(causal_conv1d_bwd))
 
@@ -1893,6 +1883,35 @@ for width, state_len in ((4, 3), (3, 5)):
     assert max_err(steps, whole) < 1e-12 and max_err(state[..., -(width - 1):], final) < 1e-12
 
 # %% [markdown]
+# ### The block: layouts, caches and what `mamba_ssm` does differently
+#
+# - **Layouts.** `in_proj` is applied as `weight @ hidden_states.transpose(1, 2)`, which gives `xz` as
+#   (batch, 2 d_inner, L) with positions contiguous, the layout both kernels read; `x` and `z` are
+#   halves of it, views with stride 1 along L. The convolution reads `x` in place (it takes strides).
+#   `selective_scan` still copies `z` (and `B`, `C`, which come out of `x_proj` as (batch, L, N) views)
+#   into contiguous tensors first: chapter 05's kernels index contiguous rows. Reading strided views in
+#   place is one of the performance chapter's tasks.
+# - **The conv cache.** `mamba_ssm` keeps `conv_state` as the last `d_conv` inputs of the convolution,
+#   of which the next step uses the last `d_conv - 1` (it rolls the window left and appends the new
+#   input). A chunk therefore starts from `initial_states = conv_state[..., 1:]`, and the state after
+#   it is the last `d_conv` columns of `cat(conv_state, x)`: for a chunk shorter than the window, some
+#   of them are the old state's.
+# - **Chunked prefill is an extension.** `mamba_ssm`'s `Mamba.forward` with `inference_params` at
+#   `seqlen_offset == 0` overwrites both states from the sequence (it starts from zeros), and at any
+#   later offset calls `step`, which takes one position only. This block starts every call from the
+#   cached states (zeros after `allocate_inference_cache`, so the first call is the same as
+#   `mamba_ssm`'s) and runs `step` only for a single position after the first, so a prompt can be fed
+#   in chunks of any length.
+# - **The step kernel's launch.** One program per (batch element, block of channels), with the block
+#   sized so a program holds about 4096 state values ($\text{BLOCK\_D} \times N$). A step reads and
+#   writes the whole state once, 2 x batch x d_inner x N values, so at batch 1 it is a few microseconds
+#   of memory traffic; the launches of the small matrix products around it dominate unless they are
+#   replayed from a CUDA graph.
+# - **Precision.** `A_log` and `D` stay float32 in a bfloat16 block (as in `mamba_ssm`), and both kernels
+#   accumulate in float32; the states in the cache take the weights' dtype unless
+#   `allocate_inference_cache(..., dtype=...)` says otherwise.
+
+# %% [markdown]
 # ### Selective copying: the CPU path and the sizes
 #
 # On a CPU, section 6 trains through the block's `"torch"` backend: the reference causal convolution
@@ -1902,7 +1921,7 @@ for width, state_len in ((4, 3), (3, 5)):
 # `scan_lib.selective_scan`, and generation runs `selective_state_update`.
 #
 # The sizes are chosen so that the comparison isolates the selection. Wider and deeper models make the
-# baseline stronger: two LTI blocks can count the data tokens with a
-# kernel that barely decays and feed the count to the second block, which recovers part of the task
-# (the gated LTI rows of the paper's table). Training uses a short warm-up and a cosine decay of the
-# learning rate; both curves sit at chance for a while before the loss drops (the plateau in the figure).
+# baseline stronger: two LTI blocks can count the data tokens with a kernel that barely decays and feed
+# the count to the second block, which recovers part of the task (the gated LTI rows of the paper's
+# table). Training uses a short warm-up and a cosine decay of the learning rate; both curves sit at
+# chance for a while before the loss drops (the plateau in the figure).

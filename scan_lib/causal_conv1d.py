@@ -11,6 +11,7 @@ import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype
 from scan_lib.runtime import INTERPRET, apply, check_float_tensor, check_same_device, custom_op
+from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
 
 
 def causal_conv1d_ref(x, weight, bias=None, initial_states=None, return_final_states=False, activation=None):
@@ -239,16 +240,6 @@ def _(x, weight, bias, initial_states, dout, dfinal, silu):
     return [torch.empty_like(x), weight.new_empty(weight.shape, dtype=acc),
             weight.new_empty(weight.shape[0] if bias is not None else 0, dtype=acc),
             x.new_empty(initial_states.shape if initial_states is not None else (0,))]
-
-
-def _vmap_by_loop(op):
-    """A vmap rule for op: call it once per element of the vmapped dimension and stack the results."""
-    def rule(info, in_dims, *args):
-        results = [op(*[a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)])
-                   for i in range(info.batch_size)]
-        kind = type(results[0])                                   # a tuple or a list of tensors
-        return kind(torch.stack(parts) for parts in zip(*results)), kind([0] * len(results[0]))
-    return rule
 
 
 causal_conv1d_fwd.register_vmap(_vmap_by_loop(causal_conv1d_fwd))

@@ -109,7 +109,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     block_d = max(1, min(triton.next_power_of_2(dim), 4096 // block_n))
     acc = torch.float64 if state.dtype == torch.float64 or x.dtype == torch.float64 else torch.float32
     selective_state_update_kernel[(batch, triton.cdiv(dim, block_d))](
-        state, x, dt, A, B, C, D, z, dt_bias, out, dim, n_states,
+        state, x, dt, A.contiguous(), B, C, D, z, dt_bias, out, dim, n_states,   # the kernel reads A as dim x N rows
         x.stride(0), dt.stride(0), B.stride(0), C.stride(0), 0 if z is None else z.stride(0),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
         ACC=accumulator_dtype(acc), BLOCK_D=block_d, BLOCK_N=block_n)
