@@ -30,8 +30,8 @@ def selective_scan_loop(u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
     b = (delta * u_acc)[..., None] * B.to(acc).transpose(1, 2)[:, None]     # batch x dim x L x N
     h = a.new_zeros(a.shape[0], a.shape[1], a.shape[3]) if initial_state is None else initial_state.to(acc)
     states = []
-    for t in range(u.shape[-1]):
-        h = a[:, :, t] * h + b[:, :, t]                                     # batch x dim x N
+    for a_t, b_t in zip(a.unbind(2), b.unbind(2)):                          # batch x dim x N each
+        h = a_t * h + b_t
         states.append(h)
     y = torch.einsum("bdln,bnl->bdl", torch.stack(states, 2), C.to(acc))    # batch x dim x L
     if D is not None:
