@@ -1428,9 +1428,8 @@ def _mamba_ssm_block():
         return None, f"mamba_ssm not importable: {type(error).__name__}: {error}"
 
 # %%
-def block_pair(d_model, dtype, fast_path, seed=0):
-    """scan_lib's block and mamba_ssm's with the same weights."""
-    MambaSSM, _ = _mamba_ssm_block()
+def block_pair(MambaSSM, d_model, dtype, fast_path, seed=0):
+    """scan_lib's block and mamba_ssm's (the class MambaSSM) with the same weights."""
     torch.manual_seed(seed)
     ours = Mamba(d_model, device=DEVICE, dtype=dtype)
     theirs = MambaSSM(d_model, use_fast_path=fast_path, device=DEVICE, dtype=dtype)
@@ -1464,10 +1463,10 @@ MambaSSM, missing = _mamba_ssm_block()
 if not ON_GPU or MambaSSM is None:
     print(f"skipped: {'needs a GPU' if not ON_GPU else missing}")
 else:
-    try:
-        import causal_conv1d  # noqa: F401
+    import importlib.util
+    if importlib.util.find_spec("causal_conv1d") is not None:   # the package (its name is our function's)
         paths = {"mamba_ssm (unfused)": False, "mamba_ssm (fused)": True}
-    except ImportError:
+    else:
         paths = {"mamba_ssm (unfused)": False}
         print("causal-conv1d is not installed: mamba_ssm's fused path and its conv kernel are not measured")
     batch, length, d_model = 8, 2048, 1024
@@ -1476,7 +1475,7 @@ else:
     for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2)):
         hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=dtype)
         for label, fast_path in paths.items():
-            ours, theirs = block_pair(d_model, dtype, fast_path)
+            ours, theirs = block_pair(MambaSSM, d_model, dtype, fast_path)
             diffs = agreement(ours, theirs, hidden)
             worst = max(diffs, key=diffs.get)
             print(f"{str(dtype):15s} vs {label}: out {diffs['out']:.1e}, worst gradient {worst} {diffs[worst]:.1e}")
