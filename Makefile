@@ -22,7 +22,7 @@ else
 SETUP :=
 endif
 
-.PHONY: install export sync check test course outputs lab clean
+.PHONY: install export sync check test course outputs bench lab clean
 
 install: $(VENV)/.installed
 
@@ -60,6 +60,11 @@ course: $(SETUP)
 outputs: $(SETUP)
 	$(PY) tools/nbtools.py check --inputs-only
 	$(PY) tools/nbtools.py execute $(or $(NB),$(CHAPTERS))
+
+# GPU only: correctness first, then scan_lib against every importable peer; CSV to benchmarks/results/,
+# plots to figures/ (benchmarks/bench.py says what it measures and how)
+bench: $(SETUP)
+	$(PY) benchmarks/bench.py $(BENCH_ARGS)
 
 lab: $(SETUP)
 	$(PY) -m jupyter lab notebooks/

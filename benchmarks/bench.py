@@ -1,0 +1,384 @@
+"""`make bench` (GPU only): scan_lib against every peer that is importable, correctness first.
+
+    python benchmarks/bench.py [--quick] [--only cumsum,linear_scan,selective_scan,block]
+
+For every workload it first checks scan_lib (and each peer) against a reference on the same inputs:
+a float64 computation, or the peer itself where a float64 reference would not fit. A check that
+fails is reported and that row is not timed. Then it times each implementation twice:
+
+- call_us: `triton.testing.do_bench` median of the public call, host work included (what a training
+  step pays when the GPU waits for the host);
+- gpu_us: the median of the same call replayed from a CUDA graph (`do_bench_cudagraph`): the GPU's
+  time alone. Host work (Python, dispatch, autograd) varies with the machine's load, so call_us of a
+  short call varies from run to run; gpu_us does not, and it is the column the ratios use.
+
+The floor of a row is the bytes that must move (each input read once, each output written once;
+for forward+backward the forward's reads and writes plus the backward's: the forward's inputs and
+the output gradient read again, one gradient per input written) over the copy bandwidth measured in
+the same run. Peers that are not importable are reported missing, never guessed: torch.cumsum and
+torch.compile of associative_scan (always there), accelerated-scan (pip install accelerated-scan),
+mamba_ssm (its CUDA extension built for this GPU), and mamba_ssm's Mamba module.
+
+Writes benchmarks/results/bench_<gpu>_<date>.csv (GPU, driver, versions, shapes, dtypes, times,
+ratios, percent of floor) and figures/bench_selective_scan_*.png, and prints the table.
+"""
+import argparse
+import csv
+import datetime
+import math
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+import torch
+
+import scan_lib  # first: it sets up Triton (this script needs a GPU)
+from scan_lib.runtime import copy_bandwidth, graph_us, median_us
+from scan_lib.selective_scan import selective_scan_ref
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICE = "cuda"
+ROWS = []          # one dict per (workload, implementation)
+
+# The shapes (the performance issue's): tests/test_bench.py swaps in tiny ones to run this file on a CPU.
+SIZES = dict(
+    cumsum=[25], cumsum_more=[20, 27],                               # log2 of the number of values
+    linear_scan=(8, 1024, 4096),                                     # (batch, dim, L)
+    selective=(8, 1024, 2048, 16),                                   # (batch, dim, L, N)
+    selective_lengths=[512, 8192, 32768], selective_states=[4, 64],
+    selective_batch=((1, 2, 4), 1536, 8192), selective_long=(1, 1536, 65536, 16),
+    block=(8, 2048, 1024), block_check_length=256,                  # (batch, L, d_model)
+)
+
+
+# ---------------------------------------------------------------- measuring
+
+def time_both(fn):
+    """(call_us, gpu_us) of fn(); gpu_us is nan with a note if fn cannot be captured in a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    call = median_us(fn, warmup=25, rep=200)
+    try:
+        gpu = graph_us(fn)
+    except Exception as error:  # noqa: BLE001 (capture fails in many ways: report, do not guess)
+        print(f"    (no CUDA graph: {type(error).__name__}: {str(error)[:80]})")
+        torch.cuda.synchronize()
+        gpu = math.nan
+    return call, gpu
+
+
+def rel_err(got, want):
+    got, want = [g.double() for g in got], [w.double() for w in want]
+    return max(((g - w).abs().max() / w.abs().max().clamp_min(1e-30)).item() for g, w in zip(got, want))
+
+
+def record(workload, shape, dtype, mode, impl, fn, check, tol, floor_us):
+    """Check (check() -> relative error) then time fn; append a row. A peer that raises (an unsupported
+    mode) gets a row saying so; scan_lib raising is an error."""
+    row = dict(workload=workload, shape=str(shape), dtype=str(dtype).replace("torch.", ""), mode=mode, impl=impl,
+               floor_us=round(floor_us, 1), call_us=math.nan, gpu_us=math.nan)
+    try:
+        err = check()
+        row.update(rel_err=f"{err:.1e}", correct=err <= tol)
+        if err <= tol:
+            row["call_us"], row["gpu_us"] = (round(t, 1) for t in time_both(fn))
+        else:
+            print(f"    FAILED check: {impl} {workload} {shape} {dtype} {mode}: relative error {err:.1e} > {tol:.0e}")
+    except Exception as error:  # noqa: BLE001
+        ours = impl.startswith("scan_lib")
+        row.update(rel_err="", correct=False if ours else "", note=f"{'error' if ours else 'not supported'}: "
+                   f"{type(error).__name__}: {str(error)[:100]}")
+        print(f"    {row['note']}")
+        torch.cuda.synchronize()
+    ROWS.append(row)
+    print(f"  {workload:15s} {str(shape):24s} {row['dtype']:8s} {mode:8s} {impl:28s} err {row['rel_err']:>7s} "
+          f"call {row['call_us']:9.1f} us  gpu {row['gpu_us']:9.1f} us  floor {floor_us:8.1f} us", flush=True)
+
+
+def missing(workload, impl, reason):
+    print(f"  {workload:15s} {impl}: missing ({reason})")
+    ROWS.append(dict(workload=workload, impl=impl, shape="", dtype="", mode="", rel_err="", correct="",
+                     floor_us="", call_us="", gpu_us="", note=f"missing: {reason}"))
+
+
+def grads_of(f, leaves, grad):
+    """A callable running f's forward and backward: autograd.grad of f(*leaves) against grad."""
+    return lambda: torch.autograd.grad(f(*leaves), [x for x in leaves if x.requires_grad], grad)
+
+
+# ---------------------------------------------------------------- peers
+
+def accelerated_scan():
+    try:
+        from accelerated_scan.scalar import scan
+        return scan, None
+    except ImportError as error:
+        return None, f"accelerated_scan not importable ({error})"
+
+
+def mamba_ssm_scan():
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+        return selective_scan_fn, None
+    except Exception as error:  # noqa: BLE001 (a missing CUDA extension surfaces as several error types)
+        return None, f"mamba_ssm not importable ({type(error).__name__}: {str(error)[:60]})"
+
+
+def compiled_linear_scan():
+    from torch._higher_order_ops.associative_scan import associative_scan
+
+    def combine(left, right):
+        return left[0] * right[0], right[0] * left[1] + right[1]
+    return torch.compile(lambda gates, tokens: associative_scan(combine, (gates, tokens), dim=-1)[1], fullgraph=True)
+
+
+# ---------------------------------------------------------------- workloads
+
+def bench_cumsum(bandwidth, quick):
+    for exponent in SIZES["cumsum"] + ([] if quick else SIZES["cumsum_more"]):
+        x = torch.randn(2**exponent, device=DEVICE)
+        floor = 2 * x.nbytes / bandwidth * 1e6
+        want = torch.cumsum(x.double(), 0)
+        for impl, fn in (("scan_lib.cumsum", lambda: scan_lib.cumsum(x)), ("torch.cumsum", lambda: torch.cumsum(x, 0))):
+            record("cumsum", (2**exponent,), x.dtype, "fwd", impl, fn, lambda fn=fn: rel_err([fn()], [want]),
+                   1e-3, floor)   # a wrong result, not float32 rounding (chapter 01 bounds that)
+
+
+def bench_linear_scan(bandwidth, quick):
+    shape = SIZES["linear_scan"]
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    gates = (0.5 + 0.5 * torch.rand(shape, device=DEVICE, generator=g)).requires_grad_()
+    tokens = torch.randn(shape, device=DEVICE, generator=g).requires_grad_()
+    grad = torch.randn(shape, device=DEVICE, generator=g)
+    nbytes = gates.nbytes
+    want = scan_lib.ema.linear_scan_loop(gates.double(), tokens.double()) if not quick else None
+    impls = {"scan_lib.linear_scan": scan_lib.linear_scan, "associative_scan, compiled": compiled_linear_scan()}
+    accel, reason = accelerated_scan()
+    if accel is None:
+        missing("linear_scan", "accelerated-scan", reason)
+    else:
+        impls["accelerated-scan"] = accel
+    reference = scan_lib.linear_scan(gates, tokens).detach() if want is None else want
+    ref_grads = torch.autograd.grad(scan_lib.linear_scan(gates, tokens), [gates, tokens], grad)
+    for impl, f in impls.items():
+        with torch.no_grad():
+            record("linear_scan", shape, gates.dtype, "fwd", impl, lambda f=f: f(gates.detach(), tokens.detach()),
+                   lambda f=f: rel_err([f(gates.detach(), tokens.detach())], [reference]), 1e-4, 3 * nbytes / bandwidth * 1e6)
+        record("linear_scan", shape, gates.dtype, "fwd+bwd", impl, grads_of(f, [gates, tokens], grad),
+               lambda f=f: rel_err(grads_of(f, [gates, tokens], grad)(), ref_grads), 1e-4, 8 * nbytes / bandwidth * 1e6)
+
+
+def selective_inputs(batch, dim, length, n_states, dtype, full, seed=0):
+    """u, delta, A, B, C, D, z, delta_bias as a Mamba block passes them (delta before softplus when full)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, device=DEVICE, generator=g)  # noqa: E731
+    u = rand(batch, dim, length).to(dtype)
+    delta = (rand(batch, dim, length) * 0.5 - (1.0 if full else 0.0)).to(dtype)
+    if not full:
+        delta = (0.02 + 0.1 * torch.rand(batch, dim, length, device=DEVICE, generator=g)).to(dtype)
+    A = -(0.5 + torch.rand(dim, n_states, device=DEVICE, generator=g))
+    B, C = rand(batch, n_states, length).to(dtype), rand(batch, n_states, length).to(dtype)
+    D, z, delta_bias = (rand(dim), rand(batch, dim, length).to(dtype), rand(dim) * 0.1 - 2.0) if full else (None, None, None)
+    return u, delta, A, B, C, D, z, delta_bias
+
+
+def selective_bytes(u, B, full, backward):
+    """Bytes that must move: read u, delta, B, C (+ z), write out; the backward reads them again and
+    the output gradient, and writes one gradient each."""
+    big = u.nbytes * (3 if full else 2) + 2 * B.nbytes          # u, delta (, z), B, C
+    fwd = big + u.nbytes                                        # + out
+    return fwd + (big + u.nbytes + big) if backward else fwd    # + read again, dout, write the gradients
+
+
+def bench_selective_scan(bandwidth, quick):
+    peer, reason = mamba_ssm_scan()
+    if peer is None:
+        missing("selective_scan", "mamba_ssm selective_scan_fn", reason)
+    base = batch, dim, length, n_states = SIZES["selective"]
+    cases = [(base, dtype, full) for dtype in (torch.float32, torch.bfloat16) for full in (False, True)]
+    if not quick:
+        cases += [((batch, dim, other, n_states), torch.bfloat16, True) for other in SIZES["selective_lengths"]]
+        cases += [((batch, dim, length, n), dtype, True) for n in SIZES["selective_states"]
+                  for dtype in (torch.float32, torch.bfloat16)]
+        batches, wide, long = SIZES["selective_batch"]
+        cases += [((b, wide, long, n_states), torch.bfloat16, True) for b in batches]
+        cases += [(SIZES["selective_long"], dtype, True) for dtype in (torch.float32, torch.bfloat16)]
+    for shape, dtype, full in cases:
+        inputs = selective_inputs(*shape, dtype, full)
+        leaves = [t.detach().requires_grad_() if t is not None else None for t in inputs]
+        grad = torch.randn_like(inputs[0])
+        options = dict(delta_softplus=full)
+        fn = {"scan_lib.selective_scan": scan_lib.selective_scan}
+        if peer is not None:
+            fn["mamba_ssm selective_scan_fn"] = peer
+        sliced = slice_inputs(inputs)                   # float64 reference on batch 0, 16 channels
+        want = [selective_scan_ref(*sliced, **options)]
+        sliced_leaves = [t.detach().requires_grad_() if t is not None else None for t in sliced]
+        sliced_grad = grad[:1, :16]
+        want_grads = torch.autograd.grad(selective_scan_ref(*sliced_leaves, **options),
+                                         [t for t in sliced_leaves if t is not None], sliced_grad.double())
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        workload = "selective_scan" + (" full" if full else "")
+        for impl, f in fn.items():
+            call = lambda f=f: f(*inputs, **options)  # noqa: E731
+            with torch.no_grad():
+                record(workload, shape, dtype, "fwd", impl, call, lambda call=call: rel_err([call()[:1, :16]], want),
+                       tol, selective_bytes(inputs[0], inputs[3], full, False) / bandwidth * 1e6)
+            diff = [t for t in leaves if t is not None]
+            both = lambda f=f: torch.autograd.grad(f(*leaves, **options), diff, grad)  # noqa: E731
+
+            def check(f=f):   # the gradients on the slice, inputs in their original dtypes, against float64
+                small = [None if t is None else t.detach().to(orig.dtype).requires_grad_()
+                         for t, orig in zip(sliced, inputs)]
+                got = torch.autograd.grad(f(*small, **options), [t for t in small if t is not None], sliced_grad)
+                return rel_err(got, want_grads)
+            record(workload, shape, dtype, "fwd+bwd", impl, both, check, tol if dtype == torch.float32 else 5e-2,
+                   selective_bytes(inputs[0], inputs[3], full, True) / bandwidth * 1e6)
+
+
+def slice_inputs(inputs, channels=16):
+    """The selective scan's inputs for batch element 0 and the first channels, in float64."""
+    u, delta, A, B, C, D, z, delta_bias = inputs
+    cut = lambda t, rows: None if t is None else t[rows].double()  # noqa: E731
+    return (cut(u, (slice(0, 1), slice(0, channels))), cut(delta, (slice(0, 1), slice(0, channels))),
+            cut(A, slice(0, channels)), cut(B, slice(0, 1)), cut(C, slice(0, 1)), cut(D, slice(0, channels)),
+            cut(z, (slice(0, 1), slice(0, channels))), cut(delta_bias, slice(0, channels)))
+
+
+def bench_block(bandwidth, quick):
+    MambaSSM, reason = scan_lib.mamba._mamba_ssm_block()
+    if MambaSSM is None:
+        missing("block", "mamba_ssm Mamba", reason)
+    import importlib.util
+    fused = importlib.util.find_spec("causal_conv1d") is not None
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        batch, length, d_model = shape = SIZES["block"]
+        ours = scan_lib.Mamba(d_model, device=DEVICE, dtype=dtype)
+        blocks = {"scan_lib.Mamba": ours}
+        if MambaSSM is not None:
+            for name, fast in (("mamba_ssm Mamba (unfused)", False), ("mamba_ssm Mamba (fused)", True))[: 2 if fused else 1]:
+                blocks[name] = MambaSSM(d_model, use_fast_path=fast, device=DEVICE, dtype=dtype)
+                blocks[name].load_state_dict(ours.state_dict())
+        hidden = torch.randn(shape, device=DEVICE, dtype=dtype)
+        grad = torch.randn_like(hidden)
+        short, short_grad = hidden[:, :SIZES["block_check_length"]], grad[:, :SIZES["block_check_length"]]
+        reference = scan_lib.Mamba(d_model, backend="torch", device=DEVICE, dtype=torch.float32)   # plain PyTorch
+        reference.load_state_dict(ours.state_dict())
+        with torch.no_grad():
+            want = reference(short.float())
+        want_grads = torch.autograd.grad(reference(short.float()), list(reference.parameters()), short_grad.float())
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        for name, block in blocks.items():
+            params = list(block.parameters())
+            with torch.no_grad():
+                record("block", shape, dtype, "fwd", name, lambda b=block: b(hidden),
+                       lambda b=block: rel_err([b(short)], [want]), tol, math.nan)
+            record("block", shape, dtype, "fwd+bwd", name,
+                   lambda b=block, p=params: torch.autograd.grad(b(hidden), p, grad),
+                   lambda b=block, p=params: rel_err(torch.autograd.grad(b(short), p, short_grad), want_grads),
+                   tol, math.nan)
+
+
+# ---------------------------------------------------------------- report
+
+def environment():
+    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True).stdout.strip() or "unknown"
+    import triton
+    return dict(gpu=torch.cuda.get_device_name(), driver=driver, torch=torch.__version__, triton=triton.__version__,
+                date=datetime.date.today().isoformat())
+
+
+def add_ratios():
+    """ratio = peer gpu_us / scan_lib gpu_us for the same workload, shape, dtype and mode (above 1: scan_lib faster)."""
+    ours = {(r["workload"], r["shape"], r["dtype"], r["mode"]): r for r in ROWS if r["impl"].startswith("scan_lib")}
+    for row in ROWS:
+        mine = ours.get((row["workload"], row["shape"], row["dtype"], row["mode"]))
+        row["ratio_vs_scan_lib"] = ("" if mine is None or row is mine or not row.get("gpu_us") else
+                                    round(row["gpu_us"] / mine["gpu_us"], 2))
+        floor = row.get("floor_us")
+        row["pct_of_floor"] = (round(100 * floor / row["gpu_us"], 1)
+                               if isinstance(floor, float) and math.isfinite(floor) and row.get("gpu_us") else "")
+
+
+def write_csv(env):
+    out = ROOT / "benchmarks" / "results" / f"bench_{env['gpu'].split()[-1].lower()}_{env['date']}.csv"
+    fields = list(env) + ["workload", "shape", "dtype", "mode", "impl", "correct", "rel_err", "call_us", "gpu_us",
+                          "floor_us", "pct_of_floor", "ratio_vs_scan_lib", "note"]
+    with out.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fields)
+        writer.writeheader()
+        for row in ROWS:
+            writer.writerow({**env, **row})
+    return out
+
+
+def plot(env):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from scan_lib.runtime import save_figure
+    rows = [r for r in ROWS if r["workload"] == "selective_scan full" and r["dtype"] == "bfloat16"
+            and r["mode"] == "fwd+bwd" and isinstance(r.get("gpu_us"), float)]
+    base, wide, long = SIZES["selective"], SIZES["selective_batch"][1], SIZES["selective_batch"][2]
+    for axis, index, name, fixed in (("L", 2, "length", lambda s: s[:2] == base[:2] and s[3] == base[3]),
+                                     ("N", 3, "states", lambda s: s[:3] == base[:3]),
+                                     ("batch", 0, "batch", lambda s: s[1:3] == (wide, long))):
+        series = {impl: sorted((eval(r["shape"])[index], r["gpu_us"]) for r in rows  # noqa: S307 (our str(tuple))
+                               if r["impl"] == impl and fixed(eval(r["shape"])))  # noqa: S307
+                  for impl in sorted({r["impl"] for r in rows})}
+        series = {impl: points for impl, points in series.items() if len(points) > 1}
+        if not series:   # --quick: one point per line, nothing to plot against
+            continue
+        fig, ax = plt.subplots(figsize=(7, 3.5))
+        for impl, points in series.items():
+            ax.loglog(*zip(*points), "o-", label=impl)
+        ax.set(xlabel=axis, ylabel="GPU time (us)", title=f"selective scan fwd+bwd, bf16, {env['gpu']}")
+        ax.legend(fontsize=8)
+        save_figure(fig, f"bench_selective_scan_{name}.png")
+
+
+def print_table():
+    print(f"\n{'workload':20s} {'shape':22s} {'dtype':9s} {'mode':8s} {'impl':28s} {'gpu_us':>9s} {'call_us':>9s} "
+          f"{'floor':>7s} {'%floor':>7s} {'peer/ours':>9s}")
+    for r in ROWS:
+        if r.get("note"):
+            print(f"{r['workload']:20s} {r['shape']:22s} {r['dtype']:9s} {r['mode']:8s} {r['impl']:28s} {r['note']}")
+            continue
+        print(f"{r['workload']:20s} {r['shape']:22s} {r['dtype']:9s} {r['mode']:8s} {r['impl']:28s} {r['gpu_us']:9.1f} "
+              f"{r['call_us']:9.1f} {r['floor_us']:7.1f} {str(r['pct_of_floor']):>7s} {str(r['ratio_vs_scan_lib']):>9s}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the base shapes only")
+    parser.add_argument("--only", default="cumsum,linear_scan,selective_scan,block")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("make bench needs a CUDA GPU (the interpreter's timings mean nothing)")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    env = environment()
+    bandwidth = copy_bandwidth()
+    print(f"{env}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    benches = dict(cumsum=bench_cumsum, linear_scan=bench_linear_scan, selective_scan=bench_selective_scan,
+                   block=bench_block)
+    failed = []
+    for name in args.only.split(","):
+        print(f"== {name}")
+        try:
+            benches[name](bandwidth, args.quick)
+        except Exception:  # noqa: BLE001 (report it, finish the other workloads, exit non-zero)
+            traceback.print_exc()
+            failed.append(name)
+    add_ratios()
+    print_table()
+    print(f"\nwrote {write_csv(env)}")
+    plot(env)
+    if failed or not all(r["correct"] in (True, "") for r in ROWS):
+        sys.exit(f"make bench: errors in {failed or 'a correctness check'} (see above)")
+
+
+if __name__ == "__main__":
+    main()

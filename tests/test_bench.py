@@ -1,0 +1,57 @@
+"""benchmarks/bench.py on the CPU interpreter with tiny shapes and fake timers: its correctness checks
+pass on scan_lib, catch a wrong kernel, and the CSV, table and plots are written. (The timings need a GPU.)"""
+import csv
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import scan_lib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def bench(monkeypatch, tmp_path):
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "benchmarks" / "bench.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.DEVICE = "cpu"
+    module.ROOT = tmp_path
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    module.SIZES.update(cumsum=[6], linear_scan=(1, 2, 20), selective=(1, 2, 9, 2), block=(1, 5, 4),
+                        block_check_length=3)
+    monkeypatch.setattr(module, "time_both", lambda fn: (fn(), (2.0, 1.0))[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setenv("SCAN_COURSE_FIGURES", str(tmp_path / "figures"))
+    return module
+
+
+def test_checks_pass_and_the_report_is_written(bench):
+    for run in (bench.bench_cumsum, bench.bench_linear_scan, bench.bench_selective_scan, bench.bench_block):
+        run(1e11, True)
+    ours = [r for r in bench.ROWS if r["impl"].startswith("scan_lib")]
+    assert {r["workload"] for r in ours} == {"cumsum", "linear_scan", "selective_scan", "selective_scan full", "block"}
+    assert all(r["correct"] is True for r in ours), [r for r in ours if r["correct"] is not True]
+    assert any(r.get("note", "").startswith("missing") for r in bench.ROWS)  # mamba_ssm has no CPU build
+    bench.add_ratios()
+    torch_row = next(r for r in bench.ROWS if r["impl"] == "torch.cumsum")
+    assert torch_row["ratio_vs_scan_lib"] == 1.0 and math.isfinite(torch_row["pct_of_floor"])
+    env = dict(gpu="CPU test", driver="-", torch=torch.__version__, triton="-", date="2026-01-01")
+    path = bench.write_csv(env)
+    rows = list(csv.DictReader(path.open()))
+    assert len(rows) == len(bench.ROWS) and rows[0]["gpu"] == "CPU test"
+    bench.print_table()
+    bench.plot(env)
+
+
+def test_a_wrong_kernel_fails_its_check(bench, monkeypatch):
+    right = scan_lib.selective_scan
+    monkeypatch.setattr(scan_lib, "selective_scan", lambda *a, **k: right(*a, **k) * 1.1)   # 10%: beyond bf16's tolerance too
+    bench.SIZES.update(selective=(1, 2, 5, 2))
+    bench.bench_selective_scan(1e11, True)
+    ours = [r for r in bench.ROWS if r["impl"] == "scan_lib.selective_scan"]
+    assert ours and not any(r["correct"] for r in ours)
+    assert all(math.isnan(r["gpu_us"]) for r in ours)   # a failed check is not timed
