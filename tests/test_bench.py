@@ -23,7 +23,7 @@ def bench(monkeypatch, tmp_path):
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     module.SIZES.update(cumsum=[6], linear_scan=(1, 2, 20), selective=(1, 2, 9, 2), block=(1, 5, 4),
                         block_check_length=3)
-    monkeypatch.setattr(module, "time_both", lambda fn: (fn(), (2.0, 1.0))[1])
+    monkeypatch.setattr(module, "time_both", lambda fn, graph=True: (fn(), (2.0, 1.0))[1])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setenv("SCAN_COURSE_FIGURES", str(tmp_path / "figures"))
     return module
