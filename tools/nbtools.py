@@ -5,8 +5,9 @@ The jupytext percent files `notebooks/NN_name.py` are the sources people edit. F
     python tools/nbtools.py export   # write scan_lib/<module>.py from the `#| export` cells
     python tools/nbtools.py sync     # write each paired .ipynb's inputs from its .py (outputs kept)
     python tools/nbtools.py check    # fail if either of the above would change a file, if a
-                                     # notebook's setup cell or Colab link is not the standard one, or
-                                     # if its committed outputs are not from its current code
+                                     # notebook's setup cell or Colab link is not the standard one, if
+                                     # its committed outputs are not from its current code, or if
+                                     # exercises/ is stale (tools/exercises.py)
     python tools/nbtools.py execute NB...   # run notebooks in place and record their fingerprint
 
 Export markers follow nbdev: a cell starting with `#| default_exp name` sets the notebook's module
@@ -302,6 +303,9 @@ def check(outputs: bool = True) -> list[str]:
             problems += _check_outputs(target)
         if colab_link(source.stem) not in (ROOT / "README.md").read_text():
             problems.append(f"README.md does not link to {colab_link(source.stem)}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import exercises  # tools/exercises.py: the student notebooks must match the chapters' markers
+    problems += exercises.check()
     return problems
 
 
