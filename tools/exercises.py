@@ -111,6 +111,7 @@ def exercise_notebook(chapter: Path):
         cell.source = "\n".join(kept + lines[start:])
         cell.outputs = []
         cell.execution_count = None
+        cell.metadata["tags"] = cell.metadata.get("tags", []) + ["exercise"]  # the grader's --needed-only
     if not exercises:
         return None, []
     first_md = next(c for c in notebook.cells if c.cell_type == "markdown")
