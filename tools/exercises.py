@@ -98,7 +98,7 @@ def exercise_notebook(chapter: Path):
         try:
             regions = solution_regions(cell.source)
         except MarkerError as error:
-            raise MarkerError(f"{chapter.relative_to(nbtools.ROOT)}, code cell {index}: {error}") from None
+            raise MarkerError(f"{_rel(chapter)}, code cell {index}: {error}") from None
         if not regions:
             continue
         lines = cell.source.split("\n")
@@ -153,6 +153,10 @@ float64 reference) on the functions your notebook defines, and reports each exer
 failed with the reason. Keep the names of the functions as they are."""
 
 
+def _rel(path: Path) -> Path:
+    return path.relative_to(nbtools.ROOT) if path.is_relative_to(nbtools.ROOT) else path
+
+
 def _text(notebook) -> str:
     return nbformat.writes(notebook) + "\n"
 
@@ -171,12 +175,12 @@ def write() -> None:
     files = wanted()
     for stale in set(EXERCISES.glob("*.ipynb")) - set(files):
         stale.unlink()
-        print(f"removed {stale.relative_to(nbtools.ROOT)}")
+        print(f"removed {_rel(stale)}")
     for path, text in files.items():
         if not path.exists() or path.read_text() != text:
             path.parent.mkdir(exist_ok=True)
             path.write_text(text)
-            print(f"wrote {path.relative_to(nbtools.ROOT)}")
+            print(f"wrote {_rel(path)}")
 
 
 def check() -> list[str]:
@@ -188,9 +192,9 @@ def check() -> list[str]:
     problems = []
     for path, text in files.items():
         if not path.exists() or path.read_text() != text:
-            problems.append(f"{path.relative_to(nbtools.ROOT)} is stale: run `make exercises`")
+            problems.append(f"{_rel(path)} is stale: run `make exercises`")
     for stale in set(EXERCISES.glob("*.ipynb")) - set(files):
-        problems.append(f"{stale.relative_to(nbtools.ROOT)} comes from no chapter with solution markers: run `make exercises`")
+        problems.append(f"{_rel(stale)} comes from no chapter with solution markers: run `make exercises`")
     return problems
 
 

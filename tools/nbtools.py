@@ -343,7 +343,7 @@ def main() -> None:
             print(f"FAIL {problem}")
         if problems:
             sys.exit(1)
-        print(f"ok: {len(chapter_sources())} notebook pairs in sync, scan_lib up to date")
+        print(f"ok: {len(chapter_sources())} notebook pairs in sync, scan_lib and exercises/ up to date")
 
 
 if __name__ == "__main__":
