@@ -23,8 +23,9 @@ notebook, and a markdown cell after the title says how to work and how to get gr
 (tools/grade.py, with the hidden checks of tools/grading/checks_NN.py).
 
 A stub inside a `@triton.jit` function raises on Triton's CPU interpreter (the function runs as
-Python); on a GPU the compiler rejects it before anything runs, with an error that quotes the stub's
-line ("unsupported AST node type: Raise"), so the exercise's id and hint are in the message either way.
+Python); on a GPU the compiler rejects it before anything runs: the last error of the chain quotes the
+stub's line ("unsupported AST node type: Raise"), so the exercise's id and hint are in the message
+either way (seen by compiling such a kernel for sm_90 with Triton 3.6; not run on a GPU here).
 """
 from __future__ import annotations
 
@@ -144,7 +145,8 @@ the complete chapter (on a GPU), so you can compare; the cells after an exercise
 {rows}
 
 Inside a `@triton.jit` function the stub raises when the kernel runs on Triton's CPU interpreter; on a
-GPU the compiler refuses it first ("unsupported AST node type: Raise") and quotes the stub's line.
+GPU the compiler refuses it first: the last error of the chain quotes the stub's line and says
+"unsupported AST node type: Raise".
 
 **Grading.** Save the notebook (on Colab: File, Download .ipynb) and hand it in. The grader,
 `make grade NB=path/to/{name}.ipynb` in a clone of the repository, runs it top to bottom in a fresh

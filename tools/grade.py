@@ -55,6 +55,8 @@ class Namespace:
 def _reason(error: BaseException) -> str:
     if isinstance(error, AssertionError) and str(error):
         return str(error)
+    while error.__cause__ is not None:  # Triton's compiler chains the error in the called function, the stub's
+        error = error.__cause__
     text = f"{type(error).__name__}: {error}".strip()
     if type(error).__name__ == "InterpreterError" and error.args:  # Triton's interpreter wraps a kernel's error
         text = f"in a kernel (Triton's interpreter): {error.args[0]}"
