@@ -129,3 +129,15 @@ def test_every_chapter_with_exercises_has_checks_for_each():
 def test_malformed_markers_are_reported(bad):
     with pytest.raises(exercises.MarkerError):
         exercises.solution_regions(bad)
+
+
+def test_the_total_time_limit_skips_the_remaining_cells(tmp_path):
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [nbformat.v4.new_code_cell("import time\ntime.sleep(1.5)") for _ in range(3)]
+    path = tmp_path / "02_slow.ipynb"
+    nbformat.write(notebook, path)
+    report = grade.grade(path, timeout=1)
+    assert report["execution"]["timed_out"] and report["execution"]["skipped"] == 2
+    assert all(not e["passed"] for e in report["exercises"])  # the checks still ran: nothing is defined
+    assert "defines no `first_order_op`" in report["exercises"][0]["reason"]

@@ -212,6 +212,7 @@ def _execute(notebook, work: Path, checks_path: Path, cell_timeout, timeout, che
     execution.update(cells=len(code), ran=0, errors=errors, skipped=0, timed_out=False)
     try:
         with client.setup_kernel(env=env):
+            start = time.time()  # the limit is on the notebook's cells, not on starting the kernel
             for position, index in enumerate(code):
                 if time.time() - start > timeout:
                     skipped = len(code) - position
