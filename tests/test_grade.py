@@ -1,8 +1,9 @@
 """The grader (tools/grade.py) on chapter 02's exercise notebook: untouched, partly solved, solved, and broken.
 
-Cost on 2 CPU cores: each case starts a kernel and runs the notebook on Triton's interpreter, about
-15 s each. The untouched and partly solved notebooks run in full (their later cells fail fast); the
-solved one runs with --needed-only (up to linear_scan_rows: the full chapter takes about 90 s here).
+Cost on 2 shared CPU cores: about 45 s for the file. Each case starts a kernel and runs the notebook
+on Triton's interpreter, 5-12 s each: the untouched and partly solved notebooks run in full (their
+later cells fail fast); the solved ones run with --needed-only, up to linear_scan_rows (the full
+solved chapter takes 65-85 s here, so it is graded by hand: `make grade NB=notebooks/02_ema.ipynb`).
 """
 import sys
 from pathlib import Path

@@ -250,6 +250,9 @@ def _execute(notebook, work: Path, checks_path: Path, cell_timeout, timeout, che
 
 def _reason_from(error_output) -> str:
     text = f"{error_output.get('ename', 'Error')}: {error_output.get('evalue', '')}"
+    wrapped = re.fullmatch(r"InterpreterError: InterpreterError\((['\"])(.*)\1\)", text, re.S)
+    if wrapped:  # Triton's interpreter wraps the kernel's error: show that one
+        text = f"in a kernel: {wrapped.group(2)}"
     return text if len(text) <= 300 else text[:297] + "..."
 
 
