@@ -18,6 +18,8 @@
 
 A notebook that crashes, hangs, kills its kernel or prints garbage is graded (its exercises fail with
 the reason); the grader exits non-zero only when it cannot grade at all (no such notebook or checks).
+It is not a sandbox: the student's code runs with your permissions, so grade untrusted submissions in
+a container or a throwaway machine.
 """
 from __future__ import annotations
 
