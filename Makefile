@@ -22,7 +22,7 @@ else
 SETUP :=
 endif
 
-.PHONY: install export sync check test course outputs bench lab clean
+.PHONY: install export sync check exercises grade test course outputs bench lab clean
 
 install: $(VENV)/.installed
 
@@ -39,6 +39,18 @@ sync: $(SETUP)
 
 check: $(SETUP)
 	$(PY) tools/nbtools.py check
+
+# Student notebooks: exercises/NN_name.ipynb from the chapters' solution markers, stubs in place of the
+# solutions (tools/exercises.py); `make check` fails when they are stale
+exercises: $(SETUP)
+	$(PY) tools/exercises.py
+
+# Grade a student's notebook: make grade NB=exercises/02_ema.ipynb (GRADE_ARGS="--json out.json" and
+# the time limits: python tools/grade.py --help). Runs it in a fresh kernel, then the hidden checks of
+# tools/grading/checks_NN.py; prints the result per exercise and writes it as JSON (build/grades/)
+grade: $(SETUP)
+	@test -n "$(NB)" || { echo "usage: make grade NB=path/to/NN_name.ipynb"; exit 2; }
+	$(PY) tools/grade.py "$(NB)" $(GRADE_ARGS)
 
 test: check
 	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist load tests
@@ -60,6 +72,7 @@ course: $(SETUP)
 outputs: $(SETUP)
 	$(PY) tools/nbtools.py check --inputs-only
 	$(PY) tools/nbtools.py execute $(or $(NB),$(CHAPTERS))
+	$(PY) tools/exercises.py
 
 # GPU only: correctness first, then scan_lib against every importable peer; CSV to benchmarks/results/,
 # plots to figures/ (benchmarks/bench.py says what it measures and how)

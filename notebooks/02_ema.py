@@ -147,6 +147,8 @@ print("the EMA is the linear scan with gates a_t = alpha and tokens b_t = (1 - a
 #| export
 @triton.jit
 def first_order_op(a_left, b_left, a_right, b_right):
+    ### BEGIN SOLUTION
+    ### HINT: return the pair (gate, token) of the left step followed by the right one, as derived above
     """Compose two steps of h -> a*h + b: first the left (earlier) one, then the right (later) one.
 
     a_right * (a_left * h + b_left) + b_right = (a_left * a_right) * h + (a_right * b_left + b_right)
@@ -158,6 +160,7 @@ def first_order_op(a_left, b_left, a_right, b_right):
     the recurrence's values. See "Zero and infinite gates" in notebooks/02_ema.
     """
     return a_left * a_right, a_right * b_left + b_right
+    ### END SOLUTION
 
 # %% [markdown]
 # A `@triton.jit` function keeps the plain Python function it was made from as `.fn`. Its body is
@@ -322,9 +325,12 @@ def scan_chunk(a, b, carry, REVERSE: tl.constexpr):
     idx = tl.arange(0, CHUNK)
     entry: tl.constexpr = CHUNK - 1 if REVERSE else 0
     leave: tl.constexpr = 0 if REVERSE else CHUNK - 1
+    ### BEGIN SOLUTION
+    ### HINT: fold `carry` into the entry pair, scan with first_order_op (reverse=REVERSE), return h and the state at `leave`
     b = tl.where(idx == entry, a * carry + b, b)  # fold the carried state into the entry pair
     _, h = tl.associative_scan((a, b), 0, first_order_op, reverse=REVERSE)
     return h, tl.sum(tl.where(idx == leave, h, 0.0), axis=0)
+    ### END SOLUTION
 
 
 @triton.jit
@@ -341,7 +347,10 @@ def chunk_positions(k, length, CHUNK: tl.constexpr, REVERSE: tl.constexpr, REVER
     elif REVERSED_LOADS:
         t = length - 1 - k * CHUNK - idx
     else:
+        ### BEGIN SOLUTION
+        ### HINT: t = the positions of the k-th chunk from the right, ascending, chunks aligned to multiples of CHUNK
         t = ((length - 1) // CHUNK - k) * CHUNK + idx
+        ### END SOLUTION
     return t, (t >= 0) & (t < length)
 
 

@@ -106,3 +106,96 @@ def test_sync_keeps_the_fingerprint(executed, tmp_path):
     synced = nbtools.paired_notebook(source)
     assert synced.metadata["scan_course"] == notebook.metadata["scan_course"]
     assert synced.cells[2].outputs == notebook.cells[2].outputs
+
+
+# ---- solution markers (tools/exercises.py): invisible to the fingerprint and to the export ----
+
+MARKED = '''\
+#| export
+def combine(a, b):
+    """Doc."""
+    ### BEGIN SOLUTION
+    ### HINT: add them
+    return a + b
+    ### END SOLUTION'''
+PLAIN = '''\
+#| export
+def combine(a, b):
+    """Doc."""
+    return a + b'''
+
+
+def test_code_hash_ignores_solution_markers_and_nothing_else():
+    assert nbtools.code_hash(_notebook(MARKED)) == nbtools.code_hash(_notebook(PLAIN))
+    assert nbtools.strip_solution_markers(MARKED) == PLAIN
+    # a HINT line counts as a marker only right after BEGIN SOLUTION; any other edit changes the hash
+    for edited in [PLAIN + "\n    ### HINT: add them", PLAIN + "\n# a comment", PLAIN.replace("a + b", "b + a"),
+                   MARKED.replace("### END SOLUTION", "### END SOLUTION!")]:
+        assert nbtools.code_hash(_notebook(edited)) != nbtools.code_hash(_notebook(PLAIN)), edited
+
+
+def test_export_drops_solution_markers(tmp_path, monkeypatch):
+    import jupytext
+    notebook = _notebook("#| default_exp toy", MARKED)
+    source = tmp_path / "99_toy.py"
+    jupytext.write(notebook, source, fmt="py:percent")
+    monkeypatch.setattr(nbtools, "chapter_sources", lambda: [source])
+    (text,) = nbtools.exported_modules().values()
+    assert text.endswith(PLAIN.split("\n", 1)[1] + "\n") and "SOLUTION" not in text and "HINT" not in text
+
+
+def test_the_chapters_markers_leave_scan_lib_and_the_fingerprints_alone():
+    """The committed notebooks/02_ema has markers; scan_lib/ema.py, generated from it, has none and is
+    up to date, and the chapter's fingerprint (recorded before the markers) still matches."""
+    assert nbtools.BEGIN_SOLUTION in (nbtools.NOTEBOOKS / "02_ema.py").read_text()
+    wanted = nbtools.exported_modules()
+    assert all(nbtools.BEGIN_SOLUTION not in text for text in wanted.values())
+    assert wanted[nbtools.PACKAGE / "ema.py"] == (nbtools.PACKAGE / "ema.py").read_text()
+    assert nbtools._check_outputs(nbtools.NOTEBOOKS / "02_ema.ipynb") == []
+
+
+# ---- exercises/: generated from the chapters, and `check` fails when they drift ----
+
+def test_exercise_notebook_stubs_hints_outputs_and_badge(tmp_path):
+    import exercises
+    notebook = _notebook(nbtools.SETUP_CELL, MARKED, "x = 1\nif x:\n    ### BEGIN SOLUTION\n    y = 2\n    ### END SOLUTION",
+                         "print(3)")
+    notebook.cells[0].source = f"# 99 · Toy\n\n[badge]({nbtools.colab_link('99_toy')})"
+    for cell in notebook.cells[1:]:
+        cell.outputs = [nbformat.v4.new_output("stream", text="out\n")]
+        cell.execution_count = 1
+    path = tmp_path / "99_toy.ipynb"
+    nbformat.write(notebook, path)
+    student, found = exercises.exercise_notebook(path)
+    assert found == [("99.1", "combine", "add them"), ("99.2", None, exercises.GENERIC_HINT)]
+    code = [c for c in student.cells if c.cell_type == "code"]
+    assert code[1].source.endswith('    """Doc."""\n    # YOUR CODE HERE (exercise 99.1)\n'
+                                   "    raise NotImplementedError('exercise 99.1: add them')")
+    assert f"    raise NotImplementedError('exercise 99.2: {exercises.GENERIC_HINT}')" in code[2].source
+    assert "y = 2" not in code[2].source and "return a + b" not in code[1].source
+    assert code[1].outputs == [] and code[2].outputs == [] and code[1].metadata["tags"] == ["exercise"]
+    assert code[0].outputs and code[3].outputs  # the cells without solutions keep theirs
+    assert exercises.colab_link("99_toy") in student.cells[0].source
+    assert nbtools.colab_link("99_toy") not in student.cells[0].source
+    assert student.cells[1].cell_type == "markdown" and "make grade" in student.cells[1].source
+    assert student.metadata["scan_course"] == {"exercises": {"chapter": "99_toy", "ids": ["99.1", "99.2"]}}
+    nbformat.validate(student)
+
+
+def test_check_fails_when_exercises_drift(tmp_path, monkeypatch):
+    import exercises
+    assert exercises.check() == []  # the committed exercises/ matches the chapters
+    copy = tmp_path / "exercises"
+    copy.mkdir()
+    for path in exercises.EXERCISES.glob("*.ipynb"):
+        (copy / path.name).write_text(path.read_text())
+    monkeypatch.setattr(exercises, "EXERCISES", copy)
+    assert exercises.check() == []
+    edited = copy / "02_ema.ipynb"
+    edited.write_text(edited.read_text().replace("exercise 02.1:", "exercise 02.1 (edited):"))
+    (copy / "07_orphan.ipynb").write_text("{}")
+    problems = " ".join(exercises.check())
+    assert "02_ema.ipynb is stale" in problems and "07_orphan.ipynb comes from no chapter" in problems
+    assert any("exercises/" in p or "02_ema" in p for p in nbtools.check(outputs=False))
+    exercises.write()
+    assert exercises.check() == [] and not (copy / "07_orphan.ipynb").exists()

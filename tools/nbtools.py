@@ -5,8 +5,9 @@ The jupytext percent files `notebooks/NN_name.py` are the sources people edit. F
     python tools/nbtools.py export   # write scan_lib/<module>.py from the `#| export` cells
     python tools/nbtools.py sync     # write each paired .ipynb's inputs from its .py (outputs kept)
     python tools/nbtools.py check    # fail if either of the above would change a file, if a
-                                     # notebook's setup cell or Colab link is not the standard one, or
-                                     # if its committed outputs are not from its current code
+                                     # notebook's setup cell or Colab link is not the standard one, if
+                                     # its committed outputs are not from its current code, or if
+                                     # exercises/ is stale (tools/exercises.py)
     python tools/nbtools.py execute NB...   # run notebooks in place and record their fingerprint
 
 Export markers follow nbdev: a cell starting with `#| default_exp name` sets the notebook's module
@@ -67,6 +68,34 @@ def _directive(cell_source: str) -> tuple[str, str] | None:
     return (words[0], words[1] if len(words) > 1 else "") if words else None
 
 
+# Solution markers (nbgrader's): around the lines a student writes in the exercise notebooks
+# (tools/exercises.py). Each on a line of its own in a code cell; an optional `### HINT: ...` line
+# right after BEGIN SOLUTION gives the stub's hint. The library export and the output fingerprint
+# ignore these lines and nothing else, so adding markers changes neither scan_lib nor a chapter's code.
+BEGIN_SOLUTION = "### BEGIN SOLUTION"
+END_SOLUTION = "### END SOLUTION"
+HINT = "### HINT:"
+
+
+def marker_lines(source: str) -> set[int]:
+    """Indices of the lines of `source` that are solution markers: `### BEGIN SOLUTION`,
+    `### END SOLUTION`, and a `### HINT: ...` line directly after a BEGIN SOLUTION."""
+    lines = source.split("\n")
+    found = set()
+    for i, line in enumerate(lines):
+        if line.strip() in (BEGIN_SOLUTION, END_SOLUTION):
+            found.add(i)
+            if line.strip() == BEGIN_SOLUTION and i + 1 < len(lines) and lines[i + 1].strip().startswith(HINT):
+                found.add(i + 1)
+    return found
+
+
+def strip_solution_markers(source: str) -> str:
+    """`source` without its solution marker lines (the solutions stay)."""
+    markers = marker_lines(source)
+    return "\n".join(line for i, line in enumerate(source.split("\n")) if i not in markers)
+
+
 def _strip_first_line(source: str) -> str:
     return source.lstrip().split("\n", 1)[1] if "\n" in source.lstrip() else ""
 
@@ -97,7 +126,7 @@ def exported_modules() -> dict[Path, str]:
                 module = arg or default
                 if not module:
                     sys.exit(f"{source.name}: an `#| export` cell comes before any `#| default_exp`")
-                chunks.setdefault(module, []).append(_strip_first_line(cell.source).strip("\n"))
+                chunks.setdefault(module, []).append(_strip_first_line(strip_solution_markers(cell.source)).strip("\n"))
                 origin.setdefault(module, set()).add(f"notebooks/{source.name}")
     modules = {}
     for module, parts in chunks.items():
@@ -131,8 +160,9 @@ def _sha(texts: list[str]) -> str:
 
 
 def code_hash(notebook) -> str:
-    """Hash of the notebook's code cells, in order (whitespace at either end of a cell ignored)."""
-    return _sha([c.source.strip() for c in notebook.cells if c.cell_type == "code"])
+    """Hash of the notebook's code cells, in order (whitespace at either end of a cell and solution
+    marker lines ignored)."""
+    return _sha([strip_solution_markers(c.source).strip() for c in notebook.cells if c.cell_type == "code"])
 
 
 _SCAN_LIB_NAME = re.compile(r"\bscan_lib\.([A-Za-z_]\w*)|from scan_lib import ([\w, ()\n]+)")
@@ -273,6 +303,9 @@ def check(outputs: bool = True) -> list[str]:
             problems += _check_outputs(target)
         if colab_link(source.stem) not in (ROOT / "README.md").read_text():
             problems.append(f"README.md does not link to {colab_link(source.stem)}")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import exercises  # tools/exercises.py: the student notebooks must match the chapters' markers
+    problems += exercises.check()
     return problems
 
 
@@ -310,7 +343,7 @@ def main() -> None:
             print(f"FAIL {problem}")
         if problems:
             sys.exit(1)
-        print(f"ok: {len(chapter_sources())} notebook pairs in sync, scan_lib up to date")
+        print(f"ok: {len(chapter_sources())} notebook pairs in sync, scan_lib and exercises/ up to date")
 
 
 if __name__ == "__main__":

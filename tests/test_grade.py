@@ -1,0 +1,146 @@
+"""The grader (tools/grade.py) on chapter 02's exercise notebook: untouched, partly solved, solved, and broken.
+
+Cost on 2 shared CPU cores: about 60 s for the file. Each case starts a kernel and runs the notebook
+on Triton's interpreter, 5-12 s each: the untouched and partly solved notebooks run in full (their
+later cells fail fast); the solved ones run with --needed-only, up to linear_scan_rows (the full
+solved chapter takes 65-85 s here, so it is graded by hand: `make grade NB=notebooks/02_ema.ipynb`).
+"""
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import exercises  # noqa: E402
+import grade  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTER = ROOT / "notebooks" / "02_ema.ipynb"
+EXERCISE = ROOT / "exercises" / "02_ema.ipynb"
+
+
+def _solved(ids: set[str], tmp_path: Path) -> Path:
+    """exercises/02_ema.ipynb with the chapter's solutions of `ids` put back in place of their stubs."""
+    notebook = nbformat.read(EXERCISE, as_version=4)
+    chapter = nbformat.read(CHAPTER, as_version=4)
+    number = 0
+    for cell in (c for c in chapter.cells if c.cell_type == "code"):
+        lines = cell.source.split("\n")
+        for begin, end, indent, hint in exercises.solution_regions(cell.source):
+            number += 1
+            exercise_id = f"02.{number}"
+            if exercise_id not in ids:
+                continue
+            stub = "\n".join(exercises.stub(exercise_id, indent, hint))
+            first = begin + 2 if lines[begin + 1].strip().startswith("### HINT:") else begin + 1
+            solution = "\n".join(lines[first:end])
+            holders = [c for c in notebook.cells if stub in c.source]
+            assert len(holders) == 1, exercise_id
+            holders[0].source = holders[0].source.replace(stub, solution)
+    path = tmp_path / "02_ema.ipynb"
+    nbformat.write(notebook, path)
+    return path
+
+
+def _passed(report):
+    return {e["id"]: e["passed"] for e in report["exercises"]}
+
+
+def test_untouched_notebook_fails_every_exercise():
+    report = grade.grade(EXERCISE)
+    assert _passed(report) == {"02.1": False, "02.2": False, "02.3": False}
+    assert report["score"] == 0 and report["total"] == 3
+    for exercise in report["exercises"]:  # each fails on its own stub, whose message names it
+        assert f"exercise {exercise['id']}" in exercise["reason"]
+    assert "score: 0/3" in grade.text_report(report)
+
+
+def test_partly_solved_notebook_gets_partial_credit(tmp_path):
+    report = grade.grade(_solved({"02.1"}, tmp_path))
+    assert _passed(report) == {"02.1": True, "02.2": False, "02.3": False}
+    assert "exercise 02.2" in report["exercises"][1]["reason"]
+
+
+@pytest.mark.parametrize("solution", ["exercises with the solutions put back", "the chapter itself"])
+def test_solution_passes_every_exercise(tmp_path, solution):
+    path = _solved({"02.1", "02.2", "02.3"}, tmp_path) if solution.startswith("exercises") else CHAPTER
+    report = grade.grade(path, needed_only=True)
+    assert _passed(report) == {"02.1": True, "02.2": True, "02.3": True}, grade.text_report(report)
+    assert report["execution"]["cells"] < sum(c.cell_type == "code" for c in nbformat.read(EXERCISE, 4).cells)
+
+
+def test_wrong_reverse_positions_fail_with_a_reason(tmp_path):
+    """An off-by-one in 02.3 (length // CHUNK for (length - 1) // CHUNK), right unless the length is a
+    multiple of the chunk: the hidden checks try one; the other exercises still pass."""
+    path = _solved({"02.1", "02.2", "02.3"}, tmp_path)
+    notebook = nbformat.read(path, as_version=4)
+    right = "t = ((length - 1) // CHUNK - k) * CHUNK + idx"
+    cell = next(c for c in notebook.cells if right in c.source)
+    cell.source = cell.source.replace(right, "t = (length // CHUNK - k) * CHUNK + idx")
+    nbformat.write(notebook, path)
+    report = grade.grade(path, needed_only=True)
+    assert _passed(report) == {"02.1": True, "02.2": True, "02.3": False}
+    assert "reverse" in report["exercises"][2]["reason"] and "L = " in report["exercises"][2]["reason"]
+
+
+def test_a_hanging_garbage_printing_crashing_notebook_is_graded(tmp_path):
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [nbformat.v4.new_code_cell(s) for s in [
+        "import time\nwhile True:\n    time.sleep(0.1)",  # hangs: interrupted after the cell time limit
+        "import sys\nprint('\\x00\\x1b[2J' + 'garbage ' * 10000)\nsys.stdout.write('{\"passed\": true}')",
+        "def first_order_op(a_left, b_left, a_right, b_right):\n    return a_right, b_right",  # wrong
+        "import os\nos._exit(3)",  # kills the kernel
+    ]]
+    path = tmp_path / "02_crash.ipynb"
+    nbformat.write(notebook, path)
+    report = grade.grade(path, cell_timeout=3)
+    assert report["score"] == 0 and report["total"] == 3
+    assert report["execution"]["errors"][0]["error"].startswith("interrupted after 3 s")
+    assert all("kernel died" in e["reason"] for e in report["exercises"])
+
+    path.write_bytes(b"\x89PNG not a notebook")
+    report = grade.grade(path)
+    assert report["score"] == 0 and all("cannot be read" in e["reason"] for e in report["exercises"])
+
+
+def test_json_and_text_reports(tmp_path):
+    report = {"notebook": "x.ipynb", "chapter": "02", "score": 1, "total": 2,
+              "execution": {"cells": 3, "ran": 3, "errors": [], "skipped": 0, "timed_out": False, "seconds": 1.0},
+              "exercises": [{"id": "02.1", "title": "a", "passed": True, "reason": "", "seconds": 0.1},
+                            {"id": "02.2", "title": "b", "passed": False, "reason": "why", "seconds": 0.1}]}
+    text = grade.text_report(report)
+    assert "02.1   passed" in text and "02.2   FAILED  b: why" in text and "score: 1/2" in text
+
+
+def test_every_chapter_with_exercises_has_checks_for_each():
+    """A chapter joins the grader with tools/grading/checks_NN.py, one exercise_K per exercise NN.K."""
+    import importlib.util
+    for path in sorted((ROOT / "exercises").glob("*.ipynb")):
+        ids = nbformat.read(path, as_version=4).metadata["scan_course"]["exercises"]["ids"]
+        checks = ROOT / "tools" / "grading" / f"checks_{path.name[:2]}.py"
+        assert checks.exists(), f"{path.name} has exercises but no {checks.relative_to(ROOT)}"
+        spec = importlib.util.spec_from_file_location("checks", checks)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        assert [f"{path.name[:2]}.{k}" for k, _ in grade.exercises_of(module)] == ids
+
+
+@pytest.mark.parametrize("bad", ["### BEGIN SOLUTION\nx = 1", "x = 1\n### END SOLUTION",
+                                 "### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION"])
+def test_malformed_markers_are_reported(bad):
+    with pytest.raises(exercises.MarkerError):
+        exercises.solution_regions(bad)
+
+
+def test_the_total_time_limit_skips_the_remaining_cells(tmp_path):
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [nbformat.v4.new_code_cell("import time\ntime.sleep(1.5)") for _ in range(3)]
+    path = tmp_path / "02_slow.ipynb"
+    nbformat.write(notebook, path)
+    report = grade.grade(path, timeout=1)
+    assert report["execution"]["timed_out"] and report["execution"]["skipped"] == 2
+    assert all(not e["passed"] for e in report["exercises"])  # the checks still ran: nothing is defined
+    assert "defines no `first_order_op`" in report["exercises"][0]["reason"]
