@@ -1,6 +1,8 @@
 """scan_lib.ema: the checks of chapter 02 catch the bugs they guard against, and the combine's
 documented behaviour with zero and infinite gates."""
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +12,9 @@ import triton.language as tl
 from scan_lib import ema
 from scan_lib.ema import error_bound, first_order_op, is_associative, linear_scan_loop, linear_scan_rows
 from scan_lib.runtime import DEVICE, ON_GPU
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools" / "grading"))
+from checks_02 import tree_scan  # noqa: E402  (Hillis-Steele on tensors: the grouping of a GPU scan)
 
 
 def long_memory_inputs(rows=2, length=600, dtype=torch.float32, seed=0):
@@ -21,18 +26,6 @@ def long_memory_inputs(rows=2, length=600, dtype=torch.float32, seed=0):
 
 def ratio(h, gates, tokens, initial_state=None, reverse=False):
     return ema.error_ratio(h, gates, tokens, initial_state, reverse)
-
-
-def tree_scan(op, gates, tokens):
-    """Hillis-Steele inclusive scan with a combine on tensors: the grouping of a parallel (GPU) scan."""
-    a, b = gates, tokens
-    shift = 1
-    while shift < tokens.shape[-1]:
-        a_earlier = torch.cat([torch.ones_like(a[..., :shift]), a[..., :-shift]], -1)
-        b_earlier = torch.cat([torch.zeros_like(b[..., :shift]), b[..., :-shift]], -1)
-        a, b = op(a_earlier, b_earlier, a, b)
-        shift *= 2
-    return b
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])

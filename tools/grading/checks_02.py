@@ -3,30 +3,19 @@
 One function `exercise_K(nb)` per exercise 02.K, its docstring's first line the exercise's title: it
 returns when the exercise is solved and raises (an AssertionError saying why) when it is not. `nb.name`
 is what the student's notebook defined. The inputs are drawn here, with shapes and lengths the notebook
-does not use, and compared with a float64 loop written here, not the notebook's. Chapter 02 has no
+does not use, and compared with scan_lib's float64 loop `linear_scan_loop`, not the notebook's code. Chapter 02 has no
 backward pass, so no gradients are checked (chapter 03's checks will).
 """
 import torch
 
+from scan_lib.ema import linear_scan_loop   # the float64 reference (the library's, not the student's notebook)
+
 SEED = 20_02
 
 
-def _loop(gates, tokens, initial_state=None, reverse=False):
-    """h_t = a_t h_{t-1} + b_t (reverse: h_{t+1}) along the last dim, in float64."""
-    gates, tokens = gates.double().cpu(), tokens.double().cpu()
-    if reverse:
-        gates, tokens = gates.flip(-1), tokens.flip(-1)
-    h = torch.zeros_like(tokens[..., 0]) if initial_state is None else initial_state.double().cpu()
-    states = []
-    for t in range(tokens.shape[-1]):
-        h = gates[..., t] * h + tokens[..., t]
-        states.append(h)
-    out = torch.stack(states, -1)
-    return out.flip(-1) if reverse else out
-
-
-def _tree_scan(op, gates, tokens):
-    """Inclusive scan in log2(L) rounds of combines of accumulated pairs (as a GPU does)."""
+def tree_scan(op, gates, tokens):
+    """Inclusive scan in log2(L) rounds of combines of accumulated pairs (Hillis-Steele: the grouping of a
+    GPU's scan), for a combine on tensors. tests/test_ema.py uses it too."""
     a, b, shift = gates, tokens, 1
     while shift < tokens.shape[-1]:
         a_earlier = torch.cat([torch.ones_like(a[..., :shift]), a[..., :-shift]], -1)
@@ -43,7 +32,7 @@ def _compare(h, expected, what, chunk=None, reverse=False):
         tol = 1e-9 * (1 + expected.abs())
     else:  # float32: rounding grows with the length and the size of the states
         tol = 1e-4 * (1 + expected.abs().max())
-    h = h.double().cpu()
+    h, expected = h.double().cpu(), expected.double().cpu()
     wrong = ~((h - expected).abs() <= tol)  # NaN counts as wrong
     if not wrong.any():
         return
@@ -84,10 +73,10 @@ def exercise_1(nb):
     for length in (1, 2, 37, 300):  # a tree of combines, where an operator right only for a fold fails
         gates = torch.rand(3, length, dtype=torch.float64, generator=gen)
         tokens = torch.randn(3, length, dtype=torch.float64, generator=gen)
-        _compare(_tree_scan(op, gates, tokens), _loop(gates, tokens), f"a tree scan with first_order_op, L = {length}")
+        _compare(tree_scan(op, gates, tokens), linear_scan_loop(gates, tokens), f"a tree scan with first_order_op, L = {length}")
     for length in (1, 5, 130):  # the operator as the chapter's one-block kernel runs it
         gates, tokens, _ = _rows(gen, length, torch.float64, nb.DEVICE, False)
-        _compare(nb.scan_one_block(gates, tokens), _loop(gates, tokens), f"scan_one_block, float64, L = {length}")
+        _compare(nb.scan_one_block(gates, tokens), linear_scan_loop(gates, tokens), f"scan_one_block, float64, L = {length}")
 
 
 def exercise_2(nb):
@@ -101,7 +90,7 @@ def exercise_2(nb):
         h = nb.linear_scan_rows(gates, tokens, init, reverse=False, chunk=chunk)
         what = (f"linear_scan_rows forward, {str(dtype)[6:]}, L = {length}, chunk = {chunk}, "
                 f"{'with' if with_init else 'no'} initial state")
-        _compare(h, _loop(gates, tokens, init), what, chunk)
+        _compare(h, linear_scan_loop(gates, tokens, init), what, chunk)
 
 
 def exercise_3(nb):
@@ -116,4 +105,4 @@ def exercise_3(nb):
         h = nb.linear_scan_rows(gates, tokens, init, reverse=True, chunk=chunk, config=config)
         what = (f"linear_scan_rows reverse, {str(dtype)[6:]}, L = {length}, chunk = {chunk}, "
                 f"{'with' if with_init else 'no'} initial state")
-        _compare(h, _loop(gates, tokens, init, reverse=True), what, chunk, reverse=True)
+        _compare(h, linear_scan_loop(gates, tokens, init, reverse=True), what, chunk, reverse=True)
