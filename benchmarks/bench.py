@@ -81,7 +81,7 @@ def rel_err(got, want):
 def record(workload, shape, dtype, mode, impl, fn, check, tol, floor_us):
     """Check (check() -> relative error) then time fn; append a row. A peer that raises (an unsupported
     mode) gets a row saying so; scan_lib raising is an error."""
-    row = dict(workload=workload, shape=str(shape), dtype=str(dtype).replace("torch.", ""), mode=mode, impl=impl,
+    row = dict(workload=workload, shape=tuple(shape), dtype=str(dtype).replace("torch.", ""), mode=mode, impl=impl,
                floor_us=round(floor_us, 1), call_us=math.nan, gpu_us=math.nan)
     try:
         err = check()
@@ -132,9 +132,10 @@ def mamba_ssm_scan():
 
 def compiled_linear_scan():
     from torch._higher_order_ops.associative_scan import associative_scan
+    combine_pairs = scan_lib.ema.first_order_op.fn   # chapter 02's operator, as a Python function
 
     def combine(left, right):
-        return left[0] * right[0], right[0] * left[1] + right[1]
+        return combine_pairs(*left, *right)
     return torch.compile(lambda gates, tokens: associative_scan(combine, (gates, tokens), dim=-1)[1], fullgraph=True)
 
 
@@ -333,8 +334,7 @@ def plot(env):
     for axis, index, name, fixed in (("L", 2, "length", lambda s: s[:2] == base[:2] and s[3] == base[3]),
                                      ("N", 3, "states", lambda s: s[:3] == base[:3]),
                                      ("batch", 0, "batch", lambda s: s[1:3] == (wide, long))):
-        series = {impl: sorted((eval(r["shape"])[index], r["gpu_us"]) for r in rows  # noqa: S307 (our str(tuple))
-                               if r["impl"] == impl and fixed(eval(r["shape"])))  # noqa: S307
+        series = {impl: sorted((r["shape"][index], r["gpu_us"]) for r in rows if r["impl"] == impl and fixed(r["shape"]))
                   for impl in sorted({r["impl"] for r in rows})}
         series = {impl: points for impl, points in series.items() if len(points) > 1}
         if not series:   # --quick: one point per line, nothing to plot against
@@ -352,9 +352,9 @@ def print_table():
           f"{'floor':>7s} {'%floor':>7s} {'peer/ours':>9s}")
     for r in ROWS:
         if r.get("note"):
-            print(f"{r['workload']:20s} {r['shape']:22s} {r['dtype']:9s} {r['mode']:8s} {r['impl']:28s} {r['note']}")
+            print(f"{r['workload']:20s} {str(r['shape']):22s} {r['dtype']:9s} {r['mode']:8s} {r['impl']:28s} {r['note']}")
             continue
-        print(f"{r['workload']:20s} {r['shape']:22s} {r['dtype']:9s} {r['mode']:8s} {r['impl']:28s} {r['gpu_us']:9.1f} "
+        print(f"{r['workload']:20s} {str(r['shape']):22s} {r['dtype']:9s} {r['mode']:8s} {r['impl']:28s} {r['gpu_us']:9.1f} "
               f"{r['call_us']:9.1f} {r['floor_us']:7.1f} {str(r['pct_of_floor']):>7s} {str(r['ratio_vs_scan_lib']):>9s}")
 
 
