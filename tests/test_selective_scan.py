@@ -1,6 +1,8 @@
-"""scan_lib.selective_scan against the float64 reference, the chunking identity, gradcheck, bad input,
-torch.func / torch.compile, bugs injected into the kernels, and (where mamba_ssm is importable, on a GPU)
-against mamba_ssm's selective_scan_fn."""
+"""scan_lib.selective_scan (chapter 07's kernels) against the float64 reference, the chunking identity,
+gradcheck, bad input, torch.func / torch.compile, bugs injected into the kernels, and (where mamba_ssm is
+importable, on a GPU) against mamba_ssm's selective_scan_fn. Chapter 05's teaching kernels
+(scan_lib.selective_scan.selective_scan) are checked against the reference too, with their launch
+configurations and injected bugs."""
 import math
 import sys
 import types
@@ -14,9 +16,11 @@ import triton.language as tl
 from scan_lib.runtime import DEVICE, INTERPRET, ON_GPU
 from scan_lib.selective_scan import selective_scan_ref
 
-MODULE = sys.modules["scan_lib.selective_scan"]  # the module: scan_lib.selective_scan is the function
+MODULE = sys.modules["scan_lib.selective_scan"]  # chapter 05's module: scan_lib.selective_scan is a function
+FAST = sys.modules["scan_lib.fast_selective_scan"]  # chapter 07's: the public scan_lib.selective_scan
 
 NAMES = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state"]
+IMPLS = (MODULE.selective_scan, FAST.selective_scan)
 
 
 def make_inputs(batch, dim, N, L, groups=None, D=True, z=True, bias=True, h0=True, dtype=torch.float32, seed=0,
@@ -65,7 +69,8 @@ def tolerance(dtype, length):
     return final + 32 * math.sqrt(max(length, 16)) * 2**-24
 
 
-def compare(inputs, softplus=True, tol=None):
+def compare(inputs, softplus=True, tol=None, scan=None):
+    scan = scan or scan_lib.selective_scan
     torch.manual_seed(1)
     u = inputs["u"]
     tol = tolerance(u.dtype, u.shape[2]) if tol is None else tol
@@ -73,7 +78,7 @@ def compare(inputs, softplus=True, tol=None):
     # float64; rounding it for both keeps bf16's 3 significant digits out of sums such as dD.
     dout = torch.randn(u.shape, dtype=torch.float64, device=DEVICE).to(u.dtype).double()
     dlast = torch.randn(*u.shape[:2], inputs["A"].shape[1], dtype=torch.float64, device=DEVICE)
-    out, last, grads = run(scan_lib.selective_scan, inputs, dout, dlast, softplus)
+    out, last, grads = run(scan, inputs, dout, dlast, softplus)
     out_r, last_r, grads_r = run(selective_scan_ref, inputs, dout, dlast, softplus, cast=torch.float64)
     assert out.dtype == u.dtype and out.shape == u.shape
     assert last.dtype == (torch.float64 if u.dtype == torch.float64 else torch.float32)
@@ -83,7 +88,7 @@ def compare(inputs, softplus=True, tol=None):
         assert grad.dtype == inputs[name].dtype and grad.shape == inputs[name].shape, name
         errors["d" + name] = rel_err(grad, grads_r[name])
     with torch.no_grad():  # the inference path: the forward's own chunk, nothing kept
-        out_ng, last_ng = scan_lib.selective_scan(**inputs, delta_softplus=softplus, return_last_state=True)
+        out_ng, last_ng = scan(**inputs, delta_softplus=softplus, return_last_state=True)
     errors.update(out_no_grad=rel_err(out_ng, out_r), last_no_grad=rel_err(last_ng, last_r))
     assert all(e < tol for e in errors.values()), errors
 
@@ -96,8 +101,9 @@ def compare(inputs, softplus=True, tol=None):
     (1, 3, 5, 50, dict(D=False, z=False, bias=False)),
     (1, 2, 2, 1000 if ON_GPU else 400, dict(groups=1)),
 ])
-def test_matches_reference(batch, dim, N, L, options):
-    compare(make_inputs(batch, dim, N, L, seed=L, **options))
+@pytest.mark.parametrize("chapter", ["05", "07"])
+def test_matches_reference(batch, dim, N, L, options, chapter):
+    compare(make_inputs(batch, dim, N, L, seed=L, **options), scan=dict(zip("05 07".split(), IMPLS))[chapter])
 
 
 def test_length_one_dA_is_exactly_zero():
@@ -129,7 +135,7 @@ def test_launch_configs_agree(monkeypatch, fwd, bwd, groups):
     for kind, wanted in (("fwd", fwd), ("bwd", bwd)):  # the block size asked for really runs
         if "block_d" in wanted:
             assert MODULE._launch_config(kind, dim, g, g, L)["block_d"] == wanted["block_d"]
-    compare(make_inputs(1, dim, 2, L, groups=groups, h0=False, seed=8))
+    compare(make_inputs(1, dim, 2, L, groups=groups, h0=False, seed=8), scan=MODULE.selective_scan)
 
 
 def test_block_never_straddles_a_group(monkeypatch):
@@ -137,7 +143,7 @@ def test_block_never_straddles_a_group(monkeypatch):
     monkeypatch.setattr(MODULE, f"{CONFIGS}_FWD_CONFIG", {**getattr(MODULE, f"{CONFIGS}_FWD_CONFIG"), "block_d": 4})
     assert MODULE._launch_config("fwd", 8, 4, 1, 40)["block_d"] == 2
     assert MODULE._launch_config("fwd", 8, 1, 1, 40)["block_d"] == 4
-    compare(make_inputs(1, 8, 2, 20, groups=4, h0=False, seed=3))
+    compare(make_inputs(1, 8, 2, 20, groups=4, h0=False, seed=3), scan=MODULE.selective_scan)
 
 
 def test_boundary_states_kept_only_for_grad(monkeypatch):
@@ -158,9 +164,9 @@ def test_boundary_states_kept_only_for_grad(monkeypatch):
     batch, dim, N, L = 1, 4, 3, 40
     inputs = make_inputs(batch, dim, N, L, seed=2)
     with torch.no_grad():
-        out_ng = scan_lib.selective_scan(**inputs, delta_softplus=True)
+        out_ng = module.selective_scan(**inputs, delta_softplus=True)
     leaves = {k: v.detach().requires_grad_(True) for k, v in inputs.items()}
-    out = scan_lib.selective_scan(**leaves, delta_softplus=True)
+    out = module.selective_scan(**leaves, delta_softplus=True)
     chunk_bwd = module._launch_config("bwd", dim, 1, 1, L)["chunk"]   # the configured chunk, capped by L
     assert save_chunks == [0, chunk_bwd] and kept[0][0].numel() == 0 and kept[0][1].numel() == 0
     states, y = kept[1]
@@ -262,7 +268,8 @@ def test_chunked_equals_whole():
 def test_gradcheck_float64(monkeypatch, time_invariant):
     """Every input's Jacobian, column by column (fast_mode=False), on a small problem crossing chunks (of 2
     positions: training runs the forward with the backward's chunk)."""
-    monkeypatch.setattr(MODULE, f"{CONFIGS}_BWD_CONFIG", {**getattr(MODULE, f"{CONFIGS}_BWD_CONFIG"), "chunk": 2})
+    configs = getattr(FAST, f"{CONFIGS}_CONFIG")
+    monkeypatch.setitem(configs, "bwd", {**configs["bwd"], "chunk": 2})
     inputs = make_inputs(1, 2, 2, 5, dtype=torch.float64, seed=9, time_invariant=time_invariant)
     leaves = [inputs[k].requires_grad_(True) for k in NAMES]
 
@@ -389,22 +396,23 @@ def _half_combine(a_left, b_left, a_right, b_right):
     return a_left * a_right, (a_right * b_left + b_right).to(tl.float16).to(tl.float32)
 
 
-def _as_kernel_helper(fn):
+def _as_kernel_helper(fn, module):
     """fn as a @triton.jit helper living in the kernels' module (the interpreter expects a kernel's helpers
     to share its globals)."""
-    return triton.jit(types.FunctionType(fn.__code__, MODULE.__dict__, fn.__name__))
+    return triton.jit(types.FunctionType(fn.__code__, module.__dict__, fn.__name__))
 
 
 @interpreter_only
+@pytest.mark.parametrize("module", [MODULE, FAST], ids=["05", "07"])
 @pytest.mark.parametrize("helper,bug", [("_column", _no_carry), ("discretize", _discretize_without_u),
                                         ("first_order_op", _half_combine)])
-def test_checks_catch_injected_bugs(monkeypatch, helper, bug):
-    monkeypatch.setattr(MODULE, helper, _as_kernel_helper(bug))
+def test_checks_catch_injected_bugs(monkeypatch, helper, bug, module):
+    monkeypatch.setattr(module, helper, _as_kernel_helper(bug, module))
     inputs = make_inputs(1, 2, 3, 40, h0=False, seed=13)   # 40 positions: several chunks
     with pytest.raises(AssertionError):
-        compare(inputs)
+        compare(inputs, scan=module.selective_scan)
     monkeypatch.undo()
-    compare(inputs)                  # and the same check passes without the bug
+    compare(inputs, scan=module.selective_scan)   # and the same check passes without the bug
 
 
 def test_gradient_of_one_input_through_the_last_state_only():
@@ -478,11 +486,88 @@ def test_against_mamba_ssm():
 
 
 def test_sizes_past_32_bit_offsets_are_refused():
-    """The kernels use 32-bit offsets: an input whose (batch, dim, L) tensors hold 2^31 elements or more
-    is refused with a clear error (stride-0 views: nothing that large is allocated)."""
+    """Chapter 05's kernels use 32-bit offsets: an input whose (batch, dim, L) tensors hold 2^31 elements or
+    more is refused with a clear error (stride-0 views: nothing that large is allocated)."""
     batch, dim, L, N = 8, 2**14, 2**14, 4
     u = torch.zeros(1, 1, 1, device=DEVICE).expand(batch, dim, L)
     A = -torch.ones(dim, N, device=DEVICE)
     B = torch.zeros(1, 1, 1, device=DEVICE).expand(batch, N, L)
     with pytest.raises(ValueError, match="64-bit offsets"):
-        scan_lib.selective_scan(u, u, A, B, B)
+        MODULE.selective_scan(u, u, A, B, B)
+
+
+# Chapter 07's kernels: their own launch configurations, what training keeps, strided views, 64-bit offsets.
+
+@pytest.mark.parametrize("fwd,bwd,groups", [
+    (dict(block_d=4), dict(block_d=4), 2),
+    (dict(block_d=8), dict(block_d=2), None),
+    (dict(chunk=64), dict(chunk=16), 2),
+    (dict(chunk=4), dict(chunk=2), None),
+])
+def test_fast_launch_configs_agree(monkeypatch, fwd, bwd, groups):
+    configs = getattr(FAST, f"{CONFIGS}_CONFIG")
+    monkeypatch.setitem(configs, "fwd", {**configs["fwd"], **fwd})
+    monkeypatch.setitem(configs, "bwd", {**configs["bwd"], **bwd})
+    per_group = 8 // (groups or 1)
+    for kind, wanted in (("fwd", fwd), ("bwd", bwd)):
+        if "block_d" in wanted:
+            assert FAST.launch_config(kind, 8, per_group, per_group, 30)["block_d"] == min(wanted["block_d"], per_group)
+    compare(make_inputs(1, 8, 2, 30, groups=groups, seed=8))
+
+
+def test_fast_keeps_only_chunk_states(monkeypatch):
+    """Inference keeps nothing; training keeps one state per backward chunk and no ybar (the backward
+    recomputes it)."""
+    calls = []
+    forward = FAST.strided_fwd
+
+    def recording_forward(*args):
+        result = forward(*args)
+        calls.append((args[-1], result[2]))
+        return result
+    monkeypatch.setattr(FAST, "strided_fwd", recording_forward)
+    inputs = make_inputs(1, 4, 3, 40, seed=2)
+    with torch.no_grad():
+        out_ng = scan_lib.selective_scan(**inputs, delta_softplus=True)
+    out = scan_lib.selective_scan(**{k: v.detach().requires_grad_(True) for k, v in inputs.items()}, delta_softplus=True)
+    chunk = FAST.launch_config("bwd", 4, 4, 4, 40)["chunk"]
+    assert [c for c, _ in calls] == [0, chunk] and calls[0][1].numel() == 0
+    assert calls[1][1].shape == (1, 4, 3, -(-40 // chunk)) and calls[1][1].dtype == torch.float32
+    torch.testing.assert_close(out.detach(), out_ng, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_reads_views_in_place(monkeypatch, dtype):
+    """Slices of one projection (stride 1 along L, not contiguous) and a (batch, L, dim) transpose give the
+    reference's results, and no input is copied: Tensor.contiguous is never called on a big tensor."""
+    batch, dim, N, L = 2, 6, 4, 37
+    inputs = make_inputs(batch, dim, N, L, dtype=dtype, seed=4)
+    projected = torch.cat([inputs["u"], inputs["delta"], inputs["z"]], dim=1)       # batch x 3 dim x L
+    inputs.update(u=projected[:, :dim], delta=projected[:, dim:2 * dim], z=projected[:, 2 * dim:])
+    coefficients = torch.cat([inputs["B"], inputs["C"]], dim=1).transpose(1, 2).contiguous().transpose(1, 2)
+    inputs.update(B=coefficients[:, :N], C=coefficients[:, N:])                     # stride 1 along N
+    assert not inputs["u"].is_contiguous() and not inputs["B"].is_contiguous()
+    copied = []
+    contiguous = torch.Tensor.contiguous
+
+    def recording_contiguous(self, *args, **kwargs):
+        if self.dim() == 3 and self.shape[-1] == L and not self.is_contiguous():
+            copied.append(tuple(self.shape))
+        return contiguous(self, *args, **kwargs)
+    monkeypatch.setattr(torch.Tensor, "contiguous", recording_contiguous)
+    compare(inputs)
+    assert copied == [], copied
+
+
+@pytest.mark.skipif(not ON_GPU, reason="allocates an 8 GiB output: GPU only")
+def test_fast_sizes_past_32_bit_offsets():
+    """Chapter 07's kernels use 64-bit offsets: 2^31 outputs and more are right to the last element."""
+    batch, dim, L, N = 8, 2**14, 2**14 + 3, 2
+    u = torch.ones(1, 1, 1, device=DEVICE).expand(batch, dim, L)                    # nothing allocated
+    B = torch.ones(1, 1, 1, device=DEVICE).expand(batch, N, L)
+    with torch.no_grad():
+        out = scan_lib.selective_scan(u, u * 0.1, -torch.ones(dim, N, device=DEVICE), B, B)
+    want = scan_lib.selective_scan(u[:1, :1], u[:1, :1] * 0.1, -torch.ones(1, N, device=DEVICE), B[:1], B[:1])
+    assert out.numel() >= 2**31
+    assert torch.equal(out[-1, -1], want[0, 0]) and torch.equal(out[0, 0], want[0, 0])
+    del out

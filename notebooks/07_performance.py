@@ -1,0 +1,1080 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 07 · Performance: finding the floor, profiling, and making the selective scan faster
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/07_performance.ipynb)
+#
+# Chapter 05 ended with a kernel that is correct, faster than `mamba_ssm`'s in one line of its
+# benchmark and slower in the others, and a list of guesses about where the time goes. This chapter
+# replaces guesses with measurements. You will learn:
+#
+# 1. how to find a kernel's **floors**: the bytes it must move and the `exp`s it must evaluate, each
+#    divided by a rate measured on this GPU;
+# 2. how to **profile** on this GPU with `torch.profiler`'s CUDA timeline, and what it says about chapter
+#    05's kernels inside a training step;
+# 3. the optimisations **one at a time**, each with a prediction and its measured effect: reading the
+#    strided views a Mamba block produces in place, and a leaner backward that recomputes $\bar y$
+#    instead of saving it;
+# 4. what still stands in the way (the `dB`, `dC` atomics, measured alone), and the **ideas that did
+#    not pay**, with their numbers;
+# 5. the result against `mamba_ssm` at several lengths, state counts and batch sizes.
+#
+# The kernels derived here become `scan_lib.selective_scan`; chapter 05 keeps its simpler teaching
+# kernel. On a machine without a GPU every kernel still runs (Triton's interpreter, small shapes) and
+# is checked; the timing cells say they are skipped.
+
+# %%
+# Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
+# Importing scan_lib comes first: without a GPU it switches Triton to its CPU interpreter,
+# which must happen before any @triton.jit function is defined.
+import subprocess, sys
+if "google.colab" in sys.modules:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/scan-course/scans-the-hard-way"], check=True)
+import scan_lib
+from scan_lib.runtime import DEVICE, ON_GPU
+print(scan_lib.runtime.describe())
+
+# %%
+#| default_exp fast_selective_scan
+
+# %%
+import math
+import sys
+
+import matplotlib
+import matplotlib.pyplot as plt
+import torch
+import triton
+import triton.language as tl
+
+from scan_lib.ema import first_order_op
+from scan_lib.runtime import save_figure
+from scan_lib.selective_scan import discretize, selective_scan_ref
+
+matplotlib.use("Agg")
+chapter05 = sys.modules["scan_lib.selective_scan"]   # the module (scan_lib.selective_scan is a function)
+selective_scan_05 = chapter05.selective_scan
+
+# %% [markdown]
+# ## 1. The floors
+#
+# A kernel cannot be faster than the slowest of the resources it must use. For the selective scan at
+# Mamba's usual layer size (batch 8, dim 1024, $L$ 2048, $N$ 16) two resources matter:
+#
+# * **Memory.** The forward reads $u$, $\Delta$, $z$ (batch $\times$ dim $\times L$ each), $B$ and
+#   $C$ (batch $\times N \times L$), and writes the output: about $4 \cdot$ batch $\cdot$ dim $\cdot L$
+#   values. Divided by the copy bandwidth (bytes read plus written per second, measured by copying
+#   1 GiB) that is the **memory floor**.
+# * **Special functions.** Every (batch, channel, position, state) element needs $a = e^{\Delta A}$: 
+#   batch $\cdot$ dim $\cdot L \cdot N$ = 268 million `exp`s in the forward. GPUs evaluate `exp` in
+#   a special-function unit with a fraction of the arithmetic units' throughput, so this is a second
+#   floor: the count over the `exp` rate measured below.
+#
+# Everything else (the multiply-adds of the recurrence and of $C h$, the scan's combines) runs on the
+# ordinary arithmetic units, which on an H200 do about 60 fp32 operations for each `exp`, so an
+# efficient kernel should sit near the larger of the two floors. The `exp` rate is measured by a
+# kernel that does nothing else: four independent chains per element (so that the unit, not the
+# latency of one chain, is the limit), many programs.
+
+# %%
+@triton.jit
+def exp_rate_kernel(X, Y, REPEATS: tl.constexpr, BLOCK: tl.constexpr):
+    """Y = sum of four chains x <- exp(-x), REPEATS steps each, per element: nothing but exps to do."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x0 = tl.load(X + offs)
+    x1, x2, x3 = x0 + 1.0, x0 + 2.0, x0 + 3.0
+    for _ in range(REPEATS):
+        x0, x1, x2, x3 = tl.exp(-x0), tl.exp(-x1), tl.exp(-x2), tl.exp(-x3)
+    tl.store(Y + offs, x0 + x1 + x2 + x3)
+
+
+def exp_rate(programs=4096, block=256, repeats=256):
+    """exps per second on this GPU, from the kernel above."""
+    from scan_lib.runtime import median_us
+    x = torch.rand(programs * block, device=DEVICE)
+    y = torch.empty_like(x)
+    us = median_us(lambda: exp_rate_kernel[(programs,)](x, y, REPEATS=repeats, BLOCK=block))
+    return programs * block * repeats * 4 / (us * 1e-6)
+
+
+def selective_floors(batch, dim, length, n_states, size, bandwidth, exps_per_s, backward=False):
+    """(memory floor, exp floor) in microseconds. Forward: read u, delta, z, B, C, write out; exps: one per
+    (batch, channel, position, state). The backward reads those and dout again, writes du, d delta, dz,
+    dB, dC, and evaluates three exps per element (a_t, a_{t-1}, a_{t+1}: section 4)."""
+    big, small = batch * dim * length * size, batch * n_states * length * size
+    fwd_bytes, fwd_exps = 4 * big + 2 * small, batch * dim * length * n_states
+    if backward:
+        return ((fwd_bytes + 7 * big + 4 * small) / bandwidth * 1e6, 3 * fwd_exps / exps_per_s * 1e6)
+    return fwd_bytes / bandwidth * 1e6, fwd_exps / exps_per_s * 1e6
+
+
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    from scan_lib.runtime import copy_bandwidth
+    bandwidth, exps_per_s = copy_bandwidth(), exp_rate()
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bandwidth / 1e12:.2f} TB/s, "
+          f"exp rate {exps_per_s / 1e12:.2f} T exp/s")
+    for size, name in ((4, "float32"), (2, "bfloat16")):
+        for backward in (False, True):
+            memory, exps = selective_floors(8, 1024, 2048, 16, size, bandwidth, exps_per_s, backward)
+            print(f"(8, 1024, 2048, N=16) {name:8s} {'fwd+bwd' if backward else 'fwd':7s}: "
+                  f"memory floor {memory:6.0f} us, exp floor {exps:6.0f} us")
+
+# %% [markdown]
+# (On a GPU.) The `exp` floor is the larger one at $N = 16$, and it does not shrink with bf16 inputs:
+# halving the bytes only helps a kernel that waits on memory. Chapter 05's benchmark showed our forward
+# taking almost the same time in fp32 and bf16, while `mamba_ssm`'s halves: ours is limited by the
+# instructions it issues, far above both floors.
+#
+# ## 2. Where the time goes: the profiler
+#
+# `torch.profiler` records every kernel the GPU runs, with its duration, from CUDA's own timeline (no
+# counters needed). We profile one training step of chapter 05's scan as a Mamba block calls it: $u$,
+# $\Delta$ and $z$ are slices of one projection output of shape (batch, 3 dim, $L$), so each has
+# stride 1 along $L$ but is not contiguous. The table lists the GPU time per kernel name.
+
+# %%
+def block_layout_inputs(batch, dim, length, n_states, dtype, seed=0):
+    """u, delta, A, B, C, D, z, delta_bias as a Mamba block passes them: u, delta, z are slices (views)
+    of one (batch, 3 dim, L) tensor, B and C slices of one (batch, 2 N, L) tensor; A, D, delta_bias fp32."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, device=DEVICE, generator=g)  # noqa: E731
+    projected = rand(batch, 3 * dim, length).to(dtype)
+    u, delta, z = projected[:, :dim], projected[:, dim:2 * dim], projected[:, 2 * dim:]
+    coefficients = rand(batch, 2 * n_states, length).to(dtype)
+    B, C = coefficients[:, :n_states], coefficients[:, n_states:]
+    A = -(0.5 + torch.rand(dim, n_states, device=DEVICE, generator=g))
+    return u, delta, A, B, C, rand(dim), z, rand(dim) * 0.1 - 1.0
+
+
+def training_step(scan, inputs):
+    """One forward+backward of `scan` on leaves made from inputs; returns the gradients."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    out = scan(*leaves, delta_softplus=True)
+    return torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+
+def profile_table(fn, rows=8):
+    """GPU time per kernel name over 5 calls of fn, from torch.profiler's CUDA timeline."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events)
+    print(f"{'kernel':60s} {'share':>6s} {'us per step':>12s}")
+    for e in events[:rows]:
+        print(f"{e.key[:60]:60s} {e.self_device_time_total / total:6.1%} {e.self_device_time_total / 5:12.0f}")
+    print(f"{'all kernels':60s} {1:6.0%} {total / 5:12.0f}")
+    return {e.key: e.self_device_time_total / 5 for e in events}
+
+
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    strided = block_layout_inputs(8, 1024, 2048, 16, torch.bfloat16)
+    print("chapter 05's selective_scan, one training step, (8, 1024, 2048, N=16) bf16, block layout")
+    profile_05 = profile_table(lambda: training_step(selective_scan_05, strided))
+
+# %% [markdown]
+# (On a GPU.) Three kinds of work show up: the backward kernel, the forward kernel, and copies
+# (`elementwise`, `copy_` or `contiguous` kernels): chapter 05's launcher calls `.contiguous()` on its
+# inputs, so each strided view is copied before the forward and again before the backward, and the
+# gradients are produced in fresh tensors. The copies are pure overhead: the kernel could read the
+# views where they are. The backward dominates, as it does in chapter 06's block profile.
+#
+# ## 3. First optimisation: read the views in place
+#
+# **Prediction.** A copy of a (batch, dim, $L$) bf16 tensor moves $2 \times 2 \cdot 8 \cdot 1024 \cdot 2048$
+# bytes (read and write), about 14 µs at the measured bandwidth; the profile shows how many there
+# are per step. Removing them should save their total and nothing more: the kernel reads the same
+# bytes either way, only from different addresses.
+#
+# **The change.** Each pointer gets its strides (batch, channel, position) instead of assuming
+# `(dim * L, L, 1)`. Triton specialises integer arguments equal to 1 at compile time, so a view with
+# stride 1 along $L$ still gets vectorised loads. $B$ and $C$ get four strides (batch, group, state,
+# position); the time-invariant $B$ of shape (dim, $N$) is the same code with the group stride set to
+# the channel stride and the batch and position strides to 0, so one kernel serves both. Offsets are
+# computed in 64-bit integers from the batch index on, so inputs past $2^{31}$ elements work (chapter
+# 05's kernel refuses them).
+#
+# The rest of the forward is chapter 05's: a program owns `BLOCK_D` channels of one batch element,
+# walks the sequence in chunks of `CHUNK` positions, and for each state $n$ discretises, scans the
+# chunk with chapter 02's combine operator starting from the carried state, and accumulates
+# $\bar y = \sum_n C_n h_n$. It imports chapter 05's pieces (`discretize`, the delta loader, the column
+# helper) rather than writing them again.
+
+# %%
+#| export
+"""The selective scan (S6) tuned in chapter 07: strided inputs read in place, a leaner backward.
+scan_lib.selective_scan is this module's selective_scan."""
+import torch
+import triton
+import triton.language as tl
+
+from scan_lib.ema import accumulator_dtype, first_order_op
+from scan_lib.runtime import INTERPRET
+from scan_lib.selective_scan import _column, _gate_dybar, _gate_dz, _load_delta, discretize
+
+
+@triton.jit
+def _coef_row(M, base, n, ds, d_ok, t, t_ok, stride_g, stride_n, stride_l, PER_STEP: tl.constexpr,
+              ACC: tl.constexpr):
+    """State n's coefficient B or C: the group's row at positions t (1 x CHUNK; base: the group's start),
+    or the time-invariant M[d, n] (BLOCK_D x 1; channel d at d * stride_g)."""
+    if PER_STEP:
+        coef = tl.load(M + base + n * stride_n + t * stride_l, t_ok, other=0.0).to(ACC)[None, :]
+    else:
+        coef = tl.load(M + ds * stride_g + n * stride_n, d_ok, other=0.0).to(ACC)[:, None]
+    return coef
+
+
+@triton.jit
+def strided_fwd_kernel(
+    U, DELTA, A, B, C, D, Z, BIAS, H0,     # u, delta, z: any strides (b, d, L); A (d, N); B, C (b, g, N, L) or (d, N)
+    OUT, STATES, LAST,                     # contiguous: b x d x L, b x d x N x n_chunks, b x d x N
+    dim, length, n_chunks, per_group_b, per_group_c,
+    su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sa_d, sa_n,
+    sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l,
+    N_STATES: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_H0: tl.constexpr, B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr,
+    ACC: tl.constexpr, SAVE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+):
+    pid_b, pid_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)                          # BLOCK_D
+    ns = tl.arange(0, BLOCK_N)
+    ts = tl.arange(0, CHUNK)
+    d_ok, n_ok = ds < dim, ns < N_STATES
+    dn_ok = d_ok[:, None] & n_ok[None, :]                                 # BLOCK_D x N
+    # All channels of the block share one group (the launcher makes sure): one B and C row start each.
+    b_base = pid_b * sb_b + (pid_d * BLOCK_D // per_group_b) * sb_g
+    c_base = pid_b * sc_b + (pid_d * BLOCK_D // per_group_c) * sc_g
+    state_offs = (pid_b * dim + ds[:, None]) * N_STATES + ns[None, :]    # BLOCK_D x N, int64
+    if HAS_H0:
+        carry = tl.load(H0 + state_offs, dn_ok, other=0.0).to(ACC)
+    else:
+        carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
+    if HAS_D:
+        skip = tl.load(D + ds, d_ok, other=0.0).to(ACC)[:, None]
+    first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
+    for k in range(0, n_chunks):
+        if SAVE:  # the state entering chunk k, for the backward
+            tl.store(STATES + state_offs * n_chunks + k, carry, dn_ok)
+        t = k * CHUNK + ts
+        t_ok = t < length
+        mask = d_ok[:, None] & t_ok[None, :]                              # BLOCK_D x CHUNK
+        u = tl.load(U + pid_b * su_b + ds[:, None] * su_d + t[None, :] * su_l, mask, other=0.0).to(ACC)
+        delta, _ = _load_delta(DELTA, BIAS, pid_b * sdt_b + ds[:, None] * sdt_d + t[None, :] * sdt_l, mask,
+                               ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        ybar = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)
+        for n in range(0, N_STATES):
+            rate = tl.load(A + ds * sa_d + n * sa_n, d_ok, other=0.0).to(ACC)[:, None]      # BLOCK_D x 1
+            b_coef = _coef_row(B, b_base, n, ds, d_ok, t, t_ok, sb_g, sb_n, sb_l, B_PER_STEP, ACC)
+            c_coef = _coef_row(C, c_base, n, ds, d_ok, t, t_ok, sc_g, sc_n, sc_l, C_PER_STEP, ACC)
+            a, b = discretize(delta, rate, b_coef, u)                                    # BLOCK_D x CHUNK
+            b += tl.where(first, a * _column(carry, n, ns)[:, None], 0.0)               # start from the carry
+            _, h = tl.associative_scan((a, b), axis=1, combine_fn=first_order_op)
+            ybar += c_coef * h
+            carry = tl.where(ns[None, :] == n, tl.sum(tl.where(last, h, 0.0), axis=1)[:, None], carry)
+        if HAS_D:
+            ybar += skip * u
+        out = ybar
+        if HAS_Z:
+            zv = tl.load(Z + pid_b * sz_b + ds[:, None] * sz_d + t[None, :] * sz_l, mask, other=0.0).to(ACC)
+            out = ybar * zv * tl.sigmoid(zv)
+        tl.store(OUT + (pid_b * dim + ds[:, None]) * length + t[None, :], out.to(OUT.dtype.element_ty), mask)
+    tl.store(LAST + state_offs, carry, dn_ok)
+
+
+# %% [markdown]
+# ## 4. Second optimisation: a leaner backward
+#
+# Chapter 05's backward, per chunk and state, recomputes the states from the one kept at the chunk's
+# start, runs the adjoint scan right to left, and forms the gradients. One thing in it moves bytes it
+# does not need to.
+#
+# **$\bar y$ was saved.** The gradient of the gate, $\partial\mathcal L/\partial z_t =
+# \partial\mathcal L/\partial \text{out}_t \cdot \bar y_t \cdot \sigma(z_t)(1 + z_t(1 - \sigma(z_t)))$,
+# needs $\bar y$, and chapter 05's forward wrote it to memory for that (batch $\cdot$ dim $\cdot L$
+# floats in fp32, written once and read once). But the backward recomputes every $h_t$ anyway, so
+# $\bar y_t = \sum_n C_{t,n} h_{t,n} + D u_t$ costs one multiply-add per element, inside the loop over
+# the states that is already there. Prediction: the forward stops writing $4 \cdot 8 \cdot 1024 \cdot
+# 2048$ bytes and the backward stops reading them, about 30 µs at the measured bandwidth, and training
+# keeps 64 MiB less alive between the passes.
+#
+# The rest of the backward is chapter 05's, with strides: $h_{t-1}$ from a scan over the steps of
+# positions $t-1$ (the first one setting the boundary state), the adjoint scan with $a_{t+1}$, and the
+# gradients; $dB$ and $dC$ per position are added across channels with atomic additions. Section 8
+# shows an identity that would save one of its three `exp`s per element, and why it is not used.
+
+# %%
+#| export
+@triton.jit
+def strided_bwd_kernel(
+    U, DELTA, A, B, C, D, Z, BIAS, STATES, DOUT, DLAST,  # as in the forward; DOUT any strides (b, d, L)
+    DU, DDELTA, DZ, DB, DC,          # contiguous b x d x L (x3); DB, DC fp32 b x g x N x L (atomics) or b x d x N
+    DA_PART, DD_PART, DBIAS_PART, DH0,                     # b x d x N, b x d, b x d, b x d x N
+    dim, length, n_chunks, per_group_b, per_group_c,
+    su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sa_d, sa_n,
+    sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l, so_b, so_d, so_l,
+    N_STATES: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DLAST: tl.constexpr, B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+):
+    pid_b, pid_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    ns = tl.arange(0, BLOCK_N)
+    ts = tl.arange(0, CHUNK)
+    d_ok, n_ok = ds < dim, ns < N_STATES
+    dn_ok = d_ok[:, None] & n_ok[None, :]
+    group_b, group_c = pid_d * BLOCK_D // per_group_b, pid_d * BLOCK_D // per_group_c
+    b_base, c_base = pid_b * sb_b + group_b * sb_g, pid_b * sc_b + group_c * sc_g
+    db_base = (pid_b * (dim // per_group_b) + group_b) * N_STATES * length     # DB, DC are contiguous
+    dc_base = (pid_b * (dim // per_group_c) + group_c) * N_STATES * length
+    state_offs = (pid_b * dim + ds[:, None]) * N_STATES + ns[None, :]
+    if HAS_DLAST:
+        adj_carry = tl.load(DLAST + state_offs, dn_ok, other=0.0).to(ACC)    # dL/dh at the chunk's end
+    else:
+        adj_carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
+    skip = tl.zeros((BLOCK_D,), dtype=ACC)
+    if HAS_D:
+        skip = tl.load(D + ds, d_ok, other=0.0).to(ACC)
+    dA_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
+    dB_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)                    # time-invariant B only
+    dC_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)                    # time-invariant C only
+    dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
+    dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
+    first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
+    for i in range(0, n_chunks):
+        k = n_chunks - 1 - i                                            # chunks from right to left
+        t = k * CHUNK + ts
+        t_ok = t < length
+        next_ok = (ts < CHUNK - 1) & (t + 1 < length)                   # position t+1 is in this chunk
+        prev_ok = (ts > 0) & t_ok                                       # position t-1 is in this chunk
+        mask = d_ok[:, None] & t_ok[None, :]
+        prev_mask, next_mask = d_ok[:, None] & prev_ok[None, :], d_ok[:, None] & next_ok[None, :]
+        u_offs = pid_b * su_b + ds[:, None] * su_d + t[None, :] * su_l
+        u = tl.load(U + u_offs, mask, other=0.0).to(ACC)
+        u_prev = tl.load(U + u_offs - su_l, prev_mask, other=0.0).to(ACC)
+        delta_offs = pid_b * sdt_b + ds[:, None] * sdt_d + t[None, :] * sdt_l
+        delta, pre = _load_delta(DELTA, BIAS, delta_offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        delta_prev, _ = _load_delta(DELTA, BIAS, delta_offs - sdt_l, prev_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        delta_next, _ = _load_delta(DELTA, BIAS, delta_offs + sdt_l, next_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        dout = tl.load(DOUT + pid_b * so_b + ds[:, None] * so_d + t[None, :] * so_l, mask, other=0.0).to(ACC)
+        out_offs = (pid_b * dim + ds[:, None]) * length + t[None, :]
+        zv = u
+        if HAS_Z:
+            zv = tl.load(Z + pid_b * sz_b + ds[:, None] * sz_d + t[None, :] * sz_l, mask, other=0.0).to(ACC)
+        dybar = _gate_dybar(dout, zv, HAS_Z)                             # BLOCK_D x CHUNK
+        dD_acc += tl.sum(dybar * u, axis=1)
+        ybar = skip[:, None] * u                                         # recomputed, not kept by the forward
+        adj_b_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)               # sum_n adj B
+        adj_ah_rate_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)         # sum_n adj a h_{t-1} A
+        for n in range(0, N_STATES):
+            rate = tl.load(A + ds * sa_d + n * sa_n, d_ok, other=0.0).to(ACC)[:, None]
+            b_coef = _coef_row(B, b_base, n, ds, d_ok, t, t_ok, sb_g, sb_n, sb_l, B_PER_STEP, ACC)
+            b_coef_prev = _coef_row(B, b_base, n, ds, d_ok, t - 1, prev_ok, sb_g, sb_n, sb_l, B_PER_STEP, ACC)
+            c_coef = _coef_row(C, c_base, n, ds, d_ok, t, t_ok, sc_g, sc_n, sc_l, C_PER_STEP, ACC)
+            h_in = tl.load(STATES + ((pid_b * dim + ds) * N_STATES + n) * n_chunks + k, d_ok, other=0.0)
+            # (1) h_{t-1}: the steps of positions t-1, the first one setting the boundary state (chapter 05).
+            a, b = discretize(delta, rate, b_coef, u)
+            a_prev, b_prev = discretize(delta_prev, rate, b_coef_prev, u_prev)
+            _, h_prev = tl.associative_scan((tl.where(first, 0.0, a_prev), tl.where(first, h_in[:, None], b_prev)),
+                                            axis=1, combine_fn=first_order_op)
+            h = a * h_prev + b
+            ybar += c_coef * h
+            # (2) the adjoint, right to left; the adjoint carry enters at the chunk's last position.
+            c = c_coef * dybar + tl.where(last, _column(adj_carry, n, ns)[:, None], 0.0)
+            _, adj = tl.associative_scan((tl.exp(delta_next * rate), c), axis=1, combine_fn=first_order_op,
+                                         reverse=True)
+            # (3) the gradients.
+            adj_b_sum += adj * b_coef
+            adj_ah = adj * a * h_prev
+            adj_ah_rate_sum += adj_ah * rate
+            at_n = ns[None, :] == n
+            dA_acc += tl.where(at_n, tl.sum(adj_ah * delta, axis=1)[:, None], 0.0)
+            if B_PER_STEP:  # summed over the block's channels, then added to the group's row
+                tl.atomic_add(DB + db_base + n * length + t, tl.sum(adj * delta * u, axis=0), t_ok, sem="relaxed")
+            else:
+                dB_acc += tl.where(at_n, tl.sum(adj * delta * u, axis=1)[:, None], 0.0)
+            if C_PER_STEP:
+                tl.atomic_add(DC + dc_base + n * length + t, tl.sum(h * dybar, axis=0), t_ok, sem="relaxed")
+            else:
+                dC_acc += tl.where(at_n, tl.sum(h * dybar, axis=1)[:, None], 0.0)
+            adj_carry = tl.where(at_n, tl.sum(tl.where(first, a * adj, 0.0), axis=1)[:, None], adj_carry)
+        if HAS_Z:
+            tl.store(DZ + out_offs, _gate_dz(dout, ybar, zv).to(DZ.dtype.element_ty), mask)
+        ddelta = adj_ah_rate_sum + u * adj_b_sum
+        if SOFTPLUS:
+            ddelta = ddelta * tl.sigmoid(pre)
+        ddelta = tl.where(mask, ddelta, 0.0)                            # padding: the adjoint is the carry there
+        tl.store(DDELTA + out_offs, ddelta.to(DDELTA.dtype.element_ty), mask)
+        tl.store(DU + out_offs, (skip[:, None] * dybar + delta * adj_b_sum).to(DU.dtype.element_ty), mask)
+        dbias_acc += tl.sum(ddelta, axis=1)
+    tl.store(DA_PART + state_offs, dA_acc, dn_ok)
+    if not B_PER_STEP:
+        tl.store(DB + state_offs, dB_acc, dn_ok)
+    if not C_PER_STEP:
+        tl.store(DC + state_offs, dC_acc, dn_ok)
+    tl.store(DH0 + state_offs, adj_carry, dn_ok)
+    tl.store(DD_PART + pid_b * dim + ds, dD_acc, d_ok)
+    tl.store(DBIAS_PART + pid_b * dim + ds, dbias_acc, d_ok)
+
+
+# %% [markdown]
+# ## 5. The launchers and the public function
+#
+# The launchers are chapter 05's with two differences: they pass strides instead of copying, and the
+# forward returns no $\bar y$. The launch parameters come from a sweep on an H200 (the last section
+# prints one): one channel per program, 512 positions per chunk and 2 warps for the forward, 256
+# positions and 2 warps for the backward; in training the forward runs with the backward's chunk, since
+# it keeps one state per chunk for it. Under the interpreter the chunks are small, so that the tests'
+# short sequences still cross several chunks and blocks. The autograd plumbing (a `torch.library`
+# custom op with fake and vmap rules, an autograd Function, a second derivative that raises) is
+# chapter 05's, imported.
+
+# %%
+#| export
+from typing import Optional
+
+from scan_lib.runtime import apply, custom_op
+from scan_lib.selective_scan import (_NoSecondDerivative, _acc_dtype, _check_inputs, _groups,
+                                     _vmap_by_loop)
+
+# block_d channels per program, chunk positions per loop step, num_warps: the fastest of a sweep on an
+# H200 (section 8). Under the interpreter, small chunks so that small tests cross several chunks.
+GPU_CONFIG = {"fwd": dict(block_d=1, chunk=512, num_warps=2), "bwd": dict(block_d=1, chunk=256, num_warps=2)}
+CPU_CONFIG = {"fwd": dict(block_d=2, chunk=16, num_warps=1), "bwd": dict(block_d=2, chunk=8, num_warps=1)}
+
+
+def launch_config(kind, dim, per_group_b, per_group_c, length):
+    """The config for 'fwd' or 'bwd', block_d a power of two that never straddles a group, chunk at most
+    the padded length."""
+    config = dict((CPU_CONFIG if INTERPRET else GPU_CONFIG)[kind])
+    block_d = min(config["block_d"], triton.next_power_of_2(dim))
+    for per_group in (per_group_b, per_group_c):
+        block_d = min(block_d, per_group & -per_group)       # largest power of two dividing per_group
+    config.update(block_d=block_d, chunk=min(config["chunk"], max(triton.next_power_of_2(length), 2)))
+    return config
+
+
+def _coef_layout(M, dim):
+    """The strides (batch, group, state, position) of B or C and its channels per group: (batch, groups, N, L),
+    or the time-invariant (dim, N) as dim groups of one channel with batch and position strides 0."""
+    if M.dim() == 2:
+        return (0, M.stride(0), M.stride(1), 0), 1
+    return M.stride(), dim // M.shape[1]
+
+
+def _layout(u, delta, z, A, B, C):
+    """Channels per group of B and C, and every input's strides in the kernels' argument order."""
+    dim = u.shape[1]
+    (b_strides, per_group_b), (c_strides, per_group_c) = _coef_layout(B, dim), _coef_layout(C, dim)
+    z_strides = z.stride() if z is not None else (0, 0, 0)
+    return per_group_b, per_group_c, (*u.stride(), *delta.stride(), *z_strides, *A.stride(), *b_strides, *c_strides)
+
+
+def _small_contiguous(*tensors):
+    """D, delta_bias, initial_state, the last state's gradient: small, indexed as contiguous."""
+    return [None if t is None else t.contiguous() for t in tensors]
+
+
+@custom_op("strided_selective_scan_fwd", __name__)
+def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
+                initial_state: Optional[torch.Tensor], delta_softplus: bool, save_chunk: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward kernel on u, delta, z of any strides; B, C: (batch, groups, N, L) or (dim, N). Returns out
+    (contiguous), the last state, and with save_chunk > 0 the state entering every chunk of save_chunk
+    positions (batch, dim, N, n_chunks) for the backward (else an empty tensor)."""
+    D, delta_bias, initial_state = _small_contiguous(D, delta_bias, initial_state)
+    batch, dim, length = u.shape
+    n_states = A.shape[1]
+    acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
+    config = launch_config("fwd", dim, per_group_b, per_group_c, length)
+    chunk = save_chunk if save_chunk > 0 else config["chunk"]
+    n_chunks = triton.cdiv(length, chunk)
+    out = u.new_empty(u.shape)
+    last = u.new_empty(batch, dim, n_states, dtype=acc)
+    states = u.new_empty(batch, dim, n_states, n_chunks if save_chunk > 0 else 0, dtype=acc)
+    strided_fwd_kernel[(batch, triton.cdiv(dim, config["block_d"]))](
+        u, delta, A, B, C, D, z, delta_bias, initial_state, out, states, last,
+        dim, length, n_chunks, per_group_b, per_group_c, *strides,
+        N_STATES=n_states, HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+        HAS_H0=initial_state is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
+        SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc), SAVE=save_chunk > 0,
+        BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk,
+        num_warps=config["num_warps"])
+    return out, last, states
+
+
+@strided_fwd.register_fake
+def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk):
+    batch, dim, length = u.shape
+    acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    n_chunks = (length + save_chunk - 1) // save_chunk if save_chunk > 0 else 0
+    return (u.new_empty(u.shape), u.new_empty(batch, dim, A.shape[1], dtype=acc),
+            u.new_empty(batch, dim, A.shape[1], n_chunks, dtype=acc))
+
+
+@custom_op("strided_selective_scan_bwd", __name__)
+def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
+                D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
+                states: torch.Tensor, dout: torch.Tensor, dlast: Optional[torch.Tensor],
+                delta_softplus: bool, chunk: int) -> list[torch.Tensor]:
+    """The backward kernel: du, d delta, dA, dB, dC, dD, dz, d delta_bias, d initial_state, as chapter
+    05's selective_scan_bwd returns them (du, d delta, dz contiguous)."""
+    D, delta_bias, dlast = _small_contiguous(D, delta_bias, dlast)
+    batch, dim, length = u.shape
+    n_states, n_chunks, acc = A.shape[1], states.shape[-1], states.dtype
+    per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
+    config = launch_config("bwd", dim, per_group_b, per_group_c, length)
+    du, ddelta = u.new_empty(u.shape), delta.new_empty(delta.shape)
+    dz = z.new_empty(z.shape) if z is not None else u.new_empty(0)
+    dB = torch.zeros(B.shape if B.dim() == 4 else (batch, dim, n_states), device=u.device, dtype=acc)
+    dC = torch.zeros(C.shape if C.dim() == 4 else (batch, dim, n_states), device=u.device, dtype=acc)
+    dA_part, dh0 = (u.new_empty(batch, dim, n_states, dtype=acc) for _ in range(2))
+    dD_part, dbias_part = (u.new_empty(batch, dim, dtype=acc) for _ in range(2))
+    strided_bwd_kernel[(batch, triton.cdiv(dim, config["block_d"]))](
+        u, delta, A, B, C, D, z, delta_bias, states, dout, dlast,
+        du, ddelta, dz, dB, dC, dA_part, dD_part, dbias_part, dh0,
+        dim, length, n_chunks, per_group_b, per_group_c, *strides, *dout.stride(),
+        N_STATES=n_states, HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+        HAS_DLAST=dlast is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
+        SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc),
+        BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk,
+        num_warps=config["num_warps"])
+    if B.dim() == 2:
+        dB = dB.sum(0)
+    if C.dim() == 2:
+        dC = dC.sum(0)
+    return [du, ddelta, dA_part.sum(0), dB, dC, dD_part.sum(0) if D is not None else u.new_empty(0, dtype=acc),
+            dz, dbias_part.sum(0) if delta_bias is not None else u.new_empty(0, dtype=acc), dh0]
+
+
+@strided_bwd.register_fake
+def _(u, delta, A, B, C, D, z, delta_bias, states, dout, dlast, delta_softplus, chunk):
+    acc, dim = states.dtype, u.shape[1]
+    return [u.new_empty(u.shape), delta.new_empty(delta.shape), A.new_empty(A.shape, dtype=acc),
+            B.new_empty(B.shape, dtype=acc), C.new_empty(C.shape, dtype=acc),
+            u.new_empty((dim,) if D is not None else (0,), dtype=acc),
+            (z if z is not None else u).new_empty(z.shape if z is not None else (0,)),
+            u.new_empty((dim,) if delta_bias is not None else (0,), dtype=acc),
+            u.new_empty(u.shape[0], dim, A.shape[1], dtype=acc)]
+
+
+strided_fwd.register_vmap(_vmap_by_loop(strided_fwd))
+strided_bwd.register_vmap(_vmap_by_loop(strided_bwd))
+
+
+class StridedSelectiveScanFn(torch.autograd.Function):
+    """(out, last_state, states) = S6(u, delta, A, B, C, D, z, delta_bias, initial_state) on strided inputs;
+    B, C 4-D or (dim, N); save_chunk > 0 keeps one state per chunk for the backward."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk):
+        return strided_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk = inputs
+        ctx.mark_non_differentiable(output[2])
+        ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, output[2])
+        ctx.delta_softplus, ctx.chunk = delta_softplus, save_chunk
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, dout, dlast, _dstates):
+        u, delta, A, B, C, D, z, delta_bias, initial_state, states = ctx.saved_tensors
+        if ctx.chunk == 0:
+            raise RuntimeError("selective_scan: the forward kept no boundary states (no input required a "
+                               "gradient when it ran), so there is nothing to differentiate")
+        if dout is None:
+            dout = torch.zeros_like(u)
+        with torch.no_grad():  # the op's own outputs carry no graph (chapter 05's _NoSecondDerivative)
+            grads = strided_bwd(u, delta, A, B, C, D, z, delta_bias, states, dout.to(u.dtype), dlast,
+                                ctx.delta_softplus, ctx.chunk)
+        inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+        grads = [None if x is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
+        if torch.is_grad_enabled():  # create_graph=True (or torch.func.grad): make a second derivative raise
+            anchors = [x for x in (*inputs, dout, dlast) if x is not None]
+            given = [g for g in grads if g is not None]
+            poisoned = iter(_NoSecondDerivative.apply(len(anchors), *anchors, *given))
+            grads = [None if g is None else next(poisoned) for g in grads]
+        return (*grads, None, None)
+
+
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                   return_last_state=False, initial_state=None):
+    """Mamba's selective scan (S6), a drop-in for mamba_ssm's selective_scan_fn (real A), plus initial_state.
+
+    Chapter 05's semantics, arguments and checks (see scan_lib.selective_scan.selective_scan), with
+    faster kernels: u, delta, z, B and C are read where they are, with any strides (the views a Mamba
+    block's projection produces cost no copy), and inputs past 2^31 elements are accepted.
+
+        delta <- softplus(delta + delta_bias) if delta_softplus else delta + delta_bias
+        h_t = exp(delta_t * A) * h_{t-1} + delta_t * B_t * u_t,   ybar_t = sum_n C_t h_t + D * u_t
+        out = ybar * silu(z) if z is given else ybar
+
+    Returns out (dtype of u, contiguous), and with return_last_state also the state after the last
+    position (batch, dim, N) in float32 (float64 for float64 inputs). Gradients flow to every tensor
+    argument, including initial_state and through last_state; first derivatives only. Works under
+    torch.compile, torch.func.grad and torch.func.vmap.
+    """
+    _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    B4 = B.unsqueeze(1) if B.dim() == 3 else B
+    C4 = C.unsqueeze(1) if C.dim() == 3 else C
+    tensors = (u, delta, A, B4, C4, D, z, delta_bias, initial_state)
+    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    save_chunk = 0
+    if training:
+        dim = u.shape[1]
+        save_chunk = launch_config("bwd", dim, dim // _groups(B4) if B4.dim() == 4 else 1,
+                                   dim // _groups(C4) if C4.dim() == 4 else 1, u.shape[2])["chunk"]
+    out, last, _ = apply(StridedSelectiveScanFn, *tensors, bool(delta_softplus), save_chunk)
+    return (out, last) if return_last_state else out
+
+
+# %% [markdown]
+# ## 6. Checks
+#
+# The new kernels must compute exactly what chapter 05's do. Each case below runs the forward and the
+# backward against the float64 reference of chapter 05 (`selective_scan_ref`, differentiated by
+# autograd), at awkward lengths, with and without every option, with grouped and time-invariant $B$
+# and $C$, in fp32 and bf16, and on strided views like the block's. The tolerance is the one chapter
+# 05 derived: a float32 random walk over the length, plus the final rounding of a half-precision
+# output. `tests/test_selective_scan.py` runs chapter 05's whole suite against this function too.
+
+# %%
+def random_inputs(batch, dim, n_states, length, groups=1, dtype=torch.float32, options="DzbH", strided=False,
+                  time_invariant="", seed=0):
+    """Random inputs of chapter 05's shapes. options: D, z, delta_bias (b), initial_state (H).
+    strided: u, delta, z as slices of one (batch, L, 3 dim) tensor (stride 1 along dim, not along L)."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape, dt=dtype: torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dt)  # noqa: E731
+    if strided:
+        rows = rand(batch, length, 3 * dim).transpose(1, 2)                 # batch x 3 dim x L, stride 1 along dim
+        u, delta, z = rows[:, :dim], rows[:, dim:2 * dim] * 0.5 - 1.0, rows[:, 2 * dim:]
+    else:
+        u, delta, z = rand(batch, dim, length), rand(batch, dim, length) * 0.5 - 1.0, rand(batch, dim, length)
+    A = -(0.2 + torch.rand(dim, n_states, generator=g)).to(DEVICE)
+    B, C = (rand(dim, n_states) if name in time_invariant else rand(batch, groups, n_states, length)
+            for name in "BC")
+    return dict(u=u, delta=delta, A=A, B=B, C=C, D=rand(dim, dt=torch.float32) if "D" in options else None,
+                z=z if "z" in options else None,
+                delta_bias=rand(dim, dt=torch.float32) * 0.3 if "b" in options else None,
+                initial_state=rand(batch, dim, n_states, dt=torch.float32) if "H" in options else None)
+
+
+def worst_error(scan, inputs, softplus=True):
+    """The largest error, relative to the reference's scale, over out, the last state and every gradient."""
+    leaves = {k: v.detach().requires_grad_() for k, v in inputs.items() if v is not None}
+    wide = {k: v.detach().double().requires_grad_() for k, v in leaves.items()}
+    results = []
+    for fn, args in ((scan, leaves), (selective_scan_ref, wide)):
+        out, last = fn(**args, delta_softplus=softplus, return_last_state=True)
+        torch.manual_seed(1)
+        dout = torch.randn(out.shape, dtype=torch.float64).to(inputs["u"].dtype).double().to(DEVICE)
+        dlast = torch.randn(last.shape, dtype=torch.float64, device=DEVICE)
+        loss = (out.double() * dout).sum() + (last.double() * dlast).sum()
+        results.append([out, last, *torch.autograd.grad(loss, list(args.values()))])
+    return max(((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+               for got, want in zip(*results))
+
+
+def tolerance(dtype, length):
+    final = {torch.bfloat16: 2**-7, torch.float16: 2**-11, torch.float32: 0.0}[dtype]
+    return final + 32 * math.sqrt(max(length, 16)) * 2**-24
+
+
+CASES = [  # (batch, dim, N, L, keyword arguments of random_inputs)
+    (2, 4, 3, 1, dict()), (2, 4, 3, 1, dict(options="Dzb")), (1, 6, 4, 7, dict(groups=3, options="DzH")),
+    (1, 4, 2, 129, dict(groups=2, options="Db")), (1, 3, 5, 50, dict(options="")),
+    (2, 5, 3, 33, dict(time_invariant="BC")), (1, 6, 4, 40, dict(strided=True)),
+    (1, 4, 3, 77, dict(dtype=torch.bfloat16, strided=True)),
+    (2, 64, 16, 4097, dict()) if ON_GPU else (1, 3, 16, 300, dict()),
+]
+print(f"{'batch, dim, N, L':18s} {'options':42s} {'worst rel err':>13s} {'tolerance':>10s}")
+for batch, dim, n_states, length, kwargs in CASES:
+    inputs = random_inputs(batch, dim, n_states, length, seed=length, **kwargs)
+    err, tol = worst_error(selective_scan, inputs), tolerance(inputs["u"].dtype, length)
+    print(f"{str((batch, dim, n_states, length)):18s} {str(kwargs):42s} {err:13.2e} {tol:10.2e}")
+    assert err < tol, (batch, dim, n_states, length, kwargs, err)
+exact = random_inputs(2, 4, 3, 1, options="Dzb")      # L = 1, no initial state: section 4's first position
+leaves = {k: v.requires_grad_() for k, v in exact.items() if v is not None}
+assert torch.all(torch.autograd.grad(selective_scan(**leaves, delta_softplus=True).sum(), leaves["A"])[0] == 0)
+print("dA is exactly 0 at L = 1 without an initial state")
+
+# %% [markdown]
+# ## 7. Measured: each optimisation's effect
+#
+# (GPU only.) The same training step as the profile, at the same size, for chapter 05's scan and this
+# chapter's, on the block's strided views and on contiguous tensors, in fp32 and bf16; then the
+# forward alone (inference). The profile of the new step shows what is left.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    from scan_lib.runtime import median_us
+
+    def contiguous_copy(inputs):
+        return [t.contiguous() for t in inputs]
+
+    def inference(scan, inputs):
+        with torch.no_grad():
+            return scan(*inputs, delta_softplus=True)
+
+    effects = []
+    print(torch.cuda.get_device_name(), "(batch, dim, L, N) = (8, 1024, 2048, 16); median us (do_bench)")
+    print(f"{'dtype':9s} {'layout':10s} {'pass':8s} {'chapter 05':>10s} {'chapter 07':>10s} {'saved':>7s}")
+    for dtype in (torch.float32, torch.bfloat16):
+        views = block_layout_inputs(8, 1024, 2048, 16, dtype)
+        for layout, inputs in (("strided", views), ("contiguous", contiguous_copy(views))):
+            for name, run in (("fwd", inference), ("fwd+bwd", training_step)):
+                old = median_us(lambda: run(selective_scan_05, inputs))
+                new = median_us(lambda: run(selective_scan, inputs))
+                effects.append(dict(dtype=dtype, layout=layout, name=name, old=old, new=new))
+                print(f"{str(dtype)[6:]:9s} {layout:10s} {name:8s} {old:10.0f} {new:10.0f} {1 - new / old:7.1%}")
+    print()
+    def effect(dtype, layout, name):
+        return next(e for e in effects if e["dtype"] == dtype and e["layout"] == layout and e["name"] == name)
+    for dtype in (torch.float32, torch.bfloat16):
+        assert effect(dtype, "strided", "fwd")["new"] < 0.9 * effect(dtype, "strided", "fwd")["old"]
+        assert effect(dtype, "contiguous", "fwd+bwd")["new"] > effect(dtype, "contiguous", "fwd+bwd")["old"]
+    print()
+    print("chapter 07's selective_scan, one training step, bf16, block layout")
+    strided = block_layout_inputs(8, 1024, 2048, 16, torch.bfloat16)
+    profile_07 = profile_table(lambda: training_step(selective_scan, strided))
+
+# %% [markdown]
+# (On a GPU.) Read the table by rows; the cell asserts the two findings below.
+#
+# * **Strided views, forward: the prediction held.** Reading the views in place removes the copies the
+#   profile showed, and the forward on the block's layout is clearly faster (the `saved` column).
+# * **Contiguous inputs, forward:** nothing to copy, the same kernel with and without strides: the two
+#   columns agree within noise, as predicted.
+# * **Forward+backward: the prediction failed.** Recomputing $\bar y$ was meant to save about 30 µs;
+#   instead the new backward is *slower* than chapter 05's on contiguous inputs, and on the block's
+#   views the saved copies only about make up for it. The recomputation adds a (`BLOCK_D`, `CHUNK`)
+#   accumulator and a multiply-add per element and state to a loop that is already limited by the
+#   instructions it issues, not by bytes: saving bytes does not help such a loop, adding instructions
+#   hurts it. The profile of the new step shows no copies, and the backward kernel taking most of the
+#   time. The next section measures what limits it.
+#
+# ## 8. What stands in the way, and ideas that did not pay
+#
+# ### The atomics
+#
+# $\partial\mathcal L/\partial B_{t,n}$ sums over every channel of the group: 1024 channels add into
+# each (batch, state, position) entry. Each program adds its channel's contribution with
+# `tl.atomic_add`: batch $\cdot$ dim $\cdot N \cdot L$ = 268 million atomic additions for $dB$ and as
+# many for $dC$. To see what they cost, a kernel that does only those atomic additions, with the same
+# launch grid, chunk and warps as the backward, is timed on its own.
+
+# %%
+@triton.jit
+def atomics_only_kernel(DB, dim, length, n_chunks, N_STATES: tl.constexpr, CHUNK: tl.constexpr):
+    """The backward's dB (or dC) additions alone: one program per (batch, channel), N rows per chunk."""
+    pid_b = tl.program_id(0)
+    ts = tl.arange(0, CHUNK)
+    value = (tl.program_id(1) + ts).to(tl.float32)
+    for k in range(0, n_chunks):
+        t = k * CHUNK + ts
+        for n in range(0, N_STATES):
+            tl.atomic_add(DB + (pid_b * N_STATES + n) * length + t, value, t < length, sem="relaxed")
+
+
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    batch, dim, length, n_states = 8, 1024, 2048, 16
+    config = GPU_CONFIG["bwd"]
+    dB = torch.zeros(batch, n_states, length, device=DEVICE)
+    atomics_us = median_us(lambda: atomics_only_kernel[(batch, dim)](
+        dB, dim, length, triton.cdiv(length, config["chunk"]), N_STATES=n_states, CHUNK=config["chunk"],
+        num_warps=config["num_warps"]))
+    u, delta, A, B, C, D, z, delta_bias = block_layout_inputs(batch, dim, length, n_states, torch.float32)
+    bwd_inputs = (u, delta, A, B[:, None], C[:, None], D, z, delta_bias)      # B, C as (batch, groups=1, N, L)
+    states = strided_fwd(*bwd_inputs, None, True, config["chunk"])[2]
+    dout = torch.randn_like(u)
+    bwd_us = median_us(lambda: strided_bwd(*bwd_inputs, states, dout, None, True, config["chunk"]))
+    print(f"{torch.cuda.get_device_name()}, (8, 1024, 2048, N=16) fp32: backward kernel {bwd_us:.0f} us; "
+          f"dB additions alone {atomics_us:.0f} us, dB and dC {2 * atomics_us:.0f} us "
+          f"({2 * atomics_us / bwd_us:.0%} of the backward if they do not overlap other work)")
+
+# %% [markdown]
+# (On a GPU.) The atomic additions alone take a large share of the backward's time (the line above).
+# `mamba_ssm` adds per channel too, but first rearranges each thread block's values so that every
+# warp adds 32 consecutive floats (fully coalesced); Triton's reduction leaves each thread a few
+# positions spaced apart, so one warp's additions touch more memory sectors. Summing several channels
+# in one program before adding (`block_d` > 1) divides the additions, but in the sweep below it costs
+# more than it saves: the program's other work grows with it. Two ways around it that this chapter has
+# not built: accumulate $dB$ per group of channels in a workspace and reduce it with one more kernel
+# (the bytes: $\text{dim}/g \cdot N \cdot L$ floats per batch element), or reformulate the backward so
+# that the sum over channels becomes a matrix product (Mamba-2's "state space duality" does exactly this
+# for a scalar $A$ per head).
+#
+# ### One `exp` fewer: $a_t h_{t-1} = h_t - b_t$
+#
+# The backward evaluates three `exp`s per element: $a_t$ for the states, $a_{t-1}$ for the scan that
+# gives $h_{t-1}$, and $a_{t+1}$ for the adjoint. The recurrence itself says $a_t h_{t-1} = h_t - b_t$,
+# which is all the gradients need from $h_{t-1}$: one scan over the steps of position $t$, a
+# subtraction, and no $a_{t-1}$. A version of the backward built that way (one `exp` and one load of
+# $B$ fewer per element and state) passed most of the tests, then failed one: with large steps ($\Delta \approx 25$, so
+# $a_t = e^{\Delta A}$ is tiny and the state forgets almost at once), $\partial\mathcal L/\partial A$
+# was off by about $10^{-3}$ relative. The reason is cancellation: when $a_t h_{t-1} \ll b_t$, the
+# float32 difference $h_t - b_t$ keeps only the rounding error of $h_t$, which is of the size of $b_t$,
+# not of $a_t h_{t-1}$. The cell shows it in plain PyTorch, one step, against float64.
+
+# %%
+torch.manual_seed(0)
+h_prev, b_step = torch.randn(10_000, dtype=torch.float64), torch.randn(10_000, dtype=torch.float64)
+for step in (0.1, 5.0, 25.0):
+    a_step = torch.exp(torch.tensor(-step, dtype=torch.float64))           # A = -1
+    exact = a_step * h_prev                                                  # a_t h_{t-1}
+    h32 = (a_step.float() * h_prev.float() + b_step.float())                 # the float32 state
+    from_difference = (h32 - b_step.float()).double()
+    relative = ((from_difference - exact).abs().max() / exact.abs().max()).item()
+    print(f"step {step:5.1f}: a_t = {a_step.item():.1e}, max error of h_t - b_t relative to a_t h_(t-1): {relative:.1e}")
+    if step == 25.0:
+        assert relative > 1e-3, "the cancellation this section describes did not happen"
+
+# %% [markdown]
+# ### All states at once: a three-dimensional tile
+#
+# Chapter 05's guess was that the loop over the states, one scan of a (`BLOCK_D`, `CHUNK`) tile per
+# state, issues too many small scans. The alternative: one tile of shape (`BLOCK_D`, $N$, `CHUNK`), all
+# states discretised and scanned in one `tl.associative_scan` along the last axis, $\bar y$ a sum over
+# the middle axis. Fewer, larger operations; no loop over the states. Prediction: faster, if the loop's
+# overhead was the problem. The forward below is checked and then timed at its best launch parameters.
+
+# %%
+@triton.jit
+def all_states_fwd_kernel(U, DELTA, A, B, C, OUT, dim, length, n_states, n_chunks,
+                          BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """out = S6(u, delta, A, B, C) for contiguous u, delta (b, d, L), A (d, N), B, C (b, N, L): every
+    state of BLOCK_D channels in one BLOCK_D x N x CHUNK tile, scanned along its last axis."""
+    pid_b, pid_d = tl.program_id(0), tl.program_id(1)
+    ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    ns = tl.arange(0, BLOCK_N)
+    ts = tl.arange(0, CHUNK)
+    d_ok, n_ok = ds < dim, ns < n_states
+    rate = tl.load(A + ds[:, None] * n_states + ns[None, :], d_ok[:, None] & n_ok[None, :], other=0.0)
+    carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=tl.float32)
+    first, last = ts[None, None, :] == 0, ts[None, None, :] == CHUNK - 1
+    for k in range(0, n_chunks):
+        t = k * CHUNK + ts
+        mask = d_ok[:, None] & (t < length)[None, :]                               # BLOCK_D x CHUNK
+        offs = (pid_b * dim + ds[:, None]) * length + t[None, :]
+        u = tl.load(U + offs, mask, other=0.0)
+        delta = tl.load(DELTA + offs, mask, other=0.0)
+        nt_offs, nt_ok = ns[:, None] * length + t[None, :], n_ok[:, None] & (t < length)[None, :]
+        b_coef = tl.load(B + pid_b * n_states * length + nt_offs, nt_ok, other=0.0)[None, :, :]   # 1 x N x CHUNK
+        c_coef = tl.load(C + pid_b * n_states * length + nt_offs, nt_ok, other=0.0)[None, :, :]
+        a, b = discretize(delta[:, None, :], rate[:, :, None], b_coef, u[:, None, :])       # BLOCK_D x N x CHUNK
+        b = tl.where(first, b + a * carry[:, :, None], b)
+        _, h = tl.associative_scan((a, b), axis=2, combine_fn=first_order_op)
+        tl.store(OUT + offs, tl.sum(c_coef * h, axis=1), mask)
+        carry = tl.sum(tl.where(last, h, 0.0), axis=2)
+
+
+def all_states_forward(u, delta, A, B, C, block_d, chunk, num_warps):
+    batch, dim, length = u.shape
+    out = torch.empty_like(u)
+    all_states_fwd_kernel[(batch, triton.cdiv(dim, block_d))](
+        u, delta, A, B, C, out, dim, length, A.shape[1], triton.cdiv(length, chunk),
+        BLOCK_D=block_d, BLOCK_N=triton.next_power_of_2(A.shape[1]), CHUNK=chunk, num_warps=num_warps)
+    return out
+
+
+check = random_inputs(2, 5, 3, 45, options="")
+step = torch.nn.functional.softplus(check["delta"])              # positive steps: decaying states
+B_rows, C_rows = check["B"][:, 0].contiguous(), check["C"][:, 0].contiguous()
+want = selective_scan_ref(check["u"], step, check["A"], B_rows, C_rows)
+got = all_states_forward(check["u"], step, check["A"], B_rows, C_rows, block_d=2, chunk=16, num_warps=1)
+err = ((got.double() - want).abs().max() / want.abs().max()).item()
+print(f"all states in one tile: max error {err:.1e} relative to the float64 reference's scale")
+assert err < tolerance(torch.float32, 45)
+
+# %% [markdown]
+# ### The sweep
+#
+# (GPU only.) Both forwards over their launch parameters (channels per program, chunk, warps), and
+# the backward over its own, at (8, 1024, 2048, $N$=16) in fp32, without $D$, $z$ or `delta_bias`
+# (the three-dimensional kernel has none). The winners set `GPU_CONFIG` above.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    import itertools
+    plain = [t.contiguous() for t in block_layout_inputs(8, 1024, 2048, 16, torch.float32)[:5]]
+    u, delta, A, B, C = plain
+    delta = torch.nn.functional.softplus(delta)                             # positive steps: decaying states
+    sweep = []
+
+    def forward_with(config):
+        GPU_CONFIG["fwd"] = config
+        return median_us(lambda: strided_fwd(u, delta, A, B[:, None], C[:, None], None, None, None, None,
+                                             False, 0), warmup=5, rep=40)
+
+    def backward_with(config):
+        GPU_CONFIG["bwd"] = config
+        states = strided_fwd(u, delta, A, B[:, None], C[:, None], None, None, None, None, False, config["chunk"])[2]
+        dout = torch.randn_like(u)
+        return median_us(lambda: strided_bwd(u, delta, A, B[:, None], C[:, None], None, None, None, states, dout,
+                                             None, False, config["chunk"]), warmup=5, rep=40)
+
+    chosen = {kind: dict(config) for kind, config in GPU_CONFIG.items()}
+    for block_d, chunk, num_warps in itertools.product((1, 2), (256, 512, 1024), (2, 4)):
+        config = dict(block_d=block_d, chunk=chunk, num_warps=num_warps)
+        sweep.append(("loop over states, fwd", config, forward_with(config)))
+    for block_d, chunk, num_warps in itertools.product((1, 2), (128, 256, 512), (2, 4)):
+        config = dict(block_d=block_d, chunk=chunk, num_warps=num_warps)
+        sweep.append(("loop over states, bwd", config, backward_with(config)))
+    for block_d, chunk, num_warps in itertools.product((1, 2, 4), (32, 64, 128), (2, 4)):
+        config = dict(block_d=block_d, chunk=chunk, num_warps=num_warps)
+        sweep.append(("all states in one tile, fwd", config, median_us(
+            lambda: all_states_forward(u, delta, A, B, C, **config), warmup=5, rep=40)))
+    GPU_CONFIG.update(chosen)
+    print(torch.cuda.get_device_name(), "(8, 1024, 2048, N=16) fp32, median us; the best of each kind:")
+    for kind in dict.fromkeys(k for k, _, _ in sweep):
+        rows = sorted((us, config) for k, config, us in sweep if k == kind)
+        print(f"  {kind:30s} best {rows[0][0]:7.0f} us at {rows[0][1]}; worst {rows[-1][0]:7.0f} us")
+        if kind.startswith("loop"):
+            default = next(us for k, config, us in sweep if k == kind and config == GPU_CONFIG[kind[-3:]])
+            print(f"  {'':30s} GPU_CONFIG['{kind[-3:]}'] {GPU_CONFIG[kind[-3:]]}: {default:7.0f} us")
+            assert default <= 1.15 * rows[0][0], f"GPU_CONFIG['{kind[-3:]}'] is more than 15% slower than the best"
+
+# %% [markdown]
+# (On a GPU.) The three-dimensional tile is *slower* than the loop over states at every launch
+# parameter tried: the prediction failed. A scan along the last axis of a three-dimensional tile
+# spreads each row's positions over fewer threads per warp, and extracting the carry becomes a
+# reduction over the chunk for every state: the loop had neither problem to begin with. Its cost was
+# not the loop. More than one channel per program (`block_d` 2 in the sweep, which shares each load of
+# $B$ and $C$ between two channels) did not pay either: the best rows use one channel.
+#
+# ## 9. Against the peers
+#
+# (GPU only.) Chapter 07's `selective_scan` against chapter 05's and `mamba_ssm`'s `selective_scan_fn`
+# (built for this GPU; skipped where it is not installed), bf16 inputs with every option as a Mamba
+# block uses them, at the block's strided layout, forward+backward: time against $L$ (batch 8, dim
+# 1024, $N$ 16), against $N$ ($L$ 2048) and against batch (dim 1536, $L$ 8192). `make bench` runs the
+# full set of shapes, in both dtypes and both passes, with a CSV and the ratios.
+
+# %%
+def peers():
+    """The implementations to time: name -> function with selective_scan_fn's signature."""
+    found = {"chapter 07": selective_scan, "chapter 05": selective_scan_05}
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+        found["mamba_ssm"] = selective_scan_fn
+    except ImportError as error:
+        print(f"mamba_ssm not importable ({type(error).__name__}): not in the plot")
+    return found
+
+
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    series = {"L": [(8, 1024, L, 16) for L in (512, 2048, 8192)],
+              "N": [(8, 1024, 2048, N) for N in (4, 16, 64)],
+              "batch": [(b, 1536, 8192, 16) for b in (1, 2, 4)]}
+    times = {}
+    for axis, shapes in series.items():
+        for shape in shapes:
+            inputs = block_layout_inputs(*shape, torch.bfloat16)
+            for name, fn in peers().items():
+                times[axis, shape, name] = median_us(lambda: training_step(fn, inputs), warmup=5, rep=50)
+            print(shape, "  ".join(f"{name} {times[axis, shape, name]:7.0f} us" for name in peers()))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for ax, (axis, shapes) in zip(axes, series.items()):
+        position = {"L": 2, "N": 3, "batch": 0}[axis]
+        for name in peers():
+            ax.plot([s[position] for s in shapes], [times[axis, s, name] / 1e3 for s in shapes], "o-", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(axis)
+        ax.set_ylabel("fwd+bwd, ms")
+    axes[0].legend()
+    fig.suptitle(f"selective scan, bf16, block layout, {torch.cuda.get_device_name()}")
+    fig.tight_layout()
+    save_figure(fig, "07_against_peers.png")
+
+# %% [markdown]
+# (On a GPU.) The lines say where chapter 07 stands in training on the block's layout: close to
+# chapter 05 (ahead at some shapes, behind at others, by the margins printed), and behind `mamba_ssm`
+# at every size measured, by a factor of about two (the cell below asserts that `mamba_ssm` is faster
+# in every row where it ran). This chapter made the forward on a block's views faster and removed
+# the copies and the 32-bit limit; it did not make training faster. `make bench` has the forward rows
+# and fp32 as well.
+
+# %%
+if ON_GPU and any(name == "mamba_ssm" for _, _, name in times):
+    for axis, shapes in series.items():
+        for shape in shapes:
+            assert times[axis, shape, "mamba_ssm"] < times[axis, shape, "chapter 07"], (shape, "mamba_ssm slower?")
+    print("mamba_ssm is faster than chapter 07 in forward+backward at every shape above")
+else:
+    print("skipped: needs a GPU and mamba_ssm")
+
+# %% [markdown]
+# ## What we built
+#
+# * Two floors for the selective scan, from bytes and `exp`s over rates measured on this GPU, and the
+#   observation that the `exp`s, not the bytes, bound it at $N = 16$.
+# * A profile of chapter 05's scan in a training step: copies of strided views, and a backward that
+#   takes most of the time.
+# * `scan_lib.selective_scan`, now this chapter's kernels: strided inputs read in place (no copies:
+#   a faster forward on a block's views), 64-bit offsets (no size limit), a backward that recomputes
+#   $\bar y$ instead of keeping it (less memory kept for training, but no faster); checked against the
+#   float64 reference.
+# * Measurements of what is left: the `dB`, `dC` atomics alone, and two ideas that did not pay (one
+#   `exp` fewer through $a_t h_{t-1} = h_t - b_t$, which cancels; all states in one tile, slower).
+#
+# What is not done yet, and where to go next: a backward that issues fewer instructions per element
+# (it is the bottleneck, and neither saving bytes nor fusing states helped); the atomics (a workspace
+# reduction or coalesced additions); a sequence-parallel scan for small batches (the three-phase scan of chapter 01 applied
+# to the recurrence: chunk summaries in parallel, a short scan over them, then the chunks again), which
+# long sequences at batch 1 need; and the host overhead of small calls.
+#
+# ## Going deeper: profiling tools on this GPU
+#
+# * `torch.profiler` (used above) reads CUDA's activity timeline: durations per kernel, no hardware
+#   counters, no special permissions. It is enough to find which kernel to work on.
+# * Triton's own profiler, `proton`, adds per-kernel metadata (launch grid, bytes) and can instrument
+#   regions inside a kernel; `python -m triton.profiler.proton script.py` writes a trace that
+#   `proton-viewer` summarises.
+# * Nsight Compute gives issued instructions, stall reasons and memory throughput per kernel, which is
+#   what the forward's instruction bound calls for, but it needs access to the GPU's performance
+#   counters; on the machine these measurements come from it could not read them, so this chapter's
+#   statements about instructions are inferences from the floors and the experiments above, not
+#   counter readings.
+#
+# ## Going deeper: why strides and not `.contiguous()`
+#
+# A view such as `xz[:, :dim]` of a (batch, 2 dim, L) tensor is "contiguous along $L$" but not
+# contiguous: its channel stride is $L$ and its batch stride is $2\,\text{dim}\cdot L$. `.contiguous()`
+# makes a copy whenever the strides differ from the packed ones, and autograd keeps the copy alive
+# for the backward. Passing strides costs nothing at run time: the kernels compute the same addresses
+# with different multipliers, and Triton specialises a stride of 1 so that loads along $L$ stay
+# vectorised. A layout with stride 1 along the *channels* (the `strided=True` case of the checks,
+# `(batch, L, dim)` transposed) also works, but each load of a row of positions then touches one float
+# per 32-byte sector: correct, and slow. Transpose such inputs once, outside the scan.
