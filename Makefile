@@ -22,7 +22,7 @@ else
 SETUP :=
 endif
 
-.PHONY: install export sync check exercises grade test course outputs bench lab clean
+.PHONY: install export sync check exercises grade site test course outputs bench lab clean
 
 install: $(VENV)/.installed
 
@@ -51,6 +51,12 @@ exercises: $(SETUP)
 grade: $(SETUP)
 	@test -n "$(NB)" || { echo "usage: make grade NB=path/to/NN_name.ipynb"; exit 2; }
 	$(PY) tools/grade.py "$(NB)" $(GRADE_ARGS)
+
+# The course as a static website: every chapter with its committed outputs, and the exercises
+# (tools/site.py; Sphinx + myst-nb). Open build/site/html/index.html, or serve it:
+# python -m http.server -d build/site/html
+site: $(SETUP)
+	$(PY) tools/site.py
 
 test: check
 	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist load tests
