@@ -148,9 +148,8 @@ def exercise_3(nb):
             k = t // chunk
             where = (f"first wrong at t = {t}, in chunk {k}: the state entering it (the carry) or its last "
                      "state is wrong" if k > 0 else
-                     f"first wrong at t = {t}, in the first chunk: " +
-                     ("is the initial state (the carry entering chunk 0) folded into its first step?" if with_h0
-                      else "the scan within a chunk or ybar += C_n h"))
+                     f"first wrong at t = {t}, in the first chunk: the scan within the chunk or ybar += C_n h" +
+                     (", or the initial state (the carry entering chunk 0) folded into its first step" if with_h0 else ""))
             raise AssertionError(f"{what}: out has relative error {_relative_error(out, ref_out):.3g}; {where}")
         _compare(last, ref_last, f"{what}: the last state (the carry after the last chunk)")
         for k in range(states.shape[-1]):
