@@ -276,6 +276,8 @@ def selective_scan_backward_by_hand(u, delta, A, B, C, D, z, delta_bias, h0, dou
         flow = c[:, :, t] + flow                                       # delta_t = C_t dybar_t + a_{t+1} delta_{t+1}
         adj[:, :, t] = flow
         flow = a[:, :, t] * flow                                       # what flows into h_{t-1}
+    ### BEGIN SOLUTION
+    ### HINT: with h_{t-1} (h0, then hs shifted by one), the adjoint adj and dybar, return a dict of the gradients by input name (u, delta: the raw step's, A, B, C, D, z, delta_bias, initial_state), each of its input's shape
     h_prev = torch.cat([h0[:, :, None], hs[:, :, :-1]], dim=2)        # h_{t-1}: shifted by one
     ah = a * h_prev                                                    # a_t h_{t-1}
     ddelta = (adj * ah * A[:, None, :]).sum(-1) + u * (adj * B.transpose(1, 2)[:, None]).sum(-1)
@@ -291,6 +293,7 @@ def selective_scan_backward_by_hand(u, delta, A, B, C, D, z, delta_bias, h0, dou
         delta_bias=ddelta_raw.sum((0, 2)),
         initial_state=flow,
     )
+    ### END SOLUTION
 
 
 torch.manual_seed(1)
@@ -358,9 +361,12 @@ from scan_lib.ema import accumulator_dtype, first_order_op
 
 @triton.jit
 def discretize(delta, A, B, u):
+    ### BEGIN SOLUTION
+    ### HINT: return the pair (a, b) of one step, the discretisation of section 2 (tl.exp; the arguments broadcast)
     """One S6 step from its continuous-time parameters: a = exp(delta*A), b = (delta*u)*B (broadcasting;
     delta*u first, as in the reference, so that a loop over the states computes it once)."""
     return tl.exp(delta * A), delta * u * B
+    ### END SOLUTION
 
 # %%
 @triton.jit
@@ -617,10 +623,13 @@ def selective_scan_fwd_kernel(
             b_coef = _load_coef(B_ROW, B, n, t, t_ok, ds, d_ok, n_states, length, B_PER_STEP, ACC)
             c_coef = _load_coef(C_ROW, C, n, t, t_ok, ds, d_ok, n_states, length, C_PER_STEP, ACC)
             a, b = discretize(delta, rate, b_coef, u)                                 # BLOCK_D x CHUNK
+            ### BEGIN SOLUTION
+            ### HINT: fold column n of `carry` into the chunk's first step, scan along axis 1 with first_order_op, add C_n h to ybar, store the state at the chunk's last position in column n of `carry`
             b += tl.where(first, a * _column(carry, n, ns)[:, None], 0.0)            # start from the carry
             _, h = tl.associative_scan((a, b), axis=1, combine_fn=first_order_op)
             ybar += c_coef * h
             carry = tl.where(ns[None, :] == n, tl.sum(tl.where(last, h, 0.0), axis=1)[:, None], carry)
+            ### END SOLUTION
         if HAS_D:
             ybar += skip * u
         out = ybar

@@ -1,0 +1,67 @@
+"""The grader (tools/grade.py) on chapter 05's exercise notebook: untouched, partly solved, and the chapter.
+
+Every case runs with --needed-only (up to the forward kernel's cell): the chapter's later cells check
+scan_lib.selective_scan, the library's kernels, which the stubs do not reach, so an untouched notebook
+would run them all (about 250 s on the CPU interpreter) without failing fast. The partly solved
+notebook keeps 05.2's stub in `discretize`, which every kernel calls: that 05.3 passes anyway shows
+that its check runs the student's forward kernel with the library's `discretize`.
+"""
+import sys
+from pathlib import Path
+
+import nbformat
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import exercises  # noqa: E402
+import grade  # noqa: E402
+from test_grade import _passed  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTER = ROOT / "notebooks" / "05_mamba.ipynb"
+EXERCISE = ROOT / "exercises" / "05_mamba.ipynb"
+IDS = ("05.1", "05.2", "05.3")
+
+
+def _solved(ids: set[str], tmp_path: Path) -> Path:
+    """exercises/05_mamba.ipynb with the chapter's solutions of `ids` put back in place of their stubs
+    (tests/test_grade.py's _solved, for chapter 05)."""
+    notebook = nbformat.read(EXERCISE, as_version=4)
+    chapter = nbformat.read(CHAPTER, as_version=4)
+    number = 0
+    for cell in (c for c in chapter.cells if c.cell_type == "code"):
+        lines = cell.source.split("\n")
+        for begin, end, indent, hint in exercises.solution_regions(cell.source):
+            number += 1
+            exercise_id = f"05.{number}"
+            if exercise_id not in ids:
+                continue
+            stub = "\n".join(exercises.stub(exercise_id, indent, hint))
+            first = begin + 2 if lines[begin + 1].strip().startswith("### HINT:") else begin + 1
+            holders = [c for c in notebook.cells if stub in c.source]
+            assert len(holders) == 1, exercise_id
+            holders[0].source = holders[0].source.replace(stub, "\n".join(lines[first:end]))
+    path = tmp_path / "05_mamba.ipynb"
+    nbformat.write(notebook, path)
+    return path
+
+
+def test_untouched_notebook_fails_every_exercise():
+    report = grade.grade(EXERCISE, needed_only=True)
+    assert _passed(report) == dict.fromkeys(IDS, False), grade.text_report(report)
+    for exercise in report["exercises"]:  # each fails on its own stub, whose message names it
+        assert f"exercise {exercise['id']}" in exercise["reason"], exercise
+    assert "score: 0/3" in grade.text_report(report)
+
+
+def test_partly_solved_notebook_gets_partial_credit(tmp_path):
+    report = grade.grade(_solved({"05.1", "05.3"}, tmp_path), needed_only=True)
+    assert _passed(report) == {"05.1": True, "05.2": False, "05.3": True}, grade.text_report(report)
+    assert "exercise 05.2" in report["exercises"][1]["reason"]
+    assert "score: 2/3" in grade.text_report(report)
+
+
+def test_the_chapter_passes_every_exercise():
+    report = grade.grade(CHAPTER, needed_only=True)
+    assert _passed(report) == dict.fromkeys(IDS, True), grade.text_report(report)
+    assert report["execution"]["cells"] < sum(c.cell_type == "code" for c in nbformat.read(EXERCISE, 4).cells)
