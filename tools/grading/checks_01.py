@@ -26,6 +26,7 @@ def _compare(y, expected, scale, what, block=None):
     where = f"first wrong at index {t} of {expected.numel()} (got {y[t].item():.6g}, expected {expected[t].item():.6g})"
     if block is not None:
         where += f", in block {t // block} (blocks of {block})"
+        where += ": block 0 has no carry (is S[-1] read?)" if t < block else ": is its carry S[k-1]?"
     raise AssertionError(f"{what}: {where}")
 
 
