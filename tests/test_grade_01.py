@@ -19,17 +19,17 @@ EXERCISE = ROOT / "exercises" / "01_cumsum.ipynb"
 IDS = ["01.1", "01.2", "01.3", "01.4"]
 
 
-def _solved(ids: set[str], tmp_path: Path) -> Path:
-    """exercises/01_cumsum.ipynb with the chapter's solutions of `ids` put back in place of their stubs
-    (tests/test_grade.py's helper of the same name, for chapter 01)."""
-    notebook = nbformat.read(EXERCISE, as_version=4)
-    chapter = nbformat.read(CHAPTER, as_version=4)
+def solved(name: str, ids: set[str], tmp_path: Path) -> Path:
+    """exercises/<name>.ipynb with the chapter's solutions of `ids` put back in place of their stubs
+    (tests/test_grade.py's `_solved`, for any chapter; tests/test_grade_00.py uses it too)."""
+    notebook = nbformat.read(ROOT / "exercises" / f"{name}.ipynb", as_version=4)
+    chapter = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
     number = 0
     for cell in (c for c in chapter.cells if c.cell_type == "code"):
         lines = cell.source.split("\n")
         for begin, end, indent, hint in exercises.solution_regions(cell.source):
             number += 1
-            exercise_id = f"01.{number}"
+            exercise_id = f"{name[:2]}.{number}"
             if exercise_id not in ids:
                 continue
             stub = "\n".join(exercises.stub(exercise_id, indent, hint))
@@ -38,7 +38,7 @@ def _solved(ids: set[str], tmp_path: Path) -> Path:
             holders = [c for c in notebook.cells if stub in c.source]
             assert len(holders) == 1, exercise_id
             holders[0].source = holders[0].source.replace(stub, solution)
-    path = tmp_path / "01_cumsum.ipynb"
+    path = tmp_path / f"{name}.ipynb"
     nbformat.write(notebook, path)
     return path
 
@@ -58,7 +58,7 @@ def test_untouched_notebook_fails_every_exercise():
 
 def test_partly_solved_notebook_gets_partial_credit(tmp_path):
     """The block totals and the carry are checked on kernels launched directly, so each passes on its own."""
-    report = grade.grade(_solved({"01.2", "01.4"}, tmp_path), needed_only=True)
+    report = grade.grade(solved("01_cumsum", {"01.2", "01.4"}, tmp_path), needed_only=True)
     assert _passed(report) == {"01.1": False, "01.2": True, "01.3": False, "01.4": True}, grade.text_report(report)
     assert "exercise 01.1" in report["exercises"][0]["reason"] and "exercise 01.3" in report["exercises"][2]["reason"]
     assert report["score"] == 2
