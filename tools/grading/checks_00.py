@@ -30,7 +30,8 @@ def exercise_1(nb):
     x, y = torch.randn(2, n, generator=gen).to(nb.DEVICE)
     z = torch.full((4 * block,), SENTINEL, device=nb.DEVICE)
     nb.vector_add_kernel[(_cdiv(n, block),)](x, y, z, n, BLOCK=block)
-    assert torch.equal(z[:n].cpu(), (x + y).cpu()), f"vector_add_kernel, n = {n}, BLOCK = {block} ({_cdiv(n, block)} programs): wrong sums; does each program take its own block?"
+    assert torch.equal(z[:n].cpu(), (x + y).cpu()), \
+        f"vector_add_kernel, n = {n}, BLOCK = {block} ({_cdiv(n, block)} programs): wrong sums; does each program take its own block?"
     assert (z[n:].cpu() == SENTINEL).all(), \
         f"vector_add_kernel, n = {n}, BLOCK = {block}: wrote past the end (index >= {n}): is the store masked?"
     for n in _launch_sizes(gen):
