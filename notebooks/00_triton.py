@@ -312,11 +312,14 @@ print("Z = X[None, :] + Y, exactly as torch broadcasts: ok")
 # %%
 @triton.jit
 def vector_add_kernel(X, Y, Z, n, BLOCK: tl.constexpr):
+    ### BEGIN SOLUTION
+    ### HINT: this program's BLOCK offsets (from its program id), a mask of those below n, masked loads of X and Y, a masked store of x + y to Z
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)    # BLOCK
     mask = offsets < n                                          # BLOCK
     x = tl.load(X + offsets, mask=mask)
     y = tl.load(Y + offsets, mask=mask)
     tl.store(Z + offsets, x + y, mask=mask)
+    ### END SOLUTION
 
 
 def vector_add(x: torch.Tensor, y: torch.Tensor, block: int = 256) -> torch.Tensor:
@@ -444,8 +447,11 @@ print("m.t()[i, j] is memory[i * 1 + j * 4]: ok")
 def copy_2d_kernel(X, Y, n_rows, n_cols, stride_row, stride_col, ROWS: tl.constexpr, COLS: tl.constexpr):
     rows = tl.arange(0, ROWS)[:, None]                                # ROWS x 1
     cols = tl.arange(0, COLS)[None, :]                                # 1 x COLS
+    ### BEGIN SOLUTION
+    ### HINT: mask the ROWS x COLS block to the n_rows x n_cols matrix and load x through X's strides
     mask = (rows < n_rows) & (cols < n_cols)                          # ROWS x COLS
     x = tl.load(X + rows * stride_row + cols * stride_col, mask=mask)  # any strides
+    ### END SOLUTION
     tl.store(Y + rows * n_cols + cols, x, mask=mask)                  # Y is contiguous: strides (n_cols, 1)
 
 
@@ -480,9 +486,12 @@ def row_sums_kernel(X, OUT, n_cols, stride_row, stride_col, BLOCK: tl.constexpr)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)                 # BLOCK partial sums
     start = 0
     while start < n_cols:
+        ### BEGIN SOLUTION
+        ### HINT: the columns start .. start + BLOCK - 1 of this row, loaded through the strides (0 past n_cols), added into acc in float32
         cols = start + tl.arange(0, BLOCK)                     # BLOCK
         x = tl.load(X + row * stride_row + cols * stride_col, mask=cols < n_cols, other=0.0)
         acc += x.to(tl.float32)
+        ### END SOLUTION
         start += BLOCK
     tl.store(OUT + row, tl.sum(acc, axis=0))
 

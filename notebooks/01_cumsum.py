@@ -137,9 +137,12 @@ def add_combine(a, b):
 @triton.jit
 def cumsum_one_block_kernel(X, Y, length, BLOCK: tl.constexpr):
     offsets = tl.arange(0, BLOCK)                          # BLOCK
+    ### BEGIN SOLUTION
+    ### HINT: mask the lanes past `length`, load x with 0 there, and scan it in float32 with tl.associative_scan and add_combine
     mask = offsets < length                                # BLOCK
     x = tl.load(X + offsets, mask=mask, other=0.0)         # BLOCK, lanes >= length hold 0
     y = tl.associative_scan(x.to(tl.float32), 0, add_combine)
+    ### END SOLUTION
     tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
 
 
@@ -187,9 +190,12 @@ def blelloch_scan(x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[str, torch.
     a[length - 1] = 0
     steps.append(("clear last", torch.tensor([length - 1]), a.clone()))
     while d > 1:                                        # down-sweep, d = L/2, ..., 1
+        ### BEGIN SOLUTION
+        ### HINT: halve d, take the indices t = 2d-1, 4d-1, ..., and let each hand its value to t - d and add that child's old value
         d //= 2
         t = torch.arange(2 * d - 1, length, 2 * d)
         a[t - d], a[t] = a[t].clone(), a[t] + a[t - d]  # hand the value left, add the left child's old value
+        ### END SOLUTION
         additions += t.numel()
         steps.append((f"down d={d}", t, a.clone()))
     inclusive = a + x                                   # exclusive scan + input
@@ -327,7 +333,10 @@ def scan_blocks_kernel(X, Y, T, length, BLOCK: tl.constexpr):
     mask = offsets < length
     x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
     tl.store(Y + offsets, tl.associative_scan(x, 0, add_combine), mask=mask)
+    ### BEGIN SOLUTION
+    ### HINT: store the total of block k (the sum of its x) in T[k]
     tl.store(T + k, tl.sum(x, axis=0))
+    ### END SOLUTION
 
 
 @triton.jit
@@ -336,8 +345,11 @@ def add_carry_kernel(Y, S, length, BLOCK: tl.constexpr):
     k = tl.program_id(0)
     offsets = k * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < length
+    ### BEGIN SOLUTION
+    ### HINT: load the carry S[k-1] (0 for block 0, without reading S[-1]) and add it to block k of Y
     carry = tl.load(S + k - 1, mask=k > 0, other=0.0)       # scalar
     tl.store(Y + offsets, tl.load(Y + offsets, mask=mask) + carry, mask=mask)
+    ### END SOLUTION
 
 
 def cumsum_three_phase(x: torch.Tensor, block: int) -> torch.Tensor:

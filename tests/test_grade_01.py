@@ -1,0 +1,74 @@
+"""The grader (tools/grade.py) on chapter 01's exercise notebook: untouched, partly solved, solved.
+
+Cost on 2 shared CPU cores (busy with other work): 46-61 s for the file, 3 grader runs of 11-23 s, each
+a fresh kernel running the notebook on Triton's interpreter with --needed-only, up to the three-phase
+kernels, then the hidden checks of tools/grading/checks_01.py, under 1 s. (The full solved chapter
+takes about 115 s of cells here, the exported cumsum's checks most of it: graded by hand with
+`make grade NB=notebooks/01_cumsum.ipynb`.)
+"""
+import sys
+from pathlib import Path
+
+import nbformat
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import exercises  # noqa: E402
+import grade  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTER = ROOT / "notebooks" / "01_cumsum.ipynb"
+EXERCISE = ROOT / "exercises" / "01_cumsum.ipynb"
+IDS = ["01.1", "01.2", "01.3", "01.4"]
+
+
+def solved(name: str, ids: set[str], tmp_path: Path) -> Path:
+    """exercises/<name>.ipynb with the chapter's solutions of `ids` put back in place of their stubs
+    (tests/test_grade.py's `_solved`, for any chapter; tests/test_grade_00.py uses it too)."""
+    notebook = nbformat.read(ROOT / "exercises" / f"{name}.ipynb", as_version=4)
+    chapter = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    number = 0
+    for cell in (c for c in chapter.cells if c.cell_type == "code"):
+        lines = cell.source.split("\n")
+        for begin, end, indent, hint in exercises.solution_regions(cell.source):
+            number += 1
+            exercise_id = f"{name[:2]}.{number}"
+            if exercise_id not in ids:
+                continue
+            stub = "\n".join(exercises.stub(exercise_id, indent, hint))
+            first = begin + 2 if lines[begin + 1].strip().startswith("### HINT:") else begin + 1
+            solution = "\n".join(lines[first:end])
+            holders = [c for c in notebook.cells if stub in c.source]
+            assert len(holders) == 1, exercise_id
+            holders[0].source = holders[0].source.replace(stub, solution)
+    path = tmp_path / f"{name}.ipynb"
+    nbformat.write(notebook, path)
+    return path
+
+
+def _passed(report):
+    return {e["id"]: e["passed"] for e in report["exercises"]}
+
+
+def test_untouched_notebook_fails_every_exercise():
+    report = grade.grade(EXERCISE, needed_only=True)
+    assert _passed(report) == dict.fromkeys(IDS, False)
+    assert report["score"] == 0 and report["total"] == 4
+    for exercise in report["exercises"]:  # each fails on its own stub, whose message names it
+        assert f"exercise {exercise['id']}" in exercise["reason"], exercise
+    assert "score: 0/4" in grade.text_report(report)
+
+
+def test_partly_solved_notebook_gets_partial_credit(tmp_path):
+    """The block totals and the carry are checked on kernels launched directly, so each passes on its own."""
+    report = grade.grade(solved("01_cumsum", {"01.2", "01.4"}, tmp_path), needed_only=True)
+    assert _passed(report) == {"01.1": False, "01.2": True, "01.3": False, "01.4": True}, grade.text_report(report)
+    assert "exercise 01.1" in report["exercises"][0]["reason"] and "exercise 01.3" in report["exercises"][2]["reason"]
+    assert report["score"] == 2
+
+
+def test_the_chapter_passes_every_exercise():
+    """The chapter itself, solutions in place (the exercises with all solutions put back are the same code;
+    the partly solved case above covers putting them back, and a fourth grader run would cost 15-20 s)."""
+    report = grade.grade(CHAPTER, needed_only=True)
+    assert _passed(report) == dict.fromkeys(IDS, True), grade.text_report(report)
+    assert report["execution"]["cells"] < sum(c.cell_type == "code" for c in nbformat.read(EXERCISE, 4).cells)
