@@ -53,10 +53,10 @@ grade: $(SETUP)
 	$(PY) tools/grade.py "$(NB)" $(GRADE_ARGS)
 
 # The course as a static website: every chapter with its committed outputs, and the exercises
-# (tools/site.py; Sphinx + myst-nb). Open build/site/html/index.html, or serve it:
+# (tools/website.py; Sphinx + myst-nb). Open build/site/html/index.html, or serve it:
 # python -m http.server -d build/site/html
 site: $(SETUP)
-	$(PY) tools/site.py
+	$(PY) tools/website.py
 
 test: check
 	$(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist load tests
