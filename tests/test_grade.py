@@ -20,16 +20,17 @@ CHAPTER = ROOT / "notebooks" / "02_ema.ipynb"
 EXERCISE = ROOT / "exercises" / "02_ema.ipynb"
 
 
-def _solved(ids: set[str], tmp_path: Path) -> Path:
-    """exercises/02_ema.ipynb with the chapter's solutions of `ids` put back in place of their stubs."""
-    notebook = nbformat.read(EXERCISE, as_version=4)
-    chapter = nbformat.read(CHAPTER, as_version=4)
+def solved(name: str, ids: set[str], tmp_path: Path) -> Path:
+    """exercises/<name>.ipynb with the chapter's solutions of `ids` put back in place of their stubs
+    (every chapter's grading test uses it)."""
+    notebook = nbformat.read(ROOT / "exercises" / f"{name}.ipynb", as_version=4)
+    chapter = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
     number = 0
     for cell in (c for c in chapter.cells if c.cell_type == "code"):
         lines = cell.source.split("\n")
         for begin, end, indent, hint in exercises.solution_regions(cell.source):
             number += 1
-            exercise_id = f"02.{number}"
+            exercise_id = f"{name[:2]}.{number}"
             if exercise_id not in ids:
                 continue
             stub = "\n".join(exercises.stub(exercise_id, indent, hint))
@@ -38,9 +39,13 @@ def _solved(ids: set[str], tmp_path: Path) -> Path:
             holders = [c for c in notebook.cells if stub in c.source]
             assert len(holders) == 1, exercise_id
             holders[0].source = holders[0].source.replace(stub, solution)
-    path = tmp_path / "02_ema.ipynb"
+    path = tmp_path / f"{name}.ipynb"
     nbformat.write(notebook, path)
     return path
+
+
+def _solved(ids: set[str], tmp_path: Path) -> Path:
+    return solved("02_ema", ids, tmp_path)
 
 
 def _passed(report):

@@ -15,16 +15,12 @@ import nbformat
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grade  # noqa: E402
-from test_grade_01 import solved  # noqa: E402
+from test_grade import _passed, solved  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "notebooks" / "00_triton.ipynb"
 EXERCISE = ROOT / "exercises" / "00_triton.ipynb"
 IDS = ["00.1", "00.2", "00.3"]
-
-
-def _passed(report):
-    return {e["id"]: e["passed"] for e in report["exercises"]}
 
 
 def test_untouched_notebook_fails_every_exercise():

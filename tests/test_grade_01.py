@@ -12,41 +12,14 @@ from pathlib import Path
 import nbformat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import exercises  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grade  # noqa: E402
+from test_grade import _passed, solved  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "notebooks" / "01_cumsum.ipynb"
 EXERCISE = ROOT / "exercises" / "01_cumsum.ipynb"
 IDS = ["01.1", "01.2", "01.3", "01.4"]
-
-
-def solved(name: str, ids: set[str], tmp_path: Path) -> Path:
-    """exercises/<name>.ipynb with the chapter's solutions of `ids` put back in place of their stubs
-    (tests/test_grade.py's `_solved`, for any chapter; tests/test_grade_00.py uses it too)."""
-    notebook = nbformat.read(ROOT / "exercises" / f"{name}.ipynb", as_version=4)
-    chapter = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
-    number = 0
-    for cell in (c for c in chapter.cells if c.cell_type == "code"):
-        lines = cell.source.split("\n")
-        for begin, end, indent, hint in exercises.solution_regions(cell.source):
-            number += 1
-            exercise_id = f"{name[:2]}.{number}"
-            if exercise_id not in ids:
-                continue
-            stub = "\n".join(exercises.stub(exercise_id, indent, hint))
-            first = begin + 2 if lines[begin + 1].strip().startswith("### HINT:") else begin + 1
-            solution = "\n".join(lines[first:end])
-            holders = [c for c in notebook.cells if stub in c.source]
-            assert len(holders) == 1, exercise_id
-            holders[0].source = holders[0].source.replace(stub, solution)
-    path = tmp_path / f"{name}.ipynb"
-    nbformat.write(notebook, path)
-    return path
-
-
-def _passed(report):
-    return {e["id"]: e["passed"] for e in report["exercises"]}
 
 
 def test_untouched_notebook_fails_every_exercise():

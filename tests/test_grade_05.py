@@ -13,9 +13,8 @@ import nbformat
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import exercises  # noqa: E402
 import grade  # noqa: E402
-from test_grade import _passed  # noqa: E402
+from test_grade import _passed, solved  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "notebooks" / "05_mamba.ipynb"
@@ -24,26 +23,7 @@ IDS = ("05.1", "05.2", "05.3")
 
 
 def _solved(ids: set[str], tmp_path: Path) -> Path:
-    """exercises/05_mamba.ipynb with the chapter's solutions of `ids` put back in place of their stubs
-    (tests/test_grade.py's _solved, for chapter 05)."""
-    notebook = nbformat.read(EXERCISE, as_version=4)
-    chapter = nbformat.read(CHAPTER, as_version=4)
-    number = 0
-    for cell in (c for c in chapter.cells if c.cell_type == "code"):
-        lines = cell.source.split("\n")
-        for begin, end, indent, hint in exercises.solution_regions(cell.source):
-            number += 1
-            exercise_id = f"05.{number}"
-            if exercise_id not in ids:
-                continue
-            stub = "\n".join(exercises.stub(exercise_id, indent, hint))
-            first = begin + 2 if lines[begin + 1].strip().startswith("### HINT:") else begin + 1
-            holders = [c for c in notebook.cells if stub in c.source]
-            assert len(holders) == 1, exercise_id
-            holders[0].source = holders[0].source.replace(stub, "\n".join(lines[first:end]))
-    path = tmp_path / "05_mamba.ipynb"
-    nbformat.write(notebook, path)
-    return path
+    return solved("05_mamba", ids, tmp_path)
 
 
 def test_untouched_notebook_fails_every_exercise():

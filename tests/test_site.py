@@ -17,6 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import website as course_site  # noqa: E402
 
+for module in ("sphinx", "myst_nb", "selenium"):   # requirements.txt installs them; a bare GPU python may lack them
+    pytest.importorskip(module, reason=f"{module} is not installed (pip install -r requirements.txt)")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 DRIVER = shutil.which("chromedriver")
 pytestmark = pytest.mark.skipif(not (CHROMIUM and DRIVER), reason=(
