@@ -375,11 +375,14 @@ def strided_bwd_kernel(
         prev_mask, next_mask = d_ok[:, None] & prev_ok[None, :], d_ok[:, None] & next_ok[None, :]
         u_offs = pid_b * su_b + ds[:, None] * su_d + t[None, :] * su_l
         u = tl.load(U + u_offs, mask, other=0.0).to(ACC)
+        ### BEGIN SOLUTION
+        ### HINT: u_prev (positions t - 1, prev_mask); delta_offs as u_offs with sdt_b, sdt_d, sdt_l; delta and pre (mask), delta_prev (t - 1, prev_mask), delta_next (t + 1, next_mask) with _load_delta
         u_prev = tl.load(U + u_offs - su_l, prev_mask, other=0.0).to(ACC)
         delta_offs = pid_b * sdt_b + ds[:, None] * sdt_d + t[None, :] * sdt_l
         delta, pre = _load_delta(DELTA, BIAS, delta_offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
         delta_prev, _ = _load_delta(DELTA, BIAS, delta_offs - sdt_l, prev_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
         delta_next, _ = _load_delta(DELTA, BIAS, delta_offs + sdt_l, next_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        ### END SOLUTION
         dout = tl.load(DOUT + pid_b * so_b + ds[:, None] * so_d + t[None, :] * so_l, mask, other=0.0).to(ACC)
         out_offs = (pid_b * dim + ds[:, None]) * length + t[None, :]
         zv = u

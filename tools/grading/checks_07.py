@@ -7,14 +7,20 @@ is what the student's notebook defined.
 07.1 compares `selective_floors` with the byte and exp counts written out below, at random sizes.
 07.2 runs the notebook's public `selective_scan` on strided views (u and delta with different strides,
 several batch elements, a position stride that is not 1) against scan_lib's float64
-`selective_scan_ref`, output, last state and every gradient (the backward reads the states the forward
-saved).
+`selective_scan_ref`: output and last state, without gradients (the notebook's backward kernel is
+07.3's); then the gradients through scan_lib's selective_scan with the notebook's forward kernel swapped
+in (the backward reads the states that kernel saved). 07.3 swaps in the notebook's backward kernel
+instead, after scan_lib's forward: the exercises do not depend on each other.
 """
+import contextlib
+import importlib
+
 import torch
 
 from scan_lib.selective_scan import selective_scan_ref   # the float64 oracle (the library's, not the notebook's)
 
 SEED = 20_07
+library_scan = importlib.import_module("scan_lib.fast_selective_scan")   # this chapter's exported module
 
 
 def _randint(gen, low, high):
@@ -76,9 +82,21 @@ def _view(kind, batch, dim, length, gen, device):
     return x, f"{kind} {tuple(x.stride())}"
 
 
-def exercise_2(nb):
-    """the strided offsets of u and delta in strided_fwd_kernel"""
-    gen = torch.Generator().manual_seed(SEED + 2)
+@contextlib.contextmanager
+def _notebook_kernel(nb, name):
+    """scan_lib's selective_scan (this chapter's launchers and autograd) running the notebook's kernel `name`
+    in place of its own."""
+    saved = getattr(library_scan, name)
+    setattr(library_scan, name, getattr(nb, name))
+    try:
+        yield library_scan.selective_scan
+    finally:
+        setattr(library_scan, name, saved)
+
+
+def _strided_cases(nb, seed):
+    """(inputs, what) for views of several layouts: u and delta with different strides each time."""
+    gen = torch.Generator().manual_seed(seed)
     cases = [  # (batch, dim, N, L, u's layout, delta's layout)
         (2, 3, 2, 1, "channel last", "block rows"), (3, 2, 3, 7, "block rows", "channel last"),
         (2, 3, 2, 19, "every other position", "batch last"), (2, 2, 2, _randint(gen, 9, 25), "batch last", "every other position"),
@@ -94,18 +112,46 @@ def exercise_2(nb):
                       delta_bias=0.3 * torch.randn(dim, generator=gen, dtype=torch.float64),
                       initial_state=torch.randn(batch, dim, n_states, generator=gen, dtype=torch.float64))
         inputs = {k: v if k in ("u", "delta", "z") else v.to(nb.DEVICE) for k, v in inputs.items()}
-        what = f"batch {batch}, dim {dim}, N {n_states}, L = {length}; u: {u_layout}, delta: {delta_layout}"
-        results = []
-        for fn in (nb.selective_scan, selective_scan_ref):
-            args = {k: v.detach().requires_grad_(True) for k, v in inputs.items()}   # leaves with the views' strides
-            out, last = fn(**args, delta_softplus=True, return_last_state=True)
-            gen_grad = torch.Generator().manual_seed(SEED)
-            dout = torch.randn(out.shape, generator=gen_grad, dtype=torch.float64).to(nb.DEVICE)
-            dlast = torch.randn(last.shape, generator=gen_grad, dtype=torch.float64).to(nb.DEVICE)
-            loss = (out.double() * dout).sum() + (last.double() * dlast).sum()
-            results.append([out, last, *torch.autograd.grad(loss, list(args.values()))])
+        yield inputs, f"batch {batch}, dim {dim}, N {n_states}, L = {length}; u: {u_layout}, delta: {delta_layout}"
+
+
+def _compare(names, got, want, what):
+    for name, g, w in zip(names, got, want):
+        assert tuple(g.shape) == tuple(w.shape), f"{name}: shape {tuple(g.shape)}, expected {tuple(w.shape)} ({what})"
+        err = ((g.double() - w).abs().nan_to_num(float("inf")).max() / w.abs().max().clamp_min(1e-30)).item()
+        assert err <= 1e-10, f"{name}: relative error {err:.3g} against the float64 reference ({what})"
+
+
+def _with_gradients(fn, inputs):
+    """out, last state and the gradients of every input, for one fixed random dout and dlast."""
+    args = {k: v.detach().requires_grad_(True) for k, v in inputs.items()}   # leaves with the views' strides
+    out, last = fn(**args, delta_softplus=True, return_last_state=True)
+    gen = torch.Generator().manual_seed(SEED)
+    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.device)
+    dlast = torch.randn(last.shape, generator=gen, dtype=torch.float64).to(out.device)
+    loss = (out.double() * dout).sum() + (last.double() * dlast).sum()
+    return [out, last, *torch.autograd.grad(loss, list(args.values()))]
+
+
+def exercise_2(nb):
+    """the strided offsets of u and delta in strided_fwd_kernel"""
+    for inputs, what in _strided_cases(nb, SEED + 2):
+        with torch.no_grad():   # the notebook's public function: forward only (the backward is 07.3's)
+            got = nb.selective_scan(**inputs, delta_softplus=True, return_last_state=True)
+        want = selective_scan_ref(**inputs, delta_softplus=True, return_last_state=True)
+        _compare(["out", "last state"], got, want, f"selective_scan, {what}")
+        with _notebook_kernel(nb, "strided_fwd_kernel") as scan:   # the states it saves for the backward
+            got = _with_gradients(scan, inputs)
         names = ["out", "last state"] + [f"d{k}" for k in inputs]
-        for name, got, want in zip(names, *results):
-            assert tuple(got.shape) == tuple(want.shape), f"{name}: shape {tuple(got.shape)}, expected {tuple(want.shape)} ({what})"
-            err = ((got.double() - want).abs().nan_to_num(float("inf")).max() / want.abs().max().clamp_min(1e-30)).item()
-            assert err <= 1e-10, f"{name}: relative error {err:.3g} against the float64 reference ({what})"
+        _compare(names, got, _with_gradients(selective_scan_ref, inputs),
+                 f"scan_lib's backward after the notebook's forward kernel, {what}")
+
+
+def exercise_3(nb):
+    """the strided neighbours (t - 1, t + 1) of u and delta in strided_bwd_kernel"""
+    for inputs, what in _strided_cases(nb, SEED + 3):
+        with _notebook_kernel(nb, "strided_bwd_kernel") as scan:
+            got = _with_gradients(scan, inputs)
+        names = ["out", "last state"] + [f"d{k}" for k in inputs]
+        _compare(names, got, _with_gradients(selective_scan_ref, inputs),
+                 f"the notebook's backward kernel after scan_lib's forward, {what}")
