@@ -191,8 +191,11 @@ def _pre_activation(X_ROW, H0_ROW, W_ROW, bias, t, d_ok, length, stride_xl, stri
     """bias + sum_k w[k] x[t - (WIDTH - 1) + k] at positions t (1 x BLOCK_L): BLOCK_D x BLOCK_L."""
     acc = bias + tl.zeros(t.shape, ACC)                                    # BLOCK_D x BLOCK_L
     for k in tl.static_range(WIDTH):
+        ### BEGIN SOLUTION
+        ### HINT: add the channels' weight w[k] (BLOCK_D x 1) times x at positions t - (WIDTH - 1) + k (from _x_at) to acc; the cells below run scan_lib's copy of this kernel, the grader runs yours
         w = tl.load(W_ROW + k * stride_wk, d_ok, other=0.0).to(ACC)        # BLOCK_D x 1
         acc += w * _x_at(X_ROW, H0_ROW, t - (WIDTH - 1) + k, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC)
+        ### END SOLUTION
     return acc
 
 
@@ -563,10 +566,13 @@ def selective_state_update_kernel(
     u = tl.load(X + row * stride_x + ds, d_ok, other=0.0).to(ACC)             # BLOCK_D
     b_coef = tl.load(B + row * stride_b + ns, n_ok, other=0.0).to(ACC)        # BLOCK_N
     c_coef = tl.load(C + row * stride_c + ns, n_ok, other=0.0).to(ACC)        # BLOCK_N
+    ### BEGIN SOLUTION
+    ### HINT: discretize with A's tile, update h (BLOCK_D x BLOCK_N), store it back in place, and read out y = C . h per channel (BLOCK_D)
     a, b = discretize(delta, tl.load(A + tile, tile_ok, other=0.0).to(ACC), b_coef[None, :], u[:, None])
     h = a * h + b
     tl.store(STATE_ROW + tile, h.to(STATE.dtype.element_ty), tile_ok)
     y = tl.sum(h * c_coef[None, :], axis=1)                    # BLOCK_D
+    ### END SOLUTION
     if HAS_D:
         y += tl.load(D + ds, d_ok, other=0.0).to(ACC) * u
     if HAS_Z:
@@ -680,10 +686,13 @@ class Mamba(nn.Module):
     def ssm_parameters(self, x):
         """x: batch x d_inner x L (the convolution's output) -> delta before dt_proj.bias and softplus
         (batch x d_inner x L), B and C (batch x N x L)."""
+        ### BEGIN SOLUTION
+        ### HINT: x_proj at every position gives R + 2N values: the low-rank dt (R), B (N) and C (N); delta = dt_proj.weight @ dt (its bias comes later, in the scan)
         x_dbl = self.x_proj(x.transpose(1, 2))                                  # batch x L x (R + 2N)
         dt, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
         delta = self.dt_proj.weight @ dt.transpose(1, 2)                        # batch x d_inner x L
         return delta, B.transpose(1, 2), C.transpose(1, 2)
+        ### END SOLUTION
 
     def forward(self, hidden_states, inference_params=None):
         """hidden_states: batch x L x d_model -> batch x L x d_model."""

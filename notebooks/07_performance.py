@@ -110,11 +110,14 @@ def selective_floors(batch, dim, length, n_states, size, bandwidth, exps_per_s, 
     """(memory floor, exp floor) in microseconds. Forward: read u, delta, z, B, C, write out; exps: one per
     (batch, channel, position, state). The backward reads those and dout again, writes du, d delta, dz,
     dB, dC, and evaluates three exps per element (a_t, a_{t-1}, a_{t+1}: section 4)."""
+    ### BEGIN SOLUTION
+    ### HINT: count the bytes (batch x dim x L tensors, batch x N x L tensors, `size` bytes a value) and the exps; with backward, the bytes of both passes and the backward's exps; divide by bandwidth and exps_per_s, in microseconds
     big, small = batch * dim * length * size, batch * n_states * length * size
     fwd_bytes, fwd_exps = 4 * big + 2 * small, batch * dim * length * n_states
     if backward:
         return ((fwd_bytes + 7 * big + 4 * small) / bandwidth * 1e6, 3 * fwd_exps / exps_per_s * 1e6)
     return fwd_bytes / bandwidth * 1e6, fwd_exps / exps_per_s * 1e6
+    ### END SOLUTION
 
 
 if not ON_GPU:
@@ -277,9 +280,12 @@ def strided_fwd_kernel(
         t = k * CHUNK + ts
         t_ok = t < length
         mask = d_ok[:, None] & t_ok[None, :]                              # BLOCK_D x CHUNK
+        ### BEGIN SOLUTION
+        ### HINT: load the u tile (BLOCK_D x CHUNK) of batch element pid_b, channels ds, positions t through the strides su_b, su_d, su_l, and delta's through sdt_b, sdt_d, sdt_l (with _load_delta)
         u = tl.load(U + pid_b * su_b + ds[:, None] * su_d + t[None, :] * su_l, mask, other=0.0).to(ACC)
         delta, _ = _load_delta(DELTA, BIAS, pid_b * sdt_b + ds[:, None] * sdt_d + t[None, :] * sdt_l, mask,
                                ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        ### END SOLUTION
         ybar = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)
         for n in range(0, N_STATES):
             rate = tl.load(A + ds * sa_d + n * sa_n, d_ok, other=0.0).to(ACC)[:, None]      # BLOCK_D x 1
@@ -369,11 +375,14 @@ def strided_bwd_kernel(
         prev_mask, next_mask = d_ok[:, None] & prev_ok[None, :], d_ok[:, None] & next_ok[None, :]
         u_offs = pid_b * su_b + ds[:, None] * su_d + t[None, :] * su_l
         u = tl.load(U + u_offs, mask, other=0.0).to(ACC)
+        ### BEGIN SOLUTION
+        ### HINT: u_prev (positions t - 1, prev_mask); delta_offs as u_offs with sdt_b, sdt_d, sdt_l; delta and pre (mask), delta_prev (t - 1, prev_mask), delta_next (t + 1, next_mask) with _load_delta
         u_prev = tl.load(U + u_offs - su_l, prev_mask, other=0.0).to(ACC)
         delta_offs = pid_b * sdt_b + ds[:, None] * sdt_d + t[None, :] * sdt_l
         delta, pre = _load_delta(DELTA, BIAS, delta_offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
         delta_prev, _ = _load_delta(DELTA, BIAS, delta_offs - sdt_l, prev_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
         delta_next, _ = _load_delta(DELTA, BIAS, delta_offs + sdt_l, next_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        ### END SOLUTION
         dout = tl.load(DOUT + pid_b * so_b + ds[:, None] * so_d + t[None, :] * so_l, mask, other=0.0).to(ACC)
         out_offs = (pid_b * dim + ds[:, None]) * length + t[None, :]
         zv = u

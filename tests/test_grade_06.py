@@ -1,0 +1,73 @@
+"""The grader (tools/grade.py) on chapter 06's exercise notebook: untouched, partly solved, and the chapter.
+
+Every case runs with --needed-only: the run stops after the Initialisation cell (14 code cells), since
+the rest of the chapter (the block's checks, the timings, the selective-copying training) is not what
+the checks need and takes minutes on Triton's interpreter. Most of each run is the chapter's own
+convolution checks (scan_lib's kernels on the interpreter). Cost on 2 shared CPU cores: 30-45 s per
+case, about 2 minutes for the file (112 s measured at load 4.7), over the 60 s target (the cells before the last exercise cannot
+be skipped without grading something other than the notebook).
+"""
+import sys
+from pathlib import Path
+
+import nbformat
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import exercises  # noqa: E402
+import grade  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+NAME = "06_mamba_block"
+IDS = ["06.1", "06.2", "06.3"]
+
+
+def solved(name: str, ids: set[str], tmp_path: Path) -> Path:
+    """exercises/<name>.ipynb with the chapter's solutions of `ids` put back in place of their stubs
+    (tests/test_grade.py's _solved, for any chapter)."""
+    notebook = nbformat.read(ROOT / "exercises" / f"{name}.ipynb", as_version=4)
+    chapter = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
+    number = 0
+    for cell in (c for c in chapter.cells if c.cell_type == "code"):
+        lines = cell.source.split("\n")
+        for begin, end, indent, hint in exercises.solution_regions(cell.source):
+            number += 1
+            exercise_id = f"{name[:2]}.{number}"
+            if exercise_id not in ids:
+                continue
+            stub = "\n".join(exercises.stub(exercise_id, indent, hint))
+            first = begin + 2 if lines[begin + 1].strip().startswith("### HINT:") else begin + 1
+            solution = "\n".join(lines[first:end])
+            holders = [c for c in notebook.cells if stub in c.source]
+            assert len(holders) == 1, exercise_id
+            holders[0].source = holders[0].source.replace(stub, solution)
+    path = tmp_path / f"{name}.ipynb"
+    nbformat.write(notebook, path)
+    return path
+
+
+def _passed(report):
+    return {e["id"]: e["passed"] for e in report["exercises"]}
+
+
+def test_untouched_notebook_fails_every_exercise():
+    report = grade.grade(ROOT / "exercises" / f"{NAME}.ipynb", needed_only=True)
+    assert _passed(report) == {i: False for i in IDS}, grade.text_report(report)
+    for exercise in report["exercises"]:  # each fails on its own stub, whose message names it
+        assert f"exercise {exercise['id']}" in exercise["reason"], exercise
+    assert f"score: 0/{len(IDS)}" in grade.text_report(report)
+
+
+def test_partly_solved_notebook_gets_partial_credit(tmp_path):
+    """The step kernel (06.2) solved, the convolution (06.1) and the selection (06.3) not."""
+    report = grade.grade(solved(NAME, {"06.2"}, tmp_path), needed_only=True)
+    assert _passed(report) == {"06.1": False, "06.2": True, "06.3": False}, grade.text_report(report)
+    assert "exercise 06.1" in report["exercises"][0]["reason"]
+    assert "exercise 06.3" in report["exercises"][2]["reason"]
+    assert report["score"] == 1
+
+
+def test_the_chapter_passes_every_exercise():
+    report = grade.grade(ROOT / "notebooks" / f"{NAME}.ipynb", needed_only=True)
+    assert _passed(report) == {i: True for i in IDS}, grade.text_report(report)
+    code_cells = sum(c.cell_type == "code" for c in nbformat.read(ROOT / "exercises" / f"{NAME}.ipynb", 4).cells)
+    assert report["execution"]["cells"] < code_cells and not report["execution"]["errors"]

@@ -1,0 +1,44 @@
+"""The grader (tools/grade.py) on chapter 07's exercise notebook: untouched, partly solved, and the chapter.
+
+Every case runs with --needed-only: the run stops after the launchers' cell (8 code cells; the
+chapter's checks, measurements and failed ideas after it take about 1.5 minutes on Triton's
+interpreter and are not what the checks need). Most of each case is the checks of 07.2 and 07.3 (the
+strided scan forward and backward on the interpreter, about 10 s each). Cost on 2 shared CPU cores: 10-28 s per case,
+54 s for the file (measured at load 4).
+"""
+from pathlib import Path
+
+import nbformat
+
+from test_grade_06 import ROOT, grade, solved   # test_grade_06 puts tools/ on the path
+
+NAME = "07_performance"
+IDS = ["07.1", "07.2", "07.3"]
+
+
+def _passed(report):
+    return {e["id"]: e["passed"] for e in report["exercises"]}
+
+
+def test_untouched_notebook_fails_every_exercise():
+    report = grade.grade(ROOT / "exercises" / f"{NAME}.ipynb", needed_only=True)
+    assert _passed(report) == {i: False for i in IDS}, grade.text_report(report)
+    for exercise in report["exercises"]:  # each fails on its own stub, whose message names it
+        assert f"exercise {exercise['id']}" in exercise["reason"], exercise
+    assert f"score: 0/{len(IDS)}" in grade.text_report(report)
+
+
+def test_partly_solved_notebook_gets_partial_credit(tmp_path: Path):
+    """The floors (07.1) and the backward's loads (07.3) solved, the forward's loads (07.2) not: 07.3 is
+    checked after scan_lib's forward, so the forward's stub does not fail it."""
+    report = grade.grade(solved(NAME, {"07.1", "07.3"}, tmp_path), needed_only=True)
+    assert _passed(report) == {"07.1": True, "07.2": False, "07.3": True}, grade.text_report(report)
+    assert "exercise 07.2" in report["exercises"][1]["reason"]
+    assert report["score"] == 2
+
+
+def test_the_chapter_passes_every_exercise():
+    report = grade.grade(ROOT / "notebooks" / f"{NAME}.ipynb", needed_only=True)
+    assert _passed(report) == {i: True for i in IDS}, grade.text_report(report)
+    code_cells = sum(c.cell_type == "code" for c in nbformat.read(ROOT / "exercises" / f"{NAME}.ipynb", 4).cells)
+    assert report["execution"]["cells"] < code_cells and not report["execution"]["errors"]
