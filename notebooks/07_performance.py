@@ -139,6 +139,11 @@ else:
 # taking almost the same time in fp32 and bf16, while `mamba_ssm`'s halves: ours is limited by the
 # instructions it issues, far above both floors.
 #
+# A correction to the forward+backward lines: their memory floor counts the bytes of both passes, but
+# their `exp` floor counts only the backward's three `exp`s per element. A training step also runs the
+# forward, one more `exp` per element, so its `exp` floor is four thirds of the printed value (and
+# still the larger floor).
+#
 # ## 2. Where the time goes: the profiler
 #
 # `torch.profiler` records every kernel the GPU runs, with its duration, from CUDA's own timeline (no

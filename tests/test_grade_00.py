@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -23,6 +24,7 @@ EXERCISE = ROOT / "exercises" / "00_triton.ipynb"
 IDS = ["00.1", "00.2", "00.3"]
 
 
+@pytest.mark.slow
 def test_untouched_notebook_fails_every_exercise():
     report = grade.grade(EXERCISE, needed_only=True)
     assert _passed(report) == dict.fromkeys(IDS, False)
@@ -32,6 +34,7 @@ def test_untouched_notebook_fails_every_exercise():
     assert "score: 0/3" in grade.text_report(report)
 
 
+@pytest.mark.slow
 def test_partly_solved_notebook_gets_partial_credit(tmp_path):
     report = grade.grade(solved("00_triton", {"00.2"}, tmp_path), needed_only=True)
     assert _passed(report) == {"00.1": False, "00.2": True, "00.3": False}, grade.text_report(report)

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -22,6 +23,7 @@ EXERCISE = ROOT / "exercises" / "01_cumsum.ipynb"
 IDS = ["01.1", "01.2", "01.3", "01.4"]
 
 
+@pytest.mark.slow
 def test_untouched_notebook_fails_every_exercise():
     report = grade.grade(EXERCISE, needed_only=True)
     assert _passed(report) == dict.fromkeys(IDS, False)
@@ -31,6 +33,7 @@ def test_untouched_notebook_fails_every_exercise():
     assert "score: 0/4" in grade.text_report(report)
 
 
+@pytest.mark.slow
 def test_partly_solved_notebook_gets_partial_credit(tmp_path):
     """The block totals and the carry are checked on kernels launched directly, so each passes on its own."""
     report = grade.grade(solved("01_cumsum", {"01.2", "01.4"}, tmp_path), needed_only=True)

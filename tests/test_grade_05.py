@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -26,6 +27,7 @@ def _solved(ids: set[str], tmp_path: Path) -> Path:
     return solved("05_mamba", ids, tmp_path)
 
 
+@pytest.mark.slow
 def test_untouched_notebook_fails_every_exercise():
     report = grade.grade(EXERCISE, needed_only=True)
     assert _passed(report) == dict.fromkeys(IDS, False), grade.text_report(report)
@@ -34,6 +36,7 @@ def test_untouched_notebook_fails_every_exercise():
     assert "score: 0/3" in grade.text_report(report)
 
 
+@pytest.mark.slow
 def test_partly_solved_notebook_gets_partial_credit(tmp_path):
     report = grade.grade(_solved({"05.1", "05.3"}, tmp_path), needed_only=True)
     assert _passed(report) == {"05.1": True, "05.2": False, "05.3": True}, grade.text_report(report)

@@ -11,44 +11,19 @@ import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import exercises  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grade  # noqa: E402
+from test_grade import _passed, solved  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "06_mamba_block"
 IDS = ["06.1", "06.2", "06.3"]
 
 
-def solved(name: str, ids: set[str], tmp_path: Path) -> Path:
-    """exercises/<name>.ipynb with the chapter's solutions of `ids` put back in place of their stubs
-    (tests/test_grade.py's _solved, for any chapter)."""
-    notebook = nbformat.read(ROOT / "exercises" / f"{name}.ipynb", as_version=4)
-    chapter = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
-    number = 0
-    for cell in (c for c in chapter.cells if c.cell_type == "code"):
-        lines = cell.source.split("\n")
-        for begin, end, indent, hint in exercises.solution_regions(cell.source):
-            number += 1
-            exercise_id = f"{name[:2]}.{number}"
-            if exercise_id not in ids:
-                continue
-            stub = "\n".join(exercises.stub(exercise_id, indent, hint))
-            first = begin + 2 if lines[begin + 1].strip().startswith("### HINT:") else begin + 1
-            solution = "\n".join(lines[first:end])
-            holders = [c for c in notebook.cells if stub in c.source]
-            assert len(holders) == 1, exercise_id
-            holders[0].source = holders[0].source.replace(stub, solution)
-    path = tmp_path / f"{name}.ipynb"
-    nbformat.write(notebook, path)
-    return path
-
-
-def _passed(report):
-    return {e["id"]: e["passed"] for e in report["exercises"]}
-
-
+@pytest.mark.slow
 def test_untouched_notebook_fails_every_exercise():
     report = grade.grade(ROOT / "exercises" / f"{NAME}.ipynb", needed_only=True)
     assert _passed(report) == {i: False for i in IDS}, grade.text_report(report)
@@ -57,6 +32,7 @@ def test_untouched_notebook_fails_every_exercise():
     assert f"score: 0/{len(IDS)}" in grade.text_report(report)
 
 
+@pytest.mark.slow
 def test_partly_solved_notebook_gets_partial_credit(tmp_path):
     """The step kernel (06.2) solved, the convolution (06.1) and the selection (06.3) not."""
     report = grade.grade(solved(NAME, {"06.2"}, tmp_path), needed_only=True)

@@ -9,17 +9,20 @@ strided scan forward and backward on the interpreter, about 10 s each). Cost on 
 from pathlib import Path
 
 import nbformat
+import pytest
 
-from test_grade_06 import ROOT, grade, solved   # test_grade_06 puts tools/ on the path
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grade  # noqa: E402
+from test_grade import ROOT, _passed, solved  # noqa: E402
 
 NAME = "07_performance"
 IDS = ["07.1", "07.2", "07.3"]
 
 
-def _passed(report):
-    return {e["id"]: e["passed"] for e in report["exercises"]}
-
-
+@pytest.mark.slow
 def test_untouched_notebook_fails_every_exercise():
     report = grade.grade(ROOT / "exercises" / f"{NAME}.ipynb", needed_only=True)
     assert _passed(report) == {i: False for i in IDS}, grade.text_report(report)
@@ -28,6 +31,7 @@ def test_untouched_notebook_fails_every_exercise():
     assert f"score: 0/{len(IDS)}" in grade.text_report(report)
 
 
+@pytest.mark.slow
 def test_partly_solved_notebook_gets_partial_credit(tmp_path: Path):
     """The floors (07.1) and the backward's loads (07.3) solved, the forward's loads (07.2) not: 07.3 is
     checked after scan_lib's forward, so the forward's stub does not fail it."""
