@@ -28,7 +28,7 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: requirements.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt
+	$(VENV)/bin/python -m pip install -q --disable-pip-version-check --no-compile -r requirements.txt
 	touch $@
 
 export: $(SETUP)
@@ -90,6 +90,7 @@ bench: $(SETUP)
 	$(PY) benchmarks/bench.py $(BENCH_ARGS)
 
 lab: $(SETUP)
+	$(PY) -m pip install -q --disable-pip-version-check jupyterlab==4.6.6
 	$(PY) -m jupyter lab notebooks/
 
 clean:

@@ -103,6 +103,8 @@ def compare(inputs, softplus=True, tol=None, scan=None):
 ])
 @pytest.mark.parametrize("chapter", ["05", "07"])
 def test_matches_reference(batch, dim, N, L, options, chapter):
+    if chapter == "05" and L > 200 and not ON_GPU:
+        pytest.skip("chapter 05 at long lengths on the interpreter: CI time (the case runs for chapter 07, and for both on a GPU)")
     compare(make_inputs(batch, dim, N, L, seed=L, **options), scan=dict(zip("05 07".split(), IMPLS))[chapter])
 
 
