@@ -22,17 +22,16 @@ EXERCISE = ROOT / "exercises" / "03_backward.ipynb"
 IDS = ["03.1", "03.2", "03.3", "03.4"]
 
 
-def _solved(ids: set[str], tmp_path: Path) -> Path:
-    """exercises/03_backward.ipynb with the chapter's solutions of `ids` put back in place of their stubs
-    (tests/test_grade.py's `_solved`, for this chapter)."""
-    notebook = nbformat.read(EXERCISE, as_version=4)
-    chapter = nbformat.read(CHAPTER, as_version=4)
+def solved(chapter: Path, exercise: Path, ids: set[str], tmp_path: Path) -> Path:
+    """The exercise notebook with the chapter's solutions of `ids` put back in place of their stubs
+    (tests/test_grade.py's `_solved`, for any chapter; tests/test_grade_04.py uses it too)."""
+    notebook = nbformat.read(exercise, as_version=4)
     number = 0
-    for cell in (c for c in chapter.cells if c.cell_type == "code"):
+    for cell in (c for c in nbformat.read(chapter, as_version=4).cells if c.cell_type == "code"):
         lines = cell.source.split("\n")
         for begin, end, indent, hint in exercises.solution_regions(cell.source):
             number += 1
-            exercise_id = f"03.{number}"
+            exercise_id = f"{chapter.name[:2]}.{number}"
             if exercise_id not in ids:
                 continue
             stub = "\n".join(exercises.stub(exercise_id, indent, hint))
@@ -41,9 +40,13 @@ def _solved(ids: set[str], tmp_path: Path) -> Path:
             holders = [c for c in notebook.cells if stub in c.source]
             assert len(holders) == 1, exercise_id
             holders[0].source = holders[0].source.replace(stub, solution)
-    path = tmp_path / "03_backward.ipynb"
+    path = tmp_path / exercise.name
     nbformat.write(notebook, path)
     return path
+
+
+def _solved(ids: set[str], tmp_path: Path) -> Path:
+    return solved(CHAPTER, EXERCISE, ids, tmp_path)
 
 
 def _passed(report):

@@ -79,9 +79,11 @@ def exercise_2(nb):
     """the carry of the N states between chunks in multistate_fwd_kernel"""
     gen = torch.Generator().manual_seed(SEED + 2)
     odd = int(torch.randint(70, 200, (1,), generator=gen))
-    for batch, n_states, length, block_l, with_h0 in [(1, 1, 1, 16, True), (2, 3, 16, 16, False),
-                                                      (2, 5, 17, 16, True), (1, 3, odd, 16, True),
-                                                      (3, 6, odd, 32, False), (1, 9, 100, 64, True)]:
+    # first the carry alone (no initial state, several chunks), then lengths 1, 16, 17, ... with and without
+    for batch, n_states, length, block_l, with_h0 in [(2, 3, 40, 16, False), (1, 1, 1, 16, True),
+                                                      (2, 3, 16, 16, False), (2, 5, 17, 16, True),
+                                                      (1, 3, odd, 16, True), (3, 6, odd, 32, False),
+                                                      (1, 9, 100, 64, True)]:
         a, b, c, x, h0 = _inputs(gen, batch, n_states, length, nb.DEVICE)
         h0 = h0 if with_h0 else None
         y_ref, last_ref = multistate_scan_ref(*(t.cpu() for t in (a, b, c, x)), None if h0 is None else h0.cpu())
