@@ -69,11 +69,19 @@ def test_untouched_notebook_fails_every_exercise():
 
 
 def test_partly_solved_notebook_gets_partial_credit(tmp_path):
-    """03.1 and 03.4 solved: each is checked on its own, whatever the stubs of 03.2 and 03.3 do."""
-    report = grade.grade(_solved({"03.1", "03.4"}, tmp_path), needed_only=True)
+    """03.1 and 03.4 solved, 03.2 untouched, 03.3 written without the carry (each chunk's adjoint scanned
+    from zero): each exercise is graded on its own, and 03.3's reason points at the carry."""
+    path = _solved({"03.1", "03.3", "03.4"}, tmp_path)
+    notebook = nbformat.read(path, as_version=4)
+    right = "scan_chunk(a_later, dy, delta_carry, SCAN_REVERSE)"
+    cell = next(c for c in notebook.cells if right in c.source)
+    cell.source = cell.source.replace(right, "scan_chunk(a_later, dy, 0.0, SCAN_REVERSE)")
+    nbformat.write(notebook, path)
+    report = grade.grade(path, needed_only=True)
     assert _passed(report) == {"03.1": True, "03.2": False, "03.3": False, "03.4": True}, grade.text_report(report)
     assert "exercise 03.2" in report["exercises"][1]["reason"]
-    assert "exercise 03.3" in report["exercises"][2]["reason"]
+    reason = report["exercises"][2]["reason"]
+    assert "linear_scan_rows_backward" in reason and "carried between chunks" in reason, reason
     assert "score: 2/4" in grade.text_report(report)
 
 
