@@ -136,7 +136,10 @@ def shift_gates(a, reverse=False):
 def grads_by_formula(a, b, h0, dy, reverse=False):
     """(h, da, db, dh0) from the formulas of section 1; both scans are chapter 02's kernel."""
     h = linear_scan_rows(a, b, h0, reverse=reverse)
+    ### BEGIN SOLUTION
+    ### HINT: delta = the adjoint: chapter 02's linear_scan_rows of dy with the shifted gates, against the direction of the forward scan
     delta = linear_scan_rows(shift_gates(a, reverse), dy, reverse=not reverse)  # the adjoint
+    ### END SOLUTION
     if reverse:
         h_prev, first = torch.cat([h[:, 1:], h0[:, None]], -1), -1  # h_{t+1}; the scan starts at L - 1
     else:
@@ -211,10 +214,13 @@ def scan_one_block_kernel(A, B, H0, DY, H, DA, DB, DH0, length, BLOCK: tl.conste
     dy = tl.load(DY + offs, mask=mask, other=0.0)
     h_init = tl.load(H0 + row)
     h, _ = scan_chunk(a, b, h_init, False)  # forward, left to right: h_t
+    ### BEGIN SOLUTION
+    ### HINT: h_prev = h_{t-1}: load the pairs at t - 1 (the identity pair (1, 0) at t = 0) and scan them forward from h_init
     before = mask & (t >= 1)
     a_prev = tl.load(A + offs - 1, mask=before, other=1.0)
     b_prev = tl.load(B + offs - 1, mask=before, other=0.0)
     h_prev, _ = scan_chunk(a_prev, b_prev, h_init, False)  # the pairs shifted right by one: h_{t-1}
+    ### END SOLUTION
     a_next = tl.load(A + offs + 1, mask=t + 1 < length, other=0.0)
     delta, delta_0 = scan_chunk(a_next, dy, 0.0, True)  # right to left: delta_t = dy_t + a_{t+1} delta_{t+1}
     tl.store(H + offs, h, mask=mask)
@@ -310,8 +316,11 @@ def linear_scan_bwd_kernel(A, H, H0, DY, DA, DB, DH0, length, REVERSE: tl.conste
         a_later = tl.load(A + base + later, mask=has_later, other=0.0).to(ACC)
         dy = tl.load(DY + base + t, mask=mask, other=0.0).to(ACC)
         h_earlier = tl.load(H + base + earlier, mask=has_earlier, other=0.0).to(ACC)
+        ### BEGIN SOLUTION
+        ### HINT: identity pairs (1, 0) in the padding, then delta and the new delta_carry: scan_chunk of (a_later, dy) from delta_carry, in the adjoint's direction
         a_later = tl.where(mask, a_later, 1.0)  # identity pairs in the padding, 0 past the last step
         delta, delta_carry = scan_chunk(a_later, dy, delta_carry, SCAN_REVERSE)
+        ### END SOLUTION
         h_earlier = tl.where(has_earlier, h_earlier, h_init)
         tl.store(DB + base + t, delta.to(DB.dtype.element_ty), mask=mask)
         tl.store(DA + base + t, (h_earlier * delta).to(DA.dtype.element_ty), mask=mask)
@@ -435,10 +444,13 @@ def _backward_by_scan(gates, h, grad_h, initial_state, reverse, chunk):
     """The backward pass written with differentiable pieces: the adjoint is a linear scan the other way
     on the shifted gates, so autograd can differentiate it again (Hessians, double backward)."""
     delta = apply(LinearScanFunction, _shift(gates, reverse, 0.0), grad_h.contiguous(), None, not reverse, chunk)
+    ### BEGIN SOLUTION
+    ### HINT: return (d_gates, d_tokens, d_initial_state) from delta, h (shifted with _shift, the initial state or 0 at the first step) and the gates
     h_init = torch.zeros_like(h[:, :1]) if initial_state is None else initial_state[:, None]
     h_prev = _shift(h, not reverse, h_init)  # h_{t-1} (reverse: h_{t+1}), the initial state at the first step
     first = -1 if reverse else 0
     return h_prev * delta, delta, gates[:, first] * delta[:, first]
+    ### END SOLUTION
 
 
 def _promoted_dtype(gates, tokens):

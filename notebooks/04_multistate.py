@@ -212,8 +212,11 @@ def multistate_single_block_kernel(
     b = tl.load(B + tile, mask=mask, other=0.0).to(tl.float32)
     c = tl.load(C + tile, mask=mask, other=0.0).to(tl.float32)
     x = tl.load(X + seq * length + t, mask=t < length, other=0.0).to(tl.float32)   # BLOCK_L
+    ### BEGIN SOLUTION
+    ### HINT: h = the N scans at once: tl.associative_scan of the pairs (a, B x) along the time axis with first_order_op; y = sum over the states of C * h
     _, h = tl.associative_scan((a, b * x[:, None]), axis=0, combine_fn=first_order_op)  # BLOCK_L x BLOCK_N
     y = tl.sum(c * h, axis=1)                                  # BLOCK_L
+    ### END SOLUTION
     tl.store(Y + seq * length + t, y.to(Y.dtype.element_ty), mask=t < length)
 
 
@@ -305,9 +308,12 @@ def multistate_fwd_kernel(
         b = tl.load(B + tile, mask=mask, other=0.0).to(ACC)
         c = tl.load(C + tile, mask=mask, other=0.0).to(ACC)
         x = tl.load(X + t, mask=t < length, other=0.0).to(ACC)   # BLOCK_L
+        ### BEGIN SOLUTION
+        ### HINT: states = scan_tile of the pairs (a, B x) from the carry h; store y_t = sum_n C * states; the new carry h = the tile's last row (row_of)
         states = scan_tile(a, b * x[:, None], h)                  # BLOCK_L x BLOCK_N, never stored
         tl.store(Y + t, tl.sum(c * states, axis=1).to(Y.dtype.element_ty), mask=t < length)
         h = row_of(states, rows, BLOCK_L - 1)
+        ### END SOLUTION
         chunk += 1
     tl.store(H_LAST + seq * n_states + n, h.to(H_LAST.dtype.element_ty), mask=n < n_states)
 
@@ -426,10 +432,13 @@ def multistate_bwd_kernel(
         dy = tl.load(DY + t, mask=t_ok, other=0.0).to(ACC)
         h = a * h_prev + b * x[:, None]                                  # h_t
         # 2. the adjoint: reversed scan of (a_{t+1}, C_t dy_t), then the carry from the right
+        ### BEGIN SOLUTION
+        ### HINT: delta_tile = the adjoint delta_t: load the shifted gates a_{t+1} (1 past the end), scan (a_{t+1}, C dy) right to left with first_order_op, apply the carry delta from the right
         a_next = tl.load(A + tile + 1, mask=(t + 1 < length)[:, None] & (n < n_states)[None, :], other=1.0).to(ACC)
         a_suffix, delta_from_zero = tl.associative_scan((a_next, c * dy[:, None]), axis=0,
                                                         combine_fn=first_order_op, reverse=True)
         delta_tile = a_suffix * delta[None, :] + delta_from_zero         # delta_t
+        ### END SOLUTION
         # 3. the gradients
         tl.store(DA + tile, (delta_tile * h_prev).to(DA.dtype.element_ty), mask=mask)
         tl.store(DB + tile, (delta_tile * x[:, None]).to(DB.dtype.element_ty), mask=mask)

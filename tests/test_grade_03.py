@@ -1,0 +1,97 @@
+"""The grader (tools/grade.py) on chapter 03's exercise notebook: untouched, partly solved, solved.
+
+Cost on 2 shared CPU cores: about 4 minutes for the file (measured 244 s: the chapter 156 s, the
+partial 56 s, the untouched 32 s), over the 60 s aimed at. Every case runs with --needed-only (up to
+the exported cell, where the last two exercises are); the untouched notebook's stubs fail fast, but
+the solved chapter still runs its own demonstrations of sections 1-3 before that cell (the formulas,
+the adjoint's figure, the one-block kernel up to L = 4097 on Triton's interpreter); the hidden checks
+themselves take about 10 s. The exercise notebook with every solution put back is not run again: its
+code cells are compared with the chapter's instead (same code, same grade).
+"""
+import sys
+from pathlib import Path
+
+import nbformat
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import exercises  # noqa: E402
+import grade  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTER = ROOT / "notebooks" / "03_backward.ipynb"
+EXERCISE = ROOT / "exercises" / "03_backward.ipynb"
+IDS = ["03.1", "03.2", "03.3", "03.4"]
+
+
+def solved(chapter: Path, exercise: Path, ids: set[str], tmp_path: Path) -> Path:
+    """The exercise notebook with the chapter's solutions of `ids` put back in place of their stubs
+    (tests/test_grade.py's `_solved`, for any chapter; tests/test_grade_04.py uses it too)."""
+    notebook = nbformat.read(exercise, as_version=4)
+    number = 0
+    for cell in (c for c in nbformat.read(chapter, as_version=4).cells if c.cell_type == "code"):
+        lines = cell.source.split("\n")
+        for begin, end, indent, hint in exercises.solution_regions(cell.source):
+            number += 1
+            exercise_id = f"{chapter.name[:2]}.{number}"
+            if exercise_id not in ids:
+                continue
+            stub = "\n".join(exercises.stub(exercise_id, indent, hint))
+            first = begin + 2 if lines[begin + 1].strip().startswith("### HINT:") else begin + 1
+            solution = "\n".join(lines[first:end])
+            holders = [c for c in notebook.cells if stub in c.source]
+            assert len(holders) == 1, exercise_id
+            holders[0].source = holders[0].source.replace(stub, solution)
+    path = tmp_path / exercise.name
+    nbformat.write(notebook, path)
+    return path
+
+
+def _solved(ids: set[str], tmp_path: Path) -> Path:
+    return solved(CHAPTER, EXERCISE, ids, tmp_path)
+
+
+def _passed(report):
+    return {e["id"]: e["passed"] for e in report["exercises"]}
+
+
+def _code(notebook_path):
+    """The code cells' sources without the marker lines."""
+    markers = ("### BEGIN SOLUTION", "### END SOLUTION", "### HINT:")
+    return ["\n".join(line for line in c.source.split("\n") if not line.strip().startswith(markers))
+            for c in nbformat.read(notebook_path, as_version=4).cells if c.cell_type == "code"]
+
+
+def test_untouched_notebook_fails_every_exercise():
+    report = grade.grade(EXERCISE, needed_only=True)
+    assert _passed(report) == dict.fromkeys(IDS, False), grade.text_report(report)
+    assert report["score"] == 0 and report["total"] == len(IDS)
+    for exercise in report["exercises"]:  # each fails on its own stub, whose message names it
+        assert f"exercise {exercise['id']}" in exercise["reason"], exercise
+
+
+def test_partly_solved_notebook_gets_partial_credit(tmp_path):
+    """03.1 and 03.4 solved, 03.2 untouched, 03.3 written without the carry (each chunk's adjoint scanned
+    from zero): each exercise is graded on its own, and 03.3's reason points at the carry."""
+    path = _solved({"03.1", "03.3", "03.4"}, tmp_path)
+    notebook = nbformat.read(path, as_version=4)
+    right = "scan_chunk(a_later, dy, delta_carry, SCAN_REVERSE)"
+    cell = next(c for c in notebook.cells if right in c.source)
+    cell.source = cell.source.replace(right, "scan_chunk(a_later, dy, 0.0, SCAN_REVERSE)")
+    nbformat.write(notebook, path)
+    report = grade.grade(path, needed_only=True)
+    assert _passed(report) == {"03.1": True, "03.2": False, "03.3": False, "03.4": True}, grade.text_report(report)
+    assert "exercise 03.2" in report["exercises"][1]["reason"]
+    reason = report["exercises"][2]["reason"]
+    assert "linear_scan_rows_backward" in reason and "carried between chunks" in reason, reason
+    assert "score: 2/4" in grade.text_report(report)
+
+
+def test_solutions_put_back_give_the_chapter():
+    import tempfile
+    with tempfile.TemporaryDirectory() as folder:
+        assert _code(_solved(set(IDS), Path(folder))) == _code(CHAPTER)
+
+
+def test_the_chapter_passes_every_exercise():
+    report = grade.grade(CHAPTER, needed_only=True)
+    assert _passed(report) == dict.fromkeys(IDS, True), grade.text_report(report)

@@ -1,0 +1,55 @@
+"""The grader (tools/grade.py) on chapter 04's exercise notebook: untouched, partly solved, solved.
+
+Cost on 2 shared CPU cores: about 2 minutes for the file (measured 111 s: the chapter 65 s, the partial
+27 s, the untouched 19 s; twice that when the cores are busy). Each case is a fresh kernel running the
+notebook on Triton's interpreter with --needed-only (up to the backward kernel's cell, where the last
+exercise is): the untouched notebook's stubs fail fast; the chapter runs sections 1-4's own checks in
+full (the one-block and the blocked forward kernels, L up to 1000) before the hidden checks (about 10 s).
+"""
+import sys
+from pathlib import Path
+
+import nbformat
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grade  # noqa: E402
+from test_grade_03 import solved  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAPTER = ROOT / "notebooks" / "04_multistate.ipynb"
+EXERCISE = ROOT / "exercises" / "04_multistate.ipynb"
+IDS = ["04.1", "04.2", "04.3"]
+
+
+def _passed(report):
+    return {e["id"]: e["passed"] for e in report["exercises"]}
+
+
+def test_untouched_notebook_fails_every_exercise():
+    report = grade.grade(EXERCISE, needed_only=True)
+    assert _passed(report) == dict.fromkeys(IDS, False), grade.text_report(report)
+    assert report["score"] == 0 and report["total"] == len(IDS)
+    for exercise in report["exercises"]:  # each fails on its own stub, whose message names it
+        assert f"exercise {exercise['id']}" in exercise["reason"], exercise
+
+
+def test_partly_solved_notebook_gets_partial_credit(tmp_path):
+    """04.1 and 04.3 solved, 04.2 written without the carry (each chunk scanned from zero): 04.2 fails
+    with a reason that points at the carry, and the backward (04.3) is graded on its own."""
+    path = solved(CHAPTER, EXERCISE, set(IDS), tmp_path)
+    notebook = nbformat.read(path, as_version=4)
+    right = "states = scan_tile(a, b * x[:, None], h)"
+    cell = next(c for c in notebook.cells if right in c.source)
+    cell.source = cell.source.replace(right, "states = scan_tile(a, b * x[:, None], h * 0.0)")
+    nbformat.write(notebook, path)
+    report = grade.grade(path, needed_only=True)
+    assert _passed(report) == {"04.1": True, "04.2": False, "04.3": True}, grade.text_report(report)
+    reason = report["exercises"][1]["reason"]
+    assert "multistate_forward" in reason and "carried between chunks" in reason, reason
+    assert "score: 2/3" in grade.text_report(report)
+
+
+def test_the_chapter_passes_every_exercise():
+    report = grade.grade(CHAPTER, needed_only=True)
+    assert _passed(report) == dict.fromkeys(IDS, True), grade.text_report(report)
