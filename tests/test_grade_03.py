@@ -6,16 +6,19 @@ the exported cell, where the last two exercises are); the untouched notebook's s
 the solved chapter still runs its own demonstrations of sections 1-3 before that cell (the formulas,
 the adjoint's figure, the one-block kernel up to L = 4097 on Triton's interpreter); the hidden checks
 themselves take about 10 s. The exercise notebook with every solution put back is not run again: its
-code cells are compared with the chapter's instead (same code, same grade).
+code cells are compared with the chapter's instead (same code, same grade). Every grading run here is
+marked slow (`make test-slow`; CI runs only the comparison).
 """
 import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
-import exercises  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grade  # noqa: E402
+from test_grade import _passed, solved  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "notebooks" / "03_backward.ipynb"
@@ -23,35 +26,8 @@ EXERCISE = ROOT / "exercises" / "03_backward.ipynb"
 IDS = ["03.1", "03.2", "03.3", "03.4"]
 
 
-def solved(chapter: Path, exercise: Path, ids: set[str], tmp_path: Path) -> Path:
-    """The exercise notebook with the chapter's solutions of `ids` put back in place of their stubs
-    (tests/test_grade.py's `_solved`, for any chapter; tests/test_grade_04.py uses it too)."""
-    notebook = nbformat.read(exercise, as_version=4)
-    number = 0
-    for cell in (c for c in nbformat.read(chapter, as_version=4).cells if c.cell_type == "code"):
-        lines = cell.source.split("\n")
-        for begin, end, indent, hint in exercises.solution_regions(cell.source):
-            number += 1
-            exercise_id = f"{chapter.name[:2]}.{number}"
-            if exercise_id not in ids:
-                continue
-            stub = "\n".join(exercises.stub(exercise_id, indent, hint))
-            first = begin + 2 if lines[begin + 1].strip().startswith("### HINT:") else begin + 1
-            solution = "\n".join(lines[first:end])
-            holders = [c for c in notebook.cells if stub in c.source]
-            assert len(holders) == 1, exercise_id
-            holders[0].source = holders[0].source.replace(stub, solution)
-    path = tmp_path / exercise.name
-    nbformat.write(notebook, path)
-    return path
-
-
 def _solved(ids: set[str], tmp_path: Path) -> Path:
-    return solved(CHAPTER, EXERCISE, ids, tmp_path)
-
-
-def _passed(report):
-    return {e["id"]: e["passed"] for e in report["exercises"]}
+    return solved("03_backward", ids, tmp_path)
 
 
 def _code(notebook_path):
@@ -61,6 +37,7 @@ def _code(notebook_path):
             for c in nbformat.read(notebook_path, as_version=4).cells if c.cell_type == "code"]
 
 
+@pytest.mark.slow
 def test_untouched_notebook_fails_every_exercise():
     report = grade.grade(EXERCISE, needed_only=True)
     assert _passed(report) == dict.fromkeys(IDS, False), grade.text_report(report)
@@ -69,6 +46,7 @@ def test_untouched_notebook_fails_every_exercise():
         assert f"exercise {exercise['id']}" in exercise["reason"], exercise
 
 
+@pytest.mark.slow
 def test_partly_solved_notebook_gets_partial_credit(tmp_path):
     """03.1 and 03.4 solved, 03.2 untouched, 03.3 written without the carry (each chunk's adjoint scanned
     from zero): each exercise is graded on its own, and 03.3's reason points at the carry."""
@@ -92,6 +70,7 @@ def test_solutions_put_back_give_the_chapter():
         assert _code(_solved(set(IDS), Path(folder))) == _code(CHAPTER)
 
 
+@pytest.mark.slow
 def test_the_chapter_passes_every_exercise():
     report = grade.grade(CHAPTER, needed_only=True)
     assert _passed(report) == dict.fromkeys(IDS, True), grade.text_report(report)

@@ -5,16 +5,18 @@ Cost on 2 shared CPU cores: about 2 minutes for the file (measured 111 s: the ch
 notebook on Triton's interpreter with --needed-only (up to the backward kernel's cell, where the last
 exercise is): the untouched notebook's stubs fail fast; the chapter runs sections 1-4's own checks in
 full (the one-block and the blocked forward kernels, L up to 1000) before the hidden checks (about 10 s).
+Every case is marked slow (`make test-slow`); CI does not run them.
 """
 import sys
 from pathlib import Path
 
 import nbformat
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grade  # noqa: E402
-from test_grade_03 import solved  # noqa: E402
+from test_grade import _passed, solved  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "notebooks" / "04_multistate.ipynb"
@@ -22,10 +24,7 @@ EXERCISE = ROOT / "exercises" / "04_multistate.ipynb"
 IDS = ["04.1", "04.2", "04.3"]
 
 
-def _passed(report):
-    return {e["id"]: e["passed"] for e in report["exercises"]}
-
-
+@pytest.mark.slow
 def test_untouched_notebook_fails_every_exercise():
     report = grade.grade(EXERCISE, needed_only=True)
     assert _passed(report) == dict.fromkeys(IDS, False), grade.text_report(report)
@@ -34,10 +33,11 @@ def test_untouched_notebook_fails_every_exercise():
         assert f"exercise {exercise['id']}" in exercise["reason"], exercise
 
 
+@pytest.mark.slow
 def test_partly_solved_notebook_gets_partial_credit(tmp_path):
     """04.1 and 04.3 solved, 04.2 written without the carry (each chunk scanned from zero): 04.2 fails
     with a reason that points at the carry, and the backward (04.3) is graded on its own."""
-    path = solved(CHAPTER, EXERCISE, set(IDS), tmp_path)
+    path = solved("04_multistate", set(IDS), tmp_path)
     notebook = nbformat.read(path, as_version=4)
     right = "states = scan_tile(a, b * x[:, None], h)"
     cell = next(c for c in notebook.cells if right in c.source)
@@ -50,6 +50,7 @@ def test_partly_solved_notebook_gets_partial_credit(tmp_path):
     assert "score: 2/3" in grade.text_report(report)
 
 
+@pytest.mark.slow
 def test_the_chapter_passes_every_exercise():
     report = grade.grade(CHAPTER, needed_only=True)
     assert _passed(report) == dict.fromkeys(IDS, True), grade.text_report(report)
