@@ -44,6 +44,7 @@ def test_partly_solved_notebook_gets_partial_credit(tmp_path):
     assert "score: 2/3" in grade.text_report(report)
 
 
+@pytest.mark.slow
 def test_the_chapter_passes_every_exercise():
     report = grade.grade(CHAPTER, needed_only=True)
     assert _passed(report) == dict.fromkeys(IDS, True), grade.text_report(report)

@@ -42,6 +42,7 @@ def test_partly_solved_notebook_gets_partial_credit(tmp_path):
     assert report["score"] == 1
 
 
+@pytest.mark.slow
 def test_the_chapter_passes_every_exercise():
     report = grade.grade(ROOT / "notebooks" / f"{NAME}.ipynb", needed_only=True)
     assert _passed(report) == {i: True for i in IDS}, grade.text_report(report)
