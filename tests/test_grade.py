@@ -43,6 +43,21 @@ def solved(name: str, ids: set[str], tmp_path: Path) -> Path:
     return path
 
 
+def untouched_fails_every_exercise(name: str, ids: list[str]) -> None:
+    """exercises/<name>.ipynb as it is, graded with --needed-only: every exercise fails, on its own stub."""
+    report = grade.grade(ROOT / "exercises" / f"{name}.ipynb", needed_only=True)
+    assert _passed(report) == dict.fromkeys(ids, False), grade.text_report(report)
+    for exercise in report["exercises"]:  # each fails on its own stub, whose message names it
+        assert f"exercise {exercise['id']}" in exercise["reason"], exercise
+    assert f"score: 0/{len(ids)}" in grade.text_report(report)
+
+
+def chapter_passes_every_exercise(name: str, ids: list[str]) -> None:
+    """notebooks/<name>.ipynb, the solutions, graded with --needed-only: every exercise passes."""
+    report = grade.grade(ROOT / "notebooks" / f"{name}.ipynb", needed_only=True)
+    assert _passed(report) == dict.fromkeys(ids, True), grade.text_report(report)
+
+
 def _solved(ids: set[str], tmp_path: Path) -> Path:
     return solved("02_ema", ids, tmp_path)
 

@@ -10,28 +10,19 @@ so --needed-only saves little here; it is kept for symmetry with the other chapt
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grade  # noqa: E402
-from test_grade import _passed, solved  # noqa: E402
+from test_grade import _passed, chapter_passes_every_exercise, solved, untouched_fails_every_exercise# noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-CHAPTER = ROOT / "notebooks" / "00_triton.ipynb"
-EXERCISE = ROOT / "exercises" / "00_triton.ipynb"
 IDS = ["00.1", "00.2", "00.3"]
 
 
 @pytest.mark.slow
 def test_untouched_notebook_fails_every_exercise():
-    report = grade.grade(EXERCISE, needed_only=True)
-    assert _passed(report) == dict.fromkeys(IDS, False)
-    assert report["score"] == 0 and report["total"] == 3
-    for exercise in report["exercises"]:  # each fails on its own stub, whose message names it
-        assert f"exercise {exercise['id']}" in exercise["reason"], exercise
-    assert "score: 0/3" in grade.text_report(report)
+    untouched_fails_every_exercise("00_triton", IDS)
 
 
 @pytest.mark.slow
@@ -43,7 +34,4 @@ def test_partly_solved_notebook_gets_partial_credit(tmp_path):
 
 
 def test_the_chapter_passes_every_exercise():
-    """The chapter itself, solutions in place (the partly solved case covers putting solutions back)."""
-    report = grade.grade(CHAPTER, needed_only=True)
-    assert _passed(report) == dict.fromkeys(IDS, True), grade.text_report(report)
-    assert report["execution"]["cells"] < sum(c.cell_type == "code" for c in nbformat.read(EXERCISE, 4).cells)
+    chapter_passes_every_exercise("00_triton", IDS)

@@ -9,28 +9,19 @@ takes about 115 s of cells here, the exported cumsum's checks most of it: graded
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grade  # noqa: E402
-from test_grade import _passed, solved  # noqa: E402
+from test_grade import _passed, chapter_passes_every_exercise, solved, untouched_fails_every_exercise# noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-CHAPTER = ROOT / "notebooks" / "01_cumsum.ipynb"
-EXERCISE = ROOT / "exercises" / "01_cumsum.ipynb"
 IDS = ["01.1", "01.2", "01.3", "01.4"]
 
 
 @pytest.mark.slow
 def test_untouched_notebook_fails_every_exercise():
-    report = grade.grade(EXERCISE, needed_only=True)
-    assert _passed(report) == dict.fromkeys(IDS, False)
-    assert report["score"] == 0 and report["total"] == 4
-    for exercise in report["exercises"]:  # each fails on its own stub, whose message names it
-        assert f"exercise {exercise['id']}" in exercise["reason"], exercise
-    assert "score: 0/4" in grade.text_report(report)
+    untouched_fails_every_exercise("01_cumsum", IDS)
 
 
 @pytest.mark.slow
@@ -43,8 +34,4 @@ def test_partly_solved_notebook_gets_partial_credit(tmp_path):
 
 
 def test_the_chapter_passes_every_exercise():
-    """The chapter itself, solutions in place (the exercises with all solutions put back are the same code;
-    the partly solved case above covers putting them back, and a fourth grader run would cost 15-20 s)."""
-    report = grade.grade(CHAPTER, needed_only=True)
-    assert _passed(report) == dict.fromkeys(IDS, True), grade.text_report(report)
-    assert report["execution"]["cells"] < sum(c.cell_type == "code" for c in nbformat.read(EXERCISE, 4).cells)
+    chapter_passes_every_exercise("01_cumsum", IDS)

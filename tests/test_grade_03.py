@@ -18,11 +18,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grade  # noqa: E402
-from test_grade import _passed, solved  # noqa: E402
+from test_grade import _passed, chapter_passes_every_exercise, solved, untouched_fails_every_exercise# noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "notebooks" / "03_backward.ipynb"
-EXERCISE = ROOT / "exercises" / "03_backward.ipynb"
 IDS = ["03.1", "03.2", "03.3", "03.4"]
 
 
@@ -39,11 +38,7 @@ def _code(notebook_path):
 
 @pytest.mark.slow
 def test_untouched_notebook_fails_every_exercise():
-    report = grade.grade(EXERCISE, needed_only=True)
-    assert _passed(report) == dict.fromkeys(IDS, False), grade.text_report(report)
-    assert report["score"] == 0 and report["total"] == len(IDS)
-    for exercise in report["exercises"]:  # each fails on its own stub, whose message names it
-        assert f"exercise {exercise['id']}" in exercise["reason"], exercise
+    untouched_fails_every_exercise("03_backward", IDS)
 
 
 @pytest.mark.slow
@@ -72,5 +67,4 @@ def test_solutions_put_back_give_the_chapter():
 
 @pytest.mark.slow
 def test_the_chapter_passes_every_exercise():
-    report = grade.grade(CHAPTER, needed_only=True)
-    assert _passed(report) == dict.fromkeys(IDS, True), grade.text_report(report)
+    chapter_passes_every_exercise("03_backward", IDS)

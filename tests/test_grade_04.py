@@ -16,21 +16,14 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grade  # noqa: E402
-from test_grade import _passed, solved  # noqa: E402
+from test_grade import _passed, chapter_passes_every_exercise, solved, untouched_fails_every_exercise# noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-CHAPTER = ROOT / "notebooks" / "04_multistate.ipynb"
-EXERCISE = ROOT / "exercises" / "04_multistate.ipynb"
 IDS = ["04.1", "04.2", "04.3"]
 
 
 @pytest.mark.slow
 def test_untouched_notebook_fails_every_exercise():
-    report = grade.grade(EXERCISE, needed_only=True)
-    assert _passed(report) == dict.fromkeys(IDS, False), grade.text_report(report)
-    assert report["score"] == 0 and report["total"] == len(IDS)
-    for exercise in report["exercises"]:  # each fails on its own stub, whose message names it
-        assert f"exercise {exercise['id']}" in exercise["reason"], exercise
+    untouched_fails_every_exercise("04_multistate", IDS)
 
 
 @pytest.mark.slow
@@ -52,5 +45,4 @@ def test_partly_solved_notebook_gets_partial_credit(tmp_path):
 
 @pytest.mark.slow
 def test_the_chapter_passes_every_exercise():
-    report = grade.grade(CHAPTER, needed_only=True)
-    assert _passed(report) == dict.fromkeys(IDS, True), grade.text_report(report)
+    chapter_passes_every_exercise("04_multistate", IDS)

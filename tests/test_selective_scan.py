@@ -20,7 +20,6 @@ MODULE = sys.modules["scan_lib.selective_scan"]  # chapter 05's module: scan_lib
 FAST = sys.modules["scan_lib.fast_selective_scan"]  # chapter 07's: the public scan_lib.selective_scan
 
 NAMES = ["u", "delta", "A", "B", "C", "D", "z", "delta_bias", "initial_state"]
-IMPLS = (MODULE.selective_scan, FAST.selective_scan)
 
 
 def make_inputs(batch, dim, N, L, groups=None, D=True, z=True, bias=True, h0=True, dtype=torch.float32, seed=0,
@@ -101,11 +100,11 @@ def compare(inputs, softplus=True, tol=None, scan=None):
     (1, 3, 5, 50, dict(D=False, z=False, bias=False)),
     (1, 2, 2, 1000 if ON_GPU else 400, dict(groups=1)),
 ])
-@pytest.mark.parametrize("chapter", ["05", "07"])
-def test_matches_reference(batch, dim, N, L, options, chapter):
-    if chapter == "05" and L > 200 and not ON_GPU:
+@pytest.mark.parametrize("scan", [MODULE.selective_scan, FAST.selective_scan], ids=["05", "07"])
+def test_matches_reference(batch, dim, N, L, options, scan):
+    if scan is MODULE.selective_scan and L > 200 and not ON_GPU:
         pytest.skip("chapter 05 at long lengths on the interpreter: CI time (the case runs for chapter 07, and for both on a GPU)")
-    compare(make_inputs(batch, dim, N, L, seed=L, **options), scan=dict(zip("05 07".split(), IMPLS))[chapter])
+    compare(make_inputs(batch, dim, N, L, seed=L, **options), scan=scan)
 
 
 def test_length_one_dA_is_exactly_zero():
