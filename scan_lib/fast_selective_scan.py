@@ -12,6 +12,21 @@ from scan_lib.selective_scan import _column, _gate_dybar, _gate_dz, _load_delta,
 
 
 @triton.jit
+def _program_indices(BLOCK_D: tl.constexpr):
+    """The program's batch element (64-bit, so that every offset computed from it is: tensors past 2^31
+    elements work), its first channel and its channels (BLOCK_D)."""
+    first_d = tl.program_id(1) * BLOCK_D
+    return tl.program_id(0).to(tl.int64), first_d, first_d + tl.arange(0, BLOCK_D)
+
+
+@triton.jit
+def _segment_chunks(seg_chunks, n_chunks):
+    """The chunks [first, end) of this program's segment (program axis 2), and the number of segments."""
+    pid_s = tl.program_id(2)
+    return pid_s, tl.num_programs(2), pid_s * seg_chunks, tl.minimum(pid_s * seg_chunks + seg_chunks, n_chunks)
+
+
+@triton.jit
 def _coef_row(M, base, n, ds, d_ok, t, t_ok, stride_g, stride_n, stride_l, PER_STEP: tl.constexpr,
               ACC: tl.constexpr):
     """State n's coefficient B or C: the group's row at positions t (1 x CHUNK; base: the group's start),
@@ -26,32 +41,37 @@ def _coef_row(M, base, n, ds, d_ok, t, t_ok, stride_g, stride_n, stride_l, PER_S
 @triton.jit
 def strided_fwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, H0,     # u, delta, z: any strides (b, d, L); A (d, N); B, C (b, g, N, L) or (d, N)
-    OUT, STATES, LAST,                     # contiguous: b x d x L, b x d x N x n_chunks, b x d x N
-    dim, length, n_chunks, per_group_b, per_group_c,
+    OUT, STATES, LAST, DSUM,               # contiguous: b x d x L, b x d x N x n_chunks, b x d x N x S, b x d x S
+    dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sa_d, sa_n,
     sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l,
     N_STATES: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_H0: tl.constexpr, B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr,
-    ACC: tl.constexpr, SAVE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    ACC: tl.constexpr, SAVE: tl.constexpr, SUMMARY: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    pid_b, pid_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)                          # BLOCK_D
-    ns = tl.arange(0, BLOCK_N)
+    # Program (batch element, block of channels, segment): the segment's chunks, from the state H0 holds
+    # for it (S segments: section 5; S = 1 is the whole sequence). SUMMARY: write no output, only the
+    # segment's last state and its sum of steps delta (section 5's phase 1).
+    pid_b, first_d, ds = _program_indices(BLOCK_D)
     ts = tl.arange(0, CHUNK)
+    pid_s, n_segments, k_first, k_end = _segment_chunks(seg_chunks, n_chunks)
+    ns = tl.arange(0, BLOCK_N)
     d_ok, n_ok = ds < dim, ns < N_STATES
     dn_ok = d_ok[:, None] & n_ok[None, :]                                 # BLOCK_D x N
     # All channels of the block share one group (the launcher makes sure): one B and C row start each.
-    b_base = pid_b * sb_b + (pid_d * BLOCK_D // per_group_b) * sb_g
-    c_base = pid_b * sc_b + (pid_d * BLOCK_D // per_group_c) * sc_g
-    state_offs = (pid_b * dim + ds[:, None]) * N_STATES + ns[None, :]    # BLOCK_D x N, int64
+    b_base = pid_b * sb_b + (first_d // per_group_b) * sb_g
+    c_base = pid_b * sc_b + (first_d // per_group_c) * sc_g
+    state_offs = (pid_b * dim + ds[:, None]) * N_STATES + ns[None, :]    # BLOCK_D x N
     if HAS_H0:
-        carry = tl.load(H0 + state_offs, dn_ok, other=0.0).to(ACC)
+        carry = tl.load(H0 + state_offs * n_segments + pid_s, dn_ok, other=0.0).to(ACC)
     else:
         carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
     if HAS_D:
         skip = tl.load(D + ds, d_ok, other=0.0).to(ACC)[:, None]
+    dsum = tl.zeros((BLOCK_D,), dtype=ACC)
     first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
-    for k in range(0, n_chunks):
+    for k in range(k_first, k_end):
         if SAVE:  # the state entering chunk k, for the backward
             tl.store(STATES + state_offs * n_chunks + k, carry, dn_ok)
         t = k * CHUNK + ts
@@ -60,50 +80,58 @@ def strided_fwd_kernel(
         u = tl.load(U + pid_b * su_b + ds[:, None] * su_d + t[None, :] * su_l, mask, other=0.0).to(ACC)
         delta, _ = _load_delta(DELTA, BIAS, pid_b * sdt_b + ds[:, None] * sdt_d + t[None, :] * sdt_l, mask,
                                ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        dsum += tl.sum(delta, axis=1)                                     # 0 where masked
         ybar = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)
         for n in range(0, N_STATES):
             rate = tl.load(A + ds * sa_d + n * sa_n, d_ok, other=0.0).to(ACC)[:, None]      # BLOCK_D x 1
             b_coef = _coef_row(B, b_base, n, ds, d_ok, t, t_ok, sb_g, sb_n, sb_l, B_PER_STEP, ACC)
-            c_coef = _coef_row(C, c_base, n, ds, d_ok, t, t_ok, sc_g, sc_n, sc_l, C_PER_STEP, ACC)
+            if not SUMMARY:
+                c_coef = _coef_row(C, c_base, n, ds, d_ok, t, t_ok, sc_g, sc_n, sc_l, C_PER_STEP, ACC)
             a, b = discretize(delta, rate, b_coef, u)                                    # BLOCK_D x CHUNK
             b += tl.where(first, a * _column(carry, n, ns)[:, None], 0.0)               # start from the carry
             _, h = tl.associative_scan((a, b), axis=1, combine_fn=first_order_op)
-            ybar += c_coef * h
+            if not SUMMARY:
+                ybar += c_coef * h
             carry = tl.where(ns[None, :] == n, tl.sum(tl.where(last, h, 0.0), axis=1)[:, None], carry)
-        if HAS_D:
-            ybar += skip * u
-        out = ybar
-        if HAS_Z:
-            zv = tl.load(Z + pid_b * sz_b + ds[:, None] * sz_d + t[None, :] * sz_l, mask, other=0.0).to(ACC)
-            out = ybar * zv * tl.sigmoid(zv)
-        tl.store(OUT + (pid_b * dim + ds[:, None]) * length + t[None, :], out.to(OUT.dtype.element_ty), mask)
-    tl.store(LAST + state_offs, carry, dn_ok)
+        if not SUMMARY:
+            if HAS_D:
+                ybar += skip * u
+            out = ybar
+            if HAS_Z:
+                zv = tl.load(Z + pid_b * sz_b + ds[:, None] * sz_d + t[None, :] * sz_l, mask, other=0.0).to(ACC)
+                out = ybar * zv * tl.sigmoid(zv)
+            tl.store(OUT + (pid_b * dim + ds[:, None]) * length + t[None, :], out.to(OUT.dtype.element_ty), mask)
+    tl.store(LAST + state_offs * n_segments + pid_s, carry, dn_ok)
+    if SUMMARY:
+        tl.store(DSUM + (pid_b * dim + ds) * n_segments + pid_s, dsum, d_ok)
 
 @triton.jit
 def strided_bwd_kernel(
-    U, DELTA, A, B, C, D, Z, BIAS, STATES, DOUT, DLAST,  # as in the forward; DOUT any strides (b, d, L)
-    DU, DDELTA, DZ, DB, DC,          # contiguous b x d x L (x3); DB, DC fp32 b x g x N x L (atomics) or b x d x N
-    DA_PART, DD_PART, DBIAS_PART, DH0,                     # b x d x N, b x d, b x d, b x d x N
-    dim, length, n_chunks, per_group_b, per_group_c,
+    U, DELTA, A, B, C, D, Z, BIAS, STATES, DOUT, DLAST,  # as in the forward; DOUT any strides; DLAST b x d x N x S
+    DU, DDELTA, DZ, DB, DC,          # contiguous b x d x L (x3); DB, DC fp32 b x g x N x L (atomics) or b x d x N x S
+    DA_PART, DD_PART, DBIAS_PART, DH0,                     # b x d x N x S, b x d x S, b x d x S, b x d x N x S
+    dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sa_d, sa_n,
     sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l, so_b, so_d, so_l,
     N_STATES: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DLAST: tl.constexpr, B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr,
     ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    pid_b, pid_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    ns = tl.arange(0, BLOCK_N)
+    # Program (batch element, block of channels, segment): the segment's chunks from right to left, the
+    # adjoint entering at its right end from DLAST; partial sums per segment.
+    pid_b, first_d, ds = _program_indices(BLOCK_D)
     ts = tl.arange(0, CHUNK)
+    pid_s, n_segments, k_first, k_end = _segment_chunks(seg_chunks, n_chunks)
+    ns = tl.arange(0, BLOCK_N)
     d_ok, n_ok = ds < dim, ns < N_STATES
     dn_ok = d_ok[:, None] & n_ok[None, :]
-    group_b, group_c = pid_d * BLOCK_D // per_group_b, pid_d * BLOCK_D // per_group_c
+    group_b, group_c = first_d // per_group_b, first_d // per_group_c
     b_base, c_base = pid_b * sb_b + group_b * sb_g, pid_b * sc_b + group_c * sc_g
     db_base = (pid_b * (dim // per_group_b) + group_b) * N_STATES * length     # DB, DC are contiguous
     dc_base = (pid_b * (dim // per_group_c) + group_c) * N_STATES * length
     state_offs = (pid_b * dim + ds[:, None]) * N_STATES + ns[None, :]
     if HAS_DLAST:
-        adj_carry = tl.load(DLAST + state_offs, dn_ok, other=0.0).to(ACC)    # dL/dh at the chunk's end
+        adj_carry = tl.load(DLAST + state_offs * n_segments + pid_s, dn_ok, other=0.0).to(ACC)  # dL/dh at the end
     else:
         adj_carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
     skip = tl.zeros((BLOCK_D,), dtype=ACC)
@@ -115,8 +143,8 @@ def strided_bwd_kernel(
     dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
     dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
     first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
-    for i in range(0, n_chunks):
-        k = n_chunks - 1 - i                                            # chunks from right to left
+    for i in range(0, k_end - k_first):
+        k = k_end - 1 - i                                               # chunks from right to left
         t = k * CHUNK + ts
         t_ok = t < length
         next_ok = (ts < CHUNK - 1) & (t + 1 < length)                   # position t+1 is in this chunk
@@ -181,14 +209,79 @@ def strided_bwd_kernel(
         tl.store(DDELTA + out_offs, ddelta.to(DDELTA.dtype.element_ty), mask)
         tl.store(DU + out_offs, (skip[:, None] * dybar + delta * adj_b_sum).to(DU.dtype.element_ty), mask)
         dbias_acc += tl.sum(ddelta, axis=1)
-    tl.store(DA_PART + state_offs, dA_acc, dn_ok)
+    segment_offs = state_offs * n_segments + pid_s
+    tl.store(DA_PART + segment_offs, dA_acc, dn_ok)
     if not B_PER_STEP:
-        tl.store(DB + state_offs, dB_acc, dn_ok)
+        tl.store(DB + segment_offs, dB_acc, dn_ok)
     if not C_PER_STEP:
-        tl.store(DC + state_offs, dC_acc, dn_ok)
-    tl.store(DH0 + state_offs, adj_carry, dn_ok)
-    tl.store(DD_PART + pid_b * dim + ds, dD_acc, d_ok)
-    tl.store(DBIAS_PART + pid_b * dim + ds, dbias_acc, d_ok)
+        tl.store(DC + segment_offs, dC_acc, dn_ok)
+    tl.store(DH0 + segment_offs, adj_carry, dn_ok)
+    tl.store(DD_PART + (pid_b * dim + ds) * n_segments + pid_s, dD_acc, d_ok)
+    tl.store(DBIAS_PART + (pid_b * dim + ds) * n_segments + pid_s, dbias_acc, d_ok)
+
+@triton.jit
+def adjoint_summary_kernel(
+    DELTA, A, C, Z, BIAS, DOUT, ADJ, DSUM,  # as in the backward; ADJ b x d x N x S, DSUM b x d x S
+    dim, length, n_chunks, seg_chunks, per_group_c,
+    sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sa_d, sa_n, sc_b, sc_g, sc_n, sc_l, so_b, so_d, so_l,
+    N_STATES: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, C_PER_STEP: tl.constexpr,
+    SOFTPLUS: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Phase 1 of the split backward: each segment's adjoint scan started from 0 at its right end; writes
+    what leaves its first position (a_t times the adjoint there) and the segment's sum of steps."""
+    pid_b, first_d, ds = _program_indices(BLOCK_D)
+    ts = tl.arange(0, CHUNK)
+    pid_s, n_segments, k_first, k_end = _segment_chunks(seg_chunks, n_chunks)
+    ns = tl.arange(0, BLOCK_N)
+    d_ok, n_ok = ds < dim, ns < N_STATES
+    c_base = pid_b * sc_b + (first_d // per_group_c) * sc_g
+    adj_carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
+    dsum = tl.zeros((BLOCK_D,), dtype=ACC)
+    first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
+    for i in range(0, k_end - k_first):
+        k = k_end - 1 - i
+        t = k * CHUNK + ts
+        t_ok = t < length
+        next_ok = (ts < CHUNK - 1) & (t + 1 < length)
+        mask, next_mask = d_ok[:, None] & t_ok[None, :], d_ok[:, None] & next_ok[None, :]
+        delta_offs = pid_b * sdt_b + ds[:, None] * sdt_d + t[None, :] * sdt_l
+        delta, _ = _load_delta(DELTA, BIAS, delta_offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        delta_next, _ = _load_delta(DELTA, BIAS, delta_offs + sdt_l, next_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        delta_first = tl.sum(tl.where(first, delta, 0.0), axis=1)                        # BLOCK_D
+        dsum += tl.sum(delta, axis=1)
+        dout = tl.load(DOUT + pid_b * so_b + ds[:, None] * so_d + t[None, :] * so_l, mask, other=0.0).to(ACC)
+        zv = dout
+        if HAS_Z:
+            zv = tl.load(Z + pid_b * sz_b + ds[:, None] * sz_d + t[None, :] * sz_l, mask, other=0.0).to(ACC)
+        dybar = _gate_dybar(dout, zv, HAS_Z)
+        for n in range(0, N_STATES):
+            rate = tl.load(A + ds * sa_d + n * sa_n, d_ok, other=0.0).to(ACC)
+            c_coef = _coef_row(C, c_base, n, ds, d_ok, t, t_ok, sc_g, sc_n, sc_l, C_PER_STEP, ACC)
+            c = c_coef * dybar + tl.where(last, _column(adj_carry, n, ns)[:, None], 0.0)
+            _, adj = tl.associative_scan((tl.exp(delta_next * rate[:, None]), c), axis=1,
+                                         combine_fn=first_order_op, reverse=True)
+            leaving = tl.exp(delta_first * rate) * tl.sum(tl.where(first, adj, 0.0), axis=1)
+            adj_carry = tl.where(ns[None, :] == n, leaving[:, None], adj_carry)
+    state_offs = (pid_b * dim + ds[:, None]) * N_STATES + ns[None, :]
+    tl.store(ADJ + state_offs * n_segments + pid_s, adj_carry, d_ok[:, None] & n_ok[None, :])
+    tl.store(DSUM + (pid_b * dim + ds) * n_segments + pid_s, dsum, d_ok)
+
+from scan_lib.linear_scan import linear_scan
+
+
+def segment_carries(summary, dsum, A, boundary, reverse):
+    """Phase 2: what enters each segment. summary: (batch, dim, N, S) each segment's result started from
+    0 (its last state, or the adjoint leaving its first position); dsum: (batch, dim, S) its sum of steps;
+    boundary: the initial state (forward) or the last state's gradient (reverse), (batch, dim, N) or None.
+    Returns (entering, through): (batch, dim, N, S) the state (adjoint) entering each segment, and
+    (batch, dim, N) the one leaving the sequence at the other end."""
+    gates = torch.exp(A[None, :, :, None].to(dsum.dtype) * dsum[:, :, None, :])   # batch x dim x N x S
+    leaving = linear_scan(gates, summary, boundary, reverse=reverse)             # after each segment
+    start = torch.zeros_like(summary[..., 0]) if boundary is None else boundary.to(summary.dtype)
+    if reverse:
+        return torch.cat([leaving[..., 1:], start[..., None]], -1), leaving[..., 0]
+    return torch.cat([start[..., None], leaving[..., :-1]], -1), leaving[..., -1]
 
 from typing import Optional
 
@@ -197,8 +290,8 @@ from scan_lib.selective_scan import (_NoSecondDerivative, _acc_dtype, _check_inp
                                      _vmap_by_loop)
 
 # block_d channels per program, chunk positions per loop step, num_warps: the fastest of a sweep on an
-# H200 (section 8). Under the interpreter, small chunks so that small tests cross several chunks.
-GPU_CONFIG = {"fwd": dict(block_d=1, chunk=512, num_warps=2), "bwd": dict(block_d=1, chunk=256, num_warps=2)}
+# H200 (section 9). Under the interpreter, small chunks so that small tests cross several chunks.
+GPU_CONFIG = {"fwd": dict(block_d=1, chunk=1024, num_warps=2), "bwd": dict(block_d=1, chunk=256, num_warps=2)}
 CPU_CONFIG = {"fwd": dict(block_d=2, chunk=16, num_warps=1), "bwd": dict(block_d=2, chunk=8, num_warps=1)}
 
 
@@ -213,6 +306,12 @@ def launch_config(kind, dim, per_group_b, per_group_c, length):
     return config
 
 
+def split(n_chunks, segments):
+    """(S, chunks per segment) for about `segments` segments of whole chunks (at most one per chunk)."""
+    seg_chunks = triton.cdiv(n_chunks, max(1, min(segments, n_chunks)))
+    return triton.cdiv(n_chunks, seg_chunks), seg_chunks
+
+
 def _coef_layout(M, dim):
     """The strides (batch, group, state, position) of B or C and its channels per group: (batch, groups, N, L),
     or the time-invariant (dim, N) as dim groups of one channel with batch and position strides 0."""
@@ -222,11 +321,12 @@ def _coef_layout(M, dim):
 
 
 def _layout(u, delta, z, A, B, C):
-    """Channels per group of B and C, and every input's strides in the kernels' argument order."""
+    """Channels per group of B and C, and every input's strides by name."""
     dim = u.shape[1]
     (b_strides, per_group_b), (c_strides, per_group_c) = _coef_layout(B, dim), _coef_layout(C, dim)
-    z_strides = z.stride() if z is not None else (0, 0, 0)
-    return per_group_b, per_group_c, (*u.stride(), *delta.stride(), *z_strides, *A.stride(), *b_strides, *c_strides)
+    strides = dict(u=u.stride(), delta=delta.stride(), z=z.stride() if z is not None else (0, 0, 0),
+                   A=A.stride(), B=b_strides, C=c_strides)
+    return per_group_b, per_group_c, strides
 
 
 def _small_contiguous(*tensors):
@@ -237,11 +337,12 @@ def _small_contiguous(*tensors):
 @custom_op("strided_selective_scan_fwd", __name__)
 def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
-                initial_state: Optional[torch.Tensor], delta_softplus: bool, save_chunk: int
+                initial_state: Optional[torch.Tensor], delta_softplus: bool, save_chunk: int, segments: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The forward kernel on u, delta, z of any strides; B, C: (batch, groups, N, L) or (dim, N). Returns out
+    """The forward on u, delta, z of any strides; B, C: (batch, groups, N, L) or (dim, N). Returns out
     (contiguous), the last state, and with save_chunk > 0 the state entering every chunk of save_chunk
-    positions (batch, dim, N, n_chunks) for the backward (else an empty tensor)."""
+    positions (batch, dim, N, n_chunks) for the backward (else an empty tensor). segments: how many
+    segments to split the sequence into (section 5; 1: none)."""
     D, delta_bias, initial_state = _small_contiguous(D, delta_bias, initial_state)
     batch, dim, length = u.shape
     n_states = A.shape[1]
@@ -250,22 +351,33 @@ def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
     config = launch_config("fwd", dim, per_group_b, per_group_c, length)
     chunk = save_chunk if save_chunk > 0 else config["chunk"]
     n_chunks = triton.cdiv(length, chunk)
+    n_segments, seg_chunks = split(n_chunks, segments)
     out = u.new_empty(u.shape)
-    last = u.new_empty(batch, dim, n_states, dtype=acc)
+    ends = u.new_empty(batch, dim, n_states, n_segments, dtype=acc)   # the state at each segment's end
     states = u.new_empty(batch, dim, n_states, n_chunks if save_chunk > 0 else 0, dtype=acc)
-    strided_fwd_kernel[(batch, triton.cdiv(dim, config["block_d"]))](
-        u, delta, A, B, C, D, z, delta_bias, initial_state, out, states, last,
-        dim, length, n_chunks, per_group_b, per_group_c, *strides,
-        N_STATES=n_states, HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        HAS_H0=initial_state is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
-        SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc), SAVE=save_chunk > 0,
-        BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk,
-        num_warps=config["num_warps"])
-    return out, last, states
+
+    def launch(entering, dsum):   # dsum given: phase 1 (SUMMARY), else the outputs
+        strided_fwd_kernel[(batch, triton.cdiv(dim, config["block_d"]), n_segments)](
+            u, delta, A, B, C, D, z, delta_bias, entering, out, states, ends, dsum,
+            dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
+            *strides["u"], *strides["delta"], *strides["z"], *strides["A"], *strides["B"], *strides["C"],
+            N_STATES=n_states, HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+            HAS_H0=entering is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
+            SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc), SAVE=save_chunk > 0 and dsum is None,
+            SUMMARY=dsum is not None, BLOCK_D=config["block_d"],
+            BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk, num_warps=config["num_warps"])
+
+    entering = initial_state
+    if n_segments > 1:   # phases 1 and 2: the state entering each segment
+        dsum = u.new_empty(batch, dim, n_segments, dtype=acc)
+        launch(None, dsum)
+        entering, _ = segment_carries(ends, dsum, A, initial_state, reverse=False)
+    launch(entering, None)
+    return out, ends[..., -1].contiguous(), states
 
 
 @strided_fwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk):
+def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk, segments):
     batch, dim, length = u.shape
     acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     n_chunks = (length + save_chunk - 1) // save_chunk if save_chunk > 0 else 0
@@ -277,39 +389,56 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_c
 def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
                 states: torch.Tensor, dout: torch.Tensor, dlast: Optional[torch.Tensor],
-                delta_softplus: bool, chunk: int) -> list[torch.Tensor]:
-    """The backward kernel: du, d delta, dA, dB, dC, dD, dz, d delta_bias, d initial_state, as chapter
-    05's selective_scan_bwd returns them (du, d delta, dz contiguous)."""
+                delta_softplus: bool, chunk: int, segments: int) -> list[torch.Tensor]:
+    """The backward: du, d delta, dA, dB, dC, dD, dz, d delta_bias, d initial_state, as chapter 05's
+    selective_scan_bwd returns them (du, d delta, dz contiguous). segments: as in strided_fwd."""
     D, delta_bias, dlast = _small_contiguous(D, delta_bias, dlast)
     batch, dim, length = u.shape
     n_states, n_chunks, acc = A.shape[1], states.shape[-1], states.dtype
     per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
     config = launch_config("bwd", dim, per_group_b, per_group_c, length)
+    n_segments, seg_chunks = split(n_chunks, segments)
+    grid = (batch, triton.cdiv(dim, config["block_d"]), n_segments)
+    sizes = dict(N_STATES=n_states, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
+                 BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk, num_warps=config["num_warps"])
+    entering = dlast
+    if n_segments > 1:   # phases 1 and 2: the adjoint entering each segment from the right
+        adj, dsum = (u.new_empty(batch, dim, n_states, n_segments, dtype=acc),
+                     u.new_empty(batch, dim, n_segments, dtype=acc))
+        adjoint_summary_kernel[grid](
+            delta, A, C, z, delta_bias, dout, adj, dsum, dim, length, n_chunks, seg_chunks, per_group_c,
+            *strides["delta"], *strides["z"], *strides["A"], *strides["C"], *dout.stride(),
+            HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, C_PER_STEP=C.dim() == 4,
+            SOFTPLUS=delta_softplus, **sizes)
+        entering, _ = segment_carries(adj, dsum, A, dlast, reverse=True)
     du, ddelta = u.new_empty(u.shape), delta.new_empty(delta.shape)
     dz = z.new_empty(z.shape) if z is not None else u.new_empty(0)
-    dB = torch.zeros(B.shape if B.dim() == 4 else (batch, dim, n_states), device=u.device, dtype=acc)
-    dC = torch.zeros(C.shape if C.dim() == 4 else (batch, dim, n_states), device=u.device, dtype=acc)
-    dA_part, dh0 = (u.new_empty(batch, dim, n_states, dtype=acc) for _ in range(2))
-    dD_part, dbias_part = (u.new_empty(batch, dim, dtype=acc) for _ in range(2))
-    strided_bwd_kernel[(batch, triton.cdiv(dim, config["block_d"]))](
-        u, delta, A, B, C, D, z, delta_bias, states, dout, dlast,
+    per_segment = (batch, dim, n_states, n_segments)
+    dB = torch.zeros(B.shape if B.dim() == 4 else per_segment, device=u.device, dtype=acc)
+    dC = torch.zeros(C.shape if C.dim() == 4 else per_segment, device=u.device, dtype=acc)
+    dA_part, dh0 = (u.new_empty(per_segment, dtype=acc) for _ in range(2))
+    dD_part, dbias_part = (u.new_empty(batch, dim, n_segments, dtype=acc) for _ in range(2))
+    strided_bwd_kernel[grid](
+        u, delta, A, B, C, D, z, delta_bias, states, dout, entering,
         du, ddelta, dz, dB, dC, dA_part, dD_part, dbias_part, dh0,
-        dim, length, n_chunks, per_group_b, per_group_c, *strides, *dout.stride(),
-        N_STATES=n_states, HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        HAS_DLAST=dlast is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
-        SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc),
-        BLOCK_D=config["block_d"], BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk,
-        num_warps=config["num_warps"])
+        dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
+        *strides["u"], *strides["delta"], *strides["z"], *strides["A"], *strides["B"], *strides["C"],
+        *dout.stride(), HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+        HAS_DLAST=entering is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
+        SOFTPLUS=delta_softplus, **sizes)
+    over_batch_and_segments = (0, -1)
     if B.dim() == 2:
-        dB = dB.sum(0)
+        dB = dB.sum(over_batch_and_segments)
     if C.dim() == 2:
-        dC = dC.sum(0)
-    return [du, ddelta, dA_part.sum(0), dB, dC, dD_part.sum(0) if D is not None else u.new_empty(0, dtype=acc),
-            dz, dbias_part.sum(0) if delta_bias is not None else u.new_empty(0, dtype=acc), dh0]
+        dC = dC.sum(over_batch_and_segments)
+    return [du, ddelta, dA_part.sum(over_batch_and_segments), dB, dC,
+            dD_part.sum(over_batch_and_segments) if D is not None else u.new_empty(0, dtype=acc), dz,
+            dbias_part.sum(over_batch_and_segments) if delta_bias is not None else u.new_empty(0, dtype=acc),
+            dh0[..., 0].contiguous()]
 
 
 @strided_bwd.register_fake
-def _(u, delta, A, B, C, D, z, delta_bias, states, dout, dlast, delta_softplus, chunk):
+def _(u, delta, A, B, C, D, z, delta_bias, states, dout, dlast, delta_softplus, chunk, segments):
     acc, dim = states.dtype, u.shape[1]
     return [u.new_empty(u.shape), delta.new_empty(delta.shape), A.new_empty(A.shape, dtype=acc),
             B.new_empty(B.shape, dtype=acc), C.new_empty(C.shape, dtype=acc),
@@ -325,19 +454,21 @@ strided_bwd.register_vmap(_vmap_by_loop(strided_bwd))
 
 class StridedSelectiveScanFn(torch.autograd.Function):
     """(out, last_state, states) = S6(u, delta, A, B, C, D, z, delta_bias, initial_state) on strided inputs;
-    B, C 4-D or (dim, N); save_chunk > 0 keeps one state per chunk for the backward."""
+    B, C 4-D or (dim, N); save_chunk > 0 keeps one state per chunk for the backward; segments: how many
+    segments both passes split the sequence into (section 5; 1: none)."""
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk):
-        return strided_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk)
+    def forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk, segments):
+        return strided_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk,
+                           segments)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk = inputs
+        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk, segments = inputs
         ctx.mark_non_differentiable(output[2])
         ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, output[2])
-        ctx.delta_softplus, ctx.chunk = delta_softplus, save_chunk
+        ctx.delta_softplus, ctx.chunk, ctx.segments = delta_softplus, save_chunk, segments
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -350,7 +481,7 @@ class StridedSelectiveScanFn(torch.autograd.Function):
             dout = torch.zeros_like(u)
         with torch.no_grad():  # the op's own outputs carry no graph (chapter 05's _NoSecondDerivative)
             grads = strided_bwd(u, delta, A, B, C, D, z, delta_bias, states, dout.to(u.dtype), dlast,
-                                ctx.delta_softplus, ctx.chunk)
+                                ctx.delta_softplus, ctx.chunk, ctx.segments)
         inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
         grads = [None if x is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
         if torch.is_grad_enabled():  # create_graph=True (or torch.func.grad): make a second derivative raise
@@ -358,7 +489,7 @@ class StridedSelectiveScanFn(torch.autograd.Function):
             given = [g for g in grads if g is not None]
             poisoned = iter(_NoSecondDerivative.apply(len(anchors), *anchors, *given))
             grads = [None if g is None else next(poisoned) for g in grads]
-        return (*grads, None, None)
+        return (*grads, None, None, None)
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -378,6 +509,12 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     argument, including initial_state and through last_state; first derivatives only. Works under
     torch.compile, torch.func.grad and torch.func.vmap.
     """
+    return scan_in_segments(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state, initial_state)
+
+
+def scan_in_segments(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                     return_last_state=False, initial_state=None, segments=1):
+    """selective_scan with both passes split into `segments` segments along L (section 5)."""
     _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     B4 = B.unsqueeze(1) if B.dim() == 3 else B
     C4 = C.unsqueeze(1) if C.dim() == 3 else C
@@ -388,5 +525,5 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         dim = u.shape[1]
         save_chunk = launch_config("bwd", dim, dim // _groups(B4) if B4.dim() == 4 else 1,
                                    dim // _groups(C4) if C4.dim() == 4 else 1, u.shape[2])["chunk"]
-    out, last, _ = apply(StridedSelectiveScanFn, *tensors, bool(delta_softplus), save_chunk)
+    out, last, _ = apply(StridedSelectiveScanFn, *tensors, bool(delta_softplus), save_chunk, segments)
     return (out, last) if return_last_state else out

@@ -3,6 +3,7 @@ gradcheck, bad input, torch.func / torch.compile, bugs injected into the kernels
 importable, on a GPU) against mamba_ssm's selective_scan_fn. Chapter 05's teaching kernels
 (scan_lib.selective_scan.selective_scan) are checked against the reference too, with their launch
 configurations and injected bugs."""
+import functools
 import math
 import sys
 import types
@@ -513,6 +514,25 @@ def test_fast_launch_configs_agree(monkeypatch, fwd, bwd, groups):
     compare(make_inputs(1, 8, 2, 30, groups=groups, seed=8))
 
 
+@pytest.mark.parametrize("segments,case", [
+    (2, dict(batch=1, dim=4, N=3, L=77)),                       # 10 backward chunks of 8 (interpreter)
+    (3, dict(batch=2, dim=4, N=2, L=40, groups=2, h0=False)),   # uneven segments, no initial state
+    (7, dict(batch=1, dim=3, N=4, L=33, D=False, z=False, bias=False, time_invariant="BC")),
+    (50, dict(batch=1, dim=2, N=2, L=9)),                       # more segments asked than chunks
+])
+def test_fast_split_into_segments(segments, case):
+    """Chapter 07's three-phase split along L (scan_in_segments): forward, last state and every gradient
+    match the reference, whatever the number of segments."""
+    sizes = {k: case.pop(k) for k in ("batch", "dim", "N", "L")}
+    inputs = make_inputs(*sizes.values(), seed=segments, **case)
+    compare(inputs, scan=functools.partial(FAST.scan_in_segments, segments=segments))
+
+
+def test_fast_split_counts_segments():
+    assert FAST.split(10, 1) == (1, 10) and FAST.split(10, 3) == (3, 4) and FAST.split(10, 4) == (4, 3)
+    assert FAST.split(2, 5) == (2, 1) and FAST.split(1, 8) == (1, 1)
+
+
 def test_fast_keeps_only_chunk_states(monkeypatch):
     """Inference keeps nothing; training keeps one state per backward chunk and no ybar (the backward
     recomputes it)."""
@@ -521,7 +541,7 @@ def test_fast_keeps_only_chunk_states(monkeypatch):
 
     def recording_forward(*args):
         result = forward(*args)
-        calls.append((args[-1], result[2]))
+        calls.append((args[-2], result[2]))   # (save_chunk, the states kept)
         return result
     monkeypatch.setattr(FAST, "strided_fwd", recording_forward)
     inputs = make_inputs(1, 4, 3, 40, seed=2)

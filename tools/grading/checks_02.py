@@ -28,11 +28,12 @@ def tree_scan(op, gates, tokens):
 def _compare(h, expected, what, chunk=None, reverse=False):
     """Assert h matches the float64 reference; say where it first goes wrong."""
     assert h.shape == expected.shape, f"{what}: shape {tuple(h.shape)}, expected {tuple(expected.shape)}"
-    if h.dtype == torch.float64:
+    float64 = h.dtype == torch.float64
+    h, expected = h.double().cpu(), expected.double().cpu()
+    if float64:
         tol = 1e-9 * (1 + expected.abs())
     else:  # float32: rounding grows with the length and the size of the states
         tol = 1e-4 * (1 + expected.abs().max())
-    h, expected = h.double().cpu(), expected.double().cpu()
     wrong = ~((h - expected).abs() <= tol)  # NaN counts as wrong
     if not wrong.any():
         return
