@@ -348,12 +348,12 @@ def plot(env):
     import matplotlib.pyplot as plt
     from scan_lib.runtime import save_figure
     rows = [r for r in ROWS if r["workload"] == "selective_scan full" and r["dtype"] == "bfloat16"
-            and r["mode"] == "fwd+bwd" and isinstance(r.get("gpu_us"), float)]
+            and r["mode"] == "fwd+bwd" and math.isfinite(r.get("call_us", math.nan))]   # not graph-replayed
     base, wide, long = SIZES["selective"], SIZES["selective_batch"][1], SIZES["selective_batch"][2]
     for axis, index, name, fixed in (("L", 2, "length", lambda s: s[:2] == base[:2] and s[3] == base[3]),
                                      ("N", 3, "states", lambda s: s[:3] == base[:3]),
                                      ("batch", 0, "batch", lambda s: s[1:3] == (wide, long))):
-        series = {impl: sorted((r["shape"][index], r["gpu_us"]) for r in rows if r["impl"] == impl and fixed(r["shape"]))
+        series = {impl: sorted((r["shape"][index], r["call_us"]) for r in rows if r["impl"] == impl and fixed(r["shape"]))
                   for impl in sorted({r["impl"] for r in rows})}
         series = {impl: points for impl, points in series.items() if len(points) > 1}
         if not series:   # --quick: one point per line, nothing to plot against
@@ -361,7 +361,7 @@ def plot(env):
         fig, ax = plt.subplots(figsize=(7, 3.5))
         for impl, points in series.items():
             ax.loglog(*zip(*points), "o-", label=impl)
-        ax.set(xlabel=axis, ylabel="GPU time (us)", title=f"selective scan fwd+bwd, bf16, {env['gpu']}")
+        ax.set(xlabel=axis, ylabel="time per call (us)", title=f"selective scan fwd+bwd, bf16, {env['gpu']}")
         ax.legend(fontsize=8)
         save_figure(fig, f"bench_selective_scan_{name}.png")
 
