@@ -1,0 +1,424 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 09 · Across GPUs: a sequence one GPU cannot hold
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/09_multi_gpu.ipynb)
+#
+# A sequence of a million positions through a Mamba layer of 1536 channels keeps gigabytes of
+# activations alive for the backward pass. When one GPU cannot hold them, the sequence has to be cut
+# into pieces on several GPUs, and the scan has to run across the cut. You already know how: chapter
+# 01's blocked scan scanned each block, then the blocks' totals, then added each block's carry. Here the
+# blocks are GPUs. You will learn:
+#
+# 1. why each GPU needs only one small summary from the others (a decay and a state per channel), and
+#    why the result equals the scan on one device, exactly in exact arithmetic;
+# 2. how the backward's carries flow the other way, and how autograd derives them from the forward's
+#    exchange if that exchange has a backward of its own;
+# 3. `scan_lib.distributed`: `linear_scan`, `selective_scan` and a whole Mamba block over a
+#    `torch.distributed` process group (NCCL on GPUs, gloo on CPUs), usable from a script started by
+#    `torchrun`;
+# 4. what the exchange costs: one collective against a chain of sends, latency against bandwidth;
+# 5. on two H200s, the time of a sequence of $2^{20}$ positions split in two, against one GPU.
+
+# %%
+# Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
+# Importing scan_lib comes first: without a GPU it switches Triton to its CPU interpreter,
+# which must happen before any @triton.jit function is defined.
+import subprocess, sys
+if "google.colab" in sys.modules:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/scan-course/scans-the-hard-way"], check=True)
+import scan_lib
+from scan_lib.runtime import DEVICE, ON_GPU
+print(scan_lib.runtime.describe())
+
+# %%
+#| default_exp distributed
+
+# %%
+import matplotlib
+import matplotlib.pyplot as plt
+import torch
+
+from scan_lib.runtime import save_figure
+
+matplotlib.use("Agg")
+GPUS = torch.cuda.device_count() if ON_GPU else 0
+
+# %% [markdown]
+# ## 1. The idea: each rank needs one summary from each rank before it
+#
+# A first-order recurrence $h_t = a_t h_{t-1} + b_t$ is cut into shards: rank $r$ (one process, one GPU)
+# holds positions $s_r \le t < s_{r+1}$. Started from a state $h$, the shard ends at
+# $$h_{s_{r+1}-1} = P_r\, h + E_r, \qquad P_r = \prod_{t=s_r}^{s_{r+1}-1} a_t ,$$
+# where $E_r$ is where the shard ends when started from 0. That is chapter 02's combine operator
+# applied to the whole shard: the shard is a single step with gate $P_r$ and token $E_r$. So the state
+# entering rank $r$ is a fold over the summaries of the ranks before it,
+# $$h^{\text{in}}_0 = h_{-1}, \qquad h^{\text{in}}_{r+1} = P_r\, h^{\text{in}}_r + E_r ,$$
+# and rank $r$'s states are its own scan started from $h^{\text{in}}_r$. **Why it equals one device's
+# scan:** by induction on $r$, $h^{\text{in}}_r$ is the true $h_{s_r - 1}$ (the step above is the
+# recurrence composed over the shard, and composition is what the combine operator computes); a scan
+# started from the true previous state is the true scan. In floating point the products and sums are
+# grouped differently from a left-to-right loop, as in every parallel scan: the results agree within
+# rounding, which the checks below measure.
+#
+# Three phases, as in chapter 01: every rank scans its shard from 0 and forms $(P_r, E_r)$; the ranks
+# exchange their summaries (one small collective: $2 \times$ batch $\times$ channels $\times N$
+# numbers per rank, independent of the length); every rank folds the summaries before it and scans its
+# shard again from the entering state. For the selective scan, $P_r = e^{A \sum_t \Delta_t}$ per
+# (batch, channel, state), from the shard's steps.
+
+# %%
+def draw_sharded_scan(ranks=3, length=12):
+    """The three phases over `ranks` shards of a sequence of `length` positions."""
+    fig, ax = plt.subplots(figsize=(9, 2.6))
+    bounds = [round(r * length / ranks) for r in range(ranks + 1)]
+    colors = plt.cm.tab10.colors
+    for r in range(ranks):
+        for t in range(bounds[r], bounds[r + 1]):
+            ax.add_patch(plt.Rectangle((t, 2), 0.9, 0.8, color=colors[r], alpha=0.35))
+        middle = (bounds[r] + bounds[r + 1]) / 2 - 0.5
+        ax.text(middle + 0.45, 3.05, f"rank {r}", ha="center", fontsize=9)
+        ax.annotate("", xy=(middle + 0.45, 1.15), xytext=(bounds[r + 1] - 0.55, 1.95),
+                    arrowprops=dict(arrowstyle="->", color=colors[r]))
+        ax.text(middle + 0.45, 0.75, f"$(P_{r}, E_{r})$", ha="center", fontsize=10)
+        if r > 0:
+            ax.annotate("", xy=(bounds[r] + 0.1, 2.4), xytext=(bounds[r] - 0.5, 0.85),
+                        arrowprops=dict(arrowstyle="->", color="gray", connectionstyle="arc3,rad=-0.3"))
+            ax.text(bounds[r] - 0.2, 1.55, f"$h^{{in}}_{r}$", fontsize=9, color="gray")
+    ax.text(-0.5, 0.1, "phase 1: each shard from 0, summarised;  phase 2: the summaries gathered and folded;"
+            "  phase 3: each shard again from its entering state", fontsize=8)
+    ax.set(xlim=(-0.7, length + 0.2), ylim=(-0.1, 3.4))
+    ax.axis("off")
+    return fig
+
+
+save_figure(draw_sharded_scan(), "09_sharded_scan.png")
+
+# %% [markdown]
+# ## 2. The backward: the carries flow the other way
+#
+# The loss reaches $h^{\text{in}}_r$ of every rank. The adjoint of the fold, the gradient of the
+# summaries, is the fold run backwards (chapter 03's reverse scan, over ranks):
+# $$T_r = g_r + P_r\, T_{r+1}, \qquad \frac{\partial\mathcal L}{\partial E_r} = T_{r+1}, \qquad
+# \frac{\partial\mathcal L}{\partial P_r} = T_{r+1}\, h^{\text{in}}_r ,$$
+# where $g_r$ is the gradient of the loss with respect to $h^{\text{in}}_r$ coming out of rank $r$'s
+# own scan, and $T_{\text{ranks}} = 0$. So each rank needs every later rank's $g$: one more small
+# collective, in the backward.
+#
+# We do not write that backward by hand. The fold is a few lines of PyTorch on the gathered summaries,
+# and autograd differentiates it, provided the gather itself has a backward: the gradient of rank
+# $r$'s summary is the sum, over all ranks, of the gradient each rank's fold sends to entry $r$ of its
+# gathered list. `gather_small` below is that: an `all_gather` forward, and a backward that gathers
+# every rank's gradients for every entry and keeps the sum of its own entry. (A reduce-scatter would
+# move less, but gloo has none, and the tensors are small.) The local scans' backward passes are
+# scan_lib's, through `initial_state` (the gradient $g_r$) and the last state (the gradient of $E_r$).
+
+# %%
+#| export
+"""Scans over a sequence sharded along its length across the ranks of a torch.distributed process
+group (chapter 09): each rank scans its shard with scan_lib's kernels, the ranks exchange one small
+summary each, and each rank scans its shard again from the state entering it."""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import scan_lib
+
+
+class _GatherSmall(torch.autograd.Function):
+    """all_gather of one small tensor, differentiable: the backward sums, over the ranks, the gradients
+    each rank's output holds for this rank's entry."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.stack(parts)                                        # ranks x tensor's shape
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()                                         # ranks x shape: this rank's view
+        every = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(every, grad, group=ctx.group)
+        return torch.stack(every)[:, dist.get_rank(ctx.group)].sum(0), None
+
+
+def gather_small(tensor, group=None):
+    """Every rank's `tensor` (same shape everywhere), stacked in rank order: (ranks, *shape). Gradients
+    flow back to each rank's tensor."""
+    return _GatherSmall.apply(tensor, group)
+
+
+def entering_state(decay, end, initial_state=None, group=None):
+    """The state entering this rank's shard: the fold h <- decay_k * h + end_k over the ranks k before
+    it, from initial_state (read on rank 0 only; None: zeros). decay, end: this rank's shard summary,
+    one shape on every rank. Differentiable in all three."""
+    start = torch.zeros_like(end) if initial_state is None else initial_state.to(end.dtype).expand_as(end)
+    summaries = gather_small(torch.stack([decay.to(end.dtype), end, start]), group)   # ranks x 3 x shape
+    h = summaries[0, 2]                                                  # rank 0's initial state
+    for k in range(dist.get_rank(group)):
+        h = summaries[k, 0] * h + summaries[k, 1]
+    return h
+
+
+# %% [markdown]
+# ## 3. The sequence-parallel scans
+#
+# `linear_scan` first: phase 1 is scan_lib's `linear_scan` from 0, whose last column is $E_r$, and
+# the product of the gates, $P_r$; phase 2 `entering_state`; phase 3 `linear_scan` again with
+# `initial_state`. The gates and tokens are this rank's shard (positions along the last dimension);
+# every rank's shard has the same leading dimensions, lengths may differ. The selective scan is the
+# same with chapter 07's `selective_scan`: its `return_last_state` gives $E_r$ (phase 1 runs without
+# $D$ and $z$, which do not touch the states), and $P_r = e^{A \sum_t \Delta_t}$ is computed from the
+# steps after `delta_bias` and softplus, exactly as the kernels form them.
+
+# %%
+#| export
+def _check_shard(name, tensor, group):
+    if not dist.is_initialized():
+        raise RuntimeError("scan_lib.distributed needs torch.distributed.init_process_group first")
+    if tensor.shape[-1] < 1:
+        raise ValueError(f"{name} must hold at least one position on every rank, got a shard of length 0 "
+                         f"on rank {dist.get_rank(group)}")
+
+
+def linear_scan(gates, tokens, initial_state=None, *, group=None):
+    """scan_lib.linear_scan over a sequence sharded along its last dimension across the ranks of `group`
+    (default: the whole world): h_t = gates_t * h_{t-1} + tokens_t, t running over the concatenation of
+    the ranks' shards in rank order. gates, tokens: this rank's shard (gates broadcast against tokens,
+    as in scan_lib.linear_scan); initial_state: the state before the sequence, read on rank 0 (other
+    ranks may pass None). Returns this rank's shard of h. Differentiable in all three."""
+    _check_shard("tokens", tokens, group)
+    gates, tokens = torch.broadcast_tensors(gates, tokens)
+    from_zero = scan_lib.linear_scan(gates, tokens)                      # phase 1
+    entering = entering_state(gates.prod(-1), from_zero[..., -1], initial_state, group)   # phase 2
+    return scan_lib.linear_scan(gates, tokens, entering)                 # phase 3
+
+
+def shard_steps(delta, delta_bias=None, delta_softplus=False):
+    """The steps Delta_t the selective scan uses: delta + delta_bias, then softplus if asked; float32."""
+    steps = delta.float() if delta_bias is None else delta.float() + delta_bias.float()[:, None]
+    return F.softplus(steps) if delta_softplus else steps
+
+
+def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
+                   return_last_state=False, initial_state=None, *, group=None):
+    """scan_lib.selective_scan over a sequence sharded along L across the ranks of `group` (default:
+    the whole world). Every tensor with a length axis (u, delta, z, B and C of shape (batch, groups, N,
+    L) or (batch, N, L)) is this rank's shard; A, D, delta_bias are the same on every rank;
+    initial_state is read on rank 0. Returns this rank's shard of out, and with return_last_state the
+    state after this rank's shard (on the last rank: after the sequence). Differentiable in every
+    tensor, like scan_lib.selective_scan."""
+    _check_shard("u", u, group)
+    _, end = scan_lib.selective_scan(u, delta, A, B, C, delta_bias=delta_bias, delta_softplus=delta_softplus,
+                                     return_last_state=True)                         # phase 1
+    decay = torch.exp(A.float() * shard_steps(delta, delta_bias, delta_softplus).sum(-1)[..., None])
+    entering = entering_state(decay, end, initial_state, group)                      # phase 2
+    return scan_lib.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state,
+                                   entering)                                         # phase 3
+
+
+# %% [markdown]
+# ## 4. A Mamba block, sequence-parallel
+#
+# Everything in chapter 06's block acts on each position alone (the projections, the gate), except
+# two pieces that look back: the causal convolution, which needs the `d_conv - 1` inputs before the
+# shard, and the scan. The convolution's boundary is another small exchange: every rank contributes
+# its last `d_conv - 1` columns (fewer if its shard is shorter: then the ranks before it contribute
+# too), and rank $r$'s `initial_states` are the last `d_conv - 1` columns of everything before it.
+# The block's forward below is chapter 06's `Mamba` forward with those two pieces swapped in, using the
+# block's own parameters, so one `Mamba` module (replicated on every rank, as data parallelism
+# replicates it) serves both.
+
+# %%
+#| export
+def conv_initial_states(x, width, group=None):
+    """The width - 1 columns of x (batch, dim, this rank's shard) before this rank's shard, from the
+    ranks before it (zeros before the sequence), as causal_conv1d's initial_states. Differentiable."""
+    keep = width - 1
+    tail = F.pad(x[..., -keep:], (keep - min(keep, x.shape[-1]), 0))           # batch x dim x keep
+    length = torch.tensor([min(keep, x.shape[-1])], device=x.device)
+    lengths = [torch.empty_like(length) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(lengths, length, group=group)
+    tails = gather_small(tail, group)                                          # ranks x batch x dim x keep
+    rank = dist.get_rank(group)
+    before = [torch.zeros_like(tail)] + [tails[k][..., keep - int(lengths[k]):] for k in range(rank)]
+    # tails[rank][..., :0] adds nothing but keeps the gather in every rank's graph (rank 0 uses no tail):
+    # its backward is a collective, which every rank must join.
+    return torch.cat(before + [tails[rank][..., :0]], -1)[..., -keep:]
+
+
+def mamba(block, hidden_states, *, group=None):
+    """block (a scan_lib.Mamba, the same parameters on every rank) applied to hidden_states
+    (batch, this rank's shard of L, d_model), the sequence sharded across the ranks of `group`.
+    Returns this rank's shard of the output. Differentiable in hidden_states and block's parameters."""
+    xz = block.in_proj.weight @ hidden_states.transpose(1, 2)                  # batch x 2 d_inner x L
+    if block.in_proj.bias is not None:
+        xz = xz + block.in_proj.bias.to(xz.dtype)[:, None]
+    x, z = xz.chunk(2, dim=1)                                                  # batch x d_inner x L each
+    x_conv = scan_lib.causal_conv1d(x, block.conv1d.weight[:, 0], block.conv1d.bias,
+                                    initial_states=conv_initial_states(x, block.d_conv, group),
+                                    activation=block.activation)
+    delta, B, C = block.ssm_parameters(x_conv)
+    y = selective_scan(x_conv, delta, -torch.exp(block.A_log.float()), B, C, block.D.float(), z=z,
+                       delta_bias=block.dt_proj.bias.float(), delta_softplus=True, group=group)
+    return block.out_proj(y.transpose(1, 2))
+
+
+# %% [markdown]
+# ## 5. Checked against one process
+#
+# `launch` starts processes joined in a process group (gloo here, on the CPU; NCCL with one GPU per
+# rank on a GPU machine), the way `torchrun` would, and collects what each returns. Each rank of
+# `check_against_one_process` builds the same random problem (same seed), computes it whole, as one
+# process would, takes its shard, runs the sequence-parallel version on it, and returns its worst
+# relative error over its outputs and every gradient: the gradients of sharded inputs are compared
+# shard by shard; those of tensors every rank holds (A, D, `delta_bias`, the initial state, the
+# block's parameters) are summed over the ranks first, as data-parallel training sums them. The
+# lengths are awkward and the shards uneven, one of them shorter than the convolution's reach.
+
+# %%
+#| export
+import os
+import socket
+import tempfile
+
+
+def _free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _run_rank(rank, world_size, port, backend, fn, args, folder):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    try:
+        torch.save(fn(*args), os.path.join(folder, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def launch(fn, world_size, *args, backend="gloo"):
+    """fn(*args) on world_size new processes joined in a process group of `backend` ("gloo", or "nccl"
+    with GPU k for rank k); returns their results in rank order. fn must be importable (a module's
+    function: processes are spawned, not forked)."""
+    with tempfile.TemporaryDirectory() as folder:
+        torch.multiprocessing.spawn(_run_rank, args=(world_size, _free_port(), backend, fn, args, folder),
+                                    nprocs=world_size)
+        return [torch.load(os.path.join(folder, f"rank{rank}.pt")) for rank in range(world_size)]
+
+
+def _shard_bounds(lengths):
+    start = sum(lengths[:dist.get_rank()])
+    return start, start + lengths[dist.get_rank()]
+
+
+def _worst(pairs):
+    """The largest |got - want| / max |want| over (got, want) pairs."""
+    return max(((got.double() - want.double()).abs().max() / want.double().abs().max().clamp_min(1e-30)).item()
+               for got, want in pairs)
+
+
+def _compare_grads(leaves, sharded, loss_full, loss_shard, start, end):
+    """(got, want) pairs: sharded leaves' gradients on this rank's positions, the others summed over ranks."""
+    names = list(leaves)
+    full = dict(zip(names, torch.autograd.grad(loss_full, [leaves[n][0] for n in names])))
+    mine = dict(zip(names, torch.autograd.grad(loss_shard, [leaves[n][1] for n in names], allow_unused=True)))
+    pairs = []
+    for name in names:
+        got = mine[name] if mine[name] is not None else torch.zeros_like(leaves[name][1])
+        if name in sharded:
+            pairs.append((got, full[name][..., start:end]))
+        else:
+            dist.all_reduce(got)
+            pairs.append((got, full[name]))
+    return pairs
+
+
+def _scan_problem(kind, length, device, seed):
+    """The full problem's leaves: name -> tensor, and the names of those with a length axis."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64).float().to(device)  # noqa: E731
+    if kind == "linear_scan":
+        return dict(gates=torch.rand(2, 3, length, generator=g).to(device) * 0.5 + 0.5, tokens=rand(2, 3, length),
+                    initial_state=rand(2, 3)), {"gates", "tokens"}
+    batch, dim, n_states = 2, 4, 3
+    return dict(u=rand(batch, dim, length), delta=rand(batch, dim, length) * 0.5 - 1.0,
+                A=-(0.2 + torch.rand(dim, n_states, generator=g)).to(device), B=rand(batch, 2, n_states, length),
+                C=rand(batch, 2, n_states, length), D=rand(dim), z=rand(batch, dim, length),
+                delta_bias=rand(dim) * 0.3, initial_state=rand(batch, dim, n_states)), {"u", "delta", "B", "C", "z"}
+
+
+def check_against_one_process(cases, seed=0):
+    """Run on every rank of the default group: for each (kind, lengths) of `cases` (kind "linear_scan",
+    "selective_scan" or "mamba"; lengths: one shard length per rank), one random problem of
+    sum(lengths) positions, whole on each rank and sharded by `lengths`. Returns this rank's worst
+    relative error over outputs and gradients, one per case."""
+    return [_check_case(kind, lengths, seed) for kind, lengths in cases]
+
+
+def _check_case(kind, lengths, seed):
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    start, end = _shard_bounds(lengths)
+    length = sum(lengths)
+    if kind == "mamba":
+        return _check_mamba(length, start, end, device, seed)
+    full, sharded = _scan_problem(kind, length, device, seed)
+    leaves = {name: (t.clone().requires_grad_(), (t[..., start:end] if name in sharded else t).clone().requires_grad_())
+              for name, t in full.items()}
+    whole, mine = ({n: pair[i] for n, pair in leaves.items()} for i in (0, 1))
+    if kind == "linear_scan":
+        out_full, out_shard = scan_lib.linear_scan(**whole), linear_scan(**mine)
+        pairs = [(out_shard, out_full[..., start:end])]
+    else:
+        out_full, last_full = scan_lib.selective_scan(**whole, delta_softplus=True, return_last_state=True)
+        out_shard, last_shard = selective_scan(**mine, delta_softplus=True, return_last_state=True)
+        pairs = [(out_shard, out_full[..., start:end])]
+        if end == length:
+            pairs.append((last_shard, last_full))
+    weights = torch.randn(out_full.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    loss_full, loss_shard = (out_full * weights).sum(), (out_shard * weights[..., start:end]).sum()
+    return _worst(pairs + _compare_grads(leaves, sharded, loss_full, loss_shard, start, end))
+
+
+def _check_mamba(length, start, end, device, seed):
+    torch.manual_seed(seed)
+    block = scan_lib.Mamba(d_model=8, d_state=4, d_conv=4, expand=2, device=device)
+    hidden = torch.randn(2, length, 8, generator=torch.Generator().manual_seed(seed + 2)).to(device)
+    whole, mine = hidden.clone().requires_grad_(), hidden[:, start:end].clone().requires_grad_()
+    out_full, out_shard = block(whole), mamba(block, mine)
+    weights = torch.randn(out_full.shape, generator=torch.Generator().manual_seed(seed + 1)).to(device)
+    params = list(block.parameters())
+    grads_full = torch.autograd.grad((out_full * weights).sum(), [whole, *params])
+    grads_mine = torch.autograd.grad((out_shard * weights[:, start:end]).sum(), [mine, *params])
+    pairs = [(out_shard, out_full[:, start:end]), (grads_mine[0], grads_full[0][:, start:end])]
+    for got, want in zip(grads_mine[1:], grads_full[1:]):
+        dist.all_reduce(got)
+        pairs.append((got, want))
+    return _worst(pairs)
+
+# %%
+from scan_lib.distributed import check_against_one_process, launch
+
+CHECKS = {3: [("linear_scan", (5, 1, 7)), ("selective_scan", (7, 1, 5)), ("mamba", (6, 2, 5))],
+          2: [("linear_scan", (64, 65)), ("selective_scan", (33, 20))]}   # by number of ranks: one launch each
+print(f"{'kind':15s} {'shard lengths':15s} {'worst rel err per rank'}")
+for ranks, cases in CHECKS.items():
+    errors = launch(check_against_one_process, ranks, cases)               # errors[rank][case]
+    for case, (kind, lengths) in enumerate(cases):
+        per_rank = [errors[rank][case] for rank in range(ranks)]
+        print(f"{kind:15s} {str(lengths):15s} {' '.join(f'{e:.1e}' for e in per_rank)}")
+        assert max(per_rank) < 1e-5, (kind, lengths, per_rank)
