@@ -364,7 +364,7 @@ def _scan_problem(kind, length, device, seed):
 
 def check_against_one_process(cases, seed=0):
     """Run on every rank of the default group: for each (kind, lengths) of `cases` (kind "linear_scan",
-    "selective_scan" or "mamba"; lengths: one shard length per rank), one random problem of
+    "selective_scan", "mamba" or "chain"; lengths: one shard length per rank), one random problem of
     sum(lengths) positions, whole on each rank and sharded by `lengths`. Returns this rank's worst
     relative error over outputs and gradients, one per case."""
     return [_check_case(kind, lengths, seed) for kind, lengths in cases]
@@ -376,6 +376,10 @@ def _check_case(kind, lengths, seed):
     length = sum(lengths)
     if kind == "mamba":
         return _check_mamba(length, start, end, device, seed)
+    if kind == "chain":   # the chain of sends against the all-gather (lengths: only their number counts)
+        g = torch.Generator().manual_seed(seed + dist.get_rank())
+        decay, end_state, initial = (torch.rand(2, 5, generator=g).to(device) for _ in range(3))
+        return _worst([(entering_state_by_chain(decay, end_state, initial), entering_state(decay, end_state, initial))])
     full, sharded = _scan_problem(kind, length, device, seed)
     leaves = {name: (t.clone().requires_grad_(), (t[..., start:end] if name in sharded else t).clone().requires_grad_())
               for name, t in full.items()}
@@ -413,7 +417,7 @@ def _check_mamba(length, start, end, device, seed):
 # %%
 from scan_lib.distributed import check_against_one_process, launch
 
-CHECKS = {3: [("linear_scan", (5, 1, 7)), ("selective_scan", (7, 1, 5)), ("mamba", (6, 2, 5))],
+CHECKS = {3: [("linear_scan", (5, 1, 7)), ("selective_scan", (7, 1, 5)), ("mamba", (6, 2, 5)), ("chain", (1, 1, 1))],
           2: [("linear_scan", (64, 65)), ("selective_scan", (33, 20))]}   # by number of ranks: one launch each
 print(f"{'kind':15s} {'shard lengths':15s} {'worst rel err per rank'}")
 for ranks, cases in CHECKS.items():
@@ -422,3 +426,170 @@ for ranks, cases in CHECKS.items():
         per_rank = [errors[rank][case] for rank in range(ranks)]
         print(f"{kind:15s} {str(lengths):15s} {' '.join(f'{e:.1e}' for e in per_rank)}")
         assert max(per_rank) < 1e-5, (kind, lengths, per_rank)
+
+# %% [markdown]
+# (The check starts processes, so it takes a while on a CPU: most of it is each process importing
+# torch and Triton.) Every error is at the level of float32 rounding: the sharded scans compute what
+# one process computes.
+#
+# ## 6. What the exchange costs: one collective, or a chain of sends
+#
+# Two ways to get $h^{\text{in}}_r$ to every rank:
+#
+# * **All-gather** (`entering_state`): every rank sends its summary to every other, then folds the ones
+#   before it itself. One collective: its time is a latency that grows slowly with the number of ranks,
+#   plus the bytes, $R$ summaries arriving at each rank.
+# * **A chain of sends** (`entering_state_by_chain` below): rank $r$ waits for $h^{\text{in}}_r$ from
+#   rank $r-1$, then sends $P_r h^{\text{in}}_r + E_r$ to rank $r+1$. One summary's bytes per link, but
+#   $R - 1$ transfers one after another: the last rank waits for $R - 1$ latencies.
+#
+# **Prediction.** The summaries are small (the selective scan's is batch $\times$ dim $\times N$ numbers,
+# independent of $L$), so latency decides: with 2 ranks the two are about equal, and from 3 or 4 ranks
+# on the chain's last rank waits longer; only with summaries of megabytes does the all-gather's
+# $R$-fold traffic start to show. The cell times both, median over repeated exchanges after a barrier,
+# as the slowest rank sees it.
+
+# %%
+#| export
+import time
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def entering_state_by_chain(decay, end, initial_state=None, group=None):
+    """entering_state's value by a chain of point-to-point sends: rank r receives the state entering it
+    from rank r - 1 and sends decay * state + end to rank r + 1. Forward only (no gradient)."""
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))  # noqa: E731
+    h = torch.zeros_like(end) if initial_state is None else initial_state.to(end.dtype).expand_as(end).clone()
+    if rank > 0:
+        dist.recv(h, src=peer(rank - 1), group=group)
+    if rank < ranks - 1:
+        dist.send((decay * h + end).contiguous(), dst=peer(rank + 1), group=group)
+    return h
+
+
+def median_seconds(fn, repeats=10, warmup=2):
+    """Median wall time of fn() on this rank, every call started together on all ranks (a barrier) and
+    finished on its device (synchronised): the same number of calls on every rank, as collectives need."""
+    device, samples = _device(), []
+    for _ in range(warmup + repeats):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    return sorted(samples[warmup:])[repeats // 2]
+
+
+EXCHANGES = {"all_gather": entering_state, "send/recv chain": entering_state_by_chain}
+
+
+def time_exchanges(shapes, repeats=20):
+    """This rank's median microseconds for one exchange of summaries of each shape, both ways:
+    [{way: us}] in the order of shapes."""
+    times = []
+    for shape in shapes:
+        decay, end = torch.rand(shape, device=_device()), torch.randn(shape, device=_device())
+        times.append({way: median_seconds(lambda: exchange(decay, end), repeats) * 1e6
+                      for way, exchange in EXCHANGES.items()})
+    return times
+
+
+# %%
+from scan_lib.distributed import EXCHANGES, time_exchanges
+
+SHAPES = [(1, 16, 16), (1, 1536, 16), (8, 1536, 64)]   # summaries of 256 values, of the 2^20 problem, 786432 values
+backend = "nccl" if GPUS >= 2 else "gloo"
+print(f"backend {backend}; median us of one exchange, the slowest rank's")
+print(f"{'ranks':>5s} {'summary shape':16s} " + " ".join(f"{way:>16s}" for way in EXCHANGES))
+for ranks in ((2,) if backend == "nccl" else (2, 4)):
+    per_rank = launch(time_exchanges, ranks, SHAPES, backend=backend)          # per_rank[rank][shape][way]
+    for i, shape in enumerate(SHAPES):
+        slowest = {way: max(times[i][way] for times in per_rank) for way in EXCHANGES}
+        print(f"{ranks:5d} {str(shape):16s} " + " ".join(f"{slowest[way]:16.0f}" for way in EXCHANGES))
+
+# %%
+def verdict(per_rank_times, shapes):
+    """One printed sentence per shape: which way was faster, by how much (the slowest rank's times)."""
+    for i, shape in enumerate(shapes):
+        slowest = {way: max(times[i][way] for times in per_rank_times) for way in EXCHANGES}
+        fast, slow = sorted(slowest, key=slowest.get)
+        print(f"  {str(shape):16s} ({len(per_rank_times)} ranks): {fast} faster, {slowest[slow] / slowest[fast]:.1f}x")
+
+
+print("measured:")
+verdict(per_rank, SHAPES)
+
+# %% [markdown]
+# The lines above say which way won at each size in this run. Our `entering_state` gathers three
+# tensors per rank (the decay, the end state, and the initial state, which only rank 0's matters) and
+# folds on every rank, so it moves more than the chain; the chain pays a latency per rank. Gloo on a
+# CPU adds copies through host memory and Python for every call; NCCL between GPUs on NVLink moves
+# the bytes far faster, and section 7 puts the exchange's time beside the scan's. `scan_lib.distributed` keeps the all-gather because its
+# backward comes from autograd (the chain would need a second, reverse chain written by hand) and its
+# latency does not grow with a chain of ranks waiting on each other.
+#
+# ## 7. Two GPUs against one
+#
+# (Needs two GPUs: the `nvidia-h200-x2` machine.) The selective scan at batch 1, dim 1536, $N$ = 16,
+# $L = 2^{20}$, bf16 with the block's options: on one GPU, `scan_lib.selective_scan` over the whole
+# sequence; on two, `scan_lib.distributed.selective_scan`, each GPU holding half; and the exchange alone,
+# timed separately. **Prediction:** each rank scans its half twice (phases 1 and 3), so two GPUs take
+# about as long as one, not half: the split buys memory (each GPU holds half the activations), and time
+# only from three ranks on ($2/R$ of one GPU's time for $R$ ranks, plus the exchange).
+
+# %%
+#| export
+def time_selective_scan(length, dim=1536, n_states=16, dtype=torch.bfloat16, repeats=5):
+    """Run on every rank: this rank's median seconds for the forward and the forward+backward of the
+    selective scan over a sequence of `length` positions split evenly over the ranks (one rank:
+    scan_lib.selective_scan over it all), and for the exchange alone. Returns a dict."""
+    ranks, device = dist.get_world_size(), _device()
+    shard = length // ranks
+    g = torch.Generator(device=device).manual_seed(dist.get_rank())
+    rand = lambda *shape: torch.randn(*shape, device=device, generator=g).to(dtype)  # noqa: E731
+    u, delta, z = rand(1, dim, shard), rand(1, dim, shard) * 0.5 - 1.0, rand(1, dim, shard)
+    B, C = rand(1, 1, n_states, shard), rand(1, 1, n_states, shard)
+    A = -(0.5 + torch.rand(dim, n_states, device=device, generator=g))
+    D, bias = torch.randn(dim, device=device, generator=g), torch.randn(dim, device=device, generator=g) * 0.1
+    scan = scan_lib.selective_scan if ranks == 1 else selective_scan
+
+    def forward():
+        with torch.no_grad():
+            scan(u, delta, A, B, C, D, z, bias, delta_softplus=True)
+
+    def training():
+        leaves = [t.detach().requires_grad_() for t in (u, delta, A, B, C, D, z, bias)]
+        out = scan(*leaves, delta_softplus=True)
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    decay, end = torch.rand(1, dim, n_states, device=device), torch.randn(1, dim, n_states, device=device)
+    return dict(fwd=median_seconds(forward, repeats), fwd_bwd=median_seconds(training, repeats),
+                exchange=median_seconds(lambda: entering_state(decay, end), repeats) if ranks > 1 else 0.0)
+
+
+# %%
+if GPUS < 2:
+    print(f"skipped: needs two GPUs ({GPUS} here)")
+else:
+    from scan_lib.distributed import time_selective_scan
+    length = 2**20
+    runs = {ranks: launch(time_selective_scan, ranks, length, backend="nccl") for ranks in (1, 2)}
+    slowest = {ranks: {key: max(r[key] for r in results) * 1e3 for key in results[0]} for ranks, results in runs.items()}
+    print(torch.cuda.get_device_name(), f"x {GPUS}; (batch, dim, L, N) = (1, 1536, 2^20, 16), bf16; median ms, slowest rank")
+    print(f"{'GPUs':>4s} {'forward':>9s} {'fwd+bwd':>9s} {'exchange':>9s} {'exchange share of fwd':>22s}")
+    for ranks, t in slowest.items():
+        print(f"{ranks:4d} {t['fwd']:9.2f} {t['fwd_bwd']:9.2f} {t['exchange']:9.3f} {t['exchange'] / t['fwd']:22.2%}")
+    fig, ax = plt.subplots(figsize=(6, 3))
+    for key, label in (("fwd", "forward"), ("fwd_bwd", "forward + backward")):
+        ax.plot(list(slowest), [slowest[r][key] for r in slowest], "o-", label=label)
+    ax.set(xlabel="GPUs", ylabel="ms", xticks=list(slowest), ylim=(0, None),
+           title=f"selective scan, L = 2^20, split over GPUs ({torch.cuda.get_device_name()})")
+    ax.legend()
+    save_figure(fig, "09_two_gpus.png")

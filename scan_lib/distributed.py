@@ -196,7 +196,7 @@ def _scan_problem(kind, length, device, seed):
 
 def check_against_one_process(cases, seed=0):
     """Run on every rank of the default group: for each (kind, lengths) of `cases` (kind "linear_scan",
-    "selective_scan" or "mamba"; lengths: one shard length per rank), one random problem of
+    "selective_scan", "mamba" or "chain"; lengths: one shard length per rank), one random problem of
     sum(lengths) positions, whole on each rank and sharded by `lengths`. Returns this rank's worst
     relative error over outputs and gradients, one per case."""
     return [_check_case(kind, lengths, seed) for kind, lengths in cases]
@@ -208,6 +208,10 @@ def _check_case(kind, lengths, seed):
     length = sum(lengths)
     if kind == "mamba":
         return _check_mamba(length, start, end, device, seed)
+    if kind == "chain":   # the chain of sends against the all-gather (lengths: only their number counts)
+        g = torch.Generator().manual_seed(seed + dist.get_rank())
+        decay, end_state, initial = (torch.rand(2, 5, generator=g).to(device) for _ in range(3))
+        return _worst([(entering_state_by_chain(decay, end_state, initial), entering_state(decay, end_state, initial))])
     full, sharded = _scan_problem(kind, length, device, seed)
     leaves = {name: (t.clone().requires_grad_(), (t[..., start:end] if name in sharded else t).clone().requires_grad_())
               for name, t in full.items()}
@@ -241,3 +245,79 @@ def _check_mamba(length, start, end, device, seed):
         dist.all_reduce(got)
         pairs.append((got, want))
     return _worst(pairs)
+
+import time
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def entering_state_by_chain(decay, end, initial_state=None, group=None):
+    """entering_state's value by a chain of point-to-point sends: rank r receives the state entering it
+    from rank r - 1 and sends decay * state + end to rank r + 1. Forward only (no gradient)."""
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))  # noqa: E731
+    h = torch.zeros_like(end) if initial_state is None else initial_state.to(end.dtype).expand_as(end).clone()
+    if rank > 0:
+        dist.recv(h, src=peer(rank - 1), group=group)
+    if rank < ranks - 1:
+        dist.send((decay * h + end).contiguous(), dst=peer(rank + 1), group=group)
+    return h
+
+
+def median_seconds(fn, repeats=10, warmup=2):
+    """Median wall time of fn() on this rank, every call started together on all ranks (a barrier) and
+    finished on its device (synchronised): the same number of calls on every rank, as collectives need."""
+    device, samples = _device(), []
+    for _ in range(warmup + repeats):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        samples.append(time.perf_counter() - start)
+    return sorted(samples[warmup:])[repeats // 2]
+
+
+EXCHANGES = {"all_gather": entering_state, "send/recv chain": entering_state_by_chain}
+
+
+def time_exchanges(shapes, repeats=20):
+    """This rank's median microseconds for one exchange of summaries of each shape, both ways:
+    [{way: us}] in the order of shapes."""
+    times = []
+    for shape in shapes:
+        decay, end = torch.rand(shape, device=_device()), torch.randn(shape, device=_device())
+        times.append({way: median_seconds(lambda: exchange(decay, end), repeats) * 1e6
+                      for way, exchange in EXCHANGES.items()})
+    return times
+
+def time_selective_scan(length, dim=1536, n_states=16, dtype=torch.bfloat16, repeats=5):
+    """Run on every rank: this rank's median seconds for the forward and the forward+backward of the
+    selective scan over a sequence of `length` positions split evenly over the ranks (one rank:
+    scan_lib.selective_scan over it all), and for the exchange alone. Returns a dict."""
+    ranks, device = dist.get_world_size(), _device()
+    shard = length // ranks
+    g = torch.Generator(device=device).manual_seed(dist.get_rank())
+    rand = lambda *shape: torch.randn(*shape, device=device, generator=g).to(dtype)  # noqa: E731
+    u, delta, z = rand(1, dim, shard), rand(1, dim, shard) * 0.5 - 1.0, rand(1, dim, shard)
+    B, C = rand(1, 1, n_states, shard), rand(1, 1, n_states, shard)
+    A = -(0.5 + torch.rand(dim, n_states, device=device, generator=g))
+    D, bias = torch.randn(dim, device=device, generator=g), torch.randn(dim, device=device, generator=g) * 0.1
+    scan = scan_lib.selective_scan if ranks == 1 else selective_scan
+
+    def forward():
+        with torch.no_grad():
+            scan(u, delta, A, B, C, D, z, bias, delta_softplus=True)
+
+    def training():
+        leaves = [t.detach().requires_grad_() for t in (u, delta, A, B, C, D, z, bias)]
+        out = scan(*leaves, delta_softplus=True)
+        torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+    decay, end = torch.rand(1, dim, n_states, device=device), torch.randn(1, dim, n_states, device=device)
+    return dict(fwd=median_seconds(forward, repeats), fwd_bwd=median_seconds(training, repeats),
+                exchange=median_seconds(lambda: entering_state(decay, end), repeats) if ranks > 1 else 0.0)
