@@ -1,0 +1,567 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 08 · FlashAttention: attention as a scan
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/08_flash_attention.ipynb)
+#
+# Softmax attention looks nothing like a recurrence: every query looks at every key at once. Yet the
+# way FlashAttention computes it is the pattern of chapters 02 and 03: walk along the keys block by
+# block, carry a small state from block to block, and merge states with an associative operator.
+# You will
+#
+# - see why the $L \times L$ matrix of scores is the problem (its bytes, and on a GPU the memory it takes);
+# - define the **online-softmax state** $(m, \ell, o)$, its merge, and prove that the merge is
+#   associative (and commutative); test it in PyTorch and with `tl.associative_scan` in a kernel;
+# - write a one-block kernel, then the **tiled forward** kernel (causal mask, any $L$, head dims 32, 64,
+#   128, float32 / float16 / bfloat16 inputs with float32 accumulation), which saves the log-sum-exp;
+# - derive the **backward pass** and write it as three kernels that recompute the tiles from the saved
+#   log-sum-exp; check every gradient against float64;
+# - export the differentiable `scan_lib.flash_attention(q, k, v, causal=False, sm_scale=None)`;
+# - read a naive CUDA FlashAttention kernel line by line, predict its weaknesses, and on a GPU measure
+#   them and benchmark ours against PyTorch's `scaled_dot_product_attention`.
+
+# %%
+# Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
+# Importing scan_lib comes first: without a GPU it switches Triton to its CPU interpreter,
+# which must happen before any @triton.jit function is defined.
+import subprocess, sys
+if "google.colab" in sys.modules:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/scan-course/scans-the-hard-way"], check=True)
+import scan_lib
+from scan_lib.runtime import DEVICE, ON_GPU
+print(scan_lib.runtime.describe())
+
+# %%
+#| default_exp flash_attention
+
+# %%
+import math
+import random
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from scan_lib.runtime import save_figure
+
+# %% [markdown]
+# ## 1. Softmax attention, and the $L \times L$ problem
+#
+# One attention head takes queries $q_i$, keys $k_j$ and values $v_j$, vectors of size $d$ (the head
+# dim), for positions $0 \le i, j < L$. Each query scores every key, the scores go through a softmax
+# over the keys, and the output is the weighted mean of the values:
+#
+# $$s_{ij} = \tau\, q_i \cdot k_j, \qquad P_{ij} = \frac{e^{s_{ij}}}{\sum_{j'} e^{s_{ij'}}}, \qquad
+# O_i = \sum_j P_{ij}\, v_j ,$$
+#
+# with the scale $\tau = 1/\sqrt{d}$ by default. **Causal** attention lets query $i$ see only the keys
+# $j \le i$ ($s_{ij} = -\infty$ for $j > i$). The log of the softmax's denominator, the
+# **log-sum-exp** $\mathrm{lse}_i = \log \sum_j e^{s_{ij}}$, gives $P_{ij} = e^{s_{ij} - \mathrm{lse}_i}$;
+# we will store it for the backward pass. The reference below is the definition in float64, with
+# tensors of shape (batch, heads, L, head_dim), the layout of PyTorch's
+# `F.scaled_dot_product_attention`. It builds the full matrix of scores.
+
+# %%
+#| export
+"""FlashAttention in Triton: the online-softmax merge, the tiled forward and backward kernels, the op `flash_attention`."""
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from scan_lib.ema import accumulator_dtype
+from scan_lib.runtime import INTERPRET, ON_GPU, apply, check_float_tensor, check_same_device, custom_op
+
+HEAD_DIMS = (32, 64, 128)  # the head dims the kernels are built for
+LOG2E = 1.4426950408889634  # log2(e): the kernels use exp2, e^x = 2^(x log2 e)
+
+
+def attention_reference(q, k, v, causal=False, sm_scale=None):
+    """softmax(q k^T * sm_scale, causal mask) v in float64, through the full L x L matrix of scores.
+
+    q, k, v: (..., L, head_dim). Returns (output (..., L, head_dim), log-sum-exp of the scores (..., L)),
+    both float64 and differentiable by autograd. sm_scale None means 1 / sqrt(head_dim)."""
+    q, k, v = q.double(), k.double(), v.double()
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    scores = q @ k.transpose(-1, -2) * scale  # ... x L x L
+    if causal:
+        length = scores.shape[-1]
+        later = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)  # key j > query i
+        scores = scores.masked_fill(later, float("-inf"))
+    lse = torch.logsumexp(scores, -1)  # ... x L
+    return torch.exp(scores - lse[..., None]) @ v, lse
+
+# %%
+torch.manual_seed(0)
+q_small, k_small, v_small = torch.randn(3, 2, 3, 5, 32, dtype=torch.float64)
+out_small, lse_small = attention_reference(q_small, k_small, v_small, causal=True)
+torch.testing.assert_close(out_small, F.scaled_dot_product_attention(q_small, k_small, v_small, is_causal=True))
+torch.testing.assert_close(out_small[..., 0, :], v_small[..., 0, :])  # causal: query 0 sees key 0 only
+print("attention_reference == F.scaled_dot_product_attention in float64 (causal); query 0 returns v_0: ok")
+
+# %% [markdown]
+# The reference materialises the scores $s$ and the probabilities $P$: $L^2$ numbers per head, where the
+# inputs and the output hold $4 L d$. For a model with heads $\times$ head_dim $= 2048$, batch 4, in
+# bfloat16 (2 bytes), the table below computes both. At $L = 16384$ one matrix of scores is larger than
+# all the inputs and outputs together by the factor $L / (4 d)$ on the right. PyTorch's
+# autograd keeps $P$ for the backward pass, so training pays it on every layer.
+
+# %%
+def attention_bytes(batch, heads, length, head_dim, element_size=2):
+    """(bytes of q, k, v and the output; bytes of one batch x heads x L x L matrix), in one dtype."""
+    return 4 * batch * heads * length * head_dim * element_size, batch * heads * length**2 * element_size
+
+
+print(f"{'head_dim':>8} {'L':>6} {'q,k,v,out GiB':>14} {'one L x L GiB':>14} {'ratio':>6}")
+for head_dim in (64, 128):
+    for length in (1024, 4096, 16384):
+        io_bytes, matrix_bytes = attention_bytes(4, 2048 // head_dim, length, head_dim)
+        print(f"{head_dim:8} {length:6} {io_bytes / 2**30:14.3f} {matrix_bytes / 2**30:14.2f} "
+              f"{matrix_bytes / io_bytes:6.0f}")
+        assert matrix_bytes / io_bytes == length / (4 * head_dim)
+
+# %% [markdown]
+# FlashAttention never stores the matrix. It walks along the keys in blocks, keeps for each query a
+# state of size $d + 2$, and recomputes scores in the backward pass instead of reading them. Section 4
+# measures the memory both take on a GPU. First, the state and why it can be carried from block to block.
+#
+# ## 2. The online-softmax state and its merge
+#
+# Take one query and any set $J$ of keys. Its **state** summarises what the softmax needs from $J$:
+#
+# $$m_J = \max_{j \in J} s_j, \qquad \ell_J = \sum_{j\in J} e^{s_j - m_J}, \qquad
+# o_J = \sum_{j\in J} e^{s_j - m_J}\, v_j .$$
+#
+# The output over $J$ is $o_J / \ell_J$ and its log-sum-exp is $m_J + \log \ell_J$. Subtracting the
+# maximum keeps every exponent $\le 0$, so nothing overflows (a float16 $e^{12}$ already does). For two
+# disjoint sets $A$ and $B$, the state of $A \cup B$ follows from the two states alone, by rescaling
+# both to the common maximum $m = \max(m_A, m_B)$:
+#
+# $$(m_A, \ell_A, o_A) \oplus (m_B, \ell_B, o_B) = \big(m,\ \ e^{m_A - m}\ell_A + e^{m_B - m}\ell_B,\ \
+# e^{m_A - m} o_A + e^{m_B - m} o_B\big).$$
+#
+# The state of the empty set, $(-\infty, 0, 0)$, is the identity (with the convention
+# $e^{-\infty - (-\infty)} \cdot 0 = 0$, which the code writes as a select).
+#
+# **The merge is associative and commutative.** Map a state to
+# $\varphi(m, \ell, o) = (m,\ e^{m}\ell,\ e^{m} o)$; for a set of keys this is
+# $(\max_J s_j,\ \sum_J e^{s_j},\ \sum_J e^{s_j} v_j)$. $\varphi$ is one-to-one on states with a finite
+# $m$ (divide by $e^m$ to go back), and it turns the merge into three familiar operations:
+#
+# $$\varphi(x \oplus y) = \big(\max(m_x, m_y),\ e^{m}(e^{m_x - m}\ell_x + e^{m_y - m}\ell_y),\ \dots\big)
+# = \big(\max(m_x, m_y),\ e^{m_x}\ell_x + e^{m_y}\ell_y,\ e^{m_x}o_x + e^{m_y}o_y\big)
+# = \varphi(x) \boxplus \varphi(y),$$
+#
+# where $\boxplus$ is (max, +, +) componentwise. Max and + are associative and commutative, so
+# $\varphi\big((x \oplus y) \oplus z\big) = (\varphi(x) \boxplus \varphi(y)) \boxplus \varphi(z) =
+# \varphi(x) \boxplus (\varphi(y) \boxplus \varphi(z)) = \varphi\big(x \oplus (y \oplus z)\big)$, and
+# since $\varphi$ is one-to-one, $(x \oplus y) \oplus z = x \oplus (y \oplus z)$; likewise
+# $x \oplus y = y \oplus x$. (With the identity involved the equalities hold by its definition.) So the
+# keys can be cut into blocks anywhere, the blocks merged in any grouping and, unlike chapter 02's
+# steps, in any order. The rescaling by $e^{-m}$ changes how the numbers are stored, not what they mean:
+# it is there only so that they fit in floating point.
+#
+# In PyTorch, for states of many queries at once (`m`, `l` of shape (...), `o` of shape (..., head_dim)):
+
+# %%
+def softmax_state(scores, values):
+    """The state (m, l, o) of the keys in `scores` (..., n) with `values` (..., n, head_dim)."""
+    m = scores.max(-1).values  # ...
+    weights = torch.exp(scores - m[..., None])  # ... x n
+    return m, weights.sum(-1), (weights[..., None] * values).sum(-2)
+
+
+def merge_states(x, y):
+    """(m, l, o) of keys X, (m, l, o) of disjoint keys Y -> (m, l, o) of X and Y together."""
+    (m_x, l_x, o_x), (m_y, l_y, o_y) = x, y
+    m = torch.maximum(m_x, m_y)
+    scale_x = torch.where(m_x == m, 1.0, torch.exp(m_x - m))  # the select: e^(-inf - (-inf)) counts as 1
+    scale_y = torch.where(m_y == m, 1.0, torch.exp(m_y - m))
+    return m, scale_x * l_x + scale_y * l_y, scale_x[..., None] * o_x + scale_y[..., None] * o_y
+
+
+def identity_state(queries, head_dim):
+    """The state of no keys: (-inf, 0, 0) for `queries` queries, float64."""
+    m = torch.full((queries,), float("-inf"), dtype=torch.float64)
+    return m, torch.zeros(queries, dtype=torch.float64), torch.zeros(queries, head_dim, dtype=torch.float64)
+
+
+def random_cuts(length, pieces, rng):
+    """`pieces` - 1 distinct cut points in (0, length): contiguous pieces [0, c1), [c1, c2), ..."""
+    return [0, *sorted(rng.sample(range(1, length), pieces - 1)), length]
+
+# %% [markdown]
+# The checks: on random scores (spread wide, so that the maxima differ), cut the keys into random
+# pieces, merge the pieces' states left to right, right to left, in a random tree, and in a shuffled
+# order, and compare each with the state of all keys at once and with the reference's output and
+# log-sum-exp.
+
+# %%
+def merge_in_random_tree(states, rng):
+    """Merge a list of states by repeatedly merging a random adjacent pair."""
+    states = list(states)
+    while len(states) > 1:
+        i = rng.randrange(len(states) - 1)
+        states[i:i + 2] = [merge_states(states[i], states[i + 1])]
+    return states[0]
+
+
+torch.manual_seed(1)
+rng = random.Random(1)
+queries, keys, head_dim = 6, 97, 32
+scores = 20 * torch.randn(queries, keys, dtype=torch.float64)
+values = torch.randn(keys, head_dim, dtype=torch.float64)
+whole = softmax_state(scores, values)
+cuts = random_cuts(keys, 9, rng)
+pieces = [softmax_state(scores[:, a:b], values[a:b]) for a, b in zip(cuts, cuts[1:])]
+empty = identity_state(queries, head_dim)
+shuffled = rng.sample(pieces, len(pieces))
+left = pieces[0]
+for piece in pieces[1:]:
+    left = merge_states(left, piece)
+right = pieces[-1]
+for piece in reversed(pieces[:-1]):
+    right = merge_states(piece, right)
+shuffled_left = empty
+for piece in shuffled:
+    shuffled_left = merge_states(shuffled_left, piece)
+results = {"left to right": left, "right to left": right, "random tree": merge_in_random_tree(pieces, rng),
+           "shuffled, from the identity": shuffled_left}
+attention_out, attention_lse = attention_reference(scores[None], torch.eye(keys, dtype=torch.float64)[None],
+                                                   values[None], sm_scale=1.0)
+print(f"pieces: {[b - a for a, b in zip(cuts, cuts[1:])]}")
+print(f"{'grouping':28} {'state err':>10} {'output err':>11} {'lse err':>9}")
+for name, (m, l, o) in results.items():
+    state_err = max((x - w).abs().max().item() for x, w in zip((m, l, o), whole))
+    out_err = (o / l[:, None] - attention_out[0]).abs().max().item()
+    lse_err = (m + l.log() - attention_lse[0]).abs().max().item()
+    print(f"{name:28} {state_err:10.1e} {out_err:11.1e} {lse_err:9.1e}")
+    assert state_err < 1e-12 and out_err < 1e-12 and lse_err < 1e-12
+
+empty_merged = merge_states(empty, left)
+assert all(torch.equal(x, y) for x, y in zip(empty_merged, left))
+print("the identity (-inf, 0, 0) merged with a state leaves it unchanged: ok")
+
+# %% [markdown]
+# ## 3. The merge in a kernel: `tl.associative_scan` over a tuple state
+#
+# Because the merge is associative, Triton's `tl.associative_scan` can scan states, as chapter 02
+# scanned pairs. The kernel below takes one query per program and all keys in one block. Key $j$
+# alone has the state $(s_j, 1, v_j)$; the padding past $L$ holds the identity. The scan's element
+# $j$ is then the state of keys $0..j$, and $o/\ell$ there is the attention of this query over the
+# first $j+1$ keys. All members of a scanned tuple must have one shape, so $m$ and $\ell$ are
+# repeated along the head dim: a waste that the tiled kernel of section 5 avoids, but the scan is
+# the same.
+
+# %%
+@triton.jit
+def softmax_merge(m_x, l_x, o_x, m_y, l_y, o_y):
+    """The merge of two states (m, l, o) of disjoint sets of keys, on blocks of one shape; identity (-inf, 0, 0)."""
+    m = tl.maximum(m_x, m_y)
+    scale_x = tl.where(m_x == m, 1.0, tl.exp(m_x - m))  # e^(-inf - (-inf)) would be NaN: the identity gets 1
+    scale_y = tl.where(m_y == m, 1.0, tl.exp(m_y - m))
+    return m, scale_x * l_x + scale_y * l_y, scale_x * o_x + scale_y * o_y
+
+
+@triton.jit
+def prefix_attention_kernel(Q, K, V, O, length, sm_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    # Q: queries x HEAD_DIM; K, V: length x HEAD_DIM; O: queries x length x HEAD_DIM, all float32.
+    # One program per query; BLOCK >= length. O[i, j] = attention of query i over keys 0..j.
+    query = tl.program_id(0)
+    keys = tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    inside = keys[:, None] < length  # BLOCK x 1
+    q = tl.load(Q + query * HEAD_DIM + dims)  # HEAD_DIM
+    k = tl.load(K + keys[:, None] * HEAD_DIM + dims[None, :], mask=inside, other=0.0)  # BLOCK x HEAD_DIM
+    v = tl.load(V + keys[:, None] * HEAD_DIM + dims[None, :], mask=inside, other=0.0)  # BLOCK x HEAD_DIM
+    s = tl.sum(k * q[None, :], 1) * sm_scale  # BLOCK scores
+    m = tl.where(inside, s[:, None], float("-inf")) + tl.zeros_like(v)  # key j's state (s_j, 1, v_j),
+    l = tl.where(inside, 1.0, 0.0) + tl.zeros_like(v)  # the identity (-inf, 0, 0) in the padding
+    m, l, o = tl.associative_scan((m, l, v), 0, softmax_merge)
+    l = tl.where(inside, l, 1.0)  # the padding's l is 0: divide by 1 there (the store skips it)
+    tl.store(O + (query * length + keys[:, None]) * HEAD_DIM + dims[None, :], o / l, mask=inside)
+
+
+def prefix_attention(q, k, v, sm_scale):
+    """(queries, L, head_dim): attention of each query (queries, head_dim) over each prefix of k, v (L, head_dim)."""
+    length, head_dim = k.shape
+    out = torch.empty(q.shape[0], length, head_dim, device=q.device)
+    prefix_attention_kernel[(q.shape[0],)](q, k, v, out, length, sm_scale, HEAD_DIM=head_dim,
+                                           BLOCK=triton.next_power_of_2(length))
+    return out
+
+
+torch.manual_seed(2)
+print(f"{'L':>4} {'max abs err':>12}")
+for length in (1, 7, 33, 129):
+    q_scan, k_scan, v_scan = torch.randn(3, length, 32, device=DEVICE)
+    got = prefix_attention(q_scan[:3], k_scan, v_scan, 32**-0.5)  # 3 queries (or fewer)
+    # the reference: query i repeated at every position, causal, is attention over each prefix
+    want = torch.stack([attention_reference(q_i.expand(length, 32), k_scan, v_scan, causal=True)[0] for q_i in q_scan[:3]])
+    err = (got.double() - want).abs().max().item()
+    print(f"{length:4} {err:12.2e}")
+    assert err < 1e-5
+
+# %% [markdown]
+# The scan computes every prefix, which attention does not need: a query wants only the state of all
+# its keys. The kernels that follow therefore fold the key blocks into one state, left to right, like
+# chapter 02's chunk loop with its carried state, and parallelise over queries instead.
+#
+# ## 4. One block: attention in a single program
+#
+# When $L$ is small, one program can hold all the queries, keys and values of one head and compute
+# the scores with a single matrix product, `tl.dot` (on a GPU it runs on the tensor cores). Keys past
+# $L$ get the score $-\infty$, so their weight is $e^{-\infty} = 0$.
+
+# %%
+@triton.jit
+def attention_one_block_kernel(Q, K, V, O, length, sm_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    # Q, K, V, O: heads x length x HEAD_DIM contiguous, float32. One program per head; BLOCK >= length.
+    head = tl.program_id(0)
+    positions = tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    offsets = head * length * HEAD_DIM + positions[:, None] * HEAD_DIM + dims[None, :]  # BLOCK x HEAD_DIM
+    inside = positions[:, None] < length
+    q = tl.load(Q + offsets, mask=inside, other=0.0)
+    k = tl.load(K + offsets, mask=inside, other=0.0)
+    v = tl.load(V + offsets, mask=inside, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # BLOCK x BLOCK scores
+    s = tl.where(positions[None, :] < length, s, float("-inf"))  # keys past the end weigh nothing
+    p = tl.exp(s - tl.max(s, 1)[:, None])
+    o = tl.dot(p, v, input_precision="ieee") / tl.sum(p, 1)[:, None]
+    tl.store(O + offsets, o, mask=inside)
+
+
+def attention_one_block(q, k, v):
+    """Attention of contiguous float32 (heads, L, head_dim) tensors, each head in one program (L <= a few hundred)."""
+    heads, length, head_dim = q.shape
+    out = torch.empty_like(q)
+    attention_one_block_kernel[(heads,)](q, k, v, out, length, head_dim**-0.5, HEAD_DIM=head_dim,
+                                         BLOCK=max(16, triton.next_power_of_2(length)))
+    return out
+
+
+torch.manual_seed(3)
+print(f"{'L':>4} {'max abs err':>12}")
+for length in (1, 7, 33, 129):
+    q_1b, k_1b, v_1b = torch.randn(3, 2, length, 64, device=DEVICE)
+    err = (attention_one_block(q_1b, k_1b, v_1b).double() - attention_reference(q_1b, k_1b, v_1b)[0]).abs().max().item()
+    print(f"{length:4} {err:12.2e}")
+    assert err < 1e-5
+
+# %% [markdown]
+# `tl.dot` needs blocks of at least 16 rows, hence the `max(16, ...)`. The $L \times L$ block of
+# scores lives in registers, which run out at a few hundred positions: for longer sequences the keys
+# must come in blocks, with the state carried between them.
+#
+# ## 5. The tiled forward kernel
+#
+# Each program takes `BLOCK_M` queries of one head (a grid of $\lceil L / \text{BLOCK\_M} \rceil
+# \times$ batch $\cdot$ heads programs) and loops over the keys in blocks of `BLOCK_N`. Per key block it
+# computes the block of scores with `tl.dot`, then merges the block's state into its running state
+# $(m, \ell, o)$, one row per query: $m$ and $\ell$ are `BLOCK_M` numbers, $o$ is `BLOCK_M` $\times$
+# head_dim, and all three stay in registers for the whole loop. The merge of section 2, written for a
+# running state and one new block, is the **online softmax**:
+#
+# $$m' = \max\big(m, \max_j s_{ij}\big),\quad \alpha = e^{m - m'},\quad p_{ij} = e^{s_{ij} - m'},\quad
+# \ell' = \alpha\,\ell + \sum_j p_{ij},\quad o' = \alpha\, o + p\, V_{\text{block}} .$$
+#
+# After the last block, $O_i = o_i / \ell_i$ and $\mathrm{lse}_i = m_i + \log \ell_i$ are written.
+# A few details make it fast and exact:
+#
+# - **exp2**: the kernel multiplies the scores by $\tau \log_2 e$ and uses `tl.exp2`
+#   ($e^x = 2^{x \log_2 e}$): the GPU's exponential unit computes powers of 2, so this saves a multiply per score;
+#   $m$ is kept in these base-2 units, and the stored log-sum-exp is converted back to natural units.
+# - **masks only where needed**: key blocks that lie wholly inside $0..L-1$ and, for a causal
+#   kernel, wholly left of the program's first query need no mask. `attend_key_blocks` runs twice:
+#   over those blocks without masks, then over the rest (the last, partial block; the blocks on the
+#   diagonal) with them. A causal program stops at its last query: the blocks above the diagonal are skipped,
+#   half the work.
+# - **no row is ever empty**: every program's first key block holds key 0, which every query may see,
+#   so $m$ is finite after it and $e^{m - m'}$ never meets $-\infty - (-\infty)$.
+# - **precision**: scores and the state are float32 (float64 for float64 inputs); the probabilities
+#   $p$ are rounded to the input's dtype for the second `tl.dot` (as every FlashAttention does, so
+#   that float16 / bfloat16 run on the tensor cores), and float32 products use `input_precision="ieee"`,
+#   not TF32, so a float32 call is as accurate as a float32 matrix product.
+# - **one helper for `tl.dot`**: Triton 3.6's CPU interpreter multiplies bfloat16 blocks as their raw
+#   16-bit integers, a bug; under the interpreter `matmul` converts bfloat16 to float32 first, which is
+#   exact and gives the same sums as the tensor cores (which multiply bfloat16 exactly and add in float32).
+
+# %%
+#| export
+# Under Triton 3.6's interpreter tl.dot multiplies bfloat16 blocks as raw 16-bit integers: matmul upcasts them.
+UPCAST_BFLOAT16_DOTS: tl.constexpr = tl.constexpr(INTERPRET)
+LOG2E_CONST: tl.constexpr = tl.constexpr(LOG2E)  # LOG2E inside kernels
+
+
+@triton.jit
+def matmul(a, b):
+    """tl.dot(a, b) with float32 accumulation and full float32 precision ("ieee", not TF32)."""
+    if UPCAST_BFLOAT16_DOTS:
+        if a.dtype == tl.bfloat16:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def attend_key_blocks(o, l, m, q, K, V, base, rows, start, stop, length, qk_scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Merge the key blocks [start, stop) into the running state (m, l, o) of the queries `rows`.
+
+    o: BLOCK_M x HEAD_DIM, l, m: BLOCK_M (m in base-2 units: scores times qk_scale = sm_scale * log2 e);
+    q: BLOCK_M x HEAD_DIM. MASKED: mask keys past `length` and, if CAUSAL, keys after the query."""
+    dims = tl.arange(0, HEAD_DIM)
+    for block_start in tl.range(start, stop, BLOCK_N):
+        keys = block_start + tl.arange(0, BLOCK_N)
+        offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
+        if MASKED:
+            k = tl.load(K + offsets, mask=keys[:, None] < length, other=0.0)
+            v = tl.load(V + offsets, mask=keys[:, None] < length, other=0.0)
+        else:
+            k = tl.load(K + offsets)
+            v = tl.load(V + offsets)
+        s = matmul(q, tl.trans(k)).to(o.dtype) * qk_scale  # BLOCK_M x BLOCK_N
+        if MASKED:
+            visible = keys[None, :] < length
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= rows[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)  # rescales the old state to the new maximum
+        p = tl.exp2(s - m_new[:, None])  # BLOCK_M x BLOCK_N
+        l = l * alpha + tl.sum(p, 1)
+        o = o * alpha[:, None] + matmul(p.to(v.dtype), v).to(o.dtype)
+        m = m_new
+    return o, l, m
+
+
+@triton.jit
+def flash_fwd_kernel(Q, K, V, O, LSE, length, qk_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                     ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Q, K, V, O: (batch * heads) x length x HEAD_DIM contiguous; LSE: (batch * heads) x length, in ACC.
+    # One program per BLOCK_M queries of one head; qk_scale = sm_scale * log2(e).
+    block_m = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    base = head * length * HEAD_DIM
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
+    q = tl.load(Q + row_offsets, mask=rows[:, None] < length, other=0.0)
+    m = tl.full([BLOCK_M], float("-inf"), ACC)
+    l = tl.zeros([BLOCK_M], ACC)
+    o = tl.zeros([BLOCK_M, HEAD_DIM], ACC)
+    if CAUSAL:  # keys left of the first query need no mask; stop after the last query
+        unmasked_stop = block_m * BLOCK_M // BLOCK_N * BLOCK_N
+        stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
+    else:  # whole key blocks need no mask
+        unmasked_stop = length // BLOCK_N * BLOCK_N
+        stop = length
+    o, l, m = attend_key_blocks(o, l, m, q, K, V, base, rows, 0, unmasked_stop, length, qk_scale,
+                                HEAD_DIM, BLOCK_N, False, CAUSAL)
+    o, l, m = attend_key_blocks(o, l, m, q, K, V, base, rows, unmasked_stop, stop, length, qk_scale,
+                                HEAD_DIM, BLOCK_N, True, CAUSAL)
+    tl.store(O + row_offsets, (o / l[:, None]).to(O.dtype.element_ty), mask=rows[:, None] < length)
+    tl.store(LSE + head * length + rows, m / LOG2E_CONST + tl.log(l), mask=rows < length)  # natural log
+
+# %% [markdown]
+# The launcher makes the grid from the block size, which `triton.autotune` picks on a GPU (section
+# "Going deeper: tile sizes and autotuning"); under the interpreter one small configuration is used,
+# with `BLOCK_M` $\ne$ `BLOCK_N` so that the masks' block arithmetic is exercised.
+
+# %%
+#| export
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) that autotune tries on a GPU, by the inputs' element size:
+# 2 bytes (float16, bfloat16) run on the tensor cores; 4 and 8 (float32, float64 with "ieee" precision) do
+# not, and get smaller tiles that fit in registers and shared memory.
+GPU_TILES = {
+    "fwd": {2: [(128, n, w, s) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)],
+            4: [(64, 32, 4, 2), (32, 32, 4, 2)], 8: [(32, 32, 4, 1)]},
+    "dkdv": {2: [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 2)],
+             4: [(32, 64, 4, 2), (32, 32, 4, 2)], 8: [(32, 32, 4, 1)]},
+    "dq": {2: [(128, 32, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)],
+           4: [(64, 32, 4, 2), (32, 32, 4, 2)], 8: [(32, 32, 4, 1)]},
+}
+INTERPRETER_TILES = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}  # (BLOCK_M, BLOCK_N) on the CPU
+
+
+def tuned(kernel_name: str):
+    """triton.autotune keyed on (length, HEAD_DIM, CAUSAL) (and the dtypes, which autotune adds), trying
+    only the GPU_TILES of the inputs' element size; under the interpreter one fixed INTERPRETER_TILES tile."""
+    if not ON_GPU:
+        block_m, block_n = INTERPRETER_TILES[kernel_name]
+        return triton.autotune([triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n})],
+                               key=["length", "HEAD_DIM", "CAUSAL"])
+    by_size = {size: [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
+               for size, tiles in GPU_TILES[kernel_name].items()}
+
+    def for_element_size(configs, named_args, **kwargs):
+        return by_size[named_args["Q"].element_size()]
+    return triton.autotune([c for configs in by_size.values() for c in configs], key=["length", "HEAD_DIM", "CAUSAL"],
+                           prune_configs_by={"early_config_prune": for_element_size})
+
+
+flash_fwd = tuned("fwd")(flash_fwd_kernel)
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the saved log-sum-exp, the kernels' accumulator: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def flash_attention_forward(q, k, v, causal: bool, sm_scale: float):
+    """(output, lse) for contiguous q, k, v (batch, heads, L, head_dim) of one dtype, L >= 1.
+
+    output: the input dtype; lse: (batch, heads, L), the log-sum-exp of each query's scores, in lse_dtype."""
+    batch, heads, length, head_dim = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, length, dtype=lse_dtype(q.dtype), device=q.device)
+    grid = lambda meta: (triton.cdiv(length, meta["BLOCK_M"]), batch * heads)  # noqa: E731
+    flash_fwd[grid](q, k, v, out, lse, length, sm_scale * LOG2E, HEAD_DIM=head_dim, CAUSAL=causal,
+                    ACC=accumulator_dtype(q.dtype))
+    return out, lse
+
+# %% [markdown]
+# The checks: random inputs at awkward lengths (1, 7, 33, 129 under the interpreter; longer ones on a
+# GPU), causal and not, every head dim and input dtype, against the float64 reference, for the output
+# and the log-sum-exp. The tolerance follows the dtype: the output is rounded once to the input dtype
+# (and $p$ once before its product), so the error is a few units of the dtype's rounding.
+
+# %%
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # max abs error allowed, inputs ~ N(0, 1)
+
+
+def forward_cases():
+    """(L, head_dim, dtype, causal) checked: every L and causal flag in float32 at head dim 64, the other head
+    dims and dtypes at two lengths (the interpreter is slow; a GPU checks more)."""
+    lengths = (1, 7, 33, 129, 1000, 4097) if ON_GPU else (1, 7, 33, 129)
+    cases = [(length, 64, torch.float32, causal) for length in lengths for causal in (False, True)]
+    for head_dim in HEAD_DIMS:
+        for dtype in TOLERANCE:
+            cases += [(length, head_dim, dtype, True) for length in (7, 129) if (head_dim, dtype) != (64, torch.float32)]
+    return cases
+
+
+torch.manual_seed(4)
+print(f"{'L':>5} {'d':>4} {'dtype':>9} {'causal':>6} {'out err':>9} {'lse err':>9}")
+for length, head_dim, dtype, causal in forward_cases():
+    q_f, k_f, v_f = torch.randn(3, 2, 3, length, head_dim, device=DEVICE).to(dtype)
+    out_f, lse_f = flash_attention_forward(q_f, k_f, v_f, causal, head_dim**-0.5)
+    want_out, want_lse = attention_reference(q_f, k_f, v_f, causal)
+    out_err = (out_f.double() - want_out).abs().max().item()
+    lse_err = (lse_f.double() - want_lse).abs().max().item()
+    print(f"{length:5} {head_dim:4} {str(dtype)[6:]:>9} {str(causal):>6} {out_err:9.1e} {lse_err:9.1e}")
+    assert out_f.dtype == dtype and lse_f.dtype == torch.float32
+    assert out_err < TOLERANCE[dtype] and lse_err < 1e-4
