@@ -557,7 +557,7 @@ def forward_cases():
 torch.manual_seed(4)
 print(f"{'L':>5} {'d':>4} {'dtype':>9} {'causal':>6} {'out err':>9} {'lse err':>9}")
 for length, head_dim, dtype, causal in forward_cases():
-    q_f, k_f, v_f = torch.randn(3, 2, 3, length, head_dim, device=DEVICE).to(dtype)
+    q_f, k_f, v_f = torch.randn(3, 1, 2, length, head_dim, device=DEVICE).to(dtype)  # batch 1, 2 heads
     out_f, lse_f = flash_attention_forward(q_f, k_f, v_f, causal, head_dim**-0.5)
     want_out, want_lse = attention_reference(q_f, k_f, v_f, causal)
     out_err = (out_f.double() - want_out).abs().max().item()
@@ -565,3 +565,247 @@ for length, head_dim, dtype, causal in forward_cases():
     print(f"{length:5} {head_dim:4} {str(dtype)[6:]:>9} {str(causal):>6} {out_err:9.1e} {lse_err:9.1e}")
     assert out_f.dtype == dtype and lse_f.dtype == torch.float32
     assert out_err < TOLERANCE[dtype] and lse_err < 1e-4
+
+# %% [markdown]
+# ## 6. The memory, measured
+#
+# (On a GPU.) The cell runs the reference's computation in bfloat16 (the scores, the softmax, the
+# product with $V$, as plain PyTorch does) and our forward kernel, batch 4, 16 heads of dim 128, and
+# reads `torch.cuda.max_memory_allocated` above what the inputs already hold. The prediction from
+# section 1: the plain computation needs at least one $L \times L$ matrix (in fact several, since each
+# step allocates its result); the kernel needs only its output and the log-sum-exp.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    def peak_extra_bytes(fn):
+        """Peak memory allocated while fn() runs, above what was allocated before, in bytes."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        result = fn()
+        torch.cuda.synchronize()
+        del result
+        return torch.cuda.max_memory_allocated() - before
+
+    def plain_attention(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1) @ v
+
+    print(f"{torch.cuda.get_device_name()}: batch 4, 16 heads, head_dim 128, bfloat16, forward only")
+    print(f"{'L':>6} {'one L x L GiB':>14} {'plain GiB':>10} {'flash GiB':>10} {'out + lse GiB':>14}")
+    for length in (1024, 2048, 4096, 8192):
+        q_mem, k_mem, v_mem = torch.randn(3, 4, 16, length, 128, device=DEVICE, dtype=torch.bfloat16)
+        plain = peak_extra_bytes(lambda: plain_attention(q_mem, k_mem, v_mem))
+        flash = peak_extra_bytes(lambda: flash_attention_forward(q_mem, k_mem, v_mem, False, 128**-0.5))
+        matrix = 4 * 16 * length**2 * 2
+        needed = q_mem.numel() * 2 + 4 * 16 * length * 4  # output (bfloat16) + lse (float32)
+        print(f"{length:6} {matrix / 2**30:14.2f} {plain / 2**30:10.2f} {flash / 2**30:10.3f} {needed / 2**30:14.3f}")
+        assert plain >= matrix and flash <= 1.05 * needed
+        del q_mem, k_mem, v_mem
+
+# %% [markdown]
+# ## 7. The backward pass, derived
+#
+# Take one head and a loss $\mathcal{L}$ with incoming gradient $dO_i = \partial\mathcal{L}/\partial O_i$.
+# Write $dX$ for $\partial\mathcal{L}/\partial X$. From $O_i = \sum_j P_{ij} v_j$:
+#
+# $$dV_j = \sum_i P_{ij}\, dO_i, \qquad dP_{ij} = dO_i \cdot v_j .$$
+#
+# The softmax of row $i$ has the Jacobian $\partial P_{ik} / \partial s_{ij} = P_{ik}(\delta_{jk} - P_{ij})$, so
+#
+# $$dS_{ij} = \sum_k dP_{ik}\, P_{ik}(\delta_{jk} - P_{ij}) = P_{ij}\Big(dP_{ij} - \sum_k P_{ik}\, dP_{ik}\Big)
+# = P_{ij}\,\big(dP_{ij} - D_i\big),$$
+#
+# and the row sum is a dot product of two vectors of size $d$, because $\sum_k P_{ik} v_k = O_i$:
+#
+# $$D_i = \sum_k P_{ik}\, dO_i \cdot v_k = dO_i \cdot O_i .$$
+#
+# Finally $s_{ij} = \tau\, q_i \cdot k_j$ gives
+#
+# $$dQ_i = \tau \sum_j dS_{ij}\, k_j, \qquad dK_j = \tau \sum_i dS_{ij}\, q_i .$$
+#
+# With causal masking, $P_{ij} = 0$ for $j > i$, hence $dS_{ij} = 0$ there: the same formulas, the same mask.
+#
+# **What to store, what to recompute.** $P$ is the $L \times L$ matrix we refused to store. The forward
+# saved $\mathrm{lse}_i$, and $P_{ij} = e^{\tau q_i\cdot k_j - \mathrm{lse}_i}$ is one score and one
+# exponential away, in any tile, in any order: no running maximum is needed the second time. So the
+# backward recomputes the tiles of $S$ and $P$ from $Q$, $K$ and the log-sum-exp. Three kernels:
+#
+# 1. **preprocess**: $D_i = dO_i \cdot O_i$, one number per query;
+# 2. **dK, dV**: one program per block of keys, looping over the blocks of queries; it accumulates
+#    $dV_j \mathrel{+}= P^\top dO$ and $dK_j \mathrel{+}= \tau\, dS^\top Q$ in registers and writes each once;
+# 3. **dQ**: one program per block of queries, looping over the blocks of keys; it accumulates
+#    $dQ_i \mathrel{+}= \tau\, dS\, K$.
+#
+# Each program owns the rows it writes, so no two programs add into one place: no atomics, and the
+# result does not depend on the order in which programs run. The price is that $S$ and $P$ are computed
+# twice in the backward (once per kernel), and $dP$ too: five matrix products per tile pair in all,
+# against two in the forward. Before the kernels, the formulas checked in float64 against autograd:
+
+# %%
+def attention_backward_formulas(q, k, v, grad_out, causal, sm_scale):
+    """(dq, dk, dv) from the formulas above, in float64, for (..., L, head_dim) tensors."""
+    out, lse = attention_reference(q, k, v, causal, sm_scale)
+    scores = q.double() @ k.double().transpose(-1, -2) * sm_scale  # ... x L x L
+    p = torch.exp(scores - lse[..., None])
+    if causal:
+        p = p.tril()  # e^(s - lse) of a masked score is 0
+    d_p = grad_out.double() @ v.double().transpose(-1, -2)
+    d_rows = (grad_out.double() * out).sum(-1)  # D_i = dO_i . O_i
+    d_s = p * (d_p - d_rows[..., None])
+    return sm_scale * d_s @ k.double(), sm_scale * d_s.transpose(-1, -2) @ q.double(), p.transpose(-1, -2) @ grad_out.double()
+
+
+torch.manual_seed(5)
+for causal in (False, True):
+    q_b, k_b, v_b, grad_b = torch.randn(4, 2, 3, 37, 32, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q_b, k_b, v_b)]
+    want = torch.autograd.grad(attention_reference(*leaves, causal, 0.3)[0], leaves, grad_b)
+    got = attention_backward_formulas(q_b, k_b, v_b, grad_b, causal, 0.3)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+print("dS = P * (dP - rowsum(dO * O)), dQ, dK, dV == autograd of the reference, causal and not: ok")
+
+# %% [markdown]
+# The kernels. Both gradient kernels mask every tile (queries past $L$, keys past $L$, and the causal
+# triangle): simpler than the forward's two loops, at the price of a few selects per score. The causal
+# dK/dV program starts at the first block of queries that can see its keys; the causal dQ program stops
+# after its last query, as in the forward.
+
+# %%
+#| export
+@triton.jit
+def flash_bwd_preprocess_kernel(O, DO, DELTA, length, HEAD_DIM: tl.constexpr, ACC: tl.constexpr,
+                                BLOCK_M: tl.constexpr):
+    # O, DO: (batch * heads) x length x HEAD_DIM contiguous; DELTA: (batch * heads) x length, in ACC.
+    # DELTA = rowsum(DO * O): D_i = dO_i . O_i.
+    block_m = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    offsets = head * length * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
+    o = tl.load(O + offsets, mask=rows[:, None] < length, other=0.0).to(ACC)
+    do = tl.load(DO + offsets, mask=rows[:, None] < length, other=0.0).to(ACC)
+    tl.store(DELTA + head * length + rows, tl.sum(o * do, 1), mask=rows < length)
+
+
+@triton.jit
+def probabilities(q, k, lse2, rows, keys, length, qk_scale, ACC: tl.constexpr, CAUSAL: tl.constexpr):
+    """P = exp(q k^T * sm_scale - lse) for a BLOCK_M x BLOCK_N tile, recomputed; 0 where masked.
+
+    lse2: the log-sum-exp in base-2 units (BLOCK_M); rows, keys: the tile's query and key positions."""
+    s = matmul(q, tl.trans(k)).to(ACC) * qk_scale  # BLOCK_M x BLOCK_N, base-2 units
+    visible = (rows[:, None] < length) & (keys[None, :] < length)
+    if CAUSAL:
+        visible = visible & (keys[None, :] <= rows[:, None])
+    return tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
+
+
+@triton.jit
+def flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, length, qk_scale, sm_scale,
+                          HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Q, K, V, DO, DK, DV: (batch * heads) x length x HEAD_DIM contiguous; LSE, DELTA: (batch * heads) x length.
+    # One program per BLOCK_N keys of one head, looping over the blocks of queries that can see them.
+    block_n = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    base = head * length * HEAD_DIM
+    keys = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    key_offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
+    k = tl.load(K + key_offsets, mask=keys[:, None] < length, other=0.0)
+    v = tl.load(V + key_offsets, mask=keys[:, None] < length, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], ACC)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], ACC)
+    start = block_n * BLOCK_N // BLOCK_M * BLOCK_M if CAUSAL else 0  # earlier queries cannot see these keys
+    for block_start in tl.range(start, length, BLOCK_M):
+        rows = block_start + tl.arange(0, BLOCK_M)
+        row_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
+        q = tl.load(Q + row_offsets, mask=rows[:, None] < length, other=0.0)
+        do = tl.load(DO + row_offsets, mask=rows[:, None] < length, other=0.0)
+        lse2 = tl.load(LSE + head * length + rows, mask=rows < length, other=0.0) * LOG2E_CONST
+        delta = tl.load(DELTA + head * length + rows, mask=rows < length, other=0.0)
+        p = probabilities(q, k, lse2, rows, keys, length, qk_scale, ACC, CAUSAL)  # BLOCK_M x BLOCK_N
+        dv += matmul(tl.trans(p.to(do.dtype)), do).to(ACC)  # dV += P^T dO
+        dp = matmul(do, tl.trans(v)).to(ACC)  # BLOCK_M x BLOCK_N
+        ds = p * (dp - delta[:, None])
+        dk += matmul(tl.trans(ds.to(q.dtype)), q).to(ACC)  # dK += dS^T Q (times sm_scale below)
+    tl.store(DK + key_offsets, (dk * sm_scale).to(DK.dtype.element_ty), mask=keys[:, None] < length)
+    tl.store(DV + key_offsets, dv.to(DV.dtype.element_ty), mask=keys[:, None] < length)
+
+
+@triton.jit
+def flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, length, qk_scale, sm_scale,
+                        HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Q, K, V, DO, DQ: (batch * heads) x length x HEAD_DIM contiguous; LSE, DELTA: (batch * heads) x length.
+    # One program per BLOCK_M queries of one head, looping over the blocks of keys they can see.
+    block_m = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    base = head * length * HEAD_DIM
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
+    q = tl.load(Q + row_offsets, mask=rows[:, None] < length, other=0.0)
+    do = tl.load(DO + row_offsets, mask=rows[:, None] < length, other=0.0)
+    lse2 = tl.load(LSE + head * length + rows, mask=rows < length, other=0.0) * LOG2E_CONST
+    delta = tl.load(DELTA + head * length + rows, mask=rows < length, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], ACC)
+    if CAUSAL:  # later keys are invisible to these queries
+        stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
+    else:
+        stop = length
+    for block_start in tl.range(0, stop, BLOCK_N):
+        keys = block_start + tl.arange(0, BLOCK_N)
+        key_offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
+        k = tl.load(K + key_offsets, mask=keys[:, None] < length, other=0.0)
+        v = tl.load(V + key_offsets, mask=keys[:, None] < length, other=0.0)
+        p = probabilities(q, k, lse2, rows, keys, length, qk_scale, ACC, CAUSAL)  # BLOCK_M x BLOCK_N
+        dp = matmul(do, tl.trans(v)).to(ACC)
+        ds = p * (dp - delta[:, None])
+        dq += matmul(ds.to(k.dtype), k).to(ACC)  # dQ += dS K (times sm_scale below)
+    tl.store(DQ + row_offsets, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < length)
+
+
+flash_bwd_dkdv = tuned("dkdv")(flash_bwd_dkdv_kernel)
+flash_bwd_dq = tuned("dq")(flash_bwd_dq_kernel)
+PREPROCESS_BLOCK = 128 if ON_GPU else 32  # queries per program of the preprocessing kernel
+
+
+def flash_attention_backward(q, k, v, out, lse, grad_out, causal: bool, sm_scale: float):
+    """(dq, dk, dv) for contiguous q, k, v, out, grad_out (batch, heads, L, head_dim) of one dtype and the
+    forward's lse (batch, heads, L), L >= 1; the gradients in the input dtype."""
+    batch, heads, length, head_dim = q.shape
+    acc = accumulator_dtype(q.dtype)
+    delta = torch.empty_like(lse)  # rowsum(dO * O), (batch, heads, L)
+    flash_bwd_preprocess_kernel[(triton.cdiv(length, PREPROCESS_BLOCK), batch * heads)](
+        out, grad_out, delta, length, HEAD_DIM=head_dim, ACC=acc, BLOCK_M=PREPROCESS_BLOCK)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    args = (q, k, v, grad_out, lse, delta)
+    options = dict(HEAD_DIM=head_dim, CAUSAL=causal, ACC=acc)
+    flash_bwd_dkdv[lambda meta: (triton.cdiv(length, meta["BLOCK_N"]), batch * heads)](
+        *args, dk, dv, length, sm_scale * LOG2E, sm_scale, **options)
+    flash_bwd_dq[lambda meta: (triton.cdiv(length, meta["BLOCK_M"]), batch * heads)](
+        *args, dq, length, sm_scale * LOG2E, sm_scale, **options)
+    return dq, dk, dv
+
+# %% [markdown]
+# Every gradient against the float64 reference's autograd, at the lengths and dtypes of section 5 and
+# a scale other than the default:
+
+# %%
+GRAD_TOLERANCE = {torch.float32: 5e-5, torch.float16: 2e-2, torch.bfloat16: 1.5e-1}  # max abs error, inputs ~ N(0, 1)
+
+torch.manual_seed(6)
+print(f"{'L':>5} {'d':>4} {'dtype':>9} {'causal':>6} {'dq err':>9} {'dk err':>9} {'dv err':>9}")
+for length, head_dim, dtype, causal in forward_cases():
+    q_g, k_g, v_g, grad_g = torch.randn(4, 1, 2, length, head_dim, device=DEVICE).to(dtype)
+    leaves = [t.double().requires_grad_() for t in (q_g, k_g, v_g)]
+    want_out, _ = attention_reference(*leaves, causal, 0.1)
+    want = torch.autograd.grad(want_out, leaves, grad_g.double())
+    out_g, lse_g = flash_attention_forward(q_g, k_g, v_g, causal, 0.1)
+    got = flash_attention_backward(q_g, k_g, v_g, out_g, lse_g, grad_g, causal, 0.1)
+    errors = [(g.double() - w).abs().max().item() for g, w in zip(got, want)]
+    print(f"{length:5} {head_dim:4} {str(dtype)[6:]:>9} {str(causal):>6} " + " ".join(f"{e:9.1e}" for e in errors))
+    assert all(g.dtype == dtype for g in got) and max(errors) < GRAD_TOLERANCE[dtype]
