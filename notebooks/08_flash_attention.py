@@ -25,7 +25,7 @@
 #   128, float32 / float16 / bfloat16 inputs with float32 accumulation), which saves the log-sum-exp;
 # - derive the **backward pass** and write it as three kernels that recompute the tiles from the saved
 #   log-sum-exp; check every gradient against float64;
-# - export the differentiable `scan_lib.flash_attention(q, k, v, causal=False, sm_scale=None)`;
+# - export the differentiable `flash_attention(q, k, v, causal=False, sm_scale=None)`;
 # - read a naive CUDA FlashAttention kernel line by line, predict its weaknesses, and on a GPU measure
 #   them and benchmark ours against PyTorch's `scaled_dot_product_attention`.
 
@@ -809,3 +809,209 @@ for length, head_dim, dtype, causal in forward_cases():
     errors = [(g.double() - w).abs().max().item() for g, w in zip(got, want)]
     print(f"{length:5} {head_dim:4} {str(dtype)[6:]:>9} {str(causal):>6} " + " ".join(f"{e:9.1e}" for e in errors))
     assert all(g.dtype == dtype for g in got) and max(errors) < GRAD_TOLERANCE[dtype]
+
+# %% [markdown]
+# ## 8. `scan_lib.flash_attention`: a differentiable torch op
+#
+# As in chapter 03, the kernels become two torch custom ops, `scan_lib::flash_attention_fwd` (returning
+# the output and the log-sum-exp) and `scan_lib::flash_attention_bwd`, each with a fake implementation
+# (shapes only, for `torch.compile`) and a vmap rule (the vmapped dim folds into the batch). An
+# `autograd.Function` joins them: its forward saves $q, k, v$, the output and the log-sum-exp, its
+# backward calls the backward op. The public function checks its arguments and names the one at fault.
+
+# %%
+#| export
+@custom_op("flash_attention_fwd", __name__)
+def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, lse) for contiguous q, k, v (batch, heads, L, head_dim) of one dtype."""
+    if q.numel() == 0:
+        return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+    return flash_attention_forward(q, k, v, causal, sm_scale)
+
+
+@flash_attention_fwd.register_fake
+def _(q, k, v, causal, sm_scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+
+
+@custom_op("flash_attention_bwd", __name__)
+def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        grad_out: torch.Tensor, causal: bool,
+                        sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) for contiguous tensors (batch, heads, L, head_dim), lse (batch, heads, L)."""
+    if q.numel() == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    return flash_attention_backward(q, k, v, out, lse, grad_out, causal, sm_scale)
+
+
+@flash_attention_bwd.register_fake
+def _(q, k, v, out, lse, grad_out, causal, sm_scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fold_into_batch(info, in_dims, *tensors):
+    """vmap: move each tensor's vmapped dim to the front (expanding an unbatched tensor), then fold it
+    into the batch: (n, batch, ...) -> (n * batch, ...), contiguous."""
+    folded = []
+    for tensor, dim in zip(tensors, in_dims):
+        tensor = tensor.movedim(dim, 0) if dim is not None else tensor.expand(info.batch_size, *tensor.shape)
+        folded.append(tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).contiguous())
+    return folded
+
+
+def _unfold(info, tensor):
+    """(n * batch, ...) -> (n, batch, ...)."""
+    return tensor.view(info.batch_size, tensor.shape[0] // info.batch_size, *tensor.shape[1:])
+
+
+def _flash_attention_fwd_vmap(info, in_dims, q, k, v, causal, sm_scale):
+    out, lse = flash_attention_fwd(*_fold_into_batch(info, in_dims[:3], q, k, v), causal, sm_scale)
+    return (_unfold(info, out), _unfold(info, lse)), (0, 0)
+
+
+def _flash_attention_bwd_vmap(info, in_dims, q, k, v, out, lse, grad_out, causal, sm_scale):
+    grads = flash_attention_bwd(*_fold_into_batch(info, in_dims[:6], q, k, v, out, lse, grad_out), causal, sm_scale)
+    return tuple(_unfold(info, g) for g in grads), (0, 0, 0)
+
+
+flash_attention_fwd.register_vmap(_flash_attention_fwd_vmap)
+flash_attention_bwd.register_vmap(_flash_attention_bwd_vmap)
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Autograd for flash_attention on contiguous q, k, v (batch, heads, L, head_dim) of one dtype:
+    returns (output, lse); lse is not differentiable."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, causal, sm_scale):
+        return flash_attention_fwd(q, k, v, causal, sm_scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, causal, sm_scale = inputs
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.sm_scale = causal, sm_scale
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flash_attention_bwd(q, k, v, out, lse, grad_out.contiguous(), ctx.causal, ctx.sm_scale)
+        return dq, dk, dv, None, None
+
+
+def _check_attention_inputs(q, k, v, causal, sm_scale):
+    """Raise TypeError / ValueError naming the argument at fault."""
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        check_float_tensor(name, tensor)
+    if q.dim() != 4:
+        raise ValueError(f"q must have 4 dims (batch, heads, L, head_dim), got shape {tuple(q.shape)}")
+    for name, tensor in (("k", k), ("v", v)):
+        if tensor.shape != q.shape:
+            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)} (batch, heads, L, head_dim), "
+                             f"got {tuple(tensor.shape)}")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head_dim (the last dim of q, k, v) must be one of {', '.join(map(str, HEAD_DIMS))}, "
+                         f"got {q.shape[-1]}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))):
+        raise TypeError(f"sm_scale must be None or a real number, got {type(sm_scale).__name__}")
+    check_same_device(q=q, k=k, v=v)
+
+
+def flash_attention(q, k, v, causal=False, sm_scale=None):
+    """softmax(q k^T * sm_scale, causal mask) v, the L x L matrix never stored; differentiable in q, k, v.
+
+    q, k, v: (batch, heads, L, head_dim) of one float dtype, head_dim 32, 64 or 128; causal: query i sees
+    keys 0..i; sm_scale: the scale of the scores, None for 1 / sqrt(head_dim). Returns the output
+    (batch, heads, L, head_dim) in the input dtype, computed in float32 (float64 for float64), like
+    F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale). Differentiable once
+    (no double backward); works under torch.func (grad, vmap), and torch.compile sees the kernels as
+    the custom ops scan_lib::flash_attention_fwd / flash_attention_bwd.
+    """
+    _check_attention_inputs(q, k, v, causal, sm_scale)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    out, _ = apply(FlashAttentionFunction, q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+    return out
+
+# %% [markdown]
+# The public function end to end: output and every gradient through `torch.autograd.grad` against the
+# reference, on non-contiguous inputs (a transposed layout, as a model's projections give); on a GPU
+# also against `F.scaled_dot_product_attention` in bfloat16 (both round to bfloat16, so they are
+# compared with the bfloat16 tolerance).
+
+# %%
+def attention_inputs(batch, heads, length, head_dim, dtype, seed):
+    """q, k, v as (batch, heads, L, head_dim) views of (batch, L, heads, head_dim) tensors (not contiguous)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, length, heads, head_dim, generator=gen).to(DEVICE, dtype).transpose(1, 2)
+            for _ in range(3)]
+
+
+print(f"{'L':>5} {'causal':>6} {'out err':>9} {'dq err':>9} {'dk err':>9} {'dv err':>9}")
+for length in (1, 33, 129):
+    for causal in (False, True):
+        q_p, k_p, v_p = [t.requires_grad_() for t in attention_inputs(2, 2, length, 32, torch.float32, seed=length)]
+        grad_p = torch.randn(2, 2, length, 32, device=DEVICE)
+        out_p = flash_attention(q_p, k_p, v_p, causal=causal)
+        got = [out_p, *torch.autograd.grad(out_p, (q_p, k_p, v_p), grad_p)]
+        leaves = [t.detach().double().requires_grad_() for t in (q_p, k_p, v_p)]
+        want_out = attention_reference(*leaves, causal)[0]
+        want = [want_out, *torch.autograd.grad(want_out, leaves, grad_p.double())]
+        errors = [(g.double() - w).abs().max().item() for g, w in zip(got, want)]
+        print(f"{length:5} {str(causal):>6} " + " ".join(f"{e:9.1e}" for e in errors))
+        assert (length == 1 or not q_p.is_contiguous()) and max(errors) < GRAD_TOLERANCE[torch.float32]
+
+if ON_GPU:
+    for length, causal in ((1000, False), (4097, True)):
+        q_s, k_s, v_s = [t.requires_grad_() for t in attention_inputs(2, 8, length, 128, torch.bfloat16, seed=7)]
+        grad_s = torch.randn(2, 8, length, 128, device=DEVICE, dtype=torch.bfloat16)
+        ours = flash_attention(q_s, k_s, v_s, causal=causal)
+        theirs = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=causal)
+        pairs = zip([ours, *torch.autograd.grad(ours, (q_s, k_s, v_s), grad_s)],
+                    [theirs, *torch.autograd.grad(theirs, (q_s, k_s, v_s), grad_s)])
+        errors = [(a.double() - b.double()).abs().max().item() for a, b in pairs]
+        print(f"vs F.scaled_dot_product_attention, bfloat16, L {length}, causal {causal}: max abs diff "
+              f"out, dq, dk, dv = " + ", ".join(f"{e:.1e}" for e in errors))
+        assert max(errors) < GRAD_TOLERANCE[torch.bfloat16]
+
+# %% [markdown]
+# Bad arguments raise an error that names the argument:
+
+# %%
+q_ok = torch.randn(1, 2, 5, 32, device=DEVICE)
+bad_calls = [
+    ("k of another length", ValueError, lambda: flash_attention(q_ok, q_ok[:, :, :4], q_ok)),
+    ("head_dim 48", ValueError, lambda: flash_attention(*[torch.randn(1, 2, 5, 48, device=DEVICE)] * 3)),
+    ("3-dim q", ValueError, lambda: flash_attention(q_ok[0], q_ok[0], q_ok[0])),
+    ("integer v", TypeError, lambda: flash_attention(q_ok, q_ok, q_ok.long())),
+    ("float16 k, float32 q", TypeError, lambda: flash_attention(q_ok, q_ok.half(), q_ok)),
+    ("causal=1", TypeError, lambda: flash_attention(q_ok, q_ok, q_ok, causal=1)),
+]
+for what, error, call in bad_calls:
+    try:
+        call()
+    except error as exc:
+        print(f"{what:22} -> {error.__name__}: {exc}")
+    else:
+        raise AssertionError(f"{what}: no {error.__name__}")
+
+# %% [markdown]
+# `torch.compile` sees the two ops and their fake implementations, so a model that calls
+# `flash_attention` compiles in one graph, backward included:
+
+# %%
+q_c, k_c, v_c = [t.requires_grad_() for t in attention_inputs(1, 2, 40, 64, torch.float32, seed=8)]
+compiled = torch.compile(lambda q, k, v: flash_attention(2 * q, k, v, causal=True).sum(-1),
+                         fullgraph=True, backend="aot_eager")
+grads_compiled = torch.autograd.grad(compiled(q_c, k_c, v_c).sum(), (q_c, k_c, v_c))
+grads_eager = torch.autograd.grad(flash_attention(2 * q_c, k_c, v_c, causal=True).sum(-1).sum(), (q_c, k_c, v_c))
+for got, want in zip(grads_compiled, grads_eager):
+    torch.testing.assert_close(got, want)
+print("torch.compile(fullgraph=True): the same gradients as eager: ok")
