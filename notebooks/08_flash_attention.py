@@ -879,6 +879,7 @@ flash_attention_fwd.register_vmap(_flash_attention_fwd_vmap)
 flash_attention_bwd.register_vmap(_flash_attention_bwd_vmap)
 
 
+
 class FlashAttentionFunction(torch.autograd.Function):
     """Autograd for flash_attention on contiguous q, k, v (batch, heads, L, head_dim) of one dtype:
     returns (output, lse); lse is not differentiable."""
@@ -899,8 +900,27 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flash_attention_bwd(q, k, v, out, lse, grad_out.contiguous(), ctx.causal, ctx.sm_scale)
+        dq, dk, dv = apply(FlashAttentionBackward, q, k, v, out, lse, grad_out.contiguous(), ctx.causal, ctx.sm_scale)
         return dq, dk, dv, None, None
+
+
+class FlashAttentionBackward(torch.autograd.Function):
+    """The backward op as a Function whose own backward refuses: flash_attention is differentiable once.
+    (torch.func.grad runs every backward with create_graph=True, so the op needs a Function around it.)"""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, out, lse, grad_out, causal, sm_scale):
+        return flash_attention_bwd(q, k, v, out, lse, grad_out, causal, sm_scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad_dq, grad_dk, grad_dv):
+        raise RuntimeError("flash_attention is differentiable once: its backward has no backward (no double "
+                           "backward, no Hessian)")
 
 
 def _check_attention_inputs(q, k, v, causal, sm_scale):
