@@ -487,7 +487,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, length, qk_scale, HEAD_DIM: tl.constexpr, 
 # 2 bytes (float16, bfloat16) run on the tensor cores; 4 and 8 (float32, float64 with "ieee" precision) do
 # not, and get smaller tiles that fit in registers and shared memory.
 GPU_TILES = {
-    "fwd": {2: [(128, n, w, s) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)],
+    "fwd": {2: [(128, 64, 4, 3), (128, 64, 4, 4), (128, 64, 8, 3), (128, 128, 4, 2), (128, 128, 8, 2), (128, 128, 8, 3)],
             4: [(64, 32, 4, 2), (32, 32, 4, 2)], 8: [(32, 32, 4, 1)]},
     "dkdv": {2: [(32, 128, 4, 3), (64, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 2)],
              4: [(32, 64, 4, 2), (32, 32, 4, 2)], 8: [(32, 32, 4, 1)]},
@@ -1035,3 +1035,444 @@ grads_eager = torch.autograd.grad(flash_attention(2 * q_c, k_c, v_c, causal=True
 for got, want in zip(grads_compiled, grads_eager):
     torch.testing.assert_close(got, want)
 print("torch.compile(fullgraph=True): the same gradients as eager: ok")
+
+# %% [markdown]
+# ## 9. The CUDA kernel of the source, line by line
+#
+# The kernel that popularised FlashAttention's forward pass as a teaching example is a short CUDA
+# kernel: one CUDA block per (batch, head), $B_r \times B_c$ threads, one thread per score of a
+# $B_r \times B_c$ tile. Below is our own version of it, corrected where the usual listing has gaps
+# (noted as we go), read piece by piece beside the Triton kernel. It computes the same online softmax
+# as section 5, in the other loop order (the first FlashAttention's): the **outer** loop runs over key
+# tiles and the **inner** one over query tiles, so the running state $(m, \ell, O)$ of every query
+# cannot stay on chip. It lives in global memory and is read and written once per key tile.
+#
+# **The header and the tiles in shared memory.** A template fixes the tile sizes and the head dim at
+# compile time. `PAD` adds floats at the end of each tile row in shared memory; why, below. The
+# kernel keeps $O$ normalised (divided by $\ell$) at every step, as the listing does.
+
+# %%
+CUDA_HEADER = r"""
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <cmath>
+
+// One CUDA block per (batch, head) with BR * BC threads; thread (row, col) computes one score of a
+// BR x BC tile. Rows of the tiles in shared memory are HEAD_DIM + PAD floats apart.
+// Q, K, V, O: batch x heads x length x HEAD_DIM contiguous float32; ROW_MAX, ROW_SUM: batch x heads x length,
+// the running m and l, initialised by the caller to -inf and 0 (and O to 0).
+template <int BR, int BC, int HEAD_DIM, int PAD>
+__global__ void naive_flash_kernel(const float* __restrict__ Q, const float* __restrict__ K,
+                                   const float* __restrict__ V, float* __restrict__ O,
+                                   float* __restrict__ ROW_MAX, float* __restrict__ ROW_SUM,
+                                   int length, float scale) {
+    constexpr int ROW = HEAD_DIM + PAD;
+    __shared__ float q_tile[BR * ROW], o_tile[BR * ROW], k_tile[BC * ROW], v_tile[BC * ROW];
+    __shared__ float s_tile[BR * BC];
+    __shared__ float max_old[BR], sum_old[BR], max_new[BR], sum_new[BR], max_tile[BR];
+
+    const int tx = threadIdx.x;
+    const int row = tx / BC, col = tx % BC;  // this thread's score in the tile
+    const long head = (long)blockIdx.x * gridDim.y + blockIdx.y;
+    const float* q = Q + head * length * HEAD_DIM;
+    const float* k = K + head * length * HEAD_DIM;
+    const float* v = V + head * length * HEAD_DIM;
+    float* o = O + head * length * HEAD_DIM;
+    float* row_max = ROW_MAX + head * length;
+    float* row_sum = ROW_SUM + head * length;
+"""
+
+# %% [markdown]
+# In Triton, all of this is `tl.program_id`, `tl.arange` and pointer arithmetic on blocks; shared
+# memory is not declared at all: the compiler decides what is staged where.
+#
+# **Loading the key and value tiles.** The threads copy the tile cooperatively, consecutive threads
+# taking consecutive elements (coalesced reads). The listing's loop count, $\lceil d / B_r \rceil$ steps of
+# $B_r B_c$ elements, covers a $B_c \times d$ tile only because it has $B_r B_c$ threads; the loop
+# below says what it covers. The listing also leaves stale data in the rows past $L$; here they are
+# zeros (a NaN left in shared memory would survive a multiplication by a zero weight). In Triton: one
+# `tl.load` with `mask=keys[:, None] < length, other=0.0`.
+
+# %%
+CUDA_LOAD_KEYS = r"""
+    for (int key_start = 0; key_start < length; key_start += BC) {
+        for (int e = tx; e < BC * HEAD_DIM; e += BR * BC) {  // K and V tiles, zeros past the end
+            const int r = e / HEAD_DIM, c = e % HEAD_DIM, key = key_start + r;
+            k_tile[r * ROW + c] = key < length ? k[(long)key * HEAD_DIM + c] : 0.f;
+            v_tile[r * ROW + c] = key < length ? v[(long)key * HEAD_DIM + c] : 0.f;
+        }
+        __syncthreads();
+"""
+
+# %% [markdown]
+# **The inner loop over query tiles: loading $Q$, $O$, $m$ and $\ell$.** Every query tile is reloaded
+# for every key tile, and so is the partial output $O$, read back from global memory (first weakness:
+# $O$ makes a round trip through global memory per key tile). One thread per row reads the row's
+# running max and sum. The listing reads them past the end of the arrays for rows beyond $L$; here those
+# rows get the identity $(-\infty, 0)$.
+
+# %%
+CUDA_LOAD_QUERIES = r"""
+        for (int query_start = 0; query_start < length; query_start += BR) {
+            for (int e = tx; e < BR * HEAD_DIM; e += BR * BC) {  // Q and the partial O, zeros past the end
+                const int r = e / HEAD_DIM, c = e % HEAD_DIM, query = query_start + r;
+                q_tile[r * ROW + c] = query < length ? q[(long)query * HEAD_DIM + c] : 0.f;
+                o_tile[r * ROW + c] = query < length ? o[(long)query * HEAD_DIM + c] : 0.f;
+            }
+            const int query = query_start + row;
+            if (col == 0) {
+                max_old[row] = query < length ? row_max[query] : -INFINITY;
+                sum_old[row] = query < length ? row_sum[query] : 0.f;
+            }
+            __syncthreads();
+"""
+
+# %% [markdown]
+# **The scores.** Each thread computes one dot product of length $d$ with scalar fused multiply-adds on
+# the CUDA cores (second weakness: no tensor cores, where Triton's `tl.dot` uses them). Keys past $L$
+# get $-\infty$, which the listing forgets. The read `k_tile[col * ROW + c]` is the third weakness: the
+# 32 threads of a warp have consecutive `col` and read 32 floats that are `ROW` floats apart. Shared
+# memory has 32 banks of 4 bytes, and the float at index $x$ sits in bank $x \bmod 32$. With
+# `ROW` $= d$, a multiple of 32, all 32 reads fall in one bank and are served one after another: a
+# 32-way **bank conflict**. With `PAD` $= 1$ they fall in 32 different banks. (`q_tile[row * ROW + c]`
+# is one address for the whole warp, a broadcast, which costs nothing.)
+
+# %%
+CUDA_SCORES = r"""
+            float score = 0.f;
+            for (int c = 0; c < HEAD_DIM; ++c)
+                score += q_tile[row * ROW + c] * k_tile[col * ROW + c];  // a warp reads one k_tile column
+            s_tile[row * BC + col] = key_start + col < length ? score * scale : -INFINITY;
+            __syncthreads();
+"""
+
+# %% [markdown]
+# **The softmax, one thread per row.** The thread with `col == 0` walks its row of $B_c$ scores
+# serially, twice (max, then exponentials and sum), while the other $B_c - 1$ threads of its row wait
+# at the barrier (fourth weakness: $1/B_c$ of the threads work here). Then it merges the tile's state
+# into the running one with the rescaling of section 2. Every key tile holds at least one key below $L$,
+# so the tile's max is finite and no $-\infty - (-\infty)$ occurs. In Triton, `tl.max(s, 1)` and
+# `tl.sum(p, 1)` are reductions spread over the threads that hold the row.
+
+# %%
+CUDA_SOFTMAX = r"""
+            if (col == 0) {  // one thread per query row, serially over the tile
+                float m = -INFINITY;
+                for (int j = 0; j < BC; ++j) m = fmaxf(m, s_tile[row * BC + j]);
+                float sum = 0.f;
+                for (int j = 0; j < BC; ++j) {
+                    const float p = expf(s_tile[row * BC + j] - m);
+                    s_tile[row * BC + j] = p;
+                    sum += p;
+                }
+                max_tile[row] = m;
+                max_new[row] = fmaxf(max_old[row], m);
+                sum_new[row] = expf(max_old[row] - max_new[row]) * sum_old[row] + expf(m - max_new[row]) * sum;
+            }
+            __syncthreads();
+"""
+
+# %% [markdown]
+# **The output.** Each thread computes $d / B_c$ elements of $P V$ (scalar again), rescales the old,
+# normalised $O$ and the new part to the new maximum, divides by the new sum, and writes the result
+# straight back to global memory, together with $m$ and $\ell$. The last barrier keeps the next query
+# tile from overwriting the tiles while slower threads still read them (the listing has none there).
+
+# %%
+CUDA_OUTPUT = r"""
+            for (int c = col; c < HEAD_DIM; c += BC) {
+                float pv = 0.f;
+                for (int j = 0; j < BC; ++j) pv += s_tile[row * BC + j] * v_tile[j * ROW + c];
+                const float updated = (sum_old[row] * expf(max_old[row] - max_new[row]) * o_tile[row * ROW + c]
+                                       + expf(max_tile[row] - max_new[row]) * pv) / sum_new[row];
+                if (query < length) o[(long)query * HEAD_DIM + c] = updated;  // to global memory, every key tile
+            }
+            if (col == 0 && query < length) {
+                row_max[query] = max_new[row];
+                row_sum[query] = sum_new[row];
+            }
+            __syncthreads();  // the next query tile overwrites the tiles
+        }
+    }
+}
+"""
+
+# %% [markdown]
+# **The launcher.** It allocates $O$, $m$ and $\ell$ with their initial values (the listing leaves this
+# to the reader), picks the tile sizes, and launches one block per (batch, head) on PyTorch's current
+# stream. Static shared memory is limited to 48 KB per block: with $B_r = B_c = 32$ and $d = 64$ the
+# five tiles take $4 \cdot 32 \cdot 65 + 32 \cdot 32$ floats plus five rows of 32, about 37 KB; $d = 128$
+# needs $B_r = B_c = 16$ (about 34 KB). The cell below computes both and asserts the limit.
+
+# %%
+CUDA_LAUNCHER = r"""
+template <int BR, int BC, int HEAD_DIM, int PAD>
+void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& o,
+            torch::Tensor& row_max, torch::Tensor& row_sum) {
+    const dim3 grid(q.size(0), q.size(1));
+    naive_flash_kernel<BR, BC, HEAD_DIM, PAD><<<grid, BR * BC, 0, at::cuda::getCurrentCUDAStream()>>>(
+        q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), o.data_ptr<float>(),
+        row_max.data_ptr<float>(), row_sum.data_ptr<float>(), (int)q.size(2), 1.0f / sqrtf((float)q.size(3)));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+torch::Tensor naive_flash_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool pad) {
+    TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "q, k, v must be CUDA tensors");
+    TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+                v.scalar_type() == torch::kFloat32, "q, k, v must be float32");
+    TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
+                "q, k, v must have one shape (batch, heads, L, head_dim)");
+    q = q.contiguous();
+    k = k.contiguous();
+    v = v.contiguous();
+    auto o = torch::zeros_like(q);
+    auto row_max = torch::full({q.size(0), q.size(1), q.size(2)}, -INFINITY, q.options());
+    auto row_sum = torch::zeros({q.size(0), q.size(1), q.size(2)}, q.options());
+    if (q.size(3) == 64 && !pad) launch<32, 32, 64, 0>(q, k, v, o, row_max, row_sum);
+    else if (q.size(3) == 64) launch<32, 32, 64, 1>(q, k, v, o, row_max, row_sum);
+    else if (q.size(3) == 128 && !pad) launch<16, 16, 128, 0>(q, k, v, o, row_max, row_sum);
+    else if (q.size(3) == 128) launch<16, 16, 128, 1>(q, k, v, o, row_max, row_sum);
+    else TORCH_CHECK(false, "head_dim must be 64 or 128, got ", q.size(3));
+    return o;
+}
+"""
+CUDA_SOURCE = CUDA_HEADER + CUDA_LOAD_KEYS + CUDA_LOAD_QUERIES + CUDA_SCORES + CUDA_SOFTMAX + CUDA_OUTPUT + CUDA_LAUNCHER
+
+
+def naive_shared_bytes(block_rows, block_cols, head_dim, pad):
+    """Static shared memory of naive_flash_kernel: four tiles of rows (HEAD_DIM + PAD), the scores, five row arrays."""
+    return 4 * (2 * block_rows * (head_dim + pad) + 2 * block_cols * (head_dim + pad) + block_rows * block_cols
+                + 5 * block_rows)
+
+
+for tiles in ((32, 32, 64), (16, 16, 128)):
+    for pad in (0, 1):
+        used = naive_shared_bytes(*tiles, pad)
+        print(f"BR, BC, head_dim = {tiles}, PAD {pad}: {used} bytes of static shared memory, {tiles[0] * tiles[1]} threads")
+        assert used <= 48 * 1024 and tiles[0] * tiles[1] <= 1024
+
+# %% [markdown]
+# **Predictions**, each measured by the next cell on a GPU, at batch 4, heads $\times$ head_dim $= 2048$,
+# $L = 2048$, float32 (the kernel reads float32 only):
+#
+# 1. *The serial softmax, the round trips of $O$ and a grid of only batch $\times$ heads blocks*: the naive
+#    kernel is more than 10 times slower than our Triton forward on the same float32 inputs (which, with
+#    `input_precision="ieee"`, does not use the tensor cores either).
+# 2. *No tensor cores*: our Triton forward in bfloat16, on the tensor cores, is more than twice as fast
+#    as in float32; the naive kernel has no such option.
+# 3. *$O$ through global memory*: it reads and writes $O$ once per key tile, $L / B_c$ times; the cell
+#    prints the time those bytes take at the copy bandwidth, as a share of the kernel's time.
+# 4. *Bank conflicts*: `PAD = 1` makes the kernel faster, with the same result.
+# 5. *Parallelism*: batch $\times$ heads blocks are fewer than twice the GPU's multiprocessors, so
+#    the GPU runs at most two partly filled waves (our Triton grid has $L / $ `BLOCK_M` times more programs).
+#
+# On the CPU the cell skips: `load_inline` needs CUDA's compiler and a GPU.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU (CUDA's compiler nvcc and a device to run the compiled kernel)")
+else:
+    from torch.utils.cpp_extension import load_inline
+
+    from scan_lib.runtime import copy_bandwidth, median_us
+
+    naive = load_inline("naive_flash_attention", cpp_sources="torch::Tensor naive_flash_forward(torch::Tensor q, "
+                        "torch::Tensor k, torch::Tensor v, bool pad);", cuda_sources=CUDA_SOURCE,
+                        functions=["naive_flash_forward"], extra_cuda_cflags=["-O3"])
+    torch.manual_seed(9)
+    for length in (1, 7, 33, 129, 1000):  # correctness first, at awkward lengths
+        for head_dim in (64, 128):
+            q_n, k_n, v_n = torch.randn(3, 2, 3, length, head_dim, device=DEVICE)
+            want_n = attention_reference(q_n, k_n, v_n)[0]
+            for pad in (False, True):
+                err = (naive.naive_flash_forward(q_n, k_n, v_n, pad).double() - want_n).abs().max().item()
+                assert err < 1e-5, (length, head_dim, pad, err)
+    print("naive CUDA kernel == reference at L 1, 7, 33, 129, 1000, head_dim 64 and 128, PAD 0 and 1: ok")
+
+    bandwidth = copy_bandwidth()
+    processors = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    print(f"{torch.cuda.get_device_name()}: {processors} multiprocessors, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print(f"{'head_dim':>8} {'naive us':>10} {'naive PAD 1 us':>15} {'Triton fp32 us':>15} {'Triton bf16 us':>15} "
+          f"{'naive/Triton':>13} {'O traffic share':>16} {'blocks':>7}")
+    for head_dim, block_cols in ((64, 32), (128, 16)):
+        heads, length = 2048 // head_dim, 2048
+        q_n, k_n, v_n = torch.randn(3, 4, heads, length, head_dim, device=DEVICE)
+        q_h, k_h, v_h = (t.to(torch.bfloat16) for t in (q_n, k_n, v_n))
+        naive_us = median_us(lambda: naive.naive_flash_forward(q_n, k_n, v_n, False))
+        padded_us = median_us(lambda: naive.naive_flash_forward(q_n, k_n, v_n, True))
+        triton_us = median_us(lambda: flash_attention_forward(q_n, k_n, v_n, False, head_dim**-0.5))
+        triton_bf16_us = median_us(lambda: flash_attention_forward(q_h, k_h, v_h, False, head_dim**-0.5))
+        o_bytes = 2 * q_n.numel() * 4 * (length // block_cols)  # O read and written once per key tile
+        o_share = o_bytes / bandwidth * 1e6 / naive_us
+        print(f"{head_dim:8} {naive_us:10.0f} {padded_us:15.0f} {triton_us:15.0f} {triton_bf16_us:15.0f} "
+              f"{naive_us / triton_us:13.1f} {o_share:16.2f} {4 * heads:7}")
+        print(f"  prediction 1 (naive > 10x Triton fp32): {naive_us > 10 * triton_us}; "
+              f"2 (Triton bf16 > 2x Triton fp32): {triton_us > 2 * triton_bf16_us}; "
+              f"3: O traffic {o_share:.0%} of the naive time; "
+              f"4 (PAD 1 faster): {padded_us < naive_us} ({naive_us / padded_us:.2f}x); "
+              f"5 (blocks {4 * heads} < 2 x {processors} multiprocessors): {4 * heads < 2 * processors}")
+
+# %% [markdown]
+# (On a GPU the cell above prints the check, the table and each prediction with its outcome; the
+# predictions are judged by those lines, not by this text.)
+#
+# ## 10. On a GPU: against PyTorch's FlashAttention and cuDNN
+#
+# The benchmark: bfloat16, batch 4, heads $\times$ head_dim $= 2048$ (32 heads of 64, 16 of 128),
+# $L$ from 1024 to 16384, causal and not, forward and forward + backward, in TFLOP/s. The flop counts are
+# the matrix products' ($2 \cdot 2 \cdot$ batch $\cdot$ heads $\cdot L^2 d$ for $QK^\top$ and $PV$ in the
+# forward, half of it when causal), with the backward counted as 2.5 forwards, as FlashAttention's
+# papers count (its five products against the forward's two); so forward + backward is 3.5 forwards.
+# The peers are `F.scaled_dot_product_attention` pinned to one backend with
+# `torch.nn.attention.sdpa_kernel`: `FLASH_ATTENTION` (the FlashAttention-2 CUDA kernels shipped with
+# PyTorch) and `CUDNN_ATTENTION` (NVIDIA's cuDNN, which on Hopper uses its asynchronous features). A
+# backend that refuses a shape is reported and skipped. Every provider's output is first compared with
+# ours. Times are `median_us` (do_bench medians); forward + backward times `torch.autograd.grad`.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from scan_lib.runtime import median_us
+
+    def sdpa_with(backend):
+        def attention(q, k, v, causal):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return attention
+
+    providers = {"ours (Triton)": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal),
+                 "SDPA flash": sdpa_with(SDPBackend.FLASH_ATTENTION),
+                 "SDPA cuDNN": sdpa_with(SDPBackend.CUDNN_ATTENTION)}
+    bench_lengths = (1024, 2048, 4096, 8192, 16384)
+    tflops = {}  # (head_dim, causal, "fwd" or "fwd+bwd", provider) -> {L: TFLOP/s}
+    for head_dim in (64, 128):
+        heads = 2048 // head_dim
+        for causal in (False, True):
+            for length in bench_lengths:
+                torch.manual_seed(10)
+                q_t, k_t, v_t = [torch.randn(4, heads, length, head_dim, device=DEVICE, dtype=torch.bfloat16,
+                                             requires_grad=True) for _ in range(3)]
+                grad_t = torch.randn_like(q_t)
+                forward_flops = 4 * 4 * heads * length**2 * head_dim / (2 if causal else 1)
+                ours_out = flash_attention(q_t, k_t, v_t, causal=causal).detach()
+                for name, attention in providers.items():
+                    try:
+                        out_t = attention(q_t, k_t, v_t, causal).detach()
+                    except RuntimeError as exc:
+                        print(f"skipped {name}, head_dim {head_dim}, causal {causal}, L {length}: "
+                              f"{str(exc).splitlines()[0]}")
+                        continue
+                    assert (out_t.float() - ours_out.float()).abs().max().item() < GRAD_TOLERANCE[torch.bfloat16]
+                    forward_us = median_us(lambda: attention(q_t, k_t, v_t, causal))
+                    both_us = median_us(lambda: torch.autograd.grad(attention(q_t, k_t, v_t, causal), (q_t, k_t, v_t), grad_t))
+                    tflops.setdefault((head_dim, causal, "fwd", name), {})[length] = forward_flops / forward_us / 1e6
+                    tflops.setdefault((head_dim, causal, "fwd+bwd", name), {})[length] = 3.5 * forward_flops / both_us / 1e6
+                del q_t, k_t, v_t, grad_t, ours_out
+
+    print(f"{torch.cuda.get_device_name()}, bfloat16, batch 4, heads x head_dim = 2048: TFLOP/s")
+    print(f"{'d':>4} {'causal':>6} {'pass':>8} {'provider':>14} " + " ".join(f"{length:>7}" for length in bench_lengths))
+    for (head_dim, causal, mode, name), row in tflops.items():
+        print(f"{head_dim:4} {str(causal):>6} {mode:>8} {name:>14} "
+              + " ".join(f"{row[length]:7.0f}" if length in row else f"{'-':>7}" for length in bench_lengths))
+    rows_compared = [(key, row) for key, row in tflops.items() if key[3] == "SDPA flash"]
+    behind = [(key[:3], length) for key, row in rows_compared for length, value in row.items()
+              if tflops[(*key[:3], "ours (Triton)")][length] < value]
+    print(f"ours >= SDPA flash in every row and length: {not behind}" + (f"; behind at {behind}" if behind else ""))
+    for key in sorted({key[:3] for key in tflops}):
+        if (*key, "SDPA cuDNN") in tflops:
+            ours_row, cudnn_row = tflops[(*key, "ours (Triton)")], tflops[(*key, "SDPA cuDNN")]
+            ratios = [ours_row[length] / cudnn_row[length] for length in bench_lengths if length in cudnn_row]
+            print(f"head_dim {key[0]}, causal {key[1]}, {key[2]}: ours / cuDNN from {min(ratios):.2f} to {max(ratios):.2f}")
+
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
+    for r, head_dim in enumerate((64, 128)):
+        for c, (mode, causal) in enumerate([("fwd", False), ("fwd", True), ("fwd+bwd", False), ("fwd+bwd", True)]):
+            ax = axes[r, c]
+            for name in providers:
+                row = tflops.get((head_dim, causal, mode, name), {})
+                ax.plot(list(row), list(row.values()), marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"d {head_dim}, {'causal' if causal else 'not causal'}, {mode}", fontsize=9)
+            ax.set_ylim(bottom=0)
+            if c == 0:
+                ax.set_ylabel("TFLOP/s")
+            if r == 1:
+                ax.set_xlabel("L")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"attention, bfloat16, batch 4, heads x head_dim = 2048, on {torch.cuda.get_device_name()}")
+    save_figure(fig, "flash_attention_benchmark.png")
+
+# %% [markdown]
+# (On a GPU the cell prints the table, whether ours keeps up with the flash backend in every row, the
+# ratio to cuDNN, and the plot.) Where ours falls behind cuDNN, the reason lies in what the kernel does
+# not use: on Hopper, cuDNN's kernels (like FlashAttention-3) split each block's warps into producers,
+# which move tiles with the tensor memory accelerator (TMA), and consumers, which run the asynchronous
+# `wgmma` matrix products, and they overlap the softmax of one tile with the products of the next
+# (ping-pong scheduling). Our kernel relies on what Triton 3.6 does by itself: `tl.dot` compiles to
+# `wgmma` on Hopper and `num_stages` pipelines the loads, but the softmax and the products of one loop
+# iteration still take turns. "Going deeper" lists the features that would narrow the gap.
+#
+# ## Summary
+#
+# - Softmax attention over the keys is a **scan with the state $(m, \ell, o)$**: running max, rescaled
+#   sum, rescaled output. Its merge is associative and commutative (it is (max, +, +) in disguise), so
+#   the keys can be cut into blocks anywhere and merged in any order, and the $L \times L$ matrix never
+#   needs to exist.
+# - The tiled forward keeps the state of `BLOCK_M` queries in registers, streams key blocks through
+#   `tl.dot`, masks only the blocks that need it, skips the blocks above the diagonal when causal, and
+#   saves the log-sum-exp.
+# - The backward recomputes $P = e^{S - \mathrm{lse}}$ tile by tile: $dV = P^\top dO$,
+#   $dS = P \circ (dP - \mathrm{rowsum}(dO \circ O))$, $dQ = \tau\, dS\, K$, $dK = \tau\, dS^\top Q$, in three
+#   kernels with no atomics. Every gradient was checked against float64.
+# - `scan_lib.flash_attention(q, k, v, causal=False, sm_scale=None)` is a differentiable torch op that
+#   works with `torch.compile` and `torch.func`.
+# - The naive CUDA kernel shows what a tiled kernel must avoid: a serial softmax, the output's round trips
+#   through global memory, scalar products, bank conflicts, too few blocks.
+#
+# ## Going deeper
+#
+# ### Tile sizes and autotuning
+#
+# On a GPU each kernel is wrapped in `triton.autotune`, keyed on $L$, the head dim, the causal flag
+# and (automatically) the dtypes, and tries the tiles of `GPU_TILES` for the inputs' element size:
+# `BLOCK_M` 128 queries per forward program (a multiple of the 64 rows a Hopper warpgroup's `wgmma`
+# handles), `BLOCK_N` 64 or 128 keys, 4 or 8 warps, 2 to 4 pipeline stages. float32 and float64 inputs
+# run with `input_precision="ieee"`, not on the tensor cores, and get small tiles (their blocks of
+# scores would not fit in registers at 128 $\times$ 128). The first call for each key pays for the
+# search; the chosen configuration is printed below on a GPU. Under the interpreter a single small
+# tile runs, with `BLOCK_M` $\ne$ `BLOCK_N` so that the block arithmetic of the masks is exercised.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU (the interpreter runs one fixed tile:", INTERPRETER_TILES, ")")
+else:
+    for name, kernel in (("forward", flash_fwd), ("dK, dV", flash_bwd_dkdv), ("dQ", flash_bwd_dq)):
+        for key, config in kernel.cache.items():
+            print(f"{name:8} key (L, head_dim, causal, dtypes...) {key}: {config}")
+
+# %% [markdown]
+# ### What Hopper offers beyond this kernel
+#
+# - **Tensor descriptors** (`tl.make_tensor_descriptor`, TMA): one instruction copies a whole tile from
+#   global to shared memory, handles the edges in hardware, and frees the threads that compute addresses.
+#   They need a 16-byte aligned base and strides, and a host-side allocator for the descriptors
+#   (`triton.set_allocator`).
+# - **Warp specialisation** (`tl.range(..., warp_specialize=True)` in recent Triton): some warps only
+#   load, others only compute, so that memory and math overlap without the compiler's software pipeline.
+# - **Persistent kernels**: a grid of exactly as many programs as multiprocessors, each looping over
+#   (head, query block) tiles, which removes the tail of the last partial wave and lets a causal
+#   kernel balance its uneven tiles.
+# - **The backward**: our dK/dV and dQ kernels each recompute $P$ and $dP$; FlashAttention-2's single
+#   backward kernel computes them once and adds $dQ$ with atomics, trading determinism for less work.
+#
+# ### Why every row has a key, and what if it did not
+#
+# The online softmax would produce NaN for a query whose every key is masked: $m = -\infty$,
+# $e^{m - m'} = e^{-\infty + \infty}$. Causal masking never does that (query $i$ sees key $i$, and every
+# program's first key block holds key 0), and padding rows past $L$ see real keys too. A kernel with
+# arbitrary masks (document boundaries, sliding windows) must guard the rescaling, as `softmax_merge`
+# does with its select, and define the output of an empty row (zero, by convention).
