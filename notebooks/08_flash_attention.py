@@ -365,9 +365,9 @@ for length in (1, 7, 33, 100):
 # %% [markdown]
 # `tl.dot` needs blocks of at least 16 rows, hence the `max(16, ...)`. The $L \times L$ block of
 # scores lives in registers: at $L = 128$ that is 16384 floats, 64 per thread of the 8 warps launched,
-# beside $q$, $k$ and $v$. Registers run out not far beyond (at `BLOCK` 256 the GPU compiler spends
-# minutes spilling them), so for longer sequences the keys must come in blocks, with the state carried
-# between them.
+# beside $q$, $k$ and $v$. At `BLOCK` 256 it would be 256 per thread, more than a thread's 255
+# registers, and the compiler would spill them to memory: for longer sequences the keys must come in
+# blocks, with the state carried between them.
 #
 # ## 5. The tiled forward kernel
 #
@@ -1053,6 +1053,10 @@ print("torch.compile(fullgraph=True): the same gradients as eager: ok")
 # **The header and the tiles in shared memory.** A template fixes the tile sizes and the head dim at
 # compile time. `PAD` adds floats at the end of each tile row in shared memory; why, below. The
 # kernel keeps $O$ normalised (divided by $\ell$) at every step, as the listing does.
+# `__launch_bounds__(BR * BC)` is not in the listing and is needed: it tells the compiler how many
+# threads a block will have. A multiprocessor has 65536 registers, so a block of $32 \times 32 = 1024$
+# threads may use at most 64 per thread. Left alone, the compiler may use more for this kernel, and
+# then every launch fails with "too many resources requested for launch".
 
 # %%
 CUDA_HEADER = r"""
@@ -1066,7 +1070,7 @@ CUDA_HEADER = r"""
 // Q, K, V, O: batch x heads x length x HEAD_DIM contiguous float32; ROW_MAX, ROW_SUM: batch x heads x length,
 // the running m and l, initialised by the caller to -inf and 0 (and O to 0).
 template <int BR, int BC, int HEAD_DIM, int PAD>
-__global__ void naive_flash_kernel(const float* __restrict__ Q, const float* __restrict__ K,
+__global__ void __launch_bounds__(BR * BC) naive_flash_kernel(const float* __restrict__ Q, const float* __restrict__ K,
                                    const float* __restrict__ V, float* __restrict__ O,
                                    float* __restrict__ ROW_MAX, float* __restrict__ ROW_SUM,
                                    int length, float scale) {
