@@ -131,7 +131,7 @@ for head_dim in (64, 128):
 
 # %% [markdown]
 # FlashAttention never stores the matrix. It walks along the keys in blocks, keeps for each query a
-# state of size $d + 2$, and recomputes scores in the backward pass instead of reading them. Section 4
+# state of size $d + 2$, and recomputes scores in the backward pass instead of reading them. Section 6
 # measures the memory both take on a GPU. First, the state and why it can be carried from block to block.
 #
 # ## 2. The online-softmax state and its merge
@@ -507,8 +507,11 @@ def tuned(kernel_name: str):
 
     def for_element_size(configs, named_args, **kwargs):
         return by_size[named_args["Q"].element_size()]
+
+    def quick_bench(kernel_call, quantiles):  # each new key costs a search: short warm-up and repeats
+        return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
     return triton.autotune([c for configs in by_size.values() for c in configs], key=["length", "HEAD_DIM", "CAUSAL"],
-                           prune_configs_by={"early_config_prune": for_element_size})
+                           prune_configs_by={"early_config_prune": for_element_size}, do_bench=quick_bench)
 
 
 flash_fwd = tuned("fwd")(flash_fwd_kernel)
@@ -570,8 +573,8 @@ for length, head_dim, dtype, causal in forward_cases():
 # (On a GPU.) The cell runs the reference's computation in bfloat16 (the scores, the softmax, the
 # product with $V$, as plain PyTorch does) and our forward kernel, batch 4, 16 heads of dim 128, and
 # reads `torch.cuda.max_memory_allocated` above what the inputs already hold. The prediction from
-# section 1: the plain computation needs at least one $L \times L$ matrix (in fact several, since each
-# step allocates its result); the kernel needs only its output and the log-sum-exp.
+# section 1: the plain computation needs at least one $L \times L$ matrix (the printed peak shows how
+# many it holds at once); the kernel needs only its output and the log-sum-exp.
 
 # %%
 if not ON_GPU:
@@ -1328,7 +1331,7 @@ else:
 # papers count (its five products against the forward's two); so forward + backward is 3.5 forwards.
 # The peers are `F.scaled_dot_product_attention` pinned to one backend with
 # `torch.nn.attention.sdpa_kernel`: `FLASH_ATTENTION` (the FlashAttention-2 CUDA kernels shipped with
-# PyTorch) and `CUDNN_ATTENTION` (NVIDIA's cuDNN, which on Hopper uses its asynchronous features). A
+# PyTorch) and `CUDNN_ATTENTION` (NVIDIA's cuDNN library). A
 # backend that refuses a shape is reported and skipped. Every provider's output is first compared with
 # ours. Times are `median_us` (do_bench medians); forward + backward times `torch.autograd.grad`.
 
@@ -1410,13 +1413,15 @@ else:
 
 # %% [markdown]
 # (On a GPU the cell prints the table, whether ours keeps up with the flash backend in every row, the
-# ratio to cuDNN, and the plot.) Where ours falls behind cuDNN, the reason lies in what the kernel does
-# not use: on Hopper, cuDNN's kernels (like FlashAttention-3) split each block's warps into producers,
+# ratio to cuDNN, and the plot.) Where ours falls behind cuDNN, the likely reason lies in what the
+# kernel does not use: FlashAttention-3, and by NVIDIA's accounts cuDNN's Hopper kernels, split each
+# block's warps into producers,
 # which move tiles with the tensor memory accelerator (TMA), and consumers, which run the asynchronous
 # `wgmma` matrix products, and they overlap the softmax of one tile with the products of the next
 # (ping-pong scheduling). Our kernel relies on what Triton 3.6 does by itself: `tl.dot` compiles to
 # `wgmma` on Hopper and `num_stages` pipelines the loads, but the softmax and the products of one loop
-# iteration still take turns. "Going deeper" lists the features that would narrow the gap.
+# iteration still take turns. This explanation is not measured here (the cell times whole calls, not
+# their parts); "Going deeper" lists the features that would narrow the gap.
 #
 # ## Summary
 #

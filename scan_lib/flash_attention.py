@@ -127,8 +127,11 @@ def tuned(kernel_name: str):
 
     def for_element_size(configs, named_args, **kwargs):
         return by_size[named_args["Q"].element_size()]
+
+    def quick_bench(kernel_call, quantiles):  # each new key costs a search: short warm-up and repeats
+        return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
     return triton.autotune([c for configs in by_size.values() for c in configs], key=["length", "HEAD_DIM", "CAUSAL"],
-                           prune_configs_by={"early_config_prune": for_element_size})
+                           prune_configs_by={"early_config_prune": for_element_size}, do_bench=quick_bench)
 
 
 flash_fwd = tuned("fwd")(flash_fwd_kernel)
