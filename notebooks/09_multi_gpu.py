@@ -278,8 +278,9 @@ def mamba(block, hidden_states, *, group=None):
 # %% [markdown]
 # ## 5. Checked against one process
 #
-# `launch` starts processes joined in a process group (gloo here, on the CPU; NCCL with one GPU per
-# rank on a GPU machine), the way `torchrun` would, and collects what each returns. Each rank of
+# `launch` starts processes joined in a process group, the way `torchrun` would, and collects what each
+# returns: NCCL with one GPU per rank where there are GPUs enough, else gloo between CPU processes
+# (Triton's interpreter). Each rank of
 # `check_against_one_process` builds the same random problem (same seed), computes it whole, as one
 # process would, takes its shard, runs the sequence-parallel version on it, and returns its worst
 # relative error over its outputs and every gradient: the gradients of sharded inputs are compared
@@ -312,13 +313,22 @@ def _run_rank(rank, world_size, port, backend, fn, args, folder):
 
 
 def launch(fn, world_size, *args, backend="gloo"):
-    """fn(*args) on world_size new processes joined in a process group of `backend` ("gloo", or "nccl"
-    with GPU k for rank k); returns their results in rank order. fn must be importable (a module's
-    function: processes are spawned, not forked)."""
-    with tempfile.TemporaryDirectory() as folder:
-        torch.multiprocessing.spawn(_run_rank, args=(world_size, _free_port(), backend, fn, args, folder),
-                                    nprocs=world_size)
-        return [torch.load(os.path.join(folder, f"rank{rank}.pt")) for rank in range(world_size)]
+    """fn(*args) on world_size new processes joined in a process group of `backend`: "gloo", CPU
+    processes (GPUs hidden from them: Triton's interpreter), or "nccl", GPU k for rank k. Returns their
+    results in rank order. fn must be importable (a module's function: processes are spawned, not forked)."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if backend == "gloo":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""                    # inherited by the spawned processes
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            torch.multiprocessing.spawn(_run_rank, args=(world_size, _free_port(), backend, fn, args, folder),
+                                        nprocs=world_size)
+            return [torch.load(os.path.join(folder, f"rank{rank}.pt")) for rank in range(world_size)]
+    finally:
+        if hidden is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = hidden
 
 
 def _shard_bounds(lengths):
@@ -419,12 +429,13 @@ from scan_lib.distributed import check_against_one_process, launch
 
 CHECKS = {3: [("linear_scan", (5, 1, 7)), ("selective_scan", (7, 1, 5)), ("mamba", (6, 2, 5)), ("chain", (1, 1, 1))],
           2: [("linear_scan", (64, 65)), ("selective_scan", (33, 20))]}   # by number of ranks: one launch each
-print(f"{'kind':15s} {'shard lengths':15s} {'worst rel err per rank'}")
+print(f"{'kind':15s} {'shard lengths':15s} {'backend':8s} {'worst rel err per rank'}")
 for ranks, cases in CHECKS.items():
-    errors = launch(check_against_one_process, ranks, cases)               # errors[rank][case]
+    backend = "nccl" if GPUS >= ranks else "gloo"                          # gloo: CPU processes
+    errors = launch(check_against_one_process, ranks, cases, backend=backend)   # errors[rank][case]
     for case, (kind, lengths) in enumerate(cases):
         per_rank = [errors[rank][case] for rank in range(ranks)]
-        print(f"{kind:15s} {str(lengths):15s} {' '.join(f'{e:.1e}' for e in per_rank)}")
+        print(f"{kind:15s} {str(lengths):15s} {backend:8s} {' '.join(f'{e:.1e}' for e in per_rank)}")
         assert max(per_rank) < 1e-5, (kind, lengths, per_rank)
 
 # %% [markdown]
@@ -593,3 +604,57 @@ else:
            title=f"selective scan, L = 2^20, split over GPUs ({torch.cuda.get_device_name()})")
     ax.legend()
     save_figure(fig, "09_two_gpus.png")
+
+# %% [markdown]
+# ## 8. Training with it: the example script
+#
+# `examples/sequence_parallel_mamba.py` is what a training script looks like: started by `torchrun`,
+# one process per GPU, a small Mamba language model whose blocks run through
+# `scan_lib.distributed.mamba`, each rank holding its part of every sequence. Each rank's loss is its
+# positions' share of the mean, the ranks' gradients are summed with `all_reduce` (what
+# `DistributedDataParallel` does), and every gradient is checked against the same model run whole in one
+# process, at every step. On two GPUs it runs with NCCL; elsewhere with gloo on the CPU, small.
+
+# %%
+from pathlib import Path
+
+script = Path(scan_lib.__file__).resolve().parents[1] / "examples" / "sequence_parallel_mamba.py"
+if not script.exists():
+    print(f"skipped: {script} is not here (scan_lib installed without the repository)")
+else:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)]
+    environment = dict(__import__("os").environ)
+    if GPUS < 2:   # gloo on the CPU, Triton's interpreter: a small model, two steps
+        command += ["--steps", "2", "--length", "11", "--layers", "1", "--d-model", "8"]
+        environment["CUDA_VISIBLE_DEVICES"] = ""
+    ran = subprocess.run(command, capture_output=True, text=True, env=environment)
+    print(ran.stdout)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+
+# %% [markdown]
+# ## What we built
+#
+# * The state entering a shard is a fold over one summary per earlier shard, $(P_r, E_r)$: the
+#   blocked scan of chapter 01 with GPUs for blocks, and the result is the one-device scan.
+# * One differentiable all-gather (`gather_small`) is the only communication the forward needs, and its
+#   backward is the only one the backward needs: autograd derives the reverse carries.
+# * `scan_lib.distributed.linear_scan`, `selective_scan` and `mamba` run over any process group;
+#   `launch` and `check_against_one_process` check them against one process; the example trains with
+#   them under `torchrun`.
+# * Measured: what the exchange costs, both ways, and (on two GPUs) the split against one GPU.
+#
+# ## Going deeper: cheaper phases, overlapped exchanges
+#
+# Each rank runs its scans twice, and the backward twice, because phase 1 needs only the shard's last
+# state but computes every output. Chapter 07 measured the same two-pass split inside one GPU and found
+# it never paid there; across GPUs it is forced by memory, and by the count of passes it would pay in
+# time from three ranks on (two GPUs are all this course's machines have). Two ways to cut it: a phase 1 that forms only $E_r$ as a sum,
+# $E_r = \sum_t e^{A(\Sigma_{\text{end}} - \Sigma_{\le t})} \Delta_t B_t u_t$, a reduction with no scan
+# and no output; and, for the backward, the gradient of $E_r$ alone is an adjoint scan with no
+# gradients to form. A pipeline can also hide the exchange: split each shard's batch in two and
+# exchange the first half's summaries while the second half runs phase 1.
+#
+# The exchange is small because the state is: batch $\times$ dim $\times N$ numbers, whatever $L$ is.
+# That is the property that makes a scan, unlike attention, cheap to spread over GPUs: FlashAttention's
+# state for a query block is a whole row of the output, and attention over a sharded sequence has to
+# move every key and value past every query (ring attention).

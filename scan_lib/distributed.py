@@ -144,13 +144,22 @@ def _run_rank(rank, world_size, port, backend, fn, args, folder):
 
 
 def launch(fn, world_size, *args, backend="gloo"):
-    """fn(*args) on world_size new processes joined in a process group of `backend` ("gloo", or "nccl"
-    with GPU k for rank k); returns their results in rank order. fn must be importable (a module's
-    function: processes are spawned, not forked)."""
-    with tempfile.TemporaryDirectory() as folder:
-        torch.multiprocessing.spawn(_run_rank, args=(world_size, _free_port(), backend, fn, args, folder),
-                                    nprocs=world_size)
-        return [torch.load(os.path.join(folder, f"rank{rank}.pt")) for rank in range(world_size)]
+    """fn(*args) on world_size new processes joined in a process group of `backend`: "gloo", CPU
+    processes (GPUs hidden from them: Triton's interpreter), or "nccl", GPU k for rank k. Returns their
+    results in rank order. fn must be importable (a module's function: processes are spawned, not forked)."""
+    hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if backend == "gloo":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""                    # inherited by the spawned processes
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            torch.multiprocessing.spawn(_run_rank, args=(world_size, _free_port(), backend, fn, args, folder),
+                                        nprocs=world_size)
+            return [torch.load(os.path.join(folder, f"rank{rank}.pt")) for rank in range(world_size)]
+    finally:
+        if hidden is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = hidden
 
 
 def _shard_bounds(lengths):

@@ -1,0 +1,69 @@
+"""scan_lib.distributed: the sequence-parallel scans and Mamba block, in several processes joined by
+gloo (NCCL on a machine with as many GPUs), against the same problem run whole in one process, at
+awkward lengths and uneven shards, every gradient included; and bad input."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import scan_lib  # first: without a GPU it switches Triton to its interpreter
+from scan_lib import distributed
+from scan_lib.runtime import DEVICE
+
+TOLERANCE = 1e-5
+
+
+def _backend(ranks):
+    return "nccl" if torch.cuda.device_count() >= ranks else "gloo"
+
+
+def test_three_ranks_match_one_process():
+    """Uneven shards, one of length 1 (shorter than the convolution's reach: its boundary comes from two
+    ranks); the chain of sends gives the all-gather's entering states."""
+    cases = [("linear_scan", (5, 1, 7)), ("selective_scan", (7, 1, 5)), ("mamba", (6, 1, 5)), ("chain", (1, 1, 1))]
+    errors = distributed.launch(distributed.check_against_one_process, 3, cases, backend=_backend(3))
+    for case, (kind, lengths) in enumerate(cases):
+        worst = max(per_rank[case] for per_rank in errors)
+        assert worst < TOLERANCE, (kind, lengths, worst)
+
+
+def test_two_ranks_match_one_process():
+    cases = [("linear_scan", (64, 65)), ("selective_scan", (33, 20)), ("selective_scan", (1, 40))]
+    errors = distributed.launch(distributed.check_against_one_process, 2, cases, 3, backend=_backend(2))
+    for case, (kind, lengths) in enumerate(cases):
+        assert max(per_rank[case] for per_rank in errors) < TOLERANCE, (kind, lengths)
+
+
+@pytest.fixture
+def one_rank():
+    """This process as a group of one (gloo): the sharded functions must then equal the plain ones."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_one_rank_is_the_plain_scan(one_rank):
+    g = torch.Generator().manual_seed(0)
+    gates, tokens, h0 = torch.rand(2, 9, generator=g), torch.randn(2, 9, generator=g), torch.randn(2, generator=g)
+    gates, tokens, h0 = gates.to(DEVICE), tokens.to(DEVICE), h0.to(DEVICE)
+    torch.testing.assert_close(distributed.linear_scan(gates, tokens, h0), scan_lib.linear_scan(gates, tokens, h0))
+
+
+def test_bad_input(one_rank):
+    with pytest.raises(ValueError, match="tokens must hold at least one position"):
+        distributed.linear_scan(torch.rand(2, 0, device=DEVICE), torch.rand(2, 0, device=DEVICE))
+    with pytest.raises(ValueError, match="u must hold at least one position"):
+        empty = torch.rand(1, 2, 0, device=DEVICE)
+        distributed.selective_scan(empty, empty, -torch.rand(2, 3, device=DEVICE), torch.rand(1, 3, 0, device=DEVICE),
+                                   torch.rand(1, 3, 0, device=DEVICE))
+
+
+def test_needs_a_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        distributed.linear_scan(torch.rand(2, 4, device=DEVICE), torch.rand(2, 4, device=DEVICE))
