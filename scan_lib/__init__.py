@@ -11,6 +11,7 @@ from .multistate import multistate_scan
 from .fast_selective_scan import selective_scan  # chapter 07's kernels; chapter 05's stay in .selective_scan
 from .causal_conv1d import causal_conv1d, causal_conv1d_update
 from .mamba import InferenceParams, Mamba, selective_state_update
+from .flash_attention import flash_attention
 
 __all__ = ["runtime", "cumsum", "linear_scan", "multistate_scan", "selective_scan", "causal_conv1d",
-           "causal_conv1d_update", "Mamba", "InferenceParams", "selective_state_update"]
+           "causal_conv1d_update", "Mamba", "InferenceParams", "selective_state_update", "flash_attention"]

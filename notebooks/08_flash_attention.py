@@ -1,0 +1,1485 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 08 · FlashAttention: attention as a scan
+#
+# [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/08_flash_attention.ipynb)
+#
+# Softmax attention looks nothing like a recurrence: every query looks at every key at once. Yet the
+# way FlashAttention computes it is the pattern of chapters 02 and 03: walk along the keys block by
+# block, carry a small state from block to block, and merge states with an associative operator.
+# You will
+#
+# - see why the $L \times L$ matrix of scores is the problem (its bytes, and on a GPU the memory it takes);
+# - define the **online-softmax state** $(m, \ell, o)$, its merge, and prove that the merge is
+#   associative (and commutative); test it in PyTorch and with `tl.associative_scan` in a kernel;
+# - write a one-block kernel, then the **tiled forward** kernel (causal mask, any $L$, head dims 32, 64,
+#   128, float32 / float16 / bfloat16 inputs with float32 accumulation), which saves the log-sum-exp;
+# - derive the **backward pass** and write it as three kernels that recompute the tiles from the saved
+#   log-sum-exp; check every gradient against float64;
+# - export the differentiable `flash_attention(q, k, v, causal=False, sm_scale=None)`;
+# - read a naive CUDA FlashAttention kernel line by line, predict its weaknesses, and on a GPU measure
+#   them and benchmark ours against PyTorch's `scaled_dot_product_attention`.
+
+# %%
+# Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
+# Importing scan_lib comes first: without a GPU it switches Triton to its CPU interpreter,
+# which must happen before any @triton.jit function is defined.
+import subprocess, sys
+if "google.colab" in sys.modules:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "git+https://github.com/scan-course/scans-the-hard-way"], check=True)
+import scan_lib
+from scan_lib.runtime import DEVICE, ON_GPU
+print(scan_lib.runtime.describe())
+
+# %%
+#| default_exp flash_attention
+
+# %%
+import random
+
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from scan_lib.runtime import save_figure
+
+# %% [markdown]
+# ## 1. Softmax attention, and the $L \times L$ problem
+#
+# One attention head takes queries $q_i$, keys $k_j$ and values $v_j$, vectors of size $d$ (the head
+# dim), for positions $0 \le i, j < L$. Each query scores every key, the scores go through a softmax
+# over the keys, and the output is the weighted mean of the values:
+#
+# $$s_{ij} = \tau\, q_i \cdot k_j, \qquad P_{ij} = \frac{e^{s_{ij}}}{\sum_{j'} e^{s_{ij'}}}, \qquad
+# O_i = \sum_j P_{ij}\, v_j ,$$
+#
+# with the scale $\tau = 1/\sqrt{d}$ by default. **Causal** attention lets query $i$ see only the keys
+# $j \le i$ ($s_{ij} = -\infty$ for $j > i$). The log of the softmax's denominator, the
+# **log-sum-exp** $\mathrm{lse}_i = \log \sum_j e^{s_{ij}}$, gives $P_{ij} = e^{s_{ij} - \mathrm{lse}_i}$;
+# we will store it for the backward pass. The reference below is the definition in float64, with
+# tensors of shape (batch, heads, L, head_dim), the layout of PyTorch's
+# `F.scaled_dot_product_attention`. It builds the full matrix of scores.
+
+# %%
+#| export
+"""FlashAttention in Triton: the tiled forward (online softmax) and backward kernels, and the differentiable op `flash_attention`."""
+import torch
+import triton
+import triton.language as tl
+
+from scan_lib.ema import accumulator_dtype
+from scan_lib.runtime import INTERPRET, ON_GPU, apply, check_float_tensor, check_same_device, custom_op
+
+HEAD_DIMS = (32, 64, 128)  # the head dims the kernels are built for
+LOG2E = 1.4426950408889634  # log2(e): the kernels use exp2, e^x = 2^(x log2 e)
+
+
+def attention_reference(q, k, v, causal=False, sm_scale=None):
+    """softmax(q k^T * sm_scale, causal mask) v in float64, through the full L x L matrix of scores.
+
+    q, k, v: (..., L, head_dim). Returns (output (..., L, head_dim), log-sum-exp of the scores (..., L)),
+    both float64 and differentiable by autograd. sm_scale None means 1 / sqrt(head_dim)."""
+    q, k, v = q.double(), k.double(), v.double()
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
+    scores = q @ k.transpose(-1, -2) * scale  # ... x L x L
+    if causal:
+        length = scores.shape[-1]
+        later = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)  # key j > query i
+        scores = scores.masked_fill(later, float("-inf"))
+    lse = torch.logsumexp(scores, -1)  # ... x L
+    return torch.exp(scores - lse[..., None]) @ v, lse
+
+# %%
+torch.manual_seed(0)
+q_small, k_small, v_small = torch.randn(3, 2, 3, 5, 32, dtype=torch.float64)
+out_small, lse_small = attention_reference(q_small, k_small, v_small, causal=True)
+torch.testing.assert_close(out_small, F.scaled_dot_product_attention(q_small, k_small, v_small, is_causal=True))
+torch.testing.assert_close(out_small[..., 0, :], v_small[..., 0, :])  # causal: query 0 sees key 0 only
+print("attention_reference == F.scaled_dot_product_attention in float64 (causal); query 0 returns v_0: ok")
+
+# %% [markdown]
+# The reference materialises the scores $s$ and the probabilities $P$: $L^2$ numbers per head, where the
+# inputs and the output hold $4 L d$. For a model with heads $\times$ head_dim $= 2048$, batch 4, in
+# bfloat16 (2 bytes), the table below computes both. At $L = 16384$ one matrix of scores is larger than
+# all the inputs and outputs together by the factor $L / (4 d)$ on the right. PyTorch's
+# autograd keeps $P$ for the backward pass, so training pays it on every layer.
+
+# %%
+def attention_bytes(batch, heads, length, head_dim, element_size=2):
+    """(bytes of q, k, v and the output; bytes of one batch x heads x L x L matrix), in one dtype."""
+    return 4 * batch * heads * length * head_dim * element_size, batch * heads * length**2 * element_size
+
+
+print(f"{'head_dim':>8} {'L':>6} {'q,k,v,out GiB':>14} {'one L x L GiB':>14} {'ratio':>6}")
+for head_dim in (64, 128):
+    for length in (1024, 4096, 16384):
+        io_bytes, matrix_bytes = attention_bytes(4, 2048 // head_dim, length, head_dim)
+        print(f"{head_dim:8} {length:6} {io_bytes / 2**30:14.3f} {matrix_bytes / 2**30:14.2f} "
+              f"{matrix_bytes / io_bytes:6.0f}")
+        assert matrix_bytes / io_bytes == length / (4 * head_dim)
+
+# %% [markdown]
+# FlashAttention never stores the matrix. It walks along the keys in blocks, keeps for each query a
+# state of size $d + 2$, and recomputes scores in the backward pass instead of reading them. Section 6
+# measures the memory both take on a GPU. First, the state and why it can be carried from block to block.
+#
+# ## 2. The online-softmax state and its merge
+#
+# Take one query and any set $J$ of keys. Its **state** summarises what the softmax needs from $J$:
+#
+# $$m_J = \max_{j \in J} s_j, \qquad \ell_J = \sum_{j\in J} e^{s_j - m_J}, \qquad
+# o_J = \sum_{j\in J} e^{s_j - m_J}\, v_j .$$
+#
+# The output over $J$ is $o_J / \ell_J$ and its log-sum-exp is $m_J + \log \ell_J$. Subtracting the
+# maximum keeps every exponent $\le 0$, so nothing overflows (a float16 $e^{12}$ already does). For two
+# disjoint sets $A$ and $B$, the state of $A \cup B$ follows from the two states alone, by rescaling
+# both to the common maximum $m = \max(m_A, m_B)$:
+#
+# $$(m_A, \ell_A, o_A) \oplus (m_B, \ell_B, o_B) = \big(m,\ \ e^{m_A - m}\ell_A + e^{m_B - m}\ell_B,\ \
+# e^{m_A - m} o_A + e^{m_B - m} o_B\big).$$
+#
+# The state of the empty set, $(-\infty, 0, 0)$, is the identity (with the convention
+# $e^{-\infty - (-\infty)} \cdot 0 = 0$, which the code writes as a select).
+#
+# **The merge is associative and commutative.** Map a state to
+# $\varphi(m, \ell, o) = (m,\ e^{m}\ell,\ e^{m} o)$; for a set of keys this is
+# $(\max_J s_j,\ \sum_J e^{s_j},\ \sum_J e^{s_j} v_j)$. $\varphi$ is one-to-one on states with a finite
+# $m$ (divide by $e^m$ to go back), and it turns the merge into three familiar operations:
+#
+# $$\varphi(x \oplus y) = \big(\max(m_x, m_y),\ e^{m}(e^{m_x - m}\ell_x + e^{m_y - m}\ell_y),\ \dots\big)
+# = \big(\max(m_x, m_y),\ e^{m_x}\ell_x + e^{m_y}\ell_y,\ e^{m_x}o_x + e^{m_y}o_y\big)
+# = \varphi(x) \boxplus \varphi(y),$$
+#
+# where $\boxplus$ is (max, +, +) componentwise. Max and + are associative and commutative, so
+# $\varphi\big((x \oplus y) \oplus z\big) = (\varphi(x) \boxplus \varphi(y)) \boxplus \varphi(z) =
+# \varphi(x) \boxplus (\varphi(y) \boxplus \varphi(z)) = \varphi\big(x \oplus (y \oplus z)\big)$, and
+# since $\varphi$ is one-to-one, $(x \oplus y) \oplus z = x \oplus (y \oplus z)$; likewise
+# $x \oplus y = y \oplus x$. (With the identity involved the equalities hold by its definition.) So the
+# keys can be cut into blocks anywhere, the blocks merged in any grouping and, unlike chapter 02's
+# steps, in any order. The rescaling by $e^{-m}$ changes how the numbers are stored, not what they mean:
+# it is there only so that they fit in floating point.
+#
+# In PyTorch, for states of many queries at once (`m`, `l` of shape (...), `o` of shape (..., head_dim)):
+
+# %%
+def softmax_state(scores, values):
+    """The state (m, l, o) of the keys in `scores` (..., n) with `values` (..., n, head_dim)."""
+    m = scores.max(-1).values  # ...
+    weights = torch.exp(scores - m[..., None])  # ... x n
+    return m, weights.sum(-1), (weights[..., None] * values).sum(-2)
+
+
+def merge_states(x, y):
+    """(m, l, o) of keys X, (m, l, o) of disjoint keys Y -> (m, l, o) of X and Y together."""
+    (m_x, l_x, o_x), (m_y, l_y, o_y) = x, y
+    m = torch.maximum(m_x, m_y)
+    scale_x = torch.where(m_x == m, 1.0, torch.exp(m_x - m))  # the select: e^(-inf - (-inf)) counts as 1
+    scale_y = torch.where(m_y == m, 1.0, torch.exp(m_y - m))
+    return m, scale_x * l_x + scale_y * l_y, scale_x[..., None] * o_x + scale_y[..., None] * o_y
+
+
+def identity_state(queries, head_dim):
+    """The state of no keys: (-inf, 0, 0) for `queries` queries, float64."""
+    m = torch.full((queries,), float("-inf"), dtype=torch.float64)
+    return m, torch.zeros(queries, dtype=torch.float64), torch.zeros(queries, head_dim, dtype=torch.float64)
+
+
+def random_cuts(length, pieces, rng):
+    """`pieces` - 1 distinct cut points in (0, length): contiguous pieces [0, c1), [c1, c2), ..."""
+    return [0, *sorted(rng.sample(range(1, length), pieces - 1)), length]
+
+# %% [markdown]
+# The checks: on random scores (spread wide, so that the maxima differ), cut the keys into random
+# pieces, merge the pieces' states left to right, right to left, in a random tree, and in a shuffled
+# order, and compare each with the state of all keys at once and with the reference's output and
+# log-sum-exp.
+
+# %%
+def merge_in_random_tree(states, rng):
+    """Merge a list of states by repeatedly merging a random adjacent pair."""
+    states = list(states)
+    while len(states) > 1:
+        i = rng.randrange(len(states) - 1)
+        states[i:i + 2] = [merge_states(states[i], states[i + 1])]
+    return states[0]
+
+
+torch.manual_seed(1)
+rng = random.Random(1)
+queries, keys, head_dim = 6, 97, 32
+scores = 20 * torch.randn(queries, keys, dtype=torch.float64)
+values = torch.randn(keys, head_dim, dtype=torch.float64)
+whole = softmax_state(scores, values)
+cuts = random_cuts(keys, 9, rng)
+pieces = [softmax_state(scores[:, a:b], values[a:b]) for a, b in zip(cuts, cuts[1:])]
+empty = identity_state(queries, head_dim)
+shuffled = rng.sample(pieces, len(pieces))
+left = pieces[0]
+for piece in pieces[1:]:
+    left = merge_states(left, piece)
+right = pieces[-1]
+for piece in reversed(pieces[:-1]):
+    right = merge_states(piece, right)
+shuffled_left = empty
+for piece in shuffled:
+    shuffled_left = merge_states(shuffled_left, piece)
+results = {"left to right": left, "right to left": right, "random tree": merge_in_random_tree(pieces, rng),
+           "shuffled, from the identity": shuffled_left}
+attention_out, attention_lse = attention_reference(scores[None], torch.eye(keys, dtype=torch.float64)[None],
+                                                   values[None], sm_scale=1.0)
+print(f"pieces: {[b - a for a, b in zip(cuts, cuts[1:])]}")
+print(f"{'grouping':28} {'state err':>10} {'output err':>11} {'lse err':>9}")
+for name, (m, l, o) in results.items():
+    state_err = max((x - w).abs().max().item() for x, w in zip((m, l, o), whole))
+    out_err = (o / l[:, None] - attention_out[0]).abs().max().item()
+    lse_err = (m + l.log() - attention_lse[0]).abs().max().item()
+    print(f"{name:28} {state_err:10.1e} {out_err:11.1e} {lse_err:9.1e}")
+    assert state_err < 1e-12 and out_err < 1e-12 and lse_err < 1e-12
+
+empty_merged = merge_states(empty, left)
+assert all(torch.equal(x, y) for x, y in zip(empty_merged, left))
+print("the identity (-inf, 0, 0) merged with a state leaves it unchanged: ok")
+
+# %% [markdown]
+# ## 3. The merge in a kernel: `tl.associative_scan` over a tuple state
+#
+# Because the merge is associative, Triton's `tl.associative_scan` can scan states, as chapter 02
+# scanned pairs. The kernel below takes one query per program and all keys in one block. Key $j$
+# alone has the state $(s_j, 1, v_j)$; the padding past $L$ holds the identity. The scan's element
+# $j$ is then the state of keys $0..j$, and $o/\ell$ there is the attention of this query over the
+# first $j+1$ keys. All members of a scanned tuple must have one shape, so $m$ and $\ell$ are
+# repeated along the head dim: a waste that the tiled kernel of section 5 avoids, but the scan is
+# the same.
+
+# %%
+@triton.jit
+def softmax_merge(m_x, l_x, o_x, m_y, l_y, o_y):
+    """The merge of two states (m, l, o) of disjoint sets of keys, on blocks of one shape; identity (-inf, 0, 0)."""
+    m = tl.maximum(m_x, m_y)
+    scale_x = tl.where(m_x == m, 1.0, tl.exp(m_x - m))  # e^(-inf - (-inf)) would be NaN: the identity gets 1
+    scale_y = tl.where(m_y == m, 1.0, tl.exp(m_y - m))
+    return m, scale_x * l_x + scale_y * l_y, scale_x * o_x + scale_y * o_y
+
+
+@triton.jit
+def prefix_attention_kernel(Q, K, V, O, length, sm_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    # Q: queries x HEAD_DIM; K, V: length x HEAD_DIM; O: queries x length x HEAD_DIM, all float32.
+    # One program per query; BLOCK >= length. O[i, j] = attention of query i over keys 0..j.
+    query = tl.program_id(0)
+    keys = tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    inside = keys[:, None] < length  # BLOCK x 1
+    q = tl.load(Q + query * HEAD_DIM + dims)  # HEAD_DIM
+    k = tl.load(K + keys[:, None] * HEAD_DIM + dims[None, :], mask=inside, other=0.0)  # BLOCK x HEAD_DIM
+    v = tl.load(V + keys[:, None] * HEAD_DIM + dims[None, :], mask=inside, other=0.0)  # BLOCK x HEAD_DIM
+    s = tl.sum(k * q[None, :], 1) * sm_scale  # BLOCK scores
+    m = tl.where(inside, s[:, None], float("-inf")) + tl.zeros_like(v)  # key j's state (s_j, 1, v_j),
+    l = tl.where(inside, 1.0, 0.0) + tl.zeros_like(v)  # the identity (-inf, 0, 0) in the padding
+    m, l, o = tl.associative_scan((m, l, v), 0, softmax_merge)
+    l = tl.where(inside, l, 1.0)  # the padding's l is 0: divide by 1 there (the store skips it)
+    tl.store(O + (query * length + keys[:, None]) * HEAD_DIM + dims[None, :], o / l, mask=inside)
+
+
+def prefix_attention(q, k, v, sm_scale):
+    """(queries, L, head_dim): attention of each query (queries, head_dim) over each prefix of k, v (L, head_dim)."""
+    length, head_dim = k.shape
+    out = torch.empty(q.shape[0], length, head_dim, device=q.device)
+    prefix_attention_kernel[(q.shape[0],)](q, k, v, out, length, sm_scale, HEAD_DIM=head_dim,
+                                           BLOCK=triton.next_power_of_2(length))
+    return out
+
+
+torch.manual_seed(2)
+print(f"{'L':>4} {'max abs err':>12}")
+for length in (1, 7, 33, 129):
+    q_scan, k_scan, v_scan = torch.randn(3, length, 32, device=DEVICE)
+    got = prefix_attention(q_scan[:3], k_scan, v_scan, 32**-0.5)  # 3 queries (or fewer)
+    # the reference: query i repeated at every position, causal, is attention over each prefix
+    want = torch.stack([attention_reference(q_i.expand(length, 32), k_scan, v_scan, causal=True)[0] for q_i in q_scan[:3]])
+    err = (got.double() - want).abs().max().item()
+    print(f"{length:4} {err:12.2e}")
+    assert err < 1e-5
+
+# %% [markdown]
+# The scan computes every prefix, which attention does not need: a query wants only the state of all
+# its keys. The kernels that follow therefore fold the key blocks into one state, left to right, like
+# chapter 02's chunk loop with its carried state, and parallelise over queries instead.
+#
+# ## 4. One block: attention in a single program
+#
+# When $L$ is small, one program can hold all the queries, keys and values of one head and compute
+# the scores with a single matrix product, `tl.dot` (on a GPU it runs on the tensor cores). Keys past
+# $L$ get the score $-\infty$, so their weight is $e^{-\infty} = 0$.
+
+# %%
+@triton.jit
+def attention_one_block_kernel(Q, K, V, O, length, sm_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    # Q, K, V, O: heads x length x HEAD_DIM contiguous, float32. One program per head; BLOCK >= length.
+    head = tl.program_id(0)
+    positions = tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    offsets = head * length * HEAD_DIM + positions[:, None] * HEAD_DIM + dims[None, :]  # BLOCK x HEAD_DIM
+    inside = positions[:, None] < length
+    q = tl.load(Q + offsets, mask=inside, other=0.0)
+    k = tl.load(K + offsets, mask=inside, other=0.0)
+    v = tl.load(V + offsets, mask=inside, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * sm_scale  # BLOCK x BLOCK scores
+    s = tl.where(positions[None, :] < length, s, float("-inf"))  # keys past the end weigh nothing
+    p = tl.exp(s - tl.max(s, 1)[:, None])
+    o = tl.dot(p, v, input_precision="ieee") / tl.sum(p, 1)[:, None]
+    tl.store(O + offsets, o, mask=inside)
+
+
+def attention_one_block(q, k, v):
+    """Attention of contiguous float32 (heads, L, head_dim) tensors, each head in one program (L <= a few hundred)."""
+    heads, length, head_dim = q.shape
+    out = torch.empty_like(q)
+    attention_one_block_kernel[(heads,)](q, k, v, out, length, head_dim**-0.5, HEAD_DIM=head_dim,
+                                         BLOCK=max(16, triton.next_power_of_2(length)), num_warps=8)
+    return out
+
+
+torch.manual_seed(3)
+print(f"{'L':>4} {'max abs err':>12}")
+for length in (1, 7, 33, 100):
+    q_1b, k_1b, v_1b = torch.randn(3, 2, length, 64, device=DEVICE)
+    err = (attention_one_block(q_1b, k_1b, v_1b).double() - attention_reference(q_1b, k_1b, v_1b)[0]).abs().max().item()
+    print(f"{length:4} {err:12.2e}")
+    assert err < 1e-5
+
+# %% [markdown]
+# `tl.dot` needs blocks of at least 16 rows, hence the `max(16, ...)`. The $L \times L$ block of
+# scores lives in registers: at $L = 128$ that is 16384 floats, 64 per thread of the 8 warps launched,
+# beside $q$, $k$ and $v$. At `BLOCK` 256 it would be 256 per thread, more than a thread's 255
+# registers, and the compiler would spill them to memory: for longer sequences the keys must come in
+# blocks, with the state carried between them.
+#
+# ## 5. The tiled forward kernel
+#
+# Each program takes `BLOCK_M` queries of one head (a grid of $\lceil L / \text{BLOCK\_M} \rceil
+# \times$ batch $\cdot$ heads programs) and loops over the keys in blocks of `BLOCK_N`. Per key block it
+# computes the block of scores with `tl.dot`, then merges the block's state into its running state
+# $(m, \ell, o)$, one row per query: $m$ and $\ell$ are `BLOCK_M` numbers, $o$ is `BLOCK_M` $\times$
+# head_dim, and all three stay in registers for the whole loop. The merge of section 2, written for a
+# running state and one new block, is the **online softmax**:
+#
+# $$m' = \max\big(m, \max_j s_{ij}\big),\quad \alpha = e^{m - m'},\quad p_{ij} = e^{s_{ij} - m'},\quad
+# \ell' = \alpha\,\ell + \sum_j p_{ij},\quad o' = \alpha\, o + p\, V_{\text{block}} .$$
+#
+# After the last block, $O_i = o_i / \ell_i$ and $\mathrm{lse}_i = m_i + \log \ell_i$ are written.
+# A few details make it fast and exact:
+#
+# - **exp2**: the kernel multiplies the scores by $\tau \log_2 e$ and uses `tl.exp2`
+#   ($e^x = 2^{x \log_2 e}$): the GPU's exponential unit computes powers of 2, so this saves a multiply per score;
+#   $m$ is kept in these base-2 units, and the stored log-sum-exp is converted back to natural units.
+# - **masks only where needed**: key blocks that lie wholly inside $0..L-1$ and, for a causal
+#   kernel, wholly left of the program's first query need no mask. `attend_key_blocks` runs twice:
+#   over those blocks without masks, then over the rest (the last, partial block; the blocks on the
+#   diagonal) with them. A causal program stops at its last query: the blocks above the diagonal are skipped,
+#   half the work.
+# - **no row is ever empty**: every program's first key block holds key 0, which every query may see,
+#   so $m$ is finite after it and $e^{m - m'}$ never meets $-\infty - (-\infty)$.
+# - **precision**: scores and the state are float32 (float64 for float64 inputs); the probabilities
+#   $p$ are rounded to the input's dtype for the second `tl.dot` (as every FlashAttention does, so
+#   that float16 / bfloat16 run on the tensor cores), and float32 products use `input_precision="ieee"`,
+#   not TF32, so a float32 call is as accurate as a float32 matrix product.
+# - **one helper for `tl.dot`**: Triton 3.6's CPU interpreter multiplies bfloat16 blocks as their raw
+#   16-bit integers, a bug; under the interpreter `matmul` converts bfloat16 to float32 first, which is
+#   exact and gives the same sums as the tensor cores (which multiply bfloat16 exactly and add in float32).
+
+# %%
+#| export
+# Under Triton 3.6's interpreter tl.dot multiplies bfloat16 blocks as raw 16-bit integers: matmul upcasts them.
+UPCAST_BFLOAT16_DOTS: tl.constexpr = tl.constexpr(INTERPRET)
+LOG2E_CONST: tl.constexpr = tl.constexpr(LOG2E)  # LOG2E inside kernels
+
+
+@triton.jit
+def matmul(a, b):
+    """tl.dot(a, b) with float32 accumulation and full float32 precision ("ieee", not TF32)."""
+    if UPCAST_BFLOAT16_DOTS:
+        if a.dtype == tl.bfloat16:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def attend_key_blocks(o, l, m, q, K, V, base, rows, start, stop, length, qk_scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Merge the key blocks [start, stop) into the running state (m, l, o) of the queries `rows`.
+
+    o: BLOCK_M x HEAD_DIM, l, m: BLOCK_M (m in base-2 units: scores times qk_scale = sm_scale * log2 e);
+    q: BLOCK_M x HEAD_DIM. MASKED: mask keys past `length` and, if CAUSAL, keys after the query."""
+    dims = tl.arange(0, HEAD_DIM)
+    for block_start in tl.range(start, stop, BLOCK_N):
+        keys = block_start + tl.arange(0, BLOCK_N)
+        offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
+        if MASKED:
+            k = tl.load(K + offsets, mask=keys[:, None] < length, other=0.0)
+            v = tl.load(V + offsets, mask=keys[:, None] < length, other=0.0)
+        else:
+            k = tl.load(K + offsets)
+            v = tl.load(V + offsets)
+        s = matmul(q, tl.trans(k)).to(o.dtype) * qk_scale  # BLOCK_M x BLOCK_N
+        if MASKED:
+            visible = keys[None, :] < length
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= rows[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)  # rescales the old state to the new maximum
+        p = tl.exp2(s - m_new[:, None])  # BLOCK_M x BLOCK_N
+        l = l * alpha + tl.sum(p, 1)
+        o = o * alpha[:, None] + matmul(p.to(v.dtype), v).to(o.dtype)
+        m = m_new
+    return o, l, m
+
+
+@triton.jit
+def flash_fwd_kernel(Q, K, V, O, LSE, length, qk_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+                     ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Q, K, V, O: (batch * heads) x length x HEAD_DIM contiguous; LSE: (batch * heads) x length, in ACC.
+    # One program per BLOCK_M queries of one head; qk_scale = sm_scale * log2(e).
+    block_m = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    base = head * length * HEAD_DIM
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
+    q = tl.load(Q + row_offsets, mask=rows[:, None] < length, other=0.0)
+    m = tl.full([BLOCK_M], float("-inf"), ACC)
+    l = tl.zeros([BLOCK_M], ACC)
+    o = tl.zeros([BLOCK_M, HEAD_DIM], ACC)
+    if CAUSAL:  # keys left of the first query need no mask; stop after the last query
+        unmasked_stop = block_m * BLOCK_M // BLOCK_N * BLOCK_N
+        stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
+    else:  # whole key blocks need no mask
+        unmasked_stop = length // BLOCK_N * BLOCK_N
+        stop = length
+    o, l, m = attend_key_blocks(o, l, m, q, K, V, base, rows, 0, unmasked_stop, length, qk_scale,
+                                HEAD_DIM, BLOCK_N, False, CAUSAL)
+    o, l, m = attend_key_blocks(o, l, m, q, K, V, base, rows, unmasked_stop, stop, length, qk_scale,
+                                HEAD_DIM, BLOCK_N, True, CAUSAL)
+    tl.store(O + row_offsets, (o / l[:, None]).to(O.dtype.element_ty), mask=rows[:, None] < length)
+    tl.store(LSE + head * length + rows, m / LOG2E_CONST + tl.log(l), mask=rows < length)  # natural log
+
+# %% [markdown]
+# The launcher makes the grid from the block size, which `triton.autotune` picks on a GPU (section
+# "Going deeper: tile sizes and autotuning"); under the interpreter one small configuration is used,
+# with `BLOCK_M` $\ne$ `BLOCK_N` so that the masks' block arithmetic is exercised.
+
+# %%
+#| export
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) that autotune tries on a GPU, by the inputs' element size:
+# 2 bytes (float16, bfloat16) run on the tensor cores; 4 and 8 (float32, float64 with "ieee" precision) do
+# not, and get smaller tiles that fit in registers and shared memory.
+GPU_TILES = {
+    "fwd": {2: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
+            4: [(64, 32, 4, 2), (32, 32, 4, 2)], 8: [(32, 32, 4, 1)]},
+    "dkdv": {2: [(64, 128, 8, 3), (32, 128, 4, 3)],
+             4: [(32, 64, 4, 2), (32, 32, 4, 2)], 8: [(32, 32, 4, 1)]},
+    "dq": {2: [(128, 64, 8, 3), (64, 64, 4, 3)],
+           4: [(64, 32, 4, 2), (32, 32, 4, 2)], 8: [(32, 32, 4, 1)]},
+}
+INTERPRETER_TILES = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}  # (BLOCK_M, BLOCK_N) on the CPU
+
+
+def tuned(kernel_name: str):
+    """triton.autotune keyed on (length, HEAD_DIM, CAUSAL) (and the dtypes, which autotune adds), trying
+    only the GPU_TILES of the inputs' element size; under the interpreter one fixed INTERPRETER_TILES tile."""
+    if not ON_GPU:
+        block_m, block_n = INTERPRETER_TILES[kernel_name]
+        return triton.autotune([triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n})],
+                               key=["length", "HEAD_DIM", "CAUSAL"])
+    by_size = {size: [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
+               for size, tiles in GPU_TILES[kernel_name].items()}
+
+    def for_element_size(configs, named_args, **kwargs):
+        return by_size[named_args["Q"].element_size()]
+
+    def quick_bench(kernel_call, quantiles):  # each new key costs a search: short warm-up and repeats
+        return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
+    return triton.autotune([c for configs in by_size.values() for c in configs], key=["length", "HEAD_DIM", "CAUSAL"],
+                           prune_configs_by={"early_config_prune": for_element_size}, do_bench=quick_bench)
+
+
+flash_fwd = tuned("fwd")(flash_fwd_kernel)
+
+
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the saved log-sum-exp, the kernels' accumulator: float64 for float64 inputs, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def flash_attention_forward(q, k, v, causal: bool, sm_scale: float):
+    """(output, lse) for contiguous q, k, v (batch, heads, L, head_dim) of one dtype, L >= 1.
+
+    output: the input dtype; lse: (batch, heads, L), the log-sum-exp of each query's scores, in lse_dtype."""
+    batch, heads, length, head_dim = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty(batch, heads, length, dtype=lse_dtype(q.dtype), device=q.device)
+    grid = lambda meta: (triton.cdiv(length, meta["BLOCK_M"]), batch * heads)  # noqa: E731
+    flash_fwd[grid](q, k, v, out, lse, length, sm_scale * LOG2E, HEAD_DIM=head_dim, CAUSAL=causal,
+                    ACC=accumulator_dtype(q.dtype))
+    return out, lse
+
+# %% [markdown]
+# The checks: random inputs at awkward lengths (1, 7, 33, 129 under the interpreter; longer ones on a
+# GPU), causal and not, every head dim and input dtype, against the float64 reference, for the output
+# and the log-sum-exp. The tolerance follows the dtype: the output is rounded once to the input dtype
+# (and $p$ once before its product), so the error is a few units of the dtype's rounding.
+
+# %%
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # max abs error allowed, inputs ~ N(0, 1)
+
+
+def forward_cases():
+    """(L, head_dim, dtype, causal) checked: every L and causal flag in float32 at head dim 64, the other head
+    dims and dtypes at two lengths (the interpreter is slow; a GPU checks more)."""
+    lengths = (1, 7, 33, 129, 1000, 4097) if ON_GPU else (1, 7, 33, 129)
+    cases = [(length, 64, torch.float32, causal) for length in lengths for causal in (False, True)]
+    for head_dim in HEAD_DIMS:
+        for dtype in TOLERANCE:
+            cases += [(length, head_dim, dtype, True) for length in (7, 129) if (head_dim, dtype) != (64, torch.float32)]
+    return cases
+
+
+torch.manual_seed(4)
+print(f"{'L':>5} {'d':>4} {'dtype':>9} {'causal':>6} {'out err':>9} {'lse err':>9}")
+for length, head_dim, dtype, causal in forward_cases():
+    q_f, k_f, v_f = torch.randn(3, 1, 2, length, head_dim, device=DEVICE).to(dtype)  # batch 1, 2 heads
+    out_f, lse_f = flash_attention_forward(q_f, k_f, v_f, causal, head_dim**-0.5)
+    want_out, want_lse = attention_reference(q_f, k_f, v_f, causal)
+    out_err = (out_f.double() - want_out).abs().max().item()
+    lse_err = (lse_f.double() - want_lse).abs().max().item()
+    print(f"{length:5} {head_dim:4} {str(dtype)[6:]:>9} {str(causal):>6} {out_err:9.1e} {lse_err:9.1e}")
+    assert out_f.dtype == dtype and lse_f.dtype == torch.float32
+    assert out_err < TOLERANCE[dtype] and lse_err < 1e-4
+
+# %% [markdown]
+# ## 6. The memory, measured
+#
+# (On a GPU.) The cell runs the reference's computation in bfloat16 (the scores, the softmax, the
+# product with $V$, as plain PyTorch does) and our forward kernel, batch 4, 16 heads of dim 128, and
+# reads `torch.cuda.max_memory_allocated` above what the inputs already hold. The prediction from
+# section 1: the plain computation needs at least one $L \times L$ matrix (the printed peak shows how
+# many it holds at once); the kernel needs only its output and the log-sum-exp.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    def peak_extra_bytes(fn):
+        """Peak memory allocated while fn() runs, above what was allocated before, in bytes."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()  # the peak is recorded while fn runs; its result can go at once
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    def plain_attention(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1) @ v
+
+    print(f"{torch.cuda.get_device_name()}: batch 4, 16 heads, head_dim 128, bfloat16, forward only")
+    print(f"{'L':>6} {'one L x L GiB':>14} {'plain GiB':>10} {'flash GiB':>10} {'out + lse GiB':>14}")
+    for length in (1024, 2048, 4096, 8192):
+        q_mem, k_mem, v_mem = torch.randn(3, 4, 16, length, 128, device=DEVICE, dtype=torch.bfloat16)
+        flash_attention_forward(q_mem, k_mem, v_mem, False, 128**-0.5)  # autotune first: its timing buffers are not the kernel's
+        plain = peak_extra_bytes(lambda: plain_attention(q_mem, k_mem, v_mem))
+        flash = peak_extra_bytes(lambda: flash_attention_forward(q_mem, k_mem, v_mem, False, 128**-0.5))
+        matrix = 4 * 16 * length**2 * 2
+        needed = q_mem.numel() * 2 + 4 * 16 * length * 4  # output (bfloat16) + lse (float32)
+        print(f"{length:6} {matrix / 2**30:14.2f} {plain / 2**30:10.2f} {flash / 2**30:10.3f} {needed / 2**30:14.3f}")
+        assert plain >= matrix and flash <= 1.05 * needed
+        del q_mem, k_mem, v_mem
+
+# %% [markdown]
+# ## 7. The backward pass, derived
+#
+# Take one head and a loss $\mathcal{L}$ with incoming gradient $dO_i = \partial\mathcal{L}/\partial O_i$.
+# Write $dX$ for $\partial\mathcal{L}/\partial X$. From $O_i = \sum_j P_{ij} v_j$:
+#
+# $$dV_j = \sum_i P_{ij}\, dO_i, \qquad dP_{ij} = dO_i \cdot v_j .$$
+#
+# The softmax of row $i$ has the Jacobian $\partial P_{ik} / \partial s_{ij} = P_{ik}(\delta_{jk} - P_{ij})$, so
+#
+# $$dS_{ij} = \sum_k dP_{ik}\, P_{ik}(\delta_{jk} - P_{ij}) = P_{ij}\Big(dP_{ij} - \sum_k P_{ik}\, dP_{ik}\Big)
+# = P_{ij}\,\big(dP_{ij} - D_i\big),$$
+#
+# and the row sum is a dot product of two vectors of size $d$, because $\sum_k P_{ik} v_k = O_i$:
+#
+# $$D_i = \sum_k P_{ik}\, dO_i \cdot v_k = dO_i \cdot O_i .$$
+#
+# Finally $s_{ij} = \tau\, q_i \cdot k_j$ gives
+#
+# $$dQ_i = \tau \sum_j dS_{ij}\, k_j, \qquad dK_j = \tau \sum_i dS_{ij}\, q_i .$$
+#
+# With causal masking, $P_{ij} = 0$ for $j > i$, hence $dS_{ij} = 0$ there: the same formulas, the same mask.
+#
+# **What to store, what to recompute.** $P$ is the $L \times L$ matrix we refused to store. The forward
+# saved $\mathrm{lse}_i$, and $P_{ij} = e^{\tau q_i\cdot k_j - \mathrm{lse}_i}$ is one score and one
+# exponential away, in any tile, in any order: no running maximum is needed the second time. So the
+# backward recomputes the tiles of $S$ and $P$ from $Q$, $K$ and the log-sum-exp. Three kernels:
+#
+# 1. **preprocess**: $D_i = dO_i \cdot O_i$, one number per query;
+# 2. **dK, dV**: one program per block of keys, looping over the blocks of queries; it accumulates
+#    $dV_j \mathrel{+}= P^\top dO$ and $dK_j \mathrel{+}= \tau\, dS^\top Q$ in registers and writes each once;
+# 3. **dQ**: one program per block of queries, looping over the blocks of keys; it accumulates
+#    $dQ_i \mathrel{+}= \tau\, dS\, K$.
+#
+# Each program owns the rows it writes, so no two programs add into one place: no atomics, and the
+# result does not depend on the order in which programs run. The price is that $S$ and $P$ are computed
+# twice in the backward (once per kernel), and $dP$ too: five matrix products per tile pair in all,
+# against two in the forward. Before the kernels, the formulas checked in float64 against autograd:
+
+# %%
+def attention_backward_formulas(q, k, v, grad_out, causal, sm_scale):
+    """(dq, dk, dv) from the formulas above, in float64, for (..., L, head_dim) tensors."""
+    out, lse = attention_reference(q, k, v, causal, sm_scale)
+    scores = q.double() @ k.double().transpose(-1, -2) * sm_scale  # ... x L x L
+    p = torch.exp(scores - lse[..., None])
+    if causal:
+        p = p.tril()  # e^(s - lse) of a masked score is 0
+    d_p = grad_out.double() @ v.double().transpose(-1, -2)
+    d_rows = (grad_out.double() * out).sum(-1)  # D_i = dO_i . O_i
+    d_s = p * (d_p - d_rows[..., None])
+    return sm_scale * d_s @ k.double(), sm_scale * d_s.transpose(-1, -2) @ q.double(), p.transpose(-1, -2) @ grad_out.double()
+
+
+torch.manual_seed(5)
+for causal in (False, True):
+    q_b, k_b, v_b, grad_b = torch.randn(4, 2, 3, 37, 32, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q_b, k_b, v_b)]
+    want = torch.autograd.grad(attention_reference(*leaves, causal, 0.3)[0], leaves, grad_b)
+    got = attention_backward_formulas(q_b, k_b, v_b, grad_b, causal, 0.3)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+print("dS = P * (dP - rowsum(dO * O)), dQ, dK, dV == autograd of the reference, causal and not: ok")
+
+# %% [markdown]
+# The kernels. Both gradient kernels mask every tile (queries past $L$, keys past $L$, and the causal
+# triangle): simpler than the forward's two loops, at the price of a few selects per score. The causal
+# dK/dV program starts at the first block of queries that can see its keys; the causal dQ program stops
+# after its last query, as in the forward.
+
+# %%
+#| export
+@triton.jit
+def flash_bwd_preprocess_kernel(O, DO, DELTA, length, HEAD_DIM: tl.constexpr, ACC: tl.constexpr,
+                                BLOCK_M: tl.constexpr):
+    # O, DO: (batch * heads) x length x HEAD_DIM contiguous; DELTA: (batch * heads) x length, in ACC.
+    # DELTA = rowsum(DO * O): D_i = dO_i . O_i.
+    block_m = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    offsets = head * length * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
+    o = tl.load(O + offsets, mask=rows[:, None] < length, other=0.0).to(ACC)
+    do = tl.load(DO + offsets, mask=rows[:, None] < length, other=0.0).to(ACC)
+    tl.store(DELTA + head * length + rows, tl.sum(o * do, 1), mask=rows < length)
+
+
+@triton.jit
+def probabilities(q, k, lse2, rows, keys, length, qk_scale, ACC: tl.constexpr, CAUSAL: tl.constexpr):
+    """P = exp(q k^T * sm_scale - lse) for a BLOCK_M x BLOCK_N tile, recomputed; 0 where masked.
+
+    lse2: the log-sum-exp in base-2 units (BLOCK_M); rows, keys: the tile's query and key positions."""
+    s = matmul(q, tl.trans(k)).to(ACC) * qk_scale  # BLOCK_M x BLOCK_N, base-2 units
+    visible = (rows[:, None] < length) & (keys[None, :] < length)
+    if CAUSAL:
+        visible = visible & (keys[None, :] <= rows[:, None])
+    return tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
+
+
+@triton.jit
+def flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, length, qk_scale, sm_scale,
+                          HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Q, K, V, DO, DK, DV: (batch * heads) x length x HEAD_DIM contiguous; LSE, DELTA: (batch * heads) x length.
+    # One program per BLOCK_N keys of one head, looping over the blocks of queries that can see them.
+    block_n = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    base = head * length * HEAD_DIM
+    keys = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    key_offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
+    k = tl.load(K + key_offsets, mask=keys[:, None] < length, other=0.0)
+    v = tl.load(V + key_offsets, mask=keys[:, None] < length, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], ACC)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], ACC)
+    start = block_n * BLOCK_N // BLOCK_M * BLOCK_M if CAUSAL else 0  # earlier queries cannot see these keys
+    for block_start in tl.range(start, length, BLOCK_M):
+        rows = block_start + tl.arange(0, BLOCK_M)
+        row_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
+        q = tl.load(Q + row_offsets, mask=rows[:, None] < length, other=0.0)
+        do = tl.load(DO + row_offsets, mask=rows[:, None] < length, other=0.0)
+        lse2 = tl.load(LSE + head * length + rows, mask=rows < length, other=0.0) * LOG2E_CONST
+        delta = tl.load(DELTA + head * length + rows, mask=rows < length, other=0.0)
+        p = probabilities(q, k, lse2, rows, keys, length, qk_scale, ACC, CAUSAL)  # BLOCK_M x BLOCK_N
+        dv += matmul(tl.trans(p.to(do.dtype)), do).to(ACC)  # dV += P^T dO
+        dp = matmul(do, tl.trans(v)).to(ACC)  # BLOCK_M x BLOCK_N
+        ds = p * (dp - delta[:, None])
+        dk += matmul(tl.trans(ds.to(q.dtype)), q).to(ACC)  # dK += dS^T Q (times sm_scale below)
+    tl.store(DK + key_offsets, (dk * sm_scale).to(DK.dtype.element_ty), mask=keys[:, None] < length)
+    tl.store(DV + key_offsets, dv.to(DV.dtype.element_ty), mask=keys[:, None] < length)
+
+
+@triton.jit
+def flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, length, qk_scale, sm_scale,
+                        HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Q, K, V, DO, DQ: (batch * heads) x length x HEAD_DIM contiguous; LSE, DELTA: (batch * heads) x length.
+    # One program per BLOCK_M queries of one head, looping over the blocks of keys they can see.
+    block_m = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    base = head * length * HEAD_DIM
+    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM)
+    row_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
+    q = tl.load(Q + row_offsets, mask=rows[:, None] < length, other=0.0)
+    do = tl.load(DO + row_offsets, mask=rows[:, None] < length, other=0.0)
+    lse2 = tl.load(LSE + head * length + rows, mask=rows < length, other=0.0) * LOG2E_CONST
+    delta = tl.load(DELTA + head * length + rows, mask=rows < length, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], ACC)
+    if CAUSAL:  # later keys are invisible to these queries
+        stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
+    else:
+        stop = length
+    for block_start in tl.range(0, stop, BLOCK_N):
+        keys = block_start + tl.arange(0, BLOCK_N)
+        key_offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
+        k = tl.load(K + key_offsets, mask=keys[:, None] < length, other=0.0)
+        v = tl.load(V + key_offsets, mask=keys[:, None] < length, other=0.0)
+        p = probabilities(q, k, lse2, rows, keys, length, qk_scale, ACC, CAUSAL)  # BLOCK_M x BLOCK_N
+        dp = matmul(do, tl.trans(v)).to(ACC)
+        ds = p * (dp - delta[:, None])
+        dq += matmul(ds.to(k.dtype), k).to(ACC)  # dQ += dS K (times sm_scale below)
+    tl.store(DQ + row_offsets, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < length)
+
+
+flash_bwd_dkdv = tuned("dkdv")(flash_bwd_dkdv_kernel)
+flash_bwd_dq = tuned("dq")(flash_bwd_dq_kernel)
+PREPROCESS_BLOCK = 128 if ON_GPU else 32  # queries per program of the preprocessing kernel
+
+
+def flash_attention_backward(q, k, v, out, lse, grad_out, causal: bool, sm_scale: float):
+    """(dq, dk, dv) for contiguous q, k, v, out, grad_out (batch, heads, L, head_dim) of one dtype and the
+    forward's lse (batch, heads, L), L >= 1; the gradients in the input dtype."""
+    batch, heads, length, head_dim = q.shape
+    acc = accumulator_dtype(q.dtype)
+    delta = torch.empty_like(lse)  # rowsum(dO * O), (batch, heads, L)
+    flash_bwd_preprocess_kernel[(triton.cdiv(length, PREPROCESS_BLOCK), batch * heads)](
+        out, grad_out, delta, length, HEAD_DIM=head_dim, ACC=acc, BLOCK_M=PREPROCESS_BLOCK)
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    args = (q, k, v, grad_out, lse, delta)
+    options = dict(HEAD_DIM=head_dim, CAUSAL=causal, ACC=acc)
+    flash_bwd_dkdv[lambda meta: (triton.cdiv(length, meta["BLOCK_N"]), batch * heads)](
+        *args, dk, dv, length, sm_scale * LOG2E, sm_scale, **options)
+    flash_bwd_dq[lambda meta: (triton.cdiv(length, meta["BLOCK_M"]), batch * heads)](
+        *args, dq, length, sm_scale * LOG2E, sm_scale, **options)
+    return dq, dk, dv
+
+# %% [markdown]
+# Every gradient against the float64 reference's autograd, at the lengths and dtypes of section 5 and
+# a scale other than the default:
+
+# %%
+GRAD_TOLERANCE = {torch.float32: 5e-5, torch.float16: 2e-2, torch.bfloat16: 1.5e-1}  # max abs error, inputs ~ N(0, 1)
+
+torch.manual_seed(6)
+print(f"{'L':>5} {'d':>4} {'dtype':>9} {'causal':>6} {'dq err':>9} {'dk err':>9} {'dv err':>9}")
+for length, head_dim, dtype, causal in forward_cases():
+    q_g, k_g, v_g, grad_g = torch.randn(4, 1, 2, length, head_dim, device=DEVICE).to(dtype)
+    leaves = [t.double().requires_grad_() for t in (q_g, k_g, v_g)]
+    want_out, _ = attention_reference(*leaves, causal, 0.1)
+    want = torch.autograd.grad(want_out, leaves, grad_g.double())
+    out_g, lse_g = flash_attention_forward(q_g, k_g, v_g, causal, 0.1)
+    got = flash_attention_backward(q_g, k_g, v_g, out_g, lse_g, grad_g, causal, 0.1)
+    errors = [(g.double() - w).abs().max().item() for g, w in zip(got, want)]
+    print(f"{length:5} {head_dim:4} {str(dtype)[6:]:>9} {str(causal):>6} " + " ".join(f"{e:9.1e}" for e in errors))
+    assert all(g.dtype == dtype for g in got) and max(errors) < GRAD_TOLERANCE[dtype]
+
+# %% [markdown]
+# ## 8. `scan_lib.flash_attention`: a differentiable torch op
+#
+# As in chapter 03, the kernels become two torch custom ops, `scan_lib::flash_attention_fwd` (returning
+# the output and the log-sum-exp) and `scan_lib::flash_attention_bwd`, each with a fake implementation
+# (shapes only, for `torch.compile`) and a vmap rule (the vmapped dim folds into the batch). An
+# `autograd.Function` joins them: its forward saves $q, k, v$, the output and the log-sum-exp, its
+# backward calls the backward op. The public function checks its arguments and names the one at fault.
+
+# %%
+#| export
+@custom_op("flash_attention_fwd", __name__)
+def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, lse) for contiguous q, k, v (batch, heads, L, head_dim) of one dtype."""
+    if q.numel() == 0:
+        return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+    return flash_attention_forward(q, k, v, causal, sm_scale)
+
+
+@flash_attention_fwd.register_fake
+def _(q, k, v, causal, sm_scale):
+    return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+
+
+@custom_op("flash_attention_bwd", __name__)
+def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                        grad_out: torch.Tensor, causal: bool,
+                        sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) for contiguous tensors (batch, heads, L, head_dim), lse (batch, heads, L)."""
+    if q.numel() == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    return flash_attention_backward(q, k, v, out, lse, grad_out, causal, sm_scale)
+
+
+@flash_attention_bwd.register_fake
+def _(q, k, v, out, lse, grad_out, causal, sm_scale):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fold_into_batch(info, in_dims, *tensors):
+    """vmap: move each tensor's vmapped dim to the front (expanding an unbatched tensor), then fold it
+    into the batch: (n, batch, ...) -> (n * batch, ...), contiguous."""
+    folded = []
+    for tensor, dim in zip(tensors, in_dims):
+        tensor = tensor.movedim(dim, 0) if dim is not None else tensor.expand(info.batch_size, *tensor.shape)
+        folded.append(tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).contiguous())
+    return folded
+
+
+def _unfold(info, tensor):
+    """(n * batch, ...) -> (n, batch, ...)."""
+    return tensor.view(info.batch_size, tensor.shape[0] // info.batch_size, *tensor.shape[1:])
+
+
+def _flash_attention_fwd_vmap(info, in_dims, q, k, v, causal, sm_scale):
+    out, lse = flash_attention_fwd(*_fold_into_batch(info, in_dims[:3], q, k, v), causal, sm_scale)
+    return (_unfold(info, out), _unfold(info, lse)), (0, 0)
+
+
+def _flash_attention_bwd_vmap(info, in_dims, q, k, v, out, lse, grad_out, causal, sm_scale):
+    grads = flash_attention_bwd(*_fold_into_batch(info, in_dims[:6], q, k, v, out, lse, grad_out), causal, sm_scale)
+    return tuple(_unfold(info, g) for g in grads), (0, 0, 0)
+
+
+flash_attention_fwd.register_vmap(_flash_attention_fwd_vmap)
+flash_attention_bwd.register_vmap(_flash_attention_bwd_vmap)
+
+
+
+class FlashAttentionFunction(torch.autograd.Function):
+    """Autograd for flash_attention on contiguous q, k, v (batch, heads, L, head_dim) of one dtype:
+    returns (output, lse); lse is not differentiable."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, causal, sm_scale):
+        return flash_attention_fwd(q, k, v, causal, sm_scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, causal, sm_scale = inputs
+        out, lse = output
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.sm_scale = causal, sm_scale
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = apply(FlashAttentionBackward, q, k, v, out, lse, grad_out.contiguous(), ctx.causal, ctx.sm_scale)
+        return dq, dk, dv, None, None
+
+
+class FlashAttentionBackward(torch.autograd.Function):
+    """The backward op as a Function whose own backward refuses: flash_attention is differentiable once.
+    (torch.func.grad runs every backward with create_graph=True, so the op needs a Function around it.)"""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, out, lse, grad_out, causal, sm_scale):
+        return flash_attention_bwd(q, k, v, out, lse, grad_out, causal, sm_scale)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        pass
+
+    @staticmethod
+    def backward(ctx, grad_dq, grad_dk, grad_dv):
+        raise RuntimeError("flash_attention is differentiable once: its backward has no backward (no double "
+                           "backward, no Hessian)")
+
+
+def _check_attention_inputs(q, k, v, causal, sm_scale):
+    """Raise TypeError / ValueError naming the argument at fault."""
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        check_float_tensor(name, tensor)
+    if q.dim() != 4:
+        raise ValueError(f"q must have 4 dims (batch, heads, L, head_dim), got shape {tuple(q.shape)}")
+    for name, tensor in (("k", k), ("v", v)):
+        if tensor.shape != q.shape:
+            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)} (batch, heads, L, head_dim), "
+                             f"got {tuple(tensor.shape)}")
+    if q.shape[-1] not in HEAD_DIMS:
+        raise ValueError(f"head_dim (the last dim of q, k, v) must be one of {', '.join(map(str, HEAD_DIMS))}, "
+                         f"got {q.shape[-1]}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))):
+        raise TypeError(f"sm_scale must be None or a real number, got {type(sm_scale).__name__}")
+    check_same_device(q=q, k=k, v=v)
+
+
+def flash_attention(q, k, v, causal=False, sm_scale=None):
+    """softmax(q k^T * sm_scale, causal mask) v, the L x L matrix never stored; differentiable in q, k, v.
+
+    q, k, v: (batch, heads, L, head_dim) of one float dtype, head_dim 32, 64 or 128; causal: query i sees
+    keys 0..i; sm_scale: the scale of the scores, None for 1 / sqrt(head_dim). Returns the output
+    (batch, heads, L, head_dim) in the input dtype, computed in float32 (float64 for float64), like
+    F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale). Differentiable once
+    (no double backward); works under torch.func (grad, vmap), and torch.compile sees the kernels as
+    the custom ops scan_lib::flash_attention_fwd / flash_attention_bwd.
+    """
+    _check_attention_inputs(q, k, v, causal, sm_scale)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    out, _ = apply(FlashAttentionFunction, q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+    return out
+
+# %% [markdown]
+# The public function end to end: output and every gradient through `torch.autograd.grad` against the
+# reference, on non-contiguous inputs (a transposed layout, as a model's projections give); on a GPU
+# also against `F.scaled_dot_product_attention` in bfloat16 (both round to bfloat16, so they are
+# compared with the bfloat16 tolerance).
+
+# %%
+def attention_inputs(batch, heads, length, head_dim, dtype, seed):
+    """q, k, v as (batch, heads, L, head_dim) views of (batch, L, heads, head_dim) tensors (not contiguous)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(batch, length, heads, head_dim, generator=gen).to(DEVICE, dtype).transpose(1, 2)
+            for _ in range(3)]
+
+
+print(f"{'L':>5} {'causal':>6} {'out err':>9} {'dq err':>9} {'dk err':>9} {'dv err':>9}")
+for length in (1, 33, 129):
+    for causal in (False, True):
+        q_p, k_p, v_p = [t.requires_grad_() for t in attention_inputs(2, 2, length, 32, torch.float32, seed=length)]
+        grad_p = torch.randn(2, 2, length, 32, device=DEVICE)
+        out_p = flash_attention(q_p, k_p, v_p, causal=causal)
+        got = [out_p, *torch.autograd.grad(out_p, (q_p, k_p, v_p), grad_p)]
+        leaves = [t.detach().double().requires_grad_() for t in (q_p, k_p, v_p)]
+        want_out = attention_reference(*leaves, causal)[0]
+        want = [want_out, *torch.autograd.grad(want_out, leaves, grad_p.double())]
+        errors = [(g.double() - w).abs().max().item() for g, w in zip(got, want)]
+        print(f"{length:5} {str(causal):>6} " + " ".join(f"{e:9.1e}" for e in errors))
+        assert (length == 1 or not q_p.is_contiguous()) and max(errors) < GRAD_TOLERANCE[torch.float32]
+
+if ON_GPU:
+    for length, causal in ((1000, False), (4097, True)):
+        q_s, k_s, v_s = [t.requires_grad_() for t in attention_inputs(2, 8, length, 128, torch.bfloat16, seed=7)]
+        grad_s = torch.randn(2, 8, length, 128, device=DEVICE, dtype=torch.bfloat16)
+        ours = flash_attention(q_s, k_s, v_s, causal=causal)
+        theirs = F.scaled_dot_product_attention(q_s, k_s, v_s, is_causal=causal)
+        pairs = zip([ours, *torch.autograd.grad(ours, (q_s, k_s, v_s), grad_s)],
+                    [theirs, *torch.autograd.grad(theirs, (q_s, k_s, v_s), grad_s)])
+        errors = [(a.double() - b.double()).abs().max().item() for a, b in pairs]
+        print(f"vs F.scaled_dot_product_attention, bfloat16, L {length}, causal {causal}: max abs diff "
+              f"out, dq, dk, dv = " + ", ".join(f"{e:.1e}" for e in errors))
+        assert max(errors) < GRAD_TOLERANCE[torch.bfloat16]
+
+# %% [markdown]
+# Bad arguments raise an error that names the argument:
+
+# %%
+q_ok = torch.randn(1, 2, 5, 32, device=DEVICE)
+bad_calls = [
+    ("k of another length", ValueError, lambda: flash_attention(q_ok, q_ok[:, :, :4], q_ok)),
+    ("head_dim 48", ValueError, lambda: flash_attention(*[torch.randn(1, 2, 5, 48, device=DEVICE)] * 3)),
+    ("3-dim q", ValueError, lambda: flash_attention(q_ok[0], q_ok[0], q_ok[0])),
+    ("integer v", TypeError, lambda: flash_attention(q_ok, q_ok, q_ok.long())),
+    ("float16 k, float32 q", TypeError, lambda: flash_attention(q_ok, q_ok.half(), q_ok)),
+    ("causal=1", TypeError, lambda: flash_attention(q_ok, q_ok, q_ok, causal=1)),
+]
+for what, error, call in bad_calls:
+    try:
+        call()
+    except error as exc:
+        print(f"{what:22} -> {error.__name__}: {exc}")
+    else:
+        raise AssertionError(f"{what}: no {error.__name__}")
+
+# %% [markdown]
+# `torch.compile` sees the two ops and their fake implementations, so a model that calls
+# `flash_attention` compiles in one graph, backward included:
+
+# %%
+q_c, k_c, v_c = [t.requires_grad_() for t in attention_inputs(1, 2, 40, 64, torch.float32, seed=8)]
+compiled = torch.compile(lambda q, k, v: flash_attention(2 * q, k, v, causal=True).sum(-1),
+                         fullgraph=True, backend="aot_eager")
+grads_compiled = torch.autograd.grad(compiled(q_c, k_c, v_c).sum(), (q_c, k_c, v_c))
+grads_eager = torch.autograd.grad(flash_attention(2 * q_c, k_c, v_c, causal=True).sum(-1).sum(), (q_c, k_c, v_c))
+for got, want in zip(grads_compiled, grads_eager):
+    torch.testing.assert_close(got, want)
+print("torch.compile(fullgraph=True): the same gradients as eager: ok")
+
+# %% [markdown]
+# ## 9. The CUDA kernel of the source, line by line
+#
+# The kernel that popularised FlashAttention's forward pass as a teaching example is a short CUDA
+# kernel: one CUDA block per (batch, head), $B_r \times B_c$ threads, one thread per score of a
+# $B_r \times B_c$ tile. Below is our own version of it, corrected where the usual listing has gaps
+# (noted as we go), read piece by piece beside the Triton kernel. It computes the same online softmax
+# as section 5, in the other loop order (the first FlashAttention's): the **outer** loop runs over key
+# tiles and the **inner** one over query tiles, so the running state $(m, \ell, O)$ of every query
+# cannot stay on chip. It lives in global memory and is read and written once per key tile.
+#
+# **The header and the tiles in shared memory.** A template fixes the tile sizes and the head dim at
+# compile time. `PAD` adds floats at the end of each tile row in shared memory; why, below. The
+# kernel keeps $O$ normalised (divided by $\ell$) at every step, as the listing does.
+# `__launch_bounds__(BR * BC)` is not in the listing and is needed: it tells the compiler how many
+# threads a block will have. A multiprocessor has 65536 registers, so a block of $32 \times 32 = 1024$
+# threads may use at most 64 per thread. Left alone, the compiler may use more for this kernel, and
+# then every launch fails with "too many resources requested for launch".
+
+# %%
+CUDA_HEADER = r"""
+#include <torch/extension.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <cmath>
+
+// One CUDA block per (batch, head) with BR * BC threads; thread (row, col) computes one score of a
+// BR x BC tile. Rows of the tiles in shared memory are HEAD_DIM + PAD floats apart.
+// Q, K, V, O: batch x heads x length x HEAD_DIM contiguous float32; ROW_MAX, ROW_SUM: batch x heads x length,
+// the running m and l, initialised by the caller to -inf and 0 (and O to 0).
+template <int BR, int BC, int HEAD_DIM, int PAD>
+__global__ void __launch_bounds__(BR * BC) naive_flash_kernel(const float* __restrict__ Q, const float* __restrict__ K,
+                                   const float* __restrict__ V, float* __restrict__ O,
+                                   float* __restrict__ ROW_MAX, float* __restrict__ ROW_SUM,
+                                   int length, float scale) {
+    constexpr int ROW = HEAD_DIM + PAD;
+    __shared__ float q_tile[BR * ROW], o_tile[BR * ROW], k_tile[BC * ROW], v_tile[BC * ROW];
+    __shared__ float s_tile[BR * BC];
+    __shared__ float max_old[BR], sum_old[BR], max_new[BR], sum_new[BR], max_tile[BR];
+
+    const int tx = threadIdx.x;
+    const int row = tx / BC, col = tx % BC;  // this thread's score in the tile
+    const long head = (long)blockIdx.x * gridDim.y + blockIdx.y;
+    const float* q = Q + head * length * HEAD_DIM;
+    const float* k = K + head * length * HEAD_DIM;
+    const float* v = V + head * length * HEAD_DIM;
+    float* o = O + head * length * HEAD_DIM;
+    float* row_max = ROW_MAX + head * length;
+    float* row_sum = ROW_SUM + head * length;
+"""
+
+# %% [markdown]
+# In Triton, all of this is `tl.program_id`, `tl.arange` and pointer arithmetic on blocks; shared
+# memory is not declared at all: the compiler decides what is staged where.
+#
+# **Loading the key and value tiles.** The threads copy the tile cooperatively, consecutive threads
+# taking consecutive elements (coalesced reads). The listing's loop count, $\lceil d / B_r \rceil$ steps of
+# $B_r B_c$ elements, covers a $B_c \times d$ tile only because it has $B_r B_c$ threads; the loop
+# below says what it covers. The listing also leaves stale data in the rows past $L$; here they are
+# zeros (a NaN left in shared memory would survive a multiplication by a zero weight). In Triton: one
+# `tl.load` with `mask=keys[:, None] < length, other=0.0`.
+
+# %%
+CUDA_LOAD_KEYS = r"""
+    for (int key_start = 0; key_start < length; key_start += BC) {
+        for (int e = tx; e < BC * HEAD_DIM; e += BR * BC) {  // K and V tiles, zeros past the end
+            const int r = e / HEAD_DIM, c = e % HEAD_DIM, key = key_start + r;
+            k_tile[r * ROW + c] = key < length ? k[(long)key * HEAD_DIM + c] : 0.f;
+            v_tile[r * ROW + c] = key < length ? v[(long)key * HEAD_DIM + c] : 0.f;
+        }
+        __syncthreads();
+"""
+
+# %% [markdown]
+# **The inner loop over query tiles: loading $Q$, $O$, $m$ and $\ell$.** Every query tile is reloaded
+# for every key tile, and so is the partial output $O$, read back from global memory (first weakness:
+# $O$ makes a round trip through global memory per key tile). One thread per row reads the row's
+# running max and sum. The listing reads them past the end of the arrays for rows beyond $L$; here those
+# rows get the identity $(-\infty, 0)$.
+
+# %%
+CUDA_LOAD_QUERIES = r"""
+        for (int query_start = 0; query_start < length; query_start += BR) {
+            for (int e = tx; e < BR * HEAD_DIM; e += BR * BC) {  // Q and the partial O, zeros past the end
+                const int r = e / HEAD_DIM, c = e % HEAD_DIM, query = query_start + r;
+                q_tile[r * ROW + c] = query < length ? q[(long)query * HEAD_DIM + c] : 0.f;
+                o_tile[r * ROW + c] = query < length ? o[(long)query * HEAD_DIM + c] : 0.f;
+            }
+            const int query = query_start + row;
+            if (col == 0) {
+                max_old[row] = query < length ? row_max[query] : -INFINITY;
+                sum_old[row] = query < length ? row_sum[query] : 0.f;
+            }
+            __syncthreads();
+"""
+
+# %% [markdown]
+# **The scores.** Each thread computes one dot product of length $d$ with scalar fused multiply-adds on
+# the CUDA cores (second weakness: no tensor cores, where Triton's `tl.dot` uses them). Keys past $L$
+# get $-\infty$, which the listing forgets. The read `k_tile[col * ROW + c]` is the third weakness: the
+# 32 threads of a warp have consecutive `col` and read 32 floats that are `ROW` floats apart. Shared
+# memory has 32 banks of 4 bytes, and the float at index $x$ sits in bank $x \bmod 32$. With
+# `ROW` $= d$, a multiple of 32, all 32 reads fall in one bank and are served one after another: a
+# 32-way **bank conflict**. With `PAD` $= 1$ they fall in 32 different banks. (`q_tile[row * ROW + c]`
+# is one address for the whole warp, a broadcast, which costs nothing.)
+
+# %%
+CUDA_SCORES = r"""
+            float score = 0.f;
+            for (int c = 0; c < HEAD_DIM; ++c)
+                score += q_tile[row * ROW + c] * k_tile[col * ROW + c];  // a warp reads one k_tile column
+            s_tile[row * BC + col] = key_start + col < length ? score * scale : -INFINITY;
+            __syncthreads();
+"""
+
+# %% [markdown]
+# **The softmax, one thread per row.** The thread with `col == 0` walks its row of $B_c$ scores
+# serially, twice (max, then exponentials and sum), while the other $B_c - 1$ threads of its row wait
+# at the barrier (fourth weakness: $1/B_c$ of the threads work here). Then it merges the tile's state
+# into the running one with the rescaling of section 2. Every key tile holds at least one key below $L$,
+# so the tile's max is finite and no $-\infty - (-\infty)$ occurs. In Triton, `tl.max(s, 1)` and
+# `tl.sum(p, 1)` are reductions spread over the threads that hold the row.
+
+# %%
+CUDA_SOFTMAX = r"""
+            if (col == 0) {  // one thread per query row, serially over the tile
+                float m = -INFINITY;
+                for (int j = 0; j < BC; ++j) m = fmaxf(m, s_tile[row * BC + j]);
+                float sum = 0.f;
+                for (int j = 0; j < BC; ++j) {
+                    const float p = expf(s_tile[row * BC + j] - m);
+                    s_tile[row * BC + j] = p;
+                    sum += p;
+                }
+                max_tile[row] = m;
+                max_new[row] = fmaxf(max_old[row], m);
+                sum_new[row] = expf(max_old[row] - max_new[row]) * sum_old[row] + expf(m - max_new[row]) * sum;
+            }
+            __syncthreads();
+"""
+
+# %% [markdown]
+# **The output.** Each thread computes $d / B_c$ elements of $P V$ (scalar again), rescales the old,
+# normalised $O$ and the new part to the new maximum, divides by the new sum, and writes the result
+# straight back to global memory, together with $m$ and $\ell$. The last barrier keeps the next query
+# tile from overwriting the tiles while slower threads still read them (the listing has none there).
+
+# %%
+CUDA_OUTPUT = r"""
+            for (int c = col; c < HEAD_DIM; c += BC) {
+                float pv = 0.f;
+                for (int j = 0; j < BC; ++j) pv += s_tile[row * BC + j] * v_tile[j * ROW + c];
+                const float updated = (sum_old[row] * expf(max_old[row] - max_new[row]) * o_tile[row * ROW + c]
+                                       + expf(max_tile[row] - max_new[row]) * pv) / sum_new[row];
+                if (query < length) o[(long)query * HEAD_DIM + c] = updated;  // to global memory, every key tile
+            }
+            if (col == 0 && query < length) {
+                row_max[query] = max_new[row];
+                row_sum[query] = sum_new[row];
+            }
+            __syncthreads();  // the next query tile overwrites the tiles
+        }
+    }
+}
+"""
+
+# %% [markdown]
+# **The launcher.** It allocates $O$, $m$ and $\ell$ with their initial values (the listing leaves this
+# to the reader), picks the tile sizes, and launches one block per (batch, head) on PyTorch's current
+# stream. Static shared memory is limited to 48 KB per block: with $B_r = B_c = 32$ and $d = 64$ the
+# five tiles take $4 \cdot 32 \cdot 65 + 32 \cdot 32$ floats plus five rows of 32, about 37 KB; $d = 128$
+# needs $B_r = B_c = 16$ (about 34 KB). The cell below computes both and asserts the limit.
+
+# %%
+CUDA_LAUNCHER = r"""
+template <int BR, int BC, int HEAD_DIM, int PAD>
+void launch(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& o,
+            torch::Tensor& row_max, torch::Tensor& row_sum) {
+    const dim3 grid(q.size(0), q.size(1));
+    naive_flash_kernel<BR, BC, HEAD_DIM, PAD><<<grid, BR * BC, 0, at::cuda::getCurrentCUDAStream()>>>(
+        q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), o.data_ptr<float>(),
+        row_max.data_ptr<float>(), row_sum.data_ptr<float>(), (int)q.size(2), 1.0f / sqrtf((float)q.size(3)));
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+torch::Tensor naive_flash_forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, bool pad) {
+    TORCH_CHECK(q.is_cuda() && k.is_cuda() && v.is_cuda(), "q, k, v must be CUDA tensors");
+    TORCH_CHECK(q.scalar_type() == torch::kFloat32 && k.scalar_type() == torch::kFloat32 &&
+                v.scalar_type() == torch::kFloat32, "q, k, v must be float32");
+    TORCH_CHECK(q.dim() == 4 && k.sizes() == q.sizes() && v.sizes() == q.sizes(),
+                "q, k, v must have one shape (batch, heads, L, head_dim)");
+    q = q.contiguous();
+    k = k.contiguous();
+    v = v.contiguous();
+    auto o = torch::zeros_like(q);
+    auto row_max = torch::full({q.size(0), q.size(1), q.size(2)}, -INFINITY, q.options());
+    auto row_sum = torch::zeros({q.size(0), q.size(1), q.size(2)}, q.options());
+    if (q.size(3) == 64 && !pad) launch<32, 32, 64, 0>(q, k, v, o, row_max, row_sum);
+    else if (q.size(3) == 64) launch<32, 32, 64, 1>(q, k, v, o, row_max, row_sum);
+    else if (q.size(3) == 128 && !pad) launch<16, 16, 128, 0>(q, k, v, o, row_max, row_sum);
+    else if (q.size(3) == 128) launch<16, 16, 128, 1>(q, k, v, o, row_max, row_sum);
+    else TORCH_CHECK(false, "head_dim must be 64 or 128, got ", q.size(3));
+    return o;
+}
+"""
+CUDA_SOURCE = CUDA_HEADER + CUDA_LOAD_KEYS + CUDA_LOAD_QUERIES + CUDA_SCORES + CUDA_SOFTMAX + CUDA_OUTPUT + CUDA_LAUNCHER
+
+
+def naive_shared_bytes(block_rows, block_cols, head_dim, pad):
+    """Static shared memory of naive_flash_kernel: four tiles of rows (HEAD_DIM + PAD), the scores, five row arrays."""
+    return 4 * (2 * block_rows * (head_dim + pad) + 2 * block_cols * (head_dim + pad) + block_rows * block_cols
+                + 5 * block_rows)
+
+
+for tiles in ((32, 32, 64), (16, 16, 128)):
+    for pad in (0, 1):
+        used = naive_shared_bytes(*tiles, pad)
+        print(f"BR, BC, head_dim = {tiles}, PAD {pad}: {used} bytes of static shared memory, {tiles[0] * tiles[1]} threads")
+        assert used <= 48 * 1024 and tiles[0] * tiles[1] <= 1024
+
+# %% [markdown]
+# **Predictions**, each measured by the next cell on a GPU, at batch 4, heads $\times$ head_dim $= 2048$,
+# $L = 2048$, float32 (the kernel reads float32 only):
+#
+# 1. *The serial softmax, the round trips of $O$ and a grid of only batch $\times$ heads blocks*: the naive
+#    kernel is more than 10 times slower than our Triton forward on the same float32 inputs (which, with
+#    `input_precision="ieee"`, does not use the tensor cores either).
+# 2. *No tensor cores*: our Triton forward in bfloat16, on the tensor cores, is more than twice as fast
+#    as in float32; the naive kernel has no such option.
+# 3. *$O$ through global memory*: it reads and writes $O$ once per key tile, $L / B_c$ times; the cell
+#    prints the time those bytes take at the copy bandwidth, as a share of the kernel's time.
+# 4. *Bank conflicts*: `PAD = 1` makes the kernel faster, with the same result.
+# 5. *Parallelism*: batch $\times$ heads blocks are fewer than twice the GPU's multiprocessors, so
+#    the GPU runs at most two partly filled waves (our Triton grid has $L / $ `BLOCK_M` times more programs).
+#
+# On the CPU the cell skips: `load_inline` needs CUDA's compiler and a GPU.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU (CUDA's compiler nvcc and a device to run the compiled kernel)")
+else:
+    from torch.utils.cpp_extension import load_inline
+
+    from scan_lib.runtime import copy_bandwidth, median_us
+
+    naive = load_inline("naive_flash_attention", cpp_sources="torch::Tensor naive_flash_forward(torch::Tensor q, "
+                        "torch::Tensor k, torch::Tensor v, bool pad);", cuda_sources=CUDA_SOURCE,
+                        functions=["naive_flash_forward"], extra_cuda_cflags=["-O3"])
+    torch.manual_seed(9)
+    for length in (1, 7, 33, 129, 1000):  # correctness first, at awkward lengths
+        for head_dim in (64, 128):
+            q_n, k_n, v_n = torch.randn(3, 2, 3, length, head_dim, device=DEVICE)
+            want_n = attention_reference(q_n, k_n, v_n)[0]
+            for pad in (False, True):
+                err = (naive.naive_flash_forward(q_n, k_n, v_n, pad).double() - want_n).abs().max().item()
+                assert err < 1e-5, (length, head_dim, pad, err)
+    print("naive CUDA kernel == reference at L 1, 7, 33, 129, 1000, head_dim 64 and 128, PAD 0 and 1: ok")
+
+    bandwidth = copy_bandwidth()
+    processors = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    print(f"{torch.cuda.get_device_name()}: {processors} multiprocessors, copy bandwidth {bandwidth / 1e12:.2f} TB/s")
+    print(f"{'head_dim':>8} {'naive us':>10} {'naive PAD 1 us':>15} {'Triton fp32 us':>15} {'Triton bf16 us':>15} "
+          f"{'naive/Triton':>13} {'O traffic share':>16} {'blocks':>7}")
+    for head_dim, block_cols in ((64, 32), (128, 16)):
+        heads, length = 2048 // head_dim, 2048
+        q_n, k_n, v_n = torch.randn(3, 4, heads, length, head_dim, device=DEVICE)
+        q_h, k_h, v_h = (t.to(torch.bfloat16) for t in (q_n, k_n, v_n))
+        naive_us = median_us(lambda: naive.naive_flash_forward(q_n, k_n, v_n, False))
+        padded_us = median_us(lambda: naive.naive_flash_forward(q_n, k_n, v_n, True))
+        triton_us = median_us(lambda: flash_attention_forward(q_n, k_n, v_n, False, head_dim**-0.5))
+        triton_bf16_us = median_us(lambda: flash_attention_forward(q_h, k_h, v_h, False, head_dim**-0.5))
+        o_bytes = 2 * q_n.numel() * 4 * (length // block_cols)  # O read and written once per key tile
+        o_share = o_bytes / bandwidth * 1e6 / naive_us
+        print(f"{head_dim:8} {naive_us:10.0f} {padded_us:15.0f} {triton_us:15.0f} {triton_bf16_us:15.0f} "
+              f"{naive_us / triton_us:13.1f} {o_share:16.2f} {4 * heads:7}")
+        print(f"  prediction 1 (naive > 10x Triton fp32): {naive_us > 10 * triton_us}; "
+              f"2 (Triton bf16 > 2x Triton fp32): {triton_us > 2 * triton_bf16_us}; "
+              f"3: O traffic {o_share:.0%} of the naive time; "
+              f"4 (PAD 1 faster): {padded_us < naive_us} ({naive_us / padded_us:.2f}x); "
+              f"5 (blocks {4 * heads} < 2 x {processors} multiprocessors): {4 * heads < 2 * processors}")
+
+# %% [markdown]
+# (On a GPU the cell above prints the check, the table and each prediction with its outcome; the
+# predictions are judged by those lines, not by this text.)
+#
+# ## 10. On a GPU: against PyTorch's FlashAttention and cuDNN
+#
+# The benchmark: bfloat16, batch 4, heads $\times$ head_dim $= 2048$ (32 heads of 64, 16 of 128),
+# $L$ from 1024 to 16384, causal and not, forward and forward + backward, in TFLOP/s. The flop counts are
+# the matrix products' ($2 \cdot 2 \cdot$ batch $\cdot$ heads $\cdot L^2 d$ for $QK^\top$ and $PV$ in the
+# forward, half of it when causal), with the backward counted as 2.5 forwards, as FlashAttention's
+# papers count (its five products against the forward's two); so forward + backward is 3.5 forwards.
+# The peers are `F.scaled_dot_product_attention` pinned to one backend with
+# `torch.nn.attention.sdpa_kernel`: `FLASH_ATTENTION` (the FlashAttention-2 CUDA kernels shipped with
+# PyTorch) and `CUDNN_ATTENTION` (NVIDIA's cuDNN library). A
+# backend that refuses a shape is reported and skipped. Every provider's output is first compared with
+# ours. Times are `median_us` (do_bench medians); forward + backward times `torch.autograd.grad`.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from scan_lib.runtime import median_us
+
+    def sdpa_with(backend):
+        def attention(q, k, v, causal):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return attention
+
+    providers = {"ours (Triton)": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal),
+                 "SDPA flash": sdpa_with(SDPBackend.FLASH_ATTENTION),
+                 "SDPA cuDNN": sdpa_with(SDPBackend.CUDNN_ATTENTION)}
+    bench_lengths = (1024, 4096, 16384)
+    tflops = {}  # (head_dim, causal, "fwd" or "fwd+bwd", provider) -> {L: TFLOP/s}
+    for head_dim in (64, 128):
+        heads = 2048 // head_dim
+        for causal in (False, True):
+            for length in bench_lengths:
+                torch.manual_seed(10)
+                q_t, k_t, v_t = [torch.randn(4, heads, length, head_dim, device=DEVICE, dtype=torch.bfloat16,
+                                             requires_grad=True) for _ in range(3)]
+                grad_t = torch.randn_like(q_t)
+                forward_flops = 4 * 4 * heads * length**2 * head_dim / (2 if causal else 1)
+                ours_out = flash_attention(q_t, k_t, v_t, causal=causal).detach()
+                for name, attention in providers.items():
+                    try:
+                        out_t = attention(q_t, k_t, v_t, causal).detach()
+                    except RuntimeError as exc:
+                        print(f"skipped {name}, head_dim {head_dim}, causal {causal}, L {length}: "
+                              f"{str(exc).splitlines()[0]}")
+                        continue
+                    assert (out_t.float() - ours_out.float()).abs().max().item() < GRAD_TOLERANCE[torch.bfloat16]
+                    forward_us = median_us(lambda: attention(q_t, k_t, v_t, causal))
+                    both_us = median_us(lambda: torch.autograd.grad(attention(q_t, k_t, v_t, causal), (q_t, k_t, v_t), grad_t))
+                    tflops.setdefault((head_dim, causal, "fwd", name), {})[length] = forward_flops / forward_us / 1e6
+                    tflops.setdefault((head_dim, causal, "fwd+bwd", name), {})[length] = 3.5 * forward_flops / both_us / 1e6
+                del q_t, k_t, v_t, grad_t, ours_out
+
+    print(f"{torch.cuda.get_device_name()}, bfloat16, batch 4, heads x head_dim = 2048: TFLOP/s")
+    print(f"{'d':>4} {'causal':>6} {'pass':>8} {'provider':>14} " + " ".join(f"{length:>7}" for length in bench_lengths))
+    for (head_dim, causal, mode, name), row in tflops.items():
+        print(f"{head_dim:4} {str(causal):>6} {mode:>8} {name:>14} "
+              + " ".join(f"{row[length]:7.0f}" if length in row else f"{'-':>7}" for length in bench_lengths))
+    rows_compared = [(key, row) for key, row in tflops.items() if key[3] == "SDPA flash"]
+    behind = [(key[:3], length) for key, row in rows_compared for length, value in row.items()
+              if tflops[(*key[:3], "ours (Triton)")][length] < value]
+    print(f"ours >= SDPA flash in every row and length: {not behind}" + (f"; behind at {behind}" if behind else ""))
+    for key in sorted({key[:3] for key in tflops}):
+        if (*key, "SDPA cuDNN") in tflops:
+            ours_row, cudnn_row = tflops[(*key, "ours (Triton)")], tflops[(*key, "SDPA cuDNN")]
+            ratios = [ours_row[length] / cudnn_row[length] for length in bench_lengths if length in cudnn_row]
+            print(f"head_dim {key[0]}, causal {key[1]}, {key[2]}: ours / cuDNN from {min(ratios):.2f} to {max(ratios):.2f}")
+
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
+    for r, head_dim in enumerate((64, 128)):
+        for c, (mode, causal) in enumerate([("fwd", False), ("fwd", True), ("fwd+bwd", False), ("fwd+bwd", True)]):
+            ax = axes[r, c]
+            for name in providers:
+                row = tflops.get((head_dim, causal, mode, name), {})
+                ax.plot(list(row), list(row.values()), marker="o", label=name)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"d {head_dim}, {'causal' if causal else 'not causal'}, {mode}", fontsize=9)
+            ax.set_ylim(bottom=0)
+            if c == 0:
+                ax.set_ylabel("TFLOP/s")
+            if r == 1:
+                ax.set_xlabel("L")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"attention, bfloat16, batch 4, heads x head_dim = 2048, on {torch.cuda.get_device_name()}")
+    save_figure(fig, "flash_attention_benchmark.png")
+
+# %% [markdown]
+# (On a GPU the cell prints the table, whether ours keeps up with the flash backend in every row, the
+# ratio to cuDNN, and the plot.) Where ours falls behind cuDNN, the likely reason lies in what the
+# kernel does not use: FlashAttention-3, and by NVIDIA's accounts cuDNN's Hopper kernels, split each
+# block's warps into producers,
+# which move tiles with the tensor memory accelerator (TMA), and consumers, which run the asynchronous
+# `wgmma` matrix products, and they overlap the softmax of one tile with the products of the next
+# (ping-pong scheduling). Our kernel relies on what Triton 3.6 does by itself: `tl.dot` compiles to
+# `wgmma` on Hopper and `num_stages` pipelines the loads, but the softmax and the products of one loop
+# iteration still take turns. This explanation is not measured here (the cell times whole calls, not
+# their parts); "Going deeper" lists the features that would narrow the gap.
+#
+# ## Summary
+#
+# - Softmax attention over the keys is a **scan with the state $(m, \ell, o)$**: running max, rescaled
+#   sum, rescaled output. Its merge is associative and commutative (it is (max, +, +) in disguise), so
+#   the keys can be cut into blocks anywhere and merged in any order, and the $L \times L$ matrix never
+#   needs to exist.
+# - The tiled forward keeps the state of `BLOCK_M` queries in registers, streams key blocks through
+#   `tl.dot`, masks only the blocks that need it, skips the blocks above the diagonal when causal, and
+#   saves the log-sum-exp.
+# - The backward recomputes $P = e^{S - \mathrm{lse}}$ tile by tile: $dV = P^\top dO$,
+#   $dS = P \circ (dP - \mathrm{rowsum}(dO \circ O))$, $dQ = \tau\, dS\, K$, $dK = \tau\, dS^\top Q$, in three
+#   kernels with no atomics. Every gradient was checked against float64.
+# - `scan_lib.flash_attention(q, k, v, causal=False, sm_scale=None)` is a differentiable torch op that
+#   works with `torch.compile` and `torch.func`.
+# - The naive CUDA kernel shows what a tiled kernel must avoid: a serial softmax, the output's round trips
+#   through global memory, scalar products, bank conflicts, too few blocks.
+#
+# ## Going deeper
+#
+# ### Tile sizes and autotuning
+#
+# On a GPU each kernel is wrapped in `triton.autotune`, keyed on $L$, the head dim, the causal flag
+# and (automatically) the dtypes, and tries the tiles of `GPU_TILES` for the inputs' element size:
+# `BLOCK_M` 128 queries per forward program (a multiple of the 64 rows a Hopper warpgroup's `wgmma`
+# handles), `BLOCK_N` 64 or 128 keys, 4 or 8 warps, 2 to 4 pipeline stages. float32 and float64 inputs
+# run with `input_precision="ieee"`, not on the tensor cores, and get small tiles (their blocks of
+# scores would not fit in registers at 128 $\times$ 128). The first call for each key pays for the
+# search; the chosen configuration is printed below on a GPU. Under the interpreter a single small
+# tile runs, with `BLOCK_M` $\ne$ `BLOCK_N` so that the block arithmetic of the masks is exercised.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU (the interpreter runs one fixed tile:", INTERPRETER_TILES, ")")
+else:
+    for name, kernel in (("forward", flash_fwd), ("dK, dV", flash_bwd_dkdv), ("dQ", flash_bwd_dq)):
+        for key, config in kernel.cache.items():
+            print(f"{name:8} key (L, head_dim, causal, dtypes...) {key}: {config}")
+
+# %% [markdown]
+# ### What Hopper offers beyond this kernel
+#
+# - **Tensor descriptors** (`tl.make_tensor_descriptor`, TMA): one instruction copies a whole tile from
+#   global to shared memory, handles the edges in hardware, and frees the threads that compute addresses.
+#   They need a 16-byte aligned base and strides, and a host-side allocator for the descriptors
+#   (`triton.set_allocator`).
+# - **Warp specialisation** (`tl.range(..., warp_specialize=True)` in recent Triton): some warps only
+#   load, others only compute, so that memory and math overlap without the compiler's software pipeline.
+# - **Persistent kernels**: a grid of exactly as many programs as multiprocessors, each looping over
+#   (head, query block) tiles, which removes the tail of the last partial wave and lets a causal
+#   kernel balance its uneven tiles.
+# - **The backward**: our dK/dV and dQ kernels each recompute $P$ and $dP$; FlashAttention-2's single
+#   backward kernel computes them once and adds $dQ$ with atomics, trading determinism for less work.
+#
+# ### Why every row has a key, and what if it did not
+#
+# The online softmax would produce NaN for a query whose every key is masked: $m = -\infty$,
+# $e^{m - m'} = e^{-\infty + \infty}$. Causal masking never does that (query $i$ sees key $i$, and every
+# program's first key block holds key 0), and padding rows past $L$ see real keys too. A kernel with
+# arbitrary masks (document boundaries, sliding windows) must guard the rescaling, as `softmax_merge`
+# does with its select, and define the output of an empty row (zero, by convention).
