@@ -74,10 +74,13 @@ def attend_key_blocks(o, l, m, q, K, V, base, rows, start, stop, length, qk_scal
 
 
 @triton.jit
-def flash_fwd_kernel(Q, K, V, O, LSE, length, qk_scale, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+def flash_fwd_kernel(Q, K, V, O, LSE, length, qk_scale: tl.float64, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
                      ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Q, K, V, O: (batch * heads) x length x HEAD_DIM contiguous; LSE: (batch * heads) x length, in ACC.
-    # One program per BLOCK_M queries of one head; qk_scale = sm_scale * log2(e).
+    # One program per BLOCK_M queries of one head; qk_scale = sm_scale * log2(e). Triton passes a Python
+    # float as float32 unless the parameter is annotated: float64 keeps every digit of the scale for float64
+    # inputs, and the kernel computes in ACC (tl.full, not .to: under the interpreter it is a Python float).
+    qk_scale = tl.full([], qk_scale, ACC)
     block_m = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     base = head * length * HEAD_DIM
@@ -182,11 +185,12 @@ def probabilities(q, k, lse2, rows, keys, length, qk_scale, ACC: tl.constexpr, C
 
 
 @triton.jit
-def flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, length, qk_scale, sm_scale,
+def flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, length, qk_scale: tl.float64, sm_scale: tl.float64,
                           HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Q, K, V, DO, DK, DV: (batch * heads) x length x HEAD_DIM contiguous; LSE, DELTA: (batch * heads) x length.
     # One program per BLOCK_N keys of one head, looping over the blocks of queries that can see them.
+    qk_scale, sm_scale = tl.full([], qk_scale, ACC), tl.full([], sm_scale, ACC)  # see flash_fwd_kernel
     block_n = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     base = head * length * HEAD_DIM
@@ -215,11 +219,12 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, length, qk_scale, sm_
 
 
 @triton.jit
-def flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, length, qk_scale, sm_scale,
+def flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, length, qk_scale: tl.float64, sm_scale: tl.float64,
                         HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     # Q, K, V, DO, DQ: (batch * heads) x length x HEAD_DIM contiguous; LSE, DELTA: (batch * heads) x length.
     # One program per BLOCK_M queries of one head, looping over the blocks of keys they can see.
+    qk_scale, sm_scale = tl.full([], qk_scale, ACC), tl.full([], sm_scale, ACC)  # see flash_fwd_kernel
     block_m = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     base = head * length * HEAD_DIM
