@@ -388,6 +388,9 @@ for length in (1, 7, 33, 100):
 #   over those blocks without masks, then over the rest (the last, partial block; the blocks on the
 #   diagonal) with them. A causal program stops at its last query: the blocks above the diagonal are skipped,
 #   half the work.
+# - **the longest programs first**: a causal program's work grows with the position of its queries, so
+#   the grid hands out the query blocks from last to first; the long programs start first and the short
+#   ones fill the end of the run instead of leaving a tail of long ones.
 # - **no row is ever empty**: every program's first key block holds key 0, which every query may see,
 #   so $m$ is finite after it and $e^{m - m'}$ never meets $-\infty - (-\infty)$.
 # - **precision**: scores and the state are float32 (float64 for float64 inputs); the probabilities
@@ -454,7 +457,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, length, qk_scale: tl.float64, HEAD_DIM: tl
     # float as float32 unless the parameter is annotated: float64 keeps every digit of the scale for float64
     # inputs, and the kernel computes in ACC (tl.full, not .to: under the interpreter it is a Python float).
     qk_scale = tl.full([], qk_scale, ACC)
-    block_m = tl.program_id(0)
+    block_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last queries first: causal, they have the most keys
     head = tl.program_id(1).to(tl.int64)
     base = head * length * HEAD_DIM
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -643,9 +646,10 @@ else:
 #    $dQ_i \mathrel{+}= \tau\, dS\, K$.
 #
 # Each program owns the rows it writes, so no two programs add into one place: no atomics, and the
-# result does not depend on the order in which programs run. The price is that $S$ and $P$ are computed
-# twice in the backward (once per kernel), and $dP$ too: five matrix products per tile pair in all,
-# against two in the forward. Before the kernels, the formulas checked in float64 against autograd:
+# result does not depend on the order in which programs run. The price is that $S$ and $dP$ are computed
+# twice in the backward, once per kernel: seven matrix products per tile pair ($S$, $dP$, $dV$, $dK$ in
+# the first, $S$, $dP$, $dQ$ in the second), against two in the forward and five in a backward that
+# computes each once. Before the kernels, the formulas checked in float64 against autograd:
 
 # %%
 def attention_backward_formulas(q, k, v, grad_out, causal, sm_scale):
@@ -672,10 +676,25 @@ for causal in (False, True):
 print("dS = P * (dP - rowsum(dO * O)), dQ, dK, dV == autograd of the reference, causal and not: ok")
 
 # %% [markdown]
-# The kernels. Both gradient kernels mask every tile (queries past $L$, keys past $L$, and the causal
-# triangle): simpler than the forward's two loops, at the price of a few selects per score. The causal
-# dK/dV program starts at the first block of queries that can see its keys; the causal dQ program stops
-# after its last query, as in the forward.
+# The kernels. Two choices shape them, both about speed.
+#
+# **Which way round.** On the tensor cores, a matrix product takes its left operand from registers and
+# its right one from shared memory, where a transposed view costs nothing. $dV = P^\top dO$ and
+# $dK = dS^\top Q$ need $P$ and $dS$ *transposed* on the left, and they were computed in registers: the
+# transpose would shuffle them through shared memory, twice per tile. So the dK/dV kernel computes the
+# transposed tile from the start, $S^\top = K Q^\top$ (keys down, queries across), and every product then
+# has the operand it needs where it needs it: $P^\top$ and $dS^\top$ on the left, $Q^\top$, $dO^\top$
+# (loaded tiles) on the right.
+#
+# **Masks only where they change something.** As in the forward, each kernel runs two or three loops of
+# one body with a constexpr `MASKED`: masked on the causal diagonal and on the last, partial block,
+# unmasked everywhere else. The dK/dV kernel needs no mask for its own keys past $L$: their rows of
+# $dK$, $dV$ are never stored, and a row of a product depends only on the same row of its left operand.
+# Queries past $L$ load as zeros ($dO = 0$ makes their terms vanish) but are masked anyway, because their
+# recomputed $P$ is not a probability. The dQ kernel must mask keys past $L$: there $P = e^{-\mathrm{lse}}$
+# can overflow, and $\infty \cdot 0$ in $dS\,K$ is NaN in a row that *is* stored. The causal dQ program
+# for the last queries has the most keys to visit, so the grid runs the query blocks from last to first:
+# the long programs start first and the short ones fill the end.
 
 # %%
 #| export
@@ -695,15 +714,37 @@ def flash_bwd_preprocess_kernel(O, DO, DELTA, length, HEAD_DIM: tl.constexpr, AC
 
 
 @triton.jit
-def probabilities(q, k, lse2, rows, keys, length, qk_scale, ACC: tl.constexpr, CAUSAL: tl.constexpr):
-    """P = exp(q k^T * sm_scale - lse) for a BLOCK_M x BLOCK_N tile, recomputed; 0 where masked.
+def dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, stats, keys, start, stop, length, qk_scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Add the query blocks [start, stop) to the keys' dK / sm_scale and dV, transposed: keys down the tiles.
 
-    lse2: the log-sum-exp in base-2 units (BLOCK_M); rows, keys: the tile's query and key positions."""
-    s = matmul(q, tl.trans(k)).to(ACC) * qk_scale  # BLOCK_M x BLOCK_N, base-2 units
-    visible = (rows[:, None] < length) & (keys[None, :] < length)
-    if CAUSAL:
-        visible = visible & (keys[None, :] <= rows[:, None])
-    return tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
+    dk, dv: BLOCK_N x HEAD_DIM accumulators; k, v: BLOCK_N x HEAD_DIM; keys: BLOCK_N positions; stats: the
+    head's offset in LSE and DELTA. MASKED: mask queries past `length` and, if CAUSAL, queries before a key."""
+    dims = tl.arange(0, HEAD_DIM)
+    for block_start in tl.range(start, stop, BLOCK_M):
+        rows = block_start + tl.arange(0, BLOCK_M)
+        offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
+        if MASKED:
+            q = tl.load(Q + offsets, mask=rows[:, None] < length, other=0.0)
+            do = tl.load(DO + offsets, mask=rows[:, None] < length, other=0.0)
+            lse2 = tl.load(LSE + stats + rows, mask=rows < length, other=0.0) * LOG2E_CONST  # base 2
+            delta = tl.load(DELTA + stats + rows, mask=rows < length, other=0.0)
+        else:
+            q = tl.load(Q + offsets)
+            do = tl.load(DO + offsets)
+            lse2 = tl.load(LSE + stats + rows) * LOG2E_CONST
+            delta = tl.load(DELTA + stats + rows)
+        p_t = tl.exp2(matmul(k, tl.trans(q)).to(dk.dtype) * qk_scale - lse2[None, :])  # P^T: BLOCK_N x BLOCK_M
+        if MASKED:
+            visible = rows[None, :] < length
+            if CAUSAL:
+                visible = visible & (keys[:, None] <= rows[None, :])
+            p_t = tl.where(visible, p_t, 0.0)
+        dv += matmul(p_t.to(do.dtype), do).to(dk.dtype)  # dV += P^T dO
+        dp_t = matmul(v, tl.trans(do)).to(dk.dtype)  # dP^T = V dO^T: BLOCK_N x BLOCK_M
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += matmul(ds_t.to(q.dtype), q).to(dk.dtype)  # dK += dS^T Q (times sm_scale at the end)
+    return dk, dv
 
 
 @triton.jit
@@ -723,21 +764,51 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, length, qk_scale: tl.
     v = tl.load(V + key_offsets, mask=keys[:, None] < length, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], ACC)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], ACC)
-    start = block_n * BLOCK_N // BLOCK_M * BLOCK_M if CAUSAL else 0  # earlier queries cannot see these keys
-    for block_start in tl.range(start, length, BLOCK_M):
-        rows = block_start + tl.arange(0, BLOCK_M)
-        row_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
-        q = tl.load(Q + row_offsets, mask=rows[:, None] < length, other=0.0)
-        do = tl.load(DO + row_offsets, mask=rows[:, None] < length, other=0.0)
-        lse2 = tl.load(LSE + head * length + rows, mask=rows < length, other=0.0) * LOG2E_CONST
-        delta = tl.load(DELTA + head * length + rows, mask=rows < length, other=0.0)
-        p = probabilities(q, k, lse2, rows, keys, length, qk_scale, ACC, CAUSAL)  # BLOCK_M x BLOCK_N
-        dv += matmul(tl.trans(p.to(do.dtype)), do).to(ACC)  # dV += P^T dO
-        dp = matmul(do, tl.trans(v)).to(ACC)  # BLOCK_M x BLOCK_N
-        ds = p * (dp - delta[:, None])
-        dk += matmul(tl.trans(ds.to(q.dtype)), q).to(ACC)  # dK += dS^T Q (times sm_scale below)
+    whole_stop = length // BLOCK_M * BLOCK_M  # the query blocks before it are whole
+    if CAUSAL:  # queries before the keys' block cannot see them; the blocks on the diagonal see some
+        first = block_n * BLOCK_N // BLOCK_M * BLOCK_M
+        diagonal_stop = tl.cdiv((block_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M
+    else:
+        first = 0
+        diagonal_stop = 0
+    dk, dv = dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, head * length, keys, first,
+                               tl.minimum(diagonal_stop, length), length, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL)
+    dk, dv = dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, head * length, keys, diagonal_stop,
+                               whole_stop, length, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL)
+    dk, dv = dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, head * length, keys,
+                               tl.maximum(diagonal_stop, whole_stop), length, length, qk_scale,
+                               HEAD_DIM, BLOCK_M, True, CAUSAL)
     tl.store(DK + key_offsets, (dk * sm_scale).to(DK.dtype.element_ty), mask=keys[:, None] < length)
     tl.store(DV + key_offsets, dv.to(DV.dtype.element_ty), mask=keys[:, None] < length)
+
+
+@triton.jit
+def dq_key_blocks(dq, q, do, lse2, delta, K, V, base, rows, start, stop, length, qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Add the key blocks [start, stop) to the queries' dQ / sm_scale.
+
+    dq, q, do: BLOCK_M x HEAD_DIM; lse2 (base 2), delta: BLOCK_M. MASKED: mask keys past `length` and,
+    if CAUSAL, keys after the query."""
+    dims = tl.arange(0, HEAD_DIM)
+    for block_start in tl.range(start, stop, BLOCK_N):
+        keys = block_start + tl.arange(0, BLOCK_N)
+        offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
+        if MASKED:
+            k = tl.load(K + offsets, mask=keys[:, None] < length, other=0.0)
+            v = tl.load(V + offsets, mask=keys[:, None] < length, other=0.0)
+        else:
+            k = tl.load(K + offsets)
+            v = tl.load(V + offsets)
+        p = tl.exp2(matmul(q, tl.trans(k)).to(dq.dtype) * qk_scale - lse2[:, None])  # BLOCK_M x BLOCK_N
+        if MASKED:
+            visible = keys[None, :] < length
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= rows[:, None])
+            p = tl.where(visible, p, 0.0)
+        dp = matmul(do, tl.trans(v)).to(dq.dtype)  # dP = dO V^T
+        ds = p * (dp - delta[:, None])
+        dq += matmul(ds.to(k.dtype), k).to(dq.dtype)  # dQ += dS K (times sm_scale at the end)
+    return dq
 
 
 @triton.jit
@@ -747,7 +818,7 @@ def flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, length, qk_scale: tl.float6
     # Q, K, V, DO, DQ: (batch * heads) x length x HEAD_DIM contiguous; LSE, DELTA: (batch * heads) x length.
     # One program per BLOCK_M queries of one head, looping over the blocks of keys they can see.
     qk_scale, sm_scale = tl.full([], qk_scale, ACC), tl.full([], sm_scale, ACC)  # see flash_fwd_kernel
-    block_m = tl.program_id(0)
+    block_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last queries first: they have the most keys
     head = tl.program_id(1).to(tl.int64)
     base = head * length * HEAD_DIM
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -758,19 +829,16 @@ def flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, length, qk_scale: tl.float6
     lse2 = tl.load(LSE + head * length + rows, mask=rows < length, other=0.0) * LOG2E_CONST
     delta = tl.load(DELTA + head * length + rows, mask=rows < length, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], ACC)
-    if CAUSAL:  # later keys are invisible to these queries
+    if CAUSAL:  # keys left of the first query need no mask; stop after the last query
+        unmasked_stop = block_m * BLOCK_M // BLOCK_N * BLOCK_N
         stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
-    else:
+    else:  # whole key blocks need no mask
+        unmasked_stop = length // BLOCK_N * BLOCK_N
         stop = length
-    for block_start in tl.range(0, stop, BLOCK_N):
-        keys = block_start + tl.arange(0, BLOCK_N)
-        key_offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
-        k = tl.load(K + key_offsets, mask=keys[:, None] < length, other=0.0)
-        v = tl.load(V + key_offsets, mask=keys[:, None] < length, other=0.0)
-        p = probabilities(q, k, lse2, rows, keys, length, qk_scale, ACC, CAUSAL)  # BLOCK_M x BLOCK_N
-        dp = matmul(do, tl.trans(v)).to(ACC)
-        ds = p * (dp - delta[:, None])
-        dq += matmul(ds.to(k.dtype), k).to(ACC)  # dQ += dS K (times sm_scale below)
+    dq = dq_key_blocks(dq, q, do, lse2, delta, K, V, base, rows, 0, unmasked_stop, length, qk_scale,
+                       HEAD_DIM, BLOCK_N, False, CAUSAL)
+    dq = dq_key_blocks(dq, q, do, lse2, delta, K, V, base, rows, unmasked_stop, stop, length, qk_scale,
+                       HEAD_DIM, BLOCK_N, True, CAUSAL)
     tl.store(DQ + row_offsets, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < length)
 
 
@@ -1452,7 +1520,7 @@ else:
 # On a GPU each kernel is wrapped in `triton.autotune`, keyed on $L$, the head dim, the causal flag
 # and (automatically) the dtypes, and tries the tiles of `GPU_TILES` for the inputs' element size:
 # `BLOCK_M` 128 queries per forward program (a multiple of the 64 rows a Hopper warpgroup's `wgmma`
-# handles), `BLOCK_N` 64 or 128 keys, 4 or 8 warps, 2 to 4 pipeline stages. float32 and float64 inputs
+# handles), `BLOCK_N` 64 or 128 keys, 4 or 8 warps, 1 to 3 pipeline stages. float32 and float64 inputs
 # run with `input_precision="ieee"`, not on the tensor cores, and get small tiles (their blocks of
 # scores would not fit in registers at 128 $\times$ 128). The first call for each key pays for the
 # search; the chosen configuration is printed below on a GPU. Under the interpreter a single small

@@ -81,7 +81,7 @@ def flash_fwd_kernel(Q, K, V, O, LSE, length, qk_scale: tl.float64, HEAD_DIM: tl
     # float as float32 unless the parameter is annotated: float64 keeps every digit of the scale for float64
     # inputs, and the kernel computes in ACC (tl.full, not .to: under the interpreter it is a Python float).
     qk_scale = tl.full([], qk_scale, ACC)
-    block_m = tl.program_id(0)
+    block_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last queries first: causal, they have the most keys
     head = tl.program_id(1).to(tl.int64)
     base = head * length * HEAD_DIM
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -173,15 +173,37 @@ def flash_bwd_preprocess_kernel(O, DO, DELTA, length, HEAD_DIM: tl.constexpr, AC
 
 
 @triton.jit
-def probabilities(q, k, lse2, rows, keys, length, qk_scale, ACC: tl.constexpr, CAUSAL: tl.constexpr):
-    """P = exp(q k^T * sm_scale - lse) for a BLOCK_M x BLOCK_N tile, recomputed; 0 where masked.
+def dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, stats, keys, start, stop, length, qk_scale,
+                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Add the query blocks [start, stop) to the keys' dK / sm_scale and dV, transposed: keys down the tiles.
 
-    lse2: the log-sum-exp in base-2 units (BLOCK_M); rows, keys: the tile's query and key positions."""
-    s = matmul(q, tl.trans(k)).to(ACC) * qk_scale  # BLOCK_M x BLOCK_N, base-2 units
-    visible = (rows[:, None] < length) & (keys[None, :] < length)
-    if CAUSAL:
-        visible = visible & (keys[None, :] <= rows[:, None])
-    return tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
+    dk, dv: BLOCK_N x HEAD_DIM accumulators; k, v: BLOCK_N x HEAD_DIM; keys: BLOCK_N positions; stats: the
+    head's offset in LSE and DELTA. MASKED: mask queries past `length` and, if CAUSAL, queries before a key."""
+    dims = tl.arange(0, HEAD_DIM)
+    for block_start in tl.range(start, stop, BLOCK_M):
+        rows = block_start + tl.arange(0, BLOCK_M)
+        offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
+        if MASKED:
+            q = tl.load(Q + offsets, mask=rows[:, None] < length, other=0.0)
+            do = tl.load(DO + offsets, mask=rows[:, None] < length, other=0.0)
+            lse2 = tl.load(LSE + stats + rows, mask=rows < length, other=0.0) * LOG2E_CONST  # base 2
+            delta = tl.load(DELTA + stats + rows, mask=rows < length, other=0.0)
+        else:
+            q = tl.load(Q + offsets)
+            do = tl.load(DO + offsets)
+            lse2 = tl.load(LSE + stats + rows) * LOG2E_CONST
+            delta = tl.load(DELTA + stats + rows)
+        p_t = tl.exp2(matmul(k, tl.trans(q)).to(dk.dtype) * qk_scale - lse2[None, :])  # P^T: BLOCK_N x BLOCK_M
+        if MASKED:
+            visible = rows[None, :] < length
+            if CAUSAL:
+                visible = visible & (keys[:, None] <= rows[None, :])
+            p_t = tl.where(visible, p_t, 0.0)
+        dv += matmul(p_t.to(do.dtype), do).to(dk.dtype)  # dV += P^T dO
+        dp_t = matmul(v, tl.trans(do)).to(dk.dtype)  # dP^T = V dO^T: BLOCK_N x BLOCK_M
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += matmul(ds_t.to(q.dtype), q).to(dk.dtype)  # dK += dS^T Q (times sm_scale at the end)
+    return dk, dv
 
 
 @triton.jit
@@ -201,21 +223,51 @@ def flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, length, qk_scale: tl.
     v = tl.load(V + key_offsets, mask=keys[:, None] < length, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], ACC)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], ACC)
-    start = block_n * BLOCK_N // BLOCK_M * BLOCK_M if CAUSAL else 0  # earlier queries cannot see these keys
-    for block_start in tl.range(start, length, BLOCK_M):
-        rows = block_start + tl.arange(0, BLOCK_M)
-        row_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
-        q = tl.load(Q + row_offsets, mask=rows[:, None] < length, other=0.0)
-        do = tl.load(DO + row_offsets, mask=rows[:, None] < length, other=0.0)
-        lse2 = tl.load(LSE + head * length + rows, mask=rows < length, other=0.0) * LOG2E_CONST
-        delta = tl.load(DELTA + head * length + rows, mask=rows < length, other=0.0)
-        p = probabilities(q, k, lse2, rows, keys, length, qk_scale, ACC, CAUSAL)  # BLOCK_M x BLOCK_N
-        dv += matmul(tl.trans(p.to(do.dtype)), do).to(ACC)  # dV += P^T dO
-        dp = matmul(do, tl.trans(v)).to(ACC)  # BLOCK_M x BLOCK_N
-        ds = p * (dp - delta[:, None])
-        dk += matmul(tl.trans(ds.to(q.dtype)), q).to(ACC)  # dK += dS^T Q (times sm_scale below)
+    whole_stop = length // BLOCK_M * BLOCK_M  # the query blocks before it are whole
+    if CAUSAL:  # queries before the keys' block cannot see them; the blocks on the diagonal see some
+        first = block_n * BLOCK_N // BLOCK_M * BLOCK_M
+        diagonal_stop = tl.cdiv((block_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M
+    else:
+        first = 0
+        diagonal_stop = 0
+    dk, dv = dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, head * length, keys, first,
+                               tl.minimum(diagonal_stop, length), length, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL)
+    dk, dv = dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, head * length, keys, diagonal_stop,
+                               whole_stop, length, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL)
+    dk, dv = dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, head * length, keys,
+                               tl.maximum(diagonal_stop, whole_stop), length, length, qk_scale,
+                               HEAD_DIM, BLOCK_M, True, CAUSAL)
     tl.store(DK + key_offsets, (dk * sm_scale).to(DK.dtype.element_ty), mask=keys[:, None] < length)
     tl.store(DV + key_offsets, dv.to(DV.dtype.element_ty), mask=keys[:, None] < length)
+
+
+@triton.jit
+def dq_key_blocks(dq, q, do, lse2, delta, K, V, base, rows, start, stop, length, qk_scale,
+                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Add the key blocks [start, stop) to the queries' dQ / sm_scale.
+
+    dq, q, do: BLOCK_M x HEAD_DIM; lse2 (base 2), delta: BLOCK_M. MASKED: mask keys past `length` and,
+    if CAUSAL, keys after the query."""
+    dims = tl.arange(0, HEAD_DIM)
+    for block_start in tl.range(start, stop, BLOCK_N):
+        keys = block_start + tl.arange(0, BLOCK_N)
+        offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
+        if MASKED:
+            k = tl.load(K + offsets, mask=keys[:, None] < length, other=0.0)
+            v = tl.load(V + offsets, mask=keys[:, None] < length, other=0.0)
+        else:
+            k = tl.load(K + offsets)
+            v = tl.load(V + offsets)
+        p = tl.exp2(matmul(q, tl.trans(k)).to(dq.dtype) * qk_scale - lse2[:, None])  # BLOCK_M x BLOCK_N
+        if MASKED:
+            visible = keys[None, :] < length
+            if CAUSAL:
+                visible = visible & (keys[None, :] <= rows[:, None])
+            p = tl.where(visible, p, 0.0)
+        dp = matmul(do, tl.trans(v)).to(dq.dtype)  # dP = dO V^T
+        ds = p * (dp - delta[:, None])
+        dq += matmul(ds.to(k.dtype), k).to(dq.dtype)  # dQ += dS K (times sm_scale at the end)
+    return dq
 
 
 @triton.jit
@@ -225,7 +277,7 @@ def flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, length, qk_scale: tl.float6
     # Q, K, V, DO, DQ: (batch * heads) x length x HEAD_DIM contiguous; LSE, DELTA: (batch * heads) x length.
     # One program per BLOCK_M queries of one head, looping over the blocks of keys they can see.
     qk_scale, sm_scale = tl.full([], qk_scale, ACC), tl.full([], sm_scale, ACC)  # see flash_fwd_kernel
-    block_m = tl.program_id(0)
+    block_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last queries first: they have the most keys
     head = tl.program_id(1).to(tl.int64)
     base = head * length * HEAD_DIM
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -236,19 +288,16 @@ def flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, length, qk_scale: tl.float6
     lse2 = tl.load(LSE + head * length + rows, mask=rows < length, other=0.0) * LOG2E_CONST
     delta = tl.load(DELTA + head * length + rows, mask=rows < length, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], ACC)
-    if CAUSAL:  # later keys are invisible to these queries
+    if CAUSAL:  # keys left of the first query need no mask; stop after the last query
+        unmasked_stop = block_m * BLOCK_M // BLOCK_N * BLOCK_N
         stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
-    else:
+    else:  # whole key blocks need no mask
+        unmasked_stop = length // BLOCK_N * BLOCK_N
         stop = length
-    for block_start in tl.range(0, stop, BLOCK_N):
-        keys = block_start + tl.arange(0, BLOCK_N)
-        key_offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
-        k = tl.load(K + key_offsets, mask=keys[:, None] < length, other=0.0)
-        v = tl.load(V + key_offsets, mask=keys[:, None] < length, other=0.0)
-        p = probabilities(q, k, lse2, rows, keys, length, qk_scale, ACC, CAUSAL)  # BLOCK_M x BLOCK_N
-        dp = matmul(do, tl.trans(v)).to(ACC)
-        ds = p * (dp - delta[:, None])
-        dq += matmul(ds.to(k.dtype), k).to(ACC)  # dQ += dS K (times sm_scale below)
+    dq = dq_key_blocks(dq, q, do, lse2, delta, K, V, base, rows, 0, unmasked_stop, length, qk_scale,
+                       HEAD_DIM, BLOCK_N, False, CAUSAL)
+    dq = dq_key_blocks(dq, q, do, lse2, delta, K, V, base, rows, unmasked_stop, stop, length, qk_scale,
+                       HEAD_DIM, BLOCK_N, True, CAUSAL)
     tl.store(DQ + row_offsets, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < length)
 
 
