@@ -1393,7 +1393,11 @@ else:
 
 # %% [markdown]
 # (On a GPU the cell above prints the check, the table and each prediction with its outcome; the
-# predictions are judged by those lines, not by this text.)
+# predictions are judged by those lines, not by this text.) On the H200 of the committed run, prediction 1
+# failed: the naive kernel is 5 to 9 times slower than the float32 Triton forward, not more than 10,
+# and prediction 3 shows why the round trips of $O$ are not its problem: their bytes would take a few
+# percent of its time. What costs it is the rest: the serial softmax, the scalar products, the bank
+# conflicts (padding alone nearly halves its time) and a grid too small to fill the GPU.
 #
 # ## 10. On a GPU: against PyTorch's FlashAttention and cuDNN
 #
@@ -1486,7 +1490,12 @@ else:
 
 # %% [markdown]
 # (On a GPU the cell prints the table, whether ours keeps up with the flash backend in every row, the
-# ratio to cuDNN, and the plot.) Where ours falls behind cuDNN, the likely reason lies in what the
+# ratio to cuDNN, and the plot.) In the committed run on the H200, ours is ahead of the flash backend
+# everywhere except forward + backward at $L = 1024$, in all four rows. There the GPU has little work
+# per call and the call is bound by the host, not the GPU: our op is Python (an autograd Function
+# around two torch custom ops, four Triton launches), where SDPA's is C++ from end to end. Cutting that
+# host time is open work.
+# Where ours falls behind cuDNN, the likely reason lies in what the
 # kernel does not use: FlashAttention-3, and by NVIDIA's accounts cuDNN's Hopper kernels, split each
 # block's warps into producers,
 # which move tiles with the tensor memory accelerator (TMA), and consumers, which run the asynchronous
