@@ -184,7 +184,7 @@ def merge_states(x, y):
     """(m, l, o) of keys X, (m, l, o) of disjoint keys Y -> (m, l, o) of X and Y together."""
     (m_x, l_x, o_x), (m_y, l_y, o_y) = x, y
     ### BEGIN SOLUTION
-    ### HINT: m = the larger maximum; scale_x = e^(m_x - m) (1 where m_x == m: the identity's -inf must not give NaN), scale_y likewise; return (m, l, o) of X and Y
+    ### HINT: m = the larger maximum; rescale each state's l and o by e^(its m - m) (the select of the text where that is e^(-inf - (-inf))); return (m, l, o) of X and Y
     m = torch.maximum(m_x, m_y)
     scale_x = torch.where(m_x == m, 1.0, torch.exp(m_x - m))  # the select: e^(-inf - (-inf)) counts as 1
     scale_y = torch.where(m_y == m, 1.0, torch.exp(m_y - m))
