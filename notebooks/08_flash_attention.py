@@ -183,10 +183,13 @@ def softmax_state(scores, values):
 def merge_states(x, y):
     """(m, l, o) of keys X, (m, l, o) of disjoint keys Y -> (m, l, o) of X and Y together."""
     (m_x, l_x, o_x), (m_y, l_y, o_y) = x, y
+    ### BEGIN SOLUTION
+    ### HINT: m = the larger maximum; rescale each state's l and o by e^(its m - m) (the select of the text where that is e^(-inf - (-inf))); return (m, l, o) of X and Y
     m = torch.maximum(m_x, m_y)
     scale_x = torch.where(m_x == m, 1.0, torch.exp(m_x - m))  # the select: e^(-inf - (-inf)) counts as 1
     scale_y = torch.where(m_y == m, 1.0, torch.exp(m_y - m))
     return m, scale_x * l_x + scale_y * l_y, scale_x[..., None] * o_x + scale_y[..., None] * o_y
+    ### END SOLUTION
 
 
 def identity_state(queries, head_dim):
@@ -440,12 +443,15 @@ def attend_key_blocks(o, l, m, q, K, V, base, rows, start, stop, length, qk_scal
             if CAUSAL:
                 visible = visible & (keys[None, :] <= rows[:, None])
             s = tl.where(visible, s, float("-inf"))
+        ### BEGIN SOLUTION
+        ### HINT: fold the block's scores s (base 2) into (m, l, o): m_new = the larger maximum, alpha = 2^(m - m_new) rescales the old l and o, p = 2^(s - m_new) adds the block's terms; then m = m_new
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)  # rescales the old state to the new maximum
         p = tl.exp2(s - m_new[:, None])  # BLOCK_M x BLOCK_N
         l = l * alpha + tl.sum(p, 1)
         o = o * alpha[:, None] + matmul(p.to(v.dtype), v).to(o.dtype)
         m = m_new
+        ### END SOLUTION
     return o, l, m
 
 
@@ -740,10 +746,13 @@ def dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, stats, keys, start,
             if CAUSAL:
                 visible = visible & (keys[:, None] <= rows[None, :])
             p_t = tl.where(visible, p_t, 0.0)
+        ### BEGIN SOLUTION
+        ### HINT: accumulate dV += P^T dO, then dP^T = V dO^T, dS^T = P^T * (dP^T - delta) (delta: one number per query, and queries run across the tile), dK += dS^T Q (sm_scale is applied at the store); use matmul
         dv += matmul(p_t.to(do.dtype), do).to(dk.dtype)  # dV += P^T dO
         dp_t = matmul(v, tl.trans(do)).to(dk.dtype)  # dP^T = V dO^T: BLOCK_N x BLOCK_M
         ds_t = p_t * (dp_t - delta[None, :])
         dk += matmul(ds_t.to(q.dtype), q).to(dk.dtype)  # dK += dS^T Q (times sm_scale at the end)
+        ### END SOLUTION
     return dk, dv
 
 
