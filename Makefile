@@ -59,7 +59,7 @@ site: $(SETUP)
 	$(PY) tools/website.py
 
 # One thread per worker process (OMP_NUM_THREADS=1): the workers already fill the cores, and torch's
-# own threads on top of them made the CPU runs slower, not faster
+# own threads on top of them would oversubscribe them
 test: check
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist load -m "not slow" tests
 	OMP_NUM_THREADS=1 SCAN_COURSE_FIGURES=$(CURDIR)/$(BUILD)/figures $(PY) -m pytest -q -p no:cacheprovider \

@@ -78,6 +78,21 @@ def test_head_dims_and_dtypes(head_dim, dtype):
         assert got.dtype == dtype and max_error(got, want) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True)])
+def test_bfloat16_through_whole_blocks(head_dim, causal):
+    """L = 300: on a GPU the bfloat16 tiles (up to 128 x 128) have whole blocks, run unmasked, before the
+    diagonal and the partial last block; under the interpreter its small tiles do already at L 129."""
+    q, k, v, grad = make_inputs((1, 2, 300, head_dim), torch.bfloat16, seed=head_dim)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*leaves, causal=causal)
+    ours = [out, *torch.autograd.grad(out, leaves, grad)]
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want_out = reference(*leaves64, causal)[0]
+    theirs = [want_out, *torch.autograd.grad(want_out, leaves64, grad.double())]
+    for name, got, want in zip(("out", "dq", "dk", "dv"), ours, theirs):
+        assert got.dtype == torch.bfloat16 and max_error(got, want) < TOLERANCE[torch.bfloat16], name
+
+
 def test_gradcheck_float64():
     q, k, v, _ = make_inputs((1, 1, 3, 32), torch.float64, seed=4)
     leaves = [t.requires_grad_() for t in (q, k, v)]

@@ -151,7 +151,7 @@ def test_hessian_and_gradgradcheck_raise():
         torch.autograd.functional.hessian(f, x)
     with pytest.raises(RuntimeError, match="multistate_scan"):
         torch.func.grad(lambda x: torch.func.grad(f)(x).sum())(x)
-    a, b, c, x, h0 = make_inputs(1, 1, 3, torch.float64, seed=8)  # gradgradcheck differentiates numerically first
+    a, b, c, x, _ = make_inputs(1, 1, 3, torch.float64, seed=8)  # gradgradcheck differentiates numerically first
     with pytest.raises(RuntimeError, match="multistate_scan"):
         torch.autograd.gradgradcheck(lambda *t: scan_lib.multistate_scan(*t, block_l=2),
                                      [t.requires_grad_() for t in (a, b, c, x)])

@@ -4,8 +4,9 @@ One function `exercise_K(nb)` per exercise 08.K, its docstring's first line the 
 returns when the exercise is solved and raises (an AssertionError saying why) when it is not. `nb.name`
 is what the student's notebook defined.
 
-The reference is written here, in float64, the naive way: the whole L x L matrix of scores, its softmax
-and log-sum-exp, and the gradients by torch autograd through it. 08.1 merges states (m, l, o) of two
+The reference is the library's `attention_reference` (not the student's notebook), in float64, the naive
+way: the whole L x L matrix of scores, its softmax and log-sum-exp, and the gradients by torch autograd
+through it. 08.1 merges states (m, l, o) of two
 disjoint sets of keys, drawn here (some rows of a set with no key at all: the identity), and compares the
 merged state with the state of the union and with attention over the union. 08.2 runs scan_lib's forward
 launcher with the notebook's `attend_key_blocks` swapped into scan_lib's module; 08.3 runs scan_lib's
@@ -32,17 +33,6 @@ LSE_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-10}
 
 def _randint(gen, low, high):
     return int(torch.randint(low, high, (1,), generator=gen))
-
-
-def _reference(q, k, v, causal, sm_scale):
-    """(output, lse) in float64 through the whole L x L matrix of scores, for (..., L, head_dim) tensors."""
-    scores = q.double() @ k.double().transpose(-1, -2) * sm_scale
-    if causal:
-        length = scores.shape[-1]
-        hidden = torch.ones(length, length, dtype=torch.bool, device=scores.device).triu(1)
-        scores = scores.masked_fill(hidden, float("-inf"))
-    lse = torch.logsumexp(scores, -1)
-    return torch.exp(scores - lse[..., None]) @ v.double(), lse
 
 
 def _first_wrong(got, want, tol, dim_of_rows):
@@ -171,7 +161,7 @@ def exercise_2(nb):
         q, k, v = _inputs(gen, length, head_dim, dtype, 3)
         with _notebook_helper(nb, "attend_key_blocks", "flash_fwd_kernel"):
             out, lse = library.flash_attention_forward(q, k, v, causal, sm_scale)
-        want_out, want_lse = _reference(q, k, v, causal, sm_scale)
+        want_out, want_lse = library.attention_reference(q, k, v, causal, sm_scale)
         what = f"scan_lib's forward with the notebook's attend_key_blocks, {_what(length, head_dim, causal, dtype, sm_scale)}"
         lse_err, lse_row = _first_wrong(lse, want_lse, LSE_TOLERANCE[dtype], -1)
         out_err, out_row = _first_wrong(out, want_out, TOLERANCE[dtype], -2)
@@ -192,7 +182,8 @@ def exercise_3(nb):
     for length, head_dim, causal, dtype, sm_scale in _cases(gen):
         q, k, v, grad = _inputs(gen, length, head_dim, dtype, 4)
         leaves = [t.double().requires_grad_() for t in (q, k, v)]
-        want_dq, want_dk, want_dv = torch.autograd.grad(_reference(*leaves, causal, sm_scale)[0], leaves, grad.double())
+        _, want_dk, want_dv = torch.autograd.grad(library.attention_reference(*leaves, causal, sm_scale)[0], leaves,
+                                                 grad.double())
         out, lse = library.flash_attention_forward(q, k, v, causal, sm_scale)   # scan_lib's forward
         with _notebook_helper(nb, "dkdv_query_blocks", "flash_bwd_dkdv_kernel"):
             _, dk, dv = library.flash_attention_backward(q, k, v, out, lse, grad, causal, sm_scale)
