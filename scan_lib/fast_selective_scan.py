@@ -8,7 +8,7 @@ import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype, first_order_op
 from scan_lib.runtime import INTERPRET
-from scan_lib.selective_scan import _column, _gate_dybar, _gate_dz, _load_delta, discretize
+from scan_lib.selective_scan import _column, _gate_dybar, _gate_dz, _load_delta
 
 
 @triton.jit
@@ -30,12 +30,29 @@ def _segment_chunks(seg_chunks, n_chunks):
 def _coef_row(M, base, n, ds, d_ok, t, t_ok, stride_g, stride_n, stride_l, PER_STEP: tl.constexpr,
               ACC: tl.constexpr):
     """State n's coefficient B or C: the group's row at positions t (1 x CHUNK; base: the group's start),
-    or the time-invariant M[d, n] (BLOCK_D x 1; channel d at d * stride_g)."""
+    or the time-invariant M[d, n] (BLOCK_D x 1; channel d at d * stride_g). The row is loaded as a
+    1 x CHUNK tile, in the layout of the tiles it meets (a 1-D load would need a layout conversion)."""
     if PER_STEP:
-        coef = tl.load(M + base + n * stride_n + t * stride_l, t_ok, other=0.0).to(ACC)[None, :]
+        coef = tl.load(M + base + n * stride_n + t[None, :] * stride_l, t_ok[None, :], other=0.0).to(ACC)
     else:
         coef = tl.load(M + ds * stride_g + n * stride_n, d_ok, other=0.0).to(ACC)[:, None]
     return coef
+
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)   # exp(x) = 2^(x log2 e)
+
+
+@triton.jit
+def discretize_exp2(delta, rate2, B, step_u):
+    """Chapter 05's discretize with A pre-scaled by log2(e) (rate2 = A log2 e) and delta*u given:
+    a = 2^(delta*rate2) = exp(delta*A), one MUFU.EX2 instruction on the GPU; b = (delta*u)*B."""
+    return tl.exp2(delta * rate2), step_u * B
+
+
+@triton.jit
+def _carry_in(CARRY, n, n_segments, d_ok):
+    """State n's carry for the block's channels (BLOCK_D), where the last chunk stored it."""
+    return tl.load(CARRY + n * n_segments, d_ok, other=0.0)
 
 
 @triton.jit
@@ -67,13 +84,16 @@ def strided_fwd_kernel(
         carry = tl.load(H0 + state_offs * n_segments + pid_s, dn_ok, other=0.0).to(ACC)
     else:
         carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
+    # Between chunks each state's carry waits in LAST, this program's own entries (section 4's last part):
+    # state n of the block's channels at CARRY + n * n_segments.
+    CARRY = LAST + (pid_b * dim + ds) * N_STATES * n_segments + pid_s     # BLOCK_D
+    tl.store(CARRY[:, None] + ns[None, :] * n_segments, carry, dn_ok)
     if HAS_D:
         skip = tl.load(D + ds, d_ok, other=0.0).to(ACC)[:, None]
     dsum = tl.zeros((BLOCK_D,), dtype=ACC)
     first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
     for k in range(k_first, k_end):
-        if SAVE:  # the state entering chunk k, for the backward
-            tl.store(STATES + state_offs * n_chunks + k, carry, dn_ok)
+        tl.debug_barrier()   # every thread sees the carries the last chunk stored before it reads them
         t = k * CHUNK + ts
         t_ok = t < length
         mask = d_ok[:, None] & t_ok[None, :]                              # BLOCK_D x CHUNK
@@ -81,18 +101,22 @@ def strided_fwd_kernel(
         delta, _ = _load_delta(DELTA, BIAS, pid_b * sdt_b + ds[:, None] * sdt_d + t[None, :] * sdt_l, mask,
                                ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
         dsum += tl.sum(delta, axis=1)                                     # 0 where masked
+        step_u = delta * u                                                # shared by the states
         ybar = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)
         for n in range(0, N_STATES):
             rate = tl.load(A + ds * sa_d + n * sa_n, d_ok, other=0.0).to(ACC)[:, None]      # BLOCK_D x 1
+            h_in = _carry_in(CARRY, n, n_segments, d_ok)                                    # BLOCK_D
+            if SAVE:  # the state entering chunk k, for the backward
+                tl.store(STATES + ((pid_b * dim + ds) * N_STATES + n) * n_chunks + k, h_in, d_ok)
             b_coef = _coef_row(B, b_base, n, ds, d_ok, t, t_ok, sb_g, sb_n, sb_l, B_PER_STEP, ACC)
             if not SUMMARY:
                 c_coef = _coef_row(C, c_base, n, ds, d_ok, t, t_ok, sc_g, sc_n, sc_l, C_PER_STEP, ACC)
-            a, b = discretize(delta, rate, b_coef, u)                                    # BLOCK_D x CHUNK
-            b += tl.where(first, a * _column(carry, n, ns)[:, None], 0.0)               # start from the carry
+            a, b = discretize_exp2(delta, rate * LOG2E, b_coef, step_u)                  # BLOCK_D x CHUNK
+            b += tl.where(first, a * h_in[:, None], 0.0)                                 # start from the carry
             _, h = tl.associative_scan((a, b), axis=1, combine_fn=first_order_op)
             if not SUMMARY:
                 ybar += c_coef * h
-            carry = tl.where(ns[None, :] == n, tl.sum(tl.where(last, h, 0.0), axis=1)[:, None], carry)
+            tl.store(CARRY + n * n_segments, tl.sum(tl.where(last, h, 0.0), axis=1), d_ok)
         if not SUMMARY:
             if HAS_D:
                 ybar += skip * u
@@ -101,7 +125,6 @@ def strided_fwd_kernel(
                 zv = tl.load(Z + pid_b * sz_b + ds[:, None] * sz_d + t[None, :] * sz_l, mask, other=0.0).to(ACC)
                 out = ybar * zv * tl.sigmoid(zv)
             tl.store(OUT + (pid_b * dim + ds[:, None]) * length + t[None, :], out.to(OUT.dtype.element_ty), mask)
-    tl.store(LAST + state_offs * n_segments + pid_s, carry, dn_ok)
     if SUMMARY:
         tl.store(DSUM + (pid_b * dim + ds) * n_segments + pid_s, dsum, d_ok)
 
@@ -134,6 +157,8 @@ def strided_bwd_kernel(
         adj_carry = tl.load(DLAST + state_offs * n_segments + pid_s, dn_ok, other=0.0).to(ACC)  # dL/dh at the end
     else:
         adj_carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
+    ADJ = DH0 + (pid_b * dim + ds) * N_STATES * n_segments + pid_s        # the adjoint's carries, as the forward's
+    tl.store(ADJ[:, None] + ns[None, :] * n_segments, adj_carry, dn_ok)
     skip = tl.zeros((BLOCK_D,), dtype=ACC)
     if HAS_D:
         skip = tl.load(D + ds, d_ok, other=0.0).to(ACC)
@@ -144,6 +169,7 @@ def strided_bwd_kernel(
     dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
     first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
     for i in range(0, k_end - k_first):
+        tl.debug_barrier()   # the adjoint carries the last chunk stored, before they are read
         k = k_end - 1 - i                                               # chunks from right to left
         t = k * CHUNK + ts
         t_ok = t < length
@@ -165,25 +191,28 @@ def strided_bwd_kernel(
             zv = tl.load(Z + pid_b * sz_b + ds[:, None] * sz_d + t[None, :] * sz_l, mask, other=0.0).to(ACC)
         dybar = _gate_dybar(dout, zv, HAS_Z)                             # BLOCK_D x CHUNK
         dD_acc += tl.sum(dybar * u, axis=1)
+        step_u, step_u_prev = delta * u, delta_prev * u_prev            # shared by the states
         ybar = skip[:, None] * u                                         # recomputed, not kept by the forward
         adj_b_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)               # sum_n adj B
         adj_ah_rate_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)         # sum_n adj a h_{t-1} A
         for n in range(0, N_STATES):
             rate = tl.load(A + ds * sa_d + n * sa_n, d_ok, other=0.0).to(ACC)[:, None]
+            rate2 = rate * LOG2E
             b_coef = _coef_row(B, b_base, n, ds, d_ok, t, t_ok, sb_g, sb_n, sb_l, B_PER_STEP, ACC)
             b_coef_prev = _coef_row(B, b_base, n, ds, d_ok, t - 1, prev_ok, sb_g, sb_n, sb_l, B_PER_STEP, ACC)
             c_coef = _coef_row(C, c_base, n, ds, d_ok, t, t_ok, sc_g, sc_n, sc_l, C_PER_STEP, ACC)
             h_in = tl.load(STATES + ((pid_b * dim + ds) * N_STATES + n) * n_chunks + k, d_ok, other=0.0)
+            adj_in = _carry_in(ADJ, n, n_segments, d_ok)
             # (1) h_{t-1}: the steps of positions t-1, the first one setting the boundary state (chapter 05).
-            a, b = discretize(delta, rate, b_coef, u)
-            a_prev, b_prev = discretize(delta_prev, rate, b_coef_prev, u_prev)
+            a, b = discretize_exp2(delta, rate2, b_coef, step_u)
+            a_prev, b_prev = discretize_exp2(delta_prev, rate2, b_coef_prev, step_u_prev)
             _, h_prev = tl.associative_scan((tl.where(first, 0.0, a_prev), tl.where(first, h_in[:, None], b_prev)),
                                             axis=1, combine_fn=first_order_op)
             h = a * h_prev + b
             ybar += c_coef * h
             # (2) the adjoint, right to left; the adjoint carry enters at the chunk's last position.
-            c = c_coef * dybar + tl.where(last, _column(adj_carry, n, ns)[:, None], 0.0)
-            _, adj = tl.associative_scan((tl.exp(delta_next * rate), c), axis=1, combine_fn=first_order_op,
+            c = c_coef * dybar + tl.where(last, adj_in[:, None], 0.0)
+            _, adj = tl.associative_scan((tl.exp2(delta_next * rate2), c), axis=1, combine_fn=first_order_op,
                                          reverse=True)
             # (3) the gradients.
             adj_b_sum += adj * b_coef
@@ -192,14 +221,16 @@ def strided_bwd_kernel(
             at_n = ns[None, :] == n
             dA_acc += tl.where(at_n, tl.sum(adj_ah * delta, axis=1)[:, None], 0.0)
             if B_PER_STEP:  # summed over the block's channels, then added to the group's row
-                tl.atomic_add(DB + db_base + n * length + t, tl.sum(adj * delta * u, axis=0), t_ok, sem="relaxed")
+                tl.atomic_add(DB + db_base + n * length + t[None, :], tl.sum(adj * step_u, axis=0)[None, :],
+                              t_ok[None, :], sem="relaxed")
             else:
-                dB_acc += tl.where(at_n, tl.sum(adj * delta * u, axis=1)[:, None], 0.0)
+                dB_acc += tl.where(at_n, tl.sum(adj * step_u, axis=1)[:, None], 0.0)
             if C_PER_STEP:
-                tl.atomic_add(DC + dc_base + n * length + t, tl.sum(h * dybar, axis=0), t_ok, sem="relaxed")
+                tl.atomic_add(DC + dc_base + n * length + t[None, :], tl.sum(h * dybar, axis=0)[None, :],
+                              t_ok[None, :], sem="relaxed")
             else:
                 dC_acc += tl.where(at_n, tl.sum(h * dybar, axis=1)[:, None], 0.0)
-            adj_carry = tl.where(at_n, tl.sum(tl.where(first, a * adj, 0.0), axis=1)[:, None], adj_carry)
+            tl.store(ADJ + n * n_segments, tl.sum(tl.where(first, a * adj, 0.0), axis=1), d_ok)
         if HAS_Z:
             tl.store(DZ + out_offs, _gate_dz(dout, ybar, zv).to(DZ.dtype.element_ty), mask)
         ddelta = adj_ah_rate_sum + u * adj_b_sum
@@ -215,7 +246,6 @@ def strided_bwd_kernel(
         tl.store(DB + segment_offs, dB_acc, dn_ok)
     if not C_PER_STEP:
         tl.store(DC + segment_offs, dC_acc, dn_ok)
-    tl.store(DH0 + segment_offs, adj_carry, dn_ok)
     tl.store(DD_PART + (pid_b * dim + ds) * n_segments + pid_s, dD_acc, d_ok)
     tl.store(DBIAS_PART + (pid_b * dim + ds) * n_segments + pid_s, dbias_acc, d_ok)
 
@@ -291,7 +321,7 @@ from scan_lib.selective_scan import (_NoSecondDerivative, _acc_dtype, _check_inp
 
 # block_d channels per program, chunk positions per loop step, num_warps: the fastest of a sweep on an
 # H200 (section 9). Under the interpreter, small chunks so that small tests cross several chunks.
-GPU_CONFIG = {"fwd": dict(block_d=1, chunk=1024, num_warps=2), "bwd": dict(block_d=1, chunk=256, num_warps=2)}
+GPU_CONFIG = {"fwd": dict(block_d=2, chunk=512, num_warps=1), "bwd": dict(block_d=2, chunk=256, num_warps=1)}
 CPU_CONFIG = {"fwd": dict(block_d=2, chunk=16, num_warps=1), "bwd": dict(block_d=2, chunk=8, num_warps=1)}
 
 

@@ -55,3 +55,22 @@ def test_a_wrong_kernel_fails_its_check(bench, monkeypatch):
     ours = [r for r in bench.ROWS if r["impl"] == "scan_lib.selective_scan"]
     assert ours and not any(r["correct"] for r in ours)
     assert all(math.isnan(r["gpu_us"]) for r in ours)   # a failed check is not timed
+
+
+def test_sass_count_compiles_for_sm90_without_a_gpu(tmp_path):
+    """benchmarks/sass_count.py (a fresh process: it compiles for the GPU target, not the interpreter) counts
+    the loop over states of both kernels; the forward's loop holds its exp, one MUFU.EX2 per element."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sass_count.py"), "--out", str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = {line.split(":")[0].strip(): line for line in run.stdout.splitlines() if "per (position, state)" in line}
+    assert set(lines) == {"fwd", "bwd"}, run.stdout
+    assert "MUFU" in (tmp_path / "strided_fwd_kernel.sass").read_text()
+    for kind, line in lines.items():
+        per_pair = float(line.split(":")[1].split("instructions")[0])
+        assert 3 < per_pair < 1000, line   # at least the arithmetic of a step; a count, not a runaway parse

@@ -386,6 +386,16 @@ def _no_carry(tile, n, cols):
     return tl.sum(tl.where(cols[None, :] == n, tile, 0.0), axis=1) * 0.0
 
 
+def _no_carry_in(CARRY, n, n_segments, d_ok):
+    """Chapter 07's _carry_in, broken: the carries between chunks (forward and adjoint) read as 0."""
+    return tl.load(CARRY + n * n_segments, d_ok, other=0.0) * 0.0
+
+
+def _discretize_exp2_without_u(delta, rate2, B, step_u):
+    """Chapter 07's discretize_exp2, broken: b = B, the step delta * u left out."""
+    return tl.exp2(delta * rate2), B + 0.0 * step_u
+
+
 def _discretize_without_u(delta, A, B, u):
     """discretize, broken: b = delta * B, the input u left out."""
     return tl.exp(delta * A), delta * B + 0.0 * u
@@ -403,10 +413,12 @@ def _as_kernel_helper(fn, module):
 
 
 @interpreter_only
-@pytest.mark.parametrize("module", [MODULE, FAST], ids=["05", "07"])
-@pytest.mark.parametrize("helper,bug", [("_column", _no_carry), ("discretize", _discretize_without_u),
-                                        ("first_order_op", _half_combine)])
-def test_checks_catch_injected_bugs(monkeypatch, helper, bug, module):
+@pytest.mark.parametrize("module,helper,bug", [
+    (MODULE, "_column", _no_carry), (MODULE, "discretize", _discretize_without_u),
+    (MODULE, "first_order_op", _half_combine), (FAST, "_carry_in", _no_carry_in),
+    (FAST, "discretize_exp2", _discretize_exp2_without_u), (FAST, "first_order_op", _half_combine)],
+    ids=["05-carry", "05-discretize", "05-combine", "07-carry", "07-discretize", "07-combine"])
+def test_checks_catch_injected_bugs(monkeypatch, module, helper, bug):
     monkeypatch.setattr(module, helper, _as_kernel_helper(bug, module))
     inputs = make_inputs(1, 2, 3, 40, h0=False, seed=13)   # 40 positions: several chunks
     with pytest.raises(AssertionError):
