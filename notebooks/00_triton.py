@@ -268,6 +268,7 @@ assert "power of 2" in refusal, refusal
 print("BLOCK=6 is refused: arange's range must be a power of 2")
 
 # %% [markdown]
+# `tl.full(shape, value, dtype)` makes a block of one value, here the program's index in every slot.
 # `BLOCK` is a `tl.constexpr`: its value is known when the kernel is compiled (one compiled version
 # per value), so it can set shapes. Shapes must be compile-time constants, and `tl.arange` lengths
 # must be powers of two (the cell above checks that `BLOCK=6` is refused).
@@ -343,7 +344,8 @@ print("vector_add == x + y for n = 1, 7, 129, 1000, 4097 (BLOCK = 256)")
 # H200 without running it, on any machine, and returns the compiler's output at each stage. The
 # stage `ttgir` states the layout of the block: `sizePerThread` consecutive values per thread,
 # `threadsPerWarp` and `warpsPerCTA` (warps per program); a layout smaller than the block repeats
-# until it covers it.
+# until it covers it. `order` lists the block's dimensions from the one whose consecutive values sit
+# in one thread (and then in neighbouring threads) first: a one-dimensional block has only `[0]`.
 
 # %%
 #| export
@@ -803,7 +805,9 @@ assert (relative <= bound).all()
 # catch truncation: `tests/test_runtime.py` shows a truncating conversion passing with it and
 # failing with this one.) The second cell below prints what `convert_kernel` does on your device:
 # on a GPU, as in the committed run, both conversions round to nearest; under the interpreter the
-# bfloat16 one truncates.
+# bfloat16 one truncates. In the kernel, `Y.dtype` is the type of the pointer `Y` (a pointer to
+# bfloat16, say) and `Y.dtype.element_ty` the type it points to: `.to(Y.dtype.element_ty)` converts the
+# loaded values to whatever the output tensor holds, so one kernel serves every output dtype.
 
 # %%
 #| export
@@ -968,3 +972,11 @@ else:
     assert not known_to_fail, "Triton 3.6's interpreter under NumPy >= 2.4 was expected to fail"
     assert torch.allclose(out_for, x_for.sum(1), atol=1e-4)
     print(f"numpy {np.__version__}: the for loop over a runtime bound ran and is correct")
+
+# %% [markdown]
+# ## References
+#
+# - Tillet, Kung and Cox, "Triton: an intermediate language and compiler for tiled neural network computations", MAPL 2019.
+# - The Triton tutorials (vector addition, fused softmax, matrix multiplication, fused attention): https://triton-lang.org/main/getting-started/tutorials/
+# - NVIDIA, CUDA C++ Programming Guide, chapters on the programming model (grids, blocks, warps) and the memory hierarchy.
+# - Sasha Rush, "Mamba: The Hard Way" (a Triton notebook from cumulative sums to the selective scan; part 0): https://srush.github.io/annotated-mamba/hard.html

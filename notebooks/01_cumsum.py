@@ -276,8 +276,11 @@ print("float32: (1e8 + -1e8) + 1 =", ((a32 + b32) + c32).item(), " but 1e8 + (-1
 #
 # ## Longer than one block: the three-phase scan
 #
-# One program holds at most a few thousand values, so a long sequence is cut into blocks of `BLOCK`
-# values, one program each. Number the blocks $k = 0, 1, \dots$, write $T_k$ for the total of block
+# A program's block lives in its threads' registers (chapter 00: a block of values is spread over the
+# program's threads), and registers are a fixed budget: 65,536 32-bit registers per multiprocessor on
+# an H100 or H200, at most 255 per thread, shared by every program resident there. A block of tens of
+# thousands of values no longer fits, and well before that one program fills a multiprocessor alone.
+# So a long sequence is cut into blocks of `BLOCK` values, one program each. Number the blocks $k = 0, 1, \dots$, write $T_k$ for the total of block
 # $k$ and $S_k = T_0 + \dots + T_k$. For $t$ in block $k$,
 #
 # $$y_t = \underbrace{S_{k-1}}_{\text{carry into block } k} + \underbrace{\sum_{j \in \text{block } k,\ j \le t} x_j}_{\text{scan inside block } k}, \qquad S_{-1} = 0,$$
@@ -389,8 +392,9 @@ for length in (1, 7, 129, 1000, 4097):
 # (one program per row walks them in chunks, no recursion); pass 3 reads $x$ again, scans each block,
 # adds its carry and writes $y$. $3L$ words, three launches.
 #
-# **Decoupled look-back** (Merrill and Garland, 2016, the algorithm behind CUB's and `torch.cumsum`'s
-# device scans) reads $x$ once: the program holding block $k$ learns its carry *during the same launch*.
+# **Decoupled look-back** (Merrill and Garland, 2016, the algorithm behind the device scans of CUB,
+# NVIDIA's C++ library of GPU primitives such as scans, sorts and reductions, and of `torch.cumsum`)
+# reads $x$ once: the program holding block $k$ learns its carry *during the same launch*.
 #
 # * Every program first takes a ticket, `tile = atomic_add(counter, 1)`: tiles are numbered in the
 #   order programs *start*, so a tile only waits for tiles already running, and no wait lasts forever.
@@ -888,10 +892,13 @@ else:
 #
 # A GPU's memory model is weak: two stores by one program may become visible to another
 # multiprocessor in the opposite order, and an ordinary load in a loop may be served from the
-# multiprocessor's own (non-coherent) L1 cache, or hoisted out of the loop by the compiler, and never
-# see the new value. With the flag and the value in two separate words, a reader could see the flag
+# multiprocessor's own L1 cache (a small cache private to each multiprocessor, which other
+# multiprocessors' writes do not update), or hoisted out of the loop by the compiler, and never see
+# the new value. With the flag and the value in two separate words, a reader could see the flag
 # AGGREGATE together with the *old* value of the other word. The textbook fix is a *release* store of
-# the flag after the value and an *acquire* load of the flag before the value. We sidestep it: the
+# the flag after the value (a store that becomes visible only after every earlier write of its
+# program) and an *acquire* load of the flag before the value (a load after which the reader sees every
+# write that preceded the release it read). We sidestep it: the
 # flag (high 32 bits) and the float32 bits of the value (low 32 bits) share **one int64 word**,
 # written by one 64-bit atomic exchange and read by 64-bit loads. An aligned 64-bit access is
 # indivisible, so a reader sees the old word or the new one, never half of each, and every value a
@@ -1057,7 +1064,12 @@ else:
 # queued work. Two more timers from chapter 00 split it: the GPU time alone (`graph_us`: a CUDA
 # graph replays the launches with no Python in between) and the host time per call (`host_us`: calls
 # queued back to back, timed on the CPU). When the host time exceeds the GPU time, the call is
-# host-bound, and only fewer launches, CUDA graphs or a C++ launcher make it faster.
+# host-bound: in the table below, every size but the largest. The launches are not what costs: the host
+# time per call is several times a bare launch's (chapter 00's table times one). It goes to the Python
+# around the launches: the input checks, the custom op's dispatch and the autograd Function that
+# `cumsum` runs through (chapter 03 teaches them). Fewer Python layers per call, CUDA graphs (they
+# replay the launches with no Python in between) or a C++ launcher make such calls faster; cutting the
+# library's host path is open work.
 
 # %%
 def time_split() -> None:
@@ -1073,3 +1085,13 @@ if ON_GPU:
     time_split()
 else:
     print("skipped: no GPU (CUDA graphs and do_bench need one)")
+
+# %% [markdown]
+# ## References
+#
+# - Blelloch, "Prefix sums and their applications", CMU-CS-90-190, 1990 (scans, the up-sweep/down-sweep tree, and first-order recurrences as scans of pairs).
+# - Hillis and Steele, "Data parallel algorithms", Communications of the ACM 29(12), 1986.
+# - Harris, Sengupta and Owens, "Parallel prefix sum (scan) with CUDA", GPU Gems 3, chapter 39, 2007.
+# - Merrill and Garland, "Single-pass parallel prefix scan with decoupled look-back", NVIDIA technical report NVR-2016-002, 2016.
+# - NVIDIA CUB, the device-wide scan built on that look-back: https://nvidia.github.io/cccl/cub/
+# - Sasha Rush, "Mamba: The Hard Way" (a Triton notebook from cumulative sums to the selective scan; part 1): https://srush.github.io/annotated-mamba/hard.html

@@ -787,3 +787,11 @@ assert torch.equal(fold_inf, loop_inf) and tree_inf.isnan().any() and not loop_i
 differs = ~torch.eq(kernel_inf, loop_inf)
 assert (kernel_inf[differs].isnan() & loop_inf[differs].isinf()).all()
 assert ON_GPU or torch.equal(kernel_inf, loop_inf)
+
+# %% [markdown]
+# ## References
+#
+# - Blelloch, "Prefix sums and their applications", CMU-CS-90-190, 1990 (scans, the up-sweep/down-sweep tree, and first-order recurrences as scans of pairs).
+# - Martin and Cundy, "Parallelizing linear recurrent neural nets over sequence length", ICLR 2018.
+# - Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., SIAM 2002 (rounding-error bounds for sums and products).
+# - Sasha Rush, "Mamba: The Hard Way" (a Triton notebook from cumulative sums to the selective scan; part 2): https://srush.github.io/annotated-mamba/hard.html

@@ -870,3 +870,11 @@ for what, grads in checks.items():
 batched = torch.func.vmap(linear_scan, in_dims=(1, 1))(gates_fn, tokens_fn)
 assert torch.equal(batched, linear_scan(gates_fn.transpose(0, 1), tokens_fn.transpose(0, 1)))
 print("torch.func.vmap over dim 1: equal to the plain call")
+
+# %% [markdown]
+# ## References
+#
+# - Martin and Cundy, "Parallelizing linear recurrent neural nets over sequence length", ICLR 2018.
+# - Griewank and Walther, Evaluating Derivatives, 2nd ed., SIAM 2008 (the adjoint, or reverse, mode).
+# - PyTorch documentation: torch.autograd.Function and Python custom operators (torch.library): https://pytorch.org/docs/stable/notes/extending.html
+# - Sasha Rush, "Mamba: The Hard Way" (a Triton notebook from cumulative sums to the selective scan; part 3): https://srush.github.io/annotated-mamba/hard.html

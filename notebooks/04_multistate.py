@@ -1133,3 +1133,11 @@ except Exception as e:  # a ValueError from tl, or on the GPU a CompilationError
     print(f"L = {2**19 + 1}, N = 2: refused: {error_text(e).splitlines()[-1][:100]}")
 else:
     raise AssertionError("a tile of 2^21 elements was accepted")
+
+# %% [markdown]
+# ## References
+#
+# - Gu, Goel and Ré, "Efficiently modeling long sequences with structured state spaces", ICLR 2022.
+# - Smith, Warrington and Linderman, "Simplified state space layers for sequence modeling", ICLR 2023 (parallel scans for diagonal state spaces).
+# - Gu and Dao, "Mamba: linear-time sequence modeling with selective state spaces", arXiv:2312.00752, 2023. (section 3.3: states kept on chip, only boundaries in memory).
+# - Sasha Rush, "Mamba: The Hard Way" (a Triton notebook from cumulative sums to the selective scan; part 4): https://srush.github.io/annotated-mamba/hard.html

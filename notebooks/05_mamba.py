@@ -1599,3 +1599,11 @@ else:
 # within each thread's positions instead of two more `exp`; the `dB`, `dC` sums over channels done in
 # registers for several channels per program before one atomic add; and more than one state per loop
 # step, so that independent scans overlap.
+
+# %% [markdown]
+# ## References
+#
+# - Gu and Dao, "Mamba: linear-time sequence modeling with selective state spaces", arXiv:2312.00752, 2023.
+# - The mamba_ssm package and its CUDA selective-scan kernel: https://github.com/state-spaces/mamba
+# - Smith, Warrington and Linderman, "Simplified state space layers for sequence modeling", ICLR 2023.
+# - Sasha Rush, "Mamba: The Hard Way" (a Triton notebook from cumulative sums to the selective scan; part 5): https://srush.github.io/annotated-mamba/hard.html

@@ -1317,8 +1317,10 @@ for block in probe:
 
 # %% [markdown]
 # Training: AdamW with a short warm-up and a cosine decay, cross-entropy on the scored positions only,
-# the same seeds (same initial embedding and head, same batches) and the same number of steps for both
-# models. On the GPU the blocks run the Triton kernels (`causal_conv1d`, `selective_scan`); on the CPU,
+# the same seed, the same batches and the same number of steps for both models. The seed gives both the
+# same initial embedding and the same weights in the first block; there the random streams part:
+# `LTIMamba` draws its `B_const` and `C_const` after its block's weights, so the blocks after it and
+# the head start from different draws. On the GPU the blocks run the Triton kernels (`causal_conv1d`, `selective_scan`); on the CPU,
 # where Triton's interpreter is far too slow to train, `scan_lib.Mamba` picks its pure-PyTorch path
 # (`F.conv1d` and a loop over the positions), the same computation.
 
@@ -1533,8 +1535,10 @@ else:
 # `mamba_ssm`'s in every row, by the ratios printed above, and furthest behind in bfloat16. The
 # profile below says why: most of the GPU time is in the selective scan's kernels (chapter 05's, whose
 # bfloat16 path and backward are slower than `mamba_ssm`'s CUDA kernel), and the next largest share is
-# PyTorch's elementwise kernels: copies that make the scan's strided inputs and gradients contiguous
-# and cast them, and the transposes around the projections. The matrix products and the convolution take the rest. Closing the gap means
+# PyTorch's elementwise kernels (the profile's names are cut short, so it does not say which operation
+# each one is; the scan's launcher copies its strided inputs and gradients to contiguous tensors and
+# casts them, and the projections are transposed around, which is where such kernels come from). The
+# matrix products and the convolution take the rest. Closing the gap means
 # faster scan kernels that read strided bfloat16 inputs in place, the subject of the performance chapter.
 
 # %% [markdown]
@@ -1957,3 +1961,10 @@ for width, state_len in ((4, 3), (3, 5)):
 # the count to the second block, which recovers part of the task (the gated LTI rows of the paper's
 # table). Training uses a short warm-up and a cosine decay of the learning rate; both curves sit at
 # chance for a while before the loss drops (the plateau in the figure).
+
+# %% [markdown]
+# ## References
+#
+# - Gu and Dao, "Mamba: linear-time sequence modeling with selective state spaces", arXiv:2312.00752, 2023. (the block, its initialisation, and the selective-copying task).
+# - The mamba_ssm package (the Mamba module, its state_dict and generation loop): https://github.com/state-spaces/mamba
+# - The causal-conv1d package (the short convolution's CUDA kernels): https://github.com/Dao-AILab/causal-conv1d

@@ -1221,8 +1221,10 @@ CUDA_LOAD_QUERIES = r"""
 # get $-\infty$, which the listing forgets. The read `k_tile[col * ROW + c]` is the third weakness: the
 # 32 threads of a warp have consecutive `col` and read 32 floats that are `ROW` floats apart. Shared
 # memory has 32 banks of 4 bytes, and the float at index $x$ sits in bank $x \bmod 32$. With
-# `ROW` $= d$, a multiple of 32, all 32 reads fall in one bank and are served one after another: a
-# 32-way **bank conflict**. With `PAD` $= 1$ they fall in 32 different banks. (`q_tile[row * ROW + c]`
+# `ROW` $= d$, a multiple of 32, the reads of different `col` all fall in one bank and are served one
+# after another: a **bank conflict**, $B_c$-way for $B_c \le 32$ (32-way with $B_c = 32$; 16-way with
+# $B_c = 16$, where a warp covers two rows whose threads read the same 16 addresses, each served once
+# for both). With `PAD` $= 1$ they fall in different banks. (`q_tile[row * ROW + c]`
 # is one address for the whole warp, a broadcast, which costs nothing.)
 
 # %%
@@ -1417,7 +1419,11 @@ else:
 # papers count (its five products against the forward's two); so forward + backward is 3.5 forwards.
 # The peers are `F.scaled_dot_product_attention` pinned to one backend with
 # `torch.nn.attention.sdpa_kernel`: `FLASH_ATTENTION` (the FlashAttention-2 CUDA kernels shipped with
-# PyTorch) and `CUDNN_ATTENTION` (NVIDIA's cuDNN library). A
+# PyTorch) and `CUDNN_ATTENTION` (NVIDIA's cuDNN library). Read the two as different bars:
+# FlashAttention-2 was written for the A100's generation and on Hopper uses neither the warpgroup
+# matrix instructions (`wgmma`) nor the tensor memory accelerator (TMA), while cuDNN's Hopper kernels,
+# like FlashAttention-3, are built on both. Being ahead of the flash backend on an H200 is the lower
+# bar; cuDNN is the one that measures a Hopper kernel. A
 # backend that refuses a shape is reported and skipped. Every provider's output is first compared with
 # ours. Times are `median_us` (do_bench medians); forward + backward times `torch.autograd.grad`.
 
@@ -1574,3 +1580,13 @@ else:
 # program's first key block holds key 0), and padding rows past $L$ see real keys too. A kernel with
 # arbitrary masks (document boundaries, sliding windows) must guard the rescaling, as `softmax_merge`
 # does with its select, and define the output of an empty row (zero, by convention).
+
+# %% [markdown]
+# ## References
+#
+# - Milakov and Gimelshein, "Online normalizer calculation for softmax", arXiv:1805.02867, 2018.
+# - Rabe and Staats, "Self-attention does not need O(n^2) memory", arXiv:2112.05682, 2021.
+# - Dao, Fu, Ermon, Rudra and Ré, "FlashAttention: fast and memory-efficient exact attention with IO-awareness", NeurIPS 2022.
+# - Dao, "FlashAttention-2: faster attention with better parallelism and work partitioning", ICLR 2024.
+# - Shah, Bikshandi, Zhang, Thakkar, Ramani and Dao, "FlashAttention-3: fast and accurate attention with asynchrony and low-precision", NeurIPS 2024.
+# - The Triton tutorials (vector addition, fused softmax, matrix multiplication, fused attention): https://triton-lang.org/main/getting-started/tutorials/

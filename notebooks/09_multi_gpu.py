@@ -667,3 +667,11 @@ else:
 # That is the property that makes a scan, unlike attention, cheap to spread over GPUs: FlashAttention's
 # state for a query block is a whole row of the output, and attention over a sharded sequence has to
 # move every key and value past every query (ring attention).
+
+# %% [markdown]
+# ## References
+#
+# - Blelloch, "Prefix sums and their applications", CMU-CS-90-190, 1990 (scans, the up-sweep/down-sweep tree, and first-order recurrences as scans of pairs). (the blocked scan whose blocks are processes here).
+# - Liu, Zaharia and Abbeel, "Ring attention with blockwise transformers for near-infinite context", arXiv:2310.01889, 2023.
+# - Sun et al., "Linear attention sequence parallelism" (LASP), arXiv:2404.02882, 2024, and its sequel LASP-2, 2025.
+# - PyTorch documentation: torch.distributed (collectives, the gloo and NCCL backends): https://pytorch.org/docs/stable/distributed.html
