@@ -163,3 +163,64 @@ def test_the_total_time_limit_skips_the_remaining_cells(tmp_path):
     assert report["execution"]["timed_out"] and report["execution"]["skipped"] == 2
     assert all(not e["passed"] for e in report["exercises"])  # the checks still ran: nothing is defined
     assert "defines no `first_order_op`" in report["exercises"][0]["reason"]
+
+
+def test_a_cell_that_ignores_the_interrupt_is_killed_with_its_processes(tmp_path):
+    """The hard limit: a cell that ignores SIGINT (nbclient's interrupt) and has started a child process
+    is killed with that child, grace seconds after its time limit, and the notebook is still graded."""
+    import time
+    child_pid = tmp_path / "child.pid"
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [nbformat.v4.new_code_cell(
+        "import signal, subprocess, time\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        f"child = subprocess.Popen(['sleep', '300'])\nopen({str(child_pid)!r}, 'w').write(str(child.pid))\n"
+        "while True:\n    try:\n        time.sleep(0.1)\n    except BaseException:\n        pass")]
+    path = tmp_path / "02_stubborn.ipynb"
+    nbformat.write(notebook, path)
+    start = time.time()
+    report = grade.grade(path, cell_timeout=2, timeout=30, grace=2)
+    assert time.time() - start < 60, "the hard limit did not hold"
+    assert report["execution"]["killed"] and report["score"] == 0
+    assert all("hard time limit" in e["reason"] for e in report["exercises"]), grade.text_report(report)
+    pid = int(child_pid.read_text())
+    deadline = time.time() + 10
+    while _running(pid):              # killed, it may take a moment to be reaped
+        assert time.time() < deadline, f"the cell's child process {pid} outlived the kernel"
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    """Whether process pid exists and is not a zombie (dead, waiting to be reaped)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_default_report_paths_do_not_collide(tmp_path, monkeypatch):
+    """Two students' 02_ema.ipynb in different folders get different default JSON files."""
+    monkeypatch.chdir(tmp_path)
+    alice, bob = Path("alice") / "02_ema.ipynb", Path("bob") / "02_ema.ipynb"
+    assert grade.default_json_path(alice) != grade.default_json_path(bob)
+    assert grade.default_json_path(alice).name == "alice__02_ema.json"
+    assert grade.default_json_path(alice).parent == ROOT / "build" / "grades"
+    assert grade.default_json_path(tmp_path / "carol" / "02_ema.ipynb").name == "carol__02_ema.json"
+
+
+def test_grade_py_runs_from_anywhere_without_pythonpath(tmp_path):
+    """`python tools/grade.py NB` as its docstring shows, from another folder and with no PYTHONPATH: it
+    grades (here a notebook that defines nothing: every exercise fails, with the checks' reason)."""
+    import os
+    import subprocess
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [nbformat.v4.new_code_cell("x = 1")]
+    path = tmp_path / "02_empty.ipynb"
+    nbformat.write(notebook, path)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    run = subprocess.run([sys.executable, str(ROOT / "tools" / "grade.py"), str(path), "--json", str(tmp_path / "r.json")],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "score: 0/3" in run.stdout and "defines no `first_order_op`" in run.stdout, run.stdout

@@ -2,11 +2,15 @@
 
     python tools/grade.py exercises/02_ema.ipynb [--json out.json]     (make grade NB=...)
 
+(from the repository's root or anywhere else: the grader puts the repository on the path itself).
+
 1. The notebook runs top to bottom in a fresh Jupyter kernel (nbclient), from a temporary folder, with
    scan_lib importable and figures written to that folder. Its setup cell picks the GPU or Triton's
    CPU interpreter as in the course. Errors do not stop the run; a cell that runs longer than
    --cell-timeout is interrupted, and once --timeout seconds have passed the remaining cells are
-   skipped. With --needed-only the run stops after the last code cell that holds an exercise or
+   skipped. A hard limit backs both: a cell still running --grace seconds after its time limit (or
+   after the notebook's), because it ignores the interrupt say, gets the kernel killed with its whole
+   process group (the processes it started included), whatever it does with signals. With --needed-only the run stops after the last code cell that holds an exercise or
    defines a name the checks use (`nb.NAME` in checks_NN.py): the checks need the definitions, not
    the chapter's own demonstrations, which on the CPU interpreter take most of the time.
 2. In the same kernel, the checks of tools/grading/checks_NN.py (NN: the chapter, from the notebook's
@@ -14,7 +18,8 @@
    `exercise_K(nb)` per exercise NN.K, which raises (an AssertionError with the reason) when the
    exercise is not solved. Each check has a time limit of its own.
 3. The result, per exercise passed or failed with the reason, is printed and written as JSON
-   (default build/grades/<notebook>.json).
+   (default build/grades/<path>.json, the notebook's path with its folders joined by "__", so that
+   two students' 02_ema.ipynb in different folders get different files).
 
 A notebook that crashes, hangs, kills its kernel or prints garbage is graded (its exercises fail with
 the reason); the grader exits non-zero only when it cannot grade at all (no such notebook or checks).
@@ -32,10 +37,13 @@ import re
 import signal
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # the checks import scan_lib: run from anywhere without PYTHONPATH
+    sys.path.insert(0, str(ROOT))
 CHECKS = ROOT / "tools" / "grading"
 EXERCISE_FUNCTION = re.compile(r"exercise_(\d+)$")
 
@@ -146,8 +154,39 @@ def last_needed_cell(notebook, checks_path: Path) -> int | None:
     return max(cells, default=None)
 
 
+class Watchdog:
+    """Kills a kernel's whole process group (SIGKILL, which no code can catch or ignore) once the
+    deadline set last has passed."""
+
+    def __init__(self, pgid: int):
+        self.pgid, self.deadline, self.fired = pgid, float("inf"), False
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self):
+        while not self._stop.wait(0.1):
+            if time.time() > self.deadline:
+                try:
+                    os.killpg(self.pgid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                self.fired = True
+                return
+
+    def stop(self):
+        self._stop.set()
+        self._thread.join()
+
+
+def _kernel_process_group(client) -> int:
+    """The process group of the client's kernel (jupyter_client starts kernels in a session of their own)."""
+    provisioner = client.km.provisioner
+    return provisioner.pgid if getattr(provisioner, "pgid", None) else os.getpgid(provisioner.pid)
+
+
 def grade(path: Path, chapter: str | None = None, cell_timeout: float = 300, timeout: float = 900,
-          check_timeout: float = 120, needed_only: bool = False) -> dict:
+          check_timeout: float = 120, needed_only: bool = False, grace: float = 10) -> dict:
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import DeadKernelError
@@ -178,7 +217,8 @@ def grade(path: Path, chapter: str | None = None, cell_timeout: float = 300, tim
         failure = None
         with tempfile.TemporaryDirectory(prefix="grade-") as work:
             results, failure = _execute(notebook, Path(work), checks_path, cell_timeout, timeout, check_timeout,
-                                        needed_only, execution, NotebookClient, DeadKernelError)
+                                        needed_only, grace, len(exercises), execution, NotebookClient,
+                                        DeadKernelError)
     by_number = {r["number"]: r for r in results or []}
     for number, title in exercises.items():
         result = by_number.get(number, {"passed": False, "reason": failure or "the checks did not run", "seconds": 0})
@@ -189,8 +229,8 @@ def grade(path: Path, chapter: str | None = None, cell_timeout: float = 300, tim
     return report
 
 
-def _execute(notebook, work: Path, checks_path: Path, cell_timeout, timeout, check_timeout, needed_only,
-             execution: dict, NotebookClient, DeadKernelError):
+def _execute(notebook, work: Path, checks_path: Path, cell_timeout, timeout, check_timeout, needed_only, grace,
+             n_exercises, execution: dict, NotebookClient, DeadKernelError):
     """Run the notebook, then the checks cell, in one kernel; return (check results or None, why not)."""
     import nbformat
     code = [i for i, c in enumerate(notebook.cells) if c.cell_type == "code"]
@@ -211,9 +251,11 @@ def _execute(notebook, work: Path, checks_path: Path, cell_timeout, timeout, che
                             kernel_name="python3", resources={"metadata": {"path": str(work)}})
     start = time.time()
     errors, skipped, failure = [], 0, None
-    execution.update(cells=len(code), ran=0, errors=errors, skipped=0, timed_out=False)
+    execution.update(cells=len(code), ran=0, errors=errors, skipped=0, timed_out=False, killed=False)
+    watchdog = None
     try:
         with client.setup_kernel(env=env):
+            watchdog = Watchdog(_kernel_process_group(client))
             start = time.time()  # the limit is on the notebook's cells, not on starting the kernel
             for position, index in enumerate(code):
                 if time.time() - start > timeout:
@@ -222,6 +264,7 @@ def _execute(notebook, work: Path, checks_path: Path, cell_timeout, timeout, che
                     break
                 cell = notebook.cells[index]
                 cell_start = time.time()
+                watchdog.deadline = min(start + timeout, cell_start + cell_timeout) + grace
                 client.execute_cell(cell, index)
                 execution["ran"] += 1
                 error = next((o for o in cell.get("outputs", []) if o.get("output_type") == "error"), None)
@@ -229,15 +272,24 @@ def _execute(notebook, work: Path, checks_path: Path, cell_timeout, timeout, che
                     errors.append({"cell": index, "error": f"interrupted after {cell_timeout:.0f} s"})
                 elif error is not None:
                     errors.append({"cell": index, "error": _reason_from(error)})
-            client.timeout = check_timeout * 20 + 60
+            client.timeout = check_timeout * n_exercises + 60
+            watchdog.deadline = time.time() + client.timeout + grace
             client.execute_cell(checks_cell, len(notebook.cells) - 1)
             error = next((o for o in checks_cell.get("outputs", []) if o.get("output_type") == "error"), None)
             if error is not None and not out_path.exists():
                 failure = f"the checks could not run: {_reason_from(error)}"
     except DeadKernelError:
-        failure = f"the kernel died (after {execution['ran']} of {len(code)} code cells)"
+        if watchdog is not None and watchdog.fired:
+            execution["killed"] = True
+            failure = (f"the kernel was killed at the hard time limit ({grace:.0f} s past a time limit, after "
+                       f"{execution['ran']} of {len(code)} code cells): a cell did not stop when interrupted")
+        else:
+            failure = f"the kernel died (after {execution['ran']} of {len(code)} code cells)"
     except Exception as error:  # noqa: BLE001 - the grader survives whatever the notebook does
         failure = f"running the notebook failed: {_reason(error)}"
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
     execution["skipped"] = skipped
     execution["seconds"] = round(time.time() - start, 1)
     if skipped:
@@ -278,22 +330,36 @@ def text_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def default_json_path(notebook: Path) -> Path:
+    """build/grades/<the notebook's path, folders joined by "__">.json: relative to the current folder when
+    the notebook is below it, else its absolute path; distinct notebooks get distinct files."""
+    path = Path(os.path.abspath(notebook))
+    try:
+        parts = path.relative_to(Path.cwd()).parts
+    except ValueError:
+        parts = path.parts[1:]
+    return ROOT / "build" / "grades" / ("__".join(parts[:-1] + (path.stem,)) + ".json")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("notebook", type=Path)
-    parser.add_argument("--json", type=Path, help="where to write the JSON report (default build/grades/<name>.json)")
+    parser.add_argument("--json", type=Path,
+                        help="where to write the JSON report (default build/grades/<path>.json, its folders joined by __)")
     parser.add_argument("--chapter", help="the chapter's number, NN (default: from the notebook)")
     parser.add_argument("--cell-timeout", type=float, default=300, help="seconds per cell (default 300)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds for the whole notebook (default 900)")
     parser.add_argument("--check-timeout", type=float, default=120, help="seconds per hidden check (default 120)")
+    parser.add_argument("--grace", type=float, default=10,
+                        help="seconds past a time limit before the kernel is killed with its processes (default 10)")
     parser.add_argument("--needed-only", action="store_true",
                         help="run the code cells only up to the last one that holds an exercise or defines a name the checks use")
     arguments = parser.parse_args()
     if not arguments.notebook.exists():
         sys.exit(f"no such notebook: {arguments.notebook}")
     report = grade(arguments.notebook, arguments.chapter, arguments.cell_timeout, arguments.timeout,
-                   arguments.check_timeout, arguments.needed_only)
-    out = arguments.json or ROOT / "build" / "grades" / f"{arguments.notebook.stem}.json"
+                   arguments.check_timeout, arguments.needed_only, arguments.grace)
+    out = arguments.json or default_json_path(arguments.notebook)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
     print(text_report(report))
