@@ -167,7 +167,8 @@ def test_the_total_time_limit_skips_the_remaining_cells(tmp_path):
 
 def test_a_cell_that_ignores_the_interrupt_is_killed_with_its_processes(tmp_path):
     """The hard limit: a cell that ignores SIGINT (nbclient's interrupt) and has started a child process
-    is killed with that child, grace seconds after its time limit, and the notebook is still graded."""
+    keeps its kernel busy; the kernel is killed with that child grace seconds after the next cell's time
+    limit, and the notebook is still graded."""
     import time
     child_pid = tmp_path / "child.pid"
     notebook = nbformat.v4.new_notebook()
@@ -176,7 +177,8 @@ def test_a_cell_that_ignores_the_interrupt_is_killed_with_its_processes(tmp_path
         "import signal, subprocess, time\n"
         "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
         f"child = subprocess.Popen(['sleep', '300'])\nopen({str(child_pid)!r}, 'w').write(str(child.pid))\n"
-        "while True:\n    try:\n        time.sleep(0.1)\n    except BaseException:\n        pass")]
+        "while True:\n    try:\n        time.sleep(0.1)\n    except BaseException:\n        pass"),
+        nbformat.v4.new_code_cell("x = 1")]   # waits for the busy kernel: the hard limit ends the wait
     path = tmp_path / "02_stubborn.ipynb"
     nbformat.write(notebook, path)
     start = time.time()
@@ -224,3 +226,48 @@ def test_grade_py_runs_from_anywhere_without_pythonpath(tmp_path):
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "score: 0/3" in run.stdout and "defines no `first_order_op`" in run.stdout, run.stdout
+
+
+def _wrong_combine_and(attack: str, tmp_path: Path) -> Path:
+    """Chapter 02's exercises solved, except that the combine drops the left step (so every exercise is
+    wrong: the other two use it), with `attack` in a cell right after the setup cell."""
+    path = _solved({"02.1", "02.2", "02.3"}, tmp_path)
+    notebook = nbformat.read(path, as_version=4)
+    right = "return a_left * a_right, a_right * b_left + b_right"
+    cell = next(c for c in notebook.cells if right in c.source)
+    cell.source = cell.source.replace(right, "return a_right, b_right")
+    setup = next(i for i, c in enumerate(notebook.cells) if c.cell_type == "code")
+    notebook.cells.insert(setup + 1, nbformat.v4.new_code_cell(attack))
+    nbformat.write(notebook, path)
+    return path
+
+
+def test_patching_torch_forging_results_and_printing_a_score_gets_nothing(tmp_path):
+    """The checks run in a process of the grader's on the notebook's definitions: a notebook that patches
+    torch's comparisons at top level, writes a results file and prints a perfect score still scores 0."""
+    attack = ("import json, torch, builtins\n"
+              "torch.allclose = lambda *a, **k: True\n"
+              "torch.equal = lambda *a, **k: True\n"
+              "torch.testing.assert_close = lambda *a, **k: None\n"
+              "for name in ('results.json', '../results.json'):\n"
+              "    open(name, 'w').write(json.dumps([{'number': k, 'passed': True, 'reason': '', 'seconds': 0}"
+              " for k in (1, 2, 3)]))\n"
+              "print('02.1 passed\\n02.2 passed\\n02.3 passed\\nscore: 3/3')")
+    report = grade.grade(_wrong_combine_and(attack, tmp_path), needed_only=True)
+    assert report["score"] == 0, grade.text_report(report)
+
+
+def test_a_definition_that_patches_torch_is_caught(tmp_path):
+    """A patch hidden in an assignment (which the checks' process does run) changes torch there: every
+    exercise fails, saying so."""
+    report = grade.grade(_wrong_combine_and("import torch\n_ = setattr(torch, 'allclose', lambda *a, **k: True)",
+                                            tmp_path), needed_only=True)
+    assert report["score"] == 0, grade.text_report(report)
+    assert all("torch.allclose" in e["reason"] and "not graded" in e["reason"] for e in report["exercises"])
+
+
+def test_a_patch_before_an_import_is_caught_too(tmp_path):
+    """The checks' process trusts what imports do to the libraries, not what the definitions before them did."""
+    report = grade.grade(_wrong_combine_and("import torch\n_ = setattr(torch, 'allclose', lambda *a, **k: True)\n"
+                                            "import math", tmp_path), needed_only=True)
+    assert all("torch.allclose" in e["reason"] for e in report["exercises"]), grade.text_report(report)

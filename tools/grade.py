@@ -13,18 +13,27 @@
    process group (the processes it started included), whatever it does with signals. With --needed-only the run stops after the last code cell that holds an exercise or
    defines a name the checks use (`nb.NAME` in checks_NN.py): the checks need the definitions, not
    the chapter's own demonstrations, which on the CPU interpreter take most of the time.
-2. In the same kernel, the checks of tools/grading/checks_NN.py (NN: the chapter, from the notebook's
-   metadata or its file name) run against the names the notebook defined: one function
+2. The checks of tools/grading/checks_NN.py (NN: the chapter, from the notebook's metadata or its file
+   name) run in a fresh Python process of the grader's, not in the student's kernel: one function
    `exercise_K(nb)` per exercise NN.K, which raises (an AssertionError with the reason) when the
-   exercise is not solved. Each check has a time limit of its own.
+   exercise is not solved. That process rebuilds the notebook's names from the definitions in the
+   code cells that ran (imports, functions, classes, assignments to plain names), one statement at a
+   time, and nothing else: top-level statements that patch torch or scan_lib, write files or print a
+   score never run there. It snapshots the modules the checks rely on (builtins, torch, numpy, math,
+   triton, scan_lib) and fails every exercise if the notebook's definitions change them, and an
+   exercise if its check leaves them changed (then puts them back). The verdict travels back on the
+   process's stdout behind a random token the grader gave it on stdin; nothing the notebook's kernel
+   wrote is read. Each check has a time limit of its own, and the process one in total.
 3. The result, per exercise passed or failed with the reason, is printed and written as JSON
    (default build/grades/<path>.json, the notebook's path with its folders joined by "__", so that
    two students' 02_ema.ipynb in different folders get different files).
 
 A notebook that crashes, hangs, kills its kernel or prints garbage is graded (its exercises fail with
 the reason); the grader exits non-zero only when it cannot grade at all (no such notebook or checks).
-It is not a sandbox: the student's code runs with your permissions, so grade untrusted submissions in
-a container or a throwaway machine.
+It is not a sandbox: the student's code runs with your permissions, and the functions the checks call
+run in the checks' process, where code written to attack the grader (walking the interpreter's frames
+for the token, say) could still reach it. Grade untrusted submissions in a container or a throwaway
+machine.
 """
 from __future__ import annotations
 
@@ -32,6 +41,7 @@ import argparse
 import ast
 import importlib.util
 import json
+import linecache
 import os
 import re
 import signal
@@ -48,7 +58,7 @@ CHECKS = ROOT / "tools" / "grading"
 EXERCISE_FUNCTION = re.compile(r"exercise_(\d+)$")
 
 
-# ---- inside the student's kernel -------------------------------------------------------------
+# ---- in the checks' own process (grade.py --run-checks) ----------------------------------------------
 
 class Namespace:
     """The student's notebook as the checks see it: `nb.first_order_op` is the name the notebook defined."""
@@ -75,19 +85,80 @@ def _reason(error: BaseException) -> str:
     return text if len(text) <= 400 else text[:397] + "..."
 
 
-def run_checks(checks_path: str, names: dict, check_timeout: float, out_path: str) -> None:
-    """Run every exercise_K of checks_path against the notebook's names; write the results to out_path.
-    Runs in the student's kernel (the grader's last cell)."""
+WATCHED = ("builtins", "math", "numpy", "torch", "torch.testing", "torch.nn.functional", "triton",
+           "triton.language", "scan_lib")
+
+
+def _watched_modules() -> dict:
+    """The modules whose attributes the checks rely on: those of WATCHED and every scan_lib module."""
+    import importlib
+    modules = {name: importlib.import_module(name) for name in WATCHED}
+    modules.update({name: m for name, m in sys.modules.items() if name.startswith("scan_lib.") and m is not None})
+    return modules
+
+
+def _snapshot(modules: dict) -> dict:
+    return {(name, attr): value for name, module in modules.items() for attr, value in list(vars(module).items())}
+
+
+def _changed(modules: dict, snapshot: dict) -> list[str]:
+    """The attributes of the watched modules that no longer hold what the snapshot saw."""
+    return sorted(f"{name}.{attr}" for (name, attr), value in snapshot.items()
+                  if vars(modules[name]).get(attr, _MISSING) is not value)
+
+
+def _restore(modules: dict, snapshot: dict) -> None:
+    for (name, attr), value in snapshot.items():
+        if vars(modules[name]).get(attr, _MISSING) is not value:
+            setattr(modules[name], attr, value)
+
+
+_MISSING = object()
+
+
+def run_checks_isolated(statements_path: str, checks_path: str, check_timeout: float) -> None:
+    """The checks' process (`grade.py --run-checks`): rebuild the notebook's names from its definitions,
+    run every exercise_K, print the results behind the token read from stdin."""
+    token = sys.stdin.readline().strip()
+    statements = json.loads(Path(statements_path).read_text())
+    import scan_lib  # noqa: F401 - first, as the notebook's setup cell: it picks the device and the interpreter
+    import torch._dynamo  # noqa: F401 - imported on first use of torch.compile, it wraps torch.manual_seed
+    modules = _watched_modules()
+    snapshot = _snapshot(modules)
+    names: dict = {"__name__": "__notebook__"}
+    changed = []
+    for number, source in enumerate(statements):
+        filename = f"<notebook statement {number}>"   # its source where inspect finds it (Triton reads kernels' source)
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        try:
+            exec(compile(source, filename, "exec"), names)   # noqa: S102 - the student's definitions
+        except BaseException:  # noqa: BLE001 - a failing definition leaves its name undefined, as in the notebook
+            pass
+        if _is_import(source):   # what an installed module does to the others on import is not the student's
+            modules = _watched_modules()
+            snapshot = _snapshot(modules)
+        elif _changed(modules, snapshot):   # a definition patched a library: remember it, put it back
+            changed += _changed(modules, snapshot)
+            _restore(modules, snapshot)
     spec = importlib.util.spec_from_file_location("_hidden_checks", checks_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    notebook = Namespace(names)
     results = []
+    if changed:
+        reason = f"the notebook's definitions change the libraries the checks use ({', '.join(changed[:3])}): not graded"
+        results = [{"number": n, "passed": False, "reason": reason, "seconds": 0} for n, _ in exercises_of(module)]
+    else:
+        results = _run_exercises(module, Namespace(names), check_timeout, modules, snapshot)
+    sys.stdout.write("\n" + token + json.dumps(results) + "\n")
+    sys.stdout.flush()
 
+
+def _run_exercises(module, notebook: Namespace, check_timeout: float, modules: dict, snapshot: dict) -> list:
     def on_alarm(signum, frame):
         raise TimeoutError(f"the check took longer than {check_timeout:.0f} s")
 
     previous = signal.signal(signal.SIGALRM, on_alarm)
+    results = []
     try:
         for number, function in exercises_of(module):
             start = time.time()
@@ -99,11 +170,48 @@ def run_checks(checks_path: str, names: dict, check_timeout: float, out_path: st
                 passed, reason = False, _reason(error)
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
+            changed = _changed(modules, snapshot)
+            if changed:   # the student's code patched a library while the check ran: not graded, put back
+                passed, reason = False, f"the code under test changed {', '.join(changed[:3])}: not graded"
+                _restore(modules, snapshot)
             results.append({"number": number, "passed": passed, "reason": reason,
                             "seconds": round(time.time() - start, 2)})
     finally:
         signal.signal(signal.SIGALRM, previous)
-    Path(out_path).write_text(json.dumps(results))
+    return results
+
+
+def _is_import(source: str) -> bool:
+    return isinstance(ast.parse(source).body[0], (ast.Import, ast.ImportFrom))
+
+
+def definitions(notebook, cells: list[int]) -> list[str]:
+    """The statements of the given code cells that define names, in order: imports, functions and classes
+    (with their decorators), assignments whose targets are plain names. Cells that do not parse (IPython
+    magics, say) give none."""
+    statements = []
+    for index in cells:
+        source = notebook.cells[index].source
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        lines = source.splitlines()
+        for node in tree.body:
+            if _defines(node):
+                first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+                statements.append("\n".join(lines[first - 1:node.end_lineno]))
+    return statements
+
+
+def _defines(node) -> bool:
+    if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return True
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        return all(all(isinstance(n, ast.Name) for n in (t.elts if isinstance(t, ast.Tuple) else [t]))
+                   for t in targets)
+    return False
 
 
 # ---- in the grader ---------------------------------------------------------------------------
@@ -231,19 +339,12 @@ def grade(path: Path, chapter: str | None = None, cell_timeout: float = 300, tim
 
 def _execute(notebook, work: Path, checks_path: Path, cell_timeout, timeout, check_timeout, needed_only, grace,
              n_exercises, execution: dict, NotebookClient, DeadKernelError):
-    """Run the notebook, then the checks cell, in one kernel; return (check results or None, why not)."""
-    import nbformat
+    """Run the notebook in its kernel, then the checks in a process of their own on the definitions of the
+    cells that ran; return (check results or None, why not)."""
     code = [i for i, c in enumerate(notebook.cells) if c.cell_type == "code"]
     last = last_needed_cell(notebook, checks_path) if needed_only else None
     if last is not None:
         code = [i for i in code if i <= last]
-    out_path = work / "results.json"
-    checks_cell = nbformat.v4.new_code_cell(
-        "import importlib.util as _u\n"
-        f"_s = _u.spec_from_file_location('_grader', {str(Path(__file__).resolve())!r})\n"
-        "_g = _u.module_from_spec(_s); _s.loader.exec_module(_g)\n"
-        f"_g.run_checks({str(checks_path)!r}, globals(), {check_timeout!r}, {str(out_path)!r})")
-    notebook.cells.append(checks_cell)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                SCAN_COURSE_FIGURES=str(work / "figures"), MPLBACKEND="Agg")
     client = NotebookClient(notebook, timeout=cell_timeout, allow_errors=True, interrupt_on_timeout=True,
@@ -272,12 +373,6 @@ def _execute(notebook, work: Path, checks_path: Path, cell_timeout, timeout, che
                     errors.append({"cell": index, "error": f"interrupted after {cell_timeout:.0f} s"})
                 elif error is not None:
                     errors.append({"cell": index, "error": _reason_from(error)})
-            client.timeout = check_timeout * n_exercises + 60
-            watchdog.deadline = time.time() + client.timeout + grace
-            client.execute_cell(checks_cell, len(notebook.cells) - 1)
-            error = next((o for o in checks_cell.get("outputs", []) if o.get("output_type") == "error"), None)
-            if error is not None and not out_path.exists():
-                failure = f"the checks could not run: {_reason_from(error)}"
     except DeadKernelError:
         if watchdog is not None and watchdog.fired:
             execution["killed"] = True
@@ -290,16 +385,63 @@ def _execute(notebook, work: Path, checks_path: Path, cell_timeout, timeout, che
     finally:
         if watchdog is not None:
             watchdog.stop()
+            try:   # the kernel is gone; what it started in its session goes too
+                os.killpg(watchdog.pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
     execution["skipped"] = skipped
     execution["seconds"] = round(time.time() - start, 1)
     if skipped:
         failure = failure or f"the notebook ran over the time limit of {timeout:.0f} s"
-    if out_path.exists():
-        try:
-            return json.loads(out_path.read_text()), failure
-        except ValueError:
-            failure = failure or "the checks' results could not be read"
-    return None, failure or "the checks did not run"
+    ran = code[:execution["ran"]]
+    results, why_not = _check_in_own_process(definitions(notebook, ran), checks_path, check_timeout,
+                                             check_timeout * n_exercises + 60 + grace, env)
+    if results is None:
+        return None, failure or why_not
+    if failure:  # the checks ran on what the notebook defined before it stopped: say why where they fail
+        for result in results:
+            if not result["passed"]:
+                result["reason"] = f"{result['reason']} ({failure})"
+    return results, None
+
+
+def _check_in_own_process(statements: list[str], checks_path: Path, check_timeout: float, limit: float,
+                          env: dict):
+    """Run the checks in a fresh process (its own session, killed with its group at `limit` seconds) on
+    the notebook's definitions; return (results or None, why not)."""
+    import secrets
+    import subprocess
+    token = secrets.token_hex(16)
+    with tempfile.TemporaryDirectory(prefix="checks-") as folder:
+        statements_path = Path(folder) / "definitions.json"
+        statements_path.write_text(json.dumps(statements))
+        command = [sys.executable, str(Path(__file__).resolve()), "--run-checks", str(statements_path),
+                   str(checks_path), str(check_timeout)]
+        out_path, err_path = Path(folder) / "stdout", Path(folder) / "stderr"
+        with open(out_path, "w") as out_file, open(err_path, "w") as err_file:   # files: no pipe to hold open
+            process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=out_file, stderr=err_file, text=True,
+                                       cwd=folder, env=dict(env, SCAN_COURSE_FIGURES=folder), start_new_session=True)
+            try:
+                process.stdin.write(token + "\n")
+                process.stdin.close()
+                process.wait(timeout=limit)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            finally:   # whatever the definitions started in the process's session goes with it
+                try:
+                    os.killpg(process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                process.wait()
+        out, err = out_path.read_text(errors="replace"), err_path.read_text(errors="replace")
+    if timed_out:
+        return None, f"the checks ran over their time limit of {limit:.0f} s"
+    lines = [line for line in out.splitlines() if line.startswith(token)]
+    if not lines:
+        tail = " / ".join(line for line in err.strip().splitlines()[-3:])
+        return None, f"the checks could not run: {tail[-300:] or 'no result'}"
+    return json.loads(lines[-1][len(token):]), None
 
 
 def _reason_from(error_output) -> str:
@@ -342,6 +484,9 @@ def default_json_path(notebook: Path) -> Path:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--run-checks"]:   # the checks' own process (see _check_in_own_process)
+        run_checks_isolated(sys.argv[2], sys.argv[3], float(sys.argv[4]))
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("notebook", type=Path)
     parser.add_argument("--json", type=Path,

@@ -1,4 +1,4 @@
-"""Hidden checks of chapter 00's exercises (tools/grade.py runs them in the student's kernel).
+"""Hidden checks of chapter 00's exercises (tools/grade.py runs them in a process of its own).
 
 One function `exercise_K(nb)` per exercise 00.K, its docstring's first line the exercise's title: it
 returns when the exercise is solved and raises (an AssertionError saying why) when it is not. `nb.name`
@@ -25,7 +25,7 @@ def exercise_1(nb):
     """the masked offsets, loads and store of vector_add_kernel"""
     gen = torch.Generator().manual_seed(SEED + 1)
     # First the kernel itself, its output longer than n (an unmasked store writes into the sentinel, not
-    # past an allocation, which on the interpreter can crash the student's kernel)
+    # past an allocation, which on the interpreter can crash the checks' process)
     n, block = 100, 32
     x, y = torch.randn(2, n, generator=gen).to(nb.DEVICE)
     z = torch.full((4 * block,), SENTINEL, device=nb.DEVICE)

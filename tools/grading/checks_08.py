@@ -1,4 +1,4 @@
-"""Hidden checks of chapter 08's exercises (tools/grade.py runs them in the student's kernel).
+"""Hidden checks of chapter 08's exercises (tools/grade.py runs them in a process of its own).
 
 One function `exercise_K(nb)` per exercise 08.K, its docstring's first line the exercise's title: it
 returns when the exercise is solved and raises (an AssertionError saying why) when it is not. `nb.name`
