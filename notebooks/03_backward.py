@@ -838,9 +838,11 @@ print(f"backward with reversed_loads={not default_bwd_config['reversed_loads']}:
 #   `generate_vmap_rule = True`. Its backward is the fused kernel unless autograd records the backward
 #   (`create_graph=True`: `gradgradcheck`, `hessian`, `torch.func.grad`); then `_backward_by_scan` computes
 #   it from `LinearScanFunction` and torch ops, which autograd differentiates again. A once-differentiable
-#   backward would give a zero Hessian, or `None` for a second derivative, without any error.
+#   backward would give a wrong second derivative (a zero Hessian, or `None`) rather than an error,
+#   unless it is written to raise, as `causal_conv1d`'s and `selective_scan`'s backward are.
 # - **Host cost.** That style's `Function.apply` binds its arguments with `inspect.signature` on every call,
-#   tens of microseconds, as much as the kernel launch. So the library calls `scan_lib.runtime.apply`:
+#   host work of the same order as a kernel launch (chapter 00's table times a launch; this chapter
+#   does not time the binding). So the library calls `scan_lib.runtime.apply`:
 #   outside `torch.compile` and `torch.func` it runs the same forward, `setup_context` and backward as an
 #   old-style Function, whose `apply` goes straight to C++.
 # - **Saved tensors.** The Function saves the gates, the initial state and its output $h$, which share the

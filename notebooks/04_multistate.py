@@ -372,6 +372,11 @@ for length in (1, 7, 129, 1000):
 # $$\delta_t[n] = a_{t+1}[n]\, \delta_{t+1}[n] + C_t[n]\, \frac{\partial\mathcal L}{\partial y_t},
 # \qquad \delta_{L}[n] := \frac{\partial\mathcal L}{\partial h_{L-1}[n]},\ a_{L}[n] := 1 .$$
 #
+# The convention lets the last position use the same recurrence: $h_{L-1}$ reaches the loss through
+# $y_{L-1}$ and, directly, as the last state, so the chain rule gives $\delta_{L-1} = \partial\mathcal
+# L/\partial h_{L-1} + C_{L-1}\,\partial\mathcal L/\partial y_{L-1}$, which is the recurrence's step with
+# a gate of 1 and a "next" adjoint equal to the last state's gradient.
+#
 # As in chapter 03, this is the same first-order recurrence **run from right to left**, per state,
 # with the gate **shifted by one**. Every gradient is then a local product:
 #
@@ -979,9 +984,11 @@ for what, (call, error, name) in bad_calls.items():
 # Section 2's formula, checked against what the op really reads and writes: `bytes_moved` runs a
 # function under a `TorchDispatchMode`, which sees every operator call, and adds up the bytes of each
 # call's tensor inputs and outputs (views are free). `multistate_scan` is one operator call, a custom op
-# whose kernel reads its inputs and writes its outputs once, so the count is its HBM traffic: it must
-# equal the formula, with and without the boundary states. A kernel that wrote the states would have to
-# return them and fail this. The PyTorch doubling scan of section 7 is counted too, at the realistic
+# whose kernel reads its inputs and writes its outputs once, so the count is the bytes of the op's
+# inputs and outputs: it must equal the formula, with and without the boundary states. That is all the
+# count can see. Memory a kernel allocates and writes inside the op (a scratch buffer of every state,
+# say) never appears in it, so the check confirms what the op's interface moves, not the kernel's
+# traffic to memory; on a GPU, Nsight Compute's DRAM byte counters measure that. The PyTorch doubling scan of section 7 is counted too, at the realistic
 # size, on `meta` tensors (shapes without data: nothing is computed or allocated); for it the count is
 # a lower bound on the traffic.
 

@@ -334,7 +334,8 @@ assert err_subtract > 1e-2 and err_shifted < 1e-7
 # %% [markdown]
 # ## 5. One sequence in one Triton program
 #
-# Chapter 04's kernel scans an $N \times L$ tile of pairs $(a, b)$ that it loads from memory. Here the
+# Chapter 04's kernel scans a tile of pairs $(a, b)$ that it loads from memory, time along one axis and
+# the $N$ states along the other. Here the
 # pairs are computed on chip from $\Delta$, $A$, $B$ and $u$, by a `@triton.jit` helper exported once and
 # reused by every kernel below. The simplest kernel that is right: one program holds a whole sequence
 # as an $N \times L$ tile (padded to powers of two) and runs `tl.associative_scan` along $L$ with
@@ -465,6 +466,9 @@ for L in [1, 7, 129, 1000]:
 # * **Time is spread over the threads; the $N$ states are a loop.** For one state after another: load
 #   row $n$ of `B` and `C`, discretise, scan along time, and add $C_n h$ into $y$. Each position's
 #   terms stay with the thread that holds it, so $y = \sum_n C_n h_n$ needs no sum across threads.
+#   The alternative, chapter 04's all-states tile with states and time both spread over the threads,
+#   pays for a sum across threads for every $y_t$ and for the scan's shuffles on every element; "Going
+#   deeper: launch parameters and the layout" says more.
 # * **The carry**: the state entering the chunk, one value per channel and state, a `BLOCK_D x N` tile
 #   in registers, folded into the chunk's first step (the identity below).
 # * **What training keeps**: when an input needs a gradient, the forward writes the carry at the start
