@@ -22,7 +22,7 @@ else
 SETUP :=
 endif
 
-.PHONY: install export sync check exercises grade site test test-slow course outputs bench lab clean
+.PHONY: install export sync check exercises grade grade-all site test test-slow course outputs bench lab clean
 
 install: $(VENV)/.installed
 
@@ -51,6 +51,12 @@ exercises: $(SETUP)
 grade: $(SETUP)
 	@test -n "$(NB)" || { echo "usage: make grade NB=path/to/NN_name.ipynb"; exit 2; }
 	$(PY) tools/grade.py "$(NB)" $(GRADE_ARGS)
+
+# Grade a folder of submissions: make grade-all SUBMISSIONS=dir (every .ipynb below it, in parallel); writes
+# build/grades/gradebook.csv and build/grades/feedback/ (python tools/grade.py --help)
+grade-all: $(SETUP)
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade-all SUBMISSIONS=path/to/folder"; exit 2; }
+	$(PY) tools/grade.py --all "$(SUBMISSIONS)" $(GRADE_ARGS)
 
 # The course as a static website: every chapter with its committed outputs, and the exercises
 # (tools/website.py; Sphinx + myst-nb). Open build/site/html/index.html, or serve it:

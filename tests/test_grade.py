@@ -43,6 +43,16 @@ def solved(name: str, ids: set[str], tmp_path: Path) -> Path:
     return path
 
 
+def solved_but(name: str, ids: set[str], tmp_path: Path, right: str, wrong: str) -> Path:
+    """solved(name, ids, tmp_path) with the one line of solution code `right` replaced by `wrong`."""
+    path = solved(name, ids, tmp_path)
+    notebook = nbformat.read(path, as_version=4)
+    cell = next(c for c in notebook.cells if right in c.source)
+    cell.source = cell.source.replace(right, wrong)
+    nbformat.write(notebook, path)
+    return path
+
+
 def untouched_fails_every_exercise(name: str, ids: list[str]) -> None:
     """exercises/<name>.ipynb as it is, graded with --needed-only: every exercise fails, on its own stub."""
     report = grade.grade(ROOT / "exercises" / f"{name}.ipynb", needed_only=True)
@@ -90,15 +100,9 @@ def test_solution_passes_every_exercise(tmp_path):
 
 
 def test_wrong_reverse_positions_fail_with_a_reason(tmp_path):
-    """An off-by-one in 02.3 (length // CHUNK for (length - 1) // CHUNK), right unless the length is a
-    multiple of the chunk: the hidden checks try one; the other exercises still pass."""
-    path = _solved({"02.1", "02.2", "02.3"}, tmp_path)
-    notebook = nbformat.read(path, as_version=4)
-    right = "t = ((length - 1) // CHUNK - k) * CHUNK + idx"
-    cell = next(c for c in notebook.cells if right in c.source)
-    cell.source = cell.source.replace(right, "t = (length // CHUNK - k) * CHUNK + idx")
-    nbformat.write(notebook, path)
-    report = grade.grade(path, needed_only=True)
+    """An off-by-one in 02.3: the hidden checks try a length that is a multiple of the chunk; the other
+    exercises still pass."""
+    report = grade.grade(_wrong_reverse_positions(tmp_path), needed_only=True)
     assert _passed(report) == {"02.1": True, "02.2": True, "02.3": False}
     assert "reverse" in report["exercises"][2]["reason"] and "L = " in report["exercises"][2]["reason"]
 
@@ -231,11 +235,9 @@ def test_grade_py_runs_from_anywhere_without_pythonpath(tmp_path):
 def _wrong_combine_and(attack: str, tmp_path: Path) -> Path:
     """Chapter 02's exercises solved, except that the combine drops the left step (so every exercise is
     wrong: the other two use it), with `attack` in a cell right after the setup cell."""
-    path = _solved({"02.1", "02.2", "02.3"}, tmp_path)
+    path = solved_but("02_ema", {"02.1", "02.2", "02.3"}, tmp_path,
+                      "return a_left * a_right, a_right * b_left + b_right", "return a_right, b_right")
     notebook = nbformat.read(path, as_version=4)
-    right = "return a_left * a_right, a_right * b_left + b_right"
-    cell = next(c for c in notebook.cells if right in c.source)
-    cell.source = cell.source.replace(right, "return a_right, b_right")
     setup = next(i for i, c in enumerate(notebook.cells) if c.cell_type == "code")
     notebook.cells.insert(setup + 1, nbformat.v4.new_code_cell(attack))
     nbformat.write(notebook, path)
@@ -271,3 +273,32 @@ def test_a_patch_before_an_import_is_caught_too(tmp_path):
     report = grade.grade(_wrong_combine_and("import torch\n_ = setattr(torch, 'allclose', lambda *a, **k: True)\n"
                                             "import math", tmp_path), needed_only=True)
     assert all("torch.allclose" in e["reason"] for e in report["exercises"]), grade.text_report(report)
+
+
+def test_grade_all_writes_the_gradebook(tmp_path):
+    """A folder of three students' chapter 02 notebooks: solved, one exercise wrong, every exercise wrong
+    with an attack on the checks; the gradebook has 3, 2 and 0 points, and each student a feedback page."""
+    import csv
+    submissions = tmp_path / "submissions"
+    for student, make in (("ada", lambda d: _solved({"02.1", "02.2", "02.3"}, d)),
+                          ("ben", lambda d: _wrong_reverse_positions(d)),
+                          ("cy", lambda d: _wrong_combine_and("import torch\ntorch.allclose = lambda *a, **k: True", d))):
+        folder = submissions / student
+        folder.mkdir(parents=True)
+        work = tmp_path / f"work_{student}"
+        work.mkdir()
+        made = make(work)
+        (folder / "homework.ipynb").write_bytes(made.read_bytes())
+    reports = grade.grade_all(submissions, jobs=2, needed_only=True)
+    rows = {row["student"]: row for row in csv.DictReader(open(grade.write_gradebook(reports, tmp_path / "grades")))}
+    assert {s: float(r["total"]) for s, r in rows.items()} == {"ada": 3.0, "ben": 2.0, "cy": 0.0}, rows
+    assert rows["ben"]["02.3"] == "0.0" and rows["ben"]["chapter"] == "02" and rows["ada"]["max"] == "3.0"
+    page = (tmp_path / "grades" / "feedback" / "ben__homework.html").read_text()
+    assert "02.3" in page and "failed" in page and "reverse" in page
+
+
+def _wrong_reverse_positions(tmp_path: Path) -> Path:
+    """Chapter 02 solved but for 02.3's off-by-one: length // CHUNK for (length - 1) // CHUNK, right
+    unless the length is a multiple of the chunk."""
+    return solved_but("02_ema", {"02.1", "02.2", "02.3"}, tmp_path, "t = ((length - 1) // CHUNK - k) * CHUNK + idx",
+                      "t = (length // CHUNK - k) * CHUNK + idx")

@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import grade  # noqa: E402
-from test_grade import _passed, chapter_passes_every_exercise, solved, untouched_fails_every_exercise# noqa: E402
+from test_grade import _passed, chapter_passes_every_exercise, solved, solved_but, untouched_fails_every_exercise  # noqa: E402,E501
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTER = ROOT / "notebooks" / "03_backward.ipynb"
@@ -45,12 +45,8 @@ def test_untouched_notebook_fails_every_exercise():
 def test_partly_solved_notebook_gets_partial_credit(tmp_path):
     """03.1 and 03.4 solved, 03.2 untouched, 03.3 written without the carry (each chunk's adjoint scanned
     from zero): each exercise is graded on its own, and 03.3's reason points at the carry."""
-    path = _solved({"03.1", "03.3", "03.4"}, tmp_path)
-    notebook = nbformat.read(path, as_version=4)
-    right = "scan_chunk(a_later, dy, delta_carry, SCAN_REVERSE)"
-    cell = next(c for c in notebook.cells if right in c.source)
-    cell.source = cell.source.replace(right, "scan_chunk(a_later, dy, 0.0, SCAN_REVERSE)")
-    nbformat.write(notebook, path)
+    path = solved_but("03_backward", {"03.1", "03.3", "03.4"}, tmp_path,
+                      "scan_chunk(a_later, dy, delta_carry, SCAN_REVERSE)", "scan_chunk(a_later, dy, 0.0, SCAN_REVERSE)")
     report = grade.grade(path, needed_only=True)
     assert _passed(report) == {"03.1": True, "03.2": False, "03.3": False, "03.4": True}, grade.text_report(report)
     assert "exercise 03.2" in report["exercises"][1]["reason"]

@@ -1,6 +1,7 @@
 """Grade a student's exercise notebook: run it in a fresh kernel, then the hidden checks, per exercise.
 
     python tools/grade.py exercises/02_ema.ipynb [--json out.json]     (make grade NB=...)
+    python tools/grade.py --all SUBMISSIONS/ [--jobs N]                  (make grade-all SUBMISSIONS=...)
 
 (from the repository's root or anywhere else: the grader puts the repository on the path itself).
 
@@ -10,8 +11,9 @@
    --cell-timeout is interrupted, and once --timeout seconds have passed the remaining cells are
    skipped. A hard limit backs both: a cell still running --grace seconds after its time limit (or
    after the notebook's), because it ignores the interrupt say, gets the kernel killed with its whole
-   process group (the processes it started included), whatever it does with signals. With --needed-only the run stops after the last code cell that holds an exercise or
-   defines a name the checks use (`nb.NAME` in checks_NN.py): the checks need the definitions, not
+   process group (the processes it started included), whatever it does with signals. With
+   --needed-only the run stops after the last code cell that holds an exercise or defines a name the
+   checks use (`nb.NAME` in checks_NN.py): the checks need the definitions, not
    the chapter's own demonstrations, which on the CPU interpreter take most of the time.
 2. The checks of tools/grading/checks_NN.py (NN: the chapter, from the notebook's metadata or its file
    name) run in a fresh Python process of the grader's, not in the student's kernel: one function
@@ -27,6 +29,12 @@
 3. The result, per exercise passed or failed with the reason, is printed and written as JSON
    (default build/grades/<path>.json, the notebook's path with its folders joined by "__", so that
    two students' 02_ema.ipynb in different folders get different files).
+4. With --all, every notebook below a folder is graded, --jobs at a time (default: the cores), each
+   its chapter's checks (from its metadata, else its file name, else the exercise ids in its cells);
+   build/grades/gradebook.csv gets one row per notebook (file, student, chapter, points per exercise,
+   total, seconds, a hash of the checks that graded it), and build/grades/feedback/ one JSON and one
+   HTML page per notebook with every exercise's reason. An exercise is worth POINTS[K] (a dict in
+   checks_NN.py) or 1 point.
 
 A notebook that crashes, hangs, kills its kernel or prints garbage is graded (its exercises fail with
 the reason); the grader exits non-zero only when it cannot grade at all (no such notebook or checks).
@@ -472,6 +480,102 @@ def text_report(report: dict) -> str:
     return "\n".join(lines)
 
 
+def notebooks_below(folder: Path) -> list[Path]:
+    return sorted(p for p in Path(folder).rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
+
+
+def chapter_of_cells(path: Path) -> str | None:
+    """The chapter of a notebook whose metadata and name do not say: from its exercise stubs' ids."""
+    import nbformat
+    try:
+        notebook = nbformat.read(path, as_version=4)
+    except Exception:  # noqa: BLE001 - grade() reports it unreadable
+        return None
+    chapter = chapter_of(path, notebook)
+    if chapter is None:
+        found = re.findall(r"exercise (\d\d)\.\d+", "\n".join(c.source for c in notebook.cells if c.cell_type == "code"))
+        chapter = max(set(found), key=found.count) if found else None
+    return chapter
+
+
+def student_of(path: Path, folder: Path) -> str:
+    """The student: the first folder below the submissions folder, or the file's name when it lies there."""
+    relative = Path(path).relative_to(folder)
+    return relative.parts[0] if len(relative.parts) > 1 else relative.stem
+
+
+def points_of(chapter: str) -> dict[int, float]:
+    """Points per exercise K: checks_NN.py's POINTS, 1 where it says nothing."""
+    source = (CHECKS / f"checks_{chapter}.py").read_text()
+    numbers = [int(k) for k in re.findall(r"^def exercise_(\d+)\(", source, re.M)]
+    declared = re.search(r"^POINTS\s*=\s*(\{[^}]*\})", source, re.M)
+    points = ast.literal_eval(declared.group(1)) if declared else {}
+    return {k: float(points.get(k, 1)) for k in sorted(numbers)}
+
+
+def _grade_one(args):
+    path, options = args
+    chapter = chapter_of_cells(path)
+    if chapter is None or not (CHECKS / f"checks_{chapter}.py").exists():
+        return {"notebook": str(path), "chapter": chapter, "exercises": [], "execution": {},
+                "error": "no chapter with hidden checks found for it"}
+    return grade(path, chapter, **options)
+
+
+def grade_all(folder: Path, jobs: int, **options) -> list[dict]:
+    """Grade every notebook below folder, jobs at a time; each report gains student, points and checks."""
+    from concurrent.futures import ProcessPoolExecutor
+    import hashlib
+    folder = Path(folder)
+    paths = notebooks_below(folder)
+    with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
+        reports = list(pool.map(_grade_one, [(p, options) for p in paths]))
+    for path, report in zip(paths, reports):
+        report["file"], report["student"] = str(path.relative_to(folder)), student_of(path, folder)
+        chapter = report.get("chapter")
+        if report["exercises"]:
+            points = points_of(chapter)
+            for exercise in report["exercises"]:
+                worth = points[int(exercise["id"].split(".")[1])]
+                exercise.update(worth=worth, points=worth if exercise["passed"] else 0.0)
+            checks = (CHECKS / f"checks_{chapter}.py").read_bytes()
+            report["checks"] = hashlib.sha256(checks).hexdigest()[:12]
+    return reports
+
+
+def write_gradebook(reports: list[dict], out_dir: Path) -> Path:
+    """out_dir/gradebook.csv (one row per notebook) and out_dir/feedback/<file>.json and .html."""
+    import csv
+    import html
+    out_dir = Path(out_dir)
+    (out_dir / "feedback").mkdir(parents=True, exist_ok=True)
+    ids = sorted({e["id"] for r in reports for e in r["exercises"]})
+    with open(out_dir / "gradebook.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["file", "student", "chapter", *ids, "total", "max", "seconds", "checks", "note"])
+        for r in reports:
+            by_id = {e["id"]: e for e in r["exercises"]}
+            writer.writerow([r["file"], r["student"], r.get("chapter") or "",
+                             *[by_id[i]["points"] if i in by_id else "" for i in ids],
+                             sum(e["points"] for e in r["exercises"]), sum(e["worth"] for e in r["exercises"]),
+                             r.get("execution", {}).get("seconds", ""), r.get("checks", ""), r.get("error", "")])
+    for r in reports:
+        name = "__".join(Path(r["file"]).with_suffix("").parts)
+        (out_dir / "feedback" / f"{name}.json").write_text(json.dumps(r, indent=1) + "\n")
+        rows = "".join(f"<tr><td>{html.escape(e['id'])}</td><td>{html.escape(e['title'])}</td>"
+                       f"<td>{'passed' if e['passed'] else 'failed'}</td><td>{e['points']:g} / {e['worth']:g}</td>"
+                       f"<td>{html.escape(e['reason'])}</td></tr>" for e in r["exercises"])
+        total = sum(e["points"] for e in r["exercises"]), sum(e["worth"] for e in r["exercises"])
+        page = (f"<!doctype html><meta charset=utf-8><title>{html.escape(r['file'])}</title>"
+                f"<h1>{html.escape(r['student'])}: {html.escape(r['file'])}</h1>"
+                f"<p>chapter {html.escape(str(r.get('chapter')))}, {total[0]:g} of {total[1]:g} points"
+                f"{html.escape(' (' + r['error'] + ')') if r.get('error') else ''}</p>"
+                "<table border=1 cellpadding=4><tr><th>exercise</th><th>title</th><th>result</th>"
+                f"<th>points</th><th>reason</th></tr>{rows}</table>\n")
+        (out_dir / "feedback" / f"{name}.html").write_text(page)
+    return out_dir / "gradebook.csv"
+
+
 def default_json_path(notebook: Path) -> Path:
     """build/grades/<the notebook's path, folders joined by "__">.json: relative to the current folder when
     the notebook is below it, else its absolute path; distinct notebooks get distinct files."""
@@ -488,7 +592,9 @@ def main() -> None:
         run_checks_isolated(sys.argv[2], sys.argv[3], float(sys.argv[4]))
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("notebook", type=Path)
+    parser.add_argument("notebook", type=Path, help="the notebook, or with --all the folder of submissions")
+    parser.add_argument("--all", action="store_true", help="grade every notebook below the folder into a gradebook")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="notebooks graded at once with --all")
     parser.add_argument("--json", type=Path,
                         help="where to write the JSON report (default build/grades/<path>.json, its folders joined by __)")
     parser.add_argument("--chapter", help="the chapter's number, NN (default: from the notebook)")
@@ -502,6 +608,16 @@ def main() -> None:
     arguments = parser.parse_args()
     if not arguments.notebook.exists():
         sys.exit(f"no such notebook: {arguments.notebook}")
+    if arguments.all:
+        reports = grade_all(arguments.notebook, arguments.jobs, cell_timeout=arguments.cell_timeout,
+                            timeout=arguments.timeout, check_timeout=arguments.check_timeout,
+                            needed_only=arguments.needed_only, grace=arguments.grace)
+        gradebook = write_gradebook(reports, ROOT / "build" / "grades")
+        for r in reports:
+            total = sum(e["points"] for e in r["exercises"]), sum(e["worth"] for e in r["exercises"])
+            print(f"{r['file']:50s} {r['student']:20s} {total[0]:g}/{total[1]:g}  {r.get('error', '')}")
+        print(f"gradebook: {gradebook}   feedback: {gradebook.parent / 'feedback'}")
+        return
     report = grade(arguments.notebook, arguments.chapter, arguments.cell_timeout, arguments.timeout,
                    arguments.check_timeout, arguments.needed_only, arguments.grace)
     out = arguments.json or default_json_path(arguments.notebook)
