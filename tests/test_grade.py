@@ -302,3 +302,22 @@ def _wrong_reverse_positions(tmp_path: Path) -> Path:
     unless the length is a multiple of the chunk."""
     return solved_but("02_ema", {"02.1", "02.2", "02.3"}, tmp_path, "t = ((length - 1) // CHUNK - k) * CHUNK + idx",
                       "t = (length // CHUNK - k) * CHUNK + idx")
+
+
+def test_the_library_s_own_solution_is_refused(tmp_path):
+    """02.1 answered with scan_lib's own first_order_op (imported, or called from the student's function)
+    fails, saying why; the other exercises, written by the student, pass."""
+    for answer in ("    from scan_lib.ema import first_order_op as library_op\n    return library_op.fn(a_left, b_left, a_right, b_right)",
+                   "    import scan_lib\n    return scan_lib.ema.first_order_op.fn(a_left, b_left, a_right, b_right)"):
+        path = solved_but("02_ema", {"02.1", "02.2", "02.3"}, tmp_path,
+                          "    return a_left * a_right, a_right * b_left + b_right", answer)
+        report = grade.grade(path, needed_only=True)
+        assert _passed(report) == {"02.1": False, "02.2": True, "02.3": True}, grade.text_report(report)
+        assert "library" in report["exercises"][0]["reason"], report["exercises"][0]
+    notebook = nbformat.read(path, as_version=4)
+    cell = next(c for c in notebook.cells if "def first_order_op" in c.source)
+    cell.source = "from scan_lib.ema import first_order_op"
+    nbformat.write(notebook, path)
+    report = grade.grade(path, needed_only=True)
+    assert not report["exercises"][0]["passed"] and "scan_lib's own" in report["exercises"][0]["reason"], \
+        grade.text_report(report)

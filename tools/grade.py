@@ -23,7 +23,9 @@
    time, and nothing else: top-level statements that patch torch or scan_lib, write files or print a
    score never run there. It snapshots the modules the checks rely on (builtins, torch, numpy, math,
    triton, scan_lib) and fails every exercise if the notebook's definitions change them, and an
-   exercise if its check leaves them changed (then puts them back). The verdict travels back on the
+   exercise if its check leaves them changed (then puts them back). An exercise's name bound to
+   scan_lib's own object, or a function that uses a library's function of its own name, fails the
+   checks that use it: the library ships the solutions. The verdict travels back on the
    process's stdout behind a random token the grader gave it on stdin; nothing the notebook's kernel
    wrote is read. Each check has a time limit of its own, and the process one in total.
 3. The result, per exercise passed or failed with the reason, is printed and written as JSON
@@ -71,10 +73,12 @@ EXERCISE_FUNCTION = re.compile(r"exercise_(\d+)$")
 class Namespace:
     """The student's notebook as the checks see it: `nb.first_order_op` is the name the notebook defined."""
 
-    def __init__(self, names: dict):
-        self._names = names
+    def __init__(self, names: dict, borrowed: dict | None = None):
+        self._names, self._borrowed = names, borrowed or {}
 
     def __getattr__(self, name):
+        if name in self._borrowed:
+            raise AssertionError(self._borrowed[name])
         if name not in self._names:
             raise AssertionError(f"the notebook defines no `{name}` (did a cell fail before it?)")
         return self._names[name]
@@ -128,7 +132,8 @@ def run_checks_isolated(statements_path: str, checks_path: str, check_timeout: f
     """The checks' process (`grade.py --run-checks`): rebuild the notebook's names from its definitions,
     run every exercise_K, print the results behind the token read from stdin."""
     token = sys.stdin.readline().strip()
-    statements = json.loads(Path(statements_path).read_text())
+    package = json.loads(Path(statements_path).read_text())
+    statements, exercise_names, borrowed = package["statements"], package["exercise_names"], package["borrowed"]
     import scan_lib  # noqa: F401 - first, as the notebook's setup cell: it picks the device and the interpreter
     import torch._dynamo  # noqa: F401 - imported on first use of torch.compile, it wraps torch.manual_seed
     modules = _watched_modules()
@@ -156,7 +161,8 @@ def run_checks_isolated(statements_path: str, checks_path: str, check_timeout: f
         reason = f"the notebook's definitions change the libraries the checks use ({', '.join(changed[:3])}): not graded"
         results = [{"number": n, "passed": False, "reason": reason, "seconds": 0} for n, _ in exercises_of(module)]
     else:
-        results = _run_exercises(module, Namespace(names), check_timeout, modules, snapshot)
+        borrowed.update(_library_objects(names, exercise_names))
+        results = _run_exercises(module, Namespace(names, borrowed), check_timeout, modules, snapshot)
     sys.stdout.write("\n" + token + json.dumps(results) + "\n")
     sys.stdout.flush()
 
@@ -187,6 +193,40 @@ def _run_exercises(module, notebook: Namespace, check_timeout: float, modules: d
     finally:
         signal.signal(signal.SIGALRM, previous)
     return results
+
+
+def _library_objects(names: dict, exercise_names: list[str]) -> dict:
+    """The exercises' names that hold scan_lib's own object (imported, or assigned from it), with why
+    that fails: the library ships the solutions."""
+    found = {}
+    for name in exercise_names:
+        value = names.get(name, _MISSING)
+        for module_name, module in list(sys.modules.items()):
+            if module_name.startswith("scan_lib") and module is not None and vars(module).get(name, _MISSING) is value:
+                found[name] = (f"`{name}` is scan_lib's own {module_name}.{name}: the exercise asks for your code, "
+                               "not the library's (practise with the library closed)")
+                break
+    return found
+
+
+def borrowed_calls(notebook) -> dict:
+    """Exercise cells' functions whose body calls a function of the same name from a module (scan_lib's
+    `ema.first_order_op`, `torch.cumsum` for `cumsum`): name -> why that fails."""
+    found = {}
+    for index in _exercise_cells(notebook):
+        try:
+            tree = ast.parse(notebook.cells[index].source)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                calls = [ast.unparse(n) for n in ast.walk(node) if isinstance(n, ast.Attribute) and n.attr == node.name]
+                calls += [f"{n.module}.{node.name}" for n in ast.walk(node) if isinstance(n, ast.ImportFrom)
+                          and any(alias.name == node.name for alias in n.names)]
+                if calls:
+                    found[node.name] = (f"`{node.name}` uses {calls[0]}, a library's own `{node.name}`: the "
+                                        "exercise asks you to write it")
+    return found
 
 
 def _is_import(source: str) -> bool:
@@ -402,7 +442,10 @@ def _execute(notebook, work: Path, checks_path: Path, cell_timeout, timeout, che
     if skipped:
         failure = failure or f"the notebook ran over the time limit of {timeout:.0f} s"
     ran = code[:execution["ran"]]
-    results, why_not = _check_in_own_process(definitions(notebook, ran), checks_path, check_timeout,
+    exercise_names = sorted(set().union(*(_defined_names(notebook.cells[i].source) for i in _exercise_cells(notebook))))
+    package = {"statements": definitions(notebook, ran), "exercise_names": exercise_names,
+               "borrowed": borrowed_calls(notebook)}
+    results, why_not = _check_in_own_process(package, checks_path, check_timeout,
                                              check_timeout * n_exercises + 60 + grace, env)
     if results is None:
         return None, failure or why_not
@@ -413,16 +456,16 @@ def _execute(notebook, work: Path, checks_path: Path, cell_timeout, timeout, che
     return results, None
 
 
-def _check_in_own_process(statements: list[str], checks_path: Path, check_timeout: float, limit: float,
-                          env: dict):
+def _check_in_own_process(package: dict, checks_path: Path, check_timeout: float, limit: float, env: dict):
     """Run the checks in a fresh process (its own session, killed with its group at `limit` seconds) on
-    the notebook's definitions; return (results or None, why not)."""
+    the notebook's definitions (package: statements, exercise_names, borrowed); return (results or None,
+    why not)."""
     import secrets
     import subprocess
     token = secrets.token_hex(16)
     with tempfile.TemporaryDirectory(prefix="checks-") as folder:
         statements_path = Path(folder) / "definitions.json"
-        statements_path.write_text(json.dumps(statements))
+        statements_path.write_text(json.dumps(package))
         command = [sys.executable, str(Path(__file__).resolve()), "--run-checks", str(statements_path),
                    str(checks_path), str(check_timeout)]
         out_path, err_path = Path(folder) / "stdout", Path(folder) / "stderr"
