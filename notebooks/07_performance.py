@@ -647,7 +647,8 @@ def segment_carries(summary, dsum, A, boundary, reverse):
 # The launchers are chapter 05's with two differences: they pass strides instead of copying, and the
 # forward returns no $\bar y$. The launch parameters come from a sweep on an H200 (the last section
 # prints one, section 8 a long sequence): two channels per program and 1 warp, 512 positions per
-# chunk for the forward and 256 for the backward; in training the forward runs with the backward's chunk, since
+# chunk for the forward and 256 for the backward; in training the forward runs with the backward's
+# chunk, since
 # it keeps one state per chunk for it. Under the interpreter the chunks are small, so that the tests'
 # short sequences still cross several chunks and blocks. The autograd plumbing (a `torch.library`
 # custom op with fake and vmap rules, an autograd Function, a second derivative that raises) is
@@ -1279,9 +1280,9 @@ else:
 
 # %% [markdown]
 # (On a GPU.) The three-dimensional tile is *slower* than the loop over states, by the factor on the
-# last line (the cell asserts at least 1.3): the prediction failed. A scan along the last axis of a three-dimensional tile
-# spreads each row's positions over fewer threads per warp, and extracting the carry becomes a
-# reduction over the chunk for every state: the loop had neither problem to begin with. Its cost was
+# last line (the cell asserts at least 1.3): the prediction failed. A scan along the last axis of a
+# three-dimensional tile spreads each row's positions over fewer threads per warp, and extracting the
+# carry becomes a reduction over the chunk for every state: the loop had neither problem to begin with. Its cost was
 # not the loop. The best rows say whether more than one channel per program (`block_d` 2, which shares
 # each load of $B$ and $C$ between two channels) paid; `GPU_CONFIG` holds the values this sweep chose
 # when the chapter was last run on the H200 (the cell checks that they are within 1.3x of the best).
@@ -1340,9 +1341,9 @@ else:
 # CUDA extension had not finished building when the chapter ran), so the lines and the plot show the
 # two chapters only and the ratio cell is skipped. `benchmarks/results/` keeps the side-by-side
 # measurements against `mamba_ssm` on the same GPU made while these kernels were built (the same
-# kernels, one channel per program). The instruction cuts of section 4's last part moved training closer to `mamba_ssm`; where a
-# ratio is below 1, the backward is what is left to make faster. `make bench` has
-# the forward rows and fp32 as well.
+# kernels, one channel per program): by them, the instruction cuts of section 4's last part moved
+# training closer to `mamba_ssm`. Where a ratio is below 1, the backward is what is left to make
+# faster. `make bench` has the forward rows and fp32 as well.
 
 # %%
 if ON_GPU and any(name == "mamba_ssm" for _, _, name in times):

@@ -150,13 +150,12 @@ def run_checks_isolated(statements_path: str, checks_path: str, check_timeout: f
         if _is_import(source):   # what an installed module does to the others on import is not the student's
             modules = _watched_modules()
             snapshot = _snapshot(modules)
-        elif _changed(modules, snapshot):   # a definition patched a library: remember it, put it back
-            changed += _changed(modules, snapshot)
+        elif patched := _changed(modules, snapshot):   # a definition patched a library: remember it, put it back
+            changed += patched
             _restore(modules, snapshot)
     spec = importlib.util.spec_from_file_location("_hidden_checks", checks_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    results = []
     if changed:
         reason = f"the notebook's definitions change the libraries the checks use ({', '.join(changed[:3])}): not graded"
         results = [{"number": n, "passed": False, "reason": reason, "seconds": 0} for n, _ in exercises_of(module)]
@@ -196,11 +195,15 @@ def _run_exercises(module, notebook: Namespace, check_timeout: float, modules: d
 
 
 def _library_objects(names: dict, exercise_names: list[str]) -> dict:
-    """The exercises' names that hold scan_lib's own object (imported, or assigned from it), with why
-    that fails: the library ships the solutions."""
+    """The exercises' names that hold scan_lib's own function, class or kernel (imported, or assigned from
+    it), with why that fails: the library ships the solutions. Modules and values (`torch`, `DEVICE`)
+    an exercise cell imports are not answers."""
+    import types
     found = {}
     for name in exercise_names:
         value = names.get(name, _MISSING)
+        if isinstance(value, types.ModuleType) or not callable(value):
+            continue
         for module_name, module in list(sys.modules.items()):
             if module_name.startswith("scan_lib") and module is not None and vars(module).get(name, _MISSING) is value:
                 found[name] = (f"`{name}` is scan_lib's own {module_name}.{name}: the exercise asks for your code, "
@@ -210,8 +213,8 @@ def _library_objects(names: dict, exercise_names: list[str]) -> dict:
 
 
 def borrowed_calls(notebook) -> dict:
-    """Exercise cells' functions whose body calls a function of the same name from a module (scan_lib's
-    `ema.first_order_op`, `torch.cumsum` for `cumsum`): name -> why that fails."""
+    """Exercise cells' functions whose body uses a function of the same name from a module (scan_lib's
+    `ema.first_order_op`, `torch.cumsum` for `cumsum`), by attribute or by import: name -> why that fails."""
     found = {}
     for index in _exercise_cells(notebook):
         try:
@@ -285,20 +288,21 @@ def _exercise_cells(notebook) -> list[int]:
 
 
 def _defined_names(source: str) -> set[str]:
-    """Top-level names a cell defines (functions, classes, assignments, imports); none if it does not parse."""
+    """Top-level names a cell defines: those of its statements the checks' process runs (_defines);
+    none if it does not parse."""
     try:
         tree = ast.parse(source)
     except SyntaxError:
         return set()
     names = set()
-    for node in tree.body:
+    for node in filter(_defines, tree.body):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
-        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
-                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
             names |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        else:
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                names |= {n.id for n in ast.walk(target) if isinstance(n, ast.Name)}
     return names
 
 
