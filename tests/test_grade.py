@@ -1,10 +1,15 @@
-"""The grader (tools/grade.py) on chapter 02's exercise notebook: untouched, partly solved, solved, and broken.
+"""The grader (tools/grade.py) on chapter 02's exercise notebook: untouched, partly solved, solved, and broken;
+and on every chapter's notebook solved but for its first exercise.
 
-Cost on 2 shared CPU cores: about 60 s for the file. Each case starts a kernel and runs the notebook
+Cost on 2 shared CPU cores, with -n 2: about 3 minutes for the file (measured 183 s, of which the
+one-wrong-exercise tests add about 60 s). Each chapter 02 case starts a kernel and runs the notebook
 on Triton's interpreter, 5-12 s each: the untouched and partly solved notebooks run in full (their
 later cells fail fast); the solved ones run with --needed-only, up to linear_scan_rows (the full
 solved chapter takes 65-85 s here, so it is graded by hand: `make grade NB=notebooks/02_ema.ipynb`).
+The one-wrong-exercise test of each chapter runs the checks' process alone, 8-16 s; the same notebooks
+graded in full, a kernel each, are slow (`make test-slow`).
 """
+import os
 import sys
 from pathlib import Path
 
@@ -17,6 +22,11 @@ import grade  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXERCISE = ROOT / "exercises" / "02_ema.ipynb"
+# Chapter 02's exercises written wrong: (a line of the solution, the wrong one)
+WRONG_COMBINE = ("return a_left * a_right, a_right * b_left + b_right",   # 02.1: the right step first
+                 "return a_left * a_right, a_left * b_right + b_left")
+FORGOTTEN_CARRY = ("b = tl.where(idx == entry, a * carry + b, b)", "b = b")   # 02.2
+OFF_BY_ONE = ("t = ((length - 1) // CHUNK - k) * CHUNK + idx", "t = (length // CHUNK - k) * CHUNK + idx")   # 02.3
 
 
 def solved(name: str, ids: set[str], tmp_path: Path) -> Path:
@@ -45,7 +55,11 @@ def solved(name: str, ids: set[str], tmp_path: Path) -> Path:
 
 def solved_but(name: str, ids: set[str], tmp_path: Path, right: str, wrong: str) -> Path:
     """solved(name, ids, tmp_path) with the one line of solution code `right` replaced by `wrong`."""
-    path = solved(name, ids, tmp_path)
+    return replaced(solved(name, ids, tmp_path), right, wrong)
+
+
+def replaced(path: Path, right: str, wrong: str) -> Path:
+    """The notebook at path, rewritten with `right` replaced by `wrong` in the first cell that holds it."""
     notebook = nbformat.read(path, as_version=4)
     cell = next(c for c in notebook.cells if right in c.source)
     cell.source = cell.source.replace(right, wrong)
@@ -105,6 +119,71 @@ def test_wrong_reverse_positions_fail_with_a_reason(tmp_path):
     report = grade.grade(_wrong_reverse_positions(tmp_path), needed_only=True)
     assert _passed(report) == {"02.1": True, "02.2": True, "02.3": False}
     assert "reverse" in report["exercises"][2]["reason"] and "L = " in report["exercises"][2]["reason"]
+
+
+def test_a_forgotten_carry_fails_its_exercise_alone_saying_so(tmp_path):
+    """02.2 without the carry (each chunk scanned from zero): 02.3, whose check runs the chapter's
+    scan_chunk, still passes, and 02.2's reason is its check's hint for a forgotten carry."""
+    report = grade.grade(solved_but("02_ema", {"02.1", "02.2", "02.3"}, tmp_path, *FORGOTTEN_CARRY), needed_only=True)
+    assert _passed(report) == {"02.1": True, "02.2": False, "02.3": True}, grade.text_report(report)
+    assert "is the state carried between chunks?" in report["exercises"][1]["reason"], report["exercises"][1]
+
+
+# Every chapter's first exercise written wrong: (a line of its solution, the wrong one, what its check says)
+FIRST_EXERCISE_WRONG = {
+    "00_triton": ("offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)", "offsets = tl.arange(0, BLOCK)",
+                  "does each program take its own block?"),
+    "01_cumsum": ("tl.associative_scan(x.to(tl.float32), 0, add_combine)", "tl.associative_scan(x, 0, add_combine)",
+                  "is the scan accumulated in float32?"),
+    "02_ema": (*WRONG_COMBINE, "the left step comes first"),
+    "03_backward": ("dy, reverse=not reverse)  # the adjoint", "dy, reverse=reverse)", "grads_by_formula"),
+    "04_multistate": ("y = tl.sum(c * h, axis=1)", "y = tl.sum(h, axis=1)", "multistate_single_block"),
+    "05_mamba": ("D=(dybar * u).sum((0, 2)),", "D=dybar.sum((0, 2)),", "d D,"),
+    "06_mamba_block": ("W_ROW + k * stride_wk", "W_ROW + (WIDTH - 1 - k) * stride_wk", "out (width"),
+    "07_performance": ("4 * big + 2 * small", "3 * big + 2 * small", "are the bytes counted as the docstring says"),
+    "08_flash_attention": ("scale_x = torch.where(m_x == m, 1.0, torch.exp(m_x - m))", "scale_x = torch.exp(m_x - m)",
+                           "must count as 1, not NaN"),
+}
+
+
+def test_every_chapter_s_first_exercise_is_tried_wrong():
+    assert sorted(FIRST_EXERCISE_WRONG) == sorted(p.stem for p in (ROOT / "exercises").glob("*.ipynb")), \
+        "a chapter with exercises joins FIRST_EXERCISE_WRONG with its first exercise written wrong"
+
+
+def _first_exercise_wrong(name: str, tmp_path: Path) -> Path:
+    ids = nbformat.read(ROOT / "exercises" / f"{name}.ipynb", as_version=4).metadata["scan_course"]["exercises"]["ids"]
+    return solved_but(name, set(ids), tmp_path, *FIRST_EXERCISE_WRONG[name][:2])
+
+
+def _only_the_first_fails(name: str, exercises: list[dict]) -> None:
+    assert [e["passed"] for e in exercises] == [False] + [True] * (len(exercises) - 1), exercises
+    assert FIRST_EXERCISE_WRONG[name][2] in exercises[0]["reason"], exercises[0]
+
+
+@pytest.mark.parametrize("name", sorted(FIRST_EXERCISE_WRONG))
+def test_one_wrong_exercise_costs_only_its_own_point(name, tmp_path):
+    """Each chapter solved but for its first exercise: the hidden checks, run on the notebook's definitions
+    as grade.grade runs them once the kernel is done (here without the kernel: every code cell up to the
+    last that the checks need, the cells --needed-only runs), fail that exercise alone, with its own
+    check's reason for the bug: the other checks run with the chapter's solution of it."""
+    notebook = nbformat.read(_first_exercise_wrong(name, tmp_path), as_version=4)
+    checks = grade.CHECKS / f"checks_{name[:2]}.py"
+    last = grade.last_needed_cell(notebook, checks)
+    cells = [i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and i <= last]
+    package = grade.checks_package(notebook, cells, name[:2])
+    results, why_not = grade._check_in_own_process(package, checks, 120, 600, dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert results is not None, why_not
+    _only_the_first_fails(name, results)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(FIRST_EXERCISE_WRONG))
+def test_one_wrong_exercise_costs_only_its_own_point_when_graded(name, tmp_path):
+    """The same notebooks graded in full (a kernel runs each with --needed-only): 15-45 s a chapter."""
+    report = grade.grade(_first_exercise_wrong(name, tmp_path), needed_only=True)
+    _only_the_first_fails(name, report["exercises"])
+    assert report["score"] == report["total"] - 1, grade.text_report(report)
 
 
 def test_a_hanging_garbage_printing_crashing_notebook_is_graded(tmp_path):
@@ -218,7 +297,6 @@ def test_default_report_paths_do_not_collide(tmp_path, monkeypatch):
 def test_grade_py_runs_from_anywhere_without_pythonpath(tmp_path):
     """`python tools/grade.py NB` as its docstring shows, from another folder and with no PYTHONPATH: it
     grades (here a notebook that defines nothing: every exercise fails, with the checks' reason)."""
-    import os
     import subprocess
     notebook = nbformat.v4.new_notebook()
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -232,11 +310,12 @@ def test_grade_py_runs_from_anywhere_without_pythonpath(tmp_path):
     assert "score: 0/3" in run.stdout and "defines no `first_order_op`" in run.stdout, run.stdout
 
 
-def _wrong_combine_and(attack: str, tmp_path: Path) -> Path:
-    """Chapter 02's exercises solved, except that the combine drops the left step (so every exercise is
-    wrong: the other two use it), with `attack` in a cell right after the setup cell."""
-    path = solved_but("02_ema", {"02.1", "02.2", "02.3"}, tmp_path,
-                      "return a_left * a_right, a_right * b_left + b_right", "return a_right, b_right")
+def _every_exercise_wrong_and(attack: str, tmp_path: Path) -> Path:
+    """Chapter 02's exercises each written wrong (the combine in the wrong order, the carry forgotten,
+    the reverse positions off by one), with `attack` in a cell right after the setup cell."""
+    path = _wrong_reverse_positions(tmp_path)
+    for right, wrong in (WRONG_COMBINE, FORGOTTEN_CARRY):
+        replaced(path, right, wrong)
     notebook = nbformat.read(path, as_version=4)
     setup = next(i for i, c in enumerate(notebook.cells) if c.cell_type == "code")
     notebook.cells.insert(setup + 1, nbformat.v4.new_code_cell(attack))
@@ -255,23 +334,23 @@ def test_patching_torch_forging_results_and_printing_a_score_gets_nothing(tmp_pa
               "    open(name, 'w').write(json.dumps([{'number': k, 'passed': True, 'reason': '', 'seconds': 0}"
               " for k in (1, 2, 3)]))\n"
               "print('02.1 passed\\n02.2 passed\\n02.3 passed\\nscore: 3/3')")
-    report = grade.grade(_wrong_combine_and(attack, tmp_path), needed_only=True)
+    report = grade.grade(_every_exercise_wrong_and(attack, tmp_path), needed_only=True)
     assert report["score"] == 0, grade.text_report(report)
 
 
 def test_a_definition_that_patches_torch_is_caught(tmp_path):
     """A patch hidden in an assignment (which the checks' process does run) changes torch there: every
     exercise fails, saying so."""
-    report = grade.grade(_wrong_combine_and("import torch\n_ = setattr(torch, 'allclose', lambda *a, **k: True)",
-                                            tmp_path), needed_only=True)
+    patch = "import torch\n_ = setattr(torch, 'allclose', lambda *a, **k: True)"
+    report = grade.grade(_every_exercise_wrong_and(patch, tmp_path), needed_only=True)
     assert report["score"] == 0, grade.text_report(report)
     assert all("torch.allclose" in e["reason"] and "not graded" in e["reason"] for e in report["exercises"])
 
 
 def test_a_patch_before_an_import_is_caught_too(tmp_path):
     """The checks' process trusts what imports do to the libraries, not what the definitions before them did."""
-    report = grade.grade(_wrong_combine_and("import torch\n_ = setattr(torch, 'allclose', lambda *a, **k: True)\n"
-                                            "import math", tmp_path), needed_only=True)
+    patch = "import torch\n_ = setattr(torch, 'allclose', lambda *a, **k: True)\nimport math"
+    report = grade.grade(_every_exercise_wrong_and(patch, tmp_path), needed_only=True)
     assert all("torch.allclose" in e["reason"] for e in report["exercises"]), grade.text_report(report)
 
 
@@ -280,9 +359,10 @@ def test_grade_all_writes_the_gradebook(tmp_path):
     with an attack on the checks; the gradebook has 3, 2 and 0 points, and each student a feedback page."""
     import csv
     submissions = tmp_path / "submissions"
+    attack = "import torch\ntorch.allclose = lambda *a, **k: True"
     for student, make in (("ada", lambda d: _solved({"02.1", "02.2", "02.3"}, d)),
                           ("ben", lambda d: _wrong_reverse_positions(d)),
-                          ("cy", lambda d: _wrong_combine_and("import torch\ntorch.allclose = lambda *a, **k: True", d))):
+                          ("cy", lambda d: _every_exercise_wrong_and(attack, d))):
         folder = submissions / student
         folder.mkdir(parents=True)
         work = tmp_path / f"work_{student}"
@@ -300,8 +380,7 @@ def test_grade_all_writes_the_gradebook(tmp_path):
 def _wrong_reverse_positions(tmp_path: Path) -> Path:
     """Chapter 02 solved but for 02.3's off-by-one: length // CHUNK for (length - 1) // CHUNK, right
     unless the length is a multiple of the chunk."""
-    return solved_but("02_ema", {"02.1", "02.2", "02.3"}, tmp_path, "t = ((length - 1) // CHUNK - k) * CHUNK + idx",
-                      "t = (length // CHUNK - k) * CHUNK + idx")
+    return solved_but("02_ema", {"02.1", "02.2", "02.3"}, tmp_path, *OFF_BY_ONE)
 
 
 def test_the_library_s_own_solution_is_refused(tmp_path):

@@ -21,13 +21,17 @@
    exercise is not solved. That process rebuilds the notebook's names from the definitions in the
    code cells that ran (imports, functions, classes, assignments to plain names), one statement at a
    time, and nothing else: top-level statements that patch torch or scan_lib, write files or print a
-   score never run there. It snapshots the modules the checks rely on (builtins, torch, numpy, math,
-   triton, scan_lib) and fails every exercise if the notebook's definitions change them, and an
-   exercise if its check leaves them changed (then puts them back). An exercise's name bound to
-   scan_lib's own object, or a function that uses a library's function of its own name, fails the
-   checks that use it: the library ships the solutions. The verdict travels back on the
-   process's stdout behind a random token the grader gave it on stdin; nothing the notebook's kernel
-   wrote is read. Each check has a time limit of its own, and the process one in total.
+   score never run there. It rebuilds them for each exercise, with the chapter's solutions of the
+   other exercises (the definitions that hold them in notebooks/NN_*.ipynb, each run right after the
+   notebook's definition of its name) in place of the notebook's: each exercise is graded on its own,
+   so one mistake costs one exercise and fails with that exercise's reason. It snapshots the modules
+   the checks rely on (builtins, torch, numpy, math, triton, scan_lib) and fails every exercise if the
+   notebook's definitions change them, and an exercise if its check leaves them changed (then puts
+   them back). An exercise's name bound to scan_lib's own object, or a function that uses a library's
+   function of its own name, fails the checks that use it: the library ships the solutions. The
+   verdict travels back on the process's stdout behind a random token the grader gave it on stdin;
+   nothing the notebook's kernel wrote is read. Each check has a time limit of its own, and the
+   process one in total.
 3. The result, per exercise passed or failed with the reason, is printed and written as JSON
    (default build/grades/<path>.json, the notebook's path with its folders joined by "__", so that
    two students' 02_ema.ipynb in different folders get different files).
@@ -129,19 +133,67 @@ _MISSING = object()
 
 
 def run_checks_isolated(statements_path: str, checks_path: str, check_timeout: float) -> None:
-    """The checks' process (`grade.py --run-checks`): rebuild the notebook's names from its definitions,
-    run every exercise_K, print the results behind the token read from stdin."""
+    """The checks' process (`grade.py --run-checks`): for every exercise_K, rebuild the notebook's names
+    from its definitions, the other exercises' pieces from the chapter's solutions, and run it; print the
+    results behind the token read from stdin."""
     token = sys.stdin.readline().strip()
     package = json.loads(Path(statements_path).read_text())
-    statements, exercise_names, borrowed = package["statements"], package["exercise_names"], package["borrowed"]
     import scan_lib  # noqa: F401 - first, as the notebook's setup cell: it picks the device and the interpreter
     import torch._dynamo  # noqa: F401 - imported on first use of torch.compile, it wraps torch.manual_seed
+    spec = importlib.util.spec_from_file_location("_hidden_checks", checks_path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    results = [_grade_exercise(number, function, package, check_timeout)
+               for number, function in exercises_of(module)]
+    sys.stdout.write("\n" + token + json.dumps(results) + "\n")
+    sys.stdout.flush()
+
+
+def _grade_exercise(number: int, function, package: dict, check_timeout: float) -> dict:
+    """exercise_K's result on the notebook's definitions with the chapter's solutions of the other exercises."""
+    solutions = _other_solutions(number, package["solutions"])
+    names, changed = _rebuild(_with_solutions(package["statements"], solutions))
+    if changed:
+        reason = f"the notebook's definitions change the libraries the checks use ({', '.join(changed[:3])}): not graded"
+        return {"number": number, "passed": False, "reason": reason, "seconds": 0}
+    replaced = {name for defined, _ in solutions for name in defined}
+    borrowed = {name: why for name, why in package["borrowed"].items() if name not in replaced}
+    borrowed.update(_library_objects(names, package["exercise_names"]))
+    return _run_check(number, function, Namespace(names, borrowed), check_timeout)
+
+
+def _other_solutions(number: int, solutions: list) -> list:
+    """The chapter's solution definitions (names, source) of every exercise but K, less those that also
+    hold exercise K's piece (one definition with two exercises stays the notebook's) and those outside
+    any definition."""
+    own = set(solutions[number - 1][0])
+    return [(names, source) for k, (names, source) in enumerate(solutions, 1)
+            if k != number and names and not own & set(names)]
+
+
+def _with_solutions(statements: list[str], solutions: list) -> list[tuple[str, str]]:
+    """(file name, source) of the notebook's statements, each followed by the solutions that define a name
+    it defines (so that they take its place from there on); the solutions of names it never defines last."""
+    placed, found = [], set()
+    for number, source in enumerate(statements):
+        placed.append((f"<notebook statement {number}>", source))
+        defined = _defined_names(source)
+        for k, (names, solution) in enumerate(solutions):
+            if defined & set(names):
+                placed.append((f"<the chapter's {', '.join(names)}>", solution))
+                found.add(k)
+    return placed + [(f"<the chapter's {', '.join(names)}>", solution)
+                     for k, (names, solution) in enumerate(solutions) if k not in found]
+
+
+def _rebuild(statements: list[tuple[str, str]]) -> tuple[dict, list[str]]:
+    """The names that the statements define, run one at a time, and the libraries' attributes that a
+    definition changed (each put back)."""
     modules = _watched_modules()
     snapshot = _snapshot(modules)
     names: dict = {"__name__": "__notebook__"}
     changed = []
-    for number, source in enumerate(statements):
-        filename = f"<notebook statement {number}>"   # its source where inspect finds it (Triton reads kernels' source)
+    for filename, source in statements:   # its source where inspect finds it (Triton reads kernels' source)
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         try:
             exec(compile(source, filename, "exec"), names)   # noqa: S102 - the student's definitions
@@ -153,45 +205,31 @@ def run_checks_isolated(statements_path: str, checks_path: str, check_timeout: f
         elif patched := _changed(modules, snapshot):   # a definition patched a library: remember it, put it back
             changed += patched
             _restore(modules, snapshot)
-    spec = importlib.util.spec_from_file_location("_hidden_checks", checks_path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if changed:
-        reason = f"the notebook's definitions change the libraries the checks use ({', '.join(changed[:3])}): not graded"
-        results = [{"number": n, "passed": False, "reason": reason, "seconds": 0} for n, _ in exercises_of(module)]
-    else:
-        borrowed.update(_library_objects(names, exercise_names))
-        results = _run_exercises(module, Namespace(names, borrowed), check_timeout, modules, snapshot)
-    sys.stdout.write("\n" + token + json.dumps(results) + "\n")
-    sys.stdout.flush()
+    return names, changed
 
 
-def _run_exercises(module, notebook: Namespace, check_timeout: float, modules: dict, snapshot: dict) -> list:
+def _run_check(number: int, function, notebook: Namespace, check_timeout: float) -> dict:
     def on_alarm(signum, frame):
         raise TimeoutError(f"the check took longer than {check_timeout:.0f} s")
 
+    modules = _watched_modules()
+    snapshot = _snapshot(modules)
     previous = signal.signal(signal.SIGALRM, on_alarm)
-    results = []
+    start = time.time()
+    signal.setitimer(signal.ITIMER_REAL, check_timeout)
     try:
-        for number, function in exercises_of(module):
-            start = time.time()
-            signal.setitimer(signal.ITIMER_REAL, check_timeout)
-            try:
-                function(notebook)
-                passed, reason = True, ""
-            except BaseException as error:  # noqa: BLE001 - a student's code may raise anything
-                passed, reason = False, _reason(error)
-            finally:
-                signal.setitimer(signal.ITIMER_REAL, 0)
-            changed = _changed(modules, snapshot)
-            if changed:   # the student's code patched a library while the check ran: not graded, put back
-                passed, reason = False, f"the code under test changed {', '.join(changed[:3])}: not graded"
-                _restore(modules, snapshot)
-            results.append({"number": number, "passed": passed, "reason": reason,
-                            "seconds": round(time.time() - start, 2)})
+        function(notebook)
+        passed, reason = True, ""
+    except BaseException as error:  # noqa: BLE001 - a student's code may raise anything
+        passed, reason = False, _reason(error)
     finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    return results
+    changed = _changed(modules, snapshot)
+    if changed:   # the student's code patched a library while the check ran: not graded, put back
+        passed, reason = False, f"the code under test changed {', '.join(changed[:3])}: not graded"
+        _restore(modules, snapshot)
+    return {"number": number, "passed": passed, "reason": reason, "seconds": round(time.time() - start, 2)}
 
 
 def _library_objects(names: dict, exercise_names: list[str]) -> dict:
@@ -248,11 +286,34 @@ def definitions(notebook, cells: list[int]) -> list[str]:
         except SyntaxError:
             continue
         lines = source.splitlines()
-        for node in tree.body:
-            if _defines(node):
-                first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
-                statements.append("\n".join(lines[first - 1:node.end_lineno]))
+        statements += [_source_of(node, lines) for node in tree.body if _defines(node)]
     return statements
+
+
+def _source_of(node, lines: list[str]) -> str:
+    """A top-level statement's lines, with its decorators."""
+    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+    return "\n".join(lines[first - 1:node.end_lineno])
+
+
+def solution_definitions(chapter: str) -> list[tuple[list[str], str]]:
+    """For each exercise NN.K in order, the names and source of the definition that holds its solution in
+    the chapter (notebooks/NN_*.ipynb, between the solution markers that tools/exercises.py turns into
+    the stubs): the checks of the other exercises run with it in place of the notebook's."""
+    import nbformat
+    import exercises
+    chapter_path = next((ROOT / "notebooks").glob(f"{chapter}_*.ipynb"))
+    found = []
+    for cell in nbformat.read(chapter_path, as_version=4).cells:
+        if cell.cell_type != "code":
+            continue
+        regions = exercises.solution_regions(cell.source)
+        tree = ast.parse(cell.source) if regions else None
+        for begin, *_ in regions:   # a solution outside a definition has none (the checks' process runs none of it)
+            node = next((n for n in filter(_defines, tree.body) if n.lineno <= begin + 1 <= n.end_lineno), None)
+            source = _source_of(node, cell.source.splitlines()) if node else ""
+            found.append((sorted(_defined_names(source)), source))
+    return found
 
 
 def _defines(node) -> bool:
@@ -376,9 +437,9 @@ def grade(path: Path, chapter: str | None = None, cell_timeout: float = 300, tim
     else:
         failure = None
         with tempfile.TemporaryDirectory(prefix="grade-") as work:
-            results, failure = _execute(notebook, Path(work), checks_path, cell_timeout, timeout, check_timeout,
-                                        needed_only, grace, len(exercises), execution, NotebookClient,
-                                        DeadKernelError)
+            results, failure = _execute(notebook, Path(work), chapter, checks_path, cell_timeout, timeout,
+                                        check_timeout, needed_only, grace, len(exercises), execution,
+                                        NotebookClient, DeadKernelError)
     by_number = {r["number"]: r for r in results or []}
     for number, title in exercises.items():
         result = by_number.get(number, {"passed": False, "reason": failure or "the checks did not run", "seconds": 0})
@@ -389,8 +450,8 @@ def grade(path: Path, chapter: str | None = None, cell_timeout: float = 300, tim
     return report
 
 
-def _execute(notebook, work: Path, checks_path: Path, cell_timeout, timeout, check_timeout, needed_only, grace,
-             n_exercises, execution: dict, NotebookClient, DeadKernelError):
+def _execute(notebook, work: Path, chapter: str, checks_path: Path, cell_timeout, timeout, check_timeout, needed_only,
+             grace, n_exercises, execution: dict, NotebookClient, DeadKernelError):
     """Run the notebook in its kernel, then the checks in a process of their own on the definitions of the
     cells that ran; return (check results or None, why not)."""
     code = [i for i, c in enumerate(notebook.cells) if c.cell_type == "code"]
@@ -445,10 +506,7 @@ def _execute(notebook, work: Path, checks_path: Path, cell_timeout, timeout, che
     execution["seconds"] = round(time.time() - start, 1)
     if skipped:
         failure = failure or f"the notebook ran over the time limit of {timeout:.0f} s"
-    ran = code[:execution["ran"]]
-    exercise_names = sorted(set().union(*(_defined_names(notebook.cells[i].source) for i in _exercise_cells(notebook))))
-    package = {"statements": definitions(notebook, ran), "exercise_names": exercise_names,
-               "borrowed": borrowed_calls(notebook)}
+    package = checks_package(notebook, code[:execution["ran"]], chapter)
     results, why_not = _check_in_own_process(package, checks_path, check_timeout,
                                              check_timeout * n_exercises + 60 + grace, env)
     if results is None:
@@ -460,10 +518,17 @@ def _execute(notebook, work: Path, checks_path: Path, cell_timeout, timeout, che
     return results, None
 
 
+def checks_package(notebook, cells: list[int], chapter: str) -> dict:
+    """What the checks' process gets: the definitions of the given code cells, the names the exercise
+    cells define, those that use a library's own function, and the chapter's solution definitions."""
+    exercise_names = sorted(set().union(*(_defined_names(notebook.cells[i].source) for i in _exercise_cells(notebook))))
+    return {"statements": definitions(notebook, cells), "exercise_names": exercise_names,
+            "borrowed": borrowed_calls(notebook), "solutions": solution_definitions(chapter)}
+
+
 def _check_in_own_process(package: dict, checks_path: Path, check_timeout: float, limit: float, env: dict):
     """Run the checks in a fresh process (its own session, killed with its group at `limit` seconds) on
-    the notebook's definitions (package: statements, exercise_names, borrowed); return (results or None,
-    why not)."""
+    the notebook's definitions (package: checks_package's); return (results or None, why not)."""
     import secrets
     import subprocess
     token = secrets.token_hex(16)

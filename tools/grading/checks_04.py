@@ -103,9 +103,11 @@ def exercise_3(nb):
     """the adjoint carried from the right in multistate_bwd_kernel"""
     gen = torch.Generator().manual_seed(SEED + 3)
     odd = int(torch.randint(70, 200, (1,), generator=gen))
-    for batch, n_states, length, block_l, with_dh_last in [(1, 1, 1, 16, True), (2, 3, 16, 16, False),
-                                                           (2, 5, 17, 16, True), (1, 3, odd, 16, True),
-                                                           (3, 6, odd, 32, False), (1, 9, 100, 64, True)]:
+    # first the carry alone (several chunks, no gradient into the last state: a forgotten carry shows
+    # before the last chunk, and the reason says so), then lengths 1, 16, 17, ... with and without
+    for batch, n_states, length, block_l, with_dh_last in [(3, 6, odd, 32, False), (1, 1, 1, 16, True),
+                                                           (2, 3, 16, 16, False), (2, 5, 17, 16, True),
+                                                           (1, 3, odd, 16, True), (1, 9, 100, 64, True)]:
         a, b, c, x, h0 = _inputs(gen, batch, n_states, length, nb.DEVICE)
         dy = torch.randn(batch, length, generator=gen, dtype=torch.float64).to(nb.DEVICE)
         dh_last = torch.randn(batch, n_states, generator=gen, dtype=torch.float64).to(nb.DEVICE)
