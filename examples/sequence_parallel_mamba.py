@@ -3,8 +3,9 @@
 
     torchrun --nproc_per_node 2 examples/sequence_parallel_mamba.py
 
-Gloo on CPUs (Triton's interpreter: small sizes), NCCL with one GPU per process when each process
-sees one. Each rank holds positions [start, end) of every sequence; the loss is the mean over all
+NCCL with one GPU per process where there are GPUs enough; gloo with the processes sharing the GPUs
+there are (messages through host memory); gloo on CPUs without a GPU (Triton's interpreter: small
+sizes). Each rank holds positions [start, end) of every sequence; the loss is the mean over all
 positions, so the ranks' losses add up to it and their gradients, summed by all_reduce (what
 DistributedDataParallel would do), are the whole model's gradients.
 """
@@ -51,12 +52,12 @@ def main():
     parser.add_argument("--d-model", type=int, default=16)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
-    on_gpu = torch.cuda.is_available()
-    if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if on_gpu else "gloo")
+    gpus = torch.cuda.device_count()
+    if gpus:   # a GPU per rank (NCCL), or ranks sharing the GPUs there are (gloo, through host memory)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % gpus)
+    dist.init_process_group("nccl" if gpus >= int(os.environ.get("WORLD_SIZE", 1)) else "gloo")
     rank, ranks = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if gpus else torch.device("cpu")
     vocab, batch = 16, 2
     bounds = [args.length * r // ranks for r in range(ranks + 1)]              # uneven when L % ranks != 0
     start, end = bounds[rank], bounds[rank + 1]

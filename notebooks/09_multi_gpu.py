@@ -134,6 +134,16 @@ import torch.nn.functional as F
 import scan_lib
 
 
+def all_gather(tensor, group=None):
+    """Every rank's `tensor` (same shape everywhere), a list in rank order: dist.all_gather, staged
+    through host memory when the backend is gloo and the tensor on a GPU (gloo gathers CPU tensors
+    only; that is how ranks sharing one GPU talk)."""
+    staged = tensor.cpu() if tensor.is_cuda and dist.get_backend(group) == "gloo" else tensor
+    parts = [torch.empty_like(staged) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, staged.contiguous(), group=group)
+    return [part.to(tensor.device) for part in parts]
+
+
 class _GatherSmall(torch.autograd.Function):
     """all_gather of one small tensor, differentiable: the backward sums, over the ranks, the gradients
     each rank's output holds for this rank's entry."""
@@ -141,16 +151,12 @@ class _GatherSmall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group):
         ctx.group = group
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return torch.stack(parts)                                        # ranks x tensor's shape
+        return torch.stack(all_gather(tensor, group))                    # ranks x tensor's shape
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()                                         # ranks x shape: this rank's view
-        every = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
-        dist.all_gather(every, grad, group=ctx.group)
-        return torch.stack(every)[:, dist.get_rank(ctx.group)].sum(0), None
+        every = torch.stack(all_gather(grad, ctx.group))                 # ranks x (ranks x shape)
+        return every[:, dist.get_rank(ctx.group)].sum(0), None
 
 
 def gather_small(tensor, group=None):
@@ -247,9 +253,7 @@ def conv_initial_states(x, width, group=None):
     ranks before it (zeros before the sequence), as causal_conv1d's initial_states. Differentiable."""
     keep = width - 1
     tail = F.pad(x[..., -keep:], (keep - min(keep, x.shape[-1]), 0))           # batch x dim x keep
-    length = torch.tensor([min(keep, x.shape[-1])], device=x.device)
-    lengths = [torch.empty_like(length) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(lengths, length, group=group)
+    lengths = all_gather(torch.tensor([min(keep, x.shape[-1])], device=x.device), group)
     tails = gather_small(tail, group)                                          # ranks x batch x dim x keep
     rank = dist.get_rank(group)
     before = [torch.zeros_like(tail)] + [tails[k][..., keep - int(lengths[k]):] for k in range(rank)]
@@ -279,8 +283,10 @@ def mamba(block, hidden_states, *, group=None):
 # ## 5. Checked against one process
 #
 # `launch` starts processes joined in a process group, the way `torchrun` would, and collects what each
-# returns: NCCL with one GPU per rank where there are GPUs enough, else gloo between CPU processes
-# (Triton's interpreter). Each rank of
+# returns, as `launch_plan` picks for the machine: NCCL with one GPU per rank where there are GPUs
+# enough; else gloo with every rank on the one GPU (gloo passes the messages through host memory, so
+# `all_gather` above and the chain below copy GPU tensors to the host and back); else gloo between CPU
+# processes (Triton's interpreter). Each rank of
 # `check_against_one_process` builds the same random problem (same seed), computes it whole, as one
 # process would, takes its shard, runs the sequence-parallel version on it, and returns its worst
 # relative error over its outputs and every gradient: the gradients of sharded inputs are compared
@@ -312,12 +318,23 @@ def _run_rank(rank, world_size, port, backend, fn, args, folder):
         dist.destroy_process_group()
 
 
-def launch(fn, world_size, *args, backend="gloo"):
-    """fn(*args) on world_size new processes joined in a process group of `backend`: "gloo", CPU
-    processes (GPUs hidden from them: Triton's interpreter), or "nccl", GPU k for rank k. Returns their
-    results in rank order. fn must be importable (a module's function: processes are spawned, not forked)."""
+def launch_plan(world_size):
+    """How `launch` runs world_size ranks on this machine, (backend, device): ("nccl", "cuda"), GPU k
+    for rank k, where there is a GPU per rank; else ("gloo", "cuda"), every rank on the one GPU (gloo
+    passes the messages through host memory); else ("gloo", "cpu"), CPU processes (Triton's interpreter)."""
+    gpus = torch.cuda.device_count()
+    if gpus >= world_size:
+        return "nccl", "cuda"
+    return "gloo", "cuda" if gpus else "cpu"
+
+
+def launch(fn, world_size, *args, plan=None):
+    """fn(*args) on world_size new processes joined in a process group, run as `plan` says (default:
+    launch_plan(world_size)). Returns their results in rank order. fn must be importable (a module's
+    function: processes are spawned, not forked)."""
+    backend, device = plan or launch_plan(world_size)
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if backend == "gloo":
+    if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""                    # inherited by the spawned processes
     try:
         with tempfile.TemporaryDirectory() as folder:
@@ -380,8 +397,13 @@ def check_against_one_process(cases, seed=0):
     return [_check_case(kind, lengths, seed) for kind, lengths in cases]
 
 
+def _device():
+    """This rank's device: its GPU (GPU 0 when the ranks share one), or the CPU where GPUs are hidden."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _check_case(kind, lengths, seed):
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = _device()
     start, end = _shard_bounds(lengths)
     length = sum(lengths)
     if kind == "mamba":
@@ -425,20 +447,17 @@ def _check_mamba(length, start, end, device, seed):
     return _worst(pairs)
 
 # %%
-from scan_lib.distributed import check_against_one_process, launch
+from scan_lib.distributed import check_against_one_process, launch, launch_plan
 
 CHECKS = {3: [("linear_scan", (5, 1, 7)), ("selective_scan", (7, 1, 5)), ("mamba", (6, 2, 5)), ("chain", (1, 1, 1))],
           2: [("linear_scan", (64, 65)), ("selective_scan", (33, 20))]}   # by number of ranks: one launch each
-print(f"{'kind':15s} {'shard lengths':15s} {'backend':8s} {'worst rel err per rank'}")
+print(f"{'kind':15s} {'shard lengths':15s} {'run as':11s} {'worst rel err per rank'}")
 for ranks, cases in CHECKS.items():
-    if 0 < GPUS < ranks:   # gloo's CPU processes would run Triton's interpreter, which needs NumPy < 2.4
-        print(f"skipped {ranks} ranks: NCCL needs {ranks} GPUs ({GPUS} here); the CPU run checks them")
-        continue
-    backend = "nccl" if GPUS >= ranks else "gloo"                          # gloo: CPU processes
-    errors = launch(check_against_one_process, ranks, cases, backend=backend)   # errors[rank][case]
+    plan = launch_plan(ranks)                                              # (backend, device)
+    errors = launch(check_against_one_process, ranks, cases, plan=plan)   # errors[rank][case]
     for case, (kind, lengths) in enumerate(cases):
         per_rank = [errors[rank][case] for rank in range(ranks)]
-        print(f"{kind:15s} {str(lengths):15s} {backend:8s} {' '.join(f'{e:.1e}' for e in per_rank)}")
+        print(f"{kind:15s} {str(lengths):15s} {'/'.join(plan):11s} {' '.join(f'{e:.1e}' for e in per_rank)}")
         assert max(per_rank) < 1e-5, (kind, lengths, per_rank)
 
 # %% [markdown]
@@ -460,7 +479,7 @@ for ranks, cases in CHECKS.items():
 # **Prediction.** The summaries are small (the selective scan's is batch $\times$ dim $\times N$ numbers,
 # independent of $L$), so latency decides: with 2 ranks the two are about equal, and from 3 or 4 ranks
 # on the chain's last rank waits longer; only with summaries of megabytes does the all-gather's
-# $R$-fold traffic start to show. The cell times both, median over repeated exchanges after a barrier,
+# $R$-fold traffic start to show. (The run recorded here contradicts it: see below.) The cell times both, median over repeated exchanges after a barrier,
 # as the slowest rank sees it.
 
 # %%
@@ -468,20 +487,19 @@ for ranks, cases in CHECKS.items():
 import time
 
 
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def entering_state_by_chain(decay, end, initial_state=None, group=None):
     """entering_state's value by a chain of point-to-point sends: rank r receives the state entering it
     from rank r - 1 and sends decay * state + end to rank r + 1. Forward only (no gradient)."""
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))  # noqa: E731
+    via = torch.device("cpu") if dist.get_backend(group) == "gloo" else end.device   # gloo sends CPU tensors
     h = torch.zeros_like(end) if initial_state is None else initial_state.to(end.dtype).expand_as(end).clone()
     if rank > 0:
-        dist.recv(h, src=peer(rank - 1), group=group)
+        received = torch.empty_like(h, device=via)
+        dist.recv(received, src=peer(rank - 1), group=group)
+        h = received.to(end.device)
     if rank < ranks - 1:
-        dist.send((decay * h + end).contiguous(), dst=peer(rank + 1), group=group)
+        dist.send((decay * h + end).to(via).contiguous(), dst=peer(rank + 1), group=group)
     return h
 
 
@@ -519,14 +537,14 @@ def time_exchanges(shapes, repeats=20):
 from scan_lib.distributed import EXCHANGES, time_exchanges
 
 SHAPES = [(1, 16, 16), (1, 1536, 16), (8, 1536, 64)]   # summaries of 256 values, of the 2^20 problem, 786432 values
-backend = "nccl" if GPUS >= 2 else "gloo"
-print(f"backend {backend}; median us of one exchange, the slowest rank's")
-print(f"{'ranks':>5s} {'summary shape':16s} " + " ".join(f"{way:>16s}" for way in EXCHANGES))
-for ranks in ((2,) if backend == "nccl" else (2, 4)):
-    per_rank = launch(time_exchanges, ranks, SHAPES, backend=backend)          # per_rank[rank][shape][way]
+print("median us of one exchange, the slowest rank's")
+print(f"{'ranks':>5s} {'run as':11s} {'summary shape':16s} " + " ".join(f"{way:>16s}" for way in EXCHANGES))
+for ranks in ((2,) if GPUS >= 2 else (2, 4)):
+    plan = launch_plan(ranks)
+    per_rank = launch(time_exchanges, ranks, SHAPES, plan=plan)                # per_rank[rank][shape][way]
     for i, shape in enumerate(SHAPES):
         slowest = {way: max(times[i][way] for times in per_rank) for way in EXCHANGES}
-        print(f"{ranks:5d} {str(shape):16s} " + " ".join(f"{slowest[way]:16.0f}" for way in EXCHANGES))
+        print(f"{ranks:5d} {'/'.join(plan):11s} {str(shape):16s} " + " ".join(f"{slowest[way]:16.0f}" for way in EXCHANGES))
 
 # %%
 def verdict(per_rank_times, shapes):
@@ -541,13 +559,16 @@ print("measured:")
 verdict(per_rank, SHAPES)
 
 # %% [markdown]
-# The lines above say which way won at each size in this run. Our `entering_state` gathers three
-# tensors per rank (the decay, the end state, and the initial state, which only rank 0's matters) and
-# folds on every rank, so it moves more than the chain; the chain pays a latency per rank. Gloo on a
-# CPU adds copies through host memory and Python for every call; NCCL between GPUs on NVLink moves
-# the bytes far faster, and section 7 puts the exchange's time beside the scan's. `scan_lib.distributed` keeps the all-gather because its
-# backward comes from autograd (the chain would need a second, reverse chain written by hand) and its
-# latency does not grow with a chain of ranks waiting on each other.
+# The lines above say which way won at each size in this run, and how the backend ran (the "run as"
+# column). Where the chain won at every size, the prediction failed: the all-gather was not a cheap
+# single latency. Our `entering_state` gathers three tensors per rank (the decay, the end state, and
+# the initial state, of which only rank 0's matters) and folds on every rank, so each rank receives
+# $3R$ summaries where the chain passes one along each link; and gloo, on CPUs or with the ranks
+# sharing one GPU, copies every message through host memory with Python around each call, so bytes
+# and per-call costs both count. NCCL between GPUs on NVLink moves the bytes far faster, and section
+# 7 puts the exchange's time beside the scan's on two GPUs. `scan_lib.distributed` keeps the
+# all-gather because its backward comes from autograd (the chain would need a second, reverse chain
+# written by hand); an exchange whose bytes per rank do not grow with $R$ is open work.
 #
 # ## 7. Two GPUs against one
 #
@@ -594,7 +615,7 @@ if GPUS < 2:
 else:
     from scan_lib.distributed import time_selective_scan
     length = 2**20
-    runs = {ranks: launch(time_selective_scan, ranks, length, backend="nccl") for ranks in (1, 2)}
+    runs = {ranks: launch(time_selective_scan, ranks, length) for ranks in (1, 2)}
     slowest = {ranks: {key: max(r[key] for r in results) * 1e3 for key in results[0]} for ranks, results in runs.items()}
     print(torch.cuda.get_device_name(), f"x {GPUS}; (batch, dim, L, N) = (1, 1536, 2^20, 16), bf16; median ms, slowest rank")
     print(f"{'GPUs':>4s} {'forward':>9s} {'fwd+bwd':>9s} {'exchange':>9s} {'exchange share of fwd':>22s}")
@@ -609,10 +630,11 @@ else:
     save_figure(fig, "09_two_gpus.png")
 
 # %% [markdown]
-# (On two GPUs.) The table and the plot show the prediction holding: two GPUs take about as long as
-# one, a little longer (each runs two passes over its half, and the second waits for the exchange), and
-# the exchange itself is a small fraction of the forward (the last column). What the second GPU bought
-# is memory: each holds half of the sequence's activations, so a sequence twice as long fits.
+# (On two GPUs.) Where the cell ran, its table and plot judge the prediction: it holds if two GPUs
+# take about as long as one (each runs two passes over its half, and the second waits for the
+# exchange) and the exchange is a small fraction of the forward (the last column). The run recorded
+# here had one GPU, so the cell was skipped and this run judges nothing; the GPUs' memory, which is
+# what a second GPU buys (each holds half of the sequence's activations), is not measured yet either.
 
 # %% [markdown]
 # ## 8. Training with it: the example script
@@ -622,7 +644,8 @@ else:
 # `scan_lib.distributed.mamba`, each rank holding its part of every sequence. Each rank's loss is its
 # positions' share of the mean, the ranks' gradients are summed with `all_reduce` (what
 # `DistributedDataParallel` does), and every gradient is checked against the same model run whole in one
-# process, at every step. On two GPUs it runs with NCCL; elsewhere with gloo on the CPU, small.
+# process, at every step. On two GPUs it runs with NCCL; on one, with gloo, both ranks on that GPU; with
+# none, with gloo on the CPU, small.
 
 # %%
 from pathlib import Path
@@ -633,7 +656,7 @@ if not script.exists():
 else:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(script)]
     environment = dict(__import__("os").environ)
-    if GPUS < 2:   # gloo on the CPU, Triton's interpreter: a small model, two steps
+    if GPUS == 0:   # gloo on the CPU, Triton's interpreter: a small model, two steps
         command += ["--steps", "2", "--length", "11", "--layers", "1", "--d-model", "8"]
         environment["CUDA_VISIBLE_DEVICES"] = ""
     ran = subprocess.run(command, capture_output=True, text=True, env=environment)

@@ -99,6 +99,39 @@ def _grad_pre(X_ROW, H0_ROW, W_ROW, bias, DOUT_ROW, t, d_ok, length, stride_xl, 
 
 
 @triton.jit
+def _column(tile, i: tl.constexpr):
+    """Column i of a BLOCK_D x 4 tile, as BLOCK_D x 1."""
+    return tl.sum(tl.where(tl.arange(0, 4)[None, :] == i, tile, 0.0), axis=1)[:, None]
+
+
+@triton.jit
+def _earlier(main, before, shift: tl.constexpr, BLOCK_L: tl.constexpr):
+    """The tile of values `shift` positions earlier: column c holds main's column c - shift, and, for
+    c < shift, before's column 4 + c - shift (before: BLOCK_D x 4, the 4 positions ahead of main's first).
+    tl.gather moves the values between the threads that hold them (shuffles or shared memory)."""
+    if shift == 0:
+        return main
+    c = tl.broadcast_to(tl.arange(0, BLOCK_L)[None, :], main.shape)
+    moved = tl.gather(main, tl.maximum(c - shift, 0), axis=1)
+    for i in tl.static_range(shift):
+        moved = tl.where(c == i, _column(before, 4 - shift + i), moved)
+    return moved
+
+
+@triton.jit
+def _later(main, after, shift: tl.constexpr, BLOCK_L: tl.constexpr):
+    """The tile of values `shift` positions later: main's column c + shift, and, past the tile's end,
+    after's column c + shift - BLOCK_L (after: BLOCK_D x 4, the 4 positions following main's last)."""
+    if shift == 0:
+        return main
+    c = tl.broadcast_to(tl.arange(0, BLOCK_L)[None, :], main.shape)
+    moved = tl.gather(main, tl.minimum(c + shift, BLOCK_L - 1), axis=1)
+    for i in tl.static_range(shift):
+        moved = tl.where(c == BLOCK_L - shift + i, _column(after, i), moved)
+    return moved
+
+
+@triton.jit
 def causal_conv1d_bwd_kernel(
     X, WEIGHT, BIAS, H0, DOUT, DFINAL,        # as the forward; b x d x L, b x d x (W-1)
     DX, DW_PART, DBIAS_PART, DH0,             # b x d x L, (b * n_blocks_l) x d x W, (b * n_blocks_l) x d, b x d x (W-1)
@@ -110,9 +143,10 @@ def causal_conv1d_bwd_kernel(
 ):
     b = tl.program_id(0).to(tl.int64)
     pid_l = tl.program_id(2)
+    t0 = pid_l * BLOCK_L
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
     d_ok = ds < dim
-    ts = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]                  # 1 x BLOCK_L
+    ts = t0 + tl.arange(0, BLOCK_L)[None, :]                               # 1 x BLOCK_L
     X_ROW = X + b * stride_xb + ds * stride_xd
     W_ROW = WEIGHT + ds * stride_wd
     DOUT_ROW = DOUT + b * stride_gb + ds * stride_gd
@@ -122,15 +156,24 @@ def causal_conv1d_bwd_kernel(
     bias = tl.zeros((BLOCK_D, 1), ACC)
     if HAS_BIAS:
         bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
-    # dx[s] = sum_j w[WIDTH - 1 - j] g[s + j]: the flipped filter, reading forward in time
+    # x once (BLOCK_D x BLOCK_L, aligned) and the 4 positions before it; x[t - k] by moving values in registers
+    x_main = tl.load(X_ROW + ts * stride_xl, d_ok & (ts < length), other=0.0).to(ACC)
+    x_before = _x_at(X_ROW, H0_ROW, t0 - 4 + tl.arange(0, 4)[None, :], d_ok, length, stride_xl, stride_hl,
+                     WIDTH, HAS_H0, ACC)                                   # BLOCK_D x 4
+    g = tl.load(DOUT_ROW + ts * stride_gl, d_ok & (ts < length), other=0.0).to(ACC)
+    if SILU:  # g = dout * silu'(pre), once per position
+        pre = bias + tl.zeros((BLOCK_D, BLOCK_L), ACC)
+        for k in tl.static_range(WIDTH):
+            pre += tl.load(W_ROW + k * stride_wk, d_ok, other=0.0).to(ACC) * _earlier(x_main, x_before, WIDTH - 1 - k, BLOCK_L)
+        sig = 1.0 / (1.0 + tl.exp(-pre))
+        g = g * sig * (1.0 + pre * (1.0 - sig))
+    # dx[s] = sum_j w[WIDTH - 1 - j] g[s + j]: the flipped filter, reading forward in time; g past the
+    # tile (4 positions, recomputed from x) for its last columns
+    g_after = _grad_pre(X_ROW, H0_ROW, W_ROW, bias, DOUT_ROW, t0 + BLOCK_L + tl.arange(0, 4)[None, :], d_ok, length,
+                        stride_xl, stride_hl, stride_wk, stride_gl, WIDTH, HAS_H0, SILU, ACC)   # BLOCK_D x 4
     dx = tl.zeros((BLOCK_D, BLOCK_L), ACC)
-    g0 = dx
     for j in tl.static_range(WIDTH):
-        g = _grad_pre(X_ROW, H0_ROW, W_ROW, bias, DOUT_ROW, ts + j, d_ok, length, stride_xl, stride_hl, stride_wk,
-                      stride_gl, WIDTH, HAS_H0, SILU, ACC)
-        if j == 0:
-            g0 = g
-        dx += tl.load(W_ROW + (WIDTH - 1 - j) * stride_wk, d_ok, other=0.0).to(ACC) * g
+        dx += tl.load(W_ROW + (WIDTH - 1 - j) * stride_wk, d_ok, other=0.0).to(ACC) * _later(g, g_after, j, BLOCK_L)
     F_ROW = X_ROW
     if HAS_DFINAL:
         F_ROW = DFINAL + b * stride_fb + ds * stride_fd
@@ -142,10 +185,10 @@ def causal_conv1d_bwd_kernel(
     # this block's share of dweight[k] = sum_t g[t] x[t - (WIDTH - 1) + k] and of dbias = sum_t g[t]
     part = (b * n_blocks_l + pid_l) * dim
     for k in tl.static_range(WIDTH):
-        xk = _x_at(X_ROW, H0_ROW, ts - (WIDTH - 1) + k, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC)
-        tl.store(DW_PART + (part + ds) * WIDTH + k, tl.sum(g0 * xk, axis=1)[:, None], d_ok)
+        xk = _earlier(x_main, x_before, WIDTH - 1 - k, BLOCK_L)
+        tl.store(DW_PART + (part + ds) * WIDTH + k, tl.sum(g * xk, axis=1)[:, None], d_ok)
     if HAS_BIAS:
-        tl.store(DBIAS_PART + part + ds, tl.sum(g0, axis=1)[:, None], d_ok)
+        tl.store(DBIAS_PART + part + ds, tl.sum(g, axis=1)[:, None], d_ok)
     if HAS_H0:
         if pid_l == 0:  # dh0[i] = sum_{k <= i} w[k] g[i - k], plus dfinal[i - L] when L < WIDTH - 1
             q = tl.arange(0, 4)[None, :]                                   # positions 0..3
@@ -162,12 +205,21 @@ def causal_conv1d_bwd_kernel(
 
 # Launch parameters: (block of channels, block of positions, warps). The interpreter runs a program as
 # NumPy array operations, so larger blocks mean fewer programs and a faster CPU run.
+# The backward's blocks were picked by a sweep on the H200 (forward+backward at the benchmark's shapes),
+# by the bytes per element of x.
 GPU_CONFIG = {"block_d": 32, "block_l": 128, "num_warps": 4}
+GPU_BWD_CONFIG = {2: {"block_d": 16, "block_l": 256, "num_warps": 4}, 4: {"block_d": 16, "block_l": 128, "num_warps": 4}}
 CPU_CONFIG = {"block_d": 32, "block_l": 512, "num_warps": 4}
 
 
-def _launch_config(dim, length):
-    config = dict(CPU_CONFIG if INTERPRET else GPU_CONFIG)
+def _launch_config(dim, length, backward_of=None):
+    """Blocks and warps for a launch; backward_of: x, for the backward's configuration."""
+    if INTERPRET:
+        config = dict(CPU_CONFIG)
+    elif backward_of is not None:
+        config = dict(GPU_BWD_CONFIG[min(backward_of.element_size(), 4)])
+    else:
+        config = dict(GPU_CONFIG)
     config.update(block_d=min(config["block_d"], max(triton.next_power_of_2(dim), 2)),
                   block_l=min(config["block_l"], max(triton.next_power_of_2(length), 16)))
     return config
@@ -217,7 +269,7 @@ def causal_conv1d_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     batch, dim, length = x.shape
     width = weight.shape[1]
     acc = _acc_dtype(x, weight)
-    config = _launch_config(dim, length)
+    config = _launch_config(dim, length, backward_of=x)
     n_blocks_l = triton.cdiv(length, config["block_l"])
     dx = torch.empty_like(x)
     dw_part = x.new_empty(batch * n_blocks_l, dim, width, dtype=acc)

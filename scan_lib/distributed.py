@@ -10,6 +10,16 @@ import torch.nn.functional as F
 import scan_lib
 
 
+def all_gather(tensor, group=None):
+    """Every rank's `tensor` (same shape everywhere), a list in rank order: dist.all_gather, staged
+    through host memory when the backend is gloo and the tensor on a GPU (gloo gathers CPU tensors
+    only; that is how ranks sharing one GPU talk)."""
+    staged = tensor.cpu() if tensor.is_cuda and dist.get_backend(group) == "gloo" else tensor
+    parts = [torch.empty_like(staged) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, staged.contiguous(), group=group)
+    return [part.to(tensor.device) for part in parts]
+
+
 class _GatherSmall(torch.autograd.Function):
     """all_gather of one small tensor, differentiable: the backward sums, over the ranks, the gradients
     each rank's output holds for this rank's entry."""
@@ -17,16 +27,12 @@ class _GatherSmall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, group):
         ctx.group = group
-        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, tensor.contiguous(), group=group)
-        return torch.stack(parts)                                        # ranks x tensor's shape
+        return torch.stack(all_gather(tensor, group))                    # ranks x tensor's shape
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()                                         # ranks x shape: this rank's view
-        every = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
-        dist.all_gather(every, grad, group=ctx.group)
-        return torch.stack(every)[:, dist.get_rank(ctx.group)].sum(0), None
+        every = torch.stack(all_gather(grad, ctx.group))                 # ranks x (ranks x shape)
+        return every[:, dist.get_rank(ctx.group)].sum(0), None
 
 
 def gather_small(tensor, group=None):
@@ -94,9 +100,7 @@ def conv_initial_states(x, width, group=None):
     ranks before it (zeros before the sequence), as causal_conv1d's initial_states. Differentiable."""
     keep = width - 1
     tail = F.pad(x[..., -keep:], (keep - min(keep, x.shape[-1]), 0))           # batch x dim x keep
-    length = torch.tensor([min(keep, x.shape[-1])], device=x.device)
-    lengths = [torch.empty_like(length) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(lengths, length, group=group)
+    lengths = all_gather(torch.tensor([min(keep, x.shape[-1])], device=x.device), group)
     tails = gather_small(tail, group)                                          # ranks x batch x dim x keep
     rank = dist.get_rank(group)
     before = [torch.zeros_like(tail)] + [tails[k][..., keep - int(lengths[k]):] for k in range(rank)]
@@ -143,12 +147,23 @@ def _run_rank(rank, world_size, port, backend, fn, args, folder):
         dist.destroy_process_group()
 
 
-def launch(fn, world_size, *args, backend="gloo"):
-    """fn(*args) on world_size new processes joined in a process group of `backend`: "gloo", CPU
-    processes (GPUs hidden from them: Triton's interpreter), or "nccl", GPU k for rank k. Returns their
-    results in rank order. fn must be importable (a module's function: processes are spawned, not forked)."""
+def launch_plan(world_size):
+    """How `launch` runs world_size ranks on this machine, (backend, device): ("nccl", "cuda"), GPU k
+    for rank k, where there is a GPU per rank; else ("gloo", "cuda"), every rank on the one GPU (gloo
+    passes the messages through host memory); else ("gloo", "cpu"), CPU processes (Triton's interpreter)."""
+    gpus = torch.cuda.device_count()
+    if gpus >= world_size:
+        return "nccl", "cuda"
+    return "gloo", "cuda" if gpus else "cpu"
+
+
+def launch(fn, world_size, *args, plan=None):
+    """fn(*args) on world_size new processes joined in a process group, run as `plan` says (default:
+    launch_plan(world_size)). Returns their results in rank order. fn must be importable (a module's
+    function: processes are spawned, not forked)."""
+    backend, device = plan or launch_plan(world_size)
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if backend == "gloo":
+    if device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""                    # inherited by the spawned processes
     try:
         with tempfile.TemporaryDirectory() as folder:
@@ -211,8 +226,13 @@ def check_against_one_process(cases, seed=0):
     return [_check_case(kind, lengths, seed) for kind, lengths in cases]
 
 
+def _device():
+    """This rank's device: its GPU (GPU 0 when the ranks share one), or the CPU where GPUs are hidden."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def _check_case(kind, lengths, seed):
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    device = _device()
     start, end = _shard_bounds(lengths)
     length = sum(lengths)
     if kind == "mamba":
@@ -258,20 +278,19 @@ def _check_mamba(length, start, end, device, seed):
 import time
 
 
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-
-
 def entering_state_by_chain(decay, end, initial_state=None, group=None):
     """entering_state's value by a chain of point-to-point sends: rank r receives the state entering it
     from rank r - 1 and sends decay * state + end to rank r + 1. Forward only (no gradient)."""
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))  # noqa: E731
+    via = torch.device("cpu") if dist.get_backend(group) == "gloo" else end.device   # gloo sends CPU tensors
     h = torch.zeros_like(end) if initial_state is None else initial_state.to(end.dtype).expand_as(end).clone()
     if rank > 0:
-        dist.recv(h, src=peer(rank - 1), group=group)
+        received = torch.empty_like(h, device=via)
+        dist.recv(received, src=peer(rank - 1), group=group)
+        h = received.to(end.device)
     if rank < ranks - 1:
-        dist.send((decay * h + end).contiguous(), dst=peer(rank + 1), group=group)
+        dist.send((decay * h + end).to(via).contiguous(), dst=peer(rank + 1), group=group)
     return h
 
 

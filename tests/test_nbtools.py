@@ -83,6 +83,12 @@ def test_scan_lib_dependencies_follow_imports():
     assert "selective_scan" not in modules
 
 
+def test_scan_lib_dependencies_follow_public_names():
+    """A public name runs the module that defines it, whatever the module is called."""
+    modules = nbtools.scan_lib_dependencies(_notebook("block = scan_lib.Mamba(16)", "y = scan_lib.selective_scan(*args)"))
+    assert {"mamba", "causal_conv1d", "fast_selective_scan", "selective_scan"} <= set(modules)
+
+
 def test_scan_lib_change_invalidates_the_fingerprint(monkeypatch):
     notebook = _notebook("import scan_lib.cumsum")
     modules = nbtools.scan_lib_dependencies(notebook)

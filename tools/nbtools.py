@@ -168,13 +168,26 @@ def code_hash(notebook) -> str:
 _SCAN_LIB_NAME = re.compile(r"\bscan_lib\.([A-Za-z_]\w*)|from scan_lib import ([\w, ()\n]+)")
 
 
+def _public_names() -> dict[str, set[str]]:
+    """The scan_lib module each public name comes from, by scan_lib/__init__.py's `from .module import
+    names` lines: `scan_lib.Mamba` runs mamba.py, and `scan_lib.selective_scan` fast_selective_scan.py."""
+    sources: dict[str, set[str]] = {}
+    for module, names in re.findall(r"^from \.(\w+) import ([\w, ()\n]+?)(?:#|$)",
+                                    (PACKAGE / "__init__.py").read_text(), re.MULTILINE):
+        for name in re.findall(r"\w+", names):
+            sources.setdefault(name, set()).add(module)
+    return sources
+
+
 def _scan_lib_modules_named(code: str) -> set[str]:
     """Modules of scan_lib that `code` refers to: `scan_lib.name`, `from scan_lib.name import`,
-    `from scan_lib import name` (when name is a module)."""
+    `from scan_lib import name`, where name is a module or a public name (then the module that defines
+    it; a name that is both, like selective_scan, counts as both)."""
+    public = _public_names()
     found = set()
     for dotted, imported in _SCAN_LIB_NAME.findall(code):
-        names = [dotted] if dotted else re.findall(r"\w+", imported)
-        found |= {name for name in names if (PACKAGE / f"{name}.py").exists()}
+        for name in [dotted] if dotted else re.findall(r"\w+", imported):
+            found |= public.get(name, set()) | ({name} if (PACKAGE / f"{name}.py").exists() else set())
     return found
 
 
