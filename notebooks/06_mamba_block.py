@@ -846,8 +846,9 @@ class Mamba(nn.Module):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.d_model:
             raise ValueError(f"hidden_states must have shape (batch, L, d_model={self.d_model}), "
                              f"got {tuple(hidden_states.shape)}")
-        if hidden_states.shape[0] == 0 or hidden_states.shape[1] == 0:
-            raise ValueError(f"hidden_states must not be empty, got shape {tuple(hidden_states.shape)}")
+        if hidden_states.shape[1] == 0:   # a batch of 0 gives an empty result; no positions is refused,
+            # as F.conv1d (the torch backend's convolution) refuses them
+            raise ValueError(f"hidden_states must hold at least one position, got shape {tuple(hidden_states.shape)}")
 
     def _check_states(self, batch_size, conv_state, ssm_state):
         for name, state, shape in (("conv_state", conv_state, (batch_size, self.d_inner, self.d_conv)),
@@ -1808,8 +1809,6 @@ def _check_inputs(x, weight, bias, initial_states, final_states_out):
             check_float_tensor(name, value)
     if x.dim() != 3:
         raise ValueError(f"x must have shape (batch, dim, L), got {tuple(x.shape)}")
-    if x.numel() == 0:
-        raise ValueError(f"x must not be empty, got shape {tuple(x.shape)}")
     batch, dim, length = x.shape
     if weight.dim() != 2 or weight.shape[0] != dim or not 2 <= weight.shape[1] <= 4:
         raise ValueError(f"weight must have shape (dim={dim}, width) with width 2, 3 or 4, got {tuple(weight.shape)}")
@@ -1826,6 +1825,15 @@ def _check_inputs(x, weight, bias, initial_states, final_states_out):
         if value is not None and value.dtype != named[like].dtype:
             raise TypeError(f"{name} must have {like}'s dtype {named[like].dtype}, got {value.dtype}")
     check_same_device(**named)
+
+
+def _empty_conv(x, weight, bias, initial_states):
+    """out and the final states for an empty x, as torch's ops give them: out empty, in the graph of
+    x, weight and bias (zero gradients); the final states the last width - 1 columns of
+    cat(initial_states or zeros, x)."""
+    anchor = torch.cat([t.flatten()[:0] for t in (weight, bias) if t is not None]).sum().to(x.dtype)   # exactly 0
+    start = x.new_zeros(*x.shape[:2], weight.shape[1] - 1) if initial_states is None else initial_states
+    return x + anchor, torch.cat([start, x], dim=-1)[..., x.shape[-1]:]
 
 
 def causal_conv1d(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
@@ -1853,7 +1861,10 @@ def causal_conv1d(x, weight, bias=None, seq_idx=None, initial_states=None, retur
     if final_states_out is not None and not return_final_states:
         raise ValueError("final_states_out is only written with return_final_states=True")
     _check_inputs(x, weight, bias, initial_states, final_states_out)
-    out, final_states = apply(CausalConv1dFn, x, weight, bias, initial_states, activation is not None)
+    if x.numel() == 0:
+        out, final_states = _empty_conv(x, weight, bias, initial_states)
+    else:
+        out, final_states = apply(CausalConv1dFn, x, weight, bias, initial_states, activation is not None)
     if not return_final_states:
         return out
     if final_states_out is not None:

@@ -660,7 +660,7 @@ from typing import Optional
 
 from scan_lib.runtime import apply, custom_op
 from scan_lib.selective_scan import (_NoSecondDerivative, _acc_dtype, _check_inputs, _groups,
-                                     _vmap_by_loop)
+                                     _vmap_by_loop, empty_selective_scan)
 
 # block_d channels per program, chunk positions per loop step, num_warps: the fastest of a sweep on an
 # H200 (section 9). Under the interpreter, small chunks so that small tests cross several chunks.
@@ -889,6 +889,8 @@ def scan_in_segments(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_s
                      return_last_state=False, initial_state=None, segments=1):
     """selective_scan with both passes split into `segments` segments along L (section 5)."""
     _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    if u.numel() == 0:
+        return empty_selective_scan(u, delta, A, B, C, D, z, delta_bias, return_last_state, initial_state)
     B4 = B.unsqueeze(1) if B.dim() == 3 else B
     C4 = C.unsqueeze(1) if C.dim() == 3 else C
     tensors = (u, delta, A, B4, C4, D, z, delta_bias, initial_state)

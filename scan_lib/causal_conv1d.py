@@ -359,8 +359,6 @@ def _check_inputs(x, weight, bias, initial_states, final_states_out):
             check_float_tensor(name, value)
     if x.dim() != 3:
         raise ValueError(f"x must have shape (batch, dim, L), got {tuple(x.shape)}")
-    if x.numel() == 0:
-        raise ValueError(f"x must not be empty, got shape {tuple(x.shape)}")
     batch, dim, length = x.shape
     if weight.dim() != 2 or weight.shape[0] != dim or not 2 <= weight.shape[1] <= 4:
         raise ValueError(f"weight must have shape (dim={dim}, width) with width 2, 3 or 4, got {tuple(weight.shape)}")
@@ -377,6 +375,15 @@ def _check_inputs(x, weight, bias, initial_states, final_states_out):
         if value is not None and value.dtype != named[like].dtype:
             raise TypeError(f"{name} must have {like}'s dtype {named[like].dtype}, got {value.dtype}")
     check_same_device(**named)
+
+
+def _empty_conv(x, weight, bias, initial_states):
+    """out and the final states for an empty x, as torch's ops give them: out empty, in the graph of
+    x, weight and bias (zero gradients); the final states the last width - 1 columns of
+    cat(initial_states or zeros, x)."""
+    anchor = torch.cat([t.flatten()[:0] for t in (weight, bias) if t is not None]).sum().to(x.dtype)   # exactly 0
+    start = x.new_zeros(*x.shape[:2], weight.shape[1] - 1) if initial_states is None else initial_states
+    return x + anchor, torch.cat([start, x], dim=-1)[..., x.shape[-1]:]
 
 
 def causal_conv1d(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
@@ -404,7 +411,10 @@ def causal_conv1d(x, weight, bias=None, seq_idx=None, initial_states=None, retur
     if final_states_out is not None and not return_final_states:
         raise ValueError("final_states_out is only written with return_final_states=True")
     _check_inputs(x, weight, bias, initial_states, final_states_out)
-    out, final_states = apply(CausalConv1dFn, x, weight, bias, initial_states, activation is not None)
+    if x.numel() == 0:
+        out, final_states = _empty_conv(x, weight, bias, initial_states)
+    else:
+        out, final_states = apply(CausalConv1dFn, x, weight, bias, initial_states, activation is not None)
     if not return_final_states:
         return out
     if final_states_out is not None:

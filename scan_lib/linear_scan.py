@@ -195,7 +195,7 @@ def _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk):
         raise TypeError(f"initial_state must be None or a torch.Tensor, got {type(initial_state).__name__}")
     gate_shape = gates.shape if isinstance(gates, torch.Tensor) else ()
     try:
-        shape = torch.broadcast_shapes(gate_shape, tokens.shape)
+        shape = tokens.shape if gate_shape == tokens.shape else torch.broadcast_shapes(gate_shape, tokens.shape)
     except RuntimeError:
         raise ValueError(f"gates and tokens must have broadcastable shapes, got {tuple(gate_shape)} and "
                          f"{tuple(tokens.shape)}") from None
@@ -205,7 +205,7 @@ def _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk):
     if initial_state is not None:
         dtype = torch.promote_types(dtype, initial_state.dtype)
         try:
-            ok = torch.broadcast_shapes(initial_state.shape, shape[:-1]) == shape[:-1]
+            ok = initial_state.shape == shape[:-1] or torch.broadcast_shapes(initial_state.shape, shape[:-1]) == shape[:-1]
         except RuntimeError:
             ok = False
         if not ok:

@@ -273,8 +273,9 @@ class Mamba(nn.Module):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.d_model:
             raise ValueError(f"hidden_states must have shape (batch, L, d_model={self.d_model}), "
                              f"got {tuple(hidden_states.shape)}")
-        if hidden_states.shape[0] == 0 or hidden_states.shape[1] == 0:
-            raise ValueError(f"hidden_states must not be empty, got shape {tuple(hidden_states.shape)}")
+        if hidden_states.shape[1] == 0:   # a batch of 0 gives an empty result; no positions is refused,
+            # as F.conv1d (the torch backend's convolution) refuses them
+            raise ValueError(f"hidden_states must hold at least one position, got shape {tuple(hidden_states.shape)}")
 
     def _check_states(self, batch_size, conv_state, ssm_state):
         for name, state, shape in (("conv_state", conv_state, (batch_size, self.d_inner, self.d_conv)),

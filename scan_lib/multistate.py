@@ -166,6 +166,9 @@ def multistate_scan(a, b, c, x, initial_state=None, return_last_state=False, blo
     fp64; outputs have the inputs' dtype. Differentiable once (second derivatives raise). The
     (batch, N, L) states are never written to memory; block_l is the chunk length (a power of two)."""
     block_l = check_multistate_inputs(a, b, c, x, initial_state, block_l)
+    if a.numel() == 0:
+        y, h_last = empty_multistate_scan(a, b, c, x, initial_state)
+        return (y, h_last) if return_last_state else y
     tensors = (a, b, c, x) if initial_state is None else (a, b, c, x, initial_state)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         y, h_last, _ = apply(MultistateScan, a, b, c, x, initial_state, block_l)
@@ -179,13 +182,22 @@ MAX_TILE = 2**14
 
 def default_block_l(length, n_states):
     """About 1024 tile elements, at least 16 rows, no more rows than L needs."""
-    return max(16, min(triton.next_power_of_2(length), 1024 // triton.next_power_of_2(n_states)))
+    return max(16, min(triton.next_power_of_2(length), 1024 // triton.next_power_of_2(max(n_states, 1))))
 
 
 def num_warps_for(block_l, n_states):
     """About 8 tile elements per thread (1 to 8 warps of 32), so that the forward's tiles and the
     backward's (about twice as many) stay in registers."""
     return max(1, min(8, block_l * triton.next_power_of_2(n_states) // 256))
+
+def empty_multistate_scan(a, b, c, x, initial_state):
+    """(y, last state) for an empty a (batch, N or L zero), as torch's ops give them: y zeros of x's
+    shape (a sum over no states, or no positions), the last state the initial state or zeros; both in
+    the graph of every input (zero gradients, the initial state's through the last state)."""
+    anchor = torch.cat([t.flatten()[:0] for t in (a, b, c, x)]).sum()          # exactly 0
+    h_last = a.new_zeros(a.shape[:2]) if initial_state is None else initial_state
+    return torch.zeros_like(x) + anchor, h_last + anchor
+
 
 def check_multistate_inputs(a, b, c, x, initial_state, block_l):
     """Validate the public API's arguments; return the block length to use."""
@@ -205,8 +217,6 @@ def check_multistate_inputs(a, b, c, x, initial_state, block_l):
     for name, value in named.items():
         if tuple(value.shape) != expected[name]:
             raise ValueError(f"{name} must have shape {expected[name]} to match a (batch, N, L), got {tuple(value.shape)}")
-        if value.numel() == 0:
-            raise ValueError(f"{name} is empty (shape {tuple(value.shape)})")
         if not value.is_contiguous():
             raise ValueError(f"{name} must be contiguous; call .contiguous() on it first")
     if n_states > MAX_STATES:

@@ -492,8 +492,6 @@ def _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state):
             check_float_tensor(name, value)
     if u.dim() != 3:
         raise ValueError(f"u must have shape (batch, dim, L), got {tuple(u.shape)}")
-    if u.numel() == 0:
-        raise ValueError(f"u must not be empty, got shape {tuple(u.shape)}")
     batch, dim, length = u.shape
     if A.dim() != 2 or A.shape[0] != dim or A.shape[1] == 0:
         raise ValueError(f"A must have shape (dim={dim}, N) with N >= 1, got {tuple(A.shape)}")
@@ -515,6 +513,20 @@ def _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state):
                                ("initial_state", initial_state, (batch, dim, n_states))):
         _check_shape(name, value, shape)
     check_same_device(**named)
+
+
+def empty_selective_scan(u, delta, A, B, C, D, z, delta_bias, return_last_state, initial_state):
+    """The result for an empty u (batch, dim or L zero), as torch's ops give one: out, empty, in u's
+    dtype; the last state, the initial state (no position moved it) or zeros. Differentiable: the
+    gradient reaches initial_state through the last state, and every other input's is zero."""
+    inputs = [t for t in (u, delta, A, B, C, D, z, delta_bias) if t is not None]
+    anchor = torch.cat([t.flatten()[:0] for t in inputs]).sum()       # exactly 0, in every input's graph
+    out = u.flatten()[:0].view(u.shape).to(u.dtype) + anchor.to(u.dtype)
+    if not return_last_state:
+        return out
+    acc = _acc_dtype(*inputs, initial_state)
+    last = u.new_zeros(u.shape[0], u.shape[1], A.shape[1], dtype=acc) if initial_state is None else initial_state.to(acc)
+    return out, last + anchor.to(acc)
 
 
 def _check_index_range(u_shape, n_states, groups_b, groups_c):
@@ -553,6 +565,8 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     torch.func.grad and torch.func.vmap.
     """
     _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    if u.numel() == 0:
+        return empty_selective_scan(u, delta, A, B, C, D, z, delta_bias, return_last_state, initial_state)
     B4 = B.unsqueeze(1) if B.dim() == 3 else B
     C4 = C.unsqueeze(1) if C.dim() == 3 else C
     _check_index_range(u.shape, A.shape[1], _groups(B4), _groups(C4))

@@ -234,7 +234,6 @@ def _good():
 
 @pytest.mark.parametrize("change,error,message", [
     (dict(x=torch.randn(4, 9)), ValueError, "x must have shape (batch, dim, L)"),
-    (dict(x=torch.randn(2, 4, 0)), ValueError, "x must not be empty"),
     (dict(weight=torch.randn(5, 4)), ValueError, "weight must have shape (dim=4, width)"),
     (dict(weight=torch.randn(4, 1)), ValueError, "with width 2, 3 or 4"),
     (dict(weight=torch.randn(4, 5)), ValueError, "with width 2, 3 or 4"),
@@ -329,3 +328,23 @@ def test_update_under_compile():
     got = torch.compile(steps, fullgraph=True, backend="aot_eager")(x, state_compiled)
     torch.testing.assert_close(got, expected, rtol=0, atol=0)
     torch.testing.assert_close(state_compiled, state_eager, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 0), (0, 4, 5), (2, 0, 5)], ids=["L0", "batch0", "dim0"])
+def test_empty_x_gives_an_empty_result(shape):
+    """As torch's ops do: an empty out, the final states the initial states (nothing moved them) or the
+    last columns of x, and gradients of the right shapes, the initial states' through the final states."""
+    batch, dim, length = shape
+    x = torch.randn(shape, device=DEVICE, requires_grad=True)
+    weight = torch.randn(dim, 4, device=DEVICE, requires_grad=True)
+    bias = torch.randn(dim, device=DEVICE, requires_grad=True)
+    h0 = torch.randn(batch, dim, 3, device=DEVICE, requires_grad=True)
+    out, final = causal_conv1d(x, weight, bias, initial_states=h0, return_final_states=True, activation="silu")
+    assert out.shape == shape and out.dtype == x.dtype
+    want = torch.cat([h0, x], dim=-1)[..., -3:]
+    assert torch.equal(final, want)
+    grads = torch.autograd.grad(out.sum() + 2 * final.sum(), [x, weight, bias, h0])
+    assert [g.shape for g in grads] == [t.shape for t in (x, weight, bias, h0)]
+    assert not grads[1].any() and not grads[2].any()
+    if length == 0:
+        assert torch.equal(grads[3], torch.full_like(h0, 2.0))

@@ -432,11 +432,10 @@ def small_block(**options):
     (torch.randn(1, 5, 3), ValueError, r"hidden_states must have shape \(batch, L, d_model=4\)"),
     (torch.randn(5, 4), ValueError, r"hidden_states must have shape"),
     (torch.randn(1, 1, 5, 4), ValueError, r"hidden_states must have shape"),
-    (torch.randn(0, 5, 4), ValueError, r"hidden_states must not be empty"),
-    (torch.randn(1, 0, 4), ValueError, r"hidden_states must not be empty"),
+    (torch.randn(1, 0, 4), ValueError, r"hidden_states must hold at least one position"),
     (torch.ones(1, 5, 4, dtype=torch.int64), TypeError, r"hidden_states must be float"),
     ([[0.0] * 4], TypeError, r"hidden_states must be a torch.Tensor"),
-], ids=["d_model", "rank2", "rank4", "empty_batch", "empty_L", "int64", "list"])
+], ids=["d_model", "rank2", "rank4", "empty_L", "int64", "list"])
 def test_forward_bad_hidden_states(hidden, error, pattern):
     with pytest.raises(error, match=pattern):
         small_block()(hidden)
@@ -547,3 +546,14 @@ def test_step_matches_mamba_ssm(dtype, tol, no_tf32):
             states.append(params.key_value_memory_dict[0])
     assert rel_err(outs[0], outs[1]) < tol
     assert rel_err(states[0][0], states[1][0]) < tol and rel_err(states[0][1], states[1][1]) < tol
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_an_empty_batch_gives_an_empty_result(backend):
+    """As torch's modules do: batch 0 in, batch 0 out, and a backward that gives zero gradients."""
+    block = Mamba(4, d_state=2, backend=backend, device=DEVICE)
+    hidden = torch.randn(0, 5, 4, device=DEVICE, requires_grad=True)
+    out = block(hidden)
+    assert out.shape == (0, 5, 4)
+    out.sum().backward()
+    assert all(p.grad is None or not p.grad.any() for p in block.parameters())

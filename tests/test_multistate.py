@@ -330,7 +330,6 @@ def _bad_calls():
         "x wrong length": (lambda: scan_lib.multistate_scan(a, b, c, x[:, :4].contiguous()), ValueError, "x"),
         "x 3-D": (lambda: scan_lib.multistate_scan(a, b, c, x[..., None]), ValueError, "x"),
         "initial_state wrong shape": (lambda: scan_lib.multistate_scan(a, b, c, x, h0[:1]), ValueError, "initial_state"),
-        "empty": (lambda: scan_lib.multistate_scan(a[..., :0], b[..., :0], c[..., :0], x[:, :0]), ValueError, "a"),
         "non-contiguous a": (lambda: scan_lib.multistate_scan(non_contiguous, b, c, x), ValueError, "a"),
         "block_l 24": (lambda: scan_lib.multistate_scan(a, b, c, x, block_l=24), ValueError, "block_l"),
         "block_l 1": (lambda: scan_lib.multistate_scan(a, b, c, x, block_l=1), ValueError, "block_l"),
@@ -362,3 +361,18 @@ def test_cpu_and_gpu_tensors_are_refused():
     a, b, c, x, _ = make_inputs(1, 2, 5, torch.float32, seed=9)
     with pytest.raises(ValueError, match="one device"):
         scan_lib.multistate_scan(a, b, c, x.cpu())
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 0), (0, 3, 5), (2, 0, 5)], ids=["L0", "batch0", "N0"])
+def test_empty_inputs_give_torch_like_results(shape):
+    """As torch's ops do: y of x's shape (zeros: a sum over no states), the last state the initial
+    state, gradients of every input's shape, the initial state's through the last state."""
+    batch, n_states, length = shape
+    a, b, c = (torch.rand(shape, device=DEVICE, requires_grad=True) for _ in range(3))
+    x = torch.randn(batch, length, device=DEVICE, requires_grad=True)
+    h0 = torch.randn(batch, n_states, device=DEVICE, requires_grad=True)
+    y, last = scan_lib.multistate_scan(a, b, c, x, h0, return_last_state=True)
+    assert y.shape == x.shape and not y.any() and torch.equal(last, h0)
+    grads = torch.autograd.grad(y.sum() + 2 * last.sum(), [a, b, c, x, h0])
+    assert [g.shape for g in grads] == [t.shape for t in (a, b, c, x, h0)]
+    assert torch.equal(grads[4], torch.full_like(h0, 2.0))

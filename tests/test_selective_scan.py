@@ -447,7 +447,6 @@ def test_return_types():
 
 @pytest.mark.parametrize("change,error,message", [
     (dict(u=torch.randn(4, 9)), ValueError, "u must have shape"),
-    (dict(u=torch.randn(2, 4, 0)), ValueError, "u must not be empty"),
     (dict(delta=torch.randn(2, 4, 5)), ValueError, "delta must have shape"),
     (dict(A=torch.randn(4, 3, dtype=torch.complex64)), TypeError, "A must be real: complex A"),
     (dict(B=torch.randn(4, 2)), ValueError, "B of 2 dimensions (time-invariant) must have shape (dim=4, N=3)"),
@@ -602,3 +601,21 @@ def test_fast_sizes_past_32_bit_offsets():
     assert out.numel() >= 2**31
     assert torch.equal(out[-1, -1], want[0, 0]) and torch.equal(out[0, 0], want[0, 0])
     del out
+
+
+@pytest.mark.parametrize("shape", [(2, 4, 0), (0, 4, 5), (2, 0, 5)], ids=["L0", "batch0", "dim0"])
+@pytest.mark.parametrize("scan", [scan_lib.selective_scan, sys.modules["scan_lib.selective_scan"].selective_scan],
+                         ids=["chapter07", "chapter05"])
+def test_empty_u_gives_an_empty_result(scan, shape):
+    """As torch's ops do: an empty out in u's dtype, the last state the initial state (no position moved
+    it), and every gradient of its input's shape, the initial state's through the last state."""
+    batch, dim, length = shape
+    rand = lambda *s: torch.randn(*s, device=DEVICE, requires_grad=True)  # noqa: E731
+    u, delta, B, C, h0 = rand(*shape), rand(*shape), rand(batch, 3, length), rand(batch, 3, length), rand(batch, dim, 3)
+    A = (-torch.rand(dim, 3, device=DEVICE)).requires_grad_()
+    out, last = scan(u, delta, A, B, C, return_last_state=True, initial_state=h0)
+    assert out.shape == shape and out.dtype == u.dtype and torch.equal(last, h0)
+    leaves = [u, delta, A, B, C, h0]
+    grads = torch.autograd.grad(out.sum() + 2 * last.sum(), leaves)
+    assert [g.shape for g in grads] == [t.shape for t in leaves]
+    assert torch.equal(grads[5], torch.full_like(h0, 2.0)) and not grads[2].any()
