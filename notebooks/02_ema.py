@@ -263,8 +263,9 @@ for length in [1, 7, 129, 1000]:
 # %% [markdown]
 # ## 4. Any length: chunks and a carried state
 #
-# One block cannot hold a long row (registers run out past a few thousand elements), so one
-# program walks its row **chunk by chunk, in order**, and carries the state in a register: the $h$ at
+# One block cannot hold a long row (a block lives in the registers of one program's threads, and a
+# block the size of a long row would need more of them than the program has: Triton then spills to
+# slow memory, or the compile fails), so one program walks its row **chunk by chunk, in order**, and carries the state in a register: the $h$ at
 # the end of one chunk is the $h^{\text{init}}$ of the next. Inside a chunk `tl.associative_scan`
 # still works in parallel, and every element is read once and written once. The parallelism along
 # the sequence is given up, but the rows are many (batch $\times$ dim in a Mamba layer).
@@ -417,6 +418,10 @@ def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=Non
     return h
 
 # %% [markdown]
+# (Without an initial state the kernel never reads `H0`: `HAS_H0` is a compile-time constant, so
+# the load is compiled out. Triton still needs a tensor in that argument's place, and the launcher
+# passes `tokens` as a placeholder that is never read.)
+#
 # ## 5. Checks, with tolerances derived from the dtype and the length
 #
 # We compare the kernel with the float64 loop on the *same* (already rounded) inputs, so what is
@@ -540,9 +545,13 @@ assert ratio_acc16 > 1 and ratio_no_carry > 1
 # ## 6. The EMA of a noisy signal
 #
 # Back to where we started, now with the kernel: gates $a_t = \alpha$ and tokens $b_t = (1-\alpha)x_t$.
-# A causal EMA lags behind the signal: for a sine of angular frequency $\omega$ the lag is
-# $\arctan\!\big(\alpha \sin\omega / (1 - \alpha\cos\omega)\big)/\omega$ samples (the phase of
-# $(1-\alpha)/(1-\alpha e^{-i\omega})$). The reverse EMA (`reverse=True`) leads by about as much, and
+# A causal EMA lags behind the signal. Feed it a complex sine $x_t = e^{i\omega t}$ (angular frequency
+# $\omega$ radians per sample): the output is the same sine times a constant, $h_t = H e^{i\omega t}$,
+# and putting that into $h_t = \alpha h_{t-1} + (1-\alpha)x_t$ gives $H(1 - \alpha e^{-i\omega}) = 1-\alpha$.
+# Since $1 - \alpha e^{-i\omega} = (1 - \alpha\cos\omega) + i\,\alpha\sin\omega$, the angle of $H$ is
+# $-\arctan\!\big(\alpha \sin\omega / (1 - \alpha\cos\omega)\big)$: the output is the input delayed by
+# $\arctan\!\big(\alpha \sin\omega / (1 - \alpha\cos\omega)\big)/\omega$ samples (and a real sine, the
+# sum of two complex ones, by the same). The reverse EMA (`reverse=True`) leads by about as much, and
 # the reverse scan of the forward one cancels the lag, like a zero-phase filter. The cell measures
 # the lags by cross-correlation and prints them next to the theory (the noise is drawn on the CPU,
 # so every device smooths the same signal).

@@ -1,5 +1,6 @@
-"""scan_lib.distributed: the sequence-parallel scans and Mamba block, in several processes joined by
-gloo (NCCL on a machine with as many GPUs), against the same problem run whole in one process, at
+"""scan_lib.distributed: the sequence-parallel scans and Mamba block, in several processes run as
+launch_plan picks (NCCL with a GPU per rank, gloo with the ranks sharing one GPU, or gloo between CPU
+processes), against the same problem run whole in one process, at
 awkward lengths and uneven shards, every gradient included; and bad input."""
 import os
 import socket
@@ -15,21 +16,11 @@ from scan_lib.runtime import DEVICE
 TOLERANCE = 1e-5
 
 
-def _backend(ranks):
-    """NCCL with a GPU per rank; gloo between CPU processes on a machine without GPUs. (On a GPU machine
-    they would run Triton's interpreter, which Triton 3.6 cannot with NumPy 2.4, as GPU images have.)"""
-    if torch.cuda.device_count() >= ranks:
-        return "nccl"
-    if torch.cuda.is_available():
-        pytest.skip(f"{ranks} ranks need {ranks} GPUs for NCCL ({torch.cuda.device_count()} here)")
-    return "gloo"
-
-
 def test_three_ranks_match_one_process():
     """Uneven shards, one of length 1 (shorter than the convolution's reach: its boundary comes from two
     ranks); the chain of sends gives the all-gather's entering states."""
     cases = [("linear_scan", (5, 1, 7)), ("selective_scan", (7, 1, 5)), ("mamba", (6, 1, 5)), ("chain", (1, 1, 1))]
-    errors = distributed.launch(distributed.check_against_one_process, 3, cases, backend=_backend(3))
+    errors = distributed.launch(distributed.check_against_one_process, 3, cases)
     for case, (kind, lengths) in enumerate(cases):
         worst = max(per_rank[case] for per_rank in errors)
         assert worst < TOLERANCE, (kind, lengths, worst)
@@ -37,7 +28,7 @@ def test_three_ranks_match_one_process():
 
 def test_two_ranks_match_one_process():
     cases = [("linear_scan", (64, 65)), ("selective_scan", (33, 20)), ("selective_scan", (1, 40))]
-    errors = distributed.launch(distributed.check_against_one_process, 2, cases, 3, backend=_backend(2))
+    errors = distributed.launch(distributed.check_against_one_process, 2, cases, 3)
     for case, (kind, lengths) in enumerate(cases):
         assert max(per_rank[case] for per_rank in errors) < TOLERANCE, (kind, lengths)
 
