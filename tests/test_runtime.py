@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from scan_lib.runtime import (DEVICE, INTERPRET, ON_GPU, apply, check_float_tensor, check_same_device, gpu_assembly,
+from scan_lib.runtime import (DEVICE, INTERPRET, ON_GPU, apply, check_float_tensor, check_same_device, custom_op, gpu_assembly,
                               rounds_to_nearest, save_figure)
 
 
@@ -142,3 +142,50 @@ def test_apply_runs_the_function_in_eager_mode_and_under_transforms():
     assert torch.allclose(torch.func.vmap(lambda t: apply(_Square, t, 3.0))(x.detach()[:, None]), 3 * x.detach()[:, None] ** 2)
     compiled = torch.compile(lambda t: apply(_Square, t, 3.0), fullgraph=True, backend="aot_eager")
     assert torch.allclose(compiled(x), 3 * x * x)
+
+
+def _counted_op():
+    """A custom op made by runtime.custom_op, and a list that grows by one per call through the dispatcher."""
+    through_dispatcher = []
+
+    @custom_op("double_it", __name__)
+    def double_it(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @double_it.register_fake
+    def _(x):
+        return torch.empty_like(x)
+
+    double_it.register_vmap(lambda info, dims, t: (t * 2, dims[0]))
+    op = double_it._op
+    double_it._op = lambda *args: through_dispatcher.append(1) or op(*args)
+    return double_it, through_dispatcher
+
+
+def test_a_plain_eager_call_skips_the_dispatcher():
+    double_it, through_dispatcher = _counted_op()
+    assert torch.equal(double_it(torch.ones(3)), torch.full((3,), 2.0))
+    assert through_dispatcher == []
+
+
+@pytest.mark.parametrize("context", ["requires_grad", "fake", "compile", "vmap", "profiler"])
+def test_calls_that_need_the_dispatcher_go_through_it(context):
+    """Gradients through the op, fake tensors, torch.compile, torch.func and the profiler's op names
+    are the dispatcher's business: those calls go through the registered op, and give its result."""
+    double_it, through_dispatcher = _counted_op()
+    x = torch.ones(3)
+    if context == "requires_grad":
+        with pytest.raises(RuntimeError):   # the op has no autograd formula: the dispatcher says so
+            double_it(x.requires_grad_()).sum().backward()
+    elif context == "fake":
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode() as mode:
+            assert double_it(mode.from_tensor(x)).shape == (3,)
+    elif context == "compile":
+        assert torch.equal(torch.compile(double_it, backend="eager", fullgraph=True)(x), x * 2)
+    elif context == "vmap":
+        assert torch.equal(torch.func.vmap(double_it)(torch.ones(2, 3)), torch.full((2, 3), 2.0))
+    else:
+        with torch.profiler.profile():
+            assert torch.equal(double_it(x), x * 2)
+    assert through_dispatcher, f"{context}: the call did not go through the op"
