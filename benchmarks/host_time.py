@@ -62,7 +62,10 @@ def main():
     plain, grad = empty_calls(False), empty_calls(True)
     for name, (ours, theirs) in plain.items():
         torch_us = f"{host_us(theirs, args.calls):7.1f}" if theirs else f"{'-':>7s}"
-        print(f"{name:18s} {host_us(ours, args.calls):9.1f} {torch_us} {host_us(grad[name][0], args.calls):27.1f}")
+        try:
+            print(f"{name:18s} {host_us(ours, args.calls):9.1f} {torch_us} {host_us(grad[name][0], args.calls):27.1f}")
+        except (ValueError, RuntimeError) as error:   # an op that refuses empty inputs: say so, time the rest
+            print(f"{name:18s} {'raises':>9s} {torch_us}  {type(error).__name__}: {error}")
 
 
 if __name__ == "__main__":
