@@ -1,0 +1,72 @@
+"""Host time per call of each public op, on empty inputs: nothing reaches a kernel, so what is timed is
+the Python path alone (input checks, the custom operator, autograd's wrapping), beside torch's own op
+for the same empty input. Runs on any machine (without a GPU too: empty inputs never reach Triton's
+interpreter). Issue 21's target: at most 30 us per call.
+
+    python benchmarks/host_time.py            # prints the table; --calls N for more calls per sample
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import scan_lib  # first: without a GPU it switches Triton to its interpreter
+from scan_lib.runtime import DEVICE
+
+
+def empty_calls(requires_grad: bool):
+    """name -> (scan_lib's call, torch's call for the same empty input, or None)."""
+    def t(*shape):
+        return torch.empty(shape, device=DEVICE, requires_grad=requires_grad)
+    x2, g2 = t(4, 0), t(4, 0)
+    u, A, B = t(2, 4, 0), torch.randn(4, 3, device=DEVICE, requires_grad=requires_grad), t(2, 3, 0)
+    weight = torch.randn(4, 4, device=DEVICE, requires_grad=requires_grad)
+    no_batch, q = t(0, 4, 5), t(1, 2, 0, 32)
+    ms_a, ms_x = t(2, 3, 0), t(2, 0)
+    block = scan_lib.Mamba(16, device=DEVICE)
+    hidden = t(0, 5, 16)
+    return {
+        "cumsum": (lambda: scan_lib.cumsum(x2), lambda: torch.cumsum(x2, -1)),
+        "linear_scan": (lambda: scan_lib.linear_scan(g2, x2), None),
+        "multistate_scan": (lambda: scan_lib.multistate_scan(ms_a, ms_a, ms_a, ms_x), None),
+        "selective_scan": (lambda: scan_lib.selective_scan(u, u, A, B, B), None),
+        "causal_conv1d": (lambda: scan_lib.causal_conv1d(no_batch, weight, activation="silu"),   # F.conv1d refuses L = 0
+                          lambda: F.silu(F.conv1d(no_batch, weight.unsqueeze(1), padding=3, groups=4)[..., :5])),
+        "flash_attention": (lambda: scan_lib.flash_attention(q, q, q, causal=True),
+                            lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)),
+        "Mamba (batch 0)": (lambda: block(hidden), None),
+    }
+
+
+def host_us(fn, calls: int, samples: int = 7) -> float:
+    """Median over samples of the mean wall time per call of `calls` calls, in microseconds."""
+    for _ in range(10):
+        fn()
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--calls", type=int, default=200)
+    args = parser.parse_args()
+    print(f"{scan_lib.runtime.describe()}; host us per call on empty inputs (median of 7 samples of {args.calls})")
+    print(f"{'op':18s} {'scan_lib':>9s} {'torch':>7s} {'scan_lib, inputs need grad':>27s}")
+    plain, grad = empty_calls(False), empty_calls(True)
+    for name, (ours, theirs) in plain.items():
+        torch_us = f"{host_us(theirs, args.calls):7.1f}" if theirs else f"{'-':>7s}"
+        try:
+            print(f"{name:18s} {host_us(ours, args.calls):9.1f} {torch_us} {host_us(grad[name][0], args.calls):27.1f}")
+        except (ValueError, RuntimeError) as error:   # an op that refuses empty inputs: say so, time the rest
+            print(f"{name:18s} {'raises':>9s} {torch_us}  {type(error).__name__}: {error}")
+
+
+if __name__ == "__main__":
+    main()
