@@ -679,8 +679,10 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
 
 # %% [markdown]
 # The module itself. Its constructor takes `mamba_ssm`'s arguments and creates the same parameters with
-# the same shapes, in the same order and with the same random draws, so a `state_dict` moves between
-# the two and a seeded construction gives the same weights. `ssm_parameters` is the selection (step 3
+# the same shapes, in the same order, so a `state_dict` moves between the two (section 3's checks load
+# one into the other). It also makes the same kinds of random draws in the same order, but whether a
+# seeded construction gives bit-identical weights is not checked here: the comparisons always copy the
+# `state_dict`. `ssm_parameters` is the selection (step 3
 # above) in a method of its own, so that section 6's baseline can replace it.
 
 # %%
@@ -1592,7 +1594,8 @@ else:
 # bfloat16 path and backward are slower than `mamba_ssm`'s CUDA kernel), and the next largest share is
 # PyTorch's elementwise kernels (the profile's names are cut short, so it does not say which operation
 # each one is; the scan's launcher copies its strided inputs and gradients to contiguous tensors and
-# casts them, and the projections are transposed around, which is where such kernels come from). The
+# casts them, and the projections are transposed around, which is where we expect such kernels to
+# come from, a guess that this profile cannot confirm). The
 # matrix products and the convolution take the rest. Closing the gap means
 # faster scan kernels that read strided bfloat16 inputs in place, the subject of the performance chapter.
 

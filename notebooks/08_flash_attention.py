@@ -1507,9 +1507,11 @@ else:
 # (On a GPU the cell prints the table, whether ours keeps up with the flash backend in every row, the
 # ratio to cuDNN, and the plot.) In the committed run on the H200, ours is ahead of the flash backend
 # everywhere except forward + backward at $L = 1024$, in all four rows. There the GPU has little work
-# per call and the call is bound by the host, not the GPU: our op is Python (an autograd Function
-# around two torch custom ops, four Triton launches), where SDPA's is C++ from end to end. Cutting that
-# host time is open work.
+# per call, and our op is Python (an autograd Function around two torch custom ops, four Triton
+# launches) where SDPA's is C++ from end to end, so the host's time per call may be what is measured;
+# this cell does not separate the two (`benchmarks/host_time.py` times the Python path alone, and a
+# CUDA graph of the call, `scan_lib.runtime.graph_us`, would time the GPU alone). Cutting the host
+# time is open work.
 # Where ours falls behind cuDNN, the likely reason lies in what the
 # kernel does not use: FlashAttention-3, and by NVIDIA's accounts cuDNN's Hopper kernels, split each
 # block's warps into producers,

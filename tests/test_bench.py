@@ -74,3 +74,16 @@ def test_sass_count_compiles_for_sm90_without_a_gpu(tmp_path):
     for kind, line in lines.items():
         per_pair = float(line.split(":")[1].split("instructions")[0])
         assert 3 < per_pair < 1000, line   # at least the arithmetic of a step; a count, not a runaway parse
+
+
+def test_host_time_prints_a_row_per_op(capsys, monkeypatch):
+    """benchmarks/host_time.py runs here (empty inputs never reach a kernel) and reports every op, timed
+    or refusing its empty input."""
+    spec = importlib.util.spec_from_file_location("host_time", ROOT / "benchmarks" / "host_time.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr("sys.argv", ["host_time.py", "--calls", "2"])
+    module.main()
+    printed = capsys.readouterr().out
+    for name in module.empty_calls(False):
+        assert any(line.startswith(name) for line in printed.splitlines()), (name, printed)
