@@ -699,6 +699,13 @@ class InferenceParams:
     key_value_memory_dict: dict = field(default_factory=dict)
     lengths_per_sample: Optional[torch.Tensor] = None
 
+    def reset(self, max_seqlen, max_batch_size):
+        """Ready for a new prompt, as mamba_ssm's reset: the offset back to 0 (the next call starts
+        from zero states; the cached tensors are kept and overwritten)."""
+        self.max_seqlen, self.max_batch_size, self.seqlen_offset = max_seqlen, max_batch_size, 0
+        if self.lengths_per_sample is not None:
+            self.lengths_per_sample.zero_()
+
 
 class Mamba(nn.Module):
     """The Mamba (S6) block of mamba_ssm.modules.mamba_simple.Mamba: the same constructor arguments,
@@ -707,9 +714,10 @@ class Mamba(nn.Module):
     backend: "triton" (scan_lib.causal_conv1d, selective_scan, selective_state_update) or "torch"
     (plain PyTorch, for training on a CPU); None picks "triton" on a GPU and "torch" otherwise.
     use_fast_path is accepted for compatibility and has no effect.
-    forward(hidden_states, inference_params): with inference_params, the block continues from the states
-    cached under layer_idx (zeros at first) and leaves its final states there, so a prompt can be fed in
-    chunks; a single position after the first (seqlen_offset > 0) runs `step`, as in mamba_ssm.
+    forward(hidden_states, inference_params): with inference_params, a call at seqlen_offset 0 starts a
+    new prompt from zero states, as mamba_ssm's does, whatever the cache holds; a later call continues
+    from the states cached under layer_idx, so a prompt can be fed in chunks; either leaves its final
+    states there. A single position after the first (seqlen_offset > 0) runs `step`, as in mamba_ssm.
     """
 
     def __init__(self, d_model, d_state=16, d_conv=4, expand=2, dt_rank="auto", dt_min=0.001, dt_max=0.1,
@@ -758,6 +766,9 @@ class Mamba(nn.Module):
         conv_state, ssm_state = self._get_states_from_cache(inference_params, hidden_states.shape[0])
         if inference_params.seqlen_offset > 0 and hidden_states.shape[1] == 1:
             return self.step(hidden_states, conv_state, ssm_state)[0]
+        if inference_params.seqlen_offset == 0:   # a new prompt: from zeros, not from an old prompt's states
+            conv_state.zero_()
+            ssm_state.zero_()
         out, new_conv_state, new_ssm_state = self._sequence(hidden_states, conv_state, ssm_state)
         conv_state.copy_(new_conv_state)
         ssm_state.copy_(new_ssm_state)
@@ -798,8 +809,9 @@ class Mamba(nn.Module):
         self._check_states(hidden_states.shape[0], conv_state, ssm_state)
         x, z = self.in_proj(hidden_states[:, 0]).chunk(2, dim=-1)               # batch x d_inner each
         weight = self.conv1d.weight[:, 0]                                       # d_inner x d_conv
-        if self.backend == "triton":
-            x = causal_conv1d_update(x, conv_state, weight, self.conv1d.bias, self.activation)
+        if self.backend == "triton":   # the cache may have another dtype (allocate_inference_cache(dtype=...))
+            x = causal_conv1d_update(x.to(conv_state.dtype), conv_state, weight, self.conv1d.bias,
+                                     self.activation).to(x.dtype)
         else:   # shift the window left by one position, append x, and apply the filter
             conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
             conv_state[:, :, -1] = x
@@ -848,6 +860,10 @@ class Mamba(nn.Module):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.d_model:
             raise ValueError(f"hidden_states must have shape (batch, L, d_model={self.d_model}), "
                              f"got {tuple(hidden_states.shape)}")
+        weight = self.in_proj.weight
+        if hidden_states.dtype != weight.dtype and not torch.is_autocast_enabled(hidden_states.device.type):
+            raise TypeError(f"hidden_states must have the block's dtype {weight.dtype} (or run under "
+                            f"torch.autocast), got {hidden_states.dtype}")
         if hidden_states.shape[1] == 0:   # a batch of 0 gives an empty result; no positions is refused,
             # as F.conv1d (the torch backend's convolution) refuses them
             raise ValueError(f"hidden_states must hold at least one position, got shape {tuple(hidden_states.shape)}")
@@ -1948,19 +1964,23 @@ def _(x, conv_state, weight, bias, silu):
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     """One step of the causal conv for token-by-token generation, like the causal-conv1d package's
-    causal_conv1d_update (forward only). x: (batch, dim), the new input; conv_state: (batch, dim,
-    state_len) with state_len >= width - 1, the last inputs, updated in place (shifted left by one, x
+    causal_conv1d_update (forward only). x: (batch, dim), the new input, or (batch, dim, L), L new
+    inputs in order (one step each, as the package accepts); conv_state: (batch, dim, state_len) with
+    state_len >= width - 1, the last inputs, updated in place (shifted left by one per input, the input
     appended); weight: (dim, width); bias: (dim,); activation None, "silu" or "swish".
-    Returns out (batch, dim) in x's dtype: the causal_conv1d output at the new position. No gradients;
+    Returns out of x's shape and dtype: the causal_conv1d output at the new positions. No gradients;
     works under torch.compile (as a functional op and a copy into conv_state)."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    if isinstance(x, torch.Tensor) and x.dim() == 3:
+        steps = [causal_conv1d_update(x[..., t], conv_state, weight, bias, activation) for t in range(x.shape[-1])]
+        return torch.stack(steps, dim=-1) if steps else x.clone()
     named = dict(x=x, conv_state=conv_state, weight=weight, bias=bias)
     for name, value in named.items():
         if value is not None or name != "bias":
             check_float_tensor(name, value)
     if x.dim() != 2:
-        raise ValueError(f"x must have shape (batch, dim), got {tuple(x.shape)}")
+        raise ValueError(f"x must have shape (batch, dim) or (batch, dim, L), got {tuple(x.shape)}")
     batch, dim = x.shape
     if weight.dim() != 2 or weight.shape[0] != dim or not 2 <= weight.shape[1] <= 4:
         raise ValueError(f"weight must have shape (dim={dim}, width) with width 2, 3 or 4, got {tuple(weight.shape)}")
@@ -2012,10 +2032,10 @@ for width, state_len in ((4, 3), (3, 5)):
 #   of them are the old state's.
 # - **Chunked prefill is an extension.** `mamba_ssm`'s `Mamba.forward` with `inference_params` at
 #   `seqlen_offset == 0` overwrites both states from the sequence (it starts from zeros), and at any
-#   later offset calls `step`, which takes one position only. This block starts every call from the
-#   cached states (zeros after `allocate_inference_cache`, so the first call is the same as
-#   `mamba_ssm`'s) and runs `step` only for a single position after the first, so a prompt can be fed
-#   in chunks of any length.
+#   later offset calls `step`, which takes one position only. This block does the same at offset 0
+#   (it zeroes the cached states first, so a reused `InferenceParams`, after `reset`, starts the new
+#   prompt afresh), continues from the cached states at any later offset, and runs `step` only for a
+#   single position there, so a prompt can be fed in chunks of any length.
 # - **The step kernel's launch.** One program per (batch element, block of channels), with the block
 #   sized so a program holds about 4096 state values ($\text{BLOCK\_D} \times N$). A step reads and
 #   writes the whole state once, 2 x batch x d_inner x N values, so at batch 1 it is a few microseconds

@@ -483,19 +483,23 @@ def _(x, conv_state, weight, bias, silu):
 
 def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     """One step of the causal conv for token-by-token generation, like the causal-conv1d package's
-    causal_conv1d_update (forward only). x: (batch, dim), the new input; conv_state: (batch, dim,
-    state_len) with state_len >= width - 1, the last inputs, updated in place (shifted left by one, x
+    causal_conv1d_update (forward only). x: (batch, dim), the new input, or (batch, dim, L), L new
+    inputs in order (one step each, as the package accepts); conv_state: (batch, dim, state_len) with
+    state_len >= width - 1, the last inputs, updated in place (shifted left by one per input, the input
     appended); weight: (dim, width); bias: (dim,); activation None, "silu" or "swish".
-    Returns out (batch, dim) in x's dtype: the causal_conv1d output at the new position. No gradients;
+    Returns out of x's shape and dtype: the causal_conv1d output at the new positions. No gradients;
     works under torch.compile (as a functional op and a copy into conv_state)."""
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    if isinstance(x, torch.Tensor) and x.dim() == 3:
+        steps = [causal_conv1d_update(x[..., t], conv_state, weight, bias, activation) for t in range(x.shape[-1])]
+        return torch.stack(steps, dim=-1) if steps else x.clone()
     named = dict(x=x, conv_state=conv_state, weight=weight, bias=bias)
     for name, value in named.items():
         if value is not None or name != "bias":
             check_float_tensor(name, value)
     if x.dim() != 2:
-        raise ValueError(f"x must have shape (batch, dim), got {tuple(x.shape)}")
+        raise ValueError(f"x must have shape (batch, dim) or (batch, dim, L), got {tuple(x.shape)}")
     batch, dim = x.shape
     if weight.dim() != 2 or weight.shape[0] != dim or not 2 <= weight.shape[1] <= 4:
         raise ValueError(f"weight must have shape (dim={dim}, width) with width 2, 3 or 4, got {tuple(weight.shape)}")

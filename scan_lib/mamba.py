@@ -127,6 +127,13 @@ class InferenceParams:
     key_value_memory_dict: dict = field(default_factory=dict)
     lengths_per_sample: Optional[torch.Tensor] = None
 
+    def reset(self, max_seqlen, max_batch_size):
+        """Ready for a new prompt, as mamba_ssm's reset: the offset back to 0 (the next call starts
+        from zero states; the cached tensors are kept and overwritten)."""
+        self.max_seqlen, self.max_batch_size, self.seqlen_offset = max_seqlen, max_batch_size, 0
+        if self.lengths_per_sample is not None:
+            self.lengths_per_sample.zero_()
+
 
 class Mamba(nn.Module):
     """The Mamba (S6) block of mamba_ssm.modules.mamba_simple.Mamba: the same constructor arguments,
@@ -135,9 +142,10 @@ class Mamba(nn.Module):
     backend: "triton" (scan_lib.causal_conv1d, selective_scan, selective_state_update) or "torch"
     (plain PyTorch, for training on a CPU); None picks "triton" on a GPU and "torch" otherwise.
     use_fast_path is accepted for compatibility and has no effect.
-    forward(hidden_states, inference_params): with inference_params, the block continues from the states
-    cached under layer_idx (zeros at first) and leaves its final states there, so a prompt can be fed in
-    chunks; a single position after the first (seqlen_offset > 0) runs `step`, as in mamba_ssm.
+    forward(hidden_states, inference_params): with inference_params, a call at seqlen_offset 0 starts a
+    new prompt from zero states, as mamba_ssm's does, whatever the cache holds; a later call continues
+    from the states cached under layer_idx, so a prompt can be fed in chunks; either leaves its final
+    states there. A single position after the first (seqlen_offset > 0) runs `step`, as in mamba_ssm.
     """
 
     def __init__(self, d_model, d_state=16, d_conv=4, expand=2, dt_rank="auto", dt_min=0.001, dt_max=0.1,
@@ -183,6 +191,9 @@ class Mamba(nn.Module):
         conv_state, ssm_state = self._get_states_from_cache(inference_params, hidden_states.shape[0])
         if inference_params.seqlen_offset > 0 and hidden_states.shape[1] == 1:
             return self.step(hidden_states, conv_state, ssm_state)[0]
+        if inference_params.seqlen_offset == 0:   # a new prompt: from zeros, not from an old prompt's states
+            conv_state.zero_()
+            ssm_state.zero_()
         out, new_conv_state, new_ssm_state = self._sequence(hidden_states, conv_state, ssm_state)
         conv_state.copy_(new_conv_state)
         ssm_state.copy_(new_ssm_state)
@@ -223,8 +234,9 @@ class Mamba(nn.Module):
         self._check_states(hidden_states.shape[0], conv_state, ssm_state)
         x, z = self.in_proj(hidden_states[:, 0]).chunk(2, dim=-1)               # batch x d_inner each
         weight = self.conv1d.weight[:, 0]                                       # d_inner x d_conv
-        if self.backend == "triton":
-            x = causal_conv1d_update(x, conv_state, weight, self.conv1d.bias, self.activation)
+        if self.backend == "triton":   # the cache may have another dtype (allocate_inference_cache(dtype=...))
+            x = causal_conv1d_update(x.to(conv_state.dtype), conv_state, weight, self.conv1d.bias,
+                                     self.activation).to(x.dtype)
         else:   # shift the window left by one position, append x, and apply the filter
             conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
             conv_state[:, :, -1] = x
@@ -273,6 +285,10 @@ class Mamba(nn.Module):
         if hidden_states.dim() != 3 or hidden_states.shape[-1] != self.d_model:
             raise ValueError(f"hidden_states must have shape (batch, L, d_model={self.d_model}), "
                              f"got {tuple(hidden_states.shape)}")
+        weight = self.in_proj.weight
+        if hidden_states.dtype != weight.dtype and not torch.is_autocast_enabled(hidden_states.device.type):
+            raise TypeError(f"hidden_states must have the block's dtype {weight.dtype} (or run under "
+                            f"torch.autocast), got {hidden_states.dtype}")
         if hidden_states.shape[1] == 0:   # a batch of 0 gives an empty result; no positions is refused,
             # as F.conv1d (the torch backend's convolution) refuses them
             raise ValueError(f"hidden_states must hold at least one position, got shape {tuple(hidden_states.shape)}")

@@ -281,7 +281,7 @@ def test_update_half_precision_and_bad_input():
     good = dict(x=x[..., 0], conv_state=h0.clone(), weight=weight, bias=b)
     for change, error, message in [
         (dict(conv_state=h0[..., :2].clone()), ValueError, "conv_state must have shape (batch=3, dim=4, state_len >= 3)"),
-        (dict(x=x), ValueError, "x must have shape (batch, dim)"),
+        (dict(x=x[..., None]), ValueError, "x must have shape (batch, dim) or (batch, dim, L)"),
         (dict(weight=weight[:, :1]), ValueError, "width 2, 3 or 4"),
         (dict(conv_state=h0.float()), TypeError, "conv_state must have x's dtype"),
         (dict(activation="gelu"), ValueError, "activation must be None"),
@@ -348,3 +348,19 @@ def test_empty_x_gives_an_empty_result(shape):
     assert not grads[1].any() and not grads[2].any()
     if length == 0:
         assert torch.equal(grads[3], torch.full_like(h0, 2.0))
+
+
+@pytest.mark.parametrize("length", [1, 3])
+def test_update_takes_several_positions_as_the_package_does(length):
+    """x of shape (batch, dim, L): L steps in one call, the same outputs and state as L calls."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, length, dtype=torch.float64, device=DEVICE)
+    weight, bias = torch.randn(5, 4, dtype=torch.float64, device=DEVICE), torch.randn(5, dtype=torch.float64, device=DEVICE)
+    state = torch.randn(2, 5, 4, dtype=torch.float64, device=DEVICE)
+    state_by_steps = state.clone()
+    out = causal_conv1d_update(x, state, weight, bias, "silu")
+    by_steps = torch.stack([causal_conv1d_update(x[..., t], state_by_steps, weight, bias, "silu")
+                            for t in range(length)], dim=-1)
+    assert out.shape == x.shape
+    torch.testing.assert_close(out, by_steps, rtol=0, atol=0)
+    torch.testing.assert_close(state, state_by_steps, rtol=0, atol=0)

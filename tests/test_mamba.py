@@ -434,8 +434,9 @@ def small_block(**options):
     (torch.randn(1, 1, 5, 4), ValueError, r"hidden_states must have shape"),
     (torch.randn(1, 0, 4), ValueError, r"hidden_states must hold at least one position"),
     (torch.ones(1, 5, 4, dtype=torch.int64), TypeError, r"hidden_states must be float"),
+    (torch.ones(1, 5, 4, dtype=torch.float64), TypeError, r"hidden_states must have the block's dtype torch.float32"),
     ([[0.0] * 4], TypeError, r"hidden_states must be a torch.Tensor"),
-], ids=["d_model", "rank2", "rank4", "empty_L", "int64", "list"])
+], ids=["d_model", "rank2", "rank4", "empty_L", "int64", "float64", "list"])
 def test_forward_bad_hidden_states(hidden, error, pattern):
     with pytest.raises(error, match=pattern):
         small_block()(hidden)
@@ -557,3 +558,41 @@ def test_an_empty_batch_gives_an_empty_result(backend):
     assert out.shape == (0, 5, 4)
     out.sum().backward()
     assert all(p.grad is None or not p.grad.any() for p in block.parameters())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_reused_inference_params_starts_a_new_prompt_afresh(backend):
+    """As mamba_ssm: after reset (seqlen_offset back to 0) the next prompt starts from zero states,
+    not from the previous prompt's, and gives what a fresh InferenceParams gives."""
+    block = Mamba(4, d_state=2, backend=backend, layer_idx=0, device=DEVICE, dtype=torch.float64)
+    first, second = (torch.randn(1, 5, 4, device=DEVICE, dtype=torch.float64) for _ in range(2))
+    with torch.no_grad():
+        params = InferenceParams(max_seqlen=8, max_batch_size=1)
+        block(first, params)
+        params.seqlen_offset += 5
+        block(first[:, :1], params)                           # one generation step
+        params.reset(max_seqlen=8, max_batch_size=1)
+        reused = block(second, params)
+        fresh = block(second, InferenceParams(max_seqlen=8, max_batch_size=1))
+    assert params.seqlen_offset == 0
+    torch.testing.assert_close(reused, fresh, rtol=0, atol=0)
+    torch.testing.assert_close(fresh, block(second), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_float32_cache_steps_a_bfloat16_block(backend):
+    """allocate_inference_cache(dtype=torch.float32) on a bf16 block, as its docs offer: prefill and steps
+    run on both backends and agree with the bf16 cache's outputs to bf16 rounding."""
+    block = Mamba(8, d_state=4, backend=backend, layer_idx=0, device=DEVICE, dtype=torch.bfloat16)
+    hidden = torch.randn(2, 6, 8, device=DEVICE).to(torch.bfloat16)
+    outs = {}
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            params = InferenceParams(max_seqlen=8, max_batch_size=2)
+            params.key_value_memory_dict[0] = block.allocate_inference_cache(2, 8, dtype=dtype)
+            pieces = [block(hidden[:, :5], params)]
+            params.seqlen_offset += 5
+            pieces.append(block(hidden[:, 5:], params))
+            outs[dtype] = torch.cat(pieces, dim=1)
+    assert outs[torch.float32].dtype == torch.bfloat16
+    torch.testing.assert_close(outs[torch.float32], outs[torch.bfloat16], rtol=2**-6, atol=2**-6)
