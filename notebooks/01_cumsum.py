@@ -436,7 +436,9 @@ save_figure(draw_look_back(), "look_back_scan.png")
 
 # %% [markdown]
 # The exported kernels scan each row of an `n_rows x length` tensor (the scanned dimension moved last
-# and made contiguous); the program id numbers (row, block) pairs, and offsets are 64-bit. They
+# and made contiguous); the program id numbers (row, block) pairs, and the column indices and
+# offsets are 64-bit (a program id is a 32-bit integer, and block k's first column, k times the block,
+# passes 2^31 in a row of that many values: the kernels widen k before multiplying). They
 # accumulate in `ACC`: float64 for float64, int64 for integers (as `torch.cumsum` does), float32
 # otherwise. Rows of one block need only pass 3, and a program then takes several rows at once.
 
@@ -447,7 +449,7 @@ def block_totals_kernel(X, T, length, num_blocks, BLOCK: tl.constexpr, ACC: tl.c
     """Pass 1 (reduce): T[r, k] = sum of block k of row r.  X: n_rows x length; T: n_rows x num_blocks."""
     pid = tl.program_id(0)                                                      # r * num_blocks + k
     row = pid // num_blocks
-    cols = (pid % num_blocks) * BLOCK + tl.arange(0, BLOCK)                     # BLOCK
+    cols = (pid % num_blocks).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)        # BLOCK, 64-bit: rows past 2^31
     x = tl.load(X + row.to(tl.int64) * length + cols, mask=cols < length, other=0)   # BLOCK
     tl.store(T + pid, tl.sum(x.to(ACC), axis=0))
 
@@ -474,13 +476,13 @@ def scan_tiles_kernel(X, S, Y, n_rows, length, num_blocks,
     pid = tl.num_programs(0) - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)   # num_programs: grid size
     k = pid % num_blocks
     rows = (pid // num_blocks) * ROWS + tl.arange(0, ROWS)[:, None]            # ROWS x 1
-    cols = k * BLOCK + tl.arange(0, BLOCK)[None, :]                             # 1 x BLOCK
+    cols = k.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)[None, :]                # 1 x BLOCK, 64-bit
     mask = (rows < n_rows) & (cols < length)                                    # ROWS x BLOCK
     offsets = rows.to(tl.int64) * length + cols                                 # ROWS x BLOCK
     x = tl.load(X + offsets, mask=mask, other=0)
     # k > 0 is spelled out as a ROWS x 1 tile: Triton 3.9's interpreter rejects a mask that broadcasts a scalar.
     has_carry = tl.zeros_like(rows) + k > 0                                     # ROWS x 1
-    carry = tl.load(S + rows * num_blocks + k - 1, mask=(rows < n_rows) & has_carry, other=0)   # ROWS x 1
+    carry = tl.load(S + rows.to(tl.int64) * num_blocks + k - 1, mask=(rows < n_rows) & has_carry, other=0)   # ROWS x 1
     y = tl.associative_scan(x.to(ACC), 1, add_combine) + carry
     tl.store(Y + offsets, y.to(Y.dtype.element_ty), mask=mask)
 
