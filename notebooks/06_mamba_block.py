@@ -382,7 +382,9 @@ def causal_conv1d_bwd_kernel(
                     w = tl.load(W_ROW + k * stride_wk, d_ok, other=0.0).to(ACC)
                     dh += tl.sum(tl.where(q == i - k, w * gq, 0.0), axis=1)[:, None]
                 if HAS_DFINAL:
-                    dh += tl.load(F_ROW + (i - length) * stride_fl, d_ok & (i >= length), other=0.0).to(ACC)
+                    past_x = tl.zeros_like(ds) + i >= length                 # BLOCK_D x 1: a tile, not a
+                    # scalar, in the mask (Triton 3.9's interpreter rejects a mask that broadcasts a scalar)
+                    dh += tl.load(F_ROW + (i - length) * stride_fl, d_ok & past_x, other=0.0).to(ACC)
                 tl.store(DH0 + (b * dim + ds) * (WIDTH - 1) + i, dh.to(DH0.dtype.element_ty), d_ok)
 
 # %% [markdown]
