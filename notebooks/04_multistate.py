@@ -964,7 +964,8 @@ else:
 # ## Going deeper: bad input
 #
 # Bad input raises `TypeError` (not a tensor, wrong dtype, mixed dtypes, `block_l` not an int) or
-# `ValueError` (shapes, empty, non-contiguous, devices, `block_l` value), naming the argument:
+# `ValueError` (shapes, non-contiguous, devices, `block_l` value), naming the argument. Empty inputs
+# are not bad input: as torch's ops do, they give an empty (or all-zero) result, checked after the list.
 
 # %%
 a, b, c, x = random_inputs(2, 4, 9)
@@ -974,7 +975,6 @@ bad_calls = {
     "b as a list": (lambda: multistate_scan(a, b.tolist(), c, x), TypeError, "b"),
     "a 2-D": (lambda: multistate_scan(a[0], b, c, x), ValueError, "a"),
     "a non-contiguous view": (lambda: multistate_scan(a.transpose(1, 2).contiguous().transpose(1, 2), b, c, x), ValueError, "a"),
-    "all empty (L = 0)": (lambda: multistate_scan(a[..., :0], b[..., :0], c[..., :0], x[:, :0]), ValueError, "a"),
     "initial_state (batch, N+1)": (lambda: multistate_scan(a, b, c, x, torch.zeros(2, 5, device=DEVICE)), ValueError, "initial_state"),
     "block_l = 24": (lambda: multistate_scan(a, b, c, x, block_l=24), ValueError, "block_l"),
 }
@@ -986,6 +986,10 @@ for what, (call, error, name) in bad_calls.items():
         print(f"{what:28s} -> {error.__name__}: {e}")
     else:
         raise AssertionError(f"{what}: no {error.__name__}")
+
+y_empty, h_empty = multistate_scan(a[..., :0], b[..., :0], c[..., :0], x[:, :0], return_last_state=True)
+print(f"{'all empty (L = 0)':28s} -> y of shape {tuple(y_empty.shape)}, last state zeros {tuple(h_empty.shape)}")
+assert y_empty.shape == (2, 0) and h_empty.shape == (2, 4) and not h_empty.any()
 
 
 # %% [markdown]

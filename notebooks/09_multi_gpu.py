@@ -111,16 +111,19 @@ save_figure(draw_sharded_scan(), "09_sharded_scan.png")
 # $$T_r = g_r + P_r\, T_{r+1}, \qquad \frac{\partial\mathcal L}{\partial E_r} = T_{r+1}, \qquad
 # \frac{\partial\mathcal L}{\partial P_r} = T_{r+1}\, h^{\text{in}}_r ,$$
 # where $g_r$ is the gradient of the loss with respect to $h^{\text{in}}_r$ coming out of rank $r$'s
-# own scan, and $T_{\text{ranks}} = 0$. So each rank needs every later rank's $g$: one more small
-# collective, in the backward.
+# own scan, and $T_{\text{ranks}} = 0$. So rank $r$ needs $T_{r+1}$ alone, one summary, and hands
+# $T_r$ on: the backward is a **chain in reverse**, rank $r$ receiving from rank $r+1$ and sending to
+# rank $r-1$. Each rank receives one summary whatever the number of ranks $R$, and the last rank's
+# message reaches rank 0 after $R-1$ hops, one after another.
 #
-# We do not write that backward by hand. The fold is a few lines of PyTorch on the gathered summaries,
-# and autograd differentiates it, provided the gather itself has a backward: the gradient of rank
-# $r$'s summary is the sum, over all ranks, of the gradient each rank's fold sends to entry $r$ of its
-# gathered list. `gather_small` below is that: an `all_gather` forward, and a backward that gathers
-# every rank's gradients for every entry and keeps the sum of its own entry. (A reduce-scatter would
-# move less, but gloo has none, and the tensors are small.) The local scans' backward passes are
-# scan_lib's, through `initial_state` (the gradient $g_r$) and the last state (the gradient of $E_r$).
+# `_EnteringState` below is that: an `autograd.Function` whose forward all-gathers every rank's
+# summary and folds the ones before it, and whose backward is the reverse chain, written out. Letting
+# autograd differentiate the fold instead would need a differentiable all-gather, whose backward
+# must bring every rank's gradient for every entry to every rank: $R$ times $R$ summaries received per
+# rank, which grows with the square of the number of GPUs. `gather_small`, that simple form, stays
+# for the convolution's boundary columns (section 4), which are $K - 1$ columns, not a state. The local
+# scans' backward passes are scan_lib's, through `initial_state` (the gradient $g_r$) and the last
+# state (the gradient of $E_r$).
 
 # %%
 #| export
@@ -134,14 +137,47 @@ import torch.nn.functional as F
 import scan_lib
 
 
+BYTES_RECEIVED = {"forward": 0, "backward": 0}   # this process's exchanges so far, for section 6's costs
+
+
+def _count(tensor, copies=1):
+    """Add `copies` messages of tensor's size to BYTES_RECEIVED, under the pass running: the backward
+    while autograd's engine runs a graph task, else the forward."""
+    phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+    BYTES_RECEIVED[phase] += copies * tensor.numel() * tensor.element_size()
+
+
+def _staging(tensor, group):
+    """Where a message travels from: the host for gloo (it sends and gathers CPU tensors only; that is
+    how ranks sharing one GPU talk), the tensor's own device for NCCL."""
+    return torch.device("cpu") if dist.get_backend(group) == "gloo" else tensor.device
+
+
 def all_gather(tensor, group=None):
     """Every rank's `tensor` (same shape everywhere), a list in rank order: dist.all_gather, staged
-    through host memory when the backend is gloo and the tensor on a GPU (gloo gathers CPU tensors
-    only; that is how ranks sharing one GPU talk)."""
-    staged = tensor.cpu() if tensor.is_cuda and dist.get_backend(group) == "gloo" else tensor
+    through host memory for gloo."""
+    staged = tensor.to(_staging(tensor, group))
     parts = [torch.empty_like(staged) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, staged.contiguous(), group=group)
+    _count(staged, dist.get_world_size(group) - 1)
     return [part.to(tensor.device) for part in parts]
+
+
+def _peer(rank, group):
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def send(tensor, rank, group=None):
+    """dist.send of `tensor` to `rank` of `group`, staged as all_gather's."""
+    dist.send(tensor.to(_staging(tensor, group)).contiguous(), dst=_peer(rank, group), group=group)
+
+
+def receive(like, rank, group=None):
+    """A tensor shaped as `like`, received from `rank` of `group`, on like's device."""
+    received = torch.empty_like(like, device=_staging(like, group))
+    dist.recv(received, src=_peer(rank, group), group=group)
+    _count(received)
+    return received.to(like.device)
 
 
 class _GatherSmall(torch.autograd.Function):
@@ -165,16 +201,38 @@ def gather_small(tensor, group=None):
     return _GatherSmall.apply(tensor, group)
 
 
+class _EnteringState(torch.autograd.Function):
+    """h_in of this rank from every rank's (decay, end) and rank 0's start: one all_gather forward; the
+    backward is the adjoint's reverse chain, T_r = g_r + decay_r T_{r+1}, received from rank r + 1 and
+    sent to rank r - 1: one summary's bytes per rank, whatever the number of ranks."""
+
+    @staticmethod
+    def forward(ctx, decay, end, start, group):
+        summaries = torch.stack(all_gather(torch.stack([decay, end, start]), group))   # ranks x 3 x shape
+        h = summaries[0, 2]                                                  # rank 0's initial state
+        for k in range(dist.get_rank(group)):
+            h = summaries[k, 0] * h + summaries[k, 1]
+        ctx.save_for_backward(decay, h)
+        ctx.group = group
+        return h
+
+    @staticmethod
+    def backward(ctx, g):
+        decay, h = ctx.saved_tensors
+        rank, ranks = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        later = receive(g, rank + 1, ctx.group) if rank < ranks - 1 else torch.zeros_like(g)   # T_{r+1}
+        total = g + decay * later                                            # T_r
+        if rank > 0:
+            send(total, rank - 1, ctx.group)
+        return later * h, later, total if rank == 0 else torch.zeros_like(total), None
+
+
 def entering_state(decay, end, initial_state=None, group=None):
     """The state entering this rank's shard: the fold h <- decay_k * h + end_k over the ranks k before
     it, from initial_state (read on rank 0 only; None: zeros). decay, end: this rank's shard summary,
-    one shape on every rank. Differentiable in all three."""
+    one shape on every rank. Differentiable in all three; the backward receives one summary per rank."""
     start = torch.zeros_like(end) if initial_state is None else initial_state.to(end.dtype).expand_as(end)
-    summaries = gather_small(torch.stack([decay.to(end.dtype), end, start]), group)   # ranks x 3 x shape
-    h = summaries[0, 2]                                                  # rank 0's initial state
-    for k in range(dist.get_rank(group)):
-        h = summaries[k, 0] * h + summaries[k, 1]
-    return h
+    return _EnteringState.apply(decay.to(end.dtype), end, start, group)
 
 
 # %% [markdown]
@@ -491,15 +549,11 @@ def entering_state_by_chain(decay, end, initial_state=None, group=None):
     """entering_state's value by a chain of point-to-point sends: rank r receives the state entering it
     from rank r - 1 and sends decay * state + end to rank r + 1. Forward only (no gradient)."""
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
-    peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))  # noqa: E731
-    via = torch.device("cpu") if dist.get_backend(group) == "gloo" else end.device   # gloo sends CPU tensors
     h = torch.zeros_like(end) if initial_state is None else initial_state.to(end.dtype).expand_as(end).clone()
     if rank > 0:
-        received = torch.empty_like(h, device=via)
-        dist.recv(received, src=peer(rank - 1), group=group)
-        h = received.to(end.device)
+        h = receive(h, rank - 1, group)
     if rank < ranks - 1:
-        dist.send((decay * h + end).to(via).contiguous(), dst=peer(rank + 1), group=group)
+        send(decay * h + end, rank + 1, group)
     return h
 
 
@@ -533,6 +587,22 @@ def time_exchanges(shapes, repeats=20):
     return times
 
 
+def bytes_per_pass(batch=2, dim=8, n_states=4, shard=16):
+    """Run on every rank: the bytes this rank receives in one forward and one backward of the
+    sequence-parallel selective scan, each rank holding `shard` positions. Returns {pass: bytes}."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    leaves = [t.to(_device()).requires_grad_() for t in (
+        torch.randn(batch, dim, shard, generator=g), torch.randn(batch, dim, shard, generator=g) - 1.0,
+        -torch.rand(dim, n_states, generator=g) - 0.5, torch.randn(batch, n_states, shard, generator=g),
+        torch.randn(batch, n_states, shard, generator=g))]
+    before = dict(BYTES_RECEIVED)
+    out = selective_scan(*leaves, delta_softplus=True)
+    after_forward = dict(BYTES_RECEIVED)
+    torch.autograd.grad(out.sum(), leaves)
+    return {"forward": after_forward["forward"] - before["forward"],
+            "backward": BYTES_RECEIVED["backward"] - after_forward["backward"]}
+
+
 # %%
 from scan_lib.distributed import EXCHANGES, time_exchanges
 
@@ -563,12 +633,34 @@ verdict(per_rank, SHAPES)
 # column). Where the chain won at every size, the prediction failed: the all-gather was not a cheap
 # single latency. Our `entering_state` gathers three tensors per rank (the decay, the end state, and
 # the initial state, of which only rank 0's matters) and folds on every rank, so each rank receives
-# $3R$ summaries where the chain passes one along each link; and gloo, on CPUs or with the ranks
+# $3(R-1)$ summaries where the chain passes one along each link; and gloo, on CPUs or with the ranks
 # sharing one GPU, copies every message through host memory with Python around each call, so bytes
 # and per-call costs both count. NCCL between GPUs on NVLink moves the bytes far faster, and section
 # 7 puts the exchange's time beside the scan's on two GPUs. `scan_lib.distributed` keeps the
-# all-gather because its backward comes from autograd (the chain would need a second, reverse chain
-# written by hand); an exchange whose bytes per rank do not grow with $R$ is open work.
+# all-gather in the forward, whose latency does not grow with a chain of ranks waiting on each other,
+# and uses the reverse chain in the backward (section 2), whose bytes per rank do not grow with $R$.
+#
+# **Bytes, counted.** `BYTES_RECEIVED` adds up what this process's exchanges receive, by pass (the
+# backward while autograd's engine runs). **Prediction**, with $S$ the bytes of one summary (batch
+# $\times$ dim $\times N$ float32): in the forward every rank receives $3S(R-1)$ (three tensors from
+# each other rank); in the backward every rank but the last receives $S$, at any $R$.
+
+# %%
+from scan_lib.distributed import bytes_per_pass
+
+summary_bytes = 2 * 8 * 4 * 4                       # bytes_per_pass's summary: batch 2, dim 8, N 4, float32
+print(f"one summary: {summary_bytes} bytes; bytes received per rank, in rank order")
+print(f"{'ranks':>5s} {'run as':11s} {'forward':>28s} {'backward':>24s}")
+for ranks in (2, 3, 4):
+    per_rank = launch(bytes_per_pass, ranks)
+    forward, backward = ([r[key] for r in per_rank] for key in ("forward", "backward"))
+    print(f"{ranks:5d} {'/'.join(launch_plan(ranks)):11s} {str(forward):>28s} {str(backward):>24s}")
+    assert backward == [summary_bytes] * (ranks - 1) + [0] and forward == [3 * summary_bytes * (ranks - 1)] * ranks
+
+# %% [markdown]
+# The counts are the prediction's, exactly: the backward's traffic per rank does not grow with the
+# number of ranks; the forward's all-gather does, linearly (a chain forward would not, at the price of
+# $R - 1$ latencies one after another, which the timings above put beside it).
 #
 # ## 7. Two GPUs against one
 #
@@ -668,8 +760,8 @@ else:
 #
 # * The state entering a shard is a fold over one summary per earlier shard, $(P_r, E_r)$: the
 #   blocked scan of chapter 01 with GPUs for blocks, and the result is the one-device scan.
-# * One differentiable all-gather (`gather_small`) is the only communication the forward needs, and its
-#   backward is the only one the backward needs: autograd derives the reverse carries.
+# * One all-gather of the summaries is the forward's communication (each rank receives $3(R-1)$
+#   summaries), and a reverse chain the backward's (one summary per rank, whatever $R$), both counted.
 # * `scan_lib.distributed.linear_scan`, `selective_scan` and `mamba` run over any process group;
 #   `launch` and `check_against_one_process` check them against one process; the example trains with
 #   them under `torchrun`.

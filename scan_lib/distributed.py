@@ -10,14 +10,47 @@ import torch.nn.functional as F
 import scan_lib
 
 
+BYTES_RECEIVED = {"forward": 0, "backward": 0}   # this process's exchanges so far, for section 6's costs
+
+
+def _count(tensor, copies=1):
+    """Add `copies` messages of tensor's size to BYTES_RECEIVED, under the pass running: the backward
+    while autograd's engine runs a graph task, else the forward."""
+    phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+    BYTES_RECEIVED[phase] += copies * tensor.numel() * tensor.element_size()
+
+
+def _staging(tensor, group):
+    """Where a message travels from: the host for gloo (it sends and gathers CPU tensors only; that is
+    how ranks sharing one GPU talk), the tensor's own device for NCCL."""
+    return torch.device("cpu") if dist.get_backend(group) == "gloo" else tensor.device
+
+
 def all_gather(tensor, group=None):
     """Every rank's `tensor` (same shape everywhere), a list in rank order: dist.all_gather, staged
-    through host memory when the backend is gloo and the tensor on a GPU (gloo gathers CPU tensors
-    only; that is how ranks sharing one GPU talk)."""
-    staged = tensor.cpu() if tensor.is_cuda and dist.get_backend(group) == "gloo" else tensor
+    through host memory for gloo."""
+    staged = tensor.to(_staging(tensor, group))
     parts = [torch.empty_like(staged) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, staged.contiguous(), group=group)
+    _count(staged, dist.get_world_size(group) - 1)
     return [part.to(tensor.device) for part in parts]
+
+
+def _peer(rank, group):
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def send(tensor, rank, group=None):
+    """dist.send of `tensor` to `rank` of `group`, staged as all_gather's."""
+    dist.send(tensor.to(_staging(tensor, group)).contiguous(), dst=_peer(rank, group), group=group)
+
+
+def receive(like, rank, group=None):
+    """A tensor shaped as `like`, received from `rank` of `group`, on like's device."""
+    received = torch.empty_like(like, device=_staging(like, group))
+    dist.recv(received, src=_peer(rank, group), group=group)
+    _count(received)
+    return received.to(like.device)
 
 
 class _GatherSmall(torch.autograd.Function):
@@ -41,16 +74,38 @@ def gather_small(tensor, group=None):
     return _GatherSmall.apply(tensor, group)
 
 
+class _EnteringState(torch.autograd.Function):
+    """h_in of this rank from every rank's (decay, end) and rank 0's start: one all_gather forward; the
+    backward is the adjoint's reverse chain, T_r = g_r + decay_r T_{r+1}, received from rank r + 1 and
+    sent to rank r - 1: one summary's bytes per rank, whatever the number of ranks."""
+
+    @staticmethod
+    def forward(ctx, decay, end, start, group):
+        summaries = torch.stack(all_gather(torch.stack([decay, end, start]), group))   # ranks x 3 x shape
+        h = summaries[0, 2]                                                  # rank 0's initial state
+        for k in range(dist.get_rank(group)):
+            h = summaries[k, 0] * h + summaries[k, 1]
+        ctx.save_for_backward(decay, h)
+        ctx.group = group
+        return h
+
+    @staticmethod
+    def backward(ctx, g):
+        decay, h = ctx.saved_tensors
+        rank, ranks = dist.get_rank(ctx.group), dist.get_world_size(ctx.group)
+        later = receive(g, rank + 1, ctx.group) if rank < ranks - 1 else torch.zeros_like(g)   # T_{r+1}
+        total = g + decay * later                                            # T_r
+        if rank > 0:
+            send(total, rank - 1, ctx.group)
+        return later * h, later, total if rank == 0 else torch.zeros_like(total), None
+
+
 def entering_state(decay, end, initial_state=None, group=None):
     """The state entering this rank's shard: the fold h <- decay_k * h + end_k over the ranks k before
     it, from initial_state (read on rank 0 only; None: zeros). decay, end: this rank's shard summary,
-    one shape on every rank. Differentiable in all three."""
+    one shape on every rank. Differentiable in all three; the backward receives one summary per rank."""
     start = torch.zeros_like(end) if initial_state is None else initial_state.to(end.dtype).expand_as(end)
-    summaries = gather_small(torch.stack([decay.to(end.dtype), end, start]), group)   # ranks x 3 x shape
-    h = summaries[0, 2]                                                  # rank 0's initial state
-    for k in range(dist.get_rank(group)):
-        h = summaries[k, 0] * h + summaries[k, 1]
-    return h
+    return _EnteringState.apply(decay.to(end.dtype), end, start, group)
 
 def _check_shard(name, tensor, group):
     if not dist.is_initialized():
@@ -282,15 +337,11 @@ def entering_state_by_chain(decay, end, initial_state=None, group=None):
     """entering_state's value by a chain of point-to-point sends: rank r receives the state entering it
     from rank r - 1 and sends decay * state + end to rank r + 1. Forward only (no gradient)."""
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
-    peer = (lambda r: r) if group is None else (lambda r: dist.get_global_rank(group, r))  # noqa: E731
-    via = torch.device("cpu") if dist.get_backend(group) == "gloo" else end.device   # gloo sends CPU tensors
     h = torch.zeros_like(end) if initial_state is None else initial_state.to(end.dtype).expand_as(end).clone()
     if rank > 0:
-        received = torch.empty_like(h, device=via)
-        dist.recv(received, src=peer(rank - 1), group=group)
-        h = received.to(end.device)
+        h = receive(h, rank - 1, group)
     if rank < ranks - 1:
-        dist.send((decay * h + end).to(via).contiguous(), dst=peer(rank + 1), group=group)
+        send(decay * h + end, rank + 1, group)
     return h
 
 
@@ -322,6 +373,22 @@ def time_exchanges(shapes, repeats=20):
         times.append({way: median_seconds(lambda: exchange(decay, end), repeats) * 1e6
                       for way, exchange in EXCHANGES.items()})
     return times
+
+
+def bytes_per_pass(batch=2, dim=8, n_states=4, shard=16):
+    """Run on every rank: the bytes this rank receives in one forward and one backward of the
+    sequence-parallel selective scan, each rank holding `shard` positions. Returns {pass: bytes}."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    leaves = [t.to(_device()).requires_grad_() for t in (
+        torch.randn(batch, dim, shard, generator=g), torch.randn(batch, dim, shard, generator=g) - 1.0,
+        -torch.rand(dim, n_states, generator=g) - 0.5, torch.randn(batch, n_states, shard, generator=g),
+        torch.randn(batch, n_states, shard, generator=g))]
+    before = dict(BYTES_RECEIVED)
+    out = selective_scan(*leaves, delta_softplus=True)
+    after_forward = dict(BYTES_RECEIVED)
+    torch.autograd.grad(out.sum(), leaves)
+    return {"forward": after_forward["forward"] - before["forward"],
+            "backward": BYTES_RECEIVED["backward"] - after_forward["backward"]}
 
 def time_selective_scan(length, dim=1536, n_states=16, dtype=torch.bfloat16, repeats=5):
     """Run on every rank: this rank's median seconds for the forward and the forward+backward of the

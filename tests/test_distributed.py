@@ -26,6 +26,14 @@ def test_three_ranks_match_one_process():
         assert worst < TOLERANCE, (kind, lengths, worst)
 
 
+def test_four_ranks_match_one_process():
+    """Four ranks, uneven shards, one of length 1: the reverse chain of the backward over three hops."""
+    cases = [("linear_scan", (3, 1, 4, 2)), ("selective_scan", (2, 5, 1, 3))]
+    errors = distributed.launch(distributed.check_against_one_process, 4, cases, 5)
+    for case, (kind, lengths) in enumerate(cases):
+        assert max(per_rank[case] for per_rank in errors) < TOLERANCE, (kind, lengths)
+
+
 def test_two_ranks_match_one_process():
     cases = [("linear_scan", (64, 65)), ("selective_scan", (33, 20)), ("selective_scan", (1, 40))]
     errors = distributed.launch(distributed.check_against_one_process, 2, cases, 3)
@@ -64,3 +72,14 @@ def test_needs_a_process_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         distributed.linear_scan(torch.rand(2, 4, device=DEVICE), torch.rand(2, 4, device=DEVICE))
+
+
+def test_the_backward_receives_one_summary_per_rank_whatever_the_ranks():
+    """The backward's exchange is the adjoint's reverse chain: each rank but the last receives one
+    summary (batch x dim x N float32 = 2 x 8 x 4 x 4 bytes), at 2, 3 and 4 ranks alike; the forward's
+    all-gather receives 3 summaries from each other rank."""
+    summary = 2 * 8 * 4 * 4
+    for ranks in (2, 3, 4):
+        per_rank = distributed.launch(distributed.bytes_per_pass, ranks)
+        assert [r["backward"] for r in per_rank] == [summary] * (ranks - 1) + [0], (ranks, per_rank)
+        assert all(r["forward"] == 3 * summary * (ranks - 1) for r in per_rank), (ranks, per_rank)
