@@ -71,9 +71,9 @@ test: check
 	OMP_NUM_THREADS=1 SCAN_COURSE_FIGURES=$(CURDIR)/$(BUILD)/figures $(PY) -m pytest -q -p no:cacheprovider \
 	  -n $(WORKERS) --dist loadfile --nbval-lax --nbval-cell-timeout=1200 $(CHAPTERS)
 
-# CI's second job: the kernels' tests (not the notebooks) under the newest Triton and NumPy that a fresh
-# `pip install .` resolves, in a venv of their own: scan_lib declares lower bounds only, so it must work
-# with what pip picks today, not only with requirements.txt's pins
+# CI's second job: the kernels' tests (not the notebooks) with requirements.txt's pins but the newest
+# Triton and NumPy pip offers, in a venv of their own: scan_lib declares lower bounds only, so a fresh
+# `pip install .` may get them
 NEWEST := .venv-newest
 test-newest:
 	test -x $(NEWEST)/bin/python || $(PYTHON) -m venv $(NEWEST)

@@ -1,7 +1,9 @@
-"""Host time per call of each public op, on empty inputs: nothing reaches a kernel, so what is timed is
-the Python path alone (input checks, the custom operator, autograd's wrapping), beside torch's own op
-for the same empty input. Runs on any machine (without a GPU too: empty inputs never reach Triton's
-interpreter). Issue 21's target: at most 30 us per call.
+"""Host time per call of each public op, on empty inputs, beside torch's own op for the same empty
+input: nothing reaches a kernel, so what is timed is the Python path an empty call takes (the input
+checks, then the custom operator and autograd's wrapping where the op keeps them for empties, or the
+op's own empty result). Runs on any machine (without a GPU too: empty inputs never reach Triton's
+interpreter). Issue 21's target: at most 30 us per call. A non-empty call's host time, the one that
+decides small batches on a GPU, is the GPU benchmarks' (bench.py's call_us against its kernels).
 
     python benchmarks/host_time.py            # prints the table; --calls N for more calls per sample
 """

@@ -50,6 +50,7 @@ print(scan_lib.runtime.describe())
 # %%
 #| export
 """Where kernels run (the GPU, else Triton's CPU interpreter), figures, compiled code, timers, input checks."""
+import functools
 import os
 import warnings
 from importlib.metadata import version
@@ -149,26 +150,35 @@ class EagerFastOp:
 
     def __init__(self, op, implementation):
         self._op, self._implementation = op, implementation
-        self.__doc__, self.__name__ = implementation.__doc__, implementation.__name__
+        functools.update_wrapper(self, implementation)     # name, docstring and signature for help()
 
-    def __call__(self, *args):
-        if _plain_eager(args):
-            return self._implementation(*args)
-        return self._op(*args)
+    def __call__(self, *args, **kwargs):
+        if _plain_eager(args) and _plain_eager(kwargs.values()):
+            return self._implementation(*args, **kwargs)
+        return self._op(*args, **kwargs)
 
     def __getattr__(self, name):
+        if name.startswith("__") or name in ("_op", "_implementation"):   # not yet set (copy, pickle)
+            raise AttributeError(name)
         return getattr(self._op, name)
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)   # a Parameter's __torch_function__ is the Tensor's
+
+
 def _plain_eager(args) -> bool:
-    """Whether a call with these arguments needs nothing from the dispatcher (see EagerFastOp)."""
+    """Whether a call with these arguments needs nothing from the dispatcher (see EagerFastOp): no
+    torch.compile, torch.func transform, dispatch or torch-function mode, profiler or jit tracer, and
+    tensor arguments that are plain tensors (or parameters) needing no gradient through the op."""
     if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
             or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-            or torch.autograd._profiler_enabled()):
+            or torch.autograd._profiler_enabled() or torch._C._get_tracing_state() is not None):
         return False
     grad = torch.is_grad_enabled()
     for arg in args:
-        if isinstance(arg, torch.Tensor) and (type(arg) is not torch.Tensor or (grad and arg.requires_grad)):
+        if isinstance(arg, (list, tuple)) and not _plain_eager(arg):
+            return False
+        if isinstance(arg, torch.Tensor) and (type(arg) not in _PLAIN_TENSORS or (grad and arg.requires_grad)):
             return False
     return True
 

@@ -771,7 +771,7 @@ def empty_multistate_scan(a, b, c, x, initial_state):
     """(y, last state) for an empty a (batch, N or L zero), as torch's ops give them: y zeros of x's
     shape (a sum over no states, or no positions), the last state the initial state or zeros; both in
     the graph of every input (zero gradients, the initial state's through the last state)."""
-    anchor = torch.cat([t.flatten()[:0] for t in (a, b, c, x)]).sum()          # exactly 0
+    anchor = torch.cat([t.flatten()[:0] for t in (a, b, c, x, initial_state) if t is not None]).sum()   # exactly 0
     h_last = a.new_zeros(a.shape[:2]) if initial_state is None else initial_state
     return torch.zeros_like(x) + anchor, h_last + anchor
 

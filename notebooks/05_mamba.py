@@ -1373,12 +1373,12 @@ def empty_selective_scan(u, delta, A, B, C, D, z, delta_bias, return_last_state,
     """The result for an empty u (batch, dim or L zero), as torch's ops give one: out, empty, in u's
     dtype; the last state, the initial state (no position moved it) or zeros. Differentiable: the
     gradient reaches initial_state through the last state, and every other input's is zero."""
-    inputs = [t for t in (u, delta, A, B, C, D, z, delta_bias) if t is not None]
+    inputs = [t for t in (u, delta, A, B, C, D, z, delta_bias, initial_state) if t is not None]
     anchor = torch.cat([t.flatten()[:0] for t in inputs]).sum()       # exactly 0, in every input's graph
     out = u.flatten()[:0].view(u.shape).to(u.dtype) + anchor.to(u.dtype)
     if not return_last_state:
         return out
-    acc = _acc_dtype(*inputs, initial_state)
+    acc = _acc_dtype(*inputs)
     last = u.new_zeros(u.shape[0], u.shape[1], A.shape[1], dtype=acc) if initial_state is None else initial_state.to(acc)
     return out, last + anchor.to(acc)
 

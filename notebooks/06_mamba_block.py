@@ -1852,7 +1852,7 @@ def _empty_conv(x, weight, bias, initial_states):
     """out and the final states for an empty x, as torch's ops give them: out empty, in the graph of
     x, weight and bias (zero gradients); the final states the last width - 1 columns of
     cat(initial_states or zeros, x)."""
-    anchor = torch.cat([t.flatten()[:0] for t in (weight, bias) if t is not None]).sum().to(x.dtype)   # exactly 0
+    anchor = torch.cat([t.flatten()[:0] for t in (weight, bias, initial_states) if t is not None]).sum().to(x.dtype)   # exactly 0
     start = x.new_zeros(*x.shape[:2], weight.shape[1] - 1) if initial_states is None else initial_states
     return x + anchor, torch.cat([start, x], dim=-1)[..., x.shape[-1]:]
 
@@ -1964,19 +1964,8 @@ def _(x, conv_state, weight, bias, silu):
     return torch.empty_like(x), torch.empty_like(conv_state)
 
 
-def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
-    """One step of the causal conv for token-by-token generation, like the causal-conv1d package's
-    causal_conv1d_update (forward only). x: (batch, dim), the new input, or (batch, dim, L), L new
-    inputs in order (one step each, as the package accepts); conv_state: (batch, dim, state_len) with
-    state_len >= width - 1, the last inputs, updated in place (shifted left by one per input, the input
-    appended); weight: (dim, width); bias: (dim,); activation None, "silu" or "swish".
-    Returns out of x's shape and dtype: the causal_conv1d output at the new positions. No gradients;
-    works under torch.compile (as a functional op and a copy into conv_state)."""
-    if activation not in (None, "silu", "swish"):
-        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
-    if isinstance(x, torch.Tensor) and x.dim() == 3:
-        steps = [causal_conv1d_update(x[..., t], conv_state, weight, bias, activation) for t in range(x.shape[-1])]
-        return torch.stack(steps, dim=-1) if steps else x.clone()
+def _check_update_inputs(x, conv_state, weight, bias):
+    """causal_conv1d_update's checks, for x of one position (batch, dim)."""
     named = dict(x=x, conv_state=conv_state, weight=weight, bias=bias)
     for name, value in named.items():
         if value is not None or name != "bias":
@@ -1995,6 +1984,24 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
     if conv_state.dtype != x.dtype:
         raise TypeError(f"conv_state must have x's dtype {x.dtype}, got {conv_state.dtype}")
     check_same_device(**named)
+
+
+def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
+    """One step of the causal conv for token-by-token generation, like the causal-conv1d package's
+    causal_conv1d_update (forward only). x: (batch, dim), the new input, or (batch, dim, L), L new
+    inputs in order (one step each, as the package accepts); conv_state: (batch, dim, state_len) with
+    state_len >= width - 1, the last inputs, updated in place (shifted left by one per input, the input
+    appended); weight: (dim, width); bias: (dim,); activation None, "silu" or "swish".
+    Returns out of x's shape and dtype: the causal_conv1d output at the new positions. No gradients;
+    works under torch.compile (as a functional op and a copy into conv_state)."""
+    if activation not in (None, "silu", "swish"):
+        raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
+    if isinstance(x, torch.Tensor) and x.dim() == 3:   # L steps, each checked; L = 0 checked as one step
+        if x.shape[-1] == 0:
+            _check_update_inputs(x.new_empty(x.shape[:2]), conv_state, weight, bias)
+        steps = [causal_conv1d_update(x[..., t], conv_state, weight, bias, activation) for t in range(x.shape[-1])]
+        return torch.stack(steps, dim=-1) if steps else x.clone()
+    _check_update_inputs(x, conv_state, weight, bias)
     silu = activation is not None
     if torch.compiler.is_compiling():  # traced: the functional op, then the in-place copy torch.compile tracks
         out, new_state = causal_conv1d_update_op(x, conv_state, weight, bias, silu)

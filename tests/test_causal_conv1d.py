@@ -348,6 +348,8 @@ def test_empty_x_gives_an_empty_result(shape):
     assert not grads[1].any() and not grads[2].any()
     if length == 0:
         assert torch.equal(grads[3], torch.full_like(h0, 2.0))
+    out_only = causal_conv1d(x, weight, bias, initial_states=h0)     # without the final states: zero gradients
+    assert not any(g.any() for g in torch.autograd.grad(out_only.sum(), [x, weight, bias, h0]))
 
 
 @pytest.mark.parametrize("length", [1, 3])
@@ -364,3 +366,9 @@ def test_update_takes_several_positions_as_the_package_does(length):
     assert out.shape == x.shape
     torch.testing.assert_close(out, by_steps, rtol=0, atol=0)
     torch.testing.assert_close(state, state_by_steps, rtol=0, atol=0)
+
+
+def test_update_with_no_positions_still_checks_its_inputs():
+    with pytest.raises(ValueError, match="conv_state must have shape"):
+        causal_conv1d_update(torch.randn(2, 4, 0, device=DEVICE), torch.randn(9, 9, 9, device=DEVICE),
+                             torch.randn(4, 4, device=DEVICE))

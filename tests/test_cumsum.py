@@ -525,9 +525,15 @@ def test_property_test_catches_what_a_kernel_test_under_the_interpreter_cannot()
 @pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_properties(0).total_memory < 64 * 2**30,
                     reason="a row of 2^31 + 37 values and its int64 sums need a GPU with 64 GB")
 def test_a_row_past_2_31_values_is_indexed_in_64_bits():
-    """Every kernel's column index is 64-bit: a 32-bit one would wrap past position 2^31 and write
+    """The long-row paths' column indices are 64-bit (reduce-then-scan for integers, the look-back for float32): a 32-bit one would wrap past position 2^31 and write
     the sums there over the row's start."""
     length = 2**31 + 37
-    y = scan_lib.cumsum(torch.ones(1, length, dtype=torch.int8, device=DEVICE))
+    y = scan_lib.cumsum(torch.ones(1, length, dtype=torch.int8, device=DEVICE))   # int64 sums: reduce-then-scan
     for t in (0, 2**31 - 1, 2**31, length - 1):
         assert y[0, t].item() == t + 1, t
+    del y
+    x = torch.zeros(1, length, device=DEVICE)                                       # float32: the look-back path
+    x[0, 2**31 + 5] = 1.0
+    y = scan_lib.cumsum(x)
+    assert y[0, 2**31 + 4].item() == 0.0 and y[0, 2**31 + 5].item() == 1.0 and y[0, -1].item() == 1.0
+    assert y[0, :2**31].abs().max().item() == 0.0

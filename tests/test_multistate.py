@@ -376,3 +376,5 @@ def test_empty_inputs_give_torch_like_results(shape):
     grads = torch.autograd.grad(y.sum() + 2 * last.sum(), [a, b, c, x, h0])
     assert [g.shape for g in grads] == [t.shape for t in (a, b, c, x, h0)]
     assert torch.equal(grads[4], torch.full_like(h0, 2.0))
+    y_only = scan_lib.multistate_scan(a, b, c, x, h0)             # without the last state: zero gradients
+    assert not any(g.any() for g in torch.autograd.grad(y_only.sum(), [a, b, c, x, h0]))

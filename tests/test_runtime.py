@@ -6,6 +6,7 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
+import scan_lib  # noqa: F401  (before triton: without a GPU it switches Triton to its interpreter)
 import triton
 import triton.language as tl
 
@@ -168,7 +169,13 @@ def test_a_plain_eager_call_skips_the_dispatcher():
     assert through_dispatcher == []
 
 
-@pytest.mark.parametrize("context", ["requires_grad", "fake", "compile", "vmap", "profiler"])
+def test_parameters_and_keywords_keep_the_fast_path():
+    double_it, through_dispatcher = _counted_op()
+    assert torch.equal(double_it(x=torch.nn.Parameter(torch.ones(3), requires_grad=False)), torch.full((3,), 2.0))
+    assert through_dispatcher == [] and double_it.__name__ == "double_it"
+
+
+@pytest.mark.parametrize("context", ["requires_grad", "fake", "compile", "vmap", "profiler", "jit_trace"])
 def test_calls_that_need_the_dispatcher_go_through_it(context):
     """Gradients through the op, fake tensors, torch.compile, torch.func and the profiler's op names
     are the dispatcher's business: those calls go through the registered op, and give its result."""
@@ -185,7 +192,10 @@ def test_calls_that_need_the_dispatcher_go_through_it(context):
         assert torch.equal(torch.compile(double_it, backend="eager", fullgraph=True)(x), x * 2)
     elif context == "vmap":
         assert torch.equal(torch.func.vmap(double_it)(torch.ones(2, 3)), torch.full((2, 3), 2.0))
-    else:
+    elif context == "profiler":
         with torch.profiler.profile():
             assert torch.equal(double_it(x), x * 2)
+    else:   # the tracer records the op, so the trace computes it again on new inputs
+        traced = torch.jit.trace(lambda t: double_it(t), x)
+        assert torch.equal(traced(torch.full((3,), 5.0)), torch.full((3,), 10.0))
     assert through_dispatcher, f"{context}: the call did not go through the op"

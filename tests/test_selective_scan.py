@@ -619,3 +619,5 @@ def test_empty_u_gives_an_empty_result(scan, shape):
     grads = torch.autograd.grad(out.sum() + 2 * last.sum(), leaves)
     assert [g.shape for g in grads] == [t.shape for t in leaves]
     assert torch.equal(grads[5], torch.full_like(h0, 2.0)) and not grads[2].any()
+    out_only = scan(u, delta, A, B, C, initial_state=h0)          # without the last state: zero gradients
+    assert not any(g.any() for g in torch.autograd.grad(out_only.sum(), leaves))
