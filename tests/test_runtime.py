@@ -6,6 +6,7 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
+import scan_lib  # noqa: F401  (before triton: without a GPU it switches Triton to its interpreter)
 import triton
 import triton.language as tl
 
