@@ -199,3 +199,25 @@ def test_calls_that_need_the_dispatcher_go_through_it(context):
         traced = torch.jit.trace(lambda t: double_it(t), x)
         assert torch.equal(traced(torch.full((3,), 5.0)), torch.full((3,), 10.0))
     assert through_dispatcher, f"{context}: the call did not go through the op"
+
+
+def _opcheck_cases():
+    """(custom op, arguments) for torch.library.opcheck: the registered ops behind the public ones."""
+    import importlib
+    cumsum, conv = importlib.import_module("scan_lib.cumsum"), importlib.import_module("scan_lib.causal_conv1d")
+    multistate = importlib.import_module("scan_lib.multistate")
+    x, weight, bias = torch.randn(2, 4, 9, device=DEVICE), torch.randn(4, 4, device=DEVICE), torch.randn(4, device=DEVICE)
+    a = torch.rand(2, 3, 9, device=DEVICE)
+    return {"cumsum": (cumsum.cumsum_op, (x[0], -1)),
+            "causal_conv1d_fwd": (conv.causal_conv1d_fwd, (x, weight, bias, None, True)),
+            "causal_conv1d_bwd": (conv.causal_conv1d_bwd, (x, weight, bias, None, torch.randn_like(x), None, True)),
+            "multistate_fwd": (multistate.multistate_fwd, (a, a, a, x[:, 0], None, 16, False))}
+
+
+@pytest.mark.parametrize("name", list(_opcheck_cases()))
+def test_the_registered_ops_pass_opcheck(name):
+    """The dispatcher's checks (schema, fake tensors, autograd registration, AOT dispatch) on the ops
+    EagerFastOp skips in plain calls: the registered op must stay correct for the calls that use it."""
+    op, args = _opcheck_cases()[name]
+    results = torch.library.opcheck(op._op, args)
+    assert all(result == "SUCCESS" for result in results.values()), results
