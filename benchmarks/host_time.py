@@ -9,13 +9,12 @@ decides small batches on a GPU, is the GPU benchmarks' (bench.py's call_us again
 """
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import scan_lib  # first: without a GPU it switches Triton to its interpreter
-from scan_lib.runtime import DEVICE
+from scan_lib.runtime import DEVICE, host_us
 
 
 def empty_calls(requires_grad: bool):
@@ -42,17 +41,11 @@ def empty_calls(requires_grad: bool):
     }
 
 
-def host_us(fn, calls: int, samples: int = 7) -> float:
-    """Median over samples of the mean wall time per call of `calls` calls, in microseconds."""
+def median_host_us(fn, calls: int, samples: int = 7) -> float:
+    """Median over samples of scan_lib.runtime.host_us (the mean host time of `calls` calls), after a warm-up."""
     for _ in range(10):
         fn()
-    times = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+    return statistics.median(host_us(fn, calls) for _ in range(samples))
 
 
 def main():
@@ -63,9 +56,9 @@ def main():
     print(f"{'op':18s} {'scan_lib':>9s} {'torch':>7s} {'scan_lib, inputs need grad':>27s}")
     plain, grad = empty_calls(False), empty_calls(True)
     for name, (ours, theirs) in plain.items():
-        torch_us = f"{host_us(theirs, args.calls):7.1f}" if theirs else f"{'-':>7s}"
+        torch_us = f"{median_host_us(theirs, args.calls):7.1f}" if theirs else f"{'-':>7s}"
         try:
-            print(f"{name:18s} {host_us(ours, args.calls):9.1f} {torch_us} {host_us(grad[name][0], args.calls):27.1f}")
+            print(f"{name:18s} {median_host_us(ours, args.calls):9.1f} {torch_us} {median_host_us(grad[name][0], args.calls):27.1f}")
         except (ValueError, RuntimeError) as error:   # an op that refuses empty inputs: say so, time the rest
             print(f"{name:18s} {'raises':>9s} {torch_us}  {type(error).__name__}: {error}")
 

@@ -1674,19 +1674,19 @@ else:
 #| export causal_conv1d
 # Launch parameters: (block of channels, block of positions, warps). The interpreter runs a program as
 # NumPy array operations, so larger blocks mean fewer programs and a faster CPU run.
-# The backward's blocks were picked by a sweep on the H200 (forward+backward at the benchmark's shapes),
-# by the bytes per element of x.
+# The backward's blocks, by the bytes per element of x, were picked by a sweep of the backward kernel on
+# the H200 at four of the benchmark's shapes (benchmarks/NOTES_causal_conv1d.md).
 GPU_CONFIG = {"block_d": 32, "block_l": 128, "num_warps": 4}
 GPU_BWD_CONFIG = {2: {"block_d": 16, "block_l": 256, "num_warps": 4}, 4: {"block_d": 16, "block_l": 128, "num_warps": 4}}
 CPU_CONFIG = {"block_d": 32, "block_l": 512, "num_warps": 4}
 
 
-def _launch_config(dim, length, backward_of=None):
-    """Blocks and warps for a launch; backward_of: x, for the backward's configuration."""
+def _launch_config(dim, length, backward_element_size=None):
+    """Blocks and warps for a launch: the forward's, or the backward's for x of that element size."""
     if INTERPRET:
         config = dict(CPU_CONFIG)
-    elif backward_of is not None:
-        config = dict(GPU_BWD_CONFIG[min(backward_of.element_size(), 4)])
+    elif backward_element_size is not None:
+        config = dict(GPU_BWD_CONFIG[min(backward_element_size, 4)])
     else:
         config = dict(GPU_CONFIG)
     config.update(block_d=min(config["block_d"], max(triton.next_power_of_2(dim), 2)),
@@ -1738,7 +1738,7 @@ def causal_conv1d_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     batch, dim, length = x.shape
     width = weight.shape[1]
     acc = _acc_dtype(x, weight)
-    config = _launch_config(dim, length, backward_of=x)
+    config = _launch_config(dim, length, backward_element_size=x.element_size())
     n_blocks_l = triton.cdiv(length, config["block_l"])
     dx = torch.empty_like(x)
     dw_part = x.new_empty(batch * n_blocks_l, dim, width, dtype=acc)

@@ -223,14 +223,16 @@ def graph_us(fn) -> float:
 
 
 def host_us(fn, calls: int = 50) -> float:
-    """Host time per call: launches queued back to back, timed on the CPU, no synchronisation inside."""
+    """Host time per call: launches queued back to back, timed on the CPU, no synchronisation inside
+    (the GPU, where there is one, is synchronised before and after)."""
     import time
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
     elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
+    sync()
     return elapsed / calls * 1e6
 
 
