@@ -85,3 +85,92 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
     if D is not None:
         y = y + D[:, None] * x.reshape(batch, -1, heads, head_dim)[:, :length]
     return y, state
+
+import triton
+import triton.language as tl
+
+import scan_lib
+
+
+@triton.jit
+def ssd_chunk_state_kernel(X, DT, A, B, STATES, DECAY, length, heads, groups, head_dim, n_states, n_chunks,
+                           CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (batch, head, chunk): the state the chunk leaves from zero, sum_s exp(a_end - a_cum_s) dt_s x_s B_s^T
+    (P x N), and the chunk's decay exp(sum of a). X: b x L x h x P, DT: b x L x h, B: b x L x g x N (contiguous);
+    STATES: b x h x chunks x P x N, DECAY: b x h x chunks."""
+    b, h, c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    g = h // (heads // groups)
+    t = c * CHUNK + tl.arange(0, CHUNK)                                     # CHUNK positions
+    t_ok = t < length
+    p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
+    dt = tl.load(DT + (b * length + t) * heads + h, t_ok, other=0.0).to(tl.float32)   # 0 past L: no decay, no input
+    a_cum = tl.cumsum(dt * tl.load(A + h).to(tl.float32), axis=0)          # CHUNK
+    a_end = tl.sum(dt * tl.load(A + h).to(tl.float32), axis=0)
+    weight = dt * tl.exp(a_end - a_cum)                                     # CHUNK
+    x = tl.load(X + ((b * length + t[:, None]) * heads + h) * head_dim + p[None, :],
+                t_ok[:, None] & (p[None, :] < head_dim), other=0.0).to(tl.float32)   # CHUNK x P
+    Bv = tl.load(B + ((b * length + t[:, None]) * groups + g) * n_states + n[None, :],
+                 t_ok[:, None] & (n[None, :] < n_states), other=0.0).to(tl.float32)  # CHUNK x N
+    state = tl.dot(tl.trans(x * weight[:, None]), Bv, input_precision="ieee")                       # P x N
+    base = (b * heads + h) * n_chunks + c
+    tl.store(STATES + base * head_dim * n_states + p[:, None] * n_states + n[None, :], state,
+             (p[:, None] < head_dim) & (n[None, :] < n_states))
+    tl.store(DECAY + base, tl.exp(a_end))
+
+
+@triton.jit
+def ssd_chunk_output_kernel(X, DT, A, B, C, D, ENTERING, Y, length, heads, groups, head_dim, n_states, n_chunks,
+                            HAS_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (batch, head, chunk): y = (L o C B^T)(dt x) + exp(a_cum) C H_in^T (+ D x) for the chunk's positions."""
+    b, h, c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    g = h // (heads // groups)
+    t = c * CHUNK + tl.arange(0, CHUNK)
+    t_ok = t < length
+    p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
+    dt = tl.load(DT + (b * length + t) * heads + h, t_ok, other=0.0).to(tl.float32)
+    a_cum = tl.cumsum(dt * tl.load(A + h).to(tl.float32), axis=0)
+    x = tl.load(X + ((b * length + t[:, None]) * heads + h) * head_dim + p[None, :],
+                t_ok[:, None] & (p[None, :] < head_dim), other=0.0).to(tl.float32)
+    row = ((b * length + t[:, None]) * groups + g) * n_states + n[None, :]
+    mask_n = t_ok[:, None] & (n[None, :] < n_states)
+    Bv = tl.load(B + row, mask_n, other=0.0).to(tl.float32)
+    Cv = tl.load(C + row, mask_n, other=0.0).to(tl.float32)
+    scores = tl.dot(Cv, tl.trans(Bv), input_precision="ieee")                                       # CHUNK x CHUNK
+    causal = tl.arange(0, CHUNK)[:, None] >= tl.arange(0, CHUNK)[None, :]
+    decay = tl.where(causal, tl.exp(a_cum[:, None] - a_cum[None, :]), 0.0)  # within a chunk: short differences
+    y = tl.dot(scores * decay * dt[None, :], x, input_precision="ieee")                            # CHUNK x P
+    base = (b * heads + h) * n_chunks + c
+    H = tl.load(ENTERING + base * head_dim * n_states + p[:, None] * n_states + n[None, :],
+                (p[:, None] < head_dim) & (n[None, :] < n_states), other=0.0)   # P x N
+    y += tl.exp(a_cum)[:, None] * tl.dot(Cv, tl.trans(H), input_precision="ieee")                   # CHUNK x P
+    if HAS_D:
+        y += tl.load(D + h).to(tl.float32) * x
+    tl.store(Y + ((b * length + t[:, None]) * heads + h) * head_dim + p[None, :], y.to(Y.dtype.element_ty),
+             t_ok[:, None] & (p[None, :] < head_dim))
+
+
+def ssd_forward(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
+    """The chunked forward on the GPU (or Triton's interpreter): two kernels and chapter 03's linear_scan
+    between them. Shapes as ssd_loop; chunk_size a power of two >= 16; float32 sums. Returns y (x's
+    dtype) and the final state (float32). Forward only: the backward is the next part's."""
+    batch, length, heads, head_dim = x.shape
+    groups, n_states = B.shape[2], B.shape[3]
+    n_chunks = triton.cdiv(length, chunk_size)
+    bp, bn = max(16, triton.next_power_of_2(head_dim)), max(16, triton.next_power_of_2(n_states))
+    x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
+    states = torch.empty(batch, heads, n_chunks, head_dim, n_states, device=x.device, dtype=torch.float32)
+    decay = torch.empty(batch, heads, n_chunks, device=x.device, dtype=torch.float32)
+    grid = (batch, heads, n_chunks)
+    ssd_chunk_state_kernel[grid](x, dt, A, B, states, decay, length, heads, groups, head_dim, n_states, n_chunks,
+                                 CHUNK=chunk_size, BLOCK_P=bp, BLOCK_N=bn)
+    # the scan over chunks: chapter 03's linear_scan, the P x N entries of each head as rows
+    h0 = None if initial_state is None else initial_state.float().reshape(batch, heads, -1)
+    after = scan_lib.linear_scan(decay[:, :, None, :], states.permute(0, 1, 3, 4, 2).reshape(batch, heads, -1, n_chunks), h0)
+    start = torch.zeros(batch, heads, head_dim * n_states, 1, device=x.device) if h0 is None else h0[..., None]
+    entering = torch.cat([start, after[..., :-1]], dim=-1)                  # b x h x PN x chunks
+    entering = entering.reshape(batch, heads, head_dim, n_states, n_chunks).permute(0, 1, 4, 2, 3).contiguous()
+    y = torch.empty_like(x)
+    ssd_chunk_output_kernel[grid](x, dt, A, B, C, D, entering, y, length, heads, groups, head_dim, n_states, n_chunks,
+                                  HAS_D=D is not None, CHUNK=chunk_size, BLOCK_P=bp, BLOCK_N=bn)
+    final = after[..., -1].reshape(batch, heads, head_dim, n_states)
+    return y, final

@@ -56,3 +56,15 @@ def test_zero_steps_leave_the_state_alone():
     p["dt"] = torch.zeros_like(p["dt"])
     _, final = ssd_chunked(p["x"], p["dt"], p["A"], p["B"], p["C"], 4, initial_state=p["initial_state"])
     assert torch.equal(final, p["initial_state"])
+
+
+@pytest.mark.parametrize("length, chunk, heads, groups, head_dim, n_states",
+                         [(37, 16, 4, 2, 3, 5), (70, 32, 2, 1, 8, 4), (1, 16, 2, 2, 4, 4)])
+def test_the_triton_forward_matches_the_loop(length, chunk, heads, groups, head_dim, n_states):
+    """ssd_forward (two kernels and linear_scan) on float32 inputs against the float64 loop."""
+    from scan_lib.runtime import DEVICE
+    from scan_lib.ssd import ssd_forward
+    p = {k: v.float().to(DEVICE) for k, v in problem(2, length, heads, head_dim, groups, n_states, seed=length).items()}
+    y_want, final_want = ssd_loop(**p)
+    y, final = ssd_forward(p["x"], p["dt"], p["A"], p["B"], p["C"], chunk, p["D"], p["initial_state"])
+    assert y.dtype == torch.float32 and rel(y.double(), y_want) < 1e-5 and rel(final.double(), final_want) < 1e-5
