@@ -603,8 +603,9 @@ for num_warps in (1, 4):
 # bandwidth: `copy_bandwidth` measures that rate by copying 1 GiB, and every benchmark of the course
 # compares its times with this **memory floor**. The floor is itself a measurement, of a copy, so a
 # kernel that streams as well as a copy lands on it give or take the run-to-run variation, and may
-# come in slightly under it (the large additions in the table below do); the cell below treats
-# only a time under 0.8 of the floor as a timing error.
+# come in slightly under it (in the table below, the large additions replayed from a CUDA graph,
+# the `graph_us` column, do); the cell below treats only a time under 0.8 of the floor as a timing
+# error.
 
 # %%
 #| export

@@ -765,16 +765,19 @@ else:
 
 # %% [markdown]
 # (On a GPU the cell above prints the table, its conclusions and the figure.) The table times the public
-# `linear_scan`, and its "x floor" columns show it several times above the floor. The kernels alone come
-# close to it, but this notebook does not show that: chapter 02's speed cell times the forward kernel
-# alone, launched directly, against the same floor, and `benchmarks/bench_linear_scan.py` times the
-# backward kernel alone (its H200 output is in `benchmarks/results/bench_linear_scan_h200.txt`). The
-# public call adds what lies outside the kernels: the host's Python work per call (input checks,
-# broadcasting, the torch-op and autograd dispatch), allocations and gaps between launches. When that
-# host work takes longer than the GPU's, the GPU waits and the time rises above the floor, and it
-# varies from run to run: the two "ours" rows run the same forward, so the difference between their
-# forward columns is that variation. (The cell does not time the host's work separately: this is the
-# likely explanation, not a measurement.) Trimming the host's work per call is performance work.
+# `linear_scan`: its forward, call included, takes 1.06x the floor; forward + backward takes 2.24x the
+# floor with the default backward and 1.81x with descending loads. The kernels alone are not timed in
+# this notebook: chapter 02's speed cell times the forward kernel alone, launched directly, against the
+# same floor, and `benchmarks/bench_linear_scan.py` times the backward kernel alone (its H200 output is
+# in `benchmarks/results/bench_linear_scan_h200.txt`). The public call adds what lies outside the
+# kernels: the host's Python work per call (input checks, broadcasting, the torch-op and autograd
+# dispatch), allocations and gaps between launches. When that host work takes longer than the GPU's,
+# the GPU waits and the time rises above the floor, and it varies from run to run. The two "ours" rows
+# run the same forward, and their forward columns agree (100.7 us each); their forward + backward
+# columns differ (566.2 and 457.8 us), and this cell cannot say how much of that is the backward's
+# loads and how much is such variation. (The cell does not time the host's work separately: this is
+# the likely explanation of the gap above the floor, not a measurement.) Trimming the host's work per
+# call is performance work.
 #
 # ## Summary
 #

@@ -13,8 +13,8 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/07_performance.ipynb)
 #
-# Chapter 05 ended with a kernel that is correct, faster than `mamba_ssm`'s in one line of its
-# benchmark and slower in the others, and a list of guesses about where the time goes. This chapter
+# Chapter 05 ended with a kernel that is correct but slower than `mamba_ssm`'s in training on a
+# block's bf16 views (section 10 times both), and a list of guesses about where the time goes. This chapter
 # replaces guesses with measurements. You will learn:
 #
 # 1. how to find a kernel's **floors**: the bytes it must move and the `exp`s it must evaluate, each
@@ -81,8 +81,9 @@ selective_scan_05 = chapter05.selective_scan
 #   floor: the count over the `exp` rate measured below.
 #
 # Everything else (the multiply-adds of the recurrence and of $C h$, the scan's combines) runs on the
-# ordinary arithmetic units, which on an H200 do about 60 fp32 operations for each `exp`, so an
-# efficient kernel should sit near the larger of the two floors. The `exp` rate is measured by a
+# ordinary arithmetic units, which on an H200 (about 67 TFLOP/s in fp32, NVIDIA's H200 SXM datasheet)
+# do about 18 fp32 operations for each `exp` at the rate measured below, so an efficient kernel should
+# sit near the larger of the two floors. The `exp` rate is measured by a
 # kernel that does nothing else: four independent chains per element (so that the unit, not the
 # latency of one chain, is the limit), many programs.
 
@@ -137,9 +138,10 @@ else:
 
 # %% [markdown]
 # (On a GPU.) The `exp` floor is the larger one at $N = 16$, and it does not shrink with bf16 inputs:
-# halving the bytes only helps a kernel that waits on memory. Chapter 05's benchmark showed our forward
-# taking almost the same time in fp32 and bf16, while `mamba_ssm`'s halves: ours is limited by the
-# instructions it issues, far above both floors. The forward+backward lines are a training step's:
+# halving the bytes only helps a kernel that waits on memory. Chapter 05's kernel takes almost the
+# same time forward in fp32 and bf16 (section 8's table), while `mamba_ssm`'s roughly halves (chapter
+# 05's benchmark): ours is limited by the instructions it issues, far above both floors. The
+# forward+backward lines are a training step's:
 # the bytes of both passes, and four `exp`s per element (one in the forward, three in the backward).
 #
 # ## 2. Where the time goes: the profiler
@@ -206,7 +208,7 @@ else:
 # ## 3. First optimisation: read the views in place
 #
 # **Prediction.** A copy of a (batch, dim, $L$) bf16 tensor moves $2 \times 2 \cdot 8 \cdot 1024 \cdot 2048$
-# bytes (read and write), about 14 µs at the measured bandwidth; the profile shows how many there
+# bytes (read and write), about 16 µs at the measured bandwidth; the profile shows how many there
 # are per step. Removing them should save their total and nothing more: the kernel reads the same
 # bytes either way, only from different addresses.
 #
@@ -533,8 +535,9 @@ def strided_bwd_kernel(
 # ## 5. Third optimisation: long sequences at small batch, split into segments
 #
 # Both kernels give each program one (batch element, block of channels) and walk the whole sequence.
-# At batch 1 and 1536 channels that is 1536 programs of 2 warps: about 12 per streaming multiprocessor
-# of an H200, which could hold 32, and each walks its $L$ positions one chunk after another. The
+# At batch 1 and 1536 channels, with one channel and one warp per program, that is 1536 programs:
+# about 12 per streaming multiprocessor of an H200, which could hold 32 (with two channels per program,
+# as `GPU_CONFIG` has it, half as many), and each walks its $L$ positions one chunk after another. The
 # sequence is long, the GPU is mostly idle. More programs need a split along $L$, and chapter 01 showed
 # how a scan splits: the three phases of the blocked scan, here with the recurrence's pairs.
 #
@@ -1079,7 +1082,8 @@ else:
 # and every scan, and those, not the loads and stores phase 1 skips, are most of the forward's work;
 # so a split roughly doubles the work, and it pays only where the programs it adds find a GPU that
 # would otherwise be idle. That is the case only for few programs: the cell's second line gives the
-# warps per multiprocessor at batch 1. `selective_scan` keeps one segment (`segments` stays 1); where
+# warps per multiprocessor at batch 1 with one channel per program (half that with `GPU_CONFIG`'s
+# two). `selective_scan` keeps one segment (`segments` stays 1); where
 # a row above shows a split faster, that is speed still left at small batch. The split stays in the
 # kernels, checked in section 7, because the same three phases are how a sequence is spread over
 # several GPUs (chapter 09), where the split is forced by memory rather than chosen for speed. A split
@@ -1095,10 +1099,12 @@ else:
 # ### The atomics
 #
 # $\partial\mathcal L/\partial B_{t,n}$ sums over every channel of the group: 1024 channels add into
-# each (batch, state, position) entry. Each program adds its channel's contribution with
-# `tl.atomic_add`: batch $\cdot$ dim $\cdot N \cdot L$ = 268 million atomic additions for $dB$ and as
-# many for $dC$. To see what they cost, a kernel that does only those atomic additions, with the same
-# launch grid, chunk and warps as the backward, is timed on its own.
+# each (batch, state, position) entry. Each program sums its `block_d` channels' contributions and
+# adds the sum with `tl.atomic_add`: batch $\cdot$ dim $\cdot N \cdot L$ / `block_d` atomic additions
+# for $dB$ and as many for $dC$, 268 million each with one channel per program, half that with
+# `GPU_CONFIG`'s two. To see what they cost, a kernel that does only atomic additions, with the
+# backward's chunk and warps but one program per (batch, channel), so 268 million of them, is timed on
+# its own.
 
 # %%
 @triton.jit
@@ -1132,12 +1138,15 @@ else:
           f"({2 * atomics_us / bwd_us:.0%} of the backward if they do not overlap other work)")
 
 # %% [markdown]
-# (On a GPU.) The atomic additions alone take a large share of the backward's time (the line above).
+# (On a GPU.) The atomic additions alone take a large share of the backward's time (the line above; it
+# times one addition per channel, twice as many as the backward with two channels per program issues,
+# so it overstates their share).
 # `mamba_ssm` adds per channel too, but first rearranges each thread block's values so that every
 # warp adds 32 consecutive floats (fully coalesced); Triton's reduction leaves each thread a few
 # positions spaced apart, so one warp's additions touch more memory sectors. Summing several channels
-# in one program before adding (`block_d` > 1) divides the additions, but in the sweep below it costs
-# more than it saves: the program's other work grows with it. Two ways around it that this chapter has
+# in one program before adding (`block_d` > 1) divides the additions; in the sweep below, which tries
+# one and two channels per program, the backward is fastest with two. Two ways around it that this
+# chapter has
 # not built: accumulate $dB$ per group of channels in a workspace and reduce it with one more kernel
 # (the bytes: $\text{dim}/g \cdot N \cdot L$ floats per batch element), or reformulate the backward so
 # that the sum over channels becomes a matrix product (Mamba-2's "state space duality" does exactly this
@@ -1151,7 +1160,7 @@ else:
 # subtraction, and no $a_{t-1}$. A version of the backward built that way (one `exp` and one load of
 # $B$ fewer per element and state) passed most of the tests, then failed one: with large steps ($\Delta \approx 25$, so
 # $a_t = e^{\Delta A}$ is tiny and the state forgets almost at once), $\partial\mathcal L/\partial A$
-# was off by about $10^{-3}$ relative. The reason is cancellation: when $a_t h_{t-1} \ll b_t$, the
+# was off by far more than the test's tolerance. The reason is cancellation: when $a_t h_{t-1} \ll b_t$, the
 # float32 difference $h_t - b_t$ keeps only the rounding error of $h_t$, which is of the size of $b_t$,
 # not of $a_t h_{t-1}$. The cell shows it in plain PyTorch, one step, against float64.
 
@@ -1339,13 +1348,14 @@ else:
 # %% [markdown]
 # (On a GPU.) The lines say where chapter 07 stands in training on the block's layout, against chapter
 # 05 and, where it is importable, `mamba_ssm`; the cell below prints, row by row, `mamba_ssm`'s time
-# over ours (above 1: ours is faster). In the run recorded here `mamba_ssm` was not importable (its
-# CUDA extension had not finished building when the chapter ran), so the lines and the plot show the
-# two chapters only and the ratio cell is skipped. `benchmarks/results/` keeps the side-by-side
+# over ours (above 1: ours is faster). In the run recorded here `mamba_ssm` was importable, and every
+# ratio is below 1, from 0.43 to 0.87: `mamba_ssm` is faster in every row, furthest ahead at $N$ 4 and
+# at $L$ 512, closest at $N$ 64. Chapter 07 is faster than chapter 05 in every row but $L$ 512, where
+# chapter 05 is faster. `benchmarks/results/` keeps the side-by-side
 # measurements against `mamba_ssm` on the same GPU made while these kernels were built (the same
 # kernels, one channel per program): by them, the instruction cuts of section 4's last part moved
-# training closer to `mamba_ssm`. Where a ratio is below 1, the backward is what is left to make
-# faster. `make bench` has the forward rows and fp32 as well.
+# training closer to `mamba_ssm`. What is left to make faster is mostly the backward, 81% of the
+# step's GPU time in section 8's profile. `make bench` has the forward rows and fp32 as well.
 
 # %%
 if ON_GPU and any(name == "mamba_ssm" for _, _, name in times):
@@ -1374,9 +1384,10 @@ else:
 # What is not done yet, and where to go next: a backward that issues fewer instructions still (it is
 # the bottleneck: Triton's reverse scan moves its inputs and outputs across the warp's lanes to reverse
 # them, and $h_{t-1}$ takes a second scan); the atomics (a workspace
-# reduction or coalesced additions); a sequence-parallel scan for small batches (the three-phase scan of chapter 01 applied
-# to the recurrence: chunk summaries in parallel, a short scan over them, then the chunks again), which
-# long sequences at batch 1 need; and the host overhead of small calls.
+# reduction or coalesced additions); a sequence-parallel scan that pays for small batches (section 5's
+# three-phase split is built and checked, but in section 8's measurement it is at best 1.07x faster, in
+# the training step at batch 1, and slower in the forward), which long sequences at batch 1 need; and
+# the host overhead of small calls.
 #
 # ## Going deeper: profiling tools on this GPU
 #

@@ -1506,13 +1506,14 @@ else:
 # %% [markdown]
 # (On a GPU the cell prints the table, whether ours keeps up with the flash backend in every row, the
 # ratio to cuDNN, and the plot.) In the committed run on the H200, ours is ahead of the flash backend
-# everywhere except forward + backward at $L = 1024$, in all four rows. There the GPU has little work
-# per call, and our op is Python (an autograd Function around two torch custom ops, four Triton
-# launches) where SDPA's is C++ from end to end, so the host's time per call may be what is measured;
+# everywhere except at $L = 1024$: forward + backward in all four rows, and the causal forward at head
+# dim 128 (107 against 179 TFLOP/s). There the GPU has little work per call, and our op is Python
+# (an autograd Function around two torch custom ops, four Triton launches for forward + backward)
+# where SDPA's is C++ from end to end, so the host's time per call may be what is measured;
 # this cell does not separate the two (`benchmarks/host_time.py` times the Python path alone, and a
 # CUDA graph of the call, `scan_lib.runtime.graph_us`, would time the GPU alone). Cutting the host
 # time is open work.
-# Where ours falls behind cuDNN, the likely reason lies in what the
+# Ours is behind cuDNN in every row (ours / cuDNN from 0.21 to 0.98). The likely reason lies in what the
 # kernel does not use: FlashAttention-3, and by NVIDIA's accounts cuDNN's Hopper kernels, split each
 # block's warps into producers,
 # which move tiles with the tensor memory accelerator (TMA), and consumers, which run the asynchronous

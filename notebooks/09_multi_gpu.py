@@ -27,7 +27,8 @@
 #    `torch.distributed` process group (NCCL on GPUs, gloo on CPUs), usable from a script started by
 #    `torchrun`;
 # 4. what the exchange costs: one collective against a chain of sends, latency against bandwidth;
-# 5. on two H200s, the time of a sequence of $2^{20}$ positions split in two, against one GPU.
+# 5. on two GPUs (where there are two; the run recorded here had one), the time of a sequence of
+#    $2^{20}$ positions split in two, against one GPU.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -635,8 +636,9 @@ verdict(per_rank, SHAPES)
 # the initial state, of which only rank 0's matters) and folds on every rank, so each rank receives
 # $3(R-1)$ summaries where the chain passes one along each link; and gloo, on CPUs or with the ranks
 # sharing one GPU, copies every message through host memory with Python around each call, so bytes
-# and per-call costs both count. NCCL between GPUs on NVLink moves the bytes far faster, and section
-# 7 puts the exchange's time beside the scan's on two GPUs. `scan_lib.distributed` keeps the
+# and per-call costs both count. NCCL between GPUs on NVLink should move the bytes far faster (this
+# run, on one GPU, did not measure it), and section 7 puts the exchange's time beside the scan's on
+# two GPUs. `scan_lib.distributed` keeps the
 # all-gather in the forward, whose latency does not grow with a chain of ranks waiting on each other,
 # and uses the reverse chain in the backward (section 2), whose bytes per rank do not grow with $R$.
 #
@@ -771,7 +773,8 @@ else:
 #
 # Each rank runs its scans twice, and the backward twice, because phase 1 needs only the shard's last
 # state but computes every output. Chapter 07 measured the same two-pass split inside one GPU and found
-# it never paid there; across GPUs it is forced by memory, and by the count of passes it would pay in
+# it seldom paid there (only the training step at batch 1, and slightly); across GPUs it is forced
+# by memory, and by the count of passes it would pay in
 # time from three ranks on (two GPUs are all this course's machines have). Two ways to cut it: a phase 1 that forms only $E_r$ as a sum,
 # $E_r = \sum_t e^{A(\Sigma_{\text{end}} - \Sigma_{\le t})} \Delta_t B_t u_t$, a reduction with no scan
 # and no output; and, for the backward, the gradient of $E_r$ alone is an adjoint scan with no

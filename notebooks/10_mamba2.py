@@ -336,11 +336,14 @@ assert error < 1e-12
 #
 # Per position that is $2Q(N+P) + 4PN$ flops, against $4PN$ for the loop (a multiply-add into each of
 # the $PN$ state entries, and one for the output). The chunked form does **more** arithmetic, by a
-# factor $1 + Q(N+P)/(2PN)$: with $Q = P = 64$ and $N = 128$, about 1.8 times the loop's. It wins
-# because almost all of it is matrix products of tiles of 64 or more, which tensor cores run, and on
+# factor $1 + Q(N+P)/(2PN)$: with $Q = P = 64$ and $N = 128$, about 1.8 times the loop's. It can
+# still win, because almost all of it is matrix products of tiles of 64 or more, which tensor cores
+# run, and on
 # an H200 the dense bfloat16 tensor-core rate is many times the scalar float32 rate (the cell prints
 # NVIDIA's datasheet figures and their ratio), far more than the chunks cost. The loop, and chapter
-# 07's kernels, can use only the scalar rate. The cell prints the factor for a few chunk sizes.
+# 07's kernels, can use only the scalar rate. This is an argument from datasheet peaks, not a
+# measurement: this part times nothing, and its Triton forward (section 5) keeps its products in
+# float32, off the tensor cores. The cell prints the factor for a few chunk sizes.
 
 # %%
 def extra_work(chunk, head_dim, n_states):
