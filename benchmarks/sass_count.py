@@ -74,20 +74,30 @@ def opcode(text):
     return re.sub(r"^@!?U?P\w+\s+", "", text).split()[0].split(".")[0]
 
 
+def gpu_chunk(kind, dtype):
+    """The chunk GPU_CONFIG gives `kind` on `dtype` inputs (fast.launch_config: the backward's scales)."""
+    chunk, size = fast.GPU_CONFIG[kind]["chunk"], 2 if dtype == "bf16" else 4
+    return chunk * 4 // size if kind == "bwd" else chunk
+
+
 def kernel_args(kind, dtype, batch=8, dim=1024, length=2048, n_states=16):
     """The arguments of a launch at the benchmark's base shape, contiguous inputs, no D, z, delta_bias."""
     config = fast.GPU_CONFIG[kind]
+    chunk, size = gpu_chunk(kind, dtype), 2 if dtype == "bf16" else 4
     big = dict(su_b=dim * length, su_d=length, su_l=1, sdt_b=dim * length, sdt_d=length, sdt_l=1,
                sz_b=0, sz_d=0, sz_l=0, sa_d=n_states, sa_n=1, sb_b=n_states * length, sb_g=n_states * length,
                sb_n=length, sb_l=1, sc_b=n_states * length, sc_g=n_states * length, sc_n=length, sc_l=1)
     shared = dict(U=f"*{dtype}", DELTA=f"*{dtype}", A="*fp32", B=f"*{dtype}", C=f"*{dtype}", D=None, Z=None,
-                  BIAS=None, dim=dim, length=length, n_chunks=length // config["chunk"],
-                  seg_chunks=length // config["chunk"], per_group_b=dim, per_group_c=dim, N_STATES=n_states,
+                  BIAS=None, dim=dim, length=length, n_chunks=length // chunk,
+                  seg_chunks=length // chunk, per_group_b=dim, per_group_c=dim, N_STATES=n_states,
                   HAS_D=False, HAS_Z=False, HAS_BIAS=False, B_PER_STEP=True, C_PER_STEP=True, SOFTPLUS=False,
-                  ACC=tl.float32, BLOCK_D=config["block_d"], BLOCK_N=n_states, CHUNK=config["chunk"], **big)
+                  ACC=tl.float32, BLOCK_D=config["block_d"], BLOCK_N=n_states, CHUNK=chunk, **big)
     if kind == "fwd":
         return fast.strided_fwd_kernel, dict(shared, H0=None, OUT=f"*{dtype}", STATES="*fp32", LAST="*fp32",
                                              DSUM=None, HAS_H0=False, SAVE=False, SUMMARY=False)
+    items = min(chunk, 16 // size)                                          # fast.run_items
+    shared = {name: value for name, value in shared.items() if name not in ("BLOCK_N", "CHUNK")}
+    shared.update(SEGS=chunk // items, ITEMS=items)
     return fast.strided_bwd_kernel, dict(shared, STATES="*fp32", DOUT=f"*{dtype}", DLAST=None, DU=f"*{dtype}",
                                          DDELTA=f"*{dtype}", DZ=None, DB="*fp32", DC="*fp32", DA_PART="*fp32",
                                          DD_PART="*fp32", DBIAS_PART="*fp32", DH0="*fp32", HAS_DLAST=False,
@@ -100,7 +110,7 @@ def count(kind, dtype, out_dir):
     config = fast.GPU_CONFIG[kind]
     sass, registers, stack = sass_and_resources(compile_sm90(kernel, args, config["num_warps"]), out_dir)
     loop = innermost_loop(sass)
-    per_thread = config["block_d"] * config["chunk"] // (32 * config["num_warps"])
+    per_thread = config["block_d"] * gpu_chunk(kind, dtype) // (32 * config["num_warps"])
     return len(loop) / per_thread, registers, stack, Counter(opcode(text) for _, text in loop)
 
 

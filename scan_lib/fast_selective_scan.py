@@ -129,123 +129,242 @@ def strided_fwd_kernel(
         tl.store(DSUM + (pid_b * dim + ds) * n_segments + pid_s, dsum, d_ok)
 
 @triton.jit
+def unpack(x, ITEMS: tl.constexpr):
+    """(..., ITEMS) -> the ITEMS tiles (...) of items 0, 1, ...: register renames, no data movement,
+    when each thread holds the whole last axis."""
+    if ITEMS == 1:
+        return (tl.reshape(x, x.shape[:-1]),)
+    else:
+        even, odd = tl.split(tl.reshape(x, x.shape[:-1] + [ITEMS // 2, 2]))
+        evens, odds = unpack(even, ITEMS // 2), unpack(odd, ITEMS // 2)
+        items = ()
+        for i in tl.static_range(ITEMS // 2):
+            items = items + (evens[i], odds[i])
+        return items
+
+
+@triton.jit
+def pack(items, ITEMS: tl.constexpr):
+    """unpack's inverse: ITEMS tiles (...) -> (..., ITEMS)."""
+    if ITEMS == 1:
+        return tl.reshape(items[0], items[0].shape + [1])
+    else:
+        evens = ()
+        odds = ()
+        for i in tl.static_range(ITEMS // 2):
+            evens = evens + (items[2 * i],)
+            odds = odds + (items[2 * i + 1],)
+        joined = tl.join(pack(evens, ITEMS // 2), pack(odds, ITEMS // 2))
+        return tl.reshape(joined, joined.shape[:-2] + [ITEMS])
+
+
+@triton.jit
+def items_of(x, SEGS: tl.constexpr, ITEMS: tl.constexpr):
+    """A rows x (SEGS * ITEMS) tile as ITEMS tiles of rows x SEGS: item r of every segment."""
+    return unpack(tl.reshape(x, (x.shape[0], SEGS, ITEMS)), ITEMS)
+
+
+@triton.jit
+def positions_of(items, SEGS: tl.constexpr, ITEMS: tl.constexpr):
+    """items_of's inverse."""
+    x = pack(items, ITEMS)
+    return tl.reshape(x, (x.shape[0], SEGS * ITEMS))
+
+
+@triton.jit
+def _coef_items(M, base, n, ds, d_ok, t, t_ok, stride_g, stride_n, stride_l, PER_STEP: tl.constexpr,
+                ACC: tl.constexpr, SEGS: tl.constexpr, ITEMS: tl.constexpr):
+    """State n's B or C as ITEMS tiles: 1 x SEGS each (per step), or the BLOCK_D x 1 column ITEMS times."""
+    coef = _coef_row(M, base, n, ds, d_ok, t, t_ok, stride_g, stride_n, stride_l, PER_STEP, ACC)
+    if PER_STEP:
+        return items_of(coef, SEGS, ITEMS)
+    else:
+        same = ()
+        for r in tl.static_range(ITEMS):
+            same = same + (coef,)
+        return same
+
+
+@triton.jit
+def _add_partial(PART, value, mask):
+    """PART += value where this program alone writes (its own entries of a per-program partial sum)."""
+    tl.store(PART, tl.load(PART, mask, other=0.0) + value, mask)
+
+
+@triton.jit
 def strided_bwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, STATES, DOUT, DLAST,  # as in the forward; DOUT any strides; DLAST b x d x N x S
-    DU, DDELTA, DZ, DB, DC,          # contiguous b x d x L (x3); DB, DC fp32 b x g x N x L (atomics) or b x d x N x S
-    DA_PART, DD_PART, DBIAS_PART, DH0,                     # b x d x N x S, b x d x S, b x d x S, b x d x N x S
+    DU, DDELTA, DZ, DB, DC,   # contiguous b x d x L (x3); DB, DC fp32 b x g x N x L (atomics) or b x d x N x S x SEGS
+    DA_PART, DD_PART, DBIAS_PART, DH0,               # b x d x N x S x SEGS, b x d x S, b x d x S, b x d x N x S
     dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sa_d, sa_n,
     sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l, so_b, so_d, so_l,
     N_STATES: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DLAST: tl.constexpr, B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_D: tl.constexpr, SEGS: tl.constexpr, ITEMS: tl.constexpr,
 ):
-    # Program (batch element, block of channels, segment): the segment's chunks from right to left, the
-    # adjoint entering at its right end from DLAST; partial sums per segment.
+    # Program (batch element, block of channels, segment of chunks): the chunks from right to left, the
+    # adjoint entering at the right end from DLAST. A chunk is SEGS runs of ITEMS consecutive positions,
+    # each run held by one thread; per state, the states run left to right and the adjoint right to left
+    # through each run's items in registers, and only the runs' summaries are scanned across threads.
+    CHUNK: tl.constexpr = SEGS * ITEMS
     pid_b, first_d, ds = _program_indices(BLOCK_D)
-    ts = tl.arange(0, CHUNK)
     pid_s, n_segments, k_first, k_end = _segment_chunks(seg_chunks, n_chunks)
-    ns = tl.arange(0, BLOCK_N)
-    d_ok, n_ok = ds < dim, ns < N_STATES
-    dn_ok = d_ok[:, None] & n_ok[None, :]
+    d_ok = ds < dim
+    rows = ds[:, None]
+    runs = tl.arange(0, SEGS)[None, :]                                  # 1 x SEGS: the runs of a chunk
+    run_ok, first_run = d_ok[:, None] & (runs < SEGS), d_ok[:, None] & (runs == 0)
     group_b, group_c = first_d // per_group_b, first_d // per_group_c
     b_base, c_base = pid_b * sb_b + group_b * sb_g, pid_b * sc_b + group_c * sc_g
     db_base = (pid_b * (dim // per_group_b) + group_b) * N_STATES * length     # DB, DC are contiguous
     dc_base = (pid_b * (dim // per_group_c) + group_c) * N_STATES * length
-    state_offs = (pid_b * dim + ds[:, None]) * N_STATES + ns[None, :]
-    if HAS_DLAST:
-        adj_carry = tl.load(DLAST + state_offs * n_segments + pid_s, dn_ok, other=0.0).to(ACC)  # dL/dh at the end
-    else:
-        adj_carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
-    ADJ = DH0 + (pid_b * dim + ds) * N_STATES * n_segments + pid_s        # the adjoint's carries, as the forward's
-    tl.store(ADJ[:, None] + ns[None, :] * n_segments, adj_carry, dn_ok)
+    state_0 = (pid_b * dim + ds) * N_STATES * n_segments + pid_s        # BLOCK_D: state n at + n * n_segments
+    ADJ = DH0 + state_0                                                 # the adjoint's carries, as the forward's
+    PART = state_0[:, None] * SEGS + runs                               # per-run partial sums: + n * n_segments * SEGS
+    for n in range(0, N_STATES):
+        adj_carry = tl.zeros((BLOCK_D,), dtype=ACC)
+        if HAS_DLAST:
+            adj_carry = tl.load(DLAST + state_0 + n * n_segments, d_ok, other=0.0).to(ACC)   # dL/dh at the end
+        tl.store(ADJ + n * n_segments, adj_carry, d_ok)
+        zero_runs = tl.zeros((BLOCK_D, SEGS), dtype=ACC)
+        tl.store(DA_PART + PART + n * n_segments * SEGS, zero_runs, run_ok)
+        if not B_PER_STEP:
+            tl.store(DB + PART + n * n_segments * SEGS, zero_runs, run_ok)
+        if not C_PER_STEP:
+            tl.store(DC + PART + n * n_segments * SEGS, zero_runs, run_ok)
     skip = tl.zeros((BLOCK_D,), dtype=ACC)
     if HAS_D:
         skip = tl.load(D + ds, d_ok, other=0.0).to(ACC)
-    dA_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
-    dB_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)                    # time-invariant B only
-    dC_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)                    # time-invariant C only
     dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
     dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
-    first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
     for i in range(0, k_end - k_first):
-        tl.debug_barrier()   # the adjoint carries the last chunk stored, before they are read
+        tl.debug_barrier()   # the carries the last chunk stored, before they are read
         k = k_end - 1 - i                                               # chunks from right to left
-        t = k * CHUNK + ts
+        t = k * CHUNK + tl.arange(0, CHUNK)
         t_ok = t < length
-        next_ok = (ts < CHUNK - 1) & (t + 1 < length)                   # position t+1 is in this chunk
-        prev_ok = (ts > 0) & t_ok                                       # position t-1 is in this chunk
-        mask = d_ok[:, None] & t_ok[None, :]
-        prev_mask, next_mask = d_ok[:, None] & prev_ok[None, :], d_ok[:, None] & next_ok[None, :]
-        u_offs = pid_b * su_b + ds[:, None] * su_d + t[None, :] * su_l
+        mask = d_ok[:, None] & t_ok[None, :]                            # BLOCK_D x CHUNK
+        u_offs = pid_b * su_b + rows * su_d + t[None, :] * su_l
+        delta_offs = pid_b * sdt_b + rows * sdt_d + t[None, :] * sdt_l
         u = tl.load(U + u_offs, mask, other=0.0).to(ACC)
-        u_prev = tl.load(U + u_offs - su_l, prev_mask, other=0.0).to(ACC)
-        delta_offs = pid_b * sdt_b + ds[:, None] * sdt_d + t[None, :] * sdt_l
-        delta, pre = _load_delta(DELTA, BIAS, delta_offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
-        delta_prev, _ = _load_delta(DELTA, BIAS, delta_offs - sdt_l, prev_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
-        delta_next, _ = _load_delta(DELTA, BIAS, delta_offs + sdt_l, next_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
-        dout = tl.load(DOUT + pid_b * so_b + ds[:, None] * so_d + t[None, :] * so_l, mask, other=0.0).to(ACC)
-        out_offs = (pid_b * dim + ds[:, None]) * length + t[None, :]
+        delta, _ = _load_delta(DELTA, BIAS, delta_offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        t_after = k * CHUNK + (runs + 1) * ITEMS
+        delta_after, _ = _load_delta(DELTA, BIAS, pid_b * sdt_b + rows * sdt_d + t_after * sdt_l,
+                                     d_ok[:, None] & (t_after < length), ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        dout = tl.load(DOUT + pid_b * so_b + rows * so_d + t[None, :] * so_l, mask, other=0.0).to(ACC)
+        out_offs = (pid_b * dim + rows) * length + t[None, :]
         zv = u
         if HAS_Z:
-            zv = tl.load(Z + pid_b * sz_b + ds[:, None] * sz_d + t[None, :] * sz_l, mask, other=0.0).to(ACC)
+            zv = tl.load(Z + pid_b * sz_b + rows * sz_d + t[None, :] * sz_l, mask, other=0.0).to(ACC)
         dybar = _gate_dybar(dout, zv, HAS_Z)                             # BLOCK_D x CHUNK
         dD_acc += tl.sum(dybar * u, axis=1)
-        step_u, step_u_prev = delta * u, delta_prev * u_prev            # shared by the states
-        ybar = skip[:, None] * u                                         # recomputed, not kept by the forward
-        adj_b_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)               # sum_n adj B
-        adj_ah_rate_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)         # sum_n adj a h_{t-1} A
+        us, steps_of, dys = items_of(u, SEGS, ITEMS), items_of(delta, SEGS, ITEMS), items_of(dybar, SEGS, ITEMS)
+        step_u = ()                                                     # delta * u, shared by the states
+        ybar = ()                                                       # recomputed, not kept by the forward
+        adj_b_sum = ()                                                  # sum_n adj B
+        adj_ah_rate_sum = ()                                            # sum_n adj a h_{t-1} A
+        for r in tl.static_range(ITEMS):
+            step_u = step_u + (steps_of[r] * us[r],)
+            ybar = ybar + (skip[:, None] * us[r],)
+            adj_b_sum = adj_b_sum + (tl.zeros((BLOCK_D, SEGS), dtype=ACC),)
+            adj_ah_rate_sum = adj_ah_rate_sum + (tl.zeros((BLOCK_D, SEGS), dtype=ACC),)
         for n in range(0, N_STATES):
-            rate = tl.load(A + ds * sa_d + n * sa_n, d_ok, other=0.0).to(ACC)[:, None]
+            rate = tl.load(A + ds * sa_d + n * sa_n, d_ok, other=0.0).to(ACC)[:, None]   # BLOCK_D x 1
             rate2 = rate * LOG2E
-            b_coef = _coef_row(B, b_base, n, ds, d_ok, t, t_ok, sb_g, sb_n, sb_l, B_PER_STEP, ACC)
-            b_coef_prev = _coef_row(B, b_base, n, ds, d_ok, t - 1, prev_ok, sb_g, sb_n, sb_l, B_PER_STEP, ACC)
-            c_coef = _coef_row(C, c_base, n, ds, d_ok, t, t_ok, sc_g, sc_n, sc_l, C_PER_STEP, ACC)
+            b_coef = _coef_items(B, b_base, n, ds, d_ok, t, t_ok, sb_g, sb_n, sb_l, B_PER_STEP, ACC, SEGS, ITEMS)
+            c_coef = _coef_items(C, c_base, n, ds, d_ok, t, t_ok, sc_g, sc_n, sc_l, C_PER_STEP, ACC, SEGS, ITEMS)
             h_in = tl.load(STATES + ((pid_b * dim + ds) * N_STATES + n) * n_chunks + k, d_ok, other=0.0)
-            adj_in = _carry_in(ADJ, n, n_segments, d_ok)
-            # (1) h_{t-1}: the steps of positions t-1, the first one setting the boundary state (chapter 05).
-            a, b = discretize_exp2(delta, rate2, b_coef, step_u)
-            a_prev, b_prev = discretize_exp2(delta_prev, rate2, b_coef_prev, step_u_prev)
-            _, h_prev = tl.associative_scan((tl.where(first, 0.0, a_prev), tl.where(first, h_in[:, None], b_prev)),
-                                            axis=1, combine_fn=first_order_op)
-            h = a * h_prev + b
-            ybar += c_coef * h
-            # (2) the adjoint, right to left; the adjoint carry enters at the chunk's last position.
-            c = c_coef * dybar + tl.where(last, adj_in[:, None], 0.0)
-            _, adj = tl.associative_scan((tl.exp2(delta_next * rate2), c), axis=1, combine_fn=first_order_op,
-                                         reverse=True)
-            # (3) the gradients.
-            adj_b_sum += adj * b_coef
-            adj_ah = adj * a * h_prev
-            adj_ah_rate_sum += adj_ah * rate
-            at_n = ns[None, :] == n
-            dA_acc += tl.where(at_n, tl.sum(adj_ah * delta, axis=1)[:, None], 0.0)
-            if B_PER_STEP:  # summed over the block's channels, then added to the group's row
-                tl.atomic_add(DB + db_base + n * length + t[None, :], tl.sum(adj * step_u, axis=0)[None, :],
-                              t_ok[None, :], sem="relaxed")
-            else:
-                dB_acc += tl.where(at_n, tl.sum(adj * step_u, axis=1)[:, None], 0.0)
+            adj_in = tl.load(ADJ + n * n_segments, d_ok, other=0.0)
+            a = ()
+            b = ()
+            for r in tl.static_range(ITEMS):
+                step_a, step_b = discretize_exp2(steps_of[r], rate2, b_coef[r], step_u[r])
+                a, b = a + (step_a,), b + (step_b,)
+            # (1) the states, left to right: each run from 0 gives its summary (the product of its a and
+            # its last state), a scan over the runs the state entering each, a second pass the states.
+            run_a, run_h = a[0], b[0]
+            for r in tl.static_range(1, ITEMS):
+                run_a, run_h = run_a * a[r], a[r] * run_h + b[r]
+            run_h = tl.where(runs == 0, run_h + run_a * h_in[:, None], run_h)   # the chunk starts from h_in
+            _, run_end = tl.associative_scan((run_a, run_h), axis=1, combine_fn=first_order_op)
+            before = tl.gather(run_end, tl.maximum(runs - 1, 0) + 0 * rows, axis=1)
+            h = tl.where(runs == 0, h_in[:, None], before)              # BLOCK_D x SEGS: entering each run
+            ah = ()                                                     # a_t h_{t-1}, for the gradients
+            dC_runs = tl.zeros((BLOCK_D, SEGS), dtype=ACC)
+            dC_rows = ()
+            new_ybar = ()
+            for r in tl.static_range(ITEMS):
+                ah_r = a[r] * h
+                h = ah_r + b[r]
+                ah = ah + (ah_r,)
+                new_ybar = new_ybar + (ybar[r] + c_coef[r] * h,)
+                if C_PER_STEP:   # summed over the block's channels, then added to the group's row
+                    dC_rows = dC_rows + (tl.sum(h * dys[r], axis=0)[None, :],)
+                else:
+                    dC_runs += h * dys[r]
+            ybar = new_ybar
             if C_PER_STEP:
-                tl.atomic_add(DC + dc_base + n * length + t[None, :], tl.sum(h * dybar, axis=0)[None, :],
+                tl.atomic_add(DC + dc_base + n * length + t[None, :], positions_of(dC_rows, SEGS, ITEMS),
                               t_ok[None, :], sem="relaxed")
             else:
-                dC_acc += tl.where(at_n, tl.sum(h * dybar, axis=1)[:, None], 0.0)
-            tl.store(ADJ + n * n_segments, tl.sum(tl.where(first, a * adj, 0.0), axis=1), d_ok)
+                _add_partial(DC + PART + n * n_segments * SEGS, dC_runs, run_ok)
+            # (2) the adjoint, right to left, the same way: adj_t = C_t dybar_t + a_{t+1} adj_{t+1}, with
+            # a_{t+1} the next item's a (the next run's first: one exp per run), the carry entering at
+            # the chunk's last position.
+            c = ()
+            gate = ()
+            for r in tl.static_range(ITEMS):
+                c = c + (c_coef[r] * dys[r],)
+            for r in tl.static_range(ITEMS - 1):
+                gate = gate + (a[r + 1],)
+            gate = gate + (tl.exp2(delta_after * rate2),)
+            c_last = c[ITEMS - 1] + tl.where(runs == SEGS - 1, adj_in[:, None], 0.0)
+            run_gate, run_adj = gate[ITEMS - 1], c_last
+            for r in tl.static_range(ITEMS - 2, -1, -1):
+                run_gate, run_adj = run_gate * gate[r], c[r] + gate[r] * run_adj
+            _, run_start = tl.associative_scan((run_gate, run_adj), axis=1, combine_fn=first_order_op,
+                                               reverse=True)
+            after = tl.gather(run_start, tl.minimum(runs + 1, SEGS - 1) + 0 * rows, axis=1)
+            adj_r = c_last + gate[ITEMS - 1] * tl.where(runs == SEGS - 1, 0.0, after)
+            adj = (adj_r,)
+            for r in tl.static_range(ITEMS - 2, -1, -1):
+                adj_r = c[r] + gate[r] * adj_r
+                adj = (adj_r,) + adj
+            # (3) the gradients.
+            dA_runs = tl.zeros((BLOCK_D, SEGS), dtype=ACC)
+            dB_runs = tl.zeros((BLOCK_D, SEGS), dtype=ACC)
+            dB_rows = ()
+            new_b_sum = ()
+            new_rate_sum = ()
+            for r in tl.static_range(ITEMS):
+                adj_ah = adj[r] * ah[r]
+                new_b_sum = new_b_sum + (adj_b_sum[r] + adj[r] * b_coef[r],)
+                new_rate_sum = new_rate_sum + (adj_ah_rate_sum[r] + adj_ah * rate,)
+                dA_runs += adj_ah * steps_of[r]
+                if B_PER_STEP:
+                    dB_rows = dB_rows + (tl.sum(adj[r] * step_u[r], axis=0)[None, :],)
+                else:
+                    dB_runs += adj[r] * step_u[r]
+            adj_b_sum, adj_ah_rate_sum = new_b_sum, new_rate_sum
+            if B_PER_STEP:
+                tl.atomic_add(DB + db_base + n * length + t[None, :], positions_of(dB_rows, SEGS, ITEMS),
+                              t_ok[None, :], sem="relaxed")
+            else:
+                _add_partial(DB + PART + n * n_segments * SEGS, dB_runs, run_ok)
+            _add_partial(DA_PART + PART + n * n_segments * SEGS, dA_runs, run_ok)
+            # what leaves the chunk's first position, a_t adj_t there: stored by the thread of run 0
+            tl.store(ADJ[:, None] + n * n_segments + 0 * runs, a[0] * adj[0], first_run)
         if HAS_Z:
-            tl.store(DZ + out_offs, _gate_dz(dout, ybar, zv).to(DZ.dtype.element_ty), mask)
-        ddelta = adj_ah_rate_sum + u * adj_b_sum
-        if SOFTPLUS:
+            tl.store(DZ + out_offs, _gate_dz(dout, positions_of(ybar, SEGS, ITEMS), zv).to(DZ.dtype.element_ty),
+                     mask)
+        b_sum = positions_of(adj_b_sum, SEGS, ITEMS)
+        ddelta = positions_of(adj_ah_rate_sum, SEGS, ITEMS) + u * b_sum
+        if SOFTPLUS:   # the softplus input again (a load the cache serves), not kept through the loop
+            _, pre = _load_delta(DELTA, BIAS, delta_offs, mask, ds, d_ok, HAS_BIAS, False, ACC)
             ddelta = ddelta * tl.sigmoid(pre)
         ddelta = tl.where(mask, ddelta, 0.0)                            # padding: the adjoint is the carry there
         tl.store(DDELTA + out_offs, ddelta.to(DDELTA.dtype.element_ty), mask)
-        tl.store(DU + out_offs, (skip[:, None] * dybar + delta * adj_b_sum).to(DU.dtype.element_ty), mask)
+        tl.store(DU + out_offs, (skip[:, None] * dybar + delta * b_sum).to(DU.dtype.element_ty), mask)
         dbias_acc += tl.sum(ddelta, axis=1)
-    segment_offs = state_offs * n_segments + pid_s
-    tl.store(DA_PART + segment_offs, dA_acc, dn_ok)
-    if not B_PER_STEP:
-        tl.store(DB + segment_offs, dB_acc, dn_ok)
-    if not C_PER_STEP:
-        tl.store(DC + segment_offs, dC_acc, dn_ok)
     tl.store(DD_PART + (pid_b * dim + ds) * n_segments + pid_s, dD_acc, d_ok)
     tl.store(DBIAS_PART + (pid_b * dim + ds) * n_segments + pid_s, dbias_acc, d_ok)
 
@@ -320,20 +439,30 @@ from scan_lib.selective_scan import (_NoSecondDerivative, _acc_dtype, _check_inp
                                      _vmap_by_loop, empty_selective_scan)
 
 # block_d channels per program, chunk positions per loop step, num_warps: the fastest of a sweep on an
-# H200 (section 9). Under the interpreter, small chunks so that small tests cross several chunks.
-GPU_CONFIG = {"fwd": dict(block_d=2, chunk=512, num_warps=1), "bwd": dict(block_d=2, chunk=256, num_warps=1)}
+# H200 (section 9). The backward's chunk is for 4-byte inputs and scales to the same bytes for others
+# (launch_config): 32 runs of 16 bytes, one per lane of the warp. Under the interpreter, small chunks
+# so that small tests cross several chunks.
+GPU_CONFIG = {"fwd": dict(block_d=2, chunk=512, num_warps=1), "bwd": dict(block_d=2, chunk=128, num_warps=1)}
 CPU_CONFIG = {"fwd": dict(block_d=2, chunk=16, num_warps=1), "bwd": dict(block_d=2, chunk=8, num_warps=1)}
 
 
-def launch_config(kind, dim, per_group_b, per_group_c, length):
-    """The config for 'fwd' or 'bwd', block_d a power of two that never straddles a group, chunk at most
-    the padded length."""
+def launch_config(kind, dim, per_group_b, per_group_c, length, element_size=4):
+    """The config for 'fwd' or 'bwd' (on inputs of element_size bytes), block_d a power of two that never
+    straddles a group, chunk at most the padded length."""
     config = dict((CPU_CONFIG if INTERPRET else GPU_CONFIG)[kind])
+    if kind == "bwd":
+        config["chunk"] = max(1, config["chunk"] * 4 // element_size)
     block_d = min(config["block_d"], triton.next_power_of_2(dim))
     for per_group in (per_group_b, per_group_c):
         block_d = min(block_d, per_group & -per_group)       # largest power of two dividing per_group
     config.update(block_d=block_d, chunk=min(config["chunk"], max(triton.next_power_of_2(length), 2)))
     return config
+
+
+def run_items(u, chunk):
+    """Positions per thread's run in the backward: 16 bytes of u's dtype (8 in bf16, 4 in fp32, one
+    vector load), at most the chunk."""
+    return min(chunk, max(1, 16 // u.element_size()))
 
 
 def split(n_chunks, segments):
@@ -441,12 +570,13 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
             HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, C_PER_STEP=C.dim() == 4,
             SOFTPLUS=delta_softplus, **sizes)
         entering, _ = segment_carries(adj, dsum, A, dlast, reverse=True)
+    items = run_items(u, chunk)
     du, ddelta = u.new_empty(u.shape), delta.new_empty(delta.shape)
     dz = z.new_empty(z.shape) if z is not None else u.new_empty(0)
-    per_segment = (batch, dim, n_states, n_segments)
-    dB = torch.zeros(B.shape if B.dim() == 4 else per_segment, device=u.device, dtype=acc)
-    dC = torch.zeros(C.shape if C.dim() == 4 else per_segment, device=u.device, dtype=acc)
-    dA_part, dh0 = (u.new_empty(per_segment, dtype=acc) for _ in range(2))
+    per_run = (batch, dim, n_states, n_segments, chunk // items)    # partial sums per segment and run
+    dB = torch.zeros(B.shape if B.dim() == 4 else per_run, device=u.device, dtype=acc)
+    dC = torch.zeros(C.shape if C.dim() == 4 else per_run, device=u.device, dtype=acc)
+    dA_part, dh0 = u.new_empty(per_run, dtype=acc), u.new_empty(per_run[:-1], dtype=acc)
     dD_part, dbias_part = (u.new_empty(batch, dim, n_segments, dtype=acc) for _ in range(2))
     strided_bwd_kernel[grid](
         u, delta, A, B, C, D, z, delta_bias, states, dout, entering,
@@ -455,13 +585,15 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
         *strides["u"], *strides["delta"], *strides["z"], *strides["A"], *strides["B"], *strides["C"],
         *dout.stride(), HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         HAS_DLAST=entering is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
-        SOFTPLUS=delta_softplus, **sizes)
+        SOFTPLUS=delta_softplus, N_STATES=n_states, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
+        SEGS=chunk // items, ITEMS=items, num_warps=config["num_warps"])
+    over_batch_segments_runs = (0, -2, -1)
     over_batch_and_segments = (0, -1)
     if B.dim() == 2:
-        dB = dB.sum(over_batch_and_segments)
+        dB = dB.sum(over_batch_segments_runs)
     if C.dim() == 2:
-        dC = dC.sum(over_batch_and_segments)
-    return [du, ddelta, dA_part.sum(over_batch_and_segments), dB, dC,
+        dC = dC.sum(over_batch_segments_runs)
+    return [du, ddelta, dA_part.sum(over_batch_segments_runs), dB, dC,
             dD_part.sum(over_batch_and_segments) if D is not None else u.new_empty(0, dtype=acc), dz,
             dbias_part.sum(over_batch_and_segments) if delta_bias is not None else u.new_empty(0, dtype=acc),
             dh0[..., 0].contiguous()]
@@ -556,6 +688,6 @@ def scan_in_segments(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_s
     if training:
         dim = u.shape[1]
         save_chunk = launch_config("bwd", dim, dim // _groups(B4) if B4.dim() == 4 else 1,
-                                   dim // _groups(C4) if C4.dim() == 4 else 1, u.shape[2])["chunk"]
+                                   dim // _groups(C4) if C4.dim() == 4 else 1, u.shape[2], u.element_size())["chunk"]
     out, last, _ = apply(StridedSelectiveScanFn, *tensors, bool(delta_softplus), save_chunk, segments)
     return (out, last) if return_last_state else out

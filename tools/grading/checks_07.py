@@ -32,13 +32,13 @@ def _randint(gen, low, high):
 def _floors(batch, dim, length, n_states, size, bandwidth, exps_per_s, backward):
     """The counts, written out: forward reads u, delta, z (batch x dim x L each), B and C (batch x N x L)
     and writes out (batch x dim x L), with one exp per (batch, channel, position, state); the backward
-    reads u, delta, z, B, C and dout, writes du, d delta, dz, dB and dC, with three exps per element.
-    backward=True: a training step, the bytes of both passes and their exps (1 + 3 per element)."""
+    reads u, delta, z, B, C and dout, writes du, d delta, dz, dB and dC, with one exp per element.
+    backward=True: a training step, the bytes of both passes and their exps (1 + 1 per element)."""
     big, small = batch * dim * length, batch * n_states * length
     values = {"read": 3 * big + 2 * small, "written": big}
     if backward:
         values = {"read": values["read"] + 4 * big + 2 * small, "written": values["written"] + 3 * big + 2 * small}
-    exps = (4 if backward else 1) * batch * dim * length * n_states
+    exps = (2 if backward else 1) * batch * dim * length * n_states
     return (values["read"] + values["written"]) * size / bandwidth * 1e6, exps / exps_per_s * 1e6
 
 
@@ -148,7 +148,7 @@ def exercise_2(nb):
 
 
 def exercise_3(nb):
-    """the strided neighbours (t - 1, t + 1) of u and delta in strided_bwd_kernel"""
+    """the loads of u, delta and the step after each run in strided_bwd_kernel"""
     for inputs, what in _strided_cases(nb, SEED + 3):
         with _notebook_kernel(nb, "strided_bwd_kernel") as scan:
             got = _with_gradients(scan, inputs)
