@@ -566,7 +566,8 @@ import triton.language as tl
 from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update
 from scan_lib.ema import accumulator_dtype
 from scan_lib.runtime import ON_GPU, check_float_tensor, check_same_device
-from scan_lib.selective_scan import _load_delta, discretize, selective_scan
+from scan_lib.fast_selective_scan import selective_scan   # the package's public op: chapter 07's kernels
+from scan_lib.selective_scan import _load_delta, discretize
 
 
 def selective_scan_loop(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -2031,9 +2032,10 @@ for width, state_len in ((4, 3), (3, 5)):
 # - **Layouts.** `in_proj` is applied as `weight @ hidden_states.transpose(1, 2)`, which gives `xz` as
 #   (batch, 2 d_inner, L) with positions contiguous, the layout both kernels read; `x` and `z` are
 #   halves of it, views with stride 1 along L. The convolution reads `x` in place (it takes strides).
-#   `selective_scan` still copies `z` (and `B`, `C`, which come out of `x_proj` as (batch, L, N) views)
-#   into contiguous tensors first: chapter 05's kernels index contiguous rows. Reading strided views in
-#   place is one of the performance chapter's tasks.
+#   The block calls the package's public `selective_scan`: chapter 05's semantics, with the kernels
+#   chapter 07 derives from chapter 05's, which read `z` (and `B`, `C`, which come out of `x_proj` as
+#   (batch, L, N) views) in place, where chapter 05's kernels would copy them into contiguous tensors
+#   first.
 # - **The conv cache.** `mamba_ssm` keeps `conv_state` as the last `d_conv` inputs of the convolution,
 #   of which the next step uses the last `d_conv - 1` (it rolls the window left and appends the new
 #   input). A chunk therefore starts from `initial_states = conv_state[..., 1:]`, and the state after

@@ -13,7 +13,8 @@ import triton.language as tl
 from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update
 from scan_lib.ema import accumulator_dtype
 from scan_lib.runtime import ON_GPU, check_float_tensor, check_same_device
-from scan_lib.selective_scan import _load_delta, discretize, selective_scan
+from scan_lib.fast_selective_scan import selective_scan   # the package's public op: chapter 07's kernels
+from scan_lib.selective_scan import _load_delta, discretize
 
 
 def selective_scan_loop(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
