@@ -793,8 +793,8 @@ def segment_carries(summary, dsum, A, boundary, reverse):
 # The launchers are chapter 05's with two differences: they pass strides instead of copying, and the
 # forward returns no $\bar y$. The launch parameters come from a sweep on an H200 (the last section
 # prints one, section 8 a long sequence): two channels per program and 1 warp, 512 positions per
-# chunk for the forward and 256 for the backward; in training the forward runs with the backward's
-# chunk, since
+# chunk for the forward, and for the backward 32 runs of 16 bytes (128 positions in fp32, 256 in bf16:
+# `launch_config` scales the fp32 count); in training the forward runs with the backward's chunk, since
 # it keeps one state per chunk for it. Under the interpreter the chunks are small, so that the tests'
 # short sequences still cross several chunks and blocks. The autograd plumbing (a `torch.library`
 # custom op with fake and vmap rules, an autograd Function, a second derivative that raises) is
