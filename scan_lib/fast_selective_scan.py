@@ -192,6 +192,47 @@ def _add_partial(PART, value, mask):
 
 
 @triton.jit
+def run_states(a, b, h_in, runs, SEGS: tl.constexpr, ITEMS: tl.constexpr):
+    """The states of a chunk from its steps (a, b: ITEMS tiles of BLOCK_D x SEGS, item r of every run)
+    and the state h_in (BLOCK_D) entering it: (a_t h_{t-1}, h_t) as ITEMS tiles each. Each run from 0
+    gives its summary (the product of its a, its last state), a scan over the SEGS summaries and a shift
+    by one run the state entering each run, and a second pass through the items the states."""
+    run_a, run_h = a[0], b[0]
+    for r in tl.static_range(1, ITEMS):
+        run_a, run_h = run_a * a[r], a[r] * run_h + b[r]
+    run_h = tl.where(runs == 0, run_h + run_a * h_in[:, None], run_h)       # the chunk starts from h_in
+    _, run_end = tl.associative_scan((run_a, run_h), axis=1, combine_fn=first_order_op)
+    before = tl.gather(run_end, tl.maximum(runs - 1, 0) + tl.zeros(run_end.shape, tl.int32), axis=1)
+    h = tl.where(runs == 0, h_in[:, None], before)                         # BLOCK_D x SEGS: entering each run
+    ah = ()
+    hs = ()
+    for r in tl.static_range(ITEMS):
+        ah_r = a[r] * h
+        h = ah_r + b[r]
+        ah, hs = ah + (ah_r,), hs + (h,)
+    return ah, hs
+
+
+@triton.jit
+def run_adjoints(gate, c, adj_in, runs, SEGS: tl.constexpr, ITEMS: tl.constexpr):
+    """The adjoint of a chunk, right to left: adj_t = c_t + gate_t adj_{t+1} (ITEMS tiles of BLOCK_D x SEGS
+    each, gate_t = a_{t+1}), adj_in (BLOCK_D) entering at the chunk's last position; run_states' method
+    mirrored (the scan over the runs' summaries is the only reverse scan)."""
+    c_last = c[ITEMS - 1] + tl.where(runs == SEGS - 1, adj_in[:, None], 0.0)
+    run_gate, run_adj = gate[ITEMS - 1], c_last
+    for r in tl.static_range(ITEMS - 2, -1, -1):
+        run_gate, run_adj = run_gate * gate[r], c[r] + gate[r] * run_adj
+    _, run_start = tl.associative_scan((run_gate, run_adj), axis=1, combine_fn=first_order_op, reverse=True)
+    after = tl.gather(run_start, tl.minimum(runs + 1, SEGS - 1) + tl.zeros(run_start.shape, tl.int32), axis=1)
+    adj_r = c_last + gate[ITEMS - 1] * tl.where(runs == SEGS - 1, 0.0, after)
+    adj = (adj_r,)
+    for r in tl.static_range(ITEMS - 2, -1, -1):
+        adj_r = c[r] + gate[r] * adj_r
+        adj = (adj_r,) + adj
+    return adj
+
+
+@triton.jit
 def strided_bwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, STATES, DOUT, DLAST,  # as in the forward; DOUT any strides; DLAST b x d x N x S
     DU, DDELTA, DZ, DB, DC,   # contiguous b x d x L (x3); DB, DC fp32 b x g x N x L (atomics) or b x d x N x S x SEGS
@@ -279,37 +320,25 @@ def strided_bwd_kernel(
             for r in tl.static_range(ITEMS):
                 step_a, step_b = discretize_exp2(steps_of[r], rate2, b_coef[r], step_u[r])
                 a, b = a + (step_a,), b + (step_b,)
-            # (1) the states, left to right: each run from 0 gives its summary (the product of its a and
-            # its last state), a scan over the runs the state entering each, a second pass the states.
-            run_a, run_h = a[0], b[0]
-            for r in tl.static_range(1, ITEMS):
-                run_a, run_h = run_a * a[r], a[r] * run_h + b[r]
-            run_h = tl.where(runs == 0, run_h + run_a * h_in[:, None], run_h)   # the chunk starts from h_in
-            _, run_end = tl.associative_scan((run_a, run_h), axis=1, combine_fn=first_order_op)
-            before = tl.gather(run_end, tl.maximum(runs - 1, 0) + 0 * rows, axis=1)
-            h = tl.where(runs == 0, h_in[:, None], before)              # BLOCK_D x SEGS: entering each run
-            ah = ()                                                     # a_t h_{t-1}, for the gradients
+            # (1) the states, left to right (run_states); dC and ybar from them.
+            ah, hs = run_states(a, b, h_in, runs, SEGS, ITEMS)
             dC_runs = tl.zeros((BLOCK_D, SEGS), dtype=ACC)
             dC_rows = ()
             new_ybar = ()
             for r in tl.static_range(ITEMS):
-                ah_r = a[r] * h
-                h = ah_r + b[r]
-                ah = ah + (ah_r,)
-                new_ybar = new_ybar + (ybar[r] + c_coef[r] * h,)
+                new_ybar = new_ybar + (ybar[r] + c_coef[r] * hs[r],)
                 if C_PER_STEP:   # summed over the block's channels, then added to the group's row
-                    dC_rows = dC_rows + (tl.sum(h * dys[r], axis=0)[None, :],)
+                    dC_rows = dC_rows + (tl.sum(hs[r] * dys[r], axis=0)[None, :],)
                 else:
-                    dC_runs += h * dys[r]
+                    dC_runs += hs[r] * dys[r]
             ybar = new_ybar
             if C_PER_STEP:
                 tl.atomic_add(DC + dc_base + n * length + t[None, :], positions_of(dC_rows, SEGS, ITEMS),
                               t_ok[None, :], sem="relaxed")
             else:
                 _add_partial(DC + PART + n * n_segments * SEGS, dC_runs, run_ok)
-            # (2) the adjoint, right to left, the same way: adj_t = C_t dybar_t + a_{t+1} adj_{t+1}, with
-            # a_{t+1} the next item's a (the next run's first: one exp per run), the carry entering at
-            # the chunk's last position.
+            # (2) the adjoint, right to left (run_adjoints): adj_t = C_t dybar_t + a_{t+1} adj_{t+1}, with
+            # a_{t+1} the next item's a (the next run's first for a run's last item: one exp per run).
             c = ()
             gate = ()
             for r in tl.static_range(ITEMS):
@@ -317,18 +346,7 @@ def strided_bwd_kernel(
             for r in tl.static_range(ITEMS - 1):
                 gate = gate + (a[r + 1],)
             gate = gate + (tl.exp2(delta_after * rate2),)
-            c_last = c[ITEMS - 1] + tl.where(runs == SEGS - 1, adj_in[:, None], 0.0)
-            run_gate, run_adj = gate[ITEMS - 1], c_last
-            for r in tl.static_range(ITEMS - 2, -1, -1):
-                run_gate, run_adj = run_gate * gate[r], c[r] + gate[r] * run_adj
-            _, run_start = tl.associative_scan((run_gate, run_adj), axis=1, combine_fn=first_order_op,
-                                               reverse=True)
-            after = tl.gather(run_start, tl.minimum(runs + 1, SEGS - 1) + 0 * rows, axis=1)
-            adj_r = c_last + gate[ITEMS - 1] * tl.where(runs == SEGS - 1, 0.0, after)
-            adj = (adj_r,)
-            for r in tl.static_range(ITEMS - 2, -1, -1):
-                adj_r = c[r] + gate[r] * adj_r
-                adj = (adj_r,) + adj
+            adj = run_adjoints(gate, c, adj_in, runs, SEGS, ITEMS)
             # (3) the gradients.
             dA_runs = tl.zeros((BLOCK_D, SEGS), dtype=ACC)
             dB_runs = tl.zeros((BLOCK_D, SEGS), dtype=ACC)
