@@ -501,8 +501,14 @@ def run_adjoints(gate, c, adj_in, runs, SEGS: tl.constexpr, ITEMS: tl.constexpr)
     run_gate, run_adj = gate[ITEMS - 1], c_last
     for r in tl.static_range(ITEMS - 2, -1, -1):
         run_gate, run_adj = run_gate * gate[r], c[r] + gate[r] * run_adj
-    _, run_start = tl.associative_scan((run_gate, run_adj), axis=1, combine_fn=first_order_op, reverse=True)
-    after = tl.gather(run_start, tl.minimum(runs + 1, SEGS - 1) + tl.zeros(run_start.shape, tl.int32), axis=1)
+    # The runs in reverse order (a gather), a forward scan over them, and the next run's result (a gather
+    # that also undoes the reversal): Triton's reverse=True would move every register across the lanes
+    # twice instead.
+    zero = tl.zeros(run_adj.shape, tl.int32)
+    reverse = SEGS - 1 - runs + zero
+    _, start = tl.associative_scan((tl.gather(run_gate, reverse, axis=1), tl.gather(run_adj, reverse, axis=1)),
+                                   axis=1, combine_fn=first_order_op)      # run SEGS - 1 - i's start at i
+    after = tl.gather(start, tl.maximum(SEGS - 2 - runs, 0) + zero, axis=1)  # run j + 1's start
     adj_r = c_last + gate[ITEMS - 1] * tl.where(runs == SEGS - 1, 0.0, after)
     adj = (adj_r,)
     for r in tl.static_range(ITEMS - 2, -1, -1):
