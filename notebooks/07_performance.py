@@ -400,10 +400,11 @@ def strided_fwd_kernel(
 # 3. **The gradients** from the items' values; $dB$ and $dC$ per position are summed over the block's
 #    channels and added across programs with atomic additions, as before.
 #
-# Prediction, from the instructions the loop issues (counted without a GPU, "Going deeper"): about 40
-# per (position, state) per thread in bf16 against 63 before, no spilled registers; if the backward is
-# bound by the instructions it issues, as section 2 suggests, it should be that much faster. Section 10
-# and `make bench` measure it.
+# Prediction, from the instructions the loop over states issues, which need no GPU to count (the cell
+# after the kernel; "Going deeper" says how): far fewer per (position, state) than the version with two
+# scans and three `exp`s (`benchmarks/NOTES_selective_scan.md` keeps both counts), and no spilled
+# registers. If the backward is bound by the instructions it issues, as section 2 suggests, it should be
+# faster in the same proportion. Section 10 and `make bench` measure it.
 
 # %%
 #| export
@@ -674,6 +675,22 @@ def strided_bwd_kernel(
     tl.store(DD_PART + (pid_b * dim + ds) * n_segments + pid_s, dD_acc, d_ok)
     tl.store(DBIAS_PART + (pid_b * dim + ds) * n_segments + pid_s, dbias_acc, d_ok)
 
+
+# %%
+# What the GPU executes, counted without one: benchmarks/sass_count.py compiles this chapter's exported
+# kernels for sm_90 with the ptxas in Triton's wheel and counts the instructions of the loop over states
+# per (position, state) each thread handles, at (8, 1024, 2048, N=16) with GPU_CONFIG's launches.
+import os
+from pathlib import Path
+
+counter = Path("../benchmarks/sass_count.py")
+if not counter.exists():
+    print("skipped: needs the repository's benchmarks/ folder (a clone, not a pip install)")
+else:
+    for dtype in ("bf16", "fp32"):
+        report = subprocess.run([sys.executable, str(counter), "--dtype", dtype], capture_output=True, text=True,
+                                check=True, env={**os.environ, "PYTHONPATH": str(Path("..").resolve())})
+        print(report.stdout.strip())
 
 # %% [markdown]
 # ### Fewer instructions per position and state
