@@ -42,7 +42,11 @@ print(scan_lib.runtime.describe())
 # chapter marked `#| export`. Without a CUDA GPU it sets `TRITON_INTERPRET=1`, so that Triton runs
 # kernels in its CPU interpreter; it must do so before the first `@triton.jit` (the section "Why the
 # setup cell comes first" shows what goes wrong otherwise). On Colab the first lines `pip install`
-# this repository. `describe()` prints where the kernels will run.
+# this repository. `describe()` prints where the kernels will run. The first exported cell also
+# holds `custom_op`, `EagerFastOp`, `apply` and `_eager_twin`: the wrapping that makes the library's
+# kernels PyTorch ops with gradients. Nothing in this chapter uses them, so skip them for now; chapter
+# 01 ("Going deeper: `cumsum` as a PyTorch op") explains custom ops, chapter 03 ("Autograd plumbing")
+# `apply`; `EagerFastOp`'s docstring says why a plain eager call skips the dispatcher.
 
 # %%
 #| default_exp runtime
@@ -286,7 +290,7 @@ save_figure(fig, "00_programs_warps_threads.png")
 #
 # Each program asks `tl.program_id(0)` which one it is and picks its share of the work from that.
 # A tensor argument arrives as a pointer to its first element, and `X + offsets` is a block of
-# pointers. Names in the kernels of this course follow one rule:
+# pointers (offsets count elements, not bytes). Names in the kernels of this course follow one rule:
 #
 # * **Pointers** are capitalised words: `X`, `Y`, `GATES`, `DA`.
 # * **Compile-time constants** (`tl.constexpr` parameters) are upper case too: `BLOCK`, `CHUNK`,
@@ -326,8 +330,10 @@ print("BLOCK=6 is refused: arange's range must be a power of 2")
 # ## `tl.arange`, shapes and broadcasting
 #
 # `tl.arange(0, K)` is a block of shape `(K,)`; indexing with `[:, None]` or `[None, :]` adds an axis
-# of length 1, and operations broadcast exactly as in PyTorch. A 2-D block of pointers into a
-# row-major `ROWS x COLS` matrix is `Y + rows[:, None] * COLS + cols[None, :]`.
+# of length 1, and operations broadcast exactly as in PyTorch. A **row-major** `ROWS x COLS` matrix
+# stores its rows one after another, so element `[i, j]` sits `i * COLS + j` elements after the
+# first, and a 2-D block of pointers into it is `Y + rows[:, None] * COLS + cols[None, :]` (the
+# section "Strides and contiguity" extends this to any layout).
 
 # %%
 @triton.jit

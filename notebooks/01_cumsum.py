@@ -78,9 +78,16 @@ print("sequential loop == float64 torch.cumsum (to 1e-12) on 1000 random values:
 # ($2^{-24}$ for float32, $2^{-11}$ for float16) times $|y_t|$, and each addition in the accumulation
 # dtype up to $u_\text{acc}$ times a partial sum; both are at most $\sum_{j \le t} |x_j|$. So we divide
 # the error by that (not by $y_t$, which can cancel to zero) and allow $u_\text{out} + 32\,u_\text{acc}\log_2 L$:
-# about $\log_2 L$ tree levels, and room for the sequential stretches a GPU adds. A kernel that
-# accumulated float16 in float16 fails it (`tests/test_cumsum.py` shows it). Under the interpreter,
-# whose float32-to-bfloat16 cast truncates, bfloat16 gets $2u_\text{out}$.
+# about $\log_2 L$ tree levels, and room for the sequential stretches a GPU adds. The 32 is a margin
+# we chose, not a derived bound: a GPU also adds some values one after another (each thread the
+# values it holds; the look-back, below, the carries from block to block), so the worst case grows
+# faster than $\log_2 L$, but rounding errors mostly cancel (chapter 00's row sums), and the float32
+# and float64 errors measured in this chapter stay at least 80 times below it. In float16 and
+# bfloat16 they come close (4.2e-4 against 5.0e-4 in float16, in the checks of the exported `cumsum`)
+# because they are almost all the rounding of the output, which alone never exceeds $u_\text{out}$;
+# the float32 accumulation adds about $10^{-7}$. A kernel that accumulated float16 in float16 fails
+# it (`tests/test_cumsum.py` shows it). Under the interpreter, whose float32-to-bfloat16 cast
+# truncates, bfloat16 gets $2u_\text{out}$.
 
 # %%
 UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -278,8 +285,10 @@ print("float32: (1e8 + -1e8) + 1 =", ((a32 + b32) + c32).item(), " but 1e8 + (-1
 #
 # A program's block lives in its threads' registers (chapter 00: a block of values is spread over the
 # program's threads), and registers are a fixed budget: 65,536 32-bit registers per multiprocessor on
-# an H100 or H200, at most 255 per thread, shared by every program resident there. A block of tens of
-# thousands of values no longer fits, and well before that one program fills a multiprocessor alone.
+# an H100 or H200, at most 255 per thread, shared by every program resident there. With the default
+# 4 warps a program's 128 threads have at most 128 x 255 = 32,640 registers, so a block of tens of
+# thousands of values no longer fits; more warps raise that only towards the multiprocessor's
+# 65,536, and well before that one program fills a multiprocessor alone.
 # So a long sequence is cut into blocks of `BLOCK` values, one program each. Number the blocks $k = 0, 1, \dots$, write $T_k$ for the total of block
 # $k$ and $S_k = T_0 + \dots + T_k$. For $t$ in block $k$,
 #
@@ -435,10 +444,14 @@ def draw_look_back() -> plt.Figure:
 save_figure(draw_look_back(), "look_back_scan.png")
 
 # %% [markdown]
-# The exported kernels scan each row of an `n_rows x length` tensor (the scanned dimension moved last
-# and made contiguous); the program id numbers (row, block) pairs, and the column indices and
-# offsets are 64-bit (a program id is a 32-bit integer, and block k's first column, k times the block,
-# passes 2^31 in a row of that many values: the kernels widen k before multiplying). They
+# The exported kernels scan each row of a contiguous `n_rows x length` tensor, the scanned dimension
+# last. So `cumsum` of a non-contiguous tensor, or along any dimension but the last, first copies its
+# input into that layout, and along any dimension but the last copies its result back: each copy
+# reads and writes every value once more, which a kernel taking strides (chapter 00) would avoid.
+# These kernels do not read such views in place, and this chapter does not time the copies. The
+# program id numbers (row, block) pairs, and the column indices and offsets are 64-bit (a program id
+# is a 32-bit integer, and block k's first column, k times the block, passes 2^31 in a row of that
+# many values: the kernels widen k before multiplying). They
 # accumulate in `ACC`: float64 for float64, int64 for integers (as `torch.cumsum` does), float32
 # otherwise. Rows of one block need only pass 3, and a program then takes several rows at once.
 
@@ -782,7 +795,11 @@ print("gradcheck, gradgradcheck: ok")
 # `cumsum` (the look-back) against `torch.cumsum`, reduce-then-scan and the three-phase scan, on 1-D
 # float32 inputs of $2^{10}$ to $2^{27}$ values: the median of `triton.testing.do_bench`, what a user
 # waits for. The memory floor is the $2L$ words a cumulative sum must move, at the copy bandwidth
-# measured in the same cell, which prints its conclusions from its measurements.
+# measured in the same cell, which prints its conclusions from its measurements. Two column labels
+# hold only for rows longer than one block (`CONFIG["block"]`, 4096 on a GPU): up to $L = 2^{12}$
+# `scan_rows` sends both `cumsum` and the reduce-then-scan call to `scan_short_rows`, one launch of
+# `scan_tiles_kernel`, so those two columns time the same kernel behind different Python. The
+# three-phase column, in blocks of 1024, is one launch at $2^{10}$ and three or more from $2^{11}$.
 
 # %%
 from scan_lib.runtime import copy_bandwidth, graph_us, host_us, median_us  # the timers of chapter 00
@@ -826,9 +843,9 @@ else:
     print("skipped: no GPU (do_bench needs one)")
 
 # %% [markdown]
-# What the table shows: from $L = 2^{25}$ up, the words moved set the order ($2L$ for the
-# look-back, $3L$ for reduce-then-scan, $4L$ for the three-phase scan): there the look-back is the
-# fastest of the four and beats `torch.cumsum`, as the cell's last lines say. Below $2^{25}$ the
+# What the table shows: from $L = 2^{25}$ to $2^{27}$, the largest size measured, the words moved set
+# the order ($2L$ for the look-back, $3L$ for reduce-then-scan, $4L$ for the three-phase scan): there
+# the look-back is the fastest of the four and beats `torch.cumsum`, as the cell's last lines say. Below $2^{25}$ the
 # public `cumsum`'s time is mostly the host's: its host time per call alone is many times
 # `torch.cumsum`'s whole median at small sizes, and more than its own GPU time, at $2^{25}$ too
 # ("Going deeper" plots the table and measures the split). The bare launchers of this chapter
@@ -1065,12 +1082,18 @@ else:
 # queued work. Two more timers from chapter 00 split it: the GPU time alone (`graph_us`: a CUDA
 # graph replays the launches with no Python in between) and the host time per call (`host_us`: calls
 # queued back to back, timed on the CPU). When the host time exceeds the GPU time, the call is
-# host-bound: in the table below, every size but the largest. The launches are not what costs: the host
-# time per call is several times a bare launch's (chapter 00's table times one). It goes to the Python
-# around the launches: the input checks, the custom op's dispatch and the autograd Function that
-# `cumsum` runs through (chapter 03 teaches them). Fewer Python layers per call, CUDA graphs (they
-# replay the launches with no Python in between) or a C++ launcher make such calls faster; cutting the
-# library's host path is open work.
+# host-bound: in the table below, every size but the largest. A call makes one Triton launch (rows of
+# at most 4096 values) or a `torch.zeros` and one launch (the look-back), yet its host time is 85 to
+# 131 us, 3.5 to 5.5 times the 24 us of one bare launch of `vector_add_kernel` in chapter 00's table
+# (its `host_us` column). The time beyond that goes to what `cumsum` runs around its launch: the input checks,
+# `apply` and the autograd Function, the reshaping in `cumsum_op`, the configuration in `scan_rows`,
+# and a launch that binds more arguments than `vector_add_kernel`'s (the custom op's dispatcher is not
+# among them: for tensors that need no gradient, `EagerFastOp` calls the implementation directly).
+# These outputs do not split the time among those layers; the speed table's columns at $L = 2^{10}$,
+# each a single launch, rank them roughly (host-paced medians, which vary from call to call): the
+# three-phase scan's bare launcher 21.1 us, `scan_rows` (the reduce-then-scan column) 53.6, `cumsum`
+# 133.9. Fewer Python layers per call, CUDA graphs (they replay the launches with no Python in
+# between) or a C++ launcher make such calls faster; cutting the library's host path is open work.
 
 # %%
 def time_split() -> None:

@@ -186,10 +186,12 @@ print("M(q) @ M(p) == M(p . q) on 1000 random pairs: ok;  p . q != q . p: ok (or
 # %% [markdown]
 # ### A property test for associativity
 #
-# A test that fails if the *code* has a typo: `is_associative` compares both groupings on random
-# float64 triples. It accepts the operator and rejects a tempting wrong one, `broken`, which keeps
-# only the later gate. This test matters: a kernel using `broken` passes every check on Triton's CPU
-# interpreter and fails only on a GPU ("Going deeper" shows why).
+# `is_associative` compares both groupings on random float64 triples. It accepts the operator and
+# rejects a tempting wrong one, `broken`, which keeps only the later gate. This test matters: a kernel
+# using `broken` passes every check on Triton's CPU interpreter and fails only on a GPU ("Going
+# deeper" shows why). It tests associativity only, not that the pair is the right composition: the
+# operator with its operands swapped, $(a_q, b_q) \bullet (a_p, b_p)$, is associative too and would
+# pass. The composed value is what the cell above checked, against the product of step matrices.
 
 # %%
 #| export
@@ -263,9 +265,14 @@ for length in [1, 7, 129, 1000]:
 # %% [markdown]
 # ## 4. Any length: chunks and a carried state
 #
-# One block cannot hold a long row (a block lives in the registers of one program's threads, and a
-# block the size of a long row would need more of them than the program has: Triton then spills to
-# slow memory, or the compile fails), so one program walks its row **chunk by chunk, in order**, and carries the state in a register: the $h$ at
+# One block cannot hold a long row. A block lives in the registers of one program's threads, a fixed
+# budget (chapter 01: 65,536 32-bit registers per multiprocessor, at most 255 per thread), and a scan
+# of pairs keeps several values per element live (the gate, the token, the scanned pair). What does
+# not fit is spilled by the compiler to local memory, which lives in the GPU's main memory and is
+# slow, and Triton refuses a block of more than $2^{20}$ elements outright. Where between those limits
+# a single block stops being fast is not measured here (section 3 runs rows of up to 1000 elements in
+# one block, chapter 03 one block of 8192 float64 values). So one program walks its row **chunk by
+# chunk, in order**, and carries the state in a register: the $h$ at
 # the end of one chunk is the $h^{\text{init}}$ of the next. Inside a chunk `tl.associative_scan`
 # still works in parallel, and every element is read once and written once. The parallelism along
 # the sequence is given up, but the rows are many (batch $\times$ dim in a Mamba layer).
@@ -275,7 +282,11 @@ for length in [1, 7, 129, 1000]:
 # position (padding, the identity, carries it through unchanged). The **reverse** direction is the
 # same picture read from the right: chunks from the last one, each scanned right to left by
 # `tl.associative_scan(..., reverse=True)`, with the same operator (Triton's left operand is the one
-# earlier *in scan order*, so later in memory).
+# earlier *in scan order*, so later in memory). The reverse chunks stay aligned to multiples of the
+# chunk, like the forward ones, so when the chunk does not divide $L$ the padding sits at the right
+# end of the first chunk visited, where the reverse scan starts: the state enters folded into a
+# padding pair, $(1, 0) \to (1, h^{\text{init}})$, and the identity steps carry it unchanged to the
+# row's last element. (The figure's row, $12 = 3 \times 4$, has no padding.)
 
 # %%
 def draw_carried_state(length=12, chunk=4):
@@ -311,7 +322,8 @@ save_figure(draw_carried_state(), "ema_carried_state.png")
 # kernel loops over chunks with `tl.range` (a loop over a runtime count: one compiled kernel serves
 # every length). It computes in an accumulator type `ACC` (float32, or float64 for float64 inputs) and
 # rounds once, on the store, to the input's dtype. `REVERSED_LOADS` and `STAGES` are performance
-# options ("Going deeper"); with their defaults the kernel is exactly the picture above.
+# options ("Going deeper"); with their defaults the kernel is exactly the picture above (plus the
+# padding of a last partial chunk, as just described).
 
 # %%
 #| export
@@ -432,18 +444,21 @@ def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=Non
 #   accumulator type; Triton 3.6's CPU interpreter truncates to bfloat16 instead of rounding, so
 #   there the bound allows $2^{-7}$);
 # - each multiply and add in the accumulator type has relative error at most $u_{\text{acc}}$
-#   ($2^{-24}$ in float32, $2^{-53}$ in float64). The term $b_s$ reaches $h_t$ through $t-s$ gate
-#   multiplications and $t-s+1$ additions, and in a tree through at most one multiply and one add per
-#   level, $d = \lceil\log_2 L\rceil + 2$ levels. To first order in $u_{\text{acc}}$:
+#   ($2^{-24}$ in float32, $2^{-53}$ in float64), and the term $b_s$ of $h_t$ passes through about one
+#   multiply and one add per step from $s$ to $t$, plus a few more in a tree.
+#
+# "Going deeper" counts those operations and derives the bound that `error_bound` computes; to first
+# order in $u_{\text{acc}}$ it is
 #
 # $$|\hat h_t - h_t| \;\le\; u_{\text{out}}\,|h_t| \;+\; 2u_{\text{acc}} \sum_{s \le t} (t-s+1+d)\, P_{s,t}\, |b_s|,
-# \qquad P_{s,t} = \prod_{r=s+1}^{t} |a_r| ,$$
+# \qquad P_{s,t} = \prod_{r=s+1}^{t} |a_r| , \quad d = \lceil\log_2 \max(L, 2)\rceil + 2,$$
 #
-# with the initial state as the term $b_{-1}$. The sum is two scans of absolute values:
-# $S = \mathrm{scan}(|a|, |b|)$ is $\sum_s P_{s,t}|b_s|$ and $\mathrm{scan}(|a|, S)$ is
-# $\sum_s (t-s+1) P_{s,t}|b_s|$. The bound holds element by element, so a small $|h_t|$ gets a small
-# tolerance too; the end of this section shows that a kernel accumulating in float16, or one that
-# forgets the carry, fails it.
+# with the initial state as one more term, $(t+1+d)\,P_{-1,t}\,|h^{\text{init}}|$. The sum is two
+# scans of absolute values: $S = \mathrm{scan}(|a|, |b|)$ from $|h^{\text{init}}|$ is
+# $\sum_s P_{s,t}|b_s| + P_{-1,t}|h^{\text{init}}|$, and $\mathrm{scan}(|a|, S)$ from zero weights each
+# term by the number of positions from its entry to $t$: $t-s+1$ for $b_s$, $t+1$ for the initial state.
+# The bound holds element by element, so a small $|h_t|$ gets a small tolerance too; the end of this
+# section shows that a kernel accumulating in float16, or one that forgets the carry, fails it.
 
 # %%
 #| export
@@ -546,7 +561,8 @@ assert ratio_acc16 > 1 and ratio_no_carry > 1
 #
 # Back to where we started, now with the kernel: gates $a_t = \alpha$ and tokens $b_t = (1-\alpha)x_t$.
 # A causal EMA lags behind the signal. Feed it a complex sine $x_t = e^{i\omega t}$ (angular frequency
-# $\omega$ radians per sample): the output is the same sine times a constant, $h_t = H e^{i\omega t}$,
+# $\omega$ radians per sample): once the start-up transient (which decays like $\alpha^t$) has died
+# out, the output is the same sine times a constant, $h_t = H e^{i\omega t}$,
 # and putting that into $h_t = \alpha h_{t-1} + (1-\alpha)x_t$ gives $H(1 - \alpha e^{-i\omega}) = 1-\alpha$.
 # Since $1 - \alpha e^{-i\omega} = (1 - \alpha\cos\omega) + i\,\alpha\sin\omega$, the angle of $H$ is
 # $-\arctan\!\big(\alpha \sin\omega / (1 - \alpha\cos\omega)\big)$: the output is the input delayed by
@@ -660,28 +676,81 @@ else:
 # chunk totals, fix up. That works here too, with a *pair* $(\prod a, h)$ as each chunk's total, but
 # reads and writes every element twice. The loop reads and writes once, and gives up only the
 # parallelism along the sequence, which the many rows of a Mamba layer (batch $\times$ dim) make up
-# for. With few rows and very long sequences, say 16 rows of a million, the loop would leave most of
-# a GPU idle and the three-phase form would win.
+# for. With few rows and very long sequences the balance turns: 16 rows are 16 programs, which keep
+# at most 16 of the H200's 132 multiprocessors busy (chapter 00 prints the count), while the three
+# phases spread every row over many programs. Where the three-phase form becomes the faster one is not
+# measured in this course.
 #
 # ### Scanning a chunk from its end: `REVERSED_LOADS`
 #
 # There are two ways to scan a chunk right to left, and the kernel offers both:
 #
 # - load the chunk with ascending addresses and call `tl.associative_scan(..., reverse=True)` (the
-#   default, `reversed_loads = False`). The loads stay aligned and vectorised, but to run the scan
-#   right to left the compiled code reverses the order of the values across the threads of each
-#   warp before the scan and again after it: extra data movement between threads (warp shuffles) on
-#   every chunk;
+#   default, `reversed_loads = False`). The loads stay aligned, but to run the scan right to left
+#   Triton 3.6 reverses the order of the values across the threads of each warp before a forward
+#   scan and again after it: extra data movement between threads (warp shuffles) on every chunk
+#   (`benchmarks/NOTES_selective_scan.md` counts these shuffles in the compiled code of chapter 05's
+#   kernels; this chapter does not inspect its own);
 # - load the chunk with **descending** addresses (`REVERSED_LOADS=True`), so that position $j$ of
 #   the block holds element $e - j$ of the row ($e$ the chunk's last element), and run the ordinary
 #   forward scan. The block is then in scan order and nothing is reversed between threads. The price
-#   is on the memory side: each warp still reads 32 neighbouring elements (coalesced), but the
-#   compiler cannot merge a thread's neighbours into one wide (vectorised) load, since they run
-#   backwards. The chunks then end at $L-1, L-1-\text{CHUNK}, \dots$ instead of being aligned.
+#   is expected on the memory side: each warp still reads 32 neighbouring elements (coalesced), but
+#   a thread's neighbours run backwards in memory, which can keep the compiler from merging them into
+#   one wide (vectorised) load (not inspected here either). The chunks then end at
+#   $L-1, L-1-\text{CHUNK}, \dots$ instead of being aligned.
 #
 # Which costs less is a measurement, not an argument: the speed table of section 7 times both on a
 # GPU and names the faster, and `benchmarks/bench_linear_scan.py` sweeps them with the other launch
 # parameters. Section 5 checks both against the loop.
+#
+# ### The error bound of section 5, derived
+#
+# The model (Higham, chapter 2): a multiply or add in the accumulator type returns the exact result
+# times $1+\epsilon$ with $|\epsilon| \le u_{\text{acc}}$ (underflow and overflow in the accumulator
+# left aside; a fused multiply-add, which a GPU may use for $a_q b_p + b_q$, rounds once and only
+# lowers the counts below). The exact state is a sum of terms, $h_t = \sum_{s \le t} \big(\prod_{r=s+1}^{t} a_r\big) b_s$,
+# plus $\big(\prod_{r=0}^{t} a_r\big) h^{\text{init}}$. A rounded add, $(x + y)(1+\epsilon) = x(1+\epsilon) + y(1+\epsilon)$,
+# and a rounded multiply, $xy(1+\epsilon)$, put their factor $1+\epsilon$ on every term that flows
+# through them, so in any grouping the computed state is
+#
+# $$\hat h_t = \sum_{s \le t} \Big(\prod_{r=s+1}^{t} a_r\Big)\, b_s \prod_{i=1}^{n_s} (1 + \epsilon_i)$$
+#
+# (and likewise for the initial state), with $n_s$ the number of roundings on the way of $b_s$ to
+# $h_t$. A product of $n$ such factors lies within $\gamma_n = n u/(1 - nu)$ of 1, with $u = u_{\text{acc}}$
+# (Higham, lemma 3.1), so $|\hat h_t - h_t| \le \sum_s \gamma_{n_s} P_{s,t} |b_s|$: the roundings on a
+# term's way add up, and the terms add in absolute value, which is why the bound scans $|a|$ and $|b|$.
+# To first order, $\gamma_n \approx nu$; it remains to count $n_s$.
+#
+# - *Multiplies:* $t - s$, in any grouping. The factor $\prod_{r=s+1}^{t} a_r$ is built from
+#   the gate products of $k$ disjoint ranges that cover positions $s+1, \dots, t$; a range of $m$ gates
+#   costs $m - 1$ multiplies and multiplies the term once, $\sum_{i=1}^{k} (m_i - 1) + k = t - s$. The
+#   initial state also passes through the first gate (in the fold $a_0 h^{\text{init}} + b_0$): $t + 1$.
+# - *Adds:* one per combine on the term's way ($a_q b_p + b_q$ has one add; the fold into a chunk's
+#   entry pair is one more combine). A left-to-right fold puts at most $t - s + 1$ combines on that
+#   way. A tree puts fewer on a distant term's way and can put more on a near one's; the bound assumes
+#   at most $d = \lceil\log_2 \max(L, 2)\rceil + 2$ more than the fold, one per level of a binary tree
+#   over the row, plus two. This is the one count not derived here: it depends on how Triton compiles
+#   `tl.associative_scan` and how the chunks cut the row.
+#
+# So $n_s \le (t - s) + (t - s + 1 + d) \le 2(t - s + 1 + d)$: that is where $2u_{\text{acc}}$ and the
+# weight $t - s + 1 + d$ come from. The initial state shares the combines of $b_0$ and has one more
+# multiply, $n \le (t + 1) + (t + 1 + d) \le 2(t + 1 + d)$: weight $t + 1 + d$, as `error_bound` gives it.
+#
+# `error_bound` adds three small terms to the formula of section 5:
+#
+# - the second-order factor $1 + 4(L + d)u_{\text{acc}}$: $\gamma_n \le nu(1 + 2nu)$ when $nu \le 1/2$
+#   (because $1/(1-x) \le 1 + 2x$ for $0 \le x \le 1/2$), and $n \le 2(L + d)$;
+# - the factor $1 + u_{\text{out}}$ and the term $u_{\text{out}}\,\text{tiny}$, from the output rounding.
+#   Rounding $\hat h_t$ to the output dtype errs by at most $u_{\text{out}}|\hat h_t| + u_{\text{out}}\,\text{tiny}$,
+#   where tiny is the dtype's smallest normal number (`torch.finfo(dtype).tiny`): below it the numbers
+#   are subnormal, evenly spaced $2u_{\text{out}}\,\text{tiny}$ apart, and the error is absolute, at
+#   most half that spacing. With $|\hat h_t| \le |h_t| + E$, $E$ the accumulator's bound above, the
+#   total is $u_{\text{out}}|h_t| + u_{\text{out}}\,\text{tiny} + (1 + u_{\text{out}})E$. Truncation (bfloat16 on
+#   the interpreter) errs by less than a whole spacing, which doubling $u_{\text{out}}$ covers.
+#
+# The ratios printed in section 5 (at most 0.164 in float32 and float64, 0.97 in float16 and bfloat16,
+# where the output rounding dominates) say the bound held on those inputs; they cannot confirm the
+# assumed count $d$, which random inputs rarely come near.
 
 # %% [markdown]
 # ### Why a kernel test on the CPU would not catch `broken`
@@ -737,7 +806,9 @@ assert torch.allclose(scan_by_doubling(compose, gates_demo, tokens_demo), expect
 #
 # The property test of section 2 ran `first_order_op.fn` in PyTorch. The same test on the operator
 # as Triton compiles it: a tiny kernel evaluates both groupings on random triples. On the interpreter
-# this checks the formula again; on a GPU it also checks the compiled code.
+# this checks the formula again; on a GPU it also checks that the compiled code is associative. Like
+# the test of section 2, it does not check the composed value itself (an operator with its operands
+# swapped would pass); that was checked in PyTorch only, against the step matrices.
 
 # %%
 @triton.jit
@@ -771,13 +842,19 @@ print(f"first_order_op: (p.q).r == p.(q.r) on {n_triples} random float64 triples
 #
 # Associativity holds for real numbers, not for IEEE's infinities. The recurrence applied step by
 # step to the gates $0, \infty$ computes $\infty\cdot(0 \cdot h + b_1) + b_2$, which is $\pm\infty$ for
-# a finite state $h$. A tree may first compose the two steps, and their gate is $0 \cdot \infty =$ NaN,
-# which then turns the state into NaN. A select, `tl.where(a_left == 0, 0, a_left * a_right)`, would
-# mend this one case but not infinities in general (after two infinite gates a negative state gives
+# a finite state $h$ and $b_1 \ne 0$. A tree may first compose the two steps, and their gate is
+# $0 \cdot \infty =$ NaN, which then turns the state into NaN. In general, where a tree gives NaN and
+# the recurrence does not, the recurrence gives $\pm\infty$, never a finite value: before the first
+# infinite gate every gate is finite, so (as long as no product of gates overflows) the tree computes
+# what the recurrence does, up to rounding; from the first infinite gate on, the recurrence's state
+# is $\pm\infty$ or NaN, because an infinite gate times a finite state is $\pm\infty$ (NaN if the
+# state is 0), and neither becomes finite again ($0 \cdot \infty$ and $\infty - \infty$ are NaN, and
+# NaN stays NaN). A select, `tl.where(a_left == 0, 0, a_left * a_right)`, would mend this one case
+# but not infinities in general (after two infinite gates with $b_1 > 0$, a negative state gives
 # $-\infty$ step by step, and $-\infty + \infty =$ NaN in a tree), and it would stop
 # `first_order_op.fn` from running on PyTorch tensors (`tl.where` exists only inside a kernel). So
-# `first_order_op` keeps the plain formula and its docstring says what it gives: with finite gates
-# and tokens the recurrence up to rounding, in any grouping; with infinite gates, possibly NaN on a GPU
+# `first_order_op` keeps the plain formula. What it gives: with finite gates and tokens (and no
+# overflow) the recurrence up to rounding, in any grouping; with infinite gates, possibly NaN on a GPU
 # where the recurrence gives $\pm\infty$. The interpreter folds left to right, which is the
 # recurrence step by step, so on the CPU the kernel gives the loop's values. Both, on a row whose
 # gate 0 is followed by an infinite one:

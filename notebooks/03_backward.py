@@ -240,8 +240,9 @@ def scan_one_block(a, b, h0, dy):
 # %% [markdown]
 # In the adjoint the padding needs a moment's thought: past the end the shifted gate is $0$, not the
 # identity's $1$. That is harmless because the adjoint *starts* in the padding (it runs right to left)
-# with a zero state and zero tokens, so the padding scans to zeros whatever the gate. Every output and
-# gradient, against autograd in float64:
+# with a zero state and zero tokens, so the padding scans to zeros whatever the gate. (That holds
+# because here the padding is where the adjoint enters; section 4 meets padding on its way out.)
+# Every output and gradient, against autograd in float64:
 
 # %%
 torch.manual_seed(2)
@@ -264,9 +265,16 @@ for length in [1, 7, 129, 1000, 4097]:
 # backward kernel walks them **right to left** with the adjoint $\delta$ in a register, folded into each
 # chunk by the same `scan_chunk` run the other way: $\delta$ flows from the right through the loop, $h$
 # from the left through memory, read back from the forward's output by a load offset by one position
-# ($h_{t-1}$), as the gates are by the opposite offset ($a_{t+1}$). In the padding it loads the identity
+# ($h_{t-1}$), as the gates are by the opposite offset ($a_{t+1}$). In the padding it puts the identity
 # pair $(1, 0)$, so the carried adjoint passes through unchanged; what is left after the last chunk,
-# times $a_0$, is the initial state's gradient. One kernel serves both directions of the forward scan.
+# times the first gate of the forward scan ($a_0$; $a_{L-1}$ in reverse), is the initial state's
+# gradient. Here the zero gate of section 3 would not be harmless: when the adjoint runs left to right
+# (the adjoint of a reverse scan), or with descending loads ("Going deeper"), the padding ends the
+# last chunk the adjoint visits, so the adjoint leaves through it on its way to
+# $\partial\mathcal L/\partial h_{-1}$, and a zero gate there would zero that gradient. One kernel serves
+# both directions of the forward scan. As in chapter 02, `HAS_H0` is a compile-time constant: without
+# an initial state the kernel neither reads `H0` nor writes `DH0`, and the launcher passes `h` in their
+# places as placeholders that are never touched.
 #
 # The exported cell also makes `linear_scan` behave like a torch op ("Going deeper" explains the
 # plumbing): both launchers are registered as custom ops, an `autograd.Function` calls them, and the
@@ -531,6 +539,8 @@ def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None)
 # state is read out through $C_t$ (04's model with one state). With `linear_scan` that model is ordinary
 # PyTorch, $y = C \odot \mathrm{linear\_scan}(a,\ B \odot x,\ h_{-1})$, and autograd chains our gradients
 # with the elementwise ones ($\partial\mathcal L/\partial x_t = B_t\,\partial\mathcal L/\partial b_t$, and so on).
+# From here on $y$ names this model's output, $y_t = C_t h_t$, no longer $h_t$ itself as in section 1,
+# and `dy` is $\partial\mathcal L/\partial y$.
 # We check $y$ and all five gradients against the float64 loop, at lengths 1, 7, 129, 1000 and 4097 (1100
 # under the interpreter), with chunks of 16 (a carry every 16 steps), 128 and 1024, in both directions, with and
 # without an initial state. The table shows the runs with an initial state and chunks of 16.
@@ -568,8 +578,13 @@ print("the other runs (chunks of 128 and 1024, no initial state) match too, at e
 # `torch.autograd.gradcheck` compares our backward with finite differences of our own forward, column by
 # column of the Jacobian (`fast_mode=False`), in float64, on small shapes with extra leading dims, a
 # non-contiguous input and chunks of 16 so that carries are crossed. `gradgradcheck` does the same for
-# the second derivatives, and the Hessian of a loss through `linear_scan` must equal the loop's: $h$ is
-# bilinear in the gates and the tokens, so the true Hessian is not zero.
+# the second derivatives, and the Hessian of a loss through `linear_scan` must equal the loop's. That
+# test needs the backward to be differentiated correctly: $h_t = \sum_{s \le t} \big(\prod_{r=s+1}^{t} a_r\big) b_s$
+# (plus the initial state's term) is linear in the tokens and the initial state and multilinear in the
+# gates, a polynomial of degree up to $L$ in them, so its second derivatives are not zero, and the
+# Hessian of $\sum_t h_t^2$, $2\sum_t \big(\nabla h_t \nabla h_t^\top + h_t \nabla^2 h_t\big)$, contains them.
+# The Hessian runs at $L = 9$, inside one chunk of 16, so it crosses no carry; `gradgradcheck`, at
+# $L = 17$ with chunks of 16, does.
 
 # %%
 torch.manual_seed(4)
@@ -600,10 +615,13 @@ assert hessian_error < 1e-10
 # %% [markdown]
 # Low precision: the gradients of float32, float16 and bfloat16 inputs, relative to the largest float64
 # gradient of the same (rounded) inputs. The kernels accumulate in float32, so the error is the rounding
-# of the stored values (the output $h$, which the backward reads again, and the gradients: about 2 ulps
-# of the dtype) plus float32 rounding along the length: the tolerance is
-# $2\,\varepsilon_{\text{dtype}} + L\,\varepsilon_{\text{float32}}$. Gates near 1 give a long memory, so a
-# scan that rounded its state to float16 or bfloat16 at every step would fail it (the tests inject that bug).
+# of the stored values (the output $h$, which the backward reads again, and the gradients) plus float32
+# rounding along the length. The tolerance, $2\,\varepsilon_{\text{dtype}} + L\,\varepsilon_{\text{float32}}$
+# ($\varepsilon$ the dtype's machine epsilon, its spacing at 1), follows that split but is a rule of
+# thumb, not a bound derived as chapter 02 derives the forward's; in float32 it is loose (the table:
+# errors up to $3.0\cdot10^{-7}$ against $2.4\cdot10^{-4}$). Gates near 1 give a long memory, so a scan
+# that rounded its state to float16 or bfloat16 at every step would fail it: `tests/test_linear_scan.py`
+# injects that bug, and shows there that an adjoint scanned with unshifted gates fails the float64 checks.
 
 # %%
 torch.manual_seed(5)
@@ -628,6 +646,9 @@ for dtype in [torch.float32, torch.float16, torch.bfloat16]:
 # %% [markdown]
 # `linear_scan` takes what `gates * tokens` would: an EMA's scalar or per-channel gate without a manual
 # expand (its gradient is summed back to its shape), and mixed dtypes, promoted as torch promotes them.
+# The cell runs the per-channel case, a float16 gate of shape (3, 1) with float32 tokens: $h$ equals the
+# scan of the expanded gate, and `d_alpha` comes back in the gate's shape and dtype. Its values, and
+# scalar and Python-number gates, are checked in `tests/test_linear_scan.py`, not here.
 # Bad input gets an exception that names the argument; empty sequences are allowed.
 
 # %%
@@ -767,9 +788,10 @@ else:
 # (On a GPU the cell above prints the table, its conclusions and the figure.) The table times the public
 # `linear_scan`: its forward, call included, takes 1.06x the floor; forward + backward takes 2.24x the
 # floor with the default backward and 1.81x with descending loads. The kernels alone are not timed in
-# this notebook: chapter 02's speed cell times the forward kernel alone, launched directly, against the
-# same floor, and `benchmarks/bench_linear_scan.py` times the backward kernel alone (its H200 output is
-# in `benchmarks/results/bench_linear_scan_h200.txt`). The public call adds what lies outside the
+# this notebook: chapter 02's speed cell times the forward launcher `linear_scan_rows` (one allocation
+# and the kernel, without `linear_scan`'s checks and autograd) against the same floor, and
+# `benchmarks/bench_linear_scan.py` times the backward kernel alone (its H200 output is in
+# `benchmarks/results/bench_linear_scan_h200.txt`). The public call adds what lies outside the
 # kernels: the host's Python work per call (input checks, broadcasting, the torch-op and autograd
 # dispatch), allocations and gaps between launches. When that host work takes longer than the GPU's,
 # the GPU waits and the time rises above the floor, and it varies from run to run. The two "ours" rows
@@ -777,7 +799,10 @@ else:
 # columns differ (566.2 and 457.8 us), and this cell cannot say how much of that is the backward's
 # loads and how much is such variation. (The cell does not time the host's work separately: this is
 # the likely explanation of the gap above the floor, not a measurement.) Trimming the host's work per
-# call is performance work.
+# call is performance work. The peer is missing from this run: accelerated-scan was not installed (the
+# cell printed "skipped accelerated-scan"). `benchmarks/results/bench_linear_scan_h200.txt`, a run of
+# `benchmarks/bench_linear_scan.py` on an earlier commit, has it: forward 103.8 us and forward + backward
+# 281.6 us, against 100.4 us and 659.7 us for our default launch parameters in the same run.
 #
 # ## Summary
 #
@@ -844,8 +869,8 @@ print(f"backward with reversed_loads={not default_bwd_config['reversed_loads']}:
 #   backward would give a wrong second derivative (a zero Hessian, or `None`) rather than an error,
 #   unless it is written to raise, as `causal_conv1d`'s and `selective_scan`'s backward are.
 # - **Host cost.** That style's `Function.apply` binds its arguments with `inspect.signature` on every call,
-#   host work of the same order as a kernel launch (chapter 00's table times a launch; this chapter
-#   does not time the binding). So the library calls `scan_lib.runtime.apply`:
+#   host work that this course does not time (chapter 00's table times a whole launch of a Triton
+#   kernel on the host: 24 us). So the library calls `scan_lib.runtime.apply`:
 #   outside `torch.compile` and `torch.func` it runs the same forward, `setup_context` and backward as an
 #   old-style Function, whose `apply` goes straight to C++.
 # - **Saved tensors.** The Function saves the gates, the initial state and its output $h$, which share the

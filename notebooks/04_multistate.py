@@ -165,8 +165,9 @@ save_figure(fig, "multistate_emas.png")
 # \ \big(+\ \text{batch}\,\lceil L/L_{\text{block}}\rceil N\ \text{boundary states, for training}\big)$$
 #
 # numbers, here at batch = 4096 sequences (say 4 samples x 1024 channels) of $L = 1024$, $N = 16$, in
-# float32. ("Going deeper: counting the bytes" checks the formula against what the op really moves and
-# keeps, and draws both designs.)
+# float32. ("Going deeper: counting the bytes" checks the formula against the bytes of the op's inputs
+# and outputs and against what autograd keeps, and draws both designs; the kernel's own traffic to
+# memory is not measured in this chapter.)
 
 # %%
 def fused_bytes(batch, length, n_states, itemsize=4, block_l=None, acc_itemsize=4):
@@ -392,11 +393,15 @@ for length in (1, 7, 129, 1000):
 # scan of data already on chip. One program per sequence walks the chunks **from last to first**, carrying
 # $\delta$ for the $N$ states in registers. For the chunk starting at $s$:
 # 1. scan the pairs shifted right by one, $(a_{t-1}, B_{t-1} x_{t-1})$ (the identity at the first row), from
-#    the saved $h_{s-1}$: that gives $h_{t-1}$ on every row, and $h_t = a_t h_{t-1} + B_t x_t$;
+#    the saved $h_{s-1}$: that gives $h_{t-1}$ on every row, and $h_t = a_t h_{t-1} + B_t x_t$. The shift
+#    is a load, not a move: registers cannot be indexed, and moving a tile down by one row would move
+#    values between threads, so the kernel loads $a$, $B$, $x$ a second time from one position earlier
+#    (`A + tile - 1`), with the first row masked to the identity $(1, 0)$;
 # 2. scan $(a_{t+1}[n], C_t[n]\, \partial\mathcal L/\partial y_t)$ with `reverse=True` (it composes from the
 #    end of the axis, so `first_order_op` applies, *later then earlier*) and apply the carry:
 #    $\delta_t = Q_t \delta_{\text{carry}} + \tilde\delta_t$, $Q_t$ the product of the shifted gates from $t$ to the
-#    chunk's end. The last row reads the next chunk's first gate; $t = L - 1$ reads $a_L = 1$ (`other=1`);
+#    chunk's end. The shifted gates are loaded the same way, one position later (`A + tile + 1`), so the
+#    last row reads the next chunk's first gate from memory; $t = L - 1$ reads $a_L = 1$ (`other=1`);
 # 3. write the four gradients; the new carry is the first row, $\delta_s$.
 #
 # After the leftmost chunk, the initial state's gradient is $a_0 \delta_0$.
@@ -497,7 +502,10 @@ for length in (1, 7, 129, 1000):
 #
 # The docstring is the contract. The function checks its arguments, then runs the forward as a torch
 # custom op, through an autograd Function when a gradient may be needed; that wiring, and why a second
-# derivative raises, are in "Going deeper".
+# derivative raises, are in "Going deeper". The names the function calls (`check_multistate_inputs`,
+# `empty_multistate_scan`, `multistate_fwd`, `MultistateScan`) are defined there, further down: Python
+# looks a name up when the function runs, not when it is defined, and the next cell imports the
+# exported module, in which all of them exist.
 
 # %%
 #| export
@@ -717,6 +725,15 @@ else:
 
 
 # %% [markdown]
+# (On a GPU.) In this run the time is not monotone in $L_{\text{block}}$. In float32 it falls from 376 us
+# at 16 to 215 us at 64, the default, rises to 405 us at 128 and falls again to 242 us at 256. In
+# bfloat16 it is about 200 us at 16 and 32, 227 us at 64 and about 365 us at 128 and 256, so the fastest
+# there is 32 and the default is 1.15x slower. Both dtypes slow down sharply from 64 to 128, where
+# `num_warps_for` first gives 8 warps (16, 32, 64 get 1, 2, 4; 256 gets 8 too, with twice the tile
+# elements per thread). The sweep measures this and does not explain it: that would take a profile
+# (registers, spills, occupancy). The default is the rule above, not a tuned value; in this run it is
+# the fastest in float32 only.
+#
 # ## Going deeper: the backward formulas as a loop
 #
 # Section 5's formulas, written as a PyTorch loop in float64 (the adjoint run right to left, then the
@@ -919,7 +936,10 @@ class MultistateScanBackward(torch.autograd.Function):
 # outputs. Then the op under each transform, against the plain call: `torch.func.grad`, `torch.func.vmap` (over an
 # extra leading dimension), `torch.compile(fullgraph=True)` (a graph break would be an error; the
 # `aot_eager` backend traces forward and backward through the fake implementations without needing
-# a C compiler), and a Hessian, which must raise.
+# a C compiler), and a Hessian, which must raise. The transform checks compare the op with itself:
+# under `torch.func.grad` and plain autograd the same backward kernel runs, so their agreement checks
+# the wiring (that each transform reaches the kernels through the Function and the custom ops), not
+# the gradients' values, which gradcheck here and section 5 check.
 
 # %%
 a, b, c, x = (t.requires_grad_() for t in random_inputs(1, 2, 5, dtype=torch.float64, seed=3))
@@ -995,16 +1015,18 @@ assert y_empty.shape == (2, 0) and h_empty.shape == (2, 4) and not h_empty.any()
 # %% [markdown]
 # ## Going deeper: counting the bytes
 #
-# Section 2's formula, checked against what the op really reads and writes: `bytes_moved` runs a
+# Section 2's formula, checked against the bytes of the op's inputs and outputs: `bytes_moved` runs a
 # function under a `TorchDispatchMode`, which sees every operator call, and adds up the bytes of each
 # call's tensor inputs and outputs (views are free). `multistate_scan` is one operator call, a custom op
-# whose kernel reads its inputs and writes its outputs once, so the count is the bytes of the op's
-# inputs and outputs: it must equal the formula, with and without the boundary states. That is all the
-# count can see. Memory a kernel allocates and writes inside the op (a scratch buffer of every state,
-# say) never appears in it, so the check confirms what the op's interface moves, not the kernel's
-# traffic to memory; on a GPU, Nsight Compute's DRAM byte counters measure that. The PyTorch doubling scan of section 7 is counted too, at the realistic
-# size, on `meta` tensors (shapes without data: nothing is computed or allocated); for it the count is
-# a lower bound on the traffic.
+# whose kernel (section 4) loads each input element once and stores each output once, so the count
+# must equal the formula, with and without the boundary states. That is all the count can see: the
+# mode sees the op's call, not the calls made inside it (the count equals the formula although the op
+# allocates its outputs inside, with `torch.empty`), so memory the op allocates and writes internally
+# (a scratch buffer of every state, say) never appears in it. The check confirms what the op's interface
+# moves, not the kernel's traffic to memory; Nsight Compute's DRAM byte counters would measure that on
+# a GPU, and this chapter does not run them. The PyTorch doubling scan of section 7 is counted too, at
+# the realistic size, on `meta` tensors (shapes without data: nothing is computed or allocated); for it
+# the count is a lower bound on the traffic.
 
 # %%
 from torch.utils._python_dispatch import TorchDispatchMode
