@@ -25,8 +25,8 @@
 #    keeps the states in registers and writes only one state per chunk for the backward;
 # 4. `selective_scan`, a drop-in for `mamba_ssm`'s `selective_scan_fn` (plus an `initial_state`),
 #    checked gradient by gradient, and on a GPU compared with the official CUDA kernel. The package's
-#    public `scan_lib.selective_scan` has the same interface over chapter 07's faster kernels; from
-#    section 7 on, the cells call that one (section 6 says what this means for the checks).
+#    public `scan_lib.selective_scan` has the same interface over chapter 07's faster kernels; this
+#    chapter checks and times its own (section 6 says how the cells reach them).
 #
 # Launch parameters, the autograd plumbing, the memory the backward uses and where the time goes are
 # in "Going deeper" at the end.
@@ -825,15 +825,14 @@ def selective_scan_bwd_kernel(
 #
 # The package's public function `scan_lib.selective_scan` is another one: the same arguments, semantics
 # and input checks over chapter 07's faster kernels (`scan_lib/__init__.py` imports it from
-# `scan_lib.fast_selective_scan`). Every call of `selective_scan` from here on goes to the public one,
-# so sections 7 to 9 and the checks in "Going deeper" run chapter 07's kernels, not the two above.
-# `tests/test_selective_scan.py` runs the reference comparison, the launch variants and the injected
-# bugs on this chapter's kernels too.
+# `scan_lib.fast_selective_scan`). The cells below call this chapter's function through the module it
+# is exported to, as `chapter_scan`, so every check and measurement in this chapter is of the two
+# kernels above.
 #
 # ## 7. Checks: every gradient, every option, awkward lengths
 #
-# `make_inputs` draws one problem; `check_selective_scan` runs `scan_lib.selective_scan` (chapter 07's
-# kernels: section 6) and the float64 reference on
+# `make_inputs` draws one problem; `check_selective_scan` runs this chapter's `selective_scan`
+# (`chapter_scan`: section 6) and the float64 reference on
 # the same (rounded) inputs and compares the output, the last state and all nine gradients, relative
 # to each reference's magnitude, and the inference path (no gradient: nothing kept). The tolerance is
 # derived from the dtype and the length: the float32 bound of section 5, plus, for half-precision
@@ -893,6 +892,9 @@ def run_with_grads(fn, inputs, dout, dlast, softplus, cast=None):
     return out, last, dict(zip(leaves, grads))
 
 
+chapter_scan = sys.modules["scan_lib.selective_scan"].selective_scan   # this chapter's selective_scan, exported
+
+
 def check_selective_scan(inputs, softplus=True, verbose=True):
     """Compare selective_scan with the float64 reference: output, last state and every gradient (printed),
     and, asserted silently, the inference path (no gradient: the forward's own chunk, nothing kept)."""
@@ -901,7 +903,7 @@ def check_selective_scan(inputs, softplus=True, verbose=True):
     tol = tolerance(u.dtype, u.shape[2])
     dout = torch.randn(u.shape, dtype=torch.float64, device=DEVICE).to(u.dtype).double()
     dlast = torch.randn(u.shape[0], u.shape[1], inputs["A"].shape[1], dtype=torch.float64, device=DEVICE)
-    out, last, grads = run_with_grads(scan_lib.selective_scan, inputs, dout, dlast, softplus)
+    out, last, grads = run_with_grads(chapter_scan, inputs, dout, dlast, softplus)
     out_r, last_r, grads_r = run_with_grads(selective_scan_ref, inputs, dout, dlast, softplus, cast=torch.float64)
     assert out.dtype == u.dtype and last.dtype == (torch.float64 if u.dtype == torch.float64 else torch.float32)
     errors = {"out": rel_err(out, out_r), "last": rel_err(last, last_r)}
@@ -912,7 +914,7 @@ def check_selective_scan(inputs, softplus=True, verbose=True):
         print(f"L={u.shape[2]:5d} tol {tol:.0e}: " + "  ".join(f"{k} {v:.0e}" for k, v in errors.items()))
     assert all(e < tol for e in errors.values()), errors
     with torch.no_grad():
-        out_ng, last_ng = scan_lib.selective_scan(**inputs, delta_softplus=softplus, return_last_state=True)
+        out_ng, last_ng = chapter_scan(**inputs, delta_softplus=softplus, return_last_state=True)
     assert rel_err(out_ng, out_r) < tol and rel_err(last_ng, last_r) < tol, "inference path"
     return errors
 
@@ -937,11 +939,9 @@ print("selective_scan matches the float64 reference: outputs and all gradients")
 # 4 channels, so that a block of 4 fits in a group: the cell asserts the block size this chapter's
 # launcher chooses), and other chunk sizes for either pass (in training the forward runs with the
 # backward's chunk, so the forward's own chunk only matters in inference, which the check also runs).
-# A caveat: the cell sets this chapter's parameters, but `check_selective_scan` calls the public op,
-# whose chapter 07 kernels read their own (`GPU_CONFIG`, `CPU_CONFIG` in `scan_lib.fast_selective_scan`).
-# The four lines below therefore ran the same kernels with the same parameters (they agree digit for
-# digit) and check nothing about launch parameters; `tests/test_selective_scan.py` runs these variants on this
-# chapter's kernels (`test_launch_configs_agree`) and on chapter 07's (`test_fast_launch_configs_agree`).
+# `check_selective_scan` runs this chapter's kernels, whose launchers read these parameters, so each
+# of the lines below is a run with one variant (`tests/test_selective_scan.py` runs the same variants,
+# `test_launch_configs_agree`, and chapter 07's, `test_fast_launch_configs_agree`).
 
 # %%
 ss_module = sys.modules["scan_lib.selective_scan"]  # the module (scan_lib.selective_scan is the function)
@@ -996,7 +996,7 @@ bad_cases = {
 }
 for message, change in bad_cases.items():
     try:
-        scan_lib.selective_scan(**{**good, **change})
+        chapter_scan(**{**good, **change})
     except (TypeError, ValueError) as error:
         assert message in str(error), (message, str(error))
         print(f"{type(error).__name__:10s} {error}")
@@ -1006,8 +1006,8 @@ for message, change in bad_cases.items():
 # %% [markdown]
 # ## 8. Against the official kernel
 #
-# Where `mamba_ssm` is installed (it needs a CUDA GPU), `selective_scan_fn` and ours (the public op,
-# chapter 07's kernels: section 6) should agree on
+# Where `mamba_ssm` is installed (it needs a CUDA GPU), `selective_scan_fn` and ours (this chapter's
+# kernels, `chapter_scan`) should agree on
 # outputs, the last state and every gradient, for fp32 inputs with groups, `D`, `z`, `delta_bias`
 # and softplus, and with time-invariant `B` and `C` (`initial_state` is ours only). One difference: with
 # a time-invariant `B`, `mamba_ssm`'s CUDA kernel scans $\Delta_t u_t$ without $B$ and multiplies $B$
@@ -1028,7 +1028,7 @@ def compare_with_mamba_ssm(batch=2, dim=64, N=16, L=1000, groups=2, time_invaria
     inputs.pop("initial_state")
     dout = torch.randn(batch, dim, L, dtype=torch.float64, device=DEVICE)
     dlast = torch.zeros(batch, dim, N, dtype=torch.float64, device=DEVICE)  # mamba_ssm ignores d last_state
-    ours = run_with_grads(scan_lib.selective_scan, inputs, dout, dlast, True)
+    ours = run_with_grads(chapter_scan, inputs, dout, dlast, True)
     theirs = run_with_grads(selective_scan_fn, inputs, dout, dlast, True)
     # For a time-invariant B, mamba_ssm's CUDA kernel scans delta * u without B and folds B into C for
     # the output, so the last state it returns is h / B (its own selective_scan_ref returns h, as we do).
@@ -1047,8 +1047,8 @@ compare_with_mamba_ssm(groups=None, time_invariant="BC");
 # %% [markdown]
 # ## 9. Speed (GPU only)
 #
-# The benchmark times the public `scan_lib.selective_scan`, that is chapter 07's kernels (section 6),
-# against `mamba_ssm`'s; chapter 07's section 8 times this chapter's kernels on the same problem. At
+# The benchmark times this chapter's `selective_scan` against `mamba_ssm`'s (chapter 07 makes it faster:
+# its section 10 and `make bench` time the package's op). At
 # Mamba's usual layer size (batch 8, dim 1024, L 2048, N 16), softplus, `D`, `z` and `delta_bias`
 # on, `A`, `D`, `delta_bias` in fp32; `u`, `delta`, `B`, `C`, `z` in fp32 and then bf16. The memory floor
 # is the bytes that must move, each pass reading its inputs once and writing its outputs once, over the
@@ -1059,7 +1059,7 @@ compare_with_mamba_ssm(groups=None, time_invariant="BC");
 # tensors); the small `A`, `D`, `delta_bias` and their gradients are left out. The forward is timed
 # without gradients (so it writes no boundary states), the
 # forward+backward with all inputs requiring gradients. The cell prints every time and, last, how
-# the public op compares with `mamba_ssm`'s CUDA kernel; on the CPU it is skipped.
+# ours compares with `mamba_ssm`'s CUDA kernel; on the CPU it is skipped.
 
 # %%
 def io_bytes(batch, dim, L, N, size, backward):
@@ -1087,7 +1087,7 @@ else:
         inputs.pop("initial_state")
         leaves = {k: v.requires_grad_(True) for k, v in inputs.items()}
         dout = torch.randn_like(inputs["u"])
-        impls = {"scan_lib": scan_lib.selective_scan}
+        impls = {"ours": chapter_scan}
         if selective_scan_fn is not None:
             impls["mamba_ssm"] = selective_scan_fn
         for backward in (False, True):
@@ -1105,12 +1105,12 @@ else:
             print("  ".join(f"{k} {v:8.0f} us" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
     for row in rows:
         if "mamba_ssm" in row:
-            ratio = row["mamba_ssm"] / row["scan_lib"]
-            print(f"{row['dtype']} {row['pass']}: scan_lib is {max(ratio, 1 / ratio):.2f}x "
-                  f"{'faster' if ratio > 1 else 'slower'} than mamba_ssm, {row['scan_lib'] / row['floor']:.1f}x the memory floor")
+            ratio = row["mamba_ssm"] / row["ours"]
+            print(f"{row['dtype']} {row['pass']}: ours is {max(ratio, 1 / ratio):.2f}x "
+                  f"{'faster' if ratio > 1 else 'slower'} than mamba_ssm, {row['ours'] / row['floor']:.1f}x the memory floor")
     fig, ax = plt.subplots(figsize=(7, 3.5))
     labels = [f"{r['dtype']}\n{r['pass']}" for r in rows]
-    series = [k for k in ("floor", "scan_lib", "mamba_ssm") if k in rows[0]]
+    series = [k for k in ("floor", "ours", "mamba_ssm") if k in rows[0]]
     for i, key in enumerate(series):
         ax.bar([j + 0.27 * (i - 1) for j in range(len(rows))], [r[key] for r in rows], width=0.27, label=key)
     ax.set_xticks(range(len(rows)), labels)
@@ -1120,24 +1120,17 @@ else:
     save_figure(fig, "05_benchmark.png")
 
 # %% [markdown]
-# (On a GPU.) The last four lines above say, per dtype and pass, whether `scan_lib.selective_scan`
-# (chapter 07's kernels) is faster or slower than the official kernel and how many times the memory
-# floor it takes: in this run it is far from the floor in every line (8.2x to 21.3x), faster than
-# `mamba_ssm` in the two float32 lines (1.13x and 1.02x) and slower in the two bfloat16 lines (1.02x
-# and 1.25x). This chapter's kernels are slower still: chapter 07's section 8, on the same shape and
-# options with contiguous inputs, times them at 475 us forward and 2624 us forward+backward in float32,
-# 459 and 2497 us in bfloat16. Closing the gap is still to do;
-# "Where the time goes" below lists the likely costs and what to try.
+# (On a GPU.) The last four lines above say, per dtype and pass, whether this chapter's kernels are
+# faster or slower than the official kernel and how many times the memory floor they take. Closing the
+# gap is chapter 07's work; "Where the time goes" below lists the likely costs and what to try.
 #
 # ## What we built
 #
 # * Any length: positions past `L` are identity steps, so nothing needs to be a multiple of a block.
 # * `A` is `(dim, N)`, as in Mamba; `B`, `C` may be grouped or time-invariant.
 # * Every gradient is checked, $d\Delta$ included, against a float64 reference with a tolerance derived
-#   from the dtype and the length. In this notebook that covers section 5's one-program kernel and the
-#   public op (chapter 07's kernels), which is also compared (on a GPU) with `mamba_ssm`'s CUDA
-#   `selective_scan_fn`; this chapter's batched kernels are checked against the reference in
-#   `tests/test_selective_scan.py`.
+#   from the dtype and the length: section 5's one-program kernel and the batched kernels, which are
+#   also compared (on a GPU) with `mamba_ssm`'s CUDA `selective_scan_fn`.
 # * The backward never stores the `(batch, dim, L, N)` states: it recomputes them chunk by chunk from
 #   the boundary states, and it computes $h_{t-1}$ by a scan of its own, never as $h_t - b_t$.
 # * `initial_state` and a differentiable `last_state` make the scan composable ("Going deeper: scanning
@@ -1504,8 +1497,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 # that look constant to autograd, so a Hessian would silently miss the scan's part. `SelectiveScanFn`
 # therefore passes its gradients through `_NoSecondDerivative`, an identity attached to the inputs the
 # gradients depend on, whose backward raises. First derivatives work everywhere; a second raises.
-# The cell runs the public op (chapter 07's kernels, whose autograd Function uses the same
-# `_NoSecondDerivative` and `_vmap_by_loop`). Its three numbers compare the op with itself: under
+# The cell runs this chapter's op (`chapter_scan`). Its three numbers compare the op with itself: under
 # `torch.func.grad` and plain autograd the same backward kernel runs, and `torch.compile` and `vmap`
 # run the same kernels as the plain call, so the zeros check the wiring, not the values, which section
 # 7 checks against the reference:
@@ -1517,7 +1509,7 @@ u_leaf = small.pop("u").requires_grad_(True)
 
 
 def scan_of_u(u):
-    return scan_lib.selective_scan(u, **small, delta_softplus=True)
+    return chapter_scan(u, **small, delta_softplus=True)
 
 
 grad_u = torch.func.grad(lambda u: scan_of_u(u).square().sum())(u_leaf.detach())
@@ -1553,7 +1545,7 @@ def scan_in_pieces(pieces, inputs, softplus=True):
         sl = slice(start, start + length)
         part = {k: (v[..., sl] if k in ("u", "delta", "z", "B", "C") and v is not None else v) for k, v in inputs.items()}
         part["initial_state"] = state
-        out, state = scan_lib.selective_scan(**part, delta_softplus=softplus, return_last_state=True)
+        out, state = chapter_scan(**part, delta_softplus=softplus, return_last_state=True)
         outs.append(out)
         start += length
     return torch.cat(outs, dim=-1), state
@@ -1636,9 +1628,7 @@ save_figure(fig, "05_memory.png")
 
 # %% [markdown]
 # On a GPU, the measured peak of the backward against that formula, for fp32 and bf16 inputs (the
-# cell asserts that they agree within 10%). The run is the public op's, chapter 07's kernels (section
-# 6); in this run their backward's peak matches this chapter's formula (195.1 MiB against 195.1 in
-# float32, 99.6 against 100.1 in bfloat16). This chapter's own backward is not measured here.
+# cell asserts that they agree within 10%), this chapter's backward (`chapter_scan`).
 
 # %%
 if not ON_GPU:
@@ -1647,7 +1637,7 @@ else:
     for in_dtype in (torch.float32, torch.bfloat16):
         inputs = make_inputs(**{k: mem_shape[k] for k in ("batch", "dim", "N", "L")}, dtype=in_dtype, h0=False)
         leaves = {k: v.requires_grad_(True) for k, v in inputs.items() if v is not None}
-        out = scan_lib.selective_scan(**leaves, delta_softplus=True)
+        out = chapter_scan(**leaves, delta_softplus=True)
         dout = torch.randn_like(out)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -1664,15 +1654,12 @@ else:
 # %% [markdown]
 # ## Going deeper: where the time goes
 #
-# Section 9 times chapter 07's kernels; this chapter's are timed in chapter 07's section 8 (same shape
-# and options, contiguous inputs). These are the likely costs of this chapter's design, not confirmed
-# by a profiler here:
+# Section 9 times this chapter's kernels. These are the likely costs of its design, not confirmed by a
+# profiler here (chapter 07 profiles them):
 #
 # * **The forward.** If halving the bytes (bf16 inputs) barely changes our forward's time while it
-#   halves `mamba_ssm`'s, our forward is limited by the instructions it issues, not by memory. That is
-#   what the records show: chapter 07's run times this chapter's forward at 475 us in float32 and
-#   459 us in bfloat16, while section 9's run times `mamba_ssm`'s at 593 and 305 us. (Chapter 07's kernels, in section
-#   9, go from 524 to 312 us, and stay 8.2x and 9.8x the memory floor: not memory-bound either.) The
+#   halves `mamba_ssm`'s, our forward is limited by the instructions it issues, not by memory: section
+#   9's forward lines, in fp32 and bf16 for both, show which. The
 #   arithmetic needs about ten operations per (batch, dim, position, state) element (an `exp`, the
 #   discretisation, a multiply-add for the recurrence and one for $C h$, the scan's combine); the
 #   reductions that move the carry in and out of the scan, per state and chunk, and the scan's
