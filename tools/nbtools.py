@@ -23,8 +23,8 @@ counts are not 1, 2, 3, ... in order: the outputs would not be one run of today'
 from __future__ import annotations
 
 import argparse
-import hashlib
 import ast
+import hashlib
 import re
 import sys
 from pathlib import Path
