@@ -114,14 +114,15 @@ save_figure(draw_sharded_scan(), "09_sharded_scan.png")
 # where $g_r$ is the gradient of the loss with respect to $h^{\text{in}}_r$ coming out of rank $r$'s
 # own scan, and $T_{\text{ranks}} = 0$. So rank $r$ needs $T_{r+1}$ alone, one summary, and hands
 # $T_r$ on: the backward is a **chain in reverse**, rank $r$ receiving from rank $r+1$ and sending to
-# rank $r-1$. Each rank receives one summary whatever the number of ranks $R$, and the last rank's
-# message reaches rank 0 after $R-1$ hops, one after another.
+# rank $r-1$. Each rank but the last receives one summary whatever the number of ranks $R$ (the last
+# receives none), and the last rank's message reaches rank 0 after $R-1$ hops, one after another.
 #
 # `_EnteringState` below is that: an `autograd.Function` whose forward all-gathers every rank's
 # summary and folds the ones before it, and whose backward is the reverse chain, written out. Letting
 # autograd differentiate the fold instead would need a differentiable all-gather, whose backward
-# must bring every rank's gradient for every entry to every rank: $R$ times $R$ summaries received per
-# rank, which grows with the square of the number of GPUs. `gather_small`, that simple form, stays
+# must bring every rank's gradient for every entry to every rank: $R - 1$ ranks' gradients of all $R$
+# entering states, $R(R-1)$ summaries received per rank, which grows with the square of the number of
+# GPUs. `gather_small`, that simple form, stays
 # for the convolution's boundary columns (section 4), which are $K - 1$ columns, not a state. The local
 # scans' backward passes are scan_lib's, through `initial_state` (the gradient $g_r$) and the last
 # state (the gradient of $E_r$).

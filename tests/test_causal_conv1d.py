@@ -53,7 +53,8 @@ def compare(problem, activation="silu", tol=1e-12, dtype=None, **options):
     return ours
 
 
-@pytest.mark.parametrize("width,length", [(2, 1), (2, 7), (2, 129), (3, 1), (3, 7), (4, 1), (4, 7), (4, 129), (4, 1000)])
+@pytest.mark.parametrize("width,length", [(2, 1), (2, 7), (2, 129), (3, 1), (3, 7), (3, 129), (4, 1), (4, 7), (4, 129),
+                                          (4, 1000)])
 def test_matches_reference(width, length):
     compare(make(2, 3, length, width, seed=width + length))
 
@@ -66,9 +67,13 @@ def test_options(bias, h0, activation):
 
 
 def test_blocks_cross_boundaries(monkeypatch):
-    """Blocks of 2 channels and 16 positions: the shifted loads and dx's reads of g cross block edges."""
-    monkeypatch.setattr(MODULE, CONFIG, {**getattr(MODULE, CONFIG), "block_d": 2, "block_l": 16})
-    compare(make(1, 3, 40, 4, seed=5))
+    """Blocks of 2 channels and 16 positions, forward and backward: the shifted loads and dx's reads of g
+    cross block edges, at every width."""
+    small = {"block_d": 2, "block_l": 16}
+    monkeypatch.setattr(MODULE, CONFIG, {**getattr(MODULE, CONFIG), **small})
+    monkeypatch.setattr(MODULE, "GPU_BWD_CONFIG", {size: {**config, **small} for size, config in MODULE.GPU_BWD_CONFIG.items()})
+    for width in (2, 3, 4):
+        compare(make(1, 3, 40, width, seed=5))
 
 
 def test_strided_inputs():

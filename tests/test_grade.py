@@ -177,6 +177,23 @@ def test_one_wrong_exercise_costs_only_its_own_point(name, tmp_path):
     _only_the_first_fails(name, results)
 
 
+def test_an_exercise_written_as_a_call_of_another_exercise_s_function_fails(tmp_path):
+    """03.1 left as a call of 03.4's _backward_by_scan, 03.4 unsolved: the other exercises' solutions stand in
+    for the notebook's only where the chapter's 03.1 uses them, so 03.1 is checked on the notebook's stub."""
+    path = solved("03_backward", {"03.2", "03.3"}, tmp_path)
+    notebook = nbformat.read(path, as_version=4)
+    holders = [c for c in notebook.cells if c.cell_type == "code" and "NotImplementedError(\"exercise 03.1" in c.source]
+    assert len(holders) == 1 and "def grads_by_formula" in holders[0].source
+    stub_line = next(line for line in holders[0].source.split("\n") if "NotImplementedError(\"exercise 03.1" in line)
+    holders[0].source = holders[0].source.replace(stub_line, "    return (h, *_backward_by_scan(a, h, dy, h0, reverse, 16))")
+    checks = grade.CHECKS / "checks_03.py"
+    cells = [i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and i <= grade.last_needed_cell(notebook, checks)]
+    package = grade.checks_package(notebook, cells, "03")
+    results, why_not = grade._check_in_own_process(package, checks, 120, 600, dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert results is not None, why_not
+    assert [r["passed"] for r in results] == [False, True, True, False], results
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(FIRST_EXERCISE_WRONG))
 def test_one_wrong_exercise_costs_only_its_own_point_when_graded(name, tmp_path):

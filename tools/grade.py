@@ -151,7 +151,7 @@ def run_checks_isolated(statements_path: str, checks_path: str, check_timeout: f
 
 def _grade_exercise(number: int, function, package: dict, check_timeout: float) -> dict:
     """exercise_K's result on the notebook's definitions with the chapter's solutions of the other exercises."""
-    solutions = _other_solutions(number, package["solutions"])
+    solutions = _other_solutions(number, package["solutions"], package["statements"])
     names, changed = _rebuild(_with_solutions(package["statements"], solutions))
     if changed:
         reason = f"the notebook's definitions change the libraries the checks use ({', '.join(changed[:3])}): not graded"
@@ -162,13 +162,26 @@ def _grade_exercise(number: int, function, package: dict, check_timeout: float) 
     return _run_check(number, function, Namespace(names, borrowed), check_timeout)
 
 
-def _other_solutions(number: int, solutions: list) -> list:
+def _other_solutions(number: int, solutions: list, statements: list[str]) -> list:
     """The chapter's solution definitions (names, source) of every exercise but K, less those that also
-    hold exercise K's piece (one definition with two exercises stays the notebook's) and those outside
-    any definition."""
-    own = set(solutions[number - 1][0])
+    hold exercise K's piece (one definition with two exercises stays the notebook's), those outside any
+    definition, and those that the notebook's exercise K calls where the chapter's does not (exercise K
+    written as a call of another exercise's function is graded on the notebook's version of that one)."""
+    own_names, own_source = solutions[number - 1]
+    own = set(own_names)
+    notebook_uses = set().union(*(_names_used(s) for s in statements if _defined_names(s) & own))
+    borrowed = notebook_uses - _names_used(own_source)
     return [(names, source) for k, (names, source) in enumerate(solutions, 1)
-            if k != number and names and not own & set(names)]
+            if k != number and names and not own & set(names) and not borrowed & set(names)]
+
+
+def _names_used(source: str) -> set[str]:
+    """The names a source reads; none if it does not parse."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return set()
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
 
 
 def _with_solutions(statements: list[str], solutions: list) -> list[tuple[str, str]]:
@@ -650,8 +663,9 @@ def grade_all(folder: Path, jobs: int, **options) -> list[dict]:
             for exercise in report["exercises"]:
                 worth = points[int(exercise["id"].split(".")[1])]
                 exercise.update(worth=worth, points=worth if exercise["passed"] else 0.0)
-            checks = (CHECKS / f"checks_{chapter}.py").read_bytes()
-            report["checks"] = hashlib.sha256(checks).hexdigest()[:12]
+            # what decides a grade: the checks, and the chapter's solutions that stand in for the others
+            decided_by = (CHECKS / f"checks_{chapter}.py").read_text() + repr(solution_definitions(chapter))
+            report["checks"] = hashlib.sha256(decided_by.encode()).hexdigest()[:12]
     return reports
 
 

@@ -23,6 +23,7 @@ counts are not 1, 2, 3, ... in order: the outputs would not be one run of today'
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import re
 import sys
@@ -172,10 +173,10 @@ def _public_names() -> dict[str, set[str]]:
     """The scan_lib module each public name comes from, by scan_lib/__init__.py's `from .module import
     names` lines: `scan_lib.Mamba` runs mamba.py, and `scan_lib.selective_scan` fast_selective_scan.py."""
     sources: dict[str, set[str]] = {}
-    for module, names in re.findall(r"^from \.(\w+) import ([\w, ()\n]+?)(?:#|$)",
-                                    (PACKAGE / "__init__.py").read_text(), re.MULTILINE):
-        for name in re.findall(r"\w+", names):
-            sources.setdefault(name, set()).add(module)
+    for node in ast.parse((PACKAGE / "__init__.py").read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
+            for alias in node.names:
+                sources.setdefault(alias.asname or alias.name, set()).add(node.module)
     return sources
 
 
