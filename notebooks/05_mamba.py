@@ -501,7 +501,7 @@ for L in [1, 7, 129, 1000]:
 # last position. In plain PyTorch, both forms against the sequential recurrence, with chunks that do
 # not divide the length. The folded form does, position by position, the same float64 operations as
 # the sequential loop, so its error is exactly 0 by construction; the carry-added form multiplies by
-# the product of the gates instead, and differs by rounding:
+# the product of the gates instead, and differs by rounding once a chunk holds more than one position:
 
 # %%
 def chunked_states(a, b, h_init, chunk, fold=False):
@@ -826,7 +826,7 @@ def selective_scan_bwd_kernel(
 # The package's public function `scan_lib.selective_scan` is another one: the same arguments, semantics
 # and input checks over chapter 07's faster kernels (`scan_lib/__init__.py` imports it from
 # `scan_lib.fast_selective_scan`). The cells below call this chapter's function through the module it
-# is exported to, as `chapter_scan`, so every check and measurement in this chapter is of the two
+# is exported to, as `chapter_scan`, so every check and measurement from here on is of the two
 # kernels above.
 #
 # ## 7. Checks: every gradient, every option, awkward lengths
@@ -1657,9 +1657,9 @@ else:
 # Section 9 times this chapter's kernels. These are the likely costs of its design, not confirmed by a
 # profiler here (chapter 07 profiles them):
 #
-# * **The forward.** If halving the bytes (bf16 inputs) barely changes our forward's time while it
-#   halves `mamba_ssm`'s, our forward is limited by the instructions it issues, not by memory: section
-#   9's forward lines, in fp32 and bf16 for both, show which. The
+# * **The forward.** Halving the bytes (bf16 inputs) barely changes our forward's time while it
+#   roughly halves `mamba_ssm`'s (section 9's forward lines, in fp32 and bf16 for both): our forward
+#   is limited by the instructions it issues, not by memory. The
 #   arithmetic needs about ten operations per (batch, dim, position, state) element (an `exp`, the
 #   discretisation, a multiply-add for the recurrence and one for $C h$, the scan's combine); the
 #   reductions that move the carry in and out of the scan, per state and chunk, and the scan's

@@ -1341,10 +1341,10 @@ else:
 # `mamba_ssm` adds per channel too, but first rearranges each thread block's values so that every
 # warp adds 32 consecutive floats (fully coalesced); Triton's reduction leaves each thread a few
 # positions spaced apart, so one warp's additions touch more memory sectors. Summing several channels
-# in one program before adding (`block_d` > 1) divides the additions; in the sweep below, which tries
-# one and two channels per program, the backward is fastest with two. Two ways around it that this
-# chapter has
-# not built: accumulate $dB$ per group of channels in a workspace and reduce it with one more kernel
+# in one program before adding (`block_d` > 1) divides the additions, but fewer programs then share
+# the GPU; the sweep below tries one and two channels per program (in the recorded run the
+# backward's best had one, and `GPU_CONFIG`'s two came within 1.3x of it). Two ways around it that
+# this chapter has not built: accumulate $dB$ per group of channels in a workspace and reduce it with one more kernel
 # (the bytes: $\text{dim}/g \cdot N \cdot L$ floats per batch element), or reformulate the backward so
 # that the sum over channels becomes a matrix product (Mamba-2's "state space duality" does exactly this
 # for a scalar $A$ per head).
@@ -1546,14 +1546,17 @@ else:
 # %% [markdown]
 # (On a GPU.) The lines say where chapter 07 stands in training on the block's layout, against chapter
 # 05 and, where it is importable, `mamba_ssm`; the cell below prints, row by row, `mamba_ssm`'s time
-# over ours (above 1: ours is faster). In the run recorded here `mamba_ssm` was importable, and every
-# ratio is below 1, from 0.43 to 0.87: `mamba_ssm` is faster in every row, furthest ahead at $N$ 4 and
-# at $L$ 512, closest at $N$ 64. Chapter 07 is faster than chapter 05 in every row but $L$ 512, where
-# chapter 05 is faster. `benchmarks/results/` keeps the side-by-side
-# measurements against `mamba_ssm` on the same GPU made while these kernels were built (the same
-# kernels, one channel per program): by them, the instruction cuts of section 4's last part moved
-# training closer to `mamba_ssm`. What is left to make faster is mostly the backward, 81% of the
-# step's GPU time in section 8's profile. `make bench` has the forward rows and fp32 as well.
+# over ours (above 1: ours is faster). In the run recorded here `mamba_ssm` was importable, and
+# chapter 07 is faster than chapter 05 in every row. Against `mamba_ssm` the ratios run from 0.41 to
+# 1.12: ours is faster at $L$ 8192, at $N$ 64 and at batch 4 of dim 1536, `mamba_ssm` at $L$ 512,
+# at $N$ 4 and at batch 1 and 2. The base shape (8, 1024, 2048, 16) is timed twice, in the series
+# against $L$ and against $N$: the same kernels on the same inputs, so the gap between its two
+# lines is the noise of one measurement, and at that shape the two are about even. The rows behind
+# share a pattern: at $L$ 512 and at $N$ 4 chapter 07 takes about as long as at the base shape, though
+# they do a quarter of its work. Most of their time does not scale with the work; whether it is the
+# host's work per call or a fixed cost in a kernel is not measured yet, and it is the next thing to
+# find. `mamba_ssm`'s time falls with the work. The backward is still most of the step's GPU time in
+# section 8's profile. `make bench` has the forward rows and fp32 as well.
 
 # %%
 if ON_GPU and any(name == "mamba_ssm" for _, _, name in times):
@@ -1585,8 +1588,9 @@ else:
 # forward one, already lean); the atomics (a workspace
 # reduction or coalesced additions); a sequence-parallel scan that pays for small batches (section 5's
 # three-phase split is built and checked, but in section 8's measurement it is at best 1.07x faster, in
-# the training step at batch 1, and slower in the forward), which long sequences at batch 1 need; and
-# the host overhead of small calls.
+# the training step at batch 1, and slower in the forward), which long sequences at batch 1 need; the
+# time that does not scale with the work at short sequences and few states (section 10); and the host
+# overhead of small calls.
 #
 # ## Going deeper: profiling tools on this GPU
 #

@@ -72,8 +72,9 @@ GPUS = torch.cuda.device_count() if ON_GPU else 0
 # rounding, which the checks below measure.
 #
 # Three phases, as in chapter 01: every rank scans its shard from 0 and forms $(P_r, E_r)$; the ranks
-# exchange their summaries (one small collective: $2 \times$ batch $\times$ channels $\times N$
-# numbers per rank, independent of the length); every rank folds the summaries before it and scans its
+# exchange their summaries (one small collective: a summary is $2 \times$ batch $\times$ channels
+# $\times N$ numbers per rank, independent of the length; section 6 counts what our implementation
+# sends); every rank folds the summaries before it and scans its
 # shard again from the entering state. For the selective scan, $P_r = e^{A \sum_t \Delta_t}$ per
 # (batch, channel, state), from the shard's steps.
 
@@ -531,7 +532,7 @@ for ranks, cases in CHECKS.items():
 #
 # * **All-gather** (`entering_state`): every rank sends its summary to every other, then folds the ones
 #   before it itself. One collective: its time is a latency that grows slowly with the number of ranks,
-#   plus the bytes, $R$ summaries arriving at each rank.
+#   plus the bytes, a summary from each of the other $R-1$ ranks arriving at each rank.
 # * **A chain of sends** (`entering_state_by_chain` below): rank $r$ waits for $h^{\text{in}}_r$ from
 #   rank $r-1$, then sends $P_r h^{\text{in}}_r + E_r$ to rank $r+1$. One summary's bytes per link, but
 #   $R - 1$ transfers one after another: the last rank waits for $R - 1$ latencies.
@@ -636,12 +637,14 @@ verdict(per_rank, SHAPES)
 # single latency. Our `entering_state` gathers three tensors per rank (the decay, the end state, and
 # the initial state, of which only rank 0's matters) and folds on every rank, so each rank receives
 # $3(R-1)$ summaries where the chain passes one along each link; and gloo, on CPUs or with the ranks
-# sharing one GPU, copies every message through host memory with Python around each call, so bytes
-# and per-call costs both count. NCCL between GPUs on NVLink should move the bytes far faster (this
+# sharing one GPU, copies every message through host memory with Python around each call, so the
+# per-call costs count at every size, and the bytes only where the summaries are large (at 4 ranks the
+# all-gather's time rises with the summary's size; at 2 ranks, in this run, it did not, and one
+# median per row does not say more). NCCL between GPUs on NVLink should move the bytes far faster (this
 # run, on one GPU, did not measure it), and section 7 puts the exchange's time beside the scan's on
 # two GPUs. `scan_lib.distributed` keeps the
-# all-gather in the forward, whose latency does not grow with a chain of ranks waiting on each other,
-# and uses the reverse chain in the backward (section 2), whose bytes per rank do not grow with $R$.
+# all-gather in the forward, where no rank waits on a chain of others (though on gloo in this run the
+# chain was faster at every size), and uses the reverse chain in the backward (section 2), whose bytes per rank do not grow with $R$.
 #
 # **Bytes, counted.** `BYTES_RECEIVED` adds up what this process's exchanges receive, by pass (the
 # backward while autograd's engine runs). **Prediction**, with $S$ the bytes of one summary (batch
