@@ -54,7 +54,8 @@ def ssd_quadratic(x, dt, A, B, C, D=None):
 def ssd_chunked(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
     """The chunked algorithm (SSD) in PyTorch: intra-chunk matrix products, chunk states, the scan over
     chunk boundaries, the past's contribution. Shapes as ssd_loop; any L (the last chunk is padded
-    with dt = 0). Returns y (batch, L, heads, P) and the final state (batch, heads, P, N)."""
+    with dt = 0; L = 0 gives an empty y and the initial state). Returns y (batch, L, heads, P) and the
+    final state (batch, heads, P, N)."""
     batch, length, heads, head_dim = x.shape
     n_chunks = -(-length // chunk_size)
     pad = n_chunks * chunk_size - length
@@ -78,7 +79,8 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
     for c in range(n_chunks):
         entering.append(state)
         state = torch.exp(a_cum[:, :, c, -1])[..., None, None] * state + chunk_states[:, c]
-    entering = torch.stack(entering, dim=1)                                # batch x chunks x heads x P x N
+    # batch x chunks x heads x P x N; for L = 0 there are no chunks, and chunk_states is that empty tensor
+    entering = torch.stack(entering, dim=1) if entering else chunk_states
     # 4. the past's contribution, decayed from the chunk's start to each position
     y_off = torch.einsum("bcthn,bchpn,bhct->bcthp", C, entering, torch.exp(a_cum))
     y = (y_diag + y_off).reshape(batch, n_chunks * chunk_size, heads, head_dim)[:, :length]
@@ -90,6 +92,7 @@ import triton
 import triton.language as tl
 
 import scan_lib
+from scan_lib.runtime import check_float_tensor, check_same_device
 
 
 @triton.jit
@@ -149,15 +152,54 @@ def ssd_chunk_output_kernel(X, DT, A, B, C, D, ENTERING, Y, length, heads, group
              t_ok[:, None] & (p[None, :] < head_dim))
 
 
+def _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state):
+    """Raise a TypeError or ValueError naming the argument unless the kernels can index the inputs as given."""
+    named = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, initial_state=initial_state)
+    for name, value in named.items():
+        if value is not None or name not in ("D", "initial_state"):
+            check_float_tensor(name, value)
+    if x.dim() != 4:
+        raise ValueError(f"x must have shape (batch, L, heads, P), got {tuple(x.shape)}")
+    batch, length, heads, head_dim = x.shape
+    if B.dim() != 4 or tuple(B.shape[:2]) != (batch, length) or B.shape[3] == 0:
+        raise ValueError(f"B must have shape (batch={batch}, L={length}, groups, N) with N >= 1, "
+                         f"got {tuple(B.shape)}")
+    groups, n_states = B.shape[2], B.shape[3]
+    if groups == 0 or heads % groups != 0:
+        raise ValueError(f"B and C: the number of groups ({groups}) must divide heads ({heads}, x's third dim)")
+    expected = {"dt": ("(batch, L, heads)", (batch, length, heads)), "A": ("(heads,)", (heads,)),
+                "C": ("(batch, L, groups, N)", (batch, length, groups, n_states)), "D": ("(heads,)", (heads,)),
+                "initial_state": ("(batch, heads, P, N)", (batch, heads, head_dim, n_states))}
+    for name, (dims, shape) in expected.items():
+        if named[name] is not None and tuple(named[name].shape) != shape:
+            raise ValueError(f"{name} must have shape {dims} = {shape}, got {tuple(named[name].shape)}")
+    check_same_device(**named)
+    is_int = isinstance(chunk_size, int) and not isinstance(chunk_size, bool)
+    if not is_int or chunk_size < 16 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two >= 16 (tl.arange and tl.dot's tiles), got {chunk_size!r}")
+
+
+def _empty_forward(x, n_states, initial_state):
+    """ssd_forward's result for an empty x (L = 0, or no batch, heads or channels), launching nothing."""
+    batch, _, heads, head_dim = x.shape
+    final = (torch.zeros(batch, heads, head_dim, n_states, device=x.device) if initial_state is None
+             else initial_state.to(torch.float32, copy=True))               # no position moved the state
+    return torch.empty_like(x), final
+
+
 def ssd_forward(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
     """The chunked forward on the GPU (or Triton's interpreter): two kernels and chapter 03's linear_scan
-    between them. Shapes as ssd_loop; chunk_size a power of two >= 16; float32 sums. Returns y (x's
-    dtype) and the final state (float32). Forward only: the backward is the next part's."""
+    between them. Shapes as ssd_loop (checked); chunk_size a power of two >= 16; float32 sums. Returns y
+    (x's dtype) and the final state (float32). Forward only: the backward is the next part's."""
+    _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state)
+    if x.numel() == 0:
+        return _empty_forward(x, B.shape[3], initial_state)
     batch, length, heads, head_dim = x.shape
     groups, n_states = B.shape[2], B.shape[3]
     n_chunks = triton.cdiv(length, chunk_size)
     bp, bn = max(16, triton.next_power_of_2(head_dim)), max(16, triton.next_power_of_2(n_states))
     x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
+    A, D = (None if t is None else t.float().contiguous() for t in (A, D))  # the kernels read A + h, D + h
     states = torch.empty(batch, heads, n_chunks, head_dim, n_states, device=x.device, dtype=torch.float32)
     decay = torch.empty(batch, heads, n_chunks, device=x.device, dtype=torch.float32)
     grid = (batch, heads, n_chunks)

@@ -1,5 +1,6 @@
 """scan_lib.ssd (chapter 10): Mamba-2's recurrence as a loop, as one masked matrix and in chunks, in
-float64, at awkward lengths, groups of heads, initial and final states, and gradients through autograd."""
+float64, at awkward lengths, groups of heads, initial and final states, and gradients through autograd;
+the Triton forward in float32 against the loop, on strided A and D, empty sequences and bad arguments."""
 import pytest
 import torch
 
@@ -68,3 +69,102 @@ def test_the_triton_forward_matches_the_loop(length, chunk, heads, groups, head_
     y_want, final_want = ssd_loop(**p)
     y, final = ssd_forward(p["x"], p["dt"], p["A"], p["B"], p["C"], chunk, p["D"], p["initial_state"])
     assert y.dtype == torch.float32 and rel(y.double(), y_want) < 1e-5 and rel(final.double(), final_want) < 1e-5
+
+
+def float32_problem(batch=1, length=20, heads=4, head_dim=3, groups=2, n_states=5, seed=0):
+    from scan_lib.runtime import DEVICE
+    return {k: v.float().to(DEVICE) for k, v in problem(batch, length, heads, head_dim, groups, n_states, seed).items()}
+
+
+def forward(p, chunk=16):
+    from scan_lib.ssd import ssd_forward
+    return ssd_forward(p["x"], p["dt"], p["A"], p["B"], p["C"], chunk, p.get("D"), p.get("initial_state"))
+
+
+@pytest.mark.parametrize("with_D, with_h0", [(False, True), (True, False), (False, False)])
+def test_the_triton_forward_without_D_or_initial_state(with_D, with_h0):
+    p = float32_problem(length=23, seed=11)
+    p["D"], p["initial_state"] = (p["D"] if with_D else None), (p["initial_state"] if with_h0 else None)
+    y_want, final_want = ssd_loop(**p)
+    y, final = forward(p)
+    assert rel(y.double(), y_want) < 1e-5 and rel(final.double(), final_want) < 1e-5
+
+
+def test_the_triton_forward_reads_strided_A_and_D():
+    """The kernels index A and D by head: a view with stride 2 must give the contiguous answer."""
+    p = float32_problem(length=20, seed=2)
+    y_want, final_want = ssd_loop(**p)
+    p["A"], p["D"] = p["A"].repeat_interleave(2)[::2], p["D"].repeat_interleave(2)[::2]
+    assert p["A"].stride() == (2,) and p["D"].stride() == (2,)
+    y, final = forward(p)
+    assert rel(y.double(), y_want) < 1e-5 and rel(final.double(), final_want) < 1e-5
+
+
+@pytest.mark.parametrize("batch, length", [(2, 0), (0, 5)])
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_the_triton_forward_of_an_empty_sequence(batch, length, with_h0):
+    """Like the loop: an empty y of x's shape and dtype, the final state the initial state (float32) or zeros."""
+    p = float32_problem(batch=batch, length=length)
+    p["x"] = p["x"].double()
+    if not with_h0:
+        p["initial_state"] = None
+    y, final = forward(p)
+    assert y.shape == p["x"].shape and y.dtype == torch.float64
+    want = torch.zeros(batch, 4, 3, 5) if p["initial_state"] is None else p["initial_state"]
+    assert final.dtype == torch.float32 and torch.equal(final.cpu(), want.cpu())
+
+
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_the_chunked_form_of_an_empty_sequence_is_the_loop(with_h0):
+    p = problem(2, 0, 4, 3, 2, 5)
+    if not with_h0:
+        p["initial_state"] = None
+    y_want, final_want = ssd_loop(**p)
+    y, final = ssd_chunked(p["x"], p["dt"], p["A"], p["B"], p["C"], 8, p["D"], p["initial_state"])
+    assert y.shape == y_want.shape == p["x"].shape and torch.equal(final, final_want)
+
+
+def test_the_triton_forward_refuses_groups_that_do_not_divide_heads():
+    p = float32_problem(heads=4, groups=3)
+    with pytest.raises(ValueError, match=r"^B and C: the number of groups \(3\) must divide heads \(4"):
+        forward(p)
+
+
+@pytest.mark.parametrize("chunk", [24, 8, 0, 16.0, True, "16"])
+def test_the_triton_forward_refuses_a_chunk_that_is_not_a_power_of_two_from_16(chunk):
+    with pytest.raises(ValueError, match="^chunk_size must be a power of two >= 16"):
+        forward(float32_problem(), chunk)
+
+
+BAD_ARGUMENTS = [   # (argument, what is wrong, what it becomes, exception): batch 1, L 20, heads 4, P 3, groups 2, N 5
+    ("x", "3-D", lambda p: p["x"][..., 0], ValueError),
+    ("x", "int", lambda p: p["x"].int(), TypeError),
+    ("dt", "2 heads", lambda p: p["dt"][:, :, :2], ValueError),
+    ("dt", "a list", lambda p: p["dt"].tolist(), TypeError),
+    ("A", "heads + 1", lambda p: torch.cat([p["A"], p["A"][:1]]), ValueError),
+    ("A", "2-D", lambda p: p["A"][None], ValueError),
+    ("B", "another L", lambda p: p["B"][:, :7], ValueError),
+    ("B", "3-D", lambda p: p["B"][0], ValueError),
+    ("B", "N = 0", lambda p: p["B"][..., :0], ValueError),
+    ("C", "N unlike B's", lambda p: p["C"][..., :4], ValueError),
+    ("C", "groups unlike B's", lambda p: p["C"][:, :, :1], ValueError),
+    ("D", "2 heads", lambda p: p["D"][:2], ValueError),
+    ("D", "int64", lambda p: p["D"].to(torch.int64), TypeError),
+    ("initial_state", "N = 4", lambda p: p["initial_state"][..., :4], ValueError),
+    ("initial_state", "3-D", lambda p: p["initial_state"][0], ValueError),
+]
+
+
+@pytest.mark.parametrize("name, why, make_bad, error", BAD_ARGUMENTS, ids=[f"{c[0]}: {c[1]}" for c in BAD_ARGUMENTS])
+def test_the_triton_forward_names_a_bad_argument(name, why, make_bad, error):
+    p = float32_problem()
+    p[name] = make_bad(p)
+    with pytest.raises(error, match=rf"^{name} "):
+        forward(p)
+
+
+def test_the_triton_forward_wants_one_device():
+    p = float32_problem()
+    p["A"] = p["A"].to("meta")
+    with pytest.raises(ValueError, match="one device.*A on meta"):
+        forward(p)
