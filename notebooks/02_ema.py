@@ -105,12 +105,21 @@ def linear_scan_loop(gates, tokens, initial_state=None, reverse=False):
         states.append(h)
     return torch.stack(states, dim=-1)  # (..., L)
 
+# %% [markdown]
+# The check compares the scan with something computed another way: the unrolled sum above,
+# $h_t = (1-\alpha)\sum_{s \le t} \alpha^{t-s} x_s$, as a matrix of weights times the samples (no loop,
+# no recurrence), on a random signal.
+
 # %%
+torch.manual_seed(0)
 alpha = 0.9
-samples = torch.tensor(steps, dtype=torch.float64)
+samples = torch.randn(50, dtype=torch.float64)
 ema_as_scan = linear_scan_loop(torch.full_like(samples, alpha), (1 - alpha) * samples)
-assert torch.allclose(ema_as_scan, torch.tensor(climb, dtype=torch.float64))
-print("the EMA is the linear scan with gates a_t = alpha and tokens b_t = (1 - alpha) * x_t: ok")
+t_out, s_in = torch.arange(50)[:, None], torch.arange(50)[None, :]  # output position t, sample position s
+weights = torch.where(s_in <= t_out, (1 - alpha) * alpha ** (t_out - s_in).clamp(min=0).double(), 0.0)  # 50 x 50
+unrolled = weights @ samples  # h_t = (1 - alpha) * sum_{s <= t} alpha^(t - s) x_s
+assert torch.allclose(ema_as_scan, unrolled, rtol=1e-12, atol=1e-12)
+print("the linear scan with gates a_t = alpha and tokens b_t = (1 - alpha) * x_t equals the unrolled EMA: ok")
 
 # %% [markdown]
 # ## 2. One step is a pair, and pairs compose
@@ -189,9 +198,15 @@ print("M(q) @ M(p) == M(p . q) on 1000 random pairs: ok;  p . q != q . p: ok (or
 # `is_associative` compares both groupings on random float64 triples. It accepts the operator and
 # rejects a tempting wrong one, `broken`, which keeps only the later gate. This test matters: a kernel
 # using `broken` passes every check on Triton's CPU interpreter and fails only on a GPU ("Going
-# deeper" shows why). It tests associativity only, not that the pair is the right composition: the
-# operator with its operands swapped, $(a_q, b_q) \bullet (a_p, b_p)$, is associative too and would
-# pass. The composed value is what the cell above checked, against the product of step matrices.
+# deeper" shows why).
+#
+# What `is_associative` cannot see is *which* composition the operator computes: it compares the
+# operator with itself, grouped two ways. The operator with its operands swapped, `swapped` below,
+# which does the later step first, is associative too (it is the product of the same matrices in the
+# other order) and has the same identity, so it passes both tests. What catches it is a comparison of
+# the composed value with the definition: the step matrices above do that, and so does
+# `follows_the_recurrence`, which applies the composed pair to a random state and compares the result
+# with step $p$ applied first and step $q$ applied to that, $a_q(a_p h + b_p) + b_q$.
 
 # %%
 #| export
@@ -210,6 +225,11 @@ def broken(a_left, b_left, a_right, b_right):
     return a_right, a_right * b_left + b_right
 
 
+def swapped(a_left, b_left, a_right, b_right):
+    """A wrong combine: the right (later) step first, then the left one."""
+    return compose(a_right, b_right, a_left, b_left)
+
+
 def is_identity(op, n: int = 1000) -> bool:
     """(1, 0) . p == p . (1, 0) == p on random pairs."""
     a, b = torch.randn(2, n, dtype=torch.float64)
@@ -217,11 +237,19 @@ def is_identity(op, n: int = 1000) -> bool:
     return all(torch.equal(torch.stack(op(*x)), torch.stack((a, b))) for x in [(one, zero, a, b), (a, b, one, zero)])
 
 
-assert is_associative(compose) and is_identity(compose)
+def follows_the_recurrence(op, n: int = 1000) -> bool:
+    """op(p, q) applied to a state h equals step p, then step q, applied to h, on random pairs and states."""
+    a_p, b_p, a_q, b_q, h = torch.randn(5, n, dtype=torch.float64)
+    a_pq, b_pq = op(a_p, b_p, a_q, b_q)
+    return torch.allclose(a_pq * h + b_pq, a_q * (a_p * h + b_p) + b_q, rtol=1e-12, atol=1e-12)
+
+
+assert is_associative(compose) and is_identity(compose) and follows_the_recurrence(compose)
 assert not is_associative(broken)
-print(f"{'operator':10} {'associative':>12} {'(1,0) identity':>15}")
-for name, op in [("compose", compose), ("broken", broken)]:
-    print(f"{name:10} {str(is_associative(op)):>12} {str(is_identity(op)):>15}")
+assert is_associative(swapped) and is_identity(swapped) and not follows_the_recurrence(swapped)
+print(f"{'operator':10} {'associative':>12} {'(1,0) identity':>15} {'follows the recurrence':>23}")
+for name, op in [("compose", compose), ("broken", broken), ("swapped", swapped)]:
+    print(f"{name:10} {str(is_associative(op)):>12} {str(is_identity(op)):>15} {str(follows_the_recurrence(op)):>23}")
 
 # %% [markdown]
 # ## 3. One block: `tl.associative_scan` over pairs
@@ -645,7 +673,9 @@ else:
 # - The recurrence $h_t = a_t h_{t-1} + b_t$ is a scan with the pair operator
 #   $(a_p, b_p) \bullet (a_q, b_q) = (a_p a_q,\ a_q b_p + b_q)$, associative because it is a product of
 #   $2\times2$ matrices; a property test in plain PyTorch confirms it and rejects a plausible wrong one
-#   that the interpreter's left-to-right fold would have accepted.
+#   that the interpreter's left-to-right fold would have accepted. Associativity is not correctness: the
+#   operator with its operands swapped is associative too, and only the comparison with the steps
+#   applied one after another rejects it.
 # - `scan_lib.ema` exports `first_order_op`, `scan_chunk`, `chunk_positions`, `linear_scan_fwd_kernel`
 #   and the launcher `linear_scan_rows` with its launch parameters `FWD_CONFIG`: one program per row,
 #   chunks in order, the state carried in a register and folded into each chunk's first pair in scan
@@ -676,10 +706,10 @@ else:
 # chunk totals, fix up. That works here too, with a *pair* $(\prod a, h)$ as each chunk's total, but
 # reads and writes every element twice. The loop reads and writes once, and gives up only the
 # parallelism along the sequence, which the many rows of a Mamba layer (batch $\times$ dim) make up
-# for. With few rows and very long sequences the balance turns: 16 rows are 16 programs, which keep
-# at most 16 of the H200's 132 multiprocessors busy (chapter 00 prints the count), while the three
-# phases spread every row over many programs. Where the three-phase form becomes the faster one is not
-# measured in this course.
+# for. With few rows and very long sequences we expect the balance to turn, an argument that this
+# course does not measure: 16 rows are 16 programs, which keep at most 16 of the H200's 132
+# multiprocessors busy (chapter 00 prints the count), while the three phases spread every row over many
+# programs. Whether, and from which length on, the three-phase form is the faster one, no cell here times.
 #
 # ### Scanning a chunk from its end: `REVERSED_LOADS`
 #
@@ -804,11 +834,13 @@ assert torch.allclose(scan_by_doubling(compose, gates_demo, tokens_demo), expect
 # %% [markdown]
 # ### The combine as compiled
 #
-# The property test of section 2 ran `first_order_op.fn` in PyTorch. The same test on the operator
+# The property tests of section 2 ran `first_order_op.fn` in PyTorch. The same tests on the operator
 # as Triton compiles it: a tiny kernel evaluates both groupings on random triples. On the interpreter
-# this checks the formula again; on a GPU it also checks that the compiled code is associative. Like
-# the test of section 2, it does not check the composed value itself (an operator with its operands
-# swapped would pass); that was checked in PyTorch only, against the step matrices.
+# this checks the formula again; on a GPU it also checks the compiled code. Equal groupings alone would
+# let an operator with its operands swapped through (section 2's table), so the cell also checks the
+# composed value: the pair $(p \bullet q) \bullet r$ applied to a random state must equal the three
+# steps applied one after another, $a_r(a_q(a_p h + b_p) + b_q) + b_r$, computed on the host without
+# `first_order_op`.
 
 # %%
 @triton.jit
@@ -835,7 +867,11 @@ p_pairs, q_pairs, r_pairs = (torch.randn(2, n_triples, dtype=torch.float64, devi
 groupings = torch.empty(4, n_triples, dtype=torch.float64, device=DEVICE)
 associativity_kernel[(triton.cdiv(n_triples, 1024),)](p_pairs, q_pairs, r_pairs, groupings, n_triples, BLOCK=1024)
 assert torch.allclose(groupings[:2], groupings[2:], rtol=1e-12, atol=1e-12)
-print(f"first_order_op: (p.q).r == p.(q.r) on {n_triples} random float64 triples: ok")
+state_pqr = torch.randn(n_triples, dtype=torch.float64, device=DEVICE)
+step_by_step = r_pairs[0] * (q_pairs[0] * (p_pairs[0] * state_pqr + p_pairs[1]) + q_pairs[1]) + r_pairs[1]
+assert torch.allclose(groupings[0] * state_pqr + groupings[1], step_by_step, rtol=1e-12, atol=1e-12)
+print(f"first_order_op as compiled, on {n_triples} random float64 triples: (p.q).r == p.(q.r), "
+      "and (p.q).r applied to h == step p, then q, then r: ok")
 
 # %% [markdown]
 # ### Zero and infinite gates

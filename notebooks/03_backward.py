@@ -43,8 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
-from scan_lib.ema import FWD_CONFIG, linear_scan_rows, scan_chunk
-from scan_lib.runtime import save_figure
+from scan_lib.ema import FWD_CONFIG, error_bound, linear_scan_rows, scan_chunk
+from scan_lib.runtime import INTERPRET, save_figure
 
 # %% [markdown]
 # ## 1. The adjoint
@@ -536,11 +536,17 @@ def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None)
 # ## 5. Every gradient, every length, several chunk sizes
 #
 # In chapters 04 and 05 the scan sits between elementwise products: the token is $b_t = B_t x_t$ and the
-# state is read out through $C_t$ (04's model with one state). With `linear_scan` that model is ordinary
-# PyTorch, $y = C \odot \mathrm{linear\_scan}(a,\ B \odot x,\ h_{-1})$, and autograd chains our gradients
-# with the elementwise ones ($\partial\mathcal L/\partial x_t = B_t\,\partial\mathcal L/\partial b_t$, and so on).
-# From here on $y$ names this model's output, $y_t = C_t h_t$, no longer $h_t$ itself as in section 1,
-# and `dy` is $\partial\mathcal L/\partial y$.
+# state is read out through $C_t$ (04's model with one state).
+#
+# **The symbol $y$ changes meaning here.** In sections 1 to 4 the output was the state itself,
+# $y_t = h_t$. From here to the end of the chapter $y$ is this model's output, $y_t = C_t h_t$ (the
+# meaning it keeps in chapters 04 and 05), and `dy` is $\partial\mathcal L/\partial y$ for that $y$;
+# the incoming gradient that `linear_scan`'s backward receives, the token of its adjoint scan, is then
+# $C_t\,\partial\mathcal L/\partial y_t$.
+#
+# With `linear_scan` that model is ordinary PyTorch, $y = C \odot \mathrm{linear\_scan}(a,\ B \odot x,\ h_{-1})$,
+# and autograd chains our gradients with the elementwise ones
+# ($\partial\mathcal L/\partial x_t = B_t\,\partial\mathcal L/\partial b_t$, and so on).
 # We check $y$ and all five gradients against the float64 loop, at lengths 1, 7, 129, 1000 and 4097 (1100
 # under the interpreter), with chunks of 16 (a carry every 16 steps), 128 and 1024, in both directions, with and
 # without an initial state. The table shows the runs with an initial state and chunks of 16.
@@ -583,8 +589,10 @@ print("the other runs (chunks of 128 and 1024, no initial state) match too, at e
 # (plus the initial state's term) is linear in the tokens and the initial state and multilinear in the
 # gates, a polynomial of degree up to $L$ in them, so its second derivatives are not zero, and the
 # Hessian of $\sum_t h_t^2$, $2\sum_t \big(\nabla h_t \nabla h_t^\top + h_t \nabla^2 h_t\big)$, contains them.
-# The Hessian runs at $L = 9$, inside one chunk of 16, so it crosses no carry; `gradgradcheck`, at
-# $L = 17$ with chunks of 16, does.
+# Both cross a carry: `gradgradcheck` runs at $L = 17$ and the Hessian at $L = 20$, with chunks of 16, so
+# the state and the adjoint pass from one chunk to the next. The cell also asserts that the Hessian has
+# large entries coupling a gate of the first chunk with one of the second: entries that only a correct
+# carry, in the forward and in the differentiated backward, gets right.
 
 # %%
 torch.manual_seed(4)
@@ -604,32 +612,78 @@ def squared_loss(scan):
     return lambda g, u, h: (scan(g[None], u[None], h[None]) ** 2).sum()
 
 
-hessian_args = (gates_gc[0, 0, :9].detach(), tokens_gc[0, 0, :9].detach(), init_gc[0, 0].detach())
-ours = torch.autograd.functional.hessian(squared_loss(linear_scan), hessian_args)
+hessian_args = (gates_gc[0, 0].detach(), tokens_gc[0, 0].detach(), init_gc[0, 0].detach())  # L = 20
+ours = torch.autograd.functional.hessian(squared_loss(lambda g, u, h: linear_scan(g, u, h, chunk=16)), hessian_args)
 theirs = torch.autograd.functional.hessian(squared_loss(scan_loop), hessian_args)
 hessian_error = max((o - t).abs().max().item() for row_o, row_t in zip(ours, theirs) for o, t in zip(row_o, row_t))
-print(f"Hessian of sum(h^2) in (gates, tokens, initial state), L = 9: largest entry "
-      f"{max(t.abs().max().item() for row in theirs for t in row):.2f}, max abs error {hessian_error:.1e}")
-assert hessian_error < 1e-10
+across_chunks = theirs[0][0][:16, 16:].abs().max().item()  # d2/(d gate_s d gate_t), s in chunk 0, t in chunk 1
+print(f"Hessian of sum(h^2) in (gates, tokens, initial state), L = 20, chunks of 16: largest entry "
+      f"{max(t.abs().max().item() for row in theirs for t in row):.2f}, largest across the carry "
+      f"{across_chunks:.2f}, max abs error {hessian_error:.1e}")
+assert across_chunks > 0.1 and hessian_error < 1e-10
 
 # %% [markdown]
-# Low precision: the gradients of float32, float16 and bfloat16 inputs, relative to the largest float64
-# gradient of the same (rounded) inputs. The kernels accumulate in float32, so the error is the rounding
-# of the stored values (the output $h$, which the backward reads again, and the gradients) plus float32
-# rounding along the length. The tolerance, $2\,\varepsilon_{\text{dtype}} + L\,\varepsilon_{\text{float32}}$
-# ($\varepsilon$ the dtype's machine epsilon, its spacing at 1), follows that split but is a rule of
-# thumb, not a bound derived as chapter 02 derives the forward's; in float32 it is loose (the table:
-# errors up to $3.0\cdot10^{-7}$ against $2.4\cdot10^{-4}$). Gates near 1 give a long memory, so a scan
-# that rounded its state to float16 or bfloat16 at every step would fail it: `tests/test_linear_scan.py`
-# injects that bug, and shows there that an adjoint scanned with unshifted gates fails the float64 checks.
+# Low precision: the gradients of float32, float16 and bfloat16 inputs against the float64 gradients of
+# the same (rounded) inputs, element by element, with a bound built from chapter 02's `error_bound`. The
+# backward is two scans and two products, each bounded by what chapter 02 derived:
+#
+# - $h$ is chapter 02's forward scan, stored in the input dtype, and the backward reads it back:
+#   `error_bound(a, b, h_init, dtype=dtype)` bounds it as stored;
+# - the adjoint $\delta$ is the same scan, computed by the same `scan_chunk` with the carry folded in the
+#   same way, only with other arguments: the shifted gates and `dy`, right to left. So `error_bound` of
+#   those arguments bounds it, in float32 before its store and in the input dtype after it
+#   ($\partial\mathcal L/\partial b_t$);
+# - $\partial\mathcal L/\partial a_t = h_{t-1}\delta_t$ and $\partial\mathcal L/\partial h_{-1} = a_0\delta_0$
+#   multiply two values that are within their bounds $E_x$, $E_y$, once in float32 ($u_{32} = 2^{-24}$),
+#   and round the product to the dtype ($u_{\text{out}}$, chapter 02's). The stored product is then within
+#   $(1+u_{32})(1+u_{\text{out}})\,(|x|E_y + |y|E_x + E_xE_y) + (u_{32} + u_{\text{out}} + u_{32}u_{\text{out}})\,|xy|
+#   + u_{\text{out}}\,\text{tiny}$ of $xy$ ("Going deeper" derives it).
+#
+# `gradient_bounds` computes the four bounds, and the table prints the worst ratio of error to bound:
+# at most 1 for a correct backward, as the cell asserts. A worst-case bound adds every rounding with
+# the same sign; random roundings partly cancel, so where many of them add up (float32, a long memory)
+# the ratio can lie far below 1, and where one output rounding dominates (float16, bfloat16) it can
+# come close to 1. Gates near 1 give a long memory, so a scan that rounded its state to float16 or
+# bfloat16 at every step would fail this check (`tests/test_linear_scan.py` injects that bug).
 
 # %%
+def output_roundoff(dtype):
+    """u_out of chapter 02's error_bound: the relative error of one rounding from float32 to `dtype`
+    (0 for float32 itself; a whole epsilon for bfloat16 on the interpreter, which truncates)."""
+    if dtype == torch.float32:
+        return 0.0
+    return torch.finfo(dtype).eps / (1 if dtype == torch.bfloat16 and INTERPRET else 2)
+
+
+def gradient_bounds(gates, tokens, initial_state, dy):
+    """Elementwise bounds on |linear_scan - float64| of (h, d_gates, d_tokens, d_init) for a forward scan of
+    (rows, L) inputs of one dtype (float32, float16 or bfloat16), the loss sum(h * dy)."""
+    dtype = tokens.dtype
+    u32, u_out, tiny = 2.0 ** -24, output_roundoff(dtype), torch.finfo(dtype).tiny
+    a, b, h_init, dy = (t.detach().double() for t in (gates, tokens, initial_state, dy))
+    shifted = shift_gates(a)
+    h, delta = scan_loop(a, b, h_init), scan_loop(shifted, dy, reverse=True)
+    bound_h = error_bound(a, b, h_init, dtype=dtype)  # h as stored, which the backward reads back
+    bound_delta = error_bound(shifted, dy, None, True, dtype=torch.float32)  # the adjoint before its store
+    bound_d_tokens = error_bound(shifted, dy, None, True, dtype=dtype)  # ... and stored: d_tokens
+    h_prev = torch.cat([h_init[:, None], h[:, :-1]], -1)  # h_{t-1}
+    bound_h_prev = torch.cat([torch.zeros_like(h_init[:, None]), bound_h[:, :-1]], -1)  # h_{-1}: the input, exact
+
+    def product(x, bound_x, y, bound_y):  # bound on |round_dtype(float32(x_hat * y_hat)) - x * y|
+        first_order = x.abs() * bound_y + y.abs() * bound_x + bound_x * bound_y
+        return (1 + u32) * (1 + u_out) * first_order + (u32 + u_out + u32 * u_out) * (x * y).abs() + u_out * tiny
+
+    return (bound_h, product(h_prev, bound_h_prev, delta, bound_delta), bound_d_tokens,
+            product(a[:, 0], 0.0, delta[:, 0], bound_delta[:, 0]))
+
+
 torch.manual_seed(5)
 length_lp = 2000
 gates_lp = 0.98 + 0.02 * torch.rand(4, length_lp, device=DEVICE)
 tokens_lp, grad_lp = torch.randn(2, 4, length_lp, device=DEVICE)
 init_lp = torch.randn(4, device=DEVICE)
-print(f"{'dtype':>15} " + " ".join(f"{n:>9}" for n in ["h", "d_gates", "d_tokens", "d_init"]) + f" {'tolerance':>9}")
+print(f"max err / bound, L = {length_lp}")
+print(f"{'dtype':>15} " + " ".join(f"{n:>9}" for n in ["h", "d_gates", "d_tokens", "d_init"]))
 for dtype in [torch.float32, torch.float16, torch.bfloat16]:
     leaves = [t.to(dtype).requires_grad_() for t in (gates_lp, tokens_lp, init_lp)]
     h_lp = linear_scan(*leaves)
@@ -638,18 +692,33 @@ for dtype in [torch.float32, torch.float16, torch.bfloat16]:
     leaves64 = [t.detach().double().requires_grad_() for t in leaves]  # the same rounded inputs, in float64
     h64 = scan_loop(*leaves64)
     ref_lp = [h64.detach(), *torch.autograd.grad(h64, leaves64, grad_lp.to(dtype).double())]
-    errors = [((g.double() - r).abs().max() / r.abs().max()).item() for g, r in zip(got, ref_lp)]
-    tolerance = 2 * torch.finfo(dtype).eps + length_lp * torch.finfo(torch.float32).eps
-    print(f"{str(dtype):>15} " + " ".join(f"{err:9.1e}" for err in errors) + f" {tolerance:9.1e}")
-    assert max(errors) < tolerance
+    bounds_lp = gradient_bounds(*leaves, grad_lp.to(dtype))
+    ratios = [((g.double() - r).abs() / bound).max().item() for g, r, bound in zip(got, ref_lp, bounds_lp)]
+    print(f"{str(dtype):>15} " + " ".join(f"{ratio:9.3f}" for ratio in ratios))
+    assert max(ratios) <= 1, (dtype, ratios)
+
+# %% [markdown]
+# **The check can fail.** The easy slip in section 1's derivation, the adjoint scanned with the gates
+# unshifted ($a_t$ where $\delta_t = \partial\mathcal L/\partial y_t + a_{t+1}\delta_{t+1}$ needs
+# $a_{t+1}$), run through the same bound in float32 next to the right adjoint. The cell asserts that the
+# wrong one's error exceeds its bound more than a hundredfold.
+
+# %%
+exact_delta = scan_loop(shift_gates(gates_lp.double()), grad_lp.double(), reverse=True)
+bound_d_tokens = gradient_bounds(gates_lp, tokens_lp, init_lp, grad_lp)[2]  # float32, as in the table
+right_delta = linear_scan_rows(shift_gates(gates_lp), grad_lp, reverse=True)  # gates a_{t+1}
+unshifted_delta = linear_scan_rows(gates_lp, grad_lp, reverse=True)  # the slip: gates a_t
+ratio_right, ratio_unshifted = (((d.double() - exact_delta).abs() / bound_d_tokens).max().item()
+                                for d in (right_delta, unshifted_delta))
+print(f"adjoint in float32, max err / bound: shifted gates {ratio_right:.3f}, unshifted gates {ratio_unshifted:.0f}")
+assert ratio_right <= 1 and ratio_unshifted > 100
 
 # %% [markdown]
 # `linear_scan` takes what `gates * tokens` would: an EMA's scalar or per-channel gate without a manual
 # expand (its gradient is summed back to its shape), and mixed dtypes, promoted as torch promotes them.
 # The cell runs the per-channel case, a float16 gate of shape (3, 1) with float32 tokens: $h$ equals the
-# scan of the expanded gate, and `d_alpha` comes back in the gate's shape and dtype. Its values, and
-# scalar and Python-number gates, are checked in `tests/test_linear_scan.py`, not here.
-# Bad input gets an exception that names the argument; empty sequences are allowed.
+# scan of the expanded gate, and `d_alpha` comes back in the gate's shape and dtype. The next cell checks
+# the values, in float64.
 
 # %%
 tokens_ema = torch.randn(2, 3, 50, device=DEVICE)
@@ -662,6 +731,49 @@ assert torch.equal(h_ema.detach(), h_expanded)
 print(f"per-channel float16 gate {tuple(alpha.shape)} with float32 tokens {tuple(tokens_ema.shape)}: "
       f"h {h_ema.dtype} {tuple(h_ema.shape)}, d_alpha {d_alpha.dtype} {tuple(d_alpha.shape)}")
 
+# %% [markdown]
+# The values, for the three kinds of gate the public function accepts: a tensor that broadcasts (the
+# per-channel (3, 1) gate), a 0-dim tensor, and a Python number, which has no gradient. For each, $h$ and
+# the gradients of an EMA, $h = \mathrm{linear\_scan}(\alpha, (1-\alpha)\,x)$, against autograd through the
+# float64 loop with the gate expanded by hand (autograd sums the expanded gate's gradient back to its
+# shape), in float64, with the tolerance of the float64 checks above.
+
+# %%
+def loop_broadcast(gates, tokens):
+    """scan_loop with gates (a tensor or a number) broadcast against tokens (..., L) by hand."""
+    gates = torch.as_tensor(gates, dtype=tokens.dtype, device=tokens.device)
+    shape = torch.broadcast_shapes(gates.shape, tokens.shape)
+    rows_of = lambda t: t.expand(shape).reshape(-1, shape[-1])  # noqa: E731
+    return scan_loop(rows_of(gates), rows_of(tokens)).view(shape)
+
+
+def ema_grads(scan, gate, tokens, dy):
+    """(h, d_tokens[, d_gate]) for h = scan(gate, (1 - gate) * tokens) and the loss sum(h * dy)."""
+    leaves = [tokens.clone().requires_grad_()] + ([gate.clone().requires_grad_()] if isinstance(gate, torch.Tensor) else [])
+    gate_ = leaves[1] if isinstance(gate, torch.Tensor) else gate
+    h = scan(gate_, (1 - gate_) * leaves[0])
+    return [h.detach(), *torch.autograd.grad(h, leaves, dy)]
+
+
+torch.manual_seed(8)
+tokens_g, dy_g = torch.randn(2, 2, 3, 50, dtype=torch.float64, device=DEVICE)
+gate_kinds = {"tensor (3, 1)": torch.tensor([[0.9], [0.5], [0.99]], dtype=torch.float64, device=DEVICE),
+              "0-dim tensor": torch.tensor(0.9, dtype=torch.float64, device=DEVICE),
+              "Python float": 0.9}
+print(f"{'gate':>14} {'h':>9} {'d_tokens':>9} {'d_gate':>9}")
+for kind, gate in gate_kinds.items():
+    ours = ema_grads(linear_scan, gate, tokens_g, dy_g)
+    theirs = ema_grads(loop_broadcast, gate, tokens_g, dy_g)
+    if isinstance(gate, torch.Tensor):
+        assert ours[2].shape == gate.shape  # d_gate, summed back to the gate's shape
+    errors = [(o - t).abs().max().item() for o, t in zip(ours, theirs)]
+    print(f"{kind:>14} " + " ".join(f"{err:9.1e}" for err in errors) + ("" if len(errors) == 3 else f" {'(none)':>9}"))
+    assert max(errors) < 1e-9, (kind, errors)
+
+# %% [markdown]
+# Bad input gets an exception that names the argument; empty sequences are allowed.
+
+# %%
 ok_gates = torch.rand(2, 5, device=DEVICE)
 ok_tokens = torch.randn(2, 5, device=DEVICE)
 bad_calls = {
@@ -813,7 +925,9 @@ else:
 #   the stored forward output one step back; one kernel serves both scan directions.
 # - `scan_lib.linear_scan(gates, tokens, initial_state=None, reverse=False)` is differentiable (twice too) in
 #   all three tensors, broadcasts gates against tokens and promotes dtypes like torch arithmetic. Every
-#   gradient was checked against the float64 loop, and by full-Jacobian `gradcheck`, `gradgradcheck` and a Hessian.
+#   gradient was checked against the float64 loop, and by full-Jacobian `gradcheck`, `gradgradcheck` and a Hessian;
+#   in float32, float16 and bfloat16, element by element against a bound built from chapter 02's, which the
+#   adjoint scanned with unshifted gates fails.
 # - Next, chapter 04: N states per position, where storing $h$ is no longer an option.
 #
 # ## Going deeper
@@ -826,8 +940,32 @@ else:
 # `linear_scan` stores $h$: one scan per chunk instead of two, and the tokens need not be kept alive
 # (they are often a temporary like $B_t x_t$). Chapter 04 must recompute: with N states per position,
 # storing them all would cost N times the memory. Each tensor is read once; only the element of an offset
-# load that falls in the next chunk is read twice, from the cache. The three loads are issued before the
-# scan, so that their latencies overlap.
+# load that falls in the next chunk is read twice (most likely from the cache; nothing here measures it).
+# The three loads are issued before the scan, so that their latencies can overlap.
+#
+# ### The gradients' error bound, derived
+#
+# Section 5 bounds each gradient with chapter 02's `error_bound` and one rule for a product. The rule:
+# write the two factors as computed, $\hat x = x + e_x$ and $\hat y = y + e_y$, with $|e_x| \le E_x$ and
+# $|e_y| \le E_y$. Then $\hat x\hat y - xy = x e_y + y e_x + e_x e_y$, at most
+# $e = |x|E_y + |y|E_x + E_xE_y$ in size. The float32 multiply returns $\hat x\hat y\,(1+\epsilon_1)$ with
+# $|\epsilon_1| \le u_{32}$, and the store rounds that to the dtype, a factor $1+\epsilon_2$ with
+# $|\epsilon_2| \le u_{\text{out}}$, plus at most $u_{\text{out}}\,\text{tiny}$ below the dtype's normal range
+# (chapter 02's "Going deeper"). With $|\hat x\hat y| \le |xy| + e$ and
+# $|(1+\epsilon_1)(1+\epsilon_2) - 1| \le u_{32} + u_{\text{out}} + u_{32}u_{\text{out}}$, the stored product errs by at most
+#
+# $$e + (|xy| + e)(u_{32} + u_{\text{out}} + u_{32}u_{\text{out}}) + u_{\text{out}}\,\text{tiny}
+#   = (1+u_{32})(1+u_{\text{out}})\,e + (u_{32} + u_{\text{out}} + u_{32}u_{\text{out}})\,|xy| + u_{\text{out}}\,\text{tiny}.$$
+#
+# What goes in, read off the backward kernel: for $\partial\mathcal L/\partial a_t$, $\hat x$ is $h_{t-1}$ as the
+# forward stored it ($E_x$ is `error_bound` in the dtype; 0 at the first step, where the kernel reads the
+# initial state itself) and $\hat y$ is $\delta_t$ as the float32 scan computed it, before any store
+# ($E_y$ is `error_bound` with output type float32: no output rounding). For
+# $\partial\mathcal L/\partial h_{-1}$, $x = a_0$ is an input, exact, and $\hat y$ is the carry that leaves the
+# adjoint's last chunk, $\delta_0$. `error_bound` applies to the adjoint because the backward kernel
+# computes it with the forward's operations (the same `scan_chunk`, identity pairs in the padding, the
+# carry folded into each chunk's entry pair), so chapter 02's count of roundings holds as it stands, with
+# its one assumption, the tree depth $d$. As there, the float64 reference is taken as exact.
 #
 # ### Launch parameters, and two ways to scan against the memory order
 #
@@ -869,8 +1007,8 @@ print(f"backward with reversed_loads={not default_bwd_config['reversed_loads']}:
 #   backward would give a wrong second derivative (a zero Hessian, or `None`) rather than an error,
 #   unless it is written to raise, as `causal_conv1d`'s and `selective_scan`'s backward are.
 # - **Host cost.** That style's `Function.apply` binds its arguments with `inspect.signature` on every call,
-#   host work that this course does not time (chapter 00's table times a whole launch of a Triton
-#   kernel on the host: 24 us). So the library calls `scan_lib.runtime.apply`:
+#   host work that this course does not time (for a scale, chapter 00's table times a whole launch of a
+#   Triton kernel on the host, its `host_us` column). So the library calls `scan_lib.runtime.apply`:
 #   outside `torch.compile` and `torch.func` it runs the same forward, `setup_context` and backward as an
 #   old-style Function, whose `apply` goes straight to C++.
 # - **Saved tensors.** The Function saves the gates, the initial state and its output $h$, which share the
