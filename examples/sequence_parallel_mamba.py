@@ -52,12 +52,15 @@ def main():
     parser.add_argument("--d-model", type=int, default=16)
     parser.add_argument("--layers", type=int, default=2)
     args = parser.parse_args()
-    gpus = torch.cuda.device_count()
-    if gpus:   # a GPU per rank (NCCL), or ranks sharing the GPUs there are (gloo, through host memory)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % gpus)
-    dist.init_process_group("nccl" if gpus >= int(os.environ.get("WORLD_SIZE", 1)) else "gloo")
+    # chapter 09's rule, for the ranks on this machine (torchrun sets LOCAL_WORLD_SIZE): NCCL with a GPU
+    # per rank, else gloo with the ranks sharing the GPUs there are, else gloo on CPUs
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", 1)))
+    backend, device_type = sequence_parallel.launch_plan(local_ranks)
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    dist.init_process_group(backend)
     rank, ranks = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if gpus else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     vocab, batch = 16, 2
     bounds = [args.length * r // ranks for r in range(ranks + 1)]              # uneven when L % ranks != 0
     start, end = bounds[rank], bounds[rank + 1]

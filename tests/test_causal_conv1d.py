@@ -364,13 +364,18 @@ def test_update_takes_several_positions_as_the_package_does(length):
     x = torch.randn(2, 5, length, dtype=torch.float64, device=DEVICE)
     weight, bias = torch.randn(5, 4, dtype=torch.float64, device=DEVICE), torch.randn(5, dtype=torch.float64, device=DEVICE)
     state = torch.randn(2, 5, 4, dtype=torch.float64, device=DEVICE)
-    state_by_steps = state.clone()
+    state_before, state_by_steps = state.clone(), state.clone()
     out = causal_conv1d_update(x, state, weight, bias, "silu")
     by_steps = torch.stack([causal_conv1d_update(x[..., t], state_by_steps, weight, bias, "silu")
                             for t in range(length)], dim=-1)
     assert out.shape == x.shape
     torch.testing.assert_close(out, by_steps, rtol=0, atol=0)
     torch.testing.assert_close(state, state_by_steps, rtol=0, atol=0)
+    # and against the sequence's reference, which shares no code with the update: the outputs of one
+    # causal_conv1d from the state's last width - 1 columns, the window slid by L positions
+    want = causal_conv1d_ref(x, weight, bias, state_before[..., -3:], activation="silu")
+    torch.testing.assert_close(out, want, rtol=0, atol=1e-12)
+    torch.testing.assert_close(state, torch.cat([state_before, x], dim=-1)[..., -4:], rtol=0, atol=0)
 
 
 def test_update_with_no_positions_still_checks_its_inputs():

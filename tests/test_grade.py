@@ -265,6 +265,27 @@ def test_the_total_time_limit_skips_the_remaining_cells(tmp_path):
     assert "defines no `first_order_op`" in report["exercises"][0]["reason"]
 
 
+def test_definitions_that_hang_in_the_checks_process_fail_within_the_check_time(tmp_path):
+    """The checks' process runs the notebook's definitions again for each exercise (an assignment may call
+    anything): that has the check's time limit too, and the grade says why it failed."""
+    import time
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [nbformat.v4.new_code_cell(s) for s in [
+        "import time",
+        "def first_order_op(a_left, b_left, a_right, b_right):\n    return a_left * a_right, a_right * b_left + b_right",
+        "stall = time.sleep(4)",
+    ]]
+    path = tmp_path / "02_stall.ipynb"
+    nbformat.write(notebook, path)
+    start = time.time()
+    report = grade.grade(path, check_timeout=1)
+    assert time.time() - start < 60
+    assert report["score"] == 0 and report["total"] == 3, grade.text_report(report)
+    assert all(e["reason"] == "running the notebook's definitions took longer than 1 s" for e in report["exercises"]), \
+        grade.text_report(report)
+
+
 def test_a_cell_that_ignores_the_interrupt_is_killed_with_its_processes(tmp_path):
     """The hard limit: a cell that ignores SIGINT (nbclient's interrupt) and has started a child process
     keeps its kernel busy; the kernel is killed with that child grace seconds after the next cell's time

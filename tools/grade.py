@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib.util
 import json
 import linecache
@@ -149,10 +150,35 @@ def run_checks_isolated(statements_path: str, checks_path: str, check_timeout: f
     sys.stdout.flush()
 
 
+class _OutOfTime(TimeoutError):
+    """Raised by the alarm of _time_limit; _rebuild lets it through where it swallows the notebook's errors."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float, what: str):
+    """Raise _OutOfTime in the body once `seconds` have passed, and again every second after (code that
+    swallows the first is hit again; the process's own limit is the last resort)."""
+    def on_alarm(signum, frame):
+        raise _OutOfTime(f"{what} took longer than {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
 def _grade_exercise(number: int, function, package: dict, check_timeout: float) -> dict:
-    """exercise_K's result on the notebook's definitions with the chapter's solutions of the other exercises."""
+    """exercise_K's result on the notebook's definitions with the chapter's solutions of the other exercises;
+    rebuilding the definitions and running the check each have check_timeout seconds."""
     solutions = _other_solutions(number, package["solutions"], package["statements"])
-    names, changed = _rebuild(_with_solutions(package["statements"], solutions))
+    try:
+        with _time_limit(check_timeout, "running the notebook's definitions"):
+            names, changed = _rebuild(_with_solutions(package["statements"], solutions))
+    except _OutOfTime as error:
+        return {"number": number, "passed": False, "reason": str(error), "seconds": check_timeout}
     if changed:
         reason = f"the notebook's definitions change the libraries the checks use ({', '.join(changed[:3])}): not graded"
         return {"number": number, "passed": False, "reason": reason, "seconds": 0}
@@ -210,6 +236,9 @@ def _rebuild(statements: list[tuple[str, str]]) -> tuple[dict, list[str]]:
         linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
         try:
             exec(compile(source, filename, "exec"), names)   # noqa: S102 - the student's definitions
+        except _OutOfTime:
+            _restore(modules, snapshot)
+            raise
         except BaseException:  # noqa: BLE001 - a failing definition leaves its name undefined, as in the notebook
             pass
         if _is_import(source):   # what an installed module does to the others on import is not the student's
@@ -222,22 +251,15 @@ def _rebuild(statements: list[tuple[str, str]]) -> tuple[dict, list[str]]:
 
 
 def _run_check(number: int, function, notebook: Namespace, check_timeout: float) -> dict:
-    def on_alarm(signum, frame):
-        raise TimeoutError(f"the check took longer than {check_timeout:.0f} s")
-
     modules = _watched_modules()
     snapshot = _snapshot(modules)
-    previous = signal.signal(signal.SIGALRM, on_alarm)
     start = time.time()
-    signal.setitimer(signal.ITIMER_REAL, check_timeout)
     try:
-        function(notebook)
+        with _time_limit(check_timeout, "the check"):
+            function(notebook)
         passed, reason = True, ""
     except BaseException as error:  # noqa: BLE001 - a student's code may raise anything
         passed, reason = False, _reason(error)
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
     changed = _changed(modules, snapshot)
     if changed:   # the student's code patched a library while the check ran: not graded, put back
         passed, reason = False, f"the code under test changed {', '.join(changed[:3])}: not graded"
