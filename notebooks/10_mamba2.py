@@ -395,7 +395,9 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 # $h \,/\!/\, (H / G)$, and tile the chunk with `tl.arange` (a power of two) into `tl.dot` (16 or
 # more). So `ssd_forward` first checks them (`_check_forward_inputs`: the shapes of section 1, float
 # dtypes, one device, groups dividing heads, the chunk a power of two $\ge 16$), raising an error that
-# names the argument instead of reading past a tensor; copies $A$ and $D$ to contiguous float32; and
+# names the argument instead of reading past a tensor (and refusing what it cannot do yet: float64
+# inputs, whose digits its float32 sums would drop, and inputs that require a gradient, since it has
+# no backward: `ssd_chunked` does both); copies $A$ and $D$ to contiguous float32; and
 # for an empty sequence launches nothing, returning an empty $y$ and the initial state, as the loop does.
 
 # %%
@@ -470,6 +472,10 @@ def _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state):
     for name, value in named.items():
         if value is not None or name not in ("D", "initial_state"):
             check_float_tensor(name, value)
+            if value.dtype == torch.float64:   # the kernels sum in float32: float64 would lose digits silently
+                raise TypeError(f"{name}: ssd_forward computes in float32; for float64 use ssd_chunked")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in named.values()):
+        raise RuntimeError("ssd_forward has no backward yet: call it under torch.no_grad(), or differentiate ssd_chunked")
     if x.dim() != 4:
         raise ValueError(f"x must have shape (batch, L, heads, P), got {tuple(x.shape)}")
     batch, length, heads, head_dim = x.shape

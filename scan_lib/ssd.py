@@ -158,6 +158,10 @@ def _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state):
     for name, value in named.items():
         if value is not None or name not in ("D", "initial_state"):
             check_float_tensor(name, value)
+            if value.dtype == torch.float64:   # the kernels sum in float32: float64 would lose digits silently
+                raise TypeError(f"{name}: ssd_forward computes in float32; for float64 use ssd_chunked")
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in named.values()):
+        raise RuntimeError("ssd_forward has no backward yet: call it under torch.no_grad(), or differentiate ssd_chunked")
     if x.dim() != 4:
         raise ValueError(f"x must have shape (batch, L, heads, P), got {tuple(x.shape)}")
     batch, length, heads, head_dim = x.shape

@@ -105,11 +105,11 @@ def test_the_triton_forward_reads_strided_A_and_D():
 def test_the_triton_forward_of_an_empty_sequence(batch, length, with_h0):
     """Like the loop: an empty y of x's shape and dtype, the final state the initial state (float32) or zeros."""
     p = float32_problem(batch=batch, length=length)
-    p["x"] = p["x"].double()
+    p["x"] = p["x"].half()
     if not with_h0:
         p["initial_state"] = None
     y, final = forward(p)
-    assert y.shape == p["x"].shape and y.dtype == torch.float64
+    assert y.shape == p["x"].shape and y.dtype == torch.float16
     want = torch.zeros(batch, 4, 3, 5) if p["initial_state"] is None else p["initial_state"]
     assert final.dtype == torch.float32 and torch.equal(final.cpu(), want.cpu())
 
@@ -168,3 +168,17 @@ def test_the_triton_forward_wants_one_device():
     p["A"] = p["A"].to("meta")
     with pytest.raises(ValueError, match="one device.*A on meta"):
         forward(p)
+
+
+def test_the_triton_forward_refuses_float64_and_gradients_it_cannot_give():
+    """No silent loss: float64 inputs would be summed in float32, and there is no backward yet."""
+    from scan_lib.ssd import ssd_forward
+    x, dt, A, B, C = (v for k, v in problem(1, 20, 2, 2, 1, 3).items() if k in ("x", "dt", "A", "B", "C"))
+    with pytest.raises(TypeError, match="x: ssd_forward computes in float32"):
+        ssd_forward(x, dt.float(), A.float(), B.float(), C.float(), 16)
+    x32, dt32, A32, B32, C32 = (t.float() for t in (x, dt, A, B, C))
+    with pytest.raises(RuntimeError, match="no backward yet"):
+        ssd_forward(x32.requires_grad_(), dt32, A32, B32, C32, 16)
+    with torch.no_grad():
+        y, _ = ssd_forward(x32, dt32, A32, B32, C32, 16)
+    assert y.shape == x32.shape and not y.requires_grad
