@@ -690,6 +690,19 @@ else:
     assert seconds[64] > seconds[1024] > seconds["torch"]
 
 # %% [markdown]
+# The check at the end of the GPU branch above tests less than it seems: `torch.add` wrote `z_speed`
+# after the kernel did, so it checks PyTorch's sum, not the kernel's. Timed ops that share an output
+# buffer leave in it only the last op's result. The cell below checks the timed launch itself (the same
+# grid and `BLOCK`, on the last inputs timed) writing into a buffer of its own, filled with NaN first,
+# so that a launch that wrote nothing, or only part, fails.
+
+# %%
+z_kernel = torch.full_like(x_speed, float("nan"))
+vector_add_kernel[(triton.cdiv(x_speed.numel(), 1024),)](x_speed, y_speed, z_kernel, x_speed.numel(), BLOCK=1024)
+assert torch.equal(z_kernel, x_speed + y_speed), "vector_add_kernel's output"
+print(f"vector_add_kernel, {x_speed.numel()} values, BLOCK 1024, into its own buffer: equal to x + y")
+
+# %% [markdown]
 # ## The CPU interpreter and what it hides
 #
 # Without a GPU, `TRITON_INTERPRET=1` makes `@triton.jit` return an *interpreted* function: each

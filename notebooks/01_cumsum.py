@@ -77,17 +77,32 @@ print("sequential loop == float64 torch.cumsum (to 1e-12) on 1000 random values:
 # How close must a kernel come? Rounding the output costs up to the unit roundoff $u_\text{out}$
 # ($2^{-24}$ for float32, $2^{-11}$ for float16) times $|y_t|$, and each addition in the accumulation
 # dtype up to $u_\text{acc}$ times a partial sum; both are at most $\sum_{j \le t} |x_j|$. So we divide
-# the error by that (not by $y_t$, which can cancel to zero) and allow $u_\text{out} + 32\,u_\text{acc}\log_2 L$:
-# about $\log_2 L$ tree levels, and room for the sequential stretches a GPU adds. The 32 is a margin
-# we chose, not a derived bound: a GPU also adds some values one after another (each thread the
-# values it holds; the look-back, below, the carries from block to block), so the worst case grows
-# faster than $\log_2 L$, but rounding errors mostly cancel (chapter 00's row sums), and the float32
-# and float64 errors measured in this chapter stay at least 80 times below it. In float16 and
-# bfloat16 they come close (4.2e-4 against 5.0e-4 in float16, in the checks of the exported `cumsum`)
-# because they are almost all the rounding of the output, which alone never exceeds $u_\text{out}$;
-# the float32 accumulation adds about $10^{-7}$. A kernel that accumulated float16 in float16 fails
-# it (`tests/test_cumsum.py` shows it). Under the interpreter, whose float32-to-bfloat16 cast
-# truncates, bfloat16 gets $2u_\text{out}$.
+# the error by that (not by $y_t$, which can cancel to zero) and allow $u_\text{out} + 32\,u_\text{acc}\log_2 L$.
+#
+# Where the 32 comes from. A sum grouped as any tree has an error of at most $d\,u_\text{acc}\sum|x_j|$
+# (to first order), where $d$ is the largest number of additions one value passes through on its way
+# to $y_t$; the roundings have random signs and mostly cancel, so the typical error is nearer
+# $\sqrt{d}\,u_\text{acc}\sum|x_j|$ (chapter 00's row sums use the same model). A balanced tree has
+# $d \approx \log_2 L$, but no kernel here is one: a GPU thread first adds the values it holds one
+# after another, the carries pass from block to block one addition per block, and the interpreter
+# folds a whole block left to right, so $d$ can reach the block's length. The worst case of such a
+# sum grows like $L$, and no tolerance tight enough to catch a bug covers it; the factor 32 covers
+# the typical error of the worst order there is, a fully sequential float32 sum ($d = L - 1$):
+# $\sqrt{L} \le 32\log_2 L$ for every $L$ up to $2^{18}$, beyond the lengths the CPU run checks. The
+# cell below asserts that inequality and measures such a sum (NumPy's float32 `cumsum`, sequential,
+# on positive values, which do not cancel): within the tolerance, and above
+# $u_\text{acc}\log_2 L$, so a factor of 1 would fail it. On a GPU the longest path is much shorter
+# than $L$: the carry chain, about one addition per block of 4096, plus a thread's few values and a
+# tree; at the benchmark's largest size, $2^{27}$, its square root is still below $32\log_2 L$.
+#
+# In float16 and bfloat16 the output rounding dominates: rounding to nearest costs at most
+# $u_\text{out}|y_t| \le u_\text{out}\sum_{j\le t}|x_j|$, the tolerance's first term, so the margin of a
+# correctly rounding kernel is the accumulation term alone, a few percent of the tolerance (the table
+# of the exported `cumsum`'s checks below prints error and tolerance side by side). That margin is thin but
+# not luck: the float32 accumulation's own error is about $u_\text{acc}$, thousands of times smaller
+# than $u_\text{out}$, and the rounding of the output cannot exceed its bound. A kernel that accumulated
+# float16 in float16 fails the tolerance (`tests/test_cumsum.py` shows it). Under the interpreter,
+# whose float32-to-bfloat16 cast truncates, bfloat16 gets $2u_\text{out}$.
 
 # %%
 UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -111,6 +126,20 @@ def assert_cumsum(y: torch.Tensor, x: torch.Tensor, dim: int = -1) -> float:
     err, tolerance = scan_error(y, x, dim), scan_tolerance(x.dtype, x.shape[dim] if x.dim() else 1)
     assert err <= tolerance, f"scaled error {err:.2e} above {tolerance:.1e} for {x.dtype}"
     return err
+
+# %%
+import numpy as np
+
+assert all(math.sqrt(n) <= 32 * math.log2(n) for n in range(2, 2**18 + 1))   # sqrt(L) <= 32 log2 L up to 2^18
+print(f"{'L':>7} {'sequential float32':>18} {'u log2 L':>9} {'tolerance':>9}   (scaled errors)")
+for log_length in (10, 14, 18):
+    n = 2**log_length
+    x_pos = torch.rand(n, generator=torch.Generator().manual_seed(log_length), dtype=torch.float64).float()
+    y_sequential = torch.from_numpy(np.cumsum(x_pos.numpy(), dtype=np.float32))   # one addition after another
+    err = scan_error(y_sequential, x_pos)
+    assert UNIT_ROUNDOFF[torch.float32] * log_length < err <= scan_tolerance(torch.float32, n), (n, err)
+    print(f"{'2^' + str(log_length):>7} {err:>18.1e} {UNIT_ROUNDOFF[torch.float32] * log_length:>9.1e} "
+          f"{scan_tolerance(torch.float32, n):>9.1e}")
 
 # %% [markdown]
 # ## One block: `tl.associative_scan`
@@ -180,6 +209,12 @@ for length in (1, 7, 16, 129, 1000):
 #   $\sum_{j<t} x_j$, the *exclusive* scan; adding $x_t$ gives the inclusive one.
 #
 # That is $3L - 2$ additions against the loop's $L$, but only $2\log_2 L + 1$ dependent steps instead of $L$.
+#
+# The check below does not take the function's word for it: `blelloch_scan` tallies its additions
+# from the index sets it writes, which would agree with the formula even if an addition were missing
+# or doubled. A `TorchDispatchMode` (a hook that sees every operation torch runs while it is active)
+# counts instead the floating-point additions torch actually performs, and the calls that perform
+# them: each call adds one whole index set at once, so the calls are the dependent steps.
 
 # %%
 def blelloch_scan(x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor, torch.Tensor]], int]:
@@ -210,13 +245,30 @@ def blelloch_scan(x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[str, torch.
     return inclusive, steps, additions + length
 
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class CountAdditions(TorchDispatchMode):
+    """Counts what torch itself adds while active: each floating-point aten.add call (one parallel step)
+    and the elements it adds (one addition each), whatever the code under it believes it does."""
+    def __init__(self):
+        super().__init__()
+        self.calls = self.additions = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.add.Tensor and out.is_floating_point():
+            self.calls, self.additions = self.calls + 1, self.additions + out.numel()
+        return out
+
+
 for length in (1, 2, 8, 16, 1024):
     x_check = torch.randn(length, dtype=torch.float64)
-    y_check, steps, additions = blelloch_scan(x_check)
+    with CountAdditions() as counted:
+        y_check, steps, additions = blelloch_scan(x_check)
     assert torch.allclose(y_check, cumsum_reference(x_check), rtol=0, atol=1e-12)
-    assert additions == 3 * length - 2, (length, additions)
-    adding_steps = [label for label, _, _ in steps if label.startswith(("up", "down", "+"))]
-    assert len(adding_steps) == 2 * int(math.log2(length)) + 1, (length, adding_steps)   # dependent steps
+    assert counted.additions == additions == 3 * length - 2, (length, counted.additions, additions)
+    assert counted.calls == 2 * int(math.log2(length)) + 1, (length, counted.calls)   # dependent steps
 print("Blelloch scan == reference for L = 1, 2, 8, 16, 1024, with 3L - 2 additions in 2 log2(L) + 1 dependent steps")
 
 # %%
@@ -845,7 +897,9 @@ else:
 # %% [markdown]
 # What the table shows: from $L = 2^{25}$ to $2^{27}$, the largest size measured, the words moved set
 # the order ($2L$ for the look-back, $3L$ for reduce-then-scan, $4L$ for the three-phase scan): there
-# the look-back is the fastest of the four and beats `torch.cumsum`, as the cell's last lines say. Below $2^{25}$ the
+# the look-back is the fastest of the four and beats `torch.cumsum`, as the cell's last lines say. Its line
+# "faster than torch.cumsum from L = 2^25 up" means at every size from there to the largest measured,
+# $2^{27}$: the table says nothing about longer inputs. Below $2^{25}$ the
 # public `cumsum`'s time is mostly the host's: its host time per call alone is many times
 # `torch.cumsum`'s whole median at small sizes, and more than its own GPU time, at $2^{25}$ too
 # ("Going deeper" plots the table and measures the split). The bare launchers of this chapter
@@ -927,6 +981,56 @@ else:
 # the atomics are performed. The counter and the state words are zeroed by one `torch.zeros` before
 # the launch, and the launch boundary orders that memset before every program.
 #
+# The interpreter cannot show which instructions these become, but the compiler can, without a GPU.
+# `gpu_assembly` (chapter 00) compiles a kernel's source alone, and `lookback_scan_kernel` calls other
+# `@triton.jit` functions of `scan_lib.cumsum`; so the cell below hands the same compile script a
+# module that imports the kernel from `scan_lib.cumsum`, and reads its PTX for an H200 (sm_90). It
+# asserts the claims above: the ticket is one `atom.global.gpu.relaxed.add.u64`; both publications are
+# `atom.global.gpu.relaxed.exch.b64`, relaxed, 64 bits at once, at the scope of the whole GPU (`.gpu`:
+# every multiprocessor); the look-back's read is `ld.volatile.global.b64`, a 64-bit load;
+# and there is no acquire load, release store or fence (`.acquire`, `.release`, `fence`, `membar`)
+# anywhere: nothing in the kernel orders accesses to different addresses.
+
+# %%
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import scan_lib.runtime
+
+
+def lookback_ptx(block: int = 4096, window: int = 16, num_warps: int = 4) -> str:
+    """PTX of scan_lib.cumsum.lookback_scan_kernel for sm_90, compiled without a GPU by gpu_assembly's script."""
+    types = {"X": "*fp32", "Y": "*fp32", "STATE": "*i64", "length": "i32", "num_blocks": "i32"}
+    package_root = str(Path(scan_lib.__file__).resolve().parent.parent)
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "kernel_source.py").write_text("from scan_lib.cumsum import lookback_scan_kernel as kernel\n")
+        result = subprocess.run(
+            [sys.executable, "-c", scan_lib.runtime._COMPILE_FOR_GPU, folder,
+             json.dumps([types, {"BLOCK": block, "WINDOW": window}, num_warps, 90])],
+            capture_output=True, text=True,
+            env={**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])["ptx"]
+
+
+ptx_lookback = lookback_ptx()
+memory_lines = [line.strip() for line in ptx_lookback.splitlines()
+                if re.search(r"\batom\.|\.volatile|\.acquire|\.release|\bfence\b|\bmembar\b", line)]
+print("\n".join(memory_lines))
+opcodes = [re.search(r"(atom|ld|st|fence|membar)\S*", line).group(0) for line in memory_lines]
+assert opcodes.count("atom.global.gpu.relaxed.add.u64") == 1, opcodes             # the ticket
+assert opcodes.count("atom.global.gpu.relaxed.exch.b64") == 2, opcodes            # AGGREGATE, then PREFIX
+assert opcodes.count("ld.volatile.global.b64") >= 1, opcodes                      # the look-back's window
+assert not any(re.search(r"acquire|release|fence|membar", op) for op in opcodes), opcodes
+assert len(opcodes) == 3 + opcodes.count("ld.volatile.global.b64"), opcodes       # nothing else orders memory
+print("PTX of lookback_scan_kernel: relaxed 64-bit atomics at GPU scope, volatile 64-bit loads, no acquire, release or fence")
+
+# %% [markdown]
 # `look_back` inspects `WINDOW` predecessors with one vector load: it finds the newest PREFIX in the
 # window, and uses the window only if every word newer than that is already non-empty (otherwise it
 # loads the same window again). Tiles before the start of the tile's row read as (PREFIX, 0), so a
@@ -1085,7 +1189,8 @@ else:
 # host-bound: in the table below, every size but the largest. A call makes one Triton launch (rows of
 # at most 4096 values) or a `torch.zeros` and one launch (the look-back), yet its host time is 85 to
 # 131 us, 3.5 to 5.5 times the 24 us of one bare launch of `vector_add_kernel` in chapter 00's table
-# (its `host_us` column). The time beyond that goes to what `cumsum` runs around its launch: the input checks,
+# (its `host_us` column). So the launch itself is less than a third of the host time per call; the
+# rest goes to what `cumsum` runs around its launch: the input checks,
 # `apply` and the autograd Function, the reshaping in `cumsum_op`, the configuration in `scan_rows`,
 # and a launch that binds more arguments than `vector_add_kernel`'s (the custom op's dispatcher is not
 # among them: for tensors that need no gradient, `EagerFastOp` calls the implementation directly).
@@ -1094,6 +1199,13 @@ else:
 # three-phase scan's bare launcher 21.1 us, `scan_rows` (the reduce-then-scan column) 53.6, `cumsum`
 # 133.9. Fewer Python layers per call, CUDA graphs (they replay the launches with no Python in
 # between) or a C++ launcher make such calls faster; cutting the library's host path is open work.
+#
+# One more thing the table below shows: at every size but the largest, the `median` column is below the
+# `host` column, although a host-bound call cannot finish before the host has queued it. `do_bench`
+# queues its L2 flush before each call's start event, so the GPU stamps that event only when the flush
+# is done, and the host's work for the call runs meanwhile: part of the host time hides under the
+# flush. `host_us` is therefore the measure of host time, and `do_bench`'s median a lower bound of
+# what a host-bound call costs when called back to back.
 
 # %%
 def time_split() -> None:
