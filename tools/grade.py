@@ -748,7 +748,9 @@ def main() -> None:
     parser.add_argument("--chapter", help="the chapter's number, NN (default: from the notebook)")
     parser.add_argument("--cell-timeout", type=float, default=300, help="seconds per cell (default 300)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds for the whole notebook (default 900)")
-    parser.add_argument("--check-timeout", type=float, default=120, help="seconds per hidden check, and again for running the notebook's definitions before it (default 120)")
+    parser.add_argument("--check-timeout", type=float, default=120,
+                        help="seconds per hidden check, and again for running the notebook's definitions "
+                             "before it (default 120)")
     parser.add_argument("--grace", type=float, default=10,
                         help="seconds past a time limit before the kernel is killed with its processes (default 10)")
     parser.add_argument("--needed-only", action="store_true",
