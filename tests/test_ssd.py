@@ -172,8 +172,9 @@ def test_the_triton_forward_wants_one_device():
 
 def test_the_triton_forward_refuses_float64_and_gradients_it_cannot_give():
     """No silent loss: float64 inputs would be summed in float32, and there is no backward yet."""
+    from scan_lib.runtime import DEVICE
     from scan_lib.ssd import ssd_forward
-    x, dt, A, B, C = (v for k, v in problem(1, 20, 2, 2, 1, 3).items() if k in ("x", "dt", "A", "B", "C"))
+    x, dt, A, B, C = (v.to(DEVICE) for k, v in problem(1, 20, 2, 2, 1, 3).items() if k in ("x", "dt", "A", "B", "C"))
     with pytest.raises(TypeError, match="x: ssd_forward computes in float32"):
         ssd_forward(x, dt.float(), A.float(), B.float(), C.float(), 16)
     x32, dt32, A32, B32, C32 = (t.float() for t in (x, dt, A, B, C))
