@@ -97,7 +97,8 @@ print("sequential loop == float64 torch.cumsum (to 1e-12) on 1000 random values:
 #
 # In float16 and bfloat16 the output rounding dominates: rounding to nearest costs at most
 # $u_\text{out}|y_t| \le u_\text{out}\sum_{j\le t}|x_j|$, the tolerance's first term, so the margin of a
-# correctly rounding kernel is the accumulation term alone, a few percent of the tolerance (the table
+# correctly rounding kernel is the accumulation term alone, a few percent of the tolerance in float16
+# and under one percent in bfloat16 (the table
 # of the exported `cumsum`'s checks below prints error and tolerance side by side). That margin is thin but
 # not luck: the float32 accumulation's own error is about $u_\text{acc}$, thousands of times smaller
 # than $u_\text{out}$, and the rounding of the output cannot exceed its bound. A kernel that accumulated
@@ -895,16 +896,17 @@ else:
     print("skipped: no GPU (do_bench needs one)")
 
 # %% [markdown]
-# What the table shows: from $L = 2^{25}$ to $2^{27}$, the largest size measured, the words moved set
-# the order ($2L$ for the look-back, $3L$ for reduce-then-scan, $4L$ for the three-phase scan): there
-# the look-back is the fastest of the four and beats `torch.cumsum`, as the cell's last lines say. Its line
-# "faster than torch.cumsum from L = 2^25 up" means at every size from there to the largest measured,
-# $2^{27}$: the table says nothing about longer inputs. Below $2^{25}$ the
-# public `cumsum`'s time is mostly the host's: its host time per call alone is many times
+# What the table shows: at $L = 2^{26}$ and $2^{27}$, the two largest sizes measured, the words moved
+# set the order ($2L$ for the look-back, $3L$ for reduce-then-scan, $4L$ for the three-phase scan):
+# there the look-back is the fastest of the four and beats `torch.cumsum`, as the cell's last lines say.
+# Its line "faster than torch.cumsum from L = 2^26 up" means at every size from there to the largest
+# measured, $2^{27}$: the table says nothing about longer inputs. Up to $2^{25}$ the
+# public `cumsum`'s time is mostly the host's (at $2^{25}$ the look-back is still the slowest of the
+# four in this run, and `torch.cumsum` is faster): its host time per call alone is many times
 # `torch.cumsum`'s whole median at small sizes, and more than its own GPU time, at $2^{25}$ too
 # ("Going deeper" plots the table and measures the split). The bare launchers of this chapter
 # carry less host work: the three-phase scan of a single block ($L = 2^{10}$, one launch) takes
-# 21.1 us against `cumsum`'s 133.9, though still about three times `torch.cumsum`'s 6.8. At small
+# 18.2 us against `cumsum`'s 96.8, though still about 2.6 times `torch.cumsum`'s 7.0. At small
 # sizes the Triton columns jump up and down between neighbouring sizes, where GPU work would grow
 # with $L$: host time and its variation from call to call, not the kernels.
 #
@@ -1187,21 +1189,21 @@ else:
 # graph replays the launches with no Python in between) and the host time per call (`host_us`: calls
 # queued back to back, timed on the CPU). When the host time exceeds the GPU time, the call is
 # host-bound: in the table below, every size but the largest. A call makes one Triton launch (rows of
-# at most 4096 values) or a `torch.zeros` and one launch (the look-back), yet its host time is 85 to
-# 131 us, 3.5 to 5.5 times the 24 us of one bare launch of `vector_add_kernel` in chapter 00's table
-# (its `host_us` column). So the launch itself is less than a third of the host time per call; the
+# at most 4096 values) or a `torch.zeros` and one launch (the look-back), yet its host time is 91 to
+# 161 us in this run, 3.1 to 5.6 times the 28.9 us of one bare launch of `vector_add_kernel` in chapter
+# 00's table (its `host_us` column at $2^{14}$). So the launch itself is less than a third of the host time per call; the
 # rest goes to what `cumsum` runs around its launch: the input checks,
 # `apply` and the autograd Function, the reshaping in `cumsum_op`, the configuration in `scan_rows`,
 # and a launch that binds more arguments than `vector_add_kernel`'s (the custom op's dispatcher is not
 # among them: for tensors that need no gradient, `EagerFastOp` calls the implementation directly).
 # These outputs do not split the time among those layers; the speed table's columns at $L = 2^{10}$,
 # each a single launch, rank them roughly (host-paced medians, which vary from call to call): the
-# three-phase scan's bare launcher 21.1 us, `scan_rows` (the reduce-then-scan column) 53.6, `cumsum`
-# 133.9. Fewer Python layers per call, CUDA graphs (they replay the launches with no Python in
+# three-phase scan's bare launcher 18.2 us, `scan_rows` (the reduce-then-scan column) 44.8, `cumsum`
+# 96.8. Fewer Python layers per call, CUDA graphs (they replay the launches with no Python in
 # between) or a C++ launcher make such calls faster; cutting the library's host path is open work.
 #
-# One more thing the table below shows: at every size but the largest, the `median` column is below the
-# `host` column, although a host-bound call cannot finish before the host has queued it. `do_bench`
+# One more thing the table below shows: at every size up to $2^{22}$ (all but the two largest), the
+# `median` column is below the `host` column, although a host-bound call cannot finish before the host has queued it. `do_bench`
 # queues its L2 flush before each call's start event, so the GPU stamps that event only when the flush
 # is done, and the host's work for the call runs meanwhile: part of the host time hides under the
 # flush. `host_us` is therefore the measure of host time, and `do_bench`'s median a lower bound of

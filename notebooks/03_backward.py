@@ -898,8 +898,9 @@ else:
 
 # %% [markdown]
 # (On a GPU the cell above prints the table, its conclusions and the figure.) The table times the public
-# `linear_scan`: its forward, call included, takes 1.06x the floor; forward + backward takes 2.24x the
-# floor with the default backward and 1.81x with descending loads. The kernels alone are not timed in
+# `linear_scan`: in this run its forward, call included, takes 1.71x the floor in the first row and
+# 1.07x in the second; forward + backward takes 4.01x the floor with the default backward and 2.89x
+# with descending loads. The kernels alone are not timed in
 # this notebook: chapter 02's speed cell times the forward launcher `linear_scan_rows` (one allocation
 # and the kernel, without `linear_scan`'s checks and autograd) against the same floor, and
 # `benchmarks/bench_linear_scan.py` times the backward kernel alone (its H200 output is in
@@ -907,14 +908,14 @@ else:
 # kernels: the host's Python work per call (input checks, broadcasting, the torch-op and autograd
 # dispatch), allocations and gaps between launches. When that host work takes longer than the GPU's,
 # the GPU waits and the time rises above the floor, and it varies from run to run. The two "ours" rows
-# run the same forward, and their forward columns agree (100.7 us each); their forward + backward
-# columns differ (566.2 and 457.8 us), and this cell cannot say how much of that is the backward's
-# loads and how much is such variation. (The cell does not time the host's work separately: this is
+# run the same forward, yet their forward columns differ (162.2 and 101.6 us): the variation from run
+# to run alone reaches 60% here, and the first row timed took the worst of it. Their forward +
+# backward columns differ too (1012.8 and 730.9 us), and this cell cannot say how much of that is the
+# backward's loads and how much is such variation. (The cell does not time the host's work separately: this is
 # the likely explanation of the gap above the floor, not a measurement.) Trimming the host's work per
 # call is performance work. The peer is missing from this run: accelerated-scan was not installed (the
 # cell printed "skipped accelerated-scan"). `benchmarks/results/bench_linear_scan_h200.txt`, a run of
-# `benchmarks/bench_linear_scan.py` on an earlier commit, has it: forward 103.8 us and forward + backward
-# 281.6 us, against 100.4 us and 659.7 us for our default launch parameters in the same run.
+# `benchmarks/bench_linear_scan.py` on an earlier commit, has it timed beside our kernels in one run.
 #
 # ## Summary
 #

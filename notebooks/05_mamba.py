@@ -257,7 +257,7 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
 #
 # The product $a_t h_{t-1}$ needs the *previous* state. Writing it as $h_t - b_t$ (true in exact
 # arithmetic) cancels catastrophically whenever $|b_t| \gg |a_t h_{t-1}|$: the kernels compute $h_{t-1}$
-# itself (the cell after next shows the cancellation). Here are the formulas as plain PyTorch (B, C of
+# itself (the cancellation is shown after the check below). Here are the formulas as plain PyTorch (B, C of
 # shape (batch, N, L), softplus on), checked against autograd of the reference:
 
 # %%
@@ -968,8 +968,8 @@ check_selective_scan(no_softplus, softplus=False)
 print("selective_scan matches the float64 reference: outputs and all gradients")
 
 # %% [markdown]
-# The result does not depend on the launch parameters (channels per program, chunk sizes):
-# "Going deeper: launch parameters and the layout" runs the same check under four launch
+# The result does not depend on the launch parameters (channels per program, chunk sizes) beyond
+# rounding: "Going deeper: launch parameters and the layout" runs the same check under four launch
 # configurations.
 #
 # Half precision: `u`, `delta`, `B`, `C`, `z` in bfloat16 or float16, state and sums in float32, the

@@ -338,7 +338,7 @@ assert error < 1e-12
 #
 # Per position that is $2Q(N+P) + 4PN$ flops, against $4PN$ for the loop (a multiply-add into each of
 # the $PN$ state entries, and one for the output). The chunked form does **more** arithmetic, by a
-# factor $1 + Q(N+P)/(2PN)$: with $Q = P = 64$ and $N = 128$, about 1.8 times the loop's. It can
+# factor $1 + Q(N+P)/(2PN)$: with $Q = P = 64$ and $N = 128$, 1.75 times the loop's. It can
 # still win, because almost all of it is matrix products of tiles of 64 or more, which tensor cores
 # run, and on
 # an H200 the dense bfloat16 tensor-core rate is many times the scalar float32 rate (the cell prints
