@@ -286,6 +286,23 @@ def test_definitions_that_hang_in_the_checks_process_fail_within_the_check_time(
         grade.text_report(report)
 
 
+def test_a_check_that_runs_out_of_time_says_so(tmp_path):
+    """A student's operator that hangs when the check calls it: the check stops at check_timeout and the
+    reason says so in words, without the grader's own exception class."""
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [nbformat.v4.new_code_cell(
+        "import time\n"
+        "def first_order_op(a_left, b_left, a_right, b_right):\n"
+        "    time.sleep(30)\n"
+        "    return a_left * a_right, a_right * b_left + b_right")]
+    path = tmp_path / "02_slow.ipynb"
+    nbformat.write(notebook, path)
+    report = grade.grade(path, check_timeout=1)
+    first = report["exercises"][0]
+    assert not first["passed"] and first["reason"] == "the check took longer than 1 s", grade.text_report(report)
+
+
 def test_a_cell_that_ignores_the_interrupt_is_killed_with_its_processes(tmp_path):
     """The hard limit: a cell that ignores SIGINT (nbclient's interrupt) and has started a child process
     keeps its kernel busy; the kernel is killed with that child grace seconds after the next cell's time

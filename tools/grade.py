@@ -258,6 +258,8 @@ def _run_check(number: int, function, notebook: Namespace, check_timeout: float)
         with _time_limit(check_timeout, "the check"):
             function(notebook)
         passed, reason = True, ""
+    except _OutOfTime as error:   # its message says it all; the class is the grader's own
+        passed, reason = False, str(error)
     except BaseException as error:  # noqa: BLE001 - a student's code may raise anything
         passed, reason = False, _reason(error)
     changed = _changed(modules, snapshot)
