@@ -203,17 +203,22 @@ def test_one_wrong_exercise_costs_only_its_own_point_when_graded(name, tmp_path)
     assert report["score"] == report["total"] - 1, grade.text_report(report)
 
 
-def test_a_hanging_garbage_printing_crashing_notebook_is_graded(tmp_path):
+def _code_notebook(path: Path, *sources: str) -> Path:
+    """A python3 notebook of code cells with these sources, written to path."""
     notebook = nbformat.v4.new_notebook()
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    notebook.cells = [nbformat.v4.new_code_cell(s) for s in [
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in sources]
+    nbformat.write(notebook, path)
+    return path
+
+
+def test_a_hanging_garbage_printing_crashing_notebook_is_graded(tmp_path):
+    path = _code_notebook(
+        tmp_path / "02_crash.ipynb",
         "import time\nwhile True:\n    time.sleep(0.1)",  # hangs: interrupted after the cell time limit
         "import sys\nprint('\\x00\\x1b[2J' + 'garbage ' * 10000)\nsys.stdout.write('{\"passed\": true}')",
         "def first_order_op(a_left, b_left, a_right, b_right):\n    return a_right, b_right",  # wrong
-        "import os\nos._exit(3)",  # kills the kernel
-    ]]
-    path = tmp_path / "02_crash.ipynb"
-    nbformat.write(notebook, path)
+        "import os\nos._exit(3)")  # kills the kernel
     report = grade.grade(path, cell_timeout=3)
     assert report["score"] == 0 and report["total"] == 3
     assert report["execution"]["errors"][0]["error"].startswith("interrupted after 3 s")
@@ -254,11 +259,7 @@ def test_malformed_markers_are_reported(bad):
 
 
 def test_the_total_time_limit_skips_the_remaining_cells(tmp_path):
-    notebook = nbformat.v4.new_notebook()
-    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    notebook.cells = [nbformat.v4.new_code_cell("import time\ntime.sleep(1.5)") for _ in range(3)]
-    path = tmp_path / "02_slow.ipynb"
-    nbformat.write(notebook, path)
+    path = _code_notebook(tmp_path / "02_slow.ipynb", *["import time\ntime.sleep(1.5)"] * 3)
     report = grade.grade(path, timeout=1)
     assert report["execution"]["timed_out"] and report["execution"]["skipped"] == 2
     assert all(not e["passed"] for e in report["exercises"])  # the checks still ran: nothing is defined
@@ -269,15 +270,10 @@ def test_definitions_that_hang_in_the_checks_process_fail_within_the_check_time(
     """The checks' process runs the notebook's definitions again for each exercise (an assignment may call
     anything): that has the check's time limit too, and the grade says why it failed."""
     import time
-    notebook = nbformat.v4.new_notebook()
-    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    notebook.cells = [nbformat.v4.new_code_cell(s) for s in [
-        "import time",
+    path = _code_notebook(
+        tmp_path / "02_stall.ipynb", "import time",
         "def first_order_op(a_left, b_left, a_right, b_right):\n    return a_left * a_right, a_right * b_left + b_right",
-        "stall = time.sleep(4)",
-    ]]
-    path = tmp_path / "02_stall.ipynb"
-    nbformat.write(notebook, path)
+        "stall = time.sleep(4)")
     start = time.time()
     report = grade.grade(path, check_timeout=1)
     assert time.time() - start < 60
@@ -289,15 +285,11 @@ def test_definitions_that_hang_in_the_checks_process_fail_within_the_check_time(
 def test_a_check_that_runs_out_of_time_says_so(tmp_path):
     """A student's operator that hangs when the check calls it: the check stops at check_timeout and the
     reason says so in words, without the grader's own exception class."""
-    notebook = nbformat.v4.new_notebook()
-    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    notebook.cells = [nbformat.v4.new_code_cell(
-        "import time\n"
-        "def first_order_op(a_left, b_left, a_right, b_right):\n"
-        "    time.sleep(30)\n"
-        "    return a_left * a_right, a_right * b_left + b_right")]
-    path = tmp_path / "02_slow.ipynb"
-    nbformat.write(notebook, path)
+    path = _code_notebook(tmp_path / "02_slow.ipynb",
+                          "import time\n"
+                          "def first_order_op(a_left, b_left, a_right, b_right):\n"
+                          "    time.sleep(30)\n"
+                          "    return a_left * a_right, a_right * b_left + b_right")
     report = grade.grade(path, check_timeout=1)
     first = report["exercises"][0]
     assert not first["passed"] and first["reason"] == "the check took longer than 1 s", grade.text_report(report)
@@ -309,16 +301,13 @@ def test_a_cell_that_ignores_the_interrupt_is_killed_with_its_processes(tmp_path
     limit, and the notebook is still graded."""
     import time
     child_pid = tmp_path / "child.pid"
-    notebook = nbformat.v4.new_notebook()
-    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    notebook.cells = [nbformat.v4.new_code_cell(
+    path = _code_notebook(
+        tmp_path / "02_stubborn.ipynb",
         "import signal, subprocess, time\n"
         "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
         f"child = subprocess.Popen(['sleep', '300'])\nopen({str(child_pid)!r}, 'w').write(str(child.pid))\n"
-        "while True:\n    try:\n        time.sleep(0.1)\n    except BaseException:\n        pass"),
-        nbformat.v4.new_code_cell("x = 1")]   # waits for the busy kernel: the hard limit ends the wait
-    path = tmp_path / "02_stubborn.ipynb"
-    nbformat.write(notebook, path)
+        "while True:\n    try:\n        time.sleep(0.1)\n    except BaseException:\n        pass",
+        "x = 1")   # waits for the busy kernel: the hard limit ends the wait
     start = time.time()
     report = grade.grade(path, cell_timeout=2, timeout=30, grace=2)
     assert time.time() - start < 60, "the hard limit did not hold"
@@ -353,11 +342,7 @@ def test_grade_py_runs_from_anywhere_without_pythonpath(tmp_path):
     """`python tools/grade.py NB` as its docstring shows, from another folder and with no PYTHONPATH: it
     grades (here a notebook that defines nothing: every exercise fails, with the checks' reason)."""
     import subprocess
-    notebook = nbformat.v4.new_notebook()
-    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    notebook.cells = [nbformat.v4.new_code_cell("x = 1")]
-    path = tmp_path / "02_empty.ipynb"
-    nbformat.write(notebook, path)
+    path = _code_notebook(tmp_path / "02_empty.ipynb", "x = 1")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "grade.py"), str(path), "--json", str(tmp_path / "r.json")],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
