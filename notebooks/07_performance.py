@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 
 from scan_lib.ema import first_order_op
+from scan_lib.mamba import positions_last   # chapter 06: a projection's (C, batch L) output as (batch, C, L)
 from scan_lib.runtime import save_figure
 from scan_lib.selective_scan import discretize, selective_scan_ref
 
@@ -147,20 +148,24 @@ else:
 # ## 2. Where the time goes: the profiler
 #
 # `torch.profiler` records every kernel the GPU runs, with its duration, from CUDA's own timeline (no
-# counters needed). We profile one training step of chapter 05's scan as a Mamba block calls it: $u$,
-# $\Delta$ and $z$ are slices of one projection output of shape (batch, 3 dim, $L$), so each has
-# stride 1 along $L$ but is not contiguous. The table lists the GPU time per kernel name.
+# counters needed). We profile one training step of chapter 05's scan as chapter 06's Mamba block calls
+# it: the block applies each projection as one matrix product on a (features, batch $\cdot$ L) matrix, so
+# $u$, $\Delta$, $z$, $B$ and $C$ are (batch, channels, $L$) views of such matrices (`positions_last`):
+# stride 1 along $L$, $L$ along the batch, batch $\cdot L$ along the channels. None is contiguous. The
+# table lists the GPU time per kernel name.
 
 # %%
 def block_layout_inputs(batch, dim, length, n_states, dtype, seed=0):
-    """u, delta, A, B, C, D, z, delta_bias as a Mamba block passes them: u, delta, z are slices (views)
-    of one (batch, 3 dim, L) tensor, B and C slices of one (batch, 2 N, L) tensor; A, D, delta_bias fp32."""
+    """u, delta, A, B, C, D, z, delta_bias as chapter 06's Mamba block passes them: u, delta and z
+    (batch, dim, L) views of (dim, batch L) matrices, B and C rows of one (R + 2N, batch L) matrix,
+    x_proj's output (R = dim / 32, the block's dt rank); A, D, delta_bias fp32."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     rand = lambda *shape: torch.randn(*shape, device=DEVICE, generator=g)  # noqa: E731
-    projected = rand(batch, 3 * dim, length).to(dtype)
-    u, delta, z = projected[:, :dim], projected[:, dim:2 * dim], projected[:, 2 * dim:]
-    coefficients = rand(batch, 2 * n_states, length).to(dtype)
-    B, C = coefficients[:, :n_states], coefficients[:, n_states:]
+    as_block = lambda flat: positions_last(flat, batch, length)  # noqa: E731  (C, batch L) -> (batch, C, L)
+    u, delta, z = (as_block(rand(dim, batch * length).to(dtype)) for _ in range(3))
+    rank = max(1, dim // 32)
+    x_dbl = rand(rank + 2 * n_states, batch * length).to(dtype)
+    B, C = as_block(x_dbl[rank:rank + n_states]), as_block(x_dbl[rank + n_states:])
     A = -(0.5 + torch.rand(dim, n_states, device=DEVICE, generator=g))
     return u, delta, A, B, C, rand(dim), z, rand(dim) * 0.1 - 1.0
 
@@ -286,10 +291,10 @@ def _carry_in(CARRY, n, n_segments, d_ok):
 @triton.jit
 def strided_fwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, H0,     # u, delta, z: any strides (b, d, L); A (d, N); B, C (b, g, N, L) or (d, N)
-    OUT, STATES, LAST, DSUM,               # contiguous: b x d x L, b x d x N x n_chunks, b x d x N x S, b x d x S
+    OUT, STATES, LAST, DSUM,               # OUT: u's layout; contiguous b x d x N x n_chunks, b x d x N x S, b x d x S
     dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sa_d, sa_n,
-    sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l,
+    sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l, so_b, so_d, so_l,
     N_STATES: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_H0: tl.constexpr, B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr,
     ACC: tl.constexpr, SAVE: tl.constexpr, SUMMARY: tl.constexpr,
@@ -355,7 +360,8 @@ def strided_fwd_kernel(
             if HAS_Z:
                 zv = tl.load(Z + pid_b * sz_b + ds[:, None] * sz_d + t[None, :] * sz_l, mask, other=0.0).to(ACC)
                 out = ybar * zv * tl.sigmoid(zv)
-            tl.store(OUT + (pid_b * dim + ds[:, None]) * length + t[None, :], out.to(OUT.dtype.element_ty), mask)
+            tl.store(OUT + pid_b * so_b + ds[:, None] * so_d + t[None, :] * so_l, out.to(OUT.dtype.element_ty),
+                     mask)
     if SUMMARY:
         tl.store(DSUM + (pid_b * dim + ds) * n_segments + pid_s, dsum, d_ok)
 
@@ -521,11 +527,11 @@ def run_adjoints(gate, c, adj_in, runs, SEGS: tl.constexpr, ITEMS: tl.constexpr)
 @triton.jit
 def strided_bwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, STATES, DOUT, DLAST,  # as in the forward; DOUT any strides; DLAST b x d x N x S
-    DU, DDELTA, DZ, DB, DC,   # contiguous b x d x L (x3); DB, DC fp32 b x g x N x L (atomics) or b x d x N x S x SEGS
+    DU, DDELTA, DZ, DB, DC,   # u's layout b x d x L (x3); DB, DC fp32 b x g x N x L (atomics) or b x d x N x S x SEGS
     DA_PART, DD_PART, DBIAS_PART, DH0,               # b x d x N x S x SEGS, b x d x S, b x d x S, b x d x N x S
     dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sa_d, sa_n,
-    sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l, so_b, so_d, so_l,
+    sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l, so_b, so_d, so_l, sg_b, sg_d, sg_l,
     N_STATES: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DLAST: tl.constexpr, B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr,
     ACC: tl.constexpr, BLOCK_D: tl.constexpr, SEGS: tl.constexpr, ITEMS: tl.constexpr,
@@ -581,7 +587,7 @@ def strided_bwd_kernel(
                                      d_ok[:, None] & (t_after < length), ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
         ### END SOLUTION
         dout = tl.load(DOUT + pid_b * so_b + rows * so_d + t[None, :] * so_l, mask, other=0.0).to(ACC)
-        out_offs = (pid_b * dim + rows) * length + t[None, :]
+        grad_offs = pid_b * sg_b + rows * sg_d + t[None, :] * sg_l                # du, d delta, dz: u's layout
         zv = u
         if HAS_Z:
             zv = tl.load(Z + pid_b * sz_b + rows * sz_d + t[None, :] * sz_l, mask, other=0.0).to(ACC)
@@ -661,7 +667,7 @@ def strided_bwd_kernel(
             # what leaves the chunk's first position, a_t adj_t there: stored by the thread of run 0
             tl.store(ADJ[:, None] + n * n_segments + 0 * runs, a[0] * adj[0], first_run)
         if HAS_Z:
-            tl.store(DZ + out_offs, _gate_dz(dout, positions_of(ybar, SEGS, ITEMS), zv).to(DZ.dtype.element_ty),
+            tl.store(DZ + grad_offs, _gate_dz(dout, positions_of(ybar, SEGS, ITEMS), zv).to(DZ.dtype.element_ty),
                      mask)
         b_sum = positions_of(adj_b_sum, SEGS, ITEMS)
         ddelta = positions_of(adj_ah_rate_sum, SEGS, ITEMS) + u * b_sum
@@ -669,8 +675,8 @@ def strided_bwd_kernel(
             _, pre = _load_delta(DELTA, BIAS, delta_offs, mask, ds, d_ok, HAS_BIAS, False, ACC)
             ddelta = ddelta * tl.sigmoid(pre)
         ddelta = tl.where(mask, ddelta, 0.0)                            # padding: the adjoint is the carry there
-        tl.store(DDELTA + out_offs, ddelta.to(DDELTA.dtype.element_ty), mask)
-        tl.store(DU + out_offs, (skip[:, None] * dybar + delta * b_sum).to(DU.dtype.element_ty), mask)
+        tl.store(DDELTA + grad_offs, ddelta.to(DDELTA.dtype.element_ty), mask)
+        tl.store(DU + grad_offs, (skip[:, None] * dybar + delta * b_sum).to(DU.dtype.element_ty), mask)
         dbias_acc += tl.sum(ddelta, axis=1)
     tl.store(DD_PART + (pid_b * dim + ds) * n_segments + pid_s, dD_acc, d_ok)
     tl.store(DBIAS_PART + (pid_b * dim + ds) * n_segments + pid_s, dbias_acc, d_ok)
@@ -904,13 +910,29 @@ def _small_contiguous(*tensors):
     return [None if t is None else t.contiguous() for t in tensors]
 
 
+def like_u(u, dtype=None):
+    """A new (batch, dim, L) tensor in u's layout (its strides, where u is dense; else contiguous): out, du,
+    d delta and dz. The next op reads them the way it wrote u: in a Mamba block, out_proj reads out
+    without a copy, and the gradient it returns arrives in the same layout, stride 1 along L."""
+    return torch.empty_like(u, dtype=dtype)
+
+
+def positions_adjacent(M):
+    """B or C (batch, groups, N, L) with stride 1 along L, copied if needed (N values per position, small
+    beside u): the kernels load a state's coefficients along the positions, one transaction per
+    position otherwise. (A (batch, L, N) tensor's transpose has positions N or more elements apart.)"""
+    if M.dim() == 4 and M.shape[-1] > 1 and M.stride(-1) != 1:
+        return M.contiguous()
+    return M
+
+
 @custom_op("strided_selective_scan_fwd", __name__)
 def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
                 initial_state: Optional[torch.Tensor], delta_softplus: bool, save_chunk: int, segments: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward on u, delta, z of any strides; B, C: (batch, groups, N, L) or (dim, N). Returns out
-    (contiguous), the last state, and with save_chunk > 0 the state entering every chunk of save_chunk
+    (u's layout: like_u), the last state, and with save_chunk > 0 the state entering every chunk of save_chunk
     positions (batch, dim, N, n_chunks) for the backward (else an empty tensor). segments: how many
     segments to split the sequence into (section 5; 1: none)."""
     D, delta_bias, initial_state = _small_contiguous(D, delta_bias, initial_state)
@@ -922,7 +944,7 @@ def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
     chunk = save_chunk if save_chunk > 0 else config["chunk"]
     n_chunks = triton.cdiv(length, chunk)
     n_segments, seg_chunks = split(n_chunks, segments)
-    out = u.new_empty(u.shape)
+    out = like_u(u)
     ends = u.new_empty(batch, dim, n_states, n_segments, dtype=acc)   # the state at each segment's end
     states = u.new_empty(batch, dim, n_states, n_chunks if save_chunk > 0 else 0, dtype=acc)
 
@@ -931,7 +953,7 @@ def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
             u, delta, A, B, C, D, z, delta_bias, entering, out, states, ends, dsum,
             dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
             *strides["u"], *strides["delta"], *strides["z"], *strides["A"], *strides["B"], *strides["C"],
-            N_STATES=n_states, HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+            *out.stride(), N_STATES=n_states, HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
             HAS_H0=entering is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
             SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc), SAVE=save_chunk > 0 and dsum is None,
             SUMMARY=dsum is not None, BLOCK_D=config["block_d"],
@@ -951,7 +973,7 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_c
     batch, dim, length = u.shape
     acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     n_chunks = (length + save_chunk - 1) // save_chunk if save_chunk > 0 else 0
-    return (u.new_empty(u.shape), u.new_empty(batch, dim, A.shape[1], dtype=acc),
+    return (like_u(u), u.new_empty(batch, dim, A.shape[1], dtype=acc),
             u.new_empty(batch, dim, A.shape[1], n_chunks, dtype=acc))
 
 
@@ -961,7 +983,7 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
                 states: torch.Tensor, dout: torch.Tensor, dlast: Optional[torch.Tensor],
                 delta_softplus: bool, chunk: int, segments: int) -> list[torch.Tensor]:
     """The backward: du, d delta, dA, dB, dC, dD, dz, d delta_bias, d initial_state, as chapter 05's
-    selective_scan_bwd returns them (du, d delta, dz contiguous). segments: as in strided_fwd."""
+    selective_scan_bwd returns them (du, d delta, dz in u's layout: like_u). segments: as in strided_fwd."""
     D, delta_bias, dlast = _small_contiguous(D, delta_bias, dlast)
     batch, dim, length = u.shape
     n_states, n_chunks, acc = A.shape[1], states.shape[-1], states.dtype
@@ -982,8 +1004,8 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
             SOFTPLUS=delta_softplus, **sizes)
         entering, _ = segment_carries(adj, dsum, A, dlast, reverse=True)
     items = run_items(u, chunk)
-    du, ddelta = u.new_empty(u.shape), delta.new_empty(delta.shape)
-    dz = z.new_empty(z.shape) if z is not None else u.new_empty(0)
+    du, ddelta = like_u(u), like_u(u, delta.dtype)
+    dz = like_u(u, z.dtype) if z is not None else u.new_empty(0)
     per_run = (batch, dim, n_states, n_segments, chunk // items)    # partial sums per segment and run
     dB = torch.zeros(B.shape if B.dim() == 4 else per_run, device=u.device, dtype=acc)
     dC = torch.zeros(C.shape if C.dim() == 4 else per_run, device=u.device, dtype=acc)
@@ -994,7 +1016,7 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
         du, ddelta, dz, dB, dC, dA_part, dD_part, dbias_part, dh0,
         dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
         *strides["u"], *strides["delta"], *strides["z"], *strides["A"], *strides["B"], *strides["C"],
-        *dout.stride(), HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+        *dout.stride(), *du.stride(), HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         HAS_DLAST=entering is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
         SOFTPLUS=delta_softplus, N_STATES=n_states, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
         SEGS=chunk // items, ITEMS=items, num_warps=config["num_warps"])
@@ -1013,10 +1035,10 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
 @strided_bwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, states, dout, dlast, delta_softplus, chunk, segments):
     acc, dim = states.dtype, u.shape[1]
-    return [u.new_empty(u.shape), delta.new_empty(delta.shape), A.new_empty(A.shape, dtype=acc),
+    return [like_u(u), like_u(u, delta.dtype), A.new_empty(A.shape, dtype=acc),
             B.new_empty(B.shape, dtype=acc), C.new_empty(C.shape, dtype=acc),
             u.new_empty((dim,) if D is not None else (0,), dtype=acc),
-            (z if z is not None else u).new_empty(z.shape if z is not None else (0,)),
+            like_u(u, z.dtype) if z is not None else u.new_empty(0),
             u.new_empty((dim,) if delta_bias is not None else (0,), dtype=acc),
             u.new_empty(u.shape[0], dim, A.shape[1], dtype=acc)]
 
@@ -1077,7 +1099,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         h_t = exp(delta_t * A) * h_{t-1} + delta_t * B_t * u_t,   ybar_t = sum_n C_t h_t + D * u_t
         out = ybar * silu(z) if z is given else ybar
 
-    Returns out (dtype of u, contiguous), and with return_last_state also the state after the last
+    Returns out (dtype of u, in u's layout: contiguous for contiguous u), and with return_last_state also the state after the last
     position (batch, dim, N) in float32 (float64 for float64 inputs). Gradients flow to every tensor
     argument, including initial_state and through last_state; first derivatives only. Works under
     torch.compile, torch.func.grad and torch.func.vmap.
@@ -1091,8 +1113,8 @@ def scan_in_segments(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_s
     _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     if u.numel() == 0:
         return empty_selective_scan(u, delta, A, B, C, D, z, delta_bias, return_last_state, initial_state)
-    B4 = B.unsqueeze(1) if B.dim() == 3 else B
-    C4 = C.unsqueeze(1) if C.dim() == 3 else C
+    B4 = positions_adjacent(B.unsqueeze(1) if B.dim() == 3 else B)
+    C4 = positions_adjacent(C.unsqueeze(1) if C.dim() == 3 else C)
     tensors = (u, delta, A, B4, C4, D, z, delta_bias, initial_state)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     save_chunk = 0
@@ -1115,20 +1137,30 @@ def scan_in_segments(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_s
 # output. `tests/test_selective_scan.py` runs chapter 05's whole suite against this function too.
 
 # %%
-def random_inputs(batch, dim, n_states, length, groups=1, dtype=torch.float32, options="DzbH", strided=False,
-                  time_invariant="", seed=0):
-    """Random inputs of chapter 05's shapes. options: D, z, delta_bias (b), initial_state (H).
-    strided: u, delta, z as slices of one (batch, L, 3 dim) tensor (stride 1 along dim, not along L)."""
+def random_inputs(batch, dim, n_states, length, groups=1, dtype=torch.float32, options="DzbH",
+                  layout="contiguous", time_invariant="", seed=0):
+    """Random inputs of chapter 05's shapes. options: D, z, delta_bias (b), initial_state (H). layout:
+    "contiguous"; "channels_last": u, delta, z slices of one (batch, L, 3 dim) tensor (stride 1 along dim,
+    not along L); "block": every (batch, ., L) tensor a view of a (features, batch L) matrix, as chapter
+    06's block passes them (block_layout_inputs)."""
     g = torch.Generator().manual_seed(seed)
     rand = lambda *shape, dt=dtype: torch.randn(*shape, generator=g).to(device=DEVICE, dtype=dt)  # noqa: E731
-    if strided:
+    as_block = lambda flat: positions_last(flat, batch, length)  # noqa: E731
+    if layout == "channels_last":
         rows = rand(batch, length, 3 * dim).transpose(1, 2)                 # batch x 3 dim x L, stride 1 along dim
         u, delta, z = rows[:, :dim], rows[:, dim:2 * dim] * 0.5 - 1.0, rows[:, 2 * dim:]
+    elif layout == "block":
+        u, delta, z = as_block(rand(dim, batch * length)), as_block(rand(dim, batch * length) * 0.5 - 1.0), \
+            as_block(rand(dim, batch * length))
     else:
         u, delta, z = rand(batch, dim, length), rand(batch, dim, length) * 0.5 - 1.0, rand(batch, dim, length)
     A = -(0.2 + torch.rand(dim, n_states, generator=g)).to(DEVICE)
-    B, C = (rand(dim, n_states) if name in time_invariant else rand(batch, groups, n_states, length)
-            for name in "BC")
+    if layout == "block":   # one x_proj output holds both: (2 groups N, batch L)
+        x_dbl = as_block(rand(2 * groups * n_states, batch * length))      # batch x 2 groups N x L
+        coefficients = x_dbl.unflatten(1, (2, groups, n_states)).unbind(1)
+    else:
+        coefficients = [rand(batch, groups, n_states, length) for _ in range(2)]
+    B, C = (rand(dim, n_states) if name in time_invariant else coef for name, coef in zip("BC", coefficients))
     return dict(u=u, delta=delta, A=A, B=B, C=C, D=rand(dim, dt=torch.float32) if "D" in options else None,
                 z=z if "z" in options else None,
                 delta_bias=rand(dim, dt=torch.float32) * 0.3 if "b" in options else None,
@@ -1159,8 +1191,9 @@ def tolerance(dtype, length):
 CASES = [  # (batch, dim, N, L, keyword arguments of random_inputs)
     (2, 4, 3, 1, dict()), (2, 4, 3, 1, dict(options="Dzb")), (1, 6, 4, 7, dict(groups=3, options="DzH")),
     (1, 4, 2, 129, dict(groups=2, options="Db")), (1, 3, 5, 50, dict(options="")),
-    (2, 5, 3, 33, dict(time_invariant="BC")), (1, 6, 4, 40, dict(strided=True)),
-    (1, 4, 3, 77, dict(dtype=torch.bfloat16, strided=True)),
+    (2, 5, 3, 33, dict(time_invariant="BC")), (1, 6, 4, 40, dict(layout="channels_last")),
+    (1, 4, 3, 77, dict(dtype=torch.bfloat16, layout="channels_last")), (2, 6, 4, 45, dict(layout="block")),
+    (3, 4, 2, 70, dict(groups=2, dtype=torch.bfloat16, layout="block")),
     (2, 64, 16, 4097, dict()) if ON_GPU else (1, 3, 16, 300, dict()),
 ]
 print(f"{'batch, dim, N, L':18s} {'options':42s} {'worst rel err':>13s} {'tolerance':>10s}")
@@ -1618,9 +1651,15 @@ else:
 # makes a copy whenever the strides differ from the packed ones, and autograd keeps the copy alive
 # for the backward. Passing strides costs nothing at run time: the kernels compute the same addresses
 # with different multipliers, and Triton specialises a stride of 1 so that loads along $L$ stay
-# vectorised. A layout with stride 1 along the *channels* (the `strided=True` case of the checks,
+# vectorised. A layout with stride 1 along the *channels* (the `layout="channels_last"` case of the checks,
 # `(batch, L, dim)` transposed) also works, but each load of a row of positions then touches one float
 # per 32-byte sector: correct, and slow. Transpose such inputs once, outside the scan.
+#
+# Chapter 06's block passes views of (features, batch $\cdot$ L) matrices, and the kernels write `out`,
+# `du`, `d delta` and `dz` in `u`'s layout (`like_u`), so the products that read those downstream take
+# them without a copy too. $B$ and $C$ are the one input copied when needed: with positions not adjacent
+# (a (batch, L, N) tensor's transpose), `positions_adjacent` makes them contiguous, N values per
+# position, since the kernels load one state's coefficients along the positions.
 
 # %% [markdown]
 # ## References

@@ -58,10 +58,10 @@ def _carry_in(CARRY, n, n_segments, d_ok):
 @triton.jit
 def strided_fwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, H0,     # u, delta, z: any strides (b, d, L); A (d, N); B, C (b, g, N, L) or (d, N)
-    OUT, STATES, LAST, DSUM,               # contiguous: b x d x L, b x d x N x n_chunks, b x d x N x S, b x d x S
+    OUT, STATES, LAST, DSUM,               # OUT: u's layout; contiguous b x d x N x n_chunks, b x d x N x S, b x d x S
     dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sa_d, sa_n,
-    sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l,
+    sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l, so_b, so_d, so_l,
     N_STATES: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_H0: tl.constexpr, B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr,
     ACC: tl.constexpr, SAVE: tl.constexpr, SUMMARY: tl.constexpr,
@@ -124,7 +124,8 @@ def strided_fwd_kernel(
             if HAS_Z:
                 zv = tl.load(Z + pid_b * sz_b + ds[:, None] * sz_d + t[None, :] * sz_l, mask, other=0.0).to(ACC)
                 out = ybar * zv * tl.sigmoid(zv)
-            tl.store(OUT + (pid_b * dim + ds[:, None]) * length + t[None, :], out.to(OUT.dtype.element_ty), mask)
+            tl.store(OUT + pid_b * so_b + ds[:, None] * so_d + t[None, :] * so_l, out.to(OUT.dtype.element_ty),
+                     mask)
     if SUMMARY:
         tl.store(DSUM + (pid_b * dim + ds) * n_segments + pid_s, dsum, d_ok)
 
@@ -241,11 +242,11 @@ def run_adjoints(gate, c, adj_in, runs, SEGS: tl.constexpr, ITEMS: tl.constexpr)
 @triton.jit
 def strided_bwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, STATES, DOUT, DLAST,  # as in the forward; DOUT any strides; DLAST b x d x N x S
-    DU, DDELTA, DZ, DB, DC,   # contiguous b x d x L (x3); DB, DC fp32 b x g x N x L (atomics) or b x d x N x S x SEGS
+    DU, DDELTA, DZ, DB, DC,   # u's layout b x d x L (x3); DB, DC fp32 b x g x N x L (atomics) or b x d x N x S x SEGS
     DA_PART, DD_PART, DBIAS_PART, DH0,               # b x d x N x S x SEGS, b x d x S, b x d x S, b x d x N x S
     dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sa_d, sa_n,
-    sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l, so_b, so_d, so_l,
+    sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l, so_b, so_d, so_l, sg_b, sg_d, sg_l,
     N_STATES: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DLAST: tl.constexpr, B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr,
     ACC: tl.constexpr, BLOCK_D: tl.constexpr, SEGS: tl.constexpr, ITEMS: tl.constexpr,
@@ -298,7 +299,7 @@ def strided_bwd_kernel(
         delta_after, _ = _load_delta(DELTA, BIAS, pid_b * sdt_b + rows * sdt_d + t_after * sdt_l,
                                      d_ok[:, None] & (t_after < length), ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
         dout = tl.load(DOUT + pid_b * so_b + rows * so_d + t[None, :] * so_l, mask, other=0.0).to(ACC)
-        out_offs = (pid_b * dim + rows) * length + t[None, :]
+        grad_offs = pid_b * sg_b + rows * sg_d + t[None, :] * sg_l                # du, d delta, dz: u's layout
         zv = u
         if HAS_Z:
             zv = tl.load(Z + pid_b * sz_b + rows * sz_d + t[None, :] * sz_l, mask, other=0.0).to(ACC)
@@ -378,7 +379,7 @@ def strided_bwd_kernel(
             # what leaves the chunk's first position, a_t adj_t there: stored by the thread of run 0
             tl.store(ADJ[:, None] + n * n_segments + 0 * runs, a[0] * adj[0], first_run)
         if HAS_Z:
-            tl.store(DZ + out_offs, _gate_dz(dout, positions_of(ybar, SEGS, ITEMS), zv).to(DZ.dtype.element_ty),
+            tl.store(DZ + grad_offs, _gate_dz(dout, positions_of(ybar, SEGS, ITEMS), zv).to(DZ.dtype.element_ty),
                      mask)
         b_sum = positions_of(adj_b_sum, SEGS, ITEMS)
         ddelta = positions_of(adj_ah_rate_sum, SEGS, ITEMS) + u * b_sum
@@ -386,8 +387,8 @@ def strided_bwd_kernel(
             _, pre = _load_delta(DELTA, BIAS, delta_offs, mask, ds, d_ok, HAS_BIAS, False, ACC)
             ddelta = ddelta * tl.sigmoid(pre)
         ddelta = tl.where(mask, ddelta, 0.0)                            # padding: the adjoint is the carry there
-        tl.store(DDELTA + out_offs, ddelta.to(DDELTA.dtype.element_ty), mask)
-        tl.store(DU + out_offs, (skip[:, None] * dybar + delta * b_sum).to(DU.dtype.element_ty), mask)
+        tl.store(DDELTA + grad_offs, ddelta.to(DDELTA.dtype.element_ty), mask)
+        tl.store(DU + grad_offs, (skip[:, None] * dybar + delta * b_sum).to(DU.dtype.element_ty), mask)
         dbias_acc += tl.sum(ddelta, axis=1)
     tl.store(DD_PART + (pid_b * dim + ds) * n_segments + pid_s, dD_acc, d_ok)
     tl.store(DBIAS_PART + (pid_b * dim + ds) * n_segments + pid_s, dbias_acc, d_ok)
@@ -517,13 +518,29 @@ def _small_contiguous(*tensors):
     return [None if t is None else t.contiguous() for t in tensors]
 
 
+def like_u(u, dtype=None):
+    """A new (batch, dim, L) tensor in u's layout (its strides, where u is dense; else contiguous): out, du,
+    d delta and dz. The next op reads them the way it wrote u: in a Mamba block, out_proj reads out
+    without a copy, and the gradient it returns arrives in the same layout, stride 1 along L."""
+    return torch.empty_like(u, dtype=dtype)
+
+
+def positions_adjacent(M):
+    """B or C (batch, groups, N, L) with stride 1 along L, copied if needed (N values per position, small
+    beside u): the kernels load a state's coefficients along the positions, one transaction per
+    position otherwise. (A (batch, L, N) tensor's transpose has positions N or more elements apart.)"""
+    if M.dim() == 4 and M.shape[-1] > 1 and M.stride(-1) != 1:
+        return M.contiguous()
+    return M
+
+
 @custom_op("strided_selective_scan_fwd", __name__)
 def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
                 initial_state: Optional[torch.Tensor], delta_softplus: bool, save_chunk: int, segments: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward on u, delta, z of any strides; B, C: (batch, groups, N, L) or (dim, N). Returns out
-    (contiguous), the last state, and with save_chunk > 0 the state entering every chunk of save_chunk
+    (u's layout: like_u), the last state, and with save_chunk > 0 the state entering every chunk of save_chunk
     positions (batch, dim, N, n_chunks) for the backward (else an empty tensor). segments: how many
     segments to split the sequence into (section 5; 1: none)."""
     D, delta_bias, initial_state = _small_contiguous(D, delta_bias, initial_state)
@@ -535,7 +552,7 @@ def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
     chunk = save_chunk if save_chunk > 0 else config["chunk"]
     n_chunks = triton.cdiv(length, chunk)
     n_segments, seg_chunks = split(n_chunks, segments)
-    out = u.new_empty(u.shape)
+    out = like_u(u)
     ends = u.new_empty(batch, dim, n_states, n_segments, dtype=acc)   # the state at each segment's end
     states = u.new_empty(batch, dim, n_states, n_chunks if save_chunk > 0 else 0, dtype=acc)
 
@@ -544,7 +561,7 @@ def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
             u, delta, A, B, C, D, z, delta_bias, entering, out, states, ends, dsum,
             dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
             *strides["u"], *strides["delta"], *strides["z"], *strides["A"], *strides["B"], *strides["C"],
-            N_STATES=n_states, HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+            *out.stride(), N_STATES=n_states, HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
             HAS_H0=entering is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
             SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc), SAVE=save_chunk > 0 and dsum is None,
             SUMMARY=dsum is not None, BLOCK_D=config["block_d"],
@@ -564,7 +581,7 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_c
     batch, dim, length = u.shape
     acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     n_chunks = (length + save_chunk - 1) // save_chunk if save_chunk > 0 else 0
-    return (u.new_empty(u.shape), u.new_empty(batch, dim, A.shape[1], dtype=acc),
+    return (like_u(u), u.new_empty(batch, dim, A.shape[1], dtype=acc),
             u.new_empty(batch, dim, A.shape[1], n_chunks, dtype=acc))
 
 
@@ -574,7 +591,7 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
                 states: torch.Tensor, dout: torch.Tensor, dlast: Optional[torch.Tensor],
                 delta_softplus: bool, chunk: int, segments: int) -> list[torch.Tensor]:
     """The backward: du, d delta, dA, dB, dC, dD, dz, d delta_bias, d initial_state, as chapter 05's
-    selective_scan_bwd returns them (du, d delta, dz contiguous). segments: as in strided_fwd."""
+    selective_scan_bwd returns them (du, d delta, dz in u's layout: like_u). segments: as in strided_fwd."""
     D, delta_bias, dlast = _small_contiguous(D, delta_bias, dlast)
     batch, dim, length = u.shape
     n_states, n_chunks, acc = A.shape[1], states.shape[-1], states.dtype
@@ -595,8 +612,8 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
             SOFTPLUS=delta_softplus, **sizes)
         entering, _ = segment_carries(adj, dsum, A, dlast, reverse=True)
     items = run_items(u, chunk)
-    du, ddelta = u.new_empty(u.shape), delta.new_empty(delta.shape)
-    dz = z.new_empty(z.shape) if z is not None else u.new_empty(0)
+    du, ddelta = like_u(u), like_u(u, delta.dtype)
+    dz = like_u(u, z.dtype) if z is not None else u.new_empty(0)
     per_run = (batch, dim, n_states, n_segments, chunk // items)    # partial sums per segment and run
     dB = torch.zeros(B.shape if B.dim() == 4 else per_run, device=u.device, dtype=acc)
     dC = torch.zeros(C.shape if C.dim() == 4 else per_run, device=u.device, dtype=acc)
@@ -607,7 +624,7 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
         du, ddelta, dz, dB, dC, dA_part, dD_part, dbias_part, dh0,
         dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
         *strides["u"], *strides["delta"], *strides["z"], *strides["A"], *strides["B"], *strides["C"],
-        *dout.stride(), HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+        *dout.stride(), *du.stride(), HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         HAS_DLAST=entering is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
         SOFTPLUS=delta_softplus, N_STATES=n_states, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
         SEGS=chunk // items, ITEMS=items, num_warps=config["num_warps"])
@@ -626,10 +643,10 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
 @strided_bwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, states, dout, dlast, delta_softplus, chunk, segments):
     acc, dim = states.dtype, u.shape[1]
-    return [u.new_empty(u.shape), delta.new_empty(delta.shape), A.new_empty(A.shape, dtype=acc),
+    return [like_u(u), like_u(u, delta.dtype), A.new_empty(A.shape, dtype=acc),
             B.new_empty(B.shape, dtype=acc), C.new_empty(C.shape, dtype=acc),
             u.new_empty((dim,) if D is not None else (0,), dtype=acc),
-            (z if z is not None else u).new_empty(z.shape if z is not None else (0,)),
+            like_u(u, z.dtype) if z is not None else u.new_empty(0),
             u.new_empty((dim,) if delta_bias is not None else (0,), dtype=acc),
             u.new_empty(u.shape[0], dim, A.shape[1], dtype=acc)]
 
@@ -690,7 +707,7 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
         h_t = exp(delta_t * A) * h_{t-1} + delta_t * B_t * u_t,   ybar_t = sum_n C_t h_t + D * u_t
         out = ybar * silu(z) if z is given else ybar
 
-    Returns out (dtype of u, contiguous), and with return_last_state also the state after the last
+    Returns out (dtype of u, in u's layout: contiguous for contiguous u), and with return_last_state also the state after the last
     position (batch, dim, N) in float32 (float64 for float64 inputs). Gradients flow to every tensor
     argument, including initial_state and through last_state; first derivatives only. Works under
     torch.compile, torch.func.grad and torch.func.vmap.
@@ -704,8 +721,8 @@ def scan_in_segments(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_s
     _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     if u.numel() == 0:
         return empty_selective_scan(u, delta, A, B, C, D, z, delta_bias, return_last_state, initial_state)
-    B4 = B.unsqueeze(1) if B.dim() == 3 else B
-    C4 = C.unsqueeze(1) if C.dim() == 3 else C
+    B4 = positions_adjacent(B.unsqueeze(1) if B.dim() == 3 else B)
+    C4 = positions_adjacent(C.unsqueeze(1) if C.dim() == 3 else C)
     tensors = (u, delta, A, B4, C4, D, z, delta_bias, initial_state)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     save_chunk = 0

@@ -45,7 +45,8 @@ def selective_scan_loop(u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
 @triton.jit
 def selective_state_update_kernel(
     STATE, X, DT, A, B, C, D, Z, DT_BIAS, OUT,   # STATE: batch x dim x N (updated in place); A: dim x N
-    dim, n_states, stride_x, stride_dt, stride_b, stride_c, stride_z,   # row strides of X, DT, B, C, Z
+    dim, n_states, stride_x, stride_z,                         # row strides of X and Z (stride 1 along dim)
+    stride_dt, stride_dt_d, stride_b, stride_b_n, stride_c, stride_c_n,   # DT, B, C: row and element strides
     HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
     ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
@@ -57,11 +58,11 @@ def selective_state_update_kernel(
     tile_ok = d_ok[:, None] & n_ok[None, :]
     STATE_ROW = STATE + row * dim * n_states
     h = tl.load(STATE_ROW + tile, tile_ok, other=0.0).to(ACC)
-    delta, _ = _load_delta(DT + row * stride_dt, DT_BIAS, ds[:, None], d_ok[:, None], ds, d_ok,
+    delta, _ = _load_delta(DT + row * stride_dt, DT_BIAS, ds[:, None] * stride_dt_d, d_ok[:, None], ds, d_ok,
                            HAS_BIAS, SOFTPLUS, ACC)            # BLOCK_D x 1
-    u = tl.load(X + row * stride_x + ds, d_ok, other=0.0).to(ACC)             # BLOCK_D
-    b_coef = tl.load(B + row * stride_b + ns, n_ok, other=0.0).to(ACC)        # BLOCK_N
-    c_coef = tl.load(C + row * stride_c + ns, n_ok, other=0.0).to(ACC)        # BLOCK_N
+    u = tl.load(X + row * stride_x + ds, d_ok, other=0.0).to(ACC)                       # BLOCK_D
+    b_coef = tl.load(B + row * stride_b + ns * stride_b_n, n_ok, other=0.0).to(ACC)     # BLOCK_N
+    c_coef = tl.load(C + row * stride_c + ns * stride_c_n, n_ok, other=0.0).to(ACC)     # BLOCK_N
     a, b = discretize(delta, tl.load(A + tile, tile_ok, other=0.0).to(ACC), b_coef[None, :], u[:, None])
     h = a * h + b
     tl.store(STATE_ROW + tile, h.to(STATE.dtype.element_ty), tile_ok)
@@ -90,7 +91,7 @@ def _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias):
                              f"got {tuple(named[name].shape)}")
     if not state.is_contiguous():
         raise ValueError("state must be contiguous: it is updated in place")
-    for name in ("x", "dt", "z", "B", "C", "A", "D", "dt_bias"):
+    for name in ("x", "z", "A", "D", "dt_bias"):   # dt, B and C may have any strides (the block's are views)
         if named[name] is not None and named[name].stride(-1) != 1:
             raise ValueError(f"{name} must have stride 1 along its last dimension, got strides {named[name].stride()}")
     if torch.is_grad_enabled() and any(v is not None and v.requires_grad for v in named.values()):
@@ -102,7 +103,8 @@ def _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias):
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False):
     """One position of the selective scan, updating `state` in place; mamba_ssm's selective_state_update
     for states without heads. state: (batch, dim, N), contiguous; x, dt, z: (batch, dim); A: (dim, N);
-    B, C: (batch, N); D, dt_bias: (dim,). Returns y (batch, dim) in x's dtype. Inference only."""
+    B, C: (batch, N); D, dt_bias: (dim,); x, z, A, D, dt_bias with stride 1 along their last dimension,
+    dt, B, C any strides. Returns y (batch, dim) in x's dtype. Inference only."""
     _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     batch, dim, n_states = state.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
@@ -111,7 +113,7 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     acc = torch.float64 if state.dtype == torch.float64 or x.dtype == torch.float64 else torch.float32
     selective_state_update_kernel[(batch, triton.cdiv(dim, block_d))](
         state, x, dt, A.contiguous(), B, C, D, z, dt_bias, out, dim, n_states,   # the kernel reads A as dim x N rows
-        x.stride(0), dt.stride(0), B.stride(0), C.stride(0), 0 if z is None else z.stride(0),
+        x.stride(0), 0 if z is None else z.stride(0), *dt.stride(), *B.stride(), *C.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
         ACC=accumulator_dtype(acc), BLOCK_D=block_d, BLOCK_N=block_n)
     return out
@@ -134,6 +136,19 @@ class InferenceParams:
         self.max_seqlen, self.max_batch_size, self.seqlen_offset = max_seqlen, max_batch_size, 0
         if self.lengths_per_sample is not None:
             self.lengths_per_sample.zero_()
+
+
+def features_first(x):
+    """(batch, C, L) -> the (C, batch L) matrix a projection multiplies: a view when x is in that layout
+    (positions_last's), a copy otherwise."""
+    batch, channels, length = x.shape
+    return x.transpose(0, 1).reshape(channels, batch * length)
+
+
+def positions_last(flat, batch, length):
+    """features_first's inverse, a view: a projection's output (C, batch L) as (batch, C, L), with
+    stride 1 along L, L along the batch and batch L along C."""
+    return flat.view(flat.shape[0], batch, length).transpose(0, 1)
 
 
 class Mamba(nn.Module):
@@ -178,11 +193,12 @@ class Mamba(nn.Module):
 
     def ssm_parameters(self, x):
         """x: batch x d_inner x L (the convolution's output) -> delta before dt_proj.bias and softplus
-        (batch x d_inner x L), B and C (batch x N x L)."""
-        x_dbl = self.x_proj(x.transpose(1, 2))                                  # batch x L x (R + 2N)
-        dt, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=-1)
-        delta = self.dt_proj.weight @ dt.transpose(1, 2)                        # batch x d_inner x L
-        return delta, B.transpose(1, 2), C.transpose(1, 2)
+        (batch x d_inner x L), B and C (batch x N x L), in positions_last's layout."""
+        batch, _, length = x.shape
+        x_dbl = self.x_proj.weight @ features_first(x)                          # (R + 2N) x (batch L)
+        dt, B, C = torch.split(x_dbl, [self.dt_rank, self.d_state, self.d_state], dim=0)
+        delta = self.dt_proj.weight @ dt                                        # d_inner x (batch L)
+        return tuple(positions_last(m, batch, length) for m in (delta, B, C))
 
     def forward(self, hidden_states, inference_params=None):
         """hidden_states: batch x L x d_model -> batch x L x d_model."""
@@ -203,10 +219,11 @@ class Mamba(nn.Module):
     def _sequence(self, hidden_states, conv_state=None, ssm_state=None):
         """The whole sequence, or one chunk continuing from conv_state and ssm_state (then also returns
         the states after it)."""
-        xz = self.in_proj.weight @ hidden_states.transpose(1, 2)               # batch x 2 d_inner x L
+        batch, length, _ = hidden_states.shape
+        xz = self.in_proj.weight @ hidden_states.reshape(batch * length, self.d_model).t()   # 2 d_inner x (batch L)
         if self.in_proj.bias is not None:
             xz = xz + self.in_proj.bias.to(xz.dtype)[:, None]
-        x, z = xz.chunk(2, dim=1)                                               # batch x d_inner x L each
+        x, z = (positions_last(half, batch, length) for half in xz.chunk(2, dim=0))  # batch x d_inner x L
         keep = conv_state is not None
         x_conv = self._conv(x, conv_state[..., 1:].to(x.dtype) if keep else None)
         delta, B, C = self.ssm_parameters(x_conv)
@@ -214,11 +231,12 @@ class Mamba(nn.Module):
         scan = selective_scan if self.backend == "triton" else selective_scan_loop
         y = scan(x_conv, delta, A, B, C, self.D.float(), z=z, delta_bias=self.dt_proj.bias.float(),
                  delta_softplus=True, return_last_state=keep, initial_state=ssm_state)
+        y, last_state = y if keep else (y, None)
+        out = self.out_proj(features_first(y).t()).view(batch, length, self.d_model)   # batch x L x d_model
         if not keep:
-            return self.out_proj(y.transpose(1, 2)), None, None
-        y, last_state = y
+            return out, None, None
         new_conv_state = torch.cat([conv_state, x.to(conv_state.dtype)], dim=-1)[..., -self.d_conv:]
-        return self.out_proj(y.transpose(1, 2)), new_conv_state, last_state
+        return out, new_conv_state, last_state
 
     def _conv(self, x, initial_states=None):
         conv = causal_conv1d if self.backend == "triton" else causal_conv1d_ref
@@ -337,12 +355,12 @@ def _mamba_ssm_block():
     import sys
     import types
     try:
-        spec = importlib.util.find_spec("mamba_ssm")
-        if spec is None:
-            return None, "mamba_ssm is not installed"
-        if "mamba_ssm" not in sys.modules:   # the package without its __init__
+        if "mamba_ssm" not in sys.modules:   # the package without its __init__ (a second call finds it)
+            spec = importlib.util.find_spec("mamba_ssm")
+            if spec is None:
+                return None, "mamba_ssm is not installed"
             package = types.ModuleType("mamba_ssm")
-            package.__path__ = list(spec.submodule_search_locations)
+            package.__path__, package.__spec__ = list(spec.submodule_search_locations), spec
             sys.modules["mamba_ssm"] = package
         return importlib.import_module("mamba_ssm.modules.mamba_simple").Mamba, None
     except Exception as error:   # noqa: BLE001 (a missing CUDA extension shows up as any of several errors)

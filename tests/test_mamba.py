@@ -373,6 +373,21 @@ def test_selective_state_update_strided_A():
     assert rel_err(y, y_ref[..., 0]) < 1e-12 and rel_err(t["state"], h_ref) < 1e-12
 
 
+def test_selective_state_update_transposed_dt_B_C():
+    """dt, B and C as the block's step passes them, columns of (features, batch) matrices (stride 1 along
+    the batch): the kernel reads them with their element strides."""
+    t = step_inputs(3, 5, 4, torch.float64)
+    h0 = t["state"].clone()
+    columns = {name: t[name].t().contiguous().t() for name in ("dt", "B", "C")}
+    assert all(v.stride() == (1, v.shape[0]) for v in columns.values())
+    y = selective_state_update(t["state"], t["x"], columns["dt"], t["A"], columns["B"], columns["C"], t["D"],
+                               t["z"], t["dt_bias"], True)
+    y_ref, h_ref = selective_scan_ref(t["x"][..., None], t["dt"][..., None], t["A"], t["B"][..., None],
+                                      t["C"][..., None], t["D"], t["z"][..., None], t["dt_bias"], True,
+                                      return_last_state=True, initial_state=h0)
+    assert rel_err(y, y_ref[..., 0]) < 1e-12 and rel_err(t["state"], h_ref) < 1e-12
+
+
 def test_selective_state_update_mixed_state_dtype():
     """A float32 state with float64 inputs: the update runs in float64 and stores float32."""
     t = step_inputs(1, 4, 2, torch.float64, strided=False)
@@ -406,7 +421,7 @@ def test_selective_state_update_bad_shape_names_argument(name):
         selective_state_update(**t)
 
 
-@pytest.mark.parametrize("name", ["x", "B", "A", "dt_bias"])
+@pytest.mark.parametrize("name", ["x", "z", "A", "dt_bias"])
 def test_selective_state_update_bad_layout_or_dtype_names_argument(name):
     t = step_inputs(2, 4, 3, torch.float64)
     t[name] = t[name].to(torch.int64)

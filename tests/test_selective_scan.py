@@ -14,6 +14,7 @@ import torch
 import scan_lib  # first: without a GPU it switches Triton to its interpreter, before triton.language loads
 import triton
 import triton.language as tl
+from scan_lib.mamba import features_first, positions_last
 from scan_lib.runtime import DEVICE, INTERPRET, ON_GPU
 from scan_lib.selective_scan import selective_scan_ref
 
@@ -568,8 +569,9 @@ def test_fast_keeps_only_chunk_states(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fast_reads_views_in_place(monkeypatch, dtype):
-    """Slices of one projection (stride 1 along L, not contiguous) and a (batch, L, dim) transpose give the
-    reference's results, and no input is copied: Tensor.contiguous is never called on a big tensor."""
+    """Slices of one projection (stride 1 along L, not contiguous) and B, C transposed from (batch, L, 2N)
+    give the reference's results; u, delta and z are read in place (never copied), B and C copied once
+    each so that their positions are adjacent (positions_adjacent)."""
     batch, dim, N, L = 2, 6, 4, 37
     inputs = make_inputs(batch, dim, N, L, dtype=dtype, seed=4)
     projected = torch.cat([inputs["u"], inputs["delta"], inputs["z"]], dim=1)       # batch x 3 dim x L
@@ -581,12 +583,40 @@ def test_fast_reads_views_in_place(monkeypatch, dtype):
     contiguous = torch.Tensor.contiguous
 
     def recording_contiguous(self, *args, **kwargs):
-        if self.dim() == 3 and self.shape[-1] == L and not self.is_contiguous():
+        if self.shape[-1] == L and not self.is_contiguous():
             copied.append(tuple(self.shape))
         return contiguous(self, *args, **kwargs)
     monkeypatch.setattr(torch.Tensor, "contiguous", recording_contiguous)
     compare(inputs)
-    assert copied == [], copied
+    assert set(copied) == {(batch, 1, N, L)}, copied   # B and C, in the forward (and its reference)
+
+
+def block_layout(inputs):
+    """inputs with u, delta, z, B, C as chapter 06's block passes them: (batch, C, L) views of (C, batch L)
+    matrices (positions_last), B and C rows of one matrix."""
+    batch, dim, length = inputs["u"].shape
+    as_block = lambda m: positions_last(features_first(m).clone(), batch, length)  # noqa: E731
+    x_dbl = as_block(torch.cat([inputs["B"], inputs["C"]], dim=1))
+    n = inputs["B"].shape[1]
+    return dict(inputs, u=as_block(inputs["u"]), delta=as_block(inputs["delta"]), z=as_block(inputs["z"]),
+                B=x_dbl[:, :n], C=x_dbl[:, n:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_outputs_and_gradients_take_u_layout(dtype):
+    """In the block's layout, out, du, d delta and dz come back with u's strides (like_u), with the
+    reference's values: the kernels write them at those strides, and nothing copies them."""
+    batch, dim, N, L = 2, 6, 4, 37
+    inputs = block_layout(make_inputs(batch, dim, N, L, dtype=dtype, seed=6))
+    u = inputs["u"]
+    assert not u.is_contiguous() and u.stride() == (L, batch * L, 1)
+    leaves = {k: v.detach().requires_grad_() if v is not None else None for k, v in inputs.items()}
+    out = scan_lib.selective_scan(**{k: v for k, v in leaves.items()}, delta_softplus=True)
+    assert out.stride() == u.stride()
+    dout = positions_last(torch.randn(dim, batch * L, dtype=dtype).to(DEVICE), batch, L)
+    grads = torch.autograd.grad(out, [leaves["u"], leaves["delta"], leaves["z"]], dout)
+    assert all(g.stride() == u.stride() for g in grads), [g.stride() for g in grads]
+    compare(inputs)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="allocates an 8 GiB output: GPU only")
