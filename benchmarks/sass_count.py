@@ -94,14 +94,16 @@ def kernel_args(kind, dtype, batch=8, dim=1024, length=2048, n_states=16):
                   ACC=tl.float32, BLOCK_D=config["block_d"], BLOCK_N=n_states, CHUNK=chunk, **big)
     if kind == "fwd":
         return fast.strided_fwd_kernel, dict(shared, H0=None, OUT=f"*{dtype}", STATES="*fp32", LAST="*fp32",
-                                             DSUM=None, HAS_H0=False, SAVE=False, SUMMARY=False)
+                                             DSUM=None, HAS_H0=False, SAVE=False, SUMMARY=False,
+                                             so_b=dim * length, so_d=length, so_l=1)
     items = min(chunk, 16 // size)                                          # fast.run_items
     shared = {name: value for name, value in shared.items() if name not in ("BLOCK_N", "CHUNK")}
     shared.update(SEGS=chunk // items, ITEMS=items)
     return fast.strided_bwd_kernel, dict(shared, STATES="*fp32", DOUT=f"*{dtype}", DLAST=None, DU=f"*{dtype}",
                                          DDELTA=f"*{dtype}", DZ=None, DB="*fp32", DC="*fp32", DA_PART="*fp32",
                                          DD_PART="*fp32", DBIAS_PART="*fp32", DH0="*fp32", HAS_DLAST=False,
-                                         so_b=dim * length, so_d=length, so_l=1)
+                                         so_b=dim * length, so_d=length, so_l=1, sg_b=dim * length, sg_d=length,
+                                         sg_l=1)
 
 
 def count(kind, dtype, out_dir):
