@@ -589,9 +589,8 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
 # The module itself. Its constructor takes `mamba_ssm`'s arguments and creates the same parameters with
 # the same shapes, in the same order, so a `state_dict` moves between the two (the GPU section loads
 # ours into `mamba_ssm`'s). It also makes the same random draws in the same order, so the same seed
-# should give the same weights; "Going deeper: the block" is meant to assert it where `mamba_ssm` is
-# importable (it needs a GPU; in the run recorded here the check skipped itself by mistake, as said
-# there), and the comparisons in this chapter never rely on it: they copy the `state_dict`.
+# should give the same weights; "Going deeper" asserts it where `mamba_ssm` is importable (on a GPU),
+# and the comparisons in this chapter never rely on it: they copy the `state_dict`.
 # `ssm_parameters` is the selection (step 3 above) in a method of its own, so that section 5's baseline
 # can replace it.
 
@@ -1526,9 +1525,11 @@ else:
 # %% [markdown]
 # The two blocks compute the same function: the cell asserts that outputs and every gradient agree
 # (the first lines above). Their speeds are in the ratio lines: a ratio below 1 means `mamba_ssm`'s
-# block is the faster in that row, above 1 ours. In this run `mamba_ssm`'s block is the faster in every
-# row: its time over ours is 0.59 forward and 0.69-0.70 forward+backward in float32, 0.21 forward and
-# 0.49-0.50 forward+backward in bfloat16. "Going deeper: where the time goes in scan_lib's block"
+# block is the faster in that row, above 1 ours. In this run ours is the faster in forward+backward, a
+# training step: `mamba_ssm`'s time over ours is 1.04-1.05 in float32 and 1.07 (fused) to 1.16
+# (unfused) in bfloat16. In the forward alone the two are level: 1.03 in float32, 0.98 in bfloat16,
+# where `mamba_ssm`'s block is 2% faster. These are one run's medians; differences of a few percent are
+# within what a second run can change. "Going deeper: where the time goes in scan_lib's block"
 # profiles ours: the kernels that take the most GPU time, by name.
 
 # %% [markdown]
@@ -2022,9 +2023,9 @@ else:
 # %% [markdown]
 # The table says where each implementation stands against the floor and against the others in this
 # run (the GPU is named above it; where the package was not importable, its row is missing). In this
-# run ours is behind the package in the forward (112 us against 42, floor 32) and ahead of it in
-# forward+backward (543 us against 800, floor 79); `F.conv1d` and SiLU are the slowest in both. Both
-# of our times are several times the floor, and a call can spend longer in Python (the custom
+# run ours is behind the package in both: the forward takes 76 us against its 40 (floor 32), forward+backward
+# 493 us against 275 (floor 79); `F.conv1d` and SiLU are the slowest in both. Our backward is several
+# times the floor, and a call can spend longer in Python (the custom
 # operator's dispatch, the launch's arguments) than on the GPU: the GPU then waits for the host. This
 # cell does not split the two; `benchmarks/NOTES_causal_conv1d.md` has the profile of this problem on
 # the H200 (the kernels' own times, and the host time per call) and the times of the earlier backward,
@@ -2074,11 +2075,9 @@ else:
 # in `mamba_ssm`'s order. Where `mamba_ssm`'s module imports (on a GPU with the package built; the same
 # `_mamba_ssm_block` as section 6 and `tests/test_mamba.py`), the cell builds both blocks from the same
 # seed, for the default options and for a second set, and asserts every parameter bit-identical, without
-# copying anything; elsewhere it says it skipped. In the run recorded here it skipped although section 6
-# had imported `mamba_ssm` a few cells before: the first `_mamba_ssm_block` call leaves a stand-in
-# module without an import spec in `sys.modules`, and this second call's `importlib.util.find_spec`
-# raises `ValueError` on it (the printed reason). That is a bug of the helper, not of the weights; until
-# it is fixed and the chapter re-recorded, this run shows no same-seed comparison on the GPU.
+# copying anything; elsewhere it says it skipped. (`_mamba_ssm_block` imports `mamba_ssm`'s module
+# without the package's `__init__`, through a stand-in package it puts in `sys.modules` with the real
+# package's import spec; an earlier run's stand-in had no spec, and this second call failed on it.)
 
 # %%
 SeedMambaSSM, seed_missing = _mamba_ssm_block() if ON_GPU else (None, "needs a GPU")
@@ -2124,12 +2123,16 @@ else:
 # contiguous tensors, dtype casts and transposes around the projections are candidates, and finding out
 # which would need the profiler's stacks (`with_stack=True`), which this cell does not record.
 #
-# In this run the selective scan's forward kernel (`strided_fwd_kernel`) takes 2398 us per step, more
-# than twice the whole bfloat16 forward of `mamba_ssm`'s block in section 6 (980 us). One difference from the benchmark's inputs is visible in the code:
-# $B$ and $C$ reach the scan as transposed views of `x_proj`'s output, so consecutive positions of one
-# state are $R + 2N$ elements apart, and each position's coefficient is a separate memory transaction
-# where a contiguous row would share one among many positions. Whether that is what slows the kernel
-# here is not measured in this chapter; it is the first thing to check.
+# In this run the selective scan's two kernels take two thirds of the step (`strided_bwd_kernel` 1751 us,
+# `strided_fwd_kernel` 670 us); cuBLAS's matrix products (the `nvjet` kernels) follow at about 190 us
+# each, then the convolution's backward (167 us). Of the layout work described in "The block: layouts,
+# caches" only two small kernels reach the top ten: the concatenation of the gradients of `x` and `z`
+# into the gradient of `in_proj`'s output (`CatArrayBatchedCopy`, 68 us), and the sum of the two
+# gradients of the convolution's output, from the scan and from `x_proj` (the `add`, 62 us).
+# `benchmarks/NOTES_selective_scan.md` ("Fifth look") records the profile of the block before its
+# projections were applied in that layout, when $B$, $C$ and the scan's output gradient reached the
+# kernels with positions far apart and the forward kernel alone took longer than this whole list's
+# first line.
 
 # %%
 if not ON_GPU:

@@ -1580,11 +1580,12 @@ else:
 # (On a GPU.) The lines say where chapter 07 stands in training on the block's layout, against chapter
 # 05 and, where it is importable, `mamba_ssm`; the cell below prints, row by row, `mamba_ssm`'s time
 # over ours (above 1: ours is faster). In the run recorded here `mamba_ssm` was importable, and
-# chapter 07 is faster than chapter 05 in every row. Against `mamba_ssm` the ratios run from 0.41 to
-# 1.12: ours is faster at $L$ 8192, at $N$ 64 and at batch 4 of dim 1536, `mamba_ssm` at $L$ 512,
-# at $N$ 4 and at batch 1 and 2. The base shape (8, 1024, 2048, 16) is timed twice, in the series
-# against $L$ and against $N$: the same kernels on the same inputs, so the gap between its two
-# lines is the noise of one measurement, and at that shape the two are about even. The rows behind
+# chapter 07 is faster than chapter 05 in every row but two ($L$ 512 and $N$ 4, where the two take
+# about the same time). Against `mamba_ssm` the ratios run from 0.40 to 1.25: ours is faster at $L$
+# 8192, at $N$ 64 and at batch 4 of dim 1536, `mamba_ssm` at $L$ 512, at $N$ 4 and at batch 1 and 2.
+# The base shape (8, 1024, 2048, 16) is timed twice, in the series against $L$ and against $N$: the
+# same kernels on the same inputs, and its two lines (0.85 and 1.03) differ by more than either
+# differs from 1, so at that shape the two are about even and one measurement cannot say more. The rows behind
 # share a pattern: at $L$ 512 and at $N$ 4 chapter 07 takes about as long as at the base shape, though
 # they do a quarter of its work. Most of their time does not scale with the work; whether it is the
 # host's work per call or a fixed cost in a kernel is not measured yet, and it is the next thing to
@@ -1620,7 +1621,7 @@ else:
 # What is not done yet, and where to go next: the forward with the same runs (its scan is Triton's
 # forward one, already lean); the atomics (a workspace
 # reduction or coalesced additions); a sequence-parallel scan that pays for small batches (section 5's
-# three-phase split is built and checked, but in section 8's measurement it is at best 1.07x faster, in
+# three-phase split is built and checked, but in section 8's measurement it is at best 1.06x faster, in
 # the training step at batch 1, and slower in the forward), which long sequences at batch 1 need; the
 # time that does not scale with the work at short sequences and few states (section 10); and the host
 # overhead of small calls.
