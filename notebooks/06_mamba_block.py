@@ -2023,9 +2023,9 @@ else:
 # %% [markdown]
 # The table says where each implementation stands against the floor and against the others in this
 # run (the GPU is named above it; where the package was not importable, its row is missing). In this
-# run ours is behind the package in both: the forward takes 76 us against its 40 (floor 32), forward+backward
-# 493 us against 275 (floor 79); `F.conv1d` and SiLU are the slowest in both. Our backward is several
-# times the floor, and a call can spend longer in Python (the custom
+# run ours is behind the package in both: the forward takes 76 us against its 40 (floor 32),
+# forward+backward 493 us against 275 (floor 79); `F.conv1d` and SiLU are the slowest in both. Our
+# backward is several times the floor, and a call can spend longer in Python (the custom
 # operator's dispatch, the launch's arguments) than on the GPU: the GPU then waits for the host. This
 # cell does not split the two; `benchmarks/NOTES_causal_conv1d.md` has the profile of this problem on
 # the H200 (the kernels' own times, and the host time per call) and the times of the earlier backward,

@@ -1585,8 +1585,8 @@ else:
 # 8192, at $N$ 64 and at batch 4 of dim 1536, `mamba_ssm` at $L$ 512, at $N$ 4 and at batch 1 and 2.
 # The base shape (8, 1024, 2048, 16) is timed twice, in the series against $L$ and against $N$: the
 # same kernels on the same inputs, and its two lines (0.85 and 1.03) differ by more than either
-# differs from 1, so at that shape the two are about even and one measurement cannot say more. The rows behind
-# share a pattern: at $L$ 512 and at $N$ 4 chapter 07 takes about as long as at the base shape, though
+# differs from 1, so at that shape the two are about even and one measurement cannot say more. The
+# rows behind share a pattern: at $L$ 512 and at $N$ 4 chapter 07 takes about as long as at the base shape, though
 # they do a quarter of its work. Most of their time does not scale with the work; whether it is the
 # host's work per call or a fixed cost in a kernel is not measured yet, and it is the next thing to
 # find. `mamba_ssm`'s time falls with the work. The backward is still most of the step's GPU time in

@@ -611,7 +611,7 @@ def test_fast_outputs_and_gradients_take_u_layout(dtype):
     u = inputs["u"]
     assert not u.is_contiguous() and u.stride() == (L, batch * L, 1)
     leaves = {k: v.detach().requires_grad_() if v is not None else None for k, v in inputs.items()}
-    out = scan_lib.selective_scan(**{k: v for k, v in leaves.items()}, delta_softplus=True)
+    out = scan_lib.selective_scan(**leaves, delta_softplus=True)
     assert out.stride() == u.stride()
     dout = positions_last(torch.randn(dim, batch * L, dtype=dtype).to(DEVICE), batch, L)
     grads = torch.autograd.grad(out, [leaves["u"], leaves["delta"], leaves["z"]], dout)
