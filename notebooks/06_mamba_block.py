@@ -2125,10 +2125,11 @@ else:
 #
 # In this run the selective scan's two kernels take two thirds of the step (`strided_bwd_kernel` 1751 us,
 # `strided_fwd_kernel` 670 us); cuBLAS's matrix products (the `nvjet` kernels) follow at about 190 us
-# each, then the convolution's backward (167 us). Of the layout work described in "The block: layouts,
-# caches" only two small kernels reach the top ten: the concatenation of the gradients of `x` and `z`
-# into the gradient of `in_proj`'s output (`CatArrayBatchedCopy`, 68 us), and the sum of the two
-# gradients of the convolution's output, from the scan and from `x_proj` (the `add`, 62 us).
+# each, then the convolution's backward (167 us). Two of PyTorch's own kernels close the list: a
+# concatenation (`CatArrayBatchedCopy`, 68 us) and an addition (62 us). The names do not say which
+# operation launched them; the backward has one of each that fits, the split of `xz` into `x` and `z`
+# (its backward concatenates their gradients) and the sum of the convolution output's two gradients
+# (from the scan and from `x_proj`), and `with_stack=True` would confirm it.
 # `benchmarks/NOTES_selective_scan.md` ("Fifth look") records the profile of the block before its
 # projections were applied in that layout, when $B$, $C$ and the scan's output gradient reached the
 # kernels with positions far apart and the forward kernel alone took longer than this whole list's
