@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 import scan_lib  # first: it sets up Triton (this script needs a GPU)
+from scan_lib.mamba import positions_last
 from scan_lib.runtime import copy_bandwidth, graph_us, median_us
 from scan_lib.selective_scan import selective_scan_ref
 
@@ -176,16 +177,19 @@ def bench_linear_scan(bandwidth, quick):
 
 
 def selective_inputs(batch, dim, length, n_states, dtype, full, seed=0):
-    """u, delta, A, B, C, D, z, delta_bias as a Mamba block passes them (delta before softplus when full)."""
+    """u, delta, A, B, C, D, z, delta_bias as chapter 06's Mamba block passes them (delta before softplus
+    when full): every (batch, ., L) tensor a view of a (features, batch L) matrix, a projection's output
+    (scan_lib.mamba.positions_last: stride 1 along L, not contiguous), B and C rows of one matrix."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     rand = lambda *s: torch.randn(*s, device=DEVICE, generator=g)  # noqa: E731
-    u = rand(batch, dim, length).to(dtype)
-    delta = (rand(batch, dim, length) * 0.5 - (1.0 if full else 0.0)).to(dtype)
+    as_block = lambda flat: positions_last(flat.to(dtype), batch, length)  # noqa: E731
+    u = as_block(rand(dim, batch * length))
+    delta = as_block(rand(dim, batch * length) * 0.5 - (1.0 if full else 0.0))
     if not full:
-        delta = (0.02 + 0.1 * torch.rand(batch, dim, length, device=DEVICE, generator=g)).to(dtype)
+        delta = as_block(0.02 + 0.1 * torch.rand(dim, batch * length, device=DEVICE, generator=g))
     A = -(0.5 + torch.rand(dim, n_states, device=DEVICE, generator=g))
-    B, C = rand(batch, n_states, length).to(dtype), rand(batch, n_states, length).to(dtype)
-    D, z, delta_bias = (rand(dim), rand(batch, dim, length).to(dtype), rand(dim) * 0.1 - 2.0) if full else (None, None, None)
+    B, C = as_block(rand(2 * n_states, batch * length)).split(n_states, dim=1)
+    D, z, delta_bias = (rand(dim), as_block(rand(dim, batch * length)), rand(dim) * 0.1 - 2.0) if full else (None, None, None)
     return u, delta, A, B, C, D, z, delta_bias
 
 

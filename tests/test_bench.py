@@ -88,3 +88,19 @@ def test_host_time_prints_a_row_per_op(capsys, monkeypatch):
     for name in module.empty_calls(False):
         row = [line for line in printed.splitlines() if line.startswith(name)]
         assert row and "raises" not in row[0], (name, printed)   # every op takes an empty input, as torch's do
+
+
+def test_step_split_times_a_step_and_names_host_operations(bench, capsys, monkeypatch):
+    """benchmarks/step_split.py (on the inputs bench.py builds) prints, per shape, the step, host and kernel
+    times and the host's largest operations; here on the interpreter, at a tiny shape."""
+    import sys
+    monkeypatch.setitem(sys.modules, "bench", bench)
+    spec = importlib.util.spec_from_file_location("step_split", ROOT / "benchmarks" / "step_split.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.main(["--dtype", "fp32", "--shapes", "1,2,9,2", "--rows", "3", "--calls", "1", "--samples", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    shape_line = next(line for line in lines if line.startswith("(1, 2, 9, 2)"))
+    assert "host" in shape_line and "kernels" in shape_line, lines
+    operations = lines[lines.index(shape_line) + 1:]
+    assert len(operations) == 3 and all(line.strip().split()[1] == "us" for line in operations), lines
