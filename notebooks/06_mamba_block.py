@@ -2047,9 +2047,10 @@ else:
 #   reads as a transposed matrix, again without a copy; in the backward each gradient comes back in its
 #   tensor's layout. Applying `in_proj` as `weight @ hidden_states.transpose(1, 2)` on the
 #   (batch, d_model, L) view instead makes PyTorch compute the product in the other layout and copy its
-#   transpose (a 128 MiB copy at the benchmark's size), and `out_proj(y.transpose(1, 2))` on a
+#   transpose (`xz` itself, 128 MiB in bf16 at section 6's size), and `out_proj(y.transpose(1, 2))` on a
 #   contiguous `y` copies `y` and hands the scan's backward a gradient with positions `d_inner`
-#   elements apart: one memory transaction per position.
+#   elements apart: one memory transaction per position. (A census of every aten operation of one
+#   training step, on fake tensors, found both: `benchmarks/NOTES_selective_scan.md`, fourth look.)
 # - **The conv cache.** `mamba_ssm` keeps `conv_state` as the last `d_conv` inputs of the convolution,
 #   of which the next step uses the last `d_conv - 1` (it rolls the window left and appends the new
 #   input). A chunk therefore starts from `initial_states = conv_state[..., 1:]`, and the state after
