@@ -2125,8 +2125,8 @@ else:
 # which would need the profiler's stacks (`with_stack=True`), which this cell does not record.
 #
 # In this run the selective scan's two kernels take two thirds of the step (`strided_bwd_kernel` 1751 us,
-# `strided_fwd_kernel` 670 us); cuBLAS's matrix products (the `nvjet` kernels) follow at about 190 us
-# each, then the convolution's backward (167 us). Two of PyTorch's own kernels close the list: a
+# `strided_fwd_kernel` 670 us); three of cuBLAS's matrix products (the `nvjet` kernels) follow at
+# about 190 us each, then the convolution's backward (167 us) and a fourth product (87 us). Two of PyTorch's own kernels close the list: a
 # concatenation (`CatArrayBatchedCopy`, 68 us) and an addition (62 us). The names do not say which
 # operation launched them; the backward has one of each that fits, the split of `xz` into `x` and `z`
 # (its backward concatenates their gradients) and the sum of the convolution output's two gradients

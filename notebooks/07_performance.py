@@ -138,8 +138,10 @@ else:
                   f"memory floor {memory:6.0f} us, exp floor {exps:6.0f} us")
 
 # %% [markdown]
-# (On a GPU.) The `exp` floor is the larger one at $N = 16$, and it does not shrink with bf16 inputs:
-# halving the bytes only helps a kernel that waits on memory. Chapter 05's kernel takes almost the
+# (On a GPU.) At $N = 16$ the `exp` floor is the larger one in the forward, in both dtypes, and in
+# bf16 forward+backward; only fp32 forward+backward has the bytes' floor above it (the table's second
+# line). And it does not shrink with bf16 inputs: halving the bytes only helps a kernel that waits on
+# memory. Chapter 05's kernel takes almost the
 # same time forward in fp32 and bf16 (section 8's table), while `mamba_ssm`'s roughly halves (chapter
 # 05's benchmark): ours is limited by the instructions it issues, far above both floors. The
 # forward+backward lines are a training step's:
@@ -717,7 +719,7 @@ else:
 # * **$\Delta u$ once per position.** $b = \Delta u B$ shares $\Delta u$ across the states: it is
 #   computed once per chunk, outside the loop over states.
 #
-# The launch parameters changed with them (section 9's sweep): two channels and one warp per program,
+# The launch parameters changed with them (a sweep like section 9's): two channels and one warp per program,
 # chunks of 512 positions in the forward; the backward's chunk is 32 runs, one per lane (128 positions
 # in fp32, 256 in bf16). Section 10 and `make bench` measure the result.
 
@@ -838,8 +840,8 @@ def segment_carries(summary, dsum, A, boundary, reverse):
 # ## 6. The launchers and the public function
 #
 # The launchers are chapter 05's with two differences: they pass strides instead of copying, and the
-# forward returns no $\bar y$. The launch parameters come from a sweep on an H200 (the last section
-# prints one, section 8 a long sequence): two channels per program and 1 warp, 512 positions per
+# forward returns no $\bar y$. The launch parameters come from a sweep on an H200 (section 9 prints
+# one, section 8 a long sequence): two channels per program and 1 warp, 512 positions per
 # chunk for the forward, and for the backward 32 runs of 16 bytes (128 positions in fp32, 256 in bf16:
 # `launch_config` scales the fp32 count); in training the forward runs with the backward's chunk, since
 # it keeps one state per chunk for it. Under the interpreter the chunks are small, so that the tests'
@@ -1313,7 +1315,10 @@ else:
 # so a split roughly doubles the work, and it pays only where the programs it adds find a GPU that
 # would otherwise be idle. That is the case only for few programs: the cell's second line gives the
 # warps per multiprocessor at batch 1 with one channel per program (half that with `GPU_CONFIG`'s
-# two). `selective_scan` keeps one segment (`segments` stays 1); where
+# two). Section 5's prediction failed: at batch 1 the best split is 1.06x faster in the training
+# step, not near two, and slower in the forward; at the usual size two segments more than triple the
+# forward's time, more than the doubled work accounts for, and this cell does not say where the rest
+# goes. `selective_scan` keeps one segment (`segments` stays 1); where
 # a row above shows a split faster, that is speed still left at small batch. The split stays in the
 # kernels, checked in section 7, because the same three phases are how a sequence is spread over
 # several GPUs (chapter 09), where the split is forced by memory rather than chosen for speed. A split
@@ -1470,7 +1475,8 @@ assert err < tolerance(torch.float32, 45)
 #
 # (GPU only.) Both forwards over their launch parameters (channels per program, chunk, warps), and
 # the backward over its own, at (8, 1024, 2048, $N$=16) in fp32, without $D$, $z$ or `delta_bias`
-# (the three-dimensional kernel has none). The winners set `GPU_CONFIG` above.
+# (the three-dimensional kernel has none). `GPU_CONFIG` above holds the winners of an earlier run of
+# this sweep; the cell compares it with this run's best.
 
 # %%
 if not ON_GPU:
@@ -1605,7 +1611,8 @@ else:
 # ## What we built
 #
 # * Two floors for the selective scan, from bytes and `exp`s over rates measured on this GPU, and the
-#   observation that the `exp`s, not the bytes, bound it at $N = 16$.
+#   observation that at $N = 16$ the `exp`s, not the bytes, set the higher floor (except for fp32
+#   forward+backward).
 # * A profile of chapter 05's scan in a training step: copies of strided views, and a backward that
 #   takes most of the time.
 # * `scan_lib.selective_scan`, now this chapter's kernels: strided inputs read in place (no copies:

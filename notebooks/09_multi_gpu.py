@@ -771,7 +771,8 @@ else:
 # * `scan_lib.distributed.linear_scan`, `selective_scan` and `mamba` run over any process group;
 #   `launch` and `check_against_one_process` check them against one process; the example trains with
 #   them under `torchrun`.
-# * Measured: what the exchange costs, both ways, and (on two GPUs) the split against one GPU.
+# * Measured: what the exchange costs, both ways; and, where two GPUs are present, the split against
+#   one GPU (the run recorded here had one GPU, so that cell skipped).
 #
 # ## Going deeper: cheaper phases, overlapped exchanges
 #
