@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import scan_lib  # first: without a GPU it switches Triton to its interpreter, before triton.language loads
 from scan_lib import InferenceParams, Mamba, selective_state_update
@@ -145,6 +146,38 @@ def test_triton_block_gradcheck_input():
     block = make_block(2, 2, backend="triton", dtype=torch.float64)
     hidden = torch.randn(1, 2, 2, dtype=torch.float64, device=DEVICE, requires_grad=True)
     assert torch.autograd.gradcheck(block, (hidden,), fast_mode=False)
+
+
+class _Copies(TorchDispatchMode):
+    """Records every copy an operation makes (clone, contiguous, copy_, a dtype cast): its name and size."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("clone", "contiguous", "copy_", "_to_copy"):
+            source = args[1] if name == "copy_" else args[0]
+            self.seen.append((name, tuple(source.shape), source.numel()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_triton_block_training_step_copies_no_activation(dtype):
+    """One forward+backward of the block on its kernels copies nothing of an activation's size (d_inner
+    values per position): the projections read and write (features, batch L) matrices, the scan writes in
+    its input's layout. What is left is small: dB and dC into x_proj's output gradient (N values per
+    position), casts of parameters and of those gradients."""
+    batch, length, d_model, d_state = 2, 24, 16, 4
+    block = Mamba(d_model, d_state=d_state, backend="triton", device=DEVICE, dtype=dtype)
+    hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(hidden)
+    with _Copies() as copies:
+        block(hidden).backward(grad)
+    per_position = {numel // (batch * length) for _, _, numel in copies.seen if numel >= batch * length}
+    assert all(values <= d_state for values in per_position), copies.seen
+    assert hidden.grad is not None and block.in_proj.weight.grad is not None
 
 
 # ---------------------------------------------------------------------------- parameters and initialisation
