@@ -164,12 +164,20 @@ class _Copies(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_triton_block_training_step_copies_no_activation(dtype):
+def test_triton_block_training_step_copies_no_activation(dtype, monkeypatch):
     """One forward+backward of the block on its kernels copies nothing of an activation's size (d_inner
     values per position): the projections read and write (features, batch L) matrices, the scan writes in
     its input's layout. What is left is small: dB and dC into x_proj's output gradient (N values per
-    position), casts of parameters and of those gradients."""
+    position), casts of parameters and of those gradients. And the output gradient reaches the scan's
+    backward with stride 1 along L (out_proj's backward returns it in y's layout)."""
     batch, length, d_model, d_state = 2, 24, 16, 4
+    fast = sys.modules["scan_lib.fast_selective_scan"]
+    backward, dout_strides = fast.strided_bwd, []
+
+    def recording_backward(*args):
+        dout_strides.append(args[9].stride())          # strided_bwd(u, delta, A, B, C, D, z, bias, states, dout, ...)
+        return backward(*args)
+    monkeypatch.setattr(fast, "strided_bwd", recording_backward)
     block = Mamba(d_model, d_state=d_state, backend="triton", device=DEVICE, dtype=dtype)
     hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(hidden)
@@ -177,6 +185,7 @@ def test_triton_block_training_step_copies_no_activation(dtype):
         block(hidden).backward(grad)
     per_position = {numel // (batch * length) for _, _, numel in copies.seen if numel >= batch * length}
     assert all(values <= d_state for values in per_position), copies.seen
+    assert len(dout_strides) == 1 and dout_strides[0][-1] == 1, dout_strides
     assert hidden.grad is not None and block.in_proj.weight.grad is not None
 
 
