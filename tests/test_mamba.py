@@ -170,7 +170,7 @@ def test_triton_block_training_step_copies_no_activation(dtype, monkeypatch):
     its input's layout. What is left is small: dB and dC into x_proj's output gradient (N values per
     position), casts of parameters and of those gradients. And the output gradient reaches the scan's
     backward with stride 1 along L (out_proj's backward returns it in y's layout)."""
-    batch, length, d_model, d_state = 2, 24, 16, 4
+    batch, length, d_model, d_state = 2, 12, 8, 4
     fast = sys.modules["scan_lib.fast_selective_scan"]
     backward, dout_strides = fast.strided_bwd, []
 
