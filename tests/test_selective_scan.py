@@ -570,8 +570,8 @@ def test_fast_keeps_only_chunk_states(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fast_reads_views_in_place(monkeypatch, dtype):
     """Slices of one projection (stride 1 along L, not contiguous) and B, C transposed from (batch, L, 2N)
-    give the reference's results; u, delta and z are read in place (never copied), B and C copied once
-    each so that their positions are adjacent (positions_adjacent)."""
+    give the reference's results; u, delta and z are read in place (never copied), and only B and C are
+    copied, so that their positions are adjacent (positions_adjacent)."""
     batch, dim, N, L = 2, 6, 4, 37
     inputs = make_inputs(batch, dim, N, L, dtype=dtype, seed=4)
     projected = torch.cat([inputs["u"], inputs["delta"], inputs["z"]], dim=1)       # batch x 3 dim x L
@@ -588,7 +588,7 @@ def test_fast_reads_views_in_place(monkeypatch, dtype):
         return contiguous(self, *args, **kwargs)
     monkeypatch.setattr(torch.Tensor, "contiguous", recording_contiguous)
     compare(inputs)
-    assert set(copied) == {(batch, 1, N, L)}, copied   # B and C, in the forward (and its reference)
+    assert set(copied) == {(batch, 1, N, L)}, copied   # B and C (each scan call copies both), nothing else
 
 
 def block_layout(inputs):
