@@ -101,7 +101,7 @@ def kernel_args(kind, dtype, batch=8, dim=1024, length=2048, n_states=16):
     shared.update(SEGS=chunk // items, ITEMS=items)
     return fast.strided_bwd_kernel, dict(shared, STATES="*fp32", DOUT=f"*{dtype}", DLAST=None, DU=f"*{dtype}",
                                          DDELTA=f"*{dtype}", DZ=None, DB="*fp32", DC="*fp32", DA_PART="*fp32",
-                                         DD_PART="*fp32", DBIAS_PART="*fp32", DH0="*fp32", HAS_DLAST=False,
+                                         DA="*fp32", DD=None, DBIAS=None, DH0="*fp32", HAS_DLAST=False,
                                          so_b=dim * length, so_d=length, so_l=1, sg_b=dim * length, sg_d=length,
                                          sg_l=1)
 

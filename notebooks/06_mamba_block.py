@@ -1526,8 +1526,8 @@ else:
 # The two blocks compute the same function: the cell asserts that outputs and every gradient agree
 # (the first lines above). Their speeds are in the ratio lines: a ratio below 1 means `mamba_ssm`'s
 # block is the faster in that row, above 1 ours. In this run ours is the faster in forward+backward, a
-# training step: `mamba_ssm`'s time over ours is 1.04-1.05 in float32 and 1.07 (fused) to 1.16
-# (unfused) in bfloat16. In the forward alone the two are level: 1.03 in float32, 0.98 in bfloat16,
+# training step: `mamba_ssm`'s time over ours is 1.04 (fused) to 1.06 (unfused) in float32 and 1.05
+# (fused) to 1.15 (unfused) in bfloat16. In the forward alone the two are level: 1.02-1.03 in float32, 0.98 in bfloat16,
 # where `mamba_ssm`'s block is 2% faster. These are one run's medians; differences of a few percent are
 # within what a second run can change. "Going deeper: where the time goes in scan_lib's block"
 # profiles ours: the kernels that take the most GPU time, by name.
@@ -2023,11 +2023,14 @@ else:
 # %% [markdown]
 # The table says where each implementation stands against the floor and against the others in this
 # run (the GPU is named above it; where the package was not importable, its row is missing). In this
-# run ours is behind the package in both: the forward takes 76 us against its 40 (floor 32),
-# forward+backward 493 us against 275 (floor 79); `F.conv1d` and SiLU are the slowest in both. Our
+# run ours is behind the package in both: the forward takes 134 us against its 71 (floor 32),
+# forward+backward 924 us against 573 (floor 79); `F.conv1d` and SiLU are the slowest in both. Our
 # backward is several times the floor, and a call can spend longer in Python (the custom
-# operator's dispatch, the launch's arguments) than on the GPU: the GPU then waits for the host. This
-# cell does not split the two; `benchmarks/NOTES_causal_conv1d.md` has the profile of this problem on
+# operator's dispatch, the launch's arguments) than on the GPU: the GPU then waits for the host. In
+# this run that is most of the time: the block's profile in "Going deeper: where the time goes in scan_lib's block"
+# times the same convolution's kernels, at this same size, at 72 us (forward) and 167 us (backward):
+# the rest of each call here is the host's, whose speed on this machine varies from run to run more
+# than the kernels' does. This cell does not split the two; `benchmarks/NOTES_causal_conv1d.md` has the profile of this problem on
 # the H200 (the kernels' own times, and the host time per call) and the times of the earlier backward,
 # which recomputed $g$ at each of the $K$ shifts. Cutting the
 # host path is the next work for this op; the forward also still loads $x$ at $K$ shifted positions
@@ -2124,10 +2127,10 @@ else:
 # contiguous tensors, dtype casts and transposes around the projections are candidates, and finding out
 # which would need the profiler's stacks (`with_stack=True`), which this cell does not record.
 #
-# In this run the selective scan's two kernels take two thirds of the step (`strided_bwd_kernel` 1751 us,
+# In this run the selective scan's two kernels take two thirds of the step (`strided_bwd_kernel` 1855 us,
 # `strided_fwd_kernel` 670 us); three of cuBLAS's matrix products (the `nvjet` kernels) follow at
-# about 190 us each, then the convolution's backward (167 us) and a fourth product (87 us). Two of PyTorch's own kernels close the list: a
-# concatenation (`CatArrayBatchedCopy`, 68 us) and an addition (62 us). The names do not say which
+# about 190 us each, then the convolution's backward (167 us) and a fourth product (89 us). Two of PyTorch's own kernels close the list: a
+# concatenation (`CatArrayBatchedCopy`, 67 us) and an addition (62 us). The names do not say which
 # operation launched them; the backward has one of each that fits, the split of `xz` into `x` and `z`
 # (its backward concatenates their gradients) and the sum of the convolution output's two gradients
 # (from the scan and from `x_proj`), and `with_stack=True` would confirm it.

@@ -179,23 +179,29 @@ def training_step(scan, inputs):
     return torch.autograd.grad(out, leaves, torch.ones_like(out))
 
 
-def profile_table(fn, rows=8):
-    """GPU time per kernel name over 5 calls of fn, from torch.profiler's CUDA timeline."""
+def kernel_times(fn, calls=5):
+    """GPU time per kernel name per call of fn, from torch.profiler's CUDA timeline, largest first."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        for _ in range(calls):
             fn()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    total = sum(e.self_device_time_total for e in events)
+    return {e.key: e.self_device_time_total / calls for e in events}
+
+
+def profile_table(fn, rows=8):
+    """Print and return the GPU time per kernel name of one call of fn (kernel_times)."""
+    times = kernel_times(fn)
+    total = sum(times.values())
     print(f"{'kernel':60s} {'share':>6s} {'us per step':>12s}")
-    for e in events[:rows]:
-        print(f"{e.key[:60]:60s} {e.self_device_time_total / total:6.1%} {e.self_device_time_total / 5:12.0f}")
-    print(f"{'all kernels':60s} {1:6.0%} {total / 5:12.0f}")
-    return {e.key: e.self_device_time_total / 5 for e in events}
+    for name, us in list(times.items())[:rows]:
+        print(f"{name[:60]:60s} {us / total:6.1%} {us:12.0f}")
+    print(f"{'all kernels':60s} {1:6.0%} {total:12.0f}")
+    return times
 
 
 if not ON_GPU:
@@ -406,7 +412,10 @@ def strided_fwd_kernel(
 #    last item (one `exp` per run). Only the (`BLOCK_D`, `SEGS`) summaries go through
 #    `reverse=True`: one register per thread instead of a whole chunk's.
 # 3. **The gradients** from the items' values; $dB$ and $dC$ per position are summed over the block's
-#    channels and added across programs with atomic additions, as before.
+#    channels and added across programs with atomic additions, as before. The sums over positions
+#    ($dA$ per run, $dD$, $d\Delta_{\text{bias}}$) are kept per program through the chunks, then added
+#    the same way into totals the launcher zeroes, all in one buffer with $dB$ and $dC$: one
+#    zeroing launch before the kernel and no reduction after it.
 #
 # Prediction, from the instructions the loop over states issues, which need no GPU to count (the cell
 # after the kernel; "Going deeper" says how): far fewer per (position, state) than the version with two
@@ -530,7 +539,7 @@ def run_adjoints(gate, c, adj_in, runs, SEGS: tl.constexpr, ITEMS: tl.constexpr)
 def strided_bwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, STATES, DOUT, DLAST,  # as in the forward; DOUT any strides; DLAST b x d x N x S
     DU, DDELTA, DZ, DB, DC,   # u's layout b x d x L (x3); DB, DC fp32 b x g x N x L (atomics) or b x d x N x S x SEGS
-    DA_PART, DD_PART, DBIAS_PART, DH0,               # b x d x N x S x SEGS, b x d x S, b x d x S, b x d x N x S
+    DA_PART, DA, DD, DBIAS, DH0,   # b x d x N x S x SEGS; d x N, d, d (zeroed, atomics); b x d x N x S
     dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sa_d, sa_n,
     sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l, so_b, so_d, so_l, sg_b, sg_d, sg_l,
@@ -680,8 +689,16 @@ def strided_bwd_kernel(
         tl.store(DDELTA + grad_offs, ddelta.to(DDELTA.dtype.element_ty), mask)
         tl.store(DU + grad_offs, (skip[:, None] * dybar + delta * b_sum).to(DU.dtype.element_ty), mask)
         dbias_acc += tl.sum(ddelta, axis=1)
-    tl.store(DD_PART + (pid_b * dim + ds) * n_segments + pid_s, dD_acc, d_ok)
-    tl.store(DBIAS_PART + (pid_b * dim + ds) * n_segments + pid_s, dbias_acc, d_ok)
+    # dA, dD and d delta_bias: this program's sums added to the totals over batch and segments (no
+    # reduction launched after the kernel)
+    tl.debug_barrier()   # the per-run partials the last chunk stored, before they are read
+    for n in range(0, N_STATES):
+        dA_runs = tl.load(DA_PART + PART + n * n_segments * SEGS, run_ok, other=0.0)
+        tl.atomic_add(DA + ds * N_STATES + n, tl.sum(dA_runs, axis=1), d_ok, sem="relaxed")
+    if HAS_D:
+        tl.atomic_add(DD + ds, dD_acc, d_ok, sem="relaxed")
+    if HAS_BIAS:
+        tl.atomic_add(DBIAS + ds, dbias_acc, d_ok, sem="relaxed")
 
 
 # %%
@@ -848,9 +865,62 @@ def segment_carries(summary, dsum, A, boundary, reverse):
 # short sequences still cross several chunks and blocks. The autograd plumbing (a `torch.library`
 # custom op with fake and vmap rules, an autograd Function, a second derivative that raises) is
 # chapter 05's, imported.
+#
+# One thing is new: how the kernels are launched. On a GPU, `kernel[grid](*args)` does a fair amount
+# of Python before the launch itself: it asks for the current device and stream, binds the arguments
+# to the kernel's signature, works out each argument's *specialisation* (a pointer's element type and
+# whether it is 16-byte aligned; an integer's width, whether it is 1 and whether it divides by 16,
+# which let the compiler drop a multiply or vectorise a load), turns those into a cache key and looks
+# the compiled kernel up, on every call, though in a training loop the answer never changes. With
+# about 40 runtime arguments per kernel here, that work grows with the arguments, and it is spent
+# before the GPU has anything to do. `launch` keeps the compiled kernel Triton returns under a key of the same
+# properties, computed in one pass over the arguments, and launches it directly the next time: the
+# compiled kernel's own launcher, which still reads the current stream. The key is at least as fine
+# as Triton's (every integer by value), so it never picks a kernel compiled for other arguments.
+# `cdiv` and `next_power_of_2` are plain Python for the same reason: Triton 3.6 defines its own as
+# functions usable inside kernels too, which costs more per call from the host than the arithmetic.
+# Section 11 measures a training step with and without the cache.
 
 # %%
 #| export
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive integers (triton.cdiv, without its per-call cost on the host)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n for n >= 1, 0 for 0 (triton.next_power_of_2, plain Python)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+_COMPILED: dict = {}   # (kernel, key) -> the compiled kernel Triton returned for it
+
+
+def launch(kernel, grid, *args, **constexprs):
+    """`kernel[grid](*args, **constexprs)` for a @triton.jit kernel, constexprs (and launch options such
+    as num_warps) by keyword, with the host's work per call cut to a dictionary lookup.
+
+    The first call for a key goes through Triton, which compiles if needed and returns the compiled
+    kernel; later calls with the same key launch that compiled kernel directly. The key: the kernel,
+    the current device, the keyword arguments, every integer argument by value, every tensor's dtype
+    and 16-byte alignment, every other argument (None, bool, float) with its type. Under the
+    interpreter: plain `kernel[grid](...)`."""
+    if INTERPRET:
+        return kernel[grid](*args, **constexprs)
+    key = (kernel, torch.cuda.current_device(), tuple(constexprs.items()), tuple([
+        arg if arg.__class__ is int else (arg.dtype, arg.data_ptr() % 16 == 0)
+        if isinstance(arg, torch.Tensor) else (arg.__class__, arg) for arg in args]))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        _COMPILED[key] = kernel[grid](*args, **constexprs)
+        return
+    # the compiled kernel takes every parameter in order, constexprs included
+    compiled[grid](*args, *(constexprs[name] for name in kernel.arg_names[len(args):]))
+
+
+# %%
+#| export
+import math
 from typing import Optional
 
 from scan_lib.runtime import apply, custom_op
@@ -871,10 +941,10 @@ def launch_config(kind, dim, per_group_b, per_group_c, length, element_size=4):
     config = dict((CPU_CONFIG if INTERPRET else GPU_CONFIG)[kind])
     if kind == "bwd":
         config["chunk"] = max(1, config["chunk"] * 4 // element_size)
-    block_d = min(config["block_d"], triton.next_power_of_2(dim))
+    block_d = min(config["block_d"], next_power_of_2(dim))
     for per_group in (per_group_b, per_group_c):
         block_d = min(block_d, per_group & -per_group)       # largest power of two dividing per_group
-    config.update(block_d=block_d, chunk=min(config["chunk"], max(triton.next_power_of_2(length), 2)))
+    config.update(block_d=block_d, chunk=min(config["chunk"], max(next_power_of_2(length), 2)))
     return config
 
 
@@ -886,8 +956,8 @@ def run_items(u, chunk):
 
 def split(n_chunks, segments):
     """(S, chunks per segment) for about `segments` segments of whole chunks (at most one per chunk)."""
-    seg_chunks = triton.cdiv(n_chunks, max(1, min(segments, n_chunks)))
-    return triton.cdiv(n_chunks, seg_chunks), seg_chunks
+    seg_chunks = cdiv(n_chunks, max(1, min(segments, n_chunks)))
+    return cdiv(n_chunks, seg_chunks), seg_chunks
 
 
 def _coef_layout(M, dim):
@@ -928,6 +998,35 @@ def positions_adjacent(M):
     return M
 
 
+def run_partials_shape(u, A, chunk, segments):
+    """The backward's partial sums per (batch, channel, state, segment, run of a chunk)."""
+    n_segments, _ = split(cdiv(u.shape[2], chunk), segments)
+    return (u.shape[0], u.shape[1], A.shape[1], n_segments, chunk // run_items(u, chunk))
+
+
+def summed_gradient_shapes(u, A, B, C, chunk, segments):
+    """What the backward sums over positions, in the order of its one zeroed buffer: dB and dC (batch,
+    groups, N, L), or for a time-invariant (dim, N) their partial sums per run (run_partials_shape),
+    then dA (dim, N), dD and d delta_bias (dim,). One buffer: one allocation, one zeroing launch."""
+    per_run = run_partials_shape(u, A, chunk, segments)
+    return [tuple(B.shape) if B.dim() == 4 else per_run, tuple(C.shape) if C.dim() == 4 else per_run,
+            tuple(A.shape), (u.shape[1],), (u.shape[1],)]
+
+
+def unflatten(flat, shapes):
+    """Views of consecutive pieces of flat, one per shape."""
+    return [piece.view(shape) for piece, shape in zip(flat.split([math.prod(shape) for shape in shapes]), shapes)]
+
+
+def gradients_from_summed(summed, u, A, B, C, chunk, segments):
+    """(dA, dB, dC, dD, d delta_bias) from the backward's flat buffer: views, the time-invariant B's and
+    C's runs summed."""
+    dB, dC, dA, dD, dbias = unflatten(summed, summed_gradient_shapes(u, A, B, C, chunk, segments))
+    over_batch_segments_runs = (0, -2, -1)
+    return (dA, dB.sum(over_batch_segments_runs) if B.dim() == 2 else dB,
+            dC.sum(over_batch_segments_runs) if C.dim() == 2 else dC, dD, dbias)
+
+
 @custom_op("strided_selective_scan_fwd", __name__)
 def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
@@ -944,14 +1043,14 @@ def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
     per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
     config = launch_config("fwd", dim, per_group_b, per_group_c, length)
     chunk = save_chunk if save_chunk > 0 else config["chunk"]
-    n_chunks = triton.cdiv(length, chunk)
+    n_chunks = cdiv(length, chunk)
     n_segments, seg_chunks = split(n_chunks, segments)
     out = like_u(u)
     ends = u.new_empty(batch, dim, n_states, n_segments, dtype=acc)   # the state at each segment's end
     states = u.new_empty(batch, dim, n_states, n_chunks if save_chunk > 0 else 0, dtype=acc)
 
-    def launch(entering, dsum):   # dsum given: phase 1 (SUMMARY), else the outputs
-        strided_fwd_kernel[(batch, triton.cdiv(dim, config["block_d"]), n_segments)](
+    def scan_pass(entering, dsum):   # dsum given: phase 1 (SUMMARY), else the outputs
+        launch(strided_fwd_kernel, (batch, cdiv(dim, config["block_d"]), n_segments),
             u, delta, A, B, C, D, z, delta_bias, entering, out, states, ends, dsum,
             dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
             *strides["u"], *strides["delta"], *strides["z"], *strides["A"], *strides["B"], *strides["C"],
@@ -959,14 +1058,14 @@ def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
             HAS_H0=entering is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
             SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc), SAVE=save_chunk > 0 and dsum is None,
             SUMMARY=dsum is not None, BLOCK_D=config["block_d"],
-            BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk, num_warps=config["num_warps"])
+            BLOCK_N=next_power_of_2(n_states), CHUNK=chunk, num_warps=config["num_warps"])
 
     entering = initial_state
     if n_segments > 1:   # phases 1 and 2: the state entering each segment
         dsum = u.new_empty(batch, dim, n_segments, dtype=acc)
-        launch(None, dsum)
+        scan_pass(None, dsum)
         entering, _ = segment_carries(ends, dsum, A, initial_state, reverse=False)
-    launch(entering, None)
+    scan_pass(entering, None)
     return out, ends[..., -1].contiguous(), states
 
 
@@ -984,22 +1083,23 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
                 D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
                 states: torch.Tensor, dout: torch.Tensor, dlast: Optional[torch.Tensor],
                 delta_softplus: bool, chunk: int, segments: int) -> list[torch.Tensor]:
-    """The backward: du, d delta, dA, dB, dC, dD, dz, d delta_bias, d initial_state, as chapter 05's
-    selective_scan_bwd returns them (du, d delta, dz in u's layout: like_u). segments: as in strided_fwd."""
+    """The backward: du, d delta, dz (u's layout: like_u; dz empty without z), d initial_state, and one
+    flat buffer of the gradients summed over positions (summed_gradient_shapes: dB, dC, dA, dD,
+    d delta_bias; `gradients_from_summed` unpacks it). segments: as in strided_fwd."""
     D, delta_bias, dlast = _small_contiguous(D, delta_bias, dlast)
     batch, dim, length = u.shape
     n_states, n_chunks, acc = A.shape[1], states.shape[-1], states.dtype
     per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
     config = launch_config("bwd", dim, per_group_b, per_group_c, length)
     n_segments, seg_chunks = split(n_chunks, segments)
-    grid = (batch, triton.cdiv(dim, config["block_d"]), n_segments)
+    grid = (batch, cdiv(dim, config["block_d"]), n_segments)
     sizes = dict(N_STATES=n_states, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
-                 BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk, num_warps=config["num_warps"])
+                 BLOCK_N=next_power_of_2(n_states), CHUNK=chunk, num_warps=config["num_warps"])
     entering = dlast
     if n_segments > 1:   # phases 1 and 2: the adjoint entering each segment from the right
         adj, dsum = (u.new_empty(batch, dim, n_states, n_segments, dtype=acc),
                      u.new_empty(batch, dim, n_segments, dtype=acc))
-        adjoint_summary_kernel[grid](
+        launch(adjoint_summary_kernel, grid,
             delta, A, C, z, delta_bias, dout, adj, dsum, dim, length, n_chunks, seg_chunks, per_group_c,
             *strides["delta"], *strides["z"], *strides["A"], *strides["C"], *dout.stride(),
             HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, C_PER_STEP=C.dim() == 4,
@@ -1008,41 +1108,30 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
     items = run_items(u, chunk)
     du, ddelta = like_u(u), like_u(u, delta.dtype)
     dz = like_u(u, z.dtype) if z is not None else u.new_empty(0)
-    per_run = (batch, dim, n_states, n_segments, chunk // items)    # partial sums per segment and run
-    dB = torch.zeros(B.shape if B.dim() == 4 else per_run, device=u.device, dtype=acc)
-    dC = torch.zeros(C.shape if C.dim() == 4 else per_run, device=u.device, dtype=acc)
+    per_run = run_partials_shape(u, A, chunk, segments)
+    shapes = summed_gradient_shapes(u, A, B, C, chunk, segments)
+    summed = torch.zeros(sum(math.prod(shape) for shape in shapes), device=u.device, dtype=acc)
+    dB, dC, dA, dD, dbias = unflatten(summed, shapes)
     dA_part, dh0 = u.new_empty(per_run, dtype=acc), u.new_empty(per_run[:-1], dtype=acc)
-    dD_part, dbias_part = (u.new_empty(batch, dim, n_segments, dtype=acc) for _ in range(2))
-    strided_bwd_kernel[grid](
+    launch(strided_bwd_kernel, grid,
         u, delta, A, B, C, D, z, delta_bias, states, dout, entering,
-        du, ddelta, dz, dB, dC, dA_part, dD_part, dbias_part, dh0,
+        du, ddelta, dz, dB, dC, dA_part, dA, dD if D is not None else None,
+        dbias if delta_bias is not None else None, dh0,
         dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
         *strides["u"], *strides["delta"], *strides["z"], *strides["A"], *strides["B"], *strides["C"],
         *dout.stride(), *du.stride(), HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         HAS_DLAST=entering is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
         SOFTPLUS=delta_softplus, N_STATES=n_states, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
         SEGS=chunk // items, ITEMS=items, num_warps=config["num_warps"])
-    over_batch_segments_runs = (0, -2, -1)
-    over_batch_and_segments = (0, -1)
-    if B.dim() == 2:
-        dB = dB.sum(over_batch_segments_runs)
-    if C.dim() == 2:
-        dC = dC.sum(over_batch_segments_runs)
-    return [du, ddelta, dA_part.sum(over_batch_segments_runs), dB, dC,
-            dD_part.sum(over_batch_and_segments) if D is not None else u.new_empty(0, dtype=acc), dz,
-            dbias_part.sum(over_batch_and_segments) if delta_bias is not None else u.new_empty(0, dtype=acc),
-            dh0[..., 0].contiguous()]
+    return [du, ddelta, dz, dh0[..., 0].contiguous(), summed]
 
 
 @strided_bwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, states, dout, dlast, delta_softplus, chunk, segments):
-    acc, dim = states.dtype, u.shape[1]
-    return [like_u(u), like_u(u, delta.dtype), A.new_empty(A.shape, dtype=acc),
-            B.new_empty(B.shape, dtype=acc), C.new_empty(C.shape, dtype=acc),
-            u.new_empty((dim,) if D is not None else (0,), dtype=acc),
-            like_u(u, z.dtype) if z is not None else u.new_empty(0),
-            u.new_empty((dim,) if delta_bias is not None else (0,), dtype=acc),
-            u.new_empty(u.shape[0], dim, A.shape[1], dtype=acc)]
+    acc, shapes = states.dtype, summed_gradient_shapes(u, A, B, C, chunk, segments)
+    return [like_u(u), like_u(u, delta.dtype), like_u(u, z.dtype) if z is not None else u.new_empty(0),
+            u.new_empty(u.shape[0], u.shape[1], A.shape[1], dtype=acc),
+            u.new_empty(sum(math.prod(shape) for shape in shapes), dtype=acc)]
 
 
 strided_fwd.register_vmap(_vmap_by_loop(strided_fwd))
@@ -1077,8 +1166,10 @@ class StridedSelectiveScanFn(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(u)
         with torch.no_grad():  # the op's own outputs carry no graph (chapter 05's _NoSecondDerivative)
-            grads = strided_bwd(u, delta, A, B, C, D, z, delta_bias, states, dout.to(u.dtype), dlast,
-                                ctx.delta_softplus, ctx.chunk, ctx.segments)
+            du, ddelta, dz, dh0, summed = strided_bwd(u, delta, A, B, C, D, z, delta_bias, states, dout.to(u.dtype),
+                                                      dlast, ctx.delta_softplus, ctx.chunk, ctx.segments)
+            dA, dB, dC, dD, dbias = gradients_from_summed(summed, u, A, B, C, ctx.chunk, ctx.segments)
+        grads = (du, ddelta, dA, dB, dC, dD, dz, dbias, dh0)
         inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
         grads = [None if x is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
         if torch.is_grad_enabled():  # create_graph=True (or torch.func.grad): make a second derivative raise
@@ -1315,7 +1406,7 @@ else:
 # so a split roughly doubles the work, and it pays only where the programs it adds find a GPU that
 # would otherwise be idle. That is the case only for few programs: the cell's second line gives the
 # warps per multiprocessor at batch 1 with one channel per program (half that with `GPU_CONFIG`'s
-# two). Section 5's prediction failed: at batch 1 the best split is 1.06x faster in the training
+# two). Section 5's prediction failed: at batch 1 the best split is 1.10x faster in the training
 # step, not near two, and slower in the forward; at the usual size two segments more than triple the
 # forward's time, more than the doubled work accounts for, and this cell does not say where the rest
 # goes. `selective_scan` keeps one segment (`segments` stays 1); where
@@ -1381,7 +1472,8 @@ else:
 # positions spaced apart, so one warp's additions touch more memory sectors. Summing several channels
 # in one program before adding (`block_d` > 1) divides the additions, but fewer programs then share
 # the GPU; the sweep below tries one and two channels per program (in the recorded run the
-# backward's best had one, and `GPU_CONFIG`'s two came within 1.3x of it). Two ways around it that
+# backward's best had two, with chunks of 256 positions where `GPU_CONFIG` has 128, and
+# `GPU_CONFIG` came within 1.3x of it). Two ways around it that
 # this chapter has not built: accumulate $dB$ per group of channels in a workspace and reduce it with one more kernel
 # (the bytes: $\text{dim}/g \cdot N \cdot L$ floats per batch element), or reformulate the backward so
 # that the sum over channels becomes a matrix product (Mamba-2's "state space duality" does exactly this
@@ -1586,16 +1678,15 @@ else:
 # (On a GPU.) The lines say where chapter 07 stands in training on the block's layout, against chapter
 # 05 and, where it is importable, `mamba_ssm`; the cell below prints, row by row, `mamba_ssm`'s time
 # over ours (above 1: ours is faster). In the run recorded here `mamba_ssm` was importable, and
-# chapter 07 is faster than chapter 05 in every row but two ($L$ 512 and $N$ 4, where the two take
-# about the same time). Against `mamba_ssm` the ratios run from 0.40 to 1.25: ours is faster at $L$
-# 8192, at $N$ 64 and at batch 4 of dim 1536, `mamba_ssm` at $L$ 512, at $N$ 4 and at batch 1 and 2.
-# The base shape (8, 1024, 2048, 16) is timed twice, in the series against $L$ and against $N$: the
-# same kernels on the same inputs, and its two lines (0.85 and 1.03) differ by more than either
-# differs from 1, so at that shape the two are about even and one measurement cannot say more. The
-# rows behind share a pattern: at $L$ 512 and at $N$ 4 chapter 07 takes about as long as at the base shape, though
-# they do a quarter of its work. Most of their time does not scale with the work; whether it is the
-# host's work per call or a fixed cost in a kernel is not measured yet, and it is the next thing to
-# find. `mamba_ssm`'s time falls with the work. The backward is still most of the step's GPU time in
+# chapter 07 is faster than chapter 05 in every row. Against `mamba_ssm` the ratios run from 0.53 to
+# 1.22: ours is faster at the base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$ 64 and at batch 4 of
+# dim 1536, `mamba_ssm` at $L$ 512, at $N$ 4 and at batch 1 and 2. The base shape is timed twice, in
+# the series against $L$ and against $N$: the same kernels on the same inputs, and this time its two
+# lines agree (1.15 both; in earlier runs they differed by more than either differed from 1, so read
+# a single ratio near 1 as "about even"). The rows behind share a pattern: at $L$ 512 and at $N$ 4
+# chapter 07 takes more than four fifths of its time at the base shape, though they do a quarter of
+# its work. Most of their time does not scale with the work, while `mamba_ssm`'s falls with it.
+# Section 11 measures where that time goes. The backward is still most of the step's GPU time in
 # section 8's profile. `make bench` has the forward rows and fp32 as well.
 
 # %%
@@ -1606,6 +1697,77 @@ if ON_GPU and any(name == "mamba_ssm" for _, _, name in times):
             print(f"{str(shape):22s} forward+backward, mamba_ssm time / chapter 07 time: {ratio:.2f}")
 else:
     print("skipped: needs a GPU and mamba_ssm")
+
+# %% [markdown]
+# ## 11. The host's share
+#
+# The GPU runs only what the host has queued. A training step's Python (the checks, the
+# allocations, autograd's bookkeeping, each launch) takes time on the CPU whatever the kernels do, and
+# when it takes longer than the kernels the GPU waits. Three numbers per step say which side sets
+# the pace: `do_bench`'s time of the whole step; the host's time to queue one step (`host_us`: steps
+# back to back, no synchronisation inside, so the host never waits for the GPU); and the sum of the
+# step's kernel durations (`kernel_times`, section 2's profiler). The step takes about the larger of
+# the last two. The same host time with section 6's `launch` replaced by a plain `kernel[grid](...)`
+# shows what keeping the compiled kernels saves; `mamba_ssm`, where it is importable, is measured the
+# same way.
+
+# %%
+import statistics
+
+from scan_lib.runtime import host_us, median_us
+
+
+def triton_launch(kernel, grid, *args, **constexprs):
+    """Section 6's launch without its cache: every call through Triton's kernel[grid](...)."""
+    return kernel[grid](*args, **constexprs)
+
+
+def host_split(scan, inputs):
+    """(step, host per step, kernels per step) in us for a training step of scan on inputs."""
+    step = lambda: training_step(scan, inputs)  # noqa: E731
+    step_us = median_us(step, warmup=5, rep=50)
+    host = statistics.median(host_us(step, 20) for _ in range(5))
+    return step_us, host, sum(kernel_times(step).values())
+
+
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    print(f"training step, bf16, block layout, every option; us per step on {torch.cuda.get_device_name()}")
+    print(f"{'(batch, dim, L, N)':22s} {'':28s} {'step':>7s} {'host':>7s} {'kernels':>8s}")
+    cached_launch = launch
+    rows = {name: fn for name, fn in peers().items() if name != "chapter 05"}
+    for shape in [(8, 1024, 512, 16), (8, 1024, 2048, 4), (8, 1024, 2048, 16), (1, 2048, 2048, 16)]:
+        inputs = block_layout_inputs(*shape, torch.bfloat16)
+        for name, fn in rows.items():
+            print(f"{str(shape):22s} {name:28s} {'%7.0f %7.0f %8.0f' % host_split(fn, inputs)}")
+        launch = triton_launch
+        try:
+            print(f"{str(shape):22s} {'chapter 07, Triton launches':28s} {'%7.0f %7.0f %8.0f' % host_split(selective_scan, inputs)}")
+        finally:
+            launch = cached_launch
+
+# %% [markdown]
+# (On a GPU.) Read each row as: which of host and kernels is the larger, and how the step compares
+# with it. In the run recorded here, at three of the four shapes chapter 07's host time per step
+# (1520 to 1706 µs) is several times its kernels' time (311 to 462 µs): the GPU waits for Python, and
+# the step follows the host. Its kernels are faster than `mamba_ssm`'s at all four shapes (311
+# against 356 µs at $L$ 512, 462 against 537 at $N$ 4, 1285 against 1485 at the base shape, 396
+# against 432 at batch 1), yet in this table its step is the slower at all four. At the three short
+# ones the reason is the host: `mamba_ssm`'s host time is about half of ours (815 to 890 µs), its
+# launchers being C++ and ours Python. This is section 10's time that does not scale with the work.
+# At the base shape our host and kernels take about as long (1410 and 1285 µs), and the step (1702 µs)
+# is longer than either, where in section 10 the same step took 1307 µs.
+#
+# The rows with Triton's own launches do not show what the cache of section 6 saves: against the
+# cached rows they differ both ways (1681 against 1520 µs at $L$ 512, 1349 against 1706 at $N$ 4),
+# by more than two launches could cost, so on this machine's host one measurement varies by a few
+# hundred microseconds, more than the effect. The same variation shows between sections: the step
+# at $L$ 512 took 1094 µs in section 10 and 1378 µs here. What is measured is enough for the
+# direction: the short rows are won or lost on the host, and the next cuts are there, in the Python
+# each step runs (the input checks, the layouts, the allocations, the autograd Function), measured
+# with a profiler of the host's own time; `benchmarks/step_split.py` lists the host's largest
+# operations per step.
 
 # %% [markdown]
 # ## What we built
@@ -1624,14 +1786,17 @@ else:
 #   checked against the float64 reference.
 # * Measurements of what is left: the `dB`, `dC` atomics alone, and two ideas that did not pay (one
 #   `exp` fewer through $a_t h_{t-1} = h_t - b_t$, which cancels; all states in one tile, slower).
+# * The host's share of a training step: at short sequences and few states it is several times the
+#   kernels' time, and about twice `mamba_ssm`'s; launches that reuse the compiled kernel, and the
+#   backward's sums inside its kernel (one launch before it, none after).
 #
 # What is not done yet, and where to go next: the forward with the same runs (its scan is Triton's
 # forward one, already lean); the atomics (a workspace
 # reduction or coalesced additions); a sequence-parallel scan that pays for small batches (section 5's
-# three-phase split is built and checked, but in section 8's measurement it is at best 1.06x faster, in
-# the training step at batch 1, and slower in the forward), which long sequences at batch 1 need; the
-# time that does not scale with the work at short sequences and few states (section 10); and the host
-# overhead of small calls.
+# three-phase split is built and checked, but in section 8's measurement it is at best 1.10x faster, in
+# the training step at batch 1, and slower in the forward), which long sequences at batch 1 need; and
+# the host's time per step (section 11), which decides the short rows: the Python each call runs
+# before and after its kernels.
 #
 # ## Going deeper: profiling tools on this GPU
 #

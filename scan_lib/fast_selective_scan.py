@@ -243,7 +243,7 @@ def run_adjoints(gate, c, adj_in, runs, SEGS: tl.constexpr, ITEMS: tl.constexpr)
 def strided_bwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, STATES, DOUT, DLAST,  # as in the forward; DOUT any strides; DLAST b x d x N x S
     DU, DDELTA, DZ, DB, DC,   # u's layout b x d x L (x3); DB, DC fp32 b x g x N x L (atomics) or b x d x N x S x SEGS
-    DA_PART, DD_PART, DBIAS_PART, DH0,               # b x d x N x S x SEGS, b x d x S, b x d x S, b x d x N x S
+    DA_PART, DA, DD, DBIAS, DH0,   # b x d x N x S x SEGS; d x N, d, d (zeroed, atomics); b x d x N x S
     dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sa_d, sa_n,
     sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l, so_b, so_d, so_l, sg_b, sg_d, sg_l,
@@ -390,8 +390,16 @@ def strided_bwd_kernel(
         tl.store(DDELTA + grad_offs, ddelta.to(DDELTA.dtype.element_ty), mask)
         tl.store(DU + grad_offs, (skip[:, None] * dybar + delta * b_sum).to(DU.dtype.element_ty), mask)
         dbias_acc += tl.sum(ddelta, axis=1)
-    tl.store(DD_PART + (pid_b * dim + ds) * n_segments + pid_s, dD_acc, d_ok)
-    tl.store(DBIAS_PART + (pid_b * dim + ds) * n_segments + pid_s, dbias_acc, d_ok)
+    # dA, dD and d delta_bias: this program's sums added to the totals over batch and segments (no
+    # reduction launched after the kernel)
+    tl.debug_barrier()   # the per-run partials the last chunk stored, before they are read
+    for n in range(0, N_STATES):
+        dA_runs = tl.load(DA_PART + PART + n * n_segments * SEGS, run_ok, other=0.0)
+        tl.atomic_add(DA + ds * N_STATES + n, tl.sum(dA_runs, axis=1), d_ok, sem="relaxed")
+    if HAS_D:
+        tl.atomic_add(DD + ds, dD_acc, d_ok, sem="relaxed")
+    if HAS_BIAS:
+        tl.atomic_add(DBIAS + ds, dbias_acc, d_ok, sem="relaxed")
 
 @triton.jit
 def adjoint_summary_kernel(
@@ -457,6 +465,41 @@ def segment_carries(summary, dsum, A, boundary, reverse):
         return torch.cat([leaving[..., 1:], start[..., None]], -1), leaving[..., 0]
     return torch.cat([start[..., None], leaving[..., :-1]], -1), leaving[..., -1]
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive integers (triton.cdiv, without its per-call cost on the host)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n for n >= 1, 0 for 0 (triton.next_power_of_2, plain Python)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+_COMPILED: dict = {}   # (kernel, key) -> the compiled kernel Triton returned for it
+
+
+def launch(kernel, grid, *args, **constexprs):
+    """`kernel[grid](*args, **constexprs)` for a @triton.jit kernel, constexprs (and launch options such
+    as num_warps) by keyword, with the host's work per call cut to a dictionary lookup.
+
+    The first call for a key goes through Triton, which compiles if needed and returns the compiled
+    kernel; later calls with the same key launch that compiled kernel directly. The key: the kernel,
+    the current device, the keyword arguments, every integer argument by value, every tensor's dtype
+    and 16-byte alignment, every other argument (None, bool, float) with its type. Under the
+    interpreter: plain `kernel[grid](...)`."""
+    if INTERPRET:
+        return kernel[grid](*args, **constexprs)
+    key = (kernel, torch.cuda.current_device(), tuple(constexprs.items()), tuple([
+        arg if arg.__class__ is int else (arg.dtype, arg.data_ptr() % 16 == 0)
+        if isinstance(arg, torch.Tensor) else (arg.__class__, arg) for arg in args]))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        _COMPILED[key] = kernel[grid](*args, **constexprs)
+        return
+    # the compiled kernel takes every parameter in order, constexprs included
+    compiled[grid](*args, *(constexprs[name] for name in kernel.arg_names[len(args):]))
+
+import math
 from typing import Optional
 
 from scan_lib.runtime import apply, custom_op
@@ -477,10 +520,10 @@ def launch_config(kind, dim, per_group_b, per_group_c, length, element_size=4):
     config = dict((CPU_CONFIG if INTERPRET else GPU_CONFIG)[kind])
     if kind == "bwd":
         config["chunk"] = max(1, config["chunk"] * 4 // element_size)
-    block_d = min(config["block_d"], triton.next_power_of_2(dim))
+    block_d = min(config["block_d"], next_power_of_2(dim))
     for per_group in (per_group_b, per_group_c):
         block_d = min(block_d, per_group & -per_group)       # largest power of two dividing per_group
-    config.update(block_d=block_d, chunk=min(config["chunk"], max(triton.next_power_of_2(length), 2)))
+    config.update(block_d=block_d, chunk=min(config["chunk"], max(next_power_of_2(length), 2)))
     return config
 
 
@@ -492,8 +535,8 @@ def run_items(u, chunk):
 
 def split(n_chunks, segments):
     """(S, chunks per segment) for about `segments` segments of whole chunks (at most one per chunk)."""
-    seg_chunks = triton.cdiv(n_chunks, max(1, min(segments, n_chunks)))
-    return triton.cdiv(n_chunks, seg_chunks), seg_chunks
+    seg_chunks = cdiv(n_chunks, max(1, min(segments, n_chunks)))
+    return cdiv(n_chunks, seg_chunks), seg_chunks
 
 
 def _coef_layout(M, dim):
@@ -534,6 +577,35 @@ def positions_adjacent(M):
     return M
 
 
+def run_partials_shape(u, A, chunk, segments):
+    """The backward's partial sums per (batch, channel, state, segment, run of a chunk)."""
+    n_segments, _ = split(cdiv(u.shape[2], chunk), segments)
+    return (u.shape[0], u.shape[1], A.shape[1], n_segments, chunk // run_items(u, chunk))
+
+
+def summed_gradient_shapes(u, A, B, C, chunk, segments):
+    """What the backward sums over positions, in the order of its one zeroed buffer: dB and dC (batch,
+    groups, N, L), or for a time-invariant (dim, N) their partial sums per run (run_partials_shape),
+    then dA (dim, N), dD and d delta_bias (dim,). One buffer: one allocation, one zeroing launch."""
+    per_run = run_partials_shape(u, A, chunk, segments)
+    return [tuple(B.shape) if B.dim() == 4 else per_run, tuple(C.shape) if C.dim() == 4 else per_run,
+            tuple(A.shape), (u.shape[1],), (u.shape[1],)]
+
+
+def unflatten(flat, shapes):
+    """Views of consecutive pieces of flat, one per shape."""
+    return [piece.view(shape) for piece, shape in zip(flat.split([math.prod(shape) for shape in shapes]), shapes)]
+
+
+def gradients_from_summed(summed, u, A, B, C, chunk, segments):
+    """(dA, dB, dC, dD, d delta_bias) from the backward's flat buffer: views, the time-invariant B's and
+    C's runs summed."""
+    dB, dC, dA, dD, dbias = unflatten(summed, summed_gradient_shapes(u, A, B, C, chunk, segments))
+    over_batch_segments_runs = (0, -2, -1)
+    return (dA, dB.sum(over_batch_segments_runs) if B.dim() == 2 else dB,
+            dC.sum(over_batch_segments_runs) if C.dim() == 2 else dC, dD, dbias)
+
+
 @custom_op("strided_selective_scan_fwd", __name__)
 def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
@@ -550,14 +622,14 @@ def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
     per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
     config = launch_config("fwd", dim, per_group_b, per_group_c, length)
     chunk = save_chunk if save_chunk > 0 else config["chunk"]
-    n_chunks = triton.cdiv(length, chunk)
+    n_chunks = cdiv(length, chunk)
     n_segments, seg_chunks = split(n_chunks, segments)
     out = like_u(u)
     ends = u.new_empty(batch, dim, n_states, n_segments, dtype=acc)   # the state at each segment's end
     states = u.new_empty(batch, dim, n_states, n_chunks if save_chunk > 0 else 0, dtype=acc)
 
-    def launch(entering, dsum):   # dsum given: phase 1 (SUMMARY), else the outputs
-        strided_fwd_kernel[(batch, triton.cdiv(dim, config["block_d"]), n_segments)](
+    def scan_pass(entering, dsum):   # dsum given: phase 1 (SUMMARY), else the outputs
+        launch(strided_fwd_kernel, (batch, cdiv(dim, config["block_d"]), n_segments),
             u, delta, A, B, C, D, z, delta_bias, entering, out, states, ends, dsum,
             dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
             *strides["u"], *strides["delta"], *strides["z"], *strides["A"], *strides["B"], *strides["C"],
@@ -565,14 +637,14 @@ def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
             HAS_H0=entering is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
             SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc), SAVE=save_chunk > 0 and dsum is None,
             SUMMARY=dsum is not None, BLOCK_D=config["block_d"],
-            BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk, num_warps=config["num_warps"])
+            BLOCK_N=next_power_of_2(n_states), CHUNK=chunk, num_warps=config["num_warps"])
 
     entering = initial_state
     if n_segments > 1:   # phases 1 and 2: the state entering each segment
         dsum = u.new_empty(batch, dim, n_segments, dtype=acc)
-        launch(None, dsum)
+        scan_pass(None, dsum)
         entering, _ = segment_carries(ends, dsum, A, initial_state, reverse=False)
-    launch(entering, None)
+    scan_pass(entering, None)
     return out, ends[..., -1].contiguous(), states
 
 
@@ -590,22 +662,23 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
                 D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
                 states: torch.Tensor, dout: torch.Tensor, dlast: Optional[torch.Tensor],
                 delta_softplus: bool, chunk: int, segments: int) -> list[torch.Tensor]:
-    """The backward: du, d delta, dA, dB, dC, dD, dz, d delta_bias, d initial_state, as chapter 05's
-    selective_scan_bwd returns them (du, d delta, dz in u's layout: like_u). segments: as in strided_fwd."""
+    """The backward: du, d delta, dz (u's layout: like_u; dz empty without z), d initial_state, and one
+    flat buffer of the gradients summed over positions (summed_gradient_shapes: dB, dC, dA, dD,
+    d delta_bias; `gradients_from_summed` unpacks it). segments: as in strided_fwd."""
     D, delta_bias, dlast = _small_contiguous(D, delta_bias, dlast)
     batch, dim, length = u.shape
     n_states, n_chunks, acc = A.shape[1], states.shape[-1], states.dtype
     per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
     config = launch_config("bwd", dim, per_group_b, per_group_c, length)
     n_segments, seg_chunks = split(n_chunks, segments)
-    grid = (batch, triton.cdiv(dim, config["block_d"]), n_segments)
+    grid = (batch, cdiv(dim, config["block_d"]), n_segments)
     sizes = dict(N_STATES=n_states, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
-                 BLOCK_N=triton.next_power_of_2(n_states), CHUNK=chunk, num_warps=config["num_warps"])
+                 BLOCK_N=next_power_of_2(n_states), CHUNK=chunk, num_warps=config["num_warps"])
     entering = dlast
     if n_segments > 1:   # phases 1 and 2: the adjoint entering each segment from the right
         adj, dsum = (u.new_empty(batch, dim, n_states, n_segments, dtype=acc),
                      u.new_empty(batch, dim, n_segments, dtype=acc))
-        adjoint_summary_kernel[grid](
+        launch(adjoint_summary_kernel, grid,
             delta, A, C, z, delta_bias, dout, adj, dsum, dim, length, n_chunks, seg_chunks, per_group_c,
             *strides["delta"], *strides["z"], *strides["A"], *strides["C"], *dout.stride(),
             HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, C_PER_STEP=C.dim() == 4,
@@ -614,41 +687,30 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
     items = run_items(u, chunk)
     du, ddelta = like_u(u), like_u(u, delta.dtype)
     dz = like_u(u, z.dtype) if z is not None else u.new_empty(0)
-    per_run = (batch, dim, n_states, n_segments, chunk // items)    # partial sums per segment and run
-    dB = torch.zeros(B.shape if B.dim() == 4 else per_run, device=u.device, dtype=acc)
-    dC = torch.zeros(C.shape if C.dim() == 4 else per_run, device=u.device, dtype=acc)
+    per_run = run_partials_shape(u, A, chunk, segments)
+    shapes = summed_gradient_shapes(u, A, B, C, chunk, segments)
+    summed = torch.zeros(sum(math.prod(shape) for shape in shapes), device=u.device, dtype=acc)
+    dB, dC, dA, dD, dbias = unflatten(summed, shapes)
     dA_part, dh0 = u.new_empty(per_run, dtype=acc), u.new_empty(per_run[:-1], dtype=acc)
-    dD_part, dbias_part = (u.new_empty(batch, dim, n_segments, dtype=acc) for _ in range(2))
-    strided_bwd_kernel[grid](
+    launch(strided_bwd_kernel, grid,
         u, delta, A, B, C, D, z, delta_bias, states, dout, entering,
-        du, ddelta, dz, dB, dC, dA_part, dD_part, dbias_part, dh0,
+        du, ddelta, dz, dB, dC, dA_part, dA, dD if D is not None else None,
+        dbias if delta_bias is not None else None, dh0,
         dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
         *strides["u"], *strides["delta"], *strides["z"], *strides["A"], *strides["B"], *strides["C"],
         *dout.stride(), *du.stride(), HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
         HAS_DLAST=entering is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
         SOFTPLUS=delta_softplus, N_STATES=n_states, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
         SEGS=chunk // items, ITEMS=items, num_warps=config["num_warps"])
-    over_batch_segments_runs = (0, -2, -1)
-    over_batch_and_segments = (0, -1)
-    if B.dim() == 2:
-        dB = dB.sum(over_batch_segments_runs)
-    if C.dim() == 2:
-        dC = dC.sum(over_batch_segments_runs)
-    return [du, ddelta, dA_part.sum(over_batch_segments_runs), dB, dC,
-            dD_part.sum(over_batch_and_segments) if D is not None else u.new_empty(0, dtype=acc), dz,
-            dbias_part.sum(over_batch_and_segments) if delta_bias is not None else u.new_empty(0, dtype=acc),
-            dh0[..., 0].contiguous()]
+    return [du, ddelta, dz, dh0[..., 0].contiguous(), summed]
 
 
 @strided_bwd.register_fake
 def _(u, delta, A, B, C, D, z, delta_bias, states, dout, dlast, delta_softplus, chunk, segments):
-    acc, dim = states.dtype, u.shape[1]
-    return [like_u(u), like_u(u, delta.dtype), A.new_empty(A.shape, dtype=acc),
-            B.new_empty(B.shape, dtype=acc), C.new_empty(C.shape, dtype=acc),
-            u.new_empty((dim,) if D is not None else (0,), dtype=acc),
-            like_u(u, z.dtype) if z is not None else u.new_empty(0),
-            u.new_empty((dim,) if delta_bias is not None else (0,), dtype=acc),
-            u.new_empty(u.shape[0], dim, A.shape[1], dtype=acc)]
+    acc, shapes = states.dtype, summed_gradient_shapes(u, A, B, C, chunk, segments)
+    return [like_u(u), like_u(u, delta.dtype), like_u(u, z.dtype) if z is not None else u.new_empty(0),
+            u.new_empty(u.shape[0], u.shape[1], A.shape[1], dtype=acc),
+            u.new_empty(sum(math.prod(shape) for shape in shapes), dtype=acc)]
 
 
 strided_fwd.register_vmap(_vmap_by_loop(strided_fwd))
@@ -683,8 +745,10 @@ class StridedSelectiveScanFn(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(u)
         with torch.no_grad():  # the op's own outputs carry no graph (chapter 05's _NoSecondDerivative)
-            grads = strided_bwd(u, delta, A, B, C, D, z, delta_bias, states, dout.to(u.dtype), dlast,
-                                ctx.delta_softplus, ctx.chunk, ctx.segments)
+            du, ddelta, dz, dh0, summed = strided_bwd(u, delta, A, B, C, D, z, delta_bias, states, dout.to(u.dtype),
+                                                      dlast, ctx.delta_softplus, ctx.chunk, ctx.segments)
+            dA, dB, dC, dD, dbias = gradients_from_summed(summed, u, A, B, C, ctx.chunk, ctx.segments)
+        grads = (du, ddelta, dA, dB, dC, dD, dz, dbias, dh0)
         inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
         grads = [None if x is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
         if torch.is_grad_enabled():  # create_graph=True (or torch.func.grad): make a second derivative raise

@@ -546,6 +546,48 @@ def test_fast_split_counts_segments():
     assert FAST.split(2, 5) == (2, 1) and FAST.split(1, 8) == (1, 1)
 
 
+def test_fast_host_helpers_match_triton():
+    for n in [0, 1, 2, 3, 7, 8, 9, 1000, 2**20 + 1]:
+        assert FAST.next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in [1, 2, 3, 16, 1000]:
+            assert FAST.cdiv(n, d) == triton.cdiv(n, d), (n, d)
+
+
+def test_fast_launch_reuses_a_compiled_kernel_only_for_its_specialisation(monkeypatch):
+    """launch's GPU path, with a stand-in for a @triton.jit kernel: the first call per key goes through the
+    kernel (Triton compiles and returns the compiled kernel), a later call with the same key straight to
+    what it returned, every parameter in order; a different alignment, integer, dtype, bool-for-int or
+    constexpr goes through the kernel again."""
+    calls = []
+
+    class Compiled:
+        def __getitem__(self, grid):
+            return lambda *args: calls.append(("compiled", grid, args))
+
+    class Kernel:
+        arg_names = ["X", "n", "BLOCK"]
+
+        def __getitem__(self, grid):
+            def run(*args, **constexprs):
+                calls.append(("jit", grid, args, constexprs))
+                return Compiled()
+            return run
+    monkeypatch.setattr(FAST, "INTERPRET", False)
+    monkeypatch.setattr(FAST, "_COMPILED", {})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    kernel, x = Kernel(), torch.zeros(64)
+    FAST.launch(kernel, (2,), x, 32, BLOCK=4, num_warps=1)
+    FAST.launch(kernel, (3,), x, 32, BLOCK=4, num_warps=1)
+    assert calls == [("jit", (2,), (x, 32), dict(BLOCK=4, num_warps=1)), ("compiled", (3,), (x, 32, 4))]
+    for args, constexprs in [((x[1:], 32), dict(BLOCK=4, num_warps=1)), ((x, 33), dict(BLOCK=4, num_warps=1)),
+                             ((x.double(), 32), dict(BLOCK=4, num_warps=1)), ((x, 1), dict(BLOCK=4, num_warps=1)),
+                             ((x, True), dict(BLOCK=4, num_warps=1)), ((x, 32), dict(BLOCK=8, num_warps=1)),
+                             ((x, 32), dict(BLOCK=4, num_warps=2))]:
+        calls.clear()
+        FAST.launch(kernel, (3,), *args, **constexprs)
+        assert [call[0] for call in calls] == ["jit"], (args[1], constexprs)
+
+
 def test_fast_keeps_only_chunk_states(monkeypatch):
     """Inference keeps nothing; training keeps one state per backward chunk and no ybar (the backward
     recomputes it)."""
