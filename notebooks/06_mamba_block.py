@@ -2028,9 +2028,10 @@ else:
 # backward is several times the floor, and a call can spend longer in Python (the custom
 # operator's dispatch, the launch's arguments) than on the GPU: the GPU then waits for the host. In
 # this run that is most of the time: the block's profile in "Going deeper: where the time goes in scan_lib's block"
-# times the same convolution's kernels, at this same size, at 72 us (forward) and 167 us (backward):
-# the rest of each call here is the host's, whose speed on this machine varies from run to run more
-# than the kernels' does. This cell does not split the two; `benchmarks/NOTES_causal_conv1d.md` has the profile of this problem on
+# times the same convolution's two kernels, at this same size, at 72 us (forward) and 167 us
+# (backward): most of the rest of each call here is the host's (the profile's list stops at its ten
+# largest kernels, so the convolution's small reductions and casts are not in it). This cell does not
+# split the two; `benchmarks/NOTES_causal_conv1d.md` has the profile of this problem on
 # the H200 (the kernels' own times, and the host time per call) and the times of the earlier backward,
 # which recomputed $g$ at each of the $K$ shifts. Cutting the
 # host path is the next work for this op; the forward also still loads $x$ at $K$ shifted positions

@@ -876,7 +876,10 @@ def segment_carries(summary, dsum, A, boundary, reverse):
 # before the GPU has anything to do. `launch` keeps the compiled kernel Triton returns under a key of the same
 # properties, computed in one pass over the arguments, and launches it directly the next time: the
 # compiled kernel's own launcher, which still reads the current stream. The key is at least as fine
-# as Triton's (every integer by value), so it never picks a kernel compiled for other arguments.
+# as Triton's (every integer by value), so it never picks a kernel compiled for other arguments; what
+# it skips are Triton's per-call checks around the launch (its debug switches, pre-run hooks, and
+# that the kernel's globals have not changed), which these kernels do not use. It expects every
+# parameter given, the runtime ones by position, and a three-dimensional grid.
 # `cdiv` and `next_power_of_2` are plain Python for the same reason: Triton 3.6 defines its own as
 # functions usable inside kernels too, which costs more per call from the host than the arithmetic.
 # Section 11 measures a training step with and without the cache.
@@ -1473,7 +1476,7 @@ else:
 # in one program before adding (`block_d` > 1) divides the additions, but fewer programs then share
 # the GPU; the sweep below tries one and two channels per program (in the recorded run the
 # backward's best had two, with chunks of 256 positions where `GPU_CONFIG` has 128, and
-# `GPU_CONFIG` came within 1.3x of it). Two ways around it that
+# `GPU_CONFIG`'s row came within 1.03x of it, 1096 against 1060 µs). Two ways around it that
 # this chapter has not built: accumulate $dB$ per group of channels in a workspace and reduce it with one more kernel
 # (the bytes: $\text{dim}/g \cdot N \cdot L$ floats per batch element), or reformulate the backward so
 # that the sum over channels becomes a matrix product (Mamba-2's "state space duality" does exactly this
@@ -1624,8 +1627,9 @@ else:
 # three-dimensional tile spreads each row's positions over fewer threads per warp, and extracting the
 # carry becomes a reduction over the chunk for every state: the loop had neither problem to begin with. Its cost was
 # not the loop. The best rows say whether more than one channel per program (`block_d` 2, which shares
-# each load of $B$ and $C$ between two channels) paid; `GPU_CONFIG` holds the values this sweep chose
-# when the chapter was last run on the H200 (the cell checks that they are within 1.3x of the best).
+# each load of $B$ and $C$ between two channels) paid; `GPU_CONFIG` holds the values an earlier run of
+# this sweep chose on the H200 (in this run the backward's best has chunks of 256 positions where
+# `GPU_CONFIG` has 128, 1.03x apart; the cell checks that `GPU_CONFIG` is within 1.3x of the best).
 #
 # ## 10. Against the peers
 #
@@ -1760,9 +1764,9 @@ else:
 # is longer than either, where in section 10 the same step took 1307 µs.
 #
 # The rows with Triton's own launches do not show what the cache of section 6 saves: against the
-# cached rows they differ both ways (1681 against 1520 µs at $L$ 512, 1349 against 1706 at $N$ 4),
-# by more than two launches could cost, so on this machine's host one measurement varies by a few
-# hundred microseconds, more than the effect. The same variation shows between sections: the step
+# cached rows they differ both ways (1681 against 1520 µs at $L$ 512, 1349 against 1706 at $N$ 4):
+# on this machine's host one measurement varies by a few hundred microseconds, and whatever the cache
+# saves is not resolved by it. The same variation shows between sections: the step
 # at $L$ 512 took 1094 µs in section 10 and 1378 µs here. What is measured is enough for the
 # direction: the short rows are won or lost on the host, and the next cuts are there, in the Python
 # each step runs (the input checks, the layouts, the allocations, the autograd Function), measured
@@ -1788,7 +1792,11 @@ else:
 #   `exp` fewer through $a_t h_{t-1} = h_t - b_t$, which cancels; all states in one tile, slower).
 # * The host's share of a training step: at short sequences and few states it is several times the
 #   kernels' time, and about twice `mamba_ssm`'s; launches that reuse the compiled kernel, and the
-#   backward's sums inside its kernel (one launch before it, none after).
+#   backward's sums inside its kernel (one launch before it, none after). The sums are atomic
+#   additions now, so $dA$, $dD$ and $d\Delta_{\text{bias}}$, like $dB$ and $dC$, can differ in
+#   their last bits from run to run; and in this run the bf16 backward kernel took longer than in
+#   the recording before it (section 8's profile), the fp32 one less: whether the sums' epilogue
+#   costs anything is for Nsight Compute to say.
 #
 # What is not done yet, and where to go next: the forward with the same runs (its scan is Triton's
 # forward one, already lean); the atomics (a workspace
