@@ -3,38 +3,72 @@
     python benchmarks/step_split.py [--dtype bf16] [--shapes 8,1024,512,16 8,1024,2048,4 ...] [--rows 12]
 
 For each (batch, dim, L, N), on the inputs `make bench` times (bench.py's selective_inputs: the
-block's layout, with D, z, delta_bias and softplus), one forward+backward (`training_step`) is timed
-three ways:
+block's layout, with D, z, delta_bias and softplus), one forward+backward (`training_step`) of
+scan_lib's selective_scan, and of mamba_ssm's selective_scan_fn where it is importable, is timed
+four ways:
 
 - step: `triton.testing.do_bench` median of the whole step, what a training loop pays;
-- host: the time the host takes to queue one step (`runtime.host_us`: steps back to back, no
-  synchronisation inside; the queue never fills at these counts), whatever the GPU is doing;
+- host: the wall time the host takes to queue one step (as `runtime.host_us` times it: steps back
+  to back, no synchronisation inside; the queue never fills at these counts), whatever the GPU is doing;
+- cpu: the process's CPU time per step over the same steps (all its threads: autograd runs the
+  backward on a thread of its own), which the host's scheduling moves less than the wall time;
 - kernels: the sum of the step's kernel durations from `torch.profiler`'s CUDA timeline.
 
+The host samples of the implementations are interleaved (one sample of each in turn, `--samples`
+rounds), so that a drift in the host's speed, which on the H200 machine has moved one step's host
+time by 2x between calls, reaches all of them alike; compare the rows of one shape with each other.
 The step is about the larger of host and kernels; where host is the larger, the GPU waits and the
-kernels are not what to cut. Then the host's own time per step by operation (`torch.profiler`'s CPU
-activity, self time, the `--rows` largest), which names what the host spends it on. GPU only, as
-bench.py is (tests/test_bench.py runs it on the CPU interpreter at a tiny shape, with bench.py's
-device switched to the CPU: there it times the interpreter).
+kernels are not what to cut. Then, for scan_lib, the host's own time per step by operation
+(`torch.profiler`'s CPU activity, self time, the `--rows` largest), which names what the host
+spends it on. GPU only, as bench.py is (tests/test_bench.py runs it on the CPU interpreter at a tiny
+shape, with bench.py's device switched to the CPU: there it times the interpreter).
 """
 import argparse
 import statistics
+import time
 
 import torch
 
 import scan_lib  # first: without a GPU it switches Triton to its interpreter
-from bench import selective_inputs   # benchmarks/bench.py: the block's layout, every option
-from scan_lib.runtime import ON_GPU, host_us, median_us
+from bench import mamba_ssm_scan, selective_inputs   # benchmarks/bench.py: the block's layout, every option
+from scan_lib.runtime import ON_GPU, median_us
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SHAPES = ["8,1024,512,16", "8,1024,2048,4", "8,1024,2048,16", "1,1536,8192,16"]
 
 
-def training_step(inputs):
-    """One forward+backward of scan_lib.selective_scan on leaves made from inputs (chapter 07's)."""
+def training_step(inputs, scan=scan_lib.selective_scan):
+    """One forward+backward of `scan` (selective_scan_fn's signature) on leaves made from inputs."""
     leaves = [t.detach().requires_grad_() for t in inputs]   # every input given: full=True
-    out = scan_lib.selective_scan(*leaves, delta_softplus=True)
+    out = scan(*leaves, delta_softplus=True)
     return torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+
+def implementations(peer):
+    """name -> selective scan to time: scan_lib's, and with peer mamba_ssm's where it is importable."""
+    found = {}
+    if peer:
+        fn, reason = mamba_ssm_scan()
+        if fn is None:
+            print(f"{reason}: its rows are left out")
+        else:
+            found["mamba_ssm"] = fn
+    found["scan_lib"] = scan_lib.selective_scan   # last: its host operations follow its row
+    return found
+
+
+def host_sample(fn, calls):
+    """(wall us, process CPU us) per call of fn: `calls` calls queued back to back, as runtime.host_us
+    times them, with both clocks read before the final synchronisation (whose wait for the GPU would
+    otherwise count as CPU time: CUDA spins while it waits)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    wall, cpu = time.perf_counter(), time.process_time()
+    for _ in range(calls):
+        fn()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    sync()
+    return wall / calls * 1e6, cpu / calls * 1e6
 
 
 def profile_step(fn, steps):
@@ -55,15 +89,21 @@ def profile_step(fn, steps):
     return kernels / steps, sorted(host, key=lambda item: -item[1])
 
 
-def split(shape, dtype, rows, calls, samples):
+def split(shape, dtype, scans, rows, calls, samples):
     inputs = selective_inputs(*shape, dtype, full=True)
-    fn = lambda: training_step(inputs)  # noqa: E731
-    step = median_us(fn) if ON_GPU else float("nan")
-    host = statistics.median(host_us(fn, calls) for _ in range(samples))
-    kernels, by_op = profile_step(fn, calls)
-    print(f"{str(shape):22s} step {step:8.0f} us   host {host:8.0f} us   kernels {kernels:8.0f} us")
-    for name, us in by_op[:rows]:
-        print(f"    {us:8.1f} us  {name[:90]}")
+    steps = {name: (lambda scan=scan: training_step(inputs, scan)) for name, scan in scans.items()}
+    hosts = {name: [] for name in steps}
+    for _ in range(samples):   # interleaved: a drift in the host's speed reaches every implementation
+        for name, fn in steps.items():
+            hosts[name].append(host_sample(fn, calls))
+    for name, fn in steps.items():
+        step = median_us(fn) if ON_GPU else float("nan")
+        wall, cpu = (statistics.median(sample[i] for sample in hosts[name]) for i in (0, 1))
+        kernels, by_op = profile_step(fn, calls)
+        print(f"{str(shape):22s} {name:10s} step {step:8.0f} us   host {wall:8.0f} us   cpu {cpu:8.0f} us   "
+              f"kernels {kernels:8.0f} us")
+    for op, us in by_op[:rows]:   # the last implementation's: scan_lib
+        print(f"    {us:8.1f} us  {op[:90]}")
 
 
 def main(argv=None):
@@ -72,12 +112,14 @@ def main(argv=None):
     parser.add_argument("--shapes", nargs="+", default=SHAPES, help="batch,dim,L,N each")
     parser.add_argument("--rows", type=int, default=12, help="host operations listed per shape")
     parser.add_argument("--calls", type=int, default=20, help="steps per host sample and profiled")
-    parser.add_argument("--samples", type=int, default=5, help="host samples (their median is printed)")
+    parser.add_argument("--samples", type=int, default=9, help="host samples (their median is printed)")
+    parser.add_argument("--no-peer", action="store_true", help="scan_lib alone, without mamba_ssm's rows")
     args = parser.parse_args(argv)
+    scans = implementations(peer=not args.no_peer)
     print(f"{scan_lib.runtime.describe()}; selective_scan forward+backward, {args.dtype}, block layout, "
           "D, z, delta_bias, softplus; us per step")
     for text in args.shapes:
-        split(tuple(int(v) for v in text.split(",")), DTYPES[args.dtype], args.rows, args.calls, args.samples)
+        split(tuple(int(v) for v in text.split(",")), DTYPES[args.dtype], scans, args.rows, args.calls, args.samples)
 
 
 if __name__ == "__main__":

@@ -98,9 +98,9 @@ def test_step_split_times_a_step_and_names_host_operations(bench, capsys, monkey
     spec = importlib.util.spec_from_file_location("step_split", ROOT / "benchmarks" / "step_split.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    module.main(["--dtype", "fp32", "--shapes", "1,2,9,2", "--rows", "3", "--calls", "1", "--samples", "1"])
+    module.main(["--dtype", "fp32", "--shapes", "1,2,9,2", "--rows", "3", "--calls", "1", "--samples", "2"])
     lines = capsys.readouterr().out.splitlines()
-    shape_line = next(line for line in lines if line.startswith("(1, 2, 9, 2)"))
-    assert "host" in shape_line and "kernels" in shape_line, lines
+    shape_line = next(line for line in lines if line.startswith("(1, 2, 9, 2)") and "scan_lib" in line)
+    assert all(word in shape_line for word in ("step", "host", "cpu", "kernels")), lines
     operations = lines[lines.index(shape_line) + 1:]
     assert len(operations) == 3 and all(line.strip().split()[1] == "us" for line in operations), lines
