@@ -31,7 +31,7 @@ import torch
 
 import scan_lib  # first: without a GPU it switches Triton to its interpreter
 from bench import mamba_ssm_scan, selective_inputs   # benchmarks/bench.py: the block's layout, every option
-from scan_lib.runtime import ON_GPU, median_us
+from scan_lib.runtime import ON_GPU, host_us, median_us
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 SHAPES = ["8,1024,512,16", "8,1024,2048,4", "8,1024,2048,16", "1,1536,8192,16"]
@@ -58,17 +58,16 @@ def implementations(peer):
 
 
 def host_sample(fn, calls):
-    """(wall us, process CPU us) per call of fn: `calls` calls queued back to back, as runtime.host_us
-    times them, with both clocks read before the final synchronisation (whose wait for the GPU would
-    otherwise count as CPU time: CUDA spins while it waits)."""
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    wall, cpu = time.perf_counter(), time.process_time()
-    for _ in range(calls):
+    """(wall us, process CPU us) per call of fn: runtime.host_us, with the CPU time of the calls
+    themselves added up beside it (not of host_us's synchronisations, whose wait for the GPU would
+    count as CPU time: CUDA spins while it waits)."""
+    cpu = [0.0]
+
+    def counted():
+        start = time.process_time()
         fn()
-    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-    sync()
-    return wall / calls * 1e6, cpu / calls * 1e6
+        cpu[0] += time.process_time() - start
+    return host_us(counted, calls), cpu[0] / calls * 1e6
 
 
 def profile_step(fn, steps):

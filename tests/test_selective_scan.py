@@ -576,15 +576,16 @@ def test_fast_launch_reuses_a_compiled_kernel_only_for_its_specialisation(monkey
     monkeypatch.setattr(FAST, "_COMPILED", {})
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     kernel, x = Kernel(), torch.zeros(64)
-    FAST.launch(kernel, (2,), x, 32, BLOCK=4, num_warps=1)
-    FAST.launch(kernel, (3,), x, 32, BLOCK=4, num_warps=1)
-    assert calls == [("jit", (2,), (x, 32), dict(BLOCK=4, num_warps=1)), ("compiled", (3,), (x, 32, 4))]
+    FAST.launch(kernel, (2, 1, 1), x, 32, BLOCK=4, num_warps=1)    # grids of three: CompiledKernel reads three
+    FAST.launch(kernel, (3, 1, 1), x, 32, BLOCK=4, num_warps=1)
+    assert calls == [("jit", (2, 1, 1), (x, 32), dict(BLOCK=4, num_warps=1)),
+                     ("compiled", (3, 1, 1), (x, 32, 4))]
     for args, constexprs in [((x[1:], 32), dict(BLOCK=4, num_warps=1)), ((x, 33), dict(BLOCK=4, num_warps=1)),
                              ((x.double(), 32), dict(BLOCK=4, num_warps=1)), ((x, 1), dict(BLOCK=4, num_warps=1)),
                              ((x, True), dict(BLOCK=4, num_warps=1)), ((x, 32), dict(BLOCK=8, num_warps=1)),
                              ((x, 32), dict(BLOCK=4, num_warps=2))]:
         calls.clear()
-        FAST.launch(kernel, (3,), *args, **constexprs)
+        FAST.launch(kernel, (3, 1, 1), *args, **constexprs)
         assert [call[0] for call in calls] == ["jit"], (args[1], constexprs)
 
 
