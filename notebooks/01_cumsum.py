@@ -93,7 +93,8 @@ print("sequential loop == float64 torch.cumsum (to 1e-12) on 1000 random values:
 # on positive values, which do not cancel): within the tolerance, and above
 # $u_\text{acc}\log_2 L$, so a factor of 1 would fail it. On a GPU the longest path is much shorter
 # than $L$: the carry chain, about one addition per block of 4096, plus a thread's few values and a
-# tree; at the benchmark's largest size, $2^{27}$, its square root is still below $32\log_2 L$.
+# tree; at the benchmark's largest size, $2^{27}$, the chain is $2^{27}/4096 = 2^{15}$ additions,
+# and the square root of the whole path, about 181, is far below $32\log_2 L = 32 \cdot 27 = 864$.
 #
 # In float16 and bfloat16 the output rounding dominates: rounding to nearest costs at most
 # $u_\text{out}|y_t| \le u_\text{out}\sum_{j\le t}|x_j|$, the tolerance's first term, so the margin of a
@@ -987,11 +988,14 @@ else:
 # `gpu_assembly` (chapter 00) compiles a kernel's source alone, and `lookback_scan_kernel` calls other
 # `@triton.jit` functions of `scan_lib.cumsum`; so the cell below hands the same compile script a
 # module that imports the kernel from `scan_lib.cumsum`, and reads its PTX for an H200 (sm_90). It
-# asserts the claims above: the ticket is one `atom.global.gpu.relaxed.add.u64`; both publications are
-# `atom.global.gpu.relaxed.exch.b64`, relaxed, 64 bits at once, at the scope of the whole GPU (`.gpu`:
-# every multiprocessor); the look-back's read is `ld.volatile.global.b64`, a 64-bit load;
-# and there is no acquire load, release store or fence (`.acquire`, `.release`, `fence`, `membar`)
-# anywhere: nothing in the kernel orders accesses to different addresses.
+# asserts the instructions the claims above name: the ticket is one `atom.global.gpu.relaxed.add.u64`;
+# both publications are `atom.global.gpu.relaxed.exch.b64`, relaxed, 64 bits at once, at the scope of
+# the whole GPU (`.gpu`: every multiprocessor); the look-back's read is `ld.volatile.global.b64`, a
+# 64-bit load; and there is no acquire load, release store or fence (`.acquire`, `.release`, `fence`,
+# `membar`) anywhere: nothing in the kernel orders accesses to different addresses. The cell shows
+# which instructions the kernel compiles to, not what they do: that an aligned 64-bit access is
+# indivisible, and that `ld.volatile` is issued on every trip round the loop and served from L2, not
+# L1, is what the PTX documentation says of these instructions; nothing in this chapter inspects it.
 
 # %%
 import json
@@ -1184,23 +1188,23 @@ else:
     print("skipped: no GPU")
 
 # %% [markdown]
-# `do_bench`'s median includes the host's time to launch the kernels whenever the GPU runs out of
-# queued work. Two more timers from chapter 00 split it: the GPU time alone (`graph_us`: a CUDA
-# graph replays the launches with no Python in between) and the host time per call (`host_us`: calls
-# queued back to back, timed on the CPU). When the host time exceeds the GPU time, the call is
+# `do_bench`'s median includes the host's time per call (Python and the launches) whenever the GPU
+# runs out of queued work. Two more timers from chapter 00 split it: the GPU time alone (`graph_us`: a
+# CUDA graph replays the launches with no Python in between) and the host time per call (`host_us`:
+# calls queued back to back, timed on the CPU). When the host time exceeds the GPU time, the call is
 # host-bound: in the table below, every size but the largest. A call makes one Triton launch (rows of
 # at most 4096 values) or a `torch.zeros` and one launch (the look-back), yet its host time is 91 to
-# 161 us in this run, 3.1 to 5.6 times the 28.9 us of one bare launch of `vector_add_kernel` in chapter
-# 00's table (its `host_us` column at $2^{14}$). So the launch itself is less than a third of the host time per call; the
-# rest goes to what `cumsum` runs around its launch: the input checks,
+# 161 us in this run, 3.1 to 5.6 times the 28.9 us of one bare launch of `vector_add_kernel` in
+# chapter 00's table (its `host_us` column at $2^{14}$). So the launch itself is less than a third of
+# the host time per call; the rest goes to what `cumsum` runs around its launch: the input checks,
 # `apply` and the autograd Function, the reshaping in `cumsum_op`, the configuration in `scan_rows`,
 # and a launch that binds more arguments than `vector_add_kernel`'s (the custom op's dispatcher is not
 # among them: for tensors that need no gradient, `EagerFastOp` calls the implementation directly).
 # These outputs do not split the time among those layers; the speed table's columns at $L = 2^{10}$,
 # each a single launch, rank them roughly (host-paced medians, which vary from call to call): the
 # three-phase scan's bare launcher 18.2 us, `scan_rows` (the reduce-then-scan column) 44.8, `cumsum`
-# 96.8. Fewer Python layers per call, CUDA graphs (they replay the launches with no Python in
-# between) or a C++ launcher make such calls faster; cutting the library's host path is open work.
+# 96.8. Fewer Python layers per call, CUDA graphs (they replay the launches with no Python in between)
+# or a C++ launcher make such calls faster; cutting the library's host path is open work.
 #
 # One more thing the table below shows: at every size up to $2^{22}$ (all but the two largest), the
 # `median` column is below the `host` column, although a host-bound call cannot finish before the host has queued it. `do_bench`

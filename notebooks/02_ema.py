@@ -298,10 +298,11 @@ for length in [1, 7, 129, 1000]:
 # of pairs keeps several values per element live (the gate, the token, the scanned pair). What does
 # not fit is spilled by the compiler to local memory, which lives in the GPU's main memory and is
 # slow, and Triton refuses a block of more than $2^{20}$ elements outright. Where between those limits
-# a single block stops being fast is not measured here (section 3 runs rows of up to 1000 elements in
-# one block, chapter 03 one block of 8192 float64 values). So one program walks its row **chunk by
-# chunk, in order**, and carries the state in a register: the $h$ at
-# the end of one chunk is the $h^{\text{init}}$ of the next. Inside a chunk `tl.associative_scan`
+# a single block stops being fast is not measured here: section 3 runs rows of up to 1000 elements in
+# one block, and chapter 03 runs rows of 4097 float64 values in one block of 8192 (the next power of
+# two), three scans in one program, and its checks pass; that they run says nothing of their speed.
+# So one program walks its row **chunk by chunk, in order**, and carries the state in a register: the
+# $h$ at the end of one chunk is the $h^{\text{init}}$ of the next. Inside a chunk `tl.associative_scan`
 # still works in parallel, and every element is read once and written once. The parallelism along
 # the sequence is given up, but the rows are many (batch $\times$ dim in a Mamba layer).
 #
@@ -552,8 +553,11 @@ for length in [1, 7, 129, 1000, 4097]:
 print("every length, chunk, direction and initial state: error within the bound")
 
 # %% [markdown]
-# Every dtype, with gates close to 1 (long memory, the hard case for rounding): float16 and bfloat16
-# are scanned in float32, so one output rounding dominates their bound.
+# Every dtype, with gates drawn in $[0.5, 1)$ (a long memory, the hard case for rounding): float16 and
+# bfloat16 are scanned in float32, so one output rounding dominates their bound. (How large $h$ gets
+# depends on the tokens. For a constant gate $a$ and tokens all equal to 1, $h$ climbs to $1/(1-a)$,
+# the size the code comment gives; but these tokens have mean 0 and variance 1, their terms partly
+# cancel, and $|h|$ is typically of the size of its standard deviation, which tends to $1/\sqrt{1-a^2}$.)
 
 # %%
 torch.manual_seed(5)

@@ -538,11 +538,12 @@ def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None)
 # In chapters 04 and 05 the scan sits between elementwise products: the token is $b_t = B_t x_t$ and the
 # state is read out through $C_t$ (04's model with one state).
 #
-# **The symbol $y$ changes meaning here.** In sections 1 to 4 the output was the state itself,
-# $y_t = h_t$. From here to the end of the chapter $y$ is this model's output, $y_t = C_t h_t$ (the
-# meaning it keeps in chapters 04 and 05), and `dy` is $\partial\mathcal L/\partial y$ for that $y$;
-# the incoming gradient that `linear_scan`'s backward receives, the token of its adjoint scan, is then
-# $C_t\,\partial\mathcal L/\partial y_t$.
+# **The symbol $y$ changes meaning here, for this one check.** In sections 1 to 4 the output was the
+# state itself, $y_t = h_t$. In the check below (and its repeat with descending loads in "Going
+# deeper") $y$ is this model's output, $y_t = C_t h_t$ (the meaning it has in chapters 04 and 05), and
+# `dy` is $\partial\mathcal L/\partial y$ for that $y$; the incoming gradient that `linear_scan`'s
+# backward receives, the token of its adjoint scan, is then $C_t\,\partial\mathcal L/\partial y_t$. From
+# the `gradcheck` cell on, the output is again the state, $y_t = h_t$, as in the formulas of section 1.
 #
 # With `linear_scan` that model is ordinary PyTorch, $y = C \odot \mathrm{linear\_scan}(a,\ B \odot x,\ h_{-1})$,
 # and autograd chains our gradients with the elementwise ones

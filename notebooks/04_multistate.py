@@ -373,10 +373,11 @@ for length in (1, 7, 129, 1000):
 # $$\delta_t[n] = a_{t+1}[n]\, \delta_{t+1}[n] + C_t[n]\, \frac{\partial\mathcal L}{\partial y_t},
 # \qquad \delta_{L}[n] := \frac{\partial\mathcal L}{\partial h_{L-1}[n]},\ a_{L}[n] := 1 .$$
 #
-# The convention lets the last position use the same recurrence: $h_{L-1}$ reaches the loss through
-# $y_{L-1}$ and, directly, as the last state, so the chain rule gives $\delta_{L-1} = \partial\mathcal
-# L/\partial h_{L-1} + C_{L-1}\,\partial\mathcal L/\partial y_{L-1}$, which is the recurrence's step with
-# a gate of 1 and a "next" adjoint equal to the last state's gradient.
+# The convention lets the last position use the same recurrence: nothing comes after it (there is no
+# $h_L$), and $h_{L-1}$ reaches the loss through $y_{L-1}$ and, directly, as the last state, so the
+# chain rule gives $\delta_{L-1} = \partial\mathcal L/\partial h_{L-1} + C_{L-1}\,\partial\mathcal
+# L/\partial y_{L-1}$, which is the recurrence's step with a gate of 1 and a "next" adjoint equal to
+# the last state's gradient.
 #
 # As in chapter 03, this is the same first-order recurrence **run from right to left**, per state,
 # with the gate **shifted by one**. Every gradient is then a local product:

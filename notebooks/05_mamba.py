@@ -360,10 +360,11 @@ assert err_subtract > 1e-2 and err_shifted < 1e-7
 #   from right to left, `tl.associative_scan(..., reverse=True)` as in chapter 02, with $\Delta$ loaded
 #   at $t+1$ (0 past the end: $a = 1$).
 #
-# Names in the code: `delta` is always the step $\Delta$ (`mamba_ssm`'s argument name; `delta_prev` and
-# `delta_next` are $\Delta_{t-1}$ and $\Delta_{t+1}$), and the adjoint $\delta$ is `adj` (`flow` in
-# section 4's loop, `adj_carry` between chunks). In code comments, though, `delta_t` next to $C_t$,
-# $B_t$ or $h_{t-1}$ (the adjoint's recurrence, `sum_n delta_t B_t`) is $\delta_t$, the adjoint.
+# Names in the code: `delta` is always the step $\Delta$ (`mamba_ssm`'s argument name; as an argument,
+# the raw step before bias and softplus; `delta_prev` and `delta_next` are $\Delta_{t-1}$ and
+# $\Delta_{t+1}$), and the adjoint $\delta$ is `adj` (`flow` carries it in section 4's loop, `adj_carry`
+# between chunks). In code comments, though, `delta_t` next to $C_t$, $B_t$ or $h_{t-1}$ (the adjoint's
+# recurrence, `sum_n delta_t B_t`) is $\delta_t$, the adjoint.
 # (Chapter 04's kernel calls its adjoint `delta`; here that name is the step's.)
 
 # %%
@@ -482,7 +483,8 @@ for L in [1, 7, 129, 1000]:
 #   terms stay with the thread that holds it, so $y = \sum_n C_n h_n$ needs no sum across threads.
 #   The alternative, chapter 04's all-states tile with states and time both spread over the threads,
 #   pays for a sum across threads for every $y_t$ and for the scan's shuffles on every element; "Going
-#   deeper: launch parameters and the layout" says more.
+#   deeper: launch parameters and the layout" says more, and chapter 07 (section 9, "All states at
+#   once") builds that tile and measures it slower.
 # * **The carry**: the state entering the chunk, one value per channel and state, a `BLOCK_D x N` tile
 #   in registers, folded into the chunk's first step (the identity below).
 # * **What training keeps**: when an input needs a gradient, the forward writes the carry at the start
@@ -1029,8 +1031,10 @@ compare_with_mamba_ssm(groups=None, time_invariant="BC");
 # %% [markdown]
 # ## 9. Speed (GPU only)
 #
-# The benchmark times this chapter's `selective_scan` against `mamba_ssm`'s (chapter 07 makes it faster:
-# its section 10 and `make bench` time the package's op). At
+# The benchmark times this chapter's `selective_scan` (`chapter_scan`, the kernels of section 6, "ours"
+# below) against `mamba_ssm`'s. It does not time the package's `scan_lib.selective_scan`, which runs
+# chapter 07's faster kernels: the README's `selective_scan` row (from `make bench`) and chapter 07's
+# section 10 time that one, so their numbers are not these. At
 # Mamba's usual layer size (batch 8, dim 1024, L 2048, N 16), softplus, `D`, `z` and `delta_bias`
 # on, `A`, `D`, `delta_bias` in fp32; `u`, `delta`, `B`, `C`, `z` in fp32 and then bf16. The memory floor
 # is the bytes that must move, each pass reading its inputs once and writing its outputs once, over the
@@ -1129,7 +1133,8 @@ else:
 # over the 64 threads of 2 warps: 8 each); Triton's scan runs over a thread's own positions one after
 # another in registers, then over the per-thread totals (a tree of shuffles within each warp and one
 # level between warps through shared memory), and finally each thread applies its prefix: the scheme
-# `mamba_ssm` writes by hand.
+# `mamba_ssm` writes by hand. This chapter does not time the first version; chapter 07 does (section 9,
+# "All states at once") and finds it slower than the loop.
 #
 # **What still crosses threads**: per state and chunk, the carry. Reading it (`_column`) and taking
 # the scan's last column as the next carry (a masked sum over the whole chunk) are two reductions per
