@@ -367,6 +367,29 @@ def test_compile_fullgraph():
         torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
 
 
+def test_compile_and_make_fx_with_symbolic_sizes():
+    """torch.compile with dynamic shapes (what a second sequence length turns on), forward and backward,
+    and make_fx's symbolic tracing: the host's Python meets symbolic sizes there, so nothing it keeps
+    per signature may need them to be concrete (a cache keyed on sizes must step aside)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+    torch._dynamo.reset()
+    inputs = make_inputs(2, 4, 3, 12, groups=2, seed=7, time_invariant="C")
+    leaves = {k: v.detach().requires_grad_(True) for k, v in inputs.items()}
+
+    def f(**kw):
+        out, last = scan_lib.selective_scan(**kw, delta_softplus=True, return_last_state=True)
+        return out.sum() + last.sum()
+
+    compiled = torch.compile(f, dynamic=True, backend="aot_eager")
+    grads = torch.autograd.grad(compiled(**leaves), list(leaves.values()))
+    expected = torch.autograd.grad(f(**leaves), list(leaves.values()))
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-6)
+    names = list(inputs)
+    traced = make_fx(lambda *args: f(**dict(zip(names, args))), tracing_mode="symbolic")(*inputs.values())
+    torch.testing.assert_close(traced(*inputs.values()), f(**inputs), rtol=1e-6, atol=1e-6)
+
+
 def test_fake_tensors_give_shapes():
     from torch._subclasses.fake_tensor import FakeTensorMode
     inputs = make_inputs(2, 4, 3, 12, groups=2, seed=7, time_invariant="C")
