@@ -1413,8 +1413,8 @@ else:
 # 10, and prediction 3 shows why the round trips of $O$ are not its problem: their bytes would take 3%
 # of its time. The other three held. bfloat16 made our forward 34.5 and 47.1 times faster than float32
 # (11661 / 338 and 14964 / 318 us), far more than twice; `PAD = 1` made the naive kernel 1.86 and 1.73
-# times faster; and its 128 and 64 blocks are fewer than the 132 multiprocessors, so at least 4 and 68
-# of them get no block at all. What remains to explain its time is the serial softmax, the scalar
+# times faster; and its 128 and 64 blocks are fewer than twice the 132 multiprocessors (prediction 5),
+# fewer even than once, so at least 4 and 68 of them get no block at all. What remains to explain its time is the serial softmax, the scalar
 # products, the bank conflicts and the small grid; the cell does not split the time between them.
 #
 # ## 10. On a GPU: against PyTorch's FlashAttention and cuDNN
