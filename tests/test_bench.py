@@ -104,3 +104,18 @@ def test_step_split_times_a_step_and_names_host_operations(bench, capsys, monkey
     assert all(word in shape_line for word in ("step", "host", "cpu", "kernels")), lines
     operations = lines[lines.index(shape_line) + 1:]
     assert len(operations) == 3 and all(line.strip().split()[1] == "us" for line in operations), lines
+
+
+def test_tune_fast_selective_scan_smoke(monkeypatch):
+    """benchmarks/tune_fast_selective_scan.py's plumbing on tiny shapes: every candidate measured,
+    a report per pass, and the launch configs as they were afterwards (its numbers are the GPU's)."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    spec = importlib.util.spec_from_file_location("tune_fast", ROOT / "benchmarks" / "tune_fast_selective_scan.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    before = {kind: dict(config) for kind, config in module.active_config().items()}
+    reports = module.main(["--smoke", "--budget", "600"])
+    (report,) = reports.values()
+    assert set(report) == {"fwd", "bwd"} and all(default is not None and best_us is not None
+                                                 for default, _, best_us in report.values())
+    assert module.active_config() == before
