@@ -1,5 +1,5 @@
 """Sweep chapter 07's launch parameters (scan_lib.fast_selective_scan.GPU_CONFIG) and its segments at
-the rows `make bench` has short, where the kernels themselves are the slower: few programs per GPU.
+the rows `make bench` has short with few programs per GPU (batch 1-2 at dim 1536, L 8192 and 65536).
 
     python benchmarks/tune_fast_selective_scan.py [--shapes 1,1536,8192,16 2,1536,8192,16] [--dtype bf16]
                                                   [--budget 240]
@@ -10,13 +10,14 @@ forward+backward (bench.py's timing: do_bench medians, us) under each candidate:
 (block_d, chunk, num_warps), then the backward's (the forward in training runs with its chunk),
 then the number of segments (section 5's split along L) with the best configs. One line per
 measurement, the best per shape and pass at the end, beside GPU_CONFIG's own time: a candidate
-counts as better only when it is at least 5% faster (do_bench's run-to-run spread on the H200 is a
-few per cent). The sweep stops at --budget seconds of wall time, keeping what it measured.
+counts as better only when it is at least 5% faster, so that run-to-run noise does not pick one.
+The sweep stops at --budget seconds of wall time, keeping what it measured.
 
 Why these rows: at batch 1 of dim 1536 the forward launches batch x dim / block_d = 768 programs of
-one warp on the H200's 132 multiprocessors, about six warps each, too few to hide the scan's
-latencies; mamba_ssm's kernel runs 1536 blocks of 128 threads there. Fewer channels per program,
-more warps per program, or segments (more programs along L) each add parallelism at some cost.
+one warp on the H200's 132 multiprocessors, about six warps each, which may be too few to hide the
+scan's latencies (not yet profiled); mamba_ssm's kernel runs 1536 blocks of 128 threads there.
+Fewer channels per program, more warps per program, or segments (more programs along L) each add
+parallelism at some cost; this sweep measures which, if any, pays.
 
 GPU only for the numbers; --smoke runs the same code on tiny shapes (the CPU interpreter in the
 tests), where only its plumbing is checked.
@@ -69,25 +70,26 @@ def active_config() -> dict:
 
 
 class Sweep:
-    """Times candidates until the wall-time budget is spent; remembers every measurement."""
+    """Times candidates, printing each, until the wall-time budget is spent."""
 
-    def __init__(self, budget_s, timer=time_us):
-        self.deadline, self.timer, self.rows = time.time() + budget_s, timer, []
+    def __init__(self, budget_s):
+        self.deadline = time.time() + budget_s
 
     def measure(self, label, fn):
+        """fn's time in us, or None past the budget or when the compiler refuses the config."""
         if time.time() > self.deadline:
             return None
         try:
-            us = self.timer(fn)
+            us = time_us(fn)
         except Exception as error:   # a config the compiler refuses (registers, shared memory)
             print(f"{label}: failed ({type(error).__name__}: {str(error)[:80]})", flush=True)
             return None
         print(f"{label}: {us:9.1f} us", flush=True)
-        self.rows.append((label, us))
         return us
 
     def configs(self, kind, candidates, fn, shape_label):
-        """The best of candidates for GPU_CONFIG[kind] (kept in place afterwards), and the default's time."""
+        """(the default's time, the best config, its time) over candidates for the active config[kind];
+        the best is left in place, so that the backward's sweep runs with the forward's best."""
         table = active_config()[kind]
         default = dict(table)
         default_us = self.measure(f"{shape_label} {kind} default {default}", fn)
