@@ -856,33 +856,52 @@ def segment_carries(summary, dsum, A, boundary, reverse):
 # %% [markdown]
 # ## 6. The launchers and the public function
 #
-# The launchers are chapter 05's with two differences: they pass strides instead of copying, and the
-# forward returns no $\bar y$. The launch parameters come from a sweep on an H200 (section 9 prints
-# one, section 8 a long sequence): two channels per program and 1 warp, 512 positions per
-# chunk for the forward, and for the backward 32 runs of 16 bytes (128 positions in fp32, 256 in bf16:
-# `launch_config` scales the fp32 count); in training the forward runs with the backward's chunk, since
-# it keeps one state per chunk for it. Under the interpreter the chunks are small, so that the tests'
-# short sequences still cross several chunks and blocks. The autograd plumbing (a `torch.library`
-# custom op with fake and vmap rules, an autograd Function, a second derivative that raises) is
-# chapter 05's, imported.
+# The launchers are chapter 05's with two differences besides section 5's segments: they pass
+# strides instead of copying, and the forward returns no $\bar y$. The launch parameters come from a
+# sweep on an H200 (section 9 prints one, section 8 a long sequence): two channels per program and 1
+# warp, 512 positions per chunk for the forward, and for the backward 32 runs of 16 bytes (128
+# positions in fp32, 256 in bf16: `launch_config` scales the fp32 count); in training the forward
+# runs with the backward's chunk, since it keeps one state per chunk for it. Under the interpreter
+# the chunks are small, so that the tests' short sequences still cross several chunks and blocks.
+# The autograd plumbing (a `torch.library` custom op with fake and vmap rules, an autograd Function,
+# a second derivative that raises) is chapter 05's, imported.
 #
-# One thing is new: how the kernels are launched. On a GPU, `kernel[grid](*args)` does a fair amount
-# of Python before the launch itself: it asks for the current device and stream, binds the arguments
-# to the kernel's signature, works out each argument's *specialisation* (a pointer's element type and
-# whether it is 16-byte aligned; an integer's width, whether it is 1 and whether it divides by 16,
-# which let the compiler drop a multiply or vectorise a load), turns those into a cache key and looks
-# the compiled kernel up, on every call, though in a training loop the answer never changes. With
-# about 40 runtime arguments per kernel here, that work grows with the arguments, and it is spent
-# before the GPU has anything to do. `launch` keeps the compiled kernel Triton returns under a key of the same
-# properties, computed in one pass over the arguments, and launches it directly the next time: the
-# compiled kernel's own launcher, which still reads the current stream. The key is at least as fine
-# as Triton's (every integer by value), so it never picks a kernel compiled for other arguments; what
-# it skips are Triton's per-call checks around the launch (its debug switches, pre-run hooks, and
-# that the kernel's globals have not changed), which these kernels do not use. It expects every
-# parameter given, the runtime ones by position, and a three-dimensional grid.
-# `cdiv` and `next_power_of_2` are plain Python for the same reason: Triton 3.6 defines its own as
-# functions usable inside kernels too, which costs more per call from the host than the arithmetic.
-# Section 11 measures a training step with and without the cache.
+# One thing is new: how much the host does per call. In a training loop the same shapes, strides and
+# dtypes come back at every step, and everything the launchers work out from them comes out the same
+# each time: the accumulator dtype, the layout and strides of every input, the launch config, the
+# grid, the dozens of integer arguments, the constexprs, the sizes of the outputs, chapter 05's input
+# checks. Each is a few microseconds of Python, and together they are a good part
+# of the host's time per step (section 11 measures that time). So the launchers work it out once per
+# *signature*, each tensor's shape, strides, dtype and device (`signature`), with the call's flags,
+# and keep the result, a *plan* (`planned`, with `fwd_plan` and `bwd_plan`); `check_inputs` runs
+# chapter 05's checks once per signature that passed them.
+#
+# A plan's launches are `Launcher`s. On a GPU, `kernel[grid](*args)` runs a fair amount of Python
+# before launching. It looks up the current device and stream and matches the arguments to the
+# kernel's parameters. It then classifies each argument, which Triton calls *specialisation*: for a
+# pointer, its element type and whether it is 16-byte aligned; for an integer, its width, whether it
+# is 1 and whether it divides by 16 (these let the compiler drop a multiply or vectorise a load).
+# From that it builds a key and looks the compiled kernel up, on every call: 41 runtime arguments in
+# the forward here, 52 in the backward. In a plan all of that is fixed except the current device and
+# stream and where the tensors start (hence their alignment). A `Launcher` holds the grid, the
+# integers and the constexprs; its first call for a (current device, alignments) goes through
+# Triton, which compiles if needed, launches, and returns the compiled kernel; its later calls go
+# straight to the compiled kernel's own launcher for the grid, which still reads the current stream.
+# What it skips are Triton's per-call checks around the launch (its debug switches, pre-run hooks,
+# and that the kernel's globals have not changed), which these kernels do not use.
+#
+# A plan's key also includes `plan_context()`: the kernel objects and launch configs in force when
+# it was made. Section 9's sweep changes the configs, and re-running a cell that defines a kernel
+# makes a new kernel object; either way the old plan stops matching and a new one is built. The
+# caches have two limits. Each holds at most `KEPT` entries before it starts afresh (every new
+# sequence length adds a plan). And where a size is a symbol rather than a number (a `SymInt`, as
+# with `torch.compile`'s dynamic shapes or `make_fx(tracing_mode="symbolic")`), it cannot be a
+# dictionary key, and `cached` computes the answer each time without keeping it; while
+# `torch.compile` traces, it keeps nothing either (the compiled graph's calls, made with real
+# tensors, use the caches as eager calls do). The test suite compiles with dynamic shapes to check
+# it. Triton's own `cdiv` and `next_power_of_2` are wrapped so that they also work inside kernels,
+# and the wrapper costs more per host call than the arithmetic; the two here are plain Python.
+# Section 11 measures a training step with the Launchers and with every launch through Triton.
 
 # %%
 #| export
@@ -896,29 +915,78 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-_COMPILED: dict = {}   # (kernel, key) -> the compiled kernel Triton returned for it
+KEPT = 4096   # entries a cache holds before it starts afresh (every new sequence length adds one)
+CACHES: dict = {"plans": {}, "checked": {}, "summed": {}}   # name -> {key: value}
+_MISSING = object()
 
 
-def launch(kernel, grid, *args, **constexprs):
-    """`kernel[grid](*args, **constexprs)` for a @triton.jit kernel, constexprs (and launch options such
-    as num_warps) by keyword, with the host's work per call cut to a dictionary lookup.
+def remember(cache: dict, key, value):
+    """cache[key] = value, returned; the cache is emptied first when it holds KEPT entries, so that a
+    run with many shapes (variable-length training) keeps a bounded number."""
+    if len(cache) >= KEPT:
+        cache.clear()
+    cache[key] = value
+    return value
 
-    The first call for a key goes through Triton, which compiles if needed and returns the compiled
-    kernel; later calls with the same key launch that compiled kernel directly. The key: the kernel,
-    the current device, the keyword arguments, every integer argument by value, every tensor's dtype
-    and 16-byte alignment, every other argument (None, bool, float) with its type. Under the
-    interpreter: plain `kernel[grid](...)`."""
-    if INTERPRET:
-        return kernel[grid](*args, **constexprs)
-    key = (kernel, torch.cuda.current_device(), tuple(constexprs.items()), tuple([
-        arg if arg.__class__ is int else (arg.dtype, arg.data_ptr() % 16 == 0)
-        if isinstance(arg, torch.Tensor) else (arg.__class__, arg) for arg in args]))
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        _COMPILED[key] = kernel[grid](*args, **constexprs)
-        return
-    # the compiled kernel takes every parameter in order, constexprs included
-    compiled[grid](*args, *(constexprs[name] for name in kernel.arg_names[len(args):]))
+
+def cached(name: str, key, build):
+    """CACHES[name][key()], built by build() the first time. While torch.compile traces, build() runs
+    and no cache is touched: Dynamo would read the cache's keys (and fail on a Triton kernel among
+    them), guard on them, and cannot follow a global dict changing inside an autograd Function. For
+    a key holding symbolic sizes (make_fx's symbolic tracing: a SymInt cannot be hashed), build()
+    runs each time and nothing is kept."""
+    if torch.compiler.is_compiling():
+        return build()
+    cache, key = CACHES[name], key()
+    try:
+        value = cache.get(key, _MISSING)
+    except TypeError:          # unhashable type: SymInt
+        return build()
+    return remember(cache, key, build()) if value is _MISSING else value
+
+
+def signature(*tensors) -> tuple:
+    """What the host's work for a call depends on: each tensor's shape, strides, dtype and device
+    (None for an absent one)."""
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
+class Launcher:
+    """One kernel launch with everything but its tensors fixed: `launcher(*tensors)` runs
+    `kernel[grid](*tensors, *scalars, **constexprs)`.
+
+    The first call for a (current device, each tensor's 16-byte alignment) goes through Triton, which
+    compiles if needed and returns the compiled kernel; later calls go straight to that compiled
+    kernel's launcher for the grid, which reads the current stream and launches. Tensors' dtypes and
+    which are None, the integers and the constexprs are the plan's, fixed when the Launcher is made.
+    Under the interpreter, or with `through_triton` set (section 11 compares), every call goes
+    through Triton."""
+    through_triton = False
+
+    def __init__(self, kernel, grid: tuple, scalars: tuple, constexprs: dict):
+        self.kernel, self.grid, self.scalars, self.constexprs = kernel, grid, scalars, constexprs
+        self.runners, self.tail = {}, None       # tail: scalars, then constexpr values in parameter order
+
+    def __call__(self, *tensors):
+        if INTERPRET or self.through_triton:
+            self.kernel[self.grid](*tensors, *self.scalars, **self.constexprs)
+            return
+        key = (torch.cuda.current_device(), *[t is None or t.data_ptr() % 16 == 0 for t in tensors])
+        runner = self.runners.get(key)
+        if runner is not None:
+            runner(*tensors, *self.tail)
+            return
+        compiled = self.kernel[self.grid](*tensors, *self.scalars, **self.constexprs)
+        names = self.kernel.arg_names[len(tensors) + len(self.scalars):]   # the compiled kernel takes every parameter
+        self.tail = (*self.scalars, *[self.constexprs[name] for name in names])
+        self.runners[key] = compiled[self.grid]
+
+
+def planned(build, tensors: tuple, options: tuple):
+    """build(*tensors, *options), worked out once per signature of the tensors, options and
+    plan_context(): a plan reads only shapes, strides, dtypes and devices, never the tensors' values."""
+    return cached("plans", lambda: (build, signature(*tensors), options, plan_context()),
+                  lambda: build(*tensors, *options))
 
 
 # %%
@@ -936,6 +1004,15 @@ from scan_lib.selective_scan import (_NoSecondDerivative, _acc_dtype, _check_inp
 # so that small tests cross several chunks.
 GPU_CONFIG = {"fwd": dict(block_d=2, chunk=512, num_warps=1), "bwd": dict(block_d=2, chunk=128, num_warps=1)}
 CPU_CONFIG = {"fwd": dict(block_d=2, chunk=16, num_warps=1), "bwd": dict(block_d=2, chunk=8, num_warps=1)}
+
+
+def plan_context() -> tuple:
+    """What a plan depends on besides its inputs: the kernels and the launch configs as they stand now
+    (a notebook cell may define a kernel again, a grader swap in a student's, section 9's sweep
+    change GPU_CONFIG; a plan made before must not be used after)."""
+    configs = CPU_CONFIG if INTERPRET else GPU_CONFIG
+    return (strided_fwd_kernel, adjoint_summary_kernel, strided_bwd_kernel,
+            *[tuple(config.items()) for config in configs.values()])
 
 
 def launch_config(kind, dim, per_group_b, per_group_c, length, element_size=4):
@@ -985,6 +1062,11 @@ def _small_contiguous(*tensors):
     return [None if t is None else t.contiguous() for t in tensors]
 
 
+def like_u_strides(u):
+    """The strides like_u(u) gives, worked out on the meta device (no memory allocated)."""
+    return like_u(torch.empty_strided(u.shape, u.stride(), dtype=u.dtype, device="meta")).stride()
+
+
 def like_u(u, dtype=None):
     """A new (batch, dim, L) tensor in u's layout (its strides, where u is dense; else contiguous): out, du,
     d delta and dz. The next op reads them the way it wrote u: in a Mamba block, out_proj reads out
@@ -1016,18 +1098,52 @@ def summed_gradient_shapes(u, A, B, C, chunk, segments):
             tuple(A.shape), (u.shape[1],), (u.shape[1],)]
 
 
-def unflatten(flat, shapes):
-    """Views of consecutive pieces of flat, one per shape."""
-    return [piece.view(shape) for piece, shape in zip(flat.split([math.prod(shape) for shape in shapes]), shapes)]
+def summed_layout(u, A, B, C, chunk, segments):
+    """(shapes, sizes) of the summed buffer's pieces (summed_gradient_shapes), once per shapes."""
+    def build():
+        shapes = summed_gradient_shapes(u, A, B, C, chunk, segments)
+        return shapes, [math.prod(shape) for shape in shapes]
+    return cached("summed", lambda: (u.shape, u.dtype, A.shape, B.shape, C.shape, chunk, segments), build)
 
 
 def gradients_from_summed(summed, u, A, B, C, chunk, segments):
-    """(dA, dB, dC, dD, d delta_bias) from the backward's flat buffer: views, the time-invariant B's and
-    C's runs summed."""
-    dB, dC, dA, dD, dbias = unflatten(summed, summed_gradient_shapes(u, A, B, C, chunk, segments))
+    """(dA, dB, dC, dD, d delta_bias) from the backward's flat buffer: views (dD and d delta_bias are
+    already 1-D pieces), the time-invariant B's and C's runs summed."""
+    shapes, sizes = summed_layout(u, A, B, C, chunk, segments)
+    dB, dC, dA, dD, dbias = summed.split(sizes)
     over_batch_segments_runs = (0, -2, -1)
-    return (dA, dB.sum(over_batch_segments_runs) if B.dim() == 2 else dB,
+    dB, dC = dB.view(shapes[0]), dC.view(shapes[1])
+    return (dA.view(shapes[2]), dB.sum(over_batch_segments_runs) if B.dim() == 2 else dB,
             dC.sum(over_batch_segments_runs) if C.dim() == 2 else dC, dD, dbias)
+
+
+def fwd_plan(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk, segments):
+    """What strided_fwd works out from its inputs' shapes, strides and dtypes alone: the accumulator
+    dtype, its outputs' shapes and its launches (phase 1's only with segments)."""
+    batch, dim, length = u.shape
+    n_states = A.shape[1]
+    acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
+    config = launch_config("fwd", dim, per_group_b, per_group_c, length)
+    chunk = save_chunk if save_chunk > 0 else config["chunk"]
+    n_chunks = cdiv(length, chunk)
+    n_segments, seg_chunks = split(n_chunks, segments)
+    grid = (batch, cdiv(dim, config["block_d"]), n_segments)
+    scalars = (dim, length, n_chunks, seg_chunks, per_group_b, per_group_c, *strides["u"], *strides["delta"],
+               *strides["z"], *strides["A"], *strides["B"], *strides["C"], *like_u_strides(u))
+    constexprs = dict(N_STATES=n_states, HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+                      B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4, SOFTPLUS=delta_softplus,
+                      ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"], BLOCK_N=next_power_of_2(n_states),
+                      CHUNK=chunk, num_warps=config["num_warps"])
+
+    def scan_pass(summary, has_h0):   # summary: phase 1 (each segment's last state and sum of steps)
+        return Launcher(strided_fwd_kernel, grid, scalars, dict(
+            constexprs, HAS_H0=has_h0, SAVE=save_chunk > 0 and not summary, SUMMARY=summary))
+    return dict(acc=acc, n_segments=n_segments,
+                ends=(batch, dim, n_states, n_segments) if n_segments > 1 else (batch, dim, n_states),
+                states=(batch, dim, n_states, n_chunks if save_chunk > 0 else 0),
+                summary=scan_pass(True, False) if n_segments > 1 else None,
+                outputs=scan_pass(False, n_segments > 1 or initial_state is not None))
 
 
 @custom_op("strided_selective_scan_fwd", __name__)
@@ -1040,36 +1156,18 @@ def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
     positions (batch, dim, N, n_chunks) for the backward (else an empty tensor). segments: how many
     segments to split the sequence into (section 5; 1: none)."""
     D, delta_bias, initial_state = _small_contiguous(D, delta_bias, initial_state)
-    batch, dim, length = u.shape
-    n_states = A.shape[1]
-    acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
-    config = launch_config("fwd", dim, per_group_b, per_group_c, length)
-    chunk = save_chunk if save_chunk > 0 else config["chunk"]
-    n_chunks = cdiv(length, chunk)
-    n_segments, seg_chunks = split(n_chunks, segments)
+    plan = planned(fwd_plan, (u, delta, A, B, C, D, z, delta_bias, initial_state),
+                   (delta_softplus, save_chunk, segments))
     out = like_u(u)
-    ends = u.new_empty(batch, dim, n_states, n_segments, dtype=acc)   # the state at each segment's end
-    states = u.new_empty(batch, dim, n_states, n_chunks if save_chunk > 0 else 0, dtype=acc)
-
-    def scan_pass(entering, dsum):   # dsum given: phase 1 (SUMMARY), else the outputs
-        launch(strided_fwd_kernel, (batch, cdiv(dim, config["block_d"]), n_segments),
-            u, delta, A, B, C, D, z, delta_bias, entering, out, states, ends, dsum,
-            dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
-            *strides["u"], *strides["delta"], *strides["z"], *strides["A"], *strides["B"], *strides["C"],
-            *out.stride(), N_STATES=n_states, HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-            HAS_H0=entering is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
-            SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc), SAVE=save_chunk > 0 and dsum is None,
-            SUMMARY=dsum is not None, BLOCK_D=config["block_d"],
-            BLOCK_N=next_power_of_2(n_states), CHUNK=chunk, num_warps=config["num_warps"])
-
+    ends = u.new_empty(plan["ends"], dtype=plan["acc"])   # the state at each segment's end (one segment: the last)
+    states = u.new_empty(plan["states"], dtype=plan["acc"])
     entering = initial_state
-    if n_segments > 1:   # phases 1 and 2: the state entering each segment
-        dsum = u.new_empty(batch, dim, n_segments, dtype=acc)
-        scan_pass(None, dsum)
+    if plan["summary"] is not None:   # phases 1 and 2: the state entering each segment
+        dsum = u.new_empty(u.shape[0], u.shape[1], plan["n_segments"], dtype=plan["acc"])
+        plan["summary"](u, delta, A, B, C, D, z, delta_bias, None, out, states, ends, dsum)
         entering, _ = segment_carries(ends, dsum, A, initial_state, reverse=False)
-    scan_pass(entering, None)
-    return out, ends[..., -1].contiguous(), states
+    plan["outputs"](u, delta, A, B, C, D, z, delta_bias, entering, out, states, ends, None)
+    return out, ends if plan["summary"] is None else ends[..., -1].contiguous(), states
 
 
 @strided_fwd.register_fake
@@ -1081,6 +1179,36 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_c
             u.new_empty(batch, dim, A.shape[1], n_chunks, dtype=acc))
 
 
+def bwd_plan(u, delta, A, B, C, D, z, delta_bias, states, dout, dlast, delta_softplus, chunk, segments):
+    """What strided_bwd works out from its inputs' shapes, strides and dtypes alone: the summed
+    buffer's layout, d initial_state's shape and the launches (phase 1's only with segments)."""
+    batch, dim, length = u.shape
+    n_states, n_chunks, acc = A.shape[1], states.shape[-1], states.dtype
+    per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
+    config = launch_config("bwd", dim, per_group_b, per_group_c, length)
+    n_segments, seg_chunks = split(n_chunks, segments)
+    grid = (batch, cdiv(dim, config["block_d"]), n_segments)
+    sizes = dict(N_STATES=n_states, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
+                 num_warps=config["num_warps"])
+    options = dict(HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, C_PER_STEP=C.dim() == 4,
+                   SOFTPLUS=delta_softplus)
+    summary = None
+    if n_segments > 1:   # phase 1: each segment's adjoint from 0 at its right end
+        summary = Launcher(adjoint_summary_kernel, grid, (
+            dim, length, n_chunks, seg_chunks, per_group_c, *strides["delta"], *strides["z"], *strides["A"],
+            *strides["C"], *dout.stride()), dict(sizes, **options, BLOCK_N=next_power_of_2(n_states), CHUNK=chunk))
+    items = run_items(u, chunk)
+    gradients = Launcher(strided_bwd_kernel, grid, (
+        dim, length, n_chunks, seg_chunks, per_group_b, per_group_c, *strides["u"], *strides["delta"],
+        *strides["z"], *strides["A"], *strides["B"], *strides["C"], *dout.stride(), *like_u_strides(u)),
+        dict(sizes, **options, HAS_D=D is not None, HAS_DLAST=n_segments > 1 or dlast is not None,
+             B_PER_STEP=B.dim() == 4, SEGS=chunk // items, ITEMS=items))
+    per_run = run_partials_shape(u, A, chunk, segments)
+    _, summed_sizes = summed_layout(u, A, B, C, chunk, segments)
+    return dict(acc=acc, n_segments=n_segments, per_run=per_run, summed_sizes=summed_sizes,
+                dh0=per_run[:-1] if n_segments > 1 else per_run[:3], summary=summary, gradients=gradients)
+
+
 @custom_op("strided_selective_scan_bwd", __name__)
 def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
@@ -1090,43 +1218,24 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
     flat buffer of the gradients summed over positions (summed_gradient_shapes: dB, dC, dA, dD,
     d delta_bias; `gradients_from_summed` unpacks it). segments: as in strided_fwd."""
     D, delta_bias, dlast = _small_contiguous(D, delta_bias, dlast)
-    batch, dim, length = u.shape
-    n_states, n_chunks, acc = A.shape[1], states.shape[-1], states.dtype
-    per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
-    config = launch_config("bwd", dim, per_group_b, per_group_c, length)
-    n_segments, seg_chunks = split(n_chunks, segments)
-    grid = (batch, cdiv(dim, config["block_d"]), n_segments)
-    sizes = dict(N_STATES=n_states, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
-                 BLOCK_N=next_power_of_2(n_states), CHUNK=chunk, num_warps=config["num_warps"])
+    plan = planned(bwd_plan, (u, delta, A, B, C, D, z, delta_bias, states, dout, dlast),
+                   (delta_softplus, chunk, segments))
+    acc, n_segments = plan["acc"], plan["n_segments"]
     entering = dlast
-    if n_segments > 1:   # phases 1 and 2: the adjoint entering each segment from the right
-        adj, dsum = (u.new_empty(batch, dim, n_states, n_segments, dtype=acc),
-                     u.new_empty(batch, dim, n_segments, dtype=acc))
-        launch(adjoint_summary_kernel, grid,
-            delta, A, C, z, delta_bias, dout, adj, dsum, dim, length, n_chunks, seg_chunks, per_group_c,
-            *strides["delta"], *strides["z"], *strides["A"], *strides["C"], *dout.stride(),
-            HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, C_PER_STEP=C.dim() == 4,
-            SOFTPLUS=delta_softplus, **sizes)
+    if plan["summary"] is not None:   # phases 1 and 2: the adjoint entering each segment from the right
+        adj = u.new_empty(plan["per_run"][:-1], dtype=acc)
+        dsum = u.new_empty(u.shape[0], u.shape[1], n_segments, dtype=acc)
+        plan["summary"](delta, A, C, z, delta_bias, dout, adj, dsum)
         entering, _ = segment_carries(adj, dsum, A, dlast, reverse=True)
-    items = run_items(u, chunk)
     du, ddelta = like_u(u), like_u(u, delta.dtype)
     dz = like_u(u, z.dtype) if z is not None else u.new_empty(0)
-    per_run = run_partials_shape(u, A, chunk, segments)
-    shapes = summed_gradient_shapes(u, A, B, C, chunk, segments)
-    summed = torch.zeros(sum(math.prod(shape) for shape in shapes), device=u.device, dtype=acc)
-    dB, dC, dA, dD, dbias = unflatten(summed, shapes)
-    dA_part, dh0 = u.new_empty(per_run, dtype=acc), u.new_empty(per_run[:-1], dtype=acc)
-    launch(strided_bwd_kernel, grid,
-        u, delta, A, B, C, D, z, delta_bias, states, dout, entering,
-        du, ddelta, dz, dB, dC, dA_part, dA, dD if D is not None else None,
-        dbias if delta_bias is not None else None, dh0,
-        dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
-        *strides["u"], *strides["delta"], *strides["z"], *strides["A"], *strides["B"], *strides["C"],
-        *dout.stride(), *du.stride(), HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        HAS_DLAST=entering is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
-        SOFTPLUS=delta_softplus, N_STATES=n_states, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
-        SEGS=chunk // items, ITEMS=items, num_warps=config["num_warps"])
-    return [du, ddelta, dz, dh0[..., 0].contiguous(), summed]
+    summed = torch.zeros(sum(plan["summed_sizes"]), device=u.device, dtype=acc)
+    dB, dC, dA, dD, dbias = summed.split(plan["summed_sizes"])   # the kernel indexes each piece as contiguous
+    dA_part, dh0 = u.new_empty(plan["per_run"], dtype=acc), u.new_empty(plan["dh0"], dtype=acc)
+    plan["gradients"](u, delta, A, B, C, D, z, delta_bias, states, dout, entering,
+                      du, ddelta, dz, dB, dC, dA_part, dA, dD if D is not None else None,
+                      dbias if delta_bias is not None else None, dh0)
+    return [du, ddelta, dz, dh0 if n_segments == 1 else dh0[..., 0].contiguous(), summed]
 
 
 @strided_bwd.register_fake
@@ -1139,6 +1248,11 @@ def _(u, delta, A, B, C, D, z, delta_bias, states, dout, dlast, delta_softplus, 
 
 strided_fwd.register_vmap(_vmap_by_loop(strided_fwd))
 strided_bwd.register_vmap(_vmap_by_loop(strided_bwd))
+
+
+def cast(x, dtype):
+    """x in dtype: x itself when it is already (Tensor.to's no-op still costs about a microsecond)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class StridedSelectiveScanFn(torch.autograd.Function):
@@ -1169,12 +1283,12 @@ class StridedSelectiveScanFn(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(u)
         with torch.no_grad():  # the op's own outputs carry no graph (chapter 05's _NoSecondDerivative)
-            du, ddelta, dz, dh0, summed = strided_bwd(u, delta, A, B, C, D, z, delta_bias, states, dout.to(u.dtype),
+            du, ddelta, dz, dh0, summed = strided_bwd(u, delta, A, B, C, D, z, delta_bias, states, cast(dout, u.dtype),
                                                       dlast, ctx.delta_softplus, ctx.chunk, ctx.segments)
             dA, dB, dC, dD, dbias = gradients_from_summed(summed, u, A, B, C, ctx.chunk, ctx.segments)
         grads = (du, ddelta, dA, dB, dC, dD, dz, dbias, dh0)
         inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
-        grads = [None if x is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
+        grads = [None if x is None else cast(g, x.dtype) for g, x in zip(grads, inputs)]
         if torch.is_grad_enabled():  # create_graph=True (or torch.func.grad): make a second derivative raise
             anchors = [x for x in (*inputs, dout, dlast) if x is not None]
             given = [g for g in grads if g is not None]
@@ -1206,20 +1320,33 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 def scan_in_segments(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                      return_last_state=False, initial_state=None, segments=1):
     """selective_scan with both passes split into `segments` segments along L (section 5)."""
-    _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     if u.numel() == 0:
         return empty_selective_scan(u, delta, A, B, C, D, z, delta_bias, return_last_state, initial_state)
     B4 = positions_adjacent(B.unsqueeze(1) if B.dim() == 3 else B)
     C4 = positions_adjacent(C.unsqueeze(1) if C.dim() == 3 else C)
     tensors = (u, delta, A, B4, C4, D, z, delta_bias, initial_state)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    save_chunk = 0
-    if training:
-        dim = u.shape[1]
-        save_chunk = launch_config("bwd", dim, dim // _groups(B4) if B4.dim() == 4 else 1,
-                                   dim // _groups(C4) if C4.dim() == 4 else 1, u.shape[2], u.element_size())["chunk"]
+    save_chunk = backward_chunk(u, B4, C4) if training else 0
     out, last, _ = apply(StridedSelectiveScanFn, *tensors, bool(delta_softplus), save_chunk, segments)
     return (out, last) if return_last_state else out
+
+
+def check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state):
+    """Chapter 05's checks (_check_inputs), run once per signature: they read only the arguments'
+    types, shapes, dtypes and devices, so a signature that passed once passes again."""
+    tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+    if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
+        _check_inputs(*tensors)             # raises the TypeError naming the argument
+        return
+    cached("checked", lambda: signature(*tensors), lambda: _check_inputs(*tensors))
+
+
+def backward_chunk(u, B4, C4):
+    """The chunk the backward runs with, for the forward to keep one state per chunk."""
+    dim = u.shape[1]
+    return launch_config("bwd", dim, dim // _groups(B4) if B4.dim() == 4 else 1,
+                         dim // _groups(C4) if C4.dim() == 4 else 1, u.shape[2], u.element_size())["chunk"]
 
 
 # %% [markdown]
@@ -1409,10 +1536,10 @@ else:
 # so a split roughly doubles the work, and it pays only where the programs it adds find a GPU that
 # would otherwise be idle. That is the case only for few programs: the cell's second line gives the
 # warps per multiprocessor at batch 1 with one channel per program (half that with `GPU_CONFIG`'s
-# two). Section 5's prediction failed: at batch 1 the best split is 1.10x faster in the training
-# step, not near two, and slower in the forward; at the usual size two segments more than triple the
-# forward's time, more than the doubled work accounts for, and this cell does not say where the rest
-# goes. `selective_scan` keeps one segment (`segments` stays 1); where
+# two). Section 5's prediction failed: at batch 1 the best split is 1.09x faster in the training
+# step, not near two, and slower in the forward; at the usual size two segments take 2.3 times the
+# forward's time of one, more than the doubled work accounts for, and this cell does not say where the
+# rest goes. `selective_scan` keeps one segment (`segments` stays 1); where
 # a row above shows a split faster, that is speed still left at small batch. The split stays in the
 # kernels, checked in section 7, because the same three phases are how a sequence is spread over
 # several GPUs (chapter 09), where the split is forced by memory rather than chosen for speed. A split
@@ -1475,8 +1602,8 @@ else:
 # positions spaced apart, so one warp's additions touch more memory sectors. Summing several channels
 # in one program before adding (`block_d` > 1) divides the additions, but fewer programs then share
 # the GPU; the sweep below tries one and two channels per program (in the recorded run the
-# backward's best had two, with chunks of 256 positions where `GPU_CONFIG` has 128, and
-# `GPU_CONFIG`'s row came within 1.03x of it, 1096 against 1060 µs). Two ways around it that
+# backward's best had one, where `GPU_CONFIG` has two, and `GPU_CONFIG`'s row came within 1.03x of
+# it, 1125 against 1087 µs: for the backward the two choices are about even). Two ways around it that
 # this chapter has not built: accumulate $dB$ per group of channels in a workspace and reduce it with one more kernel
 # (the bytes: $\text{dim}/g \cdot N \cdot L$ floats per batch element), or reformulate the backward so
 # that the sum over channels becomes a matrix product (Mamba-2's "state space duality" does exactly this
@@ -1628,8 +1755,8 @@ else:
 # carry becomes a reduction over the chunk for every state: the loop had neither problem to begin with. Its cost was
 # not the loop. The best rows say whether more than one channel per program (`block_d` 2, which shares
 # each load of $B$ and $C$ between two channels) paid; `GPU_CONFIG` holds the values an earlier run of
-# this sweep chose on the H200 (in this run the backward's best has chunks of 256 positions where
-# `GPU_CONFIG` has 128, 1.03x apart; the cell checks that `GPU_CONFIG` is within 1.3x of the best).
+# this sweep chose on the H200 (in this run the backward's best has one channel per program where
+# `GPU_CONFIG` has two, 1.03x apart; the cell checks that `GPU_CONFIG` is within 1.3x of the best).
 #
 # ## 10. Against the peers
 #
@@ -1678,20 +1805,24 @@ else:
     fig.tight_layout()
     save_figure(fig, "07_against_peers.png")
 
-# %% [markdown]
-# (On a GPU.) The lines say where chapter 07 stands in training on the block's layout, against chapter
-# 05 and, where it is importable, `mamba_ssm`; the cell below prints, row by row, `mamba_ssm`'s time
-# over ours (above 1: ours is faster). In the run recorded here `mamba_ssm` was importable, and
-# chapter 07 is faster than chapter 05 in every row. Against `mamba_ssm` the ratios run from 0.53 to
-# 1.22: ours is faster at the base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$ 64 and at batch 4 of
-# dim 1536, `mamba_ssm` at $L$ 512, at $N$ 4 and at batch 1 and 2. The base shape is timed twice, in
-# the series against $L$ and against $N$: the same kernels on the same inputs, and this time its two
-# lines agree (1.15 both; in earlier runs they differed by more than either differed from 1, so read
-# a single ratio near 1 as "about even"). The rows behind share a pattern: at $L$ 512 and at $N$ 4
-# chapter 07 takes more than four fifths of its time at the base shape, though they do a quarter of
-# its work. Most of their time does not scale with the work, while `mamba_ssm`'s falls with it.
-# Section 11 measures where that time goes. The backward is still most of the step's GPU time in
-# section 8's profile. `make bench` has the forward rows and fp32 as well.
+# %% [markdown] (On a GPU.) The lines say where chapter 07 stands in training on the block's layout,
+# against chapter 05 and, where it is importable, `mamba_ssm`; the cell below prints, row by row,
+# `mamba_ssm`'s time over ours (above 1: ours is faster). In the run recorded here `mamba_ssm` was
+# importable, and chapter 07 is faster than chapter 05 in every row. Against `mamba_ssm` the ratios
+# run from 0.67 to 1.20: ours is faster at the base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$
+# 64 and at batch 4 of dim 1536, `mamba_ssm` at $L$ 512, at $N$ 4 and at batch 1 and 2. The base
+# shape is timed twice, in the series against $L$ and against $N$: the same kernels on the same
+# inputs, and here its two lines agree (1.12 both; the same shape can vary between runs by more than
+# a ratio's distance from 1, so read a single ratio near 1 as "about even"). The rows where chapter
+# 07 is behind are of two kinds. At $L$ 512 and at $N$ 4 chapter 07 takes about as long as at the
+# base shape (1021 and 1382 µs against 1338), though they have a quarter of its positions ($L$ 512)
+# or states ($N$ 4): most of their time does not scale with the work, while `mamba_ssm`'s falls with
+# it (767 and 927 µs against 1499). Section 11 measures where that time goes. At batch 1 and 2 of dim 1536
+# ($L$ 8192) the step is long enough for the kernels to set the pace, and with 768 or 1536 programs
+# of one warp (32 threads), about 6 or 12 per multiprocessor of the 132, the GPU is underused
+# (section 8's cell on segments prints the count; section 5's segments aim at this, though section 8
+# measured little from them). The backward is still most of the step's GPU time in section 8's
+# profile. `make bench` has the forward rows and fp32 as well.
 
 # %%
 if ON_GPU and any(name == "mamba_ssm" for _, _, name in times):
@@ -1705,15 +1836,18 @@ else:
 # %% [markdown]
 # ## 11. The host's share
 #
-# The GPU runs only what the host has queued. A training step's Python (the checks, the
-# allocations, autograd's bookkeeping, each launch) takes time on the CPU whatever the kernels do, and
-# when it takes longer than the kernels the GPU waits. Three numbers per step say which side sets
-# the pace: `do_bench`'s time of the whole step; the host's time to queue one step (`host_us`: steps
-# back to back, no synchronisation inside, so the host never waits for the GPU); and the sum of the
-# step's kernel durations (`kernel_times`, section 2's profiler). The step takes about the larger of
-# the last two. The same host time with section 6's `launch` replaced by a plain `kernel[grid](...)`
-# shows what keeping the compiled kernels saves; `mamba_ssm`, where it is importable, is measured the
-# same way.
+# The GPU runs only what the host has queued. A training step's Python (the checks, the allocations,
+# autograd's bookkeeping, each launch) takes time on the CPU whatever the kernels do, and when it
+# takes longer than the kernels the GPU waits. Three numbers per step say which side sets the pace:
+# `do_bench`'s time of the whole step; the host's time to queue one step (`host_us`: steps back to
+# back, no synchronisation inside, so the timer measures only the host's work); and the sum of the
+# step's kernel durations (`kernel_times`, section 2's profiler). When the kernels are the larger,
+# the step follows them; when the host is the larger, `do_bench`'s step time is only a rough guide
+# (in the rows below it lands sometimes over the host's time, sometimes under it): compare the host and kernel columns to see which side sets the pace. The same step with section
+# 6's Launchers going through Triton's `kernel[grid](...)` (`triton_launched`) shows what the
+# Launchers save, and `mamba_ssm`, where it is importable, is measured the same way. The host's
+# samples of the rows are taken in turn, five rounds of 20 steps (`host_split`), so that a slow
+# spell of the host falls on every row alike.
 
 # %%
 import statistics
@@ -1721,17 +1855,27 @@ import statistics
 from scan_lib.runtime import host_us, median_us
 
 
-def triton_launch(kernel, grid, *args, **constexprs):
-    """Section 6's launch without its cache: every call through Triton's kernel[grid](...)."""
-    return kernel[grid](*args, **constexprs)
+def host_split(steps, rounds=5):
+    """{row: (step, host per step, kernels per step)} in us for training steps {row: step()}. The host's
+    samples are taken in turn, one per row per round, so that a slow spell of the host falls on every
+    row alike; each row's median of its rounds."""
+    hosts = {row: [] for row in steps}
+    for _ in range(rounds):
+        for row, step in steps.items():
+            hosts[row].append(host_us(step, 20))
+    return {row: (median_us(step, warmup=5, rep=50), statistics.median(hosts[row]),
+                  sum(kernel_times(step).values())) for row, step in steps.items()}
 
 
-def host_split(scan, inputs):
-    """(step, host per step, kernels per step) in us for a training step of scan on inputs."""
-    step = lambda: training_step(scan, inputs)  # noqa: E731
-    step_us = median_us(step, warmup=5, rep=50)
-    host = statistics.median(host_us(step, 20) for _ in range(5))
-    return step_us, host, sum(kernel_times(step).values())
+def triton_launched(step):
+    """step() with section 6's Launchers going through Triton's kernel[grid](...) at every launch."""
+    def run():
+        Launcher.through_triton = True
+        try:
+            step()
+        finally:
+            Launcher.through_triton = False
+    return run
 
 
 if not ON_GPU:
@@ -1739,39 +1883,38 @@ if not ON_GPU:
 else:
     print(f"training step, bf16, block layout, every option; us per step on {torch.cuda.get_device_name()}")
     print(f"{'(batch, dim, L, N)':22s} {'':28s} {'step':>7s} {'host':>7s} {'kernels':>8s}")
-    cached_launch = launch
     rows = {name: fn for name, fn in peers().items() if name != "chapter 05"}
     for shape in [(8, 1024, 512, 16), (8, 1024, 2048, 4), (8, 1024, 2048, 16), (1, 2048, 2048, 16)]:
         inputs = block_layout_inputs(*shape, torch.bfloat16)
-        for name, fn in rows.items():
-            print(f"{str(shape):22s} {name:28s} {'%7.0f %7.0f %8.0f' % host_split(fn, inputs)}")
-        launch = triton_launch
-        try:
-            print(f"{str(shape):22s} {'chapter 07, Triton launches':28s} {'%7.0f %7.0f %8.0f' % host_split(selective_scan, inputs)}")
-        finally:
-            launch = cached_launch
+        steps = {name: functools.partial(training_step, fn, inputs) for name, fn in rows.items()}
+        steps["chapter 07, Triton launches"] = triton_launched(steps["chapter 07"])
+        for name, times in host_split(steps).items():
+            print(f"{str(shape):22s} {name:28s} {'%7.0f %7.0f %8.0f' % times}")
 
-# %% [markdown]
-# (On a GPU.) Read each row as: which of host and kernels is the larger, and how the step compares
-# with it. In the run recorded here, at three of the four shapes chapter 07's host time per step
-# (1520 to 1706 µs) is several times its kernels' time (311 to 462 µs): the GPU waits for Python, and
-# the step follows the host. Its kernels are faster than `mamba_ssm`'s at all four shapes (311
-# against 356 µs at $L$ 512, 462 against 537 at $N$ 4, 1285 against 1485 at the base shape, 396
-# against 432 at batch 1), yet in this table its step is the slower at all four. At the three short
-# ones the reason is the host: `mamba_ssm`'s host time is about half of ours (815 to 890 µs), its
-# launchers being C++ and ours Python. This is section 10's time that does not scale with the work.
-# At the base shape our host and kernels take about as long (1410 and 1285 µs), and the step (1702 µs)
-# is longer than either, where in section 10 the same step took 1307 µs.
+# %% [markdown] (On a GPU.) Read each row as: which of host and kernels is the larger, and how the
+# step compares with it. In the run recorded here chapter 07's kernels are faster than `mamba_ssm`'s
+# at all four shapes (314 against 359 µs at $L$ 512, 468 against 541 at $N$ 4, 1314 against 1485 at
+# the base shape, 423 against 430 at (1, 2048, 2048, 16)), and its host time per step is 1.5 to 1.7
+# times `mamba_ssm`'s at every shape (1172 to 1246 µs against 707 to 840): `mamba_ssm`'s launchers
+# are C++, ours are Python. At the three smaller shapes our host time is larger than our kernels'
+# (1221 against 314 µs at $L$ 512, 1172 against 423 at (1, 2048, 2048, 16)): the GPU waits for
+# Python. At the base shape the kernels are the larger (1314 against 1200 µs), and there the step
+# (1336 µs) follows them and is faster than `mamba_ssm`'s (1498).
 #
-# The rows with Triton's own launches do not show what the cache of section 6 saves: against the
-# cached rows they differ both ways (1681 against 1520 µs at $L$ 512, 1349 against 1706 at $N$ 4):
-# on this machine's host one measurement varies by a few hundred microseconds, and whatever the cache
-# saves is not resolved by it. The same variation shows between sections: the step
-# at $L$ 512 took 1094 µs in section 10 and 1378 µs here. What is measured is enough for the
-# direction: the short rows are won or lost on the host, and the next cuts are there, in the Python
-# each step runs (the input checks, the layouts, the allocations, the autograd Function), measured
-# with a profiler of the host's own time; `benchmarks/step_split.py` lists the host's largest
-# operations per step.
+# The rows with Triton's own launches show what section 6's Launchers save: 200 to 297 µs of host
+# time per step in this run (1421 against 1221 µs at $L$ 512, 1524 against 1246 at $N$ 4, 1497
+# against 1200 at the base shape, 1426 against 1172 at (1, 2048, 2048, 16)): Triton's per-call work,
+# twice per step (one launch per pass). Every host time here depends on the machine's CPU and on what
+# else it runs; on this recording's host both libraries' host times were high, so read the
+# differences, not the absolute values. The step column moves with the host (1465 against 1292 µs at
+# $L$ 512, 1499 against 1189 at (1, 2048, 2048, 16)), and between sections too (at $L$ 512: 1292 µs
+# here, 1021 in section 10's series): host-bound steps measure noisily, and section 10's rows near 1
+# should be read with it.
+# What is left on the host is spread over the path, not in one place (a count on a CPU with the
+# launches stubbed, in `benchmarks/NOTES_selective_scan.md`): autograd's own work, which `mamba_ssm`
+# pays too, then the ops' Python (allocations, the plan lookups, the split of the summed buffer) and
+# Triton's launcher per launch. The short rows are won or lost there; `benchmarks/step_split.py`
+# lists the host's largest operations per step.
 
 # %% [markdown]
 # ## What we built
@@ -1790,18 +1933,16 @@ else:
 #   checked against the float64 reference.
 # * Measurements of what is left: the `dB`, `dC` atomics alone, and two ideas that did not pay (one
 #   `exp` fewer through $a_t h_{t-1} = h_t - b_t$, which cancels; all states in one tile, slower).
-# * The host's share of a training step: at short sequences and few states it is several times the
-#   kernels' time, and about twice `mamba_ssm`'s; launches that reuse the compiled kernel, and the
-#   backward's sums inside its kernel (one launch before it, none after). The sums are atomic
-#   additions now, so $dA$, $dD$ and $d\Delta_{\text{bias}}$, like $dB$ and $dC$, can differ in
-#   their last bits from run to run; and in this run the bf16 backward kernel took longer than in
-#   the recording before it (section 8's profile), the fp32 one less: whether the sums' epilogue
-#   costs anything is for Nsight Compute to say.
+# * The host's share of a training step: at short sequences, few states or batch 1 it is larger than
+#   the kernels' time, and 1.5 to 1.7 times `mamba_ssm`'s; plans worked out once per signature, Launchers
+#   that go straight to the compiled kernel, and the backward's sums inside its kernel (one zeroing
+#   launch before it, none after). The sums are atomic additions now, so $dA$, $dD$ and
+#   $d\Delta_{\text{bias}}$, like $dB$ and $dC$, can differ in their last bits from run to run.
 #
 # What is not done yet, and where to go next: the forward with the same runs (its scan is Triton's
 # forward one, already lean); the atomics (a workspace
 # reduction or coalesced additions); a sequence-parallel scan that pays for small batches (section 5's
-# three-phase split is built and checked, but in section 8's measurement it is at best 1.10x faster, in
+# three-phase split is built and checked, but in section 8's measurement it is at best 1.09x faster, in
 # the training step at batch 1, and slower in the forward), which long sequences at batch 1 need; and
 # the host's time per step (section 11), which decides the short rows: the Python each call runs
 # before and after its kernels.

@@ -475,29 +475,78 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-_COMPILED: dict = {}   # (kernel, key) -> the compiled kernel Triton returned for it
+KEPT = 4096   # entries a cache holds before it starts afresh (every new sequence length adds one)
+CACHES: dict = {"plans": {}, "checked": {}, "summed": {}}   # name -> {key: value}
+_MISSING = object()
 
 
-def launch(kernel, grid, *args, **constexprs):
-    """`kernel[grid](*args, **constexprs)` for a @triton.jit kernel, constexprs (and launch options such
-    as num_warps) by keyword, with the host's work per call cut to a dictionary lookup.
+def remember(cache: dict, key, value):
+    """cache[key] = value, returned; the cache is emptied first when it holds KEPT entries, so that a
+    run with many shapes (variable-length training) keeps a bounded number."""
+    if len(cache) >= KEPT:
+        cache.clear()
+    cache[key] = value
+    return value
 
-    The first call for a key goes through Triton, which compiles if needed and returns the compiled
-    kernel; later calls with the same key launch that compiled kernel directly. The key: the kernel,
-    the current device, the keyword arguments, every integer argument by value, every tensor's dtype
-    and 16-byte alignment, every other argument (None, bool, float) with its type. Under the
-    interpreter: plain `kernel[grid](...)`."""
-    if INTERPRET:
-        return kernel[grid](*args, **constexprs)
-    key = (kernel, torch.cuda.current_device(), tuple(constexprs.items()), tuple([
-        arg if arg.__class__ is int else (arg.dtype, arg.data_ptr() % 16 == 0)
-        if isinstance(arg, torch.Tensor) else (arg.__class__, arg) for arg in args]))
-    compiled = _COMPILED.get(key)
-    if compiled is None:
-        _COMPILED[key] = kernel[grid](*args, **constexprs)
-        return
-    # the compiled kernel takes every parameter in order, constexprs included
-    compiled[grid](*args, *(constexprs[name] for name in kernel.arg_names[len(args):]))
+
+def cached(name: str, key, build):
+    """CACHES[name][key()], built by build() the first time. While torch.compile traces, build() runs
+    and no cache is touched: Dynamo would read the cache's keys (and fail on a Triton kernel among
+    them), guard on them, and cannot follow a global dict changing inside an autograd Function. For
+    a key holding symbolic sizes (make_fx's symbolic tracing: a SymInt cannot be hashed), build()
+    runs each time and nothing is kept."""
+    if torch.compiler.is_compiling():
+        return build()
+    cache, key = CACHES[name], key()
+    try:
+        value = cache.get(key, _MISSING)
+    except TypeError:          # unhashable type: SymInt
+        return build()
+    return remember(cache, key, build()) if value is _MISSING else value
+
+
+def signature(*tensors) -> tuple:
+    """What the host's work for a call depends on: each tensor's shape, strides, dtype and device
+    (None for an absent one)."""
+    return tuple(None if t is None else (t.shape, t.stride(), t.dtype, t.device) for t in tensors)
+
+
+class Launcher:
+    """One kernel launch with everything but its tensors fixed: `launcher(*tensors)` runs
+    `kernel[grid](*tensors, *scalars, **constexprs)`.
+
+    The first call for a (current device, each tensor's 16-byte alignment) goes through Triton, which
+    compiles if needed and returns the compiled kernel; later calls go straight to that compiled
+    kernel's launcher for the grid, which reads the current stream and launches. Tensors' dtypes and
+    which are None, the integers and the constexprs are the plan's, fixed when the Launcher is made.
+    Under the interpreter, or with `through_triton` set (section 11 compares), every call goes
+    through Triton."""
+    through_triton = False
+
+    def __init__(self, kernel, grid: tuple, scalars: tuple, constexprs: dict):
+        self.kernel, self.grid, self.scalars, self.constexprs = kernel, grid, scalars, constexprs
+        self.runners, self.tail = {}, None       # tail: scalars, then constexpr values in parameter order
+
+    def __call__(self, *tensors):
+        if INTERPRET or self.through_triton:
+            self.kernel[self.grid](*tensors, *self.scalars, **self.constexprs)
+            return
+        key = (torch.cuda.current_device(), *[t is None or t.data_ptr() % 16 == 0 for t in tensors])
+        runner = self.runners.get(key)
+        if runner is not None:
+            runner(*tensors, *self.tail)
+            return
+        compiled = self.kernel[self.grid](*tensors, *self.scalars, **self.constexprs)
+        names = self.kernel.arg_names[len(tensors) + len(self.scalars):]   # the compiled kernel takes every parameter
+        self.tail = (*self.scalars, *[self.constexprs[name] for name in names])
+        self.runners[key] = compiled[self.grid]
+
+
+def planned(build, tensors: tuple, options: tuple):
+    """build(*tensors, *options), worked out once per signature of the tensors, options and
+    plan_context(): a plan reads only shapes, strides, dtypes and devices, never the tensors' values."""
+    return cached("plans", lambda: (build, signature(*tensors), options, plan_context()),
+                  lambda: build(*tensors, *options))
 
 import math
 from typing import Optional
@@ -512,6 +561,15 @@ from scan_lib.selective_scan import (_NoSecondDerivative, _acc_dtype, _check_inp
 # so that small tests cross several chunks.
 GPU_CONFIG = {"fwd": dict(block_d=2, chunk=512, num_warps=1), "bwd": dict(block_d=2, chunk=128, num_warps=1)}
 CPU_CONFIG = {"fwd": dict(block_d=2, chunk=16, num_warps=1), "bwd": dict(block_d=2, chunk=8, num_warps=1)}
+
+
+def plan_context() -> tuple:
+    """What a plan depends on besides its inputs: the kernels and the launch configs as they stand now
+    (a notebook cell may define a kernel again, a grader swap in a student's, section 9's sweep
+    change GPU_CONFIG; a plan made before must not be used after)."""
+    configs = CPU_CONFIG if INTERPRET else GPU_CONFIG
+    return (strided_fwd_kernel, adjoint_summary_kernel, strided_bwd_kernel,
+            *[tuple(config.items()) for config in configs.values()])
 
 
 def launch_config(kind, dim, per_group_b, per_group_c, length, element_size=4):
@@ -561,6 +619,11 @@ def _small_contiguous(*tensors):
     return [None if t is None else t.contiguous() for t in tensors]
 
 
+def like_u_strides(u):
+    """The strides like_u(u) gives, worked out on the meta device (no memory allocated)."""
+    return like_u(torch.empty_strided(u.shape, u.stride(), dtype=u.dtype, device="meta")).stride()
+
+
 def like_u(u, dtype=None):
     """A new (batch, dim, L) tensor in u's layout (its strides, where u is dense; else contiguous): out, du,
     d delta and dz. The next op reads them the way it wrote u: in a Mamba block, out_proj reads out
@@ -592,18 +655,52 @@ def summed_gradient_shapes(u, A, B, C, chunk, segments):
             tuple(A.shape), (u.shape[1],), (u.shape[1],)]
 
 
-def unflatten(flat, shapes):
-    """Views of consecutive pieces of flat, one per shape."""
-    return [piece.view(shape) for piece, shape in zip(flat.split([math.prod(shape) for shape in shapes]), shapes)]
+def summed_layout(u, A, B, C, chunk, segments):
+    """(shapes, sizes) of the summed buffer's pieces (summed_gradient_shapes), once per shapes."""
+    def build():
+        shapes = summed_gradient_shapes(u, A, B, C, chunk, segments)
+        return shapes, [math.prod(shape) for shape in shapes]
+    return cached("summed", lambda: (u.shape, u.dtype, A.shape, B.shape, C.shape, chunk, segments), build)
 
 
 def gradients_from_summed(summed, u, A, B, C, chunk, segments):
-    """(dA, dB, dC, dD, d delta_bias) from the backward's flat buffer: views, the time-invariant B's and
-    C's runs summed."""
-    dB, dC, dA, dD, dbias = unflatten(summed, summed_gradient_shapes(u, A, B, C, chunk, segments))
+    """(dA, dB, dC, dD, d delta_bias) from the backward's flat buffer: views (dD and d delta_bias are
+    already 1-D pieces), the time-invariant B's and C's runs summed."""
+    shapes, sizes = summed_layout(u, A, B, C, chunk, segments)
+    dB, dC, dA, dD, dbias = summed.split(sizes)
     over_batch_segments_runs = (0, -2, -1)
-    return (dA, dB.sum(over_batch_segments_runs) if B.dim() == 2 else dB,
+    dB, dC = dB.view(shapes[0]), dC.view(shapes[1])
+    return (dA.view(shapes[2]), dB.sum(over_batch_segments_runs) if B.dim() == 2 else dB,
             dC.sum(over_batch_segments_runs) if C.dim() == 2 else dC, dD, dbias)
+
+
+def fwd_plan(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk, segments):
+    """What strided_fwd works out from its inputs' shapes, strides and dtypes alone: the accumulator
+    dtype, its outputs' shapes and its launches (phase 1's only with segments)."""
+    batch, dim, length = u.shape
+    n_states = A.shape[1]
+    acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
+    config = launch_config("fwd", dim, per_group_b, per_group_c, length)
+    chunk = save_chunk if save_chunk > 0 else config["chunk"]
+    n_chunks = cdiv(length, chunk)
+    n_segments, seg_chunks = split(n_chunks, segments)
+    grid = (batch, cdiv(dim, config["block_d"]), n_segments)
+    scalars = (dim, length, n_chunks, seg_chunks, per_group_b, per_group_c, *strides["u"], *strides["delta"],
+               *strides["z"], *strides["A"], *strides["B"], *strides["C"], *like_u_strides(u))
+    constexprs = dict(N_STATES=n_states, HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
+                      B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4, SOFTPLUS=delta_softplus,
+                      ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"], BLOCK_N=next_power_of_2(n_states),
+                      CHUNK=chunk, num_warps=config["num_warps"])
+
+    def scan_pass(summary, has_h0):   # summary: phase 1 (each segment's last state and sum of steps)
+        return Launcher(strided_fwd_kernel, grid, scalars, dict(
+            constexprs, HAS_H0=has_h0, SAVE=save_chunk > 0 and not summary, SUMMARY=summary))
+    return dict(acc=acc, n_segments=n_segments,
+                ends=(batch, dim, n_states, n_segments) if n_segments > 1 else (batch, dim, n_states),
+                states=(batch, dim, n_states, n_chunks if save_chunk > 0 else 0),
+                summary=scan_pass(True, False) if n_segments > 1 else None,
+                outputs=scan_pass(False, n_segments > 1 or initial_state is not None))
 
 
 @custom_op("strided_selective_scan_fwd", __name__)
@@ -616,36 +713,18 @@ def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
     positions (batch, dim, N, n_chunks) for the backward (else an empty tensor). segments: how many
     segments to split the sequence into (section 5; 1: none)."""
     D, delta_bias, initial_state = _small_contiguous(D, delta_bias, initial_state)
-    batch, dim, length = u.shape
-    n_states = A.shape[1]
-    acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
-    config = launch_config("fwd", dim, per_group_b, per_group_c, length)
-    chunk = save_chunk if save_chunk > 0 else config["chunk"]
-    n_chunks = cdiv(length, chunk)
-    n_segments, seg_chunks = split(n_chunks, segments)
+    plan = planned(fwd_plan, (u, delta, A, B, C, D, z, delta_bias, initial_state),
+                   (delta_softplus, save_chunk, segments))
     out = like_u(u)
-    ends = u.new_empty(batch, dim, n_states, n_segments, dtype=acc)   # the state at each segment's end
-    states = u.new_empty(batch, dim, n_states, n_chunks if save_chunk > 0 else 0, dtype=acc)
-
-    def scan_pass(entering, dsum):   # dsum given: phase 1 (SUMMARY), else the outputs
-        launch(strided_fwd_kernel, (batch, cdiv(dim, config["block_d"]), n_segments),
-            u, delta, A, B, C, D, z, delta_bias, entering, out, states, ends, dsum,
-            dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
-            *strides["u"], *strides["delta"], *strides["z"], *strides["A"], *strides["B"], *strides["C"],
-            *out.stride(), N_STATES=n_states, HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-            HAS_H0=entering is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
-            SOFTPLUS=delta_softplus, ACC=accumulator_dtype(acc), SAVE=save_chunk > 0 and dsum is None,
-            SUMMARY=dsum is not None, BLOCK_D=config["block_d"],
-            BLOCK_N=next_power_of_2(n_states), CHUNK=chunk, num_warps=config["num_warps"])
-
+    ends = u.new_empty(plan["ends"], dtype=plan["acc"])   # the state at each segment's end (one segment: the last)
+    states = u.new_empty(plan["states"], dtype=plan["acc"])
     entering = initial_state
-    if n_segments > 1:   # phases 1 and 2: the state entering each segment
-        dsum = u.new_empty(batch, dim, n_segments, dtype=acc)
-        scan_pass(None, dsum)
+    if plan["summary"] is not None:   # phases 1 and 2: the state entering each segment
+        dsum = u.new_empty(u.shape[0], u.shape[1], plan["n_segments"], dtype=plan["acc"])
+        plan["summary"](u, delta, A, B, C, D, z, delta_bias, None, out, states, ends, dsum)
         entering, _ = segment_carries(ends, dsum, A, initial_state, reverse=False)
-    scan_pass(entering, None)
-    return out, ends[..., -1].contiguous(), states
+    plan["outputs"](u, delta, A, B, C, D, z, delta_bias, entering, out, states, ends, None)
+    return out, ends if plan["summary"] is None else ends[..., -1].contiguous(), states
 
 
 @strided_fwd.register_fake
@@ -657,6 +736,36 @@ def _(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_c
             u.new_empty(batch, dim, A.shape[1], n_chunks, dtype=acc))
 
 
+def bwd_plan(u, delta, A, B, C, D, z, delta_bias, states, dout, dlast, delta_softplus, chunk, segments):
+    """What strided_bwd works out from its inputs' shapes, strides and dtypes alone: the summed
+    buffer's layout, d initial_state's shape and the launches (phase 1's only with segments)."""
+    batch, dim, length = u.shape
+    n_states, n_chunks, acc = A.shape[1], states.shape[-1], states.dtype
+    per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
+    config = launch_config("bwd", dim, per_group_b, per_group_c, length)
+    n_segments, seg_chunks = split(n_chunks, segments)
+    grid = (batch, cdiv(dim, config["block_d"]), n_segments)
+    sizes = dict(N_STATES=n_states, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
+                 num_warps=config["num_warps"])
+    options = dict(HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, C_PER_STEP=C.dim() == 4,
+                   SOFTPLUS=delta_softplus)
+    summary = None
+    if n_segments > 1:   # phase 1: each segment's adjoint from 0 at its right end
+        summary = Launcher(adjoint_summary_kernel, grid, (
+            dim, length, n_chunks, seg_chunks, per_group_c, *strides["delta"], *strides["z"], *strides["A"],
+            *strides["C"], *dout.stride()), dict(sizes, **options, BLOCK_N=next_power_of_2(n_states), CHUNK=chunk))
+    items = run_items(u, chunk)
+    gradients = Launcher(strided_bwd_kernel, grid, (
+        dim, length, n_chunks, seg_chunks, per_group_b, per_group_c, *strides["u"], *strides["delta"],
+        *strides["z"], *strides["A"], *strides["B"], *strides["C"], *dout.stride(), *like_u_strides(u)),
+        dict(sizes, **options, HAS_D=D is not None, HAS_DLAST=n_segments > 1 or dlast is not None,
+             B_PER_STEP=B.dim() == 4, SEGS=chunk // items, ITEMS=items))
+    per_run = run_partials_shape(u, A, chunk, segments)
+    _, summed_sizes = summed_layout(u, A, B, C, chunk, segments)
+    return dict(acc=acc, n_segments=n_segments, per_run=per_run, summed_sizes=summed_sizes,
+                dh0=per_run[:-1] if n_segments > 1 else per_run[:3], summary=summary, gradients=gradients)
+
+
 @custom_op("strided_selective_scan_bwd", __name__)
 def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor,
                 D: Optional[torch.Tensor], z: Optional[torch.Tensor], delta_bias: Optional[torch.Tensor],
@@ -666,43 +775,24 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
     flat buffer of the gradients summed over positions (summed_gradient_shapes: dB, dC, dA, dD,
     d delta_bias; `gradients_from_summed` unpacks it). segments: as in strided_fwd."""
     D, delta_bias, dlast = _small_contiguous(D, delta_bias, dlast)
-    batch, dim, length = u.shape
-    n_states, n_chunks, acc = A.shape[1], states.shape[-1], states.dtype
-    per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
-    config = launch_config("bwd", dim, per_group_b, per_group_c, length)
-    n_segments, seg_chunks = split(n_chunks, segments)
-    grid = (batch, cdiv(dim, config["block_d"]), n_segments)
-    sizes = dict(N_STATES=n_states, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
-                 BLOCK_N=next_power_of_2(n_states), CHUNK=chunk, num_warps=config["num_warps"])
+    plan = planned(bwd_plan, (u, delta, A, B, C, D, z, delta_bias, states, dout, dlast),
+                   (delta_softplus, chunk, segments))
+    acc, n_segments = plan["acc"], plan["n_segments"]
     entering = dlast
-    if n_segments > 1:   # phases 1 and 2: the adjoint entering each segment from the right
-        adj, dsum = (u.new_empty(batch, dim, n_states, n_segments, dtype=acc),
-                     u.new_empty(batch, dim, n_segments, dtype=acc))
-        launch(adjoint_summary_kernel, grid,
-            delta, A, C, z, delta_bias, dout, adj, dsum, dim, length, n_chunks, seg_chunks, per_group_c,
-            *strides["delta"], *strides["z"], *strides["A"], *strides["C"], *dout.stride(),
-            HAS_Z=z is not None, HAS_BIAS=delta_bias is not None, C_PER_STEP=C.dim() == 4,
-            SOFTPLUS=delta_softplus, **sizes)
+    if plan["summary"] is not None:   # phases 1 and 2: the adjoint entering each segment from the right
+        adj = u.new_empty(plan["per_run"][:-1], dtype=acc)
+        dsum = u.new_empty(u.shape[0], u.shape[1], n_segments, dtype=acc)
+        plan["summary"](delta, A, C, z, delta_bias, dout, adj, dsum)
         entering, _ = segment_carries(adj, dsum, A, dlast, reverse=True)
-    items = run_items(u, chunk)
     du, ddelta = like_u(u), like_u(u, delta.dtype)
     dz = like_u(u, z.dtype) if z is not None else u.new_empty(0)
-    per_run = run_partials_shape(u, A, chunk, segments)
-    shapes = summed_gradient_shapes(u, A, B, C, chunk, segments)
-    summed = torch.zeros(sum(math.prod(shape) for shape in shapes), device=u.device, dtype=acc)
-    dB, dC, dA, dD, dbias = unflatten(summed, shapes)
-    dA_part, dh0 = u.new_empty(per_run, dtype=acc), u.new_empty(per_run[:-1], dtype=acc)
-    launch(strided_bwd_kernel, grid,
-        u, delta, A, B, C, D, z, delta_bias, states, dout, entering,
-        du, ddelta, dz, dB, dC, dA_part, dA, dD if D is not None else None,
-        dbias if delta_bias is not None else None, dh0,
-        dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
-        *strides["u"], *strides["delta"], *strides["z"], *strides["A"], *strides["B"], *strides["C"],
-        *dout.stride(), *du.stride(), HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
-        HAS_DLAST=entering is not None, B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4,
-        SOFTPLUS=delta_softplus, N_STATES=n_states, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
-        SEGS=chunk // items, ITEMS=items, num_warps=config["num_warps"])
-    return [du, ddelta, dz, dh0[..., 0].contiguous(), summed]
+    summed = torch.zeros(sum(plan["summed_sizes"]), device=u.device, dtype=acc)
+    dB, dC, dA, dD, dbias = summed.split(plan["summed_sizes"])   # the kernel indexes each piece as contiguous
+    dA_part, dh0 = u.new_empty(plan["per_run"], dtype=acc), u.new_empty(plan["dh0"], dtype=acc)
+    plan["gradients"](u, delta, A, B, C, D, z, delta_bias, states, dout, entering,
+                      du, ddelta, dz, dB, dC, dA_part, dA, dD if D is not None else None,
+                      dbias if delta_bias is not None else None, dh0)
+    return [du, ddelta, dz, dh0 if n_segments == 1 else dh0[..., 0].contiguous(), summed]
 
 
 @strided_bwd.register_fake
@@ -715,6 +805,11 @@ def _(u, delta, A, B, C, D, z, delta_bias, states, dout, dlast, delta_softplus, 
 
 strided_fwd.register_vmap(_vmap_by_loop(strided_fwd))
 strided_bwd.register_vmap(_vmap_by_loop(strided_bwd))
+
+
+def cast(x, dtype):
+    """x in dtype: x itself when it is already (Tensor.to's no-op still costs about a microsecond)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 class StridedSelectiveScanFn(torch.autograd.Function):
@@ -745,12 +840,12 @@ class StridedSelectiveScanFn(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(u)
         with torch.no_grad():  # the op's own outputs carry no graph (chapter 05's _NoSecondDerivative)
-            du, ddelta, dz, dh0, summed = strided_bwd(u, delta, A, B, C, D, z, delta_bias, states, dout.to(u.dtype),
+            du, ddelta, dz, dh0, summed = strided_bwd(u, delta, A, B, C, D, z, delta_bias, states, cast(dout, u.dtype),
                                                       dlast, ctx.delta_softplus, ctx.chunk, ctx.segments)
             dA, dB, dC, dD, dbias = gradients_from_summed(summed, u, A, B, C, ctx.chunk, ctx.segments)
         grads = (du, ddelta, dA, dB, dC, dD, dz, dbias, dh0)
         inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
-        grads = [None if x is None else g.to(x.dtype) for g, x in zip(grads, inputs)]
+        grads = [None if x is None else cast(g, x.dtype) for g, x in zip(grads, inputs)]
         if torch.is_grad_enabled():  # create_graph=True (or torch.func.grad): make a second derivative raise
             anchors = [x for x in (*inputs, dout, dlast) if x is not None]
             given = [g for g in grads if g is not None]
@@ -782,17 +877,30 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 def scan_in_segments(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                      return_last_state=False, initial_state=None, segments=1):
     """selective_scan with both passes split into `segments` segments along L (section 5)."""
-    _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
     if u.numel() == 0:
         return empty_selective_scan(u, delta, A, B, C, D, z, delta_bias, return_last_state, initial_state)
     B4 = positions_adjacent(B.unsqueeze(1) if B.dim() == 3 else B)
     C4 = positions_adjacent(C.unsqueeze(1) if C.dim() == 3 else C)
     tensors = (u, delta, A, B4, C4, D, z, delta_bias, initial_state)
     training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    save_chunk = 0
-    if training:
-        dim = u.shape[1]
-        save_chunk = launch_config("bwd", dim, dim // _groups(B4) if B4.dim() == 4 else 1,
-                                   dim // _groups(C4) if C4.dim() == 4 else 1, u.shape[2], u.element_size())["chunk"]
+    save_chunk = backward_chunk(u, B4, C4) if training else 0
     out, last, _ = apply(StridedSelectiveScanFn, *tensors, bool(delta_softplus), save_chunk, segments)
     return (out, last) if return_last_state else out
+
+
+def check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state):
+    """Chapter 05's checks (_check_inputs), run once per signature: they read only the arguments'
+    types, shapes, dtypes and devices, so a signature that passed once passes again."""
+    tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
+    if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
+        _check_inputs(*tensors)             # raises the TypeError naming the argument
+        return
+    cached("checked", lambda: signature(*tensors), lambda: _check_inputs(*tensors))
+
+
+def backward_chunk(u, B4, C4):
+    """The chunk the backward runs with, for the forward to keep one state per chunk."""
+    dim = u.shape[1]
+    return launch_config("bwd", dim, dim // _groups(B4) if B4.dim() == 4 else 1,
+                         dim // _groups(C4) if C4.dim() == 4 else 1, u.shape[2], u.element_size())["chunk"]

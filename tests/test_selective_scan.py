@@ -346,8 +346,11 @@ def test_vmap_matches_a_loop():
         torch.testing.assert_close(grads[i], expected, rtol=0, atol=1e-13)
 
 
-def test_compile_fullgraph():
-    """torch.compile(fullgraph=True) traces through selective_scan (no graph break), forward and backward."""
+def test_compile_fullgraph(monkeypatch):
+    """torch.compile(fullgraph=True) traces through selective_scan (no graph break), forward and backward,
+    after eager calls have filled the host's caches, and without reading them while it traces (Dynamo
+    cannot hash a GPU Triton kernel among their keys, and would guard on them): with only the plans
+    (which the ops' implementations use when the compiled graph runs) left, tracing still works."""
     torch._dynamo.reset()
     inputs = make_inputs(2, 4, 3, 12, groups=2, seed=7)
     leaves = {k: v.detach().requires_grad_(True) for k, v in inputs.items()}
@@ -356,9 +359,11 @@ def test_compile_fullgraph():
         out, last = scan_lib.selective_scan(**kw, delta_softplus=True, return_last_state=True)
         return 2 * out, last
 
-    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
-    out, last = compiled(**leaves)
     out_e, last_e = f(**leaves)
+    with monkeypatch.context() as patch:
+        patch.setattr(FAST, "CACHES", {"plans": FAST.CACHES["plans"]})
+        compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+        out, last = compiled(**leaves)
     torch.testing.assert_close(out, out_e, rtol=0, atol=0)
     torch.testing.assert_close(last, last_e, rtol=0, atol=0)
     grads = torch.autograd.grad(out.sum() + last.sum(), list(leaves.values()))
@@ -576,11 +581,11 @@ def test_fast_host_helpers_match_triton():
             assert FAST.cdiv(n, d) == triton.cdiv(n, d), (n, d)
 
 
-def test_fast_launch_reuses_a_compiled_kernel_only_for_its_specialisation(monkeypatch):
-    """launch's GPU path, with a stand-in for a @triton.jit kernel: the first call per key goes through the
-    kernel (Triton compiles and returns the compiled kernel), a later call with the same key straight to
-    what it returned, every parameter in order; a different alignment, integer, dtype, bool-for-int or
-    constexpr goes through the kernel again."""
+def test_fast_launcher_reuses_a_compiled_kernel_only_for_its_alignment_and_device(monkeypatch):
+    """A Launcher's GPU path, with a stand-in for a @triton.jit kernel: the first call per (device,
+    alignments) goes through the kernel (Triton compiles and returns the compiled kernel), a later call
+    straight to the compiled kernel's runner for the plan's grid, every parameter in order; a tensor of
+    another alignment, another current device, or `through_triton` goes through the kernel again."""
     calls = []
 
     class Compiled:
@@ -588,28 +593,98 @@ def test_fast_launch_reuses_a_compiled_kernel_only_for_its_specialisation(monkey
             return lambda *args: calls.append(("compiled", grid, args))
 
     class Kernel:
-        arg_names = ["X", "n", "BLOCK"]
+        arg_names = ["X", "Y", "n", "BLOCK"]
 
         def __getitem__(self, grid):
             def run(*args, **constexprs):
                 calls.append(("jit", grid, args, constexprs))
                 return Compiled()
             return run
+    device = [0]
     monkeypatch.setattr(FAST, "INTERPRET", False)
-    monkeypatch.setattr(FAST, "_COMPILED", {})
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    kernel, x = Kernel(), torch.zeros(64)
-    FAST.launch(kernel, (2, 1, 1), x, 32, BLOCK=4, num_warps=1)    # grids of three: CompiledKernel reads three
-    FAST.launch(kernel, (3, 1, 1), x, 32, BLOCK=4, num_warps=1)
-    assert calls == [("jit", (2, 1, 1), (x, 32), dict(BLOCK=4, num_warps=1)),
-                     ("compiled", (3, 1, 1), (x, 32, 4))]
-    for args, constexprs in [((x[1:], 32), dict(BLOCK=4, num_warps=1)), ((x, 33), dict(BLOCK=4, num_warps=1)),
-                             ((x.double(), 32), dict(BLOCK=4, num_warps=1)), ((x, 1), dict(BLOCK=4, num_warps=1)),
-                             ((x, True), dict(BLOCK=4, num_warps=1)), ((x, 32), dict(BLOCK=8, num_warps=1)),
-                             ((x, 32), dict(BLOCK=4, num_warps=2))]:
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: device[0])
+    x = torch.zeros(64)
+    launcher = FAST.Launcher(Kernel(), (2, 1, 1), (32,), dict(BLOCK=4, num_warps=1))
+    launcher(x, None)
+    launcher(x, None)
+    assert calls == [("jit", (2, 1, 1), (x, None, 32), dict(BLOCK=4, num_warps=1)),
+                     ("compiled", (2, 1, 1), (x, None, 32, 4))]
+    device[0] = 1
+    for tensors in [(x[1:], None), (x, None)]:        # misaligned; another device
         calls.clear()
-        FAST.launch(kernel, (3, 1, 1), *args, **constexprs)
-        assert [call[0] for call in calls] == ["jit"], (args[1], constexprs)
+        launcher(*tensors)
+        assert [call[0] for call in calls] == ["jit"], tensors
+    calls.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(FAST.Launcher, "through_triton", True)
+        launcher(x, None)
+    launcher(x, None)
+    assert [call[0] for call in calls] == ["jit", "compiled"]
+
+
+def test_fast_caches_are_bounded_and_skip_symbolic_keys(monkeypatch):
+    """remember empties a cache that holds KEPT entries; cached builds without keeping anything when
+    the key cannot be hashed (a SymInt under make_fx's symbolic tracing)."""
+    monkeypatch.setattr(FAST, "KEPT", 3)
+    cache = {}
+    for key in range(5):
+        FAST.remember(cache, key, key)
+    assert cache == {3: 3, 4: 4}
+    monkeypatch.setitem(FAST.CACHES, "test", cache)
+    built = []
+
+    def traced(x):
+        value = FAST.cached("test", lambda: (x.shape,), lambda: built.append(x.shape) or 7)
+        assert value == 7
+        return x + 1
+    from torch.fx.experimental.proxy_tensor import make_fx
+    make_fx(traced, tracing_mode="symbolic")(torch.zeros(3))
+    assert len(built) == 1 and cache == {3: 3, 4: 4}
+    assert FAST.cached("test", lambda: "key", lambda: 8) == 8 and FAST.cached("test", lambda: "key", lambda: 9) == 8
+
+
+def test_fast_plans_follow_the_config_and_the_kernels(monkeypatch):
+    """A plan made before a change of CPU_CONFIG or of a kernel is not used after it: the launches run
+    with the new chunk, and a kernel defined again (a notebook cell, the grader's swap) is the one
+    launched."""
+    launched = []
+    call = FAST.Launcher.__call__
+    monkeypatch.setattr(FAST.Launcher, "__call__",
+                        lambda self, *tensors: launched.append((self.kernel, self.constexprs["CHUNK"])) or call(self, *tensors))
+    inputs = make_inputs(1, 4, 2, 40, seed=0)
+    FAST.selective_scan(**inputs)
+    assert launched[-1] == (FAST.strided_fwd_kernel, FAST.launch_config("fwd", 4, 4, 4, 40)["chunk"])
+    configs = FAST.CPU_CONFIG if INTERPRET else FAST.GPU_CONFIG
+    assert configs["fwd"]["chunk"] != 4
+    monkeypatch.setitem(configs, "fwd", dict(configs["fwd"], chunk=4))
+    FAST.selective_scan(**inputs)
+    assert launched[-1] == (FAST.strided_fwd_kernel, 4)
+
+    class StandIn:     # a @triton.jit kernel whose launch does nothing, compiled or not
+        arg_names = FAST.strided_fwd_kernel.arg_names
+
+        def __getitem__(self, grid):
+            return lambda *args, **constexprs: self
+    stand_in = StandIn()
+    monkeypatch.setattr(FAST, "strided_fwd_kernel", stand_in)
+    FAST.selective_scan(**inputs)
+    assert launched[-1] == (stand_in, 4)
+
+
+def test_fast_checks_each_signature_until_it_passes(monkeypatch):
+    """check_inputs runs chapter 05's checks once per signature that passed; a failing one raises every time."""
+    inputs = make_inputs(1, 4, 2, 8, seed=0)
+    runs = []
+    check = FAST._check_inputs
+    monkeypatch.setattr(FAST, "_check_inputs", lambda *args: runs.append(1) or check(*args))
+    monkeypatch.setitem(FAST.CACHES, "checked", {})
+    for _ in range(2):
+        FAST.check_inputs(**inputs)
+    assert len(runs) == 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="delta"):
+            FAST.check_inputs(**dict(inputs, delta=inputs["delta"][..., :-1]))
+    assert len(runs) == 3
 
 
 def test_fast_keeps_only_chunk_states(monkeypatch):

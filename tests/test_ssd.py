@@ -5,7 +5,8 @@ import pytest
 import torch
 
 import scan_lib  # noqa: F401  (first: without a GPU it switches Triton to its interpreter)
-from scan_lib.ssd import segsum, ssd_chunked, ssd_loop, ssd_quadratic
+from scan_lib.runtime import DEVICE
+from scan_lib.ssd import segsum, ssd_backward, ssd_chunked, ssd_chunked_backward, ssd_loop, ssd_quadratic
 
 
 def problem(batch, length, heads, head_dim, groups, n_states, seed=0):
@@ -49,6 +50,31 @@ def test_gradients_of_the_chunked_form_match_the_loop():
     got = torch.autograd.grad((y * weights).sum() + final.sum(), list(p.values()))
     for name, g, w in zip(p, got, want):
         assert rel(g, w) < 1e-12, name
+
+
+@pytest.mark.parametrize("length, chunk, heads, groups, options, final_grad",
+                         [(37, 8, 4, 2, True, True), (32, 8, 4, 4, False, True), (5, 16, 2, 1, True, False),
+                          (1, 4, 2, 2, True, True), (24, 24, 3, 3, True, True), (17, 1, 2, 1, False, False)])
+def test_the_chunked_backward_matches_autograd_through_the_loop(length, chunk, heads, groups, options, final_grad):
+    """ssd_chunked_backward (chapter 10's derivation, step by step in reverse) against autograd through
+    the sequential loop: every gradient, with and without D, the initial state and a final-state gradient."""
+    p = problem(2, length, heads, 3, groups, 5, seed=length)
+    if not options:
+        p["D"] = p["initial_state"] = None
+    leaves = {k: v.clone().requires_grad_() for k, v in p.items() if v is not None}
+    y, final = ssd_loop(**{k: leaves.get(k) for k in p})
+    g = torch.Generator().manual_seed(length + 1)
+    dy = torch.randn(y.shape, generator=g, dtype=torch.float64)
+    dfinal = torch.randn(final.shape, generator=g, dtype=torch.float64) if final_grad else None
+    loss = (y * dy).sum() + ((final * dfinal).sum() if final_grad else 0)
+    want = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))
+    got = dict(zip(p, ssd_chunked_backward(p["x"], p["dt"], p["A"], p["B"], p["C"], chunk, dy, dfinal, p["D"],
+                                           p["initial_state"])))
+    for name in p:
+        if name in want:
+            assert got[name].shape == want[name].shape and rel(got[name], want[name]) < 1e-12, name
+        else:
+            assert got[name] is None, name
 
 
 def test_zero_steps_leave_the_state_alone():
@@ -171,15 +197,67 @@ def test_the_triton_forward_wants_one_device():
 
 
 def test_the_triton_forward_refuses_float64_and_gradients_it_cannot_give():
-    """No silent loss: float64 inputs would be summed in float32, and there is no backward yet."""
+    """No silent loss: float64 inputs would be summed in float32, and there is no autograd op yet."""
     from scan_lib.runtime import DEVICE
     from scan_lib.ssd import ssd_forward
     x, dt, A, B, C = (v.to(DEVICE) for k, v in problem(1, 20, 2, 2, 1, 3).items() if k in ("x", "dt", "A", "B", "C"))
     with pytest.raises(TypeError, match="x: ssd_forward computes in float32"):
         ssd_forward(x, dt.float(), A.float(), B.float(), C.float(), 16)
     x32, dt32, A32, B32, C32 = (t.float() for t in (x, dt, A, B, C))
-    with pytest.raises(RuntimeError, match="no backward yet"):
+    with pytest.raises(RuntimeError, match="not differentiable yet"):
         ssd_forward(x32.requires_grad_(), dt32, A32, B32, C32, 16)
     with torch.no_grad():
         y, _ = ssd_forward(x32, dt32, A32, B32, C32, 16)
     assert y.shape == x32.shape and not y.requires_grad
+
+
+@pytest.mark.parametrize("length, chunk, heads, groups, head_dim, n_states, options",
+                         [(37, 16, 4, 2, 3, 5, "D h0 dfinal"), (32, 16, 2, 2, 16, 16, "D h0 dfinal"),
+                          (70, 32, 2, 1, 8, 4, ""), (1, 16, 2, 2, 4, 4, "D h0 dfinal"), (48, 16, 4, 4, 5, 3, ""),
+                          (40, 16, 2, 1, 4, 4, "h0"), (40, 16, 2, 1, 4, 4, "dfinal")])
+def test_the_triton_backward_matches_the_chunked_backward(length, chunk, heads, groups, head_dim, n_states, options):
+    """ssd_backward (chapter 10's three kernels and two linear_scans) on float32 inputs against
+    ssd_chunked_backward in float64 on the same values: every gradient, dA held a little looser (a
+    sum over every position), with and without D, the initial state and the final state's gradient,
+    each on its own."""
+    p = problem(2, length, heads, head_dim, groups, n_states, seed=length)
+    g = torch.Generator().manual_seed(length)
+    dy = torch.randn(p["x"].shape, generator=g, dtype=torch.float64)
+    dfinal = torch.randn(p["initial_state"].shape, generator=g, dtype=torch.float64) if "dfinal" in options else None
+    p["D"] = p["D"] if "D" in options else None
+    p["initial_state"] = p["initial_state"] if "h0" in options else None
+    want = ssd_chunked_backward(p["x"], p["dt"], p["A"], p["B"], p["C"], chunk, dy, dfinal, p["D"], p["initial_state"])
+    f32 = {k: None if v is None else v.float().to(DEVICE) for k, v in p.items()}
+    got = ssd_backward(f32["x"], f32["dt"], f32["A"], f32["B"], f32["C"], chunk, dy.float().to(DEVICE),
+                       None if dfinal is None else dfinal.float().to(DEVICE), f32["D"], f32["initial_state"])
+    for name, g_, w in zip(["x", "dt", "A", "B", "C", "D", "initial_state"], got, want):
+        assert (g_ is None) == (w is None), name
+        if w is not None:
+            assert g_.dtype == torch.float32 and rel(g_.double().cpu(), w) < (5e-5 if name == "A" else 1e-5), name
+
+
+def test_the_triton_backward_of_an_empty_sequence():
+    p = {k: v.float().to(DEVICE) for k, v in problem(1, 5, 2, 3, 1, 4, seed=1).items()}
+    dfinal = torch.randn_like(p["initial_state"])
+    empty = ssd_backward(p["x"][:, :0], p["dt"][:, :0], p["A"], p["B"][:, :0], p["C"][:, :0], 16, p["x"][:, :0],
+                         dfinal, p["D"], p["initial_state"])
+    assert torch.equal(empty[-1], dfinal) and empty[-1] is not dfinal and (empty[2] == 0).all() and (empty[5] == 0).all()
+    assert empty[0].shape == p["x"][:, :0].shape and empty[3].shape == p["B"][:, :0].shape
+
+
+def test_the_triton_backward_refuses_a_missing_or_misshapen_gradient():
+    p = {k: v.float().to(DEVICE) for k, v in problem(1, 5, 2, 3, 1, 4, seed=1).items()}
+    with pytest.raises(ValueError, match="dy must have shape"):
+        ssd_backward(p["x"], p["dt"], p["A"], p["B"], p["C"], 16, p["x"][:, :4])
+    with pytest.raises(TypeError, match="dy must be a torch.Tensor"):
+        ssd_backward(p["x"], p["dt"], p["A"], p["B"], p["C"], 16, None)
+    with pytest.raises(ValueError, match="dfinal must have shape"):
+        ssd_backward(p["x"], p["dt"], p["A"], p["B"], p["C"], 16, p["x"], p["initial_state"][..., :2])
+
+
+def test_the_chunked_backward_of_an_empty_sequence():
+    p = problem(1, 5, 2, 3, 1, 4, seed=2)
+    dfinal = torch.randn_like(p["initial_state"])
+    got = ssd_chunked_backward(p["x"][:, :0], p["dt"][:, :0], p["A"], p["B"][:, :0], p["C"][:, :0], 4,
+                               p["x"][:, :0], dfinal, p["D"], p["initial_state"])
+    assert torch.equal(got[-1], dfinal) and got[-1] is not dfinal and (got[2] == 0).all() and (got[5] == 0).all()
