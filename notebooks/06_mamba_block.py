@@ -1526,9 +1526,9 @@ else:
 # The two blocks compute the same function: the cell asserts that outputs and every gradient agree
 # (the first lines above). Their speeds are in the ratio lines: a ratio below 1 means `mamba_ssm`'s
 # block is the faster in that row, above 1 ours. In this run ours is the faster in forward+backward, a
-# training step: `mamba_ssm`'s time over ours is 1.04 (fused) to 1.06 (unfused) in float32 and 1.05
-# (fused) to 1.15 (unfused) in bfloat16. In the forward alone the two are level: 1.02-1.03 in float32, 0.98 in bfloat16,
-# where `mamba_ssm`'s block is 2% faster. These are one run's medians; differences of a few percent are
+# training step: `mamba_ssm`'s time over ours is 1.04 (fused) to 1.06 (unfused) in float32 and 1.04
+# (fused) to 1.13 (unfused) in bfloat16. In the forward alone the two are level: 1.02 in float32, 0.98
+# in bfloat16, where `mamba_ssm`'s block is 2% faster. These are one run's medians; differences of a few percent are
 # within what a second run can change. "Going deeper: where the time goes in scan_lib's block"
 # profiles ours: the kernels that take the most GPU time, by name.
 
@@ -2023,13 +2023,13 @@ else:
 # %% [markdown]
 # The table says where each implementation stands against the floor and against the others in this
 # run (the GPU is named above it; where the package was not importable, its row is missing). In this
-# run ours is behind the package in both: the forward takes 134 us against its 71 (floor 32),
-# forward+backward 924 us against 573 (floor 79); `F.conv1d` and SiLU are the slowest in both. Our
+# run ours is behind the package in both: the forward takes 115 us against its 44 (floor 32),
+# forward+backward 796 us against 616 (floor 79); `F.conv1d` and SiLU are the slowest in both. Our
 # backward is several times the floor, and a call can spend longer in Python (the custom
-# operator's dispatch, the launch's arguments) than on the GPU: the GPU then waits for the host. In
-# this run that is most of the time: the block's profile in "Going deeper: where the time goes in scan_lib's block"
-# times the same convolution's two kernels, at this same size, at 72 us (forward) and 167 us
-# (backward): most of the rest of each call here is the host's (the profile's list stops at its ten
+# operator's dispatch, the launch's arguments) than on the GPU: the GPU then waits for the host. The
+# block's profile in "Going deeper: where the time goes in scan_lib's block" times the same
+# convolution's two kernels, at this same size, at 71 us (forward) and 169 us (backward): in this run
+# the rest, most of the forward+backward's time and over a third of the forward's, is the host's (the profile's list stops at its ten
 # largest kernels, so the convolution's small reductions and casts are not in it). This cell does not
 # split the two; `benchmarks/NOTES_causal_conv1d.md` has the profile of this problem on
 # the H200 (the kernels' own times, and the host time per call) and the times of the earlier backward,
@@ -2128,10 +2128,11 @@ else:
 # contiguous tensors, dtype casts and transposes around the projections are candidates, and finding out
 # which would need the profiler's stacks (`with_stack=True`), which this cell does not record.
 #
-# In this run the selective scan's two kernels take two thirds of the step (`strided_bwd_kernel` 1855 us,
-# `strided_fwd_kernel` 670 us); three of cuBLAS's matrix products (the `nvjet` kernels) follow at
-# about 190 us each, then the convolution's backward (167 us) and a fourth product (89 us). Two of PyTorch's own kernels close the list: a
-# concatenation (`CatArrayBatchedCopy`, 67 us) and an addition (62 us). The names do not say which
+# In this run the selective scan's two kernels take two thirds of the step (`strided_bwd_kernel` 1878 us,
+# `strided_fwd_kernel` 684 us); three of cuBLAS's matrix products (the `nvjet` kernels) follow at
+# about 190 us each, then the convolution's backward (169 us), a fourth product (88 us) and the
+# convolution's forward (71 us). Two of PyTorch's own kernels close the list: a concatenation
+# (`CatArrayBatchedCopy`, 68 us) and an addition (63 us). The names do not say which
 # operation launched them; the backward has one of each that fits, the split of `xz` into `x` and `z`
 # (its backward concatenates their gradients) and the sum of the convolution output's two gradients
 # (from the scan and from `x_proj`), and `with_stack=True` would confirm it.

@@ -26,10 +26,12 @@
 # - derive the **chunked algorithm** (state space duality, SSD): masked matrix products inside each
 #   chunk, a chunk state, chapter 02's carried state between chunks (now a matrix per head), and the
 #   contribution of the past to each chunk; each step checked against the loop;
-# - count what the chunked form costs, and why its products are the kind tensor cores run.
+# - count what the chunked form costs, and why its products are the kind tensor cores run;
+# - write the chunked forward and backward as Triton kernels, and join them into one differentiable
+#   op with `mamba_ssm`'s interface, `mamba_chunk_scan_combined`.
 #
-# This part is PyTorch and first Triton kernels in float32, forward and backward; the tensor-core
-# kernels and the differentiable op come next.
+# This part is PyTorch and first Triton kernels with float32 products; the tensor-core kernels, the
+# Mamba2 block and the speed come next.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -410,10 +412,10 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 # $h \,/\!/\, (H / G)$, and tile the chunk with `tl.arange` (a power of two) into `tl.dot` (16 or
 # more). So `ssd_forward` first checks them (`_check_forward_inputs`: the shapes of section 1, float
 # dtypes, one device, groups dividing heads, the chunk a power of two $\ge 16$), raising an error that
-# names the argument instead of reading past a tensor (and refusing what it cannot do yet: float64
-# inputs, whose digits its float32 sums would drop, and inputs that require a gradient, since it is
-# not an autograd op yet; `ssd_chunked` does both, and section 7 adds the backward's kernels); copies $A$ and $D$ to contiguous float32; and
-# for an empty sequence launches nothing, returning an empty $y$ and the initial state, as the loop does.
+# names the argument instead of reading past a tensor (and refusing what it cannot do: float64
+# inputs, whose digits its float32 sums would drop, and inputs that require a gradient, since the
+# kernels keep no graph; `ssd_chunked` does both, section 7 adds the backward's kernels and section 8
+# the differentiable op); copies $A$ and $D$ to contiguous float32; and for an empty sequence launches nothing, returning an empty $y$ and the initial state, as the loop does.
 
 # %%
 #| export
@@ -496,9 +498,6 @@ def _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state):
             check_float_tensor(name, value)
             if value.dtype == torch.float64:   # the kernels sum in float32: float64 would lose digits silently
                 raise TypeError(f"{name}: ssd_forward computes in float32; for float64 use ssd_chunked")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in named.values()):
-        raise RuntimeError("ssd_forward is not differentiable yet (section 7's ssd_backward computes its gradients, "
-                           "but no autograd op joins the two): call it under torch.no_grad(), or differentiate ssd_chunked")
     if x.dim() != 4:
         raise ValueError(f"x must have shape (batch, L, heads, P), got {tuple(x.shape)}")
     batch, length, heads, head_dim = x.shape
@@ -570,7 +569,16 @@ def _scan_chunks(x, dt, A, B, chunk_size, initial_state):
 def ssd_forward(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
     """The chunked forward on the GPU (or Triton's interpreter): two kernels and chapter 03's linear_scan
     between them. Shapes as ssd_loop (checked); chunk_size a power of two >= 16; float32 sums. Returns y
-    (x's dtype) and the final state (float32). Forward only: section 7 adds the backward's kernels."""
+    (x's dtype) and the final state (float32). Not differentiable: section 8's op is."""
+    named = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, initial_state=initial_state)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in named.values()):
+        raise RuntimeError("ssd_forward is not differentiable: call mamba_chunk_scan_combined (section 8), "
+                           "which is, or ssd_forward under torch.no_grad()")
+    return _launch_forward(x, dt, A, B, C, chunk_size, D, initial_state)
+
+
+def _launch_forward(x, dt, A, B, C, chunk_size, D, initial_state):
+    """ssd_forward's checks and kernels, whether or not the inputs require a gradient."""
     _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state)
     if x.numel() == 0:
         return _empty_forward(x, B.shape[3], initial_state)
@@ -970,6 +978,219 @@ print(f"L = 0: d initial_state equals dfinal: {torch.equal(empty[-1], dfinal)}; 
 assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] == 0).all()
 
 # %% [markdown]
+# ## 8. One differentiable op: `mamba_chunk_scan_combined`
+#
+# Sections 5 and 7 give two launchers, a forward and its backward. An engineer wants what
+# `mamba_ssm` offers, `mamba_chunk_scan_combined`, with its shapes and argument order, so that a
+# Mamba-2 layer can call ours in its place, and a function that autograd, `torch.compile` and
+# `torch.func` treat as one operation. The pieces, the same as for the other public ops of the course:
+#
+# - `ssd_fwd` and `ssd_bwd`: the two launchers as `torch.library` custom ops, each with a *fake*
+#   implementation (the shapes and dtypes of its results without running a kernel, which is what
+#   `torch.compile` traces with) and a vmap rule (one call per element of the mapped dimension).
+# - `SSDFn`: an autograd Function whose forward is `ssd_fwd` and whose backward is `ssd_bwd`, keeping
+#   only the inputs (the backward recomputes the chunk states, section 7). Its kernels' gradients
+#   carry no graph, so the backward ties them to the inputs through chapter 05's `_NoSecondDerivative`:
+#   a second derivative raises instead of treating the gradients as constants, silently.
+# - `mamba_chunk_scan_combined`: the options around the scan in plain PyTorch, which autograd
+#   differentiates by itself. The step gets its bias and softplus first, $\Delta_t =
+#   \operatorname{softplus}(\Delta^{\text{raw}}_t + b)$ in float32 (a handful of numbers per position
+#   and head, beside $P \times N$ per state); the gate comes last, $y_t \odot \operatorname{silu}(z_t)$.
+#
+# The arguments after `initial_states` are keyword-only: `mamba_ssm`'s function has `seq_idx` and
+# `cu_seqlens` (several sequences packed in one row) in between, which this one does not take, and a
+# keyword call reads the same in both. It does not take `dt_limit` either (a clamp of $\Delta$ that
+# `mamba_ssm` leaves off by default), nor a $D$ per channel of shape (heads, $P$): $D$ is one number per
+# head here, and anything else is refused by name.
+
+# %%
+#| export
+from typing import Optional
+
+import torch.nn.functional as F
+from scan_lib.runtime import apply, custom_op
+from scan_lib.selective_scan import _NoSecondDerivative as _SelectiveScanNoSecondDerivative
+from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
+
+_NO_SECOND_DERIVATIVE = ("mamba_chunk_scan_combined has no second derivative: its backward kernels' gradients "
+                         "cannot be differentiated again (create_graph=True gives first derivatives only)")
+
+
+def _dense(t):
+    """An uninitialised tensor of t's shape, dtype and device, contiguous: what the launchers return."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+@custom_op("ssd_fwd", __name__)
+def ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk_size: int,
+            D: Optional[torch.Tensor], initial_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward launcher as a custom op: y (x's shape and dtype) and the final state (float32), both
+    contiguous (the final state is a view of the last chunk's column of the scan: contiguous() copies it)."""
+    y, final = _launch_forward(x, dt, A, B, C, chunk_size, D, initial_state)
+    return y.contiguous(), final.contiguous()
+
+
+@ssd_fwd.register_fake
+def _(x, dt, A, B, C, chunk_size, D, initial_state):
+    batch, _, heads, head_dim = x.shape
+    return _dense(x), x.new_empty(batch, heads, head_dim, B.shape[3], dtype=torch.float32)
+
+
+@custom_op("ssd_bwd", __name__)
+def ssd_bwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk_size: int,
+            dy: torch.Tensor, dfinal: Optional[torch.Tensor], D: Optional[torch.Tensor],
+            initial_state: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    """The backward launcher as a custom op: the seven gradients of ssd_backward, each contiguous in its
+    input's dtype, an empty tensor where D or initial_state is None (a custom op returns tensors only)."""
+    grads = ssd_backward(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state)
+    return [x.new_empty(0) if g is None else g.contiguous() for g in grads]
+
+
+@ssd_bwd.register_fake
+def _(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state):
+    return [_dense(t) if t is not None else x.new_empty(0) for t in (x, dt, A, B, C, D, initial_state)]
+
+
+ssd_fwd.register_vmap(_vmap_by_loop(ssd_fwd))
+ssd_bwd.register_vmap(_vmap_by_loop(ssd_bwd))
+
+
+class _NoSecondDerivative(_SelectiveScanNoSecondDerivative):
+    """Chapter 05's identity on the gradients, attached to the tensors they depend on, with this op's message."""
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_NO_SECOND_DERIVATIVE)
+
+
+class SSDFn(torch.autograd.Function):
+    """(y, final state) = the chunked scan of (x, dt, A, B, C, D, initial_state), differentiable once."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, dt, A, B, C, chunk_size, D, initial_state):
+        return ssd_fwd(x, dt, A, B, C, chunk_size, D, initial_state)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, dt, A, B, C, chunk_size, D, initial_state = inputs
+        ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
+        ctx.chunk_size = chunk_size
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        x, dt, A, B, C, D, initial_state = ctx.saved_tensors
+        dy = torch.zeros_like(x) if dy is None else dy
+        with torch.no_grad():   # the op's own outputs carry no graph
+            grads = ssd_bwd(x, dt, A, B, C, ctx.chunk_size, dy, dfinal, D, initial_state)
+        inputs = (x, dt, A, B, C, D, initial_state)
+        grads = [None if t is None else g for g, t in zip(grads, inputs)]
+        if torch.is_grad_enabled():   # create_graph=True (or torch.func.grad): make a second derivative raise
+            anchors = [t for t in (*inputs, dy, dfinal) if t is not None]
+            given = [g for g in grads if g is not None]
+            poisoned = iter(_NoSecondDerivative.apply(len(anchors), *anchors, *given))
+            grads = [None if g is None else next(poisoned) for g in grads]
+        dx, ddt, dA, dB, dC, dD, dh0 = grads
+        return dx, ddt, dA, dB, dC, None, dD, dh0
+
+
+def _check_options(x, z, dt, dt_bias):
+    """Raise naming the argument unless z has x's shape and dt_bias is one number per head."""
+    for name, value, shape, dims in (("z", z, x.shape, "x's (batch, L, heads, P)"),
+                                     ("dt_bias", dt_bias, dt.shape[-1:], "(heads,)")):
+        if value is None:
+            continue
+        check_float_tensor(name, value)
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"{name} must have shape {dims} = {tuple(shape)}, got {tuple(value.shape)}")
+    check_same_device(x=x, z=z, dt_bias=dt_bias)
+
+
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, *,
+                              dt_softplus=False, return_final_states=False):
+    """Mamba-2's chunked scan with mamba_ssm's shapes and semantics: x (batch, L, heads, P), dt (batch, L,
+    heads), A (heads,), B and C (batch, L, groups, N), D (heads,), z like x, dt_bias (heads,),
+    initial_states (batch, heads, P, N). Returns y (x's dtype) or (y, final states (float32))."""
+    check_float_tensor("dt", dt)
+    _check_options(x, z, dt, dt_bias)
+    if dt_bias is not None or dt_softplus:
+        dt = dt.float() if dt_bias is None else dt.float() + dt_bias.float()
+        dt = F.softplus(dt) if dt_softplus else dt
+    _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_states)
+    y, final = apply(SSDFn, x, dt, A, B, C, chunk_size, D, initial_states)
+    if z is not None:
+        y = y * F.silu(z)
+    return (y, final) if return_final_states else y
+
+# %% [markdown]
+# **Checks**: the op's every gradient, $z$ and the step's bias included, against autograd through
+# section 3's `ssd_chunked` in float64 on the same values, with the options composed the same way in
+# PyTorch: float32 inputs, held as section 7's backward is ($10^{-5}$, and $5 \cdot 10^{-5}$ for $\bar A$
+# and $\bar b$, the two sums over every position); and bf16 $x$, $z$, $B$, $C$, where the output's
+# own rounding ($2^{-8}$ relative) sets the scale, held to $2 \cdot 10^{-2}$. Then what the op refuses.
+
+# %%
+def chunk_scan_reference(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states):
+    """mamba_chunk_scan_combined's (y, final) composed from ssd_chunked (section 3), softplus on."""
+    y, final = ssd_chunked(x, F.softplus(dt + dt_bias), A, B, C, chunk_size, D, initial_states)
+    return y * F.silu(z), final
+
+
+def op_gradient_errors(length, chunk, heads, groups, head_dim, n_states, low_precision):
+    """{name: relative error} of y, the final state and every gradient, the op against the reference."""
+    x, dt, A, B, C, D, h0 = ssd_problem(length=length, heads=heads, head_dim=head_dim, groups=groups,
+                                        n_states=n_states, seed=length)
+    g = torch.Generator().manual_seed(length)
+    z, dt_raw = (torch.randn(t.shape, generator=g, dtype=torch.float64).to(DEVICE) for t in (x, dt))
+    dt_bias = torch.randn(heads, generator=g, dtype=torch.float64).to(DEVICE) * 0.5
+    inputs = dict(x=x, dt=dt_raw, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_states=h0)
+    weights = [torch.randn(t.shape, generator=g, dtype=torch.float64).to(DEVICE) for t in (x, h0)]
+    lowered = {"x", "B", "C", "z"} if low_precision else set()
+    results = {}
+    for name, dtypes in (("want", {}), ("got", {k: torch.bfloat16 if k in lowered else torch.float32 for k in inputs})):
+        leaves = {k: v.to(dtypes.get(k, v.dtype)).requires_grad_() for k, v in inputs.items()}
+        if name == "want":
+            y, final = chunk_scan_reference(*[leaves[k] for k in ("x", "dt", "A", "B", "C")], chunk,
+                                            leaves["D"], leaves["z"], leaves["dt_bias"], leaves["initial_states"])
+        else:
+            y, final = mamba_chunk_scan_combined(*[leaves[k] for k in ("x", "dt", "A", "B", "C")], chunk,
+                                                          leaves["D"], leaves["z"], leaves["dt_bias"],
+                                                          leaves["initial_states"], dt_softplus=True,
+                                                          return_final_states=True)
+        loss = (y.double() * weights[0]).sum() + (final.double() * weights[1]).sum()
+        results[name] = {"y": y, "final": final, **dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))}
+    return {k: ((results["got"][k].double() - w).abs().max() / w.abs().max()).item() for k, w in results["want"].items()}
+
+
+print(f"{'L':>4s} {'chunk':>5s} {'heads/groups':>12s} {'P':>3s} {'N':>3s} {'inputs':>8s}  largest relative error")
+for length, chunk, heads, groups, head_dim, n_states, low_precision in [
+        (37, 16, 4, 2, 3, 5, False), (70, 32, 2, 1, 8, 4, False), (1, 16, 2, 2, 4, 4, False), (37, 16, 4, 2, 3, 5, True)]:
+    errors = op_gradient_errors(length, chunk, heads, groups, head_dim, n_states, low_precision)
+    print(f"{length:4d} {chunk:5d} {f'{heads}/{groups}':>12s} {head_dim:3d} {n_states:3d} "
+          f"{'bf16' if low_precision else 'float32':>8s}  " + " ".join(f"{k} {e:.1e}" for k, e in errors.items()))
+    if low_precision:
+        assert max(errors.values()) < 2e-2, errors
+    else:
+        assert max(e for k, e in errors.items() if k not in ("A", "dt_bias")) < 1e-5, errors
+        assert max(errors["A"], errors["dt_bias"]) < 5e-5, errors
+
+# %%
+x, dt, A, B, C, D, h0 = (t.float() for t in ssd_problem(length=20, seed=3))
+for what, call, error in [
+        ("z of the wrong shape", lambda: mamba_chunk_scan_combined(x, dt, A, B, C, 16, z=x[:, :5]), ValueError),
+        ("D of shape (heads, P)", lambda: mamba_chunk_scan_combined(x, dt, A, B, C, 16, D=x[0, 0]), ValueError),
+        ("a second derivative", lambda: torch.autograd.grad(
+            torch.autograd.grad(mamba_chunk_scan_combined(x.requires_grad_(), dt, A, B, C, 16).sum(), x,
+                                create_graph=True)[0].sum(), x), RuntimeError)]:
+    try:
+        call()
+    except error as refusal:
+        print(f"{what}: {error.__name__}: {str(refusal).splitlines()[0]}")
+    else:
+        raise AssertionError(f"{what} was accepted")
+
+# %% [markdown]
 # ## What we built
 #
 # * `ssd_loop`: the recurrence one position at a time, the float64 reference.
@@ -982,6 +1203,14 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 #   over chunks run backward), checked against autograd through the loop.
 # * `ssd_backward`: the same in three Triton kernels and two `linear_scan`s (the forward's scan
 #   recomputed, the adjoint's run backward), checked in float32 against it.
+# * `scan_lib.mamba_chunk_scan_combined`: the two joined into one differentiable op with
+#   `mamba_ssm`'s shapes and argument order (custom ops with fake tensors and vmap rules, an autograd
+#   Function, the step's bias and softplus and the gate in PyTorch), every gradient checked in float32
+#   and half precision, and a second derivative that raises.
+#
+# What is not done yet: the products run in float32 on the scalar units (`input_precision="ieee"`),
+# not yet on tensor cores; the Mamba2 block; and the speed against `mamba_ssm`'s Triton kernels,
+# which this chapter does not measure yet.
 #
 # ## References
 #

@@ -182,9 +182,6 @@ def _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state):
             check_float_tensor(name, value)
             if value.dtype == torch.float64:   # the kernels sum in float32: float64 would lose digits silently
                 raise TypeError(f"{name}: ssd_forward computes in float32; for float64 use ssd_chunked")
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in named.values()):
-        raise RuntimeError("ssd_forward is not differentiable yet (section 7's ssd_backward computes its gradients, "
-                           "but no autograd op joins the two): call it under torch.no_grad(), or differentiate ssd_chunked")
     if x.dim() != 4:
         raise ValueError(f"x must have shape (batch, L, heads, P), got {tuple(x.shape)}")
     batch, length, heads, head_dim = x.shape
@@ -256,7 +253,16 @@ def _scan_chunks(x, dt, A, B, chunk_size, initial_state):
 def ssd_forward(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
     """The chunked forward on the GPU (or Triton's interpreter): two kernels and chapter 03's linear_scan
     between them. Shapes as ssd_loop (checked); chunk_size a power of two >= 16; float32 sums. Returns y
-    (x's dtype) and the final state (float32). Forward only: section 7 adds the backward's kernels."""
+    (x's dtype) and the final state (float32). Not differentiable: section 8's op is."""
+    named = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, initial_state=initial_state)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in named.values()):
+        raise RuntimeError("ssd_forward is not differentiable: call mamba_chunk_scan_combined (section 8), "
+                           "which is, or ssd_forward under torch.no_grad()")
+    return _launch_forward(x, dt, A, B, C, chunk_size, D, initial_state)
+
+
+def _launch_forward(x, dt, A, B, C, chunk_size, D, initial_state):
+    """ssd_forward's checks and kernels, whether or not the inputs require a gradient."""
     _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state)
     if x.numel() == 0:
         return _empty_forward(x, B.shape[3], initial_state)
@@ -457,3 +463,121 @@ def ssd_backward(x, dt, A, B, C, chunk_size, dy, dfinal=None, D=None, initial_st
     dh0 = None if initial_state is None else adjoint[..., 0].reshape(initial_state.shape).to(initial_state.dtype)
     return (dx, ddt, dA_part.sum((0, 2)).to(A.dtype), per_group(dB_heads), per_group(dC_heads),
             None if D is None else dD_part.sum((0, 2)).to(D.dtype), dh0)
+
+from typing import Optional
+
+import torch.nn.functional as F
+from scan_lib.runtime import apply, custom_op
+from scan_lib.selective_scan import _NoSecondDerivative as _SelectiveScanNoSecondDerivative
+from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
+
+_NO_SECOND_DERIVATIVE = ("mamba_chunk_scan_combined has no second derivative: its backward kernels' gradients "
+                         "cannot be differentiated again (create_graph=True gives first derivatives only)")
+
+
+def _dense(t):
+    """An uninitialised tensor of t's shape, dtype and device, contiguous: what the launchers return."""
+    return torch.empty(t.shape, dtype=t.dtype, device=t.device)
+
+
+@custom_op("ssd_fwd", __name__)
+def ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk_size: int,
+            D: Optional[torch.Tensor], initial_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward launcher as a custom op: y (x's shape and dtype) and the final state (float32), both
+    contiguous (the final state is a view of the last chunk's column of the scan: contiguous() copies it)."""
+    y, final = _launch_forward(x, dt, A, B, C, chunk_size, D, initial_state)
+    return y.contiguous(), final.contiguous()
+
+
+@ssd_fwd.register_fake
+def _(x, dt, A, B, C, chunk_size, D, initial_state):
+    batch, _, heads, head_dim = x.shape
+    return _dense(x), x.new_empty(batch, heads, head_dim, B.shape[3], dtype=torch.float32)
+
+
+@custom_op("ssd_bwd", __name__)
+def ssd_bwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk_size: int,
+            dy: torch.Tensor, dfinal: Optional[torch.Tensor], D: Optional[torch.Tensor],
+            initial_state: Optional[torch.Tensor]) -> list[torch.Tensor]:
+    """The backward launcher as a custom op: the seven gradients of ssd_backward, each contiguous in its
+    input's dtype, an empty tensor where D or initial_state is None (a custom op returns tensors only)."""
+    grads = ssd_backward(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state)
+    return [x.new_empty(0) if g is None else g.contiguous() for g in grads]
+
+
+@ssd_bwd.register_fake
+def _(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state):
+    return [_dense(t) if t is not None else x.new_empty(0) for t in (x, dt, A, B, C, D, initial_state)]
+
+
+ssd_fwd.register_vmap(_vmap_by_loop(ssd_fwd))
+ssd_bwd.register_vmap(_vmap_by_loop(ssd_bwd))
+
+
+class _NoSecondDerivative(_SelectiveScanNoSecondDerivative):
+    """Chapter 05's identity on the gradients, attached to the tensors they depend on, with this op's message."""
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(_NO_SECOND_DERIVATIVE)
+
+
+class SSDFn(torch.autograd.Function):
+    """(y, final state) = the chunked scan of (x, dt, A, B, C, D, initial_state), differentiable once."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, dt, A, B, C, chunk_size, D, initial_state):
+        return ssd_fwd(x, dt, A, B, C, chunk_size, D, initial_state)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, dt, A, B, C, chunk_size, D, initial_state = inputs
+        ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
+        ctx.chunk_size = chunk_size
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, dy, dfinal):
+        x, dt, A, B, C, D, initial_state = ctx.saved_tensors
+        dy = torch.zeros_like(x) if dy is None else dy
+        with torch.no_grad():   # the op's own outputs carry no graph
+            grads = ssd_bwd(x, dt, A, B, C, ctx.chunk_size, dy, dfinal, D, initial_state)
+        inputs = (x, dt, A, B, C, D, initial_state)
+        grads = [None if t is None else g for g, t in zip(grads, inputs)]
+        if torch.is_grad_enabled():   # create_graph=True (or torch.func.grad): make a second derivative raise
+            anchors = [t for t in (*inputs, dy, dfinal) if t is not None]
+            given = [g for g in grads if g is not None]
+            poisoned = iter(_NoSecondDerivative.apply(len(anchors), *anchors, *given))
+            grads = [None if g is None else next(poisoned) for g in grads]
+        dx, ddt, dA, dB, dC, dD, dh0 = grads
+        return dx, ddt, dA, dB, dC, None, dD, dh0
+
+
+def _check_options(x, z, dt, dt_bias):
+    """Raise naming the argument unless z has x's shape and dt_bias is one number per head."""
+    for name, value, shape, dims in (("z", z, x.shape, "x's (batch, L, heads, P)"),
+                                     ("dt_bias", dt_bias, dt.shape[-1:], "(heads,)")):
+        if value is None:
+            continue
+        check_float_tensor(name, value)
+        if tuple(value.shape) != tuple(shape):
+            raise ValueError(f"{name} must have shape {dims} = {tuple(shape)}, got {tuple(value.shape)}")
+    check_same_device(x=x, z=z, dt_bias=dt_bias)
+
+
+def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, *,
+                              dt_softplus=False, return_final_states=False):
+    """Mamba-2's chunked scan with mamba_ssm's shapes and semantics: x (batch, L, heads, P), dt (batch, L,
+    heads), A (heads,), B and C (batch, L, groups, N), D (heads,), z like x, dt_bias (heads,),
+    initial_states (batch, heads, P, N). Returns y (x's dtype) or (y, final states (float32))."""
+    check_float_tensor("dt", dt)
+    _check_options(x, z, dt, dt_bias)
+    if dt_bias is not None or dt_softplus:
+        dt = dt.float() if dt_bias is None else dt.float() + dt_bias.float()
+        dt = F.softplus(dt) if dt_softplus else dt
+    _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_states)
+    y, final = apply(SSDFn, x, dt, A, B, C, chunk_size, D, initial_states)
+    if z is not None:
+        y = y * F.silu(z)
+    return (y, final) if return_final_states else y

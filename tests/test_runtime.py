@@ -208,10 +208,19 @@ def _opcheck_cases():
     multistate = importlib.import_module("scan_lib.multistate")
     x, weight, bias = torch.randn(2, 4, 9, device=DEVICE), torch.randn(4, 4, device=DEVICE), torch.randn(4, device=DEVICE)
     a = torch.rand(2, 3, 9, device=DEVICE)
+    ssd = importlib.import_module("scan_lib.ssd")
+    g = torch.Generator().manual_seed(0)
+    scan = [torch.randn(*shape, generator=g).to(DEVICE) for shape in ((2, 20, 4, 3), (2, 20, 4), (4,), (2, 20, 2, 5),
+                                                                       (2, 20, 2, 5), (4,), (2, 4, 3, 5))]
+    scan[1], scan[2] = scan[1].sigmoid(), -scan[2].exp()                  # positive steps, negative decays
+    u, dt, A, B, C, D, h0 = scan
     return {"cumsum": (cumsum.cumsum_op, (x[0], -1)),
             "causal_conv1d_fwd": (conv.causal_conv1d_fwd, (x, weight, bias, None, True)),
             "causal_conv1d_bwd": (conv.causal_conv1d_bwd, (x, weight, bias, None, torch.randn_like(x), None, True)),
-            "multistate_fwd": (multistate.multistate_fwd, (a, a, a, x[:, 0], None, 16, False))}
+            "multistate_fwd": (multistate.multistate_fwd, (a, a, a, x[:, 0], None, 16, False)),
+            "ssd_fwd": (ssd.ssd_fwd, (u, dt, A, B, C, 16, D, h0)),
+            "ssd_bwd": (ssd.ssd_bwd, (u, dt, A, B, C, 16, torch.randn_like(u), torch.randn_like(h0), D, h0)),
+            "ssd_bwd without options": (ssd.ssd_bwd, (u, dt, A, B, C, 16, torch.randn_like(u), None, None, None))}
 
 
 @pytest.mark.parametrize("name", list(_opcheck_cases()))

@@ -4,7 +4,7 @@ the Triton forward in float32 against the loop, on strided A and D, empty sequen
 import pytest
 import torch
 
-import scan_lib  # noqa: F401  (first: without a GPU it switches Triton to its interpreter)
+import scan_lib  # (first: without a GPU it switches Triton to its interpreter)
 from scan_lib.runtime import DEVICE
 from scan_lib.ssd import segsum, ssd_backward, ssd_chunked, ssd_chunked_backward, ssd_loop, ssd_quadratic
 
@@ -197,14 +197,14 @@ def test_the_triton_forward_wants_one_device():
 
 
 def test_the_triton_forward_refuses_float64_and_gradients_it_cannot_give():
-    """No silent loss: float64 inputs would be summed in float32, and there is no autograd op yet."""
+    """No silent loss: float64 inputs would be summed in float32, and the launcher keeps no graph."""
     from scan_lib.runtime import DEVICE
     from scan_lib.ssd import ssd_forward
     x, dt, A, B, C = (v.to(DEVICE) for k, v in problem(1, 20, 2, 2, 1, 3).items() if k in ("x", "dt", "A", "B", "C"))
     with pytest.raises(TypeError, match="x: ssd_forward computes in float32"):
         ssd_forward(x, dt.float(), A.float(), B.float(), C.float(), 16)
     x32, dt32, A32, B32, C32 = (t.float() for t in (x, dt, A, B, C))
-    with pytest.raises(RuntimeError, match="not differentiable yet"):
+    with pytest.raises(RuntimeError, match="not differentiable: call mamba_chunk_scan_combined"):
         ssd_forward(x32.requires_grad_(), dt32, A32, B32, C32, 16)
     with torch.no_grad():
         y, _ = ssd_forward(x32, dt32, A32, B32, C32, 16)
@@ -261,3 +261,162 @@ def test_the_chunked_backward_of_an_empty_sequence():
     got = ssd_chunked_backward(p["x"][:, :0], p["dt"][:, :0], p["A"], p["B"][:, :0], p["C"][:, :0], 4,
                                p["x"][:, :0], dfinal, p["D"], p["initial_state"])
     assert torch.equal(got[-1], dfinal) and got[-1] is not dfinal and (got[2] == 0).all() and (got[5] == 0).all()
+
+
+# mamba_chunk_scan_combined: the differentiable op, with mamba_ssm's interface
+
+def combined_reference(x, dt, A, B, C, chunk, D, z, dt_bias, h0, softplus):
+    """The op's (y, final) composed from ssd_chunked in float64 (autograd differentiates it)."""
+    dt = dt if dt_bias is None else dt + dt_bias
+    y, final = ssd_chunked(x, torch.nn.functional.softplus(dt) if softplus else dt, A, B, C, chunk, D, h0)
+    return (y if z is None else y * torch.nn.functional.silu(z)), final
+
+
+def combined_problem(length, heads, head_dim, groups, n_states, options, seed=0):
+    p = problem(2, length, heads, head_dim, groups, n_states, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    p["z"] = torch.randn(p["x"].shape, generator=g, dtype=torch.float64) if "z" in options else None
+    p["dt_bias"] = torch.randn(heads, generator=g, dtype=torch.float64) * 0.5 if "bias" in options else None
+    p["D"] = p["D"] if "D" in options else None
+    p["initial_state"] = p["initial_state"] if "h0" in options else None
+    if "softplus" in options:
+        p["dt"] = torch.randn(p["dt"].shape, generator=g, dtype=torch.float64)   # raw steps, any sign
+    return p
+
+
+def combined_grads(p, chunk, options, dtypes, weights):
+    """(y, final and the gradients of <y, w_y> + <final, w_final>) by the op (dtypes given) or, with
+    dtypes None, by the float64 reference; {name: tensor}."""
+    names = ["x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_state"]
+    leaves = {k: p[k].to(DEVICE) if dtypes is None else p[k].to(dtypes.get(k, torch.float32)).to(DEVICE)
+              for k in names if p[k] is not None}
+    leaves = {k: v.requires_grad_() for k, v in leaves.items()}
+    args = [leaves.get(k) for k in names]
+    if dtypes is None:
+        y, final = combined_reference(*args[:5], chunk, *args[5:], "softplus" in options)
+    else:
+        x, dt, A, B, C, D, z, dt_bias, h0 = args
+        y, final = scan_lib.mamba_chunk_scan_combined(x, dt, A, B, C, chunk, D, z, dt_bias, h0,
+                                                      dt_softplus="softplus" in options, return_final_states=True)
+    loss = (y.double() * weights[0].to(DEVICE)).sum() + (final.double() * weights[1].to(DEVICE)).sum()
+    return {"y": y, "final": final, **dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values()))))}
+
+
+@pytest.mark.parametrize("length, chunk, heads, groups, head_dim, n_states, options",
+                         [(37, 16, 4, 2, 3, 5, "D z bias softplus h0"), (70, 32, 2, 1, 8, 4, ""),
+                          (1, 16, 2, 2, 4, 4, "D z bias softplus h0"), (33, 16, 4, 4, 5, 3, "z softplus"),
+                          (40, 16, 2, 1, 4, 4, "bias h0"), (17, 16, 2, 1, 16, 16, "D")])
+@pytest.mark.parametrize("precision", ["float32", "bfloat16", "float16"])
+def test_mamba_chunk_scan_combined_matches_autograd_through_the_chunked_form(length, chunk, heads, groups, head_dim,
+                                                                             n_states, options, precision):
+    """Every output and gradient of the op (z, dt_bias, softplus, D, the initial state and the final
+    state's gradient, each where the case has it) against autograd through ssd_chunked in float64 on the
+    same values. float32 inputs: float32 rounding (A and dt_bias, sums over every position, a little
+    looser); x, z, B and C in half precision: a few roundings of 2^-8 (bf16) or 2^-11 (fp16)."""
+    p = combined_problem(length, heads, head_dim, groups, n_states, options, seed=length)
+    g = torch.Generator().manual_seed(length + 2)
+    weights = [torch.randn(shape, generator=g, dtype=torch.float64)
+               for shape in (p["x"].shape, (2, heads, head_dim, n_states))]
+    half = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[precision]
+    dtypes = {k: half for k in ("x", "z", "B", "C")}
+    want = combined_grads(p, chunk, options, None, weights)
+    got = combined_grads(p, chunk, options, dtypes, weights)
+    assert set(got) == set(want)
+    assert got["y"].dtype == half and got["final"].dtype == torch.float32
+    for name, w in want.items():
+        if name not in ("y", "final"):   # each gradient in its input's dtype
+            assert got[name].dtype == dtypes.get(name, torch.float32), name
+        error = rel(got[name].double().cpu(), w.detach().cpu())
+        bound = {"float32": 5e-5 if name in ("A", "dt_bias") else 1e-5, "bfloat16": 3e-2, "float16": 5e-3}[precision]
+        assert error < bound, (name, error)
+
+
+def _small_combined(seed=0):
+    p = {k: v.float().to(DEVICE) for k, v in problem(1, 20, 4, 3, 2, 5, seed=seed).items()}
+    return p["x"], p["dt"], p["A"], p["B"], p["C"], p["D"], p["initial_state"]
+
+
+def test_mamba_chunk_scan_combined_returns_what_mamba_ssm_returns():
+    """y alone by default, (y, final states) on request; the final state is the chunked form's."""
+    x, dt, A, B, C, D, h0 = _small_combined()
+    y = scan_lib.mamba_chunk_scan_combined(x, dt, A, B, C, 16)
+    assert isinstance(y, torch.Tensor) and y.shape == x.shape
+    y2, final = scan_lib.mamba_chunk_scan_combined(x, dt, A, B, C, 16, D, initial_states=h0, return_final_states=True)
+    y_want, final_want = ssd_chunked(*(t.double() for t in (x, dt, A, B, C)), 16, D.double(), h0.double())
+    assert rel(y2.double(), y_want) < 1e-5 and rel(final.double(), final_want) < 1e-5 and final.shape == h0.shape
+
+
+def test_mamba_chunk_scan_combined_of_an_empty_sequence_is_differentiable():
+    x, dt, A, B, C, D, h0 = (t.requires_grad_() for t in _small_combined())
+    y, final = scan_lib.mamba_chunk_scan_combined(x[:, :0], dt[:, :0], A, B[:, :0], C[:, :0], 16, D,
+                                                  initial_states=h0, return_final_states=True)
+    assert y.shape == x[:, :0].shape and torch.equal(final, h0.detach())
+    dh0, dA = torch.autograd.grad((final * 3).sum(), [h0, A], allow_unused=True)
+    assert torch.equal(dh0, torch.full_like(h0, 3.0)) and (dA is None or (dA == 0).all())
+
+
+@pytest.mark.parametrize("name, make_bad, error, message", [
+    ("z", lambda a: dict(a, z=a["x"][:, :5]), ValueError, "z must have shape"),
+    ("z", lambda a: dict(a, z=a["x"].long()), TypeError, "z must be float16"),
+    ("dt_bias", lambda a: dict(a, dt_bias=a["A"][:2]), ValueError, r"dt_bias must have shape \(heads,\)"),
+    ("D", lambda a: dict(a, D=a["x"][0, 0]), ValueError, r"D must have shape \(heads,\)"),
+    ("dt", lambda a: dict(a, dt=None), TypeError, "dt must be a torch.Tensor"),
+    ("chunk_size", lambda a: dict(a, chunk_size=24), ValueError, "chunk_size must be a power of two"),
+    ("initial_states", lambda a: dict(a, initial_states=a["x"]), ValueError, "initial_state must have shape")])
+def test_mamba_chunk_scan_combined_names_a_bad_argument(name, make_bad, error, message):
+    x, dt, A, B, C, D, h0 = _small_combined()
+    good = dict(x=x, dt=dt, A=A, B=B, C=C, chunk_size=16, D=D, z=x, dt_bias=A, initial_states=h0)
+    bad = make_bad(good)
+    with pytest.raises(error, match=message):
+        scan_lib.mamba_chunk_scan_combined(bad.pop("x"), bad.pop("dt"), bad.pop("A"), bad.pop("B"), bad.pop("C"),
+                                           bad.pop("chunk_size"), **bad)
+
+
+def test_mamba_chunk_scan_combined_takes_its_options_by_keyword_only():
+    """mamba_ssm has seq_idx and cu_seqlens between initial_states and dt_softplus: a positional
+    dt_softplus would mean something else there, so it is refused here."""
+    x, dt, A, B, C, D, h0 = _small_combined()
+    with pytest.raises(TypeError):
+        scan_lib.mamba_chunk_scan_combined(x, dt, A, B, C, 16, D, None, None, h0, True)
+
+
+def test_mamba_chunk_scan_combined_has_no_silent_second_derivative():
+    x, dt, A, B, C, D, h0 = _small_combined()
+    x.requires_grad_()
+    (gx,) = torch.autograd.grad(scan_lib.mamba_chunk_scan_combined(x, dt, A, B, C, 16, D).pow(2).sum(), x,
+                                create_graph=True)
+    with pytest.raises(RuntimeError, match="mamba_chunk_scan_combined has no second derivative"):
+        torch.autograd.grad((gx ** 2).sum(), x)
+
+
+def test_mamba_chunk_scan_combined_under_vmap_and_torch_func_grad():
+    xs, dt, A, B, C, D, h0 = _small_combined()
+    xs = torch.stack([xs, 2 * xs])                                 # a leading dimension to map over
+    f = lambda x: scan_lib.mamba_chunk_scan_combined(x, dt, A, B, C, 16, D)   # noqa: E731
+    batched = torch.func.vmap(f)(xs)
+    grads = torch.func.vmap(torch.func.grad(lambda x: (f(x) ** 2).sum()))(xs)
+    for i in range(2):
+        assert torch.allclose(batched[i], f(xs[i]), rtol=0, atol=1e-6)
+        leaf = xs[i].clone().requires_grad_()
+        (expected,) = torch.autograd.grad((f(leaf) ** 2).sum(), leaf)
+        assert torch.allclose(grads[i], expected, rtol=0, atol=1e-5)
+
+
+def test_mamba_chunk_scan_combined_compiles_fullgraph():
+    torch._dynamo.reset()
+    x, dt, A, B, C, D, h0 = (t.requires_grad_() for t in _small_combined())
+    z, dt_bias = torch.randn_like(x), torch.randn_like(A)
+
+    def f(x, dt, A, B, C, D, h0):
+        y, final = scan_lib.mamba_chunk_scan_combined(x, dt, A, B, C, 16, D, z, dt_bias, h0, dt_softplus=True,
+                                                      return_final_states=True)
+        return 2 * y, final
+
+    got = torch.compile(f, fullgraph=True, backend="aot_eager")(x, dt, A, B, C, D, h0)
+    want = f(x, dt, A, B, C, D, h0)
+    leaves = [x, dt, A, B, C, D, h0]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    for g, w in zip(torch.autograd.grad(sum(t.sum() for t in got), leaves),
+                    torch.autograd.grad(sum(t.sum() for t in want), leaves)):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
