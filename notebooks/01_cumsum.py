@@ -342,9 +342,9 @@ print("float32: (1e8 + -1e8) + 1 =", ((a32 + b32) + c32).item(), " but 1e8 + (-1
 # an H100 or H200, at most 255 per thread, shared by every program resident there. With the default
 # 4 warps a program's 128 threads have at most 128 x 255 = 32,640 registers, so a block of tens of
 # thousands of values no longer fits; more warps raise that only towards the multiprocessor's
-# 65,536, and well before that one program fills a multiprocessor alone.
-# So a long sequence is cut into blocks of `BLOCK` values, one program each. Number the blocks $k = 0, 1, \dots$, write $T_k$ for the total of block
-# $k$ and $S_k = T_0 + \dots + T_k$. For $t$ in block $k$,
+# 65,536, and well before that one program fills a multiprocessor alone. So a long sequence is cut
+# into blocks of `BLOCK` values, one program each. Number the blocks $k = 0, 1, \dots$, write $T_k$
+# for the total of block $k$ and $S_k = T_0 + \dots + T_k$. For $t$ in block $k$,
 #
 # $$y_t = \underbrace{S_{k-1}}_{\text{carry into block } k} + \underbrace{\sum_{j \in \text{block } k,\ j \le t} x_j}_{\text{scan inside block } k}, \qquad S_{-1} = 0,$$
 #
@@ -980,9 +980,10 @@ else:
 # word ever holds is final for its flag. The programs share nothing else (each writes only its own
 # part of $y$), so no ordering between *different* addresses is needed, and the atomics can be
 # `sem="relaxed"`. The look-back reads with `tl.load(..., volatile=True)`, which becomes PTX
-# `ld.volatile`: issued again on every trip round the loop, it reads the coherent copy in L2, where
-# the atomics are performed. The counter and the state words are zeroed by one `torch.zeros` before
-# the launch, and the launch boundary orders that memset before every program.
+# `ld.volatile`: issued again on every trip round the loop, it reads the coherent copy in the L2 cache
+# (the one cache that all multiprocessors share, in front of the GPU's memory), where the atomics are
+# performed. The counter and the state words are zeroed by one `torch.zeros` before the launch, and
+# the launch boundary orders that memset before every program.
 #
 # The interpreter cannot show which instructions these become, but the compiler can, without a GPU.
 # `gpu_assembly` (chapter 00) compiles a kernel's source alone, and `lookback_scan_kernel` calls other
@@ -1193,10 +1194,10 @@ else:
 # CUDA graph replays the launches with no Python in between) and the host time per call (`host_us`:
 # calls queued back to back, timed on the CPU). When the host time exceeds the GPU time, the call is
 # host-bound: in the table below, every size but the largest. A call makes one Triton launch (rows of
-# at most 4096 values) or a `torch.zeros` and one launch (the look-back), yet its host time is 91 to
-# 161 us in this run, 3.1 to 5.6 times the 28.9 us of one bare launch of `vector_add_kernel` in
-# chapter 00's table (its `host_us` column at $2^{14}$). So the launch itself is less than a third of
-# the host time per call; the rest goes to what `cumsum` runs around its launch: the input checks,
+# at most 4096 values) or a `torch.zeros` and one launch (the look-back), yet its host time is 90.7 to
+# 161.2 us in this run, several times the host time of one bare launch of `vector_add_kernel` (chapter
+# 00's table, its `host_us` column at $2^{14}$). So most of the host time per call is not the launch
+# itself; it goes to what `cumsum` runs around its launch: the input checks,
 # `apply` and the autograd Function, the reshaping in `cumsum_op`, the configuration in `scan_rows`,
 # and a launch that binds more arguments than `vector_add_kernel`'s (the custom op's dispatcher is not
 # among them: for tensors that need no gradient, `EagerFastOp` calls the implementation directly).
@@ -1207,11 +1208,11 @@ else:
 # or a C++ launcher make such calls faster; cutting the library's host path is open work.
 #
 # One more thing the table below shows: at every size up to $2^{22}$ (all but the two largest), the
-# `median` column is below the `host` column, although a host-bound call cannot finish before the host has queued it. `do_bench`
-# queues its L2 flush before each call's start event, so the GPU stamps that event only when the flush
-# is done, and the host's work for the call runs meanwhile: part of the host time hides under the
-# flush. `host_us` is therefore the measure of host time, and `do_bench`'s median a lower bound of
-# what a host-bound call costs when called back to back.
+# `median` column is below the `host` column, although a host-bound call cannot finish before the host
+# has queued it. `do_bench` queues its L2 flush before each call's start event, so the GPU stamps that
+# event only when the flush is done, and the host's work for the call runs meanwhile: part of the host
+# time hides under the flush. `host_us` is therefore the measure of host time, and `do_bench`'s
+# median a lower bound of what a host-bound call costs when called back to back.
 
 # %%
 def time_split() -> None:

@@ -352,7 +352,7 @@ save_figure(draw_carried_state(), "ema_carried_state.png")
 # every length). It computes in an accumulator type `ACC` (float32, or float64 for float64 inputs) and
 # rounds once, on the store, to the input's dtype. `REVERSED_LOADS` and `STAGES` are performance
 # options ("Going deeper"); with their defaults the kernel is exactly the picture above (plus the
-# padding of a last partial chunk, as just described).
+# padding of a partial chunk at the row's end, as just described).
 
 # %%
 #| export
@@ -460,8 +460,8 @@ def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=Non
 
 # %% [markdown]
 # (Without an initial state the kernel never reads `H0`: `HAS_H0` is a compile-time constant, so
-# the load is compiled out. Triton still needs a tensor in that argument's place, and the launcher
-# passes `tokens` as a placeholder that is never read.)
+# the load is compiled out, and whatever is passed in that argument's place is never read. The
+# launcher passes `tokens`, a tensor already at hand, as that placeholder.)
 #
 # ## 5. Checks, with tolerances derived from the dtype and the length
 #
@@ -557,7 +557,8 @@ print("every length, chunk, direction and initial state: error within the bound"
 # bfloat16 are scanned in float32, so one output rounding dominates their bound. (How large $h$ gets
 # depends on the tokens. For a constant gate $a$ and tokens all equal to 1, $h$ climbs to $1/(1-a)$,
 # the size the code comment gives; but these tokens have mean 0 and variance 1, their terms partly
-# cancel, and $|h|$ is typically of the size of its standard deviation, which tends to $1/\sqrt{1-a^2}$.)
+# cancel, and $|h|$ is typically of the size of its standard deviation, which for a constant gate $a$
+# tends to $1/\sqrt{1-a^2}$.)
 
 # %%
 torch.manual_seed(5)
@@ -782,9 +783,9 @@ else:
 #   total is $u_{\text{out}}|h_t| + u_{\text{out}}\,\text{tiny} + (1 + u_{\text{out}})E$. Truncation (bfloat16 on
 #   the interpreter) errs by less than a whole spacing, which doubling $u_{\text{out}}$ covers.
 #
-# The ratios printed in section 5 (at most 0.164 in float32 and float64, 0.97 in float16 and bfloat16,
-# where the output rounding dominates) say the bound held on those inputs; they cannot confirm the
-# assumed count $d$, which random inputs rarely come near.
+# The ratios printed in section 5 (at most 0.164 in float32 and float64; 0.970 and 0.969 in float16
+# and bfloat16, where the output rounding dominates) say the bound held on those inputs; they cannot
+# confirm the assumed count $d$, which random inputs rarely come near.
 
 # %% [markdown]
 # ### Why a kernel test on the CPU would not catch `broken`
@@ -895,9 +896,10 @@ print(f"first_order_op as compiled, on {n_triples} random float64 triples: (p.q)
 # `first_order_op.fn` from running on PyTorch tensors (`tl.where` exists only inside a kernel). So
 # `first_order_op` keeps the plain formula. What it gives: with finite gates and tokens (and no
 # overflow) the recurrence up to rounding, in any grouping; with infinite gates, possibly NaN on a GPU
-# where the recurrence gives $\pm\infty$. The interpreter folds left to right, which is the
-# recurrence step by step, so on the CPU the kernel gives the loop's values. Both, on a row whose
-# gate 0 is followed by an infinite one:
+# where the recurrence gives $\pm\infty$. (Its docstring says "+-inf or a finite value"; by the
+# argument above, a finite value there needs some product or sum to overflow first.) The interpreter
+# folds left to right, which is the recurrence step by step, so on the CPU the kernel gives the loop's
+# values. Both, on a row whose gate 0 is followed by an infinite one:
 
 # %%
 gates_inf = torch.tensor([[0.5, 0.0, math.inf, 0.5, 0.5]], dtype=torch.float64)

@@ -270,11 +270,11 @@ for length in [1, 7, 129, 1000, 4097]:
 # times the first gate of the forward scan ($a_0$; $a_{L-1}$ in reverse), is the initial state's
 # gradient. Here the zero gate of section 3 would not be harmless: when the adjoint runs left to right
 # (the adjoint of a reverse scan), or with descending loads ("Going deeper"), the padding ends the
-# last chunk the adjoint visits, so the adjoint leaves through it on its way to
-# $\partial\mathcal L/\partial h_{-1}$, and a zero gate there would zero that gradient. One kernel serves
-# both directions of the forward scan. As in chapter 02, `HAS_H0` is a compile-time constant: without
-# an initial state the kernel neither reads `H0` nor writes `DH0`, and the launcher passes `h` in their
-# places as placeholders that are never touched.
+# last chunk the adjoint visits, so the adjoint leaves through it on its way to the initial state's
+# gradient, and a zero gate there would zero that gradient. One kernel serves both directions of the
+# forward scan. As in chapter 02, `HAS_H0` is a compile-time constant: without an initial state the
+# kernel neither reads `H0` nor writes `DH0`, and the launcher passes `h` in their places as
+# placeholders that are never touched.
 #
 # The exported cell also makes `linear_scan` behave like a torch op ("Going deeper" explains the
 # plumbing): both launchers are registered as custom ops, an `autograd.Function` calls them, and the
@@ -806,9 +806,10 @@ print("L = 0: empty result, empty gradients: ok")
 # ## 6. On a GPU: how fast, and how far from the floor
 #
 # Gates and tokens of shape (batch 8, channels 1024, L 4096) in float32. Both passes do a few flops per
-# element, so the least time they can take is set by memory traffic: the **memory floor** is the bytes that must move over the copy bandwidth (`copy_bandwidth`, chapter 00,
-# measured in the same cell). The forward moves **3 tensors** (reads gates and tokens, writes $h$); forward +
-# backward **8** (the backward also reads gates, $h$ and the incoming gradient, and writes two gradients).
+# element, so the least time they can take is set by memory traffic: the **memory floor** is the bytes
+# that must move over the copy bandwidth (`copy_bandwidth`, chapter 00, measured in the same cell).
+# The forward moves **3 tensors** (reads gates and tokens, writes $h$); forward + backward **8** (the
+# backward also reads gates, $h$ and the incoming gradient, and writes two gradients).
 # The peer is accelerated-scan's Triton kernel (`scan(gates, tokens)`, the same recurrence, built much like
 # ours), when it is installed. Ours runs with its default `BWD_CONFIG` and with the other way of running the
 # adjoint against the memory order ("Going deeper"). Times are `do_bench` medians; fwd+bwd calls
@@ -898,25 +899,21 @@ else:
 
 
 # %% [markdown]
-# (On a GPU the cell above prints the table, its conclusions and the figure.) The table times the public
-# `linear_scan`: in this run its forward, call included, takes 1.71x the floor in the first row and
-# 1.07x in the second; forward + backward takes 4.01x the floor with the default backward and 2.89x
-# with descending loads. The kernels alone are not timed in
-# this notebook: chapter 02's speed cell times the forward launcher `linear_scan_rows` (one allocation
-# and the kernel, without `linear_scan`'s checks and autograd) against the same floor, and
-# `benchmarks/bench_linear_scan.py` times the backward kernel alone (its H200 output is in
-# `benchmarks/results/bench_linear_scan_h200.txt`). The public call adds what lies outside the
-# kernels: the host's Python work per call (input checks, broadcasting, the torch-op and autograd
-# dispatch), allocations and gaps between launches. When that host work takes longer than the GPU's,
-# the GPU waits and the time rises above the floor, and it varies from run to run. The two "ours" rows
-# run the same forward, yet their forward columns differ (162.2 and 101.6 us): the variation from run
-# to run alone reaches 60% here, and the first row timed took the worst of it. Their forward +
-# backward columns differ too (1012.8 and 730.9 us), and this cell cannot say how much of that is the
-# backward's loads and how much is such variation. (The cell does not time the host's work separately: this is
-# the likely explanation of the gap above the floor, not a measurement.) Trimming the host's work per
-# call is performance work. The peer is missing from this run: accelerated-scan was not installed (the
-# cell printed "skipped accelerated-scan"). `benchmarks/results/bench_linear_scan_h200.txt`, a run of
-# `benchmarks/bench_linear_scan.py` on an earlier commit, has it timed beside our kernels in one run.
+# (On a GPU the cell above prints the table and the figure.) It times the public `linear_scan`, call
+# included: the forward takes 1.71x the floor in the first row and 1.07x in the second, forward +
+# backward 4.01x with the default backward and 2.89x with descending loads. The two rows run the same
+# forward, so their forward columns (162.2 and 101.6 us, a factor of 1.6 apart) are two timings of
+# the same code: differences of that size between rows are no evidence about the kernels, and the cell
+# cannot tell how much of the gap between their forward + backward columns (1012.8 and 730.9 us) is
+# the backward's loads. Besides the kernels, the call includes the host's Python work (input checks,
+# broadcasting, the torch-op and autograd dispatch) and allocations; when the host takes longer than
+# the GPU, the GPU waits, and the timing includes the wait. That is the likely reason for the gap
+# above the floor, but the cell does not time the host's work separately, so it is not measured here.
+# The kernels alone are timed elsewhere: chapter 02's speed cell times the forward launcher
+# `linear_scan_rows` at this size against the same floor, and `benchmarks/bench_linear_scan.py` times
+# the backward kernel alone, with the peer beside ours (its H200 output, from an earlier commit, is in
+# `benchmarks/results/bench_linear_scan_h200.txt`). This run has no peer row: accelerated-scan was not
+# installed (the cell printed "skipped accelerated-scan").
 #
 # ## Summary
 #
@@ -1005,9 +1002,11 @@ print(f"backward with reversed_loads={not default_bwd_config['reversed_loads']}:
 # - **The autograd.Function** has `forward` without `ctx` plus `setup_context` (what `torch.func` needs) and
 #   `generate_vmap_rule = True`. Its backward is the fused kernel unless autograd records the backward
 #   (`create_graph=True`: `gradgradcheck`, `hessian`, `torch.func.grad`); then `_backward_by_scan` computes
-#   it from `LinearScanFunction` and torch ops, which autograd differentiates again. A once-differentiable
-#   backward would give a wrong second derivative (a zero Hessian, or `None`) rather than an error,
-#   unless it is written to raise, as `causal_conv1d`'s and `selective_scan`'s backward are.
+#   it from `LinearScanFunction` and torch ops, which autograd differentiates again. A backward that
+#   autograd cannot differentiate does not always say so: `torch.autograd.functional.hessian` returns
+#   zeros through it, and where the first gradient also flows through other ops, the second derivative
+#   silently lacks the scan's part. So such a backward should raise when differentiated, as
+#   `causal_conv1d`'s and `selective_scan`'s do.
 # - **Host cost.** That style's `Function.apply` binds its arguments with `inspect.signature` on every call,
 #   host work that this course does not time (for a scale, chapter 00's table times a whole launch of a
 #   Triton kernel on the host, its `host_us` column). So the library calls `scan_lib.runtime.apply`:

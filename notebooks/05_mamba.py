@@ -25,8 +25,8 @@
 #    keeps the states in registers and writes only one state per chunk for the backward;
 # 4. `selective_scan`, a drop-in for `mamba_ssm`'s `selective_scan_fn` (plus an `initial_state`),
 #    checked gradient by gradient, and on a GPU compared with the official CUDA kernel. The package's
-#    public `scan_lib.selective_scan` has the same interface over chapter 07's faster kernels; this
-#    chapter checks and times its own (section 6 says how the cells reach them).
+#    public `scan_lib.selective_scan` has the same interface over chapter 07's kernels (faster in
+#    training; chapter 07 times both); this chapter checks and times its own (section 6 says how).
 #
 # Launch parameters, the autograd plumbing, the memory the backward uses, where the time goes and the
 # fine print (the softplus's numerics, the input checks, the interpreter's bfloat16, `mamba_ssm`'s last
@@ -223,7 +223,8 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
 # ## 4. The backward pass, by hand
 #
 # Write $dX$ for $\partial\mathcal L/\partial X$. The incoming gradient is $d\,\text{out}$ (and, with
-# `return_last_state`, $dh_{L-1}$ of the last state). Through the gate, with $\sigma$ the sigmoid and
+# `return_last_state`, $dh_{L-1}$: here only the gradient that arrives at the returned last state
+# itself, `dlast` in the code). Through the gate, with $\sigma$ the sigmoid and
 # $\operatorname{silu}(z) = z\sigma(z)$:
 #
 # $$d\bar y_t = d\text{out}_t\; z_t\sigma(z_t), \qquad
@@ -481,10 +482,10 @@ for L in [1, 7, 129, 1000]:
 # * **Time is spread over the threads; the $N$ states are a loop.** For one state after another: load
 #   row $n$ of `B` and `C`, discretise, scan along time, and add $C_n h$ into $y$. Each position's
 #   terms stay with the thread that holds it, so $y = \sum_n C_n h_n$ needs no sum across threads.
-#   The alternative, chapter 04's all-states tile with states and time both spread over the threads,
-#   pays for a sum across threads for every $y_t$ and for the scan's shuffles on every element; "Going
-#   deeper: launch parameters and the layout" says more, and chapter 07 (section 9, "All states at
-#   once") builds that tile and measures it slower.
+#   That is the reason for the loop: the alternative, chapter 04's all-states tile, spreads the states
+#   over the threads as well, so every $y_t$ becomes a sum across threads. Chapter 07 (section 9, "All
+#   states at once") builds that tile and measures it slower; "Going deeper: launch parameters and the
+#   layout" says more.
 # * **The carry**: the state entering the chunk, one value per channel and state, a `BLOCK_D x N` tile
 #   in registers, folded into the chunk's first step (the identity below).
 # * **What training keeps**: when an input needs a gradient, the forward writes the carry at the start
@@ -850,10 +851,10 @@ def selective_scan_bwd_kernel(
 # plumbing, is in "Going deeper: the launchers and autograd" at the end.
 #
 # The package's public function `scan_lib.selective_scan` is another one: the same arguments, semantics
-# and input checks over chapter 07's faster kernels (`scan_lib/__init__.py` imports it from
+# and input checks over chapter 07's kernels (`scan_lib/__init__.py` imports it from
 # `scan_lib.fast_selective_scan`). The cells below call this chapter's function through the module it
-# is exported to, as `chapter_scan`, so every check and measurement from here on is of the two
-# kernels above.
+# is exported to, as `chapter_scan`, so every check and measurement of the scan from here on is of the
+# two kernels above.
 #
 # ## 7. Checks: every gradient, every option, awkward lengths
 #
@@ -1033,7 +1034,7 @@ compare_with_mamba_ssm(groups=None, time_invariant="BC");
 #
 # The benchmark times this chapter's `selective_scan` (`chapter_scan`, the kernels of section 6, "ours"
 # below) against `mamba_ssm`'s. It does not time the package's `scan_lib.selective_scan`, which runs
-# chapter 07's faster kernels: the README's `selective_scan` row (from `make bench`) and chapter 07's
+# chapter 07's kernels: the README's `selective_scan` rows (from `make bench`) and chapter 07's
 # section 10 time that one, so their numbers are not these. At
 # Mamba's usual layer size (batch 8, dim 1024, L 2048, N 16), softplus, `D`, `z` and `delta_bias`
 # on, `A`, `D`, `delta_bias` in fp32; `u`, `delta`, `B`, `C`, `z` in fp32 and then bf16. The memory floor
@@ -1126,15 +1127,15 @@ else:
 #
 # **Why time across threads and states as a loop.** A first version of this chapter gave each
 # program a `BLOCK_D x N x CHUNK` tile and scanned along its last axis: states *and* time spread over
-# the threads. Every chunk then paid for two things that move data between threads: the output
-# $y_t = \sum_n C_{t,n} h_{t,n}$ is a sum over the state axis, which lived on other threads, and the
-# tree scan ran its $\log_2 \texttt{CHUNK}$ levels of warp shuffles for every element. With time across
-# the threads and the states as a loop, each thread holds several consecutive positions (512 positions
-# over the 64 threads of 2 warps: 8 each); Triton's scan runs over a thread's own positions one after
-# another in registers, then over the per-thread totals (a tree of shuffles within each warp and one
-# level between warps through shared memory), and finally each thread applies its prefix: the scheme
-# `mamba_ssm` writes by hand. This chapter does not time the first version; chapter 07 does (section 9,
-# "All states at once") and finds it slower than the loop.
+# the threads. Every chunk then paid for a sum across threads that the loop does not need: the output
+# $y_t = \sum_n C_{t,n} h_{t,n}$ is a sum over the state axis, which lived on other threads.
+# With time across the threads and the states as a loop, the 512 positions of a chunk are shared by
+# the 64 threads of 2 warps, 8 each, in short runs of consecutive positions (how long the runs are is
+# Triton's choice); Triton's scan runs along a thread's own runs one position after another in
+# registers, then over the per-thread totals (a tree of shuffles within each warp and one level
+# between warps through shared memory), and finally each thread applies its prefix: close to the
+# scheme `mamba_ssm` writes by hand. This chapter does not time the first version; chapter 07 does
+# (section 9, "All states at once") and finds it slower than the loop.
 #
 # **What still crosses threads**: per state and chunk, the carry. Reading it (`_column`) and taking
 # the scan's last column as the next carry (a masked sum over the whole chunk) are two reductions per

@@ -86,8 +86,8 @@ def rel_err(x, ref):
 #    values each, shared by all channels. `x_proj` has $R + 2N$ output rows: its first $R$ rows are
 #    $W_r$ ($R \times d_{inner}$), which squeeze $x_t$ to $R$ = `dt_rank` $= \lceil d_{model}/16 \rceil$
 #    values, the next $2N$ give $B_t$ and $C_t$; `dt_proj` is $W_\Delta$ ($d_{inner} \times R$) with its
-#    bias $b_\Delta$, which brings the $R$ values back up to one step size per channel. This is what makes the scan *selective*: how much to keep and
-#    what to write and read depend on the token.
+#    bias $b_\Delta$, which brings the $R$ values back up to one step size per channel. This is what
+#    makes the scan *selective*: how much to keep and what to write and read depend on the token.
 # 4. **Scan** [`A_log`, `D`]: chapter 05's $h_t = e^{\Delta_t A} h_{t-1} + \Delta_t B_t x_t$,
 #    $\bar y_t = C_t \cdot h_t + D x_t$, with $A = -e^{A_{log}}$.
 # 5. **Gate**: $y_t = \bar y_t \cdot \mathrm{SiLU}(z_t)$ (fused into the scan).
@@ -1113,9 +1113,11 @@ save_figure(fig, "06_generation_cost.png")
 # Read the time columns of the table: the block's step does the same work at every position, and the
 # attention step's work grows with the cache it reads; for short contexts attention can still be the
 # cheaper of the two (a few small matrix products), and where the lines cross, if they do within these
-# positions, depends on the device. The two byte columns are not measurements: the fourth is the size
-# of the two state tensors allocated once before the loop, the fifth the size of the keys and values
-# an attention step reads at that position, $2 \cdot (\text{position} + 1) \cdot d_{model}$ elements.
+# positions, depends on the device: in this run the attention step is the cheaper up to position 4096
+# (23.6 us against 32.2) and the dearer from 16384 on (38.3 us). The two byte columns are not
+# measurements: the fourth is the size of the two state tensors allocated once before the loop, the
+# fifth the size of the keys and values an attention step reads at that position,
+# $2 \cdot (\text{position} + 1) \cdot d_{model}$ elements.
 # The claim that the block's memory does not grow is checked in the next cell, on the path generation
 # takes: the block's `forward` with `InferenceParams`, which allocates its cache itself and must keep
 # updating the same two tensors, token after token.
@@ -1391,6 +1393,12 @@ assert copy_accuracy["Mamba (selective)"] >= 0.9
 assert copy_accuracy["LTI baseline"] <= 0.7
 
 # %% [markdown]
+# What the held-out table says in this run: the selective model copies every slot; the baseline gets
+# 0.472 of the tokens (chance is 0.125), and its accuracy rises slot by slot, from 0.33 at the first
+# marker to 0.65 at the last, as expected of a fixed kernel that decays: the later the marker, the
+# fewer data tokens come after the one it must copy, and at the last marker the answer is the most
+# recent data token, the one such a kernel weighs most.
+#
 # Generation with the recurrent path: the trained model reads a held-out sequence one token at a time
 # through `step`, carrying only each block's conv state and scan state (section 4), and emits its copy
 # at the markers. Its logits must match the whole-sequence forward's, and so must the greedy tokens.
@@ -1528,9 +1536,9 @@ else:
 # block is the faster in that row, above 1 ours. In this run ours is the faster in forward+backward, a
 # training step: `mamba_ssm`'s time over ours is 1.04 (fused) to 1.06 (unfused) in float32 and 1.04
 # (fused) to 1.13 (unfused) in bfloat16. In the forward alone the two are level: 1.02 in float32, 0.98
-# in bfloat16, where `mamba_ssm`'s block is 2% faster. These are one run's medians; differences of a few percent are
-# within what a second run can change. "Going deeper: where the time goes in scan_lib's block"
-# profiles ours: the kernels that take the most GPU time, by name.
+# in bfloat16, where `mamba_ssm`'s block is 2% faster. These are one run's medians; differences of a
+# few percent are within what a second run can change. "Going deeper: where the time goes in
+# scan_lib's block" profiles ours: the kernels that take the most GPU time, by name.
 
 # %% [markdown]
 # ## Going deeper
@@ -2028,14 +2036,16 @@ else:
 # backward is several times the floor, and a call can spend longer in Python (the custom
 # operator's dispatch, the launch's arguments) than on the GPU: the GPU then waits for the host. The
 # block's profile in "Going deeper: where the time goes in scan_lib's block" times the same
-# convolution's two kernels, at this same size, at 71 us (forward) and 169 us (backward): in this run
-# the rest, most of the forward+backward's time and over a third of the forward's, is the host's (the profile's list stops at its ten
-# largest kernels, so the convolution's small reductions and casts are not in it). This cell does not
-# split the two; `benchmarks/NOTES_causal_conv1d.md` has the profile of this problem on
-# the H200 (the kernels' own times, and the host time per call) and the times of the earlier backward,
-# which recomputed $g$ at each of the $K$ shifts. Cutting the
-# host path is the next work for this op; the forward also still loads $x$ at $K$ shifted positions
-# (from cache, but each a masked load with its own address).
+# convolution's two kernels, at this same size, at 71 us (forward) and 169 us (backward). The rest, over
+# a third of the forward's time and most of the forward+backward's, is not those two kernels as the
+# profile times them. The forward launches no other kernel, so there it is most likely the host's time
+# per call, which the GPU waits for; the backward also runs a few small kernels (the sums of its
+# per-program partial gradients, their casts to the weights' dtype), too small for the profile's list
+# of its ten largest. This cell measures neither; `benchmarks/NOTES_causal_conv1d.md` has the profile
+# of this problem on the H200 (the kernels' own times, and the host time per call) and the times of
+# the earlier backward, which recomputed $g$ at each of the $K$ shifts. Cutting the host path is the
+# next work for this op; the forward also still loads $x$ at $K$ shifted positions (from cache, but
+# each a masked load with its own address).
 
 # %% [markdown]
 # ### The block: layouts, caches and what `mamba_ssm` does differently

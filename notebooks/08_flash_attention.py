@@ -879,7 +879,8 @@ def flash_attention_backward(q, k, v, out, lse, grad_out, causal: bool, sm_scale
 
 # %% [markdown]
 # Every gradient against the float64 reference's autograd, at the lengths and dtypes of section 5 and
-# a scale other than the default:
+# a scale other than the default. As there, a CPU run shows larger bfloat16 errors than the GPU's
+# printed here: the interpreter truncates $P$, $dS$ and the gradients to bfloat16 where a GPU rounds.
 
 # %%
 GRAD_TOLERANCE = {torch.float32: 5e-5, torch.float16: 2e-2, torch.bfloat16: 1.5e-1}  # max abs error, inputs ~ N(0, 1)
@@ -1222,14 +1223,18 @@ CUDA_LOAD_QUERIES = r"""
 # %% [markdown]
 # **The scores.** Each thread computes one dot product of length $d$ with scalar fused multiply-adds on
 # the CUDA cores (second weakness: no tensor cores, where Triton's `tl.dot` uses them). Keys past $L$
-# get $-\infty$, which the listing forgets. The read `k_tile[col * ROW + c]` is the third weakness: the
-# 32 threads of a warp have consecutive `col` and read 32 floats that are `ROW` floats apart. Shared
-# memory has 32 banks of 4 bytes, and the float at index $x$ sits in bank $x \bmod 32$. With
-# `ROW` $= d$, a multiple of 32, the reads of different `col` all fall in one bank and are served one
-# after another: a **bank conflict**, $B_c$-way for $B_c \le 32$ (32-way with $B_c = 32$; 16-way with
-# $B_c = 16$, where a warp covers two rows whose threads read the same 16 addresses, each served once
-# for both). With `PAD` $= 1$ they fall in different banks. (`q_tile[row * ROW + c]`
-# is one address for the whole warp, a broadcast, which costs nothing.)
+# get $-\infty$, which the listing forgets. The read `k_tile[col * ROW + c]` is the third weakness.
+# Shared memory has 32 banks of 4 bytes, and the float at index $x$ sits in bank $x \bmod 32$; a warp's
+# reads of different addresses in one bank are served one after another (a **bank conflict**), while
+# threads reading the same address share one read. Thread `tx` has `col = tx % BC`, so with
+# $B_c = 32$ (the launch for $d = 64$) the 32 threads of a warp have `col` 0 to 31 and read 32 floats
+# `ROW` floats apart; with `ROW` $= d$, a multiple of 32, all 32 fall in one bank: a 32-way conflict.
+# With $B_c = 16$ (the launch for $d = 128$) a warp spans two rows of the tile, `col` runs 0 to 15
+# twice, and the two rows read the same 16 floats: 16 addresses in one bank, a 16-way conflict. With
+# `PAD` $= 1$, `ROW` $= d + 1$ puts `col`'s float in bank $(\text{col} + c) \bmod 32$, a different
+# bank for each `col`. (`q_tile[row * ROW + c]` is one address for the whole warp when $B_c = 32$, a
+# broadcast, which costs nothing; with $B_c = 16$ it is two addresses `ROW` floats apart, in one bank
+# without the padding: a 2-way conflict.)
 
 # %%
 CUDA_SCORES = r"""
@@ -1414,8 +1419,9 @@ else:
 # of its time. The other three held. bfloat16 made our forward 34.5 and 47.1 times faster than float32
 # (11661 / 338 and 14964 / 318 us), far more than twice; `PAD = 1` made the naive kernel 1.86 and 1.73
 # times faster; and its 128 and 64 blocks are fewer than twice the 132 multiprocessors (prediction 5),
-# fewer even than once, so at least 4 and 68 of them get no block at all. What remains to explain its time is the serial softmax, the scalar
-# products, the bank conflicts and the small grid; the cell does not split the time between them.
+# fewer even than once, so at least 4 and 68 of them get no block at all. What remains to explain its
+# time is the serial softmax, the scalar products, the bank conflicts and the small grid; the cell does
+# not split the time between them.
 #
 # ## 10. On a GPU: against PyTorch's FlashAttention and cuDNN
 #
@@ -1430,9 +1436,9 @@ else:
 # FlashAttention-2 was written for the A100's generation and on Hopper uses neither the warpgroup
 # matrix instructions (`wgmma`) nor the tensor memory accelerator (TMA), while cuDNN's Hopper kernels,
 # like FlashAttention-3, are built on both. Being ahead of the flash backend on an H200 is the lower
-# bar; cuDNN is the one that measures a Hopper kernel. A
-# backend that refuses a shape is reported and skipped. Every provider's output is first compared with
-# ours. Times are `median_us` (do_bench medians); forward + backward times `torch.autograd.grad`.
+# bar; cuDNN is the one that measures a Hopper kernel. A backend that refuses a shape is reported and
+# skipped. Every provider's output is first compared with ours. Times are `median_us` (do_bench
+# medians); forward + backward times `torch.autograd.grad`.
 
 # %%
 if not ON_GPU:
