@@ -994,8 +994,9 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 #   a second derivative raises instead of treating the gradients as constants, silently.
 # - `mamba_chunk_scan_combined`: the options around the scan in plain PyTorch, which autograd
 #   differentiates by itself. The step gets its bias and softplus first, $\Delta_t =
-#   \operatorname{softplus}(\Delta^{\text{raw}}_t + b)$ in float32 (a handful of numbers per position
-#   and head, beside $P \times N$ per state); the gate comes last, $y_t \odot \operatorname{silu}(z_t)$.
+#   \operatorname{softplus}(\Delta^{\text{raw}}_t + b)$ in float32 (one number per position and head,
+#   cheap beside the scan's $P \times N$ state entries per position and head); the gate comes last,
+#   $y_t \odot \operatorname{silu}(z_t)$.
 #
 # The arguments after `initial_states` are keyword-only: `mamba_ssm`'s function has `seq_idx` and
 # `cu_seqlens` (several sequences packed in one row) in between, which this one does not take, and a
