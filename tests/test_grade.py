@@ -344,6 +344,10 @@ def test_grade_py_runs_from_anywhere_without_pythonpath(tmp_path):
     import subprocess
     path = _code_notebook(tmp_path / "02_empty.ipynb", "x = 1")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    tools_found = subprocess.run([sys.executable, "-c", "import nbformat, nbclient, torch"], cwd=tmp_path, env=env,
+                                 capture_output=True)
+    if tools_found.returncode != 0:   # e.g. notebook tools installed outside site-packages, on PYTHONPATH only
+        pytest.skip("this python cannot import nbformat, nbclient and torch without PYTHONPATH: nothing to test here")
     run = subprocess.run([sys.executable, str(ROOT / "tools" / "grade.py"), str(path), "--json", str(tmp_path / "r.json")],
                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
