@@ -1,6 +1,6 @@
 """`make bench` (GPU only): scan_lib against every peer that is importable, correctness first.
 
-    python benchmarks/bench.py [--quick] [--only cumsum,linear_scan,selective_scan,block]
+    python benchmarks/bench.py [--quick] [--only cumsum,linear_scan,selective_scan,block,ssd]
 
 For every workload it first checks scan_lib (and each peer) against a reference on the same inputs:
 a float64 computation, or the peer itself where a float64 reference would not fit. A check that
@@ -19,7 +19,8 @@ for forward+backward the forward's reads and writes plus the backward's: the for
 the output gradient read again, one gradient per input written) over the copy bandwidth measured in
 the same run. Peers that are not importable are reported missing, never guessed: torch.cumsum and
 torch.compile of associative_scan (always there), accelerated-scan (pip install accelerated-scan),
-mamba_ssm (its CUDA extension built for this GPU), and mamba_ssm's Mamba module.
+mamba_ssm (its CUDA extension built for this GPU), mamba_ssm's Mamba module, and mamba_ssm's Triton
+`mamba_chunk_scan_combined` (Mamba-2's chunked scan, beside chapter 10's).
 
 Writes benchmarks/results/bench_<gpu>_<date>.csv (GPU, driver, versions, shapes, dtypes, times,
 ratios, percent of floor) and figures/bench_selective_scan_*.png, and prints the table.
@@ -52,6 +53,8 @@ SIZES = dict(
     selective_lengths=[512, 8192, 32768], selective_states=[4, 64],
     selective_batch=((1, 2, 4), 1536, 8192), selective_long=(1, 1536, 65536, 16),
     block=(8, 2048, 1024), block_check_length=256,                  # (batch, L, d_model)
+    ssd=[(8, 2048, 32, 64, 64), (8, 2048, 32, 64, 128)],            # (batch, L, heads, head_dim, N)
+    ssd_more=[(8, 8192, 32, 64, 128), (1, 65536, 24, 64, 128)], ssd_chunk=256, ssd_check_heads=2,
 )
 
 
@@ -129,6 +132,14 @@ def mamba_ssm_scan():
         return selective_scan_fn, None
     except Exception as error:  # noqa: BLE001 (a missing CUDA extension surfaces as several error types)
         return None, f"mamba_ssm not importable ({type(error).__name__}: {str(error)[:60]})"
+
+
+def mamba_ssm_chunk_scan():
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
+        return mamba_chunk_scan_combined, None
+    except Exception as error:  # noqa: BLE001 (the package's import needs its CUDA extension)
+        return None, f"mamba_ssm's Triton SSD not importable ({type(error).__name__}: {str(error)[:60]})"
 
 
 def compiled_linear_scan():
@@ -310,6 +321,79 @@ def bench_block(bandwidth, quick):
                    tol, math.nan)
 
 
+def ssd_inputs(batch, length, heads, head_dim, n_states, dtype, seed=0):
+    """x, dt, A, B, C, D, z, dt_bias as a Mamba-2 layer passes them: one group, dt before its bias and
+    softplus, A, D and dt_bias in float32, the rest in dtype."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    rand = lambda *shape, dt=dtype: torch.randn(*shape, device=DEVICE, generator=g).to(dt)  # noqa: E731
+    x, z = rand(batch, length, heads, head_dim), rand(batch, length, heads, head_dim)
+    dt = rand(batch, length, heads) - 2.0                           # softplus(dt + bias) about 0.1
+    B, C = rand(batch, length, 1, n_states), rand(batch, length, 1, n_states)
+    A = -torch.rand(heads, device=DEVICE, generator=g) * 4 - 1      # decays of -1 to -5 per unit step
+    D, dt_bias = rand(heads, dt=torch.float32), rand(heads, dt=torch.float32) * 0.1
+    return x, dt, A, B, C, D, z, dt_bias
+
+
+def ssd_head_slice(inputs, heads):
+    """The inputs of batch element 0 and the first heads, in float64 (one group: B and C are shared)."""
+    x, dt, A, B, C, D, z, dt_bias = inputs
+    return (x[:1, :, :heads].double(), dt[:1, :, :heads].double(), A[:heads].double(), B[:1].double(),
+            C[:1].double(), D[:heads].double(), z[:1, :, :heads].double(), dt_bias[:heads].double())
+
+
+def ssd_reference(x, dt, A, B, C, D, z, dt_bias, chunk_size):
+    """Chapter 10's float64 chunked form with the options composed as the op documents them."""
+    from scan_lib.ssd import ssd_chunked
+    y, _ = ssd_chunked(x, torch.nn.functional.softplus(dt + dt_bias), A, B, C, chunk_size, D)
+    return y * torch.nn.functional.silu(z)
+
+
+def ssd_bytes(x, dt, B, backward):
+    """Bytes that must move: read x, z, dt, B, C, write y; the backward reads them again and dy and
+    writes dx, dz, d dt, dB, dC."""
+    reads = 2 * x.nbytes + dt.nbytes + 2 * B.nbytes
+    fwd = reads + x.nbytes
+    return fwd + (reads + x.nbytes + reads) if backward else fwd
+
+
+def bench_ssd(bandwidth, quick):
+    peer, reason = mamba_ssm_chunk_scan()
+    if peer is None:
+        missing("ssd", "mamba_ssm mamba_chunk_scan_combined", reason)
+    chunk, heads_checked = SIZES["ssd_chunk"], SIZES["ssd_check_heads"]
+    shapes = SIZES["ssd"] + ([] if quick else SIZES["ssd_more"])
+    fn = {"scan_lib.mamba_chunk_scan_combined": scan_lib.mamba_chunk_scan_combined}
+    if peer is not None:
+        fn["mamba_ssm mamba_chunk_scan_combined"] = peer
+    for shape in shapes:
+        for dtype in (torch.float32, torch.bfloat16):
+            inputs = ssd_inputs(*shape, dtype)
+            x, dt, A, B, C, D, z, dt_bias = inputs
+            grad = torch.randn_like(x)
+            sliced = ssd_head_slice(inputs, heads_checked)
+            want = ssd_reference(*sliced, chunk)
+            sliced_leaves = [t.detach().requires_grad_() for t in sliced]
+            sliced_grad = grad[:1, :, :heads_checked]
+            want_grads = torch.autograd.grad(ssd_reference(*sliced_leaves, chunk), sliced_leaves, sliced_grad.double())
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            for impl, f in fn.items():
+                def call(f=f, args=inputs):
+                    x, dt, A, B, C, D, z, dt_bias = args
+                    return f(x, dt, A, B, C, chunk, D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
+                with torch.no_grad():
+                    record("ssd", shape, dtype, "fwd", impl, call,
+                           lambda call=call: rel_err([call()[:1, :, :heads_checked]], [want]), tol,
+                           ssd_bytes(x, dt, B, False) / bandwidth * 1e6)
+                leaves = [t.detach().requires_grad_() for t in inputs]
+                both = lambda call=call, leaves=leaves: torch.autograd.grad(call(args=leaves), leaves, grad)  # noqa: E731
+
+                def check(call=call):   # the gradients on the slice, inputs in their original dtypes
+                    small = [t.detach().to(orig.dtype).requires_grad_() for t, orig in zip(sliced, inputs)]
+                    return rel_err(torch.autograd.grad(call(args=small), small, sliced_grad), want_grads)
+                record("ssd", shape, dtype, "fwd+bwd", impl, both, check, tol if dtype == torch.float32 else 5e-2,
+                       ssd_bytes(x, dt, B, True) / bandwidth * 1e6)
+
+
 # ---------------------------------------------------------------- report
 
 def environment():
@@ -384,7 +468,7 @@ def print_table():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the base shapes only")
-    parser.add_argument("--only", default="cumsum,linear_scan,selective_scan,block")
+    parser.add_argument("--only", default="cumsum,linear_scan,selective_scan,block,ssd")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("make bench needs a CUDA GPU (the interpreter's timings mean nothing)")
@@ -393,7 +477,7 @@ def main():
     bandwidth = copy_bandwidth()
     print(f"{env}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     benches = dict(cumsum=bench_cumsum, linear_scan=bench_linear_scan, selective_scan=bench_selective_scan,
-                   block=bench_block)
+                   block=bench_block, ssd=bench_ssd)
     failed = []
     for name in args.only.split(","):
         print(f"== {name}")

@@ -22,7 +22,7 @@ def bench(monkeypatch, tmp_path):
     module.ROOT = tmp_path
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     module.SIZES.update(cumsum=[6], linear_scan=(1, 2, 20), selective=(1, 2, 9, 2), block=(1, 5, 4),
-                        block_check_length=3)
+                        block_check_length=3, ssd=[(1, 20, 3, 2, 4)], ssd_chunk=16)
     monkeypatch.setattr(module, "time_both", lambda fn, graph=True: (fn(), (2.0, 1.0))[1])
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setenv("SCAN_COURSE_FIGURES", str(tmp_path / "figures"))
@@ -30,10 +30,12 @@ def bench(monkeypatch, tmp_path):
 
 
 def test_checks_pass_and_the_report_is_written(bench):
-    for run in (bench.bench_cumsum, bench.bench_linear_scan, bench.bench_selective_scan, bench.bench_block):
+    for run in (bench.bench_cumsum, bench.bench_linear_scan, bench.bench_selective_scan, bench.bench_block,
+                bench.bench_ssd):
         run(1e11, True)
     ours = [r for r in bench.ROWS if r["impl"].startswith("scan_lib")]
-    assert {r["workload"] for r in ours} == {"cumsum", "linear_scan", "selective_scan", "selective_scan full", "block"}
+    assert {r["workload"] for r in ours} == {"cumsum", "linear_scan", "selective_scan", "selective_scan full", "block",
+                                             "ssd"}
     assert all(r["correct"] is True for r in ours), [r for r in ours if r["correct"] is not True]
     assert any(r.get("note", "").startswith("missing") for r in bench.ROWS)  # mamba_ssm has no CPU build
     bench.add_ratios()
@@ -119,3 +121,12 @@ def test_tune_fast_selective_scan_smoke(monkeypatch):
     assert set(report) == {"fwd", "bwd"} and all(default is not None and best_us is not None
                                                  for default, _, best_us in report.values())
     assert module.active_config() == before
+
+
+def test_a_wrong_ssd_fails_its_check(bench, monkeypatch):
+    right = scan_lib.mamba_chunk_scan_combined
+    monkeypatch.setattr(scan_lib, "mamba_chunk_scan_combined", lambda *a, **k: right(*a, **k) * 1.1)
+    bench.SIZES.update(ssd=[(1, 20, 3, 2, 4)], ssd_chunk=16)
+    bench.bench_ssd(1e11, True)
+    ours = [r for r in bench.ROWS if r["impl"] == "scan_lib.mamba_chunk_scan_combined"]
+    assert len(ours) == 4 and not any(r["correct"] for r in ours)
