@@ -40,6 +40,7 @@ import scan_lib  # first: it sets up Triton (this script needs a GPU)
 from scan_lib.mamba import positions_last
 from scan_lib.runtime import copy_bandwidth, graph_us, median_us
 from scan_lib.selective_scan import selective_scan_ref
+from scan_lib.ssd import ssd_chunked
 
 ROOT = Path(__file__).resolve().parents[1]
 DEVICE = "cuda"
@@ -343,7 +344,6 @@ def ssd_head_slice(inputs, heads):
 
 def ssd_reference(x, dt, A, B, C, D, z, dt_bias, chunk_size):
     """Chapter 10's float64 chunked form with the options composed as the op documents them."""
-    from scan_lib.ssd import ssd_chunked
     y, _ = ssd_chunked(x, torch.nn.functional.softplus(dt + dt_bias), A, B, C, chunk_size, D)
     return y * torch.nn.functional.silu(z)
 
