@@ -531,7 +531,10 @@ for L in [1, 7, 129, 1000]:
 # ($a_s h_{s-1} + b_s$, then the same steps), so it agrees to the last bit, and it could differ only if
 # the bookkeeping were wrong (the carry taken from the wrong position, or folded into the wrong step).
 # The carry-added form multiplies by the product of the gates instead, so it may differ by rounding
-# once a chunk holds more than one position; the assert bounds both:
+# once a chunk holds more than one position; the assert bounds both. Neither form runs a kernel: this
+# checks the identity in PyTorch. The kernels' own carries are checked against the float64 reference
+# in section 7 and, with chunks of 4 to 64 positions, in "Going deeper: launch parameters and the
+# layout". The cell:
 
 # %%
 def chunked_states(a, b, h_init, chunk, fold=False):
@@ -1600,10 +1603,12 @@ for pieces, out, last, grads in results[1:]:
 # * $(2bdN + 2bd) \cdot 4$ bytes of partial sums for $dA$, $dh_{-1}$, $dD$ and $d\,\text{bias}$.
 #
 # The cell computes these for (8, 1024, 2048, N=16) in float32 and prints them; on a GPU the next cell
-# compares the formula with the measured peak. The cell's assert is only the arithmetic of this case:
-# 2048 is a multiple of `CHUNK_bwd`, so the boundary states are exactly $1/\texttt{CHUNK\_bwd}$ of all
-# the states. The formula where the division is not exact is checked after the measurement, against
-# the states the forward keeps.
+# compares the formula with the measured peak. The cell's assert is only arithmetic: 2048 is a
+# multiple of `CHUNK_bwd`, so the boundary states must be exactly $1/\texttt{CHUNK\_bwd}$ of all the
+# states. That catches a slip in `boundary_state_bytes`'s product, but not a wrong count of chunks
+# (here rounding $L / \texttt{CHUNK\_bwd}$ up or down gives the same number), and it runs no kernel,
+# so it says nothing about what the forward keeps. Both are checked after the measurement, at a
+# length that is not a multiple of the chunk, against the states the forward keeps.
 
 # %%
 from scan_lib.selective_scan import GPU_BWD_CONFIG  # noqa: E402

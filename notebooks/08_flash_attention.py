@@ -1416,10 +1416,11 @@ else:
 # predictions are judged by those lines, not by this text.) On the H200 of the committed run, prediction 1
 # failed: the naive kernel is 5.2 and 8.7 times slower than the float32 Triton forward, not more than
 # 10, and prediction 3 shows why the round trips of $O$ are not its problem: their bytes would take 3%
-# of its time. The other three held. bfloat16 made our forward 34.5 and 47.1 times faster than float32
-# (11661 / 338 and 14964 / 318 us), far more than twice; `PAD = 1` made the naive kernel 1.86 and 1.73
+# of its time. The other three held. bfloat16 took our forward from 11661 to 338 us at head dim 64 and
+# from 14964 to 318 us at 128, far more than twice as fast; `PAD = 1` made the naive kernel 1.86 and 1.73
 # times faster; and its 128 and 64 blocks are fewer than twice the 132 multiprocessors (prediction 5),
-# fewer even than once, so at least 4 and 68 of them get no block at all. What remains to explain its
+# fewer even than once, so at least 132 - 128 = 4 and 132 - 64 = 68 multiprocessors get no block at
+# all. What remains to explain its
 # time is the serial softmax, the scalar products, the bank conflicts and the small grid; the cell does
 # not split the time between them.
 #
