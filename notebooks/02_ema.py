@@ -598,10 +598,15 @@ assert ratio_acc16 > 1 and ratio_no_carry > 1
 # out, the output is the same sine times a constant, $h_t = H e^{i\omega t}$,
 # and putting that into $h_t = \alpha h_{t-1} + (1-\alpha)x_t$ gives $H(1 - \alpha e^{-i\omega}) = 1-\alpha$.
 # Since $1 - \alpha e^{-i\omega} = (1 - \alpha\cos\omega) + i\,\alpha\sin\omega$, the angle of $H$ is
-# $-\arctan\!\big(\alpha \sin\omega / (1 - \alpha\cos\omega)\big)$: the output is the input delayed by
-# $\arctan\!\big(\alpha \sin\omega / (1 - \alpha\cos\omega)\big)/\omega$ samples (and a real sine, the
-# sum of two complex ones, by the same). The reverse EMA (`reverse=True`) leads by about as much, and
-# the reverse scan of the forward one cancels the lag, like a zero-phase filter. The cell measures
+# $-\varphi$ with $\varphi = \arctan\!\big(\alpha \sin\omega / (1 - \alpha\cos\omega)\big)$. Why an angle is a
+# delay: writing $H = |H|\,e^{-i\varphi}$ gives
+# $h_t = |H|\,e^{i(\omega t - \varphi)} = |H|\,e^{i\omega(t - \varphi/\omega)}$, the input scaled by $|H|$
+# and shifted $\varphi/\omega$ samples later. So the output is the input delayed by
+# $\varphi/\omega$ samples (and a real sine, the sum of two complex ones, by the same). The reverse EMA
+# (`reverse=True`) leads by as much: the same substitution in $h_t = \alpha h_{t+1} + (1-\alpha)x_t$
+# gives the complex conjugate of $H$, the angle $+\varphi$. The reverse scan of the forward one multiplies
+# the sine by both factors, $H\bar H = |H|^2$, a real number with no angle, so it cancels the lag
+# (what signal processing calls a zero-phase filter). The cell measures
 # the lags by cross-correlation and prints them next to the theory (the noise is drawn on the CPU,
 # so every device smooths the same signal).
 

@@ -731,14 +731,19 @@ else:
 
 
 # %% [markdown]
-# (On a GPU.) In this run the time is not monotone in $L_{\text{block}}$. In float32 it falls from 376 us
-# at 16 to 215 us at 64, the default, rises to 405 us at 128 and falls again to 242 us at 256. In
-# bfloat16 it is about 200 us at 16 and 32, 227 us at 64 and about 365 us at 128 and 256, so the fastest
-# there is 32 and the default is 1.15x slower. Both dtypes slow down sharply from 64 to 128, where
-# `num_warps_for` first gives 8 warps (16, 32, 64 get 1, 2, 4; 256 gets 8 too, with twice the tile
-# elements per thread). The sweep measures this and does not explain it: that would take a profile
-# (registers, spills, occupancy). The default is the rule above, not a tuned value; in this run it is
-# the fastest in float32 only.
+# (On a GPU.) In this run the time is not monotone in $L_{\text{block}}$. In float32 it falls from 376 us at
+# 16 to 215 us at 64, the default, rises to 405 us at 128 and falls again to 242 us at 256. In bfloat16 it
+# is 200 and 197 us at 16 and 32, 227 us at 64, and 366 and 364 us at 128 and 256, so the fastest there is
+# 32 and the default is 1.15x slower. Both dtypes slow down sharply from 64 to 128, where `num_warps_for`
+# first gives 8 warps (16, 32, 64 get 1, 2, 4; 256 gets 8 too, with twice the tile elements per thread). A
+# hypothesis, which nothing in this chapter measures: from 16 to 128 the warps grow with the tile, so every
+# thread holds the same number of tile elements (at $N = 16$), and the tile's demand on each thread's
+# registers alone would not explain a jump at 128; what does change is how Triton spreads the tile over
+# threads and warps, and with it how much of each chunk's scan and of the sum over $N$ combines values held
+# by other warps, which go through shared memory with a synchronisation. Testing that would take the
+# compiled code's layouts and a profile (registers, spills, occupancy, stalls); the bfloat16 row at 256,
+# which does not recover as float32's does, is not explained by it either. The default is the rule above,
+# not a tuned value; in this run it is the fastest in float32 only.
 #
 # ## Going deeper: the backward formulas as a loop
 #
