@@ -27,11 +27,11 @@
 #   chunk, a chunk state, chapter 02's carried state between chunks (now a matrix per head), and the
 #   contribution of the past to each chunk; each step checked against the loop;
 # - count what the chunked form costs, and why its products are the kind tensor cores run;
-# - write the chunked forward and backward as Triton kernels, and join them into one differentiable
-#   op with `mamba_ssm`'s interface, `mamba_chunk_scan_combined`.
+# - write the chunked forward and backward as Triton kernels whose products run on the tensor cores,
+#   and join them into one differentiable op with `mamba_ssm`'s interface, `mamba_chunk_scan_combined`;
+# - time it on a GPU against `mamba_ssm`'s own Triton kernels.
 #
-# This part is PyTorch and first Triton kernels with float32 products; the tensor-core kernels, the
-# Mamba2 block and the speed come next.
+# The Mamba2 block built on the op comes in a later part.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -86,6 +86,12 @@ import torch
 def _per_head(M, heads):
     """B or C (batch, L, groups, N) repeated for each head of its group: (batch, L, heads, N)."""
     return M.repeat_interleave(heads // M.shape[2], dim=2)
+
+
+def _per_group(M, groups):
+    """_per_head's adjoint: a (batch, L, heads, N) gradient summed over each group's heads, (batch, L, groups, N)."""
+    batch, length, heads, n_states = M.shape
+    return M.reshape(batch, length, groups, heads // groups, n_states).sum(3)
 
 
 def ssd_loop(x, dt, A, B, C, D=None, initial_state=None):
@@ -282,8 +288,11 @@ def _chunk_steps(x, dt, A, B, C, initial_state):
              else initial_state.to(x.dtype))
     entering = []
     for c in range(n_chunks):
+        ### BEGIN SOLUTION
+        ### HINT: keep the state entering chunk c (append it to entering), then carry it across the chunk: decay it by the chunk's total decay exp(a_cum[:, :, c, -1]) and add the chunk's own state chunk_states[:, c]
         entering.append(state)
         state = torch.exp(a_cum[:, :, c, -1])[..., None, None] * state + chunk_states[:, c]
+        ### END SOLUTION
     # batch x chunks x heads x P x N; for L = 0 there are no chunks, and chunk_states is that empty tensor
     entering = torch.stack(entering, dim=1) if entering else chunk_states
     return a_cum, decay, scores, to_end, chunk_states, entering, state
@@ -361,8 +370,7 @@ assert error < 1e-12
 # an H200 the dense bfloat16 tensor-core rate is many times the scalar float32 rate (the cell prints
 # NVIDIA's datasheet figures and their ratio), far more than the chunks cost. The loop, and chapter
 # 07's kernels, can use only the scalar rate. This is an argument from datasheet peaks, not a
-# measurement: this part times nothing, and its Triton forward (section 5) keeps its products in
-# float32, off the tensor cores. The cell prints the factor for a few chunk sizes.
+# measurement; section 9 times the kernels. The cell prints the factor for a few chunk sizes.
 
 # %%
 def extra_work(chunk, head_dim, n_states):
@@ -382,21 +390,26 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 # %% [markdown]
 # The factor grows with $Q$, so the chunk should be as small as the tensor cores allow while still
 # filling them. `mamba_ssm`'s Mamba-2 block uses chunks of 256 with $P = 64$ and $N = 128$, a factor
-# of 4.0 in the table, bought back by fewer, larger products and a shorter scan over chunks; which
-# chunk wins is a measurement, for the kernels of this chapter's next part.
+# of 4.0 in the table, bought back by fewer, larger products and a shorter scan over chunks. Which
+# chunk wins depends on the kernels as much as on the count: this chapter's kernels hold a whole
+# chunk in one program's registers, and run chunks of at most 64 (section 5 says why).
 
 # %% [markdown]
 # ## 5. A first Triton forward
 #
-# The four steps map onto two kernels and one call to chapter 03's `linear_scan`:
+# The four steps map onto three kernels:
 #
 # - `ssd_chunk_state_kernel`, one program per (batch, head, chunk): step 2, the chunk's state from zero
 #   as one `tl.dot` of the weighted inputs ($P \times Q$) by $B$ ($Q \times N$), and the chunk's total
 #   decay $e^{\sum_c a_r}$.
 # - Step 3, the scan over chunks: $\mathbf{H}^{\text{in}}_{c+1} = e^{\sum_c a}\,\mathbf{H}^{\text{in}}_c +
-#   \mathbf{S}_c$ is a first-order linear recurrence with one gate per chunk for all $P N$ entries of a
-#   head's state: `scan_lib.linear_scan` with the entries as rows and the chunks along the sequence,
-#   the state entering chunk $c$ being the scan's value after chunk $c-1$.
+#   \mathbf{S}_c$ is chapter 02's carried state, with one gate per chunk for all $P N$ entries of a
+#   head's state. `ssd_state_passing_kernel` (through `pass_states`) walks the chunks in order, one
+#   program per (batch, head, block of entries), the carry in registers, writing the state entering
+#   each chunk where the next kernel reads it. Chapter 03's `linear_scan` computes the same recurrence
+#   with the entries as rows, but it wants a gate per row and the chunks along each row: the chunk's
+#   gate would be copied to all $P N$ rows, and the states transposed in and out. A kernel that reads
+#   the states in their own layout needs neither copy; `tests/test_ssd.py` checks the two agree.
 # - `ssd_chunk_output_kernel`, one program per (batch, head, chunk): steps 1 and 4, $C B^{\top}$ and
 #   $(L \circ C B^{\top})(\Delta x)$ as two `tl.dot`s, and $e^{a_{\text{cum}}} C\,(\mathbf{H}^{\text{in}})^{\top}$
 #   as a third.
@@ -404,9 +417,28 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 # Inside a chunk the decays come from a difference of cumulative sums, $e^{\mathrm{cs}_t - \mathrm{cs}_s}$:
 # within $Q$ positions the sums stay small, so the cancellation of section 2 costs little, and a
 # $Q \times Q$ tile of them is what the products need. Positions past $L$ load $\Delta = 0$ (no decay,
-# no input) and are not stored. This first version computes its products in float32
-# (`input_precision="ieee"`) so that it can be checked to float32 rounding; on a GPU that keeps them
-# off the tensor cores, whose inputs are bfloat16 or TF32, and feeding them is the next part's work.
+# no input) and are not stored.
+#
+# **On the tensor cores.** Every product goes through `_mm`, which puts it on the tensor cores at the
+# precision of the inputs, with float32 sums:
+#
+# - bfloat16 and float16 inputs: both operands are rounded to the input's dtype first, as chapter 08's
+#   attention rounds its probabilities, so the weighted inputs, the decayed scores and the states are
+#   rounded once more each (chapter 08's `matmul` makes this work under the CPU interpreter too).
+# - float32 inputs: the tensor cores take TF32, a float32 with a 10-bit mantissa, which alone would
+#   round each operand by up to $2^{-11}$. Triton's `tf32x3` splits each operand into a TF32 part and
+#   a TF32 remainder and adds three products, which gives about float32's accuracy for three times
+#   the work; a float32 call stays checked to float32 rounding. (`mamba_ssm`'s kernels use Triton's
+#   default for float32, one TF32 product.)
+#
+# A program holds a whole chunk: $Q \times Q$ scores and decays, $Q \times P$ and $Q \times N$ tiles,
+# and a $P \times N$ state, all in registers. Compiled for the H200 (`ptxas -v` reports what each
+# thread spills to memory), at $Q = 64$ the forward's kernels spill at most a few values and the
+# backward's largest kernel a few kilobytes (the first place to improve it); at 128 and 256 the
+# spills grow several-fold and the step slows down. So the kernels run chunks of
+# `KERNEL_CHUNK` = 64 positions whatever `chunk_size` asks above it: section 3 showed that every
+# chunk size is the same computation, so a call with `mamba_ssm`'s 256 gets the same result up to
+# rounding, in chunks of 64.
 #
 # The kernels trust their arguments: they index $A$ and $D$ by head at stride 1, B and C by group
 # $h \,/\!/\, (H / G)$, and tile the chunk with `tl.arange` (a power of two) into `tl.dot` (16 or
@@ -422,7 +454,7 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 import triton
 import triton.language as tl
 
-import scan_lib
+from scan_lib.flash_attention import matmul   # chapter 08: tl.dot, float32 sums, bfloat16 safe under the interpreter
 from scan_lib.runtime import check_float_tensor, check_same_device
 
 
@@ -449,6 +481,16 @@ def _rows(M, b, t, t_ok, length, count, index, width, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _mm(a, b, X):
+    """a @ b of float32 tiles on the tensor cores at the precision of X's elements, float32 sums: both
+    operands rounded to X's dtype when it has 16 bits; for float32, tf32x3 (three TF32 products, about
+    float32's accuracy)."""
+    if X.dtype.element_ty == tl.float32:
+        return tl.dot(a, b, input_precision="tf32x3")
+    return matmul(a.to(X.dtype.element_ty), b.to(X.dtype.element_ty))
+
+
+@triton.jit
 def ssd_chunk_state_kernel(X, DT, A, B, STATES, DECAY, length, heads, groups, head_dim, n_states, n_chunks,
                            CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (batch, head, chunk): the state the chunk leaves from zero, sum_s exp(a_end - a_cum_s) dt_s x_s B_s^T
@@ -460,7 +502,7 @@ def ssd_chunk_state_kernel(X, DT, A, B, STATES, DECAY, length, heads, groups, he
     weight = dt * tl.exp(a_end - a_cum)                                     # CHUNK
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)          # CHUNK x P
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
-    state = tl.dot(tl.trans(x * weight[:, None]), Bv, input_precision="ieee")                       # P x N
+    state = _mm(tl.trans(x * weight[:, None]), Bv, X)                       # P x N
     base = (b * heads + h) * n_chunks + c
     tl.store(STATES + base * head_dim * n_states + p[:, None] * n_states + n[None, :], state,
              (p[:, None] < head_dim) & (n[None, :] < n_states))
@@ -476,18 +518,27 @@ def ssd_chunk_output_kernel(X, DT, A, B, C, D, ENTERING, Y, length, heads, group
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
     Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
-    scores = tl.dot(Cv, tl.trans(Bv), input_precision="ieee")                                       # CHUNK x CHUNK
+    scores = _mm(Cv, tl.trans(Bv), X)                                       # CHUNK x CHUNK
     causal = tl.arange(0, CHUNK)[:, None] >= tl.arange(0, CHUNK)[None, :]
     decay = tl.where(causal, tl.exp(a_cum[:, None] - a_cum[None, :]), 0.0)  # within a chunk: short differences
-    y = tl.dot(scores * decay * dt[None, :], x, input_precision="ieee")                            # CHUNK x P
+    y = _mm(scores * decay * dt[None, :], x, X)                             # CHUNK x P
     base = (b * heads + h) * n_chunks + c
     H = tl.load(ENTERING + base * head_dim * n_states + p[:, None] * n_states + n[None, :],
                 (p[:, None] < head_dim) & (n[None, :] < n_states), other=0.0)   # P x N
-    y += tl.exp(a_cum)[:, None] * tl.dot(Cv, tl.trans(H), input_precision="ieee")                   # CHUNK x P
+    y += tl.exp(a_cum)[:, None] * _mm(Cv, tl.trans(H), X)                   # CHUNK x P
     if HAS_D:
         y += tl.load(D + h).to(tl.float32) * x
     tl.store(Y + ((b * length + t[:, None]) * heads + h) * head_dim + p[None, :], y.to(Y.dtype.element_ty),
              t_ok[:, None] & (p[None, :] < head_dim))
+
+
+def _check_given(name, value, dims, shape):
+    """Raise naming the argument unless value is None or a float tensor of this shape (dims: its names)."""
+    if value is None:
+        return
+    check_float_tensor(name, value)
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {dims} = {tuple(shape)}, got {tuple(value.shape)}")
 
 
 def _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state):
@@ -511,8 +562,7 @@ def _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state):
                 "C": ("(batch, L, groups, N)", (batch, length, groups, n_states)), "D": ("(heads,)", (heads,)),
                 "initial_state": ("(batch, heads, P, N)", (batch, heads, head_dim, n_states))}
     for name, (dims, shape) in expected.items():
-        if named[name] is not None and tuple(named[name].shape) != shape:
-            raise ValueError(f"{name} must have shape {dims} = {shape}, got {tuple(named[name].shape)}")
+        _check_given(name, named[name], dims, shape)
     check_same_device(**named)
     is_int = isinstance(chunk_size, int) and not isinstance(chunk_size, bool)
     if not is_int or chunk_size < 16 or chunk_size & (chunk_size - 1):
@@ -527,48 +577,75 @@ def _empty_forward(x, n_states, initial_state):
     return torch.empty_like(x), final
 
 
-def _tiles(head_dim, n_states):
-    """BLOCK_P and BLOCK_N: P and N padded to powers of two, at least 16 (tl.dot's smallest tile)."""
-    return max(16, triton.next_power_of_2(head_dim)), max(16, triton.next_power_of_2(n_states))
+KERNEL_CHUNK = 64   # the longest chunk a program holds: its Q x Q, Q x P and Q x N tiles fit in registers
 
 
-def _as_rows(t):
-    """(batch, heads, chunks, P, N) -> (batch, heads, P N, chunks): each state entry a row of linear_scan."""
-    batch, heads, n_chunks, head_dim, n_states = t.shape
-    return t.permute(0, 1, 3, 4, 2).reshape(batch, heads, head_dim * n_states, n_chunks)
+def _tiles(chunk_size, head_dim, n_states):
+    """The kernels' compile-time sizes: CHUNK, the chunk they run (chunk_size up to KERNEL_CHUNK; the
+    chunked form is the same computation for any chunk); BLOCK_P and BLOCK_N, P and N padded to powers of
+    two, at least 16 (tl.dot's smallest tile)."""
+    return dict(CHUNK=min(chunk_size, KERNEL_CHUNK), BLOCK_P=max(16, triton.next_power_of_2(head_dim)),
+                BLOCK_N=max(16, triton.next_power_of_2(n_states)))
 
 
-def _from_rows(t, head_dim, n_states):
-    """_as_rows' inverse, contiguous for the kernels."""
-    batch, heads, _, n_chunks = t.shape
-    return t.reshape(batch, heads, head_dim, n_states, n_chunks).permute(0, 1, 4, 2, 3).contiguous()
+@triton.jit
+def ssd_state_passing_kernel(LOCAL, DECAY, START, PASSED, END, n_chunks, size,
+                             HAS_START: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per (batch, head, BLOCK entries of the P x N state), walking the chunks in order
+    (backward with REVERSE) with chapter 02's carried state h = g_c h + s_c, one gate per chunk for all
+    entries. PASSED[c] gets the carry before chunk c is folded in; END the carry after the last."""
+    bh, block = tl.program_id(0), tl.program_id(1)
+    entries = block * BLOCK + tl.arange(0, BLOCK)
+    ok = entries < size
+    head_base = bh.to(tl.int64) * n_chunks * size
+    carry = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_START:
+        carry = tl.load(START + bh.to(tl.int64) * size + entries, ok, 0.0)
+    step = 0
+    while step < n_chunks:
+        c = n_chunks - 1 - step if REVERSE else step
+        ### BEGIN SOLUTION
+        ### HINT: store the carry as chunk c's entry of PASSED (before the chunk), then carry = the chunk's gate DECAY[bh, c] times carry plus the chunk's entries of LOCAL
+        tl.store(PASSED + head_base + c * size + entries, carry, ok)
+        carry = tl.load(DECAY + bh * n_chunks + c) * carry + tl.load(LOCAL + head_base + c * size + entries, ok, 0.0)
+        ### END SOLUTION
+        step += 1
+    tl.store(END + bh.to(tl.int64) * size + entries, carry, ok)
 
 
-def _scan_chunks(x, dt, A, B, chunk_size, initial_state):
-    """Steps 2 and 3 on contiguous inputs (A float32): the chunk states and their decays
-    (ssd_chunk_state_kernel), then linear_scan over the chunks. Returns the state entering each chunk
-    (batch, heads, chunks, P, N), the decays (batch, heads, chunks) and the final state, float32."""
+def pass_states(local, decay, start, reverse=False, block=1024):
+    """The scan over chunks of (batch, heads, chunks, P, N) float32 contributions with (batch, heads,
+    chunks) gates, from start (batch, heads, P, N) or zeros: (the carry entering each chunk, in the
+    order walked, and the carry at the end), read and written in place, one pass."""
+    batch, heads, n_chunks, head_dim, n_states = local.shape
+    size = head_dim * n_states
+    passed = torch.empty_like(local)
+    end = local.new_empty(batch, heads, head_dim, n_states)
+    block = min(block, triton.next_power_of_2(size))
+    ssd_state_passing_kernel[(batch * heads, triton.cdiv(size, block))](
+        local, decay, start, passed, end, n_chunks, size, HAS_START=start is not None, REVERSE=reverse, BLOCK=block)
+    return passed, end
+
+
+def _scan_chunks(x, dt, A, B, tiles, initial_state):
+    """Steps 2 and 3 on contiguous inputs (A float32) in chunks of tiles["CHUNK"]: the chunk states and
+    their decays (ssd_chunk_state_kernel), then pass_states over the chunks. Returns the state entering
+    each chunk (batch, heads, chunks, P, N), the decays (batch, heads, chunks) and the final state, float32."""
     batch, length, heads, head_dim = x.shape
     groups, n_states = B.shape[2], B.shape[3]
-    n_chunks = triton.cdiv(length, chunk_size)
-    block_p, block_n = _tiles(head_dim, n_states)
+    n_chunks = triton.cdiv(length, tiles["CHUNK"])
     states = torch.empty(batch, heads, n_chunks, head_dim, n_states, device=x.device, dtype=torch.float32)
     decay = torch.empty(batch, heads, n_chunks, device=x.device, dtype=torch.float32)
     ssd_chunk_state_kernel[(batch, heads, n_chunks)](x, dt, A, B, states, decay, length, heads, groups, head_dim,
-                                                     n_states, n_chunks, CHUNK=chunk_size, BLOCK_P=block_p,
-                                                     BLOCK_N=block_n)
-    # the scan over chunks: chapter 03's linear_scan, the P x N entries of each head as rows
-    h0 = None if initial_state is None else initial_state.float().reshape(batch, heads, -1)
-    after = scan_lib.linear_scan(decay[:, :, None, :], _as_rows(states), h0)   # the state after each chunk
-    start = (torch.zeros(batch, heads, head_dim * n_states, 1, device=x.device, dtype=torch.float32)
-             if h0 is None else h0[..., None])
-    entering = _from_rows(torch.cat([start, after[..., :-1]], dim=-1), head_dim, n_states)
-    return entering, decay, after[..., -1].reshape(batch, heads, head_dim, n_states)
+                                                     n_states, n_chunks, **tiles)
+    start = None if initial_state is None else initial_state.float().contiguous()
+    entering, final = pass_states(states, decay, start)      # step 3, the scan over chunks
+    return entering, decay, final
 
 
 def ssd_forward(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
-    """The chunked forward on the GPU (or Triton's interpreter): two kernels and chapter 03's linear_scan
-    between them. Shapes as ssd_loop (checked); chunk_size a power of two >= 16; float32 sums. Returns y
+    """The chunked forward on the GPU (or Triton's interpreter): the chunk states, the scan over chunks,
+    the outputs (three kernels). Shapes as ssd_loop (checked); chunk_size a power of two >= 16; float32 sums. Returns y
     (x's dtype) and the final state (float32). Not differentiable: section 8's op is."""
     named = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, initial_state=initial_state)
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in named.values()):
@@ -580,18 +657,23 @@ def ssd_forward(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
 def _launch_forward(x, dt, A, B, C, chunk_size, D, initial_state):
     """ssd_forward's checks and kernels, whether or not the inputs require a gradient."""
     _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state)
+    return _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state)
+
+
+def _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state):
+    """The forward's work on checked inputs."""
     if x.numel() == 0:
         return _empty_forward(x, B.shape[3], initial_state)
     batch, length, heads, head_dim = x.shape
     groups, n_states = B.shape[2], B.shape[3]
     x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
     A, D = (None if t is None else t.float().contiguous() for t in (A, D))  # the kernels read A + h, D + h
-    entering, _, final = _scan_chunks(x, dt, A, B, chunk_size, initial_state)
+    tiles = _tiles(chunk_size, head_dim, n_states)
+    entering, _, final = _scan_chunks(x, dt, A, B, tiles, initial_state)
     y = torch.empty_like(x)
-    block_p, block_n = _tiles(head_dim, n_states)
     ssd_chunk_output_kernel[(batch, heads, entering.shape[2])](
         x, dt, A, B, C, D, entering, y, length, heads, groups, head_dim, n_states, entering.shape[2],
-        HAS_D=D is not None, CHUNK=chunk_size, BLOCK_P=block_p, BLOCK_N=block_n)
+        HAS_D=D is not None, **tiles)
     return y, final
 
 # %%
@@ -754,8 +836,7 @@ def ssd_chunked_backward(x, dt, A, B, C, chunk_size, dy, dfinal=None, D=None, in
     if D is not None:
         dx = dx + D[:, None] * dy
         dD = (dy * x).sum((0, 1, 3))
-    per_group = lambda t: t.reshape(batch, length, groups, heads // groups, n_states).sum(3)   # noqa: E731
-    return dx, ddt, dA, per_group(dBh), per_group(dCh), dD, (dh0 if initial_state is not None else None)
+    return dx, ddt, dA, _per_group(dBh, groups), _per_group(dCh, groups), dD, (dh0 if initial_state is not None else None)
 
 # %% [markdown]
 # **Checks**, in float64: every gradient against autograd through the sequential loop `ssd_loop`
@@ -791,7 +872,7 @@ for length, chunk, heads, groups, with_options in [(37, 8, 4, 2, True), (32, 8, 
 # ## 7. A Triton backward
 #
 # Section 6's steps map onto kernels the way the forward's do, with the scan over chunks once more
-# chapter 03's `linear_scan`, now with `reverse=True`:
+# section 5's `pass_states`, now walking the chunks backward (`reverse=True`):
 #
 # - The forward's steps 2 and 3 again (`_scan_chunks`, section 5's code): the backward needs the
 #   state entering each chunk, and recomputing it costs one kernel and one scan, where keeping it
@@ -799,10 +880,10 @@ for length, chunk, heads, groups, with_options in [(37, 8, 4, 2, True), (32, 8, 
 # - `ssd_chunk_adjoint_kernel`, one program per (batch, head, chunk): the local gradient of the
 #   entering state, $\sum_t e^{\gamma_t} \bar y_t C_t^{\top}$, one `tl.dot` ($P \times Q$ by $Q \times N$).
 # - The backward scan over chunks, $\Lambda_c = (\text{local})_c + g_c \Lambda_{c+1}$ from the final
-#   state's gradient: `linear_scan(decays, locals, dfinal, reverse=True)`, whose definition
-#   ($h_t = a_t h_{t+1} + x_t$, $h_L$ the given state) is exactly this recurrence. Its value at chunk 0
-#   is the initial state's gradient, and chunk $c$ reads $\Lambda_{c+1}$, the gradient of the state
-#   leaving it.
+#   state's gradient: `pass_states(locals, decays, dfinal, reverse=True)`, which walks from the last
+#   chunk to the first and writes, for chunk $c$, the carry before it folds chunk $c$ in: $\Lambda_{c+1}$,
+#   the gradient of the state leaving the chunk, which is what chunk $c$ reads. Its carry at the end is
+#   $\Lambda_0$, the initial state's gradient.
 # - `ssd_chunk_grad_kernel`, one program per (batch, head, chunk): steps 4, 2 and 1 of section 6 for
 #   the chunk's positions, nine `tl.dot`s on tiles of $Q$, $P$ and $N$, the reverse cumulative sum
 #   within the chunk (`tl.cumsum(..., reverse=True)`), and the chain to $\bar x$ and $\bar\Delta$. Summed
@@ -816,8 +897,7 @@ for length, chunk, heads, groups, with_options in [(37, 8, 4, 2, True), (32, 8, 
 #   launcher sums them over the heads of a group and over the chunks, so nothing depends on the
 #   order the programs run in (no atomics).
 #
-# As in the forward, the products are float32 (`input_precision="ieee"`): this version is checked to
-# float32 rounding, and the tensor cores are the next part's work.
+# As in the forward, every product goes through `_mm`, on the tensor cores at the inputs' precision.
 
 # %%
 #| export
@@ -830,7 +910,7 @@ def ssd_chunk_adjoint_kernel(DY, DT, A, C, LOCAL, length, heads, groups, head_di
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
     dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)        # CHUNK x P
     Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
-    local = tl.dot(tl.trans(dy * tl.exp(a_cum)[:, None]), Cv, input_precision="ieee")  # P x N
+    local = _mm(tl.trans(dy * tl.exp(a_cum)[:, None]), Cv, DY)              # P x N
     base = (b * heads + h) * n_chunks + c
     tl.store(LOCAL + base * head_dim * n_states + p[:, None] * n_states + n[None, :], local,
              (p[:, None] < head_dim) & (n[None, :] < n_states))
@@ -858,23 +938,23 @@ def ssd_chunk_grad_kernel(X, DT, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DB, 
     dS = tl.load(DSTATE + pn, pn_ok, other=0.0)
     u = x * dt[:, None]
     # 4. the past's contribution e^{gamma_t} H C_t
-    dC = from_start[:, None] * tl.dot(dy, H, input_precision="ieee")        # CHUNK x N
+    dC = from_start[:, None] * _mm(dy, H, X)                                # CHUNK x N
     d_gamma = tl.sum(dC * Cv, axis=1)                                       # dy_t . y_off_t
     end_term = tl.exp(a_end) * tl.sum(tl.sum(dS * H, axis=1), axis=0)       # the chunk's gate
     # 2. the chunk state sum_s w_s u_s B_s^T
-    dSB = tl.dot(Bv, tl.trans(dS), input_precision="ieee")                  # CHUNK x P: dS B_s
+    dSB = _mm(Bv, tl.trans(dS), X)                                          # CHUNK x P: dS B_s
     du = to_end[:, None] * dSB
-    dB = to_end[:, None] * tl.dot(u, dS, input_precision="ieee")            # CHUNK x N
+    dB = to_end[:, None] * _mm(u, dS, X)                                    # CHUNK x N
     v = to_end * tl.sum(u * dSB, axis=1)
     # 1. the diagonal block sum_{s <= t} L_ts (C_t . B_s) u_s
     rows, cols = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
     decay = tl.where(rows >= cols, tl.exp(a_cum[:, None] - a_cum[None, :]), 0.0)   # CHUNK x CHUNK
-    M = tl.dot(Cv, tl.trans(Bv), input_precision="ieee") * decay
-    pi = tl.dot(dy, tl.trans(u), input_precision="ieee")                    # dy_t . u_s
-    du += tl.dot(tl.trans(M), dy, input_precision="ieee")
+    M = _mm(Cv, tl.trans(Bv), X) * decay
+    pi = _mm(dy, tl.trans(u), X)                                            # dy_t . u_s
+    du += _mm(tl.trans(M), dy, X)
     dG = decay * pi
-    dC += tl.dot(dG, Bv, input_precision="ieee")
-    dB += tl.dot(tl.trans(dG), Cv, input_precision="ieee")
+    dC += _mm(dG, Bv, X)
+    dB += _mm(tl.trans(dG), Cv, X)
     E = M * pi
     # the chain: a = dt A, gamma = cumsum(a) within the chunk, so a_r gets the gamma_t of t >= r. The
     # terms entering with opposite signs at two positions are summed in the form that cancels nothing
@@ -901,41 +981,42 @@ def ssd_chunk_grad_kernel(X, DT, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DB, 
 def ssd_backward(x, dt, A, B, C, chunk_size, dy, dfinal=None, D=None, initial_state=None):
     """The gradients of ssd_forward's (y, final state) given dy (batch, L, heads, P) and dfinal (batch,
     heads, P, N) or None: (dx, d dt, dA, dB, dC, dD, d initial_state), each in its input's dtype (dD and
-    d initial_state None where D and initial_state are). Three kernels and two linear_scans (section 7)."""
+    d initial_state None where D and initial_state are). Five kernels, the forward's scan recomputed (section 7)."""
     _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state)
+    check_float_tensor("dy", dy)
+    _check_given("dy", dy, "x's (batch, L, heads, P)", x.shape)
+    _check_given("dfinal", dfinal, "(batch, heads, P, N)", (*x.shape[::2], x.shape[3], B.shape[3]))
+    check_same_device(x=x, dy=dy, dfinal=dfinal)
+    return _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state)
+
+
+def _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state):
+    """ssd_backward's work on checked inputs."""
     batch, length, heads, head_dim = x.shape
     groups, n_states = B.shape[2], B.shape[3]
-    for name, value, shape in (("dy", dy, x.shape), ("dfinal", dfinal, (batch, heads, head_dim, n_states))):
-        if value is None and name == "dfinal":
-            continue
-        check_float_tensor(name, value)
-        if tuple(value.shape) != tuple(shape):
-            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(value.shape)}")
-    check_same_device(x=x, dy=dy, dfinal=dfinal)
     if x.numel() == 0:
         return _empty_gradients(x, dt, A, B, C, dfinal, D, initial_state)
     x, dt, B, C, dy = (t.contiguous() for t in (x, dt, B, C, dy))
     A32, D32 = (None if t is None else t.float().contiguous() for t in (A, D))
-    entering, decay, _ = _scan_chunks(x, dt, A32, B, chunk_size, initial_state)
+    tiles = _tiles(chunk_size, head_dim, n_states)
+    entering, decay, _ = _scan_chunks(x, dt, A32, B, tiles, initial_state)
     n_chunks = entering.shape[2]
-    grid, (block_p, block_n) = (batch, heads, n_chunks), _tiles(head_dim, n_states)
+    grid = (batch, heads, n_chunks)
     f32 = dict(device=x.device, dtype=torch.float32)
     local = torch.empty(batch, heads, n_chunks, head_dim, n_states, **f32)
     ssd_chunk_adjoint_kernel[grid](dy, dt, A32, C, local, length, heads, groups, head_dim, n_states, n_chunks,
-                                   CHUNK=chunk_size, BLOCK_P=block_p, BLOCK_N=block_n)
-    d_end = None if dfinal is None else dfinal.float().reshape(batch, heads, -1)
-    adjoint = scan_lib.linear_scan(decay[:, :, None, :], _as_rows(local), d_end, reverse=True)   # Lambda_c
-    last = torch.zeros(batch, heads, head_dim * n_states, 1, **f32) if d_end is None else d_end[..., None]
-    d_leaving = _from_rows(torch.cat([adjoint[..., 1:], last], dim=-1), head_dim, n_states)   # Lambda_{c+1}
+                                   **tiles)
+    d_end = None if dfinal is None else dfinal.float().contiguous()
+    d_leaving, d_start = pass_states(local, decay, d_end, reverse=True)   # Lambda_{c+1} per chunk, Lambda_0
     dx, ddt = torch.empty_like(x), torch.empty_like(dt)
     dB_heads, dC_heads = (torch.empty(batch, length, heads, n_states, **f32) for _ in range(2))
     dA_part, dD_part = (torch.empty(batch, heads, n_chunks, **f32) for _ in range(2))
     ssd_chunk_grad_kernel[grid](x, dt, A32, B, C, D32, dy, entering, d_leaving, dx, ddt, dB_heads, dC_heads,
                                 dA_part, dD_part, length, heads, groups, head_dim, n_states, n_chunks,
-                                HAS_D=D is not None, CHUNK=chunk_size, BLOCK_P=block_p, BLOCK_N=block_n)
-    per_group = lambda t: t.reshape(batch, length, groups, heads // groups, n_states).sum(3).to(B.dtype)   # noqa: E731
-    dh0 = None if initial_state is None else adjoint[..., 0].reshape(initial_state.shape).to(initial_state.dtype)
-    return (dx, ddt, dA_part.sum((0, 2)).to(A.dtype), per_group(dB_heads), per_group(dC_heads),
+                                HAS_D=D is not None, **tiles)
+    dh0 = None if initial_state is None else d_start.to(initial_state.dtype)
+    return (dx, ddt, dA_part.sum((0, 2)).to(A.dtype), _per_group(dB_heads, groups).to(B.dtype),
+            _per_group(dC_heads, groups).to(B.dtype),
             None if D is None else dD_part.sum((0, 2)).to(D.dtype), dh0)
 
 # %% [markdown]
@@ -988,6 +1069,8 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 # - `ssd_fwd` and `ssd_bwd`: the two launchers as `torch.library` custom ops, each with a *fake*
 #   implementation (the shapes and dtypes of its results without running a kernel, which is what
 #   `torch.compile` traces with) and a vmap rule (one call per element of the mapped dimension).
+#   They run the launchers' kernels without their checks (`_forward_kernels`, `_backward_kernels`):
+#   the public function checks its arguments once per call, as the course's other ops do.
 # - `SSDFn`: an autograd Function whose forward is `ssd_fwd` and whose backward is `ssd_bwd`, keeping
 #   only the inputs (the backward recomputes the chunk states, section 7). Its kernels' gradients
 #   carry no graph, so the backward ties them to the inputs through chapter 05's `_NoSecondDerivative`:
@@ -1027,7 +1110,7 @@ def ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
             D: Optional[torch.Tensor], initial_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward launcher as a custom op: y (x's shape and dtype) and the final state (float32), both
     contiguous (the final state is a view of the last chunk's column of the scan: contiguous() copies it)."""
-    y, final = _launch_forward(x, dt, A, B, C, chunk_size, D, initial_state)
+    y, final = _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state)
     return y.contiguous(), final.contiguous()
 
 
@@ -1043,7 +1126,7 @@ def ssd_bwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
             initial_state: Optional[torch.Tensor]) -> list[torch.Tensor]:
     """The backward launcher as a custom op: the seven gradients of ssd_backward, each contiguous in its
     input's dtype, an empty tensor where D or initial_state is None (a custom op returns tensors only)."""
-    grads = ssd_backward(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state)
+    grads = _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state)
     return [x.new_empty(0) if g is None else g.contiguous() for g in grads]
 
 
@@ -1096,25 +1179,17 @@ class SSDFn(torch.autograd.Function):
         return dx, ddt, dA, dB, dC, None, dD, dh0
 
 
-def _check_options(x, z, dt, dt_bias):
-    """Raise naming the argument unless z has x's shape and dt_bias is one number per head."""
-    for name, value, shape, dims in (("z", z, x.shape, "x's (batch, L, heads, P)"),
-                                     ("dt_bias", dt_bias, dt.shape[-1:], "(heads,)")):
-        if value is None:
-            continue
-        check_float_tensor(name, value)
-        if tuple(value.shape) != tuple(shape):
-            raise ValueError(f"{name} must have shape {dims} = {tuple(shape)}, got {tuple(value.shape)}")
-    check_same_device(x=x, z=z, dt_bias=dt_bias)
-
-
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, *,
                               dt_softplus=False, return_final_states=False):
     """Mamba-2's chunked scan with mamba_ssm's shapes and semantics: x (batch, L, heads, P), dt (batch, L,
     heads), A (heads,), B and C (batch, L, groups, N), D (heads,), z like x, dt_bias (heads,),
-    initial_states (batch, heads, P, N). Returns y (x's dtype) or (y, final states (float32))."""
+    initial_states (batch, heads, P, N). Returns y (x's dtype) or (y, final states (float32)). chunk_size
+    is a power of two >= 16; the kernels run chunks of min(chunk_size, KERNEL_CHUNK), the same computation."""
+    check_float_tensor("x", x)
     check_float_tensor("dt", dt)
-    _check_options(x, z, dt, dt_bias)
+    _check_given("z", z, "x's (batch, L, heads, P)", x.shape)
+    _check_given("dt_bias", dt_bias, "(heads,)", dt.shape[-1:])
+    check_same_device(x=x, z=z, dt_bias=dt_bias)
     if dt_bias is not None or dt_softplus:
         dt = dt.float() if dt_bias is None else dt.float() + dt_bias.float()
         dt = F.softplus(dt) if dt_softplus else dt
@@ -1192,6 +1267,105 @@ for what, call, error in [
         raise AssertionError(f"{what} was accepted")
 
 # %% [markdown]
+# ## 9. The speed on a GPU
+#
+# The kernels of sections 5 and 7 run their products on the tensor cores (`_mm`), and each program
+# holds one chunk of at most 64 positions. How fast is the op where Mamba-2 trains? The cell times one
+# forward and one forward+backward of `mamba_chunk_scan_combined` with $D$, the gate $z$, `dt_bias` and
+# the softplus on, one group of $B$ and $C$, every input requiring a gradient, at the shapes of
+# `mamba_ssm`'s Mamba-2 blocks (heads of $P = 64$, $N$ = 64 or 128, length 2048; `make bench` times
+# longer sequences too): the median of `triton.testing.do_bench`, beside `mamba_ssm`'s own Triton
+# `mamba_chunk_scan_combined` at its chunk of 256 where `mamba_ssm` is installed, and beside the memory
+# floor, the inputs and outputs moved once at the copy bandwidth (chapter 07's floor). In float32 the
+# two do different work: tf32x3 here, one TF32 product there (Triton's default for float32).
+
+# %%
+def chunk_scan_inputs(batch, length, heads, head_dim, n_states, dtype, seed=0):
+    """A timed call's inputs: x, z, B and C (one group) in dtype; raw steps dt, A, D and dt_bias float32."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    rand = lambda *shape, dtype=dtype: torch.randn(*shape, device=DEVICE, generator=g).to(dtype)  # noqa: E731
+    x, z = rand(batch, length, heads, head_dim), rand(batch, length, heads, head_dim)
+    B, C = rand(batch, length, 1, n_states), rand(batch, length, 1, n_states)
+    dt = rand(batch, length, heads, dtype=torch.float32)
+    D, dt_bias = rand(heads, dtype=torch.float32), rand(heads, dtype=torch.float32)
+    A = -torch.rand(heads, device=DEVICE, generator=g) - 0.5
+    return dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias)
+
+
+def chunk_scan_floor_us(inputs, backward, bandwidth):
+    """The memory floor of a forward (read x, z, dt, B, C; write y) or of a training step (also read them
+    and dy, write dx, dz, d dt, dB, dC), in microseconds."""
+    x, dt, B = inputs["x"], inputs["dt"], inputs["B"]
+    xs, dts, bs = (t.numel() * t.element_size() for t in (x, dt, B))
+    moved = 3 * xs + dts + 2 * bs + (5 * xs + 2 * dts + 4 * bs if backward else 0)
+    return moved / bandwidth * 1e6
+
+
+def time_chunk_scan(op, inputs, chunk):
+    """(forward, forward+backward) medians in microseconds of op (mamba_chunk_scan_combined's signature)."""
+    call = lambda: op(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], chunk, D=inputs["D"],  # noqa: E731
+                      z=inputs["z"], dt_bias=inputs["dt_bias"], dt_softplus=True)
+    forward = scan_lib.runtime.median_us(call)
+    leaves = [t.requires_grad_() for t in inputs.values()]   # every input, as in training
+    dy = torch.randn_like(inputs["x"])
+    step = scan_lib.runtime.median_us(lambda: call().backward(dy), grad_to_none=leaves)
+    for leaf in leaves:
+        leaf.requires_grad_(False)
+    return forward, step
+
+
+SPEED_SHAPES = [(8, 2048, 32, 64, 64), (8, 2048, 32, 64, 128)]   # make bench times more (benchmarks/bench.py)
+if not ON_GPU:
+    print("Timing needs a GPU: this machine runs the kernels under Triton's interpreter.")
+else:
+    try:
+        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as mamba_ssm_op
+    except ImportError as missing:
+        mamba_ssm_op = None
+        print(f"mamba_ssm's Triton kernels are not importable ({missing}): scan_lib alone")
+    bandwidth = scan_lib.runtime.copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s; times in us; "
+          "ratio = mamba_ssm / scan_lib (above 1: scan_lib faster)")
+    print(f"{'':>24s} {'':>9s} | {'forward':^29s} | {'forward+backward':^29s} |")
+    print(f"{'(batch, L, heads, P, N)':>24s} {'dtype':>9s} |" + 2 * f" {'ours':>7s} {'floor':>6s} {'mamba':>7s} {'ratio':>5s} |")
+    for shape in SPEED_SHAPES:
+        for dtype in (torch.bfloat16, torch.float32):
+            inputs = chunk_scan_inputs(*shape, dtype)
+            ours = time_chunk_scan(mamba_chunk_scan_combined, inputs, 256)
+            theirs = (None, None) if mamba_ssm_op is None else time_chunk_scan(mamba_ssm_op, inputs, 256)
+            floors = [chunk_scan_floor_us(inputs, backward, bandwidth) for backward in (False, True)]
+            cells = [f" {o:7.0f} {f:6.0f} " + (f"{'-':>7s} {'-':>5s}" if t is None else f"{t:7.0f} {t / o:5.2f}")
+                     for o, f, t in zip(ours, floors, theirs)]
+            print(f"{str(shape):>24s} {str(dtype)[6:]:>9s} |{cells[0]} |{cells[1]} |")
+
+# %% [markdown]
+# What the recorded table shows (one run on an H200; on a machine without a GPU the cell prints
+# nothing to compare):
+#
+# * In bfloat16, the dtype Mamba-2 trains in, our op beat `mamba_ssm`'s at both shapes: 2.78x in the
+#   forward and 3.25x in forward+backward at $N = 64$, 2.05x and 2.06x at $N = 128$. Both sides run
+#   their products on the tensor cores with bfloat16 operands and float32 sums, so this compares
+#   like with like.
+# * In float32 the two do different work, and the ratios say so: at $N = 64$ we are still ahead (1.29x
+#   and 1.20x), at $N = 128$ we are behind (0.90x forward, 0.51x forward+backward). Each of our
+#   float32 products is tf32x3, three tensor-core products that keep float32's accuracy; `mamba_ssm`'s
+#   is one TF32 product, whose operands keep 10 bits of mantissa. At $N = 128$ our gradient kernel also
+#   holds more than the registers can: the compiler spills part of it to memory (`ptxas -v`, counted
+#   in `benchmarks/NOTES_ssd.md`). Splitting that kernel in two is the next step, and it would let a
+#   TF32 option fit in shared memory too.
+# * Neither op is near the floor: our bfloat16 forward at $N = 64$ takes about 8 times the time of
+#   moving its inputs and outputs once, the forward+backward about 15 times. The profile in
+#   `benchmarks/NOTES_ssd.md` says where it goes: about half of a training step is the gradient
+#   kernel, and the PyTorch work around the kernels (the softplus of the steps, the gate, the sums of
+#   gradients over heads and chunks) is a sizeable share that a fused kernel would remove.
+# * Read `mamba_ssm`'s column with care. Its Triton kernels pick their tile sizes by timing candidates
+#   on the first call of each shape (autotuning), and the choice, so its time, changes from run to run:
+#   `make bench` timed the same shapes with other results. At longer sequences ($L$ = 8192 and 65536,
+#   `make bench`'s `ssd` rows in `benchmarks/results/`) its forward+backward in bfloat16 grows far less
+#   than the work does and ends faster than ours: at $L = 2048$ its step is set by something other than
+#   the work, which we have not profiled. Beating it at every length is still open.
+
+# %% [markdown]
 # ## What we built
 #
 # * `ssd_loop`: the recurrence one position at a time, the float64 reference.
@@ -1199,19 +1373,20 @@ for what, call, error in [
 #   CB^{\top}$, with a segment sum that adds only the terms it needs.
 # * `ssd_chunked`: the state space duality algorithm, each of its four steps checked against the loop,
 #   any length, groups of heads, initial and final states.
-# * `ssd_forward`: the same in two Triton kernels around chapter 03's `linear_scan`, checked in float32.
+# * `ssd_forward`: the same in three Triton kernels, the scan over chunks one of them (`pass_states`),
+#   the products on the tensor cores (`_mm`), checked in float32.
 # * `ssd_chunked_backward`: every gradient of the chunked form, step by step in reverse (the scan
 #   over chunks run backward), checked against autograd through the loop.
-# * `ssd_backward`: the same in three Triton kernels and two `linear_scan`s (the forward's scan
-#   recomputed, the adjoint's run backward), checked in float32 against it.
+# * `ssd_backward`: the same in Triton kernels (the forward's chunk states and scan recomputed, the
+#   adjoint's scan walked backward), checked in float32 against it.
 # * `scan_lib.mamba_chunk_scan_combined`: the two joined into one differentiable op with
 #   `mamba_ssm`'s shapes and argument order (custom ops with fake tensors and vmap rules, an autograd
 #   Function, the step's bias and softplus and the gate in PyTorch), every gradient checked in float32
 #   and half precision, and a second derivative that raises.
 #
-# What is not done yet: the products run in float32 on the scalar units (`input_precision="ieee"`),
-# not yet on tensor cores; the Mamba2 block; and the speed against `mamba_ssm`'s Triton kernels,
-# which this chapter does not measure yet.
+# * Section 9: the op's speed on a GPU against `mamba_ssm`'s Triton kernels and the memory floor.
+#
+# What is not done yet: the Mamba2 block, and the speed of float32 at $N = 128$ and of long sequences.
 #
 # ## References
 #

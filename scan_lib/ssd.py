@@ -10,6 +10,12 @@ def _per_head(M, heads):
     return M.repeat_interleave(heads // M.shape[2], dim=2)
 
 
+def _per_group(M, groups):
+    """_per_head's adjoint: a (batch, L, heads, N) gradient summed over each group's heads, (batch, L, groups, N)."""
+    batch, length, heads, n_states = M.shape
+    return M.reshape(batch, length, groups, heads // groups, n_states).sum(3)
+
+
 def ssd_loop(x, dt, A, B, C, D=None, initial_state=None):
     """H_t = exp(dt_t A) H_{t-1} + dt_t x_t B_t^T, y_t = H_t C_t + D x_t, one position at a time, in float64.
 
@@ -106,7 +112,7 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
 import triton
 import triton.language as tl
 
-import scan_lib
+from scan_lib.flash_attention import matmul   # chapter 08: tl.dot, float32 sums, bfloat16 safe under the interpreter
 from scan_lib.runtime import check_float_tensor, check_same_device
 
 
@@ -133,6 +139,16 @@ def _rows(M, b, t, t_ok, length, count, index, width, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _mm(a, b, X):
+    """a @ b of float32 tiles on the tensor cores at the precision of X's elements, float32 sums: both
+    operands rounded to X's dtype when it has 16 bits; for float32, tf32x3 (three TF32 products, about
+    float32's accuracy)."""
+    if X.dtype.element_ty == tl.float32:
+        return tl.dot(a, b, input_precision="tf32x3")
+    return matmul(a.to(X.dtype.element_ty), b.to(X.dtype.element_ty))
+
+
+@triton.jit
 def ssd_chunk_state_kernel(X, DT, A, B, STATES, DECAY, length, heads, groups, head_dim, n_states, n_chunks,
                            CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (batch, head, chunk): the state the chunk leaves from zero, sum_s exp(a_end - a_cum_s) dt_s x_s B_s^T
@@ -144,7 +160,7 @@ def ssd_chunk_state_kernel(X, DT, A, B, STATES, DECAY, length, heads, groups, he
     weight = dt * tl.exp(a_end - a_cum)                                     # CHUNK
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)          # CHUNK x P
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
-    state = tl.dot(tl.trans(x * weight[:, None]), Bv, input_precision="ieee")                       # P x N
+    state = _mm(tl.trans(x * weight[:, None]), Bv, X)                       # P x N
     base = (b * heads + h) * n_chunks + c
     tl.store(STATES + base * head_dim * n_states + p[:, None] * n_states + n[None, :], state,
              (p[:, None] < head_dim) & (n[None, :] < n_states))
@@ -160,18 +176,27 @@ def ssd_chunk_output_kernel(X, DT, A, B, C, D, ENTERING, Y, length, heads, group
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
     Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
-    scores = tl.dot(Cv, tl.trans(Bv), input_precision="ieee")                                       # CHUNK x CHUNK
+    scores = _mm(Cv, tl.trans(Bv), X)                                       # CHUNK x CHUNK
     causal = tl.arange(0, CHUNK)[:, None] >= tl.arange(0, CHUNK)[None, :]
     decay = tl.where(causal, tl.exp(a_cum[:, None] - a_cum[None, :]), 0.0)  # within a chunk: short differences
-    y = tl.dot(scores * decay * dt[None, :], x, input_precision="ieee")                            # CHUNK x P
+    y = _mm(scores * decay * dt[None, :], x, X)                             # CHUNK x P
     base = (b * heads + h) * n_chunks + c
     H = tl.load(ENTERING + base * head_dim * n_states + p[:, None] * n_states + n[None, :],
                 (p[:, None] < head_dim) & (n[None, :] < n_states), other=0.0)   # P x N
-    y += tl.exp(a_cum)[:, None] * tl.dot(Cv, tl.trans(H), input_precision="ieee")                   # CHUNK x P
+    y += tl.exp(a_cum)[:, None] * _mm(Cv, tl.trans(H), X)                   # CHUNK x P
     if HAS_D:
         y += tl.load(D + h).to(tl.float32) * x
     tl.store(Y + ((b * length + t[:, None]) * heads + h) * head_dim + p[None, :], y.to(Y.dtype.element_ty),
              t_ok[:, None] & (p[None, :] < head_dim))
+
+
+def _check_given(name, value, dims, shape):
+    """Raise naming the argument unless value is None or a float tensor of this shape (dims: its names)."""
+    if value is None:
+        return
+    check_float_tensor(name, value)
+    if tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {dims} = {tuple(shape)}, got {tuple(value.shape)}")
 
 
 def _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state):
@@ -195,8 +220,7 @@ def _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state):
                 "C": ("(batch, L, groups, N)", (batch, length, groups, n_states)), "D": ("(heads,)", (heads,)),
                 "initial_state": ("(batch, heads, P, N)", (batch, heads, head_dim, n_states))}
     for name, (dims, shape) in expected.items():
-        if named[name] is not None and tuple(named[name].shape) != shape:
-            raise ValueError(f"{name} must have shape {dims} = {shape}, got {tuple(named[name].shape)}")
+        _check_given(name, named[name], dims, shape)
     check_same_device(**named)
     is_int = isinstance(chunk_size, int) and not isinstance(chunk_size, bool)
     if not is_int or chunk_size < 16 or chunk_size & (chunk_size - 1):
@@ -211,48 +235,72 @@ def _empty_forward(x, n_states, initial_state):
     return torch.empty_like(x), final
 
 
-def _tiles(head_dim, n_states):
-    """BLOCK_P and BLOCK_N: P and N padded to powers of two, at least 16 (tl.dot's smallest tile)."""
-    return max(16, triton.next_power_of_2(head_dim)), max(16, triton.next_power_of_2(n_states))
+KERNEL_CHUNK = 64   # the longest chunk a program holds: its Q x Q, Q x P and Q x N tiles fit in registers
 
 
-def _as_rows(t):
-    """(batch, heads, chunks, P, N) -> (batch, heads, P N, chunks): each state entry a row of linear_scan."""
-    batch, heads, n_chunks, head_dim, n_states = t.shape
-    return t.permute(0, 1, 3, 4, 2).reshape(batch, heads, head_dim * n_states, n_chunks)
+def _tiles(chunk_size, head_dim, n_states):
+    """The kernels' compile-time sizes: CHUNK, the chunk they run (chunk_size up to KERNEL_CHUNK; the
+    chunked form is the same computation for any chunk); BLOCK_P and BLOCK_N, P and N padded to powers of
+    two, at least 16 (tl.dot's smallest tile)."""
+    return dict(CHUNK=min(chunk_size, KERNEL_CHUNK), BLOCK_P=max(16, triton.next_power_of_2(head_dim)),
+                BLOCK_N=max(16, triton.next_power_of_2(n_states)))
 
 
-def _from_rows(t, head_dim, n_states):
-    """_as_rows' inverse, contiguous for the kernels."""
-    batch, heads, _, n_chunks = t.shape
-    return t.reshape(batch, heads, head_dim, n_states, n_chunks).permute(0, 1, 4, 2, 3).contiguous()
+@triton.jit
+def ssd_state_passing_kernel(LOCAL, DECAY, START, PASSED, END, n_chunks, size,
+                             HAS_START: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr):
+    """One program per (batch, head, BLOCK entries of the P x N state), walking the chunks in order
+    (backward with REVERSE) with chapter 02's carried state h = g_c h + s_c, one gate per chunk for all
+    entries. PASSED[c] gets the carry before chunk c is folded in; END the carry after the last."""
+    bh, block = tl.program_id(0), tl.program_id(1)
+    entries = block * BLOCK + tl.arange(0, BLOCK)
+    ok = entries < size
+    head_base = bh.to(tl.int64) * n_chunks * size
+    carry = tl.zeros([BLOCK], dtype=tl.float32)
+    if HAS_START:
+        carry = tl.load(START + bh.to(tl.int64) * size + entries, ok, 0.0)
+    step = 0
+    while step < n_chunks:
+        c = n_chunks - 1 - step if REVERSE else step
+        tl.store(PASSED + head_base + c * size + entries, carry, ok)
+        carry = tl.load(DECAY + bh * n_chunks + c) * carry + tl.load(LOCAL + head_base + c * size + entries, ok, 0.0)
+        step += 1
+    tl.store(END + bh.to(tl.int64) * size + entries, carry, ok)
 
 
-def _scan_chunks(x, dt, A, B, chunk_size, initial_state):
-    """Steps 2 and 3 on contiguous inputs (A float32): the chunk states and their decays
-    (ssd_chunk_state_kernel), then linear_scan over the chunks. Returns the state entering each chunk
-    (batch, heads, chunks, P, N), the decays (batch, heads, chunks) and the final state, float32."""
+def pass_states(local, decay, start, reverse=False, block=1024):
+    """The scan over chunks of (batch, heads, chunks, P, N) float32 contributions with (batch, heads,
+    chunks) gates, from start (batch, heads, P, N) or zeros: (the carry entering each chunk, in the
+    order walked, and the carry at the end), read and written in place, one pass."""
+    batch, heads, n_chunks, head_dim, n_states = local.shape
+    size = head_dim * n_states
+    passed = torch.empty_like(local)
+    end = local.new_empty(batch, heads, head_dim, n_states)
+    block = min(block, triton.next_power_of_2(size))
+    ssd_state_passing_kernel[(batch * heads, triton.cdiv(size, block))](
+        local, decay, start, passed, end, n_chunks, size, HAS_START=start is not None, REVERSE=reverse, BLOCK=block)
+    return passed, end
+
+
+def _scan_chunks(x, dt, A, B, tiles, initial_state):
+    """Steps 2 and 3 on contiguous inputs (A float32) in chunks of tiles["CHUNK"]: the chunk states and
+    their decays (ssd_chunk_state_kernel), then pass_states over the chunks. Returns the state entering
+    each chunk (batch, heads, chunks, P, N), the decays (batch, heads, chunks) and the final state, float32."""
     batch, length, heads, head_dim = x.shape
     groups, n_states = B.shape[2], B.shape[3]
-    n_chunks = triton.cdiv(length, chunk_size)
-    block_p, block_n = _tiles(head_dim, n_states)
+    n_chunks = triton.cdiv(length, tiles["CHUNK"])
     states = torch.empty(batch, heads, n_chunks, head_dim, n_states, device=x.device, dtype=torch.float32)
     decay = torch.empty(batch, heads, n_chunks, device=x.device, dtype=torch.float32)
     ssd_chunk_state_kernel[(batch, heads, n_chunks)](x, dt, A, B, states, decay, length, heads, groups, head_dim,
-                                                     n_states, n_chunks, CHUNK=chunk_size, BLOCK_P=block_p,
-                                                     BLOCK_N=block_n)
-    # the scan over chunks: chapter 03's linear_scan, the P x N entries of each head as rows
-    h0 = None if initial_state is None else initial_state.float().reshape(batch, heads, -1)
-    after = scan_lib.linear_scan(decay[:, :, None, :], _as_rows(states), h0)   # the state after each chunk
-    start = (torch.zeros(batch, heads, head_dim * n_states, 1, device=x.device, dtype=torch.float32)
-             if h0 is None else h0[..., None])
-    entering = _from_rows(torch.cat([start, after[..., :-1]], dim=-1), head_dim, n_states)
-    return entering, decay, after[..., -1].reshape(batch, heads, head_dim, n_states)
+                                                     n_states, n_chunks, **tiles)
+    start = None if initial_state is None else initial_state.float().contiguous()
+    entering, final = pass_states(states, decay, start)      # step 3, the scan over chunks
+    return entering, decay, final
 
 
 def ssd_forward(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
-    """The chunked forward on the GPU (or Triton's interpreter): two kernels and chapter 03's linear_scan
-    between them. Shapes as ssd_loop (checked); chunk_size a power of two >= 16; float32 sums. Returns y
+    """The chunked forward on the GPU (or Triton's interpreter): the chunk states, the scan over chunks,
+    the outputs (three kernels). Shapes as ssd_loop (checked); chunk_size a power of two >= 16; float32 sums. Returns y
     (x's dtype) and the final state (float32). Not differentiable: section 8's op is."""
     named = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, initial_state=initial_state)
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in named.values()):
@@ -264,18 +312,23 @@ def ssd_forward(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
 def _launch_forward(x, dt, A, B, C, chunk_size, D, initial_state):
     """ssd_forward's checks and kernels, whether or not the inputs require a gradient."""
     _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state)
+    return _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state)
+
+
+def _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state):
+    """The forward's work on checked inputs."""
     if x.numel() == 0:
         return _empty_forward(x, B.shape[3], initial_state)
     batch, length, heads, head_dim = x.shape
     groups, n_states = B.shape[2], B.shape[3]
     x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
     A, D = (None if t is None else t.float().contiguous() for t in (A, D))  # the kernels read A + h, D + h
-    entering, _, final = _scan_chunks(x, dt, A, B, chunk_size, initial_state)
+    tiles = _tiles(chunk_size, head_dim, n_states)
+    entering, _, final = _scan_chunks(x, dt, A, B, tiles, initial_state)
     y = torch.empty_like(x)
-    block_p, block_n = _tiles(head_dim, n_states)
     ssd_chunk_output_kernel[(batch, heads, entering.shape[2])](
         x, dt, A, B, C, D, entering, y, length, heads, groups, head_dim, n_states, entering.shape[2],
-        HAS_D=D is not None, CHUNK=chunk_size, BLOCK_P=block_p, BLOCK_N=block_n)
+        HAS_D=D is not None, **tiles)
     return y, final
 
 def _empty_gradients(x, dt, A, B, C, dfinal, D, initial_state):
@@ -344,8 +397,7 @@ def ssd_chunked_backward(x, dt, A, B, C, chunk_size, dy, dfinal=None, D=None, in
     if D is not None:
         dx = dx + D[:, None] * dy
         dD = (dy * x).sum((0, 1, 3))
-    per_group = lambda t: t.reshape(batch, length, groups, heads // groups, n_states).sum(3)   # noqa: E731
-    return dx, ddt, dA, per_group(dBh), per_group(dCh), dD, (dh0 if initial_state is not None else None)
+    return dx, ddt, dA, _per_group(dBh, groups), _per_group(dCh, groups), dD, (dh0 if initial_state is not None else None)
 
 @triton.jit
 def ssd_chunk_adjoint_kernel(DY, DT, A, C, LOCAL, length, heads, groups, head_dim, n_states, n_chunks,
@@ -356,7 +408,7 @@ def ssd_chunk_adjoint_kernel(DY, DT, A, C, LOCAL, length, heads, groups, head_di
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
     dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)        # CHUNK x P
     Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
-    local = tl.dot(tl.trans(dy * tl.exp(a_cum)[:, None]), Cv, input_precision="ieee")  # P x N
+    local = _mm(tl.trans(dy * tl.exp(a_cum)[:, None]), Cv, DY)              # P x N
     base = (b * heads + h) * n_chunks + c
     tl.store(LOCAL + base * head_dim * n_states + p[:, None] * n_states + n[None, :], local,
              (p[:, None] < head_dim) & (n[None, :] < n_states))
@@ -384,23 +436,23 @@ def ssd_chunk_grad_kernel(X, DT, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DB, 
     dS = tl.load(DSTATE + pn, pn_ok, other=0.0)
     u = x * dt[:, None]
     # 4. the past's contribution e^{gamma_t} H C_t
-    dC = from_start[:, None] * tl.dot(dy, H, input_precision="ieee")        # CHUNK x N
+    dC = from_start[:, None] * _mm(dy, H, X)                                # CHUNK x N
     d_gamma = tl.sum(dC * Cv, axis=1)                                       # dy_t . y_off_t
     end_term = tl.exp(a_end) * tl.sum(tl.sum(dS * H, axis=1), axis=0)       # the chunk's gate
     # 2. the chunk state sum_s w_s u_s B_s^T
-    dSB = tl.dot(Bv, tl.trans(dS), input_precision="ieee")                  # CHUNK x P: dS B_s
+    dSB = _mm(Bv, tl.trans(dS), X)                                          # CHUNK x P: dS B_s
     du = to_end[:, None] * dSB
-    dB = to_end[:, None] * tl.dot(u, dS, input_precision="ieee")            # CHUNK x N
+    dB = to_end[:, None] * _mm(u, dS, X)                                    # CHUNK x N
     v = to_end * tl.sum(u * dSB, axis=1)
     # 1. the diagonal block sum_{s <= t} L_ts (C_t . B_s) u_s
     rows, cols = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
     decay = tl.where(rows >= cols, tl.exp(a_cum[:, None] - a_cum[None, :]), 0.0)   # CHUNK x CHUNK
-    M = tl.dot(Cv, tl.trans(Bv), input_precision="ieee") * decay
-    pi = tl.dot(dy, tl.trans(u), input_precision="ieee")                    # dy_t . u_s
-    du += tl.dot(tl.trans(M), dy, input_precision="ieee")
+    M = _mm(Cv, tl.trans(Bv), X) * decay
+    pi = _mm(dy, tl.trans(u), X)                                            # dy_t . u_s
+    du += _mm(tl.trans(M), dy, X)
     dG = decay * pi
-    dC += tl.dot(dG, Bv, input_precision="ieee")
-    dB += tl.dot(tl.trans(dG), Cv, input_precision="ieee")
+    dC += _mm(dG, Bv, X)
+    dB += _mm(tl.trans(dG), Cv, X)
     E = M * pi
     # the chain: a = dt A, gamma = cumsum(a) within the chunk, so a_r gets the gamma_t of t >= r. The
     # terms entering with opposite signs at two positions are summed in the form that cancels nothing
@@ -427,41 +479,42 @@ def ssd_chunk_grad_kernel(X, DT, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DB, 
 def ssd_backward(x, dt, A, B, C, chunk_size, dy, dfinal=None, D=None, initial_state=None):
     """The gradients of ssd_forward's (y, final state) given dy (batch, L, heads, P) and dfinal (batch,
     heads, P, N) or None: (dx, d dt, dA, dB, dC, dD, d initial_state), each in its input's dtype (dD and
-    d initial_state None where D and initial_state are). Three kernels and two linear_scans (section 7)."""
+    d initial_state None where D and initial_state are). Five kernels, the forward's scan recomputed (section 7)."""
     _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state)
+    check_float_tensor("dy", dy)
+    _check_given("dy", dy, "x's (batch, L, heads, P)", x.shape)
+    _check_given("dfinal", dfinal, "(batch, heads, P, N)", (*x.shape[::2], x.shape[3], B.shape[3]))
+    check_same_device(x=x, dy=dy, dfinal=dfinal)
+    return _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state)
+
+
+def _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state):
+    """ssd_backward's work on checked inputs."""
     batch, length, heads, head_dim = x.shape
     groups, n_states = B.shape[2], B.shape[3]
-    for name, value, shape in (("dy", dy, x.shape), ("dfinal", dfinal, (batch, heads, head_dim, n_states))):
-        if value is None and name == "dfinal":
-            continue
-        check_float_tensor(name, value)
-        if tuple(value.shape) != tuple(shape):
-            raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(value.shape)}")
-    check_same_device(x=x, dy=dy, dfinal=dfinal)
     if x.numel() == 0:
         return _empty_gradients(x, dt, A, B, C, dfinal, D, initial_state)
     x, dt, B, C, dy = (t.contiguous() for t in (x, dt, B, C, dy))
     A32, D32 = (None if t is None else t.float().contiguous() for t in (A, D))
-    entering, decay, _ = _scan_chunks(x, dt, A32, B, chunk_size, initial_state)
+    tiles = _tiles(chunk_size, head_dim, n_states)
+    entering, decay, _ = _scan_chunks(x, dt, A32, B, tiles, initial_state)
     n_chunks = entering.shape[2]
-    grid, (block_p, block_n) = (batch, heads, n_chunks), _tiles(head_dim, n_states)
+    grid = (batch, heads, n_chunks)
     f32 = dict(device=x.device, dtype=torch.float32)
     local = torch.empty(batch, heads, n_chunks, head_dim, n_states, **f32)
     ssd_chunk_adjoint_kernel[grid](dy, dt, A32, C, local, length, heads, groups, head_dim, n_states, n_chunks,
-                                   CHUNK=chunk_size, BLOCK_P=block_p, BLOCK_N=block_n)
-    d_end = None if dfinal is None else dfinal.float().reshape(batch, heads, -1)
-    adjoint = scan_lib.linear_scan(decay[:, :, None, :], _as_rows(local), d_end, reverse=True)   # Lambda_c
-    last = torch.zeros(batch, heads, head_dim * n_states, 1, **f32) if d_end is None else d_end[..., None]
-    d_leaving = _from_rows(torch.cat([adjoint[..., 1:], last], dim=-1), head_dim, n_states)   # Lambda_{c+1}
+                                   **tiles)
+    d_end = None if dfinal is None else dfinal.float().contiguous()
+    d_leaving, d_start = pass_states(local, decay, d_end, reverse=True)   # Lambda_{c+1} per chunk, Lambda_0
     dx, ddt = torch.empty_like(x), torch.empty_like(dt)
     dB_heads, dC_heads = (torch.empty(batch, length, heads, n_states, **f32) for _ in range(2))
     dA_part, dD_part = (torch.empty(batch, heads, n_chunks, **f32) for _ in range(2))
     ssd_chunk_grad_kernel[grid](x, dt, A32, B, C, D32, dy, entering, d_leaving, dx, ddt, dB_heads, dC_heads,
                                 dA_part, dD_part, length, heads, groups, head_dim, n_states, n_chunks,
-                                HAS_D=D is not None, CHUNK=chunk_size, BLOCK_P=block_p, BLOCK_N=block_n)
-    per_group = lambda t: t.reshape(batch, length, groups, heads // groups, n_states).sum(3).to(B.dtype)   # noqa: E731
-    dh0 = None if initial_state is None else adjoint[..., 0].reshape(initial_state.shape).to(initial_state.dtype)
-    return (dx, ddt, dA_part.sum((0, 2)).to(A.dtype), per_group(dB_heads), per_group(dC_heads),
+                                HAS_D=D is not None, **tiles)
+    dh0 = None if initial_state is None else d_start.to(initial_state.dtype)
+    return (dx, ddt, dA_part.sum((0, 2)).to(A.dtype), _per_group(dB_heads, groups).to(B.dtype),
+            _per_group(dC_heads, groups).to(B.dtype),
             None if D is None else dD_part.sum((0, 2)).to(D.dtype), dh0)
 
 from typing import Optional
@@ -485,7 +538,7 @@ def ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
             D: Optional[torch.Tensor], initial_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward launcher as a custom op: y (x's shape and dtype) and the final state (float32), both
     contiguous (the final state is a view of the last chunk's column of the scan: contiguous() copies it)."""
-    y, final = _launch_forward(x, dt, A, B, C, chunk_size, D, initial_state)
+    y, final = _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state)
     return y.contiguous(), final.contiguous()
 
 
@@ -501,7 +554,7 @@ def ssd_bwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
             initial_state: Optional[torch.Tensor]) -> list[torch.Tensor]:
     """The backward launcher as a custom op: the seven gradients of ssd_backward, each contiguous in its
     input's dtype, an empty tensor where D or initial_state is None (a custom op returns tensors only)."""
-    grads = ssd_backward(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state)
+    grads = _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state)
     return [x.new_empty(0) if g is None else g.contiguous() for g in grads]
 
 
@@ -554,25 +607,17 @@ class SSDFn(torch.autograd.Function):
         return dx, ddt, dA, dB, dC, None, dD, dh0
 
 
-def _check_options(x, z, dt, dt_bias):
-    """Raise naming the argument unless z has x's shape and dt_bias is one number per head."""
-    for name, value, shape, dims in (("z", z, x.shape, "x's (batch, L, heads, P)"),
-                                     ("dt_bias", dt_bias, dt.shape[-1:], "(heads,)")):
-        if value is None:
-            continue
-        check_float_tensor(name, value)
-        if tuple(value.shape) != tuple(shape):
-            raise ValueError(f"{name} must have shape {dims} = {tuple(shape)}, got {tuple(value.shape)}")
-    check_same_device(x=x, z=z, dt_bias=dt_bias)
-
-
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, *,
                               dt_softplus=False, return_final_states=False):
     """Mamba-2's chunked scan with mamba_ssm's shapes and semantics: x (batch, L, heads, P), dt (batch, L,
     heads), A (heads,), B and C (batch, L, groups, N), D (heads,), z like x, dt_bias (heads,),
-    initial_states (batch, heads, P, N). Returns y (x's dtype) or (y, final states (float32))."""
+    initial_states (batch, heads, P, N). Returns y (x's dtype) or (y, final states (float32)). chunk_size
+    is a power of two >= 16; the kernels run chunks of min(chunk_size, KERNEL_CHUNK), the same computation."""
+    check_float_tensor("x", x)
     check_float_tensor("dt", dt)
-    _check_options(x, z, dt, dt_bias)
+    _check_given("z", z, "x's (batch, L, heads, P)", x.shape)
+    _check_given("dt_bias", dt_bias, "(heads,)", dt.shape[-1:])
+    check_same_device(x=x, z=z, dt_bias=dt_bias)
     if dt_bias is not None or dt_softplus:
         dt = dt.float() if dt_bias is None else dt.float() + dt_bias.float()
         dt = F.softplus(dt) if dt_softplus else dt

@@ -143,6 +143,8 @@ FIRST_EXERCISE_WRONG = {
     "07_performance": ("4 * big + 2 * small", "3 * big + 2 * small", "are the bytes counted as the docstring says"),
     "08_flash_attention": ("scale_x = torch.where(m_x == m, 1.0, torch.exp(m_x - m))", "scale_x = torch.exp(m_x - m)",
                            "must count as 1, not NaN"),
+    "10_mamba2": ("state = torch.exp(a_cum[:, :, c, -1])[..., None, None] * state + chunk_states[:, c]",
+                  "state = state + chunk_states[:, c]", "decayed by the chunk's total decay"),
 }
 
 

@@ -363,6 +363,7 @@ def test_mamba_chunk_scan_combined_of_an_empty_sequence_is_differentiable():
     ("dt_bias", lambda a: dict(a, dt_bias=a["A"][:2]), ValueError, r"dt_bias must have shape \(heads,\)"),
     ("D", lambda a: dict(a, D=a["x"][0, 0]), ValueError, r"D must have shape \(heads,\)"),
     ("dt", lambda a: dict(a, dt=None), TypeError, "dt must be a torch.Tensor"),
+    ("x", lambda a: dict(a, x=a["x"].tolist()), TypeError, "x must be a torch.Tensor"),
     ("chunk_size", lambda a: dict(a, chunk_size=24), ValueError, "chunk_size must be a power of two"),
     ("initial_states", lambda a: dict(a, initial_states=a["x"]), ValueError, "initial_state must have shape")])
 def test_mamba_chunk_scan_combined_names_a_bad_argument(name, make_bad, error, message):
@@ -422,3 +423,41 @@ def test_mamba_chunk_scan_combined_compiles_fullgraph():
     for g, w in zip(torch.autograd.grad(sum(t.sum() for t in got), leaves),
                     torch.autograd.grad(sum(t.sum() for t in want), leaves)):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("with_start", [False, True])
+def test_pass_states_is_linear_scan_over_the_chunks(reverse, with_start):
+    """Chapter 10's state-passing kernel against chapter 03's linear_scan on the same recurrence, the
+    entries as rows: the carry before each chunk (in the order walked) and the carry at the end, with
+    a state of 5 x 7 entries in blocks of 16 (the last block partly masked)."""
+    from scan_lib.ssd import pass_states
+    g = torch.Generator().manual_seed(3 + reverse + 2 * with_start)
+    batch, heads, n_chunks, head_dim, n_states = 2, 3, 6, 5, 7
+    local = torch.randn(batch, heads, n_chunks, head_dim, n_states, generator=g).to(DEVICE)
+    decay = torch.rand(batch, heads, n_chunks, generator=g).to(DEVICE)
+    start = torch.randn(batch, heads, head_dim, n_states, generator=g).to(DEVICE) if with_start else None
+    passed, end = pass_states(local, decay, start, reverse=reverse, block=16)
+    rows = local.permute(0, 1, 3, 4, 2).reshape(batch, heads, -1, n_chunks)            # entries as rows
+    after = scan_lib.linear_scan(decay[:, :, None, :], rows, None if start is None else start.reshape(batch, heads, -1),
+                                 reverse=reverse)
+    begin = torch.zeros_like(rows[..., :1]) if start is None else start.reshape(batch, heads, -1, 1)
+    before = torch.cat([after[..., 1:], begin], -1) if reverse else torch.cat([begin, after[..., :-1]], -1)
+    want_passed = before.reshape(batch, heads, head_dim, n_states, n_chunks).permute(0, 1, 4, 2, 3)
+    want_end = (after[..., 0] if reverse else after[..., -1]).reshape(batch, heads, head_dim, n_states)
+    assert rel(passed.cpu().double(), want_passed.cpu().double()) < 1e-6
+    assert rel(end.cpu().double(), want_end.cpu().double()) < 1e-6
+
+
+def test_a_chunk_longer_than_the_kernels_tile_is_the_same_computation():
+    """chunk_size above KERNEL_CHUNK runs in chunks of KERNEL_CHUNK: the op's output, final state and
+    gradients at chunk 128 against the float64 chunked form at chunk 128, float32 inputs, 150 positions."""
+    from scan_lib.ssd import KERNEL_CHUNK
+    assert KERNEL_CHUNK < 128
+    p = combined_problem(150, 2, 4, 1, 4, "D h0", seed=5)
+    g = torch.Generator().manual_seed(6)
+    weights = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in (p["x"].shape, (2, 2, 4, 4))]
+    want = combined_grads(p, 128, "D h0", None, weights)
+    got = combined_grads(p, 128, "D h0", {}, weights)
+    for name, w in want.items():
+        assert rel(got[name].double().cpu(), w.detach().cpu()) < (5e-5 if name == "A" else 1e-5), name
