@@ -1,6 +1,6 @@
 """`make bench` (GPU only): scan_lib against every peer that is importable, correctness first.
 
-    python benchmarks/bench.py [--quick] [--only cumsum,linear_scan,selective_scan,block,ssd]
+    python benchmarks/bench.py [--quick] [--only cumsum,linear_scan,selective_scan,block,ssd,conv,host]
 
 For every workload it first checks scan_lib (and each peer) against a reference on the same inputs:
 a float64 computation, or the peer itself where a float64 reference would not fit. A check that
@@ -8,6 +8,8 @@ fails is reported and that row is not timed. Then it times each implementation t
 
 - call_us: `triton.testing.do_bench` median of the public call, host work included (what a training
   step pays when the GPU waits for the host);
+- host_us: the host's time to issue one call, calls queued back to back without synchronising
+  (`scan_lib.runtime.host_us`): where it exceeds the GPU's time, the GPU waits for Python;
 - gpu_us (forward rows): the median of the same call replayed from a CUDA graph (`do_bench_cudagraph`):
   the GPU's time alone. Host work (Python, dispatch, autograd) varies with the machine's load, so
   call_us of a short call varies from run to run; gpu_us does not, and forward ratios use it.
@@ -19,8 +21,10 @@ for forward+backward the forward's reads and writes plus the backward's: the for
 the output gradient read again, one gradient per input written) over the copy bandwidth measured in
 the same run. Peers that are not importable are reported missing, never guessed: torch.cumsum and
 torch.compile of associative_scan (always there), accelerated-scan (pip install accelerated-scan),
-mamba_ssm (its CUDA extension built for this GPU), mamba_ssm's Mamba module, and mamba_ssm's Triton
-`mamba_chunk_scan_combined` (Mamba-2's chunked scan, beside chapter 10's).
+mamba_ssm (its CUDA extension built for this GPU), mamba_ssm's Mamba module, mamba_ssm's Triton
+`mamba_chunk_scan_combined` (Mamba-2's chunked scan, beside chapter 10's) and causal-conv1d's
+`causal_conv1d_fn` (its CUDA extension built for this GPU). The `host` workload times each public op's
+Python path on empty inputs (benchmarks/host_time.py's calls, beside torch's op where there is one).
 
 Writes benchmarks/results/bench_<gpu>_<date>.csv (GPU, driver, versions, shapes, dtypes, times,
 ratios, percent of floor) and figures/bench_selective_scan_*.png, and prints the table.
@@ -28,7 +32,9 @@ ratios, percent of floor) and figures/bench_selective_scan_*.png, and prints the
 import argparse
 import csv
 import datetime
+import importlib.util
 import math
+import statistics
 import subprocess
 import sys
 import traceback
@@ -38,7 +44,8 @@ import torch
 
 import scan_lib  # first: it sets up Triton (this script needs a GPU)
 from scan_lib.mamba import positions_last
-from scan_lib.runtime import copy_bandwidth, graph_us, median_us
+from scan_lib.runtime import copy_bandwidth, graph_us, host_us, median_us
+from scan_lib.causal_conv1d import causal_conv1d_ref
 from scan_lib.selective_scan import selective_scan_ref
 from scan_lib.ssd import ssd_chunked
 
@@ -56,26 +63,31 @@ SIZES = dict(
     block=(8, 2048, 1024), block_check_length=256,                  # (batch, L, d_model)
     ssd=[(8, 2048, 32, 64, 64), (8, 2048, 32, 64, 128)],            # (batch, L, heads, head_dim, N)
     ssd_more=[(8, 8192, 32, 64, 128), (1, 65536, 24, 64, 128)], ssd_chunk=256, ssd_check_heads=2,
+    conv=[((8, 2048, 2048), torch.float32), ((8, 2048, 2048), torch.bfloat16)],   # (batch, dim, L), width 4
+    conv_more=[((1, 4096, 32768), torch.bfloat16), ((2, 1536, 4097), torch.bfloat16)], conv_check_channels=16,
+    host_calls=200,
 )
 
 
 # ---------------------------------------------------------------- measuring
 
 def time_both(fn, graph=True):
-    """(call_us, gpu_us) of fn(); gpu_us is nan when fn is not replayed from a CUDA graph (graph=False:
-    autograd's backward, whose capture fails and leaves the CUDA RNG unusable), or cannot be captured."""
+    """(call_us, gpu_us, host_us) of fn(); gpu_us is nan when fn is not replayed from a CUDA graph
+    (graph=False: autograd's backward, whose capture fails and leaves the CUDA RNG unusable), or cannot
+    be captured."""
     fn()
     torch.cuda.synchronize()
     call = median_us(fn, warmup=25, rep=200)
+    host = statistics.median(host_us(fn, calls=5) for _ in range(5))   # few calls: CUDA's launch queue stays short of full
     if not graph:
-        return call, math.nan
+        return call, math.nan, host
     try:
         gpu = graph_us(fn)
     except Exception as error:  # noqa: BLE001 (capture fails in many ways: report, do not guess)
         print(f"    (no CUDA graph: {type(error).__name__}: {str(error)[:80]})")
         torch.cuda.synchronize()
         gpu = math.nan
-    return call, gpu
+    return call, gpu, host
 
 
 def rel_err(got, want):
@@ -87,12 +99,12 @@ def record(workload, shape, dtype, mode, impl, fn, check, tol, floor_us):
     """Check (check() -> relative error) then time fn; append a row. A peer that raises (an unsupported
     mode) gets a row saying so; scan_lib raising is an error."""
     row = dict(workload=workload, shape=tuple(shape), dtype=str(dtype).replace("torch.", ""), mode=mode, impl=impl,
-               floor_us=round(floor_us, 1), call_us=math.nan, gpu_us=math.nan)
+               floor_us=round(floor_us, 1), call_us=math.nan, gpu_us=math.nan, host_us=math.nan)
     try:
         err = check()
         row.update(rel_err=f"{err:.1e}", correct=err <= tol)
         if err <= tol:
-            row["call_us"], row["gpu_us"] = (round(t, 1) for t in time_both(fn, graph=mode == "fwd"))
+            row["call_us"], row["gpu_us"], row["host_us"] = (round(t, 1) for t in time_both(fn, graph=mode == "fwd"))
         else:
             print(f"    FAILED check: {impl} {workload} {shape} {dtype} {mode}: relative error {err:.1e} > {tol:.0e}")
     except Exception as error:  # noqa: BLE001
@@ -103,13 +115,14 @@ def record(workload, shape, dtype, mode, impl, fn, check, tol, floor_us):
         torch.cuda.synchronize()
     ROWS.append(row)
     print(f"  {workload:15s} {str(shape):24s} {row['dtype']:8s} {mode:8s} {impl:28s} err {row['rel_err']:>7s} "
-          f"call {row['call_us']:9.1f} us  gpu {row['gpu_us']:9.1f} us  floor {floor_us:8.1f} us", flush=True)
+          f"call {row['call_us']:9.1f} us  gpu {row['gpu_us']:9.1f} us  host {row['host_us']:8.1f} us  "
+          f"floor {floor_us:8.1f} us", flush=True)
 
 
 def missing(workload, impl, reason):
     print(f"  {workload:15s} {impl}: missing ({reason})")
     ROWS.append(dict(workload=workload, impl=impl, shape="", dtype="", mode="", rel_err="", correct="",
-                     floor_us="", call_us="", gpu_us="", note=f"missing: {reason}"))
+                     floor_us="", call_us="", gpu_us="", host_us="", note=f"missing: {reason}"))
 
 
 def grads_of(f, leaves, grad):
@@ -141,6 +154,14 @@ def mamba_ssm_chunk_scan():
         return mamba_chunk_scan_combined, None
     except Exception as error:  # noqa: BLE001 (the package's import needs its CUDA extension)
         return None, f"mamba_ssm's Triton SSD not importable ({type(error).__name__}: {str(error)[:60]})"
+
+
+def causal_conv1d_peer():
+    try:
+        from causal_conv1d import causal_conv1d_fn
+        return causal_conv1d_fn, None
+    except Exception as error:  # noqa: BLE001 (a missing CUDA extension surfaces as several error types)
+        return None, f"causal_conv1d not importable ({type(error).__name__}: {str(error)[:60]})"
 
 
 def compiled_linear_scan():
@@ -394,6 +415,61 @@ def bench_ssd(bandwidth, quick):
                        ssd_bytes(x, dt, B, True) / bandwidth * 1e6)
 
 
+def bench_conv(bandwidth, quick):
+    """causal_conv1d, width 4, bias, SiLU, as the Mamba block calls it. The check is float64 F.conv1d on
+    the first channels of batch element 0 (depthwise: a channel's output needs only its own input), not
+    the peer: causal-conv1d's gradients were seen about 1e-2 off at lengths such as 4097."""
+    peer, reason = causal_conv1d_peer()
+    if peer is None:
+        missing("causal_conv1d", "causal-conv1d causal_conv1d_fn", reason)
+    fn = {"scan_lib.causal_conv1d": scan_lib.causal_conv1d}
+    if peer is not None:
+        fn["causal-conv1d causal_conv1d_fn"] = peer
+    channels = SIZES["conv_check_channels"]
+    for shape, dtype in SIZES["conv"] + ([] if quick else SIZES["conv_more"]):
+        g = torch.Generator(device=DEVICE).manual_seed(0)
+        x = torch.randn(shape, device=DEVICE, generator=g).to(dtype)
+        weight, bias = (torch.randn(*s, device=DEVICE, generator=g).to(dtype) for s in ((shape[1], 4), (shape[1],)))
+        grad = torch.randn_like(x)
+        sliced = [x[:1, :channels].double(), weight[:channels].double(), bias[:channels].double()]
+        want = [causal_conv1d_ref(*sliced, activation="silu")]
+        sliced_leaves = [t.detach().requires_grad_() for t in sliced]
+        want_grads = torch.autograd.grad(causal_conv1d_ref(*sliced_leaves, activation="silu"), sliced_leaves,
+                                         grad[:1, :channels].double())
+        tol = 1e-4 if dtype == torch.float32 else 2e-2
+        for impl, f in fn.items():
+            call = lambda f=f, args=(x, weight, bias): f(*args, activation="silu")  # noqa: E731
+            with torch.no_grad():
+                record("causal_conv1d", shape, dtype, "fwd", impl, call,
+                       lambda call=call: rel_err([call()[:1, :channels]], want), tol, 2 * x.nbytes / bandwidth * 1e6)
+            leaves = [t.detach().requires_grad_() for t in (x, weight, bias)]
+            both = lambda call=call, leaves=leaves: torch.autograd.grad(call(args=leaves), leaves, grad)  # noqa: E731
+
+            def check(call=call):   # the gradients on the slice, inputs in their original dtypes
+                small = [t.detach().to(orig.dtype).requires_grad_() for t, orig in zip(sliced, (x, weight, bias))]
+                return rel_err(torch.autograd.grad(call(args=small), small, grad[:1, :channels]), want_grads)
+            record("causal_conv1d", shape, dtype, "fwd+bwd", impl, both, check,
+                   tol if dtype == torch.float32 else 5e-2, 5 * x.nbytes / bandwidth * 1e6)   # + x, dout read, dx written
+
+
+def bench_host(bandwidth, quick):
+    """Each public op's host path on empty inputs (nothing reaches a kernel), beside torch's op for the
+    same input: benchmarks/host_time.py's calls, issue 21's target of at most 30 us per call."""
+    spec = importlib.util.spec_from_file_location("host_time", Path(__file__).resolve().parent / "host_time.py")
+    host_time = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_time)
+    for mode, calls in (("empty", host_time.empty_calls(False)), ("empty, grad", host_time.empty_calls(True))):
+        for name, (ours, theirs) in calls.items():
+            for impl, fn in (("scan_lib", ours), ("torch", theirs)):
+                if fn is None:
+                    continue
+                us = host_time.median_host_us(fn, SIZES["host_calls"])
+                ROWS.append(dict(workload=f"host {name}", shape="", dtype="float32", mode=mode, impl=impl,
+                                 rel_err="", correct="", floor_us=math.nan, call_us=round(us, 1), gpu_us=math.nan,
+                                 host_us=round(us, 1)))
+                print(f"  host {name:18s} {mode:12s} {impl:9s} {us:8.1f} us per call", flush=True)
+
+
 # ---------------------------------------------------------------- report
 
 def environment():
@@ -421,7 +497,7 @@ def add_ratios():
 def write_csv(env):
     out = ROOT / "benchmarks" / "results" / f"bench_{env['gpu'].split()[-1].lower()}_{env['date']}.csv"
     fields = list(env) + ["workload", "shape", "dtype", "mode", "impl", "correct", "rel_err", "call_us", "gpu_us",
-                          "floor_us", "pct_of_floor", "ratio_vs_scan_lib", "ratio_basis", "note"]
+                          "host_us", "floor_us", "pct_of_floor", "ratio_vs_scan_lib", "ratio_basis", "note"]
     with out.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fields)
         writer.writeheader()
@@ -456,19 +532,20 @@ def plot(env):
 
 def print_table():
     print(f"\n{'workload':20s} {'shape':22s} {'dtype':9s} {'mode':8s} {'impl':28s} {'gpu_us':>9s} {'call_us':>9s} "
-          f"{'floor':>7s} {'%floor':>7s} {'peer/ours':>9s}")
+          f"{'host_us':>8s} {'floor':>7s} {'%floor':>7s} {'peer/ours':>9s}")
     for r in ROWS:
         if r.get("note"):
             print(f"{r['workload']:20s} {str(r['shape']):22s} {r['dtype']:9s} {r['mode']:8s} {r['impl']:28s} {r['note']}")
             continue
         print(f"{r['workload']:20s} {str(r['shape']):22s} {r['dtype']:9s} {r['mode']:8s} {r['impl']:28s} {r['gpu_us']:9.1f} "
-              f"{r['call_us']:9.1f} {r['floor_us']:7.1f} {str(r['pct_of_floor']):>7s} {str(r['ratio_vs_scan_lib']):>9s}")
+              f"{r['call_us']:9.1f} {r['host_us']:8.1f} {r['floor_us']:7.1f} {str(r['pct_of_floor']):>7s} "
+              f"{str(r['ratio_vs_scan_lib']):>9s}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the base shapes only")
-    parser.add_argument("--only", default="cumsum,linear_scan,selective_scan,block,ssd")
+    parser.add_argument("--only", default="cumsum,linear_scan,selective_scan,block,ssd,conv,host")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("make bench needs a CUDA GPU (the interpreter's timings mean nothing)")
@@ -477,7 +554,7 @@ def main():
     bandwidth = copy_bandwidth()
     print(f"{env}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     benches = dict(cumsum=bench_cumsum, linear_scan=bench_linear_scan, selective_scan=bench_selective_scan,
-                   block=bench_block, ssd=bench_ssd)
+                   block=bench_block, ssd=bench_ssd, conv=bench_conv, host=bench_host)
     failed = []
     for name in args.only.split(","):
         print(f"== {name}")
@@ -490,7 +567,8 @@ def main():
     print_table()
     print(f"\nwrote {write_csv(env)}")
     plot(env)
-    if failed or not all(r["correct"] is True for r in ROWS if r["impl"].startswith("scan_lib")):
+    checked = [r for r in ROWS if r["impl"].startswith("scan_lib") and not r["workload"].startswith("host")]
+    if failed or not all(r["correct"] is True for r in checked):   # host rows time empty calls: nothing to check
         sys.exit(f"make bench: errors in {failed or 'a correctness check'} (see above)")
 
 

@@ -22,8 +22,9 @@ def bench(monkeypatch, tmp_path):
     module.ROOT = tmp_path
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
     module.SIZES.update(cumsum=[6], linear_scan=(1, 2, 20), selective=(1, 2, 9, 2), block=(1, 5, 4),
-                        block_check_length=3, ssd=[(1, 20, 3, 2, 4)], ssd_chunk=16)
-    monkeypatch.setattr(module, "time_both", lambda fn, graph=True: (fn(), (2.0, 1.0))[1])
+                        block_check_length=3, ssd=[(1, 20, 3, 2, 4)], ssd_chunk=16,
+                        conv=[((2, 3, 7), torch.float32)], conv_more=[], conv_check_channels=2, host_calls=2)
+    monkeypatch.setattr(module, "time_both", lambda fn, graph=True: (fn(), (2.0, 1.0, 0.5))[1])
     if not torch.cuda.is_available():   # bench.py synchronises; step_split times with do_bench, which needs the real one
         monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setenv("SCAN_COURSE_FIGURES", str(tmp_path / "figures"))
@@ -32,12 +33,19 @@ def bench(monkeypatch, tmp_path):
 
 def test_checks_pass_and_the_report_is_written(bench):
     for run in (bench.bench_cumsum, bench.bench_linear_scan, bench.bench_selective_scan, bench.bench_block,
-                bench.bench_ssd):
+                bench.bench_ssd, bench.bench_conv, bench.bench_host):
         run(1e11, True)
-    ours = [r for r in bench.ROWS if r["impl"].startswith("scan_lib")]
+    ours = [r for r in bench.ROWS if r["impl"].startswith("scan_lib") and not r["workload"].startswith("host")]
     assert {r["workload"] for r in ours} == {"cumsum", "linear_scan", "selective_scan", "selective_scan full", "block",
-                                             "ssd"}
+                                             "ssd", "causal_conv1d"}
     assert all(r["correct"] is True for r in ours), [r for r in ours if r["correct"] is not True]
+    host = {(r["workload"], r["mode"]) for r in bench.ROWS if r["workload"].startswith("host") and r["impl"] == "scan_lib"
+            and math.isfinite(r["call_us"]) and r["call_us"] > 0}
+    spec = importlib.util.spec_from_file_location("host_time", ROOT / "benchmarks" / "host_time.py")
+    host_time = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(host_time)
+    ops = {f"host {name}" for name in host_time.empty_calls(False)}
+    assert host == {(op, mode) for op in ops for mode in ("empty", "empty, grad")}, host   # every op, timed
     assert any(r.get("note", "").startswith("missing") for r in bench.ROWS)  # mamba_ssm has no CPU build
     bench.add_ratios()
     torch_row = next(r for r in bench.ROWS if r["impl"] == "torch.cumsum")
@@ -131,3 +139,12 @@ def test_a_wrong_ssd_fails_its_check(bench, monkeypatch):
     bench.bench_ssd(1e11, True)
     ours = [r for r in bench.ROWS if r["impl"] == "scan_lib.mamba_chunk_scan_combined"]
     assert len(ours) == 4 and not any(r["correct"] for r in ours)
+
+
+def test_a_wrong_conv_fails_its_check(bench, monkeypatch):
+    right = scan_lib.causal_conv1d
+    monkeypatch.setattr(scan_lib, "causal_conv1d", lambda *a, **k: right(*a, **k) * 1.1)
+    bench.bench_conv(1e11, True)
+    ours = [r for r in bench.ROWS if r["impl"] == "scan_lib.causal_conv1d"]
+    assert len(ours) == 2 and not any(r["correct"] for r in ours)
+    assert all(math.isnan(r["gpu_us"]) for r in ours)
