@@ -62,7 +62,7 @@ from scan_lib.runtime import save_figure
 # Head $h$ keeps a state $\mathbf{H}_t \in \mathbb{R}^{P \times N}$: for each of its $P$ channels, $N$
 # numbers, as chapter 05's state has $N$ numbers per channel. At position $t$ the head reads its
 # input $x_t \in \mathbb{R}^P$, a step $\Delta_t > 0$ (one per head and position), and the vectors
-# $B_t, C_t \in \mathbb{R}^N$ (shared by a **group** of heads, as multi-query attention shares keys):
+# $B_t, C_t \in \mathbb{R}^N$ (shared by a **group** of heads, as grouped-query attention shares keys):
 #
 # $$\mathbf{H}_t = e^{\Delta_t A}\, \mathbf{H}_{t-1} + \Delta_t\, x_t B_t^{\top}, \qquad
 # y_t = \mathbf{H}_t\, C_t + D\, x_t .$$
@@ -170,7 +170,8 @@ assert error < 1e-12
 # \quad a_r = \Delta_r A ,$$
 #
 # with $\circ$ the elementwise product and $\mathrm{segsum}(a)_{ts} = \sum_{r=s+1}^{t} a_r$, the
-# **segment sum**. $M$ is lower triangular ($y_t$ reads only $s \le t$: causal) and $L \times L$; this
+# **segment sum**. $M$ is lower triangular ($y_t$ reads only $s \le t$: causal) and $L \times L$ ($L$ the
+# length; the mask $L_{ts}$ shares its letter, as in the paper); this
 # is attention with a decaying causal mask in place of the softmax, the link to chapter 08
 # ("Transformers are SSMs"). In chapter 05's model $A$ is a vector, $L_{ts}$ would differ per state,
 # and no single matrix would do.
@@ -178,8 +179,9 @@ assert error < 1e-12
 # The segment sum is a difference of cumulative sums, $\mathrm{segsum}(a)_{ts} = \mathrm{cs}_t -
 # \mathrm{cs}_s$ with $\mathrm{cs} = \mathrm{cumsum}(a)$, but that difference cancels two large numbers
 # when the sequence is long (both grow like $t$), and loses digits exactly where $L_{ts}$ matters,
-# near the diagonal. The stable way sums only the terms it needs: put $a_r$ in row $t$, column $s$
-# for $s < r \le t$, and take a cumulative sum down each column.
+# near the diagonal. The stable way sums only the terms it needs: put $a_r$ in row $r$ of every column
+# $s < r$ (zeros elsewhere) and take a cumulative sum down each column; row $t$ of column $s$ then holds
+# $\sum_{r=s+1}^{t} a_r$.
 
 # %%
 #| export
@@ -362,13 +364,14 @@ assert error < 1e-12
 # | 3. scan over chunks | a scale and an add of $P \times N$ | $2PN$ |
 # | 4. $\mathbf{H}^{\text{in}} C_t$ for the chunk | a $Q \times N$ by $N \times P$ product | $2QPN$ |
 #
-# Per position that is $2Q(N+P) + 4PN$ flops, against $4PN$ for the loop (a multiply-add into each of
-# the $PN$ state entries, and one for the output). The chunked form does **more** arithmetic, by a
+# Per position that is $2Q(N+P) + 4PN$ flops (step 3's $2PN/Q$ is too small to keep), against $4PN$ for
+# the loop (a multiply-add into each of the $PN$ state entries, and one for the output). Both counts
+# keep only the products: the loop's decay is one more multiply per entry, and the chunked form's
+# decays and masks are elementwise work too. The chunked form does **more** arithmetic, by a
 # factor $1 + Q(N+P)/(2PN)$: with $Q = P = 64$ and $N = 128$, 1.75 times the loop's. It can
 # still win, because almost all of it is matrix products of tiles of 64 or more, which tensor cores
-# run, and on
-# an H200 the dense bfloat16 tensor-core rate is many times the scalar float32 rate (the cell prints
-# NVIDIA's datasheet figures and their ratio), far more than the chunks cost. The loop, and chapter
+# run, and on an H200 the dense bfloat16 tensor-core rate is many times the scalar float32 rate (the
+# cell prints NVIDIA's datasheet figures and their ratio), far more than the chunks cost. The loop, and chapter
 # 07's kernels, can use only the scalar rate. This is an argument from datasheet peaks, not a
 # measurement; section 9 times the kernels. The cell prints the factor for a few chunk sizes.
 
@@ -401,8 +404,8 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 #
 # - `ssd_chunk_state_kernel`, one program per (batch, head, chunk): step 2, the chunk's state from zero
 #   as one `tl.dot` of the weighted inputs ($P \times Q$) by $B$ ($Q \times N$), and the chunk's total
-#   decay $e^{\sum_c a_r}$.
-# - Step 3, the scan over chunks: $\mathbf{H}^{\text{in}}_{c+1} = e^{\sum_c a}\,\mathbf{H}^{\text{in}}_c +
+#   decay $e^{\sum_{r \in c} a_r}$.
+# - Step 3, the scan over chunks: $\mathbf{H}^{\text{in}}_{c+1} = e^{\sum_{r \in c} a_r}\,\mathbf{H}^{\text{in}}_c +
 #   \mathbf{S}_c$ is chapter 02's carried state, with one gate per chunk for all $P N$ entries of a
 #   head's state. `ssd_state_passing_kernel` (through `pass_states`) walks the chunks in order, one
 #   program per (batch, head, block of entries), the carry in registers, writing the state entering
@@ -414,7 +417,8 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 #   $(L \circ C B^{\top})(\Delta x)$ as two `tl.dot`s, and $e^{a_{\text{cum}}} C\,(\mathbf{H}^{\text{in}})^{\top}$
 #   as a third.
 #
-# Inside a chunk the decays come from a difference of cumulative sums, $e^{\mathrm{cs}_t - \mathrm{cs}_s}$:
+# Inside a chunk the decays come from a difference of cumulative sums (`tl.cumsum(v, axis=0)`, chapter
+# 01's `tl.associative_scan` with addition, built in), $e^{\mathrm{cs}_t - \mathrm{cs}_s}$:
 # within $Q$ positions the sums stay small, so the cancellation of section 2 costs little, and a
 # $Q \times Q$ tile of them is what the products need. Positions past $L$ load $\Delta = 0$ (no decay,
 # no input) and are not stored.
@@ -433,9 +437,11 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 #
 # A program holds a whole chunk: $Q \times Q$ scores and decays, $Q \times P$ and $Q \times N$ tiles,
 # and a $P \times N$ state, all in registers. Compiled for the H200 (`ptxas -v` reports what each
-# thread spills to memory), at $Q = 64$ the forward's kernels spill at most a few values and the
-# backward's largest kernel a few kilobytes (the first place to improve it); at 128 and 256 the
-# spills grow several-fold and the step slows down. So the kernels run chunks of
+# thread spills to memory; `benchmarks/NOTES_ssd.md` has the counts), at $Q = 64$ the forward's kernels
+# spill at most 124 bytes per thread and the backward's largest kernel 3 to 9 kilobytes ($N$ = 64, 128;
+# the first place to improve it); at 256 every kernel spills kilobytes, and at 128 the forward is a
+# little faster but a training step slower
+# (`benchmarks/results/ssd_tensor_cores_h200_2026-12-03.log`). So the kernels run chunks of
 # `KERNEL_CHUNK` = 64 positions whatever `chunk_size` asks above it: section 3 showed that every
 # chunk size is the same computation, so a call with `mamba_ssm`'s 256 gets the same result up to
 # rounding, in chunks of 64.
@@ -885,7 +891,7 @@ for length, chunk, heads, groups, with_options in [(37, 8, 4, 2, True), (32, 8, 
 #   the gradient of the state leaving the chunk, which is what chunk $c$ reads. Its carry at the end is
 #   $\Lambda_0$, the initial state's gradient.
 # - `ssd_chunk_grad_kernel`, one program per (batch, head, chunk): steps 4, 2 and 1 of section 6 for
-#   the chunk's positions, nine `tl.dot`s on tiles of $Q$, $P$ and $N$, the reverse cumulative sum
+#   the chunk's positions, eight `tl.dot`s on tiles of $Q$, $P$ and $N$, the reverse cumulative sum
 #   within the chunk (`tl.cumsum(..., reverse=True)`), and the chain to $\bar x$ and $\bar\Delta$. Summed
 #   as section 6 writes it, $\bar a_r = \sum_{t \ge r} \bar\gamma_t$ adds step 1's $E_{ts} = L_{ts} G_{ts}
 #   \pi_{ts}$ once with a plus sign (at $t$) and once with a minus (at $s$), and the two cancel for every
@@ -1064,7 +1070,8 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 # Sections 5 and 7 give two launchers, a forward and its backward. An engineer wants what
 # `mamba_ssm` offers, `mamba_chunk_scan_combined`, with its shapes and argument order, so that a
 # Mamba-2 layer can call ours in its place, and a function that autograd, `torch.compile` and
-# `torch.func` treat as one operation. The pieces, the same as for the other public ops of the course:
+# `torch.func` treat as one operation (`tests/test_ssd.py` checks `vmap`, `torch.func.grad` and
+# `torch.compile(fullgraph=True)`). The pieces, the same as for the other public ops of the course:
 #
 # - `ssd_fwd` and `ssd_bwd`: the two launchers as `torch.library` custom ops, each with a *fake*
 #   implementation (the shapes and dtypes of its results without running a kernel, which is what
@@ -1272,9 +1279,9 @@ for what, call, error in [
 # The kernels of sections 5 and 7 run their products on the tensor cores (`_mm`), and each program
 # holds one chunk of at most 64 positions. How fast is the op where Mamba-2 trains? The cell times one
 # forward and one forward+backward of `mamba_chunk_scan_combined` with $D$, the gate $z$, `dt_bias` and
-# the softplus on, one group of $B$ and $C$, every input requiring a gradient, at the shapes of
-# `mamba_ssm`'s Mamba-2 blocks (heads of $P = 64$, $N$ = 64 or 128, length 2048; `make bench` times
-# longer sequences too): the median of `triton.testing.do_bench`, beside `mamba_ssm`'s own Triton
+# the softplus on, one group of $B$ and $C$, every input requiring a gradient in the forward+backward, at
+# the shapes of `mamba_ssm`'s Mamba-2 blocks (heads of $P = 64$, $N$ = 64 or 128, length 2048; `make
+# bench` times longer sequences too): the median of `triton.testing.do_bench`, beside `mamba_ssm`'s own Triton
 # `mamba_chunk_scan_combined` at its chunk of 256 where `mamba_ssm` is installed, and beside the memory
 # floor, the inputs and outputs moved once at the copy bandwidth (chapter 07's floor). In float32 the
 # two do different work: tf32x3 here, one TF32 product there (Triton's default for float32).
@@ -1342,17 +1349,21 @@ else:
 # What the recorded table shows (one run on an H200; on a machine without a GPU the cell prints
 # nothing to compare):
 #
-# * In bfloat16, the dtype Mamba-2 trains in, our op beat `mamba_ssm`'s at both shapes: 2.78x in the
-#   forward and 3.25x in forward+backward at $N = 64$, 2.05x and 2.06x at $N = 128$. Both sides run
-#   their products on the tensor cores with bfloat16 operands and float32 sums, so this compares
-#   like with like.
+# * In bfloat16, the dtype Mamba-2 trains in, our op's calls beat `mamba_ssm`'s at both shapes: 2.78x in
+#   the forward and 3.25x in forward+backward at $N = 64$, 2.05x and 2.06x at $N = 128$ (but see the last
+#   point). Both sides run their products on the tensor cores with bfloat16 operands and float32 sums,
+#   so the precision is like for like; the chunks are not: ours runs chunks of 64 where `mamba_ssm`'s
+#   runs the 256 asked for, 1.75 against 4.0 times the loop's flops at $N = 128$ (section 4's table).
 # * In float32 the two do different work, and the ratios say so: at $N = 64$ we are still ahead (1.29x
 #   and 1.20x), at $N = 128$ we are behind (0.90x forward, 0.51x forward+backward). Each of our
 #   float32 products is tf32x3, three tensor-core products that keep float32's accuracy; `mamba_ssm`'s
-#   is one TF32 product, whose operands keep 10 bits of mantissa. At $N = 128$ our gradient kernel also
-#   holds more than the registers can: the compiler spills part of it to memory (`ptxas -v`, counted
-#   in `benchmarks/NOTES_ssd.md`). Splitting that kernel in two is the next step, and it would let a
-#   TF32 option fit in shared memory too.
+#   is one TF32 product, whose operands keep 10 bits of mantissa (`make bench` finds its float32 results
+#   1.3e-03 to 4.7e-03 off, relative, against our 8.3e-07 to 3.9e-06:
+#   `benchmarks/results/bench_ssd_h200_2026-12-03.log`). Our gradient kernel also holds more than the
+#   registers can, most at $N = 128$: the compiler spills part of it to memory (`ptxas -v`, counted in
+#   `benchmarks/NOTES_ssd.md`, where halving the spills bought nothing in bfloat16). A plain TF32 option
+#   does not fit that kernel in shared memory at $N = 128$; profiling the kernel, then splitting it, is
+#   the next step.
 # * Neither op is near the floor: our bfloat16 forward at $N = 64$ takes about 8 times the time of
 #   moving its inputs and outputs once, the forward+backward about 15 times. The profile in
 #   `benchmarks/NOTES_ssd.md` says where it goes: about half of a training step is the gradient
@@ -1360,8 +1371,12 @@ else:
 #   gradients over heads and chunks) is a sizeable share that a fused kernel would remove.
 # * Read `mamba_ssm`'s column with care. Its Triton kernels pick their tile sizes by timing candidates
 #   on the first call of each shape (autotuning), and the choice, so its time, changes from run to run:
-#   `make bench` timed the same shapes with other results. At longer sequences ($L$ = 8192 and 65536,
-#   `make bench`'s `ssd` rows in `benchmarks/results/`) its forward+backward in bfloat16 grows far less
+#   `make bench` timed the same shapes with other results
+#   (`benchmarks/results/bench_ssd_h200_2026-12-03.log`). That log also replays each forward from a CUDA
+#   graph, which leaves the host's work out: there `mamba_ssm`'s bfloat16 forward takes 254 us on the
+#   GPU at $N = 64$ and 326 at $N = 128$, against our 350 and 508. Its forward kernels are the faster
+#   ones; the forward ratios above come from the time its calls spend on the host. At longer sequences
+#   ($L$ = 8192 and 65536, the same log) its forward+backward in bfloat16 grows far less
 #   than the work does and ends faster than ours: at $L = 2048$ its step is set by something other than
 #   the work, which we have not profiled. Beating it at every length is still open.
 
@@ -1382,7 +1397,7 @@ else:
 # * `scan_lib.mamba_chunk_scan_combined`: the two joined into one differentiable op with
 #   `mamba_ssm`'s shapes and argument order (custom ops with fake tensors and vmap rules, an autograd
 #   Function, the step's bias and softplus and the gate in PyTorch), every gradient checked in float32
-#   and half precision, and a second derivative that raises.
+#   and bfloat16 (float16 too in `tests/test_ssd.py`), and a second derivative that raises.
 #
 # * Section 9: the op's speed on a GPU against `mamba_ssm`'s Triton kernels and the memory floor.
 #
