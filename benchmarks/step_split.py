@@ -1,6 +1,7 @@
-"""Where one training step of the selective scan spends its time: the host or the GPU.
+"""Where one training step of the selective scan (or of chapter 10's SSD) spends its time: the host or the GPU.
 
     python benchmarks/step_split.py [--dtype bf16] [--shapes 8,1024,512,16 8,1024,2048,4 ...] [--rows 12]
+    python benchmarks/step_split.py --workload ssd [--shapes 8,2048,32,64,64 ...]
 
 For each (batch, dim, L, N), on the inputs `make bench` times (bench.py's selective_inputs: the
 block's layout, with D, z, delta_bias and softplus), one forward+backward (`training_step`) of
@@ -20,7 +21,9 @@ time by 2x between calls, reaches all of them alike; compare the rows of one sha
 The step is about the larger of host and kernels; where host is the larger, the GPU waits and the
 kernels are not what to cut. Then, for scan_lib, the host's own time per step by operation
 (`torch.profiler`'s CPU activity, self time, the `--rows` largest), which names what the host
-spends it on. GPU only, as bench.py is (tests/test_bench.py runs it on the CPU interpreter at a tiny
+spends it on. `--workload ssd` does the same for `mamba_chunk_scan_combined` (bench.py's ssd_inputs:
+D, z, dt_bias, softplus, chunk 256; shapes batch,L,heads,P,N) beside mamba_ssm's Triton op where it is
+importable. GPU only, as bench.py is (tests/test_bench.py runs it on the CPU interpreter at a tiny
 shape, with bench.py's device switched to the CPU: there it times the interpreter).
 """
 import argparse
@@ -30,11 +33,13 @@ import time
 import torch
 
 import scan_lib  # first: without a GPU it switches Triton to its interpreter
-from bench import mamba_ssm_scan, selective_inputs   # benchmarks/bench.py: the block's layout, every option
+from bench import mamba_ssm_chunk_scan, mamba_ssm_scan, selective_inputs, ssd_inputs   # benchmarks/bench.py's
 from scan_lib.runtime import ON_GPU, host_us, median_us
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-SHAPES = ["8,1024,512,16", "8,1024,2048,4", "8,1024,2048,16", "1,1536,8192,16"]
+SHAPES = {"selective_scan": ["8,1024,512,16", "8,1024,2048,4", "8,1024,2048,16", "1,1536,8192,16"],
+          "ssd": ["8,2048,32,64,64", "8,2048,32,64,128", "8,8192,32,64,128"]}
+SSD_CHUNK = 256   # mamba_ssm's default chunk_size
 
 
 def training_step(inputs, scan=scan_lib.selective_scan):
@@ -44,16 +49,34 @@ def training_step(inputs, scan=scan_lib.selective_scan):
     return torch.autograd.grad(out, leaves, torch.ones_like(out))
 
 
-def implementations(peer):
-    """name -> selective scan to time: scan_lib's, and with peer mamba_ssm's where it is importable."""
+def ssd_step(inputs, op=scan_lib.mamba_chunk_scan_combined):
+    """One forward+backward of `op` (mamba_chunk_scan_combined's signature) on leaves made from inputs."""
+    leaves = [t.detach().requires_grad_() for t in inputs]
+    x, dt, A, B, C, D, z, dt_bias = leaves
+    out = op(x, dt, A, B, C, SSD_CHUNK, D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
+    return torch.autograd.grad(out, leaves, torch.ones_like(out))
+
+
+# workload -> (inputs of a shape and dtype, step(inputs, implementation), mamba_ssm's implementation, ours)
+WORKLOADS = {
+    "selective_scan": (lambda shape, dtype: selective_inputs(*shape, dtype, full=True), training_step,
+                       mamba_ssm_scan, scan_lib.selective_scan),
+    "ssd": (lambda shape, dtype: ssd_inputs(*shape, dtype), ssd_step, mamba_ssm_chunk_scan,
+            scan_lib.mamba_chunk_scan_combined),
+}
+
+
+def implementations(peer, workload="selective_scan"):
+    """name -> implementation to time: scan_lib's, and with peer mamba_ssm's where it is importable."""
+    _, _, find_peer, ours = WORKLOADS[workload]
     found = {}
     if peer:
-        fn, reason = mamba_ssm_scan()
+        fn, reason = find_peer()
         if fn is None:
             print(f"{reason}: its rows are left out")
         else:
             found["mamba_ssm"] = fn
-    found["scan_lib"] = scan_lib.selective_scan   # last: its host operations follow its row
+    found["scan_lib"] = ours   # last: its host operations follow its row
     return found
 
 
@@ -88,9 +111,10 @@ def profile_step(fn, steps):
     return kernels / steps, sorted(host, key=lambda item: -item[1])
 
 
-def split(shape, dtype, scans, rows, calls, samples):
-    inputs = selective_inputs(*shape, dtype, full=True)
-    steps = {name: (lambda scan=scan: training_step(inputs, scan)) for name, scan in scans.items()}
+def split(shape, dtype, scans, rows, calls, samples, workload="selective_scan"):
+    make_inputs, step_of, _, _ = WORKLOADS[workload]
+    inputs = make_inputs(shape, dtype)
+    steps = {name: (lambda scan=scan: step_of(inputs, scan)) for name, scan in scans.items()}
     hosts = {name: [] for name in steps}
     for _ in range(samples):   # interleaved: a drift in the host's speed reaches every implementation
         for name, fn in steps.items():
@@ -108,17 +132,20 @@ def split(shape, dtype, scans, rows, calls, samples):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--shapes", nargs="+", default=SHAPES, help="batch,dim,L,N each")
+    parser.add_argument("--workload", choices=sorted(WORKLOADS), default="selective_scan")
+    parser.add_argument("--shapes", nargs="+", help="batch,dim,L,N each (ssd: batch,L,heads,P,N)")
     parser.add_argument("--rows", type=int, default=12, help="host operations listed per shape")
     parser.add_argument("--calls", type=int, default=20, help="steps per host sample and profiled")
     parser.add_argument("--samples", type=int, default=9, help="host samples (their median is printed)")
     parser.add_argument("--no-peer", action="store_true", help="scan_lib alone, without mamba_ssm's rows")
     args = parser.parse_args(argv)
-    scans = implementations(peer=not args.no_peer)
-    print(f"{scan_lib.runtime.describe()}; selective_scan forward+backward, {args.dtype}, block layout, "
-          "D, z, delta_bias, softplus; us per step")
-    for text in args.shapes:
-        split(tuple(int(v) for v in text.split(",")), DTYPES[args.dtype], scans, args.rows, args.calls, args.samples)
+    scans = implementations(peer=not args.no_peer, workload=args.workload)
+    options = ("block layout, D, z, delta_bias, softplus" if args.workload == "selective_scan"
+               else f"D, z, dt_bias, softplus, chunk {SSD_CHUNK}")
+    print(f"{scan_lib.runtime.describe()}; {args.workload} forward+backward, {args.dtype}, {options}; us per step")
+    for text in args.shapes or SHAPES[args.workload]:
+        split(tuple(int(v) for v in text.split(",")), DTYPES[args.dtype], scans, args.rows, args.calls, args.samples,
+              args.workload)
 
 
 if __name__ == "__main__":

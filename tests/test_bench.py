@@ -115,6 +115,12 @@ def test_step_split_times_a_step_and_names_host_operations(bench, capsys, monkey
     assert all(word in shape_line for word in ("step", "host", "cpu", "kernels")), lines
     operations = lines[lines.index(shape_line) + 1:]
     assert len(operations) == 3 and all(line.strip().split()[1] == "us" for line in operations), lines
+    module.SSD_CHUNK = 16
+    module.main(["--workload", "ssd", "--dtype", "fp32", "--shapes", "1,20,2,4,4", "--rows", "2", "--calls", "1",
+                 "--samples", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    shape_line = next(line for line in lines if line.startswith("(1, 20, 2, 4, 4)") and "scan_lib" in line)
+    assert all(word in shape_line for word in ("step", "host", "cpu", "kernels")), lines
 
 
 def test_tune_fast_selective_scan_smoke(monkeypatch):
