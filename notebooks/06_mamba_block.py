@@ -114,8 +114,11 @@ def rel_err(x, ref):
 # reference is the package's own, on `F.conv1d` (`groups=dim` makes it depthwise; padding $K-1$ on
 # both sides, then keeping the first $L$ outputs, makes it causal). The cell also imports what the
 # launchers need later: `accumulator_dtype` (chapter 02's map from a torch dtype to the Triton dtype a
-# kernel sums in), and `custom_op`, `apply` and `_vmap_by_loop`, the custom-operator and autograd
-# plumbing of chapter 05, which "Going deeper: the convolution kernels" describes.
+# kernel sums in), `custom_op`, `apply` and `_vmap_by_loop`, the custom-operator and autograd
+# plumbing of chapter 05, which "Going deeper: the convolution kernels" describes, and from chapter
+# 07's module the helpers its fast kernels share with these (`items_of`, `positions_of`, introduced
+# with the kernel below; `LOG2E`; `cdiv` and `next_power_of_2` in plain Python, which cost less per
+# call than Triton's).
 
 # %%
 #| export causal_conv1d
@@ -131,6 +134,7 @@ import triton.language as tl
 from scan_lib.ema import accumulator_dtype
 from scan_lib.runtime import INTERPRET, apply, check_float_tensor, check_same_device, custom_op
 from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
+from scan_lib.fast_selective_scan import LOG2E, cdiv, items_of, next_power_of_2, positions_of   # chapter 07's
 
 
 def causal_conv1d_ref(x, weight, bias=None, initial_states=None, return_final_states=False, activation=None):
@@ -171,15 +175,33 @@ assert moved_causal == [5, 6, 7]       # the change reaches t = 5 .. 5 + K - 1, 
 
 # %% [markdown]
 # **The kernel.** One program per (batch element, block of `BLOCK_D` channels, block of `BLOCK_L`
-# positions) computes a `BLOCK_D x BLOCK_L` tile of outputs. The sum over $k$ is unrolled
-# (`tl.static_range(WIDTH)`): $K$ loads of the same tile shifted by $k - K + 1$ positions, each
-# times the channels' weight $w_{\cdot,k}$. The shifted loads overlap, so after the first they come
-# from cache: the kernel reads $x$ about once. `_x_at` is the one place that knows the padding:
-# positions $< 0$ come from `initial_states` (or are zero), positions $\ge L$ are masked. Bias and
-# SiLU are applied in registers before the single store. The program of the first block of
-# positions also writes the final states, the last $K-1$ columns of `cat(initial_states, x)`, which
-# are the next piece's `initial_states`. Strides are arguments, so a transposed (channel-last) or sliced `x`
-# is read in place, never copied.
+# positions) computes a `BLOCK_D x BLOCK_L` tile of outputs. The simplest kernel would load the tile
+# $K$ times, shifted by $k - K + 1$ positions, and add up $w_{\cdot,k}$ times each. It is correct (this
+# chapter's first kernel did just that), but on the H200 it was well behind `causal-conv1d`
+# (`benchmarks/NOTES_causal_conv1d.md` has the times): a load that starts $k - K + 1$ positions off
+# is not aligned to 16 bytes, so the GPU cannot fetch it as one vector per thread, and each thread
+# issues a load per value, four times over.
+#
+# The kernel below loads each value with aligned vector loads instead. Think of the positions of a
+# tile as **runs** of `ITEMS` consecutive positions, `ITEMS` being 16 bytes' worth (8 in bfloat16, 4
+# in float32); each thread holds whole runs, as one 16-byte vector each. Output item $i$ of a run
+# needs inputs at items $i-K+1, \dots, i$ of the same run, and for $i < K-1$ the last items of the
+# run before. So the kernel loads the tile twice, where it is and one run earlier (the second load is
+# aligned too, and its values come from cache), and picks every term from one of the two with no
+# data movement at all: `items_of` turns a `BLOCK_D x BLOCK_L` tile into `ITEMS` tiles of
+# `BLOCK_D x RUNS`, the $i$-th holding item $i$ of every run, and `positions_of` turns them back.
+# Both only rename registers when each thread holds its runs whole; chapter 07 builds them for the
+# selective scan, where section 4 shows the instructions they compile to. `_around` names the item
+# $m$ positions from a run's start, from the run before it ($m < 0$) or after it ($m \ge$ `ITEMS`);
+# the sum over $k$ is unrolled at compile time (`tl.static_range`), so every choice is made by the
+# compiler. `_x_at` is the one place that knows the padding: positions $< 0$ come from
+# `initial_states` (or are zero), positions $\ge L$ are masked. SiLU needs $\sigma(p) = 1/(1+e^{-p})$:
+# in float32, `_sigmoid` computes $e^{-p}$ as `exp2` of $-p\log_2 e$ and the reciprocal with
+# `tl.math.fdiv`, each one hardware instruction (relative error about $10^{-7}$); float64 keeps the
+# exact division. The program of the first block of positions also writes the final states, the
+# last $K-1$ columns of `cat(initial_states, x)`, which are the next piece's `initial_states`.
+# Strides are arguments, so a transposed (channel-last) or sliced `x` is read in place, never copied
+# (only 16-byte vectors need positions adjacent and rows aligned; other layouts load value by value).
 
 # %%
 #| export causal_conv1d
@@ -195,17 +217,52 @@ def _x_at(X_ROW, H0_ROW, s, d_ok, length, stride_xl, stride_hl,
 
 
 @triton.jit
-def _pre_activation(X_ROW, H0_ROW, W_ROW, bias, t, d_ok, length, stride_xl, stride_hl, stride_wk,
-                    WIDTH: tl.constexpr, HAS_H0: tl.constexpr, ACC: tl.constexpr):
-    """bias + sum_k w[k] x[t - (WIDTH - 1) + k] at positions t (1 x BLOCK_L): BLOCK_D x BLOCK_L."""
-    acc = bias + tl.zeros(t.shape, ACC)                                    # BLOCK_D x BLOCK_L
+def _x_items(X_ROW, H0_ROW, s, d_ok, length, stride_xl, stride_hl, WIDTH: tl.constexpr, HAS_H0: tl.constexpr,
+             ACC: tl.constexpr, RUNS: tl.constexpr, ITEMS: tl.constexpr):
+    """_x_at at positions s (1 x BLOCK_L, RUNS runs of ITEMS) as ITEMS tiles BLOCK_D x RUNS: item i of every run."""
+    return items_of(_x_at(X_ROW, H0_ROW, s, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC), RUNS, ITEMS)
+
+
+@triton.jit
+def _around(before, run, after, m: tl.constexpr, ITEMS: tl.constexpr):
+    """Item m of every run, counted from the run's first position (each argument: ITEMS tiles, item by
+    item): from the run before it for m < 0, from the run after it for m >= ITEMS."""
+    if m < 0:
+        return before[ITEMS + m]
+    elif m < ITEMS:
+        return run[m]
+    else:
+        return after[m - ITEMS]
+
+
+@triton.jit
+def _weights(W_ROW, d_ok, stride_wk, WIDTH: tl.constexpr, ACC: tl.constexpr):
+    """The channels' filter w[0], ..., w[WIDTH - 1], each BLOCK_D x 1."""
+    w = ()
+    for k in tl.static_range(WIDTH):
+        w = w + (tl.load(W_ROW + k * stride_wk, d_ok, other=0.0).to(ACC),)
+    return w
+
+
+@triton.jit
+def _window_sum(w, bias, before, run, after, i: tl.constexpr, WIDTH: tl.constexpr, ITEMS: tl.constexpr):
+    """The pre-activation bias + sum_k w[k] x[t - (WIDTH - 1) + k] at item i of every run: BLOCK_D x RUNS."""
+    acc = bias + tl.zeros_like(run[0])
     for k in tl.static_range(WIDTH):
         ### BEGIN SOLUTION
-        ### HINT: add the channels' weight w[k] (BLOCK_D x 1) times x at positions t - (WIDTH - 1) + k (from _x_at) to acc; the cells below run scan_lib's copy of this kernel, the grader runs yours
-        w = tl.load(W_ROW + k * stride_wk, d_ok, other=0.0).to(ACC)        # BLOCK_D x 1
-        acc += w * _x_at(X_ROW, H0_ROW, t - (WIDTH - 1) + k, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC)
+        ### HINT: add w[k] (BLOCK_D x 1) times x at item i - (WIDTH - 1) + k of every run (_around picks it from before, run or after) to acc; the cells below run scan_lib's copy of this kernel, the grader runs yours
+        acc += w[k] * _around(before, run, after, i - (WIDTH - 1) + k, ITEMS)
         ### END SOLUTION
     return acc
+
+
+@triton.jit
+def _sigmoid(p, ACC: tl.constexpr):
+    """1 / (1 + e^-p): in float32 one exp2 and one fast reciprocal (fdiv); float64 divides exactly."""
+    if ACC == tl.float64:
+        return 1.0 / (1.0 + tl.exp(-p))
+    else:
+        return tl.math.fdiv(tl.full(p.shape, 1.0, ACC), 1.0 + tl.exp2(p * -LOG2E))
 
 
 @triton.jit
@@ -215,9 +272,10 @@ def causal_conv1d_fwd_kernel(
     stride_xb, stride_xd, stride_xl, stride_wd, stride_wk, stride_bias,
     stride_hb, stride_hd, stride_hl, stride_ob, stride_od, stride_ol, stride_fb, stride_fd, stride_fl,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, ITEMS: tl.constexpr,
 ):
-    """One program per (batch element, block of channels, block of positions)."""
+    """One program per (batch element, block of channels, block of positions); runs of ITEMS positions."""
+    RUNS: tl.constexpr = BLOCK_L // ITEMS
     b = tl.program_id(0).to(tl.int64)
     pid_l = tl.program_id(2)
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
@@ -230,11 +288,17 @@ def causal_conv1d_fwd_kernel(
     bias = tl.zeros((BLOCK_D, 1), ACC)
     if HAS_BIAS:
         bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
-    pre = _pre_activation(X_ROW, H0_ROW, WEIGHT + ds * stride_wd, bias, ts, d_ok, length, stride_xl, stride_hl,
-                          stride_wk, WIDTH, HAS_H0, ACC)
-    out = pre
-    if SILU:
-        out = pre / (1.0 + tl.exp(-pre))
+    x_run = _x_items(X_ROW, H0_ROW, ts, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
+    x_before = _x_items(X_ROW, H0_ROW, ts - ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS,
+                        ITEMS)                                             # the same tile, one run earlier
+    w = _weights(WEIGHT + ds * stride_wd, d_ok, stride_wk, WIDTH, ACC)
+    outs = ()
+    for i in tl.static_range(ITEMS):
+        pre = _window_sum(w, bias, x_before, x_run, x_run, i, WIDTH, ITEMS)   # BLOCK_D x RUNS
+        if SILU:
+            pre = pre * _sigmoid(pre, ACC)
+        outs = outs + (pre,)
+    out = positions_of(outs, RUNS, ITEMS)                                  # BLOCK_D x BLOCK_L
     tl.store(OUT + b * stride_ob + ds * stride_od + ts * stride_ol, out.to(OUT.dtype.element_ty), d_ok & (ts < length))
     if pid_l == 0:  # the final states: the last WIDTH - 1 columns of cat(initial_states, x)
         j = tl.arange(0, 4)[None, :]                                       # 1 x 4, WIDTH - 1 <= 3 used
@@ -249,23 +313,21 @@ def causal_conv1d_fwd_kernel(
 # $$g_t = \frac{\partial\mathcal{L}}{\partial p_t} = \frac{\partial\mathcal{L}}{\partial u_t}\,
 # \mathrm{silu}'(p_t), \qquad \mathrm{silu}'(p) = \sigma(p)\big(1 + p\,(1 - \sigma(p))\big),$$
 #
-# with $p_t$ recomputed from $x$ (cheaper than storing it: $K$ loads of $x$ against a write and a
+# with $p_t$ recomputed from $x$ (cheaper than storing it: the loads of $x$ against a write and a
 # read of a `(batch, dim, L)` tensor). Input $x_s$ appears in the outputs $t = s, \dots, s+K-1$, as the
 # term $k = s - t + K - 1$, so
 #
 # $$\frac{\partial\mathcal{L}}{\partial x_s} = \sum_{j=0}^{K-1} w_{K-1-j}\, g_{s+j}:$$
 #
 # the same convolution with the **flipped** filter, run **forward** in time (reading positions
-# $s, \dots, s+K-1$, zero past $L$). The kernel computes $g$ once per position, from $x$ loaded once,
-# and then needs it at $K$ shifted positions. Loading shifted tiles again, as the forward does, would
-# mean recomputing $g$ (a sigmoid and $K$ products) $K$ times; instead the shifted tiles are made in
-# registers: `tl.gather(tile, index, axis=1)` returns, for each entry, the tile's entry at `index`
-# along positions, moving values between the threads that hold them (warp shuffles, or shared memory
-# where a tile spans warps). The first $K-1$ columns of $x$ shifted back come from the 4 positions
-# before the tile (`_earlier`), the last $K-1$ columns of $g$ shifted forward from $g$ at the 4
-# positions after it, recomputed (`_later`). The initial states are the inputs at
-# $s = -K+1, \dots, -1$, so the same formula gives them; only the terms with $s + j \ge 0$ exist.
-# Numbering the initial states $h^0_i = x_{i-K+1}$, $i = 0, \dots, K-2$, and substituting $k = K-1-j$:
+# $s, \dots, s+K-1$, zero past $L$). In runs: item $i$ of a run needs $g$ at items $i, \dots, i+K-1$,
+# the last ones in the run after it. So the kernel loads $x$ and $\partial\mathcal{L}/\partial u$ as
+# runs where they are and one run later ($x$ one run earlier too, for $p$ at the first items), and
+# computes $g$ at the run's `ITEMS` items and at the next run's first $K-1$ (recomputed there, rather
+# than moved between threads: a sigmoid costs less than a trip through shared memory). The initial
+# states are the inputs at $s = -K+1, \dots, -1$, so the same formula gives them; only the terms with
+# $s + j \ge 0$ exist. Numbering the initial states $h^0_i = x_{i-K+1}$, $i = 0, \dots, K-2$, and
+# substituting $k = K-1-j$:
 #
 # $$\frac{\partial\mathcal{L}}{\partial h^0_{i}} = \sum_{k=0}^{i} w_{k}\, g_{i-k},$$
 #
@@ -283,49 +345,10 @@ def causal_conv1d_fwd_kernel(
 # %%
 #| export causal_conv1d
 @triton.jit
-def _grad_pre(X_ROW, H0_ROW, W_ROW, bias, DOUT_ROW, t, d_ok, length, stride_xl, stride_hl, stride_wk, stride_gl,
-              WIDTH: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr):
-    """g = dL/d(pre-activation) at positions t (1 x BLOCK_L): dout * silu'(pre), recomputing pre; 0 past L."""
-    g = tl.load(DOUT_ROW + t * stride_gl, d_ok & (t < length), other=0.0).to(ACC)
-    if SILU:
-        pre = _pre_activation(X_ROW, H0_ROW, W_ROW, bias, t, d_ok, length, stride_xl, stride_hl, stride_wk,
-                              WIDTH, HAS_H0, ACC)
-        sig = 1.0 / (1.0 + tl.exp(-pre))
-        g = g * sig * (1.0 + pre * (1.0 - sig))
-    return g
-
-
-@triton.jit
-def _column(tile, i: tl.constexpr):
-    """Column i of a BLOCK_D x 4 tile, as BLOCK_D x 1."""
-    return tl.sum(tl.where(tl.arange(0, 4)[None, :] == i, tile, 0.0), axis=1)[:, None]
-
-
-@triton.jit
-def _earlier(main, before, shift: tl.constexpr, BLOCK_L: tl.constexpr):
-    """The tile of values `shift` positions earlier: column c holds main's column c - shift, and, for
-    c < shift, before's column 4 + c - shift (before: BLOCK_D x 4, the 4 positions ahead of main's first).
-    tl.gather moves the values between the threads that hold them (shuffles or shared memory)."""
-    if shift == 0:
-        return main
-    c = tl.broadcast_to(tl.arange(0, BLOCK_L)[None, :], main.shape)
-    moved = tl.gather(main, tl.maximum(c - shift, 0), axis=1)
-    for i in tl.static_range(shift):
-        moved = tl.where(c == i, _column(before, 4 - shift + i), moved)
-    return moved
-
-
-@triton.jit
-def _later(main, after, shift: tl.constexpr, BLOCK_L: tl.constexpr):
-    """The tile of values `shift` positions later: main's column c + shift, and, past the tile's end,
-    after's column c + shift - BLOCK_L (after: BLOCK_D x 4, the 4 positions following main's last)."""
-    if shift == 0:
-        return main
-    c = tl.broadcast_to(tl.arange(0, BLOCK_L)[None, :], main.shape)
-    moved = tl.gather(main, tl.minimum(c + shift, BLOCK_L - 1), axis=1)
-    for i in tl.static_range(shift):
-        moved = tl.where(c == BLOCK_L - shift + i, _column(after, i), moved)
-    return moved
+def _silu_grad(pre, dout, ACC: tl.constexpr):
+    """g = dout * silu'(pre), silu'(p) = sigma(p) (1 + p (1 - sigma(p)))."""
+    sig = _sigmoid(pre, ACC)
+    return dout * sig * (1.0 + pre * (1.0 - sig))
 
 
 @triton.jit
@@ -336,16 +359,15 @@ def causal_conv1d_bwd_kernel(
     stride_xb, stride_xd, stride_xl, stride_wd, stride_wk, stride_bias, stride_hb, stride_hd, stride_hl,
     stride_gb, stride_gd, stride_gl, stride_fb, stride_fd, stride_fl, stride_dxb, stride_dxd, stride_dxl,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DFINAL: tl.constexpr,
-    SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+    SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, ITEMS: tl.constexpr,
 ):
+    RUNS: tl.constexpr = BLOCK_L // ITEMS
     b = tl.program_id(0).to(tl.int64)
     pid_l = tl.program_id(2)
-    t0 = pid_l * BLOCK_L
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
     d_ok = ds < dim
-    ts = t0 + tl.arange(0, BLOCK_L)[None, :]                               # 1 x BLOCK_L
+    ts = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]                  # 1 x BLOCK_L
     X_ROW = X + b * stride_xb + ds * stride_xd
-    W_ROW = WEIGHT + ds * stride_wd
     DOUT_ROW = DOUT + b * stride_gb + ds * stride_gd
     H0_ROW = X_ROW
     if HAS_H0:
@@ -353,24 +375,27 @@ def causal_conv1d_bwd_kernel(
     bias = tl.zeros((BLOCK_D, 1), ACC)
     if HAS_BIAS:
         bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
-    # x once (BLOCK_D x BLOCK_L, aligned) and the 4 positions before it; x[t - k] by moving values in registers
-    x_main = tl.load(X_ROW + ts * stride_xl, d_ok & (ts < length), other=0.0).to(ACC)
-    x_before = _x_at(X_ROW, H0_ROW, t0 - 4 + tl.arange(0, 4)[None, :], d_ok, length, stride_xl, stride_hl,
-                     WIDTH, HAS_H0, ACC)                                   # BLOCK_D x 4
-    g = tl.load(DOUT_ROW + ts * stride_gl, d_ok & (ts < length), other=0.0).to(ACC)
-    if SILU:  # g = dout * silu'(pre), once per position
-        pre = bias + tl.zeros((BLOCK_D, BLOCK_L), ACC)
-        for k in tl.static_range(WIDTH):
-            pre += tl.load(W_ROW + k * stride_wk, d_ok, other=0.0).to(ACC) * _earlier(x_main, x_before, WIDTH - 1 - k, BLOCK_L)
-        sig = 1.0 / (1.0 + tl.exp(-pre))
-        g = g * sig * (1.0 + pre * (1.0 - sig))
-    # dx[s] = sum_j w[WIDTH - 1 - j] g[s + j]: the flipped filter, reading forward in time; g past the
-    # tile (4 positions, recomputed from x) for its last columns
-    g_after = _grad_pre(X_ROW, H0_ROW, W_ROW, bias, DOUT_ROW, t0 + BLOCK_L + tl.arange(0, 4)[None, :], d_ok, length,
-                        stride_xl, stride_hl, stride_wk, stride_gl, WIDTH, HAS_H0, SILU, ACC)   # BLOCK_D x 4
-    dx = tl.zeros((BLOCK_D, BLOCK_L), ACC)
-    for j in tl.static_range(WIDTH):
-        dx += tl.load(W_ROW + (WIDTH - 1 - j) * stride_wk, d_ok, other=0.0).to(ACC) * _later(g, g_after, j, BLOCK_L)
+    w = _weights(WEIGHT + ds * stride_wd, d_ok, stride_wk, WIDTH, ACC)
+    x_run = _x_items(X_ROW, H0_ROW, ts, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
+    x_before = _x_items(X_ROW, H0_ROW, ts - ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
+    du_run = _x_items(DOUT_ROW, DOUT_ROW, ts, d_ok, length, stride_gl, 0, WIDTH, False, ACC, RUNS, ITEMS)
+    du_after = _x_items(DOUT_ROW, DOUT_ROW, ts + ITEMS, d_ok, length, stride_gl, 0, WIDTH, False, ACC, RUNS, ITEMS)
+    if SILU:
+        x_after = _x_items(X_ROW, H0_ROW, ts + ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS,
+                           ITEMS)
+    g = ()  # g at the run's items and the next run's first WIDTH - 1 (zero past L, where dout is)
+    for i in tl.static_range(ITEMS + WIDTH - 1):
+        g_i = _around(du_run, du_run, du_after, i, ITEMS)                  # BLOCK_D x RUNS
+        if SILU:
+            g_i = _silu_grad(_window_sum(w, bias, x_before, x_run, x_after, i, WIDTH, ITEMS), g_i, ACC)
+        g = g + (g_i,)
+    dxs = ()  # dx[s] = sum_j w[WIDTH - 1 - j] g[s + j]: the flipped filter, reading forward in time
+    for i in tl.static_range(ITEMS):
+        dx_i = tl.zeros_like(g[0])
+        for j in tl.static_range(WIDTH):
+            dx_i += w[WIDTH - 1 - j] * g[i + j]
+        dxs = dxs + (dx_i,)
+    dx = positions_of(dxs, RUNS, ITEMS)                                    # BLOCK_D x BLOCK_L
     F_ROW = X_ROW
     if HAS_DFINAL:
         F_ROW = DFINAL + b * stride_fb + ds * stride_fd
@@ -382,20 +407,23 @@ def causal_conv1d_bwd_kernel(
     # this block's share of dweight[k] = sum_t g[t] x[t - (WIDTH - 1) + k] and of dbias = sum_t g[t]
     part = (b * n_blocks_l + pid_l) * dim
     for k in tl.static_range(WIDTH):
-        xk = _earlier(x_main, x_before, WIDTH - 1 - k, BLOCK_L)
-        tl.store(DW_PART + (part + ds) * WIDTH + k, tl.sum(g * xk, axis=1)[:, None], d_ok)
+        share = tl.zeros_like(g[0])
+        for i in tl.static_range(ITEMS):
+            share += g[i] * _around(x_before, x_run, x_run, i - (WIDTH - 1) + k, ITEMS)
+        tl.store(DW_PART + (part + ds) * WIDTH + k, tl.sum(share, axis=1)[:, None], d_ok)
     if HAS_BIAS:
-        tl.store(DBIAS_PART + part + ds, tl.sum(g, axis=1)[:, None], d_ok)
+        share = tl.zeros_like(g[0])
+        for i in tl.static_range(ITEMS):
+            share += g[i]
+        tl.store(DBIAS_PART + part + ds, tl.sum(share, axis=1)[:, None], d_ok)
     if HAS_H0:
-        if pid_l == 0:  # dh0[i] = sum_{k <= i} w[k] g[i - k], plus dfinal[i - L] when L < WIDTH - 1
-            q = tl.arange(0, 4)[None, :]                                   # positions 0..3
-            gq = _grad_pre(X_ROW, H0_ROW, W_ROW, bias, DOUT_ROW, q, d_ok, length, stride_xl, stride_hl, stride_wk,
-                           stride_gl, WIDTH, HAS_H0, SILU, ACC)
+        if pid_l == 0:  # dh0[i] = sum_{k <= i} w[k] g[i - k] (items of the first run), plus dfinal[i - L] when L < WIDTH - 1
+            first_run = tl.arange(0, RUNS)[None, :] == 0                     # 1 x RUNS
             for i in tl.static_range(WIDTH - 1):
-                dh = tl.zeros((BLOCK_D, 1), ACC)
+                dh = tl.zeros_like(g[0])
                 for k in tl.static_range(i + 1):
-                    w = tl.load(W_ROW + k * stride_wk, d_ok, other=0.0).to(ACC)
-                    dh += tl.sum(tl.where(q == i - k, w * gq, 0.0), axis=1)[:, None]
+                    dh += w[k] * g[i - k]
+                dh = tl.sum(tl.where(first_run, dh, 0.0), axis=1)[:, None]  # BLOCK_D x 1
                 if HAS_DFINAL:
                     past_x = tl.zeros_like(ds) + i >= length                 # BLOCK_D x 1: a tile, not a
                     # scalar, in the mask (Triton 3.9's interpreter rejects a mask that broadcasts a scalar)
@@ -466,7 +494,7 @@ import triton.language as tl
 from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update
 from scan_lib.ema import accumulator_dtype
 from scan_lib.runtime import ON_GPU, check_float_tensor, check_same_device
-from scan_lib.fast_selective_scan import selective_scan   # the package's public op: chapter 07's kernels
+from scan_lib.fast_selective_scan import cdiv, next_power_of_2, selective_scan   # chapter 07's: the package's public op
 from scan_lib.selective_scan import _load_delta, discretize
 
 
@@ -575,10 +603,10 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     batch, dim, n_states = state.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    block_n = triton.next_power_of_2(n_states)
-    block_d = max(1, min(triton.next_power_of_2(dim), 4096 // block_n))
+    block_n = next_power_of_2(n_states)
+    block_d = max(1, min(next_power_of_2(dim), 4096 // block_n))
     acc = torch.float64 if state.dtype == torch.float64 or x.dtype == torch.float64 else torch.float32
-    selective_state_update_kernel[(batch, triton.cdiv(dim, block_d))](
+    selective_state_update_kernel[(batch, cdiv(dim, block_d))](
         state, x, dt, A.contiguous(), B, C, D, z, dt_bias, out, dim, n_states,   # the kernel reads A as dim x N rows
         x.stride(0), 0 if z is None else z.stride(0), *dt.stride(), *B.stride(), *C.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,
@@ -1541,9 +1569,9 @@ else:
 # The two blocks compute the same function: the cell asserts that outputs and every gradient agree
 # (the first lines above). Their speeds are in the ratio lines: a ratio below 1 means `mamba_ssm`'s
 # block is the faster in that row, above 1 ours. In this run ours is the faster in forward+backward, a
-# training step: `mamba_ssm`'s time over ours is 1.04 (fused) to 1.06 (unfused) in float32 and 1.04
-# (fused) to 1.13 (unfused) in bfloat16. In the forward alone the two are level: 1.02 in float32, 0.98
-# in bfloat16, where `mamba_ssm`'s block is 2% faster. These are one run's medians; differences of a
+# training step: `mamba_ssm`'s time over ours is 1.04 (fused) to 1.06 (unfused) in float32 and 1.09
+# (fused) to 1.19 (unfused) in bfloat16. In the forward alone the two are level: 1.03 in float32, 1.01
+# in bfloat16. These are one run's medians; differences of a
 # few percent are within what a second run can change. "Going deeper: where the time goes in
 # scan_lib's block" profiles ours: the kernels that take the most GPU time, by name.
 
@@ -1555,12 +1583,22 @@ else:
 #
 # **Launch configuration.** A program computes a `BLOCK_D x BLOCK_L` tile; the grid is
 # `(batch, cdiv(dim, BLOCK_D), cdiv(L, BLOCK_L))`, thousands of programs at Mamba's size, so the GPU
-# is full without a loop inside the program. The forward's $K$ shifted loads of a tile overlap in all
-# but $K-1$ columns and hit the L1 cache. The backward loads $x$ and $\partial\mathcal{L}/\partial u$
-# once, aligned (so in 16-byte vectors), and shifts in registers with `tl.gather`; its blocks (16
-# channels x 256 positions for 2-byte inputs, x 128 for 4-byte) came from a sweep of block shapes on
-# the H200 at four of the benchmark's problems (`benchmarks/NOTES_causal_conv1d.md`). Under the interpreter the blocks are larger,
-# because the interpreter runs each program as NumPy array operations.
+# is full without a loop inside the program. The blocks (8 channels x 256 positions and 2 warps for
+# the forward; for the backward 8 x 256 and 4 warps on 2-byte inputs, 16 x 128 and 4 warps on 4-byte
+# ones) are the fastest of a sweep of the kernels alone on the H200 at four of the benchmark's
+# problems, replayed from CUDA graphs (`benchmarks/NOTES_causal_conv1d.md` has the sweep, the earlier
+# kernels' times and the package's at the same problems). Under the interpreter the blocks are
+# larger, because the interpreter runs each program as NumPy array operations.
+#
+# **Why runs.** The kernels before these loaded $x$ at $K$ shifted positions (the forward) or
+# shifted tiles between threads with `tl.gather` (the backward). Compiled for the H200 (sm_90, with
+# Triton's own `ptxas`), the run kernels issue far fewer instructions per output, a fraction of the
+# global loads and, in the backward, of the warp shuffles; `benchmarks/NOTES_causal_conv1d.md` has
+# the counts beside the sweep's GPU times, which fell with them. The backward still recomputes $g$ at
+# $K-1$ positions of the next run (11 sigmoids per 8 positions in bfloat16, 7 per 4 in float32) and
+# adds up its partial weight gradients once per program; a loop over several blocks of positions per
+# program, summing them once per loop, was faster at three of the four problems and slower at the
+# shortest (the notes give the times), and is not in this kernel.
 #
 # **Autograd plumbing.** As in chapter 05: the two launchers are custom operators with a fake
 # (shape-only) implementation, so `torch.compile` traces them without running them, and a vmap rule
@@ -1579,9 +1617,15 @@ else:
 # NumPy array operations, so larger blocks mean fewer programs and a faster CPU run.
 # The backward's blocks, by the bytes per element of x, were picked by a sweep of the backward kernel on
 # the H200 at four of the benchmark's shapes (benchmarks/NOTES_causal_conv1d.md).
-GPU_CONFIG = {"block_d": 32, "block_l": 128, "num_warps": 4}
-GPU_BWD_CONFIG = {2: {"block_d": 16, "block_l": 256, "num_warps": 4}, 4: {"block_d": 16, "block_l": 128, "num_warps": 4}}
+GPU_CONFIG = {"block_d": 8, "block_l": 256, "num_warps": 2}
+GPU_BWD_CONFIG = {2: {"block_d": 8, "block_l": 256, "num_warps": 4}, 4: {"block_d": 16, "block_l": 128, "num_warps": 4}}
 CPU_CONFIG = {"block_d": 32, "block_l": 512, "num_warps": 4}
+
+
+def _items(x):
+    """Positions per run: 16 bytes of x's dtype (8 in bfloat16, 4 in float32), at least 4, so that a run
+    holds the WIDTH - 1 <= 3 positions the kernels read beyond an item."""
+    return max(16 // x.element_size(), 4)
 
 
 def _launch_config(dim, length, backward_element_size=None):
@@ -1592,8 +1636,8 @@ def _launch_config(dim, length, backward_element_size=None):
         config = dict(GPU_BWD_CONFIG[min(backward_element_size, 4)])
     else:
         config = dict(GPU_CONFIG)
-    config.update(block_d=min(config["block_d"], max(triton.next_power_of_2(dim), 2)),
-                  block_l=min(config["block_l"], max(triton.next_power_of_2(length), 16)))
+    config.update(block_d=min(config["block_d"], max(next_power_of_2(dim), 2)),
+                  block_l=min(config["block_l"], max(next_power_of_2(length), 16)))
     return config
 
 
@@ -1616,13 +1660,13 @@ def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     out = torch.empty_like(x)
     final = x.new_empty(batch, dim, width - 1)
     config = _launch_config(dim, length)
-    grid = (batch, triton.cdiv(dim, config["block_d"]), triton.cdiv(length, config["block_l"]))
+    grid = (batch, cdiv(dim, config["block_d"]), cdiv(length, config["block_l"]))
     causal_conv1d_fwd_kernel[grid](
         x, weight, bias, initial_states, out, final, dim, length,
         *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_states), *out.stride(), *final.stride(),
         WIDTH=width, HAS_BIAS=bias is not None, HAS_H0=initial_states is not None, SILU=silu,
         ACC=accumulator_dtype(_acc_dtype(x, weight)), BLOCK_D=config["block_d"], BLOCK_L=config["block_l"],
-        num_warps=config["num_warps"])
+        ITEMS=_items(x), num_warps=config["num_warps"])
     return out, final
 
 
@@ -1642,19 +1686,19 @@ def causal_conv1d_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     width = weight.shape[1]
     acc = _acc_dtype(x, weight)
     config = _launch_config(dim, length, backward_element_size=x.element_size())
-    n_blocks_l = triton.cdiv(length, config["block_l"])
+    n_blocks_l = cdiv(length, config["block_l"])
     dx = torch.empty_like(x)
     dw_part = x.new_empty(batch * n_blocks_l, dim, width, dtype=acc)
     dbias_part = x.new_empty(batch * n_blocks_l, dim if bias is not None else 0, dtype=acc)
     dh0 = x.new_empty(batch, dim, width - 1) if initial_states is not None else x.new_empty(0)
-    grid = (batch, triton.cdiv(dim, config["block_d"]), n_blocks_l)
+    grid = (batch, cdiv(dim, config["block_d"]), n_blocks_l)
     causal_conv1d_bwd_kernel[grid](
         x, weight, bias, initial_states, dout, dfinal, dx, dw_part, dbias_part, dh0, dim, length, n_blocks_l,
         *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_states), *dout.stride(),
         *_strides(dfinal), *dx.stride(),
         WIDTH=width, HAS_BIAS=bias is not None, HAS_H0=initial_states is not None, HAS_DFINAL=dfinal is not None,
         SILU=silu, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"], BLOCK_L=config["block_l"],
-        num_warps=config["num_warps"])
+        ITEMS=_items(x), num_warps=config["num_warps"])
     return [dx, dw_part.sum(0), dbias_part.sum(0), dh0]
 
 
@@ -1845,12 +1889,12 @@ def causal_conv1d_update_kernel(
 def _launch_update(x, conv_state, new_state, weight, bias, silu):
     out = torch.empty_like(x)
     state_len = conv_state.shape[2]
-    block_d = min(64, max(triton.next_power_of_2(x.shape[1]), 2))
-    causal_conv1d_update_kernel[(x.shape[0], triton.cdiv(x.shape[1], block_d))](
+    block_d = min(64, max(next_power_of_2(x.shape[1]), 2))
+    causal_conv1d_update_kernel[(x.shape[0], cdiv(x.shape[1], block_d))](
         x, conv_state, new_state, weight, bias, out, x.shape[1], state_len, *x.stride(), *conv_state.stride(),
         *new_state.stride(), *weight.stride(), *_strides(bias, 1), *out.stride(), WIDTH=weight.shape[1],
         HAS_BIAS=bias is not None, SILU=silu, ACC=accumulator_dtype(_acc_dtype(x, weight)), BLOCK_D=block_d,
-        BLOCK_S=max(triton.next_power_of_2(state_len), 2))
+        BLOCK_S=max(next_power_of_2(state_len), 2))
     return out
 
 
@@ -1958,7 +2002,11 @@ for dtype in (torch.float16, torch.bfloat16):
 # at Mamba's size (batch 8, dim 2048, L 2048, bf16, width 4, bias, SiLU), beside `F.conv1d` + `F.silu`,
 # and the memory floor: the bytes that must move (forward: read $x$, write $u$; backward: also read
 # $x$ and $\partial\mathcal{L}/\partial u$, write $\partial\mathcal{L}/\partial x$) over the copy
-# bandwidth measured in the same cell.
+# bandwidth measured in the same cell. The first two columns time the public calls as a user makes
+# them (`do_bench`: the host's Python, the custom operator and autograd included); the last two
+# replay the kernels alone from a CUDA graph (`graph_us`: no host work at all), ours through their
+# launchers and the package's through its own `cpp_functions`, so that a gap between the two kinds
+# of column is the host's time, not the kernels'.
 
 # %%
 def package_errors(causal_conv1d_fn, dtype, channel_last):
@@ -1985,6 +2033,22 @@ def conv_io_bytes(batch, dim, length, size, backward):
     return (2 + 3 * backward) * batch * dim * length * size
 
 
+def conv_launchers_of_scan_lib(x, weight, bias, dout):
+    """Our forward and backward launchers alone (no autograd, no custom-op dispatch), to time the kernels."""
+    conv = sys.modules["scan_lib.causal_conv1d"]   # the module (scan_lib.causal_conv1d is also a function)
+    x, weight, bias = x.detach(), weight.detach(), bias.detach()
+    return (lambda: conv.causal_conv1d_fwd(x, weight, bias, None, True),
+            lambda: conv.causal_conv1d_bwd(x, weight, bias, None, dout, None, True))
+
+
+def conv_launchers_of_package(x, weight, bias, dout):
+    """The package's own forward and backward functions (causal-conv1d 1.7.0's cpp_functions)."""
+    from causal_conv1d.cpp_functions import causal_conv1d_bwd_function, causal_conv1d_fwd_function
+    x, weight, bias = x.detach(), weight.detach(), bias.detach()
+    return (lambda: causal_conv1d_fwd_function(x, weight, bias, None, None, None, True),
+            lambda: causal_conv1d_bwd_function(x, weight, bias, dout, None, None, None, None, False, True))
+
+
 try:
     from causal_conv1d import causal_conv1d_fn
 except ImportError as error:
@@ -1993,7 +2057,7 @@ except ImportError as error:
 if not ON_GPU:
     print("skipped: needs a GPU")
 else:
-    from scan_lib.runtime import copy_bandwidth, median_us
+    from scan_lib.runtime import copy_bandwidth, graph_us, median_us
     if causal_conv1d_fn is None:
         print(f"causal-conv1d not importable ({conv_package_error}): no comparison, timing ours and F.conv1d only")
     else:
@@ -2022,37 +2086,38 @@ else:
     }
     if causal_conv1d_fn is not None:
         conv_impls["causal-conv1d"] = lambda x, w, b: causal_conv1d_fn(x, w, b, activation="silu")
+    conv_launchers = {"scan_lib": conv_launchers_of_scan_lib(bench_x, bench_w, bench_b, bench_dout)}
+    if causal_conv1d_fn is not None:
+        conv_launchers["causal-conv1d"] = conv_launchers_of_package(bench_x, bench_w, bench_b, bench_dout)
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}, (batch, dim, L) = {(bench_batch, bench_dim, bench_length)}, bf16, "
           f"width 4, bias, silu; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
-    print(f"{'':>16} {'fwd (us)':>10} {'fwd+bwd (us)':>13}")
+    print(f"{'':>16} {'fwd (us)':>10} {'fwd+bwd (us)':>13} {'fwd kernel':>11} {'bwd kernels':>12}")
     floors = [conv_io_bytes(bench_batch, bench_dim, bench_length, 2, bwd) / bandwidth * 1e6 for bwd in (False, True)]
-    print(f"{'memory floor':>16} {floors[0]:10.0f} {floors[1]:13.0f}")
+    bwd_floor = 3 * bench_batch * bench_dim * bench_length * 2 / bandwidth * 1e6   # read x and dout, write dx
+    print(f"{'memory floor':>16} {floors[0]:10.0f} {floors[1]:13.0f} {floors[0]:11.0f} {bwd_floor:12.0f}")
     bench_leaves = [bench_x, bench_w, bench_b]
     for name, fn in conv_impls.items():
         with torch.no_grad():
             forward = median_us(lambda fn=fn: fn(bench_x, bench_w, bench_b))
         both = median_us(lambda fn=fn: fn(bench_x, bench_w, bench_b).backward(bench_dout), grad_to_none=bench_leaves)
-        print(f"{name:>16} {forward:10.0f} {both:13.0f}")
+        kernels = [f"{graph_us(launch):11.0f} " for launch in conv_launchers[name]] if name in conv_launchers else []
+        print(f"{name:>16} {forward:10.0f} {both:13.0f} " + "".join(kernels))
 
 # %% [markdown]
 # The table says where each implementation stands against the floor and against the others in this
-# run (the GPU is named above it; where the package was not importable, its row is missing). In this
-# run ours is behind the package in both: the forward takes 115 us against its 44 (floor 32),
-# forward+backward 796 us against 616 (floor 79); `F.conv1d` and SiLU are the slowest in both. Our
-# backward is several times the floor, and a call can spend longer in Python (the custom
-# operator's dispatch, the launch's arguments) than on the GPU: the GPU then waits for the host. The
-# block's profile in "Going deeper: where the time goes in scan_lib's block" times the same
-# convolution's two kernels, at this same size, at 71 us (forward) and 169 us (backward). The rest, over
-# a third of the forward's time and most of the forward+backward's, is not those two kernels as the
-# profile times them. The forward launches no other kernel, so there it is most likely the host's time
-# per call, which the GPU waits for; the backward also runs a few small kernels (the sums of its
-# per-program partial gradients, their casts to the weights' dtype), too small for the profile's list
-# of its ten largest. This cell measures neither; `benchmarks/NOTES_causal_conv1d.md` has the profile
-# of this problem on the H200 (the kernels' own times, and the host time per call) and the times of
-# the earlier backward, which recomputed $g$ at each of the $K$ shifts. Cutting the host path is the
-# next work for this op; the forward also still loads $x$ at $K$ shifted positions (from cache, but
-# each a masked load with its own address).
+# run (the GPU is named above it; where the package was not importable, its row is missing). The
+# kernels first (the last two columns): our forward kernel takes 39 us against the package's 37 (the
+# floor is 32), our backward 90 us against its 69 (floor 47). So the forward is within a few percent
+# of the package and of the memory floor; the backward is 1.3x behind the package, and "Going deeper:
+# the convolution kernels" above says what it still does twice (the sigmoids at the next run's first
+# positions, a partial sum per program). The calls (the first two columns) tell another story: our
+# forward+backward takes 513 us against the package's 441, when the kernels add up to about 130 us
+# and 106. Most of a training step's call is the host's work (the custom operators, autograd, the
+# launches), which the GPU waits for; the package pays it too (it is also a custom operator with an
+# autograd Function), ours is longer. `make bench --only conv` prints this split for four problems
+# (`host_us`: the host's time per call); cutting the host path is the next work for this op, as for
+# the selective scan (chapter 07's section 11). `F.conv1d` and SiLU are the slowest in both.
 
 # %% [markdown]
 # ### The block: layouts, caches and what `mamba_ssm` does differently
@@ -2145,11 +2210,11 @@ else:
 # contiguous tensors, dtype casts and transposes around the projections are candidates, and finding out
 # which would need the profiler's stacks (`with_stack=True`), which this cell does not record.
 #
-# In this run the selective scan's two kernels take two thirds of the step (`strided_bwd_kernel` 1878 us,
-# `strided_fwd_kernel` 684 us); three of cuBLAS's matrix products (the `nvjet` kernels) follow at
-# about 190 us each, then the convolution's backward (169 us), a fourth product (88 us) and the
-# convolution's forward (71 us). Two of PyTorch's own kernels close the list: a concatenation
-# (`CatArrayBatchedCopy`, 68 us) and an addition (63 us). The names do not say which
+# In this run the selective scan's two kernels take 70% of the step (`strided_bwd_kernel` 1849 us,
+# `strided_fwd_kernel` 668 us); four of cuBLAS's matrix products (the `nvjet` kernels) follow, three
+# at about 190 us each and one at 86 us, then the convolution's backward (82 us). Two of PyTorch's own
+# kernels come next: a concatenation (`CatArrayBatchedCopy`, 68 us) and an addition (63 us); the
+# convolution's forward (39 us) closes the list. The names do not say which
 # operation launched them; the backward has one of each that fits, the split of `xz` into `x` and `z`
 # (its backward concatenates their gradients) and the sum of the convolution output's two gradients
 # (from the scan and from `x_proj`), and `with_stack=True` would confirm it.

@@ -12,6 +12,7 @@ import triton.language as tl
 from scan_lib.ema import accumulator_dtype
 from scan_lib.runtime import INTERPRET, apply, check_float_tensor, check_same_device, custom_op
 from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
+from scan_lib.fast_selective_scan import LOG2E, cdiv, items_of, next_power_of_2, positions_of   # chapter 07's
 
 
 def causal_conv1d_ref(x, weight, bias=None, initial_states=None, return_final_states=False, activation=None):
@@ -41,14 +42,49 @@ def _x_at(X_ROW, H0_ROW, s, d_ok, length, stride_xl, stride_hl,
 
 
 @triton.jit
-def _pre_activation(X_ROW, H0_ROW, W_ROW, bias, t, d_ok, length, stride_xl, stride_hl, stride_wk,
-                    WIDTH: tl.constexpr, HAS_H0: tl.constexpr, ACC: tl.constexpr):
-    """bias + sum_k w[k] x[t - (WIDTH - 1) + k] at positions t (1 x BLOCK_L): BLOCK_D x BLOCK_L."""
-    acc = bias + tl.zeros(t.shape, ACC)                                    # BLOCK_D x BLOCK_L
+def _x_items(X_ROW, H0_ROW, s, d_ok, length, stride_xl, stride_hl, WIDTH: tl.constexpr, HAS_H0: tl.constexpr,
+             ACC: tl.constexpr, RUNS: tl.constexpr, ITEMS: tl.constexpr):
+    """_x_at at positions s (1 x BLOCK_L, RUNS runs of ITEMS) as ITEMS tiles BLOCK_D x RUNS: item i of every run."""
+    return items_of(_x_at(X_ROW, H0_ROW, s, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC), RUNS, ITEMS)
+
+
+@triton.jit
+def _around(before, run, after, m: tl.constexpr, ITEMS: tl.constexpr):
+    """Item m of every run, counted from the run's first position (each argument: ITEMS tiles, item by
+    item): from the run before it for m < 0, from the run after it for m >= ITEMS."""
+    if m < 0:
+        return before[ITEMS + m]
+    elif m < ITEMS:
+        return run[m]
+    else:
+        return after[m - ITEMS]
+
+
+@triton.jit
+def _weights(W_ROW, d_ok, stride_wk, WIDTH: tl.constexpr, ACC: tl.constexpr):
+    """The channels' filter w[0], ..., w[WIDTH - 1], each BLOCK_D x 1."""
+    w = ()
     for k in tl.static_range(WIDTH):
-        w = tl.load(W_ROW + k * stride_wk, d_ok, other=0.0).to(ACC)        # BLOCK_D x 1
-        acc += w * _x_at(X_ROW, H0_ROW, t - (WIDTH - 1) + k, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC)
+        w = w + (tl.load(W_ROW + k * stride_wk, d_ok, other=0.0).to(ACC),)
+    return w
+
+
+@triton.jit
+def _window_sum(w, bias, before, run, after, i: tl.constexpr, WIDTH: tl.constexpr, ITEMS: tl.constexpr):
+    """The pre-activation bias + sum_k w[k] x[t - (WIDTH - 1) + k] at item i of every run: BLOCK_D x RUNS."""
+    acc = bias + tl.zeros_like(run[0])
+    for k in tl.static_range(WIDTH):
+        acc += w[k] * _around(before, run, after, i - (WIDTH - 1) + k, ITEMS)
     return acc
+
+
+@triton.jit
+def _sigmoid(p, ACC: tl.constexpr):
+    """1 / (1 + e^-p): in float32 one exp2 and one fast reciprocal (fdiv); float64 divides exactly."""
+    if ACC == tl.float64:
+        return 1.0 / (1.0 + tl.exp(-p))
+    else:
+        return tl.math.fdiv(tl.full(p.shape, 1.0, ACC), 1.0 + tl.exp2(p * -LOG2E))
 
 
 @triton.jit
@@ -58,9 +94,10 @@ def causal_conv1d_fwd_kernel(
     stride_xb, stride_xd, stride_xl, stride_wd, stride_wk, stride_bias,
     stride_hb, stride_hd, stride_hl, stride_ob, stride_od, stride_ol, stride_fb, stride_fd, stride_fl,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, ITEMS: tl.constexpr,
 ):
-    """One program per (batch element, block of channels, block of positions)."""
+    """One program per (batch element, block of channels, block of positions); runs of ITEMS positions."""
+    RUNS: tl.constexpr = BLOCK_L // ITEMS
     b = tl.program_id(0).to(tl.int64)
     pid_l = tl.program_id(2)
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
@@ -73,11 +110,17 @@ def causal_conv1d_fwd_kernel(
     bias = tl.zeros((BLOCK_D, 1), ACC)
     if HAS_BIAS:
         bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
-    pre = _pre_activation(X_ROW, H0_ROW, WEIGHT + ds * stride_wd, bias, ts, d_ok, length, stride_xl, stride_hl,
-                          stride_wk, WIDTH, HAS_H0, ACC)
-    out = pre
-    if SILU:
-        out = pre / (1.0 + tl.exp(-pre))
+    x_run = _x_items(X_ROW, H0_ROW, ts, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
+    x_before = _x_items(X_ROW, H0_ROW, ts - ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS,
+                        ITEMS)                                             # the same tile, one run earlier
+    w = _weights(WEIGHT + ds * stride_wd, d_ok, stride_wk, WIDTH, ACC)
+    outs = ()
+    for i in tl.static_range(ITEMS):
+        pre = _window_sum(w, bias, x_before, x_run, x_run, i, WIDTH, ITEMS)   # BLOCK_D x RUNS
+        if SILU:
+            pre = pre * _sigmoid(pre, ACC)
+        outs = outs + (pre,)
+    out = positions_of(outs, RUNS, ITEMS)                                  # BLOCK_D x BLOCK_L
     tl.store(OUT + b * stride_ob + ds * stride_od + ts * stride_ol, out.to(OUT.dtype.element_ty), d_ok & (ts < length))
     if pid_l == 0:  # the final states: the last WIDTH - 1 columns of cat(initial_states, x)
         j = tl.arange(0, 4)[None, :]                                       # 1 x 4, WIDTH - 1 <= 3 used
@@ -86,49 +129,10 @@ def causal_conv1d_fwd_kernel(
                  d_ok & (j < WIDTH - 1))
 
 @triton.jit
-def _grad_pre(X_ROW, H0_ROW, W_ROW, bias, DOUT_ROW, t, d_ok, length, stride_xl, stride_hl, stride_wk, stride_gl,
-              WIDTH: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr, ACC: tl.constexpr):
-    """g = dL/d(pre-activation) at positions t (1 x BLOCK_L): dout * silu'(pre), recomputing pre; 0 past L."""
-    g = tl.load(DOUT_ROW + t * stride_gl, d_ok & (t < length), other=0.0).to(ACC)
-    if SILU:
-        pre = _pre_activation(X_ROW, H0_ROW, W_ROW, bias, t, d_ok, length, stride_xl, stride_hl, stride_wk,
-                              WIDTH, HAS_H0, ACC)
-        sig = 1.0 / (1.0 + tl.exp(-pre))
-        g = g * sig * (1.0 + pre * (1.0 - sig))
-    return g
-
-
-@triton.jit
-def _column(tile, i: tl.constexpr):
-    """Column i of a BLOCK_D x 4 tile, as BLOCK_D x 1."""
-    return tl.sum(tl.where(tl.arange(0, 4)[None, :] == i, tile, 0.0), axis=1)[:, None]
-
-
-@triton.jit
-def _earlier(main, before, shift: tl.constexpr, BLOCK_L: tl.constexpr):
-    """The tile of values `shift` positions earlier: column c holds main's column c - shift, and, for
-    c < shift, before's column 4 + c - shift (before: BLOCK_D x 4, the 4 positions ahead of main's first).
-    tl.gather moves the values between the threads that hold them (shuffles or shared memory)."""
-    if shift == 0:
-        return main
-    c = tl.broadcast_to(tl.arange(0, BLOCK_L)[None, :], main.shape)
-    moved = tl.gather(main, tl.maximum(c - shift, 0), axis=1)
-    for i in tl.static_range(shift):
-        moved = tl.where(c == i, _column(before, 4 - shift + i), moved)
-    return moved
-
-
-@triton.jit
-def _later(main, after, shift: tl.constexpr, BLOCK_L: tl.constexpr):
-    """The tile of values `shift` positions later: main's column c + shift, and, past the tile's end,
-    after's column c + shift - BLOCK_L (after: BLOCK_D x 4, the 4 positions following main's last)."""
-    if shift == 0:
-        return main
-    c = tl.broadcast_to(tl.arange(0, BLOCK_L)[None, :], main.shape)
-    moved = tl.gather(main, tl.minimum(c + shift, BLOCK_L - 1), axis=1)
-    for i in tl.static_range(shift):
-        moved = tl.where(c == BLOCK_L - shift + i, _column(after, i), moved)
-    return moved
+def _silu_grad(pre, dout, ACC: tl.constexpr):
+    """g = dout * silu'(pre), silu'(p) = sigma(p) (1 + p (1 - sigma(p)))."""
+    sig = _sigmoid(pre, ACC)
+    return dout * sig * (1.0 + pre * (1.0 - sig))
 
 
 @triton.jit
@@ -139,16 +143,15 @@ def causal_conv1d_bwd_kernel(
     stride_xb, stride_xd, stride_xl, stride_wd, stride_wk, stride_bias, stride_hb, stride_hd, stride_hl,
     stride_gb, stride_gd, stride_gl, stride_fb, stride_fd, stride_fl, stride_dxb, stride_dxd, stride_dxl,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DFINAL: tl.constexpr,
-    SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+    SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, ITEMS: tl.constexpr,
 ):
+    RUNS: tl.constexpr = BLOCK_L // ITEMS
     b = tl.program_id(0).to(tl.int64)
     pid_l = tl.program_id(2)
-    t0 = pid_l * BLOCK_L
     ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
     d_ok = ds < dim
-    ts = t0 + tl.arange(0, BLOCK_L)[None, :]                               # 1 x BLOCK_L
+    ts = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]                  # 1 x BLOCK_L
     X_ROW = X + b * stride_xb + ds * stride_xd
-    W_ROW = WEIGHT + ds * stride_wd
     DOUT_ROW = DOUT + b * stride_gb + ds * stride_gd
     H0_ROW = X_ROW
     if HAS_H0:
@@ -156,24 +159,27 @@ def causal_conv1d_bwd_kernel(
     bias = tl.zeros((BLOCK_D, 1), ACC)
     if HAS_BIAS:
         bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
-    # x once (BLOCK_D x BLOCK_L, aligned) and the 4 positions before it; x[t - k] by moving values in registers
-    x_main = tl.load(X_ROW + ts * stride_xl, d_ok & (ts < length), other=0.0).to(ACC)
-    x_before = _x_at(X_ROW, H0_ROW, t0 - 4 + tl.arange(0, 4)[None, :], d_ok, length, stride_xl, stride_hl,
-                     WIDTH, HAS_H0, ACC)                                   # BLOCK_D x 4
-    g = tl.load(DOUT_ROW + ts * stride_gl, d_ok & (ts < length), other=0.0).to(ACC)
-    if SILU:  # g = dout * silu'(pre), once per position
-        pre = bias + tl.zeros((BLOCK_D, BLOCK_L), ACC)
-        for k in tl.static_range(WIDTH):
-            pre += tl.load(W_ROW + k * stride_wk, d_ok, other=0.0).to(ACC) * _earlier(x_main, x_before, WIDTH - 1 - k, BLOCK_L)
-        sig = 1.0 / (1.0 + tl.exp(-pre))
-        g = g * sig * (1.0 + pre * (1.0 - sig))
-    # dx[s] = sum_j w[WIDTH - 1 - j] g[s + j]: the flipped filter, reading forward in time; g past the
-    # tile (4 positions, recomputed from x) for its last columns
-    g_after = _grad_pre(X_ROW, H0_ROW, W_ROW, bias, DOUT_ROW, t0 + BLOCK_L + tl.arange(0, 4)[None, :], d_ok, length,
-                        stride_xl, stride_hl, stride_wk, stride_gl, WIDTH, HAS_H0, SILU, ACC)   # BLOCK_D x 4
-    dx = tl.zeros((BLOCK_D, BLOCK_L), ACC)
-    for j in tl.static_range(WIDTH):
-        dx += tl.load(W_ROW + (WIDTH - 1 - j) * stride_wk, d_ok, other=0.0).to(ACC) * _later(g, g_after, j, BLOCK_L)
+    w = _weights(WEIGHT + ds * stride_wd, d_ok, stride_wk, WIDTH, ACC)
+    x_run = _x_items(X_ROW, H0_ROW, ts, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
+    x_before = _x_items(X_ROW, H0_ROW, ts - ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
+    du_run = _x_items(DOUT_ROW, DOUT_ROW, ts, d_ok, length, stride_gl, 0, WIDTH, False, ACC, RUNS, ITEMS)
+    du_after = _x_items(DOUT_ROW, DOUT_ROW, ts + ITEMS, d_ok, length, stride_gl, 0, WIDTH, False, ACC, RUNS, ITEMS)
+    if SILU:
+        x_after = _x_items(X_ROW, H0_ROW, ts + ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS,
+                           ITEMS)
+    g = ()  # g at the run's items and the next run's first WIDTH - 1 (zero past L, where dout is)
+    for i in tl.static_range(ITEMS + WIDTH - 1):
+        g_i = _around(du_run, du_run, du_after, i, ITEMS)                  # BLOCK_D x RUNS
+        if SILU:
+            g_i = _silu_grad(_window_sum(w, bias, x_before, x_run, x_after, i, WIDTH, ITEMS), g_i, ACC)
+        g = g + (g_i,)
+    dxs = ()  # dx[s] = sum_j w[WIDTH - 1 - j] g[s + j]: the flipped filter, reading forward in time
+    for i in tl.static_range(ITEMS):
+        dx_i = tl.zeros_like(g[0])
+        for j in tl.static_range(WIDTH):
+            dx_i += w[WIDTH - 1 - j] * g[i + j]
+        dxs = dxs + (dx_i,)
+    dx = positions_of(dxs, RUNS, ITEMS)                                    # BLOCK_D x BLOCK_L
     F_ROW = X_ROW
     if HAS_DFINAL:
         F_ROW = DFINAL + b * stride_fb + ds * stride_fd
@@ -185,20 +191,23 @@ def causal_conv1d_bwd_kernel(
     # this block's share of dweight[k] = sum_t g[t] x[t - (WIDTH - 1) + k] and of dbias = sum_t g[t]
     part = (b * n_blocks_l + pid_l) * dim
     for k in tl.static_range(WIDTH):
-        xk = _earlier(x_main, x_before, WIDTH - 1 - k, BLOCK_L)
-        tl.store(DW_PART + (part + ds) * WIDTH + k, tl.sum(g * xk, axis=1)[:, None], d_ok)
+        share = tl.zeros_like(g[0])
+        for i in tl.static_range(ITEMS):
+            share += g[i] * _around(x_before, x_run, x_run, i - (WIDTH - 1) + k, ITEMS)
+        tl.store(DW_PART + (part + ds) * WIDTH + k, tl.sum(share, axis=1)[:, None], d_ok)
     if HAS_BIAS:
-        tl.store(DBIAS_PART + part + ds, tl.sum(g, axis=1)[:, None], d_ok)
+        share = tl.zeros_like(g[0])
+        for i in tl.static_range(ITEMS):
+            share += g[i]
+        tl.store(DBIAS_PART + part + ds, tl.sum(share, axis=1)[:, None], d_ok)
     if HAS_H0:
-        if pid_l == 0:  # dh0[i] = sum_{k <= i} w[k] g[i - k], plus dfinal[i - L] when L < WIDTH - 1
-            q = tl.arange(0, 4)[None, :]                                   # positions 0..3
-            gq = _grad_pre(X_ROW, H0_ROW, W_ROW, bias, DOUT_ROW, q, d_ok, length, stride_xl, stride_hl, stride_wk,
-                           stride_gl, WIDTH, HAS_H0, SILU, ACC)
+        if pid_l == 0:  # dh0[i] = sum_{k <= i} w[k] g[i - k] (items of the first run), plus dfinal[i - L] when L < WIDTH - 1
+            first_run = tl.arange(0, RUNS)[None, :] == 0                     # 1 x RUNS
             for i in tl.static_range(WIDTH - 1):
-                dh = tl.zeros((BLOCK_D, 1), ACC)
+                dh = tl.zeros_like(g[0])
                 for k in tl.static_range(i + 1):
-                    w = tl.load(W_ROW + k * stride_wk, d_ok, other=0.0).to(ACC)
-                    dh += tl.sum(tl.where(q == i - k, w * gq, 0.0), axis=1)[:, None]
+                    dh += w[k] * g[i - k]
+                dh = tl.sum(tl.where(first_run, dh, 0.0), axis=1)[:, None]  # BLOCK_D x 1
                 if HAS_DFINAL:
                     past_x = tl.zeros_like(ds) + i >= length                 # BLOCK_D x 1: a tile, not a
                     # scalar, in the mask (Triton 3.9's interpreter rejects a mask that broadcasts a scalar)
@@ -209,9 +218,15 @@ def causal_conv1d_bwd_kernel(
 # NumPy array operations, so larger blocks mean fewer programs and a faster CPU run.
 # The backward's blocks, by the bytes per element of x, were picked by a sweep of the backward kernel on
 # the H200 at four of the benchmark's shapes (benchmarks/NOTES_causal_conv1d.md).
-GPU_CONFIG = {"block_d": 32, "block_l": 128, "num_warps": 4}
-GPU_BWD_CONFIG = {2: {"block_d": 16, "block_l": 256, "num_warps": 4}, 4: {"block_d": 16, "block_l": 128, "num_warps": 4}}
+GPU_CONFIG = {"block_d": 8, "block_l": 256, "num_warps": 2}
+GPU_BWD_CONFIG = {2: {"block_d": 8, "block_l": 256, "num_warps": 4}, 4: {"block_d": 16, "block_l": 128, "num_warps": 4}}
 CPU_CONFIG = {"block_d": 32, "block_l": 512, "num_warps": 4}
+
+
+def _items(x):
+    """Positions per run: 16 bytes of x's dtype (8 in bfloat16, 4 in float32), at least 4, so that a run
+    holds the WIDTH - 1 <= 3 positions the kernels read beyond an item."""
+    return max(16 // x.element_size(), 4)
 
 
 def _launch_config(dim, length, backward_element_size=None):
@@ -222,8 +237,8 @@ def _launch_config(dim, length, backward_element_size=None):
         config = dict(GPU_BWD_CONFIG[min(backward_element_size, 4)])
     else:
         config = dict(GPU_CONFIG)
-    config.update(block_d=min(config["block_d"], max(triton.next_power_of_2(dim), 2)),
-                  block_l=min(config["block_l"], max(triton.next_power_of_2(length), 16)))
+    config.update(block_d=min(config["block_d"], max(next_power_of_2(dim), 2)),
+                  block_l=min(config["block_l"], max(next_power_of_2(length), 16)))
     return config
 
 
@@ -246,13 +261,13 @@ def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     out = torch.empty_like(x)
     final = x.new_empty(batch, dim, width - 1)
     config = _launch_config(dim, length)
-    grid = (batch, triton.cdiv(dim, config["block_d"]), triton.cdiv(length, config["block_l"]))
+    grid = (batch, cdiv(dim, config["block_d"]), cdiv(length, config["block_l"]))
     causal_conv1d_fwd_kernel[grid](
         x, weight, bias, initial_states, out, final, dim, length,
         *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_states), *out.stride(), *final.stride(),
         WIDTH=width, HAS_BIAS=bias is not None, HAS_H0=initial_states is not None, SILU=silu,
         ACC=accumulator_dtype(_acc_dtype(x, weight)), BLOCK_D=config["block_d"], BLOCK_L=config["block_l"],
-        num_warps=config["num_warps"])
+        ITEMS=_items(x), num_warps=config["num_warps"])
     return out, final
 
 
@@ -272,19 +287,19 @@ def causal_conv1d_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     width = weight.shape[1]
     acc = _acc_dtype(x, weight)
     config = _launch_config(dim, length, backward_element_size=x.element_size())
-    n_blocks_l = triton.cdiv(length, config["block_l"])
+    n_blocks_l = cdiv(length, config["block_l"])
     dx = torch.empty_like(x)
     dw_part = x.new_empty(batch * n_blocks_l, dim, width, dtype=acc)
     dbias_part = x.new_empty(batch * n_blocks_l, dim if bias is not None else 0, dtype=acc)
     dh0 = x.new_empty(batch, dim, width - 1) if initial_states is not None else x.new_empty(0)
-    grid = (batch, triton.cdiv(dim, config["block_d"]), n_blocks_l)
+    grid = (batch, cdiv(dim, config["block_d"]), n_blocks_l)
     causal_conv1d_bwd_kernel[grid](
         x, weight, bias, initial_states, dout, dfinal, dx, dw_part, dbias_part, dh0, dim, length, n_blocks_l,
         *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_states), *dout.stride(),
         *_strides(dfinal), *dx.stride(),
         WIDTH=width, HAS_BIAS=bias is not None, HAS_H0=initial_states is not None, HAS_DFINAL=dfinal is not None,
         SILU=silu, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"], BLOCK_L=config["block_l"],
-        num_warps=config["num_warps"])
+        ITEMS=_items(x), num_warps=config["num_warps"])
     return [dx, dw_part.sum(0), dbias_part.sum(0), dh0]
 
 
@@ -461,12 +476,12 @@ def causal_conv1d_update_kernel(
 def _launch_update(x, conv_state, new_state, weight, bias, silu):
     out = torch.empty_like(x)
     state_len = conv_state.shape[2]
-    block_d = min(64, max(triton.next_power_of_2(x.shape[1]), 2))
-    causal_conv1d_update_kernel[(x.shape[0], triton.cdiv(x.shape[1], block_d))](
+    block_d = min(64, max(next_power_of_2(x.shape[1]), 2))
+    causal_conv1d_update_kernel[(x.shape[0], cdiv(x.shape[1], block_d))](
         x, conv_state, new_state, weight, bias, out, x.shape[1], state_len, *x.stride(), *conv_state.stride(),
         *new_state.stride(), *weight.stride(), *_strides(bias, 1), *out.stride(), WIDTH=weight.shape[1],
         HAS_BIAS=bias is not None, SILU=silu, ACC=accumulator_dtype(_acc_dtype(x, weight)), BLOCK_D=block_d,
-        BLOCK_S=max(triton.next_power_of_2(state_len), 2))
+        BLOCK_S=max(next_power_of_2(state_len), 2))
     return out
 
 

@@ -13,7 +13,7 @@ import triton.language as tl
 from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update
 from scan_lib.ema import accumulator_dtype
 from scan_lib.runtime import ON_GPU, check_float_tensor, check_same_device
-from scan_lib.fast_selective_scan import selective_scan   # the package's public op: chapter 07's kernels
+from scan_lib.fast_selective_scan import cdiv, next_power_of_2, selective_scan   # chapter 07's: the package's public op
 from scan_lib.selective_scan import _load_delta, discretize
 
 
@@ -108,10 +108,10 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     batch, dim, n_states = state.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    block_n = triton.next_power_of_2(n_states)
-    block_d = max(1, min(triton.next_power_of_2(dim), 4096 // block_n))
+    block_n = next_power_of_2(n_states)
+    block_d = max(1, min(next_power_of_2(dim), 4096 // block_n))
     acc = torch.float64 if state.dtype == torch.float64 or x.dtype == torch.float64 else torch.float32
-    selective_state_update_kernel[(batch, triton.cdiv(dim, block_d))](
+    selective_state_update_kernel[(batch, cdiv(dim, block_d))](
         state, x, dt, A.contiguous(), B, C, D, z, dt_bias, out, dim, n_states,   # the kernel reads A as dim x N rows
         x.stride(0), 0 if z is None else z.stride(0), *dt.stride(), *B.stride(), *C.stride(),
         HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=dt_bias is not None, SOFTPLUS=dt_softplus,

@@ -67,7 +67,7 @@ def _conv_run(fn, x, weight, bias, h0, dout, dfinal, silu):
 
 
 def exercise_1(nb):
-    """the causal convolution's window sum in _pre_activation (forward and backward kernels)"""
+    """the causal convolution's window sum in _window_sum (forward and backward kernels)"""
     gen = torch.Generator().manual_seed(SEED + 1)
     names = ["out", "final states", "dx", "dweight", "dbias", "dinitial_states"]
     cases = [(2, 1, True, False, True), (4, 1, False, True, True), (3, 7, True, True, False), (4, 7, False, False, True),
