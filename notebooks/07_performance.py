@@ -1537,9 +1537,9 @@ else:
 # would otherwise be idle. That is the case only for few programs: the cell's second line gives the
 # warps per multiprocessor at batch 1 with one channel per program (half that with `GPU_CONFIG`'s
 # two). Section 5's prediction failed: at batch 1 the best split is 1.09x faster in the training
-# step, not near two, and slower in the forward; at the usual size two segments take 2.3 times the
-# forward's time of one, more than the doubled work accounts for, and this cell does not say where the
-# rest goes. `selective_scan` keeps one segment (`segments` stays 1); where
+# step, not near two, and slower in the forward; at the usual size two segments take 1.9 times the
+# forward's time of one (589 against 305 µs), about the doubled work. `selective_scan` keeps one
+# segment (`segments` stays 1); where
 # a row above shows a split faster, that is speed still left at small batch. The split stays in the
 # kernels, checked in section 7, because the same three phases are how a sequence is spread over
 # several GPUs (chapter 09), where the split is forced by memory rather than chosen for speed. A split
@@ -1602,8 +1602,8 @@ else:
 # positions spaced apart, so one warp's additions touch more memory sectors. Summing several channels
 # in one program before adding (`block_d` > 1) divides the additions, but fewer programs then share
 # the GPU; the sweep below tries one and two channels per program (in the recorded run the
-# backward's best had one, where `GPU_CONFIG` has two, and `GPU_CONFIG`'s row came within 1.03x of
-# it, 1125 against 1087 µs: for the backward the two choices are about even). Two ways around it that
+# backward's best had two, as `GPU_CONFIG` has, but chunks of 256 positions where `GPU_CONFIG` has
+# 128, and `GPU_CONFIG`'s row came within 1.03x of it, 1095 against 1060 µs). Two ways around it that
 # this chapter has not built: accumulate $dB$ per group of channels in a workspace and reduce it with one more kernel
 # (the bytes: $\text{dim}/g \cdot N \cdot L$ floats per batch element), or reformulate the backward so
 # that the sum over channels becomes a matrix product (Mamba-2's "state space duality" does exactly this
@@ -1755,8 +1755,9 @@ else:
 # carry becomes a reduction over the chunk for every state: the loop had neither problem to begin with. Its cost was
 # not the loop. The best rows say whether more than one channel per program (`block_d` 2, which shares
 # each load of $B$ and $C$ between two channels) paid; `GPU_CONFIG` holds the values an earlier run of
-# this sweep chose on the H200 (in this run the backward's best has one channel per program where
-# `GPU_CONFIG` has two, 1.03x apart; the cell checks that `GPU_CONFIG` is within 1.3x of the best).
+# this sweep chose on the H200 (in this run the forward's best is `GPU_CONFIG`'s, and the backward's
+# best has chunks of 256 positions where `GPU_CONFIG` has 128, 1.03x apart; the cell checks that
+# `GPU_CONFIG` is within 1.3x of the best).
 #
 # ## 10. Against the peers
 #
@@ -1805,19 +1806,20 @@ else:
     fig.tight_layout()
     save_figure(fig, "07_against_peers.png")
 
-# %% [markdown] (On a GPU.) The lines say where chapter 07 stands in training on the block's layout,
+# %% [markdown]
+# (On a GPU.) The lines say where chapter 07 stands in training on the block's layout,
 # against chapter 05 and, where it is importable, `mamba_ssm`; the cell below prints, row by row,
 # `mamba_ssm`'s time over ours (above 1: ours is faster). In the run recorded here `mamba_ssm` was
 # importable, and chapter 07 is faster than chapter 05 in every row. Against `mamba_ssm` the ratios
-# run from 0.67 to 1.20: ours is faster at the base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$
+# run from 0.47 to 1.22: ours is faster at the base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$
 # 64 and at batch 4 of dim 1536, `mamba_ssm` at $L$ 512, at $N$ 4 and at batch 1 and 2. The base
 # shape is timed twice, in the series against $L$ and against $N$: the same kernels on the same
-# inputs, and here its two lines agree (1.12 both; the same shape can vary between runs by more than
+# inputs, and here its two lines agree (1.15 both; the same shape can vary between runs by more than
 # a ratio's distance from 1, so read a single ratio near 1 as "about even"). The rows where chapter
-# 07 is behind are of two kinds. At $L$ 512 and at $N$ 4 chapter 07 takes about as long as at the
-# base shape (1021 and 1382 µs against 1338), though they have a quarter of its positions ($L$ 512)
+# 07 is behind are of two kinds. At $L$ 512 and at $N$ 4 chapter 07 takes as long as at the base
+# shape or longer (1344 and 1545 µs against 1308), though they have a quarter of its positions ($L$ 512)
 # or states ($N$ 4): most of their time does not scale with the work, while `mamba_ssm`'s falls with
-# it (767 and 927 µs against 1499). Section 11 measures where that time goes. At batch 1 and 2 of dim 1536
+# it (772 and 734 µs against 1499). Section 11 measures where that time goes. At batch 1 and 2 of dim 1536
 # ($L$ 8192) the step is long enough for the kernels to set the pace, and with 768 or 1536 programs
 # of one warp (32 threads), about 6 or 12 per multiprocessor of the 132, the GPU is underused
 # (section 8's cell on segments prints the count; section 5's segments aim at this, though section 8
@@ -1891,24 +1893,25 @@ else:
         for name, times in host_split(steps).items():
             print(f"{str(shape):22s} {name:28s} {'%7.0f %7.0f %8.0f' % times}")
 
-# %% [markdown] (On a GPU.) Read each row as: which of host and kernels is the larger, and how the
+# %% [markdown]
+# (On a GPU.) Read each row as: which of host and kernels is the larger, and how the
 # step compares with it. In the run recorded here chapter 07's kernels are faster than `mamba_ssm`'s
-# at all four shapes (314 against 359 µs at $L$ 512, 468 against 541 at $N$ 4, 1314 against 1485 at
-# the base shape, 423 against 430 at (1, 2048, 2048, 16)), and its host time per step is 1.5 to 1.7
-# times `mamba_ssm`'s at every shape (1172 to 1246 µs against 707 to 840): `mamba_ssm`'s launchers
+# at all four shapes (311 against 357 µs at $L$ 512, 462 against 538 at $N$ 4, 1284 against 1478 at
+# the base shape, 400 against 429 at (1, 2048, 2048, 16)), and its host time per step is 1.3 to 1.6
+# times `mamba_ssm`'s at every shape (963 to 1335 µs against 652 to 866): `mamba_ssm`'s launchers
 # are C++, ours are Python. At the three smaller shapes our host time is larger than our kernels'
-# (1221 against 314 µs at $L$ 512, 1172 against 423 at (1, 2048, 2048, 16)): the GPU waits for
-# Python. At the base shape the kernels are the larger (1314 against 1200 µs), and there the step
-# (1336 µs) follows them and is faster than `mamba_ssm`'s (1498).
+# (1335 against 311 µs at $L$ 512, 1174 against 400 at (1, 2048, 2048, 16)): the GPU waits for
+# Python. At the base shape the kernels are the larger (1284 against 1144 µs), and there the step
+# (1311 µs) follows them and is faster than `mamba_ssm`'s (1499).
 #
-# The rows with Triton's own launches show what section 6's Launchers save: 200 to 297 µs of host
-# time per step in this run (1421 against 1221 µs at $L$ 512, 1524 against 1246 at $N$ 4, 1497
-# against 1200 at the base shape, 1426 against 1172 at (1, 2048, 2048, 16)): Triton's per-call work,
+# The rows with Triton's own launches show what section 6's Launchers save: 145 to 403 µs of host
+# time per step in this run (1480 against 1335 µs at $L$ 512, 1257 against 963 at $N$ 4, 1547
+# against 1144 at the base shape, 1431 against 1174 at (1, 2048, 2048, 16)): Triton's per-call work,
 # twice per step (one launch per pass). Every host time here depends on the machine's CPU and on what
 # else it runs; on this recording's host both libraries' host times were high, so read the
-# differences, not the absolute values. The step column moves with the host (1465 against 1292 µs at
-# $L$ 512, 1499 against 1189 at (1, 2048, 2048, 16)), and between sections too (at $L$ 512: 1292 µs
-# here, 1021 in section 10's series): host-bound steps measure noisily, and section 10's rows near 1
+# differences, not the absolute values. The step column moves with the host (1225 against 1171 µs at
+# $L$ 512, 1550 against 1291 at (1, 2048, 2048, 16)), and between sections too (at $L$ 512: 1171 µs
+# here, 1344 in section 10's series): host-bound steps measure noisily, and section 10's rows near 1
 # should be read with it.
 # What is left on the host is spread over the path, not in one place (a count on a CPU with the
 # launches stubbed, in `benchmarks/NOTES_selective_scan.md`): autograd's own work, which `mamba_ssm`
@@ -1934,7 +1937,7 @@ else:
 # * Measurements of what is left: the `dB`, `dC` atomics alone, and two ideas that did not pay (one
 #   `exp` fewer through $a_t h_{t-1} = h_t - b_t$, which cancels; all states in one tile, slower).
 # * The host's share of a training step: at short sequences, few states or batch 1 it is larger than
-#   the kernels' time, and 1.5 to 1.7 times `mamba_ssm`'s; plans worked out once per signature, Launchers
+#   the kernels' time, and 1.3 to 1.6 times `mamba_ssm`'s; plans worked out once per signature, Launchers
 #   that go straight to the compiled kernel, and the backward's sums inside its kernel (one zeroing
 #   launch before it, none after). The sums are atomic additions now, so $dA$, $dD$ and
 #   $d\Delta_{\text{bias}}$, like $dB$ and $dC$, can differ in their last bits from run to run.

@@ -638,8 +638,8 @@ verdict(per_rank, SHAPES)
 # the initial state, of which only rank 0's matters) and folds on every rank, so each rank receives
 # $3(R-1)$ summaries where the chain passes one along each link; and gloo, on CPUs or with the ranks
 # sharing one GPU, copies every message through host memory with Python around each call, so the
-# per-call costs count at every size, and the bytes only where the summaries are large (at 2 ranks the
-# all-gather's time rises with the summary's size; at 4 ranks, in this run, the middle summary took
+# per-call costs count at every size, and the bytes only where the summaries are large (at 4 ranks the
+# all-gather's time rises with the summary's size; at 2 ranks, in this run, the middle summary took
 # longer than the largest, and one median per row does not say more). NCCL between GPUs on NVLink should move the bytes far faster (this
 # run, on one GPU, did not measure it), and section 7 puts the exchange's time beside the scan's on
 # two GPUs. `scan_lib.distributed` keeps the
