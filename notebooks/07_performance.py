@@ -1598,8 +1598,12 @@ else:
 # times one addition per channel, twice as many as the backward with two channels per program issues,
 # so it overstates their share).
 # `mamba_ssm` adds per channel too, but first rearranges each thread block's values so that every
-# warp adds 32 consecutive floats (fully coalesced); Triton's reduction leaves each thread a few
-# positions spaced apart, so one warp's additions touch more memory sectors. Summing several channels
+# warp adds 32 consecutive floats. Triton gets there by another route: its layout gives each thread 4
+# consecutive positions (16 bytes) and adds them with one 4-wide reduction instruction, so the memory
+# system receives the same requests and sectors either way. (Rearranging the values to one position
+# per lane, as `mamba_ssm` does, was tried: Nsight Compute counted the same L2 requests and sectors,
+# four times the instructions, and the backward got slower; `benchmarks/NOTES_selective_scan.md`,
+# eleventh look.) Summing several channels
 # in one program before adding (`block_d` > 1) divides the additions, but fewer programs then share
 # the GPU; the sweep below tries one and two channels per program (in the recorded run the
 # backward's best had two, as `GPU_CONFIG` has, but chunks of 256 positions where `GPU_CONFIG` has
