@@ -278,6 +278,18 @@ def test_second_derivative_matches_torch(dim):
     torch.testing.assert_close(*grads, rtol=1e-12, atol=1e-12)
 
 
+def test_second_derivatives_through_torch_func_reverse_mode_only():
+    """What the README promises: torch.func's reverse-mode transforms nest (grad of grad, jacrev of
+    jacrev) and match torch.cumsum; forward mode (torch.func.jvp, and so torch.func.hessian, which is
+    jacfwd of jacrev) has no rule and raises."""
+    x = torch.randn(5, device=DEVICE, dtype=torch.float64)
+    loss = lambda fn: lambda y: (fn(y, dim=0) ** 3).sum()  # noqa: E731
+    ours, theirs = (torch.func.jacrev(torch.func.jacrev(loss(fn)))(x) for fn in (scan_lib.cumsum, torch.cumsum))
+    torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    with pytest.raises(NotImplementedError, match="jvp"):
+        torch.func.hessian(loss(scan_lib.cumsum))(x)
+
+
 @pytest.mark.parametrize("dim", [0, 1])
 def test_output_may_be_modified_in_place_under_autograd(dim):
     x = torch.randn(3, 5, device=DEVICE, requires_grad=True)

@@ -250,6 +250,17 @@ def test_gradgradcheck(reverse):
     assert torch.autograd.gradgradcheck(lambda g, u, h: linear_scan(g, u, h, reverse, chunk=16), leaves)
 
 
+def test_second_derivatives_through_torch_func_reverse_mode_only():
+    """What the README promises: jacrev of jacrev matches the loop's; forward mode (torch.func.jvp, and
+    so torch.func.hessian) has no rule and raises."""
+    gates, tokens, init = make_inputs((6,), torch.float64, seed=19)
+    loss = lambda scan: lambda u: (scan(gates, u, init, False) ** 2).sum()  # noqa: E731
+    ours, theirs = (torch.func.jacrev(torch.func.jacrev(loss(scan)))(tokens) for scan in (linear_scan, reference))
+    torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10)
+    with pytest.raises(NotImplementedError, match="jvp"):
+        torch.func.jvp(loss(linear_scan), (tokens,), (torch.ones_like(tokens),))
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_hessian_matches_the_loop(reverse):
     """h is bilinear in (gates, tokens) and (gates, initial_state): the true Hessian is not zero."""
