@@ -286,6 +286,8 @@ def test_second_derivatives_through_torch_func_reverse_mode_only():
     loss = lambda fn: lambda y: (fn(y, dim=0) ** 3).sum()  # noqa: E731
     ours, theirs = (torch.func.jacrev(torch.func.jacrev(loss(fn)))(x) for fn in (scan_lib.cumsum, torch.cumsum))
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    grad_of_grad = lambda fn: torch.func.grad(lambda y: torch.func.grad(loss(fn))(y).sum())(x)  # noqa: E731
+    torch.testing.assert_close(grad_of_grad(scan_lib.cumsum), grad_of_grad(torch.cumsum), rtol=1e-12, atol=1e-12)
     with pytest.raises(NotImplementedError, match="jvp"):
         torch.func.hessian(loss(scan_lib.cumsum))(x)
 
