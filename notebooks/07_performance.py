@@ -1601,9 +1601,9 @@ else:
 # warp adds 32 consecutive floats. Triton gets there by another route: its layout gives each thread 4
 # consecutive positions (16 bytes) and adds them with one 4-wide reduction instruction, so the memory
 # system receives the same requests and sectors either way. (Rearranging the values to one position
-# per lane, as `mamba_ssm` does, was tried: Nsight Compute counted the same L2 requests and sectors,
-# four times the reduction instructions, and the backward got slower; `benchmarks/NOTES_selective_scan.md`,
-# eleventh look.) Summing several channels
+# per lane, as `mamba_ssm` does, was tried on an H100: Nsight Compute counted the same L2 requests
+# and sectors, four times the reduction instructions, and the backward got slower;
+# `benchmarks/NOTES_selective_scan.md`, eleventh look.) Summing several channels
 # in one program before adding (`block_d` > 1) divides the additions, but fewer programs then share
 # the GPU; the sweep below tries one and two channels per program (in the recorded run the
 # backward's best had two, as `GPU_CONFIG` has, but chunks of 256 positions where `GPU_CONFIG` has
