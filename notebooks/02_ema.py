@@ -466,26 +466,14 @@ def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=Non
 # ## 5. Checks, with tolerances derived from the dtype and the length
 #
 # We compare the kernel with the float64 loop on the *same* (already rounded) inputs, so what is
-# left is the kernel's own rounding. It has two sources:
-#
-# - the output is rounded once to the input dtype: at most $u_{\text{out}}|h_t|$, with $u_{\text{out}}$
-#   the unit roundoff ($2^{-11}$ for float16, $2^{-8}$ for bfloat16, 0 when the output keeps the
-#   accumulator type; Triton 3.6's CPU interpreter truncates to bfloat16 instead of rounding, so
-#   there the bound allows $2^{-7}$);
-# - each multiply and add in the accumulator type has relative error at most $u_{\text{acc}}$
-#   ($2^{-24}$ in float32, $2^{-53}$ in float64), and the term $b_s$ of $h_t$ passes through about one
-#   multiply and one add per step from $s$ to $t$, plus a few more in a tree.
-#
-# "Going deeper" counts those operations and derives the bound that `error_bound` computes; to first
-# order in $u_{\text{acc}}$ it is
-#
-# $$|\hat h_t - h_t| \;\le\; u_{\text{out}}\,|h_t| \;+\; 2u_{\text{acc}} \sum_{s \le t} (t-s+1+d)\, P_{s,t}\, |b_s|,
-# \qquad P_{s,t} = \prod_{r=s+1}^{t} |a_r| , \quad d = \lceil\log_2 \max(L, 2)\rceil + 2,$$
-#
-# with the initial state as one more term, $(t+1+d)\,P_{-1,t}\,|h^{\text{init}}|$. The sum is two
-# scans of absolute values: $S = \mathrm{scan}(|a|, |b|)$ from $|h^{\text{init}}|$ is
-# $\sum_s P_{s,t}|b_s| + P_{-1,t}|h^{\text{init}}|$, and $\mathrm{scan}(|a|, S)$ from zero weights each
-# term by the number of positions from its entry to $t$: $t-s+1$ for $b_s$, $t+1$ for the initial state.
+# left is the kernel's own rounding, which `error_bound` bounds element by element. It has two sources:
+# the output's rounding to its dtype, at most $u_{\text{out}}|h_t|$ ($u_{\text{out}}$ is the unit
+# roundoff: $2^{-11}$ for float16, $2^{-8}$ for bfloat16, 0 when the output keeps the accumulator type;
+# Triton 3.6's CPU interpreter truncates to bfloat16 instead of rounding, so there the bound allows
+# $2^{-7}$); and the roundings in the accumulator type, at most $u_{\text{acc}}$ each ($2^{-24}$ in
+# float32, $2^{-53}$ in float64), which add up along the way of each term $b_s$ to $h_t$: about one
+# multiply and one add per step from $s$ to $t$, plus a few more in a tree. "Going deeper" counts
+# them and writes the bound as two scans of absolute values, which is how `error_bound` computes it.
 # The bound holds element by element, so a small $|h_t|$ gets a small tolerance too; the end of this
 # section shows that a kernel accumulating in float16, or one that forgets the carry, fails it.
 
@@ -757,7 +745,8 @@ else:
 #
 # (and likewise for the initial state), with $n_s$ the number of roundings on the way of $b_s$ to
 # $h_t$. A product of $n$ such factors lies within $\gamma_n = n u/(1 - nu)$ of 1, with $u = u_{\text{acc}}$
-# (Higham, lemma 3.1), so $|\hat h_t - h_t| \le \sum_s \gamma_{n_s} P_{s,t} |b_s|$: the roundings on a
+# (Higham, lemma 3.1), so $|\hat h_t - h_t| \le \sum_s \gamma_{n_s} P_{s,t} |b_s|$ with
+# $P_{s,t} = \prod_{r=s+1}^{t} |a_r|$: the roundings on a
 # term's way add up, and the terms add in absolute value, which is why the bound scans $|a|$ and $|b|$.
 # To first order, $\gamma_n \approx nu$; it remains to count $n_s$.
 #
@@ -776,7 +765,17 @@ else:
 # weight $t - s + 1 + d$ come from. The initial state shares the combines of $b_0$ and has one more
 # multiply, $n \le (t + 1) + (t + 1 + d) \le 2(t + 1 + d)$: weight $t + 1 + d$, as `error_bound` gives it.
 #
-# `error_bound` adds three small terms to the formula of section 5:
+# Adding the output's rounding, the bound to first order in $u_{\text{acc}}$ is
+#
+# $$|\hat h_t - h_t| \;\le\; u_{\text{out}}\,|h_t| \;+\; 2u_{\text{acc}} \sum_{s \le t} (t-s+1+d)\, P_{s,t}\, |b_s|,
+# \qquad d = \lceil\log_2 \max(L, 2)\rceil + 2,$$
+#
+# with the initial state as one more term, $(t+1+d)\,P_{-1,t}\,|h^{\text{init}}|$. The sum is two
+# scans of absolute values: $S = \mathrm{scan}(|a|, |b|)$ from $|h^{\text{init}}|$ is
+# $\sum_s P_{s,t}|b_s| + P_{-1,t}|h^{\text{init}}|$, and $\mathrm{scan}(|a|, S)$ from zero weights each
+# term by the number of positions from its entry to $t$: $t-s+1$ for $b_s$, $t+1$ for the initial state.
+#
+# `error_bound` adds three small terms to this formula:
 #
 # - the second-order factor $1 + 4(L + d)u_{\text{acc}}$: $\gamma_n \le nu(1 + 2nu)$ when $nu \le 1/2$
 #   (because $1/(1-x) \le 1 + 2x$ for $0 \le x \le 1/2$), and $n \le 2(L + d)$;

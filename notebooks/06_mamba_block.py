@@ -1143,7 +1143,7 @@ save_figure(fig, "06_generation_cost.png")
 # attention step's work grows with the cache it reads; for short contexts attention can still be the
 # cheaper of the two (a few small matrix products), and where the lines cross, if they do within these
 # positions, depends on the device: in this run the attention step is the cheaper up to position 4096
-# (23.6 us against 32.2) and the dearer from 16384 on (38.3 us). The two byte columns are not
+# (23.3 us against 32.5) and the dearer from 16384 on (38.1 us against 32.6). The two byte columns are not
 # measurements: the fourth is the size of the two state tensors allocated once before the loop, the
 # fifth the size of the keys and values an attention step reads at that position,
 # $2 \cdot (\text{position} + 1) \cdot d_{model}$ elements.
@@ -1393,7 +1393,7 @@ save_figure(fig, "06_selective_copying.png")
 # measured: no run without the warm-up), not a sign that the task is hard to start on. The baseline's
 # second plateau is different: its accuracy levels off at about the end of the warm-up and then barely
 # moves to the last step (the progress bar above, which
-# shows a recent batch's accuracy, reads 0.45 at 202 of 1600 steps and 0.49 at the end), while the
+# shows a recent batch's accuracy, reads 0.43 at 225 of 1600 steps and 0.50 at the end), while the
 # learning rate is at its peak and then decays. That plateau is not the warm-up: it is what this
 # baseline reaches at this learning rate.
 # The next cell asserts the outcome on a fresh held-out batch: the selective model copies
@@ -1429,7 +1429,7 @@ assert copy_accuracy["LTI baseline"] <= 0.7
 
 # %% [markdown]
 # What the held-out table says in this run: the selective model copies every slot; the baseline gets
-# 0.472 of the tokens (chance is 0.125), and its accuracy rises slot by slot, from 0.33 at the first
+# 0.469 of the tokens (chance is 0.125), and its accuracy rises slot by slot, from 0.33 at the first
 # marker to 0.65 at the last, as expected of a fixed kernel that decays: the later the marker, the
 # fewer data tokens come after the one it must copy, and at the last marker the answer is the most
 # recent data token, the one such a kernel weighs most.

@@ -112,7 +112,8 @@ print("attention_reference == F.scaled_dot_product_attention in float64 (causal)
 # The reference materialises the scores $s$ and the probabilities $P$: $L^2$ numbers per head, where the
 # inputs and the output hold $4 L d$. For a model with heads $\times$ head_dim $= 2048$, batch 4, in
 # bfloat16 (2 bytes), the table below computes both. At $L = 16384$ one matrix of scores is larger than
-# all the inputs and outputs together by the factor $L / (4 d)$ on the right. PyTorch's
+# all the inputs and outputs together by the factor $L / (4 d)$ on the right (the cell's assert checks
+# the table's arithmetic against that factor, so it cannot fail: section 6 measures the memory). PyTorch's
 # autograd keeps $P$ for the backward pass, so training pays it on every layer.
 
 # %%
@@ -1362,7 +1363,8 @@ for tiles in ((32, 32, 64), (16, 16, 128)):
 # 3. *$O$ through global memory*: it reads and writes $O$ once per key tile, $L / B_c$ times; the cell
 #    prints the time those bytes take at the copy bandwidth, as a share of the kernel's time.
 # 4. *Bank conflicts*: `PAD = 1` makes the kernel faster, with the same result.
-# 5. *Parallelism*: batch $\times$ heads blocks are fewer than twice the GPU's multiprocessors, so
+# 5. *Parallelism* (a count, not a timing: the cell compares the number of blocks with the number of
+#    multiprocessors): batch $\times$ heads blocks are fewer than twice the GPU's multiprocessors, so
 #    the GPU runs at most two partly filled waves (our Triton grid has $L / $ `BLOCK_M` times more programs).
 #
 # On the CPU the cell skips: `load_inline` needs CUDA's compiler and a GPU.

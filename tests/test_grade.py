@@ -400,6 +400,17 @@ def test_a_patch_before_an_import_is_caught_too(tmp_path):
     assert all("torch.allclose" in e["reason"] for e in report["exercises"]), grade.text_report(report)
 
 
+def test_the_kernel_talks_to_the_grader_over_unix_sockets(tmp_path):
+    """Not over TCP ports, which two kernels starting at once can both pick (a kernel of grade_all's
+    died that way here, and its student got no points)."""
+    path = _code_notebook(
+        tmp_path / "02_transport.ipynb",
+        "import json\nfrom ipykernel.connect import get_connection_info\n"
+        "assert json.loads(get_connection_info())['transport'] == 'ipc', get_connection_info()")
+    report = grade.grade(path)
+    assert report["execution"]["ran"] == 1 and report["execution"]["errors"] == [], report["execution"]
+
+
 def test_grade_all_writes_the_gradebook(tmp_path):
     """A folder of three students' chapter 02 notebooks: solved, one exercise wrong, every exercise wrong
     with an attack on the checks; the gradebook has 3, 2 and 0 points, and each student a feedback page."""

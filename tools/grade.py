@@ -437,6 +437,20 @@ class Watchdog:
         self._thread.join()
 
 
+def _socket_transport(folder: Path):
+    """Kernel settings under which the kernel talks to the grader over Unix sockets in `folder`, not
+    over TCP (jupyter_client's default). Over TCP the grader picks five free ports and closes them
+    before the kernel binds them, so two kernels started at once (grade_all's jobs, or another
+    program's kernels) can pick the same port: the second kernel dies before its first cell, and its
+    student would get no points for the grader's race. The sockets' path is absolute because the
+    kernel runs in another directory than the grader."""
+    from traitlets.config import Config
+    config = Config()
+    config.KernelManager.transport = "ipc"
+    config.KernelManager.ip = str(folder.resolve() / "kernel")
+    return config
+
+
 def _kernel_process_group(client) -> int:
     """The process group of the client's kernel (jupyter_client starts kernels in a session of their own)."""
     provisioner = client.km.provisioner
@@ -499,7 +513,8 @@ def _execute(notebook, work: Path, chapter: str, checks_path: Path, cell_timeout
                SCAN_COURSE_FIGURES=str(work / "figures"), MPLBACKEND="Agg")
     client = NotebookClient(notebook, timeout=cell_timeout, allow_errors=True, interrupt_on_timeout=True,
                             error_on_timeout={"ename": "TimeoutError", "evalue": f"the cell ran over {cell_timeout:.0f} s"},
-                            kernel_name="python3", resources={"metadata": {"path": str(work)}})
+                            kernel_name="python3", resources={"metadata": {"path": str(work)}},
+                            config=_socket_transport(work))
     start = time.time()
     errors, skipped, failure = [], 0, None
     execution.update(cells=len(code), ran=0, errors=errors, skipped=0, timed_out=False, killed=False)
