@@ -30,23 +30,15 @@ print(scan_lib.runtime.describe())
 # Triton is a small language, embedded in Python, for writing GPU kernels. A kernel *loads* blocks
 # of numbers from GPU memory into registers, computes on whole blocks at once, and *stores* results
 # back. There is no indexing of single elements and no Python inside: only block operations
-# (`tl.load`, `tl.store`, arithmetic, `tl.sum`, `tl.associative_scan`, ...). In this chapter: how a
-# GPU runs a kernel (programs, warps, threads, SMs); program ids, `tl.arange`, shapes and
-# broadcasting; masks; strides; two blocked kernels over inputs of any length; how to time a kernel;
-# and what Triton's CPU interpreter, which runs every kernel of this course when there is no GPU,
-# hides from you.
+# (`tl.load`, `tl.store`, arithmetic, `tl.sum`, `tl.associative_scan`, ...). Without a GPU, Triton's
+# CPU interpreter runs every kernel of this course; the chapter ends with what it hides from you.
 #
 # ## The setup cell, opened up
 #
-# What `import scan_lib` did above lives in `scan_lib/runtime.py`, written from the cells of this
-# chapter marked `#| export`. Without a CUDA GPU it sets `TRITON_INTERPRET=1`, so that Triton runs
-# kernels in its CPU interpreter; it must do so before the first `@triton.jit` (the section "Why the
-# setup cell comes first" shows what goes wrong otherwise). On Colab the first lines `pip install`
-# this repository. `describe()` prints where the kernels will run. The first exported cell also
-# holds `custom_op`, `EagerFastOp`, `apply` and `_eager_twin`: the wrapping that makes the library's
-# kernels PyTorch ops with gradients. Nothing in this chapter uses them, so skip them for now; chapter
-# 01 ("Going deeper: `cumsum` as a PyTorch op") explains custom ops, chapter 03 ("Autograd plumbing")
-# `apply`; `EagerFastOp`'s docstring says why a plain eager call skips the dispatcher.
+# `import scan_lib` ran `scan_lib/runtime.py`, written from this chapter's cells marked `#| export`:
+# without a CUDA GPU it sets `TRITON_INTERPRET=1` (section "Why the setup cell comes first"), and
+# `describe()` prints where kernels will run. The rest of the first exported cell serves later
+# chapters ("Going deeper: the setup cell's other half").
 
 # %%
 #| default_exp runtime
@@ -230,29 +222,22 @@ from scan_lib.runtime import INTERPRET, save_figure
 # %% [markdown]
 # ## How a GPU runs a kernel
 #
-# Launching `kernel[grid](...)` runs `grid` copies of the kernel, called **programs**, on the same
-# arguments (CUDA calls a program a *thread block*, or CTA). Each program works on a **block**: a
-# tile of values whose shape is fixed when the kernel is compiled, like the 1024 values in the
-# figure below. The pieces of hardware involved:
+# Launching `kernel[grid](...)` runs `grid` copies of the kernel, called **programs** (CUDA: *thread
+# blocks*, or CTAs), on the same arguments. Each program works on a **block**: a tile of values whose
+# shape is fixed when the kernel is compiled.
 #
-# * An **SM** (streaming multiprocessor) is one of the GPU's cores; a GPU has many (on a GPU the
-#   next cell prints how many). The GPU schedules each program onto one SM, which runs several
-#   programs at once when its registers and shared memory allow; programs that do not fit wait for
-#   one to finish. Programs exchange values only through global memory (the GPU's main memory), and
-#   nothing orders them unless the kernel itself does.
-# * A **thread** is one lane of execution with its own registers. A program's block is spread over
-#   `num_warps x 32` threads: each thread holds a few values of each block in its registers.
-# * A **warp** is 32 threads that execute the same instruction at the same time. `num_warps` (a
-#   launch option, 4 by default) sets how many warps a program has, so how many values each thread
-#   holds: a block of 1024 float32 over 4 warps is 8 values per thread.
-# * When values must move between threads, as in a sum or a scan over the block, the compiler uses
-#   **shuffles** (a thread reads a register of another thread of its warp) and **shared memory**
-#   (a small, fast memory of the SM that all threads of a program can read and write). `tl.sum` and
-#   `tl.associative_scan` do this for you: in Triton you never name a thread.
+# * An **SM** (streaming multiprocessor) is one of the GPU's many cores (the next cell prints how
+#   many). Each program runs on one SM, several at once when its registers and shared memory allow.
+#   Programs exchange values only through global memory (the GPU's main memory), and nothing orders
+#   them unless the kernel itself does.
+# * A **warp** is 32 **threads** (each with its own registers) that execute the same instruction
+#   at the same time. A program has `num_warps` warps (a launch option, 4 by default); each thread
+#   holds a few values of the block: 1024 float32 over 4 warps is 8 per thread.
+# * Between threads, as in a sum or a scan, values move by **shuffles** (a thread reads a register of
+#   another thread of its warp) and through **shared memory** (a small, fast memory of the SM).
+#   `tl.sum` and `tl.associative_scan` do this for you.
 #
-# The figure draws a launch of eight programs on four SMs, and how one program's block of 1024
-# float32 is spread over 4 warps; the section "What `num_warps` changes" shows the compiler choosing
-# that layout.
+# The figure draws both.
 
 # %%
 import matplotlib.pyplot as plt
@@ -290,14 +275,7 @@ save_figure(fig, "00_programs_warps_threads.png")
 #
 # Each program asks `tl.program_id(0)` which one it is and picks its share of the work from that.
 # A tensor argument arrives as a pointer to its first element, and `X + offsets` is a block of
-# pointers (offsets count elements, not bytes). Names in the kernels of this course follow one rule:
-#
-# * **Pointers** are capitalised words: `X`, `Y`, `GATES`, `DA`.
-# * **Compile-time constants** (`tl.constexpr` parameters) are upper case too: `BLOCK`, `CHUNK`,
-#   `REVERSE`. The annotation tells them from pointers.
-# * **Runtime values**, sizes included, are lower case: `length`, `n_rows`, `stride_t`, `num_blocks`.
-#
-# So an upper-case name in a kernel is a pointer or a constant, and never changes while the kernel runs.
+# pointers (offsets count elements, not bytes).
 
 # %%
 @triton.jit
@@ -322,18 +300,15 @@ assert "power of 2" in refusal, refusal
 print("BLOCK=6 is refused: arange's range must be a power of 2")
 
 # %% [markdown]
-# `tl.full(shape, value, dtype)` makes a block of one value, here the program's index in every slot.
-# `BLOCK` is a `tl.constexpr`: its value is known when the kernel is compiled (one compiled version
-# per value), so it can set shapes. Shapes must be compile-time constants, and `tl.arange` lengths
-# must be powers of two (the cell above checks that `BLOCK=6` is refused).
+# `tl.full(shape, value, dtype)` makes a block of one value. `BLOCK` is a `tl.constexpr`, known when
+# the kernel is compiled, so it can set shapes, which must be compile-time constants; `tl.arange`
+# lengths must be powers of two.
 #
 # ## `tl.arange`, shapes and broadcasting
 #
-# `tl.arange(0, K)` is a block of shape `(K,)`; indexing with `[:, None]` or `[None, :]` adds an axis
-# of length 1, and operations broadcast exactly as in PyTorch. A **row-major** `ROWS x COLS` matrix
-# stores its rows one after another, so element `[i, j]` sits `i * COLS + j` elements after the
-# first, and a 2-D block of pointers into it is `Y + rows[:, None] * COLS + cols[None, :]` (the
-# section "Strides and contiguity" extends this to any layout).
+# `tl.arange(0, K)` has shape `(K,)`; `[:, None]` or `[None, :]` adds an axis of length 1, and
+# operations broadcast as in PyTorch. A **row-major** `ROWS x COLS` matrix stores its rows one after
+# another, so a 2-D block of pointers into it is `Y + rows[:, None] * COLS + cols[None, :]`.
 
 # %%
 @triton.jit
@@ -357,14 +332,12 @@ print("Z = X[None, :] + Y, exactly as torch broadcasts: ok")
 #
 # A block has a power-of-two length, data rarely do. `tl.load(ptrs, mask=m, other=v)` reads only
 # where `m` is true and puts `v` elsewhere; `tl.store(ptrs, values, mask=m)` writes only where `m`
-# is true. The kernels above got away without masks because their sizes were exactly their
-# power-of-two blocks; from here on, every load and store over data has a mask, for a reason shown
-# in the interpreter section.
+# is true. From here on every load and store over data has a mask.
 #
 # ## A blocked kernel: vector addition of any length
 #
-# One program per block of `BLOCK` elements, `cdiv(n, BLOCK)` programs in all; the last block is
-# ragged and its tail is masked off.
+# One program per block of `BLOCK` elements, `cdiv(n, BLOCK)` programs in all; the tail of the last
+# block is masked off.
 
 # %%
 @triton.jit
@@ -394,14 +367,11 @@ print("vector_add == x + y for n = 1, 7, 129, 1000, 4097 (BLOCK = 256)")
 # %% [markdown]
 # ## What `num_warps` changes
 #
-# `num_warps` is a launch option, like the grid: `vector_add_kernel[grid](..., num_warps=8)`. It does
-# not change what a kernel computes, only how its blocks are spread over threads. To see that
-# spreading, `gpu_assembly` (exported below into `scan_lib.runtime`) compiles a kernel for an H100 or
-# H200 without running it, on any machine, and returns the compiler's output at each stage. The
-# stage `ttgir` states the layout of the block: `sizePerThread` consecutive values per thread,
-# `threadsPerWarp` and `warpsPerCTA` (warps per program); a layout smaller than the block repeats
-# until it covers it. `order` lists the block's dimensions from the one whose consecutive values sit
-# in one thread (and then in neighbouring threads) first: a one-dimensional block has only `[0]`.
+# `num_warps` (`kernel[grid](..., num_warps=8)`) changes how blocks are spread over threads, not
+# what a kernel computes. `gpu_assembly` (exported below) compiles a kernel for an H100 or H200 on
+# any machine, without running it, and returns the compiler's output by stage. The stage `ttgir`
+# states the block's layout: `sizePerThread` consecutive values per thread, `threadsPerWarp`, and
+# `warpsPerCTA` (warps per program); more in "Going deeper: reading a layout, choosing `num_warps`".
 
 # %%
 #| export
@@ -464,20 +434,16 @@ for num_warps in (1, 4, 8):
     print(f"{num_warps:>9} {lanes * warps:>7} {1024 // (lanes * warps):>17}   {layout}")
 
 # %% [markdown]
-# Each thread holds 4 neighbouring float32 (16 bytes) and the layout repeats until it covers the
-# block: with 4 warps a thread holds 8 values, as in the figure. More warps mean fewer
-# values per thread and more threads to hide memory latency, but also more work to combine values
-# across warps in a sum or a scan; later chapters choose `num_warps` per kernel.
+# Each thread holds 4 neighbouring float32: with 4 warps, 8 values, as in the figure.
 #
 # ## Strides and contiguity
 #
 # A tensor is a flat piece of memory plus a shape and **strides**: `x.stride(d)` is how many
-# elements to step in memory to move by one along dimension `d`, so element `[i, j]` of a 2-D tensor
-# sits at offset `i * x.stride(0) + j * x.stride(1)` from its first element. A row-major `3 x 4`
-# matrix has strides `(4, 1)`. Its transpose `m.t()` is a *view*: the same memory with the strides
-# swapped, `(1, 4)`, so no copy is made, and the view is not **contiguous** (its elements are not
-# laid out row after row). `.contiguous()` returns the tensor itself if it is contiguous, otherwise a
-# row-major copy.
+# elements to step in memory to move by one along dimension `d`, so element `[i, j]` sits at offset
+# `i * x.stride(0) + j * x.stride(1)`. A row-major `3 x 4` matrix has strides `(4, 1)`; its
+# transpose `m.t()` is a *view* of the same memory with strides `(1, 4)`, not **contiguous** (not
+# laid out row after row). `.contiguous()` returns a contiguous tensor itself, otherwise a row-major
+# copy.
 
 # %%
 m = torch.arange(12.0, device=DEVICE).view(3, 4)
@@ -495,10 +461,9 @@ print("m.t()[i, j] is memory[i * 1 + j * 4]: ok")
 
 # %% [markdown]
 # A kernel sees only the pointer to the first element, so it must be given the strides and compute
-# `offsets = row * stride_row + col * stride_col` itself. A kernel that assumes row-major (as
-# `broadcast_add_kernel` does) reads the wrong elements of a transposed view; one that takes strides
-# reads any view in place, without the copy `.contiguous()` would make. Below, a kernel copies any
-# 2-D view into a contiguous output; it reads `m.t()` through its strides.
+# `row * stride_row + col * stride_col` itself. A kernel that assumes row-major reads a transposed
+# view wrongly (the last lines below show it); one that takes strides reads any view in place,
+# without a copy, as `copy_2d` does.
 
 # %%
 @triton.jit
@@ -531,11 +496,9 @@ print(wrong)
 # %% [markdown]
 # ## A blocked kernel with a loop: row sums over any length
 #
-# Here each program owns one row of a matrix, reached through its strides, and walks along it
-# `BLOCK` columns at a time, accumulating in float32. A row can be longer than any block: the loop
-# carries the partial sums in registers, and `tl.sum` adds them up at the end (across the threads of
-# the program, with shuffles and shared memory). The loop is a `while`; the section "Going deeper:
-# the interpreter and NumPy" says why not a `for`.
+# Each program owns one row, reached through its strides, and walks along it `BLOCK` columns at a
+# time, carrying `BLOCK` partial sums in float32 registers; `tl.sum` adds them up at the end. The
+# loop is a `while`; "Going deeper: the interpreter and NumPy" says why not a `for`.
 
 # %%
 @triton.jit
@@ -574,12 +537,9 @@ for shape in ((3, 1), (5, 7), (2, 1000), (4, 4097)):
 
 # %% [markdown]
 # The bound is the usual size of the error of `n` float32 additions, $\sqrt{n}\,2^{-24}\sum|x|$
-# (the roundings, each at most $2^{-24}$ relative, mostly cancel like a random walk); the
-# transposed rows, read with stride `n_rows`, give the same sums.
-#
-# `tl.sum` needs values held by other threads. The compiled code shows how it gets them: with one
-# warp, only shuffles (`shfl.sync`); with four, shuffles within each warp, then shared memory
-# (`st.shared`, `ld.shared`) to combine the four warps' partial sums.
+# (the roundings, each at most $2^{-24}$ relative, mostly cancel like a random walk); the transposed
+# rows pass it too. The next cell shows how `tl.sum` combines values of other threads: with one
+# warp, only shuffles (`shfl.sync`); with four, also shared memory (`st.shared`, `ld.shared`).
 
 # %%
 row_sums_types = {"X": "*fp32", "OUT": "*fp32", "n_cols": "i32", "stride_row": "i32", "stride_col": "i32"}
@@ -593,25 +553,16 @@ for num_warps in (1, 4):
 # %% [markdown]
 # ## Timing a kernel on a GPU
 #
-# A launch only *queues* the kernel: the call returns to Python before the GPU has run it, so
-# `time.perf_counter()` around a launch measures the host, not the GPU. The GPU's time is measured
-# with **CUDA events**, markers that the GPU stamps with its own clock when it reaches them in the
-# queue. `triton.testing.do_bench` records events around many runs, after warm-up runs (the first
-# launch compiles the kernel), and before each run **flushes the L2 cache** (the GPU's last cache
-# before its memory) by writing a 256 MiB buffer, so that every run reads its inputs from memory
-# as a real workload would; `median_us` reports the median in microseconds.
+# A launch only *queues* the kernel, so `time.perf_counter()` around a launch measures the host, not
+# the GPU. The GPU's time is measured with **CUDA events**, markers that the GPU stamps with its own
+# clock. `median_us` calls `triton.testing.do_bench`: warm-up runs (the first launch compiles the
+# kernel), the **L2 cache** flushed before each run, the median in microseconds.
 #
-# Each launch also costs the host time (Python, argument checks, the driver): for a small kernel
-# this **host overhead** can exceed the GPU's time. `host_us` measures the host's time
-# per call, launches queued back to back; `graph_us` replays the calls from a **CUDA graph** (a
-# recorded sequence of launches, replayed by one call), which removes the host's overhead and leaves
-# the GPU's. Last, a kernel that moves `bytes` through memory needs about `bytes` over the memory
-# bandwidth: `copy_bandwidth` measures that rate by copying 1 GiB, and every benchmark of the course
-# compares its times with this **memory floor**. The floor is itself a measurement, of a copy, so a
-# kernel that streams as well as a copy lands on it give or take the run-to-run variation, and may
-# come in slightly under it (in the table below, the large additions replayed from a CUDA graph,
-# the `graph_us` column, do); the cell below treats only a time under 0.8 of the floor as a timing
-# error.
+# Each launch also costs the host time, which for a small kernel can exceed the GPU's. `host_us`
+# measures it per call; `graph_us` replays the calls from a **CUDA graph** (recorded launches,
+# replayed by one call), leaving only the GPU's time. A kernel that moves `bytes` through memory
+# needs about `bytes` over the memory bandwidth, which `copy_bandwidth` measures by copying 1 GiB:
+# every benchmark of the course compares with this **memory floor**.
 
 # %%
 #| export
@@ -650,12 +601,10 @@ def copy_bandwidth() -> float:
     return 2 * source.numel() * source.element_size() / (median_us(lambda: target.copy_(source)) * 1e-6)
 
 # %% [markdown]
-# On a GPU, the cell below times `vector_add` and `torch.add` at a small and a large size with the
-# three timers, prints the memory floor (3 float32 of 4 bytes move per element), and says which of
-# host and GPU sets the pace. Without a GPU it times the interpreter instead: every operation of
-# every program runs in Python, so many small blocks cost far more than a few large ones, and both
-# are much slower than PyTorch. That is why every chapter has two size profiles (`if ON_GPU:`
-# realistic sizes, else small ones) and reports no CPU timings.
+# On a GPU, the cell times `vector_add` and `torch.add` at a small and a large size with the three
+# timers, against the memory floor (3 float32 of 4 bytes per element), and says which of host and
+# GPU sets the pace ("Going deeper: timing fine print"). Without a GPU it times the much slower
+# interpreter instead.
 
 # %%
 torch.manual_seed(4)
@@ -690,11 +639,9 @@ else:
     assert seconds[64] > seconds[1024] > seconds["torch"]
 
 # %% [markdown]
-# The check at the end of the GPU branch above tests less than it seems: `torch.add` wrote `z_speed`
-# after the kernel did, so it checks PyTorch's sum, not the kernel's. Timed ops that share an output
-# buffer leave in it only the last op's result. The cell below checks the timed launch itself (the same
-# grid and `BLOCK`, on the last inputs timed) writing into a buffer of its own, filled with NaN first,
-# so that a launch that wrote nothing, or only part, fails.
+# `torch.add` wrote `z_speed` last, so the timing cell's final check tests PyTorch's sum. This cell
+# checks the kernel's, into its own buffer filled with NaN, so that a launch that wrote nothing, or
+# only part, fails.
 
 # %%
 z_kernel = torch.full_like(x_speed, float("nan"))
@@ -706,10 +653,8 @@ print(f"vector_add_kernel, {x_speed.numel()} values, BLOCK 1024, into its own bu
 # ## The CPU interpreter and what it hides
 #
 # Without a GPU, `TRITON_INTERPRET=1` makes `@triton.jit` return an *interpreted* function: each
-# program runs in Python, on NumPy arrays, over CPU tensors. That lets anyone run this course, and
-# the same kernel source runs on a GPU unchanged. But the interpreter is not a GPU: besides its
-# speed (which the cell above times when run without a GPU; on a GPU it times the GPU instead),
-# four differences matter.
+# program runs in Python, on NumPy arrays. The same kernel source runs on a GPU unchanged, but
+# besides its speed, four differences matter.
 #
 # ### 1. Programs run one after another, so races pass
 #
@@ -740,16 +685,15 @@ else:
     assert racy.item() < n_programs, "programs run at the same time: increments are lost"
 
 # %% [markdown]
-# Under the interpreter both counts are right; on a GPU the racy count is below the number of
-# programs (the cell asserts each). A test suite that only runs on the CPU cannot catch a race.
+# Under the interpreter both counts are right; on a GPU the racy one is lower. A test suite that
+# only runs on the CPU cannot catch a race.
 #
 # ### 2. `tl.associative_scan` folds left to right, so a non-associative combine passes
 #
-# `tl.associative_scan(x, 0, f)` computes the running combination $x_0,\ f(x_0, x_1),\
-# f(f(x_0, x_1), x_2), \dots$ (with `f = +`, a cumulative sum), and is allowed to group the
-# combines in any tree, because it assumes `f` is associative. The interpreter evaluates it as a
-# plain left fold, so with subtraction, which is not associative, it returns what a sequential loop
-# would. A GPU evaluates a tree and returns something else.
+# `tl.associative_scan(x, 0, f)` computes $x_0,\ f(x_0, x_1),\ f(f(x_0, x_1), x_2), \dots$
+# (with `f = +`, a cumulative sum), grouping the combines in any tree, since it assumes `f` is
+# associative. The interpreter evaluates a plain left fold, so with subtraction it returns what a
+# sequential loop would; a GPU evaluates a tree and returns something else.
 
 # %%
 @triton.jit
@@ -799,9 +743,8 @@ print("a + b is associative; a - b is not")
 # ### 3. Out-of-bounds reads are silent, so masks matter
 #
 # A kernel only receives a pointer: it does not know where the tensor ends. Below, `x` is the first
-# five elements of an eight-element buffer whose tail holds 100. Loading a block of 8 without a
-# mask reads the neighbours, on the CPU and on a GPU alike, with no error. (Past the end of an
-# allocation the result is garbage or a crash, depending on luck.) The mask makes it right.
+# five elements of an eight-element buffer whose tail holds 100. An unmasked block of 8 reads the
+# neighbours, on CPU and GPU alike, with no error. The mask makes it right.
 
 # %%
 @triton.jit
@@ -830,12 +773,8 @@ assert unmasked == 5 + 3 * 100 and total.item() == 5
 # The interpreter computes with NumPy; a GPU uses its own instructions, some of them fast
 # approximations, and sums in another order. Results agree within rounding errors, not bit for bit,
 # so every check in this course compares with a float64 reference within a tolerance, never with
-# `torch.equal`. For example, on a GPU `tl.exp(x)` computes $2^t$, $t = x \log_2 e$, with the fast
-# instruction `ex2.approx.f32`, whose error is at most 2 units in the last place (ulp), a relative
-# $2^{-22}$; the rounding of $t$ (up to $2^{-23}|t|$) adds a relative $|x|\,2^{-23}$. The cell finds
-# the instruction in the compiled code and asserts, on the GPU and under the interpreter (NumPy's
-# float32 `exp`), that the error against float64 stays within $2^{-22} + |x|\,2^{-23} + 2^{-24}$
-# (the last term for the final rounding).
+# `torch.equal`. The cell checks the fast `ex2.approx.f32` behind `tl.exp` against float64
+# ("Going deeper: the error bound of `tl.exp`").
 
 # %%
 @triton.jit
@@ -867,19 +806,12 @@ print(f"tl.exp on [-10, 10]: max relative error {relative.max().item():.1e} ({ma
 assert (relative <= bound).all()
 
 # %% [markdown]
-# Conversions to half precision can round differently too: PyTorch and a GPU round float32 to the
-# nearest bfloat16 or float16, while Triton 3.6's interpreter converts float32 to bfloat16 by
-# dropping the low 16 bits, that is truncation, towards zero. A test value must tell the two apart:
-# not representable in the target type, and closer to its upper neighbour. `rounds_to_nearest` uses
-# $\pm(1 + \tfrac34\varepsilon)$, where $\varepsilon$ is the gap between 1 and the next value of the
-# type ($2^{-7}$ for bfloat16, $2^{-10}$ for float16): nearest gives $\pm(1 + \varepsilon)$,
-# truncation $\pm 1$. (A value exact in the type, such as $1 + 2^{-8} + 2^{-10}$ in float16, cannot
-# catch truncation: `tests/test_runtime.py` shows a truncating conversion passing with it and
-# failing with this one.) The second cell below prints what `convert_kernel` does on your device:
-# on a GPU, as in the committed run, both conversions round to nearest; under the interpreter the
-# bfloat16 one truncates. In the kernel, `Y.dtype` is the type of the pointer `Y` (a pointer to
-# bfloat16, say) and `Y.dtype.element_ty` the type it points to: `.to(Y.dtype.element_ty)` converts the
-# loaded values to whatever the output tensor holds, so one kernel serves every output dtype.
+# Conversions can differ too: PyTorch and a GPU round float32 to the nearest bfloat16 or float16,
+# while Triton 3.6's interpreter truncates float32 to bfloat16. `rounds_to_nearest` tells the two
+# apart with $\pm(1 + \tfrac34\varepsilon)$, $\varepsilon$ the gap between 1 and the next value of
+# the type: nearest gives $\pm(1 + \varepsilon)$, truncation $\pm 1$. In `convert_kernel`,
+# `Y.dtype.element_ty` is the type that `Y` points to, so one kernel serves every output dtype. The
+# second cell prints what `convert_kernel` does on your device.
 
 # %%
 #| export
@@ -919,11 +851,11 @@ for dtype in (torch.bfloat16, torch.float16):
 # %% [markdown]
 # ## Why the setup cell comes first
 #
-# `@triton.jit` looks at `TRITON_INTERPRET` at the moment it *defines* a kernel, and returns either
-# a compiled GPU function or an interpreted one. Setting the variable later does not change
-# kernels already defined, and a kernel defined while it was unset is compiled for a GPU: without
-# one, its first launch fails. That is why `import scan_lib`, which sets the variable when no GPU is
-# visible, is the first thing every chapter does.
+# `@triton.jit` looks at `TRITON_INTERPRET` when it *defines* a kernel, and returns either a
+# compiled GPU function or an interpreted one; setting the variable later changes no kernel already
+# defined. A kernel defined while it was unset is compiled for a GPU, and without one its first
+# launch fails. So `import scan_lib`, which sets the variable when no GPU is visible, comes first in
+# every chapter.
 
 # %%
 import os
@@ -950,21 +882,96 @@ if INTERPRET:
 # %% [markdown]
 # ## Summary
 #
-# * A launch runs `grid` programs, scheduled onto the GPU's SMs; each finds its block from
-#   `tl.program_id` and `tl.arange`, and spreads it over `num_warps x 32` threads.
-# * Shapes are compile-time constants (powers of two for `tl.arange`) and broadcast like PyTorch.
-# * Upper-case names in kernels are pointers and `tl.constexpr` constants; runtime values, sizes and
-#   strides included, are lower case.
-# * A kernel reads a tensor through its strides, `row * stride_row + col * stride_col`; a view
-#   such as a transpose needs no copy.
-# * Mask every load and store: a kernel reads past the end of a tensor without complaint.
-# * Time GPU code with `median_us` (CUDA events, L2 flushed), and compare with the memory floor.
-# * The interpreter runs the same kernels on a CPU but serialises programs, folds scans left to
-#   right, rounds like NumPy (and truncates float32 to bfloat16) and is slow. Test combine operators
-#   for associativity in PyTorch, and run everything on a real GPU before trusting it.
+# Kernels find their block from `tl.program_id` and `tl.arange`, read tensors through strides and
+# mask every load and store; `median_us` times them against the memory floor. The interpreter hides
+# races, non-associative combines and the GPU's rounding: run everything on a real GPU before
+# trusting it.
 #
 # Next: chapter 01 scans with `+`, first in one block, then at any length.
+
+# %% [markdown]
+# ## Going deeper: the setup cell's other half
 #
+# On Colab the first lines of the setup cell `pip install` this repository. The first exported cell
+# of `scan_lib.runtime` also holds `custom_op`, `EagerFastOp`, `apply` and `_eager_twin`: the
+# wrapping that makes the library's kernels PyTorch ops with gradients. Chapter 01 ("Going deeper:
+# `cumsum` as a PyTorch op") explains custom ops, chapter 03 ("Autograd plumbing") `apply`;
+# `EagerFastOp`'s docstring says why a plain eager call skips the dispatcher.
+
+# %% [markdown]
+# ## Going deeper: names in kernels
+#
+# Names in the kernels of this course follow one rule:
+#
+# * **Pointers** are capitalised words: `X`, `Y`, `GATES`, `DA`.
+# * **Compile-time constants** (`tl.constexpr` parameters) are upper case too: `BLOCK`, `CHUNK`,
+#   `REVERSE`. The annotation tells them from pointers.
+# * **Runtime values**, sizes and strides included, are lower case: `length`, `n_rows`, `stride_t`,
+#   `num_blocks`.
+#
+# So an upper-case name in a kernel is a pointer or a constant, and never changes while the kernel
+# runs. A `tl.constexpr` gets one compiled version of the kernel per value.
+
+# %% [markdown]
+# ## Going deeper: reading a layout, choosing `num_warps`
+#
+# In the `ttgir` layout, each thread's 4 neighbouring float32 are 16 bytes, and a layout smaller
+# than the block repeats until it covers it. `order` lists the block's dimensions from the one whose
+# consecutive values sit in one thread (and then in neighbouring threads) first: a one-dimensional
+# block has only `[0]`.
+#
+# More warps mean fewer values per thread and more threads to hide memory latency, but also more
+# work to combine values across warps in a sum or a scan; later chapters choose `num_warps` per
+# kernel.
+
+# %% [markdown]
+# ## Going deeper: timing fine print
+#
+# `do_bench` flushes the L2 cache (the GPU's last cache before its memory) by writing a 256 MiB
+# buffer before each run, so that every run reads its inputs from memory as a real workload would.
+# A launch's host time goes to Python, argument checks and the driver.
+#
+# The memory floor is itself a measurement, of a copy, so a kernel that streams as well as a copy
+# lands on it give or take the run-to-run variation, and may come in slightly under it (in the
+# timing table, the large additions replayed from a CUDA graph, the `graph_us` column, do); the
+# timing cell treats only a time under 0.8 of the floor as a timing error.
+#
+# Without a GPU the timing cell times the interpreter: every operation of every program runs in
+# Python, so many small blocks cost far more than a few large ones, and both are much slower than
+# PyTorch. That is why every chapter has two size profiles (`if ON_GPU:` realistic sizes, else small
+# ones) and reports no CPU timings.
+#
+# Timed ops that share an output buffer leave in it only the last op's result. That is why the
+# timing cell's own last check tests less than it seems, and the cell after it checks the timed
+# launch itself (the same grid and `BLOCK`, on the last inputs timed).
+
+# %% [markdown]
+# ## Going deeper: the error bound of `tl.exp`
+#
+# On a GPU `tl.exp(x)` computes $2^t$, $t = x \log_2 e$, with the fast instruction `ex2.approx.f32`,
+# whose error is at most 2 units in the last place (ulp), a relative $2^{-22}$; the rounding of $t$
+# (up to $2^{-23}|t|$) adds a relative $|x|\,2^{-23}$. The cell of "4. Rounding differs from the
+# GPU's" asserts, on the GPU and under the interpreter (NumPy's float32 `exp`), that the error
+# against float64 stays within $2^{-22} + |x|\,2^{-23} + 2^{-24}$ (the last term for the final
+# rounding).
+
+# %% [markdown]
+# ## Going deeper: catching a truncating conversion
+#
+# Triton 3.6's interpreter converts float32 to bfloat16 by dropping the low 16 bits, that is
+# truncation, towards zero. A test value must tell that from rounding to nearest: not representable
+# in the target type, and closer to its upper neighbour. $\pm(1 + \tfrac34\varepsilon)$ is both,
+# with $\varepsilon = 2^{-7}$ for bfloat16 and $2^{-10}$ for float16. A value exact in the type,
+# such as $1 + 2^{-8} + 2^{-10}$ in float16, cannot catch truncation: `tests/test_runtime.py` shows
+# a truncating conversion passing with it and failing with this one.
+
+# %% [markdown]
+# ## Going deeper: past the end of an allocation
+#
+# The cell of "3. Out-of-bounds reads are silent" reads past the end of a tensor but inside its
+# buffer. Past the end of an allocation the result is garbage or a crash, depending on luck.
+
+# %% [markdown]
 # ## Going deeper: the rest of `scan_lib.runtime`
 #
 # The public functions of later chapters check their inputs with the two helpers below, so that a
