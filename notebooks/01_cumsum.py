@@ -14,10 +14,9 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/01_cumsum.ipynb)
 #
 # A cumulative sum (a *scan* with `+`) is the simplest recurrence there is; every later chapter is
-# the same algorithm with a richer combine operator. You will write the sequential definition, scan
-# one block with `tl.associative_scan`, see the tree that makes it parallel, scan any length in
-# blocks (three phases, then a single pass), check every kernel against a float64 reference, and
-# export `scan_lib.cumsum`, which behaves like `torch.cumsum`.
+# the same algorithm with a richer combine operator. You will scan one block with
+# `tl.associative_scan`, see the tree that makes it parallel, scan any length in blocks (three
+# phases, then a single pass), and export `scan_lib.cumsum`, which behaves like `torch.cumsum`.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -77,34 +76,9 @@ print("sequential loop == float64 torch.cumsum (to 1e-12) on 1000 random values:
 # How close must a kernel come? Rounding the output costs up to the unit roundoff $u_\text{out}$
 # ($2^{-24}$ for float32, $2^{-11}$ for float16) times $|y_t|$, and each addition in the accumulation
 # dtype up to $u_\text{acc}$ times a partial sum; both are at most $\sum_{j \le t} |x_j|$. So we divide
-# the error by that (not by $y_t$, which can cancel to zero) and allow $u_\text{out} + 32\,u_\text{acc}\log_2 L$.
-#
-# Where the 32 comes from. A sum grouped as any tree has an error of at most $d\,u_\text{acc}\sum|x_j|$
-# (to first order), where $d$ is the largest number of additions one value passes through on its way
-# to $y_t$; the roundings have random signs and mostly cancel, so the typical error is nearer
-# $\sqrt{d}\,u_\text{acc}\sum|x_j|$ (chapter 00's row sums use the same model). A balanced tree has
-# $d \approx \log_2 L$, but no kernel here is one: a GPU thread first adds the values it holds one
-# after another, the carries pass from block to block one addition per block, and the interpreter
-# folds a whole block left to right, so $d$ can reach the block's length. The worst case of such a
-# sum grows like $L$, and no tolerance tight enough to catch a bug covers it; the factor 32 covers
-# the typical error of the worst order there is, a fully sequential float32 sum ($d = L - 1$):
-# $\sqrt{L} \le 32\log_2 L$ for every $L$ up to $2^{18}$, beyond the lengths the CPU run checks. The
-# cell below asserts that inequality and measures such a sum (NumPy's float32 `cumsum`, sequential,
-# on positive values, which do not cancel): within the tolerance, and above
-# $u_\text{acc}\log_2 L$, so a factor of 1 would fail it. On a GPU the longest path is much shorter
-# than $L$: the carry chain, about one addition per block of 4096, plus a thread's few values and a
-# tree; at the benchmark's largest size, $2^{27}$, the chain is $2^{27}/4096 = 2^{15}$ additions,
-# and the square root of the whole path, about 181, is far below $32\log_2 L = 32 \cdot 27 = 864$.
-#
-# In float16 and bfloat16 the output rounding dominates: rounding to nearest costs at most
-# $u_\text{out}|y_t| \le u_\text{out}\sum_{j\le t}|x_j|$, the tolerance's first term, so the margin of a
-# correctly rounding kernel is the accumulation term alone, a few percent of the tolerance in float16
-# and under one percent in bfloat16 (the table
-# of the exported `cumsum`'s checks below prints error and tolerance side by side). That margin is thin but
-# not luck: the float32 accumulation's own error is about $u_\text{acc}$, thousands of times smaller
-# than $u_\text{out}$, and the rounding of the output cannot exceed its bound. A kernel that accumulated
-# float16 in float16 fails the tolerance (`tests/test_cumsum.py` shows it). Under the interpreter,
-# whose float32-to-bfloat16 cast truncates, bfloat16 gets $2u_\text{out}$.
+# the error by that (not by $y_t$, which can cancel to zero) and allow
+# $u_\text{out} + 32\,u_\text{acc}\log_2 L$ ("Going deeper" derives the factor 32 and the margins of
+# float16 and bfloat16).
 
 # %%
 UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -128,6 +102,11 @@ def assert_cumsum(y: torch.Tensor, x: torch.Tensor, dim: int = -1) -> float:
     err, tolerance = scan_error(y, x, dim), scan_tolerance(x.dtype, x.shape[dim] if x.dim() else 1)
     assert err <= tolerance, f"scaled error {err:.2e} above {tolerance:.1e} for {x.dtype}"
     return err
+
+# %% [markdown]
+# The cell below measures the worst order of additions, a fully sequential float32 sum (NumPy's
+# `cumsum`, on positive values, which do not cancel): its error is within the tolerance, and above
+# $u_\text{acc}\log_2 L$, so a factor of 1 would fail it.
 
 # %%
 import numpy as np
@@ -212,11 +191,9 @@ for length in (1, 7, 16, 129, 1000):
 #
 # That is $3L - 2$ additions against the loop's $L$, but only $2\log_2 L + 1$ dependent steps instead of $L$.
 #
-# The check below does not take the function's word for it: `blelloch_scan` tallies its additions
-# from the index sets it writes, which would agree with the formula even if an addition were missing
-# or doubled. A `TorchDispatchMode` (a hook that sees every operation torch runs while it is active)
-# counts instead the floating-point additions torch actually performs, and the calls that perform
-# them: each call adds one whole index set at once, so the calls are the dependent steps.
+# The check below counts, with a `TorchDispatchMode` (a hook that sees every operation torch runs
+# while it is active), the floating-point additions torch actually performs and the calls that
+# perform them: each call adds one whole index set at once, so the calls are the dependent steps.
 
 # %%
 def blelloch_scan(x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor, torch.Tensor]], int]:
@@ -321,9 +298,9 @@ save_figure(draw_blelloch(tree_steps), "blelloch_tree.png")
 
 # %% [markdown]
 # `tl.associative_scan` does not promise this particular tree (on a GPU, threads and warps combine
-# partial results in their own order). Any grouping gives the same answer *only because the operator
-# is associative*, the one property every combine function in this course must have. Floating-point
-# addition is associative only up to rounding, hence the tolerance rather than `torch.equal`:
+# partial results in their own order), so every combine function in this course must be associative.
+# Floating-point addition is associative only up to rounding, hence the tolerance rather than
+# `torch.equal`:
 
 # %%
 a32, b32, c32 = torch.tensor(1e8, dtype=torch.float32), torch.tensor(-1e8, dtype=torch.float32), torch.tensor(1.0, dtype=torch.float32)
@@ -332,19 +309,14 @@ print("float32: (1e8 + -1e8) + 1 =", ((a32 + b32) + c32).item(), " but 1e8 + (-1
 
 # %% [markdown]
 # Triton's CPU interpreter folds `tl.associative_scan` left to right, so a non-associative combine
-# passes on the CPU and fails on the GPU (chapter 00). Associativity is therefore tested on its own,
-# in plain PyTorch, in `tests/test_cumsum.py`.
+# passes on the CPU and fails on the GPU (chapter 00).
 #
 # ## Longer than one block: the three-phase scan
 #
-# A program's block lives in its threads' registers (chapter 00: a block of values is spread over the
-# program's threads), and registers are a fixed budget: 65,536 32-bit registers per multiprocessor on
-# an H100 or H200, at most 255 per thread, shared by every program resident there. With the default
-# 4 warps a program's 128 threads have at most 128 x 255 = 32,640 registers, so a block of tens of
-# thousands of values no longer fits; more warps raise that only towards the multiprocessor's
-# 65,536, and well before that one program fills a multiprocessor alone. So a long sequence is cut
-# into blocks of `BLOCK` values, one program each. Number the blocks $k = 0, 1, \dots$, write $T_k$
-# for the total of block $k$ and $S_k = T_0 + \dots + T_k$. For $t$ in block $k$,
+# A program's block lives in its threads' registers (chapter 00), a fixed budget that a block of tens
+# of thousands of values exceeds ("Going deeper" counts them). So a long sequence is cut into blocks
+# of `BLOCK` values, one program each. Number the blocks $k = 0, 1, \dots$, write $T_k$ for the total
+# of block $k$ and $S_k = T_0 + \dots + T_k$. For $t$ in block $k$,
 #
 # $$y_t = \underbrace{S_{k-1}}_{\text{carry into block } k} + \underbrace{\sum_{j \in \text{block } k,\ j \le t} x_j}_{\text{scan inside block } k}, \qquad S_{-1} = 0,$$
 #
@@ -432,8 +404,7 @@ def cumsum_three_phase(x: torch.Tensor, block: int) -> torch.Tensor:
 
 # %% [markdown]
 # Checked at awkward lengths, with blocks small enough that the totals recurse: on a GPU the
-# smallest block is 64, and 4097 values give 65 totals, then 2 (two levels); without a GPU the
-# blocks start at 16, and 4097 values give 257 totals, then 17, then 2 (three levels):
+# smallest block is 64, and 4097 values give 65 totals, then 2 (two levels):
 
 # %%
 torch.manual_seed(4)
@@ -451,13 +422,11 @@ for length in (1, 7, 129, 1000, 4097):
 # $y$): it is bound by memory bandwidth. The three-phase scan moves $4L$ words: phase 1 reads $x$ and
 # writes $y$, phase 3 reads and writes $y$ again.
 #
-# **Reduce, then scan**: pass 1 reads $x$ and writes only the totals $T_k$; pass 2 scans the totals
-# (one program per row walks them in chunks, no recursion); pass 3 reads $x$ again, scans each block,
-# adds its carry and writes $y$. $3L$ words, three launches.
+# **Reduce, then scan**: pass 1 reads $x$ and writes only the totals $T_k$; pass 2 scans the totals;
+# pass 3 reads $x$ again, scans each block, adds its carry and writes $y$. $3L$ words, three launches.
 #
-# **Decoupled look-back** (Merrill and Garland, 2016, the algorithm behind the device scans of CUB,
-# NVIDIA's C++ library of GPU primitives such as scans, sorts and reductions, and of `torch.cumsum`)
-# reads $x$ once: the program holding block $k$ learns its carry *during the same launch*.
+# **Decoupled look-back** (Merrill and Garland, 2016) reads $x$ once: the program holding block $k$
+# learns its carry *during the same launch*.
 #
 # * Every program first takes a ticket, `tile = atomic_add(counter, 1)`: tiles are numbered in the
 #   order programs *start*, so a tile only waits for tiles already running, and no wait lasts forever.
@@ -499,15 +468,10 @@ save_figure(draw_look_back(), "look_back_scan.png")
 
 # %% [markdown]
 # The exported kernels scan each row of a contiguous `n_rows x length` tensor, the scanned dimension
-# last. So `cumsum` of a non-contiguous tensor, or along any dimension but the last, first copies its
-# input into that layout, and along any dimension but the last copies its result back: each copy
-# reads and writes every value once more, which a kernel taking strides (chapter 00) would avoid.
-# These kernels do not read such views in place, and this chapter does not time the copies. The
-# program id numbers (row, block) pairs, and the column indices and offsets are 64-bit (a program id
-# is a 32-bit integer, and block k's first column, k times the block, passes 2^31 in a row of that
-# many values: the kernels widen k before multiplying). They
-# accumulate in `ACC`: float64 for float64, int64 for integers (as `torch.cumsum` does), float32
-# otherwise. Rows of one block need only pass 3, and a program then takes several rows at once.
+# last ("Going deeper" says what that costs other layouts). The program id numbers (row, block) pairs,
+# and the column indices and offsets are 64-bit. The kernels accumulate in `ACC`: float64 for float64,
+# int64 for integers (as `torch.cumsum` does), float32 otherwise. Rows of one block need only pass 3,
+# and a program then takes several rows at once.
 
 # %%
 #| export
@@ -802,9 +766,8 @@ def cumsum(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None) 
 # %% [markdown]
 # ## Checking the exported `cumsum`
 #
-# Both algorithms at awkward lengths, with blocks small enough that 4097 values span many of them (a
-# chain of tiles to look back over, totals that pass 2 walks in chunks), then a batch of rows (a
-# look-back must not run into the previous row):
+# Both algorithms at awkward lengths, with blocks small enough that 4097 values span many of them,
+# then a batch of rows (a look-back must not run into the previous row):
 
 # %%
 torch.manual_seed(6)
@@ -821,8 +784,8 @@ for algorithm in ALGORITHMS:
 print("3 rows x 1000 values in blocks of 16, windows 1, 4, 32: ok")
 
 # %% [markdown]
-# Then the public function in every floating dtype along every kind of dim, and its gradient (the
-# checks of everything else that makes it behave like `torch.cumsum` are in "Going deeper"):
+# Then the public function in every floating dtype along every kind of dim, and its gradient (its
+# other `torch.cumsum` behaviours are checked in "Going deeper"):
 
 # %%
 torch.manual_seed(7)
@@ -840,20 +803,13 @@ assert torch.autograd.gradgradcheck(lambda t: cumsum(t, dim=1), (x_grad,))
 print("gradcheck, gradgradcheck: ok")
 
 # %% [markdown]
-# `tests/test_cumsum.py` runs these checks and more (random shapes, `torch.func.grad`, `vmap`,
-# `torch.compile(fullgraph=True)`, Hessians), and injects the bugs they guard against (a skipped
-# carry, a look-back past its row, float16 accumulation, non-associative combines) to show each fails.
-#
 # ## Speed (GPU only)
 #
 # `cumsum` (the look-back) against `torch.cumsum`, reduce-then-scan and the three-phase scan, on 1-D
 # float32 inputs of $2^{10}$ to $2^{27}$ values: the median of `triton.testing.do_bench`, what a user
 # waits for. The memory floor is the $2L$ words a cumulative sum must move, at the copy bandwidth
-# measured in the same cell, which prints its conclusions from its measurements. Two column labels
-# hold only for rows longer than one block (`CONFIG["block"]`, 4096 on a GPU): up to $L = 2^{12}$
-# `scan_rows` sends both `cumsum` and the reduce-then-scan call to `scan_short_rows`, one launch of
-# `scan_tiles_kernel`, so those two columns time the same kernel behind different Python. The
-# three-phase column, in blocks of 1024, is one launch at $2^{10}$ and three or more from $2^{11}$.
+# measured in the same cell. Up to $L = 2^{12}$ two of the columns time the same kernel ("Going
+# deeper" says which).
 
 # %%
 from scan_lib.runtime import copy_bandwidth, graph_us, host_us, median_us  # the timers of chapter 00
@@ -898,18 +854,9 @@ else:
 
 # %% [markdown]
 # What the table shows: at $L = 2^{26}$ and $2^{27}$, the two largest sizes measured, the words moved
-# set the order ($2L$ for the look-back, $3L$ for reduce-then-scan, $4L$ for the three-phase scan):
-# there the look-back is the fastest of the four and beats `torch.cumsum`, as the cell's last lines say.
-# Its line "faster than torch.cumsum from L = 2^26 up" means at every size from there to the largest
-# measured, $2^{27}$: the table says nothing about longer inputs. Up to $2^{25}$ the
-# public `cumsum`'s time is mostly the host's (at $2^{25}$ the look-back is still the slowest of the
-# four in this run, and `torch.cumsum` is faster): its host time per call alone is many times
-# `torch.cumsum`'s whole median at small sizes, and more than its own GPU time, at $2^{25}$ too
-# ("Going deeper" plots the table and measures the split). The bare launchers of this chapter
-# carry less host work: the three-phase scan of a single block ($L = 2^{10}$, one launch) takes
-# 18.2 us against `cumsum`'s 96.8, though still about 2.6 times `torch.cumsum`'s 7.0. At small
-# sizes the Triton columns jump up and down between neighbouring sizes, where GPU work would grow
-# with $L$: host time and its variation from call to call, not the kernels.
+# set the order: there the look-back is the fastest of the four and beats `torch.cumsum`, as the
+# cell's last lines say. Up to $2^{25}$ the public `cumsum`'s time is mostly the host's ("Going
+# deeper" plots the table and measures the split).
 #
 # ## Summary
 #
@@ -921,6 +868,45 @@ else:
 #   a wrong kernel fails.
 #
 # The next chapter swaps `+` for the operator of a first-order linear recurrence, $h_t = a_t h_{t-1} + b_t$.
+
+# %% [markdown]
+# ## Going deeper: where the tolerance's factor 32 comes from
+#
+# A sum grouped as any tree has an error of at most $d\,u_\text{acc}\sum|x_j|$ (to first order), where
+# $d$ is the largest number of additions one value passes through on its way to $y_t$; the roundings
+# have random signs and mostly cancel, so the typical error is nearer
+# $\sqrt{d}\,u_\text{acc}\sum|x_j|$ (chapter 00's row sums use the same model). A balanced tree has
+# $d \approx \log_2 L$, but no kernel here is one: a GPU thread first adds the values it holds one
+# after another, the carries pass from block to block one addition per block, and the interpreter
+# folds a whole block left to right, so $d$ can reach the block's length. The worst case of such a sum
+# grows like $L$, and no tolerance tight enough to catch a bug covers it; the factor 32 covers the
+# typical error of the worst order there is, a fully sequential float32 sum ($d = L - 1$):
+# $\sqrt{L} \le 32\log_2 L$ for every $L$ up to $2^{18}$, beyond the lengths the CPU run checks; the
+# cell that measures a sequential float32 sum, after `scan_tolerance`, asserts that inequality. On a
+# GPU the longest path is much shorter than $L$: the carry chain, about one addition per block of
+# 4096, plus a thread's few values and a tree; at the benchmark's largest size, $2^{27}$, the chain is
+# $2^{27}/4096 = 2^{15}$ additions, and the square root of the whole path, about 181, is far below
+# $32\log_2 L = 32 \cdot 27 = 864$.
+#
+# In float16 and bfloat16 the output rounding dominates: rounding to nearest costs at most
+# $u_\text{out}|y_t| \le u_\text{out}\sum_{j\le t}|x_j|$, the tolerance's first term, so the margin of
+# a correctly rounding kernel is the accumulation term alone, a few percent of the tolerance in
+# float16 and under one percent in bfloat16 (the table of the exported `cumsum`'s checks prints error
+# and tolerance side by side). That margin is thin but not luck: the float32 accumulation's own error
+# is about $u_\text{acc}$, thousands of times smaller than $u_\text{out}$, and the rounding of the
+# output cannot exceed its bound. A kernel that accumulated float16 in float16 fails the tolerance
+# (`tests/test_cumsum.py` shows it). Under the interpreter, whose float32-to-bfloat16 cast truncates,
+# bfloat16 gets $2u_\text{out}$.
+
+# %% [markdown]
+# ## Going deeper: why one program cannot scan a long sequence
+#
+# A program's block lives in its threads' registers (chapter 00: a block of values is spread over the
+# program's threads), and registers are a fixed budget: 65,536 32-bit registers per multiprocessor on
+# an H100 or H200, at most 255 per thread, shared by every program resident there. With the default
+# 4 warps a program's 128 threads have at most 128 x 255 = 32,640 registers, so a block of tens of
+# thousands of values no longer fits; more warps raise that only towards the multiprocessor's
+# 65,536, and well before that one program fills a multiprocessor alone.
 
 # %% [markdown]
 # ## Going deeper: one launch, no barrier
@@ -964,6 +950,9 @@ else:
 
 # %% [markdown]
 # ## Going deeper: the look-back and the GPU's memory model
+#
+# The decoupled look-back is the algorithm behind the device scans of CUB, NVIDIA's C++ library of GPU
+# primitives such as scans, sorts and reductions, and of `torch.cumsum`.
 #
 # A GPU's memory model is weak: two stores by one program may become visible to another
 # multiprocessor in the opposite order, and an ordinary load in a loop may be served from the
@@ -1084,6 +1073,21 @@ assert torch.equal(pack_words(torch.tensor([2]), torch.tensor([-1.5])), torch.te
 print("look_back on snapshots: the walk over aggregates, the stop at a PREFIX and at the row start: ok")
 
 # %% [markdown]
+# ## Going deeper: the exported kernels' layout and 64-bit offsets
+#
+# The exported kernels scan rows of a contiguous `n_rows x length` tensor, the scanned dimension last.
+# So `cumsum` of a non-contiguous tensor, or along any dimension but the last, first copies its
+# input into that layout, and along any dimension but the last copies its result back: each copy
+# reads and writes every value once more, which a kernel taking strides (chapter 00) would avoid.
+# These kernels do not read such views in place, and this chapter does not time the copies.
+#
+# The column indices and offsets are 64-bit because a program id is a 32-bit integer, and block k's
+# first column, k times the block, passes 2^31 in a row of that many values: the kernels widen k
+# before multiplying.
+#
+# Pass 2 of reduce-then-scan needs no recursion: one program per row walks the totals in chunks.
+
+# %% [markdown]
 # ## Going deeper: `cumsum` as a PyTorch op
 #
 # * `cumsum_op` is a custom op (`torch.library.custom_op`, through `scan_lib.runtime.custom_op`):
@@ -1140,6 +1144,23 @@ for call, error, words in bad_inputs:
         raise AssertionError(f"expected {error.__name__} ({words})")
 
 # %% [markdown]
+# ## Going deeper: what the checks guard against
+#
+# * The Blelloch check does not take the function's word for it: `blelloch_scan` tallies its
+#   additions from the index sets it writes, which would agree with the formula even if an addition
+#   were missing or doubled; the `TorchDispatchMode` counts what torch actually adds.
+# * Since the CPU interpreter folds `tl.associative_scan` left to right, associativity is tested on
+#   its own, in plain PyTorch, in `tests/test_cumsum.py`.
+# * Without a GPU the three-phase check's blocks start at 16, and 4097 values give 257 totals, then
+#   17, then 2 (three levels).
+# * The check of both algorithms uses blocks small enough that 4097 values give a chain of tiles to
+#   look back over, and totals that pass 2 walks in chunks.
+#
+# `tests/test_cumsum.py` runs the checks of this chapter and more (random shapes, `torch.func.grad`,
+# `vmap`, `torch.compile(fullgraph=True)`, Hessians), and injects the bugs they guard against (a skipped
+# carry, a look-back past its row, float16 accumulation, non-associative combines) to show each fails.
+
+# %% [markdown]
 # ## Going deeper: launch configuration and tuning
 #
 # * `block`: values per program on long rows. Larger blocks mean fewer carries and fewer tiles to
@@ -1161,6 +1182,19 @@ for call, error, words in bad_inputs:
 # configuration it tried, both pass-3 orders included). Run the script on another GPU to retune.
 #
 # ## Going deeper: the benchmark in a picture, and where the time goes at small sizes
+#
+# Two column labels of the speed table hold only for rows longer than one block (`CONFIG["block"]`,
+# 4096 on a GPU): up to $L = 2^{12}$ `scan_rows` sends both `cumsum` and the reduce-then-scan call to
+# `scan_short_rows`, one launch of `scan_tiles_kernel`, so those two columns time the same kernel
+# behind different Python. The three-phase column, in blocks of 1024, is one launch at $2^{10}$ and
+# three or more from $2^{11}$.
+#
+# The speed cell prints its conclusions from its measurements; its line "faster than torch.cumsum
+# from L = 2^26 up" means at every size from there to the
+# largest measured, $2^{27}$: the table says nothing about longer inputs. At $2^{25}$ the look-back is
+# still the slowest of the four in this run, and `torch.cumsum` is faster. At small sizes the Triton
+# columns jump up and down between neighbouring sizes, where GPU work would grow with $L$: host time
+# and its variation from call to call, not the kernels.
 #
 # The table of the speed section, plotted: times, and the fraction of the memory floor each method reaches.
 
@@ -1193,8 +1227,9 @@ else:
 # runs out of queued work. Two more timers from chapter 00 split it: the GPU time alone (`graph_us`: a
 # CUDA graph replays the launches with no Python in between) and the host time per call (`host_us`:
 # calls queued back to back, timed on the CPU). When the host time exceeds the GPU time, the call is
-# host-bound: in the table below, every size but the largest. A call makes one Triton launch (rows of
-# at most 4096 values) or a `torch.zeros` and one launch (the look-back), yet its host time is 90.7 to
+# host-bound: in the table below, every size but the largest, and at small sizes the host time alone
+# is many times `torch.cumsum`'s whole median. A call makes one Triton launch (rows of at most 4096
+# values) or a `torch.zeros` and one launch (the look-back), yet its host time is 90.7 to
 # 161.2 us in this run, several times the host time of one bare launch of `vector_add_kernel` (chapter
 # 00's table, its `host_us` column at $2^{14}$). So most of the host time per call is not the launch
 # itself; it goes to what `cumsum` runs around its launch: the input checks,
@@ -1204,8 +1239,9 @@ else:
 # These outputs do not split the time among those layers; the speed table's columns at $L = 2^{10}$,
 # each a single launch, rank them roughly (host-paced medians, which vary from call to call): the
 # three-phase scan's bare launcher 18.2 us, `scan_rows` (the reduce-then-scan column) 44.8, `cumsum`
-# 96.8. Fewer Python layers per call, CUDA graphs (they replay the launches with no Python in between)
-# or a C++ launcher make such calls faster; cutting the library's host path is open work.
+# 96.8; the three-phase launcher's 18.2 us is still about 2.6 times `torch.cumsum`'s 7.0. Fewer
+# Python layers per call, CUDA graphs (they replay the launches with no Python in between) or a C++
+# launcher make such calls faster; cutting the library's host path is open work.
 #
 # One more thing the table below shows: at every size up to $2^{22}$ (all but the two largest), the
 # `median` column is below the `host` column, although a host-bound call cannot finish before the host
