@@ -18,10 +18,10 @@
 #
 # - derive the gradients of $h_t = a_t h_{t-1} + b_t$ and see that the adjoint is **the same linear
 #   scan, run right to left, with the gates shifted by one**;
-# - check the formulas against `torch.autograd`, then in a kernel that does forward and backward in one
-#   program, then in the blocked backward kernel that handles any length;
-# - export `scan_lib.linear_scan`, differentiable (twice, too) in gates, tokens and initial state, check
-#   **every** gradient in float64, and time it on a GPU against the memory floor.
+# - check the formulas against `torch.autograd`, then in a one-block kernel, then in a blocked kernel
+#   for any length;
+# - export `scan_lib.linear_scan`, differentiable (twice, too), check **every** gradient, and time it on
+#   a GPU against the memory floor.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -50,11 +50,11 @@ from scan_lib.runtime import INTERPRET, save_figure
 # ## 1. The adjoint
 #
 # Chapter 02 scans the pairs $(a_t, b_t)$: $h_t = a_t h_{t-1} + b_t$ for $t = 0, \dots, L-1$, from an
-# initial state $h_{-1}$, and the output is the state, $y_t = h_t$. Let $\mathcal L$ be any loss of the
-# outputs; the layers above hand us $\partial\mathcal L/\partial y_t$ (`dy` in the code). The state $h_t$
-# reaches the loss in two ways: through its own output $y_t$, and through the next state
-# $h_{t+1} = a_{t+1} h_t + b_{t+1}$, which carries everything later. Call the total derivative the
-# **adjoint**, $\delta_t = \partial\mathcal L/\partial h_t$ (`delta`). The chain rule gives
+# initial state $h_{-1}$, and the output is the state, $y_t = h_t$. For any loss $\mathcal L$, the layers
+# above hand us $\partial\mathcal L/\partial y_t$ (`dy` in the code). The state $h_t$ reaches the loss
+# through its own output $y_t$ and through the next state $h_{t+1} = a_{t+1} h_t + b_{t+1}$. Call the
+# total derivative the **adjoint**, $\delta_t = \partial\mathcal L/\partial h_t$ (`delta`). The chain
+# rule gives
 #
 # $$\delta_t \;=\; \frac{\partial\mathcal L}{\partial y_t} \;+\; a_{t+1}\,\delta_{t+1},
 #   \qquad \delta_{L-1} = \frac{\partial\mathcal L}{\partial y_{L-1}} .$$
@@ -62,7 +62,7 @@ from scan_lib.runtime import INTERPRET, save_figure
 # This is the recurrence we can already scan, with three changes: it runs **right to left**, its tokens
 # are the incoming gradients $\partial\mathcal L/\partial y_t$, and its gate at position $t$ is $a_{t+1}$:
 # the **gates shifted by one**, with $0$ past the end, where nothing follows. Each input touches the loss
-# through one state only, so the rest is one line each:
+# through one state only:
 #
 # $$\frac{\partial\mathcal L}{\partial b_t} = \delta_t, \qquad
 #   \frac{\partial\mathcal L}{\partial a_t} = h_{t-1}\,\delta_t, \qquad
@@ -99,9 +99,9 @@ save_figure(fig, "adjoint_flow.png")
 # %% [markdown]
 # ## 2. A reference, and the formulas checked against it
 #
-# The loop is slow and obviously right, and `torch.autograd` differentiates it: that is what every
-# gradient in this chapter is checked against, in float64. All tensors are (rows, L): independent rows,
-# scanned along L; the reverse direction runs the loop on flipped inputs (flips are differentiable too).
+# The loop is slow and obviously right, and `torch.autograd` differentiates it: every gradient in this
+# chapter is checked against it, in float64. All tensors are (rows, L): independent rows, scanned along
+# L; the reverse direction runs the loop on flipped inputs.
 
 # %%
 def scan_loop(a, b, h0=None, reverse=False):
@@ -162,11 +162,11 @@ for length in [1, 7, 129]:
         assert max(errors) < 1e-12
 
 # %% [markdown]
-# What the adjoint looks like: for the loss $\mathcal L = \sum_t y_t$ (every $\partial\mathcal L/\partial y_t = 1$)
-# with constant gates $a_t = 0.95$, $\partial\mathcal L/\partial b_t = \delta_t$ counts how many later
-# outputs $b_t$ still reaches, discounted by $0.95$ per step: flat far from the end at
-# $1/(1 - 0.95) = 20$, falling to $1$ at the last position. The gate's gradient $h_{t-1}\delta_t$ is that
-# curve times the state the gate multiplied.
+# What the adjoint looks like: for $\mathcal L = \sum_t y_t$ (every $\partial\mathcal L/\partial y_t = 1$) and
+# constant gates $a_t = 0.95$, $\partial\mathcal L/\partial b_t = \delta_t$ counts the later outputs $b_t$
+# still reaches, discounted by $0.95$ per step: flat at $1/(1 - 0.95) = 20$ far from the end, falling to
+# $1$ at the last position. The gate's gradient $h_{t-1}\delta_t$ is that curve times the state the gate
+# multiplied.
 
 # %%
 torch.manual_seed(1)
@@ -196,10 +196,9 @@ save_figure(fig, "adjoint_gradients.png")
 # and the gradients. Both need the neighbour of each position, and a block of registers has no cheap
 # "shift by one", so we shift **on the way in**: loading `A + t + 1` gives the gates $a_{t+1}$ for the
 # adjoint, and loading the pairs at `t - 1` and scanning them gives $h_{t-1}$ directly (position 0
-# gets the identity pair $(1, 0)$ with the initial state folded in, so it scans to $h_{-1}$). That is a
-# recomputation, three scans instead of two, to avoid moving data between threads. `scan_chunk`
-# (chapter 02) folds a starting state into the first pair of its scan order and returns the state
-# that leaves the block.
+# gets the identity pair $(1, 0)$ with the initial state folded in, so it scans to $h_{-1}$). That costs
+# a third scan, to avoid moving data between threads. `scan_chunk` (chapter 02) folds a starting state
+# into the first pair of its scan order and returns the state that leaves the block.
 
 # %%
 @triton.jit
@@ -238,11 +237,9 @@ def scan_one_block(a, b, h0, dy):
     return h, da, db, dh0
 
 # %% [markdown]
-# In the adjoint the padding needs a moment's thought: past the end the shifted gate is $0$, not the
-# identity's $1$. That is harmless because the adjoint *starts* in the padding (it runs right to left)
-# with a zero state and zero tokens, so the padding scans to zeros whatever the gate. (That holds
-# because here the padding is where the adjoint enters; section 4 meets padding on its way out.)
-# Every output and gradient, against autograd in float64:
+# In the adjoint, past the end the shifted gate is $0$, not the identity's $1$: harmless, because the
+# adjoint *starts* there (it runs right to left) with a zero state and zero tokens. Every output and
+# gradient, against autograd in float64:
 
 # %%
 torch.manual_seed(2)
@@ -266,22 +263,17 @@ for length in [1, 7, 129, 1000, 4097]:
 # chunk by the same `scan_chunk` run the other way: $\delta$ flows from the right through the loop, $h$
 # from the left through memory, read back from the forward's output by a load offset by one position
 # ($h_{t-1}$), as the gates are by the opposite offset ($a_{t+1}$). In the padding it puts the identity
-# pair $(1, 0)$, so the carried adjoint passes through unchanged; what is left after the last chunk,
-# times the first gate of the forward scan ($a_0$; $a_{L-1}$ in reverse), is the initial state's
-# gradient. Here the zero gate of section 3 would not be harmless: when the adjoint runs left to right
-# (the adjoint of a reverse scan), or with descending loads ("Going deeper"), the padding ends the
-# last chunk the adjoint visits, so the adjoint leaves through it on its way to the initial state's
-# gradient, and a zero gate there would zero that gradient. One kernel serves both directions of the
-# forward scan. As in chapter 02, `HAS_H0` is a compile-time constant: without an initial state the
-# kernel neither reads `H0` nor writes `DH0`, and the launcher passes `h` in their places as
-# placeholders that are never touched.
+# pair $(1, 0)$, not section 3's zero gate ("Going deeper" says why), so the carried adjoint passes
+# through unchanged; what is left after the last chunk, times the first gate of the forward scan ($a_0$;
+# $a_{L-1}$ in reverse), is the initial state's gradient. One kernel serves both directions of the
+# forward scan.
 #
-# The exported cell also makes `linear_scan` behave like a torch op ("Going deeper" explains the
-# plumbing): both launchers are registered as custom ops, an `autograd.Function` calls them, and the
-# public function checks its arguments, broadcasts a scalar or per-channel gate against the tokens and
-# promotes dtypes as `gates * tokens` would. A second derivative needs no second kernel: the backward is
-# a linear scan of the shifted gates plus elementwise products, so when autograd records the backward
-# (`create_graph=True`), `_backward_by_scan` computes it with `linear_scan` and torch ops.
+# The exported cell also makes `linear_scan` a torch op: the launchers become custom ops called by an
+# `autograd.Function`, and the public function checks its arguments, broadcasts gates against tokens
+# and promotes dtypes as `gates * tokens` would ("Going deeper" explains the plumbing). A second derivative
+# needs no second kernel: the backward is a linear scan plus elementwise products, so when autograd
+# records the backward (`create_graph=True`), `_backward_by_scan` computes it with `linear_scan` and
+# torch ops.
 
 # %%
 #| export
@@ -535,22 +527,13 @@ def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None)
 # %% [markdown]
 # ## 5. Every gradient, every length, several chunk sizes
 #
-# In chapters 04 and 05 the scan sits between elementwise products: the token is $b_t = B_t x_t$ and the
-# state is read out through $C_t$ (04's model with one state).
-#
-# **The symbol $y$ changes meaning here, for this one check.** In sections 1 to 4 the output was the
-# state itself, $y_t = h_t$. In the check below (and its repeat with descending loads in "Going
-# deeper") $y$ is this model's output, $y_t = C_t h_t$ (the meaning it has in chapters 04 and 05), and
-# `dy` is $\partial\mathcal L/\partial y$ for that $y$; the incoming gradient that `linear_scan`'s
-# backward receives, the token of its adjoint scan, is then $C_t\,\partial\mathcal L/\partial y_t$. From
-# the `gradcheck` cell on, the output is again the state, $y_t = h_t$, as in the formulas of section 1.
-#
-# With `linear_scan` that model is ordinary PyTorch, $y = C \odot \mathrm{linear\_scan}(a,\ B \odot x,\ h_{-1})$,
-# and autograd chains our gradients with the elementwise ones
-# ($\partial\mathcal L/\partial x_t = B_t\,\partial\mathcal L/\partial b_t$, and so on).
-# We check $y$ and all five gradients against the float64 loop, at lengths 1, 7, 129, 1000 and 4097 (1100
-# under the interpreter), with chunks of 16 (a carry every 16 steps), 128 and 1024, in both directions, with and
-# without an initial state. The table shows the runs with an initial state and chunks of 16.
+# This check runs the scan between elementwise products, as chapters 04 and 05 will:
+# $y = C \odot \mathrm{linear\_scan}(a,\ B \odot x,\ h_{-1})$ in plain PyTorch, so autograd chains our
+# gradients with the elementwise ones. **In this check only**, $y$ is that model's output, not the state,
+# and `dy` is $\partial\mathcal L/\partial y$ for it; from the `gradcheck` cell on, $y_t = h_t$ again. We
+# check $y$ and all five gradients against the float64 loop, at lengths 1, 7, 129, 1000 and 4097 (1100
+# under the interpreter), with chunks of 16 (a carry every 16 steps), 128 and 1024, in both directions,
+# with and without an initial state. The table shows the runs with an initial state and chunks of 16.
 
 # %%
 def model_grads(x, a, B, C, h0, dy, reverse, scan):
@@ -582,18 +565,13 @@ for length in [1, 7, 129, 1000, 4097 if ON_GPU else 1100]:
 print("the other runs (chunks of 128 and 1024, no initial state) match too, at every length and direction")
 
 # %% [markdown]
-# `torch.autograd.gradcheck` compares our backward with finite differences of our own forward, column by
-# column of the Jacobian (`fast_mode=False`), in float64, on small shapes with extra leading dims, a
-# non-contiguous input and chunks of 16 so that carries are crossed. `gradgradcheck` does the same for
-# the second derivatives, and the Hessian of a loss through `linear_scan` must equal the loop's. That
-# test needs the backward to be differentiated correctly: $h_t = \sum_{s \le t} \big(\prod_{r=s+1}^{t} a_r\big) b_s$
-# (plus the initial state's term) is linear in the tokens and the initial state and multilinear in the
-# gates, a polynomial of degree up to $L$ in them, so its second derivatives are not zero, and the
-# Hessian of $\sum_t h_t^2$, $2\sum_t \big(\nabla h_t \nabla h_t^\top + h_t \nabla^2 h_t\big)$, contains them.
-# Both cross a carry: `gradgradcheck` runs at $L = 17$ and the Hessian at $L = 20$, with chunks of 16, so
-# the state and the adjoint pass from one chunk to the next. The cell also asserts that the Hessian has
-# large entries coupling a gate of the first chunk with one of the second: entries that only a correct
-# carry, in the forward and in the differentiated backward, gets right.
+# `torch.autograd.gradcheck` compares our backward with finite differences of our own forward over the
+# full Jacobian (`fast_mode=False`), in float64, on small shapes with extra leading dims, a
+# non-contiguous input and chunks of 16, so that carries are crossed. `gradgradcheck` does the same for
+# the second derivatives ($L = 17$), and the Hessian of a loss through `linear_scan` ($L = 20$) must
+# equal the loop's ("Going deeper" says why that tests the differentiated backward). The cell also
+# asserts large Hessian entries coupling a gate of the first chunk with one of the second: only a
+# correct carry, in the forward and the differentiated backward, gets them right.
 
 # %%
 torch.manual_seed(4)
@@ -626,26 +604,13 @@ assert across_chunks > 0.1 and hessian_error < 1e-10
 # %% [markdown]
 # Low precision: the gradients of float32, float16 and bfloat16 inputs against the float64 gradients of
 # the same (rounded) inputs, element by element, with a bound built from chapter 02's `error_bound`. The
-# backward is two scans and two products, each bounded by what chapter 02 derived:
-#
-# - $h$ is chapter 02's forward scan, stored in the input dtype, and the backward reads it back:
-#   `error_bound(a, b, h_init, dtype=dtype)` bounds it as stored;
-# - the adjoint $\delta$ is the same scan, computed by the same `scan_chunk` with the carry folded in the
-#   same way, only with other arguments: the shifted gates and `dy`, right to left. So `error_bound` of
-#   those arguments bounds it, in float32 before its store and in the input dtype after it
-#   ($\partial\mathcal L/\partial b_t$);
-# - $\partial\mathcal L/\partial a_t = h_{t-1}\delta_t$ and $\partial\mathcal L/\partial h_{-1} = a_0\delta_0$
-#   multiply two values that are within their bounds $E_x$, $E_y$, once in float32 ($u_{32} = 2^{-24}$),
-#   and round the product to the dtype ($u_{\text{out}}$, chapter 02's). The stored product is then within
-#   $(1+u_{32})(1+u_{\text{out}})\,(|x|E_y + |y|E_x + E_xE_y) + (u_{32} + u_{\text{out}} + u_{32}u_{\text{out}})\,|xy|
-#   + u_{\text{out}}\,\text{tiny}$ of $xy$ ("Going deeper" derives it).
-#
-# `gradient_bounds` computes the four bounds, and the table prints the worst ratio of error to bound:
-# at most 1 for a correct backward, as the cell asserts. A worst-case bound adds every rounding with
-# the same sign; random roundings partly cancel, so where many of them add up (float32, a long memory)
-# the ratio can lie far below 1, and where one output rounding dominates (float16, bfloat16) it can
-# come close to 1. Gates near 1 give a long memory, so a scan that rounded its state to float16 or
-# bfloat16 at every step would fail this check (`tests/test_linear_scan.py` injects that bug).
+# backward is two scans, $h$ and the adjoint $\delta$ (the same scan by the same `scan_chunk`, on the
+# shifted gates and `dy`), which `error_bound` bounds, and two products, $h_{t-1}\delta_t$ and
+# $a_0\delta_0$, which `product` bounds ("Going deeper" derives each bound). The table prints the worst
+# ratio of error to bound: at most 1 for a correct backward, as the cell asserts. Random roundings
+# partly cancel where a worst-case bound adds them all, so the ratio can lie far below 1 where many add
+# up (float32, a long memory) and come close to 1 where one output rounding dominates (float16,
+# bfloat16).
 
 # %%
 def output_roundoff(dtype):
@@ -699,10 +664,9 @@ for dtype in [torch.float32, torch.float16, torch.bfloat16]:
     assert max(ratios) <= 1, (dtype, ratios)
 
 # %% [markdown]
-# **The check can fail.** The easy slip in section 1's derivation, the adjoint scanned with the gates
-# unshifted ($a_t$ where $\delta_t = \partial\mathcal L/\partial y_t + a_{t+1}\delta_{t+1}$ needs
-# $a_{t+1}$), run through the same bound in float32 next to the right adjoint. The cell asserts that the
-# wrong one's error exceeds its bound more than a hundredfold.
+# **The check can fail.** Section 1's easy slip, the adjoint scanned with unshifted gates ($a_t$ where
+# $\delta_t$ needs $a_{t+1}$), goes through the same float32 bound next to the right adjoint; the cell
+# asserts that the wrong one's error exceeds its bound more than a hundredfold.
 
 # %%
 exact_delta = scan_loop(shift_gates(gates_lp.double()), grad_lp.double(), reverse=True)
@@ -715,11 +679,9 @@ print(f"adjoint in float32, max err / bound: shifted gates {ratio_right:.3f}, un
 assert ratio_right <= 1 and ratio_unshifted > 100
 
 # %% [markdown]
-# `linear_scan` takes what `gates * tokens` would: an EMA's scalar or per-channel gate without a manual
-# expand (its gradient is summed back to its shape), and mixed dtypes, promoted as torch promotes them.
-# The cell runs the per-channel case, a float16 gate of shape (3, 1) with float32 tokens: $h$ equals the
-# scan of the expanded gate, and `d_alpha` comes back in the gate's shape and dtype. The next cell checks
-# the values, in float64.
+# `linear_scan` takes what `gates * tokens` would: here a float16 per-channel gate of shape (3, 1) with
+# float32 tokens. $h$ equals the scan of the expanded gate, and `d_alpha` comes back in the gate's shape
+# and dtype.
 
 # %%
 tokens_ema = torch.randn(2, 3, 50, device=DEVICE)
@@ -733,11 +695,8 @@ print(f"per-channel float16 gate {tuple(alpha.shape)} with float32 tokens {tuple
       f"h {h_ema.dtype} {tuple(h_ema.shape)}, d_alpha {d_alpha.dtype} {tuple(d_alpha.shape)}")
 
 # %% [markdown]
-# The values, for the three kinds of gate the public function accepts: a tensor that broadcasts (the
-# per-channel (3, 1) gate), a 0-dim tensor, and a Python number, which has no gradient. For each, $h$ and
-# the gradients of an EMA, $h = \mathrm{linear\_scan}(\alpha, (1-\alpha)\,x)$, against autograd through the
-# float64 loop with the gate expanded by hand (autograd sums the expanded gate's gradient back to its
-# shape), in float64, with the tolerance of the float64 checks above.
+# The values in float64, against the loop with the gate expanded by hand, for each kind of gate: a
+# tensor that broadcasts, a 0-dim tensor, and a Python number (which has no gradient).
 
 # %%
 def loop_broadcast(gates, tokens):
@@ -806,14 +765,12 @@ print("L = 0: empty result, empty gradients: ok")
 # ## 6. On a GPU: how fast, and how far from the floor
 #
 # Gates and tokens of shape (batch 8, channels 1024, L 4096) in float32. Both passes do a few flops per
-# element, so the least time they can take is set by memory traffic: the **memory floor** is the bytes
-# that must move over the copy bandwidth (`copy_bandwidth`, chapter 00, measured in the same cell).
-# The forward moves **3 tensors** (reads gates and tokens, writes $h$); forward + backward **8** (the
-# backward also reads gates, $h$ and the incoming gradient, and writes two gradients).
-# The peer is accelerated-scan's Triton kernel (`scan(gates, tokens)`, the same recurrence, built much like
-# ours), when it is installed. Ours runs with its default `BWD_CONFIG` and with the other way of running the
-# adjoint against the memory order ("Going deeper"). Times are `do_bench` medians; fwd+bwd calls
-# `torch.autograd.grad`, so no `.grad` accumulation is timed.
+# element, so memory traffic sets their least time: the **memory floor** is the bytes that must move
+# over the copy bandwidth (`copy_bandwidth`, chapter 00, measured in the same cell). The forward moves
+# **3 tensors** (reads gates and tokens, writes $h$); forward + backward **8** (the backward also reads
+# gates, $h$ and the incoming gradient, and writes two gradients). Ours runs with its default
+# `BWD_CONFIG` and with the backward's loads descending ("Going deeper"); a peer, accelerated-scan,
+# runs when it is installed. Times are `do_bench` medians.
 
 # %%
 if not ON_GPU:
@@ -899,21 +856,11 @@ else:
 
 
 # %% [markdown]
-# (On a GPU the cell above prints the table and the figure.) It times the public `linear_scan`, call
-# included: the forward takes 1.71x the floor in the first row and 1.07x in the second, forward +
-# backward 4.01x with the default backward and 2.89x with descending loads. The two rows run the same
-# forward, so their forward columns (162.2 and 101.6 us) are two timings of the same code: differences
-# of that size between rows are no evidence about the kernels, and the cell
-# cannot tell how much of the gap between their forward + backward columns (1012.8 and 730.9 us) is
-# the backward's loads. Besides the kernels, the call includes the host's Python work (input checks,
-# broadcasting, the torch-op and autograd dispatch) and allocations; when the host takes longer than
-# the GPU, the GPU waits, and the timing includes the wait. That is the likely reason for the gap
-# above the floor, but the cell does not time the host's work separately, so it is not measured here.
-# The kernels alone are timed elsewhere: chapter 02's speed cell times the forward launcher
-# `linear_scan_rows` at this size against the same floor, and `benchmarks/bench_linear_scan.py` times
-# the backward kernel alone, with the peer beside ours (its H200 output, from an earlier commit, is in
-# `benchmarks/results/bench_linear_scan_h200.txt`). This run has no peer row: accelerated-scan was not
-# installed (the cell printed "skipped accelerated-scan").
+# The cell times the public `linear_scan`, call included: the forward takes 1.71x the floor in the
+# first row and 1.07x in the second, forward + backward 4.01x with the default backward and 2.89x with
+# descending loads. Both rows run the same forward, so the difference between their forward columns is
+# no evidence about the kernels (more in "Going deeper: reading the timing"). This run has no peer row:
+# accelerated-scan was not installed.
 #
 # ## Summary
 #
@@ -921,17 +868,13 @@ else:
 #   the same scan run the other way on the shifted gates; $\partial\mathcal L/\partial b_t = \delta_t$,
 #   $\partial\mathcal L/\partial a_t = h_{t-1}\delta_t$, $\partial\mathcal L/\partial h_{-1} = a_0\delta_0$.
 # - The backward kernel walks each row's chunks right to left, carrying $\delta$ in a register and reading
-#   the stored forward output one step back; one kernel serves both scan directions.
+#   the stored forward output one step back.
 # - `scan_lib.linear_scan(gates, tokens, initial_state=None, reverse=False)` is differentiable (twice too) in
-#   all three tensors, broadcasts gates against tokens and promotes dtypes like torch arithmetic. Every
-#   gradient was checked against the float64 loop, and by full-Jacobian `gradcheck`, `gradgradcheck` and a Hessian;
-#   in float32, float16 and bfloat16, element by element against a bound built from chapter 02's, which the
-#   adjoint scanned with unshifted gates fails.
+#   all three tensors, checked against the float64 loop, by `gradcheck`, `gradgradcheck` and a Hessian,
+#   and in low precision against a bound that the adjoint with unshifted gates fails.
 # - Next, chapter 04: N states per position, where storing $h$ is no longer an option.
 #
-# ## Going deeper
-#
-# ### What the backward stores, and what it recomputes
+# ## Going deeper: what the backward stores, and what it recomputes
 #
 # $\partial a_t = h_{t-1}\delta_t$ needs the forward states. Storing the output $h$ (it exists anyway) and
 # reading $h_{t-1}$ back, or storing the inputs plus the state at each chunk boundary and recomputing
@@ -942,11 +885,29 @@ else:
 # load that falls in the next chunk is read twice (most likely from the cache; nothing here measures it).
 # The three loads are issued before the scan, so that their latencies can overlap.
 #
-# ### The gradients' error bound, derived
+# ## Going deeper: padding in the adjoint, and placeholders
 #
-# Section 5 bounds each gradient with chapter 02's `error_bound` and one rule for a product. The rule:
-# write the two factors as computed, $\hat x = x + e_x$ and $\hat y = y + e_y$, with $|e_x| \le E_x$ and
-# $|e_y| \le E_y$. Then $\hat x\hat y - xy = x e_y + y e_x + e_x e_y$, at most
+# Past the end, the one-block kernel of section 3 gives the adjoint the shifted gate $0$, not the
+# identity's $1$, which is harmless there because the padding is where the adjoint enters. The blocked
+# kernel of section 4 meets padding on the adjoint's way out: when the adjoint runs left to right (the
+# adjoint of a reverse scan), or with descending loads (below), the padding ends the last chunk the
+# adjoint visits, so the adjoint leaves through it on its way to the initial state's gradient, and a
+# zero gate there would zero that gradient. So the blocked kernel puts the identity pair $(1, 0)$ in
+# the padding. As in chapter 02, `HAS_H0` is a compile-time constant: without an initial state the
+# kernel neither reads `H0` nor writes `DH0`, and the launcher passes `h` in their places as
+# placeholders that are never touched.
+#
+# ## Going deeper: the gradients' error bound, derived
+#
+# Section 5 bounds each gradient with chapter 02's `error_bound` and one rule for a product. $h$ is
+# stored in the input dtype and read back by the backward: `error_bound(a, b, h_init, dtype=dtype)`
+# bounds it as stored. The adjoint $\delta$ is bounded by `error_bound` of the shifted gates and `dy`,
+# right to left (why that applies: below), in float32 before its store and in the input dtype after it
+# ($\partial\mathcal L/\partial b_t$). The products $\partial\mathcal L/\partial a_t = h_{t-1}\delta_t$ and
+# $\partial\mathcal L/\partial h_{-1} = a_0\delta_0$ multiply two values within their bounds $E_x$, $E_y$
+# once in float32 ($u_{32} = 2^{-24}$) and round the product to the dtype ($u_{\text{out}}$, chapter
+# 02's). The rule for such a product: write the two factors as computed, $\hat x = x + e_x$ and
+# $\hat y = y + e_y$, with $|e_x| \le E_x$ and $|e_y| \le E_y$. Then $\hat x\hat y - xy = x e_y + y e_x + e_x e_y$, at most
 # $e = |x|E_y + |y|E_x + E_xE_y$ in size. The float32 multiply returns $\hat x\hat y\,(1+\epsilon_1)$ with
 # $|\epsilon_1| \le u_{32}$, and the store rounds that to the dtype, a factor $1+\epsilon_2$ with
 # $|\epsilon_2| \le u_{\text{out}}$, plus at most $u_{\text{out}}\,\text{tiny}$ below the dtype's normal range
@@ -966,14 +927,27 @@ else:
 # carry folded into each chunk's entry pair), so chapter 02's count of roundings holds as it stands, with
 # its one assumption, the tree depth $d$. As there, the float64 reference is taken as exact.
 #
-# ### Launch parameters, and two ways to scan against the memory order
+# Gates near 1 give a long memory, so a scan that rounded its state to float16 or bfloat16 at every
+# step would fail section 5's check (`tests/test_linear_scan.py` injects that bug).
+#
+# ## Going deeper: why the Hessian tests the differentiated backward
+#
+# Section 5's Hessian test needs the backward to be differentiated correctly:
+# $h_t = \sum_{s \le t} \big(\prod_{r=s+1}^{t} a_r\big) b_s$ (plus the initial state's term) is linear in
+# the tokens and the initial state and multilinear in the gates, a polynomial of degree up to $L$ in
+# them, so its second derivatives are not zero, and the Hessian of $\sum_t h_t^2$,
+# $2\sum_t \big(\nabla h_t \nabla h_t^\top + h_t \nabla^2 h_t\big)$, contains them. With chunks of 16, at
+# $L = 17$ and $L = 20$ the state and the adjoint pass from one chunk to the next.
+#
+# ## Going deeper: launch parameters, and two ways to scan against the memory order
 #
 # The backward has its own launch parameters, `BWD_CONFIG` (the forward's are chapter 02's `FWD_CONFIG`):
 # it moves 5 tensors where the forward moves 3, so its best chunk and warps need not be the same;
 # `benchmarks/bench_linear_scan.py` sweeps both on a GPU. The adjoint of a left-to-right scan runs right to
 # left, and `chunk_positions` (chapter 02) offers two ways to do that: ascending loads scanned with
 # `tl.associative_scan(..., reverse=True)`, or descending loads with the block in scan order.
-# `reversed_loads` picks one; the other must give the same gradients:
+# `reversed_loads` picks one; the other must give the same gradients (in section 5's check, where
+# $y_t = C_t h_t$):
 
 # %%
 default_bwd_config = dict(BWD_CONFIG)  # BWD_CONFIG: this notebook's dict, the one its linear_scan reads
@@ -994,7 +968,24 @@ finally:
 print(f"backward with reversed_loads={not default_bwd_config['reversed_loads']}: all gradients match at L = 129 and {length}")
 
 # %% [markdown]
-# ### Autograd plumbing: torch ops, `setup_context`, double backward
+# ## Going deeper: reading the timing
+#
+# The peer in section 6 is accelerated-scan's Triton kernel (`scan(gates, tokens)`, the same
+# recurrence, built much like ours). The fwd+bwd column calls `torch.autograd.grad`, so no `.grad`
+# accumulation is timed. The two rows of ours run the same forward, so their forward columns (162.2 and
+# 101.6 us) are two timings of the same code: differences of that size between rows are no evidence
+# about the kernels, and the cell cannot tell how much of the gap between their forward + backward
+# columns (1012.8 and 730.9 us) is the backward's loads. Besides the kernels, the call includes the
+# host's Python work (input checks, broadcasting, the torch-op and autograd dispatch) and allocations;
+# when the host takes longer than the GPU, the GPU waits, and the timing includes the wait. That is the
+# likely reason for the gap above the floor, but the cell does not time the host's work separately, so
+# it is not measured here. The kernels alone are timed elsewhere: chapter 02's speed cell times the
+# forward launcher `linear_scan_rows` at this size against the same floor, and
+# `benchmarks/bench_linear_scan.py` times the backward kernel alone, with the peer beside ours (its H200
+# output, from an earlier commit, is in `benchmarks/results/bench_linear_scan_h200.txt`).
+
+# %% [markdown]
+# ## Going deeper: autograd plumbing: torch ops, `setup_context`, double backward
 #
 # - **Custom ops.** `torch.compile` does not trace into a Triton launcher: it calls the custom ops
 #   `linear_scan_fwd` / `linear_scan_bwd` and builds its graph from their *fake* implementations (shapes and
