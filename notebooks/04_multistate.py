@@ -16,11 +16,9 @@
 # Chapters 02 and 03 scanned one state per position. A state space model such as Mamba keeps
 # **N states per position** (N = 16 in Mamba), each with its own decay, and reads its output out of
 # all of them. The arithmetic hardly changes; what changes is the memory the states would occupy if
-# we wrote them out. This chapter is about not writing them out: a float64 reference (1), the bytes the
-# states would cost (2), the simplest kernel, one tile scanned along time (3), the blocked kernel that
-# carries the $N$ states on chip from chunk to chunk and writes only the states at chunk boundaries (4),
-# the backward that *recomputes* the states from those (5), and the exported `scan_lib.multistate_scan`
-# with, on a GPU, its speed (6, 7).
+# we wrote them out. This chapter is about not writing them out: kernels that keep the states on chip
+# (3, 4), a backward that *recomputes* them (5), and the exported `scan_lib.multistate_scan` with, on a
+# GPU, its speed (6, 7).
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -58,10 +56,10 @@ from scan_lib.runtime import save_figure
 # $$h_t[n] = a_t[n]\, h_{t-1}[n] + b_t[n], \quad b_t[n] = B_t[n]\, x_t, \qquad
 # y_t = \sum_{n=0}^{N-1} C_t[n]\, h_t[n], \qquad h_{-1}[n] = \text{the initial state (zero by default)}.$$
 #
-# This is Mamba's scan for one channel before discretisation (chapter 05 sets $a_t = e^{\Delta_t A}$).
-# In code `a, b, c` are `(batch, N, L)`, Mamba's layout, and `x` is `(batch, L)`: **`b` holds $B$ and
-# `c` holds $C$**. A batch row is one independent sequence (in Mamba, one (sample, channel) pair). The
-# reference is the loop itself, in float64; it is exported for the tests.
+# This is Mamba's scan for one channel before discretisation. In code `a, b, c` are `(batch, N, L)`,
+# Mamba's layout, and `x` is `(batch, L)`: **`b` holds $B$ and `c` holds $C$**. A batch row is one
+# independent sequence (in Mamba, one (sample, channel) pair). The reference is the loop itself, in
+# float64.
 
 # %%
 #| export
@@ -95,8 +93,8 @@ def multistate_scan_ref(a, b, c, x, initial_state=None):
 # %% [markdown]
 # Nothing couples $n$ and $n'$, so the reference must equal $N$ runs of chapter 03's `scan_lib.linear_scan`
 # over the rows $(a[n], B[n] x)$ (`reference_states`, all the states), weighted by $C$ and added up.
-# Inputs throughout: gates in $(0.9, 1)$, memories of ten steps and longer, like Mamba's $e^{\Delta A}$;
-# $B$, $C$, $x$ standard normal.
+# Inputs throughout (`random_inputs`): gates in $(0.9, 1)$, like Mamba's $e^{\Delta A}$; $B$, $C$, $x$
+# standard normal.
 
 # %%
 def random_inputs(batch, n_states, length, dtype=torch.float32, seed=0):
@@ -151,23 +149,18 @@ save_figure(fig, "multistate_emas.png")
 # %% [markdown]
 # ## 2 · The states are the expensive part
 #
-# Per position the inputs are $3N + 1$ numbers ($a$, $B$, $C$, $x$), the output is one, and the states
-# are $N$ more. Writing the states out (a scan kernel writes $h$, a second kernel reads it back with $C$)
-# moves two more $(\text{batch}, N, L)$ tensors through the GPU's main memory (HBM), and autograd keeps
-# them for the backward. The fused design
-# (Mamba's CUDA kernel) never writes them: a chunk of $L_{\text{block}} \times N$ states lives on chip, is
-# reduced to $y$ there, and only its last $N$ states are carried to the next chunk. For the backward it
-# saves the state entering each chunk, $\lceil L / L_{\text{block}} \rceil N$ numbers per sequence, and
-# recomputes the rest. It moves
+# Writing the states out (a scan kernel writes $h$, a second kernel reads it back with $C$) moves two
+# more $(\text{batch}, N, L)$ tensors through the GPU's main memory (HBM), and autograd keeps them for
+# the backward. The fused design (Mamba's CUDA kernel) never writes them: a chunk of
+# $L_{\text{block}} \times N$ states lives on chip, is reduced to $y$ there, and only its last $N$ states
+# are carried to the next chunk; for the backward it saves the state entering each chunk. It moves
 #
 # $$\underbrace{3\,\text{batch}\,N L + \text{batch}\,L}_{a,\ B,\ C,\ x\ \text{read}} +
 # \underbrace{\text{batch}\,L + \text{batch}\,N}_{y,\ \text{last state written}}
 # \ \big(+\ \text{batch}\,\lceil L/L_{\text{block}}\rceil N\ \text{boundary states, for training}\big)$$
 #
-# numbers, here at batch = 4096 sequences (say 4 samples x 1024 channels) of $L = 1024$, $N = 16$, in
-# float32. ("Going deeper: counting the bytes" checks the formula against the bytes of the op's inputs
-# and outputs and against what autograd keeps, and draws both designs; the kernel's own traffic to
-# memory is not measured in this chapter.)
+# numbers, here at batch = 4096 sequences of $L = 1024$, $N = 16$, in float32. ("Going deeper: counting
+# the bytes" checks the formula and draws both designs.)
 
 # %%
 def fused_bytes(batch, length, n_states, itemsize=4, block_l=None, acc_itemsize=4):
@@ -190,8 +183,8 @@ for design, nbytes in {"fused (states on chip)": fused_big, "two passes (states 
 # ## 3 · The simplest kernel: one block holds the whole sequence
 #
 # One program per sequence loads $L_{\text{block}} \times N$ tiles of $a$, $B$, $C$ (time along axis 0,
-# state along axis 1) and a vector of $L_{\text{block}}$ inputs $x$. Every column $n$ is an independent
-# scan of the pairs $(a_t[n],\, B_t[n] x_t)$, so one `tl.associative_scan(..., axis=0)` with chapter 02's
+# state along axis 1) and $L_{\text{block}}$ inputs $x$. Every column $n$ is an independent scan of the
+# pairs $(a_t[n],\, B_t[n] x_t)$, so one `tl.associative_scan(..., axis=0)` with chapter 02's
 # `first_order_op` (it composes *earlier then later*: $(a_1, b_1) \circ (a_2, b_2) = (a_1 a_2,\, a_2 b_1 + b_2)$)
 # does all $N$ at once. Its second output is $h_t[n]$ (from $h_{-1} = 0$); `tl.sum(c * h, axis=1)` gives
 # $y$. Tiles are powers of two; padding loads $a = 1$, $B = 0$, the identity step. The states exist only
@@ -232,13 +225,9 @@ def multistate_single_block(a, b, c, x):
 
 
 # %% [markdown]
-# How close must it be? Relative to the largest $|y|$: one rounding of the output to its dtype, $2^{-24}$
-# (float32), $2^{-11}$ (float16), $2^{-8}$ (bfloat16; $2^{-7}$ under the CPU interpreter, which truncates
-# to bfloat16 instead of rounding, chapter 00), plus 64 units of $2^{-24}$ ($2^{-53}$ in float64) for the
-# float32 (float64) accumulation. The 64 is a fixed allowance, not derived from the length (chapter 05
-# uses one that grows with $\sqrt{L}$); the float32 errors this chapter records are about 2 units or
-# less (the largest in the table below, 1.24e-07 at $L = 129$, $N = 5$). A float16 accumulator fails
-# this for float16 inputs (the tests inject that bug).
+# How close must it be? Relative to the largest $|y|$, `tolerance` allows one rounding of the output to
+# its dtype plus 64 units of $2^{-24}$ ($2^{-53}$ in float64) for the accumulation ("Going deeper: the
+# tolerance, and the bugs the checks catch").
 
 # %%
 def tolerance(dtype):
@@ -260,16 +249,15 @@ for length in (1, 7, 129):
 # %% [markdown]
 # ## 4 · The blocked kernel: a carry of N states in registers
 #
-# The single tile grows with $L$ until it no longer fits in registers (and Triton refuses blocks of more
-# than $2^{20}$ elements: "Going deeper: the largest tile"). The fix is chapters 01 and 02's: one program
-# still owns one sequence, but walks it in chunks of $L_{\text{block}}$ positions, holding $h_{\text{in}}[n]$,
-# the $N$ states after the previous chunk. The chunk's scan gives, per position, $(P_t[n], \tilde h_t[n])$:
-# the product of the gates since the chunk start and the state reached from zero, so
-# $h_t[n] = P_t[n]\, h_{\text{in}}[n] + \tilde h_t[n]$ (`scan_tile`). The next carry is the tile's last row
-# (right in a partial chunk too: padded rows are identity steps). Registers cannot be indexed by a variable,
-# so `row_of` takes row $i$ as a masked sum: `tl.where` zeroes the other rows, `tl.sum(..., axis=0)`
-# collapses them. When gradients will be needed the program writes $h_{\text{in}}$ of every chunk
-# (`SAVE_CHUNKS`), the only states that reach memory. It accumulates in `ACC` (float32; float64 for float64).
+# The single tile grows with $L$ until it no longer fits in registers ("Going deeper: the largest tile").
+# The fix is chapters 01 and 02's: one program still owns one sequence, but walks it in chunks of
+# $L_{\text{block}}$ positions, holding $h_{\text{in}}[n]$, the $N$ states after the previous chunk. The
+# chunk's scan gives, per position, $(P_t[n], \tilde h_t[n])$: the product of the gates since the chunk
+# start and the state reached from zero, so $h_t[n] = P_t[n]\, h_{\text{in}}[n] + \tilde h_t[n]$
+# (`scan_tile`). The next carry is the tile's last row, taken by `row_of` as a masked sum: registers
+# cannot be indexed by a variable. When gradients will be needed the program writes $h_{\text{in}}$ of
+# every chunk (`SAVE_CHUNKS`), the only states that reach memory. It accumulates in `ACC` (float32;
+# float64 for float64).
 
 # %%
 #| export
@@ -345,9 +333,8 @@ def multistate_forward(a, b, c, x, initial_state, block_l, save_chunks):
 
 
 # %% [markdown]
-# Checks in float64 at lengths 1, 7, 129, 1000, chunk lengths 16 and 64, with and without an initial state;
-# the state saved entering chunk $k$ must be $h_{k L_{\text{block}} - 1}$ (`reference_states`). Dropping the carry
-# between chunks fails every row past the first chunk (the tests inject that bug).
+# Checks in float64, with and without an initial state; the state saved entering chunk $k$ must be
+# $h_{k L_{\text{block}} - 1}$ (`reference_states`).
 
 # %%
 print(f"{'L':>5} {'block':>5} {'h0':>5} {'err y':>9} {'err last':>9} {'err chunks':>10}  ok")
@@ -370,22 +357,16 @@ for length in (1, 7, 129, 1000):
 # ## 5 · The backward pass
 #
 # Given $\partial\mathcal L/\partial y_t$ and $g[n]$, the gradient that arrives at the returned last
-# state (`dh_last` in the code; zero if the last state was not used), the adjoint
-# $\delta_t[n] = \partial\mathcal L / \partial h_t[n]$ collects everything that flows into $h_t[n]$:
-# through $y_t$ (weight $C_t[n]$) and through $h_{t+1}[n] = a_{t+1}[n] h_t[n] + \dots$ (weight $a_{t+1}[n]$):
+# state (`dh_last`), the adjoint $\delta_t[n] = \partial\mathcal L / \partial h_t[n]$ collects what flows
+# into $h_t[n]$: through $y_t$ (weight $C_t[n]$) and through $h_{t+1}[n] = a_{t+1}[n] h_t[n] + \dots$
+# (weight $a_{t+1}[n]$):
 #
 # $$\delta_t[n] = a_{t+1}[n]\, \delta_{t+1}[n] + C_t[n]\, \frac{\partial\mathcal L}{\partial y_t},
-# \qquad \delta_{L}[n] := g[n],\ a_{L}[n] := 1 .$$
+# \qquad \delta_{L}[n] := g[n],\ a_{L}[n] := 1 ,$$
 #
-# Why this convention: $h_{L-1}$ has no successor (there is no $h_L$), but it reaches the loss twice,
-# through $y_{L-1}$ and directly as the last state, so the chain rule gives
-# $\delta_{L-1}[n] = g[n] + C_{L-1}[n]\,\partial\mathcal L/\partial y_{L-1}$. That is the recurrence's
-# step at $t = L - 1$ with a gate of 1 and a "next" adjoint $g[n]$, so the last position needs no
-# special case: the kernel starts its adjoint carry at `dh_last` and loads the gate past the end as 1,
-# and the loop in "Going deeper" starts with `carry = dh_last` and a gate of ones.
-#
-# As in chapter 03, this is the same first-order recurrence **run from right to left**, per state,
-# with the gate **shifted by one**. Every gradient is then a local product:
+# so the last position needs no special case (why, and a check against autograd: "Going deeper: the
+# backward formulas as a loop"). As in chapter 03, this is the same first-order recurrence **run from
+# right to left**, per state, with the gate **shifted by one**. Every gradient is then a local product:
 #
 # $$\frac{\partial\mathcal L}{\partial a_t[n]} = \delta_t[n]\, h_{t-1}[n], \quad
 # \frac{\partial\mathcal L}{\partial B_t[n]} = \delta_t[n]\, x_t, \quad
@@ -393,24 +374,18 @@ for length in (1, 7, 129, 1000):
 # \frac{\partial\mathcal L}{\partial x_t} = \sum_n \delta_t[n]\, B_t[n], \quad
 # \frac{\partial\mathcal L}{\partial h_{-1}[n]} = a_0[n]\, \delta_0[n].$$
 #
-# ("Going deeper: the backward formulas as a loop" checks them against autograd.) The gradients of $a$
-# and $C$ need the forward states; storing them would bring back the $(\text{batch}, N, L)$ tensor, so the
-# kernel **recomputes** each chunk's states from the saved state entering it (as Mamba does), one more
-# scan of data already on chip. One program per sequence walks the chunks **from last to first**, carrying
-# $\delta$ for the $N$ states in registers. For the chunk starting at $s$:
-# 1. scan the pairs shifted right by one, $(a_{t-1}, B_{t-1} x_{t-1})$ (the identity at the first row), from
-#    the saved $h_{s-1}$: that gives $h_{t-1}$ on every row, and $h_t = a_t h_{t-1} + B_t x_t$. The shift
-#    is a load, not a move: registers cannot be indexed, and moving a tile down by one row would move
-#    values between threads, so the kernel loads $a$, $B$, $x$ a second time from one position earlier
-#    (`A + tile - 1`), with the first row masked to the identity $(1, 0)$;
-# 2. scan $(a_{t+1}[n], C_t[n]\, \partial\mathcal L/\partial y_t)$ with `reverse=True` (it composes from the
-#    end of the axis, so `first_order_op` applies, *later then earlier*) and apply the carry:
-#    $\delta_t = Q_t \delta_{\text{carry}} + \tilde\delta_t$, $Q_t$ the product of the shifted gates from $t$ to the
-#    chunk's end. The shifted gates are loaded the same way, one position later (`A + tile + 1`), so the
-#    last row reads the next chunk's first gate from memory; $t = L - 1$ reads $a_L = 1$ (`other=1`);
+# The gradients of $a$ and $C$ need the forward states; storing them would bring back the
+# $(\text{batch}, N, L)$ tensor, so the kernel **recomputes** each chunk's states from the saved state
+# entering it (as Mamba does). One program per sequence walks the chunks **from last to first**,
+# carrying $\delta$ for the $N$ states in registers. For the chunk starting at $s$:
+# 1. scan the pairs shifted right by one, $(a_{t-1}, B_{t-1} x_{t-1})$ (loaded from one position earlier,
+#    `A + tile - 1`; the identity at the first row), from the saved $h_{s-1}$: that gives $h_{t-1}$ on every
+#    row, and $h_t = a_t h_{t-1} + B_t x_t$;
+# 2. scan $(a_{t+1}[n], C_t[n]\, \partial\mathcal L/\partial y_t)$ (gates loaded from one position later,
+#    `A + tile + 1`) with `reverse=True`, which composes *later then earlier*, and apply the carry:
+#    $\delta_t = Q_t \delta_{\text{carry}} + \tilde\delta_t$, $Q_t$ the product of the shifted gates from $t$
+#    to the chunk's end;
 # 3. write the four gradients; the new carry is the first row, $\delta_s$.
-#
-# After the leftmost chunk, the initial state's gradient is $a_0 \delta_0$.
 
 # %%
 #| export
@@ -483,8 +458,8 @@ def multistate_backward(a, b, c, x, h_chunks, dy, dh_last, block_l):
 
 
 # %% [markdown]
-# Every gradient against autograd through the float64 loop, at lengths 1, 7, 129, 1000, chunk lengths
-# 16 and 64, with an initial state, a gradient into the last state, and $N = 5$ (the state axis masked).
+# Every gradient against autograd through the float64 loop, at the same lengths and chunk lengths, with
+# an initial state and a gradient into the last state.
 
 # %%
 print(f"{'L':>5} {'block':>5} " + " ".join(f"{'d' + k:>8}" for k in ("a", "B", "C", "x", "h0")) + "  ok")
@@ -506,12 +481,10 @@ for length in (1, 7, 129, 1000):
 # %% [markdown]
 # ## 6 · The exported API
 #
-# The docstring is the contract. The function checks its arguments, then runs the forward as a torch
-# custom op, through an autograd Function when a gradient may be needed; that wiring, and why a second
-# derivative raises, are in "Going deeper". The names the function calls (`check_multistate_inputs`,
-# `empty_multistate_scan`, `multistate_fwd`, `MultistateScan`) are defined there, further down: Python
-# looks a name up when the function runs, not when it is defined, and the next cell imports the
-# exported module, in which all of them exist.
+# The docstring is the contract. The function checks its arguments and runs the forward as a torch
+# custom op, through an autograd Function when a gradient may be needed; its helpers are defined in
+# "Going deeper: a torch op, autograd, and transforms", and the next cell imports the exported module,
+# which has them all.
 
 # %%
 #| export
@@ -558,8 +531,8 @@ for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16):
 # At section 2's size, in float32 and bfloat16, forward and forward + backward: the fused scan against a
 # PyTorch scan that materialises every state, a real parallel scan (Hillis-Steele doubling: $\lceil \log_2 L
 # \rceil$ steps, each composing every position with the one `shift` places before it), checked first. The
-# memory floor is the fused design's bytes (section 2; the backward reads $a, B, C, x$,
-# $\partial\mathcal L/\partial y$ and writes four gradients) over the measured copy bandwidth.
+# memory floor is the fused design's bytes (section 2; for the backward, `training_bytes`) over the
+# measured copy bandwidth.
 
 # %%
 def multistate_scan_materialised(a, b, c, x):
@@ -635,19 +608,15 @@ else:
         assert r["fused Triton"] < r["materialised PyTorch"], key
 
 # %% [markdown]
-# "fused / floor" near 1 means memory-bound; in the table only the float32 forward comes near it, the
-# backward and the bfloat16 rows are further away ("Going deeper" looks at bfloat16). "materialised / fused"
-# is the price of writing the states.
-# The table drawn, bfloat16 against float32, and which chunk length is fastest: "Going deeper".
+# "fused / floor" near 1 means memory-bound: only the float32 forward comes near it. "materialised /
+# fused" is the price of writing the states. "Going deeper" draws the table and looks at bfloat16 and
+# chunk lengths.
 #
 # ## Summary
 #
-# - $N$ states per position are $N$ independent first-order scans sharing the input $x$, mixed into one
-#   output; a 2-D tile scanned along time handles all of them with one `tl.associative_scan`.
-# - The arithmetic is cheap; the $(\text{batch}, N, L)$ states are not. The fused kernel keeps them in
-#   registers, carries $N$ numbers from chunk to chunk, and writes only $y$, the last state and, for
-#   training, the states at chunk boundaries, from which the backward (the same scan right to left, the
-#   gate shifted by one) recomputes them.
+# - $N$ states per position are $N$ independent scans, one `tl.associative_scan` over a 2-D tile. The
+#   fused kernel keeps the $(\text{batch}, N, L)$ states in registers and writes only $y$, the last state
+#   and, for training, the states at chunk boundaries, from which the backward recomputes them.
 # - Next, chapter 05 adds Mamba's discretisation, $a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t u_t$, and shares
 #   $B$, $C$ across channels.
 
@@ -747,6 +716,14 @@ else:
 #
 # ## Going deeper: the backward formulas as a loop
 #
+# Why section 5 sets $\delta_L[n] := g[n]$ (`dh_last`; zero if the last state was not used) and
+# $a_L[n] := 1$: $h_{L-1}$ has no successor (there is no $h_L$), but it reaches the loss twice, through
+# $y_{L-1}$ and directly as the last state, so the chain rule gives
+# $\delta_{L-1}[n] = g[n] + C_{L-1}[n]\,\partial\mathcal L/\partial y_{L-1}$. That is the recurrence's
+# step at $t = L - 1$ with a gate of 1 and a "next" adjoint $g[n]$, so the last position needs no
+# special case: the kernel starts its adjoint carry at `dh_last` and loads the gate past the end as 1
+# (`other=1`), and the loop below starts with `carry = dh_last` and a gate of ones.
+#
 # Section 5's formulas, written as a PyTorch loop in float64 (the adjoint run right to left, then the
 # local products), against autograd through the reference:
 
@@ -774,6 +751,31 @@ for name, got, want in zip(("a", "B", "C", "x", "h0"), formula_grads, autograd_g
     assert rel_err(got, want) < 1e-12
 
 # %% [markdown]
+# ## Going deeper: partial chunks, and the backward kernel's shifted loads
+#
+# Section 4's new carry, the tile's last row, is right in a partial chunk too: padded rows are identity
+# steps.
+#
+# Section 5's backward recomputes the states with one more scan of data already on chip. Its steps 1
+# and 2 need the tile shifted by one row. The shift is a load, not a move: registers cannot be indexed,
+# and moving a tile down by one row would move values between threads, so the kernel loads $a$, $B$, $x$
+# a second time from one position earlier (`A + tile - 1`), with the first row masked to the identity
+# $(1, 0)$. The shifted gates of step 2 are loaded the same way, one position later
+# (`A + tile + 1`), so the last row reads the next chunk's first gate from memory; $t = L - 1$ reads
+# $a_L = 1$ (`other=1`).
+#
+# ## Going deeper: the tolerance, and the bugs the checks catch
+#
+# Section 3's `tolerance` is, relative to the largest $|y|$, one rounding of the output to its dtype,
+# $2^{-24}$ (float32), $2^{-11}$ (float16), $2^{-8}$ (bfloat16; $2^{-7}$ under the CPU interpreter, which
+# truncates to bfloat16 instead of rounding, chapter 00), plus 64 units of $2^{-24}$ ($2^{-53}$ in float64)
+# for the float32 (float64) accumulation. The 64 is a fixed allowance, not derived from the length
+# (chapter 05 uses one that grows with $\sqrt{L}$); the float32 errors this chapter records are about 2
+# units or less (the largest in section 3's table, 1.24e-07 at $L = 129$, $N = 5$). A float16 accumulator
+# fails this for float16 inputs (the tests inject that bug). In section 4's check, dropping the carry
+# between chunks fails every row past the first chunk (the tests inject that bug too).
+
+# %% [markdown]
 # ## Going deeper: a torch op, autograd, and transforms
 #
 # The launchers become torch custom ops (`scan_lib.runtime.custom_op`, a thin wrapper of
@@ -792,6 +794,10 @@ for name, got, want in zip(("a", "B", "C", "x", "h0"), formula_grads, autograd_g
 # runs the kernel inside a second autograd Function, `MultistateScanBackward`, whose own backward raises
 # a `RuntimeError` naming `multistate_scan`: a first derivative works (also under `torch.func.grad`,
 # which runs the backward with gradients enabled); differentiating it again fails loudly.
+#
+# Section 6's `multistate_scan` calls names defined only in the next cell (`check_multistate_inputs`,
+# `empty_multistate_scan`, `multistate_fwd`, `MultistateScan`): Python looks a name up when the
+# function runs, not when it is defined.
 
 # %%
 #| export
