@@ -617,7 +617,7 @@ else:
 # - $N$ states per position are $N$ independent scans, one `tl.associative_scan` over a 2-D tile. The
 #   fused kernel keeps the $(\text{batch}, N, L)$ states in registers and writes only $y$, the last state
 #   and, for training, the states at chunk boundaries, from which the backward recomputes them.
-# - Next, chapter 05 adds Mamba's discretisation, $a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t u_t$, and shares
+# - Next, chapter 05 adds Mamba's discretisation, $a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t x_t$, and shares
 #   $B$, $C$ across channels.
 
 # %% [markdown]
