@@ -2141,8 +2141,8 @@ else:
 #
 # On a CPU, section 5 trains through the block's `"torch"` backend: the reference causal convolution
 # and `selective_scan_loop`, a Python loop over the `L` positions that autograd differentiates step
-# by step. Its cost grows with `L` times the number of blocks, which is why the CPU profile keeps
-# `L = 32` and one block; on a GPU the same model runs `scan_lib.causal_conv1d` and
+# by step. Its cost grows with `L` times the number of blocks, which is why the task keeps `L = 32`
+# and one block on both (the CPU profile trains on smaller batches and fewer steps); on a GPU the same model runs `scan_lib.causal_conv1d` and
 # `scan_lib.selective_scan`, and generation runs `selective_state_update`.
 #
 # **Notation.** The task's count is `n_data`, not $K$: $K$ is the convolution's width.
