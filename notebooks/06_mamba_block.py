@@ -14,20 +14,17 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/06_mamba_block.ipynb)
 #
 # Chapter 05 built the selective scan. Here it goes to work inside the layer Mamba stacks to make a
-# language model. You will learn:
+# language model:
 #
-# 1. the causal depthwise convolution that comes before the scan, as a Triton kernel (forward and
-#    backward), a drop-in for the `causal-conv1d` package's `causal_conv1d_fn`;
-# 2. the block around the two kernels, piece by piece, with `mamba_ssm`'s parameter names so a
-#    `state_dict` loads either way, and the initialisation that keeps it stable (and what goes wrong
-#    without it);
-# 3. inference three ways that agree: the whole sequence at once, a long prompt in chunks, and one
-#    token at a time in constant memory;
+# 1. the causal depthwise convolution before the scan, as a Triton kernel (forward and backward), a
+#    drop-in for the `causal-conv1d` package's `causal_conv1d_fn`;
+# 2. the block around the two kernels, with `mamba_ssm`'s parameter names so a `state_dict` loads
+#    either way, and the initialisation that keeps it stable;
+# 3. inference three ways that agree: the whole sequence, a long prompt in chunks, and one token at a
+#    time in constant memory;
 # 4. a tiny model that learns the selective-copying task, beside a baseline that cannot.
 #
-# "Going deeper" at the end holds the engineering: the convolution's launchers, half precision and the
-# `causal-conv1d` package, the block's layouts and caches, a profile, and the scan written three ways
-# (a loop, PyTorch's `associative_scan`, `scan_lib`).
+# "Going deeper" at the end holds the engineering.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -74,51 +71,43 @@ def rel_err(x, ref):
 # ## 1. The block at a glance
 #
 # A Mamba language model is a stack of residual blocks `h + Mamba(RMSNorm(h))`. One block maps
-# `hidden_states` of shape (batch, L, d_model) to the same shape in six steps, with
+# `hidden_states` (batch, L, d_model) to the same shape in six steps, with
 # $d_{inner} = \text{expand} \cdot d_{model}$ channels inside (`mamba_ssm`'s parameter names in brackets):
 #
 # 1. **Project up** [`in_proj`]: each position's vector becomes two of $d_{inner}$ channels,
 #    $x$ (the signal) and $z$ (the gate).
 # 2. **Mix neighbours** [`conv1d`]: a causal depthwise convolution of width `d_conv` over positions, then
-#    SiLU. Each channel sees its own last few positions, never a later one.
+#    SiLU.
 # 3. **Compute the selection** [`x_proj`, `dt_proj`]: from $x_t$, a low-rank step size
 #    $\Delta_t = \mathrm{softplus}(W_\Delta\, W_r x_t + b_\Delta)$ per channel, and $B_t$, $C_t$ of $N$
-#    values each, shared by all channels. `x_proj` has $R + 2N$ output rows: its first $R$ rows are
-#    $W_r$ ($R \times d_{inner}$), which squeeze $x_t$ to $R$ = `dt_rank` $= \lceil d_{model}/16 \rceil$
-#    values, the next $2N$ give $B_t$ and $C_t$; `dt_proj` is $W_\Delta$ ($d_{inner} \times R$) with its
-#    bias $b_\Delta$, which brings the $R$ values back up to one step size per channel. This is what
-#    makes the scan *selective*: how much to keep and what to write and read depend on the token.
+#    values each, shared by all channels. `x_proj`'s first $R$ = `dt_rank`
+#    $= \lceil d_{model}/16 \rceil$ rows are $W_r$, its next $2N$ give $B_t$ and $C_t$; `dt_proj` is
+#    $W_\Delta$ ($d_{inner} \times R$) with its bias $b_\Delta$. This is what makes the scan
+#    *selective*: how much to keep and what to write and read depend on the token.
 # 4. **Scan** [`A_log`, `D`]: chapter 05's $h_t = e^{\Delta_t A} h_{t-1} + \Delta_t B_t x_t$,
 #    $\bar y_t = C_t \cdot h_t + D x_t$, with $A = -e^{A_{log}}$.
 # 5. **Gate**: $y_t = \bar y_t \cdot \mathrm{SiLU}(z_t)$ (fused into the scan).
 # 6. **Project down** [`out_proj`]: back to d_model.
 #
 # Only steps 2 and 4 look across positions, and they are the two kernels: the convolution (section 2)
-# and the selective scan (chapter 05). The rest are matrix products that cuBLAS does well.
+# and the selective scan (chapter 05). The rest are matrix products.
 
 # %% [markdown]
 # ## 2. The causal convolution
 #
 # Before the scan, Mamba mixes each channel with its few predecessors: a **depthwise** convolution
-# (each of the `dim` channels has its own filter; channels never mix) that is **causal** (position $t$
-# sees positions $t-K+1, \dots, t$ only). With filter width $K$ (2 to 4; Mamba uses 4), weights
-# $w_{d,k}$ and bias $\beta_d$ for channel $d$, the output is the scan's input $u$ of chapter 05:
+# (each channel has its own filter) that is **causal** (position $t$ sees positions
+# $t-K+1, \dots, t$ only). With filter width $K$ (2 to 4; Mamba uses 4), weights $w_{d,k}$ and bias
+# $\beta_d$ for channel $d$, the output is the scan's input $u$ of chapter 05:
 #
 # $$u_{t,d} = \mathrm{silu}\Big(\beta_d + \sum_{k=0}^{K-1} w_{d,k}\, x_{t-K+1+k,\,d}\Big),
 # \qquad \mathrm{silu}(p) = p\,\sigma(p) = \frac{p}{1 + e^{-p}},$$
 #
 # where $x_s$ for $s < 0$ is zero, or the `initial_states` (the last $K-1$ inputs of a previous
-# piece of the sequence). The weight $w_{d,K-1}$ multiplies the current input; $w_{d,0}$ the oldest.
-# `mamba_ssm` gets this from the `causal-conv1d` CUDA package; we write it in Triton with the same
-# function signature as that package's `causal_conv1d_fn`, so either can be imported. The
-# reference is the package's own, on `F.conv1d` (`groups=dim` makes it depthwise; padding $K-1$ on
-# both sides, then keeping the first $L$ outputs, makes it causal). The cell also imports what the
-# launchers need later: `accumulator_dtype` (chapter 02's map from a torch dtype to the Triton dtype a
-# kernel sums in), `custom_op`, `apply` and `_vmap_by_loop`, the custom-operator and autograd
-# plumbing of chapter 05, which "Going deeper: the convolution kernels" describes, and from chapter
-# 07's module the helpers its fast kernels share with these (`items_of`, `positions_of`, introduced
-# with the kernel below; `LOG2E`; `cdiv` and `next_power_of_2` in plain Python, which cost less per
-# call than Triton's).
+# piece of the sequence). `mamba_ssm` gets this from the `causal-conv1d` CUDA package; ours, in
+# Triton, has the signature of that package's `causal_conv1d_fn`. The reference is the package's own,
+# on `F.conv1d` (`groups=dim` makes it depthwise; padding $K-1$ on both sides, then keeping the first
+# $L$ outputs, makes it causal).
 
 # %%
 #| export causal_conv1d
@@ -154,9 +143,9 @@ def causal_conv1d_ref(x, weight, bias=None, initial_states=None, return_final_st
 
 # %% [markdown]
 # **Why causal.** A language model predicts token $t+1$ from tokens $\le t$; if any layer lets
-# position $t$ read $t+1$, training shows the model the answer and generation (where $t+1$ does not
-# exist yet) breaks. The usual "same" convolution pads symmetrically, so its output at $t$ reads
-# $t+1$. The cell changes one input, at position 5, and asks which outputs moved:
+# position $t$ read $t+1$, training shows the model the answer. The usual "same" convolution pads
+# symmetrically, so its output at $t$ reads $t+1$. The cell changes the input at position 5 and asks
+# which outputs moved:
 
 # %%
 from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update
@@ -175,33 +164,20 @@ assert moved_causal == [5, 6, 7]       # the change reaches t = 5 .. 5 + K - 1, 
 
 # %% [markdown]
 # **The kernel.** One program per (batch element, block of `BLOCK_D` channels, block of `BLOCK_L`
-# positions) computes a `BLOCK_D x BLOCK_L` tile of outputs. The simplest kernel would load the tile
-# $K$ times, shifted by $k - K + 1$ positions, and add up $w_{\cdot,k}$ times each. It is correct (this
-# chapter's first kernel did just that), but on the H200 it was well behind `causal-conv1d`
-# (`benchmarks/NOTES_causal_conv1d.md` has the times): a load that starts $k - K + 1$ positions off
-# is not aligned to 16 bytes, so the GPU cannot fetch it as one vector per thread, and each thread
-# issues a load per value, four times over.
+# positions) computes a `BLOCK_D x BLOCK_L` tile of outputs. Loading the tile $K$ times, shifted by
+# $k - K + 1$ positions, would be correct but slow: a shifted load is not aligned to 16 bytes, so the
+# GPU cannot fetch it as one vector per thread.
 #
-# The kernel below loads each value with aligned vector loads instead. Think of the positions of a
-# tile as **runs** of `ITEMS` consecutive positions, `ITEMS` being 16 bytes' worth (8 in bfloat16, 4
-# in float32); each thread holds whole runs, as one 16-byte vector each. Output item $i$ of a run
-# needs inputs at items $i-K+1, \dots, i$ of the same run, and for $i < K-1$ the last items of the
-# run before. So the kernel loads the tile twice, where it is and one run earlier (the second load is
-# aligned too, and its values come from cache), and picks every term from one of the two with no
-# data movement at all: `items_of` turns a `BLOCK_D x BLOCK_L` tile into `ITEMS` tiles of
-# `BLOCK_D x RUNS`, the $i$-th holding item $i$ of every run, and `positions_of` turns them back.
-# Both only rename registers when each thread holds its runs whole; chapter 07 builds them for the
-# selective scan, where section 4 shows the instructions they compile to. `_around` names the item
-# $m$ positions from a run's start, from the run before it ($m < 0$) or after it ($m \ge$ `ITEMS`);
-# the sum over $k$ is unrolled at compile time (`tl.static_range`), so every choice is made by the
-# compiler. `_x_at` is the one place that knows the padding: positions $< 0$ come from
-# `initial_states` (or are zero), positions $\ge L$ are masked. SiLU needs $\sigma(p) = 1/(1+e^{-p})$:
-# in float32, `_sigmoid` computes $e^{-p}$ as `exp2` of $-p\log_2 e$ and the reciprocal with
-# `tl.math.fdiv`, each one hardware instruction (relative error about $10^{-7}$); float64 keeps the
-# exact division. The program of the first block of positions also writes the final states, the
-# last $K-1$ columns of `cat(initial_states, x)`, which are the next piece's `initial_states`.
-# Strides are arguments, so a transposed (channel-last) or sliced `x` is read in place, never copied
-# (only 16-byte vectors need positions adjacent and rows aligned; other layouts load value by value).
+# So the kernel uses aligned loads only. It cuts a tile's positions into **runs** of `ITEMS`
+# consecutive positions, 16 bytes' worth (8 in bfloat16, 4 in float32), each thread holding whole runs.
+# Output item $i$ of a run needs inputs at items $i-K+1, \dots, i$ of the same run and, for
+# $i < K-1$, the last items of the run before. So the kernel loads the tile twice, where it is and one
+# run earlier, and picks every term from one of the two with no data movement: `items_of` (from
+# chapter 07) turns a `BLOCK_D x BLOCK_L` tile into `ITEMS` tiles of `BLOCK_D x RUNS`, the $i$-th
+# holding item $i$ of every run, and `positions_of` turns them back. `_around` picks the item $m$
+# positions from a run's start, from the run before it ($m < 0$) or after it ($m \ge$ `ITEMS`).
+# `_x_at` handles the padding. The first block of positions also writes the final states, the last
+# $K-1$ columns of `cat(initial_states, x)`: the next piece's `initial_states`.
 
 # %%
 #| export causal_conv1d
@@ -307,40 +283,28 @@ def causal_conv1d_fwd_kernel(
                  d_ok & (j < WIDTH - 1))
 
 # %% [markdown]
-# **The backward.** Write $p_{t,d}$ for the pre-activation (the argument of silu) and pad $x$ on the
-# left with the $K-1$ initial states. The incoming gradient through the activation is
+# **The backward.** Write $p_{t,d}$ for the pre-activation (the argument of silu), recomputed from $x$.
+# The incoming gradient through the activation is
 #
 # $$g_t = \frac{\partial\mathcal{L}}{\partial p_t} = \frac{\partial\mathcal{L}}{\partial u_t}\,
-# \mathrm{silu}'(p_t), \qquad \mathrm{silu}'(p) = \sigma(p)\big(1 + p\,(1 - \sigma(p))\big),$$
+# \mathrm{silu}'(p_t), \qquad \mathrm{silu}'(p) = \sigma(p)\big(1 + p\,(1 - \sigma(p))\big).$$
 #
-# with $p_t$ recomputed from $x$ (cheaper than storing it: the loads of $x$ against a write and a
-# read of a `(batch, dim, L)` tensor). Input $x_s$ appears in the outputs $t = s, \dots, s+K-1$, as the
-# term $k = s - t + K - 1$, so
+# Input $x_s$ appears in the outputs $t = s, \dots, s+K-1$, as the term $k = s - t + K - 1$, so
 #
 # $$\frac{\partial\mathcal{L}}{\partial x_s} = \sum_{j=0}^{K-1} w_{K-1-j}\, g_{s+j}:$$
 #
-# the same convolution with the **flipped** filter, run **forward** in time (reading positions
-# $s, \dots, s+K-1$, zero past $L$). In runs: item $i$ of a run needs $g$ at items $i, \dots, i+K-1$,
-# the last ones in the run after it. So the kernel loads $x$ and $\partial\mathcal{L}/\partial u$ as
-# runs where they are and one run later ($x$ one run earlier too, for $p$ at the first items), and
-# computes $g$ at the run's `ITEMS` items and at the next run's first $K-1$ (recomputed there, rather
-# than moved between threads: a sigmoid costs less than a trip through shared memory). The initial
-# states are the inputs at $s = -K+1, \dots, -1$, so the same formula gives them; only the terms with
-# $s + j \ge 0$ exist. Numbering the initial states $h^0_i = x_{i-K+1}$, $i = 0, \dots, K-2$, and
-# substituting $k = K-1-j$:
-#
-# $$\frac{\partial\mathcal{L}}{\partial h^0_{i}} = \sum_{k=0}^{i} w_{k}\, g_{i-k},$$
-#
-# plus, when $L < K-1$, the gradient of the final state that copied $h^0_i$ (the kernel's `dh0` loop).
-# The weight and bias gradients sum over every batch element and position:
+# the same convolution with the **flipped** filter, run **forward** in time. In runs, item $i$ needs
+# $g$ at items $i, \dots, i+K-1$, the last ones in the run after it; so the kernel loads $x$ and
+# $\partial\mathcal{L}/\partial u$ where they are and one run later, and computes $g$ at the run's
+# `ITEMS` items and at the next run's first $K-1$. The same formula, with $x$ padded on the left by the
+# initial states, gives their gradients (the `dh0` loop). The weight and bias gradients sum over every
+# batch element and position:
 #
 # $$\frac{\partial\mathcal{L}}{\partial w_{d,k}} = \sum_{b,\,t} g_{b,t,d}\; x_{b,\,t-K+1+k,\,d},
-# \qquad \frac{\partial\mathcal{L}}{\partial \beta_d} = \sum_{b,\,t} g_{b,t,d}.$$
+# \qquad \frac{\partial\mathcal{L}}{\partial \beta_d} = \sum_{b,\,t} g_{b,t,d};$$
 #
-# Each program writes its block's partial sums, and PyTorch adds them up afterwards in a fixed order:
-# no atomics, so the gradients are the same bits on every run. A gradient arriving through the final
-# states flows straight into the inputs they copied (the last $K-1$ columns of $x$, or initial states
-# when $L < K-1$).
+# each program writes its block's partial sums, and PyTorch adds them up. A gradient arriving through
+# the final states flows straight into the inputs they copied.
 
 # %%
 #| export causal_conv1d
@@ -431,13 +395,11 @@ def causal_conv1d_bwd_kernel(
                 tl.store(DH0 + (b * dim + ds) * (WIDTH - 1) + i, dh.to(DH0.dtype.element_ty), d_ok)
 
 # %% [markdown]
-# **Checks.** `causal_conv1d` (the launchers and the `autograd.Function` around these kernels are in
-# "Going deeper: the convolution kernels") against the reference in float64, at lengths that are not
-# multiples of anything (1 is shorter than the filter), for every width, with bias, SiLU, initial
-# states and final states all on, and every gradient: $x$, $w$, $\beta$, the initial states, and a
-# gradient arriving through the final states. In float64 both sides sum the same few terms, so they
-# agree to rounding ($10^{-12}$ relative is far above it). `tests/test_causal_conv1d.py` adds
-# `gradcheck` (our backward against finite differences of our own forward) for every input.
+# **Checks.** `causal_conv1d` against the reference in float64, at lengths that are not multiples of
+# anything (1 is shorter than the filter), for every width, with bias, SiLU, initial and final states,
+# and every gradient. Both sides sum the same few terms, so they agree to rounding ($10^{-12}$ relative
+# is far above it). The launchers, half precision and the `causal-conv1d` package are in "Going deeper:
+# the convolution kernels".
 
 # %%
 def conv_grads(fn, x, weight, bias, h0, dout, dfinal, dtype=None):
@@ -467,17 +429,11 @@ for width in (2, 3, 4):
         assert max(errors) < 1e-12, (width, length, errors)
 
 # %% [markdown]
-# Half precision, and the comparison with the `causal-conv1d` package and its speed on a GPU, are in
-# "Going deeper: the convolution kernels".
-
-# %% [markdown]
 # ## 3. The block, piece by piece
 #
-# The CPU needs a way to *train* the block: Triton's interpreter runs a kernel far slower than a
-# GPU, fine for checking a kernel, hopeless for a training loop. So the block has two
-# backends: `"triton"` (the kernels of section 2 and chapter 05) and `"torch"` (plain PyTorch: the
-# convolution's reference and the scan as a loop over positions, below). They compute the same function;
-# section 3's checks hold them to each other.
+# Triton's interpreter can check a kernel on the CPU but not train. So the block has two backends
+# that compute the same function: `"triton"` (the kernels of section 2 and chapter 05) and `"torch"`
+# (the convolution's reference and the scan as a loop over positions, below).
 
 # %%
 #| export
@@ -524,13 +480,11 @@ def selective_scan_loop(u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
     return (y, h) if return_last_state else y
 
 # %% [markdown]
-# Generation reads one token at a time, so it needs the scan's single step as a kernel of its own: load
-# the state $h$ (dim x N) of one sequence, apply $h \leftarrow e^{\Delta A} h + \Delta B x$ with chapter 05's
-# `discretize`, store it back in place, and read out $y = C \cdot h + D x$, gated. One program covers
-# `BLOCK_D` channels of one batch element. It is `mamba_ssm`'s `selective_state_update`, without heads.
-# $\Delta$ comes from chapter 05's `_load_delta`, which adds `dt_bias` and applies softplus; it returns
-# two tiles, $\Delta$ and the pre-activation before softplus (chapter 05's backward needs the latter for
-# softplus's derivative, the sigmoid), and this forward-only kernel drops the second (`delta, _ = ...`).
+# Generation reads one token at a time, so it needs the scan's single step as a kernel of its own
+# (`mamba_ssm`'s `selective_state_update`, without heads): load the state $h$ (dim x N) of one sequence,
+# apply $h \leftarrow e^{\Delta A} h + \Delta B x$ with chapter 05's `discretize`, store it back in
+# place, and read out $y = C \cdot h + D x$, gated. One program covers `BLOCK_D` channels of one batch
+# element. Chapter 05's `_load_delta` adds `dt_bias` and applies softplus.
 
 # %%
 #| export
@@ -615,13 +569,8 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
 
 # %% [markdown]
 # The module itself. Its constructor takes `mamba_ssm`'s arguments and creates the same parameters with
-# the same shapes, in the same order, so a `state_dict` moves between the two (the GPU section loads
-# ours into `mamba_ssm`'s). It also makes the same random draws in the same order, so the same seed
-# should give the same weights. "Going deeper" checks that where `mamba_ssm` is importable (on a GPU;
-# in the committed H200 run every parameter came out bit-identical, for two sets of options), and the
-# comparisons in this chapter never rely on it: they copy the `state_dict`.
-# `ssm_parameters` is the selection (step 3 above) in a method of its own, so that section 5's baseline
-# can replace it.
+# the same shapes, in the same order, so a `state_dict` moves between the two. `ssm_parameters` is the
+# selection (step 3 of section 1) in a method of its own, so that section 5's baseline can replace it.
 
 # %%
 #| export
@@ -834,18 +783,18 @@ class Mamba(nn.Module):
 # %% [markdown]
 # ### Initialisation
 #
-# Two parameters get special starting values, and both exist to keep the recurrence
+# Two parameters get special starting values, to keep the recurrence
 # $h_t = e^{\Delta_t A} h_{t-1} + \Delta_t B_t x_t$ stable and useful from the first step.
 #
 # **$A$ negative.** $A = -e^{A_{log}}$ is negative whatever $A_{log}$ learns, so $e^{\Delta A}$ lies in
-# $(0, 1)$: every state decays. At the start $A_{:,n} = -(n+1)$ for $n = 0 \dots N-1$ (S4D-real): the
-# states forget at rates spread from slow to fast, so some hold long context and some short.
+# $(0, 1)$: every state decays. At the start $A_{:,n} = -(n+1)$ for $n = 0 \dots N-1$ (S4D-real): some
+# states hold long context and some short.
 #
 # **$\Delta$ in $[\Delta_{min}, \Delta_{max}]$.** $\Delta = \mathrm{softplus}(\dots + b_\Delta)$ starts
-# near $\mathrm{softplus}(b_\Delta)$, because `dt_proj.weight` starts small. Drawing the target
-# $\Delta_0$ log-uniformly in $[\Delta_{min}, \Delta_{max}]$ (default $[10^{-3}, 10^{-1}]$) and setting
-# the bias to softplus's inverse, $b_\Delta = \Delta_0 + \log(1 - e^{-\Delta_0})$, gives channels that
-# remember for about $1/\Delta$ steps, from ten to a thousand positions.
+# near $\mathrm{softplus}(b_\Delta)$, because `dt_proj.weight` starts small. Drawing $\Delta_0$
+# log-uniformly in $[\Delta_{min}, \Delta_{max}]$ (default $[10^{-3}, 10^{-1}]$) and setting
+# $b_\Delta = \Delta_0 + \log(1 - e^{-\Delta_0})$, softplus's inverse, gives channels that remember for
+# about $1/\Delta$ steps, from ten to a thousand positions.
 
 # %%
 #| export
@@ -893,10 +842,9 @@ save_figure(fig, "06_dt_init.png")
 # %% [markdown]
 # ### What goes wrong without them
 #
-# The source sketch this chapter started from initialises $A$ as `torch.rand(d_model, d_state) * 0.1`
-# and uses it as it is: positive. Then $e^{\Delta A} > 1$ and every state *grows* by that factor at every
-# position, whatever the input. Below, the same block's scan runs 4096 positions with the trained sign
-# ($A = -(1..N)$) and with the sketch's positive $A$, from the same $\Delta$, $B$, $C$ and input.
+# The source sketch this chapter started from uses $A$ = `torch.rand(d_model, d_state) * 0.1`:
+# positive. Then $e^{\Delta A} > 1$ and every state *grows* at every position, whatever the input. The
+# cell runs the scan 4096 positions with $A = -(1..N)$ and with the sketch's $A$, all else the same.
 
 # %%
 def state_norms(A, length=4096, d_inner=32, d_state=16, seed=0):
@@ -928,11 +876,9 @@ ax.legend()
 save_figure(fig, "06_positive_A.png")
 
 # %% [markdown]
-# The sketch has a second bug. It projects $x$ to $2N$ values, splits them into $\Delta$'s input and
-# $B$, and then takes $C$ as `x_proj(x)[..., d_state:]`: the same slice as $B$. So $C_t = B_t$ and the
-# block can only read a state in the direction it writes it: at the current position the output gets
-# $\Delta_t x_t \lVert B_t\rVert^2 \geq 0$, a term whose sign it cannot choose. `x_proj` above has
-# $R + 2N$ outputs and $B$ and $C$ come from disjoint rows of it, so they are independent.
+# The sketch's second bug: it takes $C$ as `x_proj(x)[..., d_state:]`, the same slice as $B$, so the
+# block can only read a state in the direction it writes it. The block's $B$ and $C$ come from disjoint
+# rows of `x_proj`.
 
 # %%
 torch.manual_seed(0)
@@ -950,11 +896,8 @@ print("the sketch's C is its B: True;  the block's B and C differ: True")
 # %% [markdown]
 # ### Checks: the same parameters as `mamba_ssm`, the same function on both backends
 #
-# The parameter names and shapes are `mamba_ssm`'s (its `Mamba.__init__`, listed here by hand so the
-# check runs without it). What the cell checks: the `state_dict` has exactly the listed names and shapes,
-# and it loads (strictly) into a second block of ours built with other random weights, which then holds
-# the same values. That a `state_dict` moves between our block and `mamba_ssm`'s is checked only where
-# `mamba_ssm` runs: section 6 loads ours into theirs and compares outputs and gradients.
+# The cell checks that the `state_dict` has exactly `mamba_ssm`'s parameter names and shapes (listed
+# by hand, so the check runs without it), and that it loads strictly into a second block of ours.
 
 # %%
 def mamba_ssm_layout(d_model, d_state=16, d_conv=4, expand=2, conv_bias=True, bias=False):
@@ -981,11 +924,9 @@ for options in ({}, dict(d_state=8, d_conv=3, expand=3, conv_bias=False, bias=Tr
 print("parameter names and shapes as mamba_ssm's (listed by hand); our state_dict loads into our block: ok")
 
 # %% [markdown]
-# The two backends against each other: the `"torch"` block in float64 is the reference, and the
-# `"triton"` block with the same weights in float32 must match it, output and every parameter's
-# gradient, at awkward lengths. The tolerance is relative to the largest value: float32 carries 24 bits
-# (about $6 \cdot 10^{-8}$), and each output sums a few hundred products through the projections and
-# the scan, so errors of a few $10^{-6}$ are expected; $10^{-4}$ would still catch any wrong term.
+# The two backends against each other: the `"triton"` block in float32 must match the `"torch"` block
+# in float64 with the same weights, output and every parameter's gradient, at awkward lengths, to
+# $10^{-4}$ relative to the largest value.
 
 # %%
 def compare_backends(length, d_model, d_state, batch=2, seed=0):
@@ -1018,20 +959,17 @@ for length in (1, 7, 129, 1000) if ON_GPU else (1, 7, 40):
 # %% [markdown]
 # ## 4. Inference three ways
 #
-# A model generates text one token at a time, and a Transformer keeps every past key and value for it:
-# its cache grows with the sequence. The block needs only two small states to continue: the last
-# `d_conv` inputs of the convolution and the scan's $h$ (d_inner x N). So there are three ways to run
-# the block that must agree:
+# A Transformer generating text keeps every past key and value: its cache grows with the sequence.
+# The block needs only two small states to continue: the last `d_conv` inputs of the convolution and
+# the scan's $h$ (d_inner x N). So three ways to run the block must agree:
 #
 # 1. **the whole sequence** at once (training, or a short prompt);
-# 2. **chunks**: a long prompt fed in pieces, each starting from the states the previous piece left
-#    (the convolution's `initial_states` and the scan's `initial_state`), as chapter 02 carried a state
-#    from block to block;
-# 3. **one token at a time**: `step`, which updates both states in place; on a GPU its scan is the
-#    `selective_state_update` kernel above.
+# 2. **chunks**: a long prompt fed in pieces, each starting from the states the previous piece left;
+# 3. **one token at a time**: `step`, which updates both states in place (on a GPU with
+#    `selective_state_update`).
 #
-# The cell runs all three on the same weights and input, in float64 so that any difference beyond
-# rounding is a bug, for several lengths and chunkings.
+# The cell runs all three on the same weights and input, for several lengths and chunkings, in
+# float64: any difference beyond rounding is a bug.
 
 # %%
 def three_ways(length, chunks, d_model, d_state, batch, seed=0, dtype=torch.float64):
@@ -1065,12 +1003,11 @@ for length, chunks in cases.items():
     assert max(diffs.values()) < 1e-10, diffs
 
 # %% [markdown]
-# What the states buy: the cost of the next token. A Transformer layer's decoding step attends over
-# every cached key and value, so its memory and its time grow with the position; the block's step
-# touches the same two states at every position. The cell measures both per layer, at the same
-# d_model, batch 1: the block's `step`, and an attention layer's step (project q, k, v, append k and v
-# to the cache, attend with `F.scaled_dot_product_attention`, project out). On a GPU both are replayed
-# from CUDA graphs, as generation loops run them, so the time is the GPU's and not the host's launches.
+# What the states buy: the cost of the next token. An attention layer's decoding step reads every
+# cached key and value, so its memory and time grow with the position; the block's step touches the
+# same two states at every position. The cell times both per layer, at the same d_model, batch 1: the
+# block's `step`, and an attention step (q, k, v projections, the cache, `F.scaled_dot_product_attention`,
+# the output projection).
 
 # %%
 import time
@@ -1139,17 +1076,10 @@ fig.tight_layout()
 save_figure(fig, "06_generation_cost.png")
 
 # %% [markdown]
-# Read the time columns of the table: the block's step does the same work at every position, and the
-# attention step's work grows with the cache it reads; for short contexts attention can still be the
-# cheaper of the two (a few small matrix products), and where the lines cross, if they do within these
-# positions, depends on the device: in this run the attention step is the cheaper up to position 4096
-# (23.3 us against 32.5) and the dearer from 16384 on (38.1 us against 32.6). The two byte columns are not
-# measurements: the fourth is the size of the two state tensors allocated once before the loop, the
-# fifth the size of the keys and values an attention step reads at that position,
-# $2 \cdot (\text{position} + 1) \cdot d_{model}$ elements.
-# The claim that the block's memory does not grow is checked in the next cell, on the path generation
-# takes: the block's `forward` with `InferenceParams`, which allocates its cache itself and must keep
-# updating the same two tensors, token after token.
+# In this run the attention step is the cheaper up to position 4096 (23.3 us against 32.5) and the
+# dearer from 16384 on (38.1 us against 32.6). The byte columns are sizes, not measurements. The next
+# cell checks, on the path generation takes (`forward` with `InferenceParams`), that the same two state
+# tensors are updated token after token and never grow.
 
 # %%
 torch.manual_seed(0)
@@ -1178,11 +1108,9 @@ print(f"after the prompt and {gen_params.seqlen_offset - 16} generated tokens: {
 #
 # The Mamba paper motivates selection with a synthetic task, *selective copying* (Gu & Dao 2023,
 # section 4.1.1). A sequence of `L` positions holds `n_data` data tokens scattered at random positions
-# among blank (noise) tokens; then come `n_data` marker tokens, and at the $k$-th marker the model must
-# output the $k$-th data token. Only the `n_data` marker positions are scored. (The count is `n_data`
-# here, not $K$: $K$ is the convolution's width.) The positions of the data
-# tokens change from one sequence to the next, so the gaps between them (the blanks to ignore) have
-# no fixed length.
+# among blank tokens; then come `n_data` markers, and at the $k$-th marker the model must output the
+# $k$-th data token. Only the markers are scored. The data tokens' positions change from one sequence
+# to the next, so the gaps between them have no fixed length.
 
 # %%
 BLANK, MARKER = 0, 1
@@ -1224,37 +1152,25 @@ for row in range(2):
 
 # %% [markdown]
 # Why this needs selection. Fix $\Delta$, $B$ and $C$ (the same at every position, whatever the input)
-# and the scan of each channel becomes *time-invariant*: $a = e^{\Delta A}$ at every step, and
-# unrolling $h_t = a h_{t-1} + \Delta B u_t$ turns the output into a fixed convolution over positions,
+# and each channel's scan becomes *time-invariant* (LTI): unrolling $h_t = a h_{t-1} + \Delta B u_t$,
+# with $a = e^{\Delta A}$ at every step, gives a fixed convolution over positions,
 #
 # $$\bar y_t = \sum_{s \le t} k_{t-s}\, u_s + D u_t, \qquad k_j = \sum_n C_n\, e^{j \Delta A_n}\, \Delta B_n .$$
 #
-# The weight $k_{t-s}$ that token $s$ gets at position $t$ depends only on the distance $t - s$, fixed
-# once trained, never on what the tokens in between were. The block can make the value $u_s$ of a
-# blank small, but then a kernel that decays weighs the $k$-th data token by the random number of
-# positions after it, and a kernel that does not decay ($a \approx 1$) sums the data tokens in no
-# order: no fixed kernel recovers them in order. A selective scan computes $\Delta_t$, $B_t$ and
+# The weight $k_{t-s}$ that token $s$ gets at position $t$ depends only on the distance $t - s$, never
+# on the tokens in between. Making the blanks' values $u_s$ small does not help: a kernel that decays
+# weighs the $k$-th data token by the random number of positions after it, and one that does not
+# ($a \approx 1$) sums the data tokens in no order. A selective scan computes $\Delta_t$, $B_t$ and
 # $C_t$ from the token, so it can, for instance, take $\Delta_t$ near 0 on a blank
-# ($a_t = e^{\Delta_t A} \approx 1$ and $b_t \approx 0$: the state passes through untouched, as if the
-# blank were not there) and a large $\Delta_t$ on a data token, which is written in. The state then
-# evolves only on the data tokens, and the $k$-th of them is always `n_data` $- k$ writes back, however long
-# the gaps. That is one solution the selective block can represent and the LTI block cannot; training
-# finds its own mix of $\Delta$, $B$ and $C$.
+# ($a_t \approx 1$, $b_t \approx 0$: the state passes through untouched) and a large $\Delta_t$ on a
+# data token, which is written in. The state then evolves only on the data tokens, however long the
+# gaps. Training finds its own mix of $\Delta$, $B$ and $C$.
 #
-# The model is one such block in a residual stream. With one block the argument covers the whole
-# baseline: besides its time-invariant scan, only the causal conv (a window of `d_conv` tokens) and the
-# gate $z_t$ (the current token alone) see the input, and neither can skip a gap. Stacked LTI blocks
-# do better: the nonlinear parts of one block can hand the next features such as the number of data
-# tokens seen so far (a kernel that barely decays sums them); the gated LTI models in the paper's
-# table also score well above chance. One block keeps the comparison to the selection alone.
-#
-# The language model around the block: an embedding, `n_layers` residual blocks
-# $x \leftarrow x + \mathrm{Mamba}(\mathrm{RMSNorm}(x))$, a final RMSNorm and a linear head. The
-# baseline is the same model with an LTI block: a subclass of `scan_lib.Mamba` whose
-# `ssm_parameters` (the method that computes $\Delta$, $B$, $C$ from the conv's output) returns
-# learned constants broadcast over the batch and the positions. Everything else (the projections, the
-# causal conv, the SiLU gate, $A$, $D$, the initialisation) is shared, so the two differ only in the
-# selection.
+# The model: an embedding, `n_layers` residual blocks
+# $x \leftarrow x + \mathrm{Mamba}(\mathrm{RMSNorm}(x))$ (here one; "Going deeper: selective copying"
+# says why), a final RMSNorm and a linear head. The
+# baseline swaps in an LTI block: a subclass of `scan_lib.Mamba` whose `ssm_parameters` returns learned
+# constants. Everything else is shared, so the two differ only in the selection.
 
 # %%
 class CopyLM(nn.Module):
@@ -1310,16 +1226,10 @@ for block in probe:
     assert same == isinstance(block, LTIMamba)
 
 # %% [markdown]
-# Training: AdamW with a short warm-up (the learning rate ramps up linearly over the first tenth of the
-# steps) and a cosine decay, cross-entropy on the scored positions only, the same batches and the same
-# number of steps for both models. Both start from the same weights wherever they share a parameter: a
-# common seed alone would not do it, because `LTIMamba` draws its `B_const` and `C_const` after its
-# block's weights, so every draw after them (the next block, the head) would differ. So the cell builds
-# the selective model, builds the baseline, loads the selective model's `state_dict` into it (all but
-# the baseline's three constants), and asserts that every shared parameter is equal before training.
-# On the GPU the blocks run the Triton kernels (`causal_conv1d`, `selective_scan`); on the CPU, where
-# Triton's interpreter is far too slow to train, `scan_lib.Mamba` picks its pure-PyTorch path
-# (`F.conv1d` and a loop over the positions), the same computation.
+# Training: AdamW with a linear warm-up over the first tenth of the steps and a cosine decay,
+# cross-entropy on the scored positions only, the same batches for both models. Both start from the
+# same weights wherever they share a parameter: the cell loads the selective model's `state_dict` into
+# the baseline (all but its three constants) and asserts that they are equal.
 
 # %%
 from tqdm import tqdm   # a text progress bar (tqdm.auto would want ipywidgets in Jupyter)
@@ -1387,28 +1297,10 @@ fig.tight_layout()
 save_figure(fig, "06_selective_copying.png")
 
 # %% [markdown]
-# Both curves start with a short plateau near chance, and in this run both leave it before the dashed
-# line, the end of the warm-up (the first tenth of the 1600 steps, over which the learning rate climbs
-# linearly to its peak). So that first plateau is most likely the warm-up's small early steps (not
-# measured: no run without the warm-up), not a sign that the task is hard to start on. The baseline's
-# second plateau is different: its accuracy levels off at about the end of the warm-up and then barely
-# moves to the last step (the progress bar above, which
-# shows a recent batch's accuracy, reads 0.43 at 225 of 1600 steps and 0.50 at the end), while the
-# learning rate is at its peak and then decays. That plateau is not the warm-up: it is what this
-# baseline reaches at this learning rate.
-# The next cell asserts the outcome on a fresh held-out batch: the selective model copies
-# at least 90% of the tokens and the baseline, the same block around a time-invariant scan, at most
-# 70%. It also prints the accuracy for each of the `n_data` slots (the $k$-th marker copies the $k$-th
-# data token), which says where the baseline's points above chance come from. A fixed kernel that
-# decays weighs recent tokens most, and the most recent data token is the right answer only at the
-# last marker; so we expect the baseline to do best in the later slots, and the cell prints which slot
-# is its best in this run.
-#
-# What this comparison is, honestly: one training run of each model, one seed, and one learning rate,
-# chosen for the selective model and not tuned for the baseline. It shows a gap in one run, not a
-# distribution over seeds, and a better-tuned baseline could score higher (though, by the argument
-# above, not solve the task with one block). More seeds and a learning-rate sweep for the baseline
-# would multiply the training time, which is already most of this chapter's CPU run.
+# Both curves leave a short plateau near chance before the dashed line, the end of the warm-up; then
+# the baseline's accuracy levels off ("Going deeper: selective copying" reads the plateaus). The next
+# cell asserts the outcome on a fresh held-out batch (the selective model copies at least 90% of the
+# tokens, the baseline at most 70%) and prints the accuracy for each slot $k$ (the $k$-th marker).
 
 # %%
 with torch.no_grad():
@@ -1428,15 +1320,13 @@ assert copy_accuracy["Mamba (selective)"] >= 0.9
 assert copy_accuracy["LTI baseline"] <= 0.7
 
 # %% [markdown]
-# What the held-out table says in this run: the selective model copies every slot; the baseline gets
-# 0.469 of the tokens (chance is 0.125), and its accuracy rises slot by slot, from 0.33 at the first
-# marker to 0.65 at the last, as expected of a fixed kernel that decays: the later the marker, the
-# fewer data tokens come after the one it must copy, and at the last marker the answer is the most
-# recent data token, the one such a kernel weighs most.
+# In this run the selective model copies every slot; the baseline gets 0.469 of the tokens (chance is
+# 0.125), rising from 0.33 at the first marker to 0.65 at the last: at the last marker the answer is
+# the most recent data token, the one a decaying kernel weighs most.
 #
-# Generation with the recurrent path: the trained model reads a held-out sequence one token at a time
-# through `step`, carrying only each block's conv state and scan state (section 4), and emits its copy
-# at the markers. Its logits must match the whole-sequence forward's, and so must the greedy tokens.
+# Generation with the recurrent path: the trained model reads held-out sequences one token at a time
+# through `step`, carrying only each block's two states (section 4). Its logits must match the
+# whole-sequence forward's, and so must the greedy tokens.
 
 # %%
 copy_model = copy_runs["Mamba (selective)"][0]
@@ -1458,13 +1348,11 @@ assert torch.equal(step_tokens[gen_mask], full_tokens[gen_mask])
 # %% [markdown]
 # ## 6. On the GPU: one block against `mamba_ssm`'s
 #
-# The same weights in `scan_lib.Mamba` and in `mamba_ssm`'s `Mamba` (built for this GPU; skipped where it
-# is not installed), at the size of a small language model's layer: batch 8, L 2048, d_model 1024
-# (d_inner 2048, N 16). First the outputs and gradients must agree; then the times, forward (inference,
-# no autograd) and forward+backward, in float32 and bfloat16. `mamba_ssm`'s module runs its unfused
-# path (`use_fast_path=False`: its convolution and its CUDA scan as separate calls, like ours) and,
-# where the `causal-conv1d` package is installed, also its fused path (`mamba_inner_fn`, one autograd
-# function for the whole block).
+# The same weights in `scan_lib.Mamba` and in `mamba_ssm`'s `Mamba` (skipped where it is not installed),
+# at the size of a small language model's layer: first the outputs and gradients must agree, then the
+# times, forward and forward+backward, in float32 and bfloat16. `mamba_ssm` runs its unfused path
+# (convolution and scan as separate calls, like ours) and, where the `causal-conv1d` package is
+# installed, its fused path (one autograd function for the whole block).
 
 # %%
 #| export
@@ -1566,14 +1454,10 @@ else:
     save_figure(fig, "06_block_benchmark.png")
 
 # %% [markdown]
-# The two blocks compute the same function: the cell asserts that outputs and every gradient agree
-# (the first lines above). Their speeds are in the ratio lines: a ratio below 1 means `mamba_ssm`'s
-# block is the faster in that row, above 1 ours. In this run ours is the faster in forward+backward, a
-# training step: `mamba_ssm`'s time over ours is 1.04 (fused) to 1.06 (unfused) in float32 and 1.09
-# (fused) to 1.19 (unfused) in bfloat16. In the forward alone the two are level: 1.03 in float32, 1.01
-# in bfloat16. These are one run's medians; differences of a
-# few percent are within what a second run can change. "Going deeper: where the time goes in
-# scan_lib's block" profiles ours: the kernels that take the most GPU time, by name.
+# The two blocks compute the same function: the cell asserts that outputs and every gradient agree.
+# In this run ours is the faster in a training step (forward+backward): `mamba_ssm`'s time over ours
+# is 1.04 (fused) to 1.06 (unfused) in float32 and 1.09 (fused) to 1.19 (unfused) in bfloat16. In the
+# forward alone the two are level: 1.03 in float32, 1.01 in bfloat16.
 
 # %% [markdown]
 # ## Going deeper
@@ -1590,15 +1474,57 @@ else:
 # kernels' times and the package's at the same problems). Under the interpreter the blocks are
 # larger, because the interpreter runs each program as NumPy array operations.
 #
-# **Why runs.** The kernels before these loaded $x$ at $K$ shifted positions (the forward) or
-# shifted tiles between threads with `tl.gather` (the backward). Compiled for the H200 (sm_90, with
-# Triton's own `ptxas`), the run kernels issue far fewer instructions per output, a fraction of the
-# global loads and, in the backward, of the warp shuffles; `benchmarks/NOTES_causal_conv1d.md` has
-# the counts beside the sweep's GPU times, which fell with them. The backward still recomputes $g$ at
-# $K-1$ positions of the next run (11 sigmoids per 8 positions in bfloat16, 7 per 4 in float32) and
-# adds up its partial weight gradients once per program; a loop over several blocks of positions per
-# program, summing them once per loop, was faster at three of the four problems and slower at the
-# shortest (the notes give the times), and is not in this kernel.
+# **The imports.** Besides the reference, section 2's first cell imports what the launchers need:
+# `accumulator_dtype` (chapter 02's map from a torch dtype to the Triton dtype a kernel sums in),
+# `custom_op`, `apply` and `_vmap_by_loop`, the custom-operator and autograd plumbing of chapter 05
+# (below), and from chapter 07's module the helpers its fast kernels share with these (`items_of`,
+# `positions_of`, introduced with the kernel; `LOG2E`; `cdiv` and `next_power_of_2` in plain Python,
+# which cost less per call than Triton's).
+#
+# **Why runs.** The kernels before these loaded $x$ at $K$ shifted positions (the forward: section 2's
+# simplest kernel, this chapter's first) or shifted tiles between threads with `tl.gather` (the
+# backward). On the H200 that forward was well behind `causal-conv1d`
+# (`benchmarks/NOTES_causal_conv1d.md` has the times): a load that starts $k - K + 1$ positions off is
+# not aligned to 16 bytes, so each thread issues a load per value, four times over. Compiled for the
+# H200 (sm_90, with Triton's own `ptxas`), the run kernels issue far fewer instructions per output, a
+# fraction of the global loads and, in the backward, of the warp shuffles;
+# `benchmarks/NOTES_causal_conv1d.md` has the counts beside the sweep's GPU times, which fell with
+# them. The backward still recomputes $g$ at $K-1$ positions of the next run (11 sigmoids per 8
+# positions in bfloat16, 7 per 4 in float32) and adds up its partial weight gradients once per program;
+# a loop over several blocks of positions per program, summing them once per loop, was faster at three
+# of the four problems and slower at the shortest (the notes give the times), and is not in this
+# kernel.
+#
+# **The forward kernel in detail.** In the run kernels the second load (one run earlier) is aligned
+# too, and its values come from cache. `items_of` and `positions_of` only rename registers when each
+# thread holds its runs whole; chapter 07's section 4 shows the instructions they compile to. The sum
+# over $k$ is unrolled at compile time (`tl.static_range`), so every choice `_around` makes is made by
+# the compiler. `_x_at` is the one place that knows the padding: positions $< 0$ come from
+# `initial_states` (or are zero), positions $\ge L$ are masked. SiLU needs
+# $\sigma(p) = 1/(1+e^{-p})$: in float32, `_sigmoid` computes $e^{-p}$ as `exp2` of $-p\log_2 e$ and
+# the reciprocal with `tl.math.fdiv`, each one hardware instruction (relative error about $10^{-7}$);
+# float64 keeps the exact division. Strides are arguments, so a transposed (channel-last) or sliced
+# `x` is read in place, never copied (only 16-byte vectors need positions adjacent and rows aligned;
+# other layouts load value by value).
+#
+# **The backward kernel in detail.** It recomputes $p_t$ from $x$ because that is cheaper than storing
+# it: the loads of $x$ against a write and a read of a `(batch, dim, L)` tensor. The flipped
+# convolution for $\partial\mathcal{L}/\partial x_s$ reads positions $s, \dots, s+K-1$, zero past $L$;
+# the kernel loads $x$ one run earlier too, for $p$ at the first items. It recomputes $g$ at the next
+# run's first $K-1$ positions rather than moving it between threads: a sigmoid costs less than a trip
+# through shared memory. The initial states are the inputs at $s = -K+1, \dots, -1$, so the formula for
+# $\partial\mathcal{L}/\partial x_s$ gives them; only the terms with $s + j \ge 0$ exist. Numbering
+# the initial states $h^0_i = x_{i-K+1}$, $i = 0, \dots, K-2$, and substituting $k = K-1-j$:
+#
+# $$\frac{\partial\mathcal{L}}{\partial h^0_{i}} = \sum_{k=0}^{i} w_{k}\, g_{i-k},$$
+#
+# plus, when $L < K-1$, the gradient of the final state that copied $h^0_i$ (the kernel's `dh0` loop).
+# PyTorch adds the programs' partial sums of the weight and bias gradients in a fixed order: no
+# atomics, so the gradients are the same bits on every run. A gradient arriving through the final
+# states flows into the last $K-1$ columns of $x$, or into initial states when $L < K-1$.
+#
+# **Tests.** `tests/test_causal_conv1d.py` adds to section 2's checks `gradcheck` (our backward against
+# finite differences of our own forward) for every input.
 #
 # **Autograd plumbing.** As in chapter 05: the two launchers are custom operators with a fake
 # (shape-only) implementation, so `torch.compile` traces them without running them, and a vmap rule
@@ -2147,7 +2073,9 @@ else:
 #   later offset calls `step`, which takes one position only. This block does the same at offset 0
 #   (it zeroes the cached states first, so a reused `InferenceParams`, after `reset`, starts the new
 #   prompt afresh), continues from the cached states at any later offset, and runs `step` only for a
-#   single position there, so a prompt can be fed in chunks of any length.
+#   single position there, so a prompt can be fed in chunks of any length. Each chunk starts from the
+#   states the previous piece left (the convolution's `initial_states` and the scan's
+#   `initial_state`), as chapter 02 carried a state from block to block.
 # - **The step kernel's launch.** One program per (batch element, block of channels), with the block
 #   sized so a program holds about 4096 state values ($\text{BLOCK\_D} \times N$). A step reads and
 #   writes the whole state once, 2 x batch x d_inner x N values, so at batch 1 it is well under a
@@ -2157,14 +2085,26 @@ else:
 # - **Precision.** `A_log` and `D` stay float32 in a bfloat16 block (as in `mamba_ssm`), and both kernels
 #   accumulate in float32; the states in the cache take the weights' dtype unless
 #   `allocate_inference_cache(..., dtype=...)` says otherwise.
+# - **The sketch's $C = B$.** The sketch of section 3 projects $x$ to $2N$ values and splits them
+#   into $\Delta$'s input and $B$ before taking $C$ as the same slice as $B$. With $C_t = B_t$, at the
+#   current position the output gets $\Delta_t x_t \lVert B_t\rVert^2 \geq 0$, a term whose sign the
+#   block cannot choose. The block's `x_proj` has $R + 2N$ outputs, so its $B$ and $C$ are independent.
+# - **The backends' tolerance.** Section 3 holds the float32 `"triton"` block to the float64 `"torch"`
+#   block relative to the largest value: float32 carries 24 bits (about $6 \cdot 10^{-8}$), and each
+#   output sums a few hundred products through the projections and the scan, so errors of a few
+#   $10^{-6}$ are expected; $10^{-4}$ would still catch any wrong term. That a `state_dict` moves
+#   between our block and `mamba_ssm`'s is checked only where `mamba_ssm` runs: section 6 loads ours
+#   into theirs and compares outputs and gradients.
 #
-# **The same seed, the same weights.** Section 3 says the constructor makes `mamba_ssm`'s random draws
-# in `mamba_ssm`'s order. Where `mamba_ssm`'s module imports (on a GPU with the package built; the same
-# `_mamba_ssm_block` as section 6 and `tests/test_mamba.py`), the cell builds both blocks from the same
-# seed, for the default options and for a second set, and asserts every parameter bit-identical, without
-# copying anything; elsewhere it says it skipped. (`_mamba_ssm_block` imports `mamba_ssm`'s module
-# without the package's `__init__`, through a stand-in package it puts in `sys.modules` with the real
-# package's import spec; an earlier run's stand-in had no spec, and this second call failed on it.)
+# **The same seed, the same weights.** The constructor also makes `mamba_ssm`'s random draws in
+# `mamba_ssm`'s order, so the same seed should give the same weights; the comparisons in the main line
+# never rely on it: they copy the `state_dict`. Where `mamba_ssm`'s module imports (on a GPU with the
+# package built; the same `_mamba_ssm_block` as section 6 and `tests/test_mamba.py`), the cell builds
+# both blocks from the same seed, for the default options and for a second set, and asserts every
+# parameter bit-identical, without copying anything; elsewhere it says it skipped. (`_mamba_ssm_block`
+# imports `mamba_ssm`'s module without the package's `__init__`, through a stand-in package it puts in
+# `sys.modules` with the real package's import spec; an earlier run's stand-in had no spec, and this
+# second call failed on it.)
 
 # %%
 SeedMambaSSM, seed_missing = _mamba_ssm_block() if ON_GPU else (None, "needs a GPU")
@@ -2184,20 +2124,73 @@ else:
         assert not different, different
 
 # %% [markdown]
-# ### Selective copying: the CPU path and the sizes
+# ### Generation's cost: reading the table
+#
+# Section 4's table times one layer's decoding step. On a GPU both steps are replayed from CUDA graphs,
+# as generation loops run them, so the time is the GPU's and not the host's launches. For short
+# contexts attention can still be the cheaper of the two (a few small matrix products), and where the
+# lines cross, if they do within these positions, depends on the device. The two byte columns are not
+# measurements: the fourth is the size of the two state tensors allocated once before the loop, the
+# fifth the size of the keys and values an attention step reads at that position,
+# $2 \cdot (\text{position} + 1) \cdot d_{model}$ elements. The cache check after it runs the block's
+# `forward` with `InferenceParams`, which allocates its cache itself and must keep updating the same
+# two tensors.
+
+# %% [markdown]
+# ### Selective copying: the CPU path, the sizes and one run
 #
 # On a CPU, section 5 trains through the block's `"torch"` backend: the reference causal convolution
 # and `selective_scan_loop`, a Python loop over the `L` positions that autograd differentiates step
-# by step. Its cost grows with `L` times the number of blocks, which is why the CPU profile keeps
-# `L = 32` and one block; on a GPU the same model runs `scan_lib.causal_conv1d` and
+# by step. Its cost grows with `L` times the number of blocks, which is why the task keeps `L = 32`
+# and one block on both (the CPU profile trains on smaller batches and fewer steps); on a GPU the same model runs `scan_lib.causal_conv1d` and
 # `scan_lib.selective_scan`, and generation runs `selective_state_update`.
 #
-# The sizes are chosen so that the comparison isolates the selection. Wider and deeper models make the
-# baseline stronger: two LTI blocks can count the data tokens with a kernel that barely decays and feed
-# the count to the second block, which recovers part of the task (the gated LTI rows of the paper's
-# table). Training uses a short warm-up and a cosine decay of the learning rate; the figure marks the
-# end of the warm-up, so a plateau before it can be read as the small early steps, not only as the
-# task.
+# **Notation.** The task's count is `n_data`, not $K$: $K$ is the convolution's width.
+#
+# **Why one block.** The sizes are chosen so that the comparison isolates the selection. With one
+# block the argument of section 5 covers the whole baseline: besides its time-invariant scan, only the
+# causal conv (a window of `d_conv` tokens) and the gate $z_t$ (the current token alone) see the input,
+# and neither can skip a gap. Wider and deeper models make the baseline stronger: the nonlinear parts
+# of one block can hand the next features such as the number of data tokens seen so far (a kernel that
+# barely decays sums them), and the second block recovers part of the task; the gated LTI models in
+# the paper's table also score well above chance. In the selective block's solution sketched in
+# section 5, the $k$-th data token is always `n_data` $- k$ writes back, however long the gaps: one
+# solution the selective block can represent and the LTI block cannot. The two models share everything
+# but the selection: the projections, the causal conv, the SiLU gate, $A$, $D$, the initialisation.
+#
+# **The same starting weights.** A common seed alone would not give the two models the same shared
+# weights, because `LTIMamba` draws its `B_const` and `C_const` after its block's weights, so every
+# draw after them (the next block, the head) would differ. So the training cell builds the selective
+# model, builds the baseline, and loads the selective model's `state_dict` into it.
+#
+# **The plateaus.** Both curves start with a short plateau near chance, and in this run both leave it
+# before the dashed line, the end of the warm-up (the first tenth of the 1600 steps, over which the
+# learning rate climbs linearly to its peak). So that first plateau is most likely the warm-up's small
+# early steps (not measured: no run without the warm-up), not a sign that the task is hard to start
+# on. The baseline's second plateau is different: its accuracy levels off at about the end of the
+# warm-up and then barely moves to the last step (the progress bar, which shows a recent batch's
+# accuracy, reads 0.43 at 225 of 1600 steps and 0.50 at the end), while the learning rate is at its
+# peak and then decays. That plateau is not the warm-up: it is what this baseline reaches at this
+# learning rate.
+#
+# **By slot.** A fixed kernel that decays weighs recent tokens most, and the most recent data token is
+# the right answer only at the last marker; so the baseline is expected to do best in the later slots:
+# the later the marker, the fewer data tokens come after the one it must copy.
+#
+# **What this comparison is.** One training run of each model, one seed, and one learning rate, chosen
+# for the selective model and not tuned for the baseline. It shows a gap in one run, not a
+# distribution over seeds, and a better-tuned baseline could score higher (though, by the argument of
+# section 5, not solve the task with one block). More seeds and a learning-rate sweep for the baseline
+# would multiply the training time, which is already most of this chapter's CPU run.
+
+# %% [markdown]
+# ### Section 6's comparison: the fine print
+#
+# The two blocks run at batch 8, L 2048, d_model 1024 (d_inner 2048, N 16), with `mamba_ssm` built
+# for this GPU. The forward is timed for inference, without autograd. `mamba_ssm`'s unfused path is
+# `use_fast_path=False`; its fused path is `mamba_inner_fn`. In the printed ratio lines a ratio below 1
+# means `mamba_ssm`'s block is the faster in that row, above 1 ours. These are one run's medians;
+# differences of a few percent are within what a second run can change.
 
 # %% [markdown]
 # ### Where the time goes in scan_lib's block
