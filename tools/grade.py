@@ -437,7 +437,7 @@ class Watchdog:
         self._thread.join()
 
 
-def _socket_transport(folder: Path):
+def socket_transport(folder: Path):
     """Kernel settings under which the kernel talks to the grader over Unix sockets in `folder`, not
     over TCP (jupyter_client's default). Over TCP the grader picks five free ports and closes them
     before the kernel binds them, so two kernels started at once (grade_all's jobs, or another
@@ -514,7 +514,7 @@ def _execute(notebook, work: Path, chapter: str, checks_path: Path, cell_timeout
     client = NotebookClient(notebook, timeout=cell_timeout, allow_errors=True, interrupt_on_timeout=True,
                             error_on_timeout={"ename": "TimeoutError", "evalue": f"the cell ran over {cell_timeout:.0f} s"},
                             kernel_name="python3", resources={"metadata": {"path": str(work)}},
-                            config=_socket_transport(work))
+                            config=socket_transport(work))
     start = time.time()
     errors, skipped, failure = [], 0, None
     execution.update(cells=len(code), ran=0, errors=errors, skipped=0, timed_out=False, killed=False)
