@@ -1080,7 +1080,7 @@ else:
 # operations as the sequential loop ($a_s h_{s-1} + b_s$, then the same steps), so it could differ only
 # if the bookkeeping were wrong (the carry taken from the wrong position, or folded into the wrong
 # step). The carry-added form may differ by rounding once a chunk holds more than one position; the
-# assert bounds both. Neither form runs a kernel: the cell checks the identity in PyTorch. The kernels'
+# cell's assertion bounds both. Neither form runs a kernel: the cell checks the identity in PyTorch. The kernels'
 # own carries are checked against the float64 reference in section 7 and, with chunks of 4 to 64
 # positions, in "Going deeper: launch parameters and the layout".
 
