@@ -16,18 +16,10 @@
 # Softmax attention looks nothing like a recurrence: every query looks at every key at once. Yet the
 # way FlashAttention computes it is the pattern of chapters 02 and 03: walk along the keys block by
 # block, carry a small state from block to block, and merge states with an associative operator.
-# You will
-#
-# - see why the $L \times L$ matrix of scores is the problem (its bytes, and on a GPU the memory it takes);
-# - define the **online-softmax state** $(m, \ell, o)$, its merge, and prove that the merge is
-#   associative (and commutative); test it in PyTorch and with `tl.associative_scan` in a kernel;
-# - write a one-block kernel, then the **tiled forward** kernel (causal mask, any $L$, head dims 32, 64,
-#   128, float32 / float16 / bfloat16 inputs with float32 accumulation), which saves the log-sum-exp;
-# - derive the **backward pass** and write it as three kernels that recompute the tiles from the saved
-#   log-sum-exp; check every gradient against float64;
-# - export the differentiable `flash_attention(q, k, v, causal=False, sm_scale=None)`;
-# - read a naive CUDA FlashAttention kernel line by line, predict its weaknesses, and on a GPU measure
-#   them and benchmark ours against PyTorch's `scaled_dot_product_attention`.
+# You will define the **online-softmax state** $(m, \ell, o)$ and its merge, write the **tiled forward**
+# kernel and a **backward** that recomputes the tiles, export the differentiable
+# `flash_attention(q, k, v, causal=False, sm_scale=None)`, and on a GPU measure a naive CUDA kernel's
+# weaknesses and benchmark ours against PyTorch's `scaled_dot_product_attention`.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -58,18 +50,17 @@ from scan_lib.runtime import save_figure
 # ## 1. Softmax attention, and the $L \times L$ problem
 #
 # One attention head takes queries $q_i$, keys $k_j$ and values $v_j$, vectors of size $d$ (the head
-# dim), for positions $0 \le i, j < L$. Each query scores every key, the scores go through a softmax
-# over the keys, and the output is the weighted mean of the values:
+# dim), for positions $0 \le i, j < L$. Each query scores every key, a softmax over the keys turns the
+# scores into weights, and the output is the weighted mean of the values:
 #
 # $$s_{ij} = \tau\, q_i \cdot k_j, \qquad P_{ij} = \frac{e^{s_{ij}}}{\sum_{j'} e^{s_{ij'}}}, \qquad
 # O_i = \sum_j P_{ij}\, v_j ,$$
 #
 # with the scale $\tau = 1/\sqrt{d}$ by default. **Causal** attention lets query $i$ see only the keys
-# $j \le i$ ($s_{ij} = -\infty$ for $j > i$). The log of the softmax's denominator, the
-# **log-sum-exp** $\mathrm{lse}_i = \log \sum_j e^{s_{ij}}$, gives $P_{ij} = e^{s_{ij} - \mathrm{lse}_i}$;
-# we will store it for the backward pass. The reference below is the definition in float64, with
-# tensors of shape (batch, heads, L, head_dim), the layout of PyTorch's
-# `F.scaled_dot_product_attention`. It builds the full matrix of scores.
+# $j \le i$ ($s_{ij} = -\infty$ for $j > i$). The **log-sum-exp** $\mathrm{lse}_i = \log \sum_j e^{s_{ij}}$
+# gives $P_{ij} = e^{s_{ij} - \mathrm{lse}_i}$; we will store it for the backward pass. The reference
+# below is the definition in float64, on tensors (batch, heads, L, head_dim) as in PyTorch's
+# `F.scaled_dot_product_attention`; it builds the full matrix of scores.
 
 # %%
 #| export
@@ -110,11 +101,10 @@ print("attention_reference == F.scaled_dot_product_attention in float64 (causal)
 
 # %% [markdown]
 # The reference materialises the scores $s$ and the probabilities $P$: $L^2$ numbers per head, where the
-# inputs and the output hold $4 L d$. For a model with heads $\times$ head_dim $= 2048$, batch 4, in
-# bfloat16 (2 bytes), the table below computes both. At $L = 16384$ one matrix of scores is larger than
-# all the inputs and outputs together by the factor $L / (4 d)$ on the right (the cell's assert checks
-# the table's arithmetic against that factor, so it cannot fail: section 6 measures the memory). PyTorch's
-# autograd keeps $P$ for the backward pass, so training pays it on every layer.
+# inputs and the output hold $4 L d$. The table below computes both for heads $\times$ head_dim $= 2048$,
+# batch 4, in bfloat16: one matrix of scores outgrows all the inputs and outputs together by the factor
+# $L / (4 d)$ (arithmetic; section 6 measures the memory). PyTorch's autograd keeps $P$ for the backward
+# pass, so training pays it on every layer.
 
 # %%
 def attention_bytes(batch, heads, length, head_dim, element_size=2):
@@ -132,8 +122,7 @@ for head_dim in (64, 128):
 
 # %% [markdown]
 # FlashAttention never stores the matrix. It walks along the keys in blocks, keeps for each query a
-# state of size $d + 2$, and recomputes scores in the backward pass instead of reading them. Section 6
-# measures the memory both take on a GPU. First, the state and why it can be carried from block to block.
+# state of size $d + 2$, and recomputes scores in the backward pass instead of reading them.
 #
 # ## 2. The online-softmax state and its merge
 #
@@ -153,23 +142,10 @@ for head_dim in (64, 128):
 # The state of the empty set, $(-\infty, 0, 0)$, is the identity (with the convention
 # $e^{-\infty - (-\infty)} \cdot 0 = 0$, which the code writes as a select).
 #
-# **The merge is associative and commutative.** Map a state to
-# $\varphi(m, \ell, o) = (m,\ e^{m}\ell,\ e^{m} o)$; for a set of keys this is
-# $(\max_J s_j,\ \sum_J e^{s_j},\ \sum_J e^{s_j} v_j)$. $\varphi$ is one-to-one on states with a finite
-# $m$ (divide by $e^m$ to go back), and it turns the merge into three familiar operations:
-#
-# $$\varphi(x \oplus y) = \big(\max(m_x, m_y),\ e^{m}(e^{m_x - m}\ell_x + e^{m_y - m}\ell_y),\ \dots\big)
-# = \big(\max(m_x, m_y),\ e^{m_x}\ell_x + e^{m_y}\ell_y,\ e^{m_x}o_x + e^{m_y}o_y\big)
-# = \varphi(x) \boxplus \varphi(y),$$
-#
-# where $\boxplus$ is (max, +, +) componentwise. Max and + are associative and commutative, so
-# $\varphi\big((x \oplus y) \oplus z\big) = (\varphi(x) \boxplus \varphi(y)) \boxplus \varphi(z) =
-# \varphi(x) \boxplus (\varphi(y) \boxplus \varphi(z)) = \varphi\big(x \oplus (y \oplus z)\big)$, and
-# since $\varphi$ is one-to-one, $(x \oplus y) \oplus z = x \oplus (y \oplus z)$; likewise
-# $x \oplus y = y \oplus x$. (With the identity involved the equalities hold by its definition.) So the
-# keys can be cut into blocks anywhere, the blocks merged in any grouping and, unlike chapter 02's
-# steps, in any order. The rescaling by $e^{-m}$ changes how the numbers are stored, not what they mean:
-# it is there only so that they fit in floating point.
+# **The merge is associative and commutative**: multiplying $\ell$ and $o$ by $e^{m}$ turns the state
+# of $J$ into $(\max_J s_j,\ \sum_J e^{s_j},\ \sum_J e^{s_j} v_j)$ and the merge into (max, +, +)
+# componentwise ("Going deeper: why the merge is associative"). So the keys can be cut into blocks
+# anywhere, the blocks merged in any grouping and, unlike chapter 02's steps, in any order.
 #
 # In PyTorch, for states of many queries at once (`m`, `l` of shape (...), `o` of shape (..., head_dim)):
 
@@ -205,9 +181,8 @@ def random_cuts(length, pieces, rng):
 
 # %% [markdown]
 # The checks: on random scores (spread wide, so that the maxima differ), cut the keys into random
-# pieces, merge the pieces' states left to right, right to left, in a random tree, and in a shuffled
-# order, and compare each with the state of all keys at once and with the reference's output and
-# log-sum-exp.
+# pieces, merge their states in four orders and groupings, and compare each with the state of all keys
+# at once and with the reference's output and log-sum-exp.
 
 # %%
 def merge_in_random_tree(states, rng):
@@ -260,11 +235,9 @@ print("the identity (-inf, 0, 0) merged with a state leaves it unchanged: ok")
 #
 # Because the merge is associative, Triton's `tl.associative_scan` can scan states, as chapter 02
 # scanned pairs. The kernel below takes one query per program and all keys in one block. Key $j$
-# alone has the state $(s_j, 1, v_j)$; the padding past $L$ holds the identity. The scan's element
-# $j$ is then the state of keys $0..j$, and $o/\ell$ there is the attention of this query over the
-# first $j+1$ keys. All members of a scanned tuple must have one shape, so $m$ and $\ell$ are
-# repeated along the head dim: a waste that the tiled kernel of section 5 avoids, but the scan is
-# the same.
+# alone has the state $(s_j, 1, v_j)$, the padding past $L$ the identity; the scan's element $j$ is the
+# state of keys $0..j$, so $o/\ell$ there is the attention over the first $j+1$ keys. ($m$ and $\ell$
+# are repeated along the head dim: a scanned tuple's members must have one shape.)
 
 # %%
 @triton.jit
@@ -318,13 +291,13 @@ for length in (1, 7, 33, 129):
 # %% [markdown]
 # The scan computes every prefix, which attention does not need: a query wants only the state of all
 # its keys. The kernels that follow therefore fold the key blocks into one state, left to right, like
-# chapter 02's chunk loop with its carried state, and parallelise over queries instead.
+# chapter 02's chunk loop, and parallelise over queries instead.
 #
 # ## 4. One block: attention in a single program
 #
 # When $L$ is small, one program can hold all the queries, keys and values of one head and compute
-# the scores with a single matrix product, `tl.dot` (on a GPU it runs on the tensor cores). Keys past
-# $L$ get the score $-\infty$, so their weight is $e^{-\infty} = 0$.
+# the scores with a single `tl.dot`. Keys past $L$ get the score $-\infty$, so their weight is
+# $e^{-\infty} = 0$.
 
 # %%
 @triton.jit
@@ -363,47 +336,35 @@ for length in (1, 7, 33, 100):
     assert err < 1e-5
 
 # %% [markdown]
-# `tl.dot` needs blocks of at least 16 rows, hence the `max(16, ...)`. The $L \times L$ block of
-# scores lives in registers: at $L = 128$ that is 16384 floats, 64 per thread of the 8 warps launched,
-# beside $q$, $k$ and $v$. At `BLOCK` 256 it would be 256 per thread, more than a thread's 255
-# registers, and the compiler would spill them to memory: for longer sequences the keys must come in
-# blocks, with the state carried between them.
+# `tl.dot` needs blocks of at least 16 rows, hence the `max(16, ...)`. The block of scores lives in
+# registers, which a `BLOCK` of 256 would overflow ("Going deeper: the forward kernel's details"):
+# longer sequences need the keys in blocks, with the state carried between them.
 #
 # ## 5. The tiled forward kernel
 #
 # Each program takes `BLOCK_M` queries of one head (a grid of $\lceil L / \text{BLOCK\_M} \rceil
 # \times$ batch $\cdot$ heads programs) and loops over the keys in blocks of `BLOCK_N`. Per key block it
-# computes the block of scores with `tl.dot`, then merges the block's state into its running state
-# $(m, \ell, o)$, one row per query: $m$ and $\ell$ are `BLOCK_M` numbers, $o$ is `BLOCK_M` $\times$
-# head_dim, and all three stay in registers for the whole loop. The merge of section 2, written for a
-# running state and one new block, is the **online softmax**:
+# computes the scores with `tl.dot` and merges the block's state into the running state $(m, \ell, o)$
+# of its queries, kept in registers for the whole loop. The merge of section 2, written for a running
+# state and one new block, is the **online softmax**:
 #
 # $$m' = \max\big(m, \max_j s_{ij}\big),\quad \alpha = e^{m - m'},\quad p_{ij} = e^{s_{ij} - m'},\quad
 # \ell' = \alpha\,\ell + \sum_j p_{ij},\quad o' = \alpha\, o + p\, V_{\text{block}} .$$
 #
 # After the last block, $O_i = o_i / \ell_i$ and $\mathrm{lse}_i = m_i + \log \ell_i$ are written.
-# A few details make it fast and exact:
+# In the code:
 #
-# - **exp2**: the kernel multiplies the scores by $\tau \log_2 e$ and uses `tl.exp2`
-#   ($e^x = 2^{x \log_2 e}$): the GPU's exponential unit computes powers of 2, so this saves a multiply per score;
-#   $m$ is kept in these base-2 units, and the stored log-sum-exp is converted back to natural units.
-# - **masks only where needed**: key blocks that lie wholly inside $0..L-1$ and, for a causal
-#   kernel, wholly left of the program's first query need no mask. `attend_key_blocks` runs twice:
-#   over those blocks without masks, then over the rest (the last, partial block; the blocks on the
-#   diagonal) with them. A causal program stops at its last query: the blocks above the diagonal are skipped,
-#   half the work.
-# - **the longest programs first**: a causal program's work grows with the position of its queries, so
-#   the grid hands out the query blocks from last to first; the long programs start first and the short
-#   ones fill the end of the run instead of leaving a tail of long ones.
-# - **no row is ever empty**: every program's first key block holds key 0, which every query may see,
-#   so $m$ is finite after it and $e^{m - m'}$ never meets $-\infty - (-\infty)$.
-# - **precision**: scores and the state are float32 (float64 for float64 inputs); the probabilities
-#   $p$ are rounded to the input's dtype for the second `tl.dot` (as every FlashAttention does, so
-#   that float16 / bfloat16 run on the tensor cores), and float32 products use `input_precision="ieee"`,
-#   not TF32, so a float32 call is as accurate as a float32 matrix product.
-# - **one helper for `tl.dot`**: Triton 3.6's CPU interpreter multiplies bfloat16 blocks as their raw
-#   16-bit integers, a bug; under the interpreter `matmul` converts bfloat16 to float32 first, which is
-#   exact and gives the same sums as the tensor cores (which multiply bfloat16 exactly and add in float32).
+# - **exp2**: the scores are multiplied by $\tau \log_2 e$ and exponentiated with `tl.exp2`, one
+#   multiply fewer per score; $m$ is kept in these base-2 units.
+# - **masks only where needed**: `attend_key_blocks` runs twice, without masks over the key blocks
+#   wholly inside $0..L-1$ (and, when causal, left of the program's first query), then with masks over
+#   the rest. A causal program stops at its last query, skipping the blocks above the diagonal.
+# - **precision**: scores and the state are float32 (float64 for float64 inputs); $p$ is rounded to the
+#   input's dtype for the second `tl.dot`, so that float16 / bfloat16 run on the tensor cores. `matmul`
+#   is `tl.dot` at full float32 precision (`input_precision="ieee"`, not TF32).
+#
+# "Going deeper: the forward kernel's details" explains the grid's order (the last query blocks first)
+# and the bug of the CPU interpreter that `matmul` works around.
 
 # %%
 #| export
@@ -488,9 +449,8 @@ def flash_fwd_kernel(Q, K, V, O, LSE, length, qk_scale: tl.float64, HEAD_DIM: tl
     tl.store(LSE + head * length + rows, m / LOG2E_CONST + tl.log(l), mask=rows < length)  # natural log
 
 # %% [markdown]
-# The launcher makes the grid from the block size, which `triton.autotune` picks on a GPU (section
-# "Going deeper: tile sizes and autotuning"); under the interpreter one small configuration is used,
-# with `BLOCK_M` $\ne$ `BLOCK_N` so that the masks' block arithmetic is exercised.
+# The launcher makes the grid from the block size, which `triton.autotune` picks on a GPU ("Going
+# deeper: tile sizes and autotuning"); under the interpreter one small configuration is used.
 
 # %%
 #| export
@@ -548,14 +508,10 @@ def flash_attention_forward(q, k, v, causal: bool, sm_scale: float):
     return out, lse
 
 # %% [markdown]
-# The checks: random inputs at awkward lengths (1, 7, 33, 129 under the interpreter; longer ones on a
-# GPU), causal and not, every head dim and input dtype, against the float64 reference, for the output
-# and the log-sum-exp. The tolerance follows the dtype: the output is rounded once to the input dtype
-# (and $p$ once before its product), so the error is a few units of the dtype's rounding. On a CPU,
-# expect larger bfloat16 errors than the GPU's printed here: Triton's interpreter converts float32 to
-# bfloat16 (`.to`, for $p$ and the stored output, and in the backward for $dS$ and the gradients) by
-# truncating, an error of up to a whole unit in the last place ($2^{-7}$ relative), where a GPU rounds
-# to nearest (half a unit, $2^{-8}$).
+# The checks: random inputs at awkward lengths, causal and not, every head dim and input dtype, against
+# the float64 reference. The output is rounded once to the input dtype, so the tolerance is a few units
+# of the dtype's rounding. (On a CPU, bfloat16 errors are larger than the GPU's printed here: see "Going
+# deeper: the forward kernel's details".)
 
 # %%
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # max abs error allowed, inputs ~ N(0, 1)
@@ -587,11 +543,10 @@ for length, head_dim, dtype, causal in forward_cases():
 # %% [markdown]
 # ## 6. The memory, measured
 #
-# (On a GPU.) The cell runs the reference's computation in bfloat16 (the scores, the softmax, the
-# product with $V$, as plain PyTorch does) and our forward kernel, batch 4, 16 heads of dim 128, and
-# reads `torch.cuda.max_memory_allocated` above what the inputs already hold. The prediction from
-# section 1: the plain computation needs at least one $L \times L$ matrix (the printed peak shows how
-# many it holds at once); the kernel needs only its output and the log-sum-exp.
+# (On a GPU.) The cell measures the peak memory, above the inputs, of the plain computation in bfloat16
+# and of our forward kernel, at batch 4, 16 heads of dim 128. Section 1 predicts that the plain one
+# needs at least one $L \times L$ matrix (the printed peak shows how many it holds at once), the kernel
+# only its output and the log-sum-exp.
 
 # %%
 if not ON_GPU:
@@ -645,22 +600,19 @@ else:
 #
 # With causal masking, $P_{ij} = 0$ for $j > i$, hence $dS_{ij} = 0$ there: the same formulas, the same mask.
 #
-# **What to store, what to recompute.** $P$ is the $L \times L$ matrix we refused to store. The forward
-# saved $\mathrm{lse}_i$, and $P_{ij} = e^{\tau q_i\cdot k_j - \mathrm{lse}_i}$ is one score and one
-# exponential away, in any tile, in any order: no running maximum is needed the second time. So the
-# backward recomputes the tiles of $S$ and $P$ from $Q$, $K$ and the log-sum-exp. Three kernels:
+# **What to store, what to recompute.** $P$ is the $L \times L$ matrix we refused to store, but
+# $P_{ij} = e^{\tau q_i\cdot k_j - \mathrm{lse}_i}$ is one score and one exponential away from the saved
+# log-sum-exp, in any tile, in any order. So the backward recomputes the tiles of $S$ and $P$, in three
+# kernels:
 #
 # 1. **preprocess**: $D_i = dO_i \cdot O_i$, one number per query;
-# 2. **dK, dV**: one program per block of keys, looping over the blocks of queries; it accumulates
-#    $dV_j \mathrel{+}= P^\top dO$ and $dK_j \mathrel{+}= \tau\, dS^\top Q$ in registers and writes each once;
-# 3. **dQ**: one program per block of queries, looping over the blocks of keys; it accumulates
-#    $dQ_i \mathrel{+}= \tau\, dS\, K$.
+# 2. **dK, dV**: one program per block of keys, looping over the blocks of queries, accumulating
+#    $dV_j$ and $dK_j$ in registers;
+# 3. **dQ**: one program per block of queries, looping over the blocks of keys, accumulating $dQ_i$.
 #
-# Each program owns the rows it writes, so no two programs add into one place: no atomics, and the
-# result does not depend on the order in which programs run. The price is that $S$ and $dP$ are computed
-# twice in the backward, once per kernel: seven matrix products per tile pair ($S$, $dP$, $dV$, $dK$ in
-# the first, $S$, $dP$, $dQ$ in the second), against two in the forward and five in a backward that
-# computes each once. Before the kernels, the formulas checked in float64 against autograd:
+# Each program owns the rows it writes: no atomics, and the result does not depend on the order in which
+# programs run. The price is that $S$ and $dP$ are computed twice, once per kernel. First, the formulas
+# checked in float64 against autograd:
 
 # %%
 def attention_backward_formulas(q, k, v, grad_out, causal, sm_scale):
@@ -687,25 +639,10 @@ for causal in (False, True):
 print("dS = P * (dP - rowsum(dO * O)), dQ, dK, dV == autograd of the reference, causal and not: ok")
 
 # %% [markdown]
-# The kernels. Two choices shape them, both about speed.
-#
-# **Which way round.** On the tensor cores, a matrix product takes its left operand from registers and
-# its right one from shared memory, where a transposed view costs nothing. $dV = P^\top dO$ and
-# $dK = dS^\top Q$ need $P$ and $dS$ *transposed* on the left, and they were computed in registers: the
-# transpose would shuffle them through shared memory, twice per tile. So the dK/dV kernel computes the
-# transposed tile from the start, $S^\top = K Q^\top$ (keys down, queries across), and every product then
-# has the operand it needs where it needs it: $P^\top$ and $dS^\top$ on the left, $Q^\top$, $dO^\top$
-# (loaded tiles) on the right.
-#
-# **Masks only where they change something.** As in the forward, each kernel runs two or three loops of
-# one body with a constexpr `MASKED`: masked on the causal diagonal and on the last, partial block,
-# unmasked everywhere else. The dK/dV kernel needs no mask for its own keys past $L$: their rows of
-# $dK$, $dV$ are never stored, and a row of a product depends only on the same row of its left operand.
-# Queries past $L$ load as zeros ($dO = 0$ makes their terms vanish) but are masked anyway, because their
-# recomputed $P$ is not a probability. The dQ kernel must mask keys past $L$: there $P = e^{-\mathrm{lse}}$
-# can overflow, and $\infty \cdot 0$ in $dS\,K$ is NaN in a row that *is* stored. The causal dQ program
-# for the last queries has the most keys to visit, so the grid runs the query blocks from last to first:
-# the long programs start first and the short ones fill the end.
+# The dK/dV kernel computes its tiles transposed, $S^\top = K Q^\top$ (keys down, queries across), so
+# that $P^\top$ and $dS^\top$ come out as the left operands of $dV = P^\top dO$ and $dK = dS^\top Q$. As
+# in the forward, each kernel masks only the causal diagonal and the last, partial block ("Going deeper:
+# the backward kernels").
 
 # %%
 #| export
@@ -880,8 +817,7 @@ def flash_attention_backward(q, k, v, out, lse, grad_out, causal: bool, sm_scale
 
 # %% [markdown]
 # Every gradient against the float64 reference's autograd, at the lengths and dtypes of section 5 and
-# a scale other than the default. As there, a CPU run shows larger bfloat16 errors than the GPU's
-# printed here: the interpreter truncates $P$, $dS$ and the gradients to bfloat16 where a GPU rounds.
+# a scale other than the default.
 
 # %%
 GRAD_TOLERANCE = {torch.float32: 5e-5, torch.float16: 2e-2, torch.bfloat16: 1.5e-1}  # max abs error, inputs ~ N(0, 1)
@@ -902,11 +838,9 @@ for length, head_dim, dtype, causal in forward_cases():
 # %% [markdown]
 # ## 8. `scan_lib.flash_attention`: a differentiable torch op
 #
-# As in chapter 03, the kernels become two torch custom ops, `scan_lib::flash_attention_fwd` (returning
-# the output and the log-sum-exp) and `scan_lib::flash_attention_bwd`, each with a fake implementation
-# (shapes only, for `torch.compile`) and a vmap rule (the vmapped dim folds into the batch). An
-# `autograd.Function` joins them: its forward saves $q, k, v$, the output and the log-sum-exp, its
-# backward calls the backward op. The public function checks its arguments and names the one at fault.
+# As in chapter 03, the kernels become two torch custom ops, `scan_lib::flash_attention_fwd` (output
+# and log-sum-exp) and `scan_lib::flash_attention_bwd`, each with a fake implementation (for
+# `torch.compile`) and a vmap rule. An `autograd.Function` joins them.
 
 # %%
 #| export
@@ -1050,10 +984,9 @@ def flash_attention(q, k, v, causal=False, sm_scale=None):
     return out
 
 # %% [markdown]
-# The public function end to end: output and every gradient through `torch.autograd.grad` against the
-# reference, on non-contiguous inputs (a transposed layout, as a model's projections give); on a GPU
-# also against `F.scaled_dot_product_attention` in bfloat16 (both round to bfloat16, so they are
-# compared with the bfloat16 tolerance).
+# The public function end to end: output and every gradient against the reference, on non-contiguous
+# inputs (a transposed layout, as a model's projections give); on a GPU also against
+# `F.scaled_dot_product_attention` in bfloat16, with the bfloat16 tolerance.
 
 # %%
 def attention_inputs(batch, heads, length, head_dim, dtype, seed):
@@ -1129,20 +1062,13 @@ print("torch.compile(fullgraph=True): the same gradients as eager: ok")
 # ## 9. The CUDA kernel of the source, line by line
 #
 # The kernel that popularised FlashAttention's forward pass as a teaching example is a short CUDA
-# kernel: one CUDA block per (batch, head), $B_r \times B_c$ threads, one thread per score of a
-# $B_r \times B_c$ tile. Below is our own version of it, corrected where the usual listing has gaps
-# (noted as we go), read piece by piece beside the Triton kernel. It computes the same online softmax
-# as section 5, in the other loop order (the first FlashAttention's): the **outer** loop runs over key
-# tiles and the **inner** one over query tiles, so the running state $(m, \ell, O)$ of every query
-# cannot stay on chip. It lives in global memory and is read and written once per key tile.
+# kernel: one CUDA block per (batch, head), one thread per score of a $B_r \times B_c$ tile. Below is
+# our own version of it, with the usual listing's gaps corrected ("Going deeper: the CUDA kernel's fine
+# print"). Its **outer** loop runs over key tiles and the **inner** one over query tiles, so the running
+# state $(m, \ell, O)$ of every query lives in global memory, read and written once per key tile.
 #
-# **The header and the tiles in shared memory.** A template fixes the tile sizes and the head dim at
-# compile time. `PAD` adds floats at the end of each tile row in shared memory; why, below. The
-# kernel keeps $O$ normalised (divided by $\ell$) at every step, as the listing does.
-# `__launch_bounds__(BR * BC)` is not in the listing and is needed: it tells the compiler how many
-# threads a block will have. A multiprocessor has 65536 registers, so a block of $32 \times 32 = 1024$
-# threads may use at most 64 per thread. Left alone, the compiler may use more for this kernel, and
-# then every launch fails with "too many resources requested for launch".
+# **The header.** A template fixes the tile sizes and the head dim; `PAD` adds floats at the end of
+# each tile row in shared memory (see the scores, below). $O$ is kept normalised (divided by $\ell$).
 
 # %%
 CUDA_HEADER = r"""
@@ -1177,15 +1103,9 @@ __global__ void __launch_bounds__(BR * BC) naive_flash_kernel(const float* __res
 """
 
 # %% [markdown]
-# In Triton, all of this is `tl.program_id`, `tl.arange` and pointer arithmetic on blocks; shared
-# memory is not declared at all: the compiler decides what is staged where.
-#
-# **Loading the key and value tiles.** The threads copy the tile cooperatively, consecutive threads
-# taking consecutive elements (coalesced reads). The listing's loop count, $\lceil d / B_r \rceil$ steps of
-# $B_r B_c$ elements, covers a $B_c \times d$ tile only because it has $B_r B_c$ threads; the loop
-# below says what it covers. The listing also leaves stale data in the rows past $L$; here they are
-# zeros (a NaN left in shared memory would survive a multiplication by a zero weight). In Triton: one
-# `tl.load` with `mask=keys[:, None] < length, other=0.0`.
+# **Loading the key and value tiles.** The threads copy them cooperatively, consecutive threads taking
+# consecutive elements (coalesced reads), with zeros past $L$. In Triton: one masked `tl.load`, and no
+# shared memory to declare.
 
 # %%
 CUDA_LOAD_KEYS = r"""
@@ -1199,11 +1119,9 @@ CUDA_LOAD_KEYS = r"""
 """
 
 # %% [markdown]
-# **The inner loop over query tiles: loading $Q$, $O$, $m$ and $\ell$.** Every query tile is reloaded
-# for every key tile, and so is the partial output $O$, read back from global memory (first weakness:
-# $O$ makes a round trip through global memory per key tile). One thread per row reads the row's
-# running max and sum. The listing reads them past the end of the arrays for rows beyond $L$; here those
-# rows get the identity $(-\infty, 0)$.
+# **The inner loop over query tiles.** Every query tile is reloaded for every key tile, with the rows'
+# running max and sum, and so is the partial output $O$ (first weakness: $O$ makes a round trip through
+# global memory per key tile).
 
 # %%
 CUDA_LOAD_QUERIES = r"""
@@ -1222,20 +1140,12 @@ CUDA_LOAD_QUERIES = r"""
 """
 
 # %% [markdown]
-# **The scores.** Each thread computes one dot product of length $d$ with scalar fused multiply-adds on
-# the CUDA cores (second weakness: no tensor cores, where Triton's `tl.dot` uses them). Keys past $L$
-# get $-\infty$, which the listing forgets. The read `k_tile[col * ROW + c]` is the third weakness.
-# Shared memory has 32 banks of 4 bytes, and the float at index $x$ sits in bank $x \bmod 32$; a warp's
-# reads of different addresses in one bank are served one after another (a **bank conflict**), while
-# threads reading the same address share one read. Thread `tx` has `col = tx % BC`, so with
-# $B_c = 32$ (the launch for $d = 64$) the 32 threads of a warp have `col` 0 to 31 and read 32 floats
-# `ROW` floats apart; with `ROW` $= d$, a multiple of 32, all 32 fall in one bank: a 32-way conflict.
-# With $B_c = 16$ (the launch for $d = 128$) a warp spans two rows of the tile, `col` runs 0 to 15
-# twice, and the two rows read the same 16 floats: 16 addresses in one bank, a 16-way conflict. With
-# `PAD` $= 1$, `ROW` $= d + 1$ puts `col`'s float in bank $(\text{col} + c) \bmod 32$, a different
-# bank for each `col`. (`q_tile[row * ROW + c]` is one address for the whole warp when $B_c = 32$, a
-# broadcast, which costs nothing; with $B_c = 16$ it is two addresses `ROW` floats apart, in one bank
-# without the padding: a 2-way conflict.)
+# **The scores.** Each thread computes one dot product of length $d$ with scalar fused multiply-adds
+# (second weakness: no tensor cores, where Triton's `tl.dot` uses them). The read
+# `k_tile[col * ROW + c]` is the third weakness: shared memory has 32 banks, and a warp's reads of
+# different addresses in one bank are served one after another (a **bank conflict**). The threads of a
+# warp read it for different `col`, floats `ROW` floats apart; with `ROW` $= d$, a multiple of 32, these
+# all fall in one bank. `PAD` $= 1$ puts each `col`'s float in a different bank.
 
 # %%
 CUDA_SCORES = r"""
@@ -1248,11 +1158,9 @@ CUDA_SCORES = r"""
 
 # %% [markdown]
 # **The softmax, one thread per row.** The thread with `col == 0` walks its row of $B_c$ scores
-# serially, twice (max, then exponentials and sum), while the other $B_c - 1$ threads of its row wait
-# at the barrier (fourth weakness: $1/B_c$ of the threads work here). Then it merges the tile's state
-# into the running one with the rescaling of section 2. Every key tile holds at least one key below $L$,
-# so the tile's max is finite and no $-\infty - (-\infty)$ occurs. In Triton, `tl.max(s, 1)` and
-# `tl.sum(p, 1)` are reductions spread over the threads that hold the row.
+# serially (max, then exponentials and sum) and merges the tile's state into the running one, while
+# the other $B_c - 1$ threads of its row wait (fourth weakness). In Triton, `tl.max(s, 1)` and
+# `tl.sum(p, 1)` spread these reductions over the threads.
 
 # %%
 CUDA_SOFTMAX = r"""
@@ -1273,10 +1181,9 @@ CUDA_SOFTMAX = r"""
 """
 
 # %% [markdown]
-# **The output.** Each thread computes $d / B_c$ elements of $P V$ (scalar again), rescales the old,
-# normalised $O$ and the new part to the new maximum, divides by the new sum, and writes the result
-# straight back to global memory, together with $m$ and $\ell$. The last barrier keeps the next query
-# tile from overwriting the tiles while slower threads still read them (the listing has none there).
+# **The output.** Each thread computes $d / B_c$ elements of $P V$ (scalar again), rescales the old
+# $O$ and the new part to the new maximum, divides by the new sum, and writes the result back to global
+# memory, with $m$ and $\ell$.
 
 # %%
 CUDA_OUTPUT = r"""
@@ -1298,11 +1205,9 @@ CUDA_OUTPUT = r"""
 """
 
 # %% [markdown]
-# **The launcher.** It allocates $O$, $m$ and $\ell$ with their initial values (the listing leaves this
-# to the reader), picks the tile sizes, and launches one block per (batch, head) on PyTorch's current
-# stream. Static shared memory is limited to 48 KB per block: with $B_r = B_c = 32$ and $d = 64$ the
-# five tiles take $4 \cdot 32 \cdot 65 + 32 \cdot 32$ floats plus five rows of 32, about 37 KB; $d = 128$
-# needs $B_r = B_c = 16$ (about 34 KB). The cell below computes both and asserts the limit.
+# **The launcher** allocates $O$, $m$ and $\ell$ with their initial values and launches one block per
+# (batch, head). Static shared memory is limited to 48 KB per block: the cell below computes what the
+# tiles take and asserts the limit.
 
 # %%
 CUDA_LAUNCHER = r"""
@@ -1355,19 +1260,15 @@ for tiles in ((32, 32, 64), (16, 16, 128)):
 # **Predictions**, each measured by the next cell on a GPU, at batch 4, heads $\times$ head_dim $= 2048$,
 # $L = 2048$, float32 (the kernel reads float32 only):
 #
-# 1. *The serial softmax, the round trips of $O$ and a grid of only batch $\times$ heads blocks*: the naive
-#    kernel is more than 10 times slower than our Triton forward on the same float32 inputs (which, with
+# 1. *The serial softmax, the round trips of $O$ and a small grid*: the naive kernel is more than 10
+#    times slower than our Triton forward on the same float32 inputs (which, with
 #    `input_precision="ieee"`, does not use the tensor cores either).
-# 2. *No tensor cores*: our Triton forward in bfloat16, on the tensor cores, is more than twice as fast
-#    as in float32; the naive kernel has no such option.
-# 3. *$O$ through global memory*: it reads and writes $O$ once per key tile, $L / B_c$ times; the cell
-#    prints the time those bytes take at the copy bandwidth, as a share of the kernel's time.
-# 4. *Bank conflicts*: `PAD = 1` makes the kernel faster, with the same result.
-# 5. *Parallelism* (a count, not a timing: the cell compares the number of blocks with the number of
-#    multiprocessors): batch $\times$ heads blocks are fewer than twice the GPU's multiprocessors, so
-#    the GPU runs at most two partly filled waves (our Triton grid has $L / $ `BLOCK_M` times more programs).
-#
-# On the CPU the cell skips: `load_inline` needs CUDA's compiler and a GPU.
+# 2. *No tensor cores*: our Triton forward in bfloat16 is more than twice as fast as in float32.
+# 3. *$O$ through global memory*: the cell prints the time that reading and writing $O$ once per key
+#    tile takes at the copy bandwidth, as a share of the kernel's time.
+# 4. *Bank conflicts*: `PAD = 1` makes the kernel faster.
+# 5. *Parallelism* (a count, not a timing): batch $\times$ heads blocks are fewer than twice the GPU's
+#    multiprocessors.
 
 # %%
 if not ON_GPU:
@@ -1414,34 +1315,20 @@ else:
               f"5 (blocks {4 * heads} < 2 x {processors} multiprocessors): {4 * heads < 2 * processors}")
 
 # %% [markdown]
-# (On a GPU the cell above prints the check, the table and each prediction with its outcome; the
-# predictions are judged by those lines, not by this text.) On the H200 of the committed run, prediction 1
-# failed: the naive kernel is 5.2 and 8.7 times slower than the float32 Triton forward, not more than
-# 10, and prediction 3 shows why the round trips of $O$ are not its problem: their bytes would take 3%
-# of its time. The other three held. bfloat16 took our forward from 11661 to 338 us at head dim 64 and
-# from 14964 to 318 us at 128, far more than twice as fast; `PAD = 1` made the naive kernel 1.86 and 1.73
-# times faster; and its 128 and 64 blocks are fewer than twice the 132 multiprocessors (prediction 5),
-# fewer even than once, so at least 132 - 128 = 4 and 132 - 64 = 68 multiprocessors get no block at
-# all. What remains to explain its
-# time is the serial softmax, the scalar products, the bank conflicts and the small grid; the cell does
-# not split the time between them.
+# The cell prints each prediction's outcome; those lines, not this text, judge them. On the H200 of the
+# committed run, prediction 1 failed (5.2 and 8.7 times slower, not more than 10), and prediction 3
+# shows that the round trips of $O$ are not the naive kernel's problem: their bytes would take 3% of
+# its time. The other three held. What remains to explain its time is the serial softmax, the scalar
+# products, the bank conflicts and the small grid; the cell does not split the time between them.
 #
 # ## 10. On a GPU: against PyTorch's FlashAttention and cuDNN
 #
-# The benchmark: bfloat16, batch 4, heads $\times$ head_dim $= 2048$ (32 heads of 64, 16 of 128),
-# $L$ from 1024 to 16384, causal and not, forward and forward + backward, in TFLOP/s. The flop counts are
-# the matrix products' ($2 \cdot 2 \cdot$ batch $\cdot$ heads $\cdot L^2 d$ for $QK^\top$ and $PV$ in the
-# forward, half of it when causal), with the backward counted as 2.5 forwards, as FlashAttention's
-# papers count (its five products against the forward's two); so forward + backward is 3.5 forwards.
-# The peers are `F.scaled_dot_product_attention` pinned to one backend with
-# `torch.nn.attention.sdpa_kernel`: `FLASH_ATTENTION` (the FlashAttention-2 CUDA kernels shipped with
-# PyTorch) and `CUDNN_ATTENTION` (NVIDIA's cuDNN library). Read the two as different bars:
-# FlashAttention-2 was written for the A100's generation and on Hopper uses neither the warpgroup
-# matrix instructions (`wgmma`) nor the tensor memory accelerator (TMA), while cuDNN's Hopper kernels,
-# like FlashAttention-3, are built on both. Being ahead of the flash backend on an H200 is the lower
-# bar; cuDNN is the one that measures a Hopper kernel. A backend that refuses a shape is reported and
-# skipped. Every provider's output is first compared with ours. Times are `median_us` (do_bench
-# medians); forward + backward times `torch.autograd.grad`.
+# The benchmark: bfloat16, batch 4, heads $\times$ head_dim $= 2048$, $L$ from 1024 to 16384, causal and
+# not, forward and forward + backward, in TFLOP/s ("Going deeper: the benchmark's fine print" gives the
+# flop count). The peers are `F.scaled_dot_product_attention` pinned with
+# `torch.nn.attention.sdpa_kernel` to `FLASH_ATTENTION` (PyTorch's FlashAttention-2 kernels, written
+# for the A100's generation: the lower bar on an H200) and to `CUDNN_ATTENTION` (NVIDIA's cuDNN: the
+# bar for a Hopper kernel). Every provider's output is first compared with ours.
 
 # %%
 if not ON_GPU:
@@ -1520,45 +1407,197 @@ else:
     save_figure(fig, "flash_attention_benchmark.png")
 
 # %% [markdown]
-# (On a GPU the cell prints the table, whether ours keeps up with the flash backend in every row, the
-# ratio to cuDNN, and the plot.) In the committed run on the H200, ours is ahead of the flash backend
-# everywhere except at $L = 1024$: forward + backward in all four rows, and the causal forward at head
-# dim 128 (107 against 179 TFLOP/s). There the GPU has little work per call, and our op is Python
-# (an autograd Function around two torch custom ops, four Triton launches for forward + backward)
-# where SDPA's is C++ from end to end, so the host's time per call may be what is measured;
-# this cell does not separate the two (`benchmarks/host_time.py` times the Python path alone, and a
-# CUDA graph of the call, `scan_lib.runtime.graph_us`, would time the GPU alone). Cutting the host
-# time is open work.
-# Ours is behind cuDNN in every row (ours / cuDNN from 0.21 to 0.98). The likely reason lies in what the
-# kernel does not use: FlashAttention-3, and by NVIDIA's accounts cuDNN's Hopper kernels, split each
-# block's warps into producers,
-# which move tiles with the tensor memory accelerator (TMA), and consumers, which run the asynchronous
-# `wgmma` matrix products, and they overlap the softmax of one tile with the products of the next
-# (ping-pong scheduling). Our kernel relies on what Triton 3.6 does by itself: `tl.dot` compiles to
-# `wgmma` on Hopper and `num_stages` pipelines the loads, but the softmax and the products of one loop
-# iteration still take turns. This explanation is not measured here (the cell times whole calls, not
-# their parts); "Going deeper" lists the features that would narrow the gap.
+# In the committed run on the H200, ours is ahead of the flash backend everywhere except at $L = 1024$:
+# forward + backward in all four rows, and the causal forward at head dim 128 (107 against 179
+# TFLOP/s). At that length the host's time per call may be what is measured. Ours is behind cuDNN in
+# every row (ours / cuDNN from 0.21 to 0.98). "Going deeper: the benchmark's fine print" discusses both
+# gaps; neither explanation is measured here.
 #
 # ## Summary
 #
-# - Softmax attention over the keys is a **scan with the state $(m, \ell, o)$**: running max, rescaled
-#   sum, rescaled output. Its merge is associative and commutative (it is (max, +, +) in disguise), so
-#   the keys can be cut into blocks anywhere and merged in any order, and the $L \times L$ matrix never
-#   needs to exist.
-# - The tiled forward keeps the state of `BLOCK_M` queries in registers, streams key blocks through
-#   `tl.dot`, masks only the blocks that need it, skips the blocks above the diagonal when causal, and
-#   saves the log-sum-exp.
-# - The backward recomputes $P = e^{S - \mathrm{lse}}$ tile by tile: $dV = P^\top dO$,
-#   $dS = P \circ (dP - \mathrm{rowsum}(dO \circ O))$, $dQ = \tau\, dS\, K$, $dK = \tau\, dS^\top Q$, in three
-#   kernels with no atomics. Every gradient was checked against float64.
-# - `scan_lib.flash_attention(q, k, v, causal=False, sm_scale=None)` is a differentiable torch op that
-#   works with `torch.compile` and `torch.func`.
-# - The naive CUDA kernel shows what a tiled kernel must avoid: a serial softmax, the output's round trips
-#   through global memory, scalar products, bank conflicts, too few blocks.
+# - Softmax attention over the keys is a **scan with the state $(m, \ell, o)$**, whose merge is
+#   associative and commutative: the keys can be cut into blocks anywhere, and the $L \times L$ matrix
+#   never needs to exist.
+# - The tiled forward keeps the state of `BLOCK_M` queries in registers and saves the log-sum-exp; the
+#   backward recomputes $P = e^{S - \mathrm{lse}}$ tile by tile, in three kernels with no atomics.
+# - `scan_lib.flash_attention` is a differentiable torch op that works with `torch.compile` and
+#   `torch.func`.
+# - The naive CUDA kernel shows what a tiled kernel must avoid: a serial softmax, scalar products, bank
+#   conflicts, too few blocks. Its output's round trips through global memory, predicted to slow it,
+#   took 3% of its time in the recorded run.
+
+# %% [markdown]
+# ## Going deeper: why the merge is associative
 #
-# ## Going deeper
+# Map a state to $\varphi(m, \ell, o) = (m,\ e^{m}\ell,\ e^{m} o)$; for a set of keys this is
+# $(\max_J s_j,\ \sum_J e^{s_j},\ \sum_J e^{s_j} v_j)$. $\varphi$ is one-to-one on states with a finite
+# $m$ (divide by $e^m$ to go back), and it turns the merge into three familiar operations:
 #
-# ### Tile sizes and autotuning
+# $$\varphi(x \oplus y) = \big(\max(m_x, m_y),\ e^{m}(e^{m_x - m}\ell_x + e^{m_y - m}\ell_y),\ \dots\big)
+# = \big(\max(m_x, m_y),\ e^{m_x}\ell_x + e^{m_y}\ell_y,\ e^{m_x}o_x + e^{m_y}o_y\big)
+# = \varphi(x) \boxplus \varphi(y),$$
+#
+# where $\boxplus$ is (max, +, +) componentwise. Max and + are associative and commutative, so
+# $\varphi\big((x \oplus y) \oplus z\big) = (\varphi(x) \boxplus \varphi(y)) \boxplus \varphi(z) =
+# \varphi(x) \boxplus (\varphi(y) \boxplus \varphi(z)) = \varphi\big(x \oplus (y \oplus z)\big)$, and
+# since $\varphi$ is one-to-one, $(x \oplus y) \oplus z = x \oplus (y \oplus z)$; likewise
+# $x \oplus y = y \oplus x$. (With the identity involved the equalities hold by its definition.) The
+# rescaling by $e^{-m}$ changes how the numbers are stored, not what they mean: it is there only so
+# that they fit in floating point.
+
+# %% [markdown]
+# ## Going deeper: the forward kernel's details
+#
+# **Registers in the one-block kernel.** In `attention_one_block_kernel` the $L \times L$ block
+# of scores lives in registers: at $L = 128$ that is 16384 floats, 64 per thread of the 8 warps
+# launched, beside $q$, $k$ and $v$. At `BLOCK` 256 it would be 256 per thread, more than a thread's 255
+# registers, and the compiler would spill them to memory.
+#
+# **exp2.** $e^x = 2^{x \log_2 e}$, and the GPU's exponential unit computes powers of 2, which is why
+# `tl.exp2` saves a multiply per score. The stored log-sum-exp is converted back to natural units.
+#
+# **The masked pass** covers the last, partial key block and, when causal, the blocks on the diagonal.
+# Skipping the blocks above the diagonal saves half the work of a causal call.
+#
+# **The longest programs first.** A causal program's work grows with the position of its queries, so
+# the grid hands out the query blocks from last to first; the long programs start first and the short
+# ones fill the end of the run instead of leaving a tail of long ones.
+#
+# **Precision.** Rounding $p$ to the input's dtype before its product is what every FlashAttention
+# does. With float32 products at `input_precision="ieee"`, not TF32, a float32 call is as accurate as a
+# float32 matrix product.
+#
+# **The interpreter and bfloat16.** Triton 3.6's CPU interpreter multiplies bfloat16 blocks in `tl.dot`
+# as their raw 16-bit integers, a bug; under the interpreter `matmul` converts bfloat16 to float32
+# first, which is exact and gives the same sums as the tensor cores (which multiply bfloat16 exactly
+# and add in float32). The interpreter also converts float32 to bfloat16 (`.to`, for $p$ and the stored
+# output, and in the backward for $dS$ and the gradients) by truncating, an error of up to a whole unit
+# in the last place ($2^{-7}$ relative), where a GPU rounds to nearest (half a unit, $2^{-8}$): on a
+# CPU the bfloat16 errors of the checks are larger than the GPU's printed in this chapter.
+
+# %% [markdown]
+# ## Going deeper: the backward kernels
+#
+# **Recomputing $P$.** The saved log-sum-exp gives each $P_{ij}$ in any tile, in
+# any order: no running maximum is needed the second time.
+#
+# **The price of no atomics.** Computing $S$ and $dP$ once per kernel makes seven matrix products per
+# tile pair ($S$, $dP$, $dV$, $dK$ in the first, $S$, $dP$, $dQ$ in the second), against two in the
+# forward and five in a backward that computes each once.
+#
+# **Which way round.** On the tensor cores, a matrix product takes its left operand from registers and
+# its right one from shared memory, where a transposed view costs nothing. $dV = P^\top dO$ and
+# $dK = dS^\top Q$ need $P$ and $dS$ *transposed* on the left, and they were computed in registers: the
+# transpose would shuffle them through shared memory, twice per tile. So the dK/dV kernel computes the
+# transposed tile from the start, $S^\top = K Q^\top$ (keys down, queries across), and every product then
+# has the operand it needs where it needs it: $P^\top$ and $dS^\top$ on the left, $Q^\top$, $dO^\top$
+# (loaded tiles) on the right.
+#
+# **Masks only where they change something.** As in the forward, each kernel runs two or three loops
+# of one body with a constexpr `MASKED`: masked on the causal diagonal and on the last, partial block,
+# unmasked everywhere else. The dK/dV kernel needs no mask for its own keys past $L$: their rows of
+# $dK$, $dV$ are never stored, and a row of a product depends only on the same row of its
+# left operand. Queries past $L$ load as zeros ($dO = 0$ makes their terms vanish) but are masked anyway,
+# because their recomputed $P$ is not a probability. The dQ kernel must mask keys past $L$: there
+# $P = e^{-\mathrm{lse}}$ can overflow, and $\infty \cdot 0$ in $dS\,K$ is NaN in a row that *is* stored.
+# The causal dQ program for the last queries has the most keys to visit, so the grid runs the query
+# blocks from last to first: the long programs start first and the short ones fill the end.
+
+# %% [markdown]
+# ## Going deeper: the torch op's plumbing
+#
+# Each custom op's fake implementation gives shapes only, for `torch.compile`; its vmap rule folds the
+# vmapped dim into the batch. The `autograd.Function`'s forward saves $q, k, v$, the output and the
+# log-sum-exp; its backward calls the backward op. The end-to-end check compares ours with
+# `F.scaled_dot_product_attention` with the bfloat16 tolerance because both round to bfloat16.
+
+# %% [markdown]
+# ## Going deeper: the CUDA kernel's fine print
+#
+# **The loop order**, key tiles outside and query tiles inside, is the first FlashAttention's. Our
+# kernel keeps $O$ normalised at every step, as the listing does.
+#
+# **Where our version corrects the usual listing.**
+#
+# - `__launch_bounds__(BR * BC)` is not in the listing and is needed: it tells the compiler how many
+#   threads a block will have. A multiprocessor has 65536 registers, so a block of $32 \times 32 = 1024$
+#   threads may use at most 64 per thread. Left alone, the compiler may use more for this kernel, and
+#   then every launch fails with "too many resources requested for launch".
+# - The listing's loop count for loading the key and value tiles, $\lceil d / B_r \rceil$ steps of
+#   $B_r B_c$ elements, covers a $B_c \times d$ tile only because it has $B_r B_c$ threads; our loop
+#   says what it covers. The listing also leaves stale data in the rows past $L$; here they are zeros
+#   (a NaN left in shared memory would survive a multiplication by a zero weight).
+# - The listing reads the running max and sum past the end of the arrays for rows beyond $L$; here
+#   those rows get the identity $(-\infty, 0)$.
+# - The listing forgets to give keys past $L$ the score $-\infty$.
+# - The last barrier keeps the next query tile from overwriting the tiles while slower threads still
+#   read them (the listing has none there).
+# - The listing leaves the allocation of $O$, $m$ and $\ell$ with their initial values to the reader.
+#
+# **In Triton** all of the header is `tl.program_id`, `tl.arange` and pointer arithmetic on blocks;
+# shared memory is not declared at all: the compiler decides what is staged where.
+#
+# **The bank conflicts, counted.** Shared memory has 32 banks of 4 bytes, and the float at index $x$
+# sits in bank $x \bmod 32$; threads reading the same address share one read. Thread `tx` has
+# `col = tx % BC`, so with $B_c = 32$ (the launch for $d = 64$) the 32 threads of a warp have `col` 0 to
+# 31 and read 32 floats `ROW` floats apart; with `ROW` $= d$ all 32 fall in one bank: a 32-way conflict.
+# With $B_c = 16$ (the launch for $d = 128$) a
+# warp spans two rows of the tile, `col` runs 0 to 15 twice, and the two rows read the same 16 floats:
+# 16 addresses in one bank, a 16-way conflict. (`q_tile[row * ROW + c]` is one address for the whole
+# warp when $B_c = 32$, a broadcast, which costs nothing; with $B_c = 16$ it is two addresses `ROW`
+# floats apart, in one bank without the padding: a 2-way conflict.) With `PAD` $= 1$, `ROW` $= d + 1$
+# puts `col`'s float in bank $(\text{col} + c) \bmod 32$, a different bank for each `col`.
+#
+# **Shared memory.** With $B_r = B_c = 32$ and $d = 64$ the five tiles take
+# $4 \cdot 32 \cdot 65 + 32 \cdot 32$ floats plus five rows of 32, about 37 KB; $d = 128$ needs
+# $B_r = B_c = 16$ (about 34 KB).
+#
+# **The predictions in full.** Prediction 3 counts that the kernel reads and writes $O$ once per key
+# tile, $L / B_c$ times. Prediction 5 compares the number of blocks with the number of multiprocessors:
+# batch $\times$ heads blocks fewer than twice the GPU's multiprocessors means the GPU runs at most two
+# partly filled waves (our Triton grid has $L / $ `BLOCK_M` times more programs).
+#
+# **The measurements in detail.** In the committed run, bfloat16 took our forward from 11661 to 338 us
+# at head dim 64 and from 14964 to 318 us at 128, far more than twice as fast; `PAD = 1` made the naive
+# kernel 1.86 and 1.73 times faster. Its 128 and 64 blocks are fewer than twice the 132 multiprocessors
+# (prediction 5), fewer even than once, so at least 132 - 128 = 4 and 132 - 64 = 68 multiprocessors get
+# no block at all.
+
+# %% [markdown]
+# ## Going deeper: the benchmark's fine print
+#
+# **The shapes.** heads $\times$ head_dim $= 2048$ is 32 heads of 64 or 16 of 128. A backend that
+# refuses a shape is reported and skipped.
+#
+# **The flop count.** The flop counts are the matrix products' ($2 \cdot 2 \cdot$ batch $\cdot$ heads
+# $\cdot L^2 d$ for $QK^\top$ and $PV$ in the forward, half of it when causal), with the backward
+# counted as 2.5 forwards, as FlashAttention's papers count (its five products against the forward's
+# two); so forward + backward is 3.5 forwards. Times are `median_us` (do_bench medians); forward +
+# backward times `torch.autograd.grad`.
+#
+# **The two peers.** FlashAttention-2 on Hopper uses neither the warpgroup matrix instructions
+# (`wgmma`) nor the tensor memory accelerator (TMA), while cuDNN's Hopper kernels, like
+# FlashAttention-3, are built on both.
+#
+# **Behind the flash backend at $L = 1024$.** There the GPU has little work per call. Our op is
+# Python (an autograd Function around two torch custom ops, four Triton launches for forward +
+# backward) where SDPA's is C++ from end to end, so the host's time per call may be what is measured;
+# the benchmark cell does not separate the two
+# (`benchmarks/host_time.py` times the Python path alone, and a CUDA graph of the call,
+# `scan_lib.runtime.graph_us`, would time the GPU alone). Cutting the host time is open work.
+#
+# **Behind cuDNN.** The likely reason lies in what the kernel does not use: FlashAttention-3, and by
+# NVIDIA's accounts cuDNN's Hopper kernels, split each block's warps into producers, which move tiles
+# with the tensor memory accelerator (TMA), and consumers, which run the asynchronous `wgmma` matrix
+# products, and they overlap the softmax of one tile with the products of the next (ping-pong
+# scheduling). Our kernel relies on what Triton 3.6 does by itself: `tl.dot` compiles to `wgmma` on
+# Hopper and `num_stages` pipelines the loads, but the softmax and the products of one loop iteration
+# still take turns. This explanation is not measured here (the cell times whole calls, not their
+# parts); "Going deeper: what Hopper offers beyond this kernel" lists the features that would narrow
+# the gap.
+
+# %% [markdown]
+# ## Going deeper: tile sizes and autotuning
 #
 # On a GPU each kernel is wrapped in `triton.autotune`, keyed on $L$, the head dim, the causal flag
 # and (automatically) the dtypes, and tries the tiles of `GPU_TILES` for the inputs' element size:
@@ -1578,7 +1617,7 @@ else:
             print(f"{name:8} key (L, head_dim, causal, dtypes...) {key}: {config}")
 
 # %% [markdown]
-# ### What Hopper offers beyond this kernel
+# ## Going deeper: what Hopper offers beyond this kernel
 #
 # - **Tensor descriptors** (`tl.make_tensor_descriptor`, TMA): one instruction copies a whole tile from
 #   global to shared memory, handles the edges in hardware, and frees the threads that compute addresses.
@@ -1591,12 +1630,15 @@ else:
 #   kernel balance its uneven tiles.
 # - **The backward**: our dK/dV and dQ kernels each recompute $P$ and $dP$; FlashAttention-2's single
 #   backward kernel computes them once and adds $dQ$ with atomics, trading determinism for less work.
-#
-# ### Why every row has a key, and what if it did not
+
+# %% [markdown]
+# ## Going deeper: why every row has a key, and what if it did not
 #
 # The online softmax would produce NaN for a query whose every key is masked: $m = -\infty$,
 # $e^{m - m'} = e^{-\infty + \infty}$. Causal masking never does that (query $i$ sees key $i$, and every
-# program's first key block holds key 0), and padding rows past $L$ see real keys too. A kernel with
+# program's first key block holds key 0, which every query may see, so $m$ is finite after it), and
+# padding rows past $L$ see real keys too. In the naive CUDA kernel every key tile holds at least one
+# key below $L$, so the tile's max is finite and no $-\infty - (-\infty)$ occurs. A kernel with
 # arbitrary masks (document boundaries, sliding windows) must guard the rescaling, as `softmax_merge`
 # does with its select, and define the output of an empty row (zero, by convention).
 
