@@ -1336,7 +1336,7 @@ if not ON_GPU:
 else:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from scan_lib.runtime import median_us
+    from scan_lib.runtime import graph_us, host_us, median_us
 
     def sdpa_with(backend):
         def attention(q, k, v, causal):
@@ -1388,13 +1388,33 @@ else:
             ratios = [ours_row[length] / cudnn_row[length] for length in bench_lengths if length in cudnn_row]
             print(f"head_dim {key[0]}, causal {key[1]}, {key[2]}: ours / cuDNN from {min(ratios):.2f} to {max(ratios):.2f}")
 
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
+    # L = 1024, head_dim 64, not causal: the host's time per call (launches queued back to back) and the
+    # GPU's (the same work replayed from a CUDA graph, no host in between), for ours and the flash backend
+    torch.manual_seed(10)
+    q_t, k_t, v_t = [torch.randn(4, 32, 1024, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+                     for _ in range(3)]
+    grad_t = torch.randn_like(q_t)
+    print("L 1024, head_dim 64, not causal, us per call: host / GPU (CUDA graph)")
+    for name in ("ours (Triton)", "SDPA flash"):
+        attention = providers[name]
+        forward = lambda: attention(q_t, k_t, v_t, False)
+        both = lambda: torch.autograd.grad(attention(q_t, k_t, v_t, False), (q_t, k_t, v_t), grad_t)
+        print(f"{name:>14}: forward {host_us(forward):7.1f} / {graph_us(forward):7.1f}, "
+              f"forward+backward {host_us(both):7.1f} / {graph_us(both):7.1f}")
+    del q_t, k_t, v_t, grad_t
+
+    # NVIDIA's datasheets: dense bfloat16 tensor-core peak of the SXM parts, TFLOP/s (no sparsity)
+    DENSE_BF16_PEAK = {"H100 80GB HBM3": 989, "H200": 989}
+    peak = next((value for part, value in DENSE_BF16_PEAK.items() if part in torch.cuda.get_device_name()), None)
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True, sharey=True)
     for r, head_dim in enumerate((64, 128)):
         for c, (mode, causal) in enumerate([("fwd", False), ("fwd", True), ("fwd+bwd", False), ("fwd+bwd", True)]):
             ax = axes[r, c]
             for name in providers:
                 row = tflops.get((head_dim, causal, mode, name), {})
-                ax.plot(list(row), list(row.values()), marker="o", label=name)
+                ax.plot(list(row), list(row.values()), marker="o", linestyle="none", label=name)  # measured points only
+            if peak is not None:
+                ax.axhline(peak, color="gray", linestyle=":", linewidth=1, label=f"dense bf16 peak ({peak})")
             ax.set_xscale("log", base=2)
             ax.set_title(f"d {head_dim}, {'causal' if causal else 'not causal'}, {mode}", fontsize=9)
             ax.set_ylim(bottom=0)
@@ -1409,9 +1429,10 @@ else:
 # %% [markdown]
 # In the committed run on the H200, ours is ahead of the flash backend everywhere except at $L = 1024$:
 # forward + backward in all four rows, and the causal forward at head dim 128 (107 against 179
-# TFLOP/s). At that length the host's time per call may be what is measured. Ours is behind cuDNN in
-# every row (ours / cuDNN from 0.21 to 0.98). "Going deeper: the benchmark's fine print" discusses both
-# gaps; neither explanation is measured here.
+# TFLOP/s). [LANDING: say what the cell's L 1024 lines show: whether our host time per call exceeds
+# our GPU time, and how our GPU time compares with the flash backend's, quoting the printed numbers.]
+# Ours is behind cuDNN in every row (ours / cuDNN from 0.21 to 0.98). "Going deeper: the benchmark's
+# fine print" discusses both gaps.
 #
 # ## Summary
 #
@@ -1581,10 +1602,10 @@ else:
 #
 # **Behind the flash backend at $L = 1024$.** There the GPU has little work per call. Our op is
 # Python (an autograd Function around two torch custom ops, four Triton launches for forward +
-# backward) where SDPA's is C++ from end to end, so the host's time per call may be what is measured;
-# the benchmark cell does not separate the two
-# (`benchmarks/host_time.py` times the Python path alone, and a CUDA graph of the call,
-# `scan_lib.runtime.graph_us`, would time the GPU alone). Cutting the host time is open work.
+# backward) where SDPA's is C++ from end to end. The benchmark cell's last lines separate the two at
+# $L = 1024$: `host_us` times the host's work per call (launches queued back to back) and `graph_us`
+# the GPU's (the call replayed from a CUDA graph). [LANDING: what they show, with the printed numbers.]
+# The figure's dotted line is the GPU's dense bfloat16 peak from NVIDIA's datasheet.
 #
 # **Behind cuDNN.** The likely reason lies in what the kernel does not use: FlashAttention-3, and by
 # NVIDIA's accounts cuDNN's Hopper kernels, split each block's warps into producers, which move tiles
