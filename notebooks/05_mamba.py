@@ -17,20 +17,16 @@
 # *computed* from a step size $\Delta$ (the discretisation), and they differ for every channel, state
 # and position (the *selection*). You will learn:
 #
-# 1. the discretisation $a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t u_t$ and its derivatives, including
-#    the gradient with respect to $\Delta$, which flows through both;
-# 2. a float64 reference with the semantics of `mamba_ssm`'s `selective_scan_ref`, and the backward
-#    pass derived by hand and checked against autograd;
-# 3. a Triton kernel for one sequence (forward and backward), then the batched, chunked kernel that
-#    keeps the states in registers and writes only one state per chunk for the backward;
-# 4. `selective_scan`, a drop-in for `mamba_ssm`'s `selective_scan_fn` (plus an `initial_state`),
-#    checked gradient by gradient, and on a GPU compared with the official CUDA kernel. The package's
-#    public `scan_lib.selective_scan` has the same interface over chapter 07's kernels (faster in
-#    training; chapter 07 times both); this chapter checks and times its own (section 6 says how).
+# 1. the discretisation $a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t u_t$ and its derivatives;
+# 2. a float64 reference with `mamba_ssm`'s semantics, and the backward pass derived by hand;
+# 3. a Triton kernel for one sequence, then a batched, chunked kernel that keeps the states in
+#    registers and writes only one state per chunk for the backward;
+# 4. `selective_scan`, a drop-in for `mamba_ssm`'s `selective_scan_fn`, checked gradient by gradient
+#    and against the official CUDA kernel.
 #
-# Launch parameters, the autograd plumbing, the memory the backward uses, where the time goes and the
-# fine print (the softplus's numerics, the input checks, the interpreter's bfloat16, `mamba_ssm`'s last
-# state for a time-invariant `B`) are in "Going deeper" at the end.
+# The package's public `scan_lib.selective_scan` has the same interface over chapter 07's kernels
+# (faster in training); this chapter checks and times its own. Engineering detail and fine print are
+# in "Going deeper" at the end.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -90,8 +86,8 @@ def rel_err(x, ref):
 # | tensor | shape | meaning |
 # | --- | --- | --- |
 # | `u` | (batch, dim, L) | the input sequence, one per channel (chapter 04's $x$) |
-# | `delta` | (batch, dim, L) | the step size $\Delta$, per channel and position (optionally `softplus(delta + delta_bias)`) |
-# | `A` | (dim, N) | continuous-time decay rates, real and negative, shared over batch and time |
+# | `delta` | (batch, dim, L) | the step size $\Delta$ (optionally `softplus(delta + delta_bias)`) |
+# | `A` | (dim, N) | continuous-time decay rates, real and negative |
 # | `B`, `C` | (batch, N, L), (batch, groups, N, L), or (dim, N) | input and output coefficients: per position and shared by the `dim // groups` channels of a group, or time-invariant per channel |
 # | `D`, `delta_bias` | (dim,) | skip weight, bias of $\Delta$ |
 # | `z` | (batch, dim, L) | gate |
@@ -102,25 +98,21 @@ def rel_err(x, ref):
 # ## 2. Discretisation
 #
 # Mamba treats $h$ as a continuous-time system $h'(s) = A\,h(s) + B\,u(s)$ sampled with step $\Delta$.
-# Over one step the state decays exactly by $e^{\Delta A}$, whatever the input does. If $u$ and $B$
-# are held constant over the step (the zero-order hold), the input adds exactly
-# $(\Delta A)^{-1}(e^{\Delta A} - 1)\,\Delta B\, u$. `mamba_ssm` keeps the exact decay but uses the
-# first-order (Euler) input term $\Delta B u$, which agrees with the zero-order hold up to $O(\Delta^2)$,
-# since $(\Delta A)^{-1}(e^{\Delta A} - 1) = 1 + \Delta A/2 + O(\Delta^2)$. So one step is
+# Over one step the state decays exactly by $e^{\Delta A}$; for the input, `mamba_ssm` uses the
+# first-order (Euler) term $\Delta B u$, which agrees with the exact zero-order hold ($u$ and $B$
+# held constant over the step) up to $O(\Delta^2)$ ("Going deeper: the discretisation"). So one step is
 #
 # $$a_t = e^{\Delta_t A}, \qquad b_t = \Delta_t\, B_t\, u_t, \qquad h_t = a_t h_{t-1} + b_t .$$
 #
-# With $A < 0$ and $\Delta > 0$, $0 < a_t < 1$: a large step forgets quickly, a small step keeps the
-# state. (An EMA is the case $\Delta = 1$, $A = \ln\alpha$, $B = 1 - \alpha$.) The derivatives the
-# backward pass needs are
+# With $A < 0$ and $\Delta > 0$, $0 < a_t < 1$. The derivatives the backward pass needs are
 #
 # $$\frac{\partial a}{\partial \Delta} = A\,a, \quad \frac{\partial a}{\partial A} = \Delta\,a, \quad
 #   \frac{\partial b}{\partial \Delta} = B u, \quad \frac{\partial b}{\partial B} = \Delta u, \quad
 #   \frac{\partial b}{\partial u} = \Delta B .$$
 #
-# $\Delta$ gets gradient from **both** $a$ and $b$. First, these formulas against autograd, in float64,
-# and the claimed order of the Euler input term: if the difference to the zero-order hold is
-# $O(\Delta^2)$, halving $\Delta$ divides it by 4 (by 2 if it were only $O(\Delta)$).
+# $\Delta$ gets gradient from **both** $a$ and $b$. The cell checks these formulas against autograd in
+# float64, and the order of the Euler term: halving $\Delta$ divides its difference to the zero-order
+# hold by 4 (by 2 if it were only $O(\Delta)$).
 
 # %%
 def discretize_torch(delta, A, B, u):
@@ -162,15 +154,15 @@ ax.legend()
 save_figure(fig, "05_discretisation.png")
 
 # %% [markdown]
-# The same $A$ gives anything from "keep everything" to "forget at once", depending on the step the
-# model selects.
+# A large step forgets quickly, a small step keeps the state: the same $A$ gives anything from "keep
+# everything" to "forget at once", depending on the step the model selects.
 #
 # ## 3. The reference
 #
 # The oracle for everything below: a plain PyTorch loop over positions in float64, with the semantics
-# of `mamba_ssm.ops.selective_scan_interface.selective_scan_ref` (groups, time-invariant `B`/`C`, `D`,
-# `z`, `delta_bias`, `delta_softplus`, `return_last_state`) plus an `initial_state`. It returns float64
-# so that comparisons measure the kernel's error, not the reference's. It is exported: the tests use it too.
+# of `mamba_ssm`'s `selective_scan_ref` (every option above, `delta_softplus`, `return_last_state`)
+# plus an `initial_state`. It returns float64 so that comparisons measure the kernel's error, not the
+# reference's.
 
 # %%
 #| export
@@ -239,8 +231,7 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
 # the same first-order scan run right to left, with the gates shifted by one. From $\delta$ every
 # gradient is local: $da_t = \delta_t h_{t-1}$, $db_t = \delta_t$, and $dh_{-1} = a_0 \delta_0$ for the
 # initial state. Chained through the discretisation, and summed over whatever a parameter is shared
-# by (the states $n$ for $\Delta_t$ and $u_t$; the batch and the positions for $A$ and $D$; the channels
-# of a group for $B_t$ and $C_t$), with every index written out ($g(d)$ is the group of channel $d$,
+# by, with every index written out ($g(d)$ is the group of channel $d$,
 # $a_{i,d,t,n} = e^{\Delta_{i,d,t} A_{d,n}}$):
 #
 # $$d\Delta_{i,d,t} = \sum_n \delta_{i,d,t,n}\, \big(a_{i,d,t,n}\, h_{i,d,t-1,n}\, A_{d,n} + B_{i,g(d),n,t}\, u_{i,d,t}\big), \qquad
@@ -250,16 +241,14 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
 # $$dB_{i,g,n,t} = \sum_{d:\,g(d) = g} \delta_{i,d,t,n}\, \Delta_{i,d,t}\, u_{i,d,t}, \qquad
 #   dC_{i,g,n,t} = \sum_{d:\,g(d) = g} d\bar y_{i,d,t}\, h_{i,d,t,n} .$$
 #
-# (A time-invariant $B$ of shape (dim, N) also sums over the batch and the positions; so does $C$.)
 # The step is $\Delta = \operatorname{softplus}(\Delta_{\text{raw}} + \text{bias})$ with
 # $\operatorname{softplus}(x) = \log(1 + e^x)$, whose derivative is $\sigma(x)$: so
 # $d\Delta_{\text{raw}} = d\Delta\; \sigma(\Delta_{\text{raw}} + \text{bias})$ and
 # $d\,\text{bias} = \sum_{\text{batch},\,t} d\Delta_{\text{raw}}$.
 #
-# The product $a_t h_{t-1}$ needs the *previous* state. Writing it as $h_t - b_t$ (true in exact
-# arithmetic) cancels catastrophically whenever $|b_t| \gg |a_t h_{t-1}|$: the kernels compute $h_{t-1}$
-# itself (the cancellation is shown after the check below). Here are the formulas as plain PyTorch (B, C of
-# shape (batch, N, L), softplus on), checked against autograd of the reference:
+# The product $a_t h_{t-1}$ needs the *previous* state, which the code computes itself, not as
+# $h_t - b_t$ (why: after the check). The formulas as plain PyTorch (B, C of shape (batch, N, L),
+# softplus on), checked against autograd of the reference:
 
 # %%
 def selective_scan_backward_by_hand(u, delta, A, B, C, D, z, delta_bias, h0, dout, dlast):
@@ -325,9 +314,10 @@ for name in inputs:
     assert torch.allclose(by_hand[name], auto[name], rtol=1e-10, atol=1e-12), name
 
 # %% [markdown]
-# Why not $h_t - b_t$: in float32, a small decayed state next to a large input. The subtraction keeps
-# only the bits of $a_t h_{t-1}$ that survived the rounding of $h_t$ to the scale of $b_t$; the
-# product computed from $h_{t-1}$ is correct to float32 precision.
+# Why not $h_t - b_t$: it cancels catastrophically whenever $|b_t| \gg |a_t h_{t-1}|$. In float32,
+# with a small decayed state next to a large input, the subtraction keeps only the bits of
+# $a_t h_{t-1}$ that survived the rounding of $h_t$ to the scale of $b_t$; the product from $h_{t-1}$
+# is correct to float32 precision.
 
 # %%
 a_c, h_prev_c, b_c = (torch.tensor(v, dtype=torch.float32) for v in (0.5, 1e-3, 1000.0))
@@ -342,31 +332,24 @@ assert err_subtract > 1e-2 and err_shifted < 1e-7
 # %% [markdown]
 # ## 5. One sequence in one Triton program
 #
-# Chapter 04's kernels scan an $L_{\text{block}} \times N$ tile of pairs $(a, b)$ that they load from
-# memory, time along axis 0. Here the
-# pairs are computed on chip from $\Delta$, $A$, $B$ and $u$, by a `@triton.jit` helper exported once and
-# reused by every kernel below. The simplest kernel that is right: one program holds a whole sequence
-# as an $N \times L$ tile (padded to powers of two; time along axis 1, the transpose of chapter 04's
-# tile) and runs `tl.associative_scan` along $L$ (`axis=1`) with
-# chapter 02's `first_order_op`, one independent scan per state. Padding positions load $\Delta = 0$,
-# so $a = 1$, $b = 0$: the identity step, which the scan passes through untouched.
+# Chapter 04's kernels load their pairs $(a, b)$ from memory; here `discretize`, a `@triton.jit`
+# helper reused by every kernel below, computes them on chip from $\Delta$, $A$, $B$ and $u$. The
+# simplest kernel that is right: one program holds a whole sequence as an $N \times L$ tile (padded to
+# powers of two, time along axis 1) and runs `tl.associative_scan` along $L$ with chapter 02's
+# `first_order_op`, one independent scan per state. Padding positions load $\Delta = 0$, so $a = 1$,
+# $b = 0$: the identity step, which the scan passes through untouched.
 #
 # The backward needs two shifted quantities, and gets both by *loading* one position off rather than
 # moving a tile between threads:
 #
 # * $h_{t-1}$: the same scan over the steps of the previous positions, loaded at $t - 1$. Position 0
-#   loads nothing ($\Delta = 0$, the identity step), so $h_{-1} = 0$ exactly, and $dA$ at $L = 1$ is
-#   exactly zero, as in the reference.
+#   loads nothing (the identity step), so $h_{-1} = 0$ exactly, as in the reference.
 # * the adjoint $\delta_t = C_t\,d\bar y_t + a_{t+1}\delta_{t+1}$: a scan of the pairs $(a_{t+1}, C_t\,d\bar y_t)$
 #   from right to left, `tl.associative_scan(..., reverse=True)` as in chapter 02, with $\Delta$ loaded
 #   at $t+1$ (0 past the end: $a = 1$).
 #
-# Names in the code: `delta` is always the step $\Delta$ (`mamba_ssm`'s argument name; as an argument,
-# the raw step before bias and softplus; `delta_prev` and `delta_next` are $\Delta_{t-1}$ and
-# $\Delta_{t+1}$), and the adjoint $\delta$ is `adj` (`flow` carries it in section 4's loop, `adj_carry`
-# between chunks). In code comments, though, `delta_t` next to $C_t$, $B_t$ or $h_{t-1}$ (the adjoint's
-# recurrence, `sum_n delta_t B_t`) is $\delta_t$, the adjoint.
-# (Chapter 04's kernel calls its adjoint `delta`; here that name is the step's.)
+# Names: `delta` is always the step $\Delta$ (as an argument, before bias and softplus) and `adj` the
+# adjoint $\delta$; in `#` comments, `delta_t` is the adjoint $\delta_t$.
 
 # %%
 #| export
@@ -435,14 +418,11 @@ def single_sequence(u, delta, A, B, C, dout):
     return y, du, ddelta, dA, dB, dC
 
 # %% [markdown]
-# Checked against autograd of the reference (batch 1, one channel), every gradient including
-# $d\Delta$, at awkward lengths, with $N = 3$ so the state axis is padded too. Errors are relative to
-# the largest magnitude of each reference gradient; at $L = 1$ the reference $dA$ is exactly zero
-# ($h_{-1} = 0$), and `rel_err` then demands an exact zero (it returns `inf` otherwise). The tolerance
-# is float32 rounding compounded over the length: rounding errors of either sign add up like a random
-# walk, $\sqrt{L}$ times the float32 unit roundoff $2^{-24}$, times 32 for the few roundings per step
-# and the sums over states (and at least $\sqrt{16}$). The float16 rounding that a state kept in half
-# precision would add, $2^{-11}$ per step, is far above it.
+# Checked against autograd of the reference (batch 1, one channel) at awkward lengths, with $N = 3$
+# so the state axis is padded too. Errors are relative to each reference's largest magnitude; at
+# $L = 1$ the reference $dA$ is exactly zero ($h_{-1} = 0$), and `rel_err` then demands an exact zero.
+# The tolerance, `fp32_tolerance`, is float32 rounding compounded over the length ("Going deeper: the
+# tolerances").
 
 # %%
 def fp32_tolerance(length):
@@ -481,13 +461,10 @@ for L in [1, 7, 129, 1000]:
 #   `BLOCK_D x CHUNK` tiles.
 # * **Time is spread over the threads; the $N$ states are a loop.** For one state after another: load
 #   row $n$ of `B` and `C`, discretise, scan along time, and add $C_n h$ into $y$. Each position's
-#   terms stay with the thread that holds it, so $y = \sum_n C_n h_n$ needs no sum across threads.
-#   That is the reason for the loop: the alternative, chapter 04's all-states tile, spreads the states
-#   over the threads as well, so every $y_t$ becomes a sum across threads. Chapter 07 (section 9, "All
-#   states at once") builds that tile and measures it slower; "Going deeper: launch parameters and the
-#   layout" says more.
-# * **The carry**: the state entering the chunk, one value per channel and state, a `BLOCK_D x N` tile
-#   in registers, folded into the chunk's first step (the identity below).
+#   terms stay in the thread that holds it, so $y = \sum_n C_n h_n$ needs no sum across threads
+#   ("Going deeper: launch parameters and the layout" compares the alternative).
+# * **The carry**: the state entering the chunk, a `BLOCK_D x N` tile in registers, folded into the
+#   chunk's first step (the identity below).
 # * **What training keeps**: when an input needs a gradient, the forward writes the carry at the start
 #   of every chunk (the *boundary states*, $1/\texttt{CHUNK}$ of all the states) and, with `z`, $\bar y$;
 #   the backward recomputes the states chunk by chunk. Inference writes neither.
@@ -498,43 +475,14 @@ for L in [1, 7, 129, 1000]:
 # $$h_t = \Big(\prod_{r=s}^{t} a_r\Big)\, h_{s-1} + \sum_{q=s}^{t} \Big(\prod_{r=q+1}^{t} a_r\Big) b_q, \qquad s \le t < s + \texttt{CHUNK}.$$
 #
 # The second term is the chunk scanned from a zero state; the first needs the product of the gates,
-# which the scan computes too. Equivalently (chapter 02's `scan_chunk` does it this way), replace the
-# chunk's first pair $(a_s, b_s)$ by $(a_s,\ a_s h_{s-1} + b_s)$, the step from the carried state
-# itself: the scan then yields the exact states. The backward does the same from the right with the
-# adjoint: the gradient reaching the chunk's last state from the chunks to its right is added at its
-# last position.
+# which the scan computes too. Equivalently (as chapter 02's `scan_chunk` does), replace the chunk's
+# first pair $(a_s, b_s)$ by $(a_s,\ a_s h_{s-1} + b_s)$: the scan then yields the exact states. The
+# backward does the same from the right: the adjoint reaching the chunk's last state from the right is
+# added at its last position.
 #
-# The whole scheme in one picture, for one state of one channel and a chunk $k$ of 4 positions
-# $s \dots s+3$ (slot $j$ of the tile holds position $s + j$; the kernels below use the same slots).
-# The forward folds the carry into slot 0. The backward's two scans, explained with its kernel below,
-# *load* their inputs one position off, so that every slot sees the step it needs without moving data
-# between threads; at the chunk's edges, where that load would leave the chunk, the carries come in
-# instead:
-#
-# ```text
-# position                   s-1 |  s         s+1       s+2       s+3    | s+4
-#                      chunk k-1 |  slot 0    slot 1    slot 2    slot 3 | chunk k+1
-# forward: loads at t            |  s         s+1       s+2       s+3    |
-#   carry h[s-1] ----------------+> slot 0's pair: (a[s], b[s] + a[s] h[s-1])
-#   scan, left to right          |  h[s]      h[s+1]    h[s+2]    h[s+3] +-> carry into chunk k+1
-# backward (1): loads at t-1     |  --        s         s+1       s+2    |
-#   boundary state h[s-1] -------+> slot 0's pair: (0, h[s-1])
-#   scan, left to right          |  h[s-1]    h[s]      h[s+1]    h[s+2] |   then h[t] = a[t] h[t-1] + b[t]
-# backward (2): Δ loads at t+1   |  s+1       s+2       s+3       --     |   (--: no load, the gate is 1)
-#   reverse scan, right to left  |  δ[s]      δ[s+1]    δ[s+2]    δ[s+3] <-- carry a[s+4] δ[s+4], added in slot 3
-#   carry into chunk k-1 <-------+- a[s] δ[s]                            |
-# ```
-#
-# In plain PyTorch, both forms against the sequential recurrence, with chunks that do not divide the
-# length. The folded form's zero error is a statement of the construction, not a measurement of
-# accuracy: position by position it does the same float64 operations as the sequential loop
-# ($a_s h_{s-1} + b_s$, then the same steps), so it agrees to the last bit, and it could differ only if
-# the bookkeeping were wrong (the carry taken from the wrong position, or folded into the wrong step).
-# The carry-added form multiplies by the product of the gates instead, so it may differ by rounding
-# once a chunk holds more than one position; the assert bounds both. Neither form runs a kernel: this
-# checks the identity in PyTorch. The kernels' own carries are checked against the float64 reference
-# in section 7 and, with chunks of 4 to 64 positions, in "Going deeper: launch parameters and the
-# layout". The cell:
+# The cell checks both forms in plain PyTorch against the sequential recurrence, with chunks that do
+# not divide the length: the folded form, the same float64 operations as the loop, agrees to the last
+# bit; the carry-added form may differ by rounding.
 
 # %%
 def chunked_states(a, b, h_init, chunk, fold=False):
@@ -569,18 +517,15 @@ for chunk in (1, 4, 8, 37, 64):
     assert max(errs) < 1e-13
 
 # %% [markdown]
-# The forward kernel. Two small helpers appear here:
+# The forward kernel, with three small helpers:
 #
-# * `_load_delta` applies `delta_bias` and the softplus, in a form that neither overflows for large
-#   arguments nor rounds small steps to zero ("Going deeper: the fine print" explains it and checks it).
+# * `_load_delta` applies `delta_bias` and the softplus, in a form that neither overflows nor rounds
+#   small steps to zero ("Going deeper: the fine print").
 # * `_column` reads column $n$ of the carry tile. Registers cannot be indexed by a loop variable, so
-#   it is a masked sum: `tl.where` keeps column $n$ and zeroes the others, and `tl.sum` over the columns
-#   collapses the tile to that column (chapter 04's `row_of` does the same for rows). Writing column
-#   $n$ back is a `tl.where` too.
-#
-# `B` and `C` come in two layouts: per position (`COEF_PER_STEP`, a `1 x CHUNK` row per state, read
-# from the channel's group) or time-invariant (a `BLOCK_D x 1` column per state, `B[d, n]`). `_load_coef`
-# hides the difference; `discretize` broadcasts either.
+#   it is a masked sum (`tl.where`, then `tl.sum`); writing column $n$ back is a `tl.where` too.
+# * `_load_coef` loads state $n$'s `B` or `C` in either layout: per position (`PER_STEP`, a
+#   `1 x CHUNK` row, read from the channel's group) or time-invariant (a `BLOCK_D x 1` column,
+#   `B[d, n]`); `discretize` broadcasts either.
 
 # %%
 #| export
@@ -691,38 +636,22 @@ def selective_scan_fwd_kernel(
     tl.store(LAST + state_offs, carry, dn_ok)
 
 # %% [markdown]
-# The backward kernel walks the chunks right to left with the adjoint carry (the gradient reaching
-# the chunk's last state from the right; $dh_{L-1}$ at the start), a `BLOCK_D x N` tile. Per chunk it
-# loads the `BLOCK_D x CHUNK` inputs once ($u$ and $\Delta$ also one position earlier, $\Delta$ one
-# position later), writes $dz$, forms $d\bar y$, and then, state by state:
+# The backward kernel walks the chunks right to left with the adjoint carry, a `BLOCK_D x N` tile
+# (the gradient reaching the chunk's last state from the right; $dh_{L-1}$ at the start). Per chunk it
+# loads the inputs once ($u$ and $\Delta$ also one position earlier, $\Delta$ one later), writes $dz$,
+# forms $d\bar y$, and then, state by state:
 #
 # 1. $h_{t-1}$ by the scan of the previous positions' steps as in section 5, except that the chunk's
 #    first pair is $(0, h_{s-1})$, the stored boundary state; then $h_t = a_t h_{t-1} + b_t$;
 # 2. the adjoint by the reverse scan, the adjoint carry added at the chunk's last position;
 # 3. the gradients of section 4, and the new adjoint carry $a_s \delta_s$ at the chunk's first position $s$.
 #
-# The pairs each scan sees, for one state of one channel in a chunk of 4 positions starting at $s$,
-# with $c_t = C_t\, d\bar y_t$:
+# ("Going deeper: the chunks in one picture" draws the pairs each scan sees.)
 #
-# | row | 0 | 1 | 2 | 3 |
-# | --- | --- | --- | --- | --- |
-# | forward: pairs, the carry folded into row 0 | $(a_s,\ b_s + a_s h_{s-1})$ | $(a_{s+1}, b_{s+1})$ | $(a_{s+2}, b_{s+2})$ | $(a_{s+3}, b_{s+3})$ |
-# | forward scan gives | $h_s$ | $h_{s+1}$ | $h_{s+2}$ | $h_{s+3}$, the next carry |
-# | backward (1): pairs loaded at $t-1$, row 0 set | $(0,\ h_{s-1})$ | $(a_s, b_s)$ | $(a_{s+1}, b_{s+1})$ | $(a_{s+2}, b_{s+2})$ |
-# | backward (1) scan gives | $h_{s-1}$ | $h_s$ | $h_{s+1}$ | $h_{s+2}$ |
-# | backward (2): pairs, $\Delta$ loaded at $t+1$ | $(a_{s+1},\ c_s)$ | $(a_{s+2},\ c_{s+1})$ | $(a_{s+3},\ c_{s+2})$ | $(1,\ c_{s+3} + a_{s+4}\delta_{s+4})$ |
-# | backward (2) reverse scan gives | $\delta_s$; next carry $a_s \delta_s$ | $\delta_{s+1}$ | $\delta_{s+2}$ | $\delta_{s+3}$ |
-#
-# Row 3 of (2) loads no gate from the next chunk (unlike chapter 04's backward): the adjoint carry
-# arrives already multiplied by it. In the last chunk the carry is $dh_{L-1}$, which gives section 4's
-# $\delta_{L-1}$.
-#
-# `dA`, `dD`, `d delta_bias` (and $dB$, $dC$ when time-invariant) are sums over the sequence,
-# accumulated in registers and written once per program, then summed over the batch by PyTorch.
-# Per-position `dB`, `dC` are sums over the channels of a group, which live in different programs:
-# those are added with `tl.atomic_add` into float32 buffers, as `mamba_ssm` does (so they are not
-# bitwise reproducible from run to run). Padding positions have $\Delta = 0$ and $B = C = 0$ and add
-# nothing, but their adjoint is the carry, not 0: the kernel zeroes $d\Delta$ there before summing it.
+# Sums over the sequence (`dA`, `dD`, `d delta_bias`, and time-invariant $dB$, $dC$) accumulate in
+# registers. Per-position `dB`, `dC` are sums over the channels of a group, which live in different
+# programs: they are added with `tl.atomic_add` into float32 buffers, as `mamba_ssm` does. Padding
+# positions add nothing, but their adjoint is the carry, not 0: the kernel zeroes $d\Delta$ there.
 
 # %%
 #| export
@@ -846,37 +775,19 @@ def selective_scan_bwd_kernel(
     tl.store(DBIAS_PART + pid_b * dim + ds, dbias_acc, d_ok)
 
 # %% [markdown]
-# This chapter's `selective_scan` (in the module `scan_lib.selective_scan`, exported from this notebook)
-# wraps the two kernels: it checks its inputs (errors name the argument),
-# launches the forward, and, when an input needs a gradient, makes the forward keep the boundary states
-# and registers the backward with autograd. Each launcher is a PyTorch custom operator, so that
-# `torch.compile`, `torch.func.grad` and `torch.func.vmap` work through it. Its code, about 300 lines of
-# plumbing, is in "Going deeper: the launchers and autograd" at the end.
-#
-# The package's public function `scan_lib.selective_scan` is another one: the same arguments, semantics
-# and input checks over chapter 07's kernels (`scan_lib/__init__.py` imports it from
-# `scan_lib.fast_selective_scan`). The cells below call this chapter's function through the module it
-# is exported to, as `chapter_scan`, so every check and measurement of the scan from here on is of the
-# two kernels above.
+# This chapter's `selective_scan` (exported to `scan_lib.selective_scan`, called `chapter_scan` below)
+# wraps the two kernels: when an input needs a gradient, it keeps the boundary states and registers
+# the backward with autograd ("Going deeper: the launchers and autograd"). Every check and measurement
+# from here on is of these kernels.
 #
 # ## 7. Checks: every gradient, every option, awkward lengths
 #
-# `make_inputs` draws one problem; `check_selective_scan` runs this chapter's `selective_scan`
-# (`chapter_scan`: section 6) and the float64 reference on
-# the same (rounded) inputs and compares the output, the last state and all nine gradients, relative
-# to each reference's magnitude, and the inference path (no gradient: nothing kept). The tolerance is
-# derived from the dtype and the length: the float32 bound of section 5, plus, for half-precision
-# inputs, the final rounding of each output and gradient to the input's dtype: $2^{-11}$ for float16
-# (11 significant bits) and $2^{-8}$ for bfloat16 (8 bits) when rounding to nearest, as a GPU does
-# (under Triton's CPU interpreter, $2^{-7}$ for bfloat16: "Going deeper: the fine print" says why).
-# For it to hold, the incoming
-# gradient `dout` is drawn representable in the input dtype (autograd hands our backward `dout` in
-# the output's dtype; a float64 `dout` would be rounded on our side only).
-#
+# `make_inputs` draws one problem; `check_selective_scan` runs `chapter_scan` and the float64
+# reference on the same (rounded) inputs and compares the output, the last state, all nine gradients
+# and the inference path (no gradient: nothing kept). The tolerance is section 5's float32 bound plus,
+# for half-precision inputs, the final rounding to the input's dtype ("Going deeper: the tolerances").
 # The cases cover lengths from 1 to 1000, groups, time-invariant `B` and `C`, each optional input left
-# out in turn, and `delta_softplus=False` twice: without any optional input, and with `delta_bias`
-# (and `D`, `z`, `initial_state`), where $\Delta = \Delta_{\text{raw}} + \text{bias}$ is used as it is
-# and $d\,\text{bias}$ is the plain sum of $d\Delta$.
+# out in turn, and `delta_softplus=False` twice.
 
 # %%
 from scan_lib.runtime import INTERPRET
@@ -974,13 +885,9 @@ check_selective_scan(no_softplus, softplus=False)
 print("selective_scan matches the float64 reference: outputs and all gradients")
 
 # %% [markdown]
-# The result does not depend on the launch parameters (channels per program, chunk sizes) beyond
-# rounding: "Going deeper: launch parameters and the layout" runs the same check under four launch
-# configurations.
-#
-# Half precision: `u`, `delta`, `B`, `C`, `z` in bfloat16 or float16, state and sums in float32, the
-# output and each gradient in its input's dtype. The reference runs on the same rounded inputs, so
-# what is left is the final rounding, within the tolerance printed on each line.
+# Half precision (`u`, `delta`, `B`, `C`, `z` in bfloat16 or float16; state and sums in float32): the
+# reference runs on the same rounded inputs, so what is left is the final rounding of the output and
+# each gradient to its input's dtype, within the tolerance printed on each line.
 
 # %%
 for dtype in (torch.bfloat16, torch.float16):
@@ -988,19 +895,12 @@ for dtype in (torch.bfloat16, torch.float16):
     check_selective_scan(make_inputs(2, 4, 4, 61, groups=2, dtype=dtype, seed=5))
 
 # %% [markdown]
-# `tests/test_selective_scan.py` also shows that these checks catch the bugs they guard against: it
-# breaks the kernels on purpose (the carry between chunks dropped, the input term discretised without
-# $u$, the state kept in float16) and asserts that the comparison fails. Bad input raises a
-# `TypeError` or `ValueError` that names the argument ("Going deeper: the fine print" shows them).
-#
 # ## 8. Against the official kernel
 #
-# Where `mamba_ssm` is installed (it needs a CUDA GPU), `selective_scan_fn` and ours (this chapter's
-# kernels, `chapter_scan`) should agree on
-# outputs, the last state and every gradient, for fp32 inputs with groups, `D`, `z`, `delta_bias`
-# and softplus, and with time-invariant `B` and `C` (`initial_state` is ours only). For a
-# time-invariant `B` the official kernel's last state is ours divided by $B$, so the cell multiplies
-# it by $B$ before comparing ("Going deeper: the fine print" says where the factor comes from).
+# Where `mamba_ssm` is installed (it needs a CUDA GPU), its `selective_scan_fn` and `chapter_scan`
+# should agree on outputs, the last state and every gradient, for fp32 inputs with groups, `D`, `z`,
+# `delta_bias` and softplus, and with time-invariant `B` and `C` (for a time-invariant `B` the cell
+# rescales the official last state: "Going deeper: the fine print").
 
 # %%
 def compare_with_mamba_ssm(batch=2, dim=64, N=16, L=1000, groups=2, time_invariant="", tol=1e-4):
@@ -1035,21 +935,13 @@ compare_with_mamba_ssm(groups=None, time_invariant="BC");
 # %% [markdown]
 # ## 9. Speed (GPU only)
 #
-# The benchmark times this chapter's `selective_scan` (`chapter_scan`, the kernels of section 6, "ours"
-# below) against `mamba_ssm`'s. It does not time the package's `scan_lib.selective_scan`, which runs
-# chapter 07's kernels: the README's `selective_scan` rows (from `make bench`) and chapter 07's
-# section 10 time that one, so their numbers are not these. At
-# Mamba's usual layer size (batch 8, dim 1024, L 2048, N 16), softplus, `D`, `z` and `delta_bias`
-# on, `A`, `D`, `delta_bias` in fp32; `u`, `delta`, `B`, `C`, `z` in fp32 and then bf16. The memory floor
-# is the bytes that must move, each pass reading its inputs once and writing its outputs once, over the
-# copy bandwidth measured in the same cell: the forward reads $u$, $\Delta$, $z$, $B$, $C$ and writes
-# `out`; the backward reads $u$, $\Delta$, $z$, $B$, $C$ again with $d\,\text{out}$ and writes $du$,
-# $d\Delta$, $dz$, $dB$, $dC$. That is what `io_bytes` adds up: 4 `(batch, dim, L)` and 2 `(batch, N, L)`
-# tensors for the forward, 7 and 4 more for the backward (its docstring names only the backward's new
-# tensors); the small `A`, `D`, `delta_bias` and their gradients are left out. The forward is timed
-# without gradients (so it writes no boundary states), the
-# forward+backward with all inputs requiring gradients. The cell prints every time and, last, how
-# ours compares with `mamba_ssm`'s CUDA kernel; on the CPU it is skipped.
+# The benchmark times `chapter_scan` ("ours") against `mamba_ssm`'s at Mamba's usual layer size
+# (batch 8, dim 1024, L 2048, N 16), `u`, `delta`, `B`, `C`, `z` in fp32 and then bf16: the forward
+# without gradients, the forward+backward with all inputs requiring them. The memory floor is the
+# bytes that must move (`io_bytes`: each pass reading its inputs once and writing its outputs once)
+# over the copy bandwidth measured in the same cell. The cell prints every time and, last, per dtype
+# and pass, how ours compares with `mamba_ssm`'s kernel and the memory floor. Closing the gaps is
+# chapter 07's work ("Going deeper: where the time goes" lists the likely costs).
 
 # %%
 def io_bytes(batch, dim, L, N, size, backward):
@@ -1110,28 +1002,96 @@ else:
     save_figure(fig, "05_benchmark.png")
 
 # %% [markdown]
-# (On a GPU.) The last four lines above say, per dtype and pass, whether this chapter's kernels are
-# faster or slower than the official kernel and how many times the memory floor they take. Closing the
-# gap is chapter 07's work; "Where the time goes" below lists the likely costs and what to try.
-#
 # ## What we built
 #
-# * Any length: positions past `L` are identity steps, so nothing needs to be a multiple of a block.
-# * `A` is `(dim, N)`, as in Mamba; `B`, `C` may be grouped or time-invariant.
-# * Every gradient is checked, $d\Delta$ included, against a float64 reference with a tolerance derived
-#   from the dtype and the length: section 5's one-program kernel and the batched kernels, which are
-#   also compared (on a GPU) with `mamba_ssm`'s CUDA `selective_scan_fn`.
-# * The backward never stores the `(batch, dim, L, N)` states: it recomputes them chunk by chunk from
-#   the boundary states, and it computes $h_{t-1}$ by a scan of its own, never as $h_t - b_t$.
-# * `initial_state` and a differentiable `last_state` make the scan composable ("Going deeper: scanning
-#   in pieces").
+# A drop-in `selective_scan` with every gradient checked; its backward recomputes the states from one
+# boundary state per chunk instead of storing all `(batch, dim, L, N)` of them.
+
+# %% [markdown]
+# ## Going deeper: the discretisation
 #
+# If $u$ and $B$ are held constant over the step (the zero-order hold), the input adds exactly
+# $(\Delta A)^{-1}(e^{\Delta A} - 1)\,\Delta B\, u$. `mamba_ssm` keeps the exact decay but uses the
+# first-order (Euler) input term $\Delta B u$, which agrees with the zero-order hold up to $O(\Delta^2)$,
+# since $(\Delta A)^{-1}(e^{\Delta A} - 1) = 1 + \Delta A/2 + O(\Delta^2)$: the order that section 2's
+# cell checks.
+#
+# An EMA is the case $\Delta = 1$, $A = \ln\alpha$, $B = 1 - \alpha$.
+
+# %% [markdown]
+# ## Going deeper: the tolerances
+#
+# **Float32 over the length** (`fp32_tolerance`, section 5). Rounding errors of either sign add up like
+# a random walk: $\sqrt{L}$ times the float32 unit roundoff $2^{-24}$, times 32 for the few roundings
+# per step and the sums over states (and at least $\sqrt{16}$). The float16 rounding that a state kept
+# in half precision would add, $2^{-11}$ per step, is far above it.
+#
+# **Half-precision inputs** (`tolerance`, section 7) add the final rounding of each output and gradient
+# to the input's dtype: $2^{-11}$ for float16 (11 significant bits) and $2^{-8}$ for bfloat16 (8 bits)
+# when rounding to nearest, as a GPU does (under Triton's CPU interpreter, $2^{-7}$ for bfloat16:
+# "Going deeper: the fine print" says why). For it to hold, the incoming gradient `dout` is drawn
+# representable in the input dtype (autograd hands our backward `dout` in the output's dtype; a
+# float64 `dout` would be rounded on our side only).
+#
+# **The checks catch the bugs they guard against.** `tests/test_selective_scan.py` breaks the kernels
+# on purpose (the carry between chunks dropped, the input term discretised without $u$, the state kept
+# in float16) and asserts that the comparison fails.
+
+# %% [markdown]
+# ## Going deeper: the chunks in one picture
+#
+# Section 6's scheme for one state of one channel and a chunk $k$ of 4 positions $s \dots s+3$ (slot
+# $j$ of the tile holds position $s + j$; the kernels use the same slots). The forward folds the carry
+# into slot 0. The backward's two scans, explained with its kernel in section 6, *load* their inputs
+# one position off, so that every slot sees the step it needs without moving data between threads; at
+# the chunk's edges, where that load would leave the chunk, the carries come in instead:
+#
+# ```text
+# position                   s-1 |  s         s+1       s+2       s+3    | s+4
+#                      chunk k-1 |  slot 0    slot 1    slot 2    slot 3 | chunk k+1
+# forward: loads at t            |  s         s+1       s+2       s+3    |
+#   carry h[s-1] ----------------+> slot 0's pair: (a[s], b[s] + a[s] h[s-1])
+#   scan, left to right          |  h[s]      h[s+1]    h[s+2]    h[s+3] +-> carry into chunk k+1
+# backward (1): loads at t-1     |  --        s         s+1       s+2    |
+#   boundary state h[s-1] -------+> slot 0's pair: (0, h[s-1])
+#   scan, left to right          |  h[s-1]    h[s]      h[s+1]    h[s+2] |   then h[t] = a[t] h[t-1] + b[t]
+# backward (2): Δ loads at t+1   |  s+1       s+2       s+3       --     |   (--: no load, the gate is 1)
+#   reverse scan, right to left  |  δ[s]      δ[s+1]    δ[s+2]    δ[s+3] <-- carry a[s+4] δ[s+4], added in slot 3
+#   carry into chunk k-1 <-------+- a[s] δ[s]                            |
+# ```
+#
+# The pairs each scan sees, as a table, with $c_t = C_t\, d\bar y_t$:
+#
+# | row | 0 | 1 | 2 | 3 |
+# | --- | --- | --- | --- | --- |
+# | forward: pairs, the carry folded into row 0 | $(a_s,\ b_s + a_s h_{s-1})$ | $(a_{s+1}, b_{s+1})$ | $(a_{s+2}, b_{s+2})$ | $(a_{s+3}, b_{s+3})$ |
+# | forward scan gives | $h_s$ | $h_{s+1}$ | $h_{s+2}$ | $h_{s+3}$, the next carry |
+# | backward (1): pairs loaded at $t-1$, row 0 set | $(0,\ h_{s-1})$ | $(a_s, b_s)$ | $(a_{s+1}, b_{s+1})$ | $(a_{s+2}, b_{s+2})$ |
+# | backward (1) scan gives | $h_{s-1}$ | $h_s$ | $h_{s+1}$ | $h_{s+2}$ |
+# | backward (2): pairs, $\Delta$ loaded at $t+1$ | $(a_{s+1},\ c_s)$ | $(a_{s+2},\ c_{s+1})$ | $(a_{s+3},\ c_{s+2})$ | $(1,\ c_{s+3} + a_{s+4}\delta_{s+4})$ |
+# | backward (2) reverse scan gives | $\delta_s$; next carry $a_s \delta_s$ | $\delta_{s+1}$ | $\delta_{s+2}$ | $\delta_{s+3}$ |
+#
+# Row 3 of (2) loads no gate from the next chunk (unlike chapter 04's backward): the adjoint carry
+# arrives already multiplied by it. In the last chunk the carry is $dh_{L-1}$, which gives section 4's
+# $\delta_{L-1}$.
+#
+# **What section 6's check of the identity can catch.** The folded form's zero error is a statement of
+# the construction, not a measurement of accuracy: position by position it does the same float64
+# operations as the sequential loop ($a_s h_{s-1} + b_s$, then the same steps), so it could differ only
+# if the bookkeeping were wrong (the carry taken from the wrong position, or folded into the wrong
+# step). The carry-added form may differ by rounding once a chunk holds more than one position; the
+# assert bounds both. Neither form runs a kernel: the cell checks the identity in PyTorch. The kernels'
+# own carries are checked against the float64 reference in section 7 and, with chunks of 4 to 64
+# positions, in "Going deeper: launch parameters and the layout".
+
+# %% [markdown]
 # ## Going deeper: launch parameters and the layout
 #
 # **Why time across threads and states as a loop.** A first version of this chapter gave each
-# program a `BLOCK_D x N x CHUNK` tile and scanned along its last axis: states *and* time spread over
-# the threads. Every chunk then paid for a sum across threads that the loop does not need: the output
-# $y_t = \sum_n C_{t,n} h_{t,n}$ is a sum over the state axis, which lived on other threads.
+# program a `BLOCK_D x N x CHUNK` tile (chapter 04's all-states tile) and scanned along its last axis:
+# states *and* time spread over the threads. Every chunk then paid for a sum across threads that the
+# loop does not need: the output $y_t = \sum_n C_{t,n} h_{t,n}$ is a sum over the state axis, which
+# lived on other threads.
 # With time across the threads and the states as a loop, the 512 positions of a chunk are shared by
 # the 64 threads of 2 warps, 8 each, in short runs of consecutive positions (how long the runs are is
 # Triton's choice); Triton's scan runs along a thread's own runs one position after another in
@@ -1189,6 +1149,10 @@ for variant in variants:
 # `torch.func` and fake tensors know the kernels' output shapes without running them (explained after
 # the code). Inputs are made contiguous, the state and every sum are float32 (float64
 # when an input is float64), outputs and gradients come back in their input's dtype.
+#
+# The package's public function `scan_lib.selective_scan` is not this one: it has the same arguments,
+# semantics and input checks over chapter 07's kernels (`scan_lib/__init__.py` imports it from
+# `scan_lib.fast_selective_scan`).
 
 # %%
 #| export
@@ -1710,8 +1674,17 @@ assert rel_err(odd_last, last_ref_odd) < odd_tol
 # %% [markdown]
 # ## Going deeper: where the time goes
 #
-# Section 9 times this chapter's kernels. These are the likely costs of its design, not confirmed by a
-# profiler here (chapter 07 profiles them):
+# **What section 9 times.** This chapter's kernels, not the package's `scan_lib.selective_scan`, which
+# runs chapter 07's kernels: the README's `selective_scan` rows (from `make bench`) and chapter 07's
+# section 10 time that one, so their numbers are not these. Softplus, `D`, `z` and `delta_bias` are
+# on, and `A`, `D`, `delta_bias` in fp32. The forward, timed without gradients, writes no boundary
+# states. The memory floor counts the forward as reading $u$, $\Delta$, $z$, $B$, $C$ and writing
+# `out`, and the backward as reading $u$, $\Delta$, $z$, $B$, $C$ again with $d\,\text{out}$ and
+# writing $du$, $d\Delta$, $dz$, $dB$, $dC$. That is what `io_bytes` adds up: 4 `(batch, dim, L)` and
+# 2 `(batch, N, L)` tensors for the forward, 7 and 4 more for the backward (its docstring names only
+# the backward's new tensors); the small `A`, `D`, `delta_bias` and their gradients are left out.
+#
+# These are the likely costs of the design, not confirmed by a profiler here (chapter 07 profiles them):
 #
 # * **The forward.** Halving the bytes (bf16 inputs) barely changes our forward's time while it
 #   roughly halves `mamba_ssm`'s (section 9's forward lines, in fp32 and bf16 for both): our forward
@@ -1723,7 +1696,8 @@ assert rel_err(odd_last, last_ref_odd) < odd_tol
 #   instead.
 # * **The backward** recomputes the states (one `exp`), computes $a_{t-1}$ and $a_{t+1}$ with two more,
 #   runs two scans per state (states and adjoint) where the forward runs one, and adds per-position
-#   $dB$, $dC$ with two `tl.atomic_add` per element, as `mamba_ssm` does.
+#   $dB$, $dC$ with two `tl.atomic_add` per element, as `mamba_ssm` does (so they are not bitwise
+#   reproducible from run to run).
 #
 # What to try, one change at a time, with this chapter's tests as the guard: profile first (issued
 # instructions per element, stall reasons, the layout Triton gives the tiles); then a cheaper carry
@@ -1735,9 +1709,9 @@ assert rel_err(odd_last, last_ref_odd) < odd_tol
 # %% [markdown]
 # ## Going deeper: the fine print
 #
-# Four details that the main line points at: how the kernels compute the softplus, the errors bad
-# input gets, the interpreter's conversion to bfloat16, and `mamba_ssm`'s last state when `B` is
-# time-invariant.
+# Five details: how the kernels compute the softplus, the errors bad
+# input gets, the interpreter's conversion to bfloat16, the gradients of a time-invariant `B` or `C`,
+# and `mamba_ssm`'s last state when `B` is time-invariant.
 #
 # **The softplus without overflow.** `_load_delta` (section 6) computes the step
 # $\Delta = \operatorname{softplus}(x)$ of $x = \Delta_{\text{raw}} + \text{bias}$. $\log(1 + e^x)$
@@ -1831,6 +1805,9 @@ else:
     assert torch.equal(y_bf, x_bf.to(torch.bfloat16)) and bf_error <= 2**-8
 
 # %% [markdown]
+# **The gradients of a time-invariant `B` or `C`.** Section 4's formulas are for `B`, `C` per position.
+# A time-invariant $B$ of shape (dim, N) also sums over the batch and the positions; so does $C$.
+#
 # **`mamba_ssm`'s last state for a time-invariant `B`.** With `B` of shape (dim, N), $B_n$ is the same at
 # every position, so $h_{t,n} / B_n$ obeys the recurrence with input $\Delta_t u_t$ alone.
 # `mamba_ssm`'s CUDA kernel scans that, without $B$, and multiplies $B$ into $C$ for the output, so the
