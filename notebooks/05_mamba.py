@@ -111,8 +111,7 @@ def rel_err(x, ref):
 #   \frac{\partial b}{\partial u} = \Delta B .$$
 #
 # $\Delta$ gets gradient from **both** $a$ and $b$. The cell checks these formulas against autograd in
-# float64, and the order of the Euler term: halving $\Delta$ divides its difference to the zero-order
-# hold by 4 (by 2 if it were only $O(\Delta)$).
+# float64 ("Going deeper: the discretisation" checks the order of the Euler term).
 
 # %%
 def discretize_torch(delta, A, B, u):
@@ -132,16 +131,6 @@ by_hand = (ga * A_s * a_s + gb * B_s * u_s,  # d delta: through a and through b
 for name, x, ref in zip(["d delta", "dA", "dB", "du"], by_hand, auto):
     print(f"{name:8s} max abs err {max_err(x, ref):.1e}")
     assert torch.allclose(x, ref, rtol=1e-12, atol=1e-14)
-
-A_rate = -1.5
-for step in (0.1, 0.05, 0.025):
-    zoh = (math.exp(step * A_rate) - 1) / (step * A_rate) * step   # zero-order hold, times B u
-    euler = step                                                  # Euler, times B u
-    gap = abs(zoh - euler)
-    if step < 0.1:
-        print(f"step {step:5.3f}: |zero-order hold - Euler| = {gap:.2e}, {previous / gap:.2f}x smaller than at twice the step")
-        assert 3.8 < previous / gap < 4.2
-    previous = gap
 
 fig, ax = plt.subplots(figsize=(7, 3.5))
 deltas = torch.linspace(0, 3, 200)
@@ -247,8 +236,8 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
 # $d\,\text{bias} = \sum_{\text{batch},\,t} d\Delta_{\text{raw}}$.
 #
 # The product $a_t h_{t-1}$ needs the *previous* state, which the code computes itself, not as
-# $h_t - b_t$ (why: after the check). The formulas as plain PyTorch (B, C of shape (batch, N, L),
-# softplus on), checked against autograd of the reference:
+# $h_t - b_t$ (why: "Going deeper: the previous state"). The formulas as plain PyTorch (B, C of shape
+# (batch, N, L), softplus on), checked against autograd of the reference:
 
 # %%
 def selective_scan_backward_by_hand(u, delta, A, B, C, D, z, delta_bias, h0, dout, dlast):
@@ -312,22 +301,6 @@ with torch.no_grad():
 for name in inputs:
     print(f"d{name:14s} max abs err vs autograd {max_err(by_hand[name], auto[name]):.1e}")
     assert torch.allclose(by_hand[name], auto[name], rtol=1e-10, atol=1e-12), name
-
-# %% [markdown]
-# Why not $h_t - b_t$: it cancels catastrophically whenever $|b_t| \gg |a_t h_{t-1}|$. In float32,
-# with a small decayed state next to a large input, the subtraction keeps only the bits of
-# $a_t h_{t-1}$ that survived the rounding of $h_t$ to the scale of $b_t$; the product from $h_{t-1}$
-# is correct to float32 precision.
-
-# %%
-a_c, h_prev_c, b_c = (torch.tensor(v, dtype=torch.float32) for v in (0.5, 1e-3, 1000.0))
-h_c = a_c * h_prev_c + b_c
-exact = 0.5 * 1e-3
-err_subtract = abs((h_c - b_c).item() - exact) / exact
-err_shifted = abs((a_c * h_prev_c).item() - exact) / exact
-print(f"a*h_prev = {exact}: h - b gives {(h_c - b_c).item():.6g} (rel err {err_subtract:.1e}), "
-      f"a * h_prev gives {(a_c * h_prev_c).item():.6g} (rel err {err_shifted:.1e})")
-assert err_subtract > 1e-2 and err_shifted < 1e-7
 
 # %% [markdown]
 # ## 5. One sequence in one Triton program
@@ -480,43 +453,9 @@ for L in [1, 7, 129, 1000]:
 # backward does the same from the right: the adjoint reaching the chunk's last state from the right is
 # added at its last position.
 #
-# The cell checks both forms in plain PyTorch against the sequential recurrence, with chunks that do
-# not divide the length: the folded form, the same float64 operations as the loop, agrees to the last
-# bit; the carry-added form may differ by rounding.
-
-# %%
-def chunked_states(a, b, h_init, chunk, fold=False):
-    """States of h_t = a_t h_{t-1} + b_t (a, b: N x L) chunk by chunk: a scan from zero plus the carry
-    (fold=False), or a scan whose first step starts from the carry (fold=True)."""
-    states, h = [], h_init                                             # h: N
-    for s in range(0, a.shape[1], chunk):
-        a_c, b_c = a[:, s:s + chunk], b[:, s:s + chunk].clone()
-        if fold:
-            b_c[:, 0] += a_c[:, 0] * h                                 # the first step, from the carry
-        b_hat, acc = [], torch.zeros_like(h)
-        for t in range(a_c.shape[1]):                                  # the chunk from a zero state
-            acc = a_c[:, t] * acc + b_c[:, t]
-            b_hat.append(acc)
-        b_hat = torch.stack(b_hat, dim=1)                              # N x chunk
-        chunk_h = b_hat if fold else torch.cumprod(a_c, dim=1) * h[:, None] + b_hat
-        states.append(chunk_h)
-        h = chunk_h[:, -1]
-    return torch.cat(states, dim=1)
-
-
-torch.manual_seed(2)
-a_chk, b_chk = torch.rand(3, 37, dtype=torch.float64), torch.randn(3, 37, dtype=torch.float64)
-h_chk, h_seq = torch.randn(3, dtype=torch.float64), []
-h = h_chk
-for t in range(37):
-    h = a_chk[:, t] * h + b_chk[:, t]
-    h_seq.append(h)
-for chunk in (1, 4, 8, 37, 64):
-    errs = [max_err(chunked_states(a_chk, b_chk, h_chk, chunk, fold), torch.stack(h_seq, dim=1)) for fold in (False, True)]
-    print(f"chunk {chunk:2d}: max abs err vs the sequential recurrence {errs[0]:.1e} (carry added), {errs[1]:.1e} (folded)")
-    assert max(errs) < 1e-13
-
-# %% [markdown]
+# "Going deeper: the chunks in one picture" checks both forms in plain PyTorch against the sequential
+# recurrence.
+#
 # The forward kernel, with three small helpers:
 #
 # * `_load_delta` applies `delta_bias` and the softplus, in a form that neither overflows nor rounds
@@ -898,41 +837,9 @@ for dtype in (torch.bfloat16, torch.float16):
 # ## 8. Against the official kernel
 #
 # Where `mamba_ssm` is installed (it needs a CUDA GPU), its `selective_scan_fn` and `chapter_scan`
-# should agree on outputs, the last state and every gradient, for fp32 inputs with groups, `D`, `z`,
-# `delta_bias` and softplus, and with time-invariant `B` and `C` (for a time-invariant `B` the cell
-# rescales the official last state: "Going deeper: the fine print").
-
-# %%
-def compare_with_mamba_ssm(batch=2, dim=64, N=16, L=1000, groups=2, time_invariant="", tol=1e-4):
-    try:
-        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
-    except ImportError as error:
-        print(f"skipped: mamba_ssm not importable ({error})")
-        return None
-    if not ON_GPU:
-        print("skipped: mamba_ssm's kernel needs a GPU")
-        return None
-    inputs = make_inputs(batch, dim, N, L, groups=groups, h0=False, seed=11, time_invariant=time_invariant)
-    inputs.pop("initial_state")
-    dout = torch.randn(batch, dim, L, dtype=torch.float64, device=DEVICE)
-    dlast = torch.zeros(batch, dim, N, dtype=torch.float64, device=DEVICE)  # mamba_ssm ignores d last_state
-    ours = run_with_grads(chapter_scan, inputs, dout, dlast, True)
-    theirs = run_with_grads(selective_scan_fn, inputs, dout, dlast, True)
-    # For a time-invariant B, mamba_ssm's CUDA kernel scans delta * u without B and folds B into C for
-    # the output, so the last state it returns is h / B (its own selective_scan_ref returns h, as we do).
-    their_last = theirs[1] * inputs["B"] if "B" in time_invariant else theirs[1]
-    errors = {"out": rel_err(ours[0], theirs[0]), "last": rel_err(ours[1], their_last)}
-    errors.update({"d" + k: rel_err(ours[2][k], theirs[2][k]) for k in ours[2]})
-    print(f"ours vs mamba_ssm (B, C {'(dim, N)' if time_invariant else 'per position'}): "
-          + "  ".join(f"{k} {v:.0e}" for k, v in errors.items()))
-    assert all(e < tol for e in errors.values()), errors
-    return errors
-
-
-compare_with_mamba_ssm()
-compare_with_mamba_ssm(groups=None, time_invariant="BC");
-
-# %% [markdown]
+# should agree on outputs, the last state and every gradient; the comparison is in "Going deeper:
+# against the official kernel".
+#
 # ## 9. Speed (GPU only)
 #
 # The benchmark times `chapter_scan` ("ours") against `mamba_ssm`'s at Mamba's usual layer size
@@ -1013,10 +920,42 @@ else:
 # If $u$ and $B$ are held constant over the step (the zero-order hold), the input adds exactly
 # $(\Delta A)^{-1}(e^{\Delta A} - 1)\,\Delta B\, u$. `mamba_ssm` keeps the exact decay but uses the
 # first-order (Euler) input term $\Delta B u$, which agrees with the zero-order hold up to $O(\Delta^2)$,
-# since $(\Delta A)^{-1}(e^{\Delta A} - 1) = 1 + \Delta A/2 + O(\Delta^2)$: the order that section 2's
-# cell checks.
+# since $(\Delta A)^{-1}(e^{\Delta A} - 1) = 1 + \Delta A/2 + O(\Delta^2)$.
 #
 # An EMA is the case $\Delta = 1$, $A = \ln\alpha$, $B = 1 - \alpha$.
+#
+# The cell checks the order of the Euler term: halving $\Delta$ divides its difference to the
+# zero-order hold by 4 (by 2 if it were only $O(\Delta)$).
+
+# %%
+A_rate = -1.5
+for step in (0.1, 0.05, 0.025):
+    zoh = (math.exp(step * A_rate) - 1) / (step * A_rate) * step   # zero-order hold, times B u
+    euler = step                                                  # Euler, times B u
+    gap = abs(zoh - euler)
+    if step < 0.1:
+        print(f"step {step:5.3f}: |zero-order hold - Euler| = {gap:.2e}, {previous / gap:.2f}x smaller than at twice the step")
+        assert 3.8 < previous / gap < 4.2
+    previous = gap
+
+# %% [markdown]
+# ## Going deeper: the previous state
+#
+# Section 4's backward computes $a_t h_{t-1}$ from the previous state $h_{t-1}$, not as $h_t - b_t$.
+# Why not $h_t - b_t$: it cancels catastrophically whenever $|b_t| \gg |a_t h_{t-1}|$. In float32,
+# with a small decayed state next to a large input, the subtraction keeps only the bits of
+# $a_t h_{t-1}$ that survived the rounding of $h_t$ to the scale of $b_t$; the product from $h_{t-1}$
+# is correct to float32 precision.
+
+# %%
+a_c, h_prev_c, b_c = (torch.tensor(v, dtype=torch.float32) for v in (0.5, 1e-3, 1000.0))
+h_c = a_c * h_prev_c + b_c
+exact = 0.5 * 1e-3
+err_subtract = abs((h_c - b_c).item() - exact) / exact
+err_shifted = abs((a_c * h_prev_c).item() - exact) / exact
+print(f"a*h_prev = {exact}: h - b gives {(h_c - b_c).item():.6g} (rel err {err_subtract:.1e}), "
+      f"a * h_prev gives {(a_c * h_prev_c).item():.6g} (rel err {err_shifted:.1e})")
+assert err_subtract > 1e-2 and err_shifted < 1e-7
 
 # %% [markdown]
 # ## Going deeper: the tolerances
@@ -1075,7 +1014,44 @@ else:
 # arrives already multiplied by it. In the last chunk the carry is $dh_{L-1}$, which gives section 4's
 # $\delta_{L-1}$.
 #
-# **What section 6's check of the identity can catch.** The folded form's zero error is a statement of
+# **Section 6's identity, checked.** The cell checks both forms in plain PyTorch against the sequential
+# recurrence, with chunks that do not divide the length: the folded form, the same float64 operations
+# as the loop, agrees to the last bit; the carry-added form may differ by rounding.
+
+# %%
+def chunked_states(a, b, h_init, chunk, fold=False):
+    """States of h_t = a_t h_{t-1} + b_t (a, b: N x L) chunk by chunk: a scan from zero plus the carry
+    (fold=False), or a scan whose first step starts from the carry (fold=True)."""
+    states, h = [], h_init                                             # h: N
+    for s in range(0, a.shape[1], chunk):
+        a_c, b_c = a[:, s:s + chunk], b[:, s:s + chunk].clone()
+        if fold:
+            b_c[:, 0] += a_c[:, 0] * h                                 # the first step, from the carry
+        b_hat, acc = [], torch.zeros_like(h)
+        for t in range(a_c.shape[1]):                                  # the chunk from a zero state
+            acc = a_c[:, t] * acc + b_c[:, t]
+            b_hat.append(acc)
+        b_hat = torch.stack(b_hat, dim=1)                              # N x chunk
+        chunk_h = b_hat if fold else torch.cumprod(a_c, dim=1) * h[:, None] + b_hat
+        states.append(chunk_h)
+        h = chunk_h[:, -1]
+    return torch.cat(states, dim=1)
+
+
+torch.manual_seed(2)
+a_chk, b_chk = torch.rand(3, 37, dtype=torch.float64), torch.randn(3, 37, dtype=torch.float64)
+h_chk, h_seq = torch.randn(3, dtype=torch.float64), []
+h = h_chk
+for t in range(37):
+    h = a_chk[:, t] * h + b_chk[:, t]
+    h_seq.append(h)
+for chunk in (1, 4, 8, 37, 64):
+    errs = [max_err(chunked_states(a_chk, b_chk, h_chk, chunk, fold), torch.stack(h_seq, dim=1)) for fold in (False, True)]
+    print(f"chunk {chunk:2d}: max abs err vs the sequential recurrence {errs[0]:.1e} (carry added), {errs[1]:.1e} (folded)")
+    assert max(errs) < 1e-13
+
+# %% [markdown]
+# **What the check of the identity can catch.** The folded form's zero error is a statement of
 # the construction, not a measurement of accuracy: position by position it does the same float64
 # operations as the sequential loop ($a_s h_{s-1} + b_s$, then the same steps), so it could differ only
 # if the bookkeeping were wrong (the carry taken from the wrong position, or folded into the wrong
@@ -1672,6 +1648,44 @@ print(f"  last state (after the partial chunk): rel err {rel_err(odd_last, last_
 assert rel_err(odd_last, last_ref_odd) < odd_tol
 
 # %% [markdown]
+# ## Going deeper: against the official kernel
+#
+# Section 8's comparison: where `mamba_ssm` is installed (it needs a CUDA GPU), its `selective_scan_fn`
+# and `chapter_scan` should agree on outputs, the last state and every gradient, for fp32 inputs with
+# groups, `D`, `z`, `delta_bias` and softplus, and with time-invariant `B` and `C` (for a
+# time-invariant `B` the cell rescales the official last state: "Going deeper: the fine print").
+
+# %%
+def compare_with_mamba_ssm(batch=2, dim=64, N=16, L=1000, groups=2, time_invariant="", tol=1e-4):
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+    except ImportError as error:
+        print(f"skipped: mamba_ssm not importable ({error})")
+        return None
+    if not ON_GPU:
+        print("skipped: mamba_ssm's kernel needs a GPU")
+        return None
+    inputs = make_inputs(batch, dim, N, L, groups=groups, h0=False, seed=11, time_invariant=time_invariant)
+    inputs.pop("initial_state")
+    dout = torch.randn(batch, dim, L, dtype=torch.float64, device=DEVICE)
+    dlast = torch.zeros(batch, dim, N, dtype=torch.float64, device=DEVICE)  # mamba_ssm ignores d last_state
+    ours = run_with_grads(chapter_scan, inputs, dout, dlast, True)
+    theirs = run_with_grads(selective_scan_fn, inputs, dout, dlast, True)
+    # For a time-invariant B, mamba_ssm's CUDA kernel scans delta * u without B and folds B into C for
+    # the output, so the last state it returns is h / B (its own selective_scan_ref returns h, as we do).
+    their_last = theirs[1] * inputs["B"] if "B" in time_invariant else theirs[1]
+    errors = {"out": rel_err(ours[0], theirs[0]), "last": rel_err(ours[1], their_last)}
+    errors.update({"d" + k: rel_err(ours[2][k], theirs[2][k]) for k in ours[2]})
+    print(f"ours vs mamba_ssm (B, C {'(dim, N)' if time_invariant else 'per position'}): "
+          + "  ".join(f"{k} {v:.0e}" for k, v in errors.items()))
+    assert all(e < tol for e in errors.values()), errors
+    return errors
+
+
+compare_with_mamba_ssm()
+compare_with_mamba_ssm(groups=None, time_invariant="BC");
+
+# %% [markdown]
 # ## Going deeper: where the time goes
 #
 # **What section 9 times.** This chapter's kernels, not the package's `scan_lib.selective_scan`, which
@@ -1812,7 +1826,8 @@ else:
 # every position, so $h_{t,n} / B_n$ obeys the recurrence with input $\Delta_t u_t$ alone.
 # `mamba_ssm`'s CUDA kernel scans that, without $B$, and multiplies $B$ into $C$ for the output, so the
 # output is the same, but the last state it returns is $h_{L-1} / B$, where its own `selective_scan_ref`
-# and ours return $h_{L-1}$. Section 8's cell compares our last state with theirs times $B$.
+# and ours return $h_{L-1}$. The cell of "Going deeper: against the official kernel" compares our last
+# state with theirs times $B$.
 
 # %% [markdown]
 # ## References
