@@ -259,7 +259,7 @@ def selective_scan_backward_by_hand(u, delta, A, B, C, D, z, delta_bias, h0, dou
     c = C.transpose(1, 2)[:, None] * dybar[..., None]                  # batch x dim x L x N
     adj, flow = torch.zeros_like(hs), dlast
     for t in reversed(range(u.shape[2])):
-        flow = c[:, :, t] + flow                                       # delta_t = C_t dybar_t + a_{t+1} delta_{t+1}
+        flow = c[:, :, t] + flow                                       # adj_t = C_t dybar_t + a_{t+1} adj_{t+1}
         adj[:, :, t] = flow
         flow = a[:, :, t] * flow                                       # what flows into h_{t-1}
     ### BEGIN SOLUTION
@@ -322,7 +322,7 @@ for name in inputs:
 #   at $t+1$ (0 past the end: $a = 1$).
 #
 # Names: `delta` is always the step $\Delta$ (as an argument, before bias and softplus) and `adj` the
-# adjoint $\delta$; in `#` comments, `delta_t` is the adjoint $\delta_t$.
+# adjoint $\delta$, in the code and in its `#` comments (`adj_t` is $\delta_t$, `delta_t` the step $\Delta_t$).
 
 # %%
 #| export
@@ -369,12 +369,12 @@ def single_sequence_kernel(U, DELTA, A, B, C, DOUT,          # L, L, N, N x L, N
     b_coef_prev = tl.load(B + tile - 1, n_ok[:, None] & prev_ok[None, :], other=0.0)
     a_prev, b_prev = discretize(delta_prev, rate, b_coef_prev, u_prev)
     _, h_prev = tl.associative_scan((a_prev, b_prev), axis=1, combine_fn=first_order_op)
-    # The adjoint, right to left: delta_t = C_t dybar_t + a_{t+1} delta_{t+1}.
+    # The adjoint, right to left: adj_t = C_t dybar_t + a_{t+1} adj_{t+1}.
     delta_next = tl.load(DELTA + ts + 1, next_ok, other=0.0)[None, :]
     _, adj = tl.associative_scan((tl.exp(delta_next * rate), c_coef * dout), axis=1,
                                  combine_fn=first_order_op, reverse=True)
-    adj_ah = adj * a * h_prev                                # delta_t a_t h_{t-1}
-    adj_b = tl.sum(adj * b_coef, axis=0)                     # L: sum_n delta_t B_t
+    adj_ah = adj * a * h_prev                                # adj_t a_t h_{t-1}
+    adj_b = tl.sum(adj * b_coef, axis=0)                     # L: sum_n adj_t B_t
     tl.store(DDELTA + ts, tl.sum(adj_ah * rate, axis=0) + u * adj_b, t_ok)
     tl.store(DU + ts, delta * adj_b, t_ok)
     tl.store(DA + ns, tl.sum(adj_ah * delta[None, :], axis=1), n_ok)
@@ -664,8 +664,8 @@ def selective_scan_bwd_kernel(
             tl.store(DZ + offs, _gate_dz(dout, tl.load(YBAR + offs, mask, other=0.0), zv).to(DZ.dtype.element_ty), mask)
         dybar = _gate_dybar(dout, zv, HAS_Z)
         dD_acc += tl.sum(dybar * u, axis=1)
-        adj_b_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)           # sum_n delta_t B_t
-        adj_ah_rate_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)     # sum_n delta_t a_t h_{t-1} A
+        adj_b_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)           # sum_n adj_t B_t
+        adj_ah_rate_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)     # sum_n adj_t a_t h_{t-1} A
         for n in range(0, n_states):
             rate = tl.load(A + ds * n_states + n, d_ok, other=0.0).to(ACC)[:, None]
             b_coef = _load_coef(B + b_off, B, n, t, t_ok, ds, d_ok, n_states, length, B_PER_STEP, ACC)
@@ -852,7 +852,8 @@ for dtype in (torch.bfloat16, torch.float16):
 
 # %%
 def io_bytes(batch, dim, L, N, size, backward):
-    """Bytes read and written: u, delta, z, out (+ dout, du, d delta, dz) and B, C (+ dB, dC)."""
+    """Bytes read and written, each large tensor once: forward u, delta, z, out (4 of batch x dim x L) and B, C
+    (2 of batch x N x L); the backward adds u, delta, z, dout, du, ddelta, dz (7) and B, C, dB, dC (4)."""
     big, small = batch * dim * L * size, batch * N * L * size
     return (4 * big + 2 * small) + (backward * (7 * big + 4 * small))
 
@@ -1695,8 +1696,8 @@ compare_with_mamba_ssm(groups=None, time_invariant="BC");
 # states. The memory floor counts the forward as reading $u$, $\Delta$, $z$, $B$, $C$ and writing
 # `out`, and the backward as reading $u$, $\Delta$, $z$, $B$, $C$ again with $d\,\text{out}$ and
 # writing $du$, $d\Delta$, $dz$, $dB$, $dC$. That is what `io_bytes` adds up: 4 `(batch, dim, L)` and
-# 2 `(batch, N, L)` tensors for the forward, 7 and 4 more for the backward (its docstring names only
-# the backward's new tensors); the small `A`, `D`, `delta_bias` and their gradients are left out.
+# 2 `(batch, N, L)` tensors for the forward, 7 and 4 more for the backward, as its docstring lists
+# them; the small `A`, `D`, `delta_bias` and their gradients are left out.
 #
 # These are the likely costs of the design, not confirmed by a profiler here (chapter 07 profiles them):
 #
