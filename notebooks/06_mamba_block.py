@@ -557,6 +557,8 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     batch, dim, n_states = state.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if out.numel() == 0:   # no batch element or no channel: nothing to launch (Triton's launch alone costs more)
+        return out
     block_n = next_power_of_2(n_states)
     block_d = max(1, min(next_power_of_2(dim), 4096 // block_n))
     acc = torch.float64 if state.dtype == torch.float64 or x.dtype == torch.float64 else torch.float32
@@ -1099,7 +1101,7 @@ with torch.no_grad():
     test_in, test_target, test_mask = selective_copying_batch(
         1000, generator=torch.Generator().manual_seed(1), **copy_data)
     copy_correct = {name: (model(test_in).argmax(-1) == test_target)[test_mask].view(len(test_in), -1).double()
-                    for name, (model, _, _) in copy_runs.items()}            # (sequences, K) hits
+                    for name, (model, _, _) in copy_runs.items()}            # (sequences, n_data) hits
 copy_accuracy = {name: hits.mean().item() for name, hits in copy_correct.items()}
 chance = 1 / copy_cfg["n_symbols"]
 print(f"chance {chance:.3f}")
@@ -1650,6 +1652,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
         steps = [causal_conv1d_update(x[..., t], conv_state, weight, bias, activation) for t in range(x.shape[-1])]
         return torch.stack(steps, dim=-1) if steps else x.clone()
     _check_update_inputs(x, conv_state, weight, bias)
+    if x.numel() == 0:   # no batch element or no channel: no output to compute, no state to shift
+        return torch.empty_like(x)
     silu = activation is not None
     if torch.compiler.is_compiling():  # traced: the functional op, then the in-place copy torch.compile tracks
         out, new_state = causal_conv1d_update_op(x, conv_state, weight, bias, silu)
