@@ -28,6 +28,10 @@ def empty_calls(requires_grad: bool):
     ms_a, ms_x = t(2, 3, 0), t(2, 0)
     block = scan_lib.Mamba(16, device=DEVICE)
     hidden = t(0, 5, 16)
+    ssd_x, ssd_dt, ssd_B = t(2, 0, 3, 4), t(2, 0, 3), t(2, 0, 1, 5)
+    ssd_A = torch.randn(3, device=DEVICE, requires_grad=requires_grad)
+    conv_state, step_x = t(0, 4, 3), t(0, 4)
+    ssm_state, ssm_A, ssm_B = t(0, 4, 5), torch.randn(4, 5, device=DEVICE, requires_grad=requires_grad), t(0, 5)
     return {
         "cumsum": (lambda: scan_lib.cumsum(x2), lambda: torch.cumsum(x2, -1)),
         "linear_scan": (lambda: scan_lib.linear_scan(g2, x2), None),
@@ -37,8 +41,20 @@ def empty_calls(requires_grad: bool):
                           lambda: F.silu(F.conv1d(no_batch, weight.unsqueeze(1), padding=3, groups=4)[..., :5])),
         "flash_attention": (lambda: scan_lib.flash_attention(q, q, q, causal=True),
                             lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)),
+        "mamba_chunk_scan_combined": (lambda: scan_lib.mamba_chunk_scan_combined(ssd_x, ssd_dt, ssd_A, ssd_B, ssd_B, 16),
+                                      None),
+        "causal_conv1d_update": (lambda: scan_lib.causal_conv1d_update(step_x, conv_state, weight), None),
+        "selective_state_update": (lambda: _no_grad(scan_lib.selective_state_update, ssm_state, step_x, step_x, ssm_A,
+                                                    ssm_B, ssm_B), None),
         "Mamba (batch 0)": (lambda: block(hidden), None),
     }
+
+
+def _no_grad(op, *args):
+    """op(*args) under torch.no_grad(): generation's step ops have no autograd, and refuse inputs that need grad
+    outside it."""
+    with torch.no_grad():
+        return op(*args)
 
 
 def median_host_us(fn, calls: int, samples: int = 7) -> float:
@@ -53,14 +69,14 @@ def main():
     parser.add_argument("--calls", type=int, default=200)
     args = parser.parse_args()
     print(f"{scan_lib.runtime.describe()}; host us per call on empty inputs (median of 7 samples of {args.calls})")
-    print(f"{'op':18s} {'scan_lib':>9s} {'torch':>7s} {'scan_lib, inputs need grad':>27s}")
+    print(f"{'op':26s} {'scan_lib':>9s} {'torch':>7s} {'scan_lib, inputs need grad':>27s}")
     plain, grad = empty_calls(False), empty_calls(True)
     for name, (ours, theirs) in plain.items():
         torch_us = f"{median_host_us(theirs, args.calls):7.1f}" if theirs else f"{'-':>7s}"
         try:
-            print(f"{name:18s} {median_host_us(ours, args.calls):9.1f} {torch_us} {median_host_us(grad[name][0], args.calls):27.1f}")
+            print(f"{name:26s} {median_host_us(ours, args.calls):9.1f} {torch_us} {median_host_us(grad[name][0], args.calls):27.1f}")
         except (ValueError, RuntimeError) as error:   # an op that refuses empty inputs: say so, time the rest
-            print(f"{name:18s} {'raises':>9s} {torch_us}  {type(error).__name__}: {error}")
+            print(f"{name:26s} {'raises':>9s} {torch_us}  {type(error).__name__}: {error}")
 
 
 if __name__ == "__main__":

@@ -107,7 +107,9 @@ def rel_err(x, ref):
 # piece of the sequence). `mamba_ssm` gets this from the `causal-conv1d` CUDA package; ours, in
 # Triton, has the signature of that package's `causal_conv1d_fn`. The reference is the package's own,
 # on `F.conv1d` (`groups=dim` makes it depthwise; padding $K-1$ on both sides, then keeping the first
-# $L$ outputs, makes it causal).
+# $L$ outputs, makes it causal). The cell also imports what the launchers need later, each named in
+# "Going deeper: the convolution kernels": the custom-op plumbing and chapter 07's
+# register helpers.
 
 # %%
 #| export causal_conv1d
