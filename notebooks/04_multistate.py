@@ -59,7 +59,7 @@ from scan_lib.runtime import save_figure
 # This is Mamba's scan for one channel before discretisation. In code `a, b, c` are `(batch, N, L)`,
 # Mamba's layout, and `x` is `(batch, L)`: **`b` holds $B$ and `c` holds $C$**. A batch row is one
 # independent sequence (in Mamba, one (sample, channel) pair). The reference is the loop itself, in
-# float64.
+# float64 ("Going deeper: four states, four decay rates" plots it for a pulse).
 
 # %%
 #| export
@@ -123,28 +123,6 @@ for length in (1, 7, 129, 1000):
     err = rel_err(multistate_scan_ref(a, b, c, x)[0], (c * reference_states(a, b, x)).sum(dim=1))
     print(f"L = {length:4d}: reference vs N linear_scans, max rel err {err:.1e}")
     assert err < 1e-12
-
-# %% [markdown]
-# A picture: four exponential moving averages of a pulse, with constant gates $a[n] = 1 - 2^{-(n+1)}$
-# (memories of about 1, 3, 7 and 15 steps), $B[n] = 1 - a[n]$ and $C[n] = 1/N$, so that $y$ is
-# their average.
-
-# %%
-length, n_states = 128, 4
-x_demo = torch.zeros(1, length, dtype=torch.float64)
-x_demo[0, 16:64] = 1.0                                                     # 1 x L: a pulse
-gates = 1 - 0.5 ** (torch.arange(n_states, dtype=torch.float64) + 1)      # N
-a_demo = gates[None, :, None].expand(1, n_states, length)                 # 1 x N x L
-y_demo, _ = multistate_scan_ref(a_demo, 1 - a_demo, torch.full_like(a_demo, 1 / n_states), x_demo)
-h_demo = reference_states(a_demo, 1 - a_demo, x_demo)[0]                  # N x L
-
-fig, ax = plt.subplots(figsize=(7, 3.5))
-ax.plot(x_demo[0], "k--", lw=1, label="$x_t$")
-for n in range(n_states):
-    ax.plot(h_demo[n], label=f"$h_t[{n}]$, $a={gates[n]:.4f}$")
-ax.plot(y_demo[0], "k", lw=2, label=r"$y_t=\frac{1}{4}\sum_n h_t[n]$")
-ax.set_xlabel("t"); ax.legend(fontsize=7, loc="upper right"); ax.set_title("four states, four decay rates, one output")
-save_figure(fig, "multistate_emas.png")
 
 # %% [markdown]
 # ## 2 · The states are the expensive part
@@ -619,6 +597,30 @@ else:
 #   and, for training, the states at chunk boundaries, from which the backward recomputes them.
 # - Next, chapter 05 adds Mamba's discretisation, $a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t x_t$, and shares
 #   $B$, $C$ across channels.
+
+# %% [markdown]
+# ## Going deeper: four states, four decay rates
+#
+# Section 1's recurrence as a picture: four exponential moving averages of a pulse, with constant
+# gates $a[n] = 1 - 2^{-(n+1)}$ (memories of about 1, 3, 7 and 15 steps), $B[n] = 1 - a[n]$ and
+# $C[n] = 1/N$, so that $y$ is their average.
+
+# %%
+length, n_states = 128, 4
+x_demo = torch.zeros(1, length, dtype=torch.float64)
+x_demo[0, 16:64] = 1.0                                                     # 1 x L: a pulse
+gates = 1 - 0.5 ** (torch.arange(n_states, dtype=torch.float64) + 1)      # N
+a_demo = gates[None, :, None].expand(1, n_states, length)                 # 1 x N x L
+y_demo, _ = multistate_scan_ref(a_demo, 1 - a_demo, torch.full_like(a_demo, 1 / n_states), x_demo)
+h_demo = reference_states(a_demo, 1 - a_demo, x_demo)[0]                  # N x L
+
+fig, ax = plt.subplots(figsize=(7, 3.5))
+ax.plot(x_demo[0], "k--", lw=1, label="$x_t$")
+for n in range(n_states):
+    ax.plot(h_demo[n], label=f"$h_t[{n}]$, $a={gates[n]:.4f}$")
+ax.plot(y_demo[0], "k", lw=2, label=r"$y_t=\frac{1}{4}\sum_n h_t[n]$")
+ax.set_xlabel("t"); ax.legend(fontsize=7, loc="upper right"); ax.set_title("four states, four decay rates, one output")
+save_figure(fig, "multistate_emas.png")
 
 # %% [markdown]
 # ## Going deeper: the speed table drawn, and bfloat16
