@@ -364,6 +364,8 @@ for length in (1, 7, 129, 1000):
 #    $\delta_t = Q_t \delta_{\text{carry}} + \tilde\delta_t$, $Q_t$ the product of the shifted gates from $t$
 #    to the chunk's end;
 # 3. write the four gradients; the new carry is the first row, $\delta_s$.
+#
+# In the code `adj` holds the adjoint $\delta$ (chapter 05 keeps `delta` for Mamba's step $\Delta$).
 
 # %%
 #| export
@@ -380,7 +382,7 @@ def multistate_bwd_kernel(
     X, DY, DX = X + seq * length, DY + seq * length, DX + seq * length
     rows = tl.arange(0, BLOCK_L)                                  # BLOCK_L: time within a chunk
     n = tl.arange(0, BLOCK_N)                                     # BLOCK_N: state index
-    delta = tl.load(DH_LAST + seq * n_states + n, mask=n < n_states, other=0.0).to(ACC)  # adjoint carry
+    adj = tl.load(DH_LAST + seq * n_states + n, mask=n < n_states, other=0.0).to(ACC)  # adjoint carry
     chunk = n_chunks - 1
     while chunk >= 0:                                             # right to left
         t = chunk * BLOCK_L + rows                                # BLOCK_L
@@ -402,21 +404,21 @@ def multistate_bwd_kernel(
         h = a * h_prev + b * x[:, None]                                  # h_t
         # 2. the adjoint: reversed scan of (a_{t+1}, C_t dy_t), then the carry from the right
         ### BEGIN SOLUTION
-        ### HINT: delta_tile = the adjoint delta_t: load the shifted gates a_{t+1} (1 past the end), scan (a_{t+1}, C dy) right to left with first_order_op, apply the carry delta from the right
+        ### HINT: adj_tile = the adjoint delta_t (a tile of time x states): load the shifted gates a_{t+1} (1 past the end), scan (a_{t+1}, C dy) right to left with first_order_op, apply the carry adj from the right
         a_next = tl.load(A + tile + 1, mask=(t + 1 < length)[:, None] & (n < n_states)[None, :], other=1.0).to(ACC)
-        a_suffix, delta_from_zero = tl.associative_scan((a_next, c * dy[:, None]), axis=0,
+        a_suffix, adj_from_zero = tl.associative_scan((a_next, c * dy[:, None]), axis=0,
                                                         combine_fn=first_order_op, reverse=True)
-        delta_tile = a_suffix * delta[None, :] + delta_from_zero         # delta_t
+        adj_tile = a_suffix * adj[None, :] + adj_from_zero         # adj_t
         ### END SOLUTION
         # 3. the gradients
-        tl.store(DA + tile, (delta_tile * h_prev).to(DA.dtype.element_ty), mask=mask)
-        tl.store(DB + tile, (delta_tile * x[:, None]).to(DB.dtype.element_ty), mask=mask)
+        tl.store(DA + tile, (adj_tile * h_prev).to(DA.dtype.element_ty), mask=mask)
+        tl.store(DB + tile, (adj_tile * x[:, None]).to(DB.dtype.element_ty), mask=mask)
         tl.store(DC + tile, (h * dy[:, None]).to(DC.dtype.element_ty), mask=mask)
-        tl.store(DX + t, tl.sum(delta_tile * b, axis=1).to(DX.dtype.element_ty), mask=t_ok)
-        delta = row_of(delta_tile, rows, 0)
+        tl.store(DX + t, tl.sum(adj_tile * b, axis=1).to(DX.dtype.element_ty), mask=t_ok)
+        adj = row_of(adj_tile, rows, 0)
         chunk -= 1
     a_first = tl.load(A + n * length, mask=n < n_states, other=0.0).to(ACC)
-    tl.store(DH0 + seq * n_states + n, (a_first * delta).to(DH0.dtype.element_ty), mask=n < n_states)
+    tl.store(DH0 + seq * n_states + n, (a_first * adj).to(DH0.dtype.element_ty), mask=n < n_states)
 
 
 def multistate_backward(a, b, c, x, h_chunks, dy, dh_last, block_l):
@@ -734,12 +736,12 @@ def multistate_backward_ref(a, b, c, x, initial_state, dy, dh_last):
     """The formulas above as loops (float64). Returns the gradients of a, B, C, x and the initial state."""
     states = reference_states(a, b, x, initial_state)                          # batch x N x L
     h_prev = torch.cat([initial_state[..., None], states[..., :-1]], dim=-1)    # h_{t-1}
-    delta = torch.empty_like(a)                                                 # batch x N x L
-    carry, gate = dh_last, torch.ones_like(dh_last)                             # delta_L, a_L
+    adj = torch.empty_like(a)                                                 # batch x N x L
+    carry, gate = dh_last, torch.ones_like(dh_last)                             # adj_L, a_L
     for t in reversed(range(a.shape[-1])):
         carry = gate * carry + c[:, :, t] * dy[:, None, t]
-        delta[:, :, t], gate = carry, a[:, :, t]
-    return delta * h_prev, delta * x[:, None, :], dy[:, None, :] * states, (delta * b).sum(1), a[:, :, 0] * delta[:, :, 0]
+        adj[:, :, t], gate = carry, a[:, :, t]
+    return adj * h_prev, adj * x[:, None, :], dy[:, None, :] * states, (adj * b).sum(1), a[:, :, 0] * adj[:, :, 0]
 
 
 a, b, c, x = (t.requires_grad_() for t in random_inputs(2, 3, 50, dtype=torch.float64, seed=1))
