@@ -150,8 +150,8 @@ def first_order_op(a_left, b_left, a_right, b_right):
     With finite gates and tokens a scan with this operator gives the recurrence up to rounding, in any
     grouping. With infinite gates it need not: a zero gate followed later by an infinite one gives the
     composed gate 0 * inf = NaN, so a tree scan (a GPU's) returns NaN where the recurrence, applied
-    step by step, gives +-inf or a finite value; a left-to-right fold (Triton's CPU interpreter) gives
-    the recurrence's values. See "Zero and infinite gates" in notebooks/02_ema.
+    step by step, gives +-inf (finite only where a product or sum of finite values overflowed first); a
+    left-to-right fold (Triton's CPU interpreter) gives the recurrence's values. See "Zero and infinite gates" in notebooks/02_ema.
     """
     return a_left * a_right, a_right * b_left + b_right
     ### END SOLUTION
@@ -484,14 +484,14 @@ print("every length, chunk, direction and initial state: error within the bound"
 # %% [markdown]
 # Every dtype, with gates drawn in $[0.5, 1)$ (a long memory, the hard case for rounding): float16 and
 # bfloat16 are scanned in float32, so one output rounding dominates their bound. (How large $h$ gets
-# depends on the tokens. For a constant gate $a$ and tokens all equal to 1, $h$ climbs to $1/(1-a)$,
-# the size the code comment gives; but these tokens have mean 0 and variance 1, their terms partly
+# depends on the tokens. For a constant gate $a$ and tokens all equal to 1, $h$ climbs to $1/(1-a)$;
+# but these tokens have mean 0 and variance 1, their terms partly
 # cancel, and $|h|$ is typically of the size of its standard deviation, which for a constant gate $a$
 # tends to $1/\sqrt{1-a^2}$.)
 
 # %%
 torch.manual_seed(5)
-gates_lp = torch.rand(4, 3000, device=DEVICE) * 0.5 + 0.5  # long memory: h grows to about 1/(1-a)
+gates_lp = torch.rand(4, 3000, device=DEVICE) * 0.5 + 0.5  # long memory: gates near 1
 tokens_lp = torch.randn(4, 3000, device=DEVICE)
 print(f"{'dtype':>15} {'max err / bound':>16}")
 for dtype in [torch.float64, torch.float32, torch.float16, torch.bfloat16]:
@@ -915,8 +915,8 @@ print(f"first_order_op as compiled, on {n_triples} random float64 triples: (p.q)
 # `first_order_op.fn` from running on PyTorch tensors (`tl.where` exists only inside a kernel). So
 # `first_order_op` keeps the plain formula. What it gives: with finite gates and tokens (and no
 # overflow) the recurrence up to rounding, in any grouping; with infinite gates, possibly NaN on a GPU
-# where the recurrence gives $\pm\infty$. (Its docstring says "+-inf or a finite value"; by the
-# argument above, a finite value there needs some product or sum to overflow first.) The interpreter
+# where the recurrence gives $\pm\infty$ (or, as its docstring says, a finite value where some product
+# or sum overflowed first). The interpreter
 # folds left to right, which is the recurrence step by step, so on the CPU the kernel gives the loop's
 # values. Both, on a row whose gate 0 is followed by an infinite one:
 
