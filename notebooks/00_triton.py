@@ -36,9 +36,9 @@ print(scan_lib.runtime.describe())
 # ## The setup cell, opened up
 #
 # `import scan_lib` ran `scan_lib/runtime.py`, written from this chapter's cells marked `#| export`:
-# without a CUDA GPU it sets `TRITON_INTERPRET=1` (section "Why the setup cell comes first"), and
-# `describe()` prints where kernels will run. The rest of the first exported cell serves later
-# chapters ("Going deeper: the setup cell's other half").
+# without a CUDA GPU it sets `TRITON_INTERPRET=1` ("Going deeper: why the setup cell comes first"),
+# and `describe()` prints where kernels will run. The op machinery that later chapters take from the
+# same module is in "Going deeper: torch ops in `scan_lib.runtime`".
 
 # %%
 #| default_exp runtime
@@ -114,100 +114,6 @@ def save_figure(fig, name: str, dpi: int = 100) -> None:
         return
     if get_ipython() is not None:
         display(Image(filename=str(path)))
-
-
-_LOCAL_OPS = iter(range(1, 1 << 62))
-
-
-def custom_op(name: str, module: str, **options):
-    """torch.library.custom_op for a scan_lib public op: `@custom_op("cumsum", __name__)`.
-
-    In a scan_lib module the op is `scan_lib::name`. Defined anywhere else (a notebook cell, whose
-    module is `__main__`), it gets a namespace of its own each time the cell runs, because scan_lib,
-    imported by the setup cell, has already registered `scan_lib::name`, and torch refuses a second
-    registration of one name."""
-    namespace = "scan_lib" if module.startswith("scan_lib.") else f"scan_lib_local{next(_LOCAL_OPS)}"
-
-    def register(implementation):
-        return EagerFastOp(torch.library.custom_op(f"{namespace}::{name}", mutates_args=(), **options)(implementation),
-                           implementation)
-    return register
-
-
-class EagerFastOp:
-    """A registered custom op that, in a plain eager call, runs its Python implementation directly.
-
-    Through the dispatcher, a Python custom op costs tens of microseconds per call before its code
-    runs (the autograd key, a redispatch, a wrapper that keeps torch.compile out of the
-    implementation). None of that does anything for plain tensors outside torch.compile, torch.func
-    transforms, dispatch or torch-function modes (fake tensors, the profiler's op names), and
-    tensors that need no gradient through the op; such calls go straight to the implementation,
-    every other call through the op. Everything else (register_fake, register_vmap, ...) is the op's."""
-
-    def __init__(self, op, implementation):
-        self._op, self._implementation = op, implementation
-        functools.update_wrapper(self, implementation)     # name, docstring and signature for help()
-
-    def __call__(self, *args, **kwargs):
-        if _plain_eager(args) and _plain_eager(kwargs.values()):
-            return self._implementation(*args, **kwargs)
-        return self._op(*args, **kwargs)
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("_op", "_implementation"):   # not yet set (copy, pickle)
-            raise AttributeError(name)
-        return getattr(self._op, name)
-
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)   # a Parameter's __torch_function__ is the Tensor's
-
-
-def _plain_eager(args) -> bool:
-    """Whether a call with these arguments needs nothing from the dispatcher (see EagerFastOp): no
-    torch.compile, torch.func transform, dispatch or torch-function mode, profiler or jit tracer, and
-    tensor arguments that are plain tensors (or parameters) needing no gradient through the op."""
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-            or torch.autograd._profiler_enabled() or torch._C._get_tracing_state() is not None):
-        return False
-    grad = torch.is_grad_enabled()
-    for arg in args:
-        if isinstance(arg, (list, tuple)) and not _plain_eager(arg):
-            return False
-        if isinstance(arg, torch.Tensor) and (type(arg) not in _PLAIN_TENSORS or (grad and arg.requires_grad)):
-            return False
-    return True
-
-
-def apply(function, *args):
-    """`function.apply(*args)` for a torch.autograd.Function in the style torch.func needs (a forward
-    without ctx, and setup_context), without that style's cost in plain eager calls.
-
-    For that style, Function.apply binds the arguments with inspect.signature on every call: tens of
-    microseconds of host time, as much as a kernel launch. Outside torch.compile and torch.func
-    transforms, the same forward, setup_context and backward run as an old-style Function, whose
-    apply goes straight to C++. Pass every argument positionally."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return function.apply(*args)
-    return _eager_twin(function).apply(*args)
-
-
-_EAGER_TWINS: dict = {}
-
-
-def _eager_twin(function):
-    """An old-style autograd.Function, named like `function`, that runs its forward, setup_context and backward."""
-    if function not in _EAGER_TWINS:
-        def forward(ctx, *args):
-            output = function.forward(*args)
-            function.setup_context(ctx, args, output)
-            return output
-
-        def backward(ctx, *grads):
-            return function.backward(ctx, *grads)
-        _EAGER_TWINS[function] = type(function.__name__, (torch.autograd.Function,),
-                                      {"forward": staticmethod(forward), "backward": staticmethod(backward)})
-    return _EAGER_TWINS[function]
 
 # %%
 import time
@@ -291,18 +197,10 @@ which_program_kernel[(programs,)](owner, BLOCK=block)
 assert torch.equal(owner.cpu(), torch.arange(programs, dtype=torch.int32).repeat_interleave(block))
 print(owner.view(programs, block))
 
-try:                                                      # a block of 6 is refused when compiled
-    which_program_kernel[(1,)](torch.empty(6, dtype=torch.int32, device=DEVICE), BLOCK=6)
-    refusal = "none"
-except Exception as error:
-    refusal = f"{type(error).__name__}: {error}"
-assert "power of 2" in refusal, refusal
-print("BLOCK=6 is refused: arange's range must be a power of 2")
-
 # %% [markdown]
 # `tl.full(shape, value, dtype)` makes a block of one value. `BLOCK` is a `tl.constexpr`, known when
 # the kernel is compiled, so it can set shapes, which must be compile-time constants; `tl.arange`
-# lengths must be powers of two.
+# lengths must be powers of two ("Going deeper: a block of 6" shows the refusal).
 #
 # ## `tl.arange`, shapes and broadcasting
 #
@@ -369,9 +267,8 @@ print("vector_add == x + y for n = 1, 7, 129, 1000, 4097 (BLOCK = 256)")
 #
 # `num_warps` (`kernel[grid](..., num_warps=8)`) changes how blocks are spread over threads, not
 # what a kernel computes. `gpu_assembly` (exported below) compiles a kernel for an H100 or H200 on
-# any machine, without running it, and returns the compiler's output by stage. The stage `ttgir`
-# states the block's layout: `sizePerThread` consecutive values per thread, `threadsPerWarp`, and
-# `warpsPerCTA` (warps per program); more in "Going deeper: reading a layout, choosing `num_warps`".
+# any machine, without running it, and returns the compiler's output by stage, down to the GPU's
+# assembly (PTX); "Going deeper: reading a layout, choosing `num_warps`" reads the layouts it states.
 
 # %%
 #| export
@@ -420,22 +317,7 @@ def gpu_assembly(kernel, signature: dict, num_warps: int = 4, capability: int = 
         raise RuntimeError(f"compiling {kernel.fn.__name__} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
-# %%
-import re
-
-vector_add_types = {"X": "*fp32", "Y": "*fp32", "Z": "*fp32", "n": "i32"}
-print(f"{'num_warps':>9} {'threads':>7} {'values per thread':>17}   layout (BLOCK = 1024 float32)")
-for num_warps in (1, 4, 8):
-    ttgir = gpu_assembly(vector_add_kernel, vector_add_types, num_warps=num_warps, BLOCK=1024)["ttgir"]
-    layout = re.search(r"#ttg\.blocked<\{(.*?)\}>", ttgir).group(1)
-    size, lanes, warps = (int(re.search(rf"{key} = \[(\d+)\]", layout).group(1))
-                          for key in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
-    assert lanes == 32 and warps == num_warps and size == 4, layout
-    print(f"{num_warps:>9} {lanes * warps:>7} {1024 // (lanes * warps):>17}   {layout}")
-
 # %% [markdown]
-# Each thread holds 4 neighbouring float32: with 4 warps, 8 values, as in the figure.
-#
 # ## Strides and contiguity
 #
 # A tensor is a flat piece of memory plus a shape and **strides**: `x.stride(d)` is how many
@@ -538,19 +420,8 @@ for shape in ((3, 1), (5, 7), (2, 1000), (4, 4097)):
 # %% [markdown]
 # The bound is the usual size of the error of `n` float32 additions, $\sqrt{n}\,2^{-24}\sum|x|$
 # (the roundings, each at most $2^{-24}$ relative, mostly cancel like a random walk); the transposed
-# rows pass it too. The next cell shows how `tl.sum` combines values of other threads: with one
-# warp, only shuffles (`shfl.sync`); with four, also shared memory (`st.shared`, `ld.shared`).
-
-# %%
-row_sums_types = {"X": "*fp32", "OUT": "*fp32", "n_cols": "i32", "stride_row": "i32", "stride_col": "i32"}
-print(f"{'num_warps':>9} {'shfl.sync':>9} {'st.shared':>9} {'ld.shared':>9}   (instructions in row_sums_kernel's PTX)")
-for num_warps in (1, 4):
-    ptx = gpu_assembly(row_sums_kernel, row_sums_types, num_warps=num_warps, BLOCK=1024)["ptx"]
-    counts = [ptx.count(instruction) for instruction in ("shfl.sync", "st.shared", "ld.shared")]
-    assert counts[0] > 0 and (min(counts[1:]) > 0) == (num_warps > 1), counts
-    print(f"{num_warps:>9} {counts[0]:>9} {counts[1]:>9} {counts[2]:>9}")
-
-# %% [markdown]
+# rows pass it too.
+#
 # ## Timing a kernel on a GPU
 #
 # A launch only *queues* the kernel, so `time.perf_counter()` around a launch measures the host, not
@@ -637,17 +508,6 @@ else:
     print(f"2^14 additions: interpreter {seconds[64] * 1e3:.0f} ms (BLOCK 64, 256 programs), "
           f"{seconds[1024] * 1e3:.0f} ms (BLOCK 1024, 16 programs); torch {seconds['torch'] * 1e3:.2f} ms")
     assert seconds[64] > seconds[1024] > seconds["torch"]
-
-# %% [markdown]
-# `torch.add` wrote `z_speed` last, so the timing cell's final check tests PyTorch's sum. This cell
-# checks the kernel's, into its own buffer filled with NaN, so that a launch that wrote nothing, or
-# only part, fails.
-
-# %%
-z_kernel = torch.full_like(x_speed, float("nan"))
-vector_add_kernel[(triton.cdiv(x_speed.numel(), 1024),)](x_speed, y_speed, z_kernel, x_speed.numel(), BLOCK=1024)
-assert torch.equal(z_kernel, x_speed + y_speed), "vector_add_kernel's output"
-print(f"vector_add_kernel, {x_speed.numel()} values, BLOCK 1024, into its own buffer: equal to x + y")
 
 # %% [markdown]
 # ## The CPU interpreter and what it hides
@@ -742,32 +602,10 @@ print("a + b is associative; a - b is not")
 # %% [markdown]
 # ### 3. Out-of-bounds reads are silent, so masks matter
 #
-# A kernel only receives a pointer: it does not know where the tensor ends. Below, `x` is the first
-# five elements of an eight-element buffer whose tail holds 100. An unmasked block of 8 reads the
-# neighbours, on CPU and GPU alike, with no error. The mask makes it right.
-
-# %%
-@triton.jit
-def sum_of_block_kernel(X, OUT, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
-    offsets = tl.arange(0, BLOCK)
-    if MASKED:
-        x = tl.load(X + offsets, mask=offsets < n, other=0.0)
-    else:
-        x = tl.load(X + offsets)                          # reads BLOCK values whatever n is
-    tl.store(OUT, tl.sum(x, axis=0))
-
-
-buffer = torch.full((8,), 100.0, device=DEVICE)
-x_short = buffer[:5]
-x_short.fill_(1.0)                                        # x = [1, 1, 1, 1, 1], then 100, 100, 100
-total = torch.zeros(1, device=DEVICE)
-sum_of_block_kernel[(1,)](x_short, total, x_short.numel(), BLOCK=8, MASKED=False)
-unmasked = total.item()
-sum_of_block_kernel[(1,)](x_short, total, x_short.numel(), BLOCK=8, MASKED=True)
-print(f"sum of five ones: unmasked {unmasked:.0f}, masked {total.item():.0f}")
-assert unmasked == 5 + 3 * 100 and total.item() == 5
-
-# %% [markdown]
+# A kernel only receives a pointer: it does not know where the tensor ends. An unmasked block that
+# runs past the end reads its neighbours, on CPU and GPU alike, with no error ("Going deeper:
+# out-of-bounds reads" shows one). The mask makes it right.
+#
 # ### 4. Rounding differs from the GPU's
 #
 # The interpreter computes with NumPy; a GPU uses its own instructions, some of them fast
@@ -807,6 +645,195 @@ print(f"tl.exp on [-10, 10]: max relative error {relative.max().item():.1e} ({ma
 assert (relative <= bound).all()
 
 # %% [markdown]
+# Conversions can differ too: Triton 3.6's interpreter truncates float32 to bfloat16, where PyTorch
+# and a GPU round to nearest ("Going deeper: catching a truncating conversion").
+#
+# ## Summary
+#
+# Kernels find their block from `tl.program_id` and `tl.arange`, read tensors through strides and
+# mask every load and store; `median_us` times them against the memory floor. The interpreter hides
+# races, non-associative combines and the GPU's rounding: run everything on a real GPU before
+# trusting it.
+#
+# Next: chapter 01 scans with `+`, first in one block, then at any length.
+
+# %% [markdown]
+# ## Going deeper: why the setup cell comes first
+#
+# `@triton.jit` looks at `TRITON_INTERPRET` when it *defines* a kernel, and returns either a
+# compiled GPU function or an interpreted one; setting the variable later changes no kernel already
+# defined. A kernel defined while it was unset is compiled for a GPU, and without one its first
+# launch fails. So `import scan_lib`, which sets the variable when no GPU is visible, comes first in
+# every chapter. (On Colab, the setup cell's first lines also `pip install` this repository.)
+
+# %%
+import os
+
+from triton.runtime.interpreter import InterpretedFunction
+
+assert isinstance(vector_add_kernel, InterpretedFunction) == INTERPRET
+print(f"vector_add_kernel is a {type(vector_add_kernel).__name__}")
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        @triton.jit
+        def defined_too_late_kernel(X):
+            tl.store(X, 1.0)
+    finally:
+        os.environ["TRITON_INTERPRET"] = "1"
+    assert not isinstance(defined_too_late_kernel, InterpretedFunction)
+    try:
+        defined_too_late_kernel[(1,)](torch.zeros(1))
+        raise AssertionError("a GPU kernel should not launch without a GPU")
+    except RuntimeError as error:
+        print(f"defined with TRITON_INTERPRET=0, launched without a GPU: RuntimeError: {error}")
+
+# %% [markdown]
+# ## Going deeper: names in kernels
+#
+# Names in the kernels of this course follow one rule:
+#
+# * **Pointers** are capitalised words: `X`, `Y`, `GATES`, `DA`.
+# * **Compile-time constants** (`tl.constexpr` parameters) are upper case too: `BLOCK`, `CHUNK`,
+#   `REVERSE`. The annotation tells them from pointers.
+# * **Runtime values**, sizes and strides included, are lower case: `length`, `n_rows`, `stride_t`,
+#   `num_blocks`.
+#
+# So an upper-case name in a kernel is a pointer or a constant, and never changes while the kernel
+# runs. A `tl.constexpr` gets one compiled version of the kernel per value.
+
+# %% [markdown]
+# ## Going deeper: a block of 6
+#
+# `tl.arange` lengths must be powers of two, so `which_program_kernel` launched with `BLOCK=6` is
+# refused when it is compiled:
+
+# %%
+try:                                                      # a block of 6 is refused when compiled
+    which_program_kernel[(1,)](torch.empty(6, dtype=torch.int32, device=DEVICE), BLOCK=6)
+    refusal = "none"
+except Exception as error:
+    refusal = f"{type(error).__name__}: {error}"
+assert "power of 2" in refusal, refusal
+print("BLOCK=6 is refused: arange's range must be a power of 2")
+
+# %% [markdown]
+# ## Going deeper: reading a layout, choosing `num_warps`
+#
+# The stage `ttgir` of `gpu_assembly`'s output states the block's layout: `sizePerThread`
+# consecutive values per thread, `threadsPerWarp`, and `warpsPerCTA` (warps per program). The cell
+# prints it for `vector_add_kernel` with 1, 4 and 8 warps.
+
+# %%
+import re
+
+vector_add_types = {"X": "*fp32", "Y": "*fp32", "Z": "*fp32", "n": "i32"}
+print(f"{'num_warps':>9} {'threads':>7} {'values per thread':>17}   layout (BLOCK = 1024 float32)")
+for num_warps in (1, 4, 8):
+    ttgir = gpu_assembly(vector_add_kernel, vector_add_types, num_warps=num_warps, BLOCK=1024)["ttgir"]
+    layout = re.search(r"#ttg\.blocked<\{(.*?)\}>", ttgir).group(1)
+    size, lanes, warps = (int(re.search(rf"{key} = \[(\d+)\]", layout).group(1))
+                          for key in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
+    assert lanes == 32 and warps == num_warps and size == 4, layout
+    print(f"{num_warps:>9} {lanes * warps:>7} {1024 // (lanes * warps):>17}   {layout}")
+
+# %% [markdown]
+# Each thread holds 4 neighbouring float32: with 4 warps, 8 values, as in the figure of "How a GPU
+# runs a kernel". In the `ttgir` layout, each thread's 4 neighbouring float32 are 16 bytes, and a
+# layout smaller than the block repeats until it covers it. `order` lists the block's dimensions from
+# the one whose consecutive values sit in one thread (and then in neighbouring threads) first: a
+# one-dimensional block has only `[0]`.
+#
+# The next cell shows how `tl.sum` combines values of other threads in `row_sums_kernel`: with one
+# warp, only shuffles (`shfl.sync`); with four, also shared memory (`st.shared`, `ld.shared`).
+
+# %%
+row_sums_types = {"X": "*fp32", "OUT": "*fp32", "n_cols": "i32", "stride_row": "i32", "stride_col": "i32"}
+print(f"{'num_warps':>9} {'shfl.sync':>9} {'st.shared':>9} {'ld.shared':>9}   (instructions in row_sums_kernel's PTX)")
+for num_warps in (1, 4):
+    ptx = gpu_assembly(row_sums_kernel, row_sums_types, num_warps=num_warps, BLOCK=1024)["ptx"]
+    counts = [ptx.count(instruction) for instruction in ("shfl.sync", "st.shared", "ld.shared")]
+    assert counts[0] > 0 and (min(counts[1:]) > 0) == (num_warps > 1), counts
+    print(f"{num_warps:>9} {counts[0]:>9} {counts[1]:>9} {counts[2]:>9}")
+
+# %% [markdown]
+# More warps mean fewer values per thread and more threads to hide memory latency, but also more
+# work to combine values across warps in a sum or a scan; later chapters choose `num_warps` per
+# kernel.
+
+# %% [markdown]
+# ## Going deeper: timing fine print
+#
+# `do_bench` flushes the L2 cache (the GPU's last cache before its memory) by writing a 256 MiB
+# buffer before each run, so that every run reads its inputs from memory as a real workload would.
+# A launch's host time goes to Python, argument checks and the driver.
+#
+# The memory floor is itself a measurement, of a copy, so a kernel that streams as well as a copy
+# lands on it give or take the run-to-run variation, and may come in slightly under it (in the
+# timing table, the large additions replayed from a CUDA graph, the `graph_us` column, do); the
+# timing cell treats only a time under 0.8 of the floor as a timing error.
+#
+# Without a GPU the timing cell times the interpreter: every operation of every program runs in
+# Python, so many small blocks cost far more than a few large ones, and both are much slower than
+# PyTorch. That is why every chapter has two size profiles (`if ON_GPU:` realistic sizes, else small
+# ones) and reports no CPU timings.
+#
+# Timed ops that share an output buffer leave in it only the last op's result. That is why the
+# timing cell's own last check tests less than it seems: `torch.add` wrote `z_speed` last, so it
+# tests PyTorch's sum. The next cell checks the timed launch itself (the same grid and `BLOCK`, on
+# the last inputs timed), into its own buffer filled with NaN, so that a launch that wrote nothing,
+# or only part, fails.
+
+# %%
+z_kernel = torch.full_like(x_speed, float("nan"))
+vector_add_kernel[(triton.cdiv(x_speed.numel(), 1024),)](x_speed, y_speed, z_kernel, x_speed.numel(), BLOCK=1024)
+assert torch.equal(z_kernel, x_speed + y_speed), "vector_add_kernel's output"
+print(f"vector_add_kernel, {x_speed.numel()} values, BLOCK 1024, into its own buffer: equal to x + y")
+
+# %% [markdown]
+# ## Going deeper: the error bound of `tl.exp`
+#
+# On a GPU `tl.exp(x)` computes $2^t$, $t = x \log_2 e$, with the fast instruction `ex2.approx.f32`,
+# whose error is at most 2 units in the last place (ulp), a relative $2^{-22}$; the rounding of $t$
+# (up to $2^{-23}|t|$) adds a relative $|x|\,2^{-23}$. The cell of "4. Rounding differs from the
+# GPU's" asserts, on the GPU and under the interpreter (NumPy's float32 `exp`), that the error
+# against float64 stays within $2^{-22} + |x|\,2^{-23} + 2^{-24}$ (the last term for the final
+# rounding).
+
+# %% [markdown]
+# ## Going deeper: out-of-bounds reads
+#
+# Below, `x` is the first five elements of an eight-element buffer whose tail holds 100. An unmasked
+# block of 8 reads the neighbours, on CPU and GPU alike, with no error; the mask makes it right.
+
+# %%
+@triton.jit
+def sum_of_block_kernel(X, OUT, n, BLOCK: tl.constexpr, MASKED: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    if MASKED:
+        x = tl.load(X + offsets, mask=offsets < n, other=0.0)
+    else:
+        x = tl.load(X + offsets)                          # reads BLOCK values whatever n is
+    tl.store(OUT, tl.sum(x, axis=0))
+
+
+buffer = torch.full((8,), 100.0, device=DEVICE)
+x_short = buffer[:5]
+x_short.fill_(1.0)                                        # x = [1, 1, 1, 1, 1], then 100, 100, 100
+total = torch.zeros(1, device=DEVICE)
+sum_of_block_kernel[(1,)](x_short, total, x_short.numel(), BLOCK=8, MASKED=False)
+unmasked = total.item()
+sum_of_block_kernel[(1,)](x_short, total, x_short.numel(), BLOCK=8, MASKED=True)
+print(f"sum of five ones: unmasked {unmasked:.0f}, masked {total.item():.0f}")
+assert unmasked == 5 + 3 * 100 and total.item() == 5
+
+# %% [markdown]
+# The cell reads past the end of a tensor but inside its buffer. Past the end of an allocation the
+# result is garbage or a crash, depending on luck.
+
+# %% [markdown]
+# ## Going deeper: catching a truncating conversion
+#
 # Conversions can differ too: PyTorch and a GPU round float32 to the nearest bfloat16 or float16,
 # while Triton 3.6's interpreter truncates float32 to bfloat16. `rounds_to_nearest` tells the two
 # apart with $\pm(1 + \tfrac34\varepsilon)$, $\varepsilon$ the gap between 1 and the next value of
@@ -850,115 +877,6 @@ for dtype in (torch.bfloat16, torch.float16):
         assert nearest
 
 # %% [markdown]
-# ## Why the setup cell comes first
-#
-# `@triton.jit` looks at `TRITON_INTERPRET` when it *defines* a kernel, and returns either a
-# compiled GPU function or an interpreted one; setting the variable later changes no kernel already
-# defined. A kernel defined while it was unset is compiled for a GPU, and without one its first
-# launch fails. So `import scan_lib`, which sets the variable when no GPU is visible, comes first in
-# every chapter.
-
-# %%
-import os
-
-from triton.runtime.interpreter import InterpretedFunction
-
-assert isinstance(vector_add_kernel, InterpretedFunction) == INTERPRET
-print(f"vector_add_kernel is a {type(vector_add_kernel).__name__}")
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "0"
-    try:
-        @triton.jit
-        def defined_too_late_kernel(X):
-            tl.store(X, 1.0)
-    finally:
-        os.environ["TRITON_INTERPRET"] = "1"
-    assert not isinstance(defined_too_late_kernel, InterpretedFunction)
-    try:
-        defined_too_late_kernel[(1,)](torch.zeros(1))
-        raise AssertionError("a GPU kernel should not launch without a GPU")
-    except RuntimeError as error:
-        print(f"defined with TRITON_INTERPRET=0, launched without a GPU: RuntimeError: {error}")
-
-# %% [markdown]
-# ## Summary
-#
-# Kernels find their block from `tl.program_id` and `tl.arange`, read tensors through strides and
-# mask every load and store; `median_us` times them against the memory floor. The interpreter hides
-# races, non-associative combines and the GPU's rounding: run everything on a real GPU before
-# trusting it.
-#
-# Next: chapter 01 scans with `+`, first in one block, then at any length.
-
-# %% [markdown]
-# ## Going deeper: the setup cell's other half
-#
-# On Colab the first lines of the setup cell `pip install` this repository. The first exported cell
-# of `scan_lib.runtime` also holds `custom_op`, `EagerFastOp`, `apply` and `_eager_twin`: the
-# wrapping that makes the library's kernels PyTorch ops with gradients. Chapter 01 ("Going deeper:
-# `cumsum` as a PyTorch op") explains custom ops, chapter 03 ("Autograd plumbing") `apply`;
-# `EagerFastOp`'s docstring says why a plain eager call skips the dispatcher.
-
-# %% [markdown]
-# ## Going deeper: names in kernels
-#
-# Names in the kernels of this course follow one rule:
-#
-# * **Pointers** are capitalised words: `X`, `Y`, `GATES`, `DA`.
-# * **Compile-time constants** (`tl.constexpr` parameters) are upper case too: `BLOCK`, `CHUNK`,
-#   `REVERSE`. The annotation tells them from pointers.
-# * **Runtime values**, sizes and strides included, are lower case: `length`, `n_rows`, `stride_t`,
-#   `num_blocks`.
-#
-# So an upper-case name in a kernel is a pointer or a constant, and never changes while the kernel
-# runs. A `tl.constexpr` gets one compiled version of the kernel per value.
-
-# %% [markdown]
-# ## Going deeper: reading a layout, choosing `num_warps`
-#
-# In the `ttgir` layout, each thread's 4 neighbouring float32 are 16 bytes, and a layout smaller
-# than the block repeats until it covers it. `order` lists the block's dimensions from the one whose
-# consecutive values sit in one thread (and then in neighbouring threads) first: a one-dimensional
-# block has only `[0]`.
-#
-# More warps mean fewer values per thread and more threads to hide memory latency, but also more
-# work to combine values across warps in a sum or a scan; later chapters choose `num_warps` per
-# kernel.
-
-# %% [markdown]
-# ## Going deeper: timing fine print
-#
-# `do_bench` flushes the L2 cache (the GPU's last cache before its memory) by writing a 256 MiB
-# buffer before each run, so that every run reads its inputs from memory as a real workload would.
-# A launch's host time goes to Python, argument checks and the driver.
-#
-# The memory floor is itself a measurement, of a copy, so a kernel that streams as well as a copy
-# lands on it give or take the run-to-run variation, and may come in slightly under it (in the
-# timing table, the large additions replayed from a CUDA graph, the `graph_us` column, do); the
-# timing cell treats only a time under 0.8 of the floor as a timing error.
-#
-# Without a GPU the timing cell times the interpreter: every operation of every program runs in
-# Python, so many small blocks cost far more than a few large ones, and both are much slower than
-# PyTorch. That is why every chapter has two size profiles (`if ON_GPU:` realistic sizes, else small
-# ones) and reports no CPU timings.
-#
-# Timed ops that share an output buffer leave in it only the last op's result. That is why the
-# timing cell's own last check tests less than it seems, and the cell after it checks the timed
-# launch itself (the same grid and `BLOCK`, on the last inputs timed).
-
-# %% [markdown]
-# ## Going deeper: the error bound of `tl.exp`
-#
-# On a GPU `tl.exp(x)` computes $2^t$, $t = x \log_2 e$, with the fast instruction `ex2.approx.f32`,
-# whose error is at most 2 units in the last place (ulp), a relative $2^{-22}$; the rounding of $t$
-# (up to $2^{-23}|t|$) adds a relative $|x|\,2^{-23}$. The cell of "4. Rounding differs from the
-# GPU's" asserts, on the GPU and under the interpreter (NumPy's float32 `exp`), that the error
-# against float64 stays within $2^{-22} + |x|\,2^{-23} + 2^{-24}$ (the last term for the final
-# rounding).
-
-# %% [markdown]
-# ## Going deeper: catching a truncating conversion
-#
 # Triton 3.6's interpreter converts float32 to bfloat16 by dropping the low 16 bits, that is
 # truncation, towards zero. A test value must tell that from rounding to nearest: not representable
 # in the target type, and closer to its upper neighbour. $\pm(1 + \tfrac34\varepsilon)$ is both,
@@ -967,10 +885,109 @@ if INTERPRET:
 # a truncating conversion passing with it and failing with this one.
 
 # %% [markdown]
-# ## Going deeper: past the end of an allocation
+# ## Going deeper: torch ops in `scan_lib.runtime`
 #
-# The cell of "3. Out-of-bounds reads are silent" reads past the end of a tensor but inside its
-# buffer. Past the end of an allocation the result is garbage or a crash, depending on luck.
+# Nothing in this chapter uses the cell below; later chapters' exported modules do. `custom_op`
+# registers a launcher as a PyTorch custom op (`torch.library.custom_op`) and wraps it in
+# `EagerFastOp`; `apply` runs a `torch.autograd.Function`: the wrapping that makes the library's
+# kernels PyTorch ops with gradients. Chapter 03 ("Going deeper: autograd plumbing: torch ops,
+# `setup_context`, double backward") explains custom ops and `apply`; `EagerFastOp`'s docstring says
+# why a plain eager call skips the dispatcher.
+
+# %%
+#| export
+_LOCAL_OPS = iter(range(1, 1 << 62))
+
+
+def custom_op(name: str, module: str, **options):
+    """torch.library.custom_op for a scan_lib public op: `@custom_op("cumsum", __name__)`.
+
+    In a scan_lib module the op is `scan_lib::name`. Defined anywhere else (a notebook cell, whose
+    module is `__main__`), it gets a namespace of its own each time the cell runs, because scan_lib,
+    imported by the setup cell, has already registered `scan_lib::name`, and torch refuses a second
+    registration of one name."""
+    namespace = "scan_lib" if module.startswith("scan_lib.") else f"scan_lib_local{next(_LOCAL_OPS)}"
+
+    def register(implementation):
+        return EagerFastOp(torch.library.custom_op(f"{namespace}::{name}", mutates_args=(), **options)(implementation),
+                           implementation)
+    return register
+
+
+class EagerFastOp:
+    """A registered custom op that, in a plain eager call, runs its Python implementation directly.
+
+    Through the dispatcher, a Python custom op costs tens of microseconds per call before its code
+    runs (the autograd key, a redispatch, a wrapper that keeps torch.compile out of the
+    implementation). None of that does anything for plain tensors outside torch.compile, torch.func
+    transforms, dispatch or torch-function modes (fake tensors, the profiler's op names), and
+    tensors that need no gradient through the op; such calls go straight to the implementation,
+    every other call through the op. Everything else (register_fake, register_vmap, ...) is the op's."""
+
+    def __init__(self, op, implementation):
+        self._op, self._implementation = op, implementation
+        functools.update_wrapper(self, implementation)     # name, docstring and signature for help()
+
+    def __call__(self, *args, **kwargs):
+        if _plain_eager(args) and _plain_eager(kwargs.values()):
+            return self._implementation(*args, **kwargs)
+        return self._op(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_op", "_implementation"):   # not yet set (copy, pickle)
+            raise AttributeError(name)
+        return getattr(self._op, name)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)   # a Parameter's __torch_function__ is the Tensor's
+
+
+def _plain_eager(args) -> bool:
+    """Whether a call with these arguments needs nothing from the dispatcher (see EagerFastOp): no
+    torch.compile, torch.func transform, dispatch or torch-function mode, profiler or jit tracer, and
+    tensor arguments that are plain tensors (or parameters) needing no gradient through the op."""
+    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
+            or torch.autograd._profiler_enabled() or torch._C._get_tracing_state() is not None):
+        return False
+    grad = torch.is_grad_enabled()
+    for arg in args:
+        if isinstance(arg, (list, tuple)) and not _plain_eager(arg):
+            return False
+        if isinstance(arg, torch.Tensor) and (type(arg) not in _PLAIN_TENSORS or (grad and arg.requires_grad)):
+            return False
+    return True
+
+
+def apply(function, *args):
+    """`function.apply(*args)` for a torch.autograd.Function in the style torch.func needs (a forward
+    without ctx, and setup_context), without that style's cost in plain eager calls.
+
+    For that style, Function.apply binds the arguments with inspect.signature on every call: tens of
+    microseconds of host time, as much as a kernel launch. Outside torch.compile and torch.func
+    transforms, the same forward, setup_context and backward run as an old-style Function, whose
+    apply goes straight to C++. Pass every argument positionally."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    return _eager_twin(function).apply(*args)
+
+
+_EAGER_TWINS: dict = {}
+
+
+def _eager_twin(function):
+    """An old-style autograd.Function, named like `function`, that runs its forward, setup_context and backward."""
+    if function not in _EAGER_TWINS:
+        def forward(ctx, *args):
+            output = function.forward(*args)
+            function.setup_context(ctx, args, output)
+            return output
+
+        def backward(ctx, *grads):
+            return function.backward(ctx, *grads)
+        _EAGER_TWINS[function] = type(function.__name__, (torch.autograd.Function,),
+                                      {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    return _EAGER_TWINS[function]
 
 # %% [markdown]
 # ## Going deeper: the rest of `scan_lib.runtime`

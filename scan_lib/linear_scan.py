@@ -64,7 +64,6 @@ def linear_scan_rows_backward(gates, h, grad_h, initial_state=None, reverse=Fals
     )
     return d_gates, d_tokens, d_init
 
-
 # The two kernels as torch ops: opaque to torch.compile (which sees only their fake implementations)
 # and batched by torch.func.vmap through their vmap rules. Inputs: contiguous rows of one dtype.
 @custom_op("linear_scan_fwd", __name__)
@@ -76,11 +75,6 @@ def linear_scan_fwd(gates: torch.Tensor, tokens: torch.Tensor, initial_state: Op
     return linear_scan_rows(gates, tokens, initial_state, reverse, chunk)
 
 
-@linear_scan_fwd.register_fake
-def _(gates, tokens, initial_state, reverse, chunk):
-    return torch.empty_like(tokens)
-
-
 @custom_op("linear_scan_bwd", __name__)
 def linear_scan_bwd(gates: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor, initial_state: Optional[torch.Tensor],
                     reverse: bool, chunk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -90,43 +84,6 @@ def linear_scan_bwd(gates: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor, 
         return torch.zeros_like(gates), torch.zeros_like(h), d_init
     d_gates, d_tokens, d_init_rows = linear_scan_rows_backward(gates, h, grad_h, initial_state, reverse, chunk)
     return d_gates, d_tokens, d_init if d_init_rows is None else d_init_rows
-
-
-@linear_scan_bwd.register_fake
-def _(gates, h, grad_h, initial_state, reverse, chunk):
-    d_init = gates.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
-    return torch.empty_like(gates), torch.empty_like(h), d_init
-
-
-def _rows_of_batch(info, in_dims, *tensors):
-    """vmap: move each batch dim to the front (expanding unbatched tensors), then fold it into the rows:
-    (batch, rows, L) -> (batch * rows, L), (batch, rows) -> (batch * rows,)."""
-    out = []
-    for tensor, dim in zip(tensors, in_dims):
-        if tensor is not None:
-            tensor = tensor.movedim(dim, 0) if dim is not None else tensor.expand(info.batch_size, *tensor.shape)
-            tensor = tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).contiguous()
-        out.append(tensor)
-    return out
-
-
-def _linear_scan_fwd_vmap(info, in_dims, gates, tokens, initial_state, reverse, chunk):
-    rows = tokens.shape[0] if in_dims[1] is None else tokens.movedim(in_dims[1], 0).shape[1]
-    h = linear_scan_fwd(*_rows_of_batch(info, in_dims[:3], gates, tokens, initial_state), reverse, chunk)
-    return h.view(info.batch_size, rows, h.shape[-1]), 0
-
-
-def _linear_scan_bwd_vmap(info, in_dims, gates, h, grad_h, initial_state, reverse, chunk):
-    rows = h.shape[0] if in_dims[1] is None else h.movedim(in_dims[1], 0).shape[1]
-    d_gates, d_tokens, d_init = linear_scan_bwd(*_rows_of_batch(info, in_dims[:4], gates, h, grad_h, initial_state),
-                                                reverse, chunk)
-    batch, length = info.batch_size, h.shape[-1]
-    d_init = d_init.view(batch, rows) if initial_state is not None else d_init.new_empty(batch, 0)
-    return (d_gates.view(batch, rows, length), d_tokens.view(batch, rows, length), d_init), (0, 0, 0)
-
-
-linear_scan_fwd.register_vmap(_linear_scan_fwd_vmap)
-linear_scan_bwd.register_vmap(_linear_scan_bwd_vmap)
 
 
 def _shift(x, reverse, fill):
@@ -168,6 +125,69 @@ def _backward_by_scan(gates, h, grad_h, initial_state, reverse, chunk):
     h_prev = _shift(h, not reverse, h_init)  # h_{t-1} (reverse: h_{t+1}), the initial state at the first step
     first = -1 if reverse else 0
     return h_prev * delta, delta, gates[:, first] * delta[:, first]
+
+
+def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None):
+    """The first-order linear scan along the last dim, differentiable (twice and more) in all three tensors.
+
+    h_t = gates_t * h_{t-1} + tokens_t, with h_{-1} = initial_state (zeros if None);
+    reverse=True: h_t = gates_t * h_{t+1} + tokens_t, with h_L = initial_state.
+    gates: a tensor broadcastable against tokens (a scalar () or a per-channel (..., 1) gate, for an EMA)
+    or a Python number; tokens: (..., L); initial_state: None or broadcastable to the leading dims (...).
+    h has the broadcast shape of gates and tokens and the dtype torch's promotion gives gates * tokens
+    (and initial_state); it is computed in float32 (float64 for float64). The gradient of a broadcast
+    argument is summed back to its shape, in its dtype. Works under torch.func (grad, vmap), and
+    torch.compile sees the kernels as the custom ops scan_lib::linear_scan_fwd / linear_scan_bwd.
+    """
+    shape, dtype = _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk)
+    rows, length = math.prod(shape[:-1]), shape[-1]
+    if not isinstance(gates, torch.Tensor):
+        gates = torch.tensor(gates, dtype=dtype, device=tokens.device)
+    rows_gates = gates.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
+    rows_tokens = tokens.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
+    rows_init = None if initial_state is None else initial_state.to(dtype).expand(shape[:-1]).reshape(rows).contiguous()
+    return apply(LinearScanFunction, rows_gates, rows_tokens, rows_init, reverse, chunk).view(shape)
+
+@linear_scan_fwd.register_fake
+def _(gates, tokens, initial_state, reverse, chunk):
+    return torch.empty_like(tokens)
+
+
+@linear_scan_bwd.register_fake
+def _(gates, h, grad_h, initial_state, reverse, chunk):
+    d_init = gates.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
+    return torch.empty_like(gates), torch.empty_like(h), d_init
+
+
+def _rows_of_batch(info, in_dims, *tensors):
+    """vmap: move each batch dim to the front (expanding unbatched tensors), then fold it into the rows:
+    (batch, rows, L) -> (batch * rows, L), (batch, rows) -> (batch * rows,)."""
+    out = []
+    for tensor, dim in zip(tensors, in_dims):
+        if tensor is not None:
+            tensor = tensor.movedim(dim, 0) if dim is not None else tensor.expand(info.batch_size, *tensor.shape)
+            tensor = tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).contiguous()
+        out.append(tensor)
+    return out
+
+
+def _linear_scan_fwd_vmap(info, in_dims, gates, tokens, initial_state, reverse, chunk):
+    rows = tokens.shape[0] if in_dims[1] is None else tokens.movedim(in_dims[1], 0).shape[1]
+    h = linear_scan_fwd(*_rows_of_batch(info, in_dims[:3], gates, tokens, initial_state), reverse, chunk)
+    return h.view(info.batch_size, rows, h.shape[-1]), 0
+
+
+def _linear_scan_bwd_vmap(info, in_dims, gates, h, grad_h, initial_state, reverse, chunk):
+    rows = h.shape[0] if in_dims[1] is None else h.movedim(in_dims[1], 0).shape[1]
+    d_gates, d_tokens, d_init = linear_scan_bwd(*_rows_of_batch(info, in_dims[:4], gates, h, grad_h, initial_state),
+                                                reverse, chunk)
+    batch, length = info.batch_size, h.shape[-1]
+    d_init = d_init.view(batch, rows) if initial_state is not None else d_init.new_empty(batch, 0)
+    return (d_gates.view(batch, rows, length), d_tokens.view(batch, rows, length), d_init), (0, 0, 0)
+
+
+linear_scan_fwd.register_vmap(_linear_scan_fwd_vmap)
+linear_scan_bwd.register_vmap(_linear_scan_bwd_vmap)
 
 
 def _promoted_dtype(gates, tokens):
@@ -217,25 +237,3 @@ def _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk):
         raise ValueError(f"chunk must be None or a power of two >= 16, got {chunk!r}")
     check_same_device(**{name: value for name, value in named.items() if isinstance(value, torch.Tensor)})
     return shape, dtype
-
-
-def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None):
-    """The first-order linear scan along the last dim, differentiable (twice and more) in all three tensors.
-
-    h_t = gates_t * h_{t-1} + tokens_t, with h_{-1} = initial_state (zeros if None);
-    reverse=True: h_t = gates_t * h_{t+1} + tokens_t, with h_L = initial_state.
-    gates: a tensor broadcastable against tokens (a scalar () or a per-channel (..., 1) gate, for an EMA)
-    or a Python number; tokens: (..., L); initial_state: None or broadcastable to the leading dims (...).
-    h has the broadcast shape of gates and tokens and the dtype torch's promotion gives gates * tokens
-    (and initial_state); it is computed in float32 (float64 for float64). The gradient of a broadcast
-    argument is summed back to its shape, in its dtype. Works under torch.func (grad, vmap), and
-    torch.compile sees the kernels as the custom ops scan_lib::linear_scan_fwd / linear_scan_bwd.
-    """
-    shape, dtype = _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk)
-    rows, length = math.prod(shape[:-1]), shape[-1]
-    if not isinstance(gates, torch.Tensor):
-        gates = torch.tensor(gates, dtype=dtype, device=tokens.device)
-    rows_gates = gates.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
-    rows_tokens = tokens.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
-    rows_init = None if initial_state is None else initial_state.to(dtype).expand(shape[:-1]).reshape(rows).contiguous()
-    return apply(LinearScanFunction, rows_gates, rows_tokens, rows_init, reverse, chunk).view(shape)
