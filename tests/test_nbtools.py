@@ -205,3 +205,18 @@ def test_check_fails_when_exercises_drift(tmp_path, monkeypatch):
     assert any("exercises/" in p or "02_ema" in p for p in nbtools.check(outputs=False))
     exercises.write()
     assert exercises.check() == [] and not (copy / "07_orphan.ipynb").exists()
+
+
+def test_main_line_counts_what_comes_before_going_deeper():
+    """Prose words and code lines up to the first '## Going deeper' heading; the lines of a @triton.jit
+    function count as kernel lines, a plain function after it in the same cell as code again."""
+    import jupytext
+    source = "\n".join([
+        "# %% [markdown]", "# One two three.", "",
+        "# %%", "import triton", "", "x = 1", "",
+        "# %%", "@triton.jit", "def kernel(X):", "    pass", "", "", "def launcher(x):", "    return x", "",
+        "# %% [markdown]", "# Four five.", "#", "# ## Going deeper: more", "# Not counted at all.", "",
+        "# %%", "y = 2"])
+    size = nbtools.main_line(jupytext.reads(source, fmt="py:percent"))
+    assert size == {"words": 5, "code": 4, "kernel": 3}, size
+    assert nbtools.reading_minutes(size) == pytest.approx(5 / 130 + 4 / 12 + 3 / 6)

@@ -9,6 +9,7 @@ The jupytext percent files `notebooks/NN_name.py` are the sources people edit. F
                                      # its committed outputs are not from its current code, or if
                                      # exercises/ is stale (tools/exercises.py)
     python tools/nbtools.py execute NB...   # run notebooks in place and record their fingerprint
+    python tools/nbtools.py main-line [NB.py...]   # each chapter's main line: words, code, a reading time
 
 Export markers follow nbdev: a cell starting with `#| default_exp name` sets the notebook's module
 (`scan_lib/name.py`); a cell starting with `#| export` is copied there, in notebook order.
@@ -335,10 +336,42 @@ def _check_front_matter(name: str, notebook) -> list[str]:
     return problems
 
 
+# Reading speeds of the main-line estimate: a rough model for comparing chapters and edits, not a reader
+PROSE_WORDS_PER_MINUTE, CODE_LINES_PER_MINUTE, KERNEL_LINES_PER_MINUTE = 130, 12, 6
+
+
+def main_line(notebook) -> dict[str, int]:
+    """The size of a chapter's main line, everything before its first `## Going deeper` heading: words
+    of prose, non-blank lines of ordinary code, and non-blank lines of `@triton.jit` functions."""
+    size = {"words": 0, "code": 0, "kernel": 0}
+    for cell in notebook.cells:
+        if cell.cell_type == "markdown":
+            heading = re.search(r"^## Going deeper", cell.source, re.M)
+            size["words"] += len(cell.source[:heading.start() if heading else None].split())
+            if heading:
+                break
+            continue
+        jit = in_kernel = False
+        for line in (line for line in cell.source.splitlines() if line.strip()):
+            if not line[0].isspace() and not line.startswith("#"):   # a top-level statement starts
+                if line.startswith("@"):   # a decorator: @triton.jit's line is the kernel's first
+                    jit = in_kernel = jit or line.startswith("@triton.jit")
+                else:
+                    in_kernel, jit = jit and line.startswith("def "), False
+            size["kernel" if in_kernel else "code"] += 1
+    return size
+
+
+def reading_minutes(size: dict[str, int]) -> float:
+    return (size["words"] / PROSE_WORDS_PER_MINUTE + size["code"] / CODE_LINES_PER_MINUTE
+            + size["kernel"] / KERNEL_LINES_PER_MINUTE)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["export", "sync", "check", "execute", "setup-cell"])
-    parser.add_argument("notebooks", nargs="*", type=Path, help="execute: the .ipynb files (default: every chapter)")
+    parser.add_argument("command", choices=["export", "sync", "check", "execute", "setup-cell", "main-line"])
+    parser.add_argument("notebooks", nargs="*", type=Path,
+                        help="execute: the .ipynb files; main-line: the .py sources (default: every chapter)")
     parser.add_argument("--inputs-only", action="store_true", help="check: leave out the output fingerprints")
     arguments = parser.parse_args()
     command = arguments.command
@@ -351,6 +384,13 @@ def main() -> None:
         sync()
     elif command == "setup-cell":
         print(SETUP_CELL)
+    elif command == "main-line":
+        print(f"main line (before the first '## Going deeper'); minutes at {PROSE_WORDS_PER_MINUTE} words, "
+              f"{CODE_LINES_PER_MINUTE} code lines, {KERNEL_LINES_PER_MINUTE} kernel lines a minute")
+        for source in arguments.notebooks or chapter_sources():
+            size = main_line(jupytext.read(source))
+            print(f"{Path(source).stem:22s} {size['words']:6d} words {size['code']:5d} code {size['kernel']:5d} kernel "
+                  f"~{reading_minutes(size):4.0f} min")
     else:
         problems = check(outputs=not arguments.inputs_only)
         for problem in problems:
