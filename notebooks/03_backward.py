@@ -20,8 +20,8 @@
 #   scan, run right to left, with the gates shifted by one**;
 # - check the formulas against `torch.autograd`, then in a one-block kernel, then in a blocked kernel
 #   for any length;
-# - export `scan_lib.linear_scan`, differentiable (twice, too), check **every** gradient, and time it on
-#   a GPU against the memory floor.
+# - hand both kernels to autograd with a `torch.autograd.Function`, check **every** gradient, and time
+#   the library's `scan_lib.linear_scan` (differentiable twice, too) on a GPU against the memory floor.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -229,7 +229,7 @@ for length in [1, 7, 129, 1000, 4097]:
     assert max(errors) < 1e-9, dict(zip(names, errors))
 
 # %% [markdown]
-# ## 4. Any length: the blocked backward, and `scan_lib.linear_scan`
+# ## 4. Any length: the blocked backward, and a `torch.autograd.Function`
 #
 # Chapter 02's forward kernel walks a row's chunks left to right with the state in a register. The
 # backward kernel walks them **right to left** with the adjoint $\delta$ in a register, folded into each
@@ -311,19 +311,360 @@ def linear_scan_rows_backward(gates, h, grad_h, initial_state=None, reverse=Fals
     return d_gates, d_tokens, d_init
 
 # %% [markdown]
-# The second exported cell makes `linear_scan` a differentiable torch function: the two launchers
-# become custom ops, `linear_scan_fwd` and `linear_scan_bwd`, called by an `autograd.Function`, and
-# the public function broadcasts gates against tokens and passes them to the Function as contiguous
-# rows. A second derivative needs no second kernel: the backward is a linear scan plus elementwise
-# products, so when autograd records the backward (`create_graph=True`), `_backward_by_scan` computes
-# it with `linear_scan` and torch ops. The plumbing is in "Going deeper: autograd plumbing: torch ops,
-# `setup_context`, double backward": the ops' fake implementations and vmap rules, and
-# `_check_linear_scan_inputs`, which checks the arguments and promotes dtypes as `gates * tokens`
-# would ("Going deeper: broadcast gates, dtypes and bad input" tries them). Until that cell runs, this
-# notebook takes `_check_linear_scan_inputs` from the exported module:
+# Autograd cannot look inside a Triton kernel, so we tell it what the two launchers compute with a
+# `torch.autograd.Function`. Its `forward` runs chapter 02's forward launcher and saves what the
+# backward needs: the gates, the initial state and the output $h$ (not the tokens). Its `backward`
+# receives $\partial\mathcal L/\partial h$ and returns one gradient for each input of `forward`: `None`
+# for the two that are not tensors, and for an initial state that is `None`. Like both launchers, it
+# takes contiguous (rows, L) tensors.
 
 # %%
-from scan_lib.linear_scan import _check_linear_scan_inputs  # defined here in "Going deeper: autograd plumbing"
+class LinearScanRows(torch.autograd.Function):
+    """h for contiguous (rows, L) gates and tokens and initial_state (rows,) or None; differentiable once."""
+
+    @staticmethod
+    def forward(ctx, gates, tokens, initial_state, reverse, chunk):
+        h = linear_scan_rows(gates, tokens, initial_state, reverse, chunk)  # chapter 02's forward launcher
+        ctx.save_for_backward(gates, h, initial_state)
+        ctx.reverse, ctx.chunk = reverse, chunk
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        gates, h, initial_state = ctx.saved_tensors
+        d_gates, d_tokens, d_init = linear_scan_rows_backward(gates, h, grad_h.contiguous(), initial_state,
+                                                              ctx.reverse, ctx.chunk)
+        return d_gates, d_tokens, d_init, None, None  # one per input of forward
+
+# %% [markdown]
+# ## 5. Every gradient, every length, several chunk sizes
+#
+# This check runs `LinearScanRows` between elementwise products, as chapters 04 and 05 will run their
+# scans: $y = C \odot \mathrm{scan}(a,\ B \odot x,\ h_{-1})$ in plain PyTorch, so autograd chains our
+# gradients with the elementwise ones. **In this check only**, $y$ is that model's output, not the state,
+# and `dy` is $\partial\mathcal L/\partial y$ for it; from the `gradcheck` cell on, $y_t = h_t$ again. We
+# check $y$ and all five gradients against the float64 loop, at lengths 1, 7, 129, 1000 and 4097 (1100
+# under the interpreter), with chunks of 16 (a carry every 16 steps), 128 and 1024, in both directions,
+# with and without an initial state. The table shows the runs with an initial state and chunks of 16.
+
+# %%
+def model_grads(x, a, B, C, h0, dy, reverse, scan):
+    """(y, dx, da, dB, dC[, dh0]) for y = C * scan(a, B * x, h0, reverse), by autograd; h0 may be None."""
+    leaves = [t.detach().requires_grad_() for t in (x, a, B, C) + (() if h0 is None else (h0,))]
+    x_, a_, B_, C_ = leaves[:4]
+    y = C_ * scan(a_, B_ * x_, leaves[4] if h0 is not None else None, reverse)
+    return (y.detach(), *torch.autograd.grad(y, leaves, dy))
+
+
+model_names = ["y", "dx", "da", "dB", "dC", "dh0"]
+torch.manual_seed(3)
+rows_full = 16 if ON_GPU else 2
+print(f"{'L':>5} {'reverse':>8} {'init':>5} {'chunk':>6} " + " ".join(f"{n:>9}" for n in model_names))
+for length in [1, 7, 129, 1000, 4097 if ON_GPU else 1100]:
+    x, B, C, dy = torch.randn(4, rows_full, length, dtype=torch.float64, device=DEVICE)
+    a = torch.rand(rows_full, length, dtype=torch.float64, device=DEVICE)
+    h0 = torch.randn(rows_full, dtype=torch.float64, device=DEVICE)
+    for reverse in [False, True]:
+        for init in [h0, None]:
+            expected = model_grads(x, a, B, C, init, dy, reverse, scan_loop)
+            for chunk in [16, 128, 1024]:
+                got = model_grads(x, a, B, C, init, dy, reverse,
+                                  lambda *args: LinearScanRows.apply(*args, chunk))
+                errors = [(g.cpu() - e.cpu()).abs().max().item() for g, e in zip(got, expected)]
+                assert max(errors) < 1e-9, (length, reverse, init is None, chunk, dict(zip(model_names, errors)))
+                if init is not None and chunk == 16:
+                    print(f"{length:5} {str(reverse):>8} {'yes':>5} {chunk:6} " + " ".join(f"{err:9.1e}" for err in errors))
+print("the other runs (chunks of 128 and 1024, no initial state) match too, at every length and direction")
+
+# %% [markdown]
+# The rest of the chapter uses the library's op, `scan_lib.linear_scan`: it wraps the same two launchers
+# and adds what `LinearScanRows` lacks, among it any leading dims, non-contiguous inputs and a backward
+# that autograd can differentiate again ("Going deeper: autograd plumbing" shows how it is wired).
+# `torch.autograd.gradcheck` compares its backward with finite differences of our own forward over the
+# full Jacobian (`fast_mode=False`), in float64, on small shapes with extra leading dims, a
+# non-contiguous input and chunks of 16, so that carries are crossed. `gradgradcheck` does the same for
+# the second derivatives ($L = 17$); "Going deeper: why the Hessian tests the differentiated backward"
+# also compares a Hessian with the loop's.
+
+# %%
+from scan_lib import linear_scan  # the library's op
+
+torch.manual_seed(4)
+gates_gc = torch.rand(1, 2, 20, dtype=torch.float64, device=DEVICE).requires_grad_()
+tokens_gc = torch.randn(1, 20, 2, dtype=torch.float64, device=DEVICE).transpose(1, 2).requires_grad_()  # non-contiguous
+init_gc = torch.randn(1, 2, dtype=torch.float64, device=DEVICE).requires_grad_()
+assert not tokens_gc.is_contiguous()
+for reverse in [False, True]:
+    assert torch.autograd.gradcheck(lambda g, u, h: linear_scan(g, u, h, reverse, chunk=16),
+                                    (gates_gc, tokens_gc, init_gc), fast_mode=False)
+    small = [t.detach().requires_grad_() for t in (gates_gc[0, :1, :17], tokens_gc[0, :1, :17], init_gc[0, :1])]
+    assert torch.autograd.gradgradcheck(lambda g, u, h: linear_scan(g, u, h, reverse, chunk=16), small)
+print("gradcheck (float64, shape (1, 2, 20), full Jacobian) and gradgradcheck (1, 17), chunk 16, both directions: ok")
+
+# %% [markdown]
+# In float32, float16 and bfloat16, "Going deeper: low precision, and the gradients' error bound"
+# checks every gradient, element by element, against a bound built from chapter 02's `error_bound`,
+# and shows the check catching a wrong adjoint.
+#
+# ## 6. On a GPU: how fast, and how far from the floor
+#
+# Gates and tokens of shape (batch 8, channels 1024, L 4096) in float32. Both passes do a few flops per
+# element, so memory traffic sets their least time: the **memory floor** is the bytes that must move
+# over the copy bandwidth (`copy_bandwidth`, chapter 00, measured in the same cell). The forward moves
+# **3 tensors** (reads gates and tokens, writes $h$); forward + backward **8** (the backward also reads
+# gates, $h$ and the incoming gradient, and writes two gradients). Ours runs with its default
+# `BWD_CONFIG` and with the backward's loads descending ("Going deeper"); a peer, accelerated-scan,
+# runs when it is installed. Times are `do_bench` medians.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    from scan_lib.runtime import copy_bandwidth, median_us
+
+    from scan_lib.linear_scan import BWD_CONFIG as backward_config  # the dict scan_lib's linear_scan reads
+    torch.manual_seed(6)
+    shape_bench = (8, 1024, 4096)
+    gates_b = (0.5 + 0.5 * torch.rand(shape_bench, device=DEVICE)).requires_grad_()
+    tokens_b = torch.randn(shape_bench, device=DEVICE).requires_grad_()
+    grad_b = torch.randn(shape_bench, device=DEVICE)
+    tensor_bytes = gates_b.numel() * gates_b.element_size()
+
+    bandwidth = copy_bandwidth()  # bytes/s, read + write, from a 1 GiB copy (far larger than the L2 cache)
+    floors_us = {"fwd": 3 * tensor_bytes / bandwidth * 1e6, "fwd+bwd": 8 * tensor_bytes / bandwidth * 1e6}
+
+    # name -> (scan function, backward launch parameters or None for a third-party scan)
+    scans = {"ours (default)": (linear_scan, dict(backward_config)),
+             f"ours, backward with {'reverse=True' if backward_config['reversed_loads'] else 'descending loads'}":
+                 (linear_scan, {**backward_config, "reversed_loads": not backward_config["reversed_loads"]})}
+    try:
+        from accelerated_scan.scalar import scan as accelerated_scan_triton
+    except ImportError:
+        try:
+            from accelerated_scan.triton import scan as accelerated_scan_triton
+        except ImportError:
+            accelerated_scan_triton = None
+            print("skipped accelerated-scan: accelerated_scan is not importable (pip install accelerated-scan)")
+    if accelerated_scan_triton is not None:
+        scans["accelerated-scan (Triton)"] = (accelerated_scan_triton, None)
+
+    def grads_of(scan):
+        return torch.autograd.grad(scan(gates_b, tokens_b), (gates_b, tokens_b), grad_b)
+
+    # correctness at full size first: every variant against our float64 scan of the same inputs
+    leaves64 = [gates_b.detach().double().requires_grad_(), tokens_b.detach().double().requires_grad_()]
+    h64 = linear_scan(*leaves64)
+    expected_b = [h64.detach(), *torch.autograd.grad(h64, leaves64, grad_b.double())]
+    del h64, leaves64
+    default_config = dict(backward_config)
+    times_us = {}
+    for name, (scan, config) in scans.items():
+        backward_config.update(config or default_config)
+        got = [scan(gates_b, tokens_b).detach(), *grads_of(scan)]
+        errors = [((g.double() - e).abs().max() / e.abs().max()).item() for g, e in zip(got, expected_b)]
+        assert max(errors) < 1e-4, (name, errors)
+        forward_us = median_us(lambda: scan(gates_b, tokens_b))
+        both_us = median_us(lambda: grads_of(scan))
+        times_us[name] = (forward_us, both_us)
+    backward_config.update(default_config)
+    del expected_b, got
+
+    print(f"shapes: gates, tokens, grad {shape_bench} float32; one tensor = {tensor_bytes / 2**20:.0f} MiB")
+    print(f"copy bandwidth (1 GiB copy_): {bandwidth / 1e12:.2f} TB/s")
+    print(f"FWD_CONFIG = {FWD_CONFIG}\nBWD_CONFIG = {backward_config}")
+    print(f"floors: fwd 3 tensors = {floors_us['fwd']:.0f} us, fwd+bwd 8 tensors = {floors_us['fwd+bwd']:.0f} us")
+    print(f"{'':40} {'fwd us':>8} {'x floor':>8} {'fwd+bwd us':>11} {'x floor':>8}")
+    for name, (forward_us, both_us) in times_us.items():
+        print(f"{name:40} {forward_us:8.1f} {forward_us / floors_us['fwd']:8.2f} "
+              f"{both_us:11.1f} {both_us / floors_us['fwd+bwd']:8.2f}")
+
+    fig, ax = plt.subplots(figsize=(8, 3.5))
+    width = 0.8 / len(times_us)
+    for i, (name, pair) in enumerate(times_us.items()):
+        ax.bar([j + i * width for j in range(2)], pair, width, label=name)
+    for j, key in enumerate(["fwd", "fwd+bwd"]):
+        ax.hlines(floors_us[key], j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="--",
+                  label="memory floor" if j == 0 else None)
+    ax.set_xticks([0.4 - width / 2, 1.4 - width / 2], ["forward", "forward + backward"])
+    ax.set_ylabel("median time (us)")
+    ax.set_title(f"linear scan {shape_bench} float32 on {torch.cuda.get_device_name(DEVICE)}")
+    ax.legend(fontsize=8)
+    ours_fwd, ours_both = times_us["ours (default)"]
+    print(f"ours: forward {ours_fwd / floors_us['fwd']:.2f}x the floor, forward + backward "
+          f"{ours_both / floors_us['fwd+bwd']:.2f}x the floor")
+    if "accelerated-scan (Triton)" in times_us:
+        peer_fwd, peer_both = times_us["accelerated-scan (Triton)"]
+        print(f"accelerated-scan / ours: forward {peer_fwd / ours_fwd:.2f}, forward + backward {peer_both / ours_both:.2f} "
+              "(above 1: ours is faster in this run)")
+    save_figure(fig, "linear_scan_benchmark.png")
+
+
+# %% [markdown]
+# The cell times the public `linear_scan`, call included: the forward takes 1.71x the floor in the
+# first row and 1.07x in the second, forward + backward 4.01x with the default backward and 2.89x with
+# descending loads. Both rows run the same forward, so the difference between their forward columns is
+# no evidence about the kernels (more in "Going deeper: reading the timing"). This run has no peer row:
+# accelerated-scan was not installed.
+#
+# ## Summary
+#
+# - The adjoint of $h_t = a_t h_{t-1} + b_t$ is $\delta_t = \partial\mathcal L/\partial y_t + a_{t+1}\delta_{t+1}$:
+#   the same scan run the other way on the shifted gates; $\partial\mathcal L/\partial b_t = \delta_t$,
+#   $\partial\mathcal L/\partial a_t = h_{t-1}\delta_t$, $\partial\mathcal L/\partial h_{-1} = a_0\delta_0$.
+# - The backward kernel walks each row's chunks right to left, carrying $\delta$ in a register and reading
+#   the stored forward output one step back. A `torch.autograd.Function` hands both kernels to autograd;
+#   every gradient matches the float64 loop.
+# - `scan_lib.linear_scan(gates, tokens, initial_state=None, reverse=False)` wraps the same kernels,
+#   differentiable (twice too) in all three tensors, checked by `gradcheck`, `gradgradcheck` and a Hessian,
+#   and in low precision against a bound that the adjoint with unshifted gates fails.
+# - Next, chapter 04: N states per position, where storing $h$ is no longer an option.
+
+# %% [markdown]
+# ## Going deeper: what the adjoint looks like
+#
+# For $\mathcal L = \sum_t y_t$ (every $\partial\mathcal L/\partial y_t = 1$) and
+# constant gates $a_t = 0.95$, $\partial\mathcal L/\partial b_t = \delta_t$ counts the later outputs $b_t$
+# still reaches, discounted by $0.95$ per step: flat at $1/(1 - 0.95) = 20$ far from the end, falling to
+# $1$ at the last position. The gate's gradient $h_{t-1}\delta_t$ is that curve times the state the gate
+# multiplied.
+
+# %%
+torch.manual_seed(1)
+length_plot = 200
+b_plot = torch.randn(1, length_plot, dtype=torch.float64, device=DEVICE)
+a_plot = torch.full_like(b_plot, 0.95)
+zero_plot = torch.zeros(1, dtype=torch.float64, device=DEVICE)
+_, da_plot, db_plot, _ = grads_by_formula(a_plot, b_plot, zero_plot, torch.ones_like(b_plot))
+assert abs(db_plot[0, 0].item() - (1 - 0.95 ** length_plot) / 0.05) < 1e-9 and abs(db_plot[0, -1].item() - 1) < 1e-12
+
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3))
+ax1.plot(db_plot[0].cpu())
+ax1.set_ylabel(r"$\partial\mathcal{L}/\partial b_t = \delta_t$")
+ax1.set_title("the adjoint: a reverse scan")
+ax2.plot(da_plot[0].cpu(), color="C1")
+ax2.set_ylabel(r"$\partial\mathcal{L}/\partial a_t = h_{t-1}\,\delta_t$")
+ax2.set_title("the gate's gradient")
+for ax in (ax1, ax2):
+    ax.set_xlabel("t")
+fig.tight_layout()
+save_figure(fig, "adjoint_gradients.png")
+
+# %% [markdown]
+# ## Going deeper: what the backward stores, and what it recomputes
+#
+# $\partial a_t = h_{t-1}\delta_t$ needs the forward states. Storing the output $h$ (it exists anyway) and
+# reading $h_{t-1}$ back, or storing the inputs plus the state at each chunk boundary and recomputing
+# $h_{t-1}$ in each chunk (as the single-block kernel does), both cost 3 reads and 2 writes per element.
+# `linear_scan` stores $h$: one scan per chunk instead of two, and the tokens need not be kept alive
+# (they are often a temporary like $B_t x_t$). Chapter 04 must recompute: with N states per position,
+# storing them all would cost N times the memory. Each tensor is read once; only the element of an offset
+# load that falls in the next chunk is read twice (most likely from the cache; nothing here measures it).
+# The three loads are issued before the scan, so that their latencies can overlap.
+#
+# ## Going deeper: padding in the adjoint, and placeholders
+#
+# Past the end, the one-block kernel of section 3 gives the adjoint the shifted gate $0$, not the
+# identity's $1$, which is harmless there because the padding is where the adjoint enters. The blocked
+# kernel of section 4 meets padding on the adjoint's way out: when the adjoint runs left to right (the
+# adjoint of a reverse scan), or with descending loads (below), the padding ends the last chunk the
+# adjoint visits, so the adjoint leaves through it on its way to the initial state's gradient, and a
+# zero gate there would zero that gradient. So the blocked kernel puts the identity pair $(1, 0)$ in
+# the padding. As in chapter 02, `HAS_H0` is a compile-time constant: without an initial state the
+# kernel neither reads `H0` nor writes `DH0`, and the launcher passes `h` in their places as
+# placeholders that are never touched.
+
+# %% [markdown]
+# ## Going deeper: autograd plumbing: torch ops, `setup_context`, double backward
+#
+# Section 4's `LinearScanRows` hands autograd the two launchers for contiguous rows and one derivative.
+# The library's `linear_scan`, exported by the three cells below, wraps the same launchers for more. The
+# public function broadcasts gates against tokens and passes them, as contiguous rows, to an
+# `autograd.Function`, `LinearScanFunction`, which calls the launchers as custom ops, `linear_scan_fwd`
+# and `linear_scan_bwd`. A second derivative needs no second kernel: the backward is a linear scan plus
+# elementwise products, so when autograd records the backward (`create_graph=True`), `_backward_by_scan`
+# computes it with `LinearScanFunction` and torch ops.
+#
+# - **Custom ops.** The second cell registers the two launchers as PyTorch custom ops with
+#   `scan_lib.runtime.custom_op`, chapter 00's wrapper of `torch.library.custom_op`, which in a plain
+#   eager call runs the op's Python function directly. `torch.compile` does not trace into a Triton
+#   launcher: it calls the custom ops `linear_scan_fwd` / `linear_scan_bwd` and builds its graph from
+#   their *fake* implementations (shapes and dtypes only); `torch.func.vmap` uses their *vmap rules*,
+#   which fold the batch dim into the rows. The third cell registers the fake implementations and the
+#   vmap rules.
+# - **Arguments.** The first cell defines `_check_linear_scan_inputs`, which `linear_scan` calls first:
+#   it raises a `TypeError` or `ValueError` naming a wrong argument, and promotes dtypes as
+#   `gates * tokens` would (the last section tries it).
+# - **The autograd.Function** has `forward` without `ctx` plus `setup_context` (what `torch.func` needs) and
+#   `generate_vmap_rule = True`. Its backward is the fused kernel unless autograd records the backward
+#   (`create_graph=True`: `gradgradcheck`, `hessian`, `torch.func.grad`); then `_backward_by_scan` computes
+#   it from `LinearScanFunction` and torch ops, which autograd differentiates again. A backward that
+#   autograd cannot differentiate, such as `LinearScanRows`'s, does not always say so:
+#   `torch.autograd.functional.hessian` returns zeros through it, and where the first gradient also flows
+#   through other ops, the second derivative silently lacks the scan's part. So such a backward should
+#   raise when differentiated, as `causal_conv1d`'s and `selective_scan`'s do.
+# - **Host cost.** That style's `Function.apply` binds its arguments with `inspect.signature` on every call,
+#   host work that this course does not time (for a scale, chapter 00's table times a whole launch of a
+#   Triton kernel on the host, its `host_us` column). So the library calls `scan_lib.runtime.apply`:
+#   outside `torch.compile` and `torch.func` it runs the same forward, `setup_context` and backward as an
+#   old-style Function, whose `apply` goes straight to C++.
+# - **Saved tensors.** The Function saves the gates, the initial state and its output $h$, which share the
+#   caller's version counters: editing one in place before backward raises autograd's usual error instead
+#   of giving a wrong gradient. Broadcasting and casting happen outside the Function, so autograd sums the
+#   gradient of a broadcast gate back to its shape and casts it to its dtype.
+
+# %%
+#| export
+def _promoted_dtype(gates, tokens):
+    """torch.result_type(gates, tokens) for floating tensors (or a Python number for gates), written with
+    torch.promote_types so that torch.compile can trace it: a tensor with dimensions outranks a 0-dim
+    one, which outranks a Python number; tensors of the same rank promote as torch.promote_types says."""
+    if not isinstance(gates, torch.Tensor) or (gates.dim() == 0 and tokens.dim() > 0):
+        return tokens.dtype
+    if tokens.dim() == 0 and gates.dim() > 0:
+        return gates.dtype
+    return torch.promote_types(gates.dtype, tokens.dtype)
+
+
+def _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk):
+    """Validate the arguments; return (shape of h, dtype of h)."""
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
+    if not isinstance(gates, torch.Tensor) and (isinstance(gates, bool) or not isinstance(gates, (int, float))):
+        raise TypeError(f"gates must be a torch.Tensor or a real number, got {type(gates).__name__}")
+    named = {"gates": gates, "tokens": tokens, "initial_state": initial_state}
+    for name, value in named.items():
+        if isinstance(value, torch.Tensor) and value.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {value.dtype}")
+    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
+        raise TypeError(f"initial_state must be None or a torch.Tensor, got {type(initial_state).__name__}")
+    gate_shape = gates.shape if isinstance(gates, torch.Tensor) else ()
+    try:
+        shape = tokens.shape if gate_shape == tokens.shape else torch.broadcast_shapes(gate_shape, tokens.shape)
+    except RuntimeError:
+        raise ValueError(f"gates and tokens must have broadcastable shapes, got {tuple(gate_shape)} and "
+                         f"{tuple(tokens.shape)}") from None
+    if len(shape) == 0:
+        raise ValueError("gates and tokens must have at least one dimension (..., L) between them, got 0-dim tensors")
+    dtype = _promoted_dtype(gates, tokens)  # the dtype of gates * tokens
+    if initial_state is not None:
+        dtype = torch.promote_types(dtype, initial_state.dtype)
+        try:
+            ok = initial_state.shape == shape[:-1] or torch.broadcast_shapes(initial_state.shape, shape[:-1]) == shape[:-1]
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"initial_state must broadcast to {tuple(shape[:-1])} (the leading dims of h), "
+                             f"got {tuple(initial_state.shape)}")
+    if not isinstance(reverse, bool):
+        raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1)):
+        raise ValueError(f"chunk must be None or a power of two >= 16, got {chunk!r}")
+    check_same_device(**{name: value for name, value in named.items() if isinstance(value, torch.Tensor)})
+    return shape, dtype
+
+# %% [markdown]
+# The ops, the Function, the backward that autograd can differentiate, and the public function, which
+# broadcasts and casts outside the Function:
 
 # %%
 #| export
@@ -415,235 +756,80 @@ def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None)
     return apply(LinearScanFunction, rows_gates, rows_tokens, rows_init, reverse, chunk).view(shape)
 
 # %% [markdown]
-# ## 5. Every gradient, every length, several chunk sizes
-#
-# This check runs the scan between elementwise products, as chapters 04 and 05 will:
-# $y = C \odot \mathrm{linear\_scan}(a,\ B \odot x,\ h_{-1})$ in plain PyTorch, so autograd chains our
-# gradients with the elementwise ones. **In this check only**, $y$ is that model's output, not the state,
-# and `dy` is $\partial\mathcal L/\partial y$ for it; from the `gradcheck` cell on, $y_t = h_t$ again. We
-# check $y$ and all five gradients against the float64 loop, at lengths 1, 7, 129, 1000 and 4097 (1100
-# under the interpreter), with chunks of 16 (a carry every 16 steps), 128 and 1024, in both directions,
-# with and without an initial state. The table shows the runs with an initial state and chunks of 16.
+# The ops' fake implementations and vmap rules:
 
 # %%
-def model_grads(x, a, B, C, h0, dy, reverse, scan):
-    """(y, dx, da, dB, dC[, dh0]) for y = C * scan(a, B * x, h0, reverse), by autograd; h0 may be None."""
-    leaves = [t.detach().requires_grad_() for t in (x, a, B, C) + (() if h0 is None else (h0,))]
-    x_, a_, B_, C_ = leaves[:4]
-    y = C_ * scan(a_, B_ * x_, leaves[4] if h0 is not None else None, reverse)
-    return (y.detach(), *torch.autograd.grad(y, leaves, dy))
+#| export
+@linear_scan_fwd.register_fake
+def _(gates, tokens, initial_state, reverse, chunk):
+    return torch.empty_like(tokens)
 
 
-model_names = ["y", "dx", "da", "dB", "dC", "dh0"]
-torch.manual_seed(3)
-rows_full = 16 if ON_GPU else 2
-print(f"{'L':>5} {'reverse':>8} {'init':>5} {'chunk':>6} " + " ".join(f"{n:>9}" for n in model_names))
-for length in [1, 7, 129, 1000, 4097 if ON_GPU else 1100]:
-    x, B, C, dy = torch.randn(4, rows_full, length, dtype=torch.float64, device=DEVICE)
-    a = torch.rand(rows_full, length, dtype=torch.float64, device=DEVICE)
-    h0 = torch.randn(rows_full, dtype=torch.float64, device=DEVICE)
-    for reverse in [False, True]:
-        for init in [h0, None]:
-            expected = model_grads(x, a, B, C, init, dy, reverse, scan_loop)
-            for chunk in [16, 128, 1024]:
-                got = model_grads(x, a, B, C, init, dy, reverse,
-                                  lambda *args: linear_scan(*args, chunk=chunk))
-                errors = [(g.cpu() - e.cpu()).abs().max().item() for g, e in zip(got, expected)]
-                assert max(errors) < 1e-9, (length, reverse, init is None, chunk, dict(zip(model_names, errors)))
-                if init is not None and chunk == 16:
-                    print(f"{length:5} {str(reverse):>8} {'yes':>5} {chunk:6} " + " ".join(f"{err:9.1e}" for err in errors))
-print("the other runs (chunks of 128 and 1024, no initial state) match too, at every length and direction")
+@linear_scan_bwd.register_fake
+def _(gates, h, grad_h, initial_state, reverse, chunk):
+    d_init = gates.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
+    return torch.empty_like(gates), torch.empty_like(h), d_init
+
+
+def _rows_of_batch(info, in_dims, *tensors):
+    """vmap: move each batch dim to the front (expanding unbatched tensors), then fold it into the rows:
+    (batch, rows, L) -> (batch * rows, L), (batch, rows) -> (batch * rows,)."""
+    out = []
+    for tensor, dim in zip(tensors, in_dims):
+        if tensor is not None:
+            tensor = tensor.movedim(dim, 0) if dim is not None else tensor.expand(info.batch_size, *tensor.shape)
+            tensor = tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).contiguous()
+        out.append(tensor)
+    return out
+
+
+def _linear_scan_fwd_vmap(info, in_dims, gates, tokens, initial_state, reverse, chunk):
+    rows = tokens.shape[0] if in_dims[1] is None else tokens.movedim(in_dims[1], 0).shape[1]
+    h = linear_scan_fwd(*_rows_of_batch(info, in_dims[:3], gates, tokens, initial_state), reverse, chunk)
+    return h.view(info.batch_size, rows, h.shape[-1]), 0
+
+
+def _linear_scan_bwd_vmap(info, in_dims, gates, h, grad_h, initial_state, reverse, chunk):
+    rows = h.shape[0] if in_dims[1] is None else h.movedim(in_dims[1], 0).shape[1]
+    d_gates, d_tokens, d_init = linear_scan_bwd(*_rows_of_batch(info, in_dims[:4], gates, h, grad_h, initial_state),
+                                                reverse, chunk)
+    batch, length = info.batch_size, h.shape[-1]
+    d_init = d_init.view(batch, rows) if initial_state is not None else d_init.new_empty(batch, 0)
+    return (d_gates.view(batch, rows, length), d_tokens.view(batch, rows, length), d_init), (0, 0, 0)
+
+
+linear_scan_fwd.register_vmap(_linear_scan_fwd_vmap)
+linear_scan_bwd.register_vmap(_linear_scan_bwd_vmap)
 
 # %% [markdown]
-# `torch.autograd.gradcheck` compares our backward with finite differences of our own forward over the
-# full Jacobian (`fast_mode=False`), in float64, on small shapes with extra leading dims, a
-# non-contiguous input and chunks of 16, so that carries are crossed. `gradgradcheck` does the same for
-# the second derivatives ($L = 17$); "Going deeper: why the Hessian tests the differentiated backward"
-# also compares a Hessian with the loop's.
+# The transforms, against the plain call. What the comparison shows is the wiring: that each transform
+# reaches the kernels through the Function and the custom ops. It is not a check of the gradients'
+# values, because both sides run our own backward; section 5 checked the kernels' values
+# against the float64 loop, and `gradcheck` the library's copy of this code against finite differences. (The two sides do not even take the same path:
+# `torch.func.grad` differentiates with `create_graph=True`, so grad mode is on inside the backward and
+# it runs `_backward_by_scan`, while the plain call runs the fused kernel. Both compute the same
+# formulas with the same chunks, and the recording shows them equal, a difference of 0.0e+00.)
 
 # %%
-torch.manual_seed(4)
-gates_gc = torch.rand(1, 2, 20, dtype=torch.float64, device=DEVICE).requires_grad_()
-tokens_gc = torch.randn(1, 20, 2, dtype=torch.float64, device=DEVICE).transpose(1, 2).requires_grad_()  # non-contiguous
-init_gc = torch.randn(1, 2, dtype=torch.float64, device=DEVICE).requires_grad_()
-assert not tokens_gc.is_contiguous()
-for reverse in [False, True]:
-    assert torch.autograd.gradcheck(lambda g, u, h: linear_scan(g, u, h, reverse, chunk=16),
-                                    (gates_gc, tokens_gc, init_gc), fast_mode=False)
-    small = [t.detach().requires_grad_() for t in (gates_gc[0, :1, :17], tokens_gc[0, :1, :17], init_gc[0, :1])]
-    assert torch.autograd.gradgradcheck(lambda g, u, h: linear_scan(g, u, h, reverse, chunk=16), small)
-print("gradcheck (float64, shape (1, 2, 20), full Jacobian) and gradgradcheck (1, 17), chunk 16, both directions: ok")
-
-# %% [markdown]
-# In float32, float16 and bfloat16, "Going deeper: low precision, and the gradients' error bound"
-# checks every gradient, element by element, against a bound built from chapter 02's `error_bound`,
-# and shows the check catching a wrong adjoint.
-#
-# ## 6. On a GPU: how fast, and how far from the floor
-#
-# Gates and tokens of shape (batch 8, channels 1024, L 4096) in float32. Both passes do a few flops per
-# element, so memory traffic sets their least time: the **memory floor** is the bytes that must move
-# over the copy bandwidth (`copy_bandwidth`, chapter 00, measured in the same cell). The forward moves
-# **3 tensors** (reads gates and tokens, writes $h$); forward + backward **8** (the backward also reads
-# gates, $h$ and the incoming gradient, and writes two gradients). Ours runs with its default
-# `BWD_CONFIG` and with the backward's loads descending ("Going deeper"); a peer, accelerated-scan,
-# runs when it is installed. Times are `do_bench` medians.
-
-# %%
-if not ON_GPU:
-    print("skipped: needs a GPU")
-else:
-    from scan_lib.runtime import copy_bandwidth, median_us
-
-    backward_config = BWD_CONFIG  # the dict this notebook's linear_scan reads (scan_lib's own is another copy)
-    torch.manual_seed(6)
-    shape_bench = (8, 1024, 4096)
-    gates_b = (0.5 + 0.5 * torch.rand(shape_bench, device=DEVICE)).requires_grad_()
-    tokens_b = torch.randn(shape_bench, device=DEVICE).requires_grad_()
-    grad_b = torch.randn(shape_bench, device=DEVICE)
-    tensor_bytes = gates_b.numel() * gates_b.element_size()
-
-    bandwidth = copy_bandwidth()  # bytes/s, read + write, from a 1 GiB copy (far larger than the L2 cache)
-    floors_us = {"fwd": 3 * tensor_bytes / bandwidth * 1e6, "fwd+bwd": 8 * tensor_bytes / bandwidth * 1e6}
-
-    # name -> (scan function, backward launch parameters or None for a third-party scan)
-    scans = {"ours (default)": (linear_scan, dict(backward_config)),
-             f"ours, backward with {'reverse=True' if backward_config['reversed_loads'] else 'descending loads'}":
-                 (linear_scan, {**backward_config, "reversed_loads": not backward_config["reversed_loads"]})}
-    try:
-        from accelerated_scan.scalar import scan as accelerated_scan_triton
-    except ImportError:
-        try:
-            from accelerated_scan.triton import scan as accelerated_scan_triton
-        except ImportError:
-            accelerated_scan_triton = None
-            print("skipped accelerated-scan: accelerated_scan is not importable (pip install accelerated-scan)")
-    if accelerated_scan_triton is not None:
-        scans["accelerated-scan (Triton)"] = (accelerated_scan_triton, None)
-
-    def grads_of(scan):
-        return torch.autograd.grad(scan(gates_b, tokens_b), (gates_b, tokens_b), grad_b)
-
-    # correctness at full size first: every variant against our float64 scan of the same inputs
-    leaves64 = [gates_b.detach().double().requires_grad_(), tokens_b.detach().double().requires_grad_()]
-    h64 = linear_scan(*leaves64)
-    expected_b = [h64.detach(), *torch.autograd.grad(h64, leaves64, grad_b.double())]
-    del h64, leaves64
-    default_config = dict(backward_config)
-    times_us = {}
-    for name, (scan, config) in scans.items():
-        backward_config.update(config or default_config)
-        got = [scan(gates_b, tokens_b).detach(), *grads_of(scan)]
-        errors = [((g.double() - e).abs().max() / e.abs().max()).item() for g, e in zip(got, expected_b)]
-        assert max(errors) < 1e-4, (name, errors)
-        forward_us = median_us(lambda: scan(gates_b, tokens_b))
-        both_us = median_us(lambda: grads_of(scan))
-        times_us[name] = (forward_us, both_us)
-    backward_config.update(default_config)
-    del expected_b, got
-
-    print(f"shapes: gates, tokens, grad {shape_bench} float32; one tensor = {tensor_bytes / 2**20:.0f} MiB")
-    print(f"copy bandwidth (1 GiB copy_): {bandwidth / 1e12:.2f} TB/s")
-    print(f"FWD_CONFIG = {FWD_CONFIG}\nBWD_CONFIG = {backward_config}")
-    print(f"floors: fwd 3 tensors = {floors_us['fwd']:.0f} us, fwd+bwd 8 tensors = {floors_us['fwd+bwd']:.0f} us")
-    print(f"{'':40} {'fwd us':>8} {'x floor':>8} {'fwd+bwd us':>11} {'x floor':>8}")
-    for name, (forward_us, both_us) in times_us.items():
-        print(f"{name:40} {forward_us:8.1f} {forward_us / floors_us['fwd']:8.2f} "
-              f"{both_us:11.1f} {both_us / floors_us['fwd+bwd']:8.2f}")
-
-    fig, ax = plt.subplots(figsize=(8, 3.5))
-    width = 0.8 / len(times_us)
-    for i, (name, pair) in enumerate(times_us.items()):
-        ax.bar([j + i * width for j in range(2)], pair, width, label=name)
-    for j, key in enumerate(["fwd", "fwd+bwd"]):
-        ax.hlines(floors_us[key], j - width / 2, j + 0.8 - width / 2, colors="k", linestyles="--",
-                  label="memory floor" if j == 0 else None)
-    ax.set_xticks([0.4 - width / 2, 1.4 - width / 2], ["forward", "forward + backward"])
-    ax.set_ylabel("median time (us)")
-    ax.set_title(f"linear scan {shape_bench} float32 on {torch.cuda.get_device_name(DEVICE)}")
-    ax.legend(fontsize=8)
-    ours_fwd, ours_both = times_us["ours (default)"]
-    print(f"ours: forward {ours_fwd / floors_us['fwd']:.2f}x the floor, forward + backward "
-          f"{ours_both / floors_us['fwd+bwd']:.2f}x the floor")
-    if "accelerated-scan (Triton)" in times_us:
-        peer_fwd, peer_both = times_us["accelerated-scan (Triton)"]
-        print(f"accelerated-scan / ours: forward {peer_fwd / ours_fwd:.2f}, forward + backward {peer_both / ours_both:.2f} "
-              "(above 1: ours is faster in this run)")
-    save_figure(fig, "linear_scan_benchmark.png")
-
-
-# %% [markdown]
-# The cell times the public `linear_scan`, call included: the forward takes 1.71x the floor in the
-# first row and 1.07x in the second, forward + backward 4.01x with the default backward and 2.89x with
-# descending loads. Both rows run the same forward, so the difference between their forward columns is
-# no evidence about the kernels (more in "Going deeper: reading the timing"). This run has no peer row:
-# accelerated-scan was not installed.
-#
-# ## Summary
-#
-# - The adjoint of $h_t = a_t h_{t-1} + b_t$ is $\delta_t = \partial\mathcal L/\partial y_t + a_{t+1}\delta_{t+1}$:
-#   the same scan run the other way on the shifted gates; $\partial\mathcal L/\partial b_t = \delta_t$,
-#   $\partial\mathcal L/\partial a_t = h_{t-1}\delta_t$, $\partial\mathcal L/\partial h_{-1} = a_0\delta_0$.
-# - The backward kernel walks each row's chunks right to left, carrying $\delta$ in a register and reading
-#   the stored forward output one step back.
-# - `scan_lib.linear_scan(gates, tokens, initial_state=None, reverse=False)` is differentiable (twice too) in
-#   all three tensors, checked against the float64 loop, by `gradcheck`, `gradgradcheck` and a Hessian,
-#   and in low precision against a bound that the adjoint with unshifted gates fails.
-# - Next, chapter 04: N states per position, where storing $h$ is no longer an option.
-
-# %% [markdown]
-# ## Going deeper: what the adjoint looks like
-#
-# For $\mathcal L = \sum_t y_t$ (every $\partial\mathcal L/\partial y_t = 1$) and
-# constant gates $a_t = 0.95$, $\partial\mathcal L/\partial b_t = \delta_t$ counts the later outputs $b_t$
-# still reaches, discounted by $0.95$ per step: flat at $1/(1 - 0.95) = 20$ far from the end, falling to
-# $1$ at the last position. The gate's gradient $h_{t-1}\delta_t$ is that curve times the state the gate
-# multiplied.
-
-# %%
-torch.manual_seed(1)
-length_plot = 200
-b_plot = torch.randn(1, length_plot, dtype=torch.float64, device=DEVICE)
-a_plot = torch.full_like(b_plot, 0.95)
-zero_plot = torch.zeros(1, dtype=torch.float64, device=DEVICE)
-_, da_plot, db_plot, _ = grads_by_formula(a_plot, b_plot, zero_plot, torch.ones_like(b_plot))
-assert abs(db_plot[0, 0].item() - (1 - 0.95 ** length_plot) / 0.05) < 1e-9 and abs(db_plot[0, -1].item() - 1) < 1e-12
-
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3))
-ax1.plot(db_plot[0].cpu())
-ax1.set_ylabel(r"$\partial\mathcal{L}/\partial b_t = \delta_t$")
-ax1.set_title("the adjoint: a reverse scan")
-ax2.plot(da_plot[0].cpu(), color="C1")
-ax2.set_ylabel(r"$\partial\mathcal{L}/\partial a_t = h_{t-1}\,\delta_t$")
-ax2.set_title("the gate's gradient")
-for ax in (ax1, ax2):
-    ax.set_xlabel("t")
-fig.tight_layout()
-save_figure(fig, "adjoint_gradients.png")
-
-# %% [markdown]
-# ## Going deeper: what the backward stores, and what it recomputes
-#
-# $\partial a_t = h_{t-1}\delta_t$ needs the forward states. Storing the output $h$ (it exists anyway) and
-# reading $h_{t-1}$ back, or storing the inputs plus the state at each chunk boundary and recomputing
-# $h_{t-1}$ in each chunk (as the single-block kernel does), both cost 3 reads and 2 writes per element.
-# `linear_scan` stores $h$: one scan per chunk instead of two, and the tokens need not be kept alive
-# (they are often a temporary like $B_t x_t$). Chapter 04 must recompute: with N states per position,
-# storing them all would cost N times the memory. Each tensor is read once; only the element of an offset
-# load that falls in the next chunk is read twice (most likely from the cache; nothing here measures it).
-# The three loads are issued before the scan, so that their latencies can overlap.
-#
-# ## Going deeper: padding in the adjoint, and placeholders
-#
-# Past the end, the one-block kernel of section 3 gives the adjoint the shifted gate $0$, not the
-# identity's $1$, which is harmless there because the padding is where the adjoint enters. The blocked
-# kernel of section 4 meets padding on the adjoint's way out: when the adjoint runs left to right (the
-# adjoint of a reverse scan), or with descending loads (below), the padding ends the last chunk the
-# adjoint visits, so the adjoint leaves through it on its way to the initial state's gradient, and a
-# zero gate there would zero that gradient. So the blocked kernel puts the identity pair $(1, 0)$ in
-# the padding. As in chapter 02, `HAS_H0` is a compile-time constant: without an initial state the
-# kernel neither reads `H0` nor writes `DH0`, and the launcher passes `h` in their places as
-# placeholders that are never touched.
+torch.manual_seed(7)
+gates_fn = torch.rand(4, 3, 20, dtype=torch.float64, device=DEVICE)
+tokens_fn = torch.randn(4, 3, 20, dtype=torch.float64, device=DEVICE)
+loss_fn = lambda g, u: (linear_scan(g, u) ** 2).sum()  # noqa: E731
+leaves_fn = [t.clone().requires_grad_() for t in (gates_fn, tokens_fn)]
+plain_grads = torch.autograd.grad(loss_fn(*leaves_fn), leaves_fn)
+checks = {
+    "torch.func.grad": torch.func.grad(loss_fn, argnums=(0, 1))(gates_fn, tokens_fn),
+    "torch.func.vmap(grad) over dim 0": torch.func.vmap(torch.func.grad(loss_fn, argnums=(0, 1)))(gates_fn, tokens_fn),
+}
+compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+checks["torch.compile(fullgraph=True)"] = torch.autograd.grad(compiled(*leaves_fn), leaves_fn)
+for what, grads in checks.items():
+    error = max((g - p).abs().max().item() for g, p in zip(grads, plain_grads))
+    print(f"{what:34} gradients, max abs difference from autograd: {error:.1e}")
+    assert error < 1e-12
+batched = torch.func.vmap(linear_scan, in_dims=(1, 1))(gates_fn, tokens_fn)
+assert torch.equal(batched, linear_scan(gates_fn.transpose(0, 1), tokens_fn.transpose(0, 1)))
+print("torch.func.vmap over dim 1: equal to the plain call")
 
 # %% [markdown]
 # ## Going deeper: low precision, and the gradients' error bound
@@ -830,158 +1016,6 @@ print(f"backward with reversed_loads={not default_bwd_config['reversed_loads']}:
 # forward launcher `linear_scan_rows` at this size against the same floor, and
 # `benchmarks/bench_linear_scan.py` times the backward kernel alone, with the peer beside ours (its H200
 # output, from an earlier commit, is in `benchmarks/results/bench_linear_scan_h200.txt`).
-
-# %% [markdown]
-# ## Going deeper: autograd plumbing: torch ops, `setup_context`, double backward
-#
-# - **Custom ops.** Section 4 registers the two launchers as PyTorch custom ops with
-#   `scan_lib.runtime.custom_op`, chapter 00's wrapper of `torch.library.custom_op`, which in a plain
-#   eager call runs the op's Python function directly. `torch.compile` does not trace into a Triton
-#   launcher: it calls the custom ops `linear_scan_fwd` / `linear_scan_bwd` and builds its graph from
-#   their *fake* implementations (shapes and dtypes only); `torch.func.vmap` uses their *vmap rules*,
-#   which fold the batch dim into the rows. The exported cell below registers the fake
-#   implementations and the vmap rules, and defines `_check_linear_scan_inputs`, which `linear_scan`
-#   calls first: it raises a `TypeError` or `ValueError` naming a wrong argument, and promotes dtypes
-#   as `gates * tokens` would (the last section tries it).
-# - **The autograd.Function** has `forward` without `ctx` plus `setup_context` (what `torch.func` needs) and
-#   `generate_vmap_rule = True`. Its backward is the fused kernel unless autograd records the backward
-#   (`create_graph=True`: `gradgradcheck`, `hessian`, `torch.func.grad`); then `_backward_by_scan` computes
-#   it from `LinearScanFunction` and torch ops, which autograd differentiates again. A backward that
-#   autograd cannot differentiate does not always say so: `torch.autograd.functional.hessian` returns
-#   zeros through it, and where the first gradient also flows through other ops, the second derivative
-#   silently lacks the scan's part. So such a backward should raise when differentiated, as
-#   `causal_conv1d`'s and `selective_scan`'s do.
-# - **Host cost.** That style's `Function.apply` binds its arguments with `inspect.signature` on every call,
-#   host work that this course does not time (for a scale, chapter 00's table times a whole launch of a
-#   Triton kernel on the host, its `host_us` column). So the library calls `scan_lib.runtime.apply`:
-#   outside `torch.compile` and `torch.func` it runs the same forward, `setup_context` and backward as an
-#   old-style Function, whose `apply` goes straight to C++.
-# - **Saved tensors.** The Function saves the gates, the initial state and its output $h$, which share the
-#   caller's version counters: editing one in place before backward raises autograd's usual error instead
-#   of giving a wrong gradient. Broadcasting and casting happen outside the Function, so autograd sums the
-#   gradient of a broadcast gate back to its shape and casts it to its dtype.
-
-# %%
-#| export
-@linear_scan_fwd.register_fake
-def _(gates, tokens, initial_state, reverse, chunk):
-    return torch.empty_like(tokens)
-
-
-@linear_scan_bwd.register_fake
-def _(gates, h, grad_h, initial_state, reverse, chunk):
-    d_init = gates.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
-    return torch.empty_like(gates), torch.empty_like(h), d_init
-
-
-def _rows_of_batch(info, in_dims, *tensors):
-    """vmap: move each batch dim to the front (expanding unbatched tensors), then fold it into the rows:
-    (batch, rows, L) -> (batch * rows, L), (batch, rows) -> (batch * rows,)."""
-    out = []
-    for tensor, dim in zip(tensors, in_dims):
-        if tensor is not None:
-            tensor = tensor.movedim(dim, 0) if dim is not None else tensor.expand(info.batch_size, *tensor.shape)
-            tensor = tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).contiguous()
-        out.append(tensor)
-    return out
-
-
-def _linear_scan_fwd_vmap(info, in_dims, gates, tokens, initial_state, reverse, chunk):
-    rows = tokens.shape[0] if in_dims[1] is None else tokens.movedim(in_dims[1], 0).shape[1]
-    h = linear_scan_fwd(*_rows_of_batch(info, in_dims[:3], gates, tokens, initial_state), reverse, chunk)
-    return h.view(info.batch_size, rows, h.shape[-1]), 0
-
-
-def _linear_scan_bwd_vmap(info, in_dims, gates, h, grad_h, initial_state, reverse, chunk):
-    rows = h.shape[0] if in_dims[1] is None else h.movedim(in_dims[1], 0).shape[1]
-    d_gates, d_tokens, d_init = linear_scan_bwd(*_rows_of_batch(info, in_dims[:4], gates, h, grad_h, initial_state),
-                                                reverse, chunk)
-    batch, length = info.batch_size, h.shape[-1]
-    d_init = d_init.view(batch, rows) if initial_state is not None else d_init.new_empty(batch, 0)
-    return (d_gates.view(batch, rows, length), d_tokens.view(batch, rows, length), d_init), (0, 0, 0)
-
-
-linear_scan_fwd.register_vmap(_linear_scan_fwd_vmap)
-linear_scan_bwd.register_vmap(_linear_scan_bwd_vmap)
-
-
-def _promoted_dtype(gates, tokens):
-    """torch.result_type(gates, tokens) for floating tensors (or a Python number for gates), written with
-    torch.promote_types so that torch.compile can trace it: a tensor with dimensions outranks a 0-dim
-    one, which outranks a Python number; tensors of the same rank promote as torch.promote_types says."""
-    if not isinstance(gates, torch.Tensor) or (gates.dim() == 0 and tokens.dim() > 0):
-        return tokens.dtype
-    if tokens.dim() == 0 and gates.dim() > 0:
-        return gates.dtype
-    return torch.promote_types(gates.dtype, tokens.dtype)
-
-
-def _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk):
-    """Validate the arguments; return (shape of h, dtype of h)."""
-    if not isinstance(tokens, torch.Tensor):
-        raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
-    if not isinstance(gates, torch.Tensor) and (isinstance(gates, bool) or not isinstance(gates, (int, float))):
-        raise TypeError(f"gates must be a torch.Tensor or a real number, got {type(gates).__name__}")
-    named = {"gates": gates, "tokens": tokens, "initial_state": initial_state}
-    for name, value in named.items():
-        if isinstance(value, torch.Tensor) and value.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {value.dtype}")
-    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
-        raise TypeError(f"initial_state must be None or a torch.Tensor, got {type(initial_state).__name__}")
-    gate_shape = gates.shape if isinstance(gates, torch.Tensor) else ()
-    try:
-        shape = tokens.shape if gate_shape == tokens.shape else torch.broadcast_shapes(gate_shape, tokens.shape)
-    except RuntimeError:
-        raise ValueError(f"gates and tokens must have broadcastable shapes, got {tuple(gate_shape)} and "
-                         f"{tuple(tokens.shape)}") from None
-    if len(shape) == 0:
-        raise ValueError("gates and tokens must have at least one dimension (..., L) between them, got 0-dim tensors")
-    dtype = _promoted_dtype(gates, tokens)  # the dtype of gates * tokens
-    if initial_state is not None:
-        dtype = torch.promote_types(dtype, initial_state.dtype)
-        try:
-            ok = initial_state.shape == shape[:-1] or torch.broadcast_shapes(initial_state.shape, shape[:-1]) == shape[:-1]
-        except RuntimeError:
-            ok = False
-        if not ok:
-            raise ValueError(f"initial_state must broadcast to {tuple(shape[:-1])} (the leading dims of h), "
-                             f"got {tuple(initial_state.shape)}")
-    if not isinstance(reverse, bool):
-        raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1)):
-        raise ValueError(f"chunk must be None or a power of two >= 16, got {chunk!r}")
-    check_same_device(**{name: value for name, value in named.items() if isinstance(value, torch.Tensor)})
-    return shape, dtype
-
-# %% [markdown]
-# The transforms, against the plain call. What the comparison shows is the wiring: that each transform
-# reaches the kernels through the Function and the custom ops. It is not a check of the gradients'
-# values, because both sides run our own backward; section 5 checked the values against the float64
-# loop, and `gradcheck` against finite differences. (The two sides do not even take the same path:
-# `torch.func.grad` differentiates with `create_graph=True`, so grad mode is on inside the backward and
-# it runs `_backward_by_scan`, while the plain call runs the fused kernel. Both compute the same
-# formulas with the same chunks, and the recording shows them equal, a difference of 0.0e+00.)
-
-# %%
-torch.manual_seed(7)
-gates_fn = torch.rand(4, 3, 20, dtype=torch.float64, device=DEVICE)
-tokens_fn = torch.randn(4, 3, 20, dtype=torch.float64, device=DEVICE)
-loss_fn = lambda g, u: (linear_scan(g, u) ** 2).sum()  # noqa: E731
-leaves_fn = [t.clone().requires_grad_() for t in (gates_fn, tokens_fn)]
-plain_grads = torch.autograd.grad(loss_fn(*leaves_fn), leaves_fn)
-checks = {
-    "torch.func.grad": torch.func.grad(loss_fn, argnums=(0, 1))(gates_fn, tokens_fn),
-    "torch.func.vmap(grad) over dim 0": torch.func.vmap(torch.func.grad(loss_fn, argnums=(0, 1)))(gates_fn, tokens_fn),
-}
-compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
-checks["torch.compile(fullgraph=True)"] = torch.autograd.grad(compiled(*leaves_fn), leaves_fn)
-for what, grads in checks.items():
-    error = max((g - p).abs().max().item() for g, p in zip(grads, plain_grads))
-    print(f"{what:34} gradients, max abs difference from autograd: {error:.1e}")
-    assert error < 1e-12
-batched = torch.func.vmap(linear_scan, in_dims=(1, 1))(gates_fn, tokens_fn)
-assert torch.equal(batched, linear_scan(gates_fn.transpose(0, 1), tokens_fn.transpose(0, 1)))
-print("torch.func.vmap over dim 1: equal to the plain call")
 
 # %% [markdown]
 # ## Going deeper: broadcast gates, dtypes and bad input

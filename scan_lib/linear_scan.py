@@ -64,6 +64,54 @@ def linear_scan_rows_backward(gates, h, grad_h, initial_state=None, reverse=Fals
     )
     return d_gates, d_tokens, d_init
 
+def _promoted_dtype(gates, tokens):
+    """torch.result_type(gates, tokens) for floating tensors (or a Python number for gates), written with
+    torch.promote_types so that torch.compile can trace it: a tensor with dimensions outranks a 0-dim
+    one, which outranks a Python number; tensors of the same rank promote as torch.promote_types says."""
+    if not isinstance(gates, torch.Tensor) or (gates.dim() == 0 and tokens.dim() > 0):
+        return tokens.dtype
+    if tokens.dim() == 0 and gates.dim() > 0:
+        return gates.dtype
+    return torch.promote_types(gates.dtype, tokens.dtype)
+
+
+def _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk):
+    """Validate the arguments; return (shape of h, dtype of h)."""
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
+    if not isinstance(gates, torch.Tensor) and (isinstance(gates, bool) or not isinstance(gates, (int, float))):
+        raise TypeError(f"gates must be a torch.Tensor or a real number, got {type(gates).__name__}")
+    named = {"gates": gates, "tokens": tokens, "initial_state": initial_state}
+    for name, value in named.items():
+        if isinstance(value, torch.Tensor) and value.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {value.dtype}")
+    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
+        raise TypeError(f"initial_state must be None or a torch.Tensor, got {type(initial_state).__name__}")
+    gate_shape = gates.shape if isinstance(gates, torch.Tensor) else ()
+    try:
+        shape = tokens.shape if gate_shape == tokens.shape else torch.broadcast_shapes(gate_shape, tokens.shape)
+    except RuntimeError:
+        raise ValueError(f"gates and tokens must have broadcastable shapes, got {tuple(gate_shape)} and "
+                         f"{tuple(tokens.shape)}") from None
+    if len(shape) == 0:
+        raise ValueError("gates and tokens must have at least one dimension (..., L) between them, got 0-dim tensors")
+    dtype = _promoted_dtype(gates, tokens)  # the dtype of gates * tokens
+    if initial_state is not None:
+        dtype = torch.promote_types(dtype, initial_state.dtype)
+        try:
+            ok = initial_state.shape == shape[:-1] or torch.broadcast_shapes(initial_state.shape, shape[:-1]) == shape[:-1]
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"initial_state must broadcast to {tuple(shape[:-1])} (the leading dims of h), "
+                             f"got {tuple(initial_state.shape)}")
+    if not isinstance(reverse, bool):
+        raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1)):
+        raise ValueError(f"chunk must be None or a power of two >= 16, got {chunk!r}")
+    check_same_device(**{name: value for name, value in named.items() if isinstance(value, torch.Tensor)})
+    return shape, dtype
+
 # The two kernels as torch ops: opaque to torch.compile (which sees only their fake implementations)
 # and batched by torch.func.vmap through their vmap rules. Inputs: contiguous rows of one dtype.
 @custom_op("linear_scan_fwd", __name__)
@@ -188,52 +236,3 @@ def _linear_scan_bwd_vmap(info, in_dims, gates, h, grad_h, initial_state, revers
 
 linear_scan_fwd.register_vmap(_linear_scan_fwd_vmap)
 linear_scan_bwd.register_vmap(_linear_scan_bwd_vmap)
-
-
-def _promoted_dtype(gates, tokens):
-    """torch.result_type(gates, tokens) for floating tensors (or a Python number for gates), written with
-    torch.promote_types so that torch.compile can trace it: a tensor with dimensions outranks a 0-dim
-    one, which outranks a Python number; tensors of the same rank promote as torch.promote_types says."""
-    if not isinstance(gates, torch.Tensor) or (gates.dim() == 0 and tokens.dim() > 0):
-        return tokens.dtype
-    if tokens.dim() == 0 and gates.dim() > 0:
-        return gates.dtype
-    return torch.promote_types(gates.dtype, tokens.dtype)
-
-
-def _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk):
-    """Validate the arguments; return (shape of h, dtype of h)."""
-    if not isinstance(tokens, torch.Tensor):
-        raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
-    if not isinstance(gates, torch.Tensor) and (isinstance(gates, bool) or not isinstance(gates, (int, float))):
-        raise TypeError(f"gates must be a torch.Tensor or a real number, got {type(gates).__name__}")
-    named = {"gates": gates, "tokens": tokens, "initial_state": initial_state}
-    for name, value in named.items():
-        if isinstance(value, torch.Tensor) and value.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {value.dtype}")
-    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
-        raise TypeError(f"initial_state must be None or a torch.Tensor, got {type(initial_state).__name__}")
-    gate_shape = gates.shape if isinstance(gates, torch.Tensor) else ()
-    try:
-        shape = tokens.shape if gate_shape == tokens.shape else torch.broadcast_shapes(gate_shape, tokens.shape)
-    except RuntimeError:
-        raise ValueError(f"gates and tokens must have broadcastable shapes, got {tuple(gate_shape)} and "
-                         f"{tuple(tokens.shape)}") from None
-    if len(shape) == 0:
-        raise ValueError("gates and tokens must have at least one dimension (..., L) between them, got 0-dim tensors")
-    dtype = _promoted_dtype(gates, tokens)  # the dtype of gates * tokens
-    if initial_state is not None:
-        dtype = torch.promote_types(dtype, initial_state.dtype)
-        try:
-            ok = initial_state.shape == shape[:-1] or torch.broadcast_shapes(initial_state.shape, shape[:-1]) == shape[:-1]
-        except RuntimeError:
-            ok = False
-        if not ok:
-            raise ValueError(f"initial_state must broadcast to {tuple(shape[:-1])} (the leading dims of h), "
-                             f"got {tuple(initial_state.shape)}")
-    if not isinstance(reverse, bool):
-        raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1)):
-        raise ValueError(f"chunk must be None or a power of two >= 16, got {chunk!r}")
-    check_same_device(**{name: value for name, value in named.items() if isinstance(value, torch.Tensor)})
-    return shape, dtype
