@@ -213,7 +213,8 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
 #
 # and $dy_t = d\bar y_t$ since $\bar y = y + D u$. For one batch element $i$, channel $d$ and state $n$
 # (indices left out where one of each is meant), the state $h_t$ receives $C_t\, d\bar y_t$ directly and
-# everything that flows back from later states: the adjoint of chapter 03,
+# everything that flows back from later states: the adjoint of chapter 03, written $\delta$ (lower
+# case: the adjoint; upper-case $\Delta$ stays the step),
 #
 # $$\delta_t = C_t\, d\bar y_t + a_{t+1}\, \delta_{t+1}, \qquad \delta_{L-1} = C_{L-1}\, d\bar y_{L-1} + dh_{L-1},$$
 #
@@ -458,8 +459,8 @@ for L in [1, 7, 129, 1000]:
 #
 # The forward kernel, with three small helpers:
 #
-# * `_load_delta` applies `delta_bias` and the softplus, in a form that neither overflows nor rounds
-#   small steps to zero ("Going deeper: the fine print").
+# * `_load_delta` applies `delta_bias` and the softplus, computed stably ("Going deeper: the fine
+#   print" shows how).
 # * `_column` reads column $n$ of the carry tile. Registers cannot be indexed by a loop variable, so
 #   it is a masked sum (`tl.where`, then `tl.sum`); writing column $n$ back is a `tl.where` too.
 # * `_load_coef` loads state $n$'s `B` or `C` in either layout: per position (`PER_STEP`, a
@@ -575,7 +576,7 @@ def selective_scan_fwd_kernel(
     tl.store(LAST + state_offs, carry, dn_ok)
 
 # %% [markdown]
-# The backward kernel walks the chunks right to left with the adjoint carry, a `BLOCK_D x N` tile
+# The backward walks the chunks right to left with the adjoint carry, a `BLOCK_D x N` tile
 # (the gradient reaching the chunk's last state from the right; $dh_{L-1}$ at the start). Per chunk it
 # loads the inputs once ($u$ and $\Delta$ also one position earlier, $\Delta$ one later), writes $dz$,
 # forms $d\bar y$, and then, state by state:
@@ -587,136 +588,11 @@ def selective_scan_fwd_kernel(
 #
 # ("Going deeper: the chunks in one picture" draws the pairs each scan sees.)
 #
-# Sums over the sequence (`dA`, `dD`, `d delta_bias`, and time-invariant $dB$, $dC$) accumulate in
-# registers. Per-position `dB`, `dC` are sums over the channels of a group, which live in different
-# programs: they are added with `tl.atomic_add` into float32 buffers, as `mamba_ssm` does. Padding
-# positions add nothing, but their adjoint is the carry, not 0: the kernel zeroes $d\Delta$ there.
-
-# %%
-#| export
-@triton.jit
-def _gate_dybar(dout, zv, HAS_Z: tl.constexpr):
-    """Gradient reaching ybar through out = ybar * silu(z)."""
-    dybar = dout
-    if HAS_Z:
-        dybar = dout * zv * tl.sigmoid(zv)
-    return dybar
-
-
-@triton.jit
-def _gate_dz(dout, ybar, zv):
-    """Gradient of z in out = ybar * silu(z): dout * ybar * sigmoid(z) * (1 + z * (1 - sigmoid(z)))."""
-    sig = tl.sigmoid(zv)
-    return dout * ybar * sig * (1.0 + zv * (1.0 - sig))
-
-
-@triton.jit
-def selective_scan_bwd_kernel(
-    U, DELTA, A, B, C, D, Z, BIAS, STATES, YBAR, DOUT, DLAST,  # as in the forward; DOUT b x d x L, DLAST b x d x N
-    DU, DDELTA, DZ, DB, DC,          # b x d x L (x3); dB, dC: b x gB x N x L fp32 (atomics), or b x d x N if time-invariant
-    DA_PART, DD_PART, DBIAS_PART, DH0,                         # b x d x N, b x d, b x d, b x d x N
-    dim, length, n_states, n_chunks, groups_b, groups_c,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DLAST: tl.constexpr,
-    B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-):
-    pid_b, pid_d = tl.program_id(0), tl.program_id(1)
-    ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    ns = tl.arange(0, BLOCK_N)
-    ts = tl.arange(0, CHUNK)
-    d_ok, n_ok = ds < dim, ns < n_states
-    dn_ok = d_ok[:, None] & n_ok[None, :]
-    b_off = (pid_b * groups_b + pid_d * BLOCK_D // (dim // groups_b)) * n_states * length
-    c_off = (pid_b * groups_c + pid_d * BLOCK_D // (dim // groups_c)) * n_states * length
-    dl_row = (pid_b * dim + ds) * length
-    state_offs = (pid_b * dim + ds[:, None]) * n_states + ns[None, :]
-    if HAS_DLAST:
-        adj_carry = tl.load(DLAST + state_offs, dn_ok, other=0.0).to(ACC)   # dL/dh at the end of the chunk
-    else:
-        adj_carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
-    skip = tl.zeros((BLOCK_D,), dtype=ACC)
-    if HAS_D:
-        skip = tl.load(D + ds, d_ok, other=0.0).to(ACC)
-    dA_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
-    dB_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)                 # time-invariant B only
-    dC_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)                 # time-invariant C only
-    dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
-    dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
-    first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
-    for i in range(0, n_chunks):
-        k = n_chunks - 1 - i                                         # chunks from right to left
-        t = k * CHUNK + ts
-        t_ok = t < length
-        prev_ok = (ts > 0) & t_ok                                    # t-1 is in this chunk (and t < L)
-        next_ok = (ts < CHUNK - 1) & (t + 1 < length)                # position t+1 is in this chunk
-        offs = dl_row[:, None] + t[None, :]                          # BLOCK_D x CHUNK
-        mask = d_ok[:, None] & t_ok[None, :]
-        prev_mask, next_mask = d_ok[:, None] & prev_ok[None, :], d_ok[:, None] & next_ok[None, :]
-        u = tl.load(U + offs, mask, other=0.0).to(ACC)
-        delta, pre = _load_delta(DELTA, BIAS, offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
-        u_prev = tl.load(U + offs - 1, prev_mask, other=0.0).to(ACC)
-        delta_prev, _ = _load_delta(DELTA, BIAS, offs - 1, prev_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
-        delta_next, _ = _load_delta(DELTA, BIAS, offs + 1, next_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
-        dout = tl.load(DOUT + offs, mask, other=0.0).to(ACC)
-        zv = u
-        if HAS_Z:
-            zv = tl.load(Z + offs, mask, other=0.0).to(ACC)
-            tl.store(DZ + offs, _gate_dz(dout, tl.load(YBAR + offs, mask, other=0.0), zv).to(DZ.dtype.element_ty), mask)
-        dybar = _gate_dybar(dout, zv, HAS_Z)
-        dD_acc += tl.sum(dybar * u, axis=1)
-        adj_b_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)           # sum_n adj_t B_t
-        adj_ah_rate_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)     # sum_n adj_t a_t h_{t-1} A
-        for n in range(0, n_states):
-            rate = tl.load(A + ds * n_states + n, d_ok, other=0.0).to(ACC)[:, None]
-            b_coef = _load_coef(B + b_off, B, n, t, t_ok, ds, d_ok, n_states, length, B_PER_STEP, ACC)
-            b_coef_prev = _load_coef(B + b_off, B, n, t - 1, prev_ok, ds, d_ok, n_states, length, B_PER_STEP, ACC)
-            c_coef = _load_coef(C + c_off, C, n, t, t_ok, ds, d_ok, n_states, length, C_PER_STEP, ACC)
-            h_in = tl.load(STATES + ((pid_b * dim + ds) * n_states + n) * n_chunks + k, d_ok, other=0.0)
-            # (1) h_{t-1}: the steps of positions t-1, the first one setting the boundary state.
-            a, b = discretize(delta, rate, b_coef, u)
-            a_prev, b_prev = discretize(delta_prev, rate, b_coef_prev, u_prev)
-            _, h_prev = tl.associative_scan((tl.where(first, 0.0, a_prev), tl.where(first, h_in[:, None], b_prev)),
-                                            axis=1, combine_fn=first_order_op)
-            h = a * h_prev + b
-            # (2) the adjoint, right to left; the adjoint carry enters at the chunk's last position.
-            c = c_coef * dybar + tl.where(last, _column(adj_carry, n, ns)[:, None], 0.0)
-            _, adj = tl.associative_scan((tl.exp(delta_next * rate), c), axis=1, combine_fn=first_order_op,
-                                         reverse=True)
-            # (3) the gradients.
-            adj_b_sum += adj * b_coef
-            adj_ah = adj * a * h_prev
-            adj_ah_rate_sum += adj_ah * rate
-            at_n = ns[None, :] == n
-            dA_acc += tl.where(at_n, tl.sum(adj_ah * delta, axis=1)[:, None], 0.0)
-            if B_PER_STEP:
-                tl.atomic_add(DB + b_off + n * length + t, tl.sum(adj * delta * u, axis=0), t_ok, sem="relaxed")
-            else:
-                dB_acc += tl.where(at_n, tl.sum(adj * delta * u, axis=1)[:, None], 0.0)
-            if C_PER_STEP:
-                tl.atomic_add(DC + c_off + n * length + t, tl.sum(h * dybar, axis=0), t_ok, sem="relaxed")
-            else:
-                dC_acc += tl.where(at_n, tl.sum(tl.where(mask, h * dybar, 0.0), axis=1)[:, None], 0.0)
-            adj_carry = tl.where(at_n, tl.sum(tl.where(first, a * adj, 0.0), axis=1)[:, None], adj_carry)
-        ddelta = adj_ah_rate_sum + u * adj_b_sum
-        if SOFTPLUS:
-            ddelta = ddelta * tl.sigmoid(pre)
-        ddelta = tl.where(mask, ddelta, 0.0)                         # padding: the adjoint is the carry there, not 0
-        tl.store(DDELTA + offs, ddelta.to(DDELTA.dtype.element_ty), mask)
-        tl.store(DU + offs, (skip[:, None] * dybar + delta * adj_b_sum).to(DU.dtype.element_ty), mask)
-        dbias_acc += tl.sum(ddelta, axis=1)
-    tl.store(DA_PART + state_offs, dA_acc, dn_ok)
-    if not B_PER_STEP:
-        tl.store(DB + state_offs, dB_acc, dn_ok)
-    if not C_PER_STEP:
-        tl.store(DC + state_offs, dC_acc, dn_ok)
-    tl.store(DH0 + state_offs, adj_carry, dn_ok)
-    tl.store(DD_PART + pid_b * dim + ds, dD_acc, d_ok)
-    tl.store(DBIAS_PART + pid_b * dim + ds, dbias_acc, d_ok)
-
-# %% [markdown]
 # This chapter's `selective_scan` (exported to `scan_lib.selective_scan`, called `chapter_scan` below)
-# wraps the two kernels: when an input needs a gradient, it keeps the boundary states and registers
-# the backward with autograd ("Going deeper: the launchers and autograd"). Every check and measurement
+# wraps the forward kernel above and a backward kernel that takes these three steps; the backward
+# kernel's code is in "Going deeper: the chunked backward kernel", and `chapter_scan` runs it from
+# `scan_lib`. When an input needs a gradient, the op keeps the boundary states and registers the
+# backward with autograd ("Going deeper: the launchers and autograd"). Every check and measurement
 # from here on is of these kernels.
 #
 # ## 7. Checks: every gradient, every option, awkward lengths
@@ -916,6 +792,141 @@ else:
 # boundary state per chunk instead of storing all `(batch, dim, L, N)` of them.
 
 # %% [markdown]
+# ## Going deeper: the chunked backward kernel
+#
+# The code of section 6's backward; the comments `(1)`, `(2)`, `(3)` mark its three steps, and
+# `_gate_dybar`, `_gate_dz` are section 4's gradients through the gate. `prev_ok` and `next_ok` mark
+# the positions whose neighbour at $t-1$ or $t+1$ lies in the same chunk (and in the sequence): only
+# those are loaded, and at the chunk's edges the carries come in instead ("Going deeper: the chunks in
+# one picture").
+#
+# Sums over the sequence (`dA`, `dD`, `d delta_bias`, and time-invariant $dB$, $dC$) accumulate in
+# registers. Per-position `dB`, `dC` are sums over the channels of a group, which live in different
+# programs: they are added with `tl.atomic_add` into float32 buffers, as `mamba_ssm` does. Padding
+# positions add nothing, but their adjoint is the carry, not 0: the kernel zeroes $d\Delta$ there.
+
+# %%
+#| export
+@triton.jit
+def _gate_dybar(dout, zv, HAS_Z: tl.constexpr):
+    """Gradient reaching ybar through out = ybar * silu(z)."""
+    dybar = dout
+    if HAS_Z:
+        dybar = dout * zv * tl.sigmoid(zv)
+    return dybar
+
+
+@triton.jit
+def _gate_dz(dout, ybar, zv):
+    """Gradient of z in out = ybar * silu(z): dout * ybar * sigmoid(z) * (1 + z * (1 - sigmoid(z)))."""
+    sig = tl.sigmoid(zv)
+    return dout * ybar * sig * (1.0 + zv * (1.0 - sig))
+
+
+@triton.jit
+def selective_scan_bwd_kernel(
+    U, DELTA, A, B, C, D, Z, BIAS, STATES, YBAR, DOUT, DLAST,  # as in the forward; DOUT b x d x L, DLAST b x d x N
+    DU, DDELTA, DZ, DB, DC,          # b x d x L (x3); dB, dC: b x gB x N x L fp32 (atomics), or b x d x N if time-invariant
+    DA_PART, DD_PART, DBIAS_PART, DH0,                         # b x d x N, b x d, b x d, b x d x N
+    dim, length, n_states, n_chunks, groups_b, groups_c,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DLAST: tl.constexpr,
+    B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+):
+    pid_b, pid_d = tl.program_id(0), tl.program_id(1)
+    ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    ns = tl.arange(0, BLOCK_N)
+    ts = tl.arange(0, CHUNK)
+    d_ok, n_ok = ds < dim, ns < n_states
+    dn_ok = d_ok[:, None] & n_ok[None, :]
+    b_off = (pid_b * groups_b + pid_d * BLOCK_D // (dim // groups_b)) * n_states * length
+    c_off = (pid_b * groups_c + pid_d * BLOCK_D // (dim // groups_c)) * n_states * length
+    dl_row = (pid_b * dim + ds) * length
+    state_offs = (pid_b * dim + ds[:, None]) * n_states + ns[None, :]
+    if HAS_DLAST:
+        adj_carry = tl.load(DLAST + state_offs, dn_ok, other=0.0).to(ACC)   # dL/dh at the end of the chunk
+    else:
+        adj_carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
+    skip = tl.zeros((BLOCK_D,), dtype=ACC)
+    if HAS_D:
+        skip = tl.load(D + ds, d_ok, other=0.0).to(ACC)
+    dA_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
+    dB_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)                 # time-invariant B only
+    dC_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)                 # time-invariant C only
+    dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
+    dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
+    first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
+    for i in range(0, n_chunks):
+        k = n_chunks - 1 - i                                         # chunks from right to left
+        t = k * CHUNK + ts
+        t_ok = t < length
+        prev_ok = (ts > 0) & t_ok                                    # t-1 is in this chunk (and t < L)
+        next_ok = (ts < CHUNK - 1) & (t + 1 < length)                # position t+1 is in this chunk
+        offs = dl_row[:, None] + t[None, :]                          # BLOCK_D x CHUNK
+        mask = d_ok[:, None] & t_ok[None, :]
+        prev_mask, next_mask = d_ok[:, None] & prev_ok[None, :], d_ok[:, None] & next_ok[None, :]
+        u = tl.load(U + offs, mask, other=0.0).to(ACC)
+        delta, pre = _load_delta(DELTA, BIAS, offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        u_prev = tl.load(U + offs - 1, prev_mask, other=0.0).to(ACC)
+        delta_prev, _ = _load_delta(DELTA, BIAS, offs - 1, prev_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        delta_next, _ = _load_delta(DELTA, BIAS, offs + 1, next_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        dout = tl.load(DOUT + offs, mask, other=0.0).to(ACC)
+        zv = u
+        if HAS_Z:
+            zv = tl.load(Z + offs, mask, other=0.0).to(ACC)
+            tl.store(DZ + offs, _gate_dz(dout, tl.load(YBAR + offs, mask, other=0.0), zv).to(DZ.dtype.element_ty), mask)
+        dybar = _gate_dybar(dout, zv, HAS_Z)
+        dD_acc += tl.sum(dybar * u, axis=1)
+        adj_b_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)           # sum_n adj_t B_t
+        adj_ah_rate_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)     # sum_n adj_t a_t h_{t-1} A
+        for n in range(0, n_states):
+            rate = tl.load(A + ds * n_states + n, d_ok, other=0.0).to(ACC)[:, None]
+            b_coef = _load_coef(B + b_off, B, n, t, t_ok, ds, d_ok, n_states, length, B_PER_STEP, ACC)
+            b_coef_prev = _load_coef(B + b_off, B, n, t - 1, prev_ok, ds, d_ok, n_states, length, B_PER_STEP, ACC)
+            c_coef = _load_coef(C + c_off, C, n, t, t_ok, ds, d_ok, n_states, length, C_PER_STEP, ACC)
+            h_in = tl.load(STATES + ((pid_b * dim + ds) * n_states + n) * n_chunks + k, d_ok, other=0.0)
+            # (1) h_{t-1}: the steps of positions t-1, the first one setting the boundary state.
+            a, b = discretize(delta, rate, b_coef, u)
+            a_prev, b_prev = discretize(delta_prev, rate, b_coef_prev, u_prev)
+            _, h_prev = tl.associative_scan((tl.where(first, 0.0, a_prev), tl.where(first, h_in[:, None], b_prev)),
+                                            axis=1, combine_fn=first_order_op)
+            h = a * h_prev + b
+            # (2) the adjoint, right to left; the adjoint carry enters at the chunk's last position.
+            c = c_coef * dybar + tl.where(last, _column(adj_carry, n, ns)[:, None], 0.0)
+            _, adj = tl.associative_scan((tl.exp(delta_next * rate), c), axis=1, combine_fn=first_order_op,
+                                         reverse=True)
+            # (3) the gradients.
+            adj_b_sum += adj * b_coef
+            adj_ah = adj * a * h_prev
+            adj_ah_rate_sum += adj_ah * rate
+            at_n = ns[None, :] == n
+            dA_acc += tl.where(at_n, tl.sum(adj_ah * delta, axis=1)[:, None], 0.0)
+            if B_PER_STEP:
+                tl.atomic_add(DB + b_off + n * length + t, tl.sum(adj * delta * u, axis=0), t_ok, sem="relaxed")
+            else:
+                dB_acc += tl.where(at_n, tl.sum(adj * delta * u, axis=1)[:, None], 0.0)
+            if C_PER_STEP:
+                tl.atomic_add(DC + c_off + n * length + t, tl.sum(h * dybar, axis=0), t_ok, sem="relaxed")
+            else:
+                dC_acc += tl.where(at_n, tl.sum(tl.where(mask, h * dybar, 0.0), axis=1)[:, None], 0.0)
+            adj_carry = tl.where(at_n, tl.sum(tl.where(first, a * adj, 0.0), axis=1)[:, None], adj_carry)
+        ddelta = adj_ah_rate_sum + u * adj_b_sum
+        if SOFTPLUS:
+            ddelta = ddelta * tl.sigmoid(pre)
+        ddelta = tl.where(mask, ddelta, 0.0)                         # padding: the adjoint is the carry there, not 0
+        tl.store(DDELTA + offs, ddelta.to(DDELTA.dtype.element_ty), mask)
+        tl.store(DU + offs, (skip[:, None] * dybar + delta * adj_b_sum).to(DU.dtype.element_ty), mask)
+        dbias_acc += tl.sum(ddelta, axis=1)
+    tl.store(DA_PART + state_offs, dA_acc, dn_ok)
+    if not B_PER_STEP:
+        tl.store(DB + state_offs, dB_acc, dn_ok)
+    if not C_PER_STEP:
+        tl.store(DC + state_offs, dC_acc, dn_ok)
+    tl.store(DH0 + state_offs, adj_carry, dn_ok)
+    tl.store(DD_PART + pid_b * dim + ds, dD_acc, d_ok)
+    tl.store(DBIAS_PART + pid_b * dim + ds, dbias_acc, d_ok)
+
+# %% [markdown]
 # ## Going deeper: the discretisation
 #
 # If $u$ and $B$ are held constant over the step (the zero-order hold), the input adds exactly
@@ -982,7 +993,7 @@ assert err_subtract > 1e-2 and err_shifted < 1e-7
 #
 # Section 6's scheme for one state of one channel and a chunk $k$ of 4 positions $s \dots s+3$ (slot
 # $j$ of the tile holds position $s + j$; the kernels use the same slots). The forward folds the carry
-# into slot 0. The backward's two scans, explained with its kernel in section 6, *load* their inputs
+# into slot 0. The backward's two scans, explained in section 6, *load* their inputs
 # one position off, so that every slot sees the step it needs without moving data between threads; at
 # the chunk's edges, where that load would leave the chunk, the carries come in instead:
 #
