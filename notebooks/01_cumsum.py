@@ -77,8 +77,8 @@ print("sequential loop == float64 torch.cumsum (to 1e-12) on 1000 random values:
 # ($2^{-24}$ for float32, $2^{-11}$ for float16) times $|y_t|$, and each addition in the accumulation
 # dtype up to $u_\text{acc}$ times a partial sum; both are at most $\sum_{j \le t} |x_j|$. So we divide
 # the error by that (not by $y_t$, which can cancel to zero) and allow
-# $u_\text{out} + 32\,u_\text{acc}\log_2 L$ ("Going deeper" derives the factor 32 and the margins of
-# float16 and bfloat16).
+# $u_\text{out} + 32\,u_\text{acc}\log_2 L$ ("Going deeper" derives the factor 32, measures the worst
+# order of additions against it, and gives the margins of float16 and bfloat16).
 
 # %%
 UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -102,25 +102,6 @@ def assert_cumsum(y: torch.Tensor, x: torch.Tensor, dim: int = -1) -> float:
     err, tolerance = scan_error(y, x, dim), scan_tolerance(x.dtype, x.shape[dim] if x.dim() else 1)
     assert err <= tolerance, f"scaled error {err:.2e} above {tolerance:.1e} for {x.dtype}"
     return err
-
-# %% [markdown]
-# The cell below measures the worst order of additions, a fully sequential float32 sum (NumPy's
-# `cumsum`, on positive values, which do not cancel): its error is within the tolerance, and above
-# $u_\text{acc}\log_2 L$, so a factor of 1 would fail it.
-
-# %%
-import numpy as np
-
-assert all(math.sqrt(n) <= 32 * math.log2(n) for n in range(2, 2**18 + 1))   # sqrt(L) <= 32 log2 L up to 2^18
-print(f"{'L':>7} {'sequential float32':>18} {'u log2 L':>9} {'tolerance':>9}   (scaled errors)")
-for log_length in (10, 14, 18):
-    n = 2**log_length
-    x_pos = torch.rand(n, generator=torch.Generator().manual_seed(log_length), dtype=torch.float64).float()
-    y_sequential = torch.from_numpy(np.cumsum(x_pos.numpy(), dtype=np.float32))   # one addition after another
-    err = scan_error(y_sequential, x_pos)
-    assert UNIT_ROUNDOFF[torch.float32] * log_length < err <= scan_tolerance(torch.float32, n), (n, err)
-    print(f"{'2^' + str(log_length):>7} {err:>18.1e} {UNIT_ROUNDOFF[torch.float32] * log_length:>9.1e} "
-          f"{scan_tolerance(torch.float32, n):>9.1e}")
 
 # %% [markdown]
 # ## One block: `tl.associative_scan`
@@ -189,11 +170,8 @@ for length in (1, 7, 16, 129, 1000):
 #   value to its left child $t - d$ and takes (its value + the child's old value). Value $t$ now holds
 #   $\sum_{j<t} x_j$, the *exclusive* scan; adding $x_t$ gives the inclusive one.
 #
-# That is $3L - 2$ additions against the loop's $L$, but only $2\log_2 L + 1$ dependent steps instead of $L$.
-#
-# The check below counts, with a `TorchDispatchMode` (a hook that sees every operation torch runs
-# while it is active), the floating-point additions torch actually performs and the calls that
-# perform them: each call adds one whole index set at once, so the calls are the dependent steps.
+# That is $3L - 2$ additions against the loop's $L$, but only $2\log_2 L + 1$ dependent steps instead of $L$
+# ("Going deeper" counts both in what torch actually runs).
 
 # %%
 def blelloch_scan(x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor, torch.Tensor]], int]:
@@ -222,33 +200,6 @@ def blelloch_scan(x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[str, torch.
     inclusive = a + x                                   # exclusive scan + input
     steps.append(("+ input", torch.arange(length), inclusive.clone()))
     return inclusive, steps, additions + length
-
-
-from torch.utils._python_dispatch import TorchDispatchMode
-
-
-class CountAdditions(TorchDispatchMode):
-    """Counts what torch itself adds while active: each floating-point aten.add call (one parallel step)
-    and the elements it adds (one addition each), whatever the code under it believes it does."""
-    def __init__(self):
-        super().__init__()
-        self.calls = self.additions = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.add.Tensor and out.is_floating_point():
-            self.calls, self.additions = self.calls + 1, self.additions + out.numel()
-        return out
-
-
-for length in (1, 2, 8, 16, 1024):
-    x_check = torch.randn(length, dtype=torch.float64)
-    with CountAdditions() as counted:
-        y_check, steps, additions = blelloch_scan(x_check)
-    assert torch.allclose(y_check, cumsum_reference(x_check), rtol=0, atol=1e-12)
-    assert counted.additions == additions == 3 * length - 2, (length, counted.additions, additions)
-    assert counted.calls == 2 * int(math.log2(length)) + 1, (length, counted.calls)   # dependent steps
-print("Blelloch scan == reference for L = 1, 2, 8, 16, 1024, with 3L - 2 additions in 2 log2(L) + 1 dependent steps")
 
 # %%
 def draw_cell(ax, x: float, y: float, text: str, color: str, width: float = 0.8, fontsize: float = 8) -> None:
@@ -323,41 +274,8 @@ print("float32: (1e8 + -1e8) + 1 =", ((a32 + b32) + c32).item(), " but 1e8 + (-1
 # and the carries are themselves a cumulative sum, of the block totals. Hence three phases:
 # (1) every program scans its block into $y$ and writes its total $T_k$; (2) scan the totals
 # (the same function, recursively, until they fit in one block); (3) every program adds its carry
-# $S_{k-1}$ to its block of $y$.
-
-# %%
-def draw_three_phase(x: torch.Tensor, block: int) -> plt.Figure:
-    """The three phases on a short integer input, one row each, blocks side by side."""
-    length, num_blocks = x.numel(), x.numel() // block
-    totals = x.view(num_blocks, block).sum(1)                              # T_k
-    prefix = torch.cumsum(totals, 0)                                       # S_k
-    shades = ["#dde6f0", "#f4e3b5", "#e3d4ef", "#d4efe0"]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    position = lambda t: t + 0.6 * (t // block)                           # noqa: E731 (gaps between blocks)
-    rows = [("x", x, None), ("1: scan each block", torch.cumsum(x.view(num_blocks, block), 1).flatten(), None),
-            ("2: S = scan of totals", None, None), ("3: add carry S(k-1)", torch.cumsum(x, 0), "#9fd89f")]
-    for row, (label, values, color) in enumerate(rows):
-        ax.text(-0.8, -row, label, ha="right", va="center", fontsize=8)
-        for t in range(length) if values is not None else []:
-            draw_cell(ax, position(t), -row, f"{values[t]:.0f}", color or shades[(t // block) % len(shades)])
-    for k in range(num_blocks):
-        last, centre = position((k + 1) * block - 1), (position(k * block) + position((k + 1) * block - 1)) / 2
-        draw_cell(ax, centre, -2, f"T={totals[k]:.0f}, S={prefix[k]:.0f}", shades[k % len(shades)], width=1.8, fontsize=7)
-        ax.annotate("", xy=(centre, -1.7), xytext=(last, -1.3), arrowprops=dict(arrowstyle="->", lw=0.7))
-        if k + 1 < num_blocks:                                             # S_k is the carry into block k+1
-            target = (position((k + 1) * block) + position((k + 2) * block - 1)) / 2
-            ax.annotate("", xy=(target, -2.7), xytext=(centre + 0.9, -2.1),
-                        arrowprops=dict(arrowstyle="->", lw=0.8, color="#c0392b", linestyle="--"))
-    ax.set(xlim=(-4.2, position(length - 1) + 0.6), ylim=(-3.5, 0.6))
-    ax.axis("off")
-    ax.set_title(f"Three-phase scan of {length} values in blocks of {block} (dashed: carry into the next block)", fontsize=9)
-    return fig
-
-
-torch.manual_seed(3)
-save_figure(draw_three_phase(torch.randint(0, 10, (12,)).double(), 4), "three_phase_scan.png")
-
-# %% [markdown]
+# $S_{k-1}$ to its block of $y$. ("Going deeper" draws the three phases on a short input.)
+#
 # The two kernels and the recursive launcher, in separate launches: block $k$ needs the totals of all
 # earlier blocks, and the end of a launch is the only grid-wide barrier ("Going deeper" shows what goes
 # wrong in one launch).
@@ -439,34 +357,8 @@ for length in (1, 7, 129, 1000, 4097):
 # value, as one indivisible step; `tl.atomic_xchg` writes a word the same way; `tl.where(c, a, b)`
 # picks elementwise, like `torch.where`; `.to(tl.uint32, bitcast=True)` reinterprets a float32's bits,
 # so that a flag and a float32 fit in one int64 state word. Why this is correct under the GPU's weak
-# memory ordering is in "Going deeper".
-
-# %%
-def draw_look_back() -> plt.Figure:
-    """Eight tiles' state words at one moment, and tile 6 looking back until it meets a PREFIX."""
-    states, totals = "PPPPAAAE", [3, 5, 2, 4, 6, 1, 7, 2]            # tile 6 has published its aggregate
-    prefix = torch.cumsum(torch.tensor(totals), 0).tolist()
-    fig, ax = plt.subplots(figsize=(7, 2.4))
-    for tile, state in enumerate(states):
-        text = {"P": f"PREFIX\nS={prefix[tile]}", "A": f"AGGREGATE\nT={totals[tile]}", "E": "EMPTY"}[state]
-        ax.add_patch(plt.Rectangle((tile - 0.45, -0.4), 0.9, 0.8, facecolor={"P": "#9fd89f", "A": "#f4c542", "E": "#ffffff"}[state],
-                                   edgecolor="black", lw=0.6))
-        ax.text(tile, 0, text, ha="center", va="center", fontsize=5.5)
-        ax.text(tile, 0.55, f"tile {tile}", ha="center", fontsize=7)
-    for source in (5, 4, 3):                                            # tile 6 reads back to the first PREFIX
-        ax.annotate("", xy=(source, -0.45), xytext=(6, -0.45),
-                    arrowprops=dict(arrowstyle="->", color="#c0392b", lw=0.8, connectionstyle=f"arc3,rad={-0.12 * (7 - source)}"))
-    ax.text(3.5, -1.45, f"tile 6: carry = S(3) + T(4) + T(5) = {prefix[3]} + {totals[4]} + {totals[5]} = {prefix[5]}; "
-            f"then it publishes PREFIX S(6) = {prefix[6]}", ha="center", fontsize=7.5)
-    ax.set(xlim=(-0.6, 7.6), ylim=(-1.65, 0.8))
-    ax.axis("off")
-    ax.set_title("Decoupled look-back: tiles in ticket order, their state words, tile 6 looking back", fontsize=9)
-    return fig
-
-
-save_figure(draw_look_back(), "look_back_scan.png")
-
-# %% [markdown]
+# memory ordering is in "Going deeper", which also draws the state words during a look-back.
+#
 # The exported kernels scan each row of a contiguous `n_rows x length` tensor, the scanned dimension
 # last ("Going deeper" says what that costs other layouts). The program id numbers (row, block) pairs,
 # and the column indices and offsets are 64-bit. The kernels accumulate in `ACC`: float64 for float64,
@@ -882,12 +774,30 @@ else:
 # grows like $L$, and no tolerance tight enough to catch a bug covers it; the factor 32 covers the
 # typical error of the worst order there is, a fully sequential float32 sum ($d = L - 1$):
 # $\sqrt{L} \le 32\log_2 L$ for every $L$ up to $2^{18}$, beyond the lengths the CPU run checks; the
-# cell that measures a sequential float32 sum, after `scan_tolerance`, asserts that inequality. On a
-# GPU the longest path is much shorter than $L$: the carry chain, about one addition per block of
-# 4096, plus a thread's few values and a tree; at the benchmark's largest size, $2^{27}$, the chain is
-# $2^{27}/4096 = 2^{15}$ additions, and the square root of the whole path, about 181, is far below
-# $32\log_2 L = 32 \cdot 27 = 864$.
+# measurement below asserts that inequality. On a GPU the longest path is much shorter than $L$: the
+# carry chain, about one addition per block of 4096, plus a thread's few values and a tree; at the
+# benchmark's largest size, $2^{27}$, the chain is $2^{27}/4096 = 2^{15}$ additions, and the square
+# root of the whole path, about 181, is far below $32\log_2 L = 32 \cdot 27 = 864$.
 #
+# The cell below measures the worst order of additions, a fully sequential float32 sum (NumPy's
+# `cumsum`, on positive values, which do not cancel): its error is within the tolerance, and above
+# $u_\text{acc}\log_2 L$, so a factor of 1 would fail it.
+
+# %%
+import numpy as np
+
+assert all(math.sqrt(n) <= 32 * math.log2(n) for n in range(2, 2**18 + 1))   # sqrt(L) <= 32 log2 L up to 2^18
+print(f"{'L':>7} {'sequential float32':>18} {'u log2 L':>9} {'tolerance':>9}   (scaled errors)")
+for log_length in (10, 14, 18):
+    n = 2**log_length
+    x_pos = torch.rand(n, generator=torch.Generator().manual_seed(log_length), dtype=torch.float64).float()
+    y_sequential = torch.from_numpy(np.cumsum(x_pos.numpy(), dtype=np.float32))   # one addition after another
+    err = scan_error(y_sequential, x_pos)
+    assert UNIT_ROUNDOFF[torch.float32] * log_length < err <= scan_tolerance(torch.float32, n), (n, err)
+    print(f"{'2^' + str(log_length):>7} {err:>18.1e} {UNIT_ROUNDOFF[torch.float32] * log_length:>9.1e} "
+          f"{scan_tolerance(torch.float32, n):>9.1e}")
+
+# %% [markdown]
 # In float16 and bfloat16 the output rounding dominates: rounding to nearest costs at most
 # $u_\text{out}|y_t| \le u_\text{out}\sum_{j\le t}|x_j|$, the tolerance's first term, so the margin of
 # a correctly rounding kernel is the accumulation term alone, a few percent of the tolerance in
@@ -897,6 +807,42 @@ else:
 # output cannot exceed its bound. A kernel that accumulated float16 in float16 fails the tolerance
 # (`tests/test_cumsum.py` shows it). Under the interpreter, whose float32-to-bfloat16 cast truncates,
 # bfloat16 gets $2u_\text{out}$.
+
+# %% [markdown]
+# ## Going deeper: counting the tree's additions
+#
+# `blelloch_scan` tallies its additions from the index sets it writes, which would agree with the
+# formula even if an addition were missing or doubled. So the check below does not take the function's
+# word for it: it counts, with a `TorchDispatchMode` (a hook that sees every operation torch runs
+# while it is active), the floating-point additions torch actually performs and the calls that
+# perform them: each call adds one whole index set at once, so the calls are the dependent steps.
+
+# %%
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class CountAdditions(TorchDispatchMode):
+    """Counts what torch itself adds while active: each floating-point aten.add call (one parallel step)
+    and the elements it adds (one addition each), whatever the code under it believes it does."""
+    def __init__(self):
+        super().__init__()
+        self.calls = self.additions = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.add.Tensor and out.is_floating_point():
+            self.calls, self.additions = self.calls + 1, self.additions + out.numel()
+        return out
+
+
+for length in (1, 2, 8, 16, 1024):
+    x_check = torch.randn(length, dtype=torch.float64)
+    with CountAdditions() as counted:
+        y_check, steps, additions = blelloch_scan(x_check)
+    assert torch.allclose(y_check, cumsum_reference(x_check), rtol=0, atol=1e-12)
+    assert counted.additions == additions == 3 * length - 2, (length, counted.additions, additions)
+    assert counted.calls == 2 * int(math.log2(length)) + 1, (length, counted.calls)   # dependent steps
+print("Blelloch scan == reference for L = 1, 2, 8, 16, 1024, with 3L - 2 additions in 2 log2(L) + 1 dependent steps")
 
 # %% [markdown]
 # ## Going deeper: why one program cannot scan a long sequence
@@ -947,6 +893,73 @@ if INTERPRET:
     assert wrong_blocks == 0, "the interpreter runs programs 0, 1, 2, ... one after another"
 else:
     assert wrong_blocks > running.numel() // 2, "on a GPU most programs read their carry too early"
+
+# %% [markdown]
+# ## Going deeper: the three-phase scan and the look-back, drawn
+#
+# The three phases on a short integer input, blocks side by side; the dashed arrows carry each
+# running total $S_k$ into the next block:
+
+# %%
+def draw_three_phase(x: torch.Tensor, block: int) -> plt.Figure:
+    """The three phases on a short integer input, one row each, blocks side by side."""
+    length, num_blocks = x.numel(), x.numel() // block
+    totals = x.view(num_blocks, block).sum(1)                              # T_k
+    prefix = torch.cumsum(totals, 0)                                       # S_k
+    shades = ["#dde6f0", "#f4e3b5", "#e3d4ef", "#d4efe0"]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    position = lambda t: t + 0.6 * (t // block)                           # noqa: E731 (gaps between blocks)
+    rows = [("x", x, None), ("1: scan each block", torch.cumsum(x.view(num_blocks, block), 1).flatten(), None),
+            ("2: S = scan of totals", None, None), ("3: add carry S(k-1)", torch.cumsum(x, 0), "#9fd89f")]
+    for row, (label, values, color) in enumerate(rows):
+        ax.text(-0.8, -row, label, ha="right", va="center", fontsize=8)
+        for t in range(length) if values is not None else []:
+            draw_cell(ax, position(t), -row, f"{values[t]:.0f}", color or shades[(t // block) % len(shades)])
+    for k in range(num_blocks):
+        last, centre = position((k + 1) * block - 1), (position(k * block) + position((k + 1) * block - 1)) / 2
+        draw_cell(ax, centre, -2, f"T={totals[k]:.0f}, S={prefix[k]:.0f}", shades[k % len(shades)], width=1.8, fontsize=7)
+        ax.annotate("", xy=(centre, -1.7), xytext=(last, -1.3), arrowprops=dict(arrowstyle="->", lw=0.7))
+        if k + 1 < num_blocks:                                             # S_k is the carry into block k+1
+            target = (position((k + 1) * block) + position((k + 2) * block - 1)) / 2
+            ax.annotate("", xy=(target, -2.7), xytext=(centre + 0.9, -2.1),
+                        arrowprops=dict(arrowstyle="->", lw=0.8, color="#c0392b", linestyle="--"))
+    ax.set(xlim=(-4.2, position(length - 1) + 0.6), ylim=(-3.5, 0.6))
+    ax.axis("off")
+    ax.set_title(f"Three-phase scan of {length} values in blocks of {block} (dashed: carry into the next block)", fontsize=9)
+    return fig
+
+
+torch.manual_seed(3)
+save_figure(draw_three_phase(torch.randint(0, 10, (12,)).double(), 4), "three_phase_scan.png")
+
+# %% [markdown]
+# The look-back at one moment: the tiles' state words in ticket order, and one tile walking back over
+# aggregates until it meets a PREFIX:
+
+# %%
+def draw_look_back() -> plt.Figure:
+    """Eight tiles' state words at one moment, and tile 6 looking back until it meets a PREFIX."""
+    states, totals = "PPPPAAAE", [3, 5, 2, 4, 6, 1, 7, 2]            # tile 6 has published its aggregate
+    prefix = torch.cumsum(torch.tensor(totals), 0).tolist()
+    fig, ax = plt.subplots(figsize=(7, 2.4))
+    for tile, state in enumerate(states):
+        text = {"P": f"PREFIX\nS={prefix[tile]}", "A": f"AGGREGATE\nT={totals[tile]}", "E": "EMPTY"}[state]
+        ax.add_patch(plt.Rectangle((tile - 0.45, -0.4), 0.9, 0.8, facecolor={"P": "#9fd89f", "A": "#f4c542", "E": "#ffffff"}[state],
+                                   edgecolor="black", lw=0.6))
+        ax.text(tile, 0, text, ha="center", va="center", fontsize=5.5)
+        ax.text(tile, 0.55, f"tile {tile}", ha="center", fontsize=7)
+    for source in (5, 4, 3):                                            # tile 6 reads back to the first PREFIX
+        ax.annotate("", xy=(source, -0.45), xytext=(6, -0.45),
+                    arrowprops=dict(arrowstyle="->", color="#c0392b", lw=0.8, connectionstyle=f"arc3,rad={-0.12 * (7 - source)}"))
+    ax.text(3.5, -1.45, f"tile 6: carry = S(3) + T(4) + T(5) = {prefix[3]} + {totals[4]} + {totals[5]} = {prefix[5]}; "
+            f"then it publishes PREFIX S(6) = {prefix[6]}", ha="center", fontsize=7.5)
+    ax.set(xlim=(-0.6, 7.6), ylim=(-1.65, 0.8))
+    ax.axis("off")
+    ax.set_title("Decoupled look-back: tiles in ticket order, their state words, tile 6 looking back", fontsize=9)
+    return fig
+
+
+save_figure(draw_look_back(), "look_back_scan.png")
 
 # %% [markdown]
 # ## Going deeper: the look-back and the GPU's memory model
@@ -1146,9 +1159,6 @@ for call, error, words in bad_inputs:
 # %% [markdown]
 # ## Going deeper: what the checks guard against
 #
-# * The Blelloch check does not take the function's word for it: `blelloch_scan` tallies its
-#   additions from the index sets it writes, which would agree with the formula even if an addition
-#   were missing or doubled; the `TorchDispatchMode` counts what torch actually adds.
 # * Since the CPU interpreter folds `tl.associative_scan` left to right, associativity is tested on
 #   its own, in plain PyTorch, in `tests/test_cumsum.py`.
 # * Without a GPU the three-phase check's blocks start at 16, and 4097 values give 257 totals, then

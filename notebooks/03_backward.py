@@ -20,8 +20,8 @@
 #   scan, run right to left, with the gates shifted by one**;
 # - check the formulas against `torch.autograd`, then in a one-block kernel, then in a blocked kernel
 #   for any length;
-# - export `scan_lib.linear_scan`, differentiable (twice, too), check **every** gradient, and time it on
-#   a GPU against the memory floor.
+# - hand both kernels to autograd with a `torch.autograd.Function`, check **every** gradient, and time
+#   the library's `scan_lib.linear_scan` (differentiable twice, too) on a GPU against the memory floor.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -124,7 +124,8 @@ def reference_grads(a, b, h0, dy, reverse=False):
 
 # %% [markdown]
 # The formulas in PyTorch, with both scans done by chapter 02's forward kernel: the adjoint is its
-# reverse scan of the incoming gradient with the shifted gates.
+# reverse scan of the incoming gradient with the shifted gates ("Going deeper: what the adjoint looks
+# like" plots it for constant gates).
 
 # %%
 def shift_gates(a, reverse=False):
@@ -160,34 +161,6 @@ for length in [1, 7, 129]:
         errors = [(g.cpu() - e.cpu()).abs().max().item() for g, e in zip(got, expected)]
         print(f"{length:5} {str(reverse):>8} " + " ".join(f"{err:9.1e}" for err in errors))
         assert max(errors) < 1e-12
-
-# %% [markdown]
-# What the adjoint looks like: for $\mathcal L = \sum_t y_t$ (every $\partial\mathcal L/\partial y_t = 1$) and
-# constant gates $a_t = 0.95$, $\partial\mathcal L/\partial b_t = \delta_t$ counts the later outputs $b_t$
-# still reaches, discounted by $0.95$ per step: flat at $1/(1 - 0.95) = 20$ far from the end, falling to
-# $1$ at the last position. The gate's gradient $h_{t-1}\delta_t$ is that curve times the state the gate
-# multiplied.
-
-# %%
-torch.manual_seed(1)
-length_plot = 200
-b_plot = torch.randn(1, length_plot, dtype=torch.float64, device=DEVICE)
-a_plot = torch.full_like(b_plot, 0.95)
-zero_plot = torch.zeros(1, dtype=torch.float64, device=DEVICE)
-_, da_plot, db_plot, _ = grads_by_formula(a_plot, b_plot, zero_plot, torch.ones_like(b_plot))
-assert abs(db_plot[0, 0].item() - (1 - 0.95 ** length_plot) / 0.05) < 1e-9 and abs(db_plot[0, -1].item() - 1) < 1e-12
-
-fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3))
-ax1.plot(db_plot[0].cpu())
-ax1.set_ylabel(r"$\partial\mathcal{L}/\partial b_t = \delta_t$")
-ax1.set_title("the adjoint: a reverse scan")
-ax2.plot(da_plot[0].cpu(), color="C1")
-ax2.set_ylabel(r"$\partial\mathcal{L}/\partial a_t = h_{t-1}\,\delta_t$")
-ax2.set_title("the gate's gradient")
-for ax in (ax1, ax2):
-    ax.set_xlabel("t")
-fig.tight_layout()
-save_figure(fig, "adjoint_gradients.png")
 
 # %% [markdown]
 # ## 3. One block: forward and backward in one program
@@ -256,7 +229,7 @@ for length in [1, 7, 129, 1000, 4097]:
     assert max(errors) < 1e-9, dict(zip(names, errors))
 
 # %% [markdown]
-# ## 4. Any length: the blocked backward, and `scan_lib.linear_scan`
+# ## 4. Any length: the blocked backward, and a `torch.autograd.Function`
 #
 # Chapter 02's forward kernel walks a row's chunks left to right with the state in a register. The
 # backward kernel walks them **right to left** with the adjoint $\delta$ in a register, folded into each
@@ -267,13 +240,6 @@ for length in [1, 7, 129, 1000, 4097]:
 # through unchanged; what is left after the last chunk, times the first gate of the forward scan ($a_0$;
 # $a_{L-1}$ in reverse), is the initial state's gradient. One kernel serves both directions of the
 # forward scan.
-#
-# The exported cell also makes `linear_scan` a torch op: the launchers become custom ops called by an
-# `autograd.Function`, and the public function checks its arguments, broadcasts gates against tokens
-# and promotes dtypes as `gates * tokens` would ("Going deeper" explains the plumbing). A second derivative
-# needs no second kernel: the backward is a linear scan plus elementwise products, so when autograd
-# records the backward (`create_graph=True`), `_backward_by_scan` computes it with `linear_scan` and
-# torch ops.
 
 # %%
 #| export
@@ -344,191 +310,37 @@ def linear_scan_rows_backward(gates, h, grad_h, initial_state=None, reverse=Fals
     )
     return d_gates, d_tokens, d_init
 
+# %% [markdown]
+# Autograd cannot look inside a Triton kernel, so we tell it what the two launchers compute with a
+# `torch.autograd.Function`. Its `forward` runs chapter 02's forward launcher and saves what the
+# backward needs: the gates, the initial state and the output $h$ (not the tokens). Its `backward`
+# receives $\partial\mathcal L/\partial h$ and returns one gradient for each input of `forward`: `None`
+# for the two that are not tensors, and for an initial state that is `None`. Like both launchers, it
+# takes contiguous (rows, L) tensors.
 
-# The two kernels as torch ops: opaque to torch.compile (which sees only their fake implementations)
-# and batched by torch.func.vmap through their vmap rules. Inputs: contiguous rows of one dtype.
-@custom_op("linear_scan_fwd", __name__)
-def linear_scan_fwd(gates: torch.Tensor, tokens: torch.Tensor, initial_state: Optional[torch.Tensor],
-                    reverse: bool, chunk: Optional[int]) -> torch.Tensor:
-    """h for gates, tokens (rows, L) and initial_state (rows,) or None."""
-    if tokens.numel() == 0:
-        return torch.empty_like(tokens)
-    return linear_scan_rows(gates, tokens, initial_state, reverse, chunk)
-
-
-@linear_scan_fwd.register_fake
-def _(gates, tokens, initial_state, reverse, chunk):
-    return torch.empty_like(tokens)
-
-
-@custom_op("linear_scan_bwd", __name__)
-def linear_scan_bwd(gates: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor, initial_state: Optional[torch.Tensor],
-                    reverse: bool, chunk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d_gates, d_tokens, d_initial_state), the last of shape (0,) when initial_state is None."""
-    d_init = gates.new_empty(0) if initial_state is None else torch.zeros_like(initial_state)
-    if h.numel() == 0:
-        return torch.zeros_like(gates), torch.zeros_like(h), d_init
-    d_gates, d_tokens, d_init_rows = linear_scan_rows_backward(gates, h, grad_h, initial_state, reverse, chunk)
-    return d_gates, d_tokens, d_init if d_init_rows is None else d_init_rows
-
-
-@linear_scan_bwd.register_fake
-def _(gates, h, grad_h, initial_state, reverse, chunk):
-    d_init = gates.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
-    return torch.empty_like(gates), torch.empty_like(h), d_init
-
-
-def _rows_of_batch(info, in_dims, *tensors):
-    """vmap: move each batch dim to the front (expanding unbatched tensors), then fold it into the rows:
-    (batch, rows, L) -> (batch * rows, L), (batch, rows) -> (batch * rows,)."""
-    out = []
-    for tensor, dim in zip(tensors, in_dims):
-        if tensor is not None:
-            tensor = tensor.movedim(dim, 0) if dim is not None else tensor.expand(info.batch_size, *tensor.shape)
-            tensor = tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).contiguous()
-        out.append(tensor)
-    return out
-
-
-def _linear_scan_fwd_vmap(info, in_dims, gates, tokens, initial_state, reverse, chunk):
-    rows = tokens.shape[0] if in_dims[1] is None else tokens.movedim(in_dims[1], 0).shape[1]
-    h = linear_scan_fwd(*_rows_of_batch(info, in_dims[:3], gates, tokens, initial_state), reverse, chunk)
-    return h.view(info.batch_size, rows, h.shape[-1]), 0
-
-
-def _linear_scan_bwd_vmap(info, in_dims, gates, h, grad_h, initial_state, reverse, chunk):
-    rows = h.shape[0] if in_dims[1] is None else h.movedim(in_dims[1], 0).shape[1]
-    d_gates, d_tokens, d_init = linear_scan_bwd(*_rows_of_batch(info, in_dims[:4], gates, h, grad_h, initial_state),
-                                                reverse, chunk)
-    batch, length = info.batch_size, h.shape[-1]
-    d_init = d_init.view(batch, rows) if initial_state is not None else d_init.new_empty(batch, 0)
-    return (d_gates.view(batch, rows, length), d_tokens.view(batch, rows, length), d_init), (0, 0, 0)
-
-
-linear_scan_fwd.register_vmap(_linear_scan_fwd_vmap)
-linear_scan_bwd.register_vmap(_linear_scan_bwd_vmap)
-
-
-def _shift(x, reverse, fill):
-    """x_{t+1} at position t with `fill` at the end (reverse: x_{t-1}, `fill` at the start). (rows, L)."""
-    pad = fill.expand_as(x[:, :1]) if isinstance(fill, torch.Tensor) else torch.full_like(x[:, :1], fill)
-    return torch.cat([pad, x[:, :-1]], -1) if reverse else torch.cat([x[:, 1:], pad], -1)
-
-
-class LinearScanFunction(torch.autograd.Function):
-    """Autograd for linear_scan on contiguous rows of one dtype: gates, tokens (rows, L), initial_state (rows,) or None."""
-    generate_vmap_rule = True
+# %%
+class LinearScanRows(torch.autograd.Function):
+    """h for contiguous (rows, L) gates and tokens and initial_state (rows,) or None; differentiable once."""
 
     @staticmethod
-    def forward(gates, tokens, initial_state, reverse, chunk):
-        return linear_scan_fwd(gates, tokens, initial_state, reverse, chunk)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        gates, _, initial_state, reverse, chunk = inputs
-        ctx.save_for_backward(gates, output, initial_state)
+    def forward(ctx, gates, tokens, initial_state, reverse, chunk):
+        h = linear_scan_rows(gates, tokens, initial_state, reverse, chunk)  # chapter 02's forward launcher
+        ctx.save_for_backward(gates, h, initial_state)
         ctx.reverse, ctx.chunk = reverse, chunk
+        return h
 
     @staticmethod
     def backward(ctx, grad_h):
         gates, h, initial_state = ctx.saved_tensors
-        if torch.is_grad_enabled() and h.shape[-1] > 0:  # create_graph=True: a backward autograd can differentiate
-            d_gates, d_tokens, d_init = _backward_by_scan(gates, h, grad_h, initial_state, ctx.reverse, ctx.chunk)
-        else:  # the usual case: one fused kernel
-            d_gates, d_tokens, d_init = linear_scan_bwd(gates, h, grad_h.contiguous(), initial_state,
-                                                        ctx.reverse, ctx.chunk)
-        return d_gates, d_tokens, None if initial_state is None else d_init, None, None
-
-
-def _backward_by_scan(gates, h, grad_h, initial_state, reverse, chunk):
-    """The backward pass written with differentiable pieces: the adjoint is a linear scan the other way
-    on the shifted gates, so autograd can differentiate it again (Hessians, double backward)."""
-    delta = apply(LinearScanFunction, _shift(gates, reverse, 0.0), grad_h.contiguous(), None, not reverse, chunk)
-    ### BEGIN SOLUTION
-    ### HINT: return (d_gates, d_tokens, d_initial_state) from delta, h (shifted with _shift, the initial state or 0 at the first step) and the gates
-    h_init = torch.zeros_like(h[:, :1]) if initial_state is None else initial_state[:, None]
-    h_prev = _shift(h, not reverse, h_init)  # h_{t-1} (reverse: h_{t+1}), the initial state at the first step
-    first = -1 if reverse else 0
-    return h_prev * delta, delta, gates[:, first] * delta[:, first]
-    ### END SOLUTION
-
-
-def _promoted_dtype(gates, tokens):
-    """torch.result_type(gates, tokens) for floating tensors (or a Python number for gates), written with
-    torch.promote_types so that torch.compile can trace it: a tensor with dimensions outranks a 0-dim
-    one, which outranks a Python number; tensors of the same rank promote as torch.promote_types says."""
-    if not isinstance(gates, torch.Tensor) or (gates.dim() == 0 and tokens.dim() > 0):
-        return tokens.dtype
-    if tokens.dim() == 0 and gates.dim() > 0:
-        return gates.dtype
-    return torch.promote_types(gates.dtype, tokens.dtype)
-
-
-def _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk):
-    """Validate the arguments; return (shape of h, dtype of h)."""
-    if not isinstance(tokens, torch.Tensor):
-        raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
-    if not isinstance(gates, torch.Tensor) and (isinstance(gates, bool) or not isinstance(gates, (int, float))):
-        raise TypeError(f"gates must be a torch.Tensor or a real number, got {type(gates).__name__}")
-    named = {"gates": gates, "tokens": tokens, "initial_state": initial_state}
-    for name, value in named.items():
-        if isinstance(value, torch.Tensor) and value.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {value.dtype}")
-    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
-        raise TypeError(f"initial_state must be None or a torch.Tensor, got {type(initial_state).__name__}")
-    gate_shape = gates.shape if isinstance(gates, torch.Tensor) else ()
-    try:
-        shape = tokens.shape if gate_shape == tokens.shape else torch.broadcast_shapes(gate_shape, tokens.shape)
-    except RuntimeError:
-        raise ValueError(f"gates and tokens must have broadcastable shapes, got {tuple(gate_shape)} and "
-                         f"{tuple(tokens.shape)}") from None
-    if len(shape) == 0:
-        raise ValueError("gates and tokens must have at least one dimension (..., L) between them, got 0-dim tensors")
-    dtype = _promoted_dtype(gates, tokens)  # the dtype of gates * tokens
-    if initial_state is not None:
-        dtype = torch.promote_types(dtype, initial_state.dtype)
-        try:
-            ok = initial_state.shape == shape[:-1] or torch.broadcast_shapes(initial_state.shape, shape[:-1]) == shape[:-1]
-        except RuntimeError:
-            ok = False
-        if not ok:
-            raise ValueError(f"initial_state must broadcast to {tuple(shape[:-1])} (the leading dims of h), "
-                             f"got {tuple(initial_state.shape)}")
-    if not isinstance(reverse, bool):
-        raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1)):
-        raise ValueError(f"chunk must be None or a power of two >= 16, got {chunk!r}")
-    check_same_device(**{name: value for name, value in named.items() if isinstance(value, torch.Tensor)})
-    return shape, dtype
-
-
-def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None):
-    """The first-order linear scan along the last dim, differentiable (twice and more) in all three tensors.
-
-    h_t = gates_t * h_{t-1} + tokens_t, with h_{-1} = initial_state (zeros if None);
-    reverse=True: h_t = gates_t * h_{t+1} + tokens_t, with h_L = initial_state.
-    gates: a tensor broadcastable against tokens (a scalar () or a per-channel (..., 1) gate, for an EMA)
-    or a Python number; tokens: (..., L); initial_state: None or broadcastable to the leading dims (...).
-    h has the broadcast shape of gates and tokens and the dtype torch's promotion gives gates * tokens
-    (and initial_state); it is computed in float32 (float64 for float64). The gradient of a broadcast
-    argument is summed back to its shape, in its dtype. Works under torch.func (grad, vmap), and
-    torch.compile sees the kernels as the custom ops scan_lib::linear_scan_fwd / linear_scan_bwd.
-    """
-    shape, dtype = _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk)
-    rows, length = math.prod(shape[:-1]), shape[-1]
-    if not isinstance(gates, torch.Tensor):
-        gates = torch.tensor(gates, dtype=dtype, device=tokens.device)
-    rows_gates = gates.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
-    rows_tokens = tokens.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
-    rows_init = None if initial_state is None else initial_state.to(dtype).expand(shape[:-1]).reshape(rows).contiguous()
-    return apply(LinearScanFunction, rows_gates, rows_tokens, rows_init, reverse, chunk).view(shape)
-
+        d_gates, d_tokens, d_init = linear_scan_rows_backward(gates, h, grad_h.contiguous(), initial_state,
+                                                              ctx.reverse, ctx.chunk)
+        return d_gates, d_tokens, d_init, None, None  # one per input of forward
 
 # %% [markdown]
 # ## 5. Every gradient, every length, several chunk sizes
 #
-# This check runs the scan between elementwise products, as chapters 04 and 05 will:
-# $y = C \odot \mathrm{linear\_scan}(a,\ B \odot x,\ h_{-1})$ in plain PyTorch, so autograd chains our
+# This check runs `LinearScanRows` between elementwise products, as chapters 04 and 05 will run their
+# scans: $y = C \odot \mathrm{scan}(a,\ B \odot x,\ h_{-1})$ in plain PyTorch, so autograd chains our
 # gradients with the elementwise ones. **In this check only**, $y$ is that model's output, not the state,
 # and `dy` is $\partial\mathcal L/\partial y$ for it; from the `gradcheck` cell on, $y_t = h_t$ again. We
 # check $y$ and all five gradients against the float64 loop, at lengths 1, 7, 129, 1000 and 4097 (1100
@@ -557,7 +369,7 @@ for length in [1, 7, 129, 1000, 4097 if ON_GPU else 1100]:
             expected = model_grads(x, a, B, C, init, dy, reverse, scan_loop)
             for chunk in [16, 128, 1024]:
                 got = model_grads(x, a, B, C, init, dy, reverse,
-                                  lambda *args: linear_scan(*args, chunk=chunk))
+                                  lambda *args: LinearScanRows.apply(*args, chunk))
                 errors = [(g.cpu() - e.cpu()).abs().max().item() for g, e in zip(got, expected)]
                 assert max(errors) < 1e-9, (length, reverse, init is None, chunk, dict(zip(model_names, errors)))
                 if init is not None and chunk == 16:
@@ -565,15 +377,18 @@ for length in [1, 7, 129, 1000, 4097 if ON_GPU else 1100]:
 print("the other runs (chunks of 128 and 1024, no initial state) match too, at every length and direction")
 
 # %% [markdown]
-# `torch.autograd.gradcheck` compares our backward with finite differences of our own forward over the
+# The rest of the chapter uses the library's op, `scan_lib.linear_scan`: it wraps the same two launchers
+# and adds what `LinearScanRows` lacks, among it any leading dims, non-contiguous inputs and a backward
+# that autograd can differentiate again ("Going deeper: autograd plumbing" shows how it is wired).
+# `torch.autograd.gradcheck` compares its backward with finite differences of our own forward over the
 # full Jacobian (`fast_mode=False`), in float64, on small shapes with extra leading dims, a
 # non-contiguous input and chunks of 16, so that carries are crossed. `gradgradcheck` does the same for
-# the second derivatives ($L = 17$), and the Hessian of a loss through `linear_scan` ($L = 20$) must
-# equal the loop's ("Going deeper" says why that tests the differentiated backward). The cell also
-# asserts large Hessian entries coupling a gate of the first chunk with one of the second: only a
-# correct carry, in the forward and the differentiated backward, gets them right.
+# the second derivatives ($L = 17$); "Going deeper: why the Hessian tests the differentiated backward"
+# also compares a Hessian with the loop's.
 
 # %%
+from scan_lib import linear_scan  # the library's op
+
 torch.manual_seed(4)
 gates_gc = torch.rand(1, 2, 20, dtype=torch.float64, device=DEVICE).requires_grad_()
 tokens_gc = torch.randn(1, 20, 2, dtype=torch.float64, device=DEVICE).transpose(1, 2).requires_grad_()  # non-contiguous
@@ -586,182 +401,11 @@ for reverse in [False, True]:
     assert torch.autograd.gradgradcheck(lambda g, u, h: linear_scan(g, u, h, reverse, chunk=16), small)
 print("gradcheck (float64, shape (1, 2, 20), full Jacobian) and gradgradcheck (1, 17), chunk 16, both directions: ok")
 
-
-def squared_loss(scan):
-    return lambda g, u, h: (scan(g[None], u[None], h[None]) ** 2).sum()
-
-
-hessian_args = (gates_gc[0, 0].detach(), tokens_gc[0, 0].detach(), init_gc[0, 0].detach())  # L = 20
-ours = torch.autograd.functional.hessian(squared_loss(lambda g, u, h: linear_scan(g, u, h, chunk=16)), hessian_args)
-theirs = torch.autograd.functional.hessian(squared_loss(scan_loop), hessian_args)
-hessian_error = max((o - t).abs().max().item() for row_o, row_t in zip(ours, theirs) for o, t in zip(row_o, row_t))
-across_chunks = theirs[0][0][:16, 16:].abs().max().item()  # d2/(d gate_s d gate_t), s in chunk 0, t in chunk 1
-print(f"Hessian of sum(h^2) in (gates, tokens, initial state), L = 20, chunks of 16: largest entry "
-      f"{max(t.abs().max().item() for row in theirs for t in row):.2f}, largest across the carry "
-      f"{across_chunks:.2f}, max abs error {hessian_error:.1e}")
-assert across_chunks > 0.1 and hessian_error < 1e-10
-
 # %% [markdown]
-# Low precision: the gradients of float32, float16 and bfloat16 inputs against the float64 gradients of
-# the same (rounded) inputs, element by element, with a bound built from chapter 02's `error_bound`. The
-# backward is two scans, $h$ and the adjoint $\delta$ (the same scan by the same `scan_chunk`, on the
-# shifted gates and `dy`), which `error_bound` bounds, and two products, $h_{t-1}\delta_t$ and
-# $a_0\delta_0$, which `product` bounds ("Going deeper" derives each bound). The table prints the worst
-# ratio of error to bound: at most 1 for a correct backward, as the cell asserts. Random roundings
-# partly cancel where a worst-case bound adds them all, so the ratio can lie far below 1 where many add
-# up (float32, a long memory) and come close to 1 where one output rounding dominates (float16,
-# bfloat16).
-
-# %%
-def output_roundoff(dtype):
-    """u_out of chapter 02's error_bound: the relative error of one rounding from float32 to `dtype`
-    (0 for float32 itself; a whole epsilon for bfloat16 on the interpreter, which truncates)."""
-    if dtype == torch.float32:
-        return 0.0
-    return torch.finfo(dtype).eps / (1 if dtype == torch.bfloat16 and INTERPRET else 2)
-
-
-def gradient_bounds(gates, tokens, initial_state, dy):
-    """Elementwise bounds on |linear_scan - float64| of (h, d_gates, d_tokens, d_init) for a forward scan of
-    (rows, L) inputs of one dtype (float32, float16 or bfloat16), the loss sum(h * dy)."""
-    dtype = tokens.dtype
-    u32, u_out, tiny = 2.0 ** -24, output_roundoff(dtype), torch.finfo(dtype).tiny
-    a, b, h_init, dy = (t.detach().double() for t in (gates, tokens, initial_state, dy))
-    shifted = shift_gates(a)
-    h, delta = scan_loop(a, b, h_init), scan_loop(shifted, dy, reverse=True)
-    bound_h = error_bound(a, b, h_init, dtype=dtype)  # h as stored, which the backward reads back
-    bound_delta = error_bound(shifted, dy, None, True, dtype=torch.float32)  # the adjoint before its store
-    bound_d_tokens = error_bound(shifted, dy, None, True, dtype=dtype)  # ... and stored: d_tokens
-    h_prev = torch.cat([h_init[:, None], h[:, :-1]], -1)  # h_{t-1}
-    bound_h_prev = torch.cat([torch.zeros_like(h_init[:, None]), bound_h[:, :-1]], -1)  # h_{-1}: the input, exact
-
-    def product(x, bound_x, y, bound_y):  # bound on |round_dtype(float32(x_hat * y_hat)) - x * y|
-        first_order = x.abs() * bound_y + y.abs() * bound_x + bound_x * bound_y
-        return (1 + u32) * (1 + u_out) * first_order + (u32 + u_out + u32 * u_out) * (x * y).abs() + u_out * tiny
-
-    return (bound_h, product(h_prev, bound_h_prev, delta, bound_delta), bound_d_tokens,
-            product(a[:, 0], 0.0, delta[:, 0], bound_delta[:, 0]))
-
-
-torch.manual_seed(5)
-length_lp = 2000
-gates_lp = 0.98 + 0.02 * torch.rand(4, length_lp, device=DEVICE)
-tokens_lp, grad_lp = torch.randn(2, 4, length_lp, device=DEVICE)
-init_lp = torch.randn(4, device=DEVICE)
-print(f"max err / bound, L = {length_lp}")
-print(f"{'dtype':>15} " + " ".join(f"{n:>9}" for n in ["h", "d_gates", "d_tokens", "d_init"]))
-for dtype in [torch.float32, torch.float16, torch.bfloat16]:
-    leaves = [t.to(dtype).requires_grad_() for t in (gates_lp, tokens_lp, init_lp)]
-    h_lp = linear_scan(*leaves)
-    got = [h_lp.detach(), *torch.autograd.grad(h_lp, leaves, grad_lp.to(dtype))]
-    assert all(t.dtype == dtype for t in got)
-    leaves64 = [t.detach().double().requires_grad_() for t in leaves]  # the same rounded inputs, in float64
-    h64 = scan_loop(*leaves64)
-    ref_lp = [h64.detach(), *torch.autograd.grad(h64, leaves64, grad_lp.to(dtype).double())]
-    bounds_lp = gradient_bounds(*leaves, grad_lp.to(dtype))
-    ratios = [((g.double() - r).abs() / bound).max().item() for g, r, bound in zip(got, ref_lp, bounds_lp)]
-    print(f"{str(dtype):>15} " + " ".join(f"{ratio:9.3f}" for ratio in ratios))
-    assert max(ratios) <= 1, (dtype, ratios)
-
-# %% [markdown]
-# **The check can fail.** Section 1's easy slip, the adjoint scanned with unshifted gates ($a_t$ where
-# $\delta_t$ needs $a_{t+1}$), goes through the same float32 bound next to the right adjoint; the cell
-# asserts that the wrong one's error exceeds its bound more than a hundredfold.
-
-# %%
-exact_delta = scan_loop(shift_gates(gates_lp.double()), grad_lp.double(), reverse=True)
-bound_d_tokens = gradient_bounds(gates_lp, tokens_lp, init_lp, grad_lp)[2]  # float32, as in the table
-right_delta = linear_scan_rows(shift_gates(gates_lp), grad_lp, reverse=True)  # gates a_{t+1}
-unshifted_delta = linear_scan_rows(gates_lp, grad_lp, reverse=True)  # the slip: gates a_t
-ratio_right, ratio_unshifted = (((d.double() - exact_delta).abs() / bound_d_tokens).max().item()
-                                for d in (right_delta, unshifted_delta))
-print(f"adjoint in float32, max err / bound: shifted gates {ratio_right:.3f}, unshifted gates {ratio_unshifted:.0f}")
-assert ratio_right <= 1 and ratio_unshifted > 100
-
-# %% [markdown]
-# `linear_scan` takes what `gates * tokens` would: here a float16 per-channel gate of shape (3, 1) with
-# float32 tokens. $h$ equals the scan of the expanded gate, and `d_alpha` comes back in the gate's shape
-# and dtype.
-
-# %%
-tokens_ema = torch.randn(2, 3, 50, device=DEVICE)
-alpha = torch.tensor([[0.9], [0.5], [0.99]], dtype=torch.float16, device=DEVICE, requires_grad=True)  # 3 x 1: per channel
-h_ema = linear_scan(alpha, (1 - alpha) * tokens_ema)
-d_alpha, = torch.autograd.grad(h_ema.sum(), alpha)
-h_expanded = linear_scan(alpha.detach().float().expand(2, 3, 50).contiguous(), (1 - alpha.detach().float()) * tokens_ema)
-assert h_ema.dtype == torch.float32 and d_alpha.shape == alpha.shape and d_alpha.dtype == torch.float16
-assert torch.equal(h_ema.detach(), h_expanded)
-print(f"per-channel float16 gate {tuple(alpha.shape)} with float32 tokens {tuple(tokens_ema.shape)}: "
-      f"h {h_ema.dtype} {tuple(h_ema.shape)}, d_alpha {d_alpha.dtype} {tuple(d_alpha.shape)}")
-
-# %% [markdown]
-# The values in float64, against the loop with the gate expanded by hand, for each kind of gate: a
-# tensor that broadcasts, a 0-dim tensor, and a Python number (which has no gradient).
-
-# %%
-def loop_broadcast(gates, tokens):
-    """scan_loop with gates (a tensor or a number) broadcast against tokens (..., L) by hand."""
-    gates = torch.as_tensor(gates, dtype=tokens.dtype, device=tokens.device)
-    shape = torch.broadcast_shapes(gates.shape, tokens.shape)
-    rows_of = lambda t: t.expand(shape).reshape(-1, shape[-1])  # noqa: E731
-    return scan_loop(rows_of(gates), rows_of(tokens)).view(shape)
-
-
-def ema_grads(scan, gate, tokens, dy):
-    """(h, d_tokens[, d_gate]) for h = scan(gate, (1 - gate) * tokens) and the loss sum(h * dy)."""
-    leaves = [tokens.clone().requires_grad_()] + ([gate.clone().requires_grad_()] if isinstance(gate, torch.Tensor) else [])
-    gate_ = leaves[1] if isinstance(gate, torch.Tensor) else gate
-    h = scan(gate_, (1 - gate_) * leaves[0])
-    return [h.detach(), *torch.autograd.grad(h, leaves, dy)]
-
-
-torch.manual_seed(8)
-tokens_g, dy_g = torch.randn(2, 2, 3, 50, dtype=torch.float64, device=DEVICE)
-gate_kinds = {"tensor (3, 1)": torch.tensor([[0.9], [0.5], [0.99]], dtype=torch.float64, device=DEVICE),
-              "0-dim tensor": torch.tensor(0.9, dtype=torch.float64, device=DEVICE),
-              "Python float": 0.9}
-print(f"{'gate':>14} {'h':>9} {'d_tokens':>9} {'d_gate':>9}")
-for kind, gate in gate_kinds.items():
-    ours = ema_grads(linear_scan, gate, tokens_g, dy_g)
-    theirs = ema_grads(loop_broadcast, gate, tokens_g, dy_g)
-    if isinstance(gate, torch.Tensor):
-        assert ours[2].shape == gate.shape  # d_gate, summed back to the gate's shape
-    errors = [(o - t).abs().max().item() for o, t in zip(ours, theirs)]
-    print(f"{kind:>14} " + " ".join(f"{err:9.1e}" for err in errors) + ("" if len(errors) == 3 else f" {'(none)':>9}"))
-    assert max(errors) < 1e-9, (kind, errors)
-
-# %% [markdown]
-# Bad input gets an exception that names the argument; empty sequences are allowed.
-
-# %%
-ok_gates = torch.rand(2, 5, device=DEVICE)
-ok_tokens = torch.randn(2, 5, device=DEVICE)
-bad_calls = {
-    "shapes not broadcastable": (ValueError, lambda: linear_scan(ok_gates, ok_tokens[:, :4])),
-    "integer tokens": (TypeError, lambda: linear_scan(ok_gates, torch.ones(2, 5, dtype=torch.int64, device=DEVICE))),
-    "gates a list": (TypeError, lambda: linear_scan([0.5] * 5, ok_tokens)),
-    "0-dim tensors": (ValueError, lambda: linear_scan(ok_gates[0, 0], ok_tokens[0, 0])),
-    "initial_state shape": (ValueError, lambda: linear_scan(ok_gates, ok_tokens, torch.zeros(5, device=DEVICE))),
-    "chunk not a power of two": (ValueError, lambda: linear_scan(ok_gates, ok_tokens, chunk=100)),
-}
-if ON_GPU:
-    bad_calls["tokens on the CPU"] = (ValueError, lambda: linear_scan(ok_gates, ok_tokens.cpu()))
-for what, (error, call) in bad_calls.items():
-    try:
-        call()
-    except error as exc:
-        print(f"{what:26} -> {error.__name__}: {exc}")
-    else:
-        raise AssertionError(f"{what}: no {error.__name__}")
-
-empty_gates = torch.rand(3, 0, device=DEVICE, requires_grad=True)
-empty_h = linear_scan(empty_gates, torch.randn(3, 0, device=DEVICE))
-assert empty_h.shape == (3, 0)
-empty_h.sum().backward()
-assert empty_gates.grad.shape == (3, 0)
-print("L = 0: empty result, empty gradients: ok")
-
-# %% [markdown]
+# In float32, float16 and bfloat16, "Going deeper: low precision, and the gradients' error bound"
+# checks every gradient, element by element, against a bound built from chapter 02's `error_bound`,
+# and shows the check catching a wrong adjoint.
+#
 # ## 6. On a GPU: how fast, and how far from the floor
 #
 # Gates and tokens of shape (batch 8, channels 1024, L 4096) in float32. Both passes do a few flops per
@@ -778,7 +422,7 @@ if not ON_GPU:
 else:
     from scan_lib.runtime import copy_bandwidth, median_us
 
-    backward_config = BWD_CONFIG  # the dict this notebook's linear_scan reads (scan_lib's own is another copy)
+    from scan_lib.linear_scan import BWD_CONFIG as backward_config  # the dict scan_lib's linear_scan reads
     torch.manual_seed(6)
     shape_bench = (8, 1024, 4096)
     gates_b = (0.5 + 0.5 * torch.rand(shape_bench, device=DEVICE)).requires_grad_()
@@ -868,12 +512,44 @@ else:
 #   the same scan run the other way on the shifted gates; $\partial\mathcal L/\partial b_t = \delta_t$,
 #   $\partial\mathcal L/\partial a_t = h_{t-1}\delta_t$, $\partial\mathcal L/\partial h_{-1} = a_0\delta_0$.
 # - The backward kernel walks each row's chunks right to left, carrying $\delta$ in a register and reading
-#   the stored forward output one step back.
-# - `scan_lib.linear_scan(gates, tokens, initial_state=None, reverse=False)` is differentiable (twice too) in
-#   all three tensors, checked against the float64 loop, by `gradcheck`, `gradgradcheck` and a Hessian,
+#   the stored forward output one step back. A `torch.autograd.Function` hands both kernels to autograd;
+#   every gradient matches the float64 loop.
+# - `scan_lib.linear_scan(gates, tokens, initial_state=None, reverse=False)` wraps the same kernels,
+#   differentiable (twice too) in all three tensors, checked by `gradcheck`, `gradgradcheck` and a Hessian,
 #   and in low precision against a bound that the adjoint with unshifted gates fails.
 # - Next, chapter 04: N states per position, where storing $h$ is no longer an option.
+
+# %% [markdown]
+# ## Going deeper: what the adjoint looks like
 #
+# For $\mathcal L = \sum_t y_t$ (every $\partial\mathcal L/\partial y_t = 1$) and
+# constant gates $a_t = 0.95$, $\partial\mathcal L/\partial b_t = \delta_t$ counts the later outputs $b_t$
+# still reaches, discounted by $0.95$ per step: flat at $1/(1 - 0.95) = 20$ far from the end, falling to
+# $1$ at the last position. The gate's gradient $h_{t-1}\delta_t$ is that curve times the state the gate
+# multiplied.
+
+# %%
+torch.manual_seed(1)
+length_plot = 200
+b_plot = torch.randn(1, length_plot, dtype=torch.float64, device=DEVICE)
+a_plot = torch.full_like(b_plot, 0.95)
+zero_plot = torch.zeros(1, dtype=torch.float64, device=DEVICE)
+_, da_plot, db_plot, _ = grads_by_formula(a_plot, b_plot, zero_plot, torch.ones_like(b_plot))
+assert abs(db_plot[0, 0].item() - (1 - 0.95 ** length_plot) / 0.05) < 1e-9 and abs(db_plot[0, -1].item() - 1) < 1e-12
+
+fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3))
+ax1.plot(db_plot[0].cpu())
+ax1.set_ylabel(r"$\partial\mathcal{L}/\partial b_t = \delta_t$")
+ax1.set_title("the adjoint: a reverse scan")
+ax2.plot(da_plot[0].cpu(), color="C1")
+ax2.set_ylabel(r"$\partial\mathcal{L}/\partial a_t = h_{t-1}\,\delta_t$")
+ax2.set_title("the gate's gradient")
+for ax in (ax1, ax2):
+    ax.set_xlabel("t")
+fig.tight_layout()
+save_figure(fig, "adjoint_gradients.png")
+
+# %% [markdown]
 # ## Going deeper: what the backward stores, and what it recomputes
 #
 # $\partial a_t = h_{t-1}\delta_t$ needs the forward states. Storing the output $h$ (it exists anyway) and
@@ -896,10 +572,331 @@ else:
 # the padding. As in chapter 02, `HAS_H0` is a compile-time constant: without an initial state the
 # kernel neither reads `H0` nor writes `DH0`, and the launcher passes `h` in their places as
 # placeholders that are never touched.
+
+# %% [markdown]
+# ## Going deeper: autograd plumbing: torch ops, `setup_context`, double backward
 #
-# ## Going deeper: the gradients' error bound, derived
+# Section 4's `LinearScanRows` hands autograd the two launchers for contiguous rows and one derivative.
+# The library's `linear_scan`, exported by the three cells below, wraps the same launchers for more. The
+# public function broadcasts gates against tokens and passes them, as contiguous rows, to an
+# `autograd.Function`, `LinearScanFunction`, which calls the launchers as custom ops, `linear_scan_fwd`
+# and `linear_scan_bwd`. A second derivative needs no second kernel: the backward is a linear scan plus
+# elementwise products, so when autograd records the backward (`create_graph=True`), `_backward_by_scan`
+# computes it with `LinearScanFunction` and torch ops.
 #
-# Section 5 bounds each gradient with chapter 02's `error_bound` and one rule for a product. $h$ is
+# - **Custom ops.** The second cell registers the two launchers as PyTorch custom ops with
+#   `scan_lib.runtime.custom_op`, chapter 00's wrapper of `torch.library.custom_op`, which in a plain
+#   eager call runs the op's Python function directly. `torch.compile` does not trace into a Triton
+#   launcher: it calls the custom ops `linear_scan_fwd` / `linear_scan_bwd` and builds its graph from
+#   their *fake* implementations (shapes and dtypes only); `torch.func.vmap` uses their *vmap rules*,
+#   which fold the batch dim into the rows. The third cell registers the fake implementations and the
+#   vmap rules.
+# - **Arguments.** The first cell defines `_check_linear_scan_inputs`, which `linear_scan` calls first:
+#   it raises a `TypeError` or `ValueError` naming a wrong argument, and promotes dtypes as
+#   `gates * tokens` would (the last section tries it).
+# - **The autograd.Function** has `forward` without `ctx` plus `setup_context` (what `torch.func` needs) and
+#   `generate_vmap_rule = True`. Its backward is the fused kernel unless autograd records the backward
+#   (`create_graph=True`: `gradgradcheck`, `hessian`, `torch.func.grad`); then `_backward_by_scan` computes
+#   it from `LinearScanFunction` and torch ops, which autograd differentiates again. A backward that
+#   autograd cannot differentiate, such as `LinearScanRows`'s, does not always say so:
+#   `torch.autograd.functional.hessian` returns zeros through it, and where the first gradient also flows
+#   through other ops, the second derivative silently lacks the scan's part. So such a backward should
+#   raise when differentiated, as `causal_conv1d`'s and `selective_scan`'s do.
+# - **Host cost.** That style's `Function.apply` binds its arguments with `inspect.signature` on every call,
+#   host work that this course does not time (for a scale, chapter 00's table times a whole launch of a
+#   Triton kernel on the host, its `host_us` column). So the library calls `scan_lib.runtime.apply`:
+#   outside `torch.compile` and `torch.func` it runs the same forward, `setup_context` and backward as an
+#   old-style Function, whose `apply` goes straight to C++.
+# - **Saved tensors.** The Function saves the gates, the initial state and its output $h$, which share the
+#   caller's version counters: editing one in place before backward raises autograd's usual error instead
+#   of giving a wrong gradient. Broadcasting and casting happen outside the Function, so autograd sums the
+#   gradient of a broadcast gate back to its shape and casts it to its dtype.
+
+# %%
+#| export
+def _promoted_dtype(gates, tokens):
+    """torch.result_type(gates, tokens) for floating tensors (or a Python number for gates), written with
+    torch.promote_types so that torch.compile can trace it: a tensor with dimensions outranks a 0-dim
+    one, which outranks a Python number; tensors of the same rank promote as torch.promote_types says."""
+    if not isinstance(gates, torch.Tensor) or (gates.dim() == 0 and tokens.dim() > 0):
+        return tokens.dtype
+    if tokens.dim() == 0 and gates.dim() > 0:
+        return gates.dtype
+    return torch.promote_types(gates.dtype, tokens.dtype)
+
+
+def _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk):
+    """Validate the arguments; return (shape of h, dtype of h)."""
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"tokens must be a torch.Tensor, got {type(tokens).__name__}")
+    if not isinstance(gates, torch.Tensor) and (isinstance(gates, bool) or not isinstance(gates, (int, float))):
+        raise TypeError(f"gates must be a torch.Tensor or a real number, got {type(gates).__name__}")
+    named = {"gates": gates, "tokens": tokens, "initial_state": initial_state}
+    for name, value in named.items():
+        if isinstance(value, torch.Tensor) and value.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {value.dtype}")
+    if initial_state is not None and not isinstance(initial_state, torch.Tensor):
+        raise TypeError(f"initial_state must be None or a torch.Tensor, got {type(initial_state).__name__}")
+    gate_shape = gates.shape if isinstance(gates, torch.Tensor) else ()
+    try:
+        shape = tokens.shape if gate_shape == tokens.shape else torch.broadcast_shapes(gate_shape, tokens.shape)
+    except RuntimeError:
+        raise ValueError(f"gates and tokens must have broadcastable shapes, got {tuple(gate_shape)} and "
+                         f"{tuple(tokens.shape)}") from None
+    if len(shape) == 0:
+        raise ValueError("gates and tokens must have at least one dimension (..., L) between them, got 0-dim tensors")
+    dtype = _promoted_dtype(gates, tokens)  # the dtype of gates * tokens
+    if initial_state is not None:
+        dtype = torch.promote_types(dtype, initial_state.dtype)
+        try:
+            ok = initial_state.shape == shape[:-1] or torch.broadcast_shapes(initial_state.shape, shape[:-1]) == shape[:-1]
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"initial_state must broadcast to {tuple(shape[:-1])} (the leading dims of h), "
+                             f"got {tuple(initial_state.shape)}")
+    if not isinstance(reverse, bool):
+        raise TypeError(f"reverse must be a bool, got {type(reverse).__name__}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 16 or chunk & (chunk - 1)):
+        raise ValueError(f"chunk must be None or a power of two >= 16, got {chunk!r}")
+    check_same_device(**{name: value for name, value in named.items() if isinstance(value, torch.Tensor)})
+    return shape, dtype
+
+# %% [markdown]
+# The ops, the Function, the backward that autograd can differentiate, and the public function, which
+# broadcasts and casts outside the Function:
+
+# %%
+#| export
+# The two kernels as torch ops: opaque to torch.compile (which sees only their fake implementations)
+# and batched by torch.func.vmap through their vmap rules. Inputs: contiguous rows of one dtype.
+@custom_op("linear_scan_fwd", __name__)
+def linear_scan_fwd(gates: torch.Tensor, tokens: torch.Tensor, initial_state: Optional[torch.Tensor],
+                    reverse: bool, chunk: Optional[int]) -> torch.Tensor:
+    """h for gates, tokens (rows, L) and initial_state (rows,) or None."""
+    if tokens.numel() == 0:
+        return torch.empty_like(tokens)
+    return linear_scan_rows(gates, tokens, initial_state, reverse, chunk)
+
+
+@custom_op("linear_scan_bwd", __name__)
+def linear_scan_bwd(gates: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor, initial_state: Optional[torch.Tensor],
+                    reverse: bool, chunk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_gates, d_tokens, d_initial_state), the last of shape (0,) when initial_state is None."""
+    d_init = gates.new_empty(0) if initial_state is None else torch.zeros_like(initial_state)
+    if h.numel() == 0:
+        return torch.zeros_like(gates), torch.zeros_like(h), d_init
+    d_gates, d_tokens, d_init_rows = linear_scan_rows_backward(gates, h, grad_h, initial_state, reverse, chunk)
+    return d_gates, d_tokens, d_init if d_init_rows is None else d_init_rows
+
+
+def _shift(x, reverse, fill):
+    """x_{t+1} at position t with `fill` at the end (reverse: x_{t-1}, `fill` at the start). (rows, L)."""
+    pad = fill.expand_as(x[:, :1]) if isinstance(fill, torch.Tensor) else torch.full_like(x[:, :1], fill)
+    return torch.cat([pad, x[:, :-1]], -1) if reverse else torch.cat([x[:, 1:], pad], -1)
+
+
+class LinearScanFunction(torch.autograd.Function):
+    """Autograd for linear_scan on contiguous rows of one dtype: gates, tokens (rows, L), initial_state (rows,) or None."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(gates, tokens, initial_state, reverse, chunk):
+        return linear_scan_fwd(gates, tokens, initial_state, reverse, chunk)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        gates, _, initial_state, reverse, chunk = inputs
+        ctx.save_for_backward(gates, output, initial_state)
+        ctx.reverse, ctx.chunk = reverse, chunk
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        gates, h, initial_state = ctx.saved_tensors
+        if torch.is_grad_enabled() and h.shape[-1] > 0:  # create_graph=True: a backward autograd can differentiate
+            d_gates, d_tokens, d_init = _backward_by_scan(gates, h, grad_h, initial_state, ctx.reverse, ctx.chunk)
+        else:  # the usual case: one fused kernel
+            d_gates, d_tokens, d_init = linear_scan_bwd(gates, h, grad_h.contiguous(), initial_state,
+                                                        ctx.reverse, ctx.chunk)
+        return d_gates, d_tokens, None if initial_state is None else d_init, None, None
+
+
+def _backward_by_scan(gates, h, grad_h, initial_state, reverse, chunk):
+    """The backward pass written with differentiable pieces: the adjoint is a linear scan the other way
+    on the shifted gates, so autograd can differentiate it again (Hessians, double backward)."""
+    delta = apply(LinearScanFunction, _shift(gates, reverse, 0.0), grad_h.contiguous(), None, not reverse, chunk)
+    ### BEGIN SOLUTION
+    ### HINT: return (d_gates, d_tokens, d_initial_state) from delta, h (shifted with _shift, the initial state or 0 at the first step) and the gates
+    h_init = torch.zeros_like(h[:, :1]) if initial_state is None else initial_state[:, None]
+    h_prev = _shift(h, not reverse, h_init)  # h_{t-1} (reverse: h_{t+1}), the initial state at the first step
+    first = -1 if reverse else 0
+    return h_prev * delta, delta, gates[:, first] * delta[:, first]
+    ### END SOLUTION
+
+
+def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None):
+    """The first-order linear scan along the last dim, differentiable (twice and more) in all three tensors.
+
+    h_t = gates_t * h_{t-1} + tokens_t, with h_{-1} = initial_state (zeros if None);
+    reverse=True: h_t = gates_t * h_{t+1} + tokens_t, with h_L = initial_state.
+    gates: a tensor broadcastable against tokens (a scalar () or a per-channel (..., 1) gate, for an EMA)
+    or a Python number; tokens: (..., L); initial_state: None or broadcastable to the leading dims (...).
+    h has the broadcast shape of gates and tokens and the dtype torch's promotion gives gates * tokens
+    (and initial_state); it is computed in float32 (float64 for float64). The gradient of a broadcast
+    argument is summed back to its shape, in its dtype. Works under torch.func (grad, vmap), and
+    torch.compile sees the kernels as the custom ops scan_lib::linear_scan_fwd / linear_scan_bwd.
+    """
+    shape, dtype = _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk)
+    rows, length = math.prod(shape[:-1]), shape[-1]
+    if not isinstance(gates, torch.Tensor):
+        gates = torch.tensor(gates, dtype=dtype, device=tokens.device)
+    rows_gates = gates.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
+    rows_tokens = tokens.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
+    rows_init = None if initial_state is None else initial_state.to(dtype).expand(shape[:-1]).reshape(rows).contiguous()
+    return apply(LinearScanFunction, rows_gates, rows_tokens, rows_init, reverse, chunk).view(shape)
+
+# %% [markdown]
+# The ops' fake implementations and vmap rules:
+
+# %%
+#| export
+@linear_scan_fwd.register_fake
+def _(gates, tokens, initial_state, reverse, chunk):
+    return torch.empty_like(tokens)
+
+
+@linear_scan_bwd.register_fake
+def _(gates, h, grad_h, initial_state, reverse, chunk):
+    d_init = gates.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
+    return torch.empty_like(gates), torch.empty_like(h), d_init
+
+
+def _rows_of_batch(info, in_dims, *tensors):
+    """vmap: move each batch dim to the front (expanding unbatched tensors), then fold it into the rows:
+    (batch, rows, L) -> (batch * rows, L), (batch, rows) -> (batch * rows,)."""
+    out = []
+    for tensor, dim in zip(tensors, in_dims):
+        if tensor is not None:
+            tensor = tensor.movedim(dim, 0) if dim is not None else tensor.expand(info.batch_size, *tensor.shape)
+            tensor = tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).contiguous()
+        out.append(tensor)
+    return out
+
+
+def _linear_scan_fwd_vmap(info, in_dims, gates, tokens, initial_state, reverse, chunk):
+    rows = tokens.shape[0] if in_dims[1] is None else tokens.movedim(in_dims[1], 0).shape[1]
+    h = linear_scan_fwd(*_rows_of_batch(info, in_dims[:3], gates, tokens, initial_state), reverse, chunk)
+    return h.view(info.batch_size, rows, h.shape[-1]), 0
+
+
+def _linear_scan_bwd_vmap(info, in_dims, gates, h, grad_h, initial_state, reverse, chunk):
+    rows = h.shape[0] if in_dims[1] is None else h.movedim(in_dims[1], 0).shape[1]
+    d_gates, d_tokens, d_init = linear_scan_bwd(*_rows_of_batch(info, in_dims[:4], gates, h, grad_h, initial_state),
+                                                reverse, chunk)
+    batch, length = info.batch_size, h.shape[-1]
+    d_init = d_init.view(batch, rows) if initial_state is not None else d_init.new_empty(batch, 0)
+    return (d_gates.view(batch, rows, length), d_tokens.view(batch, rows, length), d_init), (0, 0, 0)
+
+
+linear_scan_fwd.register_vmap(_linear_scan_fwd_vmap)
+linear_scan_bwd.register_vmap(_linear_scan_bwd_vmap)
+
+# %% [markdown]
+# The transforms, against the plain call. What the comparison shows is the wiring: that each transform
+# reaches the kernels through the Function and the custom ops. It is not a check of the gradients'
+# values, because both sides run our own backward; section 5 checked the kernels' values
+# against the float64 loop, and `gradcheck` the library's copy of this code against finite differences. (The two sides do not even take the same path:
+# `torch.func.grad` differentiates with `create_graph=True`, so grad mode is on inside the backward and
+# it runs `_backward_by_scan`, while the plain call runs the fused kernel. Both compute the same
+# formulas with the same chunks, and the recording shows them equal, a difference of 0.0e+00.)
+
+# %%
+torch.manual_seed(7)
+gates_fn = torch.rand(4, 3, 20, dtype=torch.float64, device=DEVICE)
+tokens_fn = torch.randn(4, 3, 20, dtype=torch.float64, device=DEVICE)
+loss_fn = lambda g, u: (linear_scan(g, u) ** 2).sum()  # noqa: E731
+leaves_fn = [t.clone().requires_grad_() for t in (gates_fn, tokens_fn)]
+plain_grads = torch.autograd.grad(loss_fn(*leaves_fn), leaves_fn)
+checks = {
+    "torch.func.grad": torch.func.grad(loss_fn, argnums=(0, 1))(gates_fn, tokens_fn),
+    "torch.func.vmap(grad) over dim 0": torch.func.vmap(torch.func.grad(loss_fn, argnums=(0, 1)))(gates_fn, tokens_fn),
+}
+compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
+checks["torch.compile(fullgraph=True)"] = torch.autograd.grad(compiled(*leaves_fn), leaves_fn)
+for what, grads in checks.items():
+    error = max((g - p).abs().max().item() for g, p in zip(grads, plain_grads))
+    print(f"{what:34} gradients, max abs difference from autograd: {error:.1e}")
+    assert error < 1e-12
+batched = torch.func.vmap(linear_scan, in_dims=(1, 1))(gates_fn, tokens_fn)
+assert torch.equal(batched, linear_scan(gates_fn.transpose(0, 1), tokens_fn.transpose(0, 1)))
+print("torch.func.vmap over dim 1: equal to the plain call")
+
+# %% [markdown]
+# ## Going deeper: low precision, and the gradients' error bound
+#
+# The check: the gradients of float32, float16 and bfloat16 inputs against the float64 gradients of
+# the same (rounded) inputs, element by element, with a bound built from chapter 02's `error_bound`. The
+# backward is two scans, $h$ and the adjoint $\delta$ (the same scan by the same `scan_chunk`, on the
+# shifted gates and `dy`), which `error_bound` bounds, and two products, $h_{t-1}\delta_t$ and
+# $a_0\delta_0$, which `product` bounds (both derived below). The table prints the worst ratio of
+# error to bound: at most 1 for a correct backward, as the cell asserts. Random roundings
+# partly cancel where a worst-case bound adds them all, so the ratio can lie far below 1 where many add
+# up (float32, a long memory) and come close to 1 where one output rounding dominates (float16,
+# bfloat16).
+
+# %%
+def output_roundoff(dtype):
+    """u_out of chapter 02's error_bound: the relative error of one rounding from float32 to `dtype`
+    (0 for float32 itself; a whole epsilon for bfloat16 on the interpreter, which truncates)."""
+    if dtype == torch.float32:
+        return 0.0
+    return torch.finfo(dtype).eps / (1 if dtype == torch.bfloat16 and INTERPRET else 2)
+
+
+def gradient_bounds(gates, tokens, initial_state, dy):
+    """Elementwise bounds on |linear_scan - float64| of (h, d_gates, d_tokens, d_init) for a forward scan of
+    (rows, L) inputs of one dtype (float32, float16 or bfloat16), the loss sum(h * dy)."""
+    dtype = tokens.dtype
+    u32, u_out, tiny = 2.0 ** -24, output_roundoff(dtype), torch.finfo(dtype).tiny
+    a, b, h_init, dy = (t.detach().double() for t in (gates, tokens, initial_state, dy))
+    shifted = shift_gates(a)
+    h, delta = scan_loop(a, b, h_init), scan_loop(shifted, dy, reverse=True)
+    bound_h = error_bound(a, b, h_init, dtype=dtype)  # h as stored, which the backward reads back
+    bound_delta = error_bound(shifted, dy, None, True, dtype=torch.float32)  # the adjoint before its store
+    bound_d_tokens = error_bound(shifted, dy, None, True, dtype=dtype)  # ... and stored: d_tokens
+    h_prev = torch.cat([h_init[:, None], h[:, :-1]], -1)  # h_{t-1}
+    bound_h_prev = torch.cat([torch.zeros_like(h_init[:, None]), bound_h[:, :-1]], -1)  # h_{-1}: the input, exact
+
+    def product(x, bound_x, y, bound_y):  # bound on |round_dtype(float32(x_hat * y_hat)) - x * y|
+        first_order = x.abs() * bound_y + y.abs() * bound_x + bound_x * bound_y
+        return (1 + u32) * (1 + u_out) * first_order + (u32 + u_out + u32 * u_out) * (x * y).abs() + u_out * tiny
+
+    return (bound_h, product(h_prev, bound_h_prev, delta, bound_delta), bound_d_tokens,
+            product(a[:, 0], 0.0, delta[:, 0], bound_delta[:, 0]))
+
+
+torch.manual_seed(5)
+length_lp = 2000
+gates_lp = 0.98 + 0.02 * torch.rand(4, length_lp, device=DEVICE)
+tokens_lp, grad_lp = torch.randn(2, 4, length_lp, device=DEVICE)
+init_lp = torch.randn(4, device=DEVICE)
+print(f"max err / bound, L = {length_lp}")
+print(f"{'dtype':>15} " + " ".join(f"{n:>9}" for n in ["h", "d_gates", "d_tokens", "d_init"]))
+for dtype in [torch.float32, torch.float16, torch.bfloat16]:
+    leaves = [t.to(dtype).requires_grad_() for t in (gates_lp, tokens_lp, init_lp)]
+    h_lp = linear_scan(*leaves)
+    got = [h_lp.detach(), *torch.autograd.grad(h_lp, leaves, grad_lp.to(dtype))]
+    assert all(t.dtype == dtype for t in got)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]  # the same rounded inputs, in float64
+    h64 = scan_loop(*leaves64)
+    ref_lp = [h64.detach(), *torch.autograd.grad(h64, leaves64, grad_lp.to(dtype).double())]
+    bounds_lp = gradient_bounds(*leaves, grad_lp.to(dtype))
+    ratios = [((g.double() - r).abs() / bound).max().item() for g, r, bound in zip(got, ref_lp, bounds_lp)]
+    print(f"{str(dtype):>15} " + " ".join(f"{ratio:9.3f}" for ratio in ratios))
+    assert max(ratios) <= 1, (dtype, ratios)
+
+# %% [markdown]
+# The check bounds each gradient with chapter 02's `error_bound` and one rule for a product. $h$ is
 # stored in the input dtype and read back by the backward: `error_bound(a, b, h_init, dtype=dtype)`
 # bounds it as stored. The adjoint $\delta$ is bounded by `error_bound` of the shifted gates and `dy`,
 # right to left (why that applies: below), in float32 before its store and in the input dtype after it
@@ -928,17 +925,53 @@ else:
 # its one assumption, the tree depth $d$. As there, the float64 reference is taken as exact.
 #
 # Gates near 1 give a long memory, so a scan that rounded its state to float16 or bfloat16 at every
-# step would fail section 5's check (`tests/test_linear_scan.py` injects that bug).
-#
+# step would fail this check (`tests/test_linear_scan.py` injects that bug).
+
+# %% [markdown]
+# **The check can fail.** Section 1's easy slip, the adjoint scanned with unshifted gates ($a_t$ where
+# $\delta_t$ needs $a_{t+1}$), goes through the same float32 bound next to the right adjoint; the cell
+# asserts that the wrong one's error exceeds its bound more than a hundredfold.
+
+# %%
+exact_delta = scan_loop(shift_gates(gates_lp.double()), grad_lp.double(), reverse=True)
+bound_d_tokens = gradient_bounds(gates_lp, tokens_lp, init_lp, grad_lp)[2]  # float32, as in the table
+right_delta = linear_scan_rows(shift_gates(gates_lp), grad_lp, reverse=True)  # gates a_{t+1}
+unshifted_delta = linear_scan_rows(gates_lp, grad_lp, reverse=True)  # the slip: gates a_t
+ratio_right, ratio_unshifted = (((d.double() - exact_delta).abs() / bound_d_tokens).max().item()
+                                for d in (right_delta, unshifted_delta))
+print(f"adjoint in float32, max err / bound: shifted gates {ratio_right:.3f}, unshifted gates {ratio_unshifted:.0f}")
+assert ratio_right <= 1 and ratio_unshifted > 100
+
+# %% [markdown]
 # ## Going deeper: why the Hessian tests the differentiated backward
 #
-# Section 5's Hessian test needs the backward to be differentiated correctly:
+# The Hessian of a loss through `linear_scan` ($L = 20$) must equal the loop's, which needs the
+# backward to be differentiated correctly:
 # $h_t = \sum_{s \le t} \big(\prod_{r=s+1}^{t} a_r\big) b_s$ (plus the initial state's term) is linear in
 # the tokens and the initial state and multilinear in the gates, a polynomial of degree up to $L$ in
 # them, so its second derivatives are not zero, and the Hessian of $\sum_t h_t^2$,
 # $2\sum_t \big(\nabla h_t \nabla h_t^\top + h_t \nabla^2 h_t\big)$, contains them. With chunks of 16, at
 # $L = 17$ and $L = 20$ the state and the adjoint pass from one chunk to the next.
 #
+# The cell also asserts large Hessian entries coupling a gate of the first chunk with one of the
+# second: only a correct carry, in the forward and the differentiated backward, gets them right.
+
+# %%
+def squared_loss(scan):
+    return lambda g, u, h: (scan(g[None], u[None], h[None]) ** 2).sum()
+
+
+hessian_args = (gates_gc[0, 0].detach(), tokens_gc[0, 0].detach(), init_gc[0, 0].detach())  # L = 20
+ours = torch.autograd.functional.hessian(squared_loss(lambda g, u, h: linear_scan(g, u, h, chunk=16)), hessian_args)
+theirs = torch.autograd.functional.hessian(squared_loss(scan_loop), hessian_args)
+hessian_error = max((o - t).abs().max().item() for row_o, row_t in zip(ours, theirs) for o, t in zip(row_o, row_t))
+across_chunks = theirs[0][0][:16, 16:].abs().max().item()  # d2/(d gate_s d gate_t), s in chunk 0, t in chunk 1
+print(f"Hessian of sum(h^2) in (gates, tokens, initial state), L = 20, chunks of 16: largest entry "
+      f"{max(t.abs().max().item() for row in theirs for t in row):.2f}, largest across the carry "
+      f"{across_chunks:.2f}, max abs error {hessian_error:.1e}")
+assert across_chunks > 0.1 and hessian_error < 1e-10
+
+# %% [markdown]
 # ## Going deeper: launch parameters, and two ways to scan against the memory order
 #
 # The backward has its own launch parameters, `BWD_CONFIG` (the forward's are chapter 02's `FWD_CONFIG`):
@@ -985,57 +1018,89 @@ print(f"backward with reversed_loads={not default_bwd_config['reversed_loads']}:
 # output, from an earlier commit, is in `benchmarks/results/bench_linear_scan_h200.txt`).
 
 # %% [markdown]
-# ## Going deeper: autograd plumbing: torch ops, `setup_context`, double backward
+# ## Going deeper: broadcast gates, dtypes and bad input
 #
-# - **Custom ops.** `torch.compile` does not trace into a Triton launcher: it calls the custom ops
-#   `linear_scan_fwd` / `linear_scan_bwd` and builds its graph from their *fake* implementations (shapes and
-#   dtypes only); `torch.func.vmap` uses their *vmap rules*, which fold the batch dim into the rows.
-# - **The autograd.Function** has `forward` without `ctx` plus `setup_context` (what `torch.func` needs) and
-#   `generate_vmap_rule = True`. Its backward is the fused kernel unless autograd records the backward
-#   (`create_graph=True`: `gradgradcheck`, `hessian`, `torch.func.grad`); then `_backward_by_scan` computes
-#   it from `LinearScanFunction` and torch ops, which autograd differentiates again. A backward that
-#   autograd cannot differentiate does not always say so: `torch.autograd.functional.hessian` returns
-#   zeros through it, and where the first gradient also flows through other ops, the second derivative
-#   silently lacks the scan's part. So such a backward should raise when differentiated, as
-#   `causal_conv1d`'s and `selective_scan`'s do.
-# - **Host cost.** That style's `Function.apply` binds its arguments with `inspect.signature` on every call,
-#   host work that this course does not time (for a scale, chapter 00's table times a whole launch of a
-#   Triton kernel on the host, its `host_us` column). So the library calls `scan_lib.runtime.apply`:
-#   outside `torch.compile` and `torch.func` it runs the same forward, `setup_context` and backward as an
-#   old-style Function, whose `apply` goes straight to C++.
-# - **Saved tensors.** The Function saves the gates, the initial state and its output $h$, which share the
-#   caller's version counters: editing one in place before backward raises autograd's usual error instead
-#   of giving a wrong gradient. Broadcasting and casting happen outside the Function, so autograd sums the
-#   gradient of a broadcast gate back to its shape and casts it to its dtype.
-#
-# The transforms, against the plain call. What the comparison shows is the wiring: that each transform
-# reaches the kernels through the Function and the custom ops. It is not a check of the gradients'
-# values, because both sides run our own backward; section 5 checked the values against the float64
-# loop, and `gradcheck` against finite differences. (The two sides do not even take the same path:
-# `torch.func.grad` differentiates with `create_graph=True`, so grad mode is on inside the backward and
-# it runs `_backward_by_scan`, while the plain call runs the fused kernel. Both compute the same
-# formulas with the same chunks, and the recording shows them equal, a difference of 0.0e+00.)
+# `linear_scan` takes what `gates * tokens` would: here a float16 per-channel gate of shape (3, 1) with
+# float32 tokens. $h$ equals the scan of the expanded gate, and `d_alpha` comes back in the gate's shape
+# and dtype.
 
 # %%
-torch.manual_seed(7)
-gates_fn = torch.rand(4, 3, 20, dtype=torch.float64, device=DEVICE)
-tokens_fn = torch.randn(4, 3, 20, dtype=torch.float64, device=DEVICE)
-loss_fn = lambda g, u: (linear_scan(g, u) ** 2).sum()  # noqa: E731
-leaves_fn = [t.clone().requires_grad_() for t in (gates_fn, tokens_fn)]
-plain_grads = torch.autograd.grad(loss_fn(*leaves_fn), leaves_fn)
-checks = {
-    "torch.func.grad": torch.func.grad(loss_fn, argnums=(0, 1))(gates_fn, tokens_fn),
-    "torch.func.vmap(grad) over dim 0": torch.func.vmap(torch.func.grad(loss_fn, argnums=(0, 1)))(gates_fn, tokens_fn),
+tokens_ema = torch.randn(2, 3, 50, device=DEVICE)
+alpha = torch.tensor([[0.9], [0.5], [0.99]], dtype=torch.float16, device=DEVICE, requires_grad=True)  # 3 x 1: per channel
+h_ema = linear_scan(alpha, (1 - alpha) * tokens_ema)
+d_alpha, = torch.autograd.grad(h_ema.sum(), alpha)
+h_expanded = linear_scan(alpha.detach().float().expand(2, 3, 50).contiguous(), (1 - alpha.detach().float()) * tokens_ema)
+assert h_ema.dtype == torch.float32 and d_alpha.shape == alpha.shape and d_alpha.dtype == torch.float16
+assert torch.equal(h_ema.detach(), h_expanded)
+print(f"per-channel float16 gate {tuple(alpha.shape)} with float32 tokens {tuple(tokens_ema.shape)}: "
+      f"h {h_ema.dtype} {tuple(h_ema.shape)}, d_alpha {d_alpha.dtype} {tuple(d_alpha.shape)}")
+
+# %% [markdown]
+# The values in float64, against the loop with the gate expanded by hand, for each kind of gate: a
+# tensor that broadcasts, a 0-dim tensor, and a Python number (which has no gradient).
+
+# %%
+def loop_broadcast(gates, tokens):
+    """scan_loop with gates (a tensor or a number) broadcast against tokens (..., L) by hand."""
+    gates = torch.as_tensor(gates, dtype=tokens.dtype, device=tokens.device)
+    shape = torch.broadcast_shapes(gates.shape, tokens.shape)
+    rows_of = lambda t: t.expand(shape).reshape(-1, shape[-1])  # noqa: E731
+    return scan_loop(rows_of(gates), rows_of(tokens)).view(shape)
+
+
+def ema_grads(scan, gate, tokens, dy):
+    """(h, d_tokens[, d_gate]) for h = scan(gate, (1 - gate) * tokens) and the loss sum(h * dy)."""
+    leaves = [tokens.clone().requires_grad_()] + ([gate.clone().requires_grad_()] if isinstance(gate, torch.Tensor) else [])
+    gate_ = leaves[1] if isinstance(gate, torch.Tensor) else gate
+    h = scan(gate_, (1 - gate_) * leaves[0])
+    return [h.detach(), *torch.autograd.grad(h, leaves, dy)]
+
+
+torch.manual_seed(8)
+tokens_g, dy_g = torch.randn(2, 2, 3, 50, dtype=torch.float64, device=DEVICE)
+gate_kinds = {"tensor (3, 1)": torch.tensor([[0.9], [0.5], [0.99]], dtype=torch.float64, device=DEVICE),
+              "0-dim tensor": torch.tensor(0.9, dtype=torch.float64, device=DEVICE),
+              "Python float": 0.9}
+print(f"{'gate':>14} {'h':>9} {'d_tokens':>9} {'d_gate':>9}")
+for kind, gate in gate_kinds.items():
+    ours = ema_grads(linear_scan, gate, tokens_g, dy_g)
+    theirs = ema_grads(loop_broadcast, gate, tokens_g, dy_g)
+    if isinstance(gate, torch.Tensor):
+        assert ours[2].shape == gate.shape  # d_gate, summed back to the gate's shape
+    errors = [(o - t).abs().max().item() for o, t in zip(ours, theirs)]
+    print(f"{kind:>14} " + " ".join(f"{err:9.1e}" for err in errors) + ("" if len(errors) == 3 else f" {'(none)':>9}"))
+    assert max(errors) < 1e-9, (kind, errors)
+
+# %% [markdown]
+# Bad input gets an exception that names the argument; empty sequences are allowed.
+
+# %%
+ok_gates = torch.rand(2, 5, device=DEVICE)
+ok_tokens = torch.randn(2, 5, device=DEVICE)
+bad_calls = {
+    "shapes not broadcastable": (ValueError, lambda: linear_scan(ok_gates, ok_tokens[:, :4])),
+    "integer tokens": (TypeError, lambda: linear_scan(ok_gates, torch.ones(2, 5, dtype=torch.int64, device=DEVICE))),
+    "gates a list": (TypeError, lambda: linear_scan([0.5] * 5, ok_tokens)),
+    "0-dim tensors": (ValueError, lambda: linear_scan(ok_gates[0, 0], ok_tokens[0, 0])),
+    "initial_state shape": (ValueError, lambda: linear_scan(ok_gates, ok_tokens, torch.zeros(5, device=DEVICE))),
+    "chunk not a power of two": (ValueError, lambda: linear_scan(ok_gates, ok_tokens, chunk=100)),
 }
-compiled = torch.compile(loss_fn, fullgraph=True, backend="aot_eager")
-checks["torch.compile(fullgraph=True)"] = torch.autograd.grad(compiled(*leaves_fn), leaves_fn)
-for what, grads in checks.items():
-    error = max((g - p).abs().max().item() for g, p in zip(grads, plain_grads))
-    print(f"{what:34} gradients, max abs difference from autograd: {error:.1e}")
-    assert error < 1e-12
-batched = torch.func.vmap(linear_scan, in_dims=(1, 1))(gates_fn, tokens_fn)
-assert torch.equal(batched, linear_scan(gates_fn.transpose(0, 1), tokens_fn.transpose(0, 1)))
-print("torch.func.vmap over dim 1: equal to the plain call")
+if ON_GPU:
+    bad_calls["tokens on the CPU"] = (ValueError, lambda: linear_scan(ok_gates, ok_tokens.cpu()))
+for what, (error, call) in bad_calls.items():
+    try:
+        call()
+    except error as exc:
+        print(f"{what:26} -> {error.__name__}: {exc}")
+    else:
+        raise AssertionError(f"{what}: no {error.__name__}")
+
+empty_gates = torch.rand(3, 0, device=DEVICE, requires_grad=True)
+empty_h = linear_scan(empty_gates, torch.randn(3, 0, device=DEVICE))
+assert empty_h.shape == (3, 0)
+empty_h.sum().backward()
+assert empty_gates.grad.shape == (3, 0)
+print("L = 0: empty result, empty gradients: ok")
 
 # %% [markdown]
 # ## References

@@ -59,7 +59,7 @@ from scan_lib.runtime import save_figure
 # This is Mamba's scan for one channel before discretisation. In code `a, b, c` are `(batch, N, L)`,
 # Mamba's layout, and `x` is `(batch, L)`: **`b` holds $B$ and `c` holds $C$**. A batch row is one
 # independent sequence (in Mamba, one (sample, channel) pair). The reference is the loop itself, in
-# float64.
+# float64 ("Going deeper: four states, four decay rates" plots it for a pulse).
 
 # %%
 #| export
@@ -123,28 +123,6 @@ for length in (1, 7, 129, 1000):
     err = rel_err(multistate_scan_ref(a, b, c, x)[0], (c * reference_states(a, b, x)).sum(dim=1))
     print(f"L = {length:4d}: reference vs N linear_scans, max rel err {err:.1e}")
     assert err < 1e-12
-
-# %% [markdown]
-# A picture: four exponential moving averages of a pulse, with constant gates $a[n] = 1 - 2^{-(n+1)}$
-# (memories of about 1, 3, 7 and 15 steps), $B[n] = 1 - a[n]$ and $C[n] = 1/N$, so that $y$ is
-# their average.
-
-# %%
-length, n_states = 128, 4
-x_demo = torch.zeros(1, length, dtype=torch.float64)
-x_demo[0, 16:64] = 1.0                                                     # 1 x L: a pulse
-gates = 1 - 0.5 ** (torch.arange(n_states, dtype=torch.float64) + 1)      # N
-a_demo = gates[None, :, None].expand(1, n_states, length)                 # 1 x N x L
-y_demo, _ = multistate_scan_ref(a_demo, 1 - a_demo, torch.full_like(a_demo, 1 / n_states), x_demo)
-h_demo = reference_states(a_demo, 1 - a_demo, x_demo)[0]                  # N x L
-
-fig, ax = plt.subplots(figsize=(7, 3.5))
-ax.plot(x_demo[0], "k--", lw=1, label="$x_t$")
-for n in range(n_states):
-    ax.plot(h_demo[n], label=f"$h_t[{n}]$, $a={gates[n]:.4f}$")
-ax.plot(y_demo[0], "k", lw=2, label=r"$y_t=\frac{1}{4}\sum_n h_t[n]$")
-ax.set_xlabel("t"); ax.legend(fontsize=7, loc="upper right"); ax.set_title("four states, four decay rates, one output")
-save_figure(fig, "multistate_emas.png")
 
 # %% [markdown]
 # ## 2 · The states are the expensive part
@@ -386,6 +364,8 @@ for length in (1, 7, 129, 1000):
 #    $\delta_t = Q_t \delta_{\text{carry}} + \tilde\delta_t$, $Q_t$ the product of the shifted gates from $t$
 #    to the chunk's end;
 # 3. write the four gradients; the new carry is the first row, $\delta_s$.
+#
+# In the code `adj` holds the adjoint $\delta$ (chapter 05 keeps `delta` for Mamba's step $\Delta$).
 
 # %%
 #| export
@@ -402,7 +382,7 @@ def multistate_bwd_kernel(
     X, DY, DX = X + seq * length, DY + seq * length, DX + seq * length
     rows = tl.arange(0, BLOCK_L)                                  # BLOCK_L: time within a chunk
     n = tl.arange(0, BLOCK_N)                                     # BLOCK_N: state index
-    delta = tl.load(DH_LAST + seq * n_states + n, mask=n < n_states, other=0.0).to(ACC)  # adjoint carry
+    adj = tl.load(DH_LAST + seq * n_states + n, mask=n < n_states, other=0.0).to(ACC)  # adjoint carry
     chunk = n_chunks - 1
     while chunk >= 0:                                             # right to left
         t = chunk * BLOCK_L + rows                                # BLOCK_L
@@ -424,21 +404,21 @@ def multistate_bwd_kernel(
         h = a * h_prev + b * x[:, None]                                  # h_t
         # 2. the adjoint: reversed scan of (a_{t+1}, C_t dy_t), then the carry from the right
         ### BEGIN SOLUTION
-        ### HINT: delta_tile = the adjoint delta_t: load the shifted gates a_{t+1} (1 past the end), scan (a_{t+1}, C dy) right to left with first_order_op, apply the carry delta from the right
+        ### HINT: adj_tile = the adjoint delta_t (a tile of time x states): load the shifted gates a_{t+1} (1 past the end), scan (a_{t+1}, C dy) right to left with first_order_op, apply the carry adj from the right
         a_next = tl.load(A + tile + 1, mask=(t + 1 < length)[:, None] & (n < n_states)[None, :], other=1.0).to(ACC)
-        a_suffix, delta_from_zero = tl.associative_scan((a_next, c * dy[:, None]), axis=0,
+        a_suffix, adj_from_zero = tl.associative_scan((a_next, c * dy[:, None]), axis=0,
                                                         combine_fn=first_order_op, reverse=True)
-        delta_tile = a_suffix * delta[None, :] + delta_from_zero         # delta_t
+        adj_tile = a_suffix * adj[None, :] + adj_from_zero         # adj_t
         ### END SOLUTION
         # 3. the gradients
-        tl.store(DA + tile, (delta_tile * h_prev).to(DA.dtype.element_ty), mask=mask)
-        tl.store(DB + tile, (delta_tile * x[:, None]).to(DB.dtype.element_ty), mask=mask)
+        tl.store(DA + tile, (adj_tile * h_prev).to(DA.dtype.element_ty), mask=mask)
+        tl.store(DB + tile, (adj_tile * x[:, None]).to(DB.dtype.element_ty), mask=mask)
         tl.store(DC + tile, (h * dy[:, None]).to(DC.dtype.element_ty), mask=mask)
-        tl.store(DX + t, tl.sum(delta_tile * b, axis=1).to(DX.dtype.element_ty), mask=t_ok)
-        delta = row_of(delta_tile, rows, 0)
+        tl.store(DX + t, tl.sum(adj_tile * b, axis=1).to(DX.dtype.element_ty), mask=t_ok)
+        adj = row_of(adj_tile, rows, 0)
         chunk -= 1
     a_first = tl.load(A + n * length, mask=n < n_states, other=0.0).to(ACC)
-    tl.store(DH0 + seq * n_states + n, (a_first * delta).to(DH0.dtype.element_ty), mask=n < n_states)
+    tl.store(DH0 + seq * n_states + n, (a_first * adj).to(DH0.dtype.element_ty), mask=n < n_states)
 
 
 def multistate_backward(a, b, c, x, h_chunks, dy, dh_last, block_l):
@@ -621,6 +601,30 @@ else:
 #   $B$, $C$ across channels.
 
 # %% [markdown]
+# ## Going deeper: four states, four decay rates
+#
+# Section 1's recurrence as a picture: four exponential moving averages of a pulse, with constant
+# gates $a[n] = 1 - 2^{-(n+1)}$ (memories of about 1, 3, 7 and 15 steps), $B[n] = 1 - a[n]$ and
+# $C[n] = 1/N$, so that $y$ is their average.
+
+# %%
+length, n_states = 128, 4
+x_demo = torch.zeros(1, length, dtype=torch.float64)
+x_demo[0, 16:64] = 1.0                                                     # 1 x L: a pulse
+gates = 1 - 0.5 ** (torch.arange(n_states, dtype=torch.float64) + 1)      # N
+a_demo = gates[None, :, None].expand(1, n_states, length)                 # 1 x N x L
+y_demo, _ = multistate_scan_ref(a_demo, 1 - a_demo, torch.full_like(a_demo, 1 / n_states), x_demo)
+h_demo = reference_states(a_demo, 1 - a_demo, x_demo)[0]                  # N x L
+
+fig, ax = plt.subplots(figsize=(7, 3.5))
+ax.plot(x_demo[0], "k--", lw=1, label="$x_t$")
+for n in range(n_states):
+    ax.plot(h_demo[n], label=f"$h_t[{n}]$, $a={gates[n]:.4f}$")
+ax.plot(y_demo[0], "k", lw=2, label=r"$y_t=\frac{1}{4}\sum_n h_t[n]$")
+ax.set_xlabel("t"); ax.legend(fontsize=7, loc="upper right"); ax.set_title("four states, four decay rates, one output")
+save_figure(fig, "multistate_emas.png")
+
+# %% [markdown]
 # ## Going deeper: the speed table drawn, and bfloat16
 #
 # On a GPU, section 7's table as a chart, and bfloat16 against float32. If bfloat16's forward is much
@@ -732,12 +736,12 @@ def multistate_backward_ref(a, b, c, x, initial_state, dy, dh_last):
     """The formulas above as loops (float64). Returns the gradients of a, B, C, x and the initial state."""
     states = reference_states(a, b, x, initial_state)                          # batch x N x L
     h_prev = torch.cat([initial_state[..., None], states[..., :-1]], dim=-1)    # h_{t-1}
-    delta = torch.empty_like(a)                                                 # batch x N x L
-    carry, gate = dh_last, torch.ones_like(dh_last)                             # delta_L, a_L
+    adj = torch.empty_like(a)                                                 # batch x N x L
+    carry, gate = dh_last, torch.ones_like(dh_last)                             # adj_L, a_L
     for t in reversed(range(a.shape[-1])):
         carry = gate * carry + c[:, :, t] * dy[:, None, t]
-        delta[:, :, t], gate = carry, a[:, :, t]
-    return delta * h_prev, delta * x[:, None, :], dy[:, None, :] * states, (delta * b).sum(1), a[:, :, 0] * delta[:, :, 0]
+        adj[:, :, t], gate = carry, a[:, :, t]
+    return adj * h_prev, adj * x[:, None, :], dy[:, None, :] * states, (adj * b).sum(1), a[:, :, 0] * adj[:, :, 0]
 
 
 a, b, c, x = (t.requires_grad_() for t in random_inputs(2, 3, 50, dtype=torch.float64, seed=1))

@@ -111,8 +111,7 @@ def rel_err(x, ref):
 #   \frac{\partial b}{\partial u} = \Delta B .$$
 #
 # $\Delta$ gets gradient from **both** $a$ and $b$. The cell checks these formulas against autograd in
-# float64, and the order of the Euler term: halving $\Delta$ divides its difference to the zero-order
-# hold by 4 (by 2 if it were only $O(\Delta)$).
+# float64 ("Going deeper: the discretisation" checks the order of the Euler term).
 
 # %%
 def discretize_torch(delta, A, B, u):
@@ -132,16 +131,6 @@ by_hand = (ga * A_s * a_s + gb * B_s * u_s,  # d delta: through a and through b
 for name, x, ref in zip(["d delta", "dA", "dB", "du"], by_hand, auto):
     print(f"{name:8s} max abs err {max_err(x, ref):.1e}")
     assert torch.allclose(x, ref, rtol=1e-12, atol=1e-14)
-
-A_rate = -1.5
-for step in (0.1, 0.05, 0.025):
-    zoh = (math.exp(step * A_rate) - 1) / (step * A_rate) * step   # zero-order hold, times B u
-    euler = step                                                  # Euler, times B u
-    gap = abs(zoh - euler)
-    if step < 0.1:
-        print(f"step {step:5.3f}: |zero-order hold - Euler| = {gap:.2e}, {previous / gap:.2f}x smaller than at twice the step")
-        assert 3.8 < previous / gap < 4.2
-    previous = gap
 
 fig, ax = plt.subplots(figsize=(7, 3.5))
 deltas = torch.linspace(0, 3, 200)
@@ -224,7 +213,8 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
 #
 # and $dy_t = d\bar y_t$ since $\bar y = y + D u$. For one batch element $i$, channel $d$ and state $n$
 # (indices left out where one of each is meant), the state $h_t$ receives $C_t\, d\bar y_t$ directly and
-# everything that flows back from later states: the adjoint of chapter 03,
+# everything that flows back from later states: the adjoint of chapter 03, written $\delta$ (lower
+# case: the adjoint; upper-case $\Delta$ stays the step),
 #
 # $$\delta_t = C_t\, d\bar y_t + a_{t+1}\, \delta_{t+1}, \qquad \delta_{L-1} = C_{L-1}\, d\bar y_{L-1} + dh_{L-1},$$
 #
@@ -247,8 +237,8 @@ def selective_scan_ref(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta
 # $d\,\text{bias} = \sum_{\text{batch},\,t} d\Delta_{\text{raw}}$.
 #
 # The product $a_t h_{t-1}$ needs the *previous* state, which the code computes itself, not as
-# $h_t - b_t$ (why: after the check). The formulas as plain PyTorch (B, C of shape (batch, N, L),
-# softplus on), checked against autograd of the reference:
+# $h_t - b_t$ (why: "Going deeper: the previous state"). The formulas as plain PyTorch (B, C of shape
+# (batch, N, L), softplus on), checked against autograd of the reference:
 
 # %%
 def selective_scan_backward_by_hand(u, delta, A, B, C, D, z, delta_bias, h0, dout, dlast):
@@ -270,7 +260,7 @@ def selective_scan_backward_by_hand(u, delta, A, B, C, D, z, delta_bias, h0, dou
     c = C.transpose(1, 2)[:, None] * dybar[..., None]                  # batch x dim x L x N
     adj, flow = torch.zeros_like(hs), dlast
     for t in reversed(range(u.shape[2])):
-        flow = c[:, :, t] + flow                                       # delta_t = C_t dybar_t + a_{t+1} delta_{t+1}
+        flow = c[:, :, t] + flow                                       # adj_t = C_t dybar_t + a_{t+1} adj_{t+1}
         adj[:, :, t] = flow
         flow = a[:, :, t] * flow                                       # what flows into h_{t-1}
     ### BEGIN SOLUTION
@@ -314,22 +304,6 @@ for name in inputs:
     assert torch.allclose(by_hand[name], auto[name], rtol=1e-10, atol=1e-12), name
 
 # %% [markdown]
-# Why not $h_t - b_t$: it cancels catastrophically whenever $|b_t| \gg |a_t h_{t-1}|$. In float32,
-# with a small decayed state next to a large input, the subtraction keeps only the bits of
-# $a_t h_{t-1}$ that survived the rounding of $h_t$ to the scale of $b_t$; the product from $h_{t-1}$
-# is correct to float32 precision.
-
-# %%
-a_c, h_prev_c, b_c = (torch.tensor(v, dtype=torch.float32) for v in (0.5, 1e-3, 1000.0))
-h_c = a_c * h_prev_c + b_c
-exact = 0.5 * 1e-3
-err_subtract = abs((h_c - b_c).item() - exact) / exact
-err_shifted = abs((a_c * h_prev_c).item() - exact) / exact
-print(f"a*h_prev = {exact}: h - b gives {(h_c - b_c).item():.6g} (rel err {err_subtract:.1e}), "
-      f"a * h_prev gives {(a_c * h_prev_c).item():.6g} (rel err {err_shifted:.1e})")
-assert err_subtract > 1e-2 and err_shifted < 1e-7
-
-# %% [markdown]
 # ## 5. One sequence in one Triton program
 #
 # Chapter 04's kernels load their pairs $(a, b)$ from memory; here `discretize`, a `@triton.jit`
@@ -349,7 +323,7 @@ assert err_subtract > 1e-2 and err_shifted < 1e-7
 #   at $t+1$ (0 past the end: $a = 1$).
 #
 # Names: `delta` is always the step $\Delta$ (as an argument, before bias and softplus) and `adj` the
-# adjoint $\delta$; in `#` comments, `delta_t` is the adjoint $\delta_t$.
+# adjoint $\delta$, in the code and in its `#` comments (`adj_t` is $\delta_t$, `delta_t` the step $\Delta_t$).
 
 # %%
 #| export
@@ -396,12 +370,12 @@ def single_sequence_kernel(U, DELTA, A, B, C, DOUT,          # L, L, N, N x L, N
     b_coef_prev = tl.load(B + tile - 1, n_ok[:, None] & prev_ok[None, :], other=0.0)
     a_prev, b_prev = discretize(delta_prev, rate, b_coef_prev, u_prev)
     _, h_prev = tl.associative_scan((a_prev, b_prev), axis=1, combine_fn=first_order_op)
-    # The adjoint, right to left: delta_t = C_t dybar_t + a_{t+1} delta_{t+1}.
+    # The adjoint, right to left: adj_t = C_t dybar_t + a_{t+1} adj_{t+1}.
     delta_next = tl.load(DELTA + ts + 1, next_ok, other=0.0)[None, :]
     _, adj = tl.associative_scan((tl.exp(delta_next * rate), c_coef * dout), axis=1,
                                  combine_fn=first_order_op, reverse=True)
-    adj_ah = adj * a * h_prev                                # delta_t a_t h_{t-1}
-    adj_b = tl.sum(adj * b_coef, axis=0)                     # L: sum_n delta_t B_t
+    adj_ah = adj * a * h_prev                                # adj_t a_t h_{t-1}
+    adj_b = tl.sum(adj * b_coef, axis=0)                     # L: sum_n adj_t B_t
     tl.store(DDELTA + ts, tl.sum(adj_ah * rate, axis=0) + u * adj_b, t_ok)
     tl.store(DU + ts, delta * adj_b, t_ok)
     tl.store(DA + ns, tl.sum(adj_ah * delta[None, :], axis=1), n_ok)
@@ -480,47 +454,13 @@ for L in [1, 7, 129, 1000]:
 # backward does the same from the right: the adjoint reaching the chunk's last state from the right is
 # added at its last position.
 #
-# The cell checks both forms in plain PyTorch against the sequential recurrence, with chunks that do
-# not divide the length: the folded form, the same float64 operations as the loop, agrees to the last
-# bit; the carry-added form may differ by rounding.
-
-# %%
-def chunked_states(a, b, h_init, chunk, fold=False):
-    """States of h_t = a_t h_{t-1} + b_t (a, b: N x L) chunk by chunk: a scan from zero plus the carry
-    (fold=False), or a scan whose first step starts from the carry (fold=True)."""
-    states, h = [], h_init                                             # h: N
-    for s in range(0, a.shape[1], chunk):
-        a_c, b_c = a[:, s:s + chunk], b[:, s:s + chunk].clone()
-        if fold:
-            b_c[:, 0] += a_c[:, 0] * h                                 # the first step, from the carry
-        b_hat, acc = [], torch.zeros_like(h)
-        for t in range(a_c.shape[1]):                                  # the chunk from a zero state
-            acc = a_c[:, t] * acc + b_c[:, t]
-            b_hat.append(acc)
-        b_hat = torch.stack(b_hat, dim=1)                              # N x chunk
-        chunk_h = b_hat if fold else torch.cumprod(a_c, dim=1) * h[:, None] + b_hat
-        states.append(chunk_h)
-        h = chunk_h[:, -1]
-    return torch.cat(states, dim=1)
-
-
-torch.manual_seed(2)
-a_chk, b_chk = torch.rand(3, 37, dtype=torch.float64), torch.randn(3, 37, dtype=torch.float64)
-h_chk, h_seq = torch.randn(3, dtype=torch.float64), []
-h = h_chk
-for t in range(37):
-    h = a_chk[:, t] * h + b_chk[:, t]
-    h_seq.append(h)
-for chunk in (1, 4, 8, 37, 64):
-    errs = [max_err(chunked_states(a_chk, b_chk, h_chk, chunk, fold), torch.stack(h_seq, dim=1)) for fold in (False, True)]
-    print(f"chunk {chunk:2d}: max abs err vs the sequential recurrence {errs[0]:.1e} (carry added), {errs[1]:.1e} (folded)")
-    assert max(errs) < 1e-13
-
-# %% [markdown]
+# "Going deeper: the chunks in one picture" checks both forms in plain PyTorch against the sequential
+# recurrence.
+#
 # The forward kernel, with three small helpers:
 #
-# * `_load_delta` applies `delta_bias` and the softplus, in a form that neither overflows nor rounds
-#   small steps to zero ("Going deeper: the fine print").
+# * `_load_delta` applies `delta_bias` and the softplus, computed stably ("Going deeper: the fine
+#   print" shows how).
 # * `_column` reads column $n$ of the carry tile. Registers cannot be indexed by a loop variable, so
 #   it is a masked sum (`tl.where`, then `tl.sum`); writing column $n$ back is a `tl.where` too.
 # * `_load_coef` loads state $n$'s `B` or `C` in either layout: per position (`PER_STEP`, a
@@ -636,7 +576,7 @@ def selective_scan_fwd_kernel(
     tl.store(LAST + state_offs, carry, dn_ok)
 
 # %% [markdown]
-# The backward kernel walks the chunks right to left with the adjoint carry, a `BLOCK_D x N` tile
+# The backward walks the chunks right to left with the adjoint carry, a `BLOCK_D x N` tile
 # (the gradient reaching the chunk's last state from the right; $dh_{L-1}$ at the start). Per chunk it
 # loads the inputs once ($u$ and $\Delta$ also one position earlier, $\Delta$ one later), writes $dz$,
 # forms $d\bar y$, and then, state by state:
@@ -648,136 +588,11 @@ def selective_scan_fwd_kernel(
 #
 # ("Going deeper: the chunks in one picture" draws the pairs each scan sees.)
 #
-# Sums over the sequence (`dA`, `dD`, `d delta_bias`, and time-invariant $dB$, $dC$) accumulate in
-# registers. Per-position `dB`, `dC` are sums over the channels of a group, which live in different
-# programs: they are added with `tl.atomic_add` into float32 buffers, as `mamba_ssm` does. Padding
-# positions add nothing, but their adjoint is the carry, not 0: the kernel zeroes $d\Delta$ there.
-
-# %%
-#| export
-@triton.jit
-def _gate_dybar(dout, zv, HAS_Z: tl.constexpr):
-    """Gradient reaching ybar through out = ybar * silu(z)."""
-    dybar = dout
-    if HAS_Z:
-        dybar = dout * zv * tl.sigmoid(zv)
-    return dybar
-
-
-@triton.jit
-def _gate_dz(dout, ybar, zv):
-    """Gradient of z in out = ybar * silu(z): dout * ybar * sigmoid(z) * (1 + z * (1 - sigmoid(z)))."""
-    sig = tl.sigmoid(zv)
-    return dout * ybar * sig * (1.0 + zv * (1.0 - sig))
-
-
-@triton.jit
-def selective_scan_bwd_kernel(
-    U, DELTA, A, B, C, D, Z, BIAS, STATES, YBAR, DOUT, DLAST,  # as in the forward; DOUT b x d x L, DLAST b x d x N
-    DU, DDELTA, DZ, DB, DC,          # b x d x L (x3); dB, dC: b x gB x N x L fp32 (atomics), or b x d x N if time-invariant
-    DA_PART, DD_PART, DBIAS_PART, DH0,                         # b x d x N, b x d, b x d, b x d x N
-    dim, length, n_states, n_chunks, groups_b, groups_c,
-    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DLAST: tl.constexpr,
-    B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr, ACC: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-):
-    pid_b, pid_d = tl.program_id(0), tl.program_id(1)
-    ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    ns = tl.arange(0, BLOCK_N)
-    ts = tl.arange(0, CHUNK)
-    d_ok, n_ok = ds < dim, ns < n_states
-    dn_ok = d_ok[:, None] & n_ok[None, :]
-    b_off = (pid_b * groups_b + pid_d * BLOCK_D // (dim // groups_b)) * n_states * length
-    c_off = (pid_b * groups_c + pid_d * BLOCK_D // (dim // groups_c)) * n_states * length
-    dl_row = (pid_b * dim + ds) * length
-    state_offs = (pid_b * dim + ds[:, None]) * n_states + ns[None, :]
-    if HAS_DLAST:
-        adj_carry = tl.load(DLAST + state_offs, dn_ok, other=0.0).to(ACC)   # dL/dh at the end of the chunk
-    else:
-        adj_carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
-    skip = tl.zeros((BLOCK_D,), dtype=ACC)
-    if HAS_D:
-        skip = tl.load(D + ds, d_ok, other=0.0).to(ACC)
-    dA_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
-    dB_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)                 # time-invariant B only
-    dC_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)                 # time-invariant C only
-    dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
-    dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
-    first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
-    for i in range(0, n_chunks):
-        k = n_chunks - 1 - i                                         # chunks from right to left
-        t = k * CHUNK + ts
-        t_ok = t < length
-        prev_ok = (ts > 0) & t_ok                                    # t-1 is in this chunk (and t < L)
-        next_ok = (ts < CHUNK - 1) & (t + 1 < length)                # position t+1 is in this chunk
-        offs = dl_row[:, None] + t[None, :]                          # BLOCK_D x CHUNK
-        mask = d_ok[:, None] & t_ok[None, :]
-        prev_mask, next_mask = d_ok[:, None] & prev_ok[None, :], d_ok[:, None] & next_ok[None, :]
-        u = tl.load(U + offs, mask, other=0.0).to(ACC)
-        delta, pre = _load_delta(DELTA, BIAS, offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
-        u_prev = tl.load(U + offs - 1, prev_mask, other=0.0).to(ACC)
-        delta_prev, _ = _load_delta(DELTA, BIAS, offs - 1, prev_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
-        delta_next, _ = _load_delta(DELTA, BIAS, offs + 1, next_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
-        dout = tl.load(DOUT + offs, mask, other=0.0).to(ACC)
-        zv = u
-        if HAS_Z:
-            zv = tl.load(Z + offs, mask, other=0.0).to(ACC)
-            tl.store(DZ + offs, _gate_dz(dout, tl.load(YBAR + offs, mask, other=0.0), zv).to(DZ.dtype.element_ty), mask)
-        dybar = _gate_dybar(dout, zv, HAS_Z)
-        dD_acc += tl.sum(dybar * u, axis=1)
-        adj_b_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)           # sum_n delta_t B_t
-        adj_ah_rate_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)     # sum_n delta_t a_t h_{t-1} A
-        for n in range(0, n_states):
-            rate = tl.load(A + ds * n_states + n, d_ok, other=0.0).to(ACC)[:, None]
-            b_coef = _load_coef(B + b_off, B, n, t, t_ok, ds, d_ok, n_states, length, B_PER_STEP, ACC)
-            b_coef_prev = _load_coef(B + b_off, B, n, t - 1, prev_ok, ds, d_ok, n_states, length, B_PER_STEP, ACC)
-            c_coef = _load_coef(C + c_off, C, n, t, t_ok, ds, d_ok, n_states, length, C_PER_STEP, ACC)
-            h_in = tl.load(STATES + ((pid_b * dim + ds) * n_states + n) * n_chunks + k, d_ok, other=0.0)
-            # (1) h_{t-1}: the steps of positions t-1, the first one setting the boundary state.
-            a, b = discretize(delta, rate, b_coef, u)
-            a_prev, b_prev = discretize(delta_prev, rate, b_coef_prev, u_prev)
-            _, h_prev = tl.associative_scan((tl.where(first, 0.0, a_prev), tl.where(first, h_in[:, None], b_prev)),
-                                            axis=1, combine_fn=first_order_op)
-            h = a * h_prev + b
-            # (2) the adjoint, right to left; the adjoint carry enters at the chunk's last position.
-            c = c_coef * dybar + tl.where(last, _column(adj_carry, n, ns)[:, None], 0.0)
-            _, adj = tl.associative_scan((tl.exp(delta_next * rate), c), axis=1, combine_fn=first_order_op,
-                                         reverse=True)
-            # (3) the gradients.
-            adj_b_sum += adj * b_coef
-            adj_ah = adj * a * h_prev
-            adj_ah_rate_sum += adj_ah * rate
-            at_n = ns[None, :] == n
-            dA_acc += tl.where(at_n, tl.sum(adj_ah * delta, axis=1)[:, None], 0.0)
-            if B_PER_STEP:
-                tl.atomic_add(DB + b_off + n * length + t, tl.sum(adj * delta * u, axis=0), t_ok, sem="relaxed")
-            else:
-                dB_acc += tl.where(at_n, tl.sum(adj * delta * u, axis=1)[:, None], 0.0)
-            if C_PER_STEP:
-                tl.atomic_add(DC + c_off + n * length + t, tl.sum(h * dybar, axis=0), t_ok, sem="relaxed")
-            else:
-                dC_acc += tl.where(at_n, tl.sum(tl.where(mask, h * dybar, 0.0), axis=1)[:, None], 0.0)
-            adj_carry = tl.where(at_n, tl.sum(tl.where(first, a * adj, 0.0), axis=1)[:, None], adj_carry)
-        ddelta = adj_ah_rate_sum + u * adj_b_sum
-        if SOFTPLUS:
-            ddelta = ddelta * tl.sigmoid(pre)
-        ddelta = tl.where(mask, ddelta, 0.0)                         # padding: the adjoint is the carry there, not 0
-        tl.store(DDELTA + offs, ddelta.to(DDELTA.dtype.element_ty), mask)
-        tl.store(DU + offs, (skip[:, None] * dybar + delta * adj_b_sum).to(DU.dtype.element_ty), mask)
-        dbias_acc += tl.sum(ddelta, axis=1)
-    tl.store(DA_PART + state_offs, dA_acc, dn_ok)
-    if not B_PER_STEP:
-        tl.store(DB + state_offs, dB_acc, dn_ok)
-    if not C_PER_STEP:
-        tl.store(DC + state_offs, dC_acc, dn_ok)
-    tl.store(DH0 + state_offs, adj_carry, dn_ok)
-    tl.store(DD_PART + pid_b * dim + ds, dD_acc, d_ok)
-    tl.store(DBIAS_PART + pid_b * dim + ds, dbias_acc, d_ok)
-
-# %% [markdown]
 # This chapter's `selective_scan` (exported to `scan_lib.selective_scan`, called `chapter_scan` below)
-# wraps the two kernels: when an input needs a gradient, it keeps the boundary states and registers
-# the backward with autograd ("Going deeper: the launchers and autograd"). Every check and measurement
+# wraps the forward kernel above and a backward kernel that takes these three steps; the backward
+# kernel's code is in "Going deeper: the chunked backward kernel", and `chapter_scan` runs it from
+# `scan_lib`. When an input needs a gradient, the op keeps the boundary states and registers the
+# backward with autograd ("Going deeper: the launchers and autograd"). Every check and measurement
 # from here on is of these kernels.
 #
 # ## 7. Checks: every gradient, every option, awkward lengths
@@ -898,41 +713,9 @@ for dtype in (torch.bfloat16, torch.float16):
 # ## 8. Against the official kernel
 #
 # Where `mamba_ssm` is installed (it needs a CUDA GPU), its `selective_scan_fn` and `chapter_scan`
-# should agree on outputs, the last state and every gradient, for fp32 inputs with groups, `D`, `z`,
-# `delta_bias` and softplus, and with time-invariant `B` and `C` (for a time-invariant `B` the cell
-# rescales the official last state: "Going deeper: the fine print").
-
-# %%
-def compare_with_mamba_ssm(batch=2, dim=64, N=16, L=1000, groups=2, time_invariant="", tol=1e-4):
-    try:
-        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
-    except ImportError as error:
-        print(f"skipped: mamba_ssm not importable ({error})")
-        return None
-    if not ON_GPU:
-        print("skipped: mamba_ssm's kernel needs a GPU")
-        return None
-    inputs = make_inputs(batch, dim, N, L, groups=groups, h0=False, seed=11, time_invariant=time_invariant)
-    inputs.pop("initial_state")
-    dout = torch.randn(batch, dim, L, dtype=torch.float64, device=DEVICE)
-    dlast = torch.zeros(batch, dim, N, dtype=torch.float64, device=DEVICE)  # mamba_ssm ignores d last_state
-    ours = run_with_grads(chapter_scan, inputs, dout, dlast, True)
-    theirs = run_with_grads(selective_scan_fn, inputs, dout, dlast, True)
-    # For a time-invariant B, mamba_ssm's CUDA kernel scans delta * u without B and folds B into C for
-    # the output, so the last state it returns is h / B (its own selective_scan_ref returns h, as we do).
-    their_last = theirs[1] * inputs["B"] if "B" in time_invariant else theirs[1]
-    errors = {"out": rel_err(ours[0], theirs[0]), "last": rel_err(ours[1], their_last)}
-    errors.update({"d" + k: rel_err(ours[2][k], theirs[2][k]) for k in ours[2]})
-    print(f"ours vs mamba_ssm (B, C {'(dim, N)' if time_invariant else 'per position'}): "
-          + "  ".join(f"{k} {v:.0e}" for k, v in errors.items()))
-    assert all(e < tol for e in errors.values()), errors
-    return errors
-
-
-compare_with_mamba_ssm()
-compare_with_mamba_ssm(groups=None, time_invariant="BC");
-
-# %% [markdown]
+# should agree on outputs, the last state and every gradient; the comparison is in "Going deeper:
+# against the official kernel".
+#
 # ## 9. Speed (GPU only)
 #
 # The benchmark times `chapter_scan` ("ours") against `mamba_ssm`'s at Mamba's usual layer size
@@ -945,7 +728,8 @@ compare_with_mamba_ssm(groups=None, time_invariant="BC");
 
 # %%
 def io_bytes(batch, dim, L, N, size, backward):
-    """Bytes read and written: u, delta, z, out (+ dout, du, d delta, dz) and B, C (+ dB, dC)."""
+    """Bytes read and written, each large tensor once: forward u, delta, z, out (4 of batch x dim x L) and B, C
+    (2 of batch x N x L); the backward adds u, delta, z, dout, du, ddelta, dz (7) and B, C, dB, dC (4)."""
     big, small = batch * dim * L * size, batch * N * L * size
     return (4 * big + 2 * small) + (backward * (7 * big + 4 * small))
 
@@ -1008,15 +792,182 @@ else:
 # boundary state per chunk instead of storing all `(batch, dim, L, N)` of them.
 
 # %% [markdown]
+# ## Going deeper: the chunked backward kernel
+#
+# The code of section 6's backward; the comments `(1)`, `(2)`, `(3)` mark its three steps, and
+# `_gate_dybar`, `_gate_dz` are section 4's gradients through the gate. `prev_ok` and `next_ok` mark
+# the positions whose neighbour at $t-1$ or $t+1$ lies in the same chunk (and in the sequence): only
+# those are loaded, and at the chunk's edges the carries come in instead ("Going deeper: the chunks in
+# one picture").
+#
+# Sums over the sequence (`dA`, `dD`, `d delta_bias`, and time-invariant $dB$, $dC$) accumulate in
+# registers. Per-position `dB`, `dC` are sums over the channels of a group, which live in different
+# programs: they are added with `tl.atomic_add` into float32 buffers, as `mamba_ssm` does. Padding
+# positions add nothing, but their adjoint is the carry, not 0: the kernel zeroes $d\Delta$ there.
+
+# %%
+#| export
+@triton.jit
+def _gate_dybar(dout, zv, HAS_Z: tl.constexpr):
+    """Gradient reaching ybar through out = ybar * silu(z)."""
+    dybar = dout
+    if HAS_Z:
+        dybar = dout * zv * tl.sigmoid(zv)
+    return dybar
+
+
+@triton.jit
+def _gate_dz(dout, ybar, zv):
+    """Gradient of z in out = ybar * silu(z): dout * ybar * sigmoid(z) * (1 + z * (1 - sigmoid(z)))."""
+    sig = tl.sigmoid(zv)
+    return dout * ybar * sig * (1.0 + zv * (1.0 - sig))
+
+
+@triton.jit
+def selective_scan_bwd_kernel(
+    U, DELTA, A, B, C, D, Z, BIAS, STATES, YBAR, DOUT, DLAST,  # as in the forward; DOUT b x d x L, DLAST b x d x N
+    DU, DDELTA, DZ, DB, DC,          # b x d x L (x3); dB, dC: b x gB x N x L fp32 (atomics), or b x d x N if time-invariant
+    DA_PART, DD_PART, DBIAS_PART, DH0,                         # b x d x N, b x d, b x d, b x d x N
+    dim, length, n_states, n_chunks, groups_b, groups_c,
+    HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_DLAST: tl.constexpr,
+    B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr, ACC: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+):
+    pid_b, pid_d = tl.program_id(0), tl.program_id(1)
+    ds = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    ns = tl.arange(0, BLOCK_N)
+    ts = tl.arange(0, CHUNK)
+    d_ok, n_ok = ds < dim, ns < n_states
+    dn_ok = d_ok[:, None] & n_ok[None, :]
+    b_off = (pid_b * groups_b + pid_d * BLOCK_D // (dim // groups_b)) * n_states * length
+    c_off = (pid_b * groups_c + pid_d * BLOCK_D // (dim // groups_c)) * n_states * length
+    dl_row = (pid_b * dim + ds) * length
+    state_offs = (pid_b * dim + ds[:, None]) * n_states + ns[None, :]
+    if HAS_DLAST:
+        adj_carry = tl.load(DLAST + state_offs, dn_ok, other=0.0).to(ACC)   # dL/dh at the end of the chunk
+    else:
+        adj_carry = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
+    skip = tl.zeros((BLOCK_D,), dtype=ACC)
+    if HAS_D:
+        skip = tl.load(D + ds, d_ok, other=0.0).to(ACC)
+    dA_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)
+    dB_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)                 # time-invariant B only
+    dC_acc = tl.zeros((BLOCK_D, BLOCK_N), dtype=ACC)                 # time-invariant C only
+    dD_acc = tl.zeros((BLOCK_D,), dtype=ACC)
+    dbias_acc = tl.zeros((BLOCK_D,), dtype=ACC)
+    first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
+    for i in range(0, n_chunks):
+        k = n_chunks - 1 - i                                         # chunks from right to left
+        t = k * CHUNK + ts
+        t_ok = t < length
+        prev_ok = (ts > 0) & t_ok                                    # t-1 is in this chunk (and t < L)
+        next_ok = (ts < CHUNK - 1) & (t + 1 < length)                # position t+1 is in this chunk
+        offs = dl_row[:, None] + t[None, :]                          # BLOCK_D x CHUNK
+        mask = d_ok[:, None] & t_ok[None, :]
+        prev_mask, next_mask = d_ok[:, None] & prev_ok[None, :], d_ok[:, None] & next_ok[None, :]
+        u = tl.load(U + offs, mask, other=0.0).to(ACC)
+        delta, pre = _load_delta(DELTA, BIAS, offs, mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        u_prev = tl.load(U + offs - 1, prev_mask, other=0.0).to(ACC)
+        delta_prev, _ = _load_delta(DELTA, BIAS, offs - 1, prev_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        delta_next, _ = _load_delta(DELTA, BIAS, offs + 1, next_mask, ds, d_ok, HAS_BIAS, SOFTPLUS, ACC)
+        dout = tl.load(DOUT + offs, mask, other=0.0).to(ACC)
+        zv = u
+        if HAS_Z:
+            zv = tl.load(Z + offs, mask, other=0.0).to(ACC)
+            tl.store(DZ + offs, _gate_dz(dout, tl.load(YBAR + offs, mask, other=0.0), zv).to(DZ.dtype.element_ty), mask)
+        dybar = _gate_dybar(dout, zv, HAS_Z)
+        dD_acc += tl.sum(dybar * u, axis=1)
+        adj_b_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)           # sum_n adj_t B_t
+        adj_ah_rate_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)     # sum_n adj_t a_t h_{t-1} A
+        for n in range(0, n_states):
+            rate = tl.load(A + ds * n_states + n, d_ok, other=0.0).to(ACC)[:, None]
+            b_coef = _load_coef(B + b_off, B, n, t, t_ok, ds, d_ok, n_states, length, B_PER_STEP, ACC)
+            b_coef_prev = _load_coef(B + b_off, B, n, t - 1, prev_ok, ds, d_ok, n_states, length, B_PER_STEP, ACC)
+            c_coef = _load_coef(C + c_off, C, n, t, t_ok, ds, d_ok, n_states, length, C_PER_STEP, ACC)
+            h_in = tl.load(STATES + ((pid_b * dim + ds) * n_states + n) * n_chunks + k, d_ok, other=0.0)
+            # (1) h_{t-1}: the steps of positions t-1, the first one setting the boundary state.
+            a, b = discretize(delta, rate, b_coef, u)
+            a_prev, b_prev = discretize(delta_prev, rate, b_coef_prev, u_prev)
+            _, h_prev = tl.associative_scan((tl.where(first, 0.0, a_prev), tl.where(first, h_in[:, None], b_prev)),
+                                            axis=1, combine_fn=first_order_op)
+            h = a * h_prev + b
+            # (2) the adjoint, right to left; the adjoint carry enters at the chunk's last position.
+            c = c_coef * dybar + tl.where(last, _column(adj_carry, n, ns)[:, None], 0.0)
+            _, adj = tl.associative_scan((tl.exp(delta_next * rate), c), axis=1, combine_fn=first_order_op,
+                                         reverse=True)
+            # (3) the gradients.
+            adj_b_sum += adj * b_coef
+            adj_ah = adj * a * h_prev
+            adj_ah_rate_sum += adj_ah * rate
+            at_n = ns[None, :] == n
+            dA_acc += tl.where(at_n, tl.sum(adj_ah * delta, axis=1)[:, None], 0.0)
+            if B_PER_STEP:
+                tl.atomic_add(DB + b_off + n * length + t, tl.sum(adj * delta * u, axis=0), t_ok, sem="relaxed")
+            else:
+                dB_acc += tl.where(at_n, tl.sum(adj * delta * u, axis=1)[:, None], 0.0)
+            if C_PER_STEP:
+                tl.atomic_add(DC + c_off + n * length + t, tl.sum(h * dybar, axis=0), t_ok, sem="relaxed")
+            else:
+                dC_acc += tl.where(at_n, tl.sum(tl.where(mask, h * dybar, 0.0), axis=1)[:, None], 0.0)
+            adj_carry = tl.where(at_n, tl.sum(tl.where(first, a * adj, 0.0), axis=1)[:, None], adj_carry)
+        ddelta = adj_ah_rate_sum + u * adj_b_sum
+        if SOFTPLUS:
+            ddelta = ddelta * tl.sigmoid(pre)
+        ddelta = tl.where(mask, ddelta, 0.0)                         # padding: the adjoint is the carry there, not 0
+        tl.store(DDELTA + offs, ddelta.to(DDELTA.dtype.element_ty), mask)
+        tl.store(DU + offs, (skip[:, None] * dybar + delta * adj_b_sum).to(DU.dtype.element_ty), mask)
+        dbias_acc += tl.sum(ddelta, axis=1)
+    tl.store(DA_PART + state_offs, dA_acc, dn_ok)
+    if not B_PER_STEP:
+        tl.store(DB + state_offs, dB_acc, dn_ok)
+    if not C_PER_STEP:
+        tl.store(DC + state_offs, dC_acc, dn_ok)
+    tl.store(DH0 + state_offs, adj_carry, dn_ok)
+    tl.store(DD_PART + pid_b * dim + ds, dD_acc, d_ok)
+    tl.store(DBIAS_PART + pid_b * dim + ds, dbias_acc, d_ok)
+
+# %% [markdown]
 # ## Going deeper: the discretisation
 #
 # If $u$ and $B$ are held constant over the step (the zero-order hold), the input adds exactly
 # $(\Delta A)^{-1}(e^{\Delta A} - 1)\,\Delta B\, u$. `mamba_ssm` keeps the exact decay but uses the
 # first-order (Euler) input term $\Delta B u$, which agrees with the zero-order hold up to $O(\Delta^2)$,
-# since $(\Delta A)^{-1}(e^{\Delta A} - 1) = 1 + \Delta A/2 + O(\Delta^2)$: the order that section 2's
-# cell checks.
+# since $(\Delta A)^{-1}(e^{\Delta A} - 1) = 1 + \Delta A/2 + O(\Delta^2)$.
 #
 # An EMA is the case $\Delta = 1$, $A = \ln\alpha$, $B = 1 - \alpha$.
+#
+# The cell checks the order of the Euler term: halving $\Delta$ divides its difference to the
+# zero-order hold by 4 (by 2 if it were only $O(\Delta)$).
+
+# %%
+A_rate = -1.5
+for step in (0.1, 0.05, 0.025):
+    zoh = (math.exp(step * A_rate) - 1) / (step * A_rate) * step   # zero-order hold, times B u
+    euler = step                                                  # Euler, times B u
+    gap = abs(zoh - euler)
+    if step < 0.1:
+        print(f"step {step:5.3f}: |zero-order hold - Euler| = {gap:.2e}, {previous / gap:.2f}x smaller than at twice the step")
+        assert 3.8 < previous / gap < 4.2
+    previous = gap
+
+# %% [markdown]
+# ## Going deeper: the previous state
+#
+# Section 4's backward computes $a_t h_{t-1}$ from the previous state $h_{t-1}$, not as $h_t - b_t$.
+# Why not $h_t - b_t$: it cancels catastrophically whenever $|b_t| \gg |a_t h_{t-1}|$. In float32,
+# with a small decayed state next to a large input, the subtraction keeps only the bits of
+# $a_t h_{t-1}$ that survived the rounding of $h_t$ to the scale of $b_t$; the product from $h_{t-1}$
+# is correct to float32 precision.
+
+# %%
+a_c, h_prev_c, b_c = (torch.tensor(v, dtype=torch.float32) for v in (0.5, 1e-3, 1000.0))
+h_c = a_c * h_prev_c + b_c
+exact = 0.5 * 1e-3
+err_subtract = abs((h_c - b_c).item() - exact) / exact
+err_shifted = abs((a_c * h_prev_c).item() - exact) / exact
+print(f"a*h_prev = {exact}: h - b gives {(h_c - b_c).item():.6g} (rel err {err_subtract:.1e}), "
+      f"a * h_prev gives {(a_c * h_prev_c).item():.6g} (rel err {err_shifted:.1e})")
+assert err_subtract > 1e-2 and err_shifted < 1e-7
 
 # %% [markdown]
 # ## Going deeper: the tolerances
@@ -1042,7 +993,7 @@ else:
 #
 # Section 6's scheme for one state of one channel and a chunk $k$ of 4 positions $s \dots s+3$ (slot
 # $j$ of the tile holds position $s + j$; the kernels use the same slots). The forward folds the carry
-# into slot 0. The backward's two scans, explained with its kernel in section 6, *load* their inputs
+# into slot 0. The backward's two scans, explained in section 6, *load* their inputs
 # one position off, so that every slot sees the step it needs without moving data between threads; at
 # the chunk's edges, where that load would leave the chunk, the carries come in instead:
 #
@@ -1075,7 +1026,44 @@ else:
 # arrives already multiplied by it. In the last chunk the carry is $dh_{L-1}$, which gives section 4's
 # $\delta_{L-1}$.
 #
-# **What section 6's check of the identity can catch.** The folded form's zero error is a statement of
+# **Section 6's identity, checked.** The cell checks both forms in plain PyTorch against the sequential
+# recurrence, with chunks that do not divide the length: the folded form, the same float64 operations
+# as the loop, agrees to the last bit; the carry-added form may differ by rounding.
+
+# %%
+def chunked_states(a, b, h_init, chunk, fold=False):
+    """States of h_t = a_t h_{t-1} + b_t (a, b: N x L) chunk by chunk: a scan from zero plus the carry
+    (fold=False), or a scan whose first step starts from the carry (fold=True)."""
+    states, h = [], h_init                                             # h: N
+    for s in range(0, a.shape[1], chunk):
+        a_c, b_c = a[:, s:s + chunk], b[:, s:s + chunk].clone()
+        if fold:
+            b_c[:, 0] += a_c[:, 0] * h                                 # the first step, from the carry
+        b_hat, acc = [], torch.zeros_like(h)
+        for t in range(a_c.shape[1]):                                  # the chunk from a zero state
+            acc = a_c[:, t] * acc + b_c[:, t]
+            b_hat.append(acc)
+        b_hat = torch.stack(b_hat, dim=1)                              # N x chunk
+        chunk_h = b_hat if fold else torch.cumprod(a_c, dim=1) * h[:, None] + b_hat
+        states.append(chunk_h)
+        h = chunk_h[:, -1]
+    return torch.cat(states, dim=1)
+
+
+torch.manual_seed(2)
+a_chk, b_chk = torch.rand(3, 37, dtype=torch.float64), torch.randn(3, 37, dtype=torch.float64)
+h_chk, h_seq = torch.randn(3, dtype=torch.float64), []
+h = h_chk
+for t in range(37):
+    h = a_chk[:, t] * h + b_chk[:, t]
+    h_seq.append(h)
+for chunk in (1, 4, 8, 37, 64):
+    errs = [max_err(chunked_states(a_chk, b_chk, h_chk, chunk, fold), torch.stack(h_seq, dim=1)) for fold in (False, True)]
+    print(f"chunk {chunk:2d}: max abs err vs the sequential recurrence {errs[0]:.1e} (carry added), {errs[1]:.1e} (folded)")
+    assert max(errs) < 1e-13
+
+# %% [markdown]
+# **What the check of the identity can catch.** The folded form's zero error is a statement of
 # the construction, not a measurement of accuracy: position by position it does the same float64
 # operations as the sequential loop ($a_s h_{s-1} + b_s$, then the same steps), so it could differ only
 # if the bookkeeping were wrong (the carry taken from the wrong position, or folded into the wrong
@@ -1672,6 +1660,44 @@ print(f"  last state (after the partial chunk): rel err {rel_err(odd_last, last_
 assert rel_err(odd_last, last_ref_odd) < odd_tol
 
 # %% [markdown]
+# ## Going deeper: against the official kernel
+#
+# Section 8's comparison: where `mamba_ssm` is installed (it needs a CUDA GPU), its `selective_scan_fn`
+# and `chapter_scan` should agree on outputs, the last state and every gradient, for fp32 inputs with
+# groups, `D`, `z`, `delta_bias` and softplus, and with time-invariant `B` and `C` (for a
+# time-invariant `B` the cell rescales the official last state: "Going deeper: the fine print").
+
+# %%
+def compare_with_mamba_ssm(batch=2, dim=64, N=16, L=1000, groups=2, time_invariant="", tol=1e-4):
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+    except ImportError as error:
+        print(f"skipped: mamba_ssm not importable ({error})")
+        return None
+    if not ON_GPU:
+        print("skipped: mamba_ssm's kernel needs a GPU")
+        return None
+    inputs = make_inputs(batch, dim, N, L, groups=groups, h0=False, seed=11, time_invariant=time_invariant)
+    inputs.pop("initial_state")
+    dout = torch.randn(batch, dim, L, dtype=torch.float64, device=DEVICE)
+    dlast = torch.zeros(batch, dim, N, dtype=torch.float64, device=DEVICE)  # mamba_ssm ignores d last_state
+    ours = run_with_grads(chapter_scan, inputs, dout, dlast, True)
+    theirs = run_with_grads(selective_scan_fn, inputs, dout, dlast, True)
+    # For a time-invariant B, mamba_ssm's CUDA kernel scans delta * u without B and folds B into C for
+    # the output, so the last state it returns is h / B (its own selective_scan_ref returns h, as we do).
+    their_last = theirs[1] * inputs["B"] if "B" in time_invariant else theirs[1]
+    errors = {"out": rel_err(ours[0], theirs[0]), "last": rel_err(ours[1], their_last)}
+    errors.update({"d" + k: rel_err(ours[2][k], theirs[2][k]) for k in ours[2]})
+    print(f"ours vs mamba_ssm (B, C {'(dim, N)' if time_invariant else 'per position'}): "
+          + "  ".join(f"{k} {v:.0e}" for k, v in errors.items()))
+    assert all(e < tol for e in errors.values()), errors
+    return errors
+
+
+compare_with_mamba_ssm()
+compare_with_mamba_ssm(groups=None, time_invariant="BC");
+
+# %% [markdown]
 # ## Going deeper: where the time goes
 #
 # **What section 9 times.** This chapter's kernels, not the package's `scan_lib.selective_scan`, which
@@ -1681,8 +1707,8 @@ assert rel_err(odd_last, last_ref_odd) < odd_tol
 # states. The memory floor counts the forward as reading $u$, $\Delta$, $z$, $B$, $C$ and writing
 # `out`, and the backward as reading $u$, $\Delta$, $z$, $B$, $C$ again with $d\,\text{out}$ and
 # writing $du$, $d\Delta$, $dz$, $dB$, $dC$. That is what `io_bytes` adds up: 4 `(batch, dim, L)` and
-# 2 `(batch, N, L)` tensors for the forward, 7 and 4 more for the backward (its docstring names only
-# the backward's new tensors); the small `A`, `D`, `delta_bias` and their gradients are left out.
+# 2 `(batch, N, L)` tensors for the forward, 7 and 4 more for the backward, as its docstring lists
+# them; the small `A`, `D`, `delta_bias` and their gradients are left out.
 #
 # These are the likely costs of the design, not confirmed by a profiler here (chapter 07 profiles them):
 #
@@ -1812,7 +1838,8 @@ else:
 # every position, so $h_{t,n} / B_n$ obeys the recurrence with input $\Delta_t u_t$ alone.
 # `mamba_ssm`'s CUDA kernel scans that, without $B$, and multiplies $B$ into $C$ for the output, so the
 # output is the same, but the last state it returns is $h_{L-1} / B$, where its own `selective_scan_ref`
-# and ours return $h_{L-1}$. Section 8's cell compares our last state with theirs times $B$.
+# and ours return $h_{L-1}$. The cell of "Going deeper: against the official kernel" compares our last
+# state with theirs times $B$.
 
 # %% [markdown]
 # ## References

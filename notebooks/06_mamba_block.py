@@ -559,6 +559,8 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     batch, dim, n_states = state.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if out.numel() == 0:   # no batch element or no channel: nothing to launch (Triton's launch alone costs more)
+        return out
     block_n = next_power_of_2(n_states)
     block_d = max(1, min(next_power_of_2(dim), 4096 // block_n))
     acc = torch.float64 if state.dtype == torch.float64 or x.dtype == torch.float64 else torch.float32
@@ -826,109 +828,19 @@ def init_dt_proj(dt_proj, dt_rank, dt_min=0.001, dt_max=0.1, dt_init="random", d
         dt_proj.bias.copy_(inverse_softplus(dt))
     dt_proj.bias._no_reinit = True
 
-# %%
-torch.manual_seed(0)
-block = Mamba(d_model=64, d_state=16, backend="torch")
-dt0 = F.softplus(block.dt_proj.bias.detach())
-assert 0.001 * (1 - 1e-5) <= dt0.min() and dt0.max() <= 0.1 * (1 + 1e-5), "softplus(bias) outside [dt_min, dt_max]"
-assert torch.allclose(inverse_softplus(F.softplus(torch.linspace(-5, 5, 11))), torch.linspace(-5, 5, 11), atol=1e-5)
-A = -torch.exp(block.A_log.detach())
-assert torch.allclose(A[0], -torch.arange(1.0, 17.0), rtol=1e-6) and (A < 0).all()
-print(f"softplus(dt bias) in [{dt0.min():.4f}, {dt0.max():.4f}]; A[0] = {A[0, :4].tolist()} ... {A[0, -1].item()}")
-fig, ax = plt.subplots(figsize=(7, 3))
-ax.hist(dt0.log10().numpy(), bins=20, color="tab:blue")
-ax.set(xlabel=r"$\log_{10} \Delta_0$ per channel", ylabel="channels",
-       title=r"initial step sizes: log-uniform in $[\Delta_{min}, \Delta_{max}]$")
-save_figure(fig, "06_dt_init.png")
+# %% [markdown]
+# "Going deeper: the initialisation" checks both on a fresh block and shows the two bugs of the sketch
+# this chapter started from: a positive $A$, whose states grow at every position, and a $C$ that is the
+# same slice of `x_proj` as $B$.
 
 # %% [markdown]
-# ### What goes wrong without them
+# ### Checks: the same function on both backends
 #
-# The source sketch this chapter started from uses $A$ = `torch.rand(d_model, d_state) * 0.1`:
-# positive. Then $e^{\Delta A} > 1$ and every state *grows* at every position, whatever the input. The
-# cell runs the scan 4096 positions with $A = -(1..N)$ and with the sketch's $A$, all else the same.
-
-# %%
-def state_norms(A, length=4096, d_inner=32, d_state=16, seed=0):
-    """max |h_t| over channels and states, at every position, for the block's initial dt and A."""
-    torch.manual_seed(seed)
-    init = Mamba(d_model=d_inner // 2, d_state=d_state, backend="torch")
-    u = torch.randn(1, d_inner, length)
-    delta = F.softplus(init.dt_proj.bias.detach())[None, :, None].expand(1, d_inner, length)
-    B = torch.randn(1, d_state, length)
-    a = torch.exp(delta[..., None] * A[:, None, :])[0]                       # d_inner x L x N
-    b = (delta * u)[0, :, :, None] * B[0].T[None]
-    h, norms = torch.zeros(d_inner, d_state), []
-    for t in range(length):
-        h = a[:, t] * h + b[:, t]
-        norms.append(h.abs().max().item())
-    return norms
-
-
-torch.manual_seed(1)
-stable = state_norms(-s4d_real_A(32, 16))
-sketch = state_norms(torch.rand(32, 16) * 0.1)
-print(f"max |h| at the last position: A = -(1..N): {stable[-1]:.3g};  the sketch's positive A: {sketch[-1]:.3g}")
-assert max(stable) < 10 and sketch[-1] > 1e6 * stable[-1]
-fig, ax = plt.subplots(figsize=(7, 3))
-ax.semilogy(stable, label=r"$A = -(1..N)$: $e^{\Delta A} < 1$")
-ax.semilogy(sketch, label=r"positive $A$: $e^{\Delta A} > 1$")
-ax.set(xlabel="position t", ylabel=r"max $|h_t|$", title="a positive A makes every state grow")
-ax.legend()
-save_figure(fig, "06_positive_A.png")
-
-# %% [markdown]
-# The sketch's second bug: it takes $C$ as `x_proj(x)[..., d_state:]`, the same slice as $B$, so the
-# block can only read a state in the direction it writes it. The block's $B$ and $C$ come from disjoint
-# rows of `x_proj`.
-
-# %%
-torch.manual_seed(0)
-d_model, d_state = 16, 4
-sketch_x_proj = nn.Linear(d_model, 2 * d_state)
-x = torch.randn(3, 10, d_model)
-delta_in, B_sketch = sketch_x_proj(x).split(d_state, dim=-1)
-C_sketch = sketch_x_proj(x)[..., d_state:]
-assert torch.equal(C_sketch, B_sketch)
-block = Mamba(d_model=d_model, d_state=d_state, backend="torch")
-_, B_ours, C_ours = block.ssm_parameters(torch.randn(3, block.d_inner, 10))
-assert not torch.allclose(B_ours, C_ours)
-print("the sketch's C is its B: True;  the block's B and C differ: True")
-
-# %% [markdown]
-# ### Checks: the same parameters as `mamba_ssm`, the same function on both backends
-#
-# The cell checks that the `state_dict` has exactly `mamba_ssm`'s parameter names and shapes (listed
-# by hand, so the check runs without it), and that it loads strictly into a second block of ours.
-
-# %%
-def mamba_ssm_layout(d_model, d_state=16, d_conv=4, expand=2, conv_bias=True, bias=False):
-    """The parameter names and shapes of mamba_ssm.modules.mamba_simple.Mamba(d_model, ...)."""
-    d_inner, rank = expand * d_model, math.ceil(d_model / 16)
-    layout = {"A_log": (d_inner, d_state), "D": (d_inner,), "in_proj.weight": (2 * d_inner, d_model),
-              "conv1d.weight": (d_inner, 1, d_conv), "x_proj.weight": (rank + 2 * d_state, d_inner),
-              "dt_proj.weight": (d_inner, rank), "dt_proj.bias": (d_inner,), "out_proj.weight": (d_model, d_inner)}
-    if conv_bias:
-        layout["conv1d.bias"] = (d_inner,)
-    if bias:
-        layout.update({"in_proj.bias": (2 * d_inner,), "out_proj.bias": (d_model,)})
-    return layout
-
-
-for options in ({}, dict(d_state=8, d_conv=3, expand=3, conv_bias=False, bias=True)):
-    block = Mamba(40, **options)
-    shapes = {name: tuple(p.shape) for name, p in block.state_dict().items()}
-    assert shapes == mamba_ssm_layout(40, **options), shapes
-    twin = Mamba(40, **options)                         # other random draws: differs before the load
-    assert not torch.equal(twin.in_proj.weight, block.in_proj.weight)
-    twin.load_state_dict(block.state_dict())            # strict: every name present, no extra
-    assert all(torch.equal(p, q) for p, q in zip(block.parameters(), twin.parameters()))
-print("parameter names and shapes as mamba_ssm's (listed by hand); our state_dict loads into our block: ok")
-
-# %% [markdown]
 # The two backends against each other: the `"triton"` block in float32 must match the `"torch"` block
 # in float64 with the same weights, output and every parameter's gradient, at awkward lengths, to
-# $10^{-4}$ relative to the largest value.
+# $10^{-4}$ relative to the largest value. (That the `state_dict` has exactly `mamba_ssm`'s parameter
+# names and shapes is checked in "Going deeper: the block"; where `mamba_ssm` runs, section 6 loads ours
+# into theirs.)
 
 # %%
 def compare_backends(length, d_model, d_state, batch=2, seed=0):
@@ -1005,105 +917,9 @@ for length, chunks in cases.items():
     assert max(diffs.values()) < 1e-10, diffs
 
 # %% [markdown]
-# What the states buy: the cost of the next token. An attention layer's decoding step reads every
-# cached key and value, so its memory and time grow with the position; the block's step touches the
-# same two states at every position. The cell times both per layer, at the same d_model, batch 1: the
-# block's `step`, and an attention step (q, k, v projections, the cache, `F.scaled_dot_product_attention`,
-# the output projection).
-
-# %%
-import time
-
-
-def time_us(fn, repeats=20):
-    """Median time of fn() in microseconds: on a GPU replayed from a CUDA graph (as generation loops do,
-    so the launches' host time is not counted), on a CPU by the host clock (synchronous there)."""
-    if ON_GPU:
-        return scan_lib.runtime.graph_us(fn)
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) * 1e6)
-    return sorted(samples)[len(samples) // 2]
-
-
-class AttentionStep(nn.Module):
-    """One attention layer's decoding step over a preallocated key/value cache (batch x heads x max_len x head_dim)."""
-
-    def __init__(self, d_model, heads, max_len, device=None, dtype=None):
-        super().__init__()
-        self.heads, self.head_dim = heads, d_model // heads
-        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False, device=device, dtype=dtype)
-        self.out = nn.Linear(d_model, d_model, bias=False, device=device, dtype=dtype)
-        self.k_cache = torch.zeros(1, heads, max_len, self.head_dim, device=device, dtype=dtype)
-        self.v_cache = torch.zeros_like(self.k_cache)
-
-    def forward(self, hidden, position):                                  # hidden: 1 x 1 x d_model
-        q, k, v = self.qkv(hidden).view(1, 1, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
-        self.k_cache[:, :, position] = k[:, :, 0]
-        self.v_cache[:, :, position] = v[:, :, 0]
-        keys, values = self.k_cache[:, :, :position + 1], self.v_cache[:, :, :position + 1]
-        return self.out(F.scaled_dot_product_attention(q, keys, values).transpose(1, 2).reshape(1, 1, -1))
-
-
-d_model, dtype = (1024, torch.bfloat16) if ON_GPU else (64, torch.float32)
-positions = [2**k for k in (range(8, 21, 2) if ON_GPU else range(6, 13, 2))]
-torch.manual_seed(0)
-block = Mamba(d_model, device=DEVICE, dtype=dtype)
-attention = AttentionStep(d_model, heads=d_model // 64, max_len=max(positions) + 1, device=DEVICE, dtype=dtype)
-token = torch.randn(1, 1, d_model, device=DEVICE, dtype=dtype)
-conv_state, ssm_state = block.allocate_inference_cache(1, max(positions))
-rows = []
-with torch.no_grad():
-    for position in positions:
-        mamba_us = time_us(lambda: block.step(token, conv_state, ssm_state))
-        attention_us = time_us(lambda: attention(token, position))
-        kv_bytes = 2 * (position + 1) * d_model * dtype.itemsize   # the keys and values attended over
-        rows.append((position, mamba_us, attention_us, conv_state.nbytes + ssm_state.nbytes, kv_bytes))
-print(f"{scan_lib.runtime.describe()}; d_model {d_model}, {dtype}, batch 1, one layer")
-print(f"{'position':>9} {'Mamba step us':>14} {'attention us':>13} {'Mamba state B':>14} {'KV cache B':>11}")
-for row in rows:
-    print(f"{row[0]:>9} {row[1]:>14.1f} {row[2]:>13.1f} {row[3]:>14} {row[4]:>11}")
-fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(9, 3.2))
-ax_time.loglog(positions, [r[1] for r in rows], "o-", label="Mamba step")
-ax_time.loglog(positions, [r[2] for r in rows], "s-", label="attention step")
-ax_time.set(xlabel="position", ylabel="time per token (us)", title="time per token, one layer")
-ax_mem.loglog(positions, [r[3] for r in rows], "o-", label="Mamba: conv + SSM state")
-ax_mem.loglog(positions, [r[4] for r in rows], "s-", label="Transformer: KV cache")
-ax_mem.set(xlabel="position", ylabel="bytes", title="memory carried, one layer")
-for ax in (ax_time, ax_mem):
-    ax.legend(fontsize=8)
-fig.tight_layout()
-save_figure(fig, "06_generation_cost.png")
-
-# %% [markdown]
-# In this run the attention step is the cheaper up to position 4096 (23.3 us against 32.5) and the
-# dearer from 16384 on (38.1 us against 32.6). The byte columns are sizes, not measurements. The next
-# cell checks, on the path generation takes (`forward` with `InferenceParams`), that the same two state
-# tensors are updated token after token and never grow.
-
-# %%
-torch.manual_seed(0)
-gen_block = Mamba(d_model, layer_idx=0, device=DEVICE, dtype=dtype)
-gen_params = InferenceParams(max_seqlen=4096, max_batch_size=1)
-
-
-def cache_tensors(params):
-    # (data pointer, bytes) of every tensor the InferenceParams cache holds
-    return [(t.data_ptr(), t.nbytes) for pair in params.key_value_memory_dict.values() for t in pair]
-
-
-with torch.no_grad():
-    gen_block(torch.randn(1, 16, d_model, device=DEVICE, dtype=dtype), gen_params)   # a prompt of 16 positions
-    gen_params.seqlen_offset = 16
-    first = cache_tensors(gen_params)
-    for _ in range(64 if ON_GPU else 32):                     # then one token at a time
-        gen_block(torch.randn(1, 1, d_model, device=DEVICE, dtype=dtype), gen_params)
-        gen_params.seqlen_offset += 1
-        assert cache_tensors(gen_params) == first, "the cache was reallocated or grew"
-print(f"after the prompt and {gen_params.seqlen_offset - 16} generated tokens: {len(first)} cached tensors, "
-      f"{sum(n for _, n in first)} bytes, the same storage at every step")
+# What the two states buy is measured in "Going deeper: generation's cost": the cost of the next token,
+# the block's step against an attention layer's, whose cache grows with the position, and a check that
+# generation's cache never grows.
 
 # %% [markdown]
 # ## 5. A model that learns: selective copying
@@ -1277,40 +1093,19 @@ print(f"shared parameters equal at the start: {len(selective_start)} tensors; "
       f"the baseline's own: {sorted(not_loaded.missing_keys)}")
 copy_runs = {name: train_copying(model, copy_cfg) for name, model in copy_models.items()}
 
-# %%
-def running_mean(values, window=10):
-    v = torch.tensor(values, dtype=torch.float64)
-    return (v.cumsum(0) - F.pad(v.cumsum(0), (window, 0))[:-window]) / torch.arange(1, len(v) + 1).clamp(max=window)
-
-
-fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(7, 3.5))
-chance = 1 / copy_cfg["n_symbols"]
-for name, (_, losses, accuracies) in copy_runs.items():
-    ax_loss.plot(running_mean(losses), label=name)
-    ax_acc.plot(running_mean(accuracies), label=name)
-ax_loss.axhline(math.log(copy_cfg["n_symbols"]), color="gray", ls=":", label="chance")
-ax_acc.axhline(chance, color="gray", ls=":", label="chance")
-for ax in (ax_loss, ax_acc):   # the learning rate reaches its peak here (train_copying's warm-up)
-    ax.axvline(copy_cfg["steps"] // 10, color="gray", ls="--", lw=0.8, label="end of warm-up")
-ax_loss.set(xlabel="step", ylabel="cross-entropy (scored positions)", yscale="log", title="loss (mean of 10 steps)")
-ax_acc.set(xlabel="step", ylabel="accuracy", ylim=(0, 1.02), title="accuracy (mean of 10 steps)")
-ax_acc.legend(fontsize=8)
-fig.tight_layout()
-save_figure(fig, "06_selective_copying.png")
-
 # %% [markdown]
-# Both curves leave a short plateau near chance before the dashed line, the end of the warm-up; then
-# the baseline's accuracy levels off ("Going deeper: selective copying" reads the plateaus). The next
-# cell asserts the outcome on a fresh held-out batch (the selective model copies at least 90% of the
-# tokens, the baseline at most 70%) and prints the accuracy for each slot $k$ (the $k$-th marker).
+# The next cell asserts the outcome on a fresh held-out batch (the selective model copies at least 90%
+# of the tokens, the baseline at most 70%) and prints the accuracy for each slot $k$ (the $k$-th marker).
+# The training curves are drawn in "Going deeper: selective copying".
 
 # %%
 with torch.no_grad():
     test_in, test_target, test_mask = selective_copying_batch(
         1000, generator=torch.Generator().manual_seed(1), **copy_data)
     copy_correct = {name: (model(test_in).argmax(-1) == test_target)[test_mask].view(len(test_in), -1).double()
-                    for name, (model, _, _) in copy_runs.items()}            # (sequences, K) hits
+                    for name, (model, _, _) in copy_runs.items()}            # (sequences, n_data) hits
 copy_accuracy = {name: hits.mean().item() for name, hits in copy_correct.items()}
+chance = 1 / copy_cfg["n_symbols"]
 print(f"chance {chance:.3f}")
 print(f"{'model':18s} {'held-out':>8s}   by slot k = 1 .. n_data = {copy_cfg['n_data']}")
 for name, hits in copy_correct.items():
@@ -1326,26 +1121,8 @@ assert copy_accuracy["LTI baseline"] <= 0.7
 # 0.125), rising from 0.33 at the first marker to 0.65 at the last: at the last marker the answer is
 # the most recent data token, the one a decaying kernel weighs most.
 #
-# Generation with the recurrent path: the trained model reads held-out sequences one token at a time
-# through `step`, carrying only each block's two states (section 4). Its logits must match the
-# whole-sequence forward's, and so must the greedy tokens.
-
-# %%
-copy_model = copy_runs["Mamba (selective)"][0]
-gen_in, gen_target, gen_mask = test_in[:8], test_target[:8], test_mask[:8]
-with torch.no_grad():
-    full_logits = copy_model(gen_in)                                      # (batch, L, vocab)
-    caches = [mixer.allocate_inference_cache(gen_in.shape[0], gen_in.shape[1]) for mixer in copy_model.mixers]
-    step_logits = torch.stack([copy_model.step(gen_in[:, t], caches) for t in range(gen_in.shape[1])], dim=1)
-step_tokens, full_tokens = step_logits.argmax(-1), full_logits.argmax(-1)
-logit_err, logit_tol = max_err(step_logits, full_logits), 1e-4 * full_logits.abs().max().item()
-for row in range(3):
-    print("input:", show_tokens(gen_in[row]), " target:", show_tokens(gen_target[row][gen_mask[row]]),
-          " step path:", show_tokens(step_tokens[row][gen_mask[row]]))
-print(f"max |step logits - forward logits| = {logit_err:.2e} (tolerance {logit_tol:.1e}); "
-      f"greedy tokens agree at the scored positions: {torch.equal(step_tokens[gen_mask], full_tokens[gen_mask])}")
-assert logit_err <= logit_tol
-assert torch.equal(step_tokens[gen_mask], full_tokens[gen_mask])
+# "Going deeper: selective copying" also runs the trained model token by token through `step` and
+# checks it against the whole-sequence forward.
 
 # %% [markdown]
 # ## 6. On the GPU: one block against `mamba_ssm`'s
@@ -1877,6 +1654,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
         steps = [causal_conv1d_update(x[..., t], conv_state, weight, bias, activation) for t in range(x.shape[-1])]
         return torch.stack(steps, dim=-1) if steps else x.clone()
     _check_update_inputs(x, conv_state, weight, bias)
+    if x.numel() == 0:   # no batch element or no channel: no output to compute, no state to shift
+        return torch.empty_like(x)
     silu = activation is not None
     if torch.compiler.is_compiling():  # traced: the functional op, then the in-place copy torch.compile tracks
         out, new_state = causal_conv1d_update_op(x, conv_state, weight, bias, silu)
@@ -2048,6 +1827,86 @@ else:
 # the selective scan (chapter 07's section 11). `F.conv1d` and SiLU are the slowest in both.
 
 # %% [markdown]
+# ### The initialisation: a check, and the sketch's two bugs
+#
+# Section 3's initialisation on a fresh block: $\mathrm{softplus}(b_\Delta)$ lies in
+# $[\Delta_{min}, \Delta_{max}]$, `inverse_softplus` inverts softplus, and $A_{:,n} = -(n+1)$, all
+# negative. The histogram shows the initial step sizes, log-uniform.
+
+# %%
+torch.manual_seed(0)
+block = Mamba(d_model=64, d_state=16, backend="torch")
+dt0 = F.softplus(block.dt_proj.bias.detach())
+assert 0.001 * (1 - 1e-5) <= dt0.min() and dt0.max() <= 0.1 * (1 + 1e-5), "softplus(bias) outside [dt_min, dt_max]"
+assert torch.allclose(inverse_softplus(F.softplus(torch.linspace(-5, 5, 11))), torch.linspace(-5, 5, 11), atol=1e-5)
+A = -torch.exp(block.A_log.detach())
+assert torch.allclose(A[0], -torch.arange(1.0, 17.0), rtol=1e-6) and (A < 0).all()
+print(f"softplus(dt bias) in [{dt0.min():.4f}, {dt0.max():.4f}]; A[0] = {A[0, :4].tolist()} ... {A[0, -1].item()}")
+fig, ax = plt.subplots(figsize=(7, 3))
+ax.hist(dt0.log10().numpy(), bins=20, color="tab:blue")
+ax.set(xlabel=r"$\log_{10} \Delta_0$ per channel", ylabel="channels",
+       title=r"initial step sizes: log-uniform in $[\Delta_{min}, \Delta_{max}]$")
+save_figure(fig, "06_dt_init.png")
+
+# %% [markdown]
+# **What goes wrong without them.** The source sketch this chapter started from uses
+# $A$ = `torch.rand(d_model, d_state) * 0.1`: positive. Then $e^{\Delta A} > 1$ and every state *grows*
+# at every position, whatever the input. The cell runs the scan 4096 positions with $A = -(1..N)$ and
+# with the sketch's $A$, all else the same.
+
+# %%
+def state_norms(A, length=4096, d_inner=32, d_state=16, seed=0):
+    """max |h_t| over channels and states, at every position, for the block's initial dt and A."""
+    torch.manual_seed(seed)
+    init = Mamba(d_model=d_inner // 2, d_state=d_state, backend="torch")
+    u = torch.randn(1, d_inner, length)
+    delta = F.softplus(init.dt_proj.bias.detach())[None, :, None].expand(1, d_inner, length)
+    B = torch.randn(1, d_state, length)
+    a = torch.exp(delta[..., None] * A[:, None, :])[0]                       # d_inner x L x N
+    b = (delta * u)[0, :, :, None] * B[0].T[None]
+    h, norms = torch.zeros(d_inner, d_state), []
+    for t in range(length):
+        h = a[:, t] * h + b[:, t]
+        norms.append(h.abs().max().item())
+    return norms
+
+
+torch.manual_seed(1)
+stable = state_norms(-s4d_real_A(32, 16))
+sketch = state_norms(torch.rand(32, 16) * 0.1)
+print(f"max |h| at the last position: A = -(1..N): {stable[-1]:.3g};  the sketch's positive A: {sketch[-1]:.3g}")
+assert max(stable) < 10 and sketch[-1] > 1e6 * stable[-1]
+fig, ax = plt.subplots(figsize=(7, 3))
+ax.semilogy(stable, label=r"$A = -(1..N)$: $e^{\Delta A} < 1$")
+ax.semilogy(sketch, label=r"positive $A$: $e^{\Delta A} > 1$")
+ax.set(xlabel="position t", ylabel=r"max $|h_t|$", title="a positive A makes every state grow")
+ax.legend()
+save_figure(fig, "06_positive_A.png")
+
+# %% [markdown]
+# The sketch's second bug: it takes $C$ as `x_proj(x)[..., d_state:]`, the same slice as $B$, so the
+# block can only read a state in the direction it writes it. The block's $B$ and $C$ come from disjoint
+# rows of `x_proj`.
+
+# %%
+torch.manual_seed(0)
+d_model, d_state = 16, 4
+sketch_x_proj = nn.Linear(d_model, 2 * d_state)
+x = torch.randn(3, 10, d_model)
+delta_in, B_sketch = sketch_x_proj(x).split(d_state, dim=-1)
+C_sketch = sketch_x_proj(x)[..., d_state:]
+assert torch.equal(C_sketch, B_sketch)
+block = Mamba(d_model=d_model, d_state=d_state, backend="torch")
+_, B_ours, C_ours = block.ssm_parameters(torch.randn(3, block.d_inner, 10))
+assert not torch.allclose(B_ours, C_ours)
+print("the sketch's C is its B: True;  the block's B and C differ: True")
+
+# %% [markdown]
+# With $C_t = B_t$, at the current position the output gets $\Delta_t x_t \lVert B_t\rVert^2 \geq 0$, a
+# term whose sign the block cannot choose. The block's `x_proj` has $R + 2N$ outputs, so its $B$ and $C$
+# are independent.
+
+# %% [markdown]
 # ### The block: layouts, caches and what `mamba_ssm` does differently
 #
 # - **Layouts.** Every projection is one matrix product on the (features, batch L) matrix of its input
@@ -2082,22 +1941,48 @@ else:
 #   sized so a program holds about 4096 state values ($\text{BLOCK\_D} \times N$). A step reads and
 #   writes the whole state once, 2 x batch x d_inner x N values, so at batch 1 it is well under a
 #   microsecond of memory traffic; the rest of the step (the small matrix products around it, and their
-#   launches unless they are replayed from a CUDA graph) is the rest of its cost: section 4's table
-#   measures the whole step, replayed from a CUDA graph.
+#   launches unless they are replayed from a CUDA graph) is the rest of its cost: the table in
+#   "Generation's cost" below measures the whole step, replayed from a CUDA graph.
 # - **Precision.** `A_log` and `D` stay float32 in a bfloat16 block (as in `mamba_ssm`), and both kernels
 #   accumulate in float32; the states in the cache take the weights' dtype unless
 #   `allocate_inference_cache(..., dtype=...)` says otherwise.
-# - **The sketch's $C = B$.** The sketch of section 3 projects $x$ to $2N$ values and splits them
-#   into $\Delta$'s input and $B$ before taking $C$ as the same slice as $B$. With $C_t = B_t$, at the
-#   current position the output gets $\Delta_t x_t \lVert B_t\rVert^2 \geq 0$, a term whose sign the
-#   block cannot choose. The block's `x_proj` has $R + 2N$ outputs, so its $B$ and $C$ are independent.
 # - **The backends' tolerance.** Section 3 holds the float32 `"triton"` block to the float64 `"torch"`
 #   block relative to the largest value: float32 carries 24 bits (about $6 \cdot 10^{-8}$), and each
 #   output sums a few hundred products through the projections and the scan, so errors of a few
 #   $10^{-6}$ are expected; $10^{-4}$ would still catch any wrong term. That a `state_dict` moves
 #   between our block and `mamba_ssm`'s is checked only where `mamba_ssm` runs: section 6 loads ours
 #   into theirs and compares outputs and gradients.
-#
+
+# %% [markdown]
+# **The same parameters as `mamba_ssm`.** The cell checks that the `state_dict` has exactly
+# `mamba_ssm`'s parameter names and shapes (listed by hand, so the check runs without it), and that it
+# loads strictly into a second block of ours.
+
+# %%
+def mamba_ssm_layout(d_model, d_state=16, d_conv=4, expand=2, conv_bias=True, bias=False):
+    """The parameter names and shapes of mamba_ssm.modules.mamba_simple.Mamba(d_model, ...)."""
+    d_inner, rank = expand * d_model, math.ceil(d_model / 16)
+    layout = {"A_log": (d_inner, d_state), "D": (d_inner,), "in_proj.weight": (2 * d_inner, d_model),
+              "conv1d.weight": (d_inner, 1, d_conv), "x_proj.weight": (rank + 2 * d_state, d_inner),
+              "dt_proj.weight": (d_inner, rank), "dt_proj.bias": (d_inner,), "out_proj.weight": (d_model, d_inner)}
+    if conv_bias:
+        layout["conv1d.bias"] = (d_inner,)
+    if bias:
+        layout.update({"in_proj.bias": (2 * d_inner,), "out_proj.bias": (d_model,)})
+    return layout
+
+
+for options in ({}, dict(d_state=8, d_conv=3, expand=3, conv_bias=False, bias=True)):
+    block = Mamba(40, **options)
+    shapes = {name: tuple(p.shape) for name, p in block.state_dict().items()}
+    assert shapes == mamba_ssm_layout(40, **options), shapes
+    twin = Mamba(40, **options)                         # other random draws: differs before the load
+    assert not torch.equal(twin.in_proj.weight, block.in_proj.weight)
+    twin.load_state_dict(block.state_dict())            # strict: every name present, no extra
+    assert all(torch.equal(p, q) for p, q in zip(block.parameters(), twin.parameters()))
+print("parameter names and shapes as mamba_ssm's (listed by hand); our state_dict loads into our block: ok")
+
+# %% [markdown]
 # **The same seed, the same weights.** The constructor also makes `mamba_ssm`'s random draws in
 # `mamba_ssm`'s order, so the same seed should give the same weights; the comparisons in the main line
 # never rely on it: they copy the `state_dict`. Where `mamba_ssm`'s module imports (on a GPU with the
@@ -2126,17 +2011,112 @@ else:
         assert not different, different
 
 # %% [markdown]
-# ### Generation's cost: reading the table
+# ### Generation's cost: timed against attention
 #
-# Section 4's table times one layer's decoding step. On a GPU both steps are replayed from CUDA graphs,
-# as generation loops run them, so the time is the GPU's and not the host's launches. For short
-# contexts attention can still be the cheaper of the two (a few small matrix products), and where the
-# lines cross, if they do within these positions, depends on the device. The two byte columns are not
-# measurements: the fourth is the size of the two state tensors allocated once before the loop, the
-# fifth the size of the keys and values an attention step reads at that position,
-# $2 \cdot (\text{position} + 1) \cdot d_{model}$ elements. The cache check after it runs the block's
-# `forward` with `InferenceParams`, which allocates its cache itself and must keep updating the same
-# two tensors.
+# What the states buy: the cost of the next token. An attention layer's decoding step reads every
+# cached key and value, so its memory and time grow with the position; the block's step touches the
+# same two states at every position. The cell times both per layer, at the same d_model, batch 1: the
+# block's `step`, and an attention step (q, k, v projections, the cache, `F.scaled_dot_product_attention`,
+# the output projection). On a GPU both steps are replayed from CUDA graphs, as generation loops run
+# them, so the time is the GPU's and not the host's launches.
+
+# %%
+import time
+
+
+def time_us(fn, repeats=20):
+    """Median time of fn() in microseconds: on a GPU replayed from a CUDA graph (as generation loops do,
+    so the launches' host time is not counted), on a CPU by the host clock (synchronous there)."""
+    if ON_GPU:
+        return scan_lib.runtime.graph_us(fn)
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return sorted(samples)[len(samples) // 2]
+
+
+class AttentionStep(nn.Module):
+    """One attention layer's decoding step over a preallocated key/value cache (batch x heads x max_len x head_dim)."""
+
+    def __init__(self, d_model, heads, max_len, device=None, dtype=None):
+        super().__init__()
+        self.heads, self.head_dim = heads, d_model // heads
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False, device=device, dtype=dtype)
+        self.out = nn.Linear(d_model, d_model, bias=False, device=device, dtype=dtype)
+        self.k_cache = torch.zeros(1, heads, max_len, self.head_dim, device=device, dtype=dtype)
+        self.v_cache = torch.zeros_like(self.k_cache)
+
+    def forward(self, hidden, position):                                  # hidden: 1 x 1 x d_model
+        q, k, v = self.qkv(hidden).view(1, 1, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        self.k_cache[:, :, position] = k[:, :, 0]
+        self.v_cache[:, :, position] = v[:, :, 0]
+        keys, values = self.k_cache[:, :, :position + 1], self.v_cache[:, :, :position + 1]
+        return self.out(F.scaled_dot_product_attention(q, keys, values).transpose(1, 2).reshape(1, 1, -1))
+
+
+d_model, dtype = (1024, torch.bfloat16) if ON_GPU else (64, torch.float32)
+positions = [2**k for k in (range(8, 21, 2) if ON_GPU else range(6, 13, 2))]
+torch.manual_seed(0)
+block = Mamba(d_model, device=DEVICE, dtype=dtype)
+attention = AttentionStep(d_model, heads=d_model // 64, max_len=max(positions) + 1, device=DEVICE, dtype=dtype)
+token = torch.randn(1, 1, d_model, device=DEVICE, dtype=dtype)
+conv_state, ssm_state = block.allocate_inference_cache(1, max(positions))
+rows = []
+with torch.no_grad():
+    for position in positions:
+        mamba_us = time_us(lambda: block.step(token, conv_state, ssm_state))
+        attention_us = time_us(lambda: attention(token, position))
+        kv_bytes = 2 * (position + 1) * d_model * dtype.itemsize   # the keys and values attended over
+        rows.append((position, mamba_us, attention_us, conv_state.nbytes + ssm_state.nbytes, kv_bytes))
+print(f"{scan_lib.runtime.describe()}; d_model {d_model}, {dtype}, batch 1, one layer")
+print(f"{'position':>9} {'Mamba step us':>14} {'attention us':>13} {'Mamba state B':>14} {'KV cache B':>11}")
+for row in rows:
+    print(f"{row[0]:>9} {row[1]:>14.1f} {row[2]:>13.1f} {row[3]:>14} {row[4]:>11}")
+fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(9, 3.2))
+ax_time.loglog(positions, [r[1] for r in rows], "o-", label="Mamba step")
+ax_time.loglog(positions, [r[2] for r in rows], "s-", label="attention step")
+ax_time.set(xlabel="position", ylabel="time per token (us)", title="time per token, one layer")
+ax_mem.loglog(positions, [r[3] for r in rows], "o-", label="Mamba: conv + SSM state")
+ax_mem.loglog(positions, [r[4] for r in rows], "s-", label="Transformer: KV cache")
+ax_mem.set(xlabel="position", ylabel="bytes", title="memory carried, one layer")
+for ax in (ax_time, ax_mem):
+    ax.legend(fontsize=8)
+fig.tight_layout()
+save_figure(fig, "06_generation_cost.png")
+
+# %% [markdown]
+# In this run the attention step is the cheaper up to position 4096 (23.3 us against 32.5) and the
+# dearer from 16384 on (38.1 us against 32.6). For short contexts attention can still be the cheaper of
+# the two (a few small matrix products), and where the lines cross, if they do within these positions,
+# depends on the device. The two byte columns are not measurements: the fourth is the size of the two
+# state tensors allocated once before the loop, the fifth the size of the keys and values an attention
+# step reads at that position, $2 \cdot (\text{position} + 1) \cdot d_{model}$ elements. The next cell
+# checks, on the path generation takes (`forward` with `InferenceParams`, which allocates its cache
+# itself), that the same two state tensors are updated token after token and never grow.
+
+# %%
+torch.manual_seed(0)
+gen_block = Mamba(d_model, layer_idx=0, device=DEVICE, dtype=dtype)
+gen_params = InferenceParams(max_seqlen=4096, max_batch_size=1)
+
+
+def cache_tensors(params):
+    # (data pointer, bytes) of every tensor the InferenceParams cache holds
+    return [(t.data_ptr(), t.nbytes) for pair in params.key_value_memory_dict.values() for t in pair]
+
+
+with torch.no_grad():
+    gen_block(torch.randn(1, 16, d_model, device=DEVICE, dtype=dtype), gen_params)   # a prompt of 16 positions
+    gen_params.seqlen_offset = 16
+    first = cache_tensors(gen_params)
+    for _ in range(64 if ON_GPU else 32):                     # then one token at a time
+        gen_block(torch.randn(1, 1, d_model, device=DEVICE, dtype=dtype), gen_params)
+        gen_params.seqlen_offset += 1
+        assert cache_tensors(gen_params) == first, "the cache was reallocated or grew"
+print(f"after the prompt and {gen_params.seqlen_offset - 16} generated tokens: {len(first)} cached tensors, "
+      f"{sum(n for _, n in first)} bytes, the same storage at every step")
 
 # %% [markdown]
 # ### Selective copying: the CPU path, the sizes and one run
@@ -2164,16 +2144,41 @@ else:
 # weights, because `LTIMamba` draws its `B_const` and `C_const` after its block's weights, so every
 # draw after them (the next block, the head) would differ. So the training cell builds the selective
 # model, builds the baseline, and loads the selective model's `state_dict` into it.
-#
+
+# %% [markdown]
+# **The training curves.** The cell draws both models' loss and accuracy on the scored positions, as
+# running means, with chance and the end of the warm-up marked.
+
+# %%
+def running_mean(values, window=10):
+    v = torch.tensor(values, dtype=torch.float64)
+    return (v.cumsum(0) - F.pad(v.cumsum(0), (window, 0))[:-window]) / torch.arange(1, len(v) + 1).clamp(max=window)
+
+
+fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(7, 3.5))
+for name, (_, losses, accuracies) in copy_runs.items():
+    ax_loss.plot(running_mean(losses), label=name)
+    ax_acc.plot(running_mean(accuracies), label=name)
+ax_loss.axhline(math.log(copy_cfg["n_symbols"]), color="gray", ls=":", label="chance")
+ax_acc.axhline(chance, color="gray", ls=":", label="chance")
+for ax in (ax_loss, ax_acc):   # the learning rate reaches its peak here (train_copying's warm-up)
+    ax.axvline(copy_cfg["steps"] // 10, color="gray", ls="--", lw=0.8, label="end of warm-up")
+ax_loss.set(xlabel="step", ylabel="cross-entropy (scored positions)", yscale="log", title="loss (mean of 10 steps)")
+ax_acc.set(xlabel="step", ylabel="accuracy", ylim=(0, 1.02), title="accuracy (mean of 10 steps)")
+ax_acc.legend(fontsize=8)
+fig.tight_layout()
+save_figure(fig, "06_selective_copying.png")
+
+# %% [markdown]
 # **The plateaus.** Both curves start with a short plateau near chance, and in this run both leave it
 # before the dashed line, the end of the warm-up (the first tenth of the 1600 steps, over which the
 # learning rate climbs linearly to its peak). So that first plateau is most likely the warm-up's small
 # early steps (not measured: no run without the warm-up), not a sign that the task is hard to start
 # on. The baseline's second plateau is different: its accuracy levels off at about the end of the
-# warm-up and then barely moves to the last step (the progress bar, which shows a recent batch's
-# accuracy, reads 0.43 at 225 of 1600 steps and 0.50 at the end), while the learning rate is at its
-# peak and then decays. That plateau is not the warm-up: it is what this baseline reaches at this
-# learning rate.
+# warm-up and then barely moves to the last step (the progress bar of section 5's training cell, which
+# shows a recent batch's accuracy, reads 0.43 at 225 of 1600 steps and 0.50 at the end), while the
+# learning rate is at its peak and then decays. That plateau is not the warm-up: it is what this
+# baseline reaches at this learning rate.
 #
 # **By slot.** A fixed kernel that decays weighs recent tokens most, and the most recent data token is
 # the right answer only at the last marker; so the baseline is expected to do best in the later slots:
@@ -2184,6 +2189,28 @@ else:
 # distribution over seeds, and a better-tuned baseline could score higher (though, by the argument of
 # section 5, not solve the task with one block). More seeds and a learning-rate sweep for the baseline
 # would multiply the training time, which is already most of this chapter's CPU run.
+
+# %% [markdown]
+# **Generation with the recurrent path.** The trained model reads section 5's held-out sequences one
+# token at a time through `step`, carrying only each block's two states (section 4). Its logits must
+# match the whole-sequence forward's, and so must the greedy tokens.
+
+# %%
+copy_model = copy_runs["Mamba (selective)"][0]
+gen_in, gen_target, gen_mask = test_in[:8], test_target[:8], test_mask[:8]
+with torch.no_grad():
+    full_logits = copy_model(gen_in)                                      # (batch, L, vocab)
+    caches = [mixer.allocate_inference_cache(gen_in.shape[0], gen_in.shape[1]) for mixer in copy_model.mixers]
+    step_logits = torch.stack([copy_model.step(gen_in[:, t], caches) for t in range(gen_in.shape[1])], dim=1)
+step_tokens, full_tokens = step_logits.argmax(-1), full_logits.argmax(-1)
+logit_err, logit_tol = max_err(step_logits, full_logits), 1e-4 * full_logits.abs().max().item()
+for row in range(3):
+    print("input:", show_tokens(gen_in[row]), " target:", show_tokens(gen_target[row][gen_mask[row]]),
+          " step path:", show_tokens(step_tokens[row][gen_mask[row]]))
+print(f"max |step logits - forward logits| = {logit_err:.2e} (tolerance {logit_tol:.1e}); "
+      f"greedy tokens agree at the scored positions: {torch.equal(step_tokens[gen_mask], full_tokens[gen_mask])}")
+assert logit_err <= logit_tol
+assert torch.equal(step_tokens[gen_mask], full_tokens[gen_mask])
 
 # %% [markdown]
 # ### Section 6's comparison: the fine print

@@ -299,14 +299,14 @@ def _carry_in(CARRY, n, n_segments, d_ok):
 @triton.jit
 def strided_fwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, H0,     # u, delta, z: any strides (b, d, L); A (d, N); B, C (b, g, N, L) or (d, N)
-    OUT, STATES, LAST, DSUM,               # OUT: u's layout; contiguous b x d x N x n_chunks, b x d x N x S, b x d x S
+    OUT, STATES, LAST, DSUM,               # OUT: u's layout; contiguous b x d x N x n_saved, b x d x N x S, b x d x S
     dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sa_d, sa_n,
     sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l, so_b, so_d, so_l,
     N_STATES: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_H0: tl.constexpr, B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr,
-    ACC: tl.constexpr, SAVE: tl.constexpr, SUMMARY: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    ACC: tl.constexpr, SAVE: tl.constexpr, SAVE_EVERY: tl.constexpr, SUMMARY: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # Program (batch element, block of channels, segment): the segment's chunks, from the state H0 holds
     # for it (S segments: section 5; S = 1 is the whole sequence). SUMMARY: write no output, only the
@@ -331,6 +331,11 @@ def strided_fwd_kernel(
     tl.store(CARRY[:, None] + ns[None, :] * n_segments, carry, dn_ok)
     if HAS_D:
         skip = tl.load(D + ds, d_ok, other=0.0).to(ACC)[:, None]
+    # SAVE: the state entering every piece of SAVE_EVERY positions (the backward's chunk), SAVES per chunk,
+    # state n of the block's channels at SAVED + n * n_saved + piece.
+    SAVES: tl.constexpr = CHUNK // SAVE_EVERY
+    n_saved = tl.cdiv(length, SAVE_EVERY)
+    SAVED = STATES + (pid_b * dim + ds) * N_STATES * n_saved                # BLOCK_D
     dsum = tl.zeros((BLOCK_D,), dtype=ACC)
     first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
     for k in range(k_first, k_end):
@@ -347,20 +352,26 @@ def strided_fwd_kernel(
         dsum += tl.sum(delta, axis=1)                                     # 0 where masked
         step_u = delta * u                                                # shared by the states
         ybar = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)
-        for n in range(0, N_STATES):
-            rate = tl.load(A + ds * sa_d + n * sa_n, d_ok, other=0.0).to(ACC)[:, None]      # BLOCK_D x 1
-            h_in = _carry_in(CARRY, n, n_segments, d_ok)                                    # BLOCK_D
-            if SAVE:  # the state entering chunk k, for the backward
-                tl.store(STATES + ((pid_b * dim + ds) * N_STATES + n) * n_chunks + k, h_in, d_ok)
-            b_coef = _coef_row(B, b_base, n, ds, d_ok, t, t_ok, sb_g, sb_n, sb_l, B_PER_STEP, ACC)
-            if not SUMMARY:
-                c_coef = _coef_row(C, c_base, n, ds, d_ok, t, t_ok, sc_g, sc_n, sc_l, C_PER_STEP, ACC)
-            a, b = discretize_exp2(delta, rate * LOG2E, b_coef, step_u)                  # BLOCK_D x CHUNK
-            b += tl.where(first, a * h_in[:, None], 0.0)                                 # start from the carry
-            _, h = tl.associative_scan((a, b), axis=1, combine_fn=first_order_op)
-            if not SUMMARY:
-                ybar += c_coef * h
-            tl.store(CARRY + n * n_segments, tl.sum(tl.where(last, h, 0.0), axis=1), d_ok)
+        for n_first in range(0, N_STATES, UNROLL):   # UNROLL states per step: their scans are independent
+            for j in tl.static_range(UNROLL):
+                n = n_first + j
+                rate = tl.load(A + ds * sa_d + n * sa_n, d_ok, other=0.0).to(ACC)[:, None]      # BLOCK_D x 1
+                h_in = _carry_in(CARRY, n, n_segments, d_ok)                                    # BLOCK_D
+                if SAVE:  # the state entering chunk k (its first piece), for the backward
+                    tl.store(SAVED + n * n_saved + k * SAVES, h_in, d_ok)
+                b_coef = _coef_row(B, b_base, n, ds, d_ok, t, t_ok, sb_g, sb_n, sb_l, B_PER_STEP, ACC)
+                if not SUMMARY:
+                    c_coef = _coef_row(C, c_base, n, ds, d_ok, t, t_ok, sc_g, sc_n, sc_l, C_PER_STEP, ACC)
+                a, b = discretize_exp2(delta, rate * LOG2E, b_coef, step_u)                  # BLOCK_D x CHUNK
+                b += tl.where(first, a * h_in[:, None], 0.0)                                 # start from the carry
+                _, h = tl.associative_scan((a, b), axis=1, combine_fn=first_order_op)
+                if SAVE:  # the states entering the chunk's other pieces: the tile's last state before each
+                    for r in tl.static_range(1, SAVES):
+                        entering = tl.sum(tl.where(ts[None, :] == r * SAVE_EVERY - 1, h, 0.0), axis=1)
+                        tl.store(SAVED + n * n_saved + k * SAVES + r, entering, d_ok & (k * SAVES + r < n_saved))
+                if not SUMMARY:
+                    ybar += c_coef * h
+                tl.store(CARRY + n * n_segments, tl.sum(tl.where(last, h, 0.0), axis=1), d_ok)
         if not SUMMARY:
             if HAS_D:
                 ybar += skip * u
@@ -737,8 +748,9 @@ else:
 #   computed once per chunk, outside the loop over states.
 #
 # The launch parameters changed with them (a sweep like section 9's): two channels and one warp per program,
-# chunks of 512 positions in the forward; the backward's chunk is 32 runs, one per lane (128 positions
-# in fp32, 256 in bf16). Section 10 and `make bench` measure the result.
+# chunks of 512 positions in the forward (section 5 later gives the forward one channel per program);
+# the backward's chunk is 32 runs, one per lane (128 positions in fp32, 256 in bf16). Section 10 and
+# `make bench` measure the result.
 
 # %% [markdown]
 # ## 5. Third optimisation: long sequences at small batch, split into segments
@@ -746,7 +758,8 @@ else:
 # Both kernels give each program one (batch element, block of channels) and walk the whole sequence.
 # At batch 1 and 1536 channels, with one channel and one warp per program, that is 1536 programs:
 # about 12 per streaming multiprocessor of an H200, which could hold 32 (with two channels per program,
-# as `GPU_CONFIG` has it, half as many), and each walks its $L$ positions one chunk after another. The
+# as `GPU_CONFIG` has it for the backward, half as many), and each walks its $L$ positions one chunk
+# after another. The
 # sequence is long, the GPU is mostly idle. More programs need a split along $L$, and chapter 01 showed
 # how a scan splits: the three phases of the blocked scan, here with the recurrence's pairs.
 #
@@ -854,14 +867,54 @@ def segment_carries(summary, dsum, A, boundary, reverse):
 
 
 # %% [markdown]
+# ### The other way: more independent work in each warp
+#
+# Segments give the GPU more programs; the other way is to keep the programs and give each warp more
+# work that does not wait on itself. The loop over states runs one state per step: a state's scan is a
+# chain of dependent instructions (the shuffles of the scan, the carry's store and load), and with a
+# dozen warps per multiprocessor there is rarely another warp ready while one waits. The states'
+# scans are independent of each other, so the forward takes `UNROLL` states per step of the loop
+# (`for j in tl.static_range(UNROLL)` inside it: the compiler sees `UNROLL` copies of the body and
+# interleaves their instructions). The forward also takes one channel per program now (`block_d` 1):
+# twice the programs at any batch, and half the registers each.
+#
+# The price is registers, and registers decide how many warps a multiprocessor holds at once (65,536
+# of 32 bits: at 200 per thread, 10 warps of 32 threads). If the unrolled forward needs so many that a
+# small batch's programs no longer all fit at once, the last ones wait for a second round and the time
+# nearly doubles. How many states per step pay therefore depends on the chunk (a thread holds
+# `CHUNK` / 32 positions of every tile) and on the programs per multiprocessor, and `states_per_step`
+# reads it from a table, `FORWARD_STATES_PER_STEP`, measured on an H100 (section 8 prints the
+# measurements; `benchmarks/NOTES_selective_scan.md` has the sweep it came from): with chunks of 512
+# positions, the forward's own, two states per step up to 24 programs per multiprocessor and one
+# beyond; with chunks of 256 or fewer (a sequence that short, or a config that asks for them), all 16
+# states up to 16 programs per multiprocessor and two beyond; with 4 states or fewer, all of them. The
+# backward's body is four times the forward's and already at the register limit with one state
+# (`benchmarks/sass_count.py`); two states per step measured no faster there (NOTES), so it keeps one.
+#
+# One more change keeps the forward at its own chunk in training. The backward needs the state
+# entering each of *its* chunks (128 positions in fp32, 256 in bf16), and the forward used to run
+# with that chunk for the sake of saving them. Now it runs its 512 positions and saves, besides the
+# state entering its chunk, the states entering the pieces of the backward's chunk inside it: each
+# the tile's state just before the piece, picked out with a masked sum over the chunk (one warp
+# reduction per piece, state and chunk, like the carry's).
+#
+# **Prediction.** Where the programs are few the forward waits rather than issues, so with more
+# states in flight it should get through more of them per unit of time: at batch 1, perhaps twice
+# faster. At batch 8, where the multiprocessors already have warps to switch between, the change
+# should be small. In training the forward should now take about as long as without gradients, plus
+# a few percent for the extra reductions.
+
+
+# %% [markdown]
 # ## 6. The launchers and the public function
 #
 # The launchers are chapter 05's with two differences besides section 5's segments: they pass
 # strides instead of copying, and the forward returns no $\bar y$. The launch parameters come from a
-# sweep on an H200 (section 9 prints one, section 8 a long sequence): two channels per program and 1
-# warp, 512 positions per chunk for the forward, and for the backward 32 runs of 16 bytes (128
-# positions in fp32, 256 in bf16: `launch_config` scales the fp32 count); in training the forward
-# runs with the backward's chunk, since it keeps one state per chunk for it. Under the interpreter
+# sweep on an H200 (section 9 prints one, section 8 a long sequence): one warp per program; for the
+# forward one channel per program, 512 positions per chunk and `states_per_step`'s states per step
+# (section 5); for the backward two channels per program, one state per step and 32 runs of 16 bytes
+# (128 positions in fp32, 256 in bf16: `launch_config` scales the fp32 count); in training the
+# forward keeps the state entering every chunk of the backward's. Under the interpreter
 # the chunks are small, so that the tests' short sequences still cross several chunks and blocks.
 # The autograd plumbing (a `torch.library` custom op with fake and vmap rules, an autograd Function,
 # a second derivative that raises) is chapter 05's, imported.
@@ -991,6 +1044,7 @@ def planned(build, tensors: tuple, options: tuple):
 
 # %%
 #| export
+import functools
 import math
 from typing import Optional
 
@@ -998,12 +1052,18 @@ from scan_lib.runtime import apply, custom_op
 from scan_lib.selective_scan import (_NoSecondDerivative, _acc_dtype, _check_inputs, _groups,
                                      _vmap_by_loop, empty_selective_scan)
 
-# block_d channels per program, chunk positions per loop step, num_warps: the fastest of a sweep on an
-# H200 (section 9). The backward's chunk is for 4-byte inputs and scales to the same bytes for others
-# (launch_config): 32 runs of 16 bytes, one per lane of the warp. Under the interpreter, small chunks
-# so that small tests cross several chunks.
-GPU_CONFIG = {"fwd": dict(block_d=2, chunk=512, num_warps=1), "bwd": dict(block_d=2, chunk=128, num_warps=1)}
-CPU_CONFIG = {"fwd": dict(block_d=2, chunk=16, num_warps=1), "bwd": dict(block_d=2, chunk=8, num_warps=1)}
+# block_d channels per program, chunk positions per loop step, num_warps, and for the forward unroll
+# states per step of the loop over states (where it has none, states_per_step's table decides): the fastest of
+# sweeps on an H200 and an H100 (sections 8 and 9). The backward's chunk is for 4-byte inputs and
+# scales to the same bytes for others (launch_config): 32 runs of 16 bytes, one per lane of the warp.
+# Under the interpreter, small chunks so that small tests cross several chunks, and two states per
+# step so that they run the unrolled loop.
+GPU_CONFIG = {"fwd": dict(block_d=1, chunk=512, num_warps=1), "bwd": dict(block_d=2, chunk=128, num_warps=1)}
+CPU_CONFIG = {"fwd": dict(block_d=2, chunk=16, num_warps=1, unroll=2), "bwd": dict(block_d=2, chunk=8, num_warps=1)}
+# The forward's states per step (section 5) where its config gives none, from section 8's measurements:
+# rows (largest chunk, most programs per multiprocessor, states per step), the first that fits wins;
+# one state per step where none does.
+FORWARD_STATES_PER_STEP = ((256, 16, 16), (256, math.inf, 2), (512, 24, 2))
 
 
 def plan_context() -> tuple:
@@ -1011,7 +1071,7 @@ def plan_context() -> tuple:
     (a notebook cell may define a kernel again, a grader swap in a student's, section 9's sweep
     change GPU_CONFIG; a plan made before must not be used after)."""
     configs = CPU_CONFIG if INTERPRET else GPU_CONFIG
-    return (strided_fwd_kernel, adjoint_summary_kernel, strided_bwd_kernel,
+    return (strided_fwd_kernel, adjoint_summary_kernel, strided_bwd_kernel, FORWARD_STATES_PER_STEP,
             *[tuple(config.items()) for config in configs.values()])
 
 
@@ -1026,6 +1086,27 @@ def launch_config(kind, dim, per_group_b, per_group_c, length, element_size=4):
         block_d = min(block_d, per_group & -per_group)       # largest power of two dividing per_group
     config.update(block_d=block_d, chunk=min(config["chunk"], max(next_power_of_2(length), 2)))
     return config
+
+
+def states_per_step(config, chunk, n_states, programs, multiprocessors):
+    """UNROLL, the states one step of the loop over states takes: the config's "unroll" where it has
+    one; else all of them with 4 states or fewer (few registers), else FORWARD_STATES_PER_STEP's row for
+    the chunk and the programs per multiprocessor. Made a divisor of n_states."""
+    if "unroll" in config:
+        unroll = config["unroll"]
+    elif n_states <= 4:
+        unroll = n_states
+    else:
+        per_multiprocessor = programs / multiprocessors
+        unroll = next((states for most_chunk, most_programs, states in FORWARD_STATES_PER_STEP
+                       if chunk <= most_chunk and per_multiprocessor <= most_programs), 1)
+    return math.gcd(unroll, n_states)
+
+
+@functools.cache
+def multiprocessor_count(device: torch.device):
+    """The GPU's multiprocessors (None under the interpreter)."""
+    return None if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def run_items(u, chunk):
@@ -1125,7 +1206,11 @@ def fwd_plan(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
     acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
     config = launch_config("fwd", dim, per_group_b, per_group_c, length)
-    chunk = save_chunk if save_chunk > 0 else config["chunk"]
+    chunk = max(config["chunk"], save_chunk)
+    if save_chunk > 0 and chunk % save_chunk:
+        raise ValueError(f"save_chunk must divide the forward's chunk {chunk} (a power of two), got {save_chunk}")
+    unroll = states_per_step(config, chunk, n_states, batch * cdiv(dim, config["block_d"]),
+                             multiprocessor_count(u.device))
     n_chunks = cdiv(length, chunk)
     n_segments, seg_chunks = split(n_chunks, segments)
     grid = (batch, cdiv(dim, config["block_d"]), n_segments)
@@ -1134,14 +1219,15 @@ def fwd_plan(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
     constexprs = dict(N_STATES=n_states, HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
                       B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4, SOFTPLUS=delta_softplus,
                       ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"], BLOCK_N=next_power_of_2(n_states),
-                      CHUNK=chunk, num_warps=config["num_warps"])
+                      CHUNK=chunk, UNROLL=unroll, SAVE_EVERY=save_chunk if save_chunk > 0 else chunk,
+                      num_warps=config["num_warps"])
 
     def scan_pass(summary, has_h0):   # summary: phase 1 (each segment's last state and sum of steps)
         return Launcher(strided_fwd_kernel, grid, scalars, dict(
             constexprs, HAS_H0=has_h0, SAVE=save_chunk > 0 and not summary, SUMMARY=summary))
     return dict(acc=acc, n_segments=n_segments,
                 ends=(batch, dim, n_states, n_segments) if n_segments > 1 else (batch, dim, n_states),
-                states=(batch, dim, n_states, n_chunks if save_chunk > 0 else 0),
+                states=(batch, dim, n_states, cdiv(length, save_chunk) if save_chunk > 0 else 0),
                 summary=scan_pass(True, False) if n_segments > 1 else None,
                 outputs=scan_pass(False, n_segments > 1 or initial_state is not None))
 
@@ -1535,8 +1621,8 @@ else:
 # and every scan, and those, not the loads and stores phase 1 skips, are most of the forward's work;
 # so a split roughly doubles the work, and it pays only where the programs it adds find a GPU that
 # would otherwise be idle. That is the case only for few programs: the cell's second line gives the
-# warps per multiprocessor at batch 1 with one channel per program (half that with `GPU_CONFIG`'s
-# two). Section 5's prediction failed: at batch 1 the best split is 1.09x faster in the training
+# warps per multiprocessor at batch 1 with one channel per program (half that with two channels per
+# program). Section 5's prediction failed: at batch 1 the best split is 1.09x faster in the training
 # step, not near two, and slower in the forward; at the usual size two segments take 1.9 times the
 # forward's time of one (589 against 305 µs), about the doubled work. `selective_scan` keeps one
 # segment (`segments` stays 1); where
@@ -1549,6 +1635,56 @@ else:
 #
 # The forward's chunk is measured at both sizes too (the "forward chunk" lines); `GPU_CONFIG` takes
 # its value from the sweep of section 9.
+#
+# ### States per step, measured
+#
+# (GPU only.) The other way of section 5: the forward at the same two sizes and at batch 2 and 4 of
+# the long shape's width, bf16, the block's layout, with the launch parameters it had before (two
+# channels per program, one state per step), with one channel per program and 1, 2 or 16 states per
+# step, and with `GPU_CONFIG` as it stands (`states_per_step`'s choice). Twice: as a forward without
+# gradients runs it, and as training runs it, keeping the states the backward needs (before this
+# section at the backward's chunk, now at its own with the extra saves).
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    chosen_fwd = dict(GPU_CONFIG["fwd"])
+
+    def variants(save_chunk):
+        """The launch parameters compared; before this section, training ran the backward's chunk."""
+        return {"2 channels, 1 state": dict(block_d=2, chunk=save_chunk or 512, num_warps=1, unroll=1),
+                "1 channel, 1 state": dict(block_d=1, chunk=512, num_warps=1, unroll=1),
+                "1 channel, 2 states": dict(block_d=1, chunk=512, num_warps=1, unroll=2),
+                "1 channel, 16 states": dict(block_d=1, chunk=512, num_warps=1, unroll=16),
+                "GPU_CONFIG": chosen_fwd}
+
+    def forward_op(inputs, save_chunk):
+        """The forward op alone, as a call without gradients (save_chunk 0) or training runs it."""
+        u, delta, A, B, C, D, z, delta_bias = inputs
+        return lambda: strided_fwd(u, delta, A, B[:, None], C[:, None], D, z, delta_bias, None, True, save_chunk, 1)
+
+    print(torch.cuda.get_device_name(), "forward op, bf16, block layout, every option; median us (do_bench)")
+    print(f"{'':9s}{'(batch, dim, L, N)':22s}" + "".join(f"{name:>21s}" for name in variants(0)))
+    for mode in ("no grad", "training"):
+        for shape in ((1, 1536, 65536, 16), (2, 1536, 8192, 16), (4, 1536, 8192, 16), (8, 1024, 2048, 16)):
+            inputs = block_layout_inputs(*shape, torch.bfloat16)
+            save_chunk = backward_chunk(inputs[0], inputs[3][:, None], inputs[4][:, None]) if mode == "training" else 0
+            times = []
+            for config in variants(save_chunk).values():
+                GPU_CONFIG["fwd"] = config
+                times.append(median_us(forward_op(inputs, save_chunk), rep=50))
+            GPU_CONFIG["fwd"] = chosen_fwd
+            print(f"{mode:9s}{str(shape):22s}" + "".join(f"{us:21.0f}" for us in times))
+
+# %% [markdown]
+# (On a GPU.) Read each row from the left: the first column is the forward as it was before this
+# section, the next three isolate one channel per program and then the states per step, and the last
+# is what `selective_scan` now runs. Where `GPU_CONFIG`'s column is not the smallest of its row, the
+# table of `states_per_step` is off for that shape on this GPU (it was measured on an H100; other GPUs
+# hold other numbers of warps per multiprocessor). Between the two modes, the first column adds the
+# old training chunk; the others differ only by the states saved for the backward, which is what
+# those saves cost.
 #
 # ## 9. What stands in the way, and ideas that did not pay
 #
@@ -1727,8 +1863,10 @@ else:
                                              None, False, config["chunk"], 1), warmup=5, rep=40)
 
     chosen = {kind: dict(config) for kind, config in GPU_CONFIG.items()}
-    for block_d, chunk, num_warps in itertools.product((1, 2), (256, 512, 1024), (1, 2)):
-        config = dict(block_d=block_d, chunk=chunk, num_warps=num_warps)
+    fwd_configs = [dict(block_d=block_d, chunk=chunk, num_warps=num_warps, unroll=1)
+                   for block_d, chunk, num_warps in itertools.product((1, 2), (256, 512, 1024), (1, 2))]
+    fwd_configs += [dict(block_d=1, chunk=chunk, num_warps=1, unroll=2) for chunk in (256, 512, 1024)]
+    for config in fwd_configs:
         sweep.append(("loop over states, fwd", config, forward_with(config)))
     for block_d, chunk, num_warps in itertools.product((1, 2), (128, 256, 512), (1, 2)):
         config = dict(block_d=block_d, chunk=chunk, num_warps=num_warps)
@@ -1743,7 +1881,8 @@ else:
         rows = sorted((us, config) for k, config, us in sweep if k == kind)
         print(f"  {kind:30s} best {rows[0][0]:7.0f} us at {rows[0][1]}; worst {rows[-1][0]:7.0f} us")
         if kind.startswith("loop"):
-            default = next(us for k, config, us in sweep if k == kind and config == GPU_CONFIG[kind[-3:]])
+            default = next(us for k, config, us in sweep if k == kind and all(
+                GPU_CONFIG[kind[-3:]].get(key, 1) == value for key, value in config.items()))
             print(f"  {'':30s} GPU_CONFIG['{kind[-3:]}'] {GPU_CONFIG[kind[-3:]]}: {default:7.0f} us")
             # timings of other notebooks sharing the GPU move by more than a few percent: only a gross miss fails
             assert default <= 1.3 * rows[0][0], f"GPU_CONFIG['{kind[-3:]}'] is more than 1.3x slower than the best"
@@ -1758,10 +1897,10 @@ else:
 # three-dimensional tile spreads each row's positions over fewer threads per warp, and extracting the
 # carry becomes a reduction over the chunk for every state: the loop had neither problem to begin with. Its cost was
 # not the loop. The best rows say whether more than one channel per program (`block_d` 2, which shares
-# each load of $B$ and $C$ between two channels) paid; `GPU_CONFIG` holds the values an earlier run of
-# this sweep chose on the H200 (in this run the forward's best is `GPU_CONFIG`'s, and the backward's
-# best has chunks of 256 positions where `GPU_CONFIG` has 128, 1.03x apart; the cell checks that
-# `GPU_CONFIG` is within 1.3x of the best).
+# each load of $B$ and $C$ between two channels) paid, and for the forward whether two states per step
+# (section 5) did at this size; `GPU_CONFIG` holds the values earlier runs of this sweep and of
+# section 8's chose (the cell prints how far it is from this run's best, and checks that it is
+# within 1.3x).
 #
 # ## 10. Against the peers
 #

@@ -18,8 +18,9 @@
 # block, carry a small state from block to block, and merge states with an associative operator.
 # You will define the **online-softmax state** $(m, \ell, o)$ and its merge, write the **tiled forward**
 # kernel and a **backward** that recomputes the tiles, export the differentiable
-# `flash_attention(q, k, v, causal=False, sm_scale=None)`, and on a GPU measure a naive CUDA kernel's
-# weaknesses and benchmark ours against PyTorch's `scaled_dot_product_attention`.
+# `flash_attention(q, k, v, causal=False, sm_scale=None)`, and on a GPU benchmark ours against PyTorch's
+# `scaled_dot_product_attention`. A naive CUDA kernel, read line by line and its weaknesses measured, is
+# a Going deeper section.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -103,8 +104,8 @@ print("attention_reference == F.scaled_dot_product_attention in float64 (causal)
 # The reference materialises the scores $s$ and the probabilities $P$: $L^2$ numbers per head, where the
 # inputs and the output hold $4 L d$. The table below computes both for heads $\times$ head_dim $= 2048$,
 # batch 4, in bfloat16: one matrix of scores outgrows all the inputs and outputs together by the factor
-# $L / (4 d)$ (arithmetic; section 6 measures the memory). PyTorch's autograd keeps $P$ for the backward
-# pass, so training pays it on every layer.
+# $L / (4 d)$ (arithmetic; "Going deeper: the memory, measured" measures it on a GPU). PyTorch's autograd
+# keeps $P$ for the backward pass, so training pays it on every layer.
 
 # %%
 def attention_bytes(batch, heads, length, head_dim, element_size=2):
@@ -231,69 +232,13 @@ assert all(torch.equal(x, y) for x, y in zip(empty_merged, left))
 print("the identity (-inf, 0, 0) merged with a state leaves it unchanged: ok")
 
 # %% [markdown]
-# ## 3. The merge in a kernel: `tl.associative_scan` over a tuple state
+# Because the merge is associative, Triton's `tl.associative_scan` can scan these states, as chapter 02
+# scanned pairs ("Going deeper: the merge in `tl.associative_scan`" computes attention over every prefix
+# of the keys that way). A query wants only the state of all its keys, though, so the kernels that follow
+# fold the key blocks into one state, left to right, like chapter 02's chunk loop, and parallelise over
+# queries instead.
 #
-# Because the merge is associative, Triton's `tl.associative_scan` can scan states, as chapter 02
-# scanned pairs. The kernel below takes one query per program and all keys in one block. Key $j$
-# alone has the state $(s_j, 1, v_j)$, the padding past $L$ the identity; the scan's element $j$ is the
-# state of keys $0..j$, so $o/\ell$ there is the attention over the first $j+1$ keys. ($m$ and $\ell$
-# are repeated along the head dim: a scanned tuple's members must have one shape.)
-
-# %%
-@triton.jit
-def softmax_merge(m_x, l_x, o_x, m_y, l_y, o_y):
-    """The merge of two states (m, l, o) of disjoint sets of keys, on blocks of one shape; identity (-inf, 0, 0)."""
-    m = tl.maximum(m_x, m_y)
-    scale_x = tl.where(m_x == m, 1.0, tl.exp(m_x - m))  # e^(-inf - (-inf)) would be NaN: the identity gets 1
-    scale_y = tl.where(m_y == m, 1.0, tl.exp(m_y - m))
-    return m, scale_x * l_x + scale_y * l_y, scale_x * o_x + scale_y * o_y
-
-
-@triton.jit
-def prefix_attention_kernel(Q, K, V, O, length, sm_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
-    # Q: queries x HEAD_DIM; K, V: length x HEAD_DIM; O: queries x length x HEAD_DIM, all float32.
-    # One program per query; BLOCK >= length. O[i, j] = attention of query i over keys 0..j.
-    query = tl.program_id(0)
-    keys = tl.arange(0, BLOCK)
-    dims = tl.arange(0, HEAD_DIM)
-    inside = keys[:, None] < length  # BLOCK x 1
-    q = tl.load(Q + query * HEAD_DIM + dims)  # HEAD_DIM
-    k = tl.load(K + keys[:, None] * HEAD_DIM + dims[None, :], mask=inside, other=0.0)  # BLOCK x HEAD_DIM
-    v = tl.load(V + keys[:, None] * HEAD_DIM + dims[None, :], mask=inside, other=0.0)  # BLOCK x HEAD_DIM
-    s = tl.sum(k * q[None, :], 1) * sm_scale  # BLOCK scores
-    m = tl.where(inside, s[:, None], float("-inf")) + tl.zeros_like(v)  # key j's state (s_j, 1, v_j),
-    l = tl.where(inside, 1.0, 0.0) + tl.zeros_like(v)  # the identity (-inf, 0, 0) in the padding
-    m, l, o = tl.associative_scan((m, l, v), 0, softmax_merge)
-    l = tl.where(inside, l, 1.0)  # the padding's l is 0: divide by 1 there (the store skips it)
-    tl.store(O + (query * length + keys[:, None]) * HEAD_DIM + dims[None, :], o / l, mask=inside)
-
-
-def prefix_attention(q, k, v, sm_scale):
-    """(queries, L, head_dim): attention of each query (queries, head_dim) over each prefix of k, v (L, head_dim)."""
-    length, head_dim = k.shape
-    out = torch.empty(q.shape[0], length, head_dim, device=q.device)
-    prefix_attention_kernel[(q.shape[0],)](q, k, v, out, length, sm_scale, HEAD_DIM=head_dim,
-                                           BLOCK=triton.next_power_of_2(length))
-    return out
-
-
-torch.manual_seed(2)
-print(f"{'L':>4} {'max abs err':>12}")
-for length in (1, 7, 33, 129):
-    q_scan, k_scan, v_scan = torch.randn(3, length, 32, device=DEVICE)
-    got = prefix_attention(q_scan[:3], k_scan, v_scan, 32**-0.5)  # 3 queries (or fewer)
-    # the reference: query i repeated at every position, causal, is attention over each prefix
-    want = torch.stack([attention_reference(q_i.expand(length, 32), k_scan, v_scan, causal=True)[0] for q_i in q_scan[:3]])
-    err = (got.double() - want).abs().max().item()
-    print(f"{length:4} {err:12.2e}")
-    assert err < 1e-5
-
-# %% [markdown]
-# The scan computes every prefix, which attention does not need: a query wants only the state of all
-# its keys. The kernels that follow therefore fold the key blocks into one state, left to right, like
-# chapter 02's chunk loop, and parallelise over queries instead.
-#
-# ## 4. One block: attention in a single program
+# ## 3. One block: attention in a single program
 #
 # When $L$ is small, one program can hold all the queries, keys and values of one head and compute
 # the scores with a single `tl.dot`. Keys past $L$ get the score $-\infty$, so their weight is
@@ -340,7 +285,7 @@ for length in (1, 7, 33, 100):
 # registers, which a `BLOCK` of 256 would overflow ("Going deeper: the forward kernel's details"):
 # longer sequences need the keys in blocks, with the state carried between them.
 #
-# ## 5. The tiled forward kernel
+# ## 4. The tiled forward kernel
 #
 # Each program takes `BLOCK_M` queries of one head (a grid of $\lceil L / \text{BLOCK\_M} \rceil
 # \times$ batch $\cdot$ heads programs) and loops over the keys in blocks of `BLOCK_N`. Per key block it
@@ -541,44 +486,7 @@ for length, head_dim, dtype, causal in forward_cases():
     assert out_err < TOLERANCE[dtype] and lse_err < 1e-4
 
 # %% [markdown]
-# ## 6. The memory, measured
-#
-# (On a GPU.) The cell measures the peak memory, above the inputs, of the plain computation in bfloat16
-# and of our forward kernel, at batch 4, 16 heads of dim 128. Section 1 predicts that the plain one
-# needs at least one $L \times L$ matrix (the printed peak shows how many it holds at once), the kernel
-# only its output and the log-sum-exp.
-
-# %%
-if not ON_GPU:
-    print("skipped: needs a GPU")
-else:
-    def peak_extra_bytes(fn):
-        """Peak memory allocated while fn() runs, above what was allocated before, in bytes."""
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        fn()  # the peak is recorded while fn runs; its result can go at once
-        torch.cuda.synchronize()
-        return torch.cuda.max_memory_allocated() - before
-
-    def plain_attention(q, k, v):
-        return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1) @ v
-
-    print(f"{torch.cuda.get_device_name()}: batch 4, 16 heads, head_dim 128, bfloat16, forward only")
-    print(f"{'L':>6} {'one L x L GiB':>14} {'plain GiB':>10} {'flash GiB':>10} {'out + lse GiB':>14}")
-    for length in (1024, 2048, 4096, 8192):
-        q_mem, k_mem, v_mem = torch.randn(3, 4, 16, length, 128, device=DEVICE, dtype=torch.bfloat16)
-        flash_attention_forward(q_mem, k_mem, v_mem, False, 128**-0.5)  # autotune first: its timing buffers are not the kernel's
-        plain = peak_extra_bytes(lambda: plain_attention(q_mem, k_mem, v_mem))
-        flash = peak_extra_bytes(lambda: flash_attention_forward(q_mem, k_mem, v_mem, False, 128**-0.5))
-        matrix = 4 * 16 * length**2 * 2
-        needed = q_mem.numel() * 2 + 4 * 16 * length * 4  # output (bfloat16) + lse (float32)
-        print(f"{length:6} {matrix / 2**30:14.2f} {plain / 2**30:10.2f} {flash / 2**30:10.3f} {needed / 2**30:14.3f}")
-        assert plain >= matrix and flash <= 1.05 * needed
-        del q_mem, k_mem, v_mem
-
-# %% [markdown]
-# ## 7. The backward pass, derived
+# ## 5. The backward pass, derived
 #
 # Take one head and a loss $\mathcal{L}$ with incoming gradient $dO_i = \partial\mathcal{L}/\partial O_i$.
 # Write $dX$ for $\partial\mathcal{L}/\partial X$. From $O_i = \sum_j P_{ij} v_j$:
@@ -611,34 +519,9 @@ else:
 # 3. **dQ**: one program per block of queries, looping over the blocks of keys, accumulating $dQ_i$.
 #
 # Each program owns the rows it writes: no atomics, and the result does not depend on the order in which
-# programs run. The price is that $S$ and $dP$ are computed twice, once per kernel. First, the formulas
-# checked in float64 against autograd:
-
-# %%
-def attention_backward_formulas(q, k, v, grad_out, causal, sm_scale):
-    """(dq, dk, dv) from the formulas above, in float64, for (..., L, head_dim) tensors."""
-    out, lse = attention_reference(q, k, v, causal, sm_scale)
-    scores = q.double() @ k.double().transpose(-1, -2) * sm_scale  # ... x L x L
-    p = torch.exp(scores - lse[..., None])
-    if causal:
-        p = p.tril()  # e^(s - lse) of a masked score is 0
-    d_p = grad_out.double() @ v.double().transpose(-1, -2)
-    d_rows = (grad_out.double() * out).sum(-1)  # D_i = dO_i . O_i
-    d_s = p * (d_p - d_rows[..., None])
-    return sm_scale * d_s @ k.double(), sm_scale * d_s.transpose(-1, -2) @ q.double(), p.transpose(-1, -2) @ grad_out.double()
-
-
-torch.manual_seed(5)
-for causal in (False, True):
-    q_b, k_b, v_b, grad_b = torch.randn(4, 2, 3, 37, 32, dtype=torch.float64)
-    leaves = [t.clone().requires_grad_() for t in (q_b, k_b, v_b)]
-    want = torch.autograd.grad(attention_reference(*leaves, causal, 0.3)[0], leaves, grad_b)
-    got = attention_backward_formulas(q_b, k_b, v_b, grad_b, causal, 0.3)
-    for name, g, w in zip(("dq", "dk", "dv"), got, want):
-        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
-print("dS = P * (dP - rowsum(dO * O)), dQ, dK, dV == autograd of the reference, causal and not: ok")
-
-# %% [markdown]
+# programs run. The price is that $S$ and $dP$ are computed twice, once per kernel. ("Going deeper: the
+# backward kernels" checks these formulas in float64 against autograd.)
+#
 # The dK/dV kernel computes its tiles transposed, $S^\top = K Q^\top$ (keys down, queries across), so
 # that $P^\top$ and $dS^\top$ come out as the left operands of $dV = P^\top dO$ and $dK = dS^\top Q$. As
 # in the forward, each kernel masks only the causal diagonal and the last, partial block ("Going deeper:
@@ -816,7 +699,7 @@ def flash_attention_backward(q, k, v, out, lse, grad_out, causal: bool, sm_scale
     return dq, dk, dv
 
 # %% [markdown]
-# Every gradient against the float64 reference's autograd, at the lengths and dtypes of section 5 and
+# Every gradient against the float64 reference's autograd, at the lengths and dtypes of section 4 and
 # a scale other than the default.
 
 # %%
@@ -836,11 +719,12 @@ for length, head_dim, dtype, causal in forward_cases():
     assert all(g.dtype == dtype for g in got) and max(errors) < GRAD_TOLERANCE[dtype]
 
 # %% [markdown]
-# ## 8. `scan_lib.flash_attention`: a differentiable torch op
+# ## 6. `scan_lib.flash_attention`: a differentiable torch op
 #
 # As in chapter 03, the kernels become two torch custom ops, `scan_lib::flash_attention_fwd` (output
 # and log-sum-exp) and `scan_lib::flash_attention_bwd`, each with a fake implementation (for
-# `torch.compile`) and a vmap rule. An `autograd.Function` joins them.
+# `torch.compile`) and a vmap rule. An `autograd.Function` joins them. "Going deeper: the torch op's
+# plumbing" shows its error messages for bad arguments and a check under `torch.compile`.
 
 # %%
 #| export
@@ -1024,6 +908,342 @@ if ON_GPU:
         assert max(errors) < GRAD_TOLERANCE[torch.bfloat16]
 
 # %% [markdown]
+# ## 7. On a GPU: against PyTorch's FlashAttention and cuDNN
+#
+# The benchmark: bfloat16, batch 4, heads $\times$ head_dim $= 2048$, $L$ from 1024 to 16384, causal and
+# not, forward and forward + backward, in TFLOP/s ("Going deeper: the benchmark's fine print" gives the
+# flop count). The peers are `F.scaled_dot_product_attention` pinned with
+# `torch.nn.attention.sdpa_kernel` to `FLASH_ATTENTION` (PyTorch's FlashAttention-2 kernels, written
+# for the A100's generation: the lower bar on an H200) and to `CUDNN_ATTENTION` (NVIDIA's cuDNN: the
+# bar for a Hopper kernel). Every provider's output is first compared with ours.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from scan_lib.runtime import graph_us, host_us, median_us
+
+    def sdpa_with(backend):
+        def attention(q, k, v, causal):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return attention
+
+    providers = {"ours (Triton)": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal),
+                 "SDPA flash": sdpa_with(SDPBackend.FLASH_ATTENTION),
+                 "SDPA cuDNN": sdpa_with(SDPBackend.CUDNN_ATTENTION)}
+    bench_lengths = (1024, 4096, 16384)
+    tflops = {}  # (head_dim, causal, "fwd" or "fwd+bwd", provider) -> {L: TFLOP/s}
+    for head_dim in (64, 128):
+        heads = 2048 // head_dim
+        for causal in (False, True):
+            for length in bench_lengths:
+                torch.manual_seed(10)
+                q_t, k_t, v_t = [torch.randn(4, heads, length, head_dim, device=DEVICE, dtype=torch.bfloat16,
+                                             requires_grad=True) for _ in range(3)]
+                grad_t = torch.randn_like(q_t)
+                forward_flops = 4 * 4 * heads * length**2 * head_dim / (2 if causal else 1)
+                ours_out = flash_attention(q_t, k_t, v_t, causal=causal).detach()
+                for name, attention in providers.items():
+                    try:
+                        out_t = attention(q_t, k_t, v_t, causal).detach()
+                    except RuntimeError as exc:
+                        print(f"skipped {name}, head_dim {head_dim}, causal {causal}, L {length}: "
+                              f"{str(exc).splitlines()[0]}")
+                        continue
+                    assert (out_t.float() - ours_out.float()).abs().max().item() < GRAD_TOLERANCE[torch.bfloat16]
+                    forward_us = median_us(lambda: attention(q_t, k_t, v_t, causal))
+                    both_us = median_us(lambda: torch.autograd.grad(attention(q_t, k_t, v_t, causal), (q_t, k_t, v_t), grad_t))
+                    tflops.setdefault((head_dim, causal, "fwd", name), {})[length] = forward_flops / forward_us / 1e6
+                    tflops.setdefault((head_dim, causal, "fwd+bwd", name), {})[length] = 3.5 * forward_flops / both_us / 1e6
+                del q_t, k_t, v_t, grad_t, ours_out
+
+    print(f"{torch.cuda.get_device_name()}, bfloat16, batch 4, heads x head_dim = 2048: TFLOP/s")
+    print(f"{'d':>4} {'causal':>6} {'pass':>8} {'provider':>14} " + " ".join(f"{length:>7}" for length in bench_lengths))
+    for (head_dim, causal, mode, name), row in tflops.items():
+        print(f"{head_dim:4} {str(causal):>6} {mode:>8} {name:>14} "
+              + " ".join(f"{row[length]:7.0f}" if length in row else f"{'-':>7}" for length in bench_lengths))
+    rows_compared = [(key, row) for key, row in tflops.items() if key[3] == "SDPA flash"]
+    behind = [(key[:3], length) for key, row in rows_compared for length, value in row.items()
+              if tflops[(*key[:3], "ours (Triton)")][length] < value]
+    print(f"ours >= SDPA flash in every row and length: {not behind}" + (f"; behind at {behind}" if behind else ""))
+    for key in sorted({key[:3] for key in tflops}):
+        if (*key, "SDPA cuDNN") in tflops:
+            ours_row, cudnn_row = tflops[(*key, "ours (Triton)")], tflops[(*key, "SDPA cuDNN")]
+            ratios = [ours_row[length] / cudnn_row[length] for length in bench_lengths if length in cudnn_row]
+            print(f"head_dim {key[0]}, causal {key[1]}, {key[2]}: ours / cuDNN from {min(ratios):.2f} to {max(ratios):.2f}")
+
+    # L = 1024, head_dim 64, not causal: the host's time per call (launches queued back to back) and the
+    # GPU's (the same work replayed from a CUDA graph, no host in between), for ours and the flash backend
+    torch.manual_seed(10)
+    q_t, k_t, v_t = [torch.randn(4, 32, 1024, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+                     for _ in range(3)]
+    grad_t = torch.randn_like(q_t)
+    print("L 1024, head_dim 64, not causal, us per call: host / GPU (CUDA graph)")
+    for name in ("ours (Triton)", "SDPA flash"):
+        attention = providers[name]
+        forward = lambda: attention(q_t, k_t, v_t, False)
+        both = lambda: torch.autograd.grad(attention(q_t, k_t, v_t, False), (q_t, k_t, v_t), grad_t)
+        print(f"{name:>14}: forward {host_us(forward):7.1f} / {graph_us(forward):7.1f}, "
+              f"forward+backward {host_us(both):7.1f} / {graph_us(both):7.1f}")
+    del q_t, k_t, v_t, grad_t
+
+    # NVIDIA's datasheets: dense bfloat16 tensor-core peak of the SXM parts, TFLOP/s (no sparsity)
+    DENSE_BF16_PEAK = {"H100 80GB HBM3": 989, "H200": 989}
+    peak = next((value for part, value in DENSE_BF16_PEAK.items() if part in torch.cuda.get_device_name()), None)
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True, sharey=True)
+    for r, head_dim in enumerate((64, 128)):
+        for c, (mode, causal) in enumerate([("fwd", False), ("fwd", True), ("fwd+bwd", False), ("fwd+bwd", True)]):
+            ax = axes[r, c]
+            for name in providers:
+                row = tflops.get((head_dim, causal, mode, name), {})
+                ax.plot(list(row), list(row.values()), marker="o", linestyle="none", label=name)  # measured points only
+            if peak is not None:
+                ax.axhline(peak, color="gray", linestyle=":", linewidth=1, label=f"dense bf16 peak ({peak})")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"d {head_dim}, {'causal' if causal else 'not causal'}, {mode}", fontsize=9)
+            ax.set_ylim(bottom=0)
+            if c == 0:
+                ax.set_ylabel("TFLOP/s")
+            if r == 1:
+                ax.set_xlabel("L")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"attention, bfloat16, batch 4, heads x head_dim = 2048, on {torch.cuda.get_device_name()}")
+    save_figure(fig, "flash_attention_benchmark.png")
+
+# %% [markdown]
+# In the committed run on the H200, ours is ahead of the flash backend everywhere except at $L = 1024$:
+# forward + backward in all four rows, and the causal forward at head dim 128 (107 against 179
+# TFLOP/s). [LANDING: say what the cell's L 1024 lines show: whether our host time per call exceeds
+# our GPU time, and how our GPU time compares with the flash backend's, quoting the printed numbers.]
+# Ours is behind cuDNN in every row (ours / cuDNN from 0.21 to 0.98). "Going deeper: the benchmark's
+# fine print" discusses both gaps.
+#
+# ## Summary
+#
+# - Softmax attention over the keys is a **scan with the state $(m, \ell, o)$**, whose merge is
+#   associative and commutative: the keys can be cut into blocks anywhere, and the $L \times L$ matrix
+#   never needs to exist.
+# - The tiled forward keeps the state of `BLOCK_M` queries in registers and saves the log-sum-exp; the
+#   backward recomputes $P = e^{S - \mathrm{lse}}$ tile by tile, in three kernels with no atomics.
+# - `scan_lib.flash_attention` is a differentiable torch op that works with `torch.compile` and
+#   `torch.func`.
+# - The naive CUDA kernel ("Going deeper: the CUDA kernel of the source, line by line") shows what a
+#   tiled kernel must avoid: a serial softmax, scalar products, bank conflicts, too few blocks. Its
+#   output's round trips through global memory, predicted to slow it, took 3% of its time in the
+#   recorded run.
+
+# %% [markdown]
+# ## Going deeper: why the merge is associative
+#
+# Map a state to $\varphi(m, \ell, o) = (m,\ e^{m}\ell,\ e^{m} o)$; for a set of keys this is
+# $(\max_J s_j,\ \sum_J e^{s_j},\ \sum_J e^{s_j} v_j)$. $\varphi$ is one-to-one on states with a finite
+# $m$ (divide by $e^m$ to go back), and it turns the merge into three familiar operations:
+#
+# $$\varphi(x \oplus y) = \big(\max(m_x, m_y),\ e^{m}(e^{m_x - m}\ell_x + e^{m_y - m}\ell_y),\ \dots\big)
+# = \big(\max(m_x, m_y),\ e^{m_x}\ell_x + e^{m_y}\ell_y,\ e^{m_x}o_x + e^{m_y}o_y\big)
+# = \varphi(x) \boxplus \varphi(y),$$
+#
+# where $\boxplus$ is (max, +, +) componentwise. Max and + are associative and commutative, so
+# $\varphi\big((x \oplus y) \oplus z\big) = (\varphi(x) \boxplus \varphi(y)) \boxplus \varphi(z) =
+# \varphi(x) \boxplus (\varphi(y) \boxplus \varphi(z)) = \varphi\big(x \oplus (y \oplus z)\big)$, and
+# since $\varphi$ is one-to-one, $(x \oplus y) \oplus z = x \oplus (y \oplus z)$; likewise
+# $x \oplus y = y \oplus x$. (With the identity involved the equalities hold by its definition.) The
+# rescaling by $e^{-m}$ changes how the numbers are stored, not what they mean: it is there only so
+# that they fit in floating point.
+
+# %% [markdown]
+# ## Going deeper: the merge in `tl.associative_scan`
+#
+# Because the merge is associative, Triton's `tl.associative_scan` can scan states, as chapter 02
+# scanned pairs. The kernel below takes one query per program and all keys in one block. Key $j$
+# alone has the state $(s_j, 1, v_j)$, the padding past $L$ the identity; the scan's element $j$ is the
+# state of keys $0..j$, so $o/\ell$ there is the attention over the first $j+1$ keys. ($m$ and $\ell$
+# are repeated along the head dim: a scanned tuple's members must have one shape.)
+
+# %%
+@triton.jit
+def softmax_merge(m_x, l_x, o_x, m_y, l_y, o_y):
+    """The merge of two states (m, l, o) of disjoint sets of keys, on blocks of one shape; identity (-inf, 0, 0)."""
+    m = tl.maximum(m_x, m_y)
+    scale_x = tl.where(m_x == m, 1.0, tl.exp(m_x - m))  # e^(-inf - (-inf)) would be NaN: the identity gets 1
+    scale_y = tl.where(m_y == m, 1.0, tl.exp(m_y - m))
+    return m, scale_x * l_x + scale_y * l_y, scale_x * o_x + scale_y * o_y
+
+
+@triton.jit
+def prefix_attention_kernel(Q, K, V, O, length, sm_scale, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+    # Q: queries x HEAD_DIM; K, V: length x HEAD_DIM; O: queries x length x HEAD_DIM, all float32.
+    # One program per query; BLOCK >= length. O[i, j] = attention of query i over keys 0..j.
+    query = tl.program_id(0)
+    keys = tl.arange(0, BLOCK)
+    dims = tl.arange(0, HEAD_DIM)
+    inside = keys[:, None] < length  # BLOCK x 1
+    q = tl.load(Q + query * HEAD_DIM + dims)  # HEAD_DIM
+    k = tl.load(K + keys[:, None] * HEAD_DIM + dims[None, :], mask=inside, other=0.0)  # BLOCK x HEAD_DIM
+    v = tl.load(V + keys[:, None] * HEAD_DIM + dims[None, :], mask=inside, other=0.0)  # BLOCK x HEAD_DIM
+    s = tl.sum(k * q[None, :], 1) * sm_scale  # BLOCK scores
+    m = tl.where(inside, s[:, None], float("-inf")) + tl.zeros_like(v)  # key j's state (s_j, 1, v_j),
+    l = tl.where(inside, 1.0, 0.0) + tl.zeros_like(v)  # the identity (-inf, 0, 0) in the padding
+    m, l, o = tl.associative_scan((m, l, v), 0, softmax_merge)
+    l = tl.where(inside, l, 1.0)  # the padding's l is 0: divide by 1 there (the store skips it)
+    tl.store(O + (query * length + keys[:, None]) * HEAD_DIM + dims[None, :], o / l, mask=inside)
+
+
+def prefix_attention(q, k, v, sm_scale):
+    """(queries, L, head_dim): attention of each query (queries, head_dim) over each prefix of k, v (L, head_dim)."""
+    length, head_dim = k.shape
+    out = torch.empty(q.shape[0], length, head_dim, device=q.device)
+    prefix_attention_kernel[(q.shape[0],)](q, k, v, out, length, sm_scale, HEAD_DIM=head_dim,
+                                           BLOCK=triton.next_power_of_2(length))
+    return out
+
+
+torch.manual_seed(2)
+print(f"{'L':>4} {'max abs err':>12}")
+for length in (1, 7, 33, 129):
+    q_scan, k_scan, v_scan = torch.randn(3, length, 32, device=DEVICE)
+    got = prefix_attention(q_scan[:3], k_scan, v_scan, 32**-0.5)  # 3 queries (or fewer)
+    # the reference: query i repeated at every position, causal, is attention over each prefix
+    want = torch.stack([attention_reference(q_i.expand(length, 32), k_scan, v_scan, causal=True)[0] for q_i in q_scan[:3]])
+    err = (got.double() - want).abs().max().item()
+    print(f"{length:4} {err:12.2e}")
+    assert err < 1e-5
+
+# %% [markdown]
+# ## Going deeper: the forward kernel's details
+#
+# **Registers in the one-block kernel.** In `attention_one_block_kernel` the $L \times L$ block
+# of scores lives in registers: at $L = 128$ that is 16384 floats, 64 per thread of the 8 warps
+# launched, beside $q$, $k$ and $v$. At `BLOCK` 256 it would be 256 per thread, more than a thread's 255
+# registers, and the compiler would spill them to memory.
+#
+# **exp2.** $e^x = 2^{x \log_2 e}$, and the GPU's exponential unit computes powers of 2, which is why
+# `tl.exp2` saves a multiply per score. The stored log-sum-exp is converted back to natural units.
+#
+# **The masked pass** covers the last, partial key block and, when causal, the blocks on the diagonal.
+# Skipping the blocks above the diagonal saves half the work of a causal call.
+#
+# **The longest programs first.** A causal program's work grows with the position of its queries, so
+# the grid hands out the query blocks from last to first; the long programs start first and the short
+# ones fill the end of the run instead of leaving a tail of long ones.
+#
+# **Precision.** Rounding $p$ to the input's dtype before its product is what every FlashAttention
+# does. With float32 products at `input_precision="ieee"`, not TF32, a float32 call is as accurate as a
+# float32 matrix product.
+#
+# **The interpreter and bfloat16.** Triton 3.6's CPU interpreter multiplies bfloat16 blocks in `tl.dot`
+# as their raw 16-bit integers, a bug; under the interpreter `matmul` converts bfloat16 to float32
+# first, which is exact and gives the same sums as the tensor cores (which multiply bfloat16 exactly
+# and add in float32). The interpreter also converts float32 to bfloat16 (`.to`, for $p$ and the stored
+# output, and in the backward for $dS$ and the gradients) by truncating, an error of up to a whole unit
+# in the last place ($2^{-7}$ relative), where a GPU rounds to nearest (half a unit, $2^{-8}$): on a
+# CPU the bfloat16 errors of the checks are larger than the GPU's printed in this chapter.
+
+# %% [markdown]
+# ## Going deeper: the memory, measured
+#
+# (On a GPU.) The cell measures the peak memory, above the inputs, of the plain computation in bfloat16
+# and of our forward kernel, at batch 4, 16 heads of dim 128. Section 1 predicts that the plain one
+# needs at least one $L \times L$ matrix (the printed peak shows how many it holds at once), the kernel
+# only its output and the log-sum-exp.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    def peak_extra_bytes(fn):
+        """Peak memory allocated while fn() runs, above what was allocated before, in bytes."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()  # the peak is recorded while fn runs; its result can go at once
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    def plain_attention(q, k, v):
+        return torch.softmax(q @ k.transpose(-1, -2) * q.shape[-1] ** -0.5, -1) @ v
+
+    print(f"{torch.cuda.get_device_name()}: batch 4, 16 heads, head_dim 128, bfloat16, forward only")
+    print(f"{'L':>6} {'one L x L GiB':>14} {'plain GiB':>10} {'flash GiB':>10} {'out + lse GiB':>14}")
+    for length in (1024, 2048, 4096, 8192):
+        q_mem, k_mem, v_mem = torch.randn(3, 4, 16, length, 128, device=DEVICE, dtype=torch.bfloat16)
+        flash_attention_forward(q_mem, k_mem, v_mem, False, 128**-0.5)  # autotune first: its timing buffers are not the kernel's
+        plain = peak_extra_bytes(lambda: plain_attention(q_mem, k_mem, v_mem))
+        flash = peak_extra_bytes(lambda: flash_attention_forward(q_mem, k_mem, v_mem, False, 128**-0.5))
+        matrix = 4 * 16 * length**2 * 2
+        needed = q_mem.numel() * 2 + 4 * 16 * length * 4  # output (bfloat16) + lse (float32)
+        print(f"{length:6} {matrix / 2**30:14.2f} {plain / 2**30:10.2f} {flash / 2**30:10.3f} {needed / 2**30:14.3f}")
+        assert plain >= matrix and flash <= 1.05 * needed
+        del q_mem, k_mem, v_mem
+
+# %% [markdown]
+# ## Going deeper: the backward kernels
+#
+# **Recomputing $P$.** The saved log-sum-exp gives each $P_{ij}$ in any tile, in
+# any order: no running maximum is needed the second time.
+#
+# **The price of no atomics.** Computing $S$ and $dP$ once per kernel makes seven matrix products per
+# tile pair ($S$, $dP$, $dV$, $dK$ in the first, $S$, $dP$, $dQ$ in the second), against two in the
+# forward and five in a backward that computes each once.
+#
+# **Which way round.** On the tensor cores, a matrix product takes its left operand from registers and
+# its right one from shared memory, where a transposed view costs nothing. $dV = P^\top dO$ and
+# $dK = dS^\top Q$ need $P$ and $dS$ *transposed* on the left, and they were computed in registers: the
+# transpose would shuffle them through shared memory, twice per tile. So the dK/dV kernel computes the
+# transposed tile from the start, $S^\top = K Q^\top$ (keys down, queries across), and every product then
+# has the operand it needs where it needs it: $P^\top$ and $dS^\top$ on the left, $Q^\top$, $dO^\top$
+# (loaded tiles) on the right.
+#
+# **Masks only where they change something.** As in the forward, each kernel runs two or three loops
+# of one body with a constexpr `MASKED`: masked on the causal diagonal and on the last, partial block,
+# unmasked everywhere else. The dK/dV kernel needs no mask for its own keys past $L$: their rows of
+# $dK$, $dV$ are never stored, and a row of a product depends only on the same row of its
+# left operand. Queries past $L$ load as zeros ($dO = 0$ makes their terms vanish) but are masked anyway,
+# because their recomputed $P$ is not a probability. The dQ kernel must mask keys past $L$: there
+# $P = e^{-\mathrm{lse}}$ can overflow, and $\infty \cdot 0$ in $dS\,K$ is NaN in a row that *is* stored.
+# The causal dQ program for the last queries has the most keys to visit, so the grid runs the query
+# blocks from last to first: the long programs start first and the short ones fill the end.
+
+# %% [markdown]
+# **The formulas, checked.** Section 5's $dS$, $dQ$, $dK$ and $dV$, in float64 against autograd of the
+# reference:
+
+# %%
+def attention_backward_formulas(q, k, v, grad_out, causal, sm_scale):
+    """(dq, dk, dv) from the formulas above, in float64, for (..., L, head_dim) tensors."""
+    out, lse = attention_reference(q, k, v, causal, sm_scale)
+    scores = q.double() @ k.double().transpose(-1, -2) * sm_scale  # ... x L x L
+    p = torch.exp(scores - lse[..., None])
+    if causal:
+        p = p.tril()  # e^(s - lse) of a masked score is 0
+    d_p = grad_out.double() @ v.double().transpose(-1, -2)
+    d_rows = (grad_out.double() * out).sum(-1)  # D_i = dO_i . O_i
+    d_s = p * (d_p - d_rows[..., None])
+    return sm_scale * d_s @ k.double(), sm_scale * d_s.transpose(-1, -2) @ q.double(), p.transpose(-1, -2) @ grad_out.double()
+
+
+torch.manual_seed(5)
+for causal in (False, True):
+    q_b, k_b, v_b, grad_b = torch.randn(4, 2, 3, 37, 32, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q_b, k_b, v_b)]
+    want = torch.autograd.grad(attention_reference(*leaves, causal, 0.3)[0], leaves, grad_b)
+    got = attention_backward_formulas(q_b, k_b, v_b, grad_b, causal, 0.3)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+print("dS = P * (dP - rowsum(dO * O)), dQ, dK, dV == autograd of the reference, causal and not: ok")
+
+# %% [markdown]
+# ## Going deeper: the torch op's plumbing
+#
+# Each custom op's fake implementation gives shapes only, for `torch.compile`; its vmap rule folds the
+# vmapped dim into the batch. The `autograd.Function`'s forward saves $q, k, v$, the output and the
+# log-sum-exp; its backward calls the backward op. The end-to-end check compares ours with
+# `F.scaled_dot_product_attention` with the bfloat16 tolerance because both round to bfloat16.
+
+# %% [markdown]
 # Bad arguments raise an error that names the argument:
 
 # %%
@@ -1059,7 +1279,7 @@ for got, want in zip(grads_compiled, grads_eager):
 print("torch.compile(fullgraph=True): the same gradients as eager: ok")
 
 # %% [markdown]
-# ## 9. The CUDA kernel of the source, line by line
+# ## Going deeper: the CUDA kernel of the source, line by line
 #
 # The kernel that popularised FlashAttention's forward pass as a teaching example is a short CUDA
 # kernel: one CUDA block per (batch, head), one thread per score of a $B_r \times B_c$ tile. Below is
@@ -1320,196 +1540,6 @@ else:
 # shows that the round trips of $O$ are not the naive kernel's problem: their bytes would take 3% of
 # its time. The other three held. What remains to explain its time is the serial softmax, the scalar
 # products, the bank conflicts and the small grid; the cell does not split the time between them.
-#
-# ## 10. On a GPU: against PyTorch's FlashAttention and cuDNN
-#
-# The benchmark: bfloat16, batch 4, heads $\times$ head_dim $= 2048$, $L$ from 1024 to 16384, causal and
-# not, forward and forward + backward, in TFLOP/s ("Going deeper: the benchmark's fine print" gives the
-# flop count). The peers are `F.scaled_dot_product_attention` pinned with
-# `torch.nn.attention.sdpa_kernel` to `FLASH_ATTENTION` (PyTorch's FlashAttention-2 kernels, written
-# for the A100's generation: the lower bar on an H200) and to `CUDNN_ATTENTION` (NVIDIA's cuDNN: the
-# bar for a Hopper kernel). Every provider's output is first compared with ours.
-
-# %%
-if not ON_GPU:
-    print("skipped: needs a GPU")
-else:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from scan_lib.runtime import median_us
-
-    def sdpa_with(backend):
-        def attention(q, k, v, causal):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return attention
-
-    providers = {"ours (Triton)": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal),
-                 "SDPA flash": sdpa_with(SDPBackend.FLASH_ATTENTION),
-                 "SDPA cuDNN": sdpa_with(SDPBackend.CUDNN_ATTENTION)}
-    bench_lengths = (1024, 4096, 16384)
-    tflops = {}  # (head_dim, causal, "fwd" or "fwd+bwd", provider) -> {L: TFLOP/s}
-    for head_dim in (64, 128):
-        heads = 2048 // head_dim
-        for causal in (False, True):
-            for length in bench_lengths:
-                torch.manual_seed(10)
-                q_t, k_t, v_t = [torch.randn(4, heads, length, head_dim, device=DEVICE, dtype=torch.bfloat16,
-                                             requires_grad=True) for _ in range(3)]
-                grad_t = torch.randn_like(q_t)
-                forward_flops = 4 * 4 * heads * length**2 * head_dim / (2 if causal else 1)
-                ours_out = flash_attention(q_t, k_t, v_t, causal=causal).detach()
-                for name, attention in providers.items():
-                    try:
-                        out_t = attention(q_t, k_t, v_t, causal).detach()
-                    except RuntimeError as exc:
-                        print(f"skipped {name}, head_dim {head_dim}, causal {causal}, L {length}: "
-                              f"{str(exc).splitlines()[0]}")
-                        continue
-                    assert (out_t.float() - ours_out.float()).abs().max().item() < GRAD_TOLERANCE[torch.bfloat16]
-                    forward_us = median_us(lambda: attention(q_t, k_t, v_t, causal))
-                    both_us = median_us(lambda: torch.autograd.grad(attention(q_t, k_t, v_t, causal), (q_t, k_t, v_t), grad_t))
-                    tflops.setdefault((head_dim, causal, "fwd", name), {})[length] = forward_flops / forward_us / 1e6
-                    tflops.setdefault((head_dim, causal, "fwd+bwd", name), {})[length] = 3.5 * forward_flops / both_us / 1e6
-                del q_t, k_t, v_t, grad_t, ours_out
-
-    print(f"{torch.cuda.get_device_name()}, bfloat16, batch 4, heads x head_dim = 2048: TFLOP/s")
-    print(f"{'d':>4} {'causal':>6} {'pass':>8} {'provider':>14} " + " ".join(f"{length:>7}" for length in bench_lengths))
-    for (head_dim, causal, mode, name), row in tflops.items():
-        print(f"{head_dim:4} {str(causal):>6} {mode:>8} {name:>14} "
-              + " ".join(f"{row[length]:7.0f}" if length in row else f"{'-':>7}" for length in bench_lengths))
-    rows_compared = [(key, row) for key, row in tflops.items() if key[3] == "SDPA flash"]
-    behind = [(key[:3], length) for key, row in rows_compared for length, value in row.items()
-              if tflops[(*key[:3], "ours (Triton)")][length] < value]
-    print(f"ours >= SDPA flash in every row and length: {not behind}" + (f"; behind at {behind}" if behind else ""))
-    for key in sorted({key[:3] for key in tflops}):
-        if (*key, "SDPA cuDNN") in tflops:
-            ours_row, cudnn_row = tflops[(*key, "ours (Triton)")], tflops[(*key, "SDPA cuDNN")]
-            ratios = [ours_row[length] / cudnn_row[length] for length in bench_lengths if length in cudnn_row]
-            print(f"head_dim {key[0]}, causal {key[1]}, {key[2]}: ours / cuDNN from {min(ratios):.2f} to {max(ratios):.2f}")
-
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True)
-    for r, head_dim in enumerate((64, 128)):
-        for c, (mode, causal) in enumerate([("fwd", False), ("fwd", True), ("fwd+bwd", False), ("fwd+bwd", True)]):
-            ax = axes[r, c]
-            for name in providers:
-                row = tflops.get((head_dim, causal, mode, name), {})
-                ax.plot(list(row), list(row.values()), marker="o", label=name)
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"d {head_dim}, {'causal' if causal else 'not causal'}, {mode}", fontsize=9)
-            ax.set_ylim(bottom=0)
-            if c == 0:
-                ax.set_ylabel("TFLOP/s")
-            if r == 1:
-                ax.set_xlabel("L")
-    axes[0, 0].legend(fontsize=8)
-    fig.suptitle(f"attention, bfloat16, batch 4, heads x head_dim = 2048, on {torch.cuda.get_device_name()}")
-    save_figure(fig, "flash_attention_benchmark.png")
-
-# %% [markdown]
-# In the committed run on the H200, ours is ahead of the flash backend everywhere except at $L = 1024$:
-# forward + backward in all four rows, and the causal forward at head dim 128 (107 against 179
-# TFLOP/s). At that length the host's time per call may be what is measured. Ours is behind cuDNN in
-# every row (ours / cuDNN from 0.21 to 0.98). "Going deeper: the benchmark's fine print" discusses both
-# gaps; neither explanation is measured here.
-#
-# ## Summary
-#
-# - Softmax attention over the keys is a **scan with the state $(m, \ell, o)$**, whose merge is
-#   associative and commutative: the keys can be cut into blocks anywhere, and the $L \times L$ matrix
-#   never needs to exist.
-# - The tiled forward keeps the state of `BLOCK_M` queries in registers and saves the log-sum-exp; the
-#   backward recomputes $P = e^{S - \mathrm{lse}}$ tile by tile, in three kernels with no atomics.
-# - `scan_lib.flash_attention` is a differentiable torch op that works with `torch.compile` and
-#   `torch.func`.
-# - The naive CUDA kernel shows what a tiled kernel must avoid: a serial softmax, scalar products, bank
-#   conflicts, too few blocks. Its output's round trips through global memory, predicted to slow it,
-#   took 3% of its time in the recorded run.
-
-# %% [markdown]
-# ## Going deeper: why the merge is associative
-#
-# Map a state to $\varphi(m, \ell, o) = (m,\ e^{m}\ell,\ e^{m} o)$; for a set of keys this is
-# $(\max_J s_j,\ \sum_J e^{s_j},\ \sum_J e^{s_j} v_j)$. $\varphi$ is one-to-one on states with a finite
-# $m$ (divide by $e^m$ to go back), and it turns the merge into three familiar operations:
-#
-# $$\varphi(x \oplus y) = \big(\max(m_x, m_y),\ e^{m}(e^{m_x - m}\ell_x + e^{m_y - m}\ell_y),\ \dots\big)
-# = \big(\max(m_x, m_y),\ e^{m_x}\ell_x + e^{m_y}\ell_y,\ e^{m_x}o_x + e^{m_y}o_y\big)
-# = \varphi(x) \boxplus \varphi(y),$$
-#
-# where $\boxplus$ is (max, +, +) componentwise. Max and + are associative and commutative, so
-# $\varphi\big((x \oplus y) \oplus z\big) = (\varphi(x) \boxplus \varphi(y)) \boxplus \varphi(z) =
-# \varphi(x) \boxplus (\varphi(y) \boxplus \varphi(z)) = \varphi\big(x \oplus (y \oplus z)\big)$, and
-# since $\varphi$ is one-to-one, $(x \oplus y) \oplus z = x \oplus (y \oplus z)$; likewise
-# $x \oplus y = y \oplus x$. (With the identity involved the equalities hold by its definition.) The
-# rescaling by $e^{-m}$ changes how the numbers are stored, not what they mean: it is there only so
-# that they fit in floating point.
-
-# %% [markdown]
-# ## Going deeper: the forward kernel's details
-#
-# **Registers in the one-block kernel.** In `attention_one_block_kernel` the $L \times L$ block
-# of scores lives in registers: at $L = 128$ that is 16384 floats, 64 per thread of the 8 warps
-# launched, beside $q$, $k$ and $v$. At `BLOCK` 256 it would be 256 per thread, more than a thread's 255
-# registers, and the compiler would spill them to memory.
-#
-# **exp2.** $e^x = 2^{x \log_2 e}$, and the GPU's exponential unit computes powers of 2, which is why
-# `tl.exp2` saves a multiply per score. The stored log-sum-exp is converted back to natural units.
-#
-# **The masked pass** covers the last, partial key block and, when causal, the blocks on the diagonal.
-# Skipping the blocks above the diagonal saves half the work of a causal call.
-#
-# **The longest programs first.** A causal program's work grows with the position of its queries, so
-# the grid hands out the query blocks from last to first; the long programs start first and the short
-# ones fill the end of the run instead of leaving a tail of long ones.
-#
-# **Precision.** Rounding $p$ to the input's dtype before its product is what every FlashAttention
-# does. With float32 products at `input_precision="ieee"`, not TF32, a float32 call is as accurate as a
-# float32 matrix product.
-#
-# **The interpreter and bfloat16.** Triton 3.6's CPU interpreter multiplies bfloat16 blocks in `tl.dot`
-# as their raw 16-bit integers, a bug; under the interpreter `matmul` converts bfloat16 to float32
-# first, which is exact and gives the same sums as the tensor cores (which multiply bfloat16 exactly
-# and add in float32). The interpreter also converts float32 to bfloat16 (`.to`, for $p$ and the stored
-# output, and in the backward for $dS$ and the gradients) by truncating, an error of up to a whole unit
-# in the last place ($2^{-7}$ relative), where a GPU rounds to nearest (half a unit, $2^{-8}$): on a
-# CPU the bfloat16 errors of the checks are larger than the GPU's printed in this chapter.
-
-# %% [markdown]
-# ## Going deeper: the backward kernels
-#
-# **Recomputing $P$.** The saved log-sum-exp gives each $P_{ij}$ in any tile, in
-# any order: no running maximum is needed the second time.
-#
-# **The price of no atomics.** Computing $S$ and $dP$ once per kernel makes seven matrix products per
-# tile pair ($S$, $dP$, $dV$, $dK$ in the first, $S$, $dP$, $dQ$ in the second), against two in the
-# forward and five in a backward that computes each once.
-#
-# **Which way round.** On the tensor cores, a matrix product takes its left operand from registers and
-# its right one from shared memory, where a transposed view costs nothing. $dV = P^\top dO$ and
-# $dK = dS^\top Q$ need $P$ and $dS$ *transposed* on the left, and they were computed in registers: the
-# transpose would shuffle them through shared memory, twice per tile. So the dK/dV kernel computes the
-# transposed tile from the start, $S^\top = K Q^\top$ (keys down, queries across), and every product then
-# has the operand it needs where it needs it: $P^\top$ and $dS^\top$ on the left, $Q^\top$, $dO^\top$
-# (loaded tiles) on the right.
-#
-# **Masks only where they change something.** As in the forward, each kernel runs two or three loops
-# of one body with a constexpr `MASKED`: masked on the causal diagonal and on the last, partial block,
-# unmasked everywhere else. The dK/dV kernel needs no mask for its own keys past $L$: their rows of
-# $dK$, $dV$ are never stored, and a row of a product depends only on the same row of its
-# left operand. Queries past $L$ load as zeros ($dO = 0$ makes their terms vanish) but are masked anyway,
-# because their recomputed $P$ is not a probability. The dQ kernel must mask keys past $L$: there
-# $P = e^{-\mathrm{lse}}$ can overflow, and $\infty \cdot 0$ in $dS\,K$ is NaN in a row that *is* stored.
-# The causal dQ program for the last queries has the most keys to visit, so the grid runs the query
-# blocks from last to first: the long programs start first and the short ones fill the end.
-
-# %% [markdown]
-# ## Going deeper: the torch op's plumbing
-#
-# Each custom op's fake implementation gives shapes only, for `torch.compile`; its vmap rule folds the
-# vmapped dim into the batch. The `autograd.Function`'s forward saves $q, k, v$, the output and the
-# log-sum-exp; its backward calls the backward op. The end-to-end check compares ours with
-# `F.scaled_dot_product_attention` with the bfloat16 tolerance because both round to bfloat16.
 
 # %% [markdown]
 # ## Going deeper: the CUDA kernel's fine print
@@ -1581,10 +1611,10 @@ else:
 #
 # **Behind the flash backend at $L = 1024$.** There the GPU has little work per call. Our op is
 # Python (an autograd Function around two torch custom ops, four Triton launches for forward +
-# backward) where SDPA's is C++ from end to end, so the host's time per call may be what is measured;
-# the benchmark cell does not separate the two
-# (`benchmarks/host_time.py` times the Python path alone, and a CUDA graph of the call,
-# `scan_lib.runtime.graph_us`, would time the GPU alone). Cutting the host time is open work.
+# backward) where SDPA's is C++ from end to end. The benchmark cell's last lines separate the two at
+# $L = 1024$: `host_us` times the host's work per call (launches queued back to back) and `graph_us`
+# the GPU's (the call replayed from a CUDA graph). [LANDING: what they show, with the printed numbers.]
+# The figure's dotted line is the GPU's dense bfloat16 peak from NVIDIA's datasheet.
 #
 # **Behind cuDNN.** The likely reason lies in what the kernel does not use: FlashAttention-3, and by
 # NVIDIA's accounts cuDNN's Hopper kernels, split each block's warps into producers, which move tiles

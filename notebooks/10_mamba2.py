@@ -1285,6 +1285,13 @@ for what, call, error in [
 # `mamba_chunk_scan_combined` at its chunk of 256 where `mamba_ssm` is installed, and beside the memory
 # floor, the inputs and outputs moved once at the copy bandwidth (chapter 07's floor). In float32 the
 # two do different work: tf32x3 here, one TF32 product there (Triton's default for float32).
+#
+# A call's time is the larger of two things: the GPU running the kernels, and the host (Python, the
+# dispatch, autograd, an autotuner's lookup) issuing them. The table shows both: the forward as a
+# call and as the GPU's time alone (the same forward replayed from a CUDA graph, which leaves the
+# host's work out), and beside the forward+backward the host's time to issue one (calls queued back to
+# back, no synchronisation inside). Where the host's time is near the call's, the GPU waits for Python,
+# and the ratio compares host paths, not kernels.
 
 # %%
 def chunk_scan_inputs(batch, length, heads, head_dim, n_states, dtype, seed=0):
@@ -1309,19 +1316,36 @@ def chunk_scan_floor_us(inputs, backward, bandwidth):
 
 
 def time_chunk_scan(op, inputs, chunk):
-    """(forward, forward+backward) medians in microseconds of op (mamba_chunk_scan_combined's signature)."""
+    """Medians in microseconds of op (mamba_chunk_scan_combined's signature): a forward call, the same
+    forward replayed from a CUDA graph (the GPU's time, the host's work left out), a forward+backward
+    call, and the host's time to queue one forward+backward (calls back to back, no synchronisation)."""
     call = lambda: op(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], chunk, D=inputs["D"],  # noqa: E731
                       z=inputs["z"], dt_bias=inputs["dt_bias"], dt_softplus=True)
-    forward = scan_lib.runtime.median_us(call)
+    times = dict(forward=scan_lib.runtime.median_us(call), forward_gpu=scan_lib.runtime.graph_us(call))
     leaves = [t.requires_grad_() for t in inputs.values()]   # every input, as in training
     dy = torch.randn_like(inputs["x"])
-    step = scan_lib.runtime.median_us(lambda: call().backward(dy), grad_to_none=leaves)
+    step = lambda: call().backward(dy)  # noqa: E731
+    times.update(step=scan_lib.runtime.median_us(step, grad_to_none=leaves),
+                 step_host=scan_lib.runtime.host_us(step, calls=5))   # few calls: the launch queue never fills
     for leaf in leaves:
         leaf.requires_grad_(False)
-    return forward, step
+    return times
+
+
+def speed_row(shape, dtype, ours, theirs, floors):
+    """One line of the table: each column ours / mamba_ssm's where it was timed, then the ratio."""
+    cells = []
+    for key, floor in (("forward", floors[0]), ("forward_gpu", floors[0]), ("step", floors[1]), ("step_host", None)):
+        mine = f"{ours[key]:6.0f}"
+        other = "     -" if theirs is None else f"{theirs[key]:6.0f}"
+        ratio = "    -" if theirs is None or key == "step_host" else f"{theirs[key] / ours[key]:5.2f}"
+        cells.append(f"{mine} {other} {ratio}" + ("" if floor is None else f" {floor:5.0f}"))
+    return f"{str(shape):>24s} {str(dtype)[6:]:>9s} | " + " | ".join(cells)
 
 
 SPEED_SHAPES = [(8, 2048, 32, 64, 64), (8, 2048, 32, 64, 128)]   # make bench times more (benchmarks/bench.py)
+SPEED_COLUMNS = [("forward call", True), ("forward on the GPU", True), ("forward+backward", True),
+                 ("host per fwd+bwd", False)]
 if not ON_GPU:
     print("Timing needs a GPU: this machine runs the kernels under Triton's interpreter.")
 else:
@@ -1331,19 +1355,16 @@ else:
         mamba_ssm_op = None
         print(f"mamba_ssm's Triton kernels are not importable ({missing}): scan_lib alone")
     bandwidth = scan_lib.runtime.copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s; times in us; "
-          "ratio = mamba_ssm / scan_lib (above 1: scan_lib faster)")
-    print(f"{'':>24s} {'':>9s} | {'forward':^29s} | {'forward+backward':^29s} |")
-    print(f"{'(batch, L, heads, P, N)':>24s} {'dtype':>9s} |" + 2 * f" {'ours':>7s} {'floor':>6s} {'mamba':>7s} {'ratio':>5s} |")
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s; times in us, each column "
+          "ours, mamba_ssm's, ratio = mamba_ssm / ours (above 1: ours faster), floor")
+    print(f"{'(batch, L, heads, P, N)':>24s} {'dtype':>9s} | " + " | ".join(f"{name:^{24 if floor else 18}s}" for name, floor in SPEED_COLUMNS))
     for shape in SPEED_SHAPES:
         for dtype in (torch.bfloat16, torch.float32):
             inputs = chunk_scan_inputs(*shape, dtype)
             ours = time_chunk_scan(mamba_chunk_scan_combined, inputs, 256)
-            theirs = (None, None) if mamba_ssm_op is None else time_chunk_scan(mamba_ssm_op, inputs, 256)
+            theirs = None if mamba_ssm_op is None else time_chunk_scan(mamba_ssm_op, inputs, 256)
             floors = [chunk_scan_floor_us(inputs, backward, bandwidth) for backward in (False, True)]
-            cells = [f" {o:7.0f} {f:6.0f} " + (f"{'-':>7s} {'-':>5s}" if t is None else f"{t:7.0f} {t / o:5.2f}")
-                     for o, f, t in zip(ours, floors, theirs)]
-            print(f"{str(shape):>24s} {str(dtype)[6:]:>9s} |{cells[0]} |{cells[1]} |")
+            print(speed_row(shape, dtype, ours, theirs, floors))
 
 # %% [markdown]
 # What the recorded table shows (one run on an H200; on a machine without a GPU the cell prints

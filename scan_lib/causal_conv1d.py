@@ -536,6 +536,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
         steps = [causal_conv1d_update(x[..., t], conv_state, weight, bias, activation) for t in range(x.shape[-1])]
         return torch.stack(steps, dim=-1) if steps else x.clone()
     _check_update_inputs(x, conv_state, weight, bias)
+    if x.numel() == 0:   # no batch element or no channel: no output to compute, no state to shift
+        return torch.empty_like(x)
     silu = activation is not None
     if torch.compiler.is_compiling():  # traced: the functional op, then the in-place copy torch.compile tracks
         out, new_state = causal_conv1d_update_op(x, conv_state, weight, bias, silu)

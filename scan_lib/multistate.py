@@ -106,7 +106,7 @@ def multistate_bwd_kernel(
     X, DY, DX = X + seq * length, DY + seq * length, DX + seq * length
     rows = tl.arange(0, BLOCK_L)                                  # BLOCK_L: time within a chunk
     n = tl.arange(0, BLOCK_N)                                     # BLOCK_N: state index
-    delta = tl.load(DH_LAST + seq * n_states + n, mask=n < n_states, other=0.0).to(ACC)  # adjoint carry
+    adj = tl.load(DH_LAST + seq * n_states + n, mask=n < n_states, other=0.0).to(ACC)  # adjoint carry
     chunk = n_chunks - 1
     while chunk >= 0:                                             # right to left
         t = chunk * BLOCK_L + rows                                # BLOCK_L
@@ -128,18 +128,18 @@ def multistate_bwd_kernel(
         h = a * h_prev + b * x[:, None]                                  # h_t
         # 2. the adjoint: reversed scan of (a_{t+1}, C_t dy_t), then the carry from the right
         a_next = tl.load(A + tile + 1, mask=(t + 1 < length)[:, None] & (n < n_states)[None, :], other=1.0).to(ACC)
-        a_suffix, delta_from_zero = tl.associative_scan((a_next, c * dy[:, None]), axis=0,
+        a_suffix, adj_from_zero = tl.associative_scan((a_next, c * dy[:, None]), axis=0,
                                                         combine_fn=first_order_op, reverse=True)
-        delta_tile = a_suffix * delta[None, :] + delta_from_zero         # delta_t
+        adj_tile = a_suffix * adj[None, :] + adj_from_zero         # adj_t
         # 3. the gradients
-        tl.store(DA + tile, (delta_tile * h_prev).to(DA.dtype.element_ty), mask=mask)
-        tl.store(DB + tile, (delta_tile * x[:, None]).to(DB.dtype.element_ty), mask=mask)
+        tl.store(DA + tile, (adj_tile * h_prev).to(DA.dtype.element_ty), mask=mask)
+        tl.store(DB + tile, (adj_tile * x[:, None]).to(DB.dtype.element_ty), mask=mask)
         tl.store(DC + tile, (h * dy[:, None]).to(DC.dtype.element_ty), mask=mask)
-        tl.store(DX + t, tl.sum(delta_tile * b, axis=1).to(DX.dtype.element_ty), mask=t_ok)
-        delta = row_of(delta_tile, rows, 0)
+        tl.store(DX + t, tl.sum(adj_tile * b, axis=1).to(DX.dtype.element_ty), mask=t_ok)
+        adj = row_of(adj_tile, rows, 0)
         chunk -= 1
     a_first = tl.load(A + n * length, mask=n < n_states, other=0.0).to(ACC)
-    tl.store(DH0 + seq * n_states + n, (a_first * delta).to(DH0.dtype.element_ty), mask=n < n_states)
+    tl.store(DH0 + seq * n_states + n, (a_first * adj).to(DH0.dtype.element_ty), mask=n < n_states)
 
 
 def multistate_backward(a, b, c, x, h_chunks, dy, dh_last, block_l):

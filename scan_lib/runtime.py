@@ -70,6 +70,94 @@ def save_figure(fig, name: str, dpi: int = 100) -> None:
     if get_ipython() is not None:
         display(Image(filename=str(path)))
 
+_COMPILE_FOR_GPU = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from kernel_source import kernel
+types, constexprs, num_warps, capability = json.loads(sys.argv[2])
+aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(types.values()) if kind.startswith("*")}
+source = triton.compiler.ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=aligned)
+compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+print(json.dumps({stage: code for stage, code in compiled.asm.items() if isinstance(code, str)}))
+"""
+
+
+def gpu_assembly(kernel, signature: dict, num_warps: int = 4, capability: int = 90, **constexprs) -> dict:
+    """Compile `kernel` for an NVIDIA GPU without running it, on any machine, and return its code by
+    stage: "ttir" (Triton's IR), "ttgir" (the same with the layout of the block over threads), "llir",
+    "ptx" (the GPU's assembly). `capability` 90 is the H100 and H200.
+
+    `signature` gives the type of each runtime argument ("*fp32" a float32 pointer, "i32" an int);
+    `constexprs` the values of the tl.constexpr ones. Pointers are taken as 16-byte aligned, as
+    PyTorch's allocations are. The kernel is compiled in a fresh Python with the interpreter off (the
+    interpreter changes triton.language while it runs kernels), so it may use triton.language only,
+    not other @triton.jit functions or globals of its notebook."""
+    import inspect
+    import json
+    import re
+    import subprocess
+    import sys
+    import tempfile
+    import textwrap
+    source = textwrap.dedent(inspect.getsource(kernel.fn))
+    source = source[re.search(r"^def ", source, re.MULTILINE).start():]            # drop the decorator
+    names = list(inspect.signature(kernel.fn).parameters)
+    types = {name: signature.get(name, "constexpr") for name in names}
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "kernel_source.py").write_text(
+            f"import triton\nimport triton.language as tl\n\n\n@triton.jit\n{source}\n\nkernel = {kernel.fn.__name__}\n")
+        result = subprocess.run(
+            [sys.executable, "-c", _COMPILE_FOR_GPU, folder, json.dumps([types, constexprs, num_warps, capability])],
+            capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"})
+    if result.returncode != 0:
+        raise RuntimeError(f"compiling {kernel.fn.__name__} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+def median_us(fn, **do_bench_options) -> float:
+    """Median GPU time of fn() in microseconds (triton.testing.do_bench; needs a GPU). Sweeps that
+    must be quick pass shorter warm-up and repeat times, e.g. warmup=5, rep=40 (milliseconds)."""
+    from triton.testing import do_bench
+    return do_bench(fn, return_mode="median", **do_bench_options) * 1e3
+
+
+def graph_us(fn) -> float:
+    """Median time of fn() replayed from a CUDA graph, in microseconds: the GPU's time without launch overhead."""
+    from triton.testing import do_bench_cudagraph
+    return do_bench_cudagraph(fn, return_mode="median") * 1e3
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """Host time per call: launches queued back to back, timed on the CPU, no synchronisation inside
+    (the GPU, where there is one, is synchronised before and after)."""
+    import time
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    sync()
+    return elapsed / calls * 1e6
+
+
+def copy_bandwidth() -> float:
+    """Device memory bandwidth in bytes per second, read plus write, measured by copying 1 GiB of
+    float32 (far larger than the L2 cache): the rate every memory floor in the course divides by."""
+    source = torch.empty(2**28, device=DEVICE)
+    target = torch.empty_like(source)
+    return 2 * source.numel() * source.element_size() / (median_us(lambda: target.copy_(source)) * 1e-6)
+
+def rounds_to_nearest(convert, dtype: torch.dtype) -> bool:
+    """Whether `convert(x, dtype)`, a float32 -> dtype conversion, rounds to nearest (not towards zero).
+
+    Tries ±(1 + 3/4 eps) (eps: the gap between 1 and the next dtype value): exact in float32, not in
+    dtype, and nearer its upper neighbour ±(1 + eps) than its lower one ±1, where truncation goes."""
+    eps = torch.finfo(dtype).eps
+    x = torch.tensor([1 + 0.75 * eps, -(1 + 0.75 * eps)], dtype=torch.float32, device=DEVICE)
+    nearest = torch.tensor([1 + eps, -(1 + eps)], dtype=torch.float64).to(dtype)
+    return torch.equal(convert(x, dtype).cpu(), nearest)
 
 _LOCAL_OPS = iter(range(1, 1 << 62))
 
@@ -163,95 +251,6 @@ def _eager_twin(function):
         _EAGER_TWINS[function] = type(function.__name__, (torch.autograd.Function,),
                                       {"forward": staticmethod(forward), "backward": staticmethod(backward)})
     return _EAGER_TWINS[function]
-
-_COMPILE_FOR_GPU = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import triton
-from triton.backends.compiler import GPUTarget
-from kernel_source import kernel
-types, constexprs, num_warps, capability = json.loads(sys.argv[2])
-aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(types.values()) if kind.startswith("*")}
-source = triton.compiler.ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=aligned)
-compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
-print(json.dumps({stage: code for stage, code in compiled.asm.items() if isinstance(code, str)}))
-"""
-
-
-def gpu_assembly(kernel, signature: dict, num_warps: int = 4, capability: int = 90, **constexprs) -> dict:
-    """Compile `kernel` for an NVIDIA GPU without running it, on any machine, and return its code by
-    stage: "ttir" (Triton's IR), "ttgir" (the same with the layout of the block over threads), "llir",
-    "ptx" (the GPU's assembly). `capability` 90 is the H100 and H200.
-
-    `signature` gives the type of each runtime argument ("*fp32" a float32 pointer, "i32" an int);
-    `constexprs` the values of the tl.constexpr ones. Pointers are taken as 16-byte aligned, as
-    PyTorch's allocations are. The kernel is compiled in a fresh Python with the interpreter off (the
-    interpreter changes triton.language while it runs kernels), so it may use triton.language only,
-    not other @triton.jit functions or globals of its notebook."""
-    import inspect
-    import json
-    import re
-    import subprocess
-    import sys
-    import tempfile
-    import textwrap
-    source = textwrap.dedent(inspect.getsource(kernel.fn))
-    source = source[re.search(r"^def ", source, re.MULTILINE).start():]            # drop the decorator
-    names = list(inspect.signature(kernel.fn).parameters)
-    types = {name: signature.get(name, "constexpr") for name in names}
-    with tempfile.TemporaryDirectory() as folder:
-        Path(folder, "kernel_source.py").write_text(
-            f"import triton\nimport triton.language as tl\n\n\n@triton.jit\n{source}\n\nkernel = {kernel.fn.__name__}\n")
-        result = subprocess.run(
-            [sys.executable, "-c", _COMPILE_FOR_GPU, folder, json.dumps([types, constexprs, num_warps, capability])],
-            capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"})
-    if result.returncode != 0:
-        raise RuntimeError(f"compiling {kernel.fn.__name__} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-def median_us(fn, **do_bench_options) -> float:
-    """Median GPU time of fn() in microseconds (triton.testing.do_bench; needs a GPU). Sweeps that
-    must be quick pass shorter warm-up and repeat times, e.g. warmup=5, rep=40 (milliseconds)."""
-    from triton.testing import do_bench
-    return do_bench(fn, return_mode="median", **do_bench_options) * 1e3
-
-
-def graph_us(fn) -> float:
-    """Median time of fn() replayed from a CUDA graph, in microseconds: the GPU's time without launch overhead."""
-    from triton.testing import do_bench_cudagraph
-    return do_bench_cudagraph(fn, return_mode="median") * 1e3
-
-
-def host_us(fn, calls: int = 50) -> float:
-    """Host time per call: launches queued back to back, timed on the CPU, no synchronisation inside
-    (the GPU, where there is one, is synchronised before and after)."""
-    import time
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    sync()
-    return elapsed / calls * 1e6
-
-
-def copy_bandwidth() -> float:
-    """Device memory bandwidth in bytes per second, read plus write, measured by copying 1 GiB of
-    float32 (far larger than the L2 cache): the rate every memory floor in the course divides by."""
-    source = torch.empty(2**28, device=DEVICE)
-    target = torch.empty_like(source)
-    return 2 * source.numel() * source.element_size() / (median_us(lambda: target.copy_(source)) * 1e-6)
-
-def rounds_to_nearest(convert, dtype: torch.dtype) -> bool:
-    """Whether `convert(x, dtype)`, a float32 -> dtype conversion, rounds to nearest (not towards zero).
-
-    Tries ±(1 + 3/4 eps) (eps: the gap between 1 and the next dtype value): exact in float32, not in
-    dtype, and nearer its upper neighbour ±(1 + eps) than its lower one ±1, where truncation goes."""
-    eps = torch.finfo(dtype).eps
-    x = torch.tensor([1 + 0.75 * eps, -(1 + 0.75 * eps)], dtype=torch.float32, device=DEVICE)
-    nearest = torch.tensor([1 + eps, -(1 + eps)], dtype=torch.float64).to(dtype)
-    return torch.equal(convert(x, dtype).cpu(), nearest)
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 

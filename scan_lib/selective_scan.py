@@ -230,8 +230,8 @@ def selective_scan_bwd_kernel(
             tl.store(DZ + offs, _gate_dz(dout, tl.load(YBAR + offs, mask, other=0.0), zv).to(DZ.dtype.element_ty), mask)
         dybar = _gate_dybar(dout, zv, HAS_Z)
         dD_acc += tl.sum(dybar * u, axis=1)
-        adj_b_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)           # sum_n delta_t B_t
-        adj_ah_rate_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)     # sum_n delta_t a_t h_{t-1} A
+        adj_b_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)           # sum_n adj_t B_t
+        adj_ah_rate_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)     # sum_n adj_t a_t h_{t-1} A
         for n in range(0, n_states):
             rate = tl.load(A + ds * n_states + n, d_ok, other=0.0).to(ACC)[:, None]
             b_coef = _load_coef(B + b_off, B, n, t, t_ok, ds, d_ok, n_states, length, B_PER_STEP, ACC)

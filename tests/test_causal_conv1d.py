@@ -378,6 +378,18 @@ def test_update_takes_several_positions_as_the_package_does(length):
     torch.testing.assert_close(state, torch.cat([state_before, x], dim=-1)[..., -4:], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("batch, dim", [(0, 4), (2, 0)], ids=["batch0", "dim0"])
+def test_update_of_an_empty_step_launches_nothing(batch, dim, monkeypatch):
+    """An empty out and the state as it was, without a kernel launch (whose host work would be most of
+    the call: issue 21's host-time target is for empty calls)."""
+    module = sys.modules["scan_lib.causal_conv1d"]   # (scan_lib.causal_conv1d is the function)
+    monkeypatch.setattr(module, "causal_conv1d_update_kernel", None)   # a launch would raise TypeError
+    state = torch.randn(batch, dim, 3, device=DEVICE)
+    state_before = state.clone()
+    out = causal_conv1d_update(torch.randn(batch, dim, device=DEVICE), state, torch.randn(dim, 4, device=DEVICE))
+    assert out.shape == (batch, dim) and torch.equal(state, state_before)
+
+
 def test_update_with_no_positions_still_checks_its_inputs():
     with pytest.raises(ValueError, match="conv_state must have shape"):
         causal_conv1d_update(torch.randn(2, 4, 0, device=DEVICE), torch.randn(9, 9, 9, device=DEVICE),
