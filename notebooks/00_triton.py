@@ -329,27 +329,39 @@ for shape in ((3, 1), (5, 7), (2, 1000), (4, 4097)):
 # measures by copying 1 GiB: every benchmark of the course compares with this **memory floor**. Both
 # are defined in "Going deeper: timing fine print", with two more timers that split host and GPU time.
 #
-# On a GPU, the cell times `vector_add` and `torch.add` at a small and a large size against the
-# memory floor (3 float32 of 4 bytes per element). Without a GPU there is nothing to time: the
+# On a GPU, the cell times `vector_add`'s kernel and `torch.add` at a small and a large size against
+# the memory floor (3 float32 of 4 bytes per element), and checks after each that the output holds
+# `x + y`. Without a GPU there is nothing to time: the
 # interpreter's speed says nothing about a GPU's ("Going deeper: timing fine print" shows it).
 
 # %%
+def additions(n):
+    """Fresh float32 x, y, z of n values and the two additions to time, by name; each writes x + y into z."""
+    x, y, z = (torch.randn(n, device=DEVICE) for _ in range(3))
+    ops = {"triton": lambda: vector_add_kernel[(triton.cdiv(n, 1024),)](x, y, z, n, BLOCK=1024),
+           "torch": lambda: torch.add(x, y, out=z)}
+    return ops, (x, y, z)
+
+
+def addition_floor_us(n, bandwidth):
+    """The memory floor of an addition of n float32: 3 tensors of 4 bytes per element at `bandwidth`."""
+    return 3 * 4 * n / bandwidth * 1e6
+
+
 torch.manual_seed(4)
 if ON_GPU:
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name(DEVICE)}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; float32, BLOCK 1024")
     print(f"{'n':>5} {'op':>7} {'median_us':>9} {'floor_us':>8}")
     for log_n in (14, 26):
-        n = 2**log_n
-        x_speed, y_speed, z_speed = (torch.randn(n, device=DEVICE) for _ in range(3))
-        floor_us = 3 * 4 * n / bandwidth * 1e6
-        ops = {"triton": lambda: vector_add_kernel[(triton.cdiv(n, 1024),)](x_speed, y_speed, z_speed, n, BLOCK=1024),
-               "torch": lambda: torch.add(x_speed, y_speed, out=z_speed)}
+        ops, (x_speed, y_speed, z_speed) = additions(2**log_n)
+        floor_us = addition_floor_us(2**log_n, bandwidth)
         for name, op in ops.items():
+            z_speed.zero_()
             gpu = median_us(op)
+            assert torch.equal(z_speed, x_speed + y_speed), f"{name} wrote a wrong sum"
             assert gpu >= 0.8 * floor_us, f"{name} beats the memory floor at 2^{log_n}: the timing is wrong"
             print(f"{'2^' + str(log_n):>5} {name:>7} {gpu:>9.1f} {floor_us:>8.1f}")
-    assert torch.equal(z_speed, x_speed + y_speed)
 else:
     print("no GPU: nothing to time")
 
@@ -774,11 +786,8 @@ from scan_lib.runtime import graph_us, host_us
 if ON_GPU:
     print(f"{'n':>5} {'op':>7} {'median_us':>9} {'graph_us':>9} {'host_us':>8} {'floor_us':>8}  paced by")
     for log_n in (14, 26):
-        n = 2**log_n
-        x_speed, y_speed, z_speed = (torch.randn(n, device=DEVICE) for _ in range(3))
-        floor_us = 3 * 4 * n / bandwidth * 1e6
-        ops = {"triton": lambda: vector_add_kernel[(triton.cdiv(n, 1024),)](x_speed, y_speed, z_speed, n, BLOCK=1024),
-               "torch": lambda: torch.add(x_speed, y_speed, out=z_speed)}
+        ops, _ = additions(2**log_n)
+        floor_us = addition_floor_us(2**log_n, bandwidth)
         for name, op in ops.items():
             gpu, graph, host = median_us(op), graph_us(op), host_us(op)
             print(f"{'2^' + str(log_n):>5} {name:>7} {gpu:>9.1f} {graph:>9.1f} {host:>8.1f} {floor_us:>8.1f}  "
