@@ -123,7 +123,7 @@ import triton
 import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype
-from scan_lib.runtime import INTERPRET, apply, check_float_tensor, check_same_device, custom_op
+from scan_lib.runtime import INTERPRET, apply, check_float_tensor, check_same_device, custom_op, plus, zero_in_graph
 from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
 from scan_lib.fast_selective_scan import LOG2E, cdiv, items_of, next_power_of_2, positions_of   # chapter 07's
 
@@ -1500,13 +1500,15 @@ def _check_inputs(x, weight, bias, initial_states, final_states_out):
     check_same_device(**named)
 
 
-def _empty_conv(x, weight, bias, initial_states):
+def _empty_conv(x, weight, bias, initial_states, return_final_states):
     """out and the final states for an empty x, as torch's ops give them: out empty, in the graph of
-    x, weight and bias (zero gradients); the final states the last width - 1 columns of
-    cat(initial_states or zeros, x)."""
-    anchor = torch.cat([t.flatten()[:0] for t in (weight, bias, initial_states) if t is not None]).sum().to(x.dtype)   # exactly 0
+    every input that needs a gradient (zero gradients); the final states, made only when asked for,
+    the last width - 1 columns of cat(initial_states or zeros, x)."""
+    out = plus(torch.empty_like(x), zero_in_graph(x, weight, bias, initial_states))   # None: no gradients
+    if not return_final_states:
+        return out, None
     start = x.new_zeros(*x.shape[:2], weight.shape[1] - 1) if initial_states is None else initial_states
-    return x + anchor, torch.cat([start, x], dim=-1)[..., x.shape[-1]:]
+    return out, torch.cat([start, x], dim=-1)[..., x.shape[-1]:]
 
 
 def causal_conv1d(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
@@ -1535,7 +1537,7 @@ def causal_conv1d(x, weight, bias=None, seq_idx=None, initial_states=None, retur
         raise ValueError("final_states_out is only written with return_final_states=True")
     _check_inputs(x, weight, bias, initial_states, final_states_out)
     if x.numel() == 0:
-        out, final_states = _empty_conv(x, weight, bias, initial_states)
+        out, final_states = _empty_conv(x, weight, bias, initial_states, return_final_states)
     else:
         out, final_states = apply(CausalConv1dFn, x, weight, bias, initial_states, activation is not None)
     if not return_final_states:

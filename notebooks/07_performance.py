@@ -953,20 +953,13 @@ def segment_carries(summary, dsum, A, boundary, reverse):
 # `torch.compile` traces, it keeps nothing either (the compiled graph's calls, made with real
 # tensors, use the caches as eager calls do). The test suite compiles with dynamic shapes to check
 # it. Triton's own `cdiv` and `next_power_of_2` are wrapped so that they also work inside kernels,
-# and the wrapper costs more per host call than the arithmetic; the two here are plain Python.
+# and the wrapper costs more per host call than the arithmetic; the plans use chapter 00's plain
+# Python ones (`scan_lib.runtime`).
 # Section 11 measures a training step with the Launchers and with every launch through Triton.
 
 # %%
 #| export
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for positive integers (triton.cdiv, without its per-call cost on the host)."""
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n for n >= 1, 0 for 0 (triton.next_power_of_2, plain Python)."""
-    return 1 << (n - 1).bit_length() if n > 0 else 0
-
+from scan_lib.runtime import cdiv, next_power_of_2   # plain Python: Triton's cost a wrapper call each
 
 KEPT = 4096   # entries a cache holds before it starts afresh (every new sequence length adds one)
 CACHES: dict = {"plans": {}, "checked": {}, "summed": {}}   # name -> {key: value}

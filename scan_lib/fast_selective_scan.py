@@ -476,15 +476,7 @@ def segment_carries(summary, dsum, A, boundary, reverse):
         return torch.cat([leaving[..., 1:], start[..., None]], -1), leaving[..., 0]
     return torch.cat([start[..., None], leaving[..., :-1]], -1), leaving[..., -1]
 
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for positive integers (triton.cdiv, without its per-call cost on the host)."""
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n for n >= 1, 0 for 0 (triton.next_power_of_2, plain Python)."""
-    return 1 << (n - 1).bit_length() if n > 0 else 0
-
+from scan_lib.runtime import cdiv, next_power_of_2   # plain Python: Triton's cost a wrapper call each
 
 KEPT = 4096   # entries a cache holds before it starts afresh (every new sequence length adds one)
 CACHES: dict = {"plans": {}, "checked": {}, "summed": {}}   # name -> {key: value}

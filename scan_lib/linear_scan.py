@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype, chunk_positions, launch_options, linear_scan_rows, scan_chunk
-from scan_lib.runtime import FLOAT_DTYPES, apply, check_same_device, custom_op
+from scan_lib.runtime import FLOAT_DTYPES, apply, check_same_device, custom_op, plus, zero_in_graph
 
 # Launch parameters of the backward kernel (benchmarks/bench_linear_scan.py sweeps them on a GPU).
 BWD_CONFIG = {"max_chunk": 2048, "elements_per_thread": 16, "stages": 1, "reversed_loads": False}
@@ -189,6 +189,8 @@ def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None)
     """
     shape, dtype = _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk)
     rows, length = math.prod(shape[:-1]), shape[-1]
+    if rows * length == 0:   # an empty h, as torch's ops give: no kernel, none of the copies below
+        return plus(tokens.new_empty(shape, dtype=dtype), zero_in_graph(gates, tokens, initial_state))
     if not isinstance(gates, torch.Tensor):
         gates = torch.tensor(gates, dtype=dtype, device=tokens.device)
     rows_gates = gates.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L

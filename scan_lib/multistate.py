@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype, first_order_op
-from scan_lib.runtime import apply, check_float_tensor, check_same_device, custom_op
+from scan_lib.runtime import apply, check_float_tensor, check_same_device, custom_op, next_power_of_2, plus, zero_in_graph
 
 
 def multistate_scan_ref(a, b, c, x, initial_state=None):
@@ -182,7 +182,7 @@ MAX_TILE = 2**14
 
 def default_block_l(length, n_states):
     """About 1024 tile elements, at least 16 rows, no more rows than L needs."""
-    return max(16, min(triton.next_power_of_2(length), 1024 // triton.next_power_of_2(max(n_states, 1))))
+    return max(16, min(next_power_of_2(length), 1024 // next_power_of_2(max(n_states, 1))))
 
 
 def num_warps_for(block_l, n_states):
@@ -193,10 +193,11 @@ def num_warps_for(block_l, n_states):
 def empty_multistate_scan(a, b, c, x, initial_state):
     """(y, last state) for an empty a (batch, N or L zero), as torch's ops give them: y zeros of x's
     shape (a sum over no states, or no positions), the last state the initial state or zeros; both in
-    the graph of every input (zero gradients, the initial state's through the last state)."""
-    anchor = torch.cat([t.flatten()[:0] for t in (a, b, c, x, initial_state) if t is not None]).sum()   # exactly 0
-    h_last = a.new_zeros(a.shape[:2]) if initial_state is None else initial_state
-    return torch.zeros_like(x) + anchor, h_last + anchor
+    the graph of every input that needs a gradient (zero gradients, the initial state's through the
+    last state)."""
+    zero = zero_in_graph(a, b, c, x, initial_state)       # None when nothing is differentiated
+    h_last = a.new_zeros(a.shape[:2]) if initial_state is None else initial_state.clone()
+    return plus(torch.zeros_like(x), zero), plus(h_last, zero)
 
 
 def check_multistate_inputs(a, b, c, x, initial_state, block_l):

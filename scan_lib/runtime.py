@@ -192,7 +192,7 @@ class EagerFastOp:
         functools.update_wrapper(self, implementation)     # name, docstring and signature for help()
 
     def __call__(self, *args, **kwargs):
-        if _plain_eager(args) and _plain_eager(kwargs.values()):
+        if not _dispatcher_needed() and _plain_tensors(args) and (not kwargs or _plain_tensors(kwargs.values())):
             return self._implementation(*args, **kwargs)
         return self._op(*args, **kwargs)
 
@@ -205,21 +205,32 @@ class EagerFastOp:
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)   # a Parameter's __torch_function__ is the Tensor's
 
 
-def _plain_eager(args) -> bool:
-    """Whether a call with these arguments needs nothing from the dispatcher (see EagerFastOp): no
-    torch.compile, torch.func transform, dispatch or torch-function mode, profiler or jit tracer, and
-    tensor arguments that are plain tensors (or parameters) needing no gradient through the op."""
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-            or torch.autograd._profiler_enabled() or torch._C._get_tracing_state() is not None):
-        return False
+def _dispatcher_needed() -> bool:
+    """Whether the current context needs every op call to go through the dispatcher: torch.compile, a
+    torch.func transform, a dispatch or torch-function mode (fake tensors, ...), the profiler (its op
+    names) or the jit tracer. One C call each (is_compiling first: Dynamo answers it while tracing and
+    then reads no further)."""
+    return (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+            or torch.autograd._profiler_enabled() or torch._C._get_tracing_state() is not None)
+
+
+def _plain_tensors(args) -> bool:
+    """Whether every tensor among args (lists and tuples looked into) is a plain tensor or parameter
+    needing no gradient through the op: a subclass or a gradient is the dispatcher's business."""
     grad = torch.is_grad_enabled()
     for arg in args:
-        if isinstance(arg, (list, tuple)) and not _plain_eager(arg):
+        if isinstance(arg, (list, tuple)) and not _plain_tensors(arg):
             return False
         if isinstance(arg, torch.Tensor) and (type(arg) not in _PLAIN_TENSORS or (grad and arg.requires_grad)):
             return False
     return True
+
+
+def needs_grad(*tensors) -> bool:
+    """Whether autograd must record an op on these tensors (None and numbers skipped): grad mode is on
+    and one of them requires a gradient."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
 
 
 def apply(function, *args):
@@ -229,9 +240,13 @@ def apply(function, *args):
     For that style, Function.apply binds the arguments with inspect.signature on every call: tens of
     microseconds of host time, as much as a kernel launch. Outside torch.compile and torch.func
     transforms, the same forward, setup_context and backward run as an old-style Function, whose
-    apply goes straight to C++. Pass every argument positionally."""
+    apply goes straight to C++; and when no argument needs a gradient (nor a forward-mode tangent,
+    which the Function would refuse), the forward alone runs: the Function would record nothing.
+    Pass every argument positionally."""
     if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return function.apply(*args)
+    if not needs_grad(*args) and torch.autograd.forward_ad._current_level < 0:   # no dual_level open
+        return function.forward(*args)
     return _eager_twin(function).apply(*args)
 
 
@@ -268,7 +283,27 @@ def check_same_device(**tensors) -> torch.device:
     on which the kernels can run, and return that device.
 
     On a GPU machine kernels need CUDA tensors; under the interpreter, CPU tensors (the interpreter
-    also copies CUDA tensors through the host, so those are accepted too). Meta tensors never are."""
+    also copies CUDA tensors through the host, so those are accepted too). Meta tensors never are.
+    Every call of every op runs this check, so the passing path is a plain loop; the messages are
+    built only when one is raised."""
+    device = None
+    for t in tensors.values():
+        if t is None:
+            continue
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            _raise_device_error(tensors)
+    if device is None or device.type not in KERNEL_DEVICE_TYPES:
+        _raise_device_error(tensors)
+    return device
+
+
+KERNEL_DEVICE_TYPES = ("cpu", "cuda") if INTERPRET else ("cuda",)
+
+
+def _raise_device_error(tensors: dict):
+    """The ValueError of check_same_device for these arguments, naming them."""
     named = {name: t for name, t in tensors.items() if t is not None}
     if not named:
         raise ValueError(f"{', '.join(tensors) or 'tensors'}: no tensor given, only None")
@@ -277,11 +312,42 @@ def check_same_device(**tensors) -> torch.device:
         listing = ", ".join(f"{name} on {t.device}" for name, t in named.items())
         raise ValueError(f"all tensors must be on one device, got {listing}")
     device = devices.pop()
-    if INTERPRET and device.type not in ("cpu", "cuda"):
+    if INTERPRET:
         raise ValueError(f"{', '.join(named)} must be CPU tensors for Triton's interpreter (got {device})")
-    if not INTERPRET and device.type != "cuda":
-        raise ValueError(
-            f"{', '.join(named)} must be CUDA tensors (got {device}); to run Triton kernels on the CPU "
-            "set TRITON_INTERPRET=1 before importing scan_lib"
-        )
-    return device
+    raise ValueError(
+        f"{', '.join(named)} must be CUDA tensors (got {device}); to run Triton kernels on the CPU "
+        "set TRITON_INTERPRET=1 before importing scan_lib"
+    )
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive integers (triton.cdiv, without its per-call cost on the host)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n for n >= 1, 0 for 0: triton.next_power_of_2 in plain Python.
+    Triton's is wrapped so that kernels can call it too, and under the interpreter that wrapper costs
+    about as much per host call as a tensor allocation. A size that is a symbol while torch.compile
+    traces (a SymInt, not an int) goes to Triton's, which is written with operators a SymInt has."""
+    if type(n) is not int:
+        import triton
+        return triton.next_power_of_2(n)
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def zero_in_graph(*tensors):
+    """A 0-dim zero in the autograd graph of each given tensor that needs a gradient (None and numbers
+    skipped), or
+    None when none does. An op's result for an empty input, plus this zero, gives every input a
+    gradient of its own shape (zeros), as torch's ops do, while a call without gradients pays nothing.
+    The zero is the sum of no elements (each tensor's first zero elements), so it is exactly 0 even
+    for inputs holding inf or nan."""
+    if not needs_grad(*tensors):
+        return None
+    return torch.cat([t.flatten()[:0] for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]).sum()
+
+
+def plus(tensor, zero):
+    """tensor + zero in tensor's dtype, or tensor itself when zero is None (see zero_in_graph)."""
+    return tensor if zero is None else tensor + zero.to(tensor.dtype)

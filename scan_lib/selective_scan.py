@@ -475,7 +475,7 @@ class SelectiveScanFn(torch.autograd.Function):
             grads = [None if g is None else next(poisoned) for g in grads]
         return (*grads, None, None)
 
-from scan_lib.runtime import apply, check_float_tensor, check_same_device
+from scan_lib.runtime import apply, check_float_tensor, check_same_device, plus, zero_in_graph
 
 
 def _check_shape(name, tensor, shape):
@@ -520,13 +520,14 @@ def empty_selective_scan(u, delta, A, B, C, D, z, delta_bias, return_last_state,
     dtype; the last state, the initial state (no position moved it) or zeros. Differentiable: the
     gradient reaches initial_state through the last state, and every other input's is zero."""
     inputs = [t for t in (u, delta, A, B, C, D, z, delta_bias, initial_state) if t is not None]
-    anchor = torch.cat([t.flatten()[:0] for t in inputs]).sum()       # exactly 0, in every input's graph
-    out = u.flatten()[:0].view(u.shape).to(u.dtype) + anchor.to(u.dtype)
+    zero = zero_in_graph(*inputs)                 # in every input's graph; None when nothing is differentiated
+    out = plus(torch.empty_like(u, memory_format=torch.contiguous_format), zero)
     if not return_last_state:
         return out
     acc = _acc_dtype(*inputs)
-    last = u.new_zeros(u.shape[0], u.shape[1], A.shape[1], dtype=acc) if initial_state is None else initial_state.to(acc)
-    return out, last + anchor.to(acc)
+    last = (u.new_zeros(u.shape[0], u.shape[1], A.shape[1], dtype=acc) if initial_state is None
+            else initial_state.to(acc, copy=True))
+    return out, plus(last, zero)
 
 
 def _check_index_range(u_shape, n_states, groups_b, groups_c):
