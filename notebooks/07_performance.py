@@ -2035,7 +2035,9 @@ else:
 # at all four shapes (311 against 357 µs at $L$ 512, 462 against 538 at $N$ 4, 1284 against 1478 at
 # the base shape, 400 against 429 at (1, 2048, 2048, 16)), and its host time per step is 1.3 to 1.6
 # times `mamba_ssm`'s at every shape (963 to 1335 µs against 652 to 866): `mamba_ssm`'s launchers
-# are C++, ours are Python. At the three smaller shapes our host time is larger than our kernels'
+# are C++, ours are Python. [LANDING: issue 21 item 4 shortened the Python of every call (checks,
+# `EagerFastOp`, `apply`); re-measure this table's host column on the GPU and restate these numbers
+# from the new run.] At the three smaller shapes our host time is larger than our kernels'
 # (1335 against 311 µs at $L$ 512, 1174 against 400 at (1, 2048, 2048, 16)): the GPU waits for
 # Python. At the base shape the kernels are the larger (1284 against 1144 µs), and there the step
 # (1311 µs) follows them and is faster than `mamba_ssm`'s (1499).
