@@ -1147,8 +1147,7 @@ def next_power_of_2(n: int) -> int:
 
 def zero_in_graph(*tensors):
     """A 0-dim zero in the autograd graph of each given tensor that needs a gradient (None and numbers
-    skipped), or
-    None when none does. An op's result for an empty input, plus this zero, gives every input a
+    skipped), or None when none does. An op's result for an empty input, plus this zero, gives every input a
     gradient of its own shape (zeros), as torch's ops do, while a call without gradients pays nothing.
     The zero is the sum of no elements (each tensor's first zero elements), so it is exactly 0 even
     for inputs holding inf or nan."""
