@@ -72,9 +72,10 @@ GPUS = torch.cuda.device_count() if ON_GPU else 0
 # rounding, which the checks below measure.
 #
 # Three phases, as in chapter 01: every rank scans its shard from 0 and forms $(P_r, E_r)$; the ranks
-# exchange their summaries (one small collective: a summary is $2 \times$ batch $\times$ channels
-# $\times N$ numbers per rank, independent of the length; section 6 counts what our implementation
-# sends); every rank folds the summaries before it and scans its
+# exchange their summaries (one all-gather: a summary $(P_r, E_r)$ is $2 \times$ batch $\times$
+# channels $\times N$ numbers per rank, independent of the length; our `entering_state` sends a third
+# tensor of that size beside them, the slot for rank 0's initial state, so each rank receives
+# $3(R-1)$ such tensors from the $R - 1$ others, as section 6 counts); every rank folds the summaries before it and scans its
 # shard again from the entering state. For the selective scan, $P_r = e^{A \sum_t \Delta_t}$ per
 # (batch, channel, state), from the shard's steps.
 
@@ -119,14 +120,33 @@ save_figure(draw_sharded_scan(), "09_sharded_scan.png")
 # receives none), and the last rank's message reaches rank 0 after $R-1$ hops, one after another.
 #
 # `_EnteringState` below is that: an `autograd.Function` whose forward all-gathers every rank's
-# summary and folds the ones before it, and whose backward is the reverse chain, written out. Letting
-# autograd differentiate the fold instead would need a differentiable all-gather, whose backward
-# must bring every rank's gradient for every entry to every rank: $R - 1$ ranks' gradients of all $R$
-# entering states, $R(R-1)$ summaries received per rank, which grows with the square of the number of
-# GPUs. `gather_small`, that simple form, stays
-# for the convolution's boundary columns (section 4), which are $K - 1$ columns, not a state. The local
+# summary and folds the ones before it, and whose backward is the reverse chain, written out. The local
 # scans' backward passes are scan_lib's, through `initial_state` (the gradient $g_r$) and the last
 # state (the gradient of $E_r$).
+#
+# **Why a chain, and not a collective.** With $S$ the bytes of one summary, the ways to deliver
+# $T_{r+1}$ to every rank cost, per backward:
+#
+# | way | on the critical path | bytes received per rank | what each rank computes |
+# | --- | --- | --- | --- |
+# | autograd through a differentiable all-gather of the forward's 3 tensors | one all-gather | $3R(R-1)\,S$: every other rank's gradient for all $R$ entries | the fold's adjoint, up to $R$ steps |
+# | reduce-scatter: rank $j$ sends rank $r < j$ its term $(\prod_{r<k<j} P_k)\, g_j$ | one reduce-scatter | $(R-1)\,S$ (a ring moves $R - 1$ of the $R$ slots) | $R - 1$ terms, from the gathered $P_k$ |
+# | all-reduce of the terms $Q_j g_j$, $Q_j = \prod_{k<j} P_k$: $T_{r+1}$ is their sum over $j > r$ divided by $Q_{r+1}$ | one all-reduce of $S$; the sum over $j > r$ (the total less a prefix) still needs a scan over ranks | about $2S$ | divides by $Q_{r+1}$, a product of decays that underflows in float32 |
+# | recursive doubling: the pairs $(P, T)$ combined over ranks $1, 2, 4, \dots$ apart | $\lceil\log_2 R\rceil$ rounds | $2S \lceil\log_2 R\rceil$ | one combine per round |
+# | **reverse chain** (ours) | $R - 1$ hops in series | $S$ (the last rank: 0) | one step, $T_r = g_r + P_r T_{r+1}$ |
+#
+# The chain is the one to teach: it is the adjoint above executed literally, one step per rank with no
+# division and no term computed twice, and of the ways that deliver $T_{r+1}$ exactly it is the only
+# one whose bytes per rank stay the same at any $R$. What it pays is latency, $R-1$ messages one after
+# another, like the forward chain that section 6 times. The all-reduce looks cheapest but still needs
+# a scan over ranks and divides by products of decays that reach 0; the reduce-scatter and the
+# doubling scan trade bytes for fewer hops, worth it only when $R$ is large enough for the hops to
+# count (gloo, in the torch this course pins, has all-reduce, reduce-scatter, all-to-all and
+# send/receive; NCCL has them all). This chapter's first version was the first row: at 4 ranks each
+# rank received 36 summary-sized tensors in the backward where the chain receives one.
+#
+# The convolution's boundary columns in section 4 follow the same pattern, an all-gather forward and
+# a reverse chain backward.
 
 # %%
 #| export
@@ -181,27 +201,6 @@ def receive(like, rank, group=None):
     dist.recv(received, src=_peer(rank, group), group=group)
     _count(received)
     return received.to(like.device)
-
-
-class _GatherSmall(torch.autograd.Function):
-    """all_gather of one small tensor, differentiable: the backward sums, over the ranks, the gradients
-    each rank's output holds for this rank's entry."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return torch.stack(all_gather(tensor, group))                    # ranks x tensor's shape
-
-    @staticmethod
-    def backward(ctx, grad):
-        every = torch.stack(all_gather(grad, ctx.group))                 # ranks x (ranks x shape)
-        return every[:, dist.get_rank(ctx.group)].sum(0), None
-
-
-def gather_small(tensor, group=None):
-    """Every rank's `tensor` (same shape everywhere), stacked in rank order: (ranks, *shape). Gradients
-    flow back to each rank's tensor."""
-    return _GatherSmall.apply(tensor, group)
 
 
 class _EnteringState(torch.autograd.Function):
@@ -303,24 +302,61 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 # shard, and the scan. The convolution's boundary is another small exchange: every rank contributes
 # its last `d_conv - 1` columns (fewer if its shard is shorter: then the ranks before it contribute
 # too), and rank $r$'s `initial_states` are the last `d_conv - 1` columns of everything before it.
+# It is a fold like the scan's: with $W_k$ the last `d_conv - 1` columns up to the end of rank $k$'s
+# shard, $W_k$ is the last `d_conv - 1` columns of $W_{k-1}$ followed by rank $k$'s columns, and rank
+# $r$ needs $W_{r-1}$. So `_ConvBoundary` is built as `_EnteringState`: the forward all-gathers every
+# rank's last columns (and how many it has) and folds; the backward is a reverse chain in which rank $r$
+# receives $U_r$, the whole gradient of $W_r$, from rank $r+1$, keeps its last columns as the gradient
+# of its own, and sends $U_{r-1}$, its convolution's gradient of $W_{r-1}$ plus the part of $U_r$ that
+# $W_r$ copied from $W_{r-1}$ (none when the shard is at least `d_conv - 1` long): one window of
+# batch $\times$ `d_inner` $\times$ (`d_conv` $-$ 1) numbers received per rank.
 # The block's forward below is chapter 06's `Mamba` forward with those two pieces swapped in, using the
 # block's own parameters, so one `Mamba` module (replicated on every rank, as data parallelism
 # replicates it) serves both.
 
 # %%
 #| export
+class _ConvBoundary(torch.autograd.Function):
+    """The keep = width - 1 columns of the sequence before this rank's shard (zeros before the
+    sequence), from every rank's last columns: one all_gather forward, folded as _EnteringState's; the
+    backward is the same reverse chain, one window of keep columns received from rank r + 1 and one
+    sent to rank r - 1, whatever the number of ranks."""
+
+    @staticmethod
+    def forward(ctx, tail, keep, group):
+        # tail: this rank's last m = min(keep, shard) columns. W_k, the keep columns up to the end of rank
+        # k's shard, is the last keep columns of (W_{k-1}, rank k's tail); rank r's boundary is W_{r-1}.
+        m = tail.shape[-1]
+        lengths = all_gather(torch.tensor([m], device=tail.device), group)
+        tails = all_gather(F.pad(tail, (keep - m, 0)), group)               # ranks x (batch x dim x keep)
+        window = torch.zeros_like(tails[0])                                 # W_{-1}: before the sequence
+        for k in range(dist.get_rank(group)):
+            window = torch.cat([window, tails[k][..., keep - int(lengths[k]):]], -1)[..., -keep:]   # W_k
+        ctx.m, ctx.keep, ctx.group = m, keep, group
+        return window
+
+    @staticmethod
+    def backward(ctx, grad):
+        # U_r = dL/dW_r, all of it: W_r reaches rank r + 1's convolution (its grad there) and, if rank
+        # r + 1's shard is shorter than keep, W_{r+1} too. U_{r-1} = grad + U_r's first keep - m columns
+        # (where W_r copied W_{r-1}); the tail's gradient is U_r's last m columns.
+        m, keep, group = ctx.m, ctx.keep, ctx.group
+        rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+        later = receive(grad, rank + 1, group) if rank < ranks - 1 else torch.zeros_like(grad)   # U_r
+        total = grad.clone()
+        total[..., m:] += later[..., :keep - m]                             # U_{r-1}
+        if rank > 0:
+            send(total, rank - 1, group)
+        return later[..., keep - m:], None, None
+
+
 def conv_initial_states(x, width, group=None):
     """The width - 1 columns of x (batch, dim, this rank's shard) before this rank's shard, from the
-    ranks before it (zeros before the sequence), as causal_conv1d's initial_states. Differentiable."""
+    ranks before it (zeros before the sequence), as causal_conv1d's initial_states. Differentiable; the
+    backward receives one window of width - 1 columns per rank."""
     keep = width - 1
-    tail = F.pad(x[..., -keep:], (keep - min(keep, x.shape[-1]), 0))           # batch x dim x keep
-    lengths = all_gather(torch.tensor([min(keep, x.shape[-1])], device=x.device), group)
-    tails = gather_small(tail, group)                                          # ranks x batch x dim x keep
-    rank = dist.get_rank(group)
-    before = [torch.zeros_like(tail)] + [tails[k][..., keep - int(lengths[k]):] for k in range(rank)]
-    # tails[rank][..., :0] adds nothing but keeps the gather in every rank's graph (rank 0 uses no tail):
-    # its backward is a collective, which every rank must join.
-    return torch.cat(before + [tails[rank][..., :0]], -1)[..., -keep:]
+    m = min(keep, x.shape[-1])
+    return _ConvBoundary.apply(x[..., x.shape[-1] - m:], keep, group)
 
 
 def mamba(block, hidden_states, *, group=None):
@@ -590,20 +626,30 @@ def time_exchanges(shapes, repeats=20):
     return times
 
 
-def bytes_per_pass(batch=2, dim=8, n_states=4, shard=16):
+def bytes_per_pass(batch=1, dim=4, n_states=4, shard=4):
     """Run on every rank: the bytes this rank receives in one forward and one backward of the
-    sequence-parallel selective scan, each rank holding `shard` positions. Returns {pass: bytes}."""
+    sequence-parallel selective scan (batch x dim channels, N = n_states) and of a Mamba block (d_model
+    dim, expand 2, d_conv 4, d_state n_states), each rank holding `shard` positions.
+    Returns {"selective_scan" or "mamba": {pass: bytes}}."""
     g = torch.Generator().manual_seed(dist.get_rank())
     leaves = [t.to(_device()).requires_grad_() for t in (
         torch.randn(batch, dim, shard, generator=g), torch.randn(batch, dim, shard, generator=g) - 1.0,
         -torch.rand(dim, n_states, generator=g) - 0.5, torch.randn(batch, n_states, shard, generator=g),
         torch.randn(batch, n_states, shard, generator=g))]
-    before = dict(BYTES_RECEIVED)
-    out = selective_scan(*leaves, delta_softplus=True)
-    after_forward = dict(BYTES_RECEIVED)
-    torch.autograd.grad(out.sum(), leaves)
-    return {"forward": after_forward["forward"] - before["forward"],
-            "backward": BYTES_RECEIVED["backward"] - after_forward["backward"]}
+    torch.manual_seed(0)                                          # the same block on every rank
+    block = scan_lib.Mamba(d_model=dim, d_state=n_states, d_conv=4, expand=2, device=_device())
+    hidden = torch.randn(batch, shard, dim, generator=g).to(_device()).requires_grad_()
+    runs = {"selective_scan": (lambda: selective_scan(*leaves, delta_softplus=True), leaves),
+            "mamba": (lambda: mamba(block, hidden), [hidden, *block.parameters()])}
+    counts = {}
+    for kind, (forward, inputs) in runs.items():
+        before = dict(BYTES_RECEIVED)
+        out = forward()
+        after_forward = dict(BYTES_RECEIVED)
+        torch.autograd.grad(out.sum(), inputs)
+        counts[kind] = {"forward": after_forward["forward"] - before["forward"],
+                        "backward": BYTES_RECEIVED["backward"] - after_forward["backward"]}
+    return counts
 
 
 # %%
@@ -648,24 +694,40 @@ verdict(per_rank, SHAPES)
 #
 # **Bytes, counted.** `BYTES_RECEIVED` adds up what this process's exchanges receive, by pass (the
 # backward while autograd's engine runs). **Prediction**, with $S$ the bytes of one summary (batch
-# $\times$ dim $\times N$ float32): in the forward every rank receives $3S(R-1)$ (three tensors from
-# each other rank); in the backward every rank but the last receives $S$, at any $R$.
+# $\times$ channels $\times N$ float32): for the selective scan, in the forward every rank receives
+# $3S(R-1)$ (three tensors from each other rank); in the backward every rank but the last receives
+# $S$, at any $R$. For the Mamba block, add the convolution's window, $W$ bytes (batch $\times$
+# `d_inner` $\times$ (`d_conv` $-$ 1) float32): $(3S + W + 8)(R-1)$ in the forward (the 8: each other
+# rank's count of columns, an int64), $S + W$ in the backward on every rank but the last. The cell
+# measures both at 2, 3 and 4 ranks, each rank holding the same shard of 4 positions, and checks that
+# the most any rank receives in the backward stays within 1.5 times its smallest value over the three.
 
 # %%
 from scan_lib.distributed import bytes_per_pass
 
-summary_bytes = 2 * 8 * 4 * 4                       # bytes_per_pass's summary: batch 2, dim 8, N 4, float32
-print(f"one summary: {summary_bytes} bytes; bytes received per rank, in rank order")
-print(f"{'ranks':>5s} {'run as':11s} {'forward':>28s} {'backward':>24s}")
+summary = {"selective_scan": 1 * 4 * 4 * 4, "mamba": 1 * 8 * 4 * 4}    # batch x channels x N, float32
+window = 1 * 8 * 3 * 4                      # the block's convolution boundary: batch x d_inner x (d_conv - 1)
+predicted = {"selective_scan": lambda R: (3 * summary["selective_scan"] * (R - 1), summary["selective_scan"]),
+             "mamba": lambda R: ((3 * summary["mamba"] + window + 8) * (R - 1), summary["mamba"] + window)}
+print(f"summaries: {summary} bytes, the block's window {window}; bytes received per rank, in rank order")
+print(f"{'ranks':>5s} {'run as':11s} {'':15s} {'forward':>28s} {'backward':>24s}")
+most = {kind: {} for kind in summary}       # the backward's largest count over the ranks, by kind and ranks
 for ranks in (2, 3, 4):
     per_rank = launch(bytes_per_pass, ranks)
-    forward, backward = ([r[key] for r in per_rank] for key in ("forward", "backward"))
-    print(f"{ranks:5d} {'/'.join(launch_plan(ranks)):11s} {str(forward):>28s} {str(backward):>24s}")
-    assert backward == [summary_bytes] * (ranks - 1) + [0] and forward == [3 * summary_bytes * (ranks - 1)] * ranks
+    for kind in summary:
+        forward, backward = ([r[kind][key] for r in per_rank] for key in ("forward", "backward"))
+        print(f"{ranks:5d} {'/'.join(launch_plan(ranks)):11s} {kind:15s} {str(forward):>28s} {str(backward):>24s}")
+        fwd, bwd = predicted[kind](ranks)
+        assert backward == [bwd] * (ranks - 1) + [0] and forward == [fwd] * ranks, (kind, ranks, per_rank)
+        most[kind][ranks] = max(backward)
+for kind, counts in most.items():
+    print(f"{kind}: the backward's most per rank at 2, 3, 4 ranks {list(counts.values())}, "
+          f"largest / smallest {max(counts.values()) / min(counts.values()):.2f}")
+    assert max(counts.values()) <= 1.5 * min(counts.values())
 
 # %% [markdown]
-# The counts are the prediction's, exactly: the backward's traffic per rank does not grow with the
-# number of ranks; the forward's all-gather does, linearly (a chain forward would not, at the price of
+# The counts are the prediction's, exactly (the cell asserts them): the backward's traffic per rank
+# does not grow with the number of ranks, for the scan and for the block; the forward's all-gather's does, linearly (a chain forward would not, at the price of
 # $R - 1$ latencies one after another, which the timings above put beside it).
 #
 # ## 7. Two GPUs against one
@@ -767,7 +829,8 @@ else:
 # * The state entering a shard is a fold over one summary per earlier shard, $(P_r, E_r)$: the
 #   blocked scan of chapter 01 with GPUs for blocks, and the result is the one-device scan.
 # * One all-gather of the summaries is the forward's communication (each rank receives $3(R-1)$
-#   summaries), and a reverse chain the backward's (one summary per rank, whatever $R$), both counted.
+#   summary-sized tensors), and a reverse chain the backward's (one summary per rank, whatever $R$),
+#   both counted; the block's convolution boundary is exchanged the same way.
 # * `scan_lib.distributed.linear_scan`, `selective_scan` and `mamba` run over any process group;
 #   `launch` and `check_against_one_process` check them against one process; the example trains with
 #   them under `torchrun`.

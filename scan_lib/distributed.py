@@ -53,27 +53,6 @@ def receive(like, rank, group=None):
     return received.to(like.device)
 
 
-class _GatherSmall(torch.autograd.Function):
-    """all_gather of one small tensor, differentiable: the backward sums, over the ranks, the gradients
-    each rank's output holds for this rank's entry."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return torch.stack(all_gather(tensor, group))                    # ranks x tensor's shape
-
-    @staticmethod
-    def backward(ctx, grad):
-        every = torch.stack(all_gather(grad, ctx.group))                 # ranks x (ranks x shape)
-        return every[:, dist.get_rank(ctx.group)].sum(0), None
-
-
-def gather_small(tensor, group=None):
-    """Every rank's `tensor` (same shape everywhere), stacked in rank order: (ranks, *shape). Gradients
-    flow back to each rank's tensor."""
-    return _GatherSmall.apply(tensor, group)
-
-
 class _EnteringState(torch.autograd.Function):
     """h_in of this rank from every rank's (decay, end) and rank 0's start: one all_gather forward; the
     backward is the adjoint's reverse chain, T_r = g_r + decay_r T_{r+1}, received from rank r + 1 and
@@ -150,18 +129,47 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     return scan_lib.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state,
                                    entering)                                         # phase 3
 
+class _ConvBoundary(torch.autograd.Function):
+    """The keep = width - 1 columns of the sequence before this rank's shard (zeros before the
+    sequence), from every rank's last columns: one all_gather forward, folded as _EnteringState's; the
+    backward is the same reverse chain, one window of keep columns received from rank r + 1 and one
+    sent to rank r - 1, whatever the number of ranks."""
+
+    @staticmethod
+    def forward(ctx, tail, keep, group):
+        # tail: this rank's last m = min(keep, shard) columns. W_k, the keep columns up to the end of rank
+        # k's shard, is the last keep columns of (W_{k-1}, rank k's tail); rank r's boundary is W_{r-1}.
+        m = tail.shape[-1]
+        lengths = all_gather(torch.tensor([m], device=tail.device), group)
+        tails = all_gather(F.pad(tail, (keep - m, 0)), group)               # ranks x (batch x dim x keep)
+        window = torch.zeros_like(tails[0])                                 # W_{-1}: before the sequence
+        for k in range(dist.get_rank(group)):
+            window = torch.cat([window, tails[k][..., keep - int(lengths[k]):]], -1)[..., -keep:]   # W_k
+        ctx.m, ctx.keep, ctx.group = m, keep, group
+        return window
+
+    @staticmethod
+    def backward(ctx, grad):
+        # U_r = dL/dW_r, all of it: W_r reaches rank r + 1's convolution (its grad there) and, if rank
+        # r + 1's shard is shorter than keep, W_{r+1} too. U_{r-1} = grad + U_r's first keep - m columns
+        # (where W_r copied W_{r-1}); the tail's gradient is U_r's last m columns.
+        m, keep, group = ctx.m, ctx.keep, ctx.group
+        rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+        later = receive(grad, rank + 1, group) if rank < ranks - 1 else torch.zeros_like(grad)   # U_r
+        total = grad.clone()
+        total[..., m:] += later[..., :keep - m]                             # U_{r-1}
+        if rank > 0:
+            send(total, rank - 1, group)
+        return later[..., keep - m:], None, None
+
+
 def conv_initial_states(x, width, group=None):
     """The width - 1 columns of x (batch, dim, this rank's shard) before this rank's shard, from the
-    ranks before it (zeros before the sequence), as causal_conv1d's initial_states. Differentiable."""
+    ranks before it (zeros before the sequence), as causal_conv1d's initial_states. Differentiable; the
+    backward receives one window of width - 1 columns per rank."""
     keep = width - 1
-    tail = F.pad(x[..., -keep:], (keep - min(keep, x.shape[-1]), 0))           # batch x dim x keep
-    lengths = all_gather(torch.tensor([min(keep, x.shape[-1])], device=x.device), group)
-    tails = gather_small(tail, group)                                          # ranks x batch x dim x keep
-    rank = dist.get_rank(group)
-    before = [torch.zeros_like(tail)] + [tails[k][..., keep - int(lengths[k]):] for k in range(rank)]
-    # tails[rank][..., :0] adds nothing but keeps the gather in every rank's graph (rank 0 uses no tail):
-    # its backward is a collective, which every rank must join.
-    return torch.cat(before + [tails[rank][..., :0]], -1)[..., -keep:]
+    m = min(keep, x.shape[-1])
+    return _ConvBoundary.apply(x[..., x.shape[-1] - m:], keep, group)
 
 
 def mamba(block, hidden_states, *, group=None):
@@ -375,20 +383,30 @@ def time_exchanges(shapes, repeats=20):
     return times
 
 
-def bytes_per_pass(batch=2, dim=8, n_states=4, shard=16):
+def bytes_per_pass(batch=1, dim=4, n_states=4, shard=4):
     """Run on every rank: the bytes this rank receives in one forward and one backward of the
-    sequence-parallel selective scan, each rank holding `shard` positions. Returns {pass: bytes}."""
+    sequence-parallel selective scan (batch x dim channels, N = n_states) and of a Mamba block (d_model
+    dim, expand 2, d_conv 4, d_state n_states), each rank holding `shard` positions.
+    Returns {"selective_scan" or "mamba": {pass: bytes}}."""
     g = torch.Generator().manual_seed(dist.get_rank())
     leaves = [t.to(_device()).requires_grad_() for t in (
         torch.randn(batch, dim, shard, generator=g), torch.randn(batch, dim, shard, generator=g) - 1.0,
         -torch.rand(dim, n_states, generator=g) - 0.5, torch.randn(batch, n_states, shard, generator=g),
         torch.randn(batch, n_states, shard, generator=g))]
-    before = dict(BYTES_RECEIVED)
-    out = selective_scan(*leaves, delta_softplus=True)
-    after_forward = dict(BYTES_RECEIVED)
-    torch.autograd.grad(out.sum(), leaves)
-    return {"forward": after_forward["forward"] - before["forward"],
-            "backward": BYTES_RECEIVED["backward"] - after_forward["backward"]}
+    torch.manual_seed(0)                                          # the same block on every rank
+    block = scan_lib.Mamba(d_model=dim, d_state=n_states, d_conv=4, expand=2, device=_device())
+    hidden = torch.randn(batch, shard, dim, generator=g).to(_device()).requires_grad_()
+    runs = {"selective_scan": (lambda: selective_scan(*leaves, delta_softplus=True), leaves),
+            "mamba": (lambda: mamba(block, hidden), [hidden, *block.parameters()])}
+    counts = {}
+    for kind, (forward, inputs) in runs.items():
+        before = dict(BYTES_RECEIVED)
+        out = forward()
+        after_forward = dict(BYTES_RECEIVED)
+        torch.autograd.grad(out.sum(), inputs)
+        counts[kind] = {"forward": after_forward["forward"] - before["forward"],
+                        "backward": BYTES_RECEIVED["backward"] - after_forward["backward"]}
+    return counts
 
 def time_selective_scan(length, dim=1536, n_states=16, dtype=torch.bfloat16, repeats=5):
     """Run on every rank: this rank's median seconds for the forward and the forward+backward of the
