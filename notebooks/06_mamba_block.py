@@ -1334,8 +1334,8 @@ for width in (2, 3, 4):
 # which cost less per call than Triton's).
 #
 # **Why runs.** The kernels before these loaded $x$ at $K$ shifted positions (the forward: section 2's
-# kernel) or shifted tiles between threads with `tl.gather` (the
-# backward). On the H200 that forward was well behind `causal-conv1d`
+# kernel) or shifted tiles between threads with `tl.gather` (the backward). On the H200 that forward
+# was well behind `causal-conv1d`
 # (`benchmarks/NOTES_causal_conv1d.md` has the times): a load that starts $k - K + 1$ positions off is
 # not aligned to 16 bytes, so each thread issues a load per value, four times over. Compiled for the
 # H200 (sm_90, with Triton's own `ptxas`), the run kernels issue far fewer instructions per output, a
