@@ -311,7 +311,8 @@ def selective_scan_loop(u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
 # (`mamba_ssm`'s `selective_state_update`, without heads): load the state $h$ (dim x N) of one sequence,
 # apply $h \leftarrow e^{\Delta A} h + \Delta B x$ with chapter 05's `discretize`, store it back in
 # place, and read out $y = C \cdot h + D x$, gated. One program covers `BLOCK_D` channels of one batch
-# element. Chapter 05's `_load_delta` adds `dt_bias` and applies softplus.
+# element. Chapter 05's `_load_delta` adds `dt_bias` and applies softplus; its second result, the
+# pre-activation (whose sigmoid chapter 05's backward needs), is not needed here (`delta, _ =`).
 
 # %%
 #| export
