@@ -107,9 +107,9 @@ def rel_err(x, ref):
 # piece of the sequence). `mamba_ssm` gets this from the `causal-conv1d` CUDA package; ours, in
 # Triton, has the signature of that package's `causal_conv1d_fn`. The reference is the package's own,
 # on `F.conv1d` (`groups=dim` makes it depthwise; padding $K-1$ on both sides, then keeping the first
-# $L$ outputs, makes it causal). The cell also imports what the launchers need later, each named in
-# "Going deeper: the convolution kernels": the custom-op plumbing and chapter 07's
-# register helpers.
+# $L$ outputs, makes it causal). The cell also imports what the library's kernels and launchers need,
+# each named in "Going deeper: the convolution kernels", which shows their code: the custom-op
+# plumbing and chapter 07's register helpers.
 
 # %%
 #| export causal_conv1d
@@ -147,7 +147,8 @@ def causal_conv1d_ref(x, weight, bias=None, initial_states=None, return_final_st
 # **Why causal.** A language model predicts token $t+1$ from tokens $\le t$; if any layer lets
 # position $t$ read $t+1$, training shows the model the answer. The usual "same" convolution pads
 # symmetrically, so its output at $t$ reads $t+1$. The cell changes the input at position 5 and asks
-# which outputs moved:
+# which outputs moved, with `scan_lib.causal_conv1d`, the library's op (its code is in "Going deeper:
+# the convolution kernels"; the next cells write a simpler forward kernel):
 
 # %%
 from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update
@@ -165,277 +166,101 @@ assert min(moved_same) == 4            # position 4 saw the future
 assert moved_causal == [5, 6, 7]       # the change reaches t = 5 .. 5 + K - 1, never before
 
 # %% [markdown]
-# **The kernel.** One program per (batch element, block of `BLOCK_D` channels, block of `BLOCK_L`
-# positions) computes a `BLOCK_D x BLOCK_L` tile of outputs. Loading the tile $K$ times, shifted by
-# $k - K + 1$ positions, would be correct but slow: a shifted load is not aligned to 16 bytes, so the
-# GPU cannot fetch it as one vector per thread.
-#
-# So the kernel uses aligned loads only. It cuts a tile's positions into **runs** of `ITEMS`
-# consecutive positions, 16 bytes' worth (8 in bfloat16, 4 in float32), each thread holding whole runs.
-# Output item $i$ of a run needs inputs at items $i-K+1, \dots, i$ of the same run and, for
-# $i < K-1$, the last items of the run before. So the kernel loads the tile twice, where it is and one
-# run earlier, and picks every term from one of the two with no data movement: `items_of` (from
-# chapter 07) turns a `BLOCK_D x BLOCK_L` tile into `ITEMS` tiles of `BLOCK_D x RUNS`, the $i$-th
-# holding item $i$ of every run, and `positions_of` turns them back. `_around` picks the item $m$
-# positions from a run's start, from the run before it ($m < 0$) or after it ($m \ge$ `ITEMS`).
-# `_x_at` handles the padding. The first block of positions also writes the final states, the last
-# $K-1$ columns of `cat(initial_states, x)`: the next piece's `initial_states`.
+# **A kernel.** One program per (batch element, block of `BLOCK_D` channels, block of `BLOCK_L`
+# positions) computes a `BLOCK_D x BLOCK_L` tile of outputs. Tap $k$ reads $x$ shifted by
+# $k - K + 1$ positions, so the program loads the tile $K$ times, once per tap, each load shifted and
+# masked: positions before 0 and from $L$ on read zero. This first kernel has no `initial_states`
+# (it reads zeros before position 0, as `causal_conv1d` does without them).
 
 # %%
-#| export causal_conv1d
 @triton.jit
-def _x_at(X_ROW, H0_ROW, s, d_ok, length, stride_xl, stride_hl,
-          WIDTH: tl.constexpr, HAS_H0: tl.constexpr, ACC: tl.constexpr):
-    """x at positions s (1 x BLOCK_L, may be negative) of a block of channels (X_ROW: BLOCK_D x 1):
-    x[s] for 0 <= s < L, initial_states[WIDTH - 1 + s] for -(WIDTH - 1) <= s < 0 (zero without), 0 past L."""
-    val = tl.load(X_ROW + s * stride_xl, d_ok & (s >= 0) & (s < length), other=0.0).to(ACC)
-    if HAS_H0:
-        val += tl.load(H0_ROW + (s + WIDTH - 1) * stride_hl, d_ok & (s < 0) & (s >= 1 - WIDTH), other=0.0).to(ACC)
-    return val
-
-
-@triton.jit
-def _x_items(X_ROW, H0_ROW, s, d_ok, length, stride_xl, stride_hl, WIDTH: tl.constexpr, HAS_H0: tl.constexpr,
-             ACC: tl.constexpr, RUNS: tl.constexpr, ITEMS: tl.constexpr):
-    """_x_at at positions s (1 x BLOCK_L, RUNS runs of ITEMS) as ITEMS tiles BLOCK_D x RUNS: item i of every run."""
-    return items_of(_x_at(X_ROW, H0_ROW, s, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC), RUNS, ITEMS)
-
-
-@triton.jit
-def _around(before, run, after, m: tl.constexpr, ITEMS: tl.constexpr):
-    """Item m of every run, counted from the run's first position (each argument: ITEMS tiles, item by
-    item): from the run before it for m < 0, from the run after it for m >= ITEMS."""
-    if m < 0:
-        return before[ITEMS + m]
-    elif m < ITEMS:
-        return run[m]
-    else:
-        return after[m - ITEMS]
-
-
-@triton.jit
-def _weights(W_ROW, d_ok, stride_wk, WIDTH: tl.constexpr, ACC: tl.constexpr):
-    """The channels' filter w[0], ..., w[WIDTH - 1], each BLOCK_D x 1."""
-    w = ()
-    for k in tl.static_range(WIDTH):
-        w = w + (tl.load(W_ROW + k * stride_wk, d_ok, other=0.0).to(ACC),)
-    return w
-
-
-@triton.jit
-def _window_sum(w, bias, before, run, after, i: tl.constexpr, WIDTH: tl.constexpr, ITEMS: tl.constexpr):
-    """The pre-activation bias + sum_k w[k] x[t - (WIDTH - 1) + k] at item i of every run: BLOCK_D x RUNS."""
-    acc = bias + tl.zeros_like(run[0])
+def conv_shifted_kernel(X, WEIGHT, BIAS, OUT, dim, length,   # b x d x L, d x W, d, b x d x L, contiguous
+                        WIDTH: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+    """out[t] = silu(bias + sum_k w[k] x[t - (WIDTH - 1) + k]) on a BLOCK_D x BLOCK_L tile."""
+    b = tl.program_id(0).to(tl.int64)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
+    ts = tl.program_id(2) * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]       # 1 x BLOCK_L
+    d_ok = ds < dim
+    rows = (b * dim + ds) * length                                         # where each channel starts
+    acc = tl.zeros((BLOCK_D, BLOCK_L), X.dtype.element_ty) + tl.load(BIAS + ds, d_ok, other=0.0)
     for k in tl.static_range(WIDTH):
         ### BEGIN SOLUTION
-        ### HINT: add w[k] (BLOCK_D x 1) times x at item i - (WIDTH - 1) + k of every run (_around picks it from before, run or after) to acc; the cells below run scan_lib's copy of this kernel, the grader runs yours
-        acc += w[k] * _around(before, run, after, i - (WIDTH - 1) + k, ITEMS)
+        ### HINT: tap k: load w[k] (BLOCK_D x 1, at WEIGHT + ds * WIDTH + k) and x at positions s = ts - (WIDTH - 1) + k (at X + rows + s, masked: zero where s < 0 or s >= length), and add their product to acc
+        s = ts - (WIDTH - 1) + k                                           # tap k reads position s
+        w_k = tl.load(WEIGHT + ds * WIDTH + k, d_ok, other=0.0)            # BLOCK_D x 1
+        acc += w_k * tl.load(X + rows + s, d_ok & (s >= 0) & (s < length), other=0.0)
         ### END SOLUTION
-    return acc
+    out = acc / (1.0 + tl.exp(-acc))                                       # silu(p) = p sigma(p)
+    tl.store(OUT + rows + ts, out, d_ok & (ts < length))
 
 
-@triton.jit
-def _sigmoid(p, ACC: tl.constexpr):
-    """1 / (1 + e^-p): in float32 one exp2 and one fast reciprocal (fdiv); float64 divides exactly."""
-    if ACC == tl.float64:
-        return 1.0 / (1.0 + tl.exp(-p))
-    else:
-        return tl.math.fdiv(tl.full(p.shape, 1.0, ACC), 1.0 + tl.exp2(p * -LOG2E))
-
-
-@triton.jit
-def causal_conv1d_fwd_kernel(
-    X, WEIGHT, BIAS, H0, OUT, FINAL,          # b x d x L, d x W, d, b x d x (W-1), b x d x L, b x d x (W-1)
-    dim, length,
-    stride_xb, stride_xd, stride_xl, stride_wd, stride_wk, stride_bias,
-    stride_hb, stride_hd, stride_hl, stride_ob, stride_od, stride_ol, stride_fb, stride_fd, stride_fl,
-    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, ITEMS: tl.constexpr,
-):
-    """One program per (batch element, block of channels, block of positions); runs of ITEMS positions."""
-    RUNS: tl.constexpr = BLOCK_L // ITEMS
-    b = tl.program_id(0).to(tl.int64)
-    pid_l = tl.program_id(2)
-    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
-    d_ok = ds < dim
-    ts = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]                  # 1 x BLOCK_L
-    X_ROW = X + b * stride_xb + ds * stride_xd
-    H0_ROW = X_ROW
-    if HAS_H0:
-        H0_ROW = H0 + b * stride_hb + ds * stride_hd
-    bias = tl.zeros((BLOCK_D, 1), ACC)
-    if HAS_BIAS:
-        bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
-    x_run = _x_items(X_ROW, H0_ROW, ts, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
-    x_before = _x_items(X_ROW, H0_ROW, ts - ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS,
-                        ITEMS)                                             # the same tile, one run earlier
-    w = _weights(WEIGHT + ds * stride_wd, d_ok, stride_wk, WIDTH, ACC)
-    outs = ()
-    for i in tl.static_range(ITEMS):
-        pre = _window_sum(w, bias, x_before, x_run, x_run, i, WIDTH, ITEMS)   # BLOCK_D x RUNS
-        if SILU:
-            pre = pre * _sigmoid(pre, ACC)
-        outs = outs + (pre,)
-    out = positions_of(outs, RUNS, ITEMS)                                  # BLOCK_D x BLOCK_L
-    tl.store(OUT + b * stride_ob + ds * stride_od + ts * stride_ol, out.to(OUT.dtype.element_ty), d_ok & (ts < length))
-    if pid_l == 0:  # the final states: the last WIDTH - 1 columns of cat(initial_states, x)
-        j = tl.arange(0, 4)[None, :]                                       # 1 x 4, WIDTH - 1 <= 3 used
-        final = _x_at(X_ROW, H0_ROW, length - (WIDTH - 1) + j, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC)
-        tl.store(FINAL + b * stride_fb + ds * stride_fd + j * stride_fl, final.to(FINAL.dtype.element_ty),
-                 d_ok & (j < WIDTH - 1))
+def conv_shifted(x, weight, bias, block_d=16, block_l=64):
+    """silu(causal_conv1d(x, weight, bias)) with the kernel above, for x of shape (batch, dim, L)."""
+    x, weight, bias = x.contiguous(), weight.contiguous(), bias.contiguous()
+    batch, dim, length = x.shape
+    out = torch.empty_like(x)
+    grid = (batch, triton.cdiv(dim, block_d), triton.cdiv(length, block_l))
+    conv_shifted_kernel[grid](x, weight, bias, out, dim, length, WIDTH=weight.shape[1], BLOCK_D=block_d,
+                              BLOCK_L=block_l)
+    return out
 
 # %% [markdown]
-# **The backward.** Write $p_{t,d}$ for the pre-activation (the argument of silu), recomputed from $x$.
-# The incoming gradient through the activation is
+# It matches the reference in float64 at every width and at shapes that leave blocks partly empty
+# (one position, shorter than the filter; odd channel counts; a length that ends inside a block). Both
+# sides sum the same few terms, so they agree to rounding:
+
+# %%
+for width in (2, 3, 4):
+    errors = []
+    for batch, dim, length in ((1, 1, 1), (2, 5, 7), (3, 19, 129)):
+        g = torch.Generator().manual_seed(width * length)
+        x, weight, bias = (torch.randn(*shape, generator=g, dtype=torch.float64).to(DEVICE)
+                           for shape in ((batch, dim, length), (dim, width), (dim,)))
+        errors.append(rel_err(conv_shifted(x, weight, bias), causal_conv1d_ref(x, weight, bias, activation="silu")))
+    print(f"width {width}: relative errors " + "  ".join(f"{e:.1e}" for e in errors))
+    assert max(errors) < 1e-12, (width, errors)
+
+# %% [markdown]
+# **The library's kernels.** `scan_lib.causal_conv1d`, which the rest of the chapter uses, computes
+# the same function with kernels that load differently: a load shifted by $k - K + 1$ positions is
+# not aligned to 16 bytes, so the GPU cannot fetch it as one vector per thread, and the library's
+# kernels load aligned runs of 16 bytes only. They also read `initial_states`, write the final states
+# and have a backward; "Going deeper: the convolution kernels" shows them and checks every output and
+# gradient against the reference.
+#
+# **The backward.** Write $p_{t,d}$ for the pre-activation, the argument of silu
+# ($u = \mathrm{silu}(p)$). The incoming gradient through the activation is
 #
 # $$g_t = \frac{\partial\mathcal{L}}{\partial p_t} = \frac{\partial\mathcal{L}}{\partial u_t}\,
 # \mathrm{silu}'(p_t), \qquad \mathrm{silu}'(p) = \sigma(p)\big(1 + p\,(1 - \sigma(p))\big).$$
 #
 # Input $x_s$ appears in the outputs $t = s, \dots, s+K-1$, as the term $k = s - t + K - 1$, so
 #
-# $$\frac{\partial\mathcal{L}}{\partial x_s} = \sum_{j=0}^{K-1} w_{K-1-j}\, g_{s+j}:$$
+# $$\frac{\partial\mathcal{L}}{\partial x_s} = \sum_{j=0}^{K-1} w_{K-1-j}\, g_{s+j}
+# \qquad (g_t = 0 \text{ for } t \ge L):$$
 #
-# the same convolution with the **flipped** filter, run **forward** in time. In runs, item $i$ needs
-# $g$ at items $i, \dots, i+K-1$, the last ones in the run after it; so the kernel loads $x$ and
-# $\partial\mathcal{L}/\partial u$ where they are and one run later, and computes $g$ at the run's
-# `ITEMS` items and at the next run's first $K-1$. The same formula, with $x$ padded on the left by the
-# initial states, gives their gradients (the `dh0` loop). The weight and bias gradients sum over every
-# batch element and position:
+# the same convolution with the **flipped** filter, run **forward** in time. The initial states are
+# the inputs at $s = -K+1, \dots, -1$, so the same formula gives their gradients, with only the terms
+# $s + j \ge 0$. Numbering them $h^0_i = x_{i-K+1}$, $i = 0, \dots, K-2$, and substituting
+# $k = K-1-j$:
+#
+# $$\frac{\partial\mathcal{L}}{\partial h^0_{i}} = \sum_{k=0}^{i} w_{k}\, g_{i-k}.$$
+#
+# The weight and bias gradients sum over every batch element and position:
 #
 # $$\frac{\partial\mathcal{L}}{\partial w_{d,k}} = \sum_{b,\,t} g_{b,t,d}\; x_{b,\,t-K+1+k,\,d},
-# \qquad \frac{\partial\mathcal{L}}{\partial \beta_d} = \sum_{b,\,t} g_{b,t,d};$$
+# \qquad \frac{\partial\mathcal{L}}{\partial \beta_d} = \sum_{b,\,t} g_{b,t,d}.$$
 #
-# each program writes its block's partial sums, and PyTorch adds them up. A gradient arriving through
-# the final states flows straight into the inputs they copied.
-
-# %%
-#| export causal_conv1d
-@triton.jit
-def _silu_grad(pre, dout, ACC: tl.constexpr):
-    """g = dout * silu'(pre), silu'(p) = sigma(p) (1 + p (1 - sigma(p)))."""
-    sig = _sigmoid(pre, ACC)
-    return dout * sig * (1.0 + pre * (1.0 - sig))
-
-
-@triton.jit
-def causal_conv1d_bwd_kernel(
-    X, WEIGHT, BIAS, H0, DOUT, DFINAL,        # as the forward; b x d x L, b x d x (W-1)
-    DX, DW_PART, DBIAS_PART, DH0,             # b x d x L, (b * n_blocks_l) x d x W, (b * n_blocks_l) x d, b x d x (W-1)
-    dim, length, n_blocks_l,
-    stride_xb, stride_xd, stride_xl, stride_wd, stride_wk, stride_bias, stride_hb, stride_hd, stride_hl,
-    stride_gb, stride_gd, stride_gl, stride_fb, stride_fd, stride_fl, stride_dxb, stride_dxd, stride_dxl,
-    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DFINAL: tl.constexpr,
-    SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, ITEMS: tl.constexpr,
-):
-    RUNS: tl.constexpr = BLOCK_L // ITEMS
-    b = tl.program_id(0).to(tl.int64)
-    pid_l = tl.program_id(2)
-    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
-    d_ok = ds < dim
-    ts = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]                  # 1 x BLOCK_L
-    X_ROW = X + b * stride_xb + ds * stride_xd
-    DOUT_ROW = DOUT + b * stride_gb + ds * stride_gd
-    H0_ROW = X_ROW
-    if HAS_H0:
-        H0_ROW = H0 + b * stride_hb + ds * stride_hd
-    bias = tl.zeros((BLOCK_D, 1), ACC)
-    if HAS_BIAS:
-        bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
-    w = _weights(WEIGHT + ds * stride_wd, d_ok, stride_wk, WIDTH, ACC)
-    x_run = _x_items(X_ROW, H0_ROW, ts, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
-    x_before = _x_items(X_ROW, H0_ROW, ts - ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
-    du_run = _x_items(DOUT_ROW, DOUT_ROW, ts, d_ok, length, stride_gl, 0, WIDTH, False, ACC, RUNS, ITEMS)
-    du_after = _x_items(DOUT_ROW, DOUT_ROW, ts + ITEMS, d_ok, length, stride_gl, 0, WIDTH, False, ACC, RUNS, ITEMS)
-    if SILU:
-        x_after = _x_items(X_ROW, H0_ROW, ts + ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS,
-                           ITEMS)
-    g = ()  # g at the run's items and the next run's first WIDTH - 1 (zero past L, where dout is)
-    for i in tl.static_range(ITEMS + WIDTH - 1):
-        g_i = _around(du_run, du_run, du_after, i, ITEMS)                  # BLOCK_D x RUNS
-        if SILU:
-            g_i = _silu_grad(_window_sum(w, bias, x_before, x_run, x_after, i, WIDTH, ITEMS), g_i, ACC)
-        g = g + (g_i,)
-    dxs = ()  # dx[s] = sum_j w[WIDTH - 1 - j] g[s + j]: the flipped filter, reading forward in time
-    for i in tl.static_range(ITEMS):
-        dx_i = tl.zeros_like(g[0])
-        for j in tl.static_range(WIDTH):
-            dx_i += w[WIDTH - 1 - j] * g[i + j]
-        dxs = dxs + (dx_i,)
-    dx = positions_of(dxs, RUNS, ITEMS)                                    # BLOCK_D x BLOCK_L
-    F_ROW = X_ROW
-    if HAS_DFINAL:
-        F_ROW = DFINAL + b * stride_fb + ds * stride_fd
-    if HAS_DFINAL:  # x's last WIDTH - 1 columns are the final states
-        jf = ts - (length - (WIDTH - 1))
-        dx += tl.load(F_ROW + jf * stride_fl, d_ok & (jf >= 0) & (ts < length), other=0.0).to(ACC)
-    tl.store(DX + b * stride_dxb + ds * stride_dxd + ts * stride_dxl, dx.to(DX.dtype.element_ty),
-             d_ok & (ts < length))
-    # this block's share of dweight[k] = sum_t g[t] x[t - (WIDTH - 1) + k] and of dbias = sum_t g[t]
-    part = (b * n_blocks_l + pid_l) * dim
-    for k in tl.static_range(WIDTH):
-        share = tl.zeros_like(g[0])
-        for i in tl.static_range(ITEMS):
-            share += g[i] * _around(x_before, x_run, x_run, i - (WIDTH - 1) + k, ITEMS)
-        tl.store(DW_PART + (part + ds) * WIDTH + k, tl.sum(share, axis=1)[:, None], d_ok)
-    if HAS_BIAS:
-        share = tl.zeros_like(g[0])
-        for i in tl.static_range(ITEMS):
-            share += g[i]
-        tl.store(DBIAS_PART + part + ds, tl.sum(share, axis=1)[:, None], d_ok)
-    if HAS_H0:
-        if pid_l == 0:  # dh0[i] = sum_{k <= i} w[k] g[i - k] (items of the first run), plus dfinal[i - L] when L < WIDTH - 1
-            first_run = tl.arange(0, RUNS)[None, :] == 0                     # 1 x RUNS
-            for i in tl.static_range(WIDTH - 1):
-                dh = tl.zeros_like(g[0])
-                for k in tl.static_range(i + 1):
-                    dh += w[k] * g[i - k]
-                dh = tl.sum(tl.where(first_run, dh, 0.0), axis=1)[:, None]  # BLOCK_D x 1
-                if HAS_DFINAL:
-                    past_x = tl.zeros_like(ds) + i >= length                 # BLOCK_D x 1: a tile, not a
-                    # scalar, in the mask (Triton 3.9's interpreter rejects a mask that broadcasts a scalar)
-                    dh += tl.load(F_ROW + (i - length) * stride_fl, d_ok & past_x, other=0.0).to(ACC)
-                tl.store(DH0 + (b * dim + ds) * (WIDTH - 1) + i, dh.to(DH0.dtype.element_ty), d_ok)
-
-# %% [markdown]
-# **Checks.** `causal_conv1d` against the reference in float64, at lengths that are not multiples of
-# anything (1 is shorter than the filter), for every width, with bias, SiLU, initial and final states,
-# and every gradient. Both sides sum the same few terms, so they agree to rounding ($10^{-12}$ relative
-# is far above it). The launchers, half precision and the `causal-conv1d` package are in "Going deeper:
-# the convolution kernels".
-
-# %%
-def conv_grads(fn, x, weight, bias, h0, dout, dfinal, dtype=None):
-    """out, final states and the four gradients of sum(out * dout) + sum(final * dfinal)."""
-    leaves = [t.detach().to(dtype or t.dtype).requires_grad_(True) for t in (x, weight, bias, h0)]
-    out, final = fn(leaves[0], leaves[1], leaves[2], initial_states=leaves[3], return_final_states=True,
-                    activation="silu")
-    loss = (out.double() * dout).sum() + (final.double() * dfinal).sum()
-    return [out, final, *torch.autograd.grad(loss, leaves)]
-
-
-def conv_problem(batch, dim, length, width, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    shapes = [(batch, dim, length), (dim, width), (dim,), (batch, dim, width - 1), (batch, dim, length),
-              (batch, dim, width - 1)]
-    return [torch.randn(*s, generator=g, dtype=torch.float64).to(DEVICE) for s in shapes]
-
-
-CONV_NAMES = ["out", "final", "dx", "dweight", "dbias", "dinitial"]
-print(" width      L  " + "  ".join(f"{n:>8}" for n in CONV_NAMES))
-for width in (2, 3, 4):
-    for length in (1, 7, 129, 1000):
-        problem = conv_problem(2, 3, length, width, seed=width * length)
-        ours, ref = conv_grads(causal_conv1d, *problem), conv_grads(causal_conv1d_ref, *problem)
-        errors = [rel_err(a, r) for a, r in zip(ours, ref)]
-        print(f"{width:6d} {length:6d}  " + "  ".join(f"{e:8.1e}" for e in errors))
-        assert max(errors) < 1e-12, (width, length, errors)
+# A gradient arriving through the final states (the last $K-1$ columns of `cat(initial_states, x)`)
+# flows straight into the inputs they copied: the last $K-1$ columns of $x$, or initial states when
+# $L < K-1$.
 
 # %% [markdown]
 # ## 3. The block, piece by piece
 #
 # Triton's interpreter can check a kernel on the CPU but not train. So the block has two backends
-# that compute the same function: `"triton"` (the kernels of section 2 and chapter 05) and `"torch"`
-# (the convolution's reference and the scan as a loop over positions, below).
+# that compute the same function: `"triton"` (section 2's `scan_lib.causal_conv1d` and chapter 05's
+# scan) and `"torch"` (the convolution's reference and the scan as a loop over positions, below).
 
 # %%
 #| export
@@ -1245,6 +1070,254 @@ else:
 # %% [markdown]
 # ### The convolution kernels
 #
+# This is the code of `scan_lib.causal_conv1d`: the forward and backward kernels (their window sum,
+# `_window_sum`, is section 2's loop over taps), their checks against the reference, the launchers,
+# the one-token update, half precision and the `causal-conv1d` package.
+#
+# **Aligned runs.** Section 2's kernel loads the tile $K$ times, shifted, and a shifted load is not
+# aligned to 16 bytes. These kernels use aligned loads only. They cut a tile's positions into
+# **runs** of `ITEMS` consecutive positions, 16 bytes' worth (8 in bfloat16, 4 in float32), each
+# thread holding whole runs. Output item $i$ of a run needs inputs at items $i-K+1, \dots, i$ of the
+# same run and, for $i < K-1$, the last items of the run before. So the forward kernel loads the tile
+# twice, where it is and one run earlier, and picks every term from one of the two with no data
+# movement: `items_of` (from chapter 07) turns a `BLOCK_D x BLOCK_L` tile into `ITEMS` tiles of
+# `BLOCK_D x RUNS`, the $i$-th holding item $i$ of every run, and `positions_of` turns them back.
+# `_around` picks the item $m$ positions from a run's start, from the run before it ($m < 0$) or after
+# it ($m \ge$ `ITEMS`). `_x_at` handles the padding, reading `initial_states` before position 0. The
+# first block of positions also writes the final states, the last $K-1$ columns of
+# `cat(initial_states, x)`: the next piece's `initial_states`.
+
+# %%
+#| export causal_conv1d
+@triton.jit
+def _x_at(X_ROW, H0_ROW, s, d_ok, length, stride_xl, stride_hl,
+          WIDTH: tl.constexpr, HAS_H0: tl.constexpr, ACC: tl.constexpr):
+    """x at positions s (1 x BLOCK_L, may be negative) of a block of channels (X_ROW: BLOCK_D x 1):
+    x[s] for 0 <= s < L, initial_states[WIDTH - 1 + s] for -(WIDTH - 1) <= s < 0 (zero without), 0 past L."""
+    val = tl.load(X_ROW + s * stride_xl, d_ok & (s >= 0) & (s < length), other=0.0).to(ACC)
+    if HAS_H0:
+        val += tl.load(H0_ROW + (s + WIDTH - 1) * stride_hl, d_ok & (s < 0) & (s >= 1 - WIDTH), other=0.0).to(ACC)
+    return val
+
+
+@triton.jit
+def _x_items(X_ROW, H0_ROW, s, d_ok, length, stride_xl, stride_hl, WIDTH: tl.constexpr, HAS_H0: tl.constexpr,
+             ACC: tl.constexpr, RUNS: tl.constexpr, ITEMS: tl.constexpr):
+    """_x_at at positions s (1 x BLOCK_L, RUNS runs of ITEMS) as ITEMS tiles BLOCK_D x RUNS: item i of every run."""
+    return items_of(_x_at(X_ROW, H0_ROW, s, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC), RUNS, ITEMS)
+
+
+@triton.jit
+def _around(before, run, after, m: tl.constexpr, ITEMS: tl.constexpr):
+    """Item m of every run, counted from the run's first position (each argument: ITEMS tiles, item by
+    item): from the run before it for m < 0, from the run after it for m >= ITEMS."""
+    if m < 0:
+        return before[ITEMS + m]
+    elif m < ITEMS:
+        return run[m]
+    else:
+        return after[m - ITEMS]
+
+
+@triton.jit
+def _weights(W_ROW, d_ok, stride_wk, WIDTH: tl.constexpr, ACC: tl.constexpr):
+    """The channels' filter w[0], ..., w[WIDTH - 1], each BLOCK_D x 1."""
+    w = ()
+    for k in tl.static_range(WIDTH):
+        w = w + (tl.load(W_ROW + k * stride_wk, d_ok, other=0.0).to(ACC),)
+    return w
+
+
+@triton.jit
+def _window_sum(w, bias, before, run, after, i: tl.constexpr, WIDTH: tl.constexpr, ITEMS: tl.constexpr):
+    """The pre-activation bias + sum_k w[k] x[t - (WIDTH - 1) + k] at item i of every run: BLOCK_D x RUNS."""
+    acc = bias + tl.zeros_like(run[0])
+    for k in tl.static_range(WIDTH):
+        acc += w[k] * _around(before, run, after, i - (WIDTH - 1) + k, ITEMS)
+    return acc
+
+
+@triton.jit
+def _sigmoid(p, ACC: tl.constexpr):
+    """1 / (1 + e^-p): in float32 one exp2 and one fast reciprocal (fdiv); float64 divides exactly."""
+    if ACC == tl.float64:
+        return 1.0 / (1.0 + tl.exp(-p))
+    else:
+        return tl.math.fdiv(tl.full(p.shape, 1.0, ACC), 1.0 + tl.exp2(p * -LOG2E))
+
+
+@triton.jit
+def causal_conv1d_fwd_kernel(
+    X, WEIGHT, BIAS, H0, OUT, FINAL,          # b x d x L, d x W, d, b x d x (W-1), b x d x L, b x d x (W-1)
+    dim, length,
+    stride_xb, stride_xd, stride_xl, stride_wd, stride_wk, stride_bias,
+    stride_hb, stride_hd, stride_hl, stride_ob, stride_od, stride_ol, stride_fb, stride_fd, stride_fl,
+    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr,
+    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, ITEMS: tl.constexpr,
+):
+    """One program per (batch element, block of channels, block of positions); runs of ITEMS positions."""
+    RUNS: tl.constexpr = BLOCK_L // ITEMS
+    b = tl.program_id(0).to(tl.int64)
+    pid_l = tl.program_id(2)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
+    d_ok = ds < dim
+    ts = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]                  # 1 x BLOCK_L
+    X_ROW = X + b * stride_xb + ds * stride_xd
+    H0_ROW = X_ROW
+    if HAS_H0:
+        H0_ROW = H0 + b * stride_hb + ds * stride_hd
+    bias = tl.zeros((BLOCK_D, 1), ACC)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
+    x_run = _x_items(X_ROW, H0_ROW, ts, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
+    x_before = _x_items(X_ROW, H0_ROW, ts - ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS,
+                        ITEMS)                                             # the same tile, one run earlier
+    w = _weights(WEIGHT + ds * stride_wd, d_ok, stride_wk, WIDTH, ACC)
+    outs = ()
+    for i in tl.static_range(ITEMS):
+        pre = _window_sum(w, bias, x_before, x_run, x_run, i, WIDTH, ITEMS)   # BLOCK_D x RUNS
+        if SILU:
+            pre = pre * _sigmoid(pre, ACC)
+        outs = outs + (pre,)
+    out = positions_of(outs, RUNS, ITEMS)                                  # BLOCK_D x BLOCK_L
+    tl.store(OUT + b * stride_ob + ds * stride_od + ts * stride_ol, out.to(OUT.dtype.element_ty), d_ok & (ts < length))
+    if pid_l == 0:  # the final states: the last WIDTH - 1 columns of cat(initial_states, x)
+        j = tl.arange(0, 4)[None, :]                                       # 1 x 4, WIDTH - 1 <= 3 used
+        final = _x_at(X_ROW, H0_ROW, length - (WIDTH - 1) + j, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC)
+        tl.store(FINAL + b * stride_fb + ds * stride_fd + j * stride_fl, final.to(FINAL.dtype.element_ty),
+                 d_ok & (j < WIDTH - 1))
+
+# %% [markdown]
+# **The backward in runs.** The kernel computes section 2's formulas. For
+# $\partial\mathcal{L}/\partial x$, item $i$ of a run needs $g$ at items $i, \dots, i+K-1$, the last
+# ones in the run after it; so the kernel loads $x$ and $\partial\mathcal{L}/\partial u$ where they are
+# and one run later, and computes $g$ at the run's `ITEMS` items and at the next run's first $K-1$. The
+# same formula, with $x$ padded on the left by the initial states, gives their gradients (the `dh0`
+# loop). For the weight and bias gradients each program writes its block's partial sums, and PyTorch
+# adds them up.
+
+# %%
+#| export causal_conv1d
+@triton.jit
+def _silu_grad(pre, dout, ACC: tl.constexpr):
+    """g = dout * silu'(pre), silu'(p) = sigma(p) (1 + p (1 - sigma(p)))."""
+    sig = _sigmoid(pre, ACC)
+    return dout * sig * (1.0 + pre * (1.0 - sig))
+
+
+@triton.jit
+def causal_conv1d_bwd_kernel(
+    X, WEIGHT, BIAS, H0, DOUT, DFINAL,        # as the forward; b x d x L, b x d x (W-1)
+    DX, DW_PART, DBIAS_PART, DH0,             # b x d x L, (b * n_blocks_l) x d x W, (b * n_blocks_l) x d, b x d x (W-1)
+    dim, length, n_blocks_l,
+    stride_xb, stride_xd, stride_xl, stride_wd, stride_wk, stride_bias, stride_hb, stride_hd, stride_hl,
+    stride_gb, stride_gd, stride_gl, stride_fb, stride_fd, stride_fl, stride_dxb, stride_dxd, stride_dxl,
+    WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DFINAL: tl.constexpr,
+    SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, ITEMS: tl.constexpr,
+):
+    RUNS: tl.constexpr = BLOCK_L // ITEMS
+    b = tl.program_id(0).to(tl.int64)
+    pid_l = tl.program_id(2)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
+    d_ok = ds < dim
+    ts = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]                  # 1 x BLOCK_L
+    X_ROW = X + b * stride_xb + ds * stride_xd
+    DOUT_ROW = DOUT + b * stride_gb + ds * stride_gd
+    H0_ROW = X_ROW
+    if HAS_H0:
+        H0_ROW = H0 + b * stride_hb + ds * stride_hd
+    bias = tl.zeros((BLOCK_D, 1), ACC)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
+    w = _weights(WEIGHT + ds * stride_wd, d_ok, stride_wk, WIDTH, ACC)
+    x_run = _x_items(X_ROW, H0_ROW, ts, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
+    x_before = _x_items(X_ROW, H0_ROW, ts - ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
+    du_run = _x_items(DOUT_ROW, DOUT_ROW, ts, d_ok, length, stride_gl, 0, WIDTH, False, ACC, RUNS, ITEMS)
+    du_after = _x_items(DOUT_ROW, DOUT_ROW, ts + ITEMS, d_ok, length, stride_gl, 0, WIDTH, False, ACC, RUNS, ITEMS)
+    if SILU:
+        x_after = _x_items(X_ROW, H0_ROW, ts + ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS,
+                           ITEMS)
+    g = ()  # g at the run's items and the next run's first WIDTH - 1 (zero past L, where dout is)
+    for i in tl.static_range(ITEMS + WIDTH - 1):
+        g_i = _around(du_run, du_run, du_after, i, ITEMS)                  # BLOCK_D x RUNS
+        if SILU:
+            g_i = _silu_grad(_window_sum(w, bias, x_before, x_run, x_after, i, WIDTH, ITEMS), g_i, ACC)
+        g = g + (g_i,)
+    dxs = ()  # dx[s] = sum_j w[WIDTH - 1 - j] g[s + j]: the flipped filter, reading forward in time
+    for i in tl.static_range(ITEMS):
+        dx_i = tl.zeros_like(g[0])
+        for j in tl.static_range(WIDTH):
+            dx_i += w[WIDTH - 1 - j] * g[i + j]
+        dxs = dxs + (dx_i,)
+    dx = positions_of(dxs, RUNS, ITEMS)                                    # BLOCK_D x BLOCK_L
+    F_ROW = X_ROW
+    if HAS_DFINAL:
+        F_ROW = DFINAL + b * stride_fb + ds * stride_fd
+    if HAS_DFINAL:  # x's last WIDTH - 1 columns are the final states
+        jf = ts - (length - (WIDTH - 1))
+        dx += tl.load(F_ROW + jf * stride_fl, d_ok & (jf >= 0) & (ts < length), other=0.0).to(ACC)
+    tl.store(DX + b * stride_dxb + ds * stride_dxd + ts * stride_dxl, dx.to(DX.dtype.element_ty),
+             d_ok & (ts < length))
+    # this block's share of dweight[k] = sum_t g[t] x[t - (WIDTH - 1) + k] and of dbias = sum_t g[t]
+    part = (b * n_blocks_l + pid_l) * dim
+    for k in tl.static_range(WIDTH):
+        share = tl.zeros_like(g[0])
+        for i in tl.static_range(ITEMS):
+            share += g[i] * _around(x_before, x_run, x_run, i - (WIDTH - 1) + k, ITEMS)
+        tl.store(DW_PART + (part + ds) * WIDTH + k, tl.sum(share, axis=1)[:, None], d_ok)
+    if HAS_BIAS:
+        share = tl.zeros_like(g[0])
+        for i in tl.static_range(ITEMS):
+            share += g[i]
+        tl.store(DBIAS_PART + part + ds, tl.sum(share, axis=1)[:, None], d_ok)
+    if HAS_H0:
+        if pid_l == 0:  # dh0[i] = sum_{k <= i} w[k] g[i - k] (items of the first run), plus dfinal[i - L] when L < WIDTH - 1
+            first_run = tl.arange(0, RUNS)[None, :] == 0                     # 1 x RUNS
+            for i in tl.static_range(WIDTH - 1):
+                dh = tl.zeros_like(g[0])
+                for k in tl.static_range(i + 1):
+                    dh += w[k] * g[i - k]
+                dh = tl.sum(tl.where(first_run, dh, 0.0), axis=1)[:, None]  # BLOCK_D x 1
+                if HAS_DFINAL:
+                    past_x = tl.zeros_like(ds) + i >= length                 # BLOCK_D x 1: a tile, not a
+                    # scalar, in the mask (Triton 3.9's interpreter rejects a mask that broadcasts a scalar)
+                    dh += tl.load(F_ROW + (i - length) * stride_fl, d_ok & past_x, other=0.0).to(ACC)
+                tl.store(DH0 + (b * dim + ds) * (WIDTH - 1) + i, dh.to(DH0.dtype.element_ty), d_ok)
+
+# %% [markdown]
+# **Checks.** `causal_conv1d` against the reference in float64, at lengths that are not multiples of
+# anything (1 is shorter than the filter), for every width, with bias, SiLU, initial and final states,
+# and every gradient. Both sides sum the same few terms, so they agree to rounding ($10^{-12}$ relative
+# is far above it). The launchers, half precision and the `causal-conv1d` package follow.
+
+# %%
+def conv_grads(fn, x, weight, bias, h0, dout, dfinal, dtype=None):
+    """out, final states and the four gradients of sum(out * dout) + sum(final * dfinal)."""
+    leaves = [t.detach().to(dtype or t.dtype).requires_grad_(True) for t in (x, weight, bias, h0)]
+    out, final = fn(leaves[0], leaves[1], leaves[2], initial_states=leaves[3], return_final_states=True,
+                    activation="silu")
+    loss = (out.double() * dout).sum() + (final.double() * dfinal).sum()
+    return [out, final, *torch.autograd.grad(loss, leaves)]
+
+
+def conv_problem(batch, dim, length, width, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [(batch, dim, length), (dim, width), (dim,), (batch, dim, width - 1), (batch, dim, length),
+              (batch, dim, width - 1)]
+    return [torch.randn(*s, generator=g, dtype=torch.float64).to(DEVICE) for s in shapes]
+
+
+CONV_NAMES = ["out", "final", "dx", "dweight", "dbias", "dinitial"]
+print(" width      L  " + "  ".join(f"{n:>8}" for n in CONV_NAMES))
+for width in (2, 3, 4):
+    for length in (1, 7, 129, 1000):
+        problem = conv_problem(2, 3, length, width, seed=width * length)
+        ours, ref = conv_grads(causal_conv1d, *problem), conv_grads(causal_conv1d_ref, *problem)
+        errors = [rel_err(a, r) for a, r in zip(ours, ref)]
+        print(f"{width:6d} {length:6d}  " + "  ".join(f"{e:8.1e}" for e in errors))
+        assert max(errors) < 1e-12, (width, length, errors)
+
+# %% [markdown]
 # **Launch configuration.** A program computes a `BLOCK_D x BLOCK_L` tile; the grid is
 # `(batch, cdiv(dim, BLOCK_D), cdiv(L, BLOCK_L))`, thousands of programs at Mamba's size, so the GPU
 # is full without a loop inside the program. The blocks (8 channels x 256 positions and 2 warps for
@@ -1258,12 +1331,12 @@ else:
 # `accumulator_dtype` (chapter 02's map from a torch dtype to the Triton dtype a kernel sums in),
 # `custom_op`, `apply` and `_vmap_by_loop`, the custom-operator and autograd plumbing of chapter 05
 # (below), and from chapter 07's module the helpers its fast kernels share with these (`items_of`,
-# `positions_of`, introduced with the kernel; `LOG2E`; `cdiv` and `next_power_of_2` in plain Python,
+# `positions_of`, introduced above; `LOG2E`; `cdiv` and `next_power_of_2` in plain Python,
 # which cost less per call than Triton's).
 #
 # **Why runs.** The kernels before these loaded $x$ at $K$ shifted positions (the forward: section 2's
-# simplest kernel, this chapter's first) or shifted tiles between threads with `tl.gather` (the
-# backward). On the H200 that forward was well behind `causal-conv1d`
+# kernel) or shifted tiles between threads with `tl.gather` (the backward). On the H200 that forward
+# was well behind `causal-conv1d`
 # (`benchmarks/NOTES_causal_conv1d.md` has the times): a load that starts $k - K + 1$ positions off is
 # not aligned to 16 bytes, so each thread issues a load per value, four times over. Compiled for the
 # H200 (sm_90, with Triton's own `ptxas`), the run kernels issue far fewer instructions per output, a
@@ -1292,18 +1365,14 @@ else:
 # convolution for $\partial\mathcal{L}/\partial x_s$ reads positions $s, \dots, s+K-1$, zero past $L$;
 # the kernel loads $x$ one run earlier too, for $p$ at the first items. It recomputes $g$ at the next
 # run's first $K-1$ positions rather than moving it between threads: a sigmoid costs less than a trip
-# through shared memory. The initial states are the inputs at $s = -K+1, \dots, -1$, so the formula for
-# $\partial\mathcal{L}/\partial x_s$ gives them; only the terms with $s + j \ge 0$ exist. Numbering
-# the initial states $h^0_i = x_{i-K+1}$, $i = 0, \dots, K-2$, and substituting $k = K-1-j$:
-#
-# $$\frac{\partial\mathcal{L}}{\partial h^0_{i}} = \sum_{k=0}^{i} w_{k}\, g_{i-k},$$
-#
-# plus, when $L < K-1$, the gradient of the final state that copied $h^0_i$ (the kernel's `dh0` loop).
+# through shared memory. The initial states' gradients are section 2's sum for
+# $\partial\mathcal{L}/\partial h^0_i$ over the first run's items, plus, when $L < K-1$, the gradient of
+# the final state that copied $h^0_i$ (the kernel's `dh0` loop).
 # PyTorch adds the programs' partial sums of the weight and bias gradients in a fixed order: no
 # atomics, so the gradients are the same bits on every run. A gradient arriving through the final
 # states flows into the last $K-1$ columns of $x$, or into initial states when $L < K-1$.
 #
-# **Tests.** `tests/test_causal_conv1d.py` adds to section 2's checks `gradcheck` (our backward against
+# **Tests.** `tests/test_causal_conv1d.py` adds to the checks above `gradcheck` (our backward against
 # finite differences of our own forward) for every input.
 #
 # **Autograd plumbing.** As in chapter 05: the two launchers are custom operators with a fake

@@ -139,7 +139,7 @@ FIRST_EXERCISE_WRONG = {
     "03_backward": ("dy, reverse=not reverse)  # the adjoint", "dy, reverse=reverse)", "grads_by_formula"),
     "04_multistate": ("y = tl.sum(c * h, axis=1)", "y = tl.sum(h, axis=1)", "multistate_single_block"),
     "05_mamba": ("D=(dybar * u).sum((0, 2)),", "D=dybar.sum((0, 2)),", "d D,"),
-    "06_mamba_block": ("W_ROW + k * stride_wk", "W_ROW + (WIDTH - 1 - k) * stride_wk", "out (width"),
+    "06_mamba_block": ("WEIGHT + ds * WIDTH + k,", "WEIGHT + ds * WIDTH + (WIDTH - 1 - k),", "out (width"),
     "07_performance": ("4 * big + 2 * small", "3 * big + 2 * small", "are the bytes counted as the docstring says"),
     "08_flash_attention": ("scale_x = torch.where(m_x == m, 1.0, torch.exp(m_x - m))", "scale_x = torch.exp(m_x - m)",
                            "must count as 1, not NaN"),
