@@ -799,7 +799,7 @@ else:
 # The memory floor is itself a measurement, of a copy, so a kernel that streams as well as a copy
 # lands on it give or take the run-to-run variation, and may come in slightly under it (in the
 # table above, the large additions replayed from a CUDA graph, the `graph_us` column, do); the
-# timing cell treats only a time under 0.8 of the floor as a timing error.
+# cell of "Timing a kernel on a GPU" treats only a time under 0.8 of the floor as a timing error.
 #
 # Without a GPU the next cell times the interpreter: every operation of every program runs in
 # Python, so many small blocks cost far more than a few large ones, and both are much slower than
