@@ -463,8 +463,8 @@ for length in (1, 7, 129, 1000):
 #
 # The docstring is the contract. The function checks its arguments and runs the forward as a torch
 # custom op, through an autograd Function when a gradient may be needed; its helpers are defined in
-# "Going deeper: a torch op, autograd, and transforms", and the next cell imports the exported module,
-# which has them all.
+# "Going deeper: a torch op, autograd, and transforms", and the dtype check after it imports the
+# exported module, which has them all.
 
 # %%
 #| export
@@ -588,9 +588,9 @@ else:
         assert r["fused Triton"] < r["materialised PyTorch"], key
 
 # %% [markdown]
-# "fused / floor" near 1 means memory-bound: only the float32 forward comes near it. "materialised /
-# fused" is the price of writing the states. "Going deeper" draws the table and looks at bfloat16 and
-# chunk lengths.
+# "fused / floor" near 1 means memory-bound: in this run the float32 rows come near it (1.08 forward,
+# 1.12 forward + backward), the bfloat16 rows do not (1.63, 1.85). "materialised / fused" is the price
+# of writing the states. "Going deeper" draws the table and looks at bfloat16 and chunk lengths.
 #
 # ## Summary
 #
@@ -704,19 +704,20 @@ else:
 
 
 # %% [markdown]
-# (On a GPU.) In this run the time is not monotone in $L_{\text{block}}$. In float32 it falls from 376 us at
-# 16 to 215 us at 64, the default, rises to 405 us at 128 and falls again to 242 us at 256. In bfloat16 it
-# is 200 and 197 us at 16 and 32, 227 us at 64, and 366 and 364 us at 128 and 256, so the fastest there is
-# 32 and the default is 1.15x slower. Both dtypes slow down sharply from 64 to 128, where `num_warps_for`
-# first gives 8 warps (16, 32, 64 get 1, 2, 4; 256 gets 8 too, with twice the tile elements per thread). A
-# hypothesis, which nothing in this chapter measures: from 16 to 128 the warps grow with the tile, so every
-# thread holds the same number of tile elements (at $N = 16$), and the tile's demand on each thread's
-# registers alone would not explain a jump at 128; what does change is how Triton spreads the tile over
-# threads and warps, and with it how much of each chunk's scan and of the sum over $N$ combines values held
-# by other warps, which go through shared memory with a synchronisation. Testing that would take the
-# compiled code's layouts and a profile (registers, spills, occupancy, stalls); the bfloat16 row at 256,
-# which does not recover as float32's does, is not explained by it either. The default is the rule above,
-# not a tuned value; in this run it is the fastest in float32 only.
+# (On a GPU.) In this run the time is not monotone in $L_{\text{block}}$. In float32 it falls from 455 us
+# at 16 to 302 us at 64, the default, rises to 412 us at 128 and falls again to 297 us at 256, so the
+# fastest there is 256 and the default is 1.02x slower. In bfloat16 it falls from 249 us at 16 to 228 us
+# at 64, the fastest, and is 367 and 364 us at 128 and 256. Both dtypes slow down sharply from 64 to 128,
+# where `num_warps_for` first gives 8 warps (16, 32, 64 get 1, 2, 4; 256 gets 8 too, with twice the tile
+# elements per thread). A hypothesis, which nothing in this chapter measures: from 16 to 128 the warps
+# grow with the tile, so every thread holds the same number of tile elements (at $N = 16$), and the
+# tile's demand on each thread's registers alone would not explain a jump at 128; what does change is how
+# Triton spreads the tile over threads and warps, and with it how much of each chunk's scan and of the
+# sum over $N$ combines values held by other warps, which go through shared memory with a
+# synchronisation. Testing that would take the compiled code's layouts and a profile (registers, spills,
+# occupancy, stalls); the bfloat16 row at 256, which does not recover as float32's does, is not explained
+# by it either. The default is the rule above, not a tuned value; in this run it is the fastest in
+# bfloat16 only (in float32, 2% behind 256).
 #
 # ## Going deeper: the backward formulas as a loop
 #
