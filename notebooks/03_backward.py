@@ -236,10 +236,10 @@ for length in [1, 7, 129, 1000, 4097]:
 # chunk by the same `scan_chunk` run the other way: $\delta$ flows from the right through the loop, $h$
 # from the left through memory, read back from the forward's output by a load offset by one position
 # ($h_{t-1}$), as the gates are by the opposite offset ($a_{t+1}$). In the padding it puts the identity
-# pair $(1, 0)$, not section 3's zero gate ("Going deeper" says why), so the carried adjoint passes
-# through unchanged; what is left after the last chunk, times the first gate of the forward scan ($a_0$;
-# $a_{L-1}$ in reverse), is the initial state's gradient. One kernel serves both directions of the
-# forward scan.
+# pair $(1, 0)$, not section 3's zero gate ("Going deeper: padding in the adjoint" says why), so the
+# carried adjoint passes through unchanged; what is left after the last chunk, times the first gate of
+# the forward scan ($a_0$; $a_{L-1}$ in reverse), is the initial state's gradient. One kernel serves
+# both directions of the forward scan.
 
 # %%
 #| export
@@ -413,8 +413,9 @@ print("gradcheck (float64, shape (1, 2, 20), full Jacobian) and gradgradcheck (1
 # over the copy bandwidth (`copy_bandwidth`, chapter 00, measured in the same cell). The forward moves
 # **3 tensors** (reads gates and tokens, writes $h$); forward + backward **8** (the backward also reads
 # gates, $h$ and the incoming gradient, and writes two gradients). Ours runs with its default
-# `BWD_CONFIG` and with the backward's loads descending ("Going deeper"); a peer, accelerated-scan,
-# runs when it is installed. Times are `do_bench` medians.
+# `BWD_CONFIG` and with the backward's loads descending ("Going deeper: launch parameters, and two
+# ways to scan against the memory order"); a peer, accelerated-scan, runs when it is installed. Times
+# are `do_bench` medians.
 
 # %%
 if not ON_GPU:
@@ -500,11 +501,11 @@ else:
 
 
 # %% [markdown]
-# The cell times the public `linear_scan`, call included: the forward takes 1.71x the floor in the
-# first row and 1.07x in the second, forward + backward 4.01x with the default backward and 2.89x with
-# descending loads. Both rows run the same forward, so the difference between their forward columns is
-# no evidence about the kernels (more in "Going deeper: reading the timing"). This run has no peer row:
-# accelerated-scan was not installed.
+# The cell times the public `linear_scan`, call included: the forward takes 1.05x the floor in the
+# first row and 1.06x in the second, forward + backward 1.04x with the default backward and 1.08x with
+# descending loads. Both rows run the same forward; of the two backwards, the default was the faster in
+# this run (more in "Going deeper: reading the timing"). This run has no peer row: accelerated-scan was
+# not installed.
 #
 # ## Summary
 #
@@ -1007,17 +1008,18 @@ print(f"backward with reversed_loads={not default_bwd_config['reversed_loads']}:
 #
 # The peer in section 6 is accelerated-scan's Triton kernel (`scan(gates, tokens)`, the same
 # recurrence, built much like ours). The fwd+bwd column calls `torch.autograd.grad`, so no `.grad`
-# accumulation is timed. The two rows of ours run the same forward, so their forward columns (162.2 and
-# 101.6 us) are two timings of the same code: differences of that size between rows are no evidence
-# about the kernels, and the cell cannot tell how much of the gap between their forward + backward
-# columns (1012.8 and 730.9 us) is the backward's loads. Besides the kernels, the call includes the
-# host's Python work (input checks, broadcasting, the torch-op and autograd dispatch) and allocations;
-# when the host takes longer than the GPU, the GPU waits, and the timing includes the wait. That is the
-# likely reason for the gap above the floor, but the cell does not time the host's work separately, so
-# it is not measured here. The kernels alone are timed elsewhere: chapter 02's speed cell times the
-# forward launcher `linear_scan_rows` at this size against the same floor, and
-# `benchmarks/bench_linear_scan.py` times the backward kernel alone, with the peer beside ours (its H200
-# output, from an earlier commit, is in `benchmarks/results/bench_linear_scan_h200.txt`).
+# accumulation is timed. The two rows of ours run the same forward, and their forward columns (141.4
+# and 141.8 us) are two timings of the same code. Their forward + backward columns (372.4 and 387.8 us)
+# differ only in the backward's load order: ascending loads scanned with `reverse=True` (the default)
+# were the faster in this run. Each number is one median of one run, so the cell does not show how
+# stable that gap is. Besides the kernels, the call includes the host's Python work (input checks,
+# broadcasting, the torch-op and autograd dispatch) and allocations; when the host takes longer than the
+# GPU, the GPU waits, and the timing includes the wait. At this size any such wait is small: every
+# timing lies within 1.08x of the memory floor, below which the GPU's own work can hardly go. The cell
+# does not time the host's work separately. The kernels alone are timed elsewhere: chapter 02's speed
+# cell times the forward launcher `linear_scan_rows` at this size against the same floor, and
+# `benchmarks/bench_linear_scan.py` times the backward kernel alone, with the peer beside ours (its
+# H200 output, from an earlier commit, is in `benchmarks/results/bench_linear_scan_h200.txt`).
 
 # %% [markdown]
 # ## Going deeper: broadcast gates, dtypes and bad input
