@@ -937,7 +937,7 @@ def selective_scan_bwd_kernel(
 # An EMA is the case $\Delta = 1$, $A = \ln\alpha$, $B = 1 - \alpha$.
 #
 # The cell checks the order of the Euler term: halving $\Delta$ divides its difference to the
-# zero-order hold by 4 (by 2 if it were only $O(\Delta)$).
+# zero-order hold by about 4 (by 2 if it were only $O(\Delta)$).
 
 # %%
 A_rate = -1.5
@@ -1099,8 +1099,9 @@ for chunk in (1, 4, 8, 37, 64):
 #
 # **The defaults** (`GPU_FWD_CONFIG`, `GPU_BWD_CONFIG`) are the fastest of the sweep in
 # `benchmarks/tune_selective_scan.py` on an H200 (raw output in
-# `benchmarks/results/tune_selective_scan_h200.txt`); under the interpreter the blocks are small so
-# that small tests cross several chunks and blocks.
+# `benchmarks/results/tune_selective_scan_h200.txt`); this recording, on an H100, runs them unchanged
+# (they were not swept there). Under the interpreter the blocks are small so that small tests cross
+# several chunks and blocks.
 
 # %% [markdown]
 # The launch parameters must not change the result: one channel per program or four (with 2 groups of
@@ -1555,8 +1556,8 @@ for pieces, out, last, grads in results[1:]:
 #   (float32 inputs need no cast);
 # * $(2bdN + 2bd) \cdot 4$ bytes of partial sums for $dA$, $dh_{-1}$, $dD$ and $d\,\text{bias}$.
 #
-# The cell computes these for (8, 1024, 2048, N=16) in float32 and prints them; on a GPU the next cell
-# compares the formula with the measured peak. The cell's assert is only arithmetic: 2048 is a
+# The cell computes these for (8, 1024, 2048, N=16) in float32 and prints them; on a GPU the next code
+# cell compares the formula with the measured peak. The cell's assert is only arithmetic: 2048 is a
 # multiple of `CHUNK_bwd`, so the boundary states must be exactly $1/\texttt{CHUNK\_bwd}$ of all the
 # states. That catches a slip in `boundary_state_bytes`'s product, but not a wrong count of chunks
 # (here rounding $L / \texttt{CHUNK\_bwd}$ up or down gives the same number), and it runs no kernel,
@@ -1713,14 +1714,13 @@ compare_with_mamba_ssm(groups=None, time_invariant="BC");
 #
 # These are the likely costs of the design, not confirmed by a profiler here (chapter 07 profiles them):
 #
-# * **The forward.** Halving the bytes (bf16 inputs) barely changes our forward's time while it
-#   roughly halves `mamba_ssm`'s (section 9's forward lines, in fp32 and bf16 for both): our forward
-#   is limited by the instructions it issues, not by memory. The
-#   arithmetic needs about ten operations per (batch, dim, position, state) element (an `exp`, the
-#   discretisation, a multiply-add for the recurrence and one for $C h$, the scan's combine); the
-#   reductions that move the carry in and out of the scan, per state and chunk, and the scan's
-#   cross-thread levels come on top. `mamba_ssm` passes the carry as the block scan's running prefix
-#   instead.
+# * **The forward.** Halving the bytes (bf16 inputs) cuts our forward's time by only about a tenth
+#   while it roughly halves `mamba_ssm`'s (section 9's forward lines, in fp32 and bf16 for both): our
+#   forward is limited by the instructions it issues, not by memory. The arithmetic needs about ten
+#   operations per (batch, dim, position, state) element (an `exp`, the discretisation, a multiply-add
+#   for the recurrence and one for $C h$, the scan's combine); the reductions that move the carry in
+#   and out of the scan, per state and chunk, and the scan's cross-thread levels come on top.
+#   `mamba_ssm` passes the carry as the block scan's running prefix instead.
 # * **The backward** recomputes the states (one `exp`), computes $a_{t-1}$ and $a_{t+1}$ with two more,
 #   runs two scans per state (states and adjoint) where the forward runs one, and adds per-position
 #   $dB$, $dC$ with two `tl.atomic_add` per element, as `mamba_ssm` does (so they are not bitwise
