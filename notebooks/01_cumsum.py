@@ -699,9 +699,10 @@ print("gradcheck, gradgradcheck: ok")
 #
 # `cumsum` (the look-back) against `torch.cumsum`, reduce-then-scan and the three-phase scan, on 1-D
 # float32 inputs of $2^{10}$ to $2^{27}$ values: the median of `triton.testing.do_bench`, what a user
-# waits for. The memory floor is the $2L$ words a cumulative sum must move, at the copy bandwidth
-# measured in the same cell. Up to $L = 2^{12}$ two of the columns time the same kernel ("Going
-# deeper" says which).
+# waits for once the GPU sets the pace (while the host does, a lower bound: "Going deeper" measures
+# it). The memory floor is the $2L$ words a cumulative sum must move, at the copy bandwidth measured
+# in the same cell. Up to $L = 2^{12}$ two of the columns time the same kernel ("Going deeper" says
+# which).
 
 # %%
 from scan_lib.runtime import copy_bandwidth, graph_us, host_us, median_us  # the timers of chapter 00
@@ -745,10 +746,12 @@ else:
     print("skipped: no GPU (do_bench needs one)")
 
 # %% [markdown]
-# What the table shows: at $L = 2^{26}$ and $2^{27}$, the two largest sizes measured, the words moved
-# set the order: there the look-back is the fastest of the four and beats `torch.cumsum`, as the
-# cell's last lines say. Up to $2^{25}$ the public `cumsum`'s time is mostly the host's ("Going
-# deeper" plots the table and measures the split).
+# What the table shows: from $L = 2^{22}$ up to $2^{27}$, the largest size measured, the look-back is
+# the fastest of the four and beats `torch.cumsum`, as the cell's last lines say; there the words
+# moved set the order of our three scans ($2L$, then $3L$, then $4L$), and at $2^{27}$ the look-back
+# takes 1.07 times the memory floor. At every size up to $2^{22}$ that "Going deeper" measures, a
+# `cumsum` call is host-bound: its host time per call exceeds its GPU time (that section also plots
+# the table).
 #
 # ## Summary
 #
@@ -990,7 +993,7 @@ save_figure(draw_look_back(), "look_back_scan.png")
 # The interpreter cannot show which instructions these become, but the compiler can, without a GPU.
 # `gpu_assembly` (chapter 00) compiles a kernel's source alone, and `lookback_scan_kernel` calls other
 # `@triton.jit` functions of `scan_lib.cumsum`; so the cell below hands the same compile script a
-# module that imports the kernel from `scan_lib.cumsum`, and reads its PTX for an H200 (sm_90). It
+# module that imports the kernel from `scan_lib.cumsum`, and reads its PTX for sm_90 (H100, H200). It
 # asserts the instructions the claims above name: the ticket is one `atom.global.gpu.relaxed.add.u64`;
 # both publications are `atom.global.gpu.relaxed.exch.b64`, relaxed, 64 bits at once, at the scope of
 # the whole GPU (`.gpu`: every multiprocessor); the look-back's read is `ld.volatile.global.b64`, a
@@ -1200,11 +1203,12 @@ for call, error, words in bad_inputs:
 # three or more from $2^{11}$.
 #
 # The speed cell prints its conclusions from its measurements; its line "faster than torch.cumsum
-# from L = 2^26 up" means at every size from there to the
-# largest measured, $2^{27}$: the table says nothing about longer inputs. At $2^{25}$ the look-back is
-# still the slowest of the four in this run, and `torch.cumsum` is faster. At small sizes the Triton
-# columns jump up and down between neighbouring sizes, where GPU work would grow with $L$: host time
-# and its variation from call to call, not the kernels.
+# from L = 2^22 up" means at every size from there to the largest measured, $2^{27}$: the table says
+# nothing about longer inputs. Below $2^{22}$ the two trade places: `cumsum` is faster up to $2^{12}$,
+# where it is one launch of `scan_short_rows`, and at $2^{19}$. Below $2^{22}$ the Triton columns also
+# step up and down between neighbouring sizes, where the kernels' work only grows with $L$
+# (reduce-then-scan takes 55.4 us at $2^{20}$, between 12.1 at $2^{19}$ and 18.0 at $2^{21}$): that is
+# variation from call to call, whose source one run cannot pin down.
 #
 # The table of the speed section, plotted: times, and the fraction of the memory floor each method reaches.
 
@@ -1237,24 +1241,22 @@ else:
 # runs out of queued work. Two more timers from chapter 00 split it: the GPU time alone (`graph_us`: a
 # CUDA graph replays the launches with no Python in between) and the host time per call (`host_us`:
 # calls queued back to back, timed on the CPU). When the host time exceeds the GPU time, the call is
-# host-bound: in the table below, every size but the largest, and at small sizes the host time alone
-# is many times `torch.cumsum`'s whole median. A call makes one Triton launch (rows of at most 4096
-# values) or a `torch.zeros` and one launch (the look-back), yet its host time is 90.7 to
-# 161.2 us in this run, several times the host time of one bare launch of `vector_add_kernel` (chapter
-# 00's table, its `host_us` column at $2^{14}$). So most of the host time per call is not the launch
-# itself; it goes to what `cumsum` runs around its launch: the input checks,
-# `apply` and the autograd Function, the reshaping in `cumsum_op`, the configuration in `scan_rows`,
-# and a launch that binds more arguments than `vector_add_kernel`'s (the custom op's dispatcher is not
+# host-bound: in the table below, every size up to $2^{22}$ (all but the two largest), and at
+# $2^{10}$ the host time alone, 50.2 us, is many times `torch.cumsum`'s whole median, 8.0. A call
+# makes one Triton launch (rows of at most 4096 values) or a `torch.zeros` and one launch (the
+# look-back), yet its host time is 50.2 to 72.9 us in this run, several times the host time of one
+# bare launch of `vector_add_kernel` (chapter 00's table, its `host_us` column at $2^{14}$). So most
+# of the host time per call is not the launch itself; it goes to what `cumsum` runs around its
+# launch: the input checks, `apply` (which, when nothing needs a gradient, runs the autograd
+# Function's forward alone), the reshaping in `cumsum_op`, the configuration in `scan_rows`, and a
+# launch that binds more arguments than `vector_add_kernel`'s (the custom op's dispatcher is not
 # among them: for tensors that need no gradient, `EagerFastOp` calls the implementation directly).
-# [LANDING: issue 21 item 4 cut the Python around the launch (one context check per op call, no
-# autograd Function when nothing needs a gradient, a leaner device check): re-measure the `host_us`
-# column and the 90.7 to 161.2 us above on the GPU, and the ranking below, before quoting them.]
-# These outputs do not split the time among those layers; the speed table's columns at $L = 2^{10}$,
-# each a single launch, rank them roughly (host-paced medians, which vary from call to call): the
-# three-phase scan's bare launcher 18.2 us, `scan_rows` (the reduce-then-scan column) 44.8, `cumsum`
-# 96.8; the three-phase launcher's 18.2 us is still about 2.6 times `torch.cumsum`'s 7.0. Fewer
-# Python layers per call, CUDA graphs (they replay the launches with no Python in between) or a C++
-# launcher make such calls faster; cutting the library's host path is open work.
+# These outputs do not split the host time among those layers, and the speed table cannot rank them:
+# at $L = 2^{10}$, where each of its columns is a single launch, its medians (`cumsum` 4.3 us,
+# reduce-then-scan and the three-phase scan 5.1, `torch.cumsum` 7.6) lie far below `cumsum`'s host
+# time, which mostly hides under `do_bench`'s L2 flush (next paragraph). Fewer Python layers per
+# call, CUDA graphs (they replay the launches with no Python in between) or a C++ launcher make such
+# calls faster; cutting the library's host path further is open work.
 #
 # One more thing the table below shows: at every size up to $2^{22}$ (all but the two largest), the
 # `median` column is below the `host` column, although a host-bound call cannot finish before the host
