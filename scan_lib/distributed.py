@@ -54,15 +54,19 @@ def receive(like, rank, group=None):
 
 
 class _EnteringState(torch.autograd.Function):
-    """h_in of this rank from every rank's (decay, end) and rank 0's start: one all_gather forward; the
+    """h_in of this rank from every rank's (decay, end), rank 0's carrying its start: one all_gather forward; the
     backward is the adjoint's reverse chain, T_r = g_r + decay_r T_{r+1}, received from rank r + 1 and
     sent to rank r - 1: one summary's bytes per rank, whatever the number of ranks."""
 
     @staticmethod
     def forward(ctx, decay, end, start, group):
-        summaries = torch.stack(all_gather(torch.stack([decay, end, start]), group))   # ranks x 3 x shape
-        h = summaries[0, 2]                                                  # rank 0's initial state
-        for k in range(dist.get_rank(group)):
+        # rank 0 sends P_0 h_{-1} + E_0, where its shard ends, in place of E_0: the initial state rides in
+        # rank 0's summary, and every summary is 2 tensors, (P_k, the state after shard k from h_{-1} = 0)
+        rank = dist.get_rank(group)
+        first = decay * start + end if rank == 0 else end
+        summaries = torch.stack(all_gather(torch.stack([decay, first]), group))   # ranks x 2 x shape
+        h = start if rank == 0 else summaries[0, 1]                          # h_in_1 = P_0 h_{-1} + E_0
+        for k in range(1, rank):
             h = summaries[k, 0] * h + summaries[k, 1]
         ctx.save_for_backward(decay, h)
         ctx.group = group
@@ -386,8 +390,9 @@ def time_exchanges(shapes, repeats=20):
 def bytes_per_pass(batch=1, dim=4, n_states=4, shard=4):
     """Run on every rank: the bytes this rank receives in one forward and one backward of the
     sequence-parallel selective scan (batch x dim channels, N = n_states) and of a Mamba block (d_model
-    dim, expand 2, d_conv 4, d_state n_states), each rank holding `shard` positions.
-    Returns {"selective_scan" or "mamba": {pass: bytes}}."""
+    dim, expand 2, d_conv 4, d_state n_states), each rank holding `shard` positions; and, for section 7
+    (one launch serves both), bytes_by_design()'s counts of the other designs.
+    Returns {"selective_scan" or "mamba": {pass: bytes}, "designs": bytes_by_design()}."""
     g = torch.Generator().manual_seed(dist.get_rank())
     leaves = [t.to(_device()).requires_grad_() for t in (
         torch.randn(batch, dim, shard, generator=g), torch.randn(batch, dim, shard, generator=g) - 1.0,
@@ -406,7 +411,121 @@ def bytes_per_pass(batch=1, dim=4, n_states=4, shard=4):
         torch.autograd.grad(out.sum(), inputs)
         counts[kind] = {"forward": after_forward["forward"] - before["forward"],
                         "backward": BYTES_RECEIVED["backward"] - after_forward["backward"]}
+    counts["designs"] = bytes_by_design()
     return counts
+
+import math
+
+
+def _all_to_all(x, split_dim, cat_dim, group):
+    """Split x in `ranks` equal chunks along split_dim, chunk j to rank j; the chunks received, in rank
+    order, concatenated along cat_dim. Staged as all_gather's; counts the R - 1 chunks received."""
+    ranks = dist.get_world_size(group)
+    parts = [p.contiguous() for p in x.to(_staging(x, group)).chunk(ranks, split_dim)]
+    received = [torch.empty_like(p) for p in parts]
+    dist.all_to_all(received, parts, group=group)
+    _count(received[0], ranks - 1)
+    return torch.cat(received, cat_dim).to(x.device)
+
+
+class _Reshard(torch.autograd.Function):
+    """An all-to-all between a sequence-sharded and a channel-sharded layout; its backward is the
+    all-to-all the other way."""
+
+    @staticmethod
+    def forward(ctx, x, split_dim, cat_dim, group):
+        ctx.dims, ctx.group = (split_dim, cat_dim), group
+        return _all_to_all(x, split_dim, cat_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split_dim, cat_dim = ctx.dims
+        return _all_to_all(grad, cat_dim, split_dim, ctx.group), None, None, None
+
+
+class _GatherPositions(torch.autograd.Function):
+    """Every rank's shard (equal lengths) concatenated along the last axis: an all_gather; its backward
+    is a reduce-scatter, each rank receiving the other ranks' gradients of its own positions."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return torch.cat(all_gather(x, group), -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ranks = dist.get_world_size(ctx.group)
+        parts = [p.contiguous() for p in grad.to(_staging(grad, ctx.group)).chunk(ranks, -1)]
+        mine = torch.empty_like(parts[0])
+        dist.reduce_scatter(mine, parts, group=ctx.group)
+        _count(mine, ranks - 1)
+        return mine.to(grad.device), None
+
+
+def selective_scan_all_to_all(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, *,
+                              group=None):
+    """selective_scan's result (this rank's shard of out) by the all-to-all design: u, delta, z
+    resharded to this rank's d_inner / R channels over the whole sequence, B and C gathered, one scan,
+    out resharded back. Needs equal shards and the channels divisible by the ranks. Differentiable."""
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    dim = u.shape[1]
+    if dim % ranks:
+        raise ValueError(f"the all-to-all needs the channels ({dim}) divisible by the ranks ({ranks})")
+    mine = slice(rank * dim // ranks, (rank + 1) * dim // ranks)
+    u, delta, z = (None if t is None else _Reshard.apply(t, 1, -1, group) for t in (u, delta, z))
+    B, C = (_GatherPositions.apply(t, group) for t in (B, C))
+    out = scan_lib.selective_scan(u, delta, A[mine], B, C, None if D is None else D[mine], z,
+                                  None if delta_bias is None else delta_bias[mine], delta_softplus)
+    return _Reshard.apply(out, -1, 1, group)
+
+
+def exchange_costs(ranks, batch, d_inner, n_states, length, state_bytes=4, activation_bytes=2,
+                   alpha=10e-6, beta=50e9):
+    """Section 7's cost model, per rank and per layer's scan, for the four designs: {design: {"rounds":
+    (fwd, bwd), "received": (fwd, bwd) bytes (the most any rank receives), "passes": (fwd, bwd), "memory":
+    extra bytes held, "seconds": rounds * alpha + received / beta, summed over both passes}}."""
+    R, log = ranks, math.ceil(math.log2(ranks)) if ranks > 1 else 0
+    S = batch * d_inner * n_states * state_bytes
+    A = batch * d_inner * length / R * activation_bytes
+    G = batch * n_states * length / R * activation_bytes
+    one = 1 if R > 1 else 0
+    moved = 4 * (R - 1) / R * A + 2 * (R - 1) * G
+    costs = {"this chapter": dict(rounds=(log, R - 1), received=(2 * (R - 1) * S, one * S), passes=(2, 2), memory=2 * R * S),
+             "chain both ways": dict(rounds=(R - 1, R - 1), received=(one * S, one * S), passes=(2, 2), memory=S),
+             "all-gather both ways": dict(rounds=(log, log), received=(2 * (R - 1) * S, (R - 1) * S), passes=(2, 2),
+                                          memory=2 * R * S),
+             "all-to-all": dict(rounds=(2 * one, 2 * one), received=(moved, moved), passes=(1, 1), memory=2 * R * G)}
+    for cost in costs.values():
+        cost["seconds"] = sum(cost["rounds"]) * alpha + sum(cost["received"]) / beta
+    return costs
+
+
+def bytes_by_design(batch=1, channels=12, n_states=4, shard=4):
+    """Run on every rank: the bytes this rank receives in one forward and one backward of the selective
+    scan (batch x channels, N = n_states, `shard` positions per rank) by this chapter's design and by
+    the all-to-all, the forward bytes of entering_state_by_chain, and the largest relative difference
+    between the two designs' outputs and gradients. Returns a dict."""
+    g = torch.Generator().manual_seed(dist.get_rank())
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(_device())  # noqa: E731
+    u, delta, B, C, z = (rand(batch, channels, shard), rand(batch, channels, shard) - 1.0, rand(batch, n_states, shard),
+                         rand(batch, n_states, shard), rand(batch, channels, shard))
+    torch.manual_seed(0)                                                  # A, D, delta_bias: the same on every rank
+    A = -(0.5 + torch.rand(channels, n_states)).to(_device())
+    D, bias = torch.randn(channels).to(_device()), torch.randn(channels).to(_device())
+    counts, results = {}, {}
+    for design, scan in (("this chapter", selective_scan), ("all-to-all", selective_scan_all_to_all)):
+        leaves = [t.clone().requires_grad_() for t in (u, delta, B, C, z)]
+        before = dict(BYTES_RECEIVED)
+        out = scan(leaves[0], leaves[1], A, leaves[2], leaves[3], D, leaves[4], bias, delta_softplus=True)
+        middle = dict(BYTES_RECEIVED)
+        grads = torch.autograd.grad((out * out).sum(), leaves)
+        counts[design] = (middle["forward"] - before["forward"], BYTES_RECEIVED["backward"] - middle["backward"])
+        results[design] = [out, *grads]
+    before = BYTES_RECEIVED["forward"]
+    entering_state_by_chain(torch.rand(batch, channels, n_states), torch.rand(batch, channels, n_states))
+    counts["chain both ways"] = (BYTES_RECEIVED["forward"] - before, None)
+    difference = _worst(zip(results["all-to-all"], results["this chapter"]))
+    return dict(counts=counts, difference=difference)
 
 def time_selective_scan(length, dim=1536, n_states=16, dtype=torch.bfloat16, repeats=5):
     """Run on every rank: this rank's median seconds for the forward and the forward+backward of the
