@@ -807,7 +807,7 @@ for kind, counts in most.items():
 # all-to-all moves less than this chapter's forward once $4A \lesssim 2RS$, i.e. (leaving $B$ and $C$
 # aside) once $L/R \lesssim R N$ (with bf16 activations and float32 states, $A / S = (L/R)/(2N)$).
 # The cell below checks the formulas against the bytes counted on the ranks of section 6's launches (a tiny problem: batch 1,
-# 12 channels, $N$ = 4, 4 positions per rank, float32 throughout), with the all-to-all built here too
+# one channel per rank, $N$ = 4, 4 positions per rank, float32 throughout), with the all-to-all built here too
 # (`selective_scan_all_to_all`, checked against this chapter's scan), then prints the model for a
 # realistic shape.
 
@@ -899,11 +899,12 @@ def exchange_costs(ranks, batch, d_inner, n_states, length, state_bytes=4, activ
     return costs
 
 
-def bytes_by_design(batch=1, channels=12, n_states=4, shard=4):
+def bytes_by_design(batch=1, channels=None, n_states=4, shard=4):
     """Run on every rank: the bytes this rank receives in one forward and one backward of the selective
-    scan (batch x channels, N = n_states, `shard` positions per rank) by this chapter's design and by
+    scan (batch x channels, default one per rank, N = n_states, `shard` positions per rank) by this chapter's design and by
     the all-to-all, the forward bytes of entering_state_by_chain, and the largest relative difference
     between the two designs' outputs and gradients. Returns a dict."""
+    channels = channels or dist.get_world_size()
     g = torch.Generator().manual_seed(dist.get_rank())
     rand = lambda *shape: torch.randn(*shape, generator=g).to(_device())  # noqa: E731
     u, delta, B, C, z = (rand(batch, channels, shard), rand(batch, channels, shard) - 1.0, rand(batch, n_states, shard),
@@ -930,11 +931,11 @@ def bytes_by_design(batch=1, channels=12, n_states=4, shard=4):
 # %%
 from scan_lib.distributed import exchange_costs
 
-print("bytes received per rank (the most over the ranks), measured / model; batch 1, 12 channels, N = 4, 4 positions per rank, float32")
+print("bytes received per rank (the most over the ranks), measured / model; batch 1, one channel per rank, N = 4, 4 positions per rank, float32")
 print(f"{'ranks':>5s} {'design':22s} {'forward':>15s} {'backward':>15s}")
 for ranks, per_rank in counted.items():      # section 6's launches: per_rank[rank]["designs"]
     per_rank = [r["designs"] for r in per_rank]
-    model = exchange_costs(ranks, 1, 12, 4, 4 * ranks, activation_bytes=4)
+    model = exchange_costs(ranks, 1, ranks, 4, 4 * ranks, activation_bytes=4)
     for design, (fwd, bwd) in per_rank[0]["counts"].items():
         measured = [max(r["counts"][design][i] for r in per_rank) if x is not None else None for i, x in enumerate((fwd, bwd))]
         cells = [f"{m} / {int(p)}" if m is not None else f"- / {int(p)}" for m, p in zip(measured, model[design]["received"])]

@@ -500,11 +500,12 @@ def exchange_costs(ranks, batch, d_inner, n_states, length, state_bytes=4, activ
     return costs
 
 
-def bytes_by_design(batch=1, channels=12, n_states=4, shard=4):
+def bytes_by_design(batch=1, channels=None, n_states=4, shard=4):
     """Run on every rank: the bytes this rank receives in one forward and one backward of the selective
-    scan (batch x channels, N = n_states, `shard` positions per rank) by this chapter's design and by
+    scan (batch x channels, default one per rank, N = n_states, `shard` positions per rank) by this chapter's design and by
     the all-to-all, the forward bytes of entering_state_by_chain, and the largest relative difference
     between the two designs' outputs and gradients. Returns a dict."""
+    channels = channels or dist.get_world_size()
     g = torch.Generator().manual_seed(dist.get_rank())
     rand = lambda *shape: torch.randn(*shape, generator=g).to(_device())  # noqa: E731
     u, delta, B, C, z = (rand(batch, channels, shard), rand(batch, channels, shard) - 1.0, rand(batch, n_states, shard),

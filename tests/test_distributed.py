@@ -94,7 +94,7 @@ def test_the_backward_receives_one_summary_per_rank_whatever_the_ranks():
             assert [r[kind]["backward"] for r in per_rank] == [backward[kind]] * (ranks - 1) + [0], (ranks, kind, per_rank)
             assert all(r[kind]["forward"] == forward[kind] * (ranks - 1) for r in per_rank), (ranks, kind, per_rank)
             most[kind].append(max(r[kind]["backward"] for r in per_rank))
-        model = distributed.exchange_costs(ranks, 1, 12, 4, 4 * ranks, activation_bytes=4)   # bytes_by_design's shape
+        model = distributed.exchange_costs(ranks, 1, ranks, 4, 4 * ranks, activation_bytes=4)   # bytes_by_design's shape
         for design, counts in per_rank[0]["designs"]["counts"].items():
             for i, predicted in enumerate(model[design]["received"]):
                 if counts[i] is not None:
