@@ -1416,8 +1416,16 @@ for width in (2, 3, 4):
 # atomics, so the gradients are the same bits on every run. A gradient arriving through the final
 # states flows into the last $K-1$ columns of $x$, or into initial states when $L < K-1$.
 #
+# **Packed sequences.** With `seq_idx` (an int32 id per position, as the package takes it) several
+# sequences share a row: a tap counts only where its position's id equals its output's, so each sequence
+# starts from zeros, and a negative id (padding) gives a zero output and passes no gradient; as in the
+# package, `initial_states` and the final states are refused with it. The kernels load the ids beside
+# $x$ and mask each term with `tl.where` under the constexpr `HAS_SEQ_IDX`, so without `seq_idx` they
+# compile to the code above.
+#
 # **Tests.** `tests/test_causal_conv1d.py` adds to the checks above `gradcheck` (our backward against
-# finite differences of our own forward) for every input.
+# finite differences of our own forward) for every input, and checks `seq_idx` against a reference that
+# cuts each row into its sequences.
 #
 # **Autograd plumbing.** As in chapter 05: the two launchers are custom operators with a fake
 # (shape-only) implementation, so `torch.compile` traces them without running them, and a vmap rule
@@ -1487,8 +1495,8 @@ def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_states), *out.stride(), *final.stride(),
         *_strides(seq_idx, 2),
         WIDTH=width, HAS_BIAS=bias is not None, HAS_H0=initial_states is not None, SILU=silu,
-        HAS_SEQ_IDX=seq_idx is not None, ACC=accumulator_dtype(_acc_dtype(x, weight)), BLOCK_D=config["block_d"], BLOCK_L=config["block_l"],
-        ITEMS=_items(x), num_warps=config["num_warps"])
+        HAS_SEQ_IDX=seq_idx is not None, ACC=accumulator_dtype(_acc_dtype(x, weight)), BLOCK_D=config["block_d"],
+        BLOCK_L=config["block_l"], ITEMS=_items(x), num_warps=config["num_warps"])
     return out, final
 
 
@@ -1519,8 +1527,8 @@ def causal_conv1d_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_states), *dout.stride(),
         *_strides(dfinal), *_strides(seq_idx, 2), *dx.stride(),
         WIDTH=width, HAS_BIAS=bias is not None, HAS_H0=initial_states is not None, HAS_DFINAL=dfinal is not None,
-        SILU=silu, HAS_SEQ_IDX=seq_idx is not None, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"], BLOCK_L=config["block_l"],
-        ITEMS=_items(x), num_warps=config["num_warps"])
+        SILU=silu, HAS_SEQ_IDX=seq_idx is not None, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
+        BLOCK_L=config["block_l"], ITEMS=_items(x), num_warps=config["num_warps"])
     return [dx, dw_part.sum(0), dbias_part.sum(0), dh0]
 
 

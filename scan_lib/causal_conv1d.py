@@ -313,8 +313,8 @@ def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_states), *out.stride(), *final.stride(),
         *_strides(seq_idx, 2),
         WIDTH=width, HAS_BIAS=bias is not None, HAS_H0=initial_states is not None, SILU=silu,
-        HAS_SEQ_IDX=seq_idx is not None, ACC=accumulator_dtype(_acc_dtype(x, weight)), BLOCK_D=config["block_d"], BLOCK_L=config["block_l"],
-        ITEMS=_items(x), num_warps=config["num_warps"])
+        HAS_SEQ_IDX=seq_idx is not None, ACC=accumulator_dtype(_acc_dtype(x, weight)), BLOCK_D=config["block_d"],
+        BLOCK_L=config["block_l"], ITEMS=_items(x), num_warps=config["num_warps"])
     return out, final
 
 
@@ -345,8 +345,8 @@ def causal_conv1d_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
         *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_states), *dout.stride(),
         *_strides(dfinal), *_strides(seq_idx, 2), *dx.stride(),
         WIDTH=width, HAS_BIAS=bias is not None, HAS_H0=initial_states is not None, HAS_DFINAL=dfinal is not None,
-        SILU=silu, HAS_SEQ_IDX=seq_idx is not None, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"], BLOCK_L=config["block_l"],
-        ITEMS=_items(x), num_warps=config["num_warps"])
+        SILU=silu, HAS_SEQ_IDX=seq_idx is not None, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
+        BLOCK_L=config["block_l"], ITEMS=_items(x), num_warps=config["num_warps"])
     return [dx, dw_part.sum(0), dbias_part.sum(0), dh0]
 
 
