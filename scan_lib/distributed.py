@@ -47,7 +47,7 @@ def send(tensor, rank, group=None):
 
 def receive(like, rank, group=None):
     """A tensor shaped as `like`, received from `rank` of `group`, on like's device."""
-    received = torch.empty_like(like, device=_staging(like, group))
+    received = torch.empty(like.shape, dtype=like.dtype, device=_staging(like, group))   # contiguous, as recv needs
     dist.recv(received, src=_peer(rank, group), group=group)
     _count(received)
     return received.to(like.device)
@@ -421,11 +421,11 @@ def _all_to_all(x, split_dim, cat_dim, group):
     """Split x in `ranks` equal chunks along split_dim, chunk j to rank j; the chunks received, in rank
     order, concatenated along cat_dim. Staged as all_gather's; counts the R - 1 chunks received."""
     ranks = dist.get_world_size(group)
-    parts = [p.contiguous() for p in x.to(_staging(x, group)).chunk(ranks, split_dim)]
-    received = [torch.empty_like(p) for p in parts]
-    dist.all_to_all(received, parts, group=group)
+    parts = torch.stack(x.to(_staging(x, group)).chunk(ranks, split_dim))   # ranks x chunk, contiguous
+    received = torch.empty_like(parts)
+    dist.all_to_all_single(received, parts, group=group)   # gloo's list form all_to_all needs torch 2.12
     _count(received[0], ranks - 1)
-    return torch.cat(received, cat_dim).to(x.device)
+    return torch.cat(received.unbind(0), cat_dim).to(x.device)
 
 
 class _Reshard(torch.autograd.Function):
@@ -471,6 +471,10 @@ def selective_scan_all_to_all(u, delta, A, B, C, D=None, z=None, delta_bias=None
     dim = u.shape[1]
     if dim % ranks:
         raise ValueError(f"the all-to-all needs the channels ({dim}) divisible by the ranks ({ranks})")
+    for name, t in (("B", B), ("C", C)):
+        if t.dim() != 3:
+            raise ValueError(f"{name}: the all-to-all here takes one group per position, (batch, N, L); got shape "
+                             f"{tuple(t.shape)} (grouped and time-invariant {name} are not supported)")
     mine = slice(rank * dim // ranks, (rank + 1) * dim // ranks)
     u, delta, z = (None if t is None else _Reshard.apply(t, 1, -1, group) for t in (u, delta, z))
     B, C = (_GatherPositions.apply(t, group) for t in (B, C))
@@ -523,7 +527,7 @@ def bytes_by_design(batch=1, channels=None, n_states=4, shard=4):
         counts[design] = (middle["forward"] - before["forward"], BYTES_RECEIVED["backward"] - middle["backward"])
         results[design] = [out, *grads]
     before = BYTES_RECEIVED["forward"]
-    entering_state_by_chain(torch.rand(batch, channels, n_states), torch.rand(batch, channels, n_states))
+    entering_state_by_chain(*(torch.rand(batch, channels, n_states).to(_device()) for _ in range(2)))
     counts["chain both ways"] = (BYTES_RECEIVED["forward"] - before, None)
     difference = _worst(zip(results["all-to-all"], results["this chapter"]))
     return dict(counts=counts, difference=difference)

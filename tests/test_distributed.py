@@ -68,6 +68,9 @@ def test_bad_input(one_rank):
         empty = torch.rand(1, 2, 0, device=DEVICE)
         distributed.selective_scan(empty, empty, -torch.rand(2, 3, device=DEVICE), torch.rand(1, 3, 0, device=DEVICE),
                                    torch.rand(1, 3, 0, device=DEVICE))
+    u, grouped = torch.rand(1, 2, 4, device=DEVICE), torch.rand(1, 2, 3, 4, device=DEVICE)   # 2 groups of B
+    with pytest.raises(ValueError, match="B: the all-to-all here takes one group per position"):
+        distributed.selective_scan_all_to_all(u, u, -torch.rand(2, 3, device=DEVICE), grouped, grouped)
 
 
 def test_needs_a_process_group():
