@@ -4,6 +4,7 @@ only measures).
 
     python benchmarks/probe_variants.py [--quick]    # VARIANTS against the GPU_CONFIG in force
     python benchmarks/probe_variants.py --peer       # mamba_ssm's selective_scan_fn on the same inputs
+    python benchmarks/probe_variants.py --forward    # the forward's chunk x states per step, per dtype
     ncu ... --profile-from-start off python benchmarks/probe_variants.py --ncu   # one backward per shape
 
 A variant changes scan_lib.fast_selective_scan.GPU_CONFIG for as long as it runs (plans follow the
@@ -93,6 +94,35 @@ def time_peer(shapes):
               f"step {step_us:8.1f}", flush=True)
 
 
+FORWARD_GRID = [dict(block_d=1, chunk=chunk, num_warps=1, unroll=unroll)
+                for chunk in (256, 512, 1024) for unroll in (1, 2, 4, 16)]
+
+
+def forward_grid(shapes):
+    """The forward alone (CUDA-graph replay) over FORWARD_GRID: without gradients (save_chunk 0) and as
+    training runs it (saving the backward's chunks), each next to what the config in force picks; and
+    chapter 07 section 9's sweep case (fp32, no D, z or delta_bias, no softplus)."""
+    print(f"{torch.cuda.get_device_name()}: forward op us, CUDA-graph replay; columns chunk/states per step")
+    print(f"{'(batch, dim, L, N)':22s} {'dtype':8s} {'mode':9s} {'in force':>9s} "
+          + " ".join(f"{c['chunk']:>4d}/{c['unroll']:<3d}" for c in FORWARD_GRID))
+    cases = [(shape, dtype, True) for shape, dtype in shapes] + [((8, 1024, 2048, 16), torch.float32, False)]
+    for shape, dtype, full in cases:
+        u, delta, A, B, C, D, z, delta_bias = selective_inputs(*shape, dtype, full)
+        if not full:
+            delta = torch.nn.functional.softplus(delta)
+        B4, C4 = fast.positions_adjacent(B.unsqueeze(1)), fast.positions_adjacent(C.unsqueeze(1))
+        args = (u, delta, A, B4, C4, D, z, delta_bias, None, full)
+        for mode, save in (("no grad", 0), ("training", fast.backward_chunk(u, B4, C4))):
+            row = [graph_us(lambda: fast.strided_fwd(*args, save, 1))]
+            for config in FORWARD_GRID:
+                with configured(config, {}):
+                    row.append(graph_us(lambda: fast.strided_fwd(*args, save, 1)))
+            print(f"{str(shape):22s} {str(dtype)[6:]:8s} {mode + ('' if full else '*'):9s} "
+                  + " ".join(f"{us:8.1f}" for us in row), flush=True)
+            torch.cuda.empty_cache()
+    print("* chapter 07 section 9's case: no D, z or delta_bias, steps already positive")
+
+
 def profile_once(shapes):
     """One backward per shape between cudaProfilerStart and Stop, after a warm-up outside."""
     for shape, dtype in shapes:
@@ -111,6 +141,7 @@ def main():
                         "forward replayed from a CUDA graph)")
     parser.add_argument("--ncu", action="store_true", help="run the backward op once "
                         "inside cudaProfilerStart/Stop, for ncu --profile-from-start off")
+    parser.add_argument("--forward", action="store_true", help="time the forward over FORWARD_GRID instead")
     options = parser.parse_args()
     shapes = [((1, 1536, 65536, 16), torch.bfloat16), ((8, 1024, 2048, 16), torch.bfloat16)]
     if not options.quick:
@@ -120,6 +151,9 @@ def main():
                    ((8, 1024, 2048, 4), torch.bfloat16), ((8, 1024, 2048, 64), torch.bfloat16)]
     if options.peer:
         time_peer(shapes)
+        return
+    if options.forward:
+        forward_grid(shapes[:-2])
         return
     if options.ncu:
         profile_once(shapes[:2])

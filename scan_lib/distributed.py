@@ -144,11 +144,13 @@ class _ConvBoundary(torch.autograd.Function):
         # tail: this rank's last m = min(keep, shard) columns. W_k, the keep columns up to the end of rank
         # k's shard, is the last keep columns of (W_{k-1}, rank k's tail); rank r's boundary is W_{r-1}.
         m = tail.shape[-1]
-        lengths = all_gather(torch.tensor([m], device=tail.device), group)
+        lengths = torch.cat(all_gather(torch.tensor([m], device=tail.device), group)).tolist()   # one host sync
+        if 0 in lengths:   # raised on every rank alike: none is left waiting for the others
+            raise ValueError(f"every rank's shard must hold at least one position; rank {lengths.index(0)}'s is empty")
         tails = all_gather(F.pad(tail, (keep - m, 0)), group)               # ranks x (batch x dim x keep)
         window = torch.zeros_like(tails[0])                                 # W_{-1}: before the sequence
         for k in range(dist.get_rank(group)):
-            window = torch.cat([window, tails[k][..., keep - int(lengths[k]):]], -1)[..., -keep:]   # W_k
+            window = torch.cat([window, tails[k][..., keep - lengths[k]:]], -1)[..., -keep:]   # W_k
         ctx.m, ctx.keep, ctx.group = m, keep, group
         return window
 
@@ -469,6 +471,10 @@ def selective_scan_all_to_all(u, delta, A, B, C, D=None, z=None, delta_bias=None
     out resharded back. Needs equal shards and the channels divisible by the ranks. Differentiable."""
     rank, ranks = dist.get_rank(group), dist.get_world_size(group)
     dim = u.shape[1]
+    lengths = [None] * ranks
+    dist.all_gather_object(lengths, u.shape[-1], group=group)   # a check, not the design's bytes: not counted
+    if len(set(lengths)) > 1:   # raised on every rank alike (unequal chunks would fail or hang inside the exchange)
+        raise ValueError(f"the all-to-all needs every rank's shard of u the same length, got {lengths}")
     if dim % ranks:
         raise ValueError(f"the all-to-all needs the channels ({dim}) divisible by the ranks ({ranks})")
     for name, t in (("B", B), ("C", C)):

@@ -73,6 +73,13 @@ def test_bad_input(one_rank):
         distributed.selective_scan_all_to_all(u, u, -torch.rand(2, 3, device=DEVICE), grouped, grouped)
 
 
+def test_an_empty_shard_raises_on_every_rank():
+    """The block's convolution boundary gathers every shard's length first, so every rank raises (none
+    waits for an exchange the empty rank never joins); the all-to-all checks that the shards are equal."""
+    with pytest.raises(Exception, match="rank 1's is empty"):
+        distributed.launch(distributed.check_against_one_process, 2, [("mamba", (3, 0))])
+
+
 def test_needs_a_process_group():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
