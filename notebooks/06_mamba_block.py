@@ -1135,6 +1135,28 @@ def _weights(W_ROW, d_ok, stride_wk, WIDTH: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
+def _program_tile(X, WEIGHT, BIAS, H0, dim, stride_xb, stride_xd, stride_wd, stride_wk, stride_bias, stride_hb,
+                  stride_hd, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, ACC: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+    """What the forward and the backward program (batch element, block of channels, block of positions)
+    both start from: b, the block of positions pid_l, the channels ds (BLOCK_D x 1) and which exist,
+    the positions ts (1 x BLOCK_L), the rows of x and of the initial states, the bias and the weights."""
+    b = tl.program_id(0).to(tl.int64)
+    pid_l = tl.program_id(2)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
+    d_ok = ds < dim
+    ts = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]                  # 1 x BLOCK_L
+    X_ROW = X + b * stride_xb + ds * stride_xd
+    H0_ROW = X_ROW
+    if HAS_H0:
+        H0_ROW = H0 + b * stride_hb + ds * stride_hd
+    bias = tl.zeros((BLOCK_D, 1), ACC)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
+    return b, pid_l, ds, d_ok, ts, X_ROW, H0_ROW, bias, _weights(WEIGHT + ds * stride_wd, d_ok, stride_wk, WIDTH, ACC)
+
+
+@triton.jit
 def _same_seq(seqs, m: tl.constexpr, i: tl.constexpr, ITEMS: tl.constexpr):
     """Whether items m and i of every run are in one sequence (seqs: seq_idx's ITEMS tiles before, at
     and after the run): 1 x RUNS."""
@@ -1179,22 +1201,12 @@ def causal_conv1d_fwd_kernel(
 ):
     """One program per (batch element, block of channels, block of positions); runs of ITEMS positions."""
     RUNS: tl.constexpr = BLOCK_L // ITEMS
-    b = tl.program_id(0).to(tl.int64)
-    pid_l = tl.program_id(2)
-    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
-    d_ok = ds < dim
-    ts = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]                  # 1 x BLOCK_L
-    X_ROW = X + b * stride_xb + ds * stride_xd
-    H0_ROW = X_ROW
-    if HAS_H0:
-        H0_ROW = H0 + b * stride_hb + ds * stride_hd
-    bias = tl.zeros((BLOCK_D, 1), ACC)
-    if HAS_BIAS:
-        bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
+    b, pid_l, ds, d_ok, ts, X_ROW, H0_ROW, bias, w = _program_tile(
+        X, WEIGHT, BIAS, H0, dim, stride_xb, stride_xd, stride_wd, stride_wk, stride_bias, stride_hb, stride_hd,
+        WIDTH, HAS_BIAS, HAS_H0, ACC, BLOCK_D, BLOCK_L)
     x_run = _x_items(X_ROW, H0_ROW, ts, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
     x_before = _x_items(X_ROW, H0_ROW, ts - ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS,
                         ITEMS)                                             # the same tile, one run earlier
-    w = _weights(WEIGHT + ds * stride_wd, d_ok, stride_wk, WIDTH, ACC)
     seqs = ()
     if HAS_SEQ_IDX:  # seq_idx where x is loaded: one run earlier and at the run (the forward reads no later)
         SEQ_ROW = SEQ + b * stride_sb
@@ -1245,20 +1257,10 @@ def causal_conv1d_bwd_kernel(
     BLOCK_L: tl.constexpr, ITEMS: tl.constexpr,
 ):
     RUNS: tl.constexpr = BLOCK_L // ITEMS
-    b = tl.program_id(0).to(tl.int64)
-    pid_l = tl.program_id(2)
-    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
-    d_ok = ds < dim
-    ts = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]                  # 1 x BLOCK_L
-    X_ROW = X + b * stride_xb + ds * stride_xd
+    b, pid_l, ds, d_ok, ts, X_ROW, H0_ROW, bias, w = _program_tile(
+        X, WEIGHT, BIAS, H0, dim, stride_xb, stride_xd, stride_wd, stride_wk, stride_bias, stride_hb, stride_hd,
+        WIDTH, HAS_BIAS, HAS_H0, ACC, BLOCK_D, BLOCK_L)
     DOUT_ROW = DOUT + b * stride_gb + ds * stride_gd
-    H0_ROW = X_ROW
-    if HAS_H0:
-        H0_ROW = H0 + b * stride_hb + ds * stride_hd
-    bias = tl.zeros((BLOCK_D, 1), ACC)
-    if HAS_BIAS:
-        bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
-    w = _weights(WEIGHT + ds * stride_wd, d_ok, stride_wk, WIDTH, ACC)
     x_run = _x_items(X_ROW, H0_ROW, ts, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
     x_before = _x_items(X_ROW, H0_ROW, ts - ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
     du_run = _x_items(DOUT_ROW, DOUT_ROW, ts, d_ok, length, stride_gl, 0, WIDTH, False, ACC, RUNS, ITEMS)
