@@ -711,9 +711,10 @@ for per_rank in timed.values():
 # %% [markdown]
 # The `measured:` lines judge the prediction: the 2-rank line says `held` or `failed`, and the
 # growth lines say whether latency or bytes decided (a time that grows far less than the bytes is
-# paying fixed costs per message). [LANDING: from the two-H200 recording, say what the 2-rank line
-# printed (NCCL, a GPU per rank), which way won at each size and by how much, and how much each way's
-# time grew for 3072x the bytes; if the prediction failed, say which part.] How to read a failure:
+# paying fixed costs per message). [LANDING: from the recording, say which plan ran (NCCL with a GPU
+# per rank, or gloo with the ranks sharing one GPU on a one-GPU machine), what the 2-rank line
+# printed, which way won at each size and by how much, and how much each way's time grew for 3072x
+# the bytes; if the prediction failed, say which part.] How to read a failure:
 # where both times stay flat while the bytes grow 3072-fold, a gap between the two ways is a gap in
 # fixed costs, not bytes; on gloo (CPU processes, or ranks sharing one GPU) every message is copied
 # through host memory with Python around each call, and the all-gather allocates and copies back
@@ -1065,9 +1066,10 @@ else:
 # %% [markdown]
 # (On two GPUs.) Where the cell ran, its table and plot judge the prediction: it holds if two GPUs
 # take about as long as one (each runs two passes over its half, and the second waits for the
-# exchange) and the exchange is a small fraction of the forward (the last column). [LANDING: from the
-# two-H200 recording, the forward and forward+backward times on one and two GPUs, their ratio, and the
-# exchange's share; say whether the prediction held.] The GPUs' memory, which is what a second GPU
+# exchange) and the exchange is a small fraction of the forward (the last column). [LANDING: if the recording's cell
+# printed a table, the forward and forward+backward times on one and two GPUs, their ratio, and the
+# exchange's share, and whether the prediction held; if it printed that it was skipped, say that the
+# run recorded here had one GPU, so the cell was skipped and this run judges nothing.] The GPUs' memory, which is what a second GPU
 # buys (each holds half of the sequence's activations), is not measured here.
 
 # %% [markdown]
