@@ -470,13 +470,20 @@ def test_seq_idx_options(bias, activation):
 
 
 def test_seq_idx_of_one_sequence_changes_nothing():
-    """Every position in one sequence (ids 0, or all 7): the same bits as without seq_idx."""
+    """Every position in one sequence (ids 0, or all 7): the same result as without seq_idx. The same
+    bits under the interpreter; on a GPU the masked taps keep the compiler from fusing a tap's multiply
+    and add into one FMA (the fp32 forward's PTX for sm_90: 128 fma.rn.f32 without seq_idx, 32 with),
+    so the last bits differ (seen on an H200), nothing more."""
     x, weight, bias, _, dout, _ = make(2, 3, 21, 4, seed=2)
     plain = packed_results(causal_conv1d, x, weight, bias, None, dout, "silu")
     for value in (0, 7):
         same = packed_results(causal_conv1d, x, weight, bias, torch.full((2, 21), value, dtype=torch.int32, device=DEVICE),
                               dout, "silu")
-        assert all(torch.equal(a, b) for a, b in zip(same, plain))
+        for got, want in zip(same, plain):
+            if INTERPRET:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_seq_idx_across_blocks(monkeypatch):
