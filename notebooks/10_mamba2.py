@@ -1284,7 +1284,10 @@ for what, call, error in [
 # bench` times longer sequences too): the median of `triton.testing.do_bench`, beside `mamba_ssm`'s own Triton
 # `mamba_chunk_scan_combined` at its chunk of 256 where `mamba_ssm` is installed, and beside the memory
 # floor, the inputs and outputs moved once at the copy bandwidth (chapter 07's floor). In float32 the
-# two do different work: tf32x3 here, one TF32 product there (Triton's default for float32).
+# two do different work: tf32x3 here, one TF32 product there (Triton's default for float32). With
+# `mamba_ssm` installed, expect the cell to take minutes on a fresh machine: its SSD kernels are
+# autotuned, and each kernel's candidate configs (about 200 `triton.Config`s across its `ssd_*.py`
+# files) are compiled and timed on the first call of every new shape and dtype.
 #
 # A call's time is the larger of two things: the GPU running the kernels, and the host (Python, the
 # dispatch, autograd, an autotuner's lookup) issuing them. The table shows both: the forward as a
