@@ -943,8 +943,8 @@ assert copy_accuracy["Mamba (selective)"] >= 0.9
 assert copy_accuracy["LTI baseline"] <= 0.7
 
 # %% [markdown]
-# In this run the selective model copies every slot; the baseline gets 0.469 of the tokens (chance is
-# 0.125), rising from 0.33 at the first marker to 0.65 at the last: at the last marker the answer is
+# In this run the selective model copies every slot; the baseline gets 0.464 of the tokens (chance is
+# 0.125), rising from 0.32 at the first marker to 0.64 at the last: at the last marker the answer is
 # the most recent data token, the one a decaying kernel weighs most.
 #
 # "Going deeper: selective copying" also runs the trained model token by token through `step` and
@@ -1060,9 +1060,10 @@ else:
 
 # %% [markdown]
 # The two blocks compute the same function: the cell asserts that outputs and every gradient agree.
-# In this run ours is the faster in a training step (forward+backward): `mamba_ssm`'s time over ours
-# is 1.04 (fused) to 1.06 (unfused) in float32 and 1.09 (fused) to 1.19 (unfused) in bfloat16. In the
-# forward alone the two are level: 1.03 in float32, 1.01 in bfloat16.
+# In this run ours is the faster in every row. In a training step (forward+backward) `mamba_ssm`'s
+# time over ours is 1.04 (fused) to 1.06 (unfused) in float32 and 1.14 (fused) to 1.23 (unfused) in
+# bfloat16; in the forward alone it is 1.05 in float32 (within what a second run can change: see
+# "Section 6's comparison: the fine print") and 1.11 in bfloat16, for both of `mamba_ssm`'s paths.
 
 # %% [markdown]
 # ## Going deeper
@@ -1368,9 +1369,10 @@ for width in (2, 3, 4):
 # `(batch, cdiv(dim, BLOCK_D), cdiv(L, BLOCK_L))`, thousands of programs at Mamba's size, so the GPU
 # is full without a loop inside the program. The blocks (8 channels x 256 positions and 2 warps for
 # the forward; for the backward 8 x 256 and 4 warps on 2-byte inputs, 16 x 128 and 4 warps on 4-byte
-# ones) are the fastest of a sweep of the kernels alone on the H200 at four of the benchmark's
-# problems, replayed from CUDA graphs (`benchmarks/NOTES_causal_conv1d.md` has the sweep, the earlier
-# kernels' times and the package's at the same problems). Under the interpreter the blocks are
+# ones) come from a sweep of the kernels alone, replayed from CUDA graphs, on an H200 (2026-12-04) at
+# four of the benchmark's problems: at each, the fastest block or within 4% of it
+# (`benchmarks/NOTES_causal_conv1d.md` has the sweep, the earlier kernels' times and the package's at
+# the same problems). Under the interpreter the blocks are
 # larger, because the interpreter runs each program as NumPy array operations.
 #
 # **The imports.** Besides the reference, section 2's first cell imports what the launchers need:
@@ -1381,18 +1383,18 @@ for width in (2, 3, 4):
 # which cost less per call than Triton's).
 #
 # **Why runs.** The kernels before these loaded $x$ at $K$ shifted positions (the forward: section 2's
-# kernel) or shifted tiles between threads with `tl.gather` (the backward). On the H200 that forward
-# was well behind `causal-conv1d`
+# kernel) or shifted tiles between threads with `tl.gather` (the backward). On an H200 (2026-12-04)
+# that forward was well behind `causal-conv1d`
 # (`benchmarks/NOTES_causal_conv1d.md` has the times): a load that starts $k - K + 1$ positions off is
 # not aligned to 16 bytes, so each thread issues a load per value, four times over. Compiled for the
-# H200 (sm_90, with Triton's own `ptxas`), the run kernels issue far fewer instructions per output, a
+# H200's sm_90 (with Triton's own `ptxas`), the run kernels issue far fewer instructions per output, a
 # fraction of the global loads and, in the backward, of the warp shuffles;
 # `benchmarks/NOTES_causal_conv1d.md` has the counts beside the sweep's GPU times, which fell with
 # them. The backward still recomputes $g$ at $K-1$ positions of the next run (11 sigmoids per 8
 # positions in bfloat16, 7 per 4 in float32) and adds up its partial weight gradients once per program;
 # a loop over several blocks of positions per program, summing them once per loop, was faster at three
-# of the four problems and slower at the shortest (the notes give the times), and is not in this
-# kernel.
+# of the four problems and, at the shortest, only with two blocks per program (slower with four or
+# eight: the notes give the times), and is not in this kernel.
 #
 # **The forward kernel in detail.** In the run kernels the second load (one run earlier) is aligned
 # too, and its values come from cache. `items_of` and `positions_of` only rename registers when each
@@ -1957,17 +1959,19 @@ else:
 # %% [markdown]
 # The table says where each implementation stands against the floor and against the others in this
 # run (the GPU is named above it; where the package was not importable, its row is missing). The
-# kernels first (the last two columns): our forward kernel takes 39 us against the package's 37 (the
-# floor is 32), our backward 90 us against its 69 (floor 47). So the forward is within a few percent
-# of the package and of the memory floor; the backward is 1.3x behind the package, and "Going deeper:
-# the convolution kernels" above says what it still does twice (the sigmoids at the next run's first
-# positions, a partial sum per program). The calls (the first two columns) tell another story: our
-# forward+backward takes 513 us against the package's 441, when the kernels add up to about 130 us
+# kernels first (the last two columns): our forward kernel takes 40 us against the package's 38 (the
+# floor is 32), our backward 90 us against its 68 (floor 47). So the forward kernel is within a few
+# percent of the package's and 1.25x the memory floor; the backward is 1.3x behind the package, and
+# **Why runs** above says what it still does twice (the sigmoids at the next run's first positions, a
+# partial sum per program). The calls (the first two columns) tell another story. Without autograd,
+# our forward call (43 us) is close to its kernel and ahead of the package's (59). But our
+# forward+backward takes 778 us against the package's 362, when the kernels add up to about 130 us
 # and 106. Most of a training step's call is the host's work (the custom operators, autograd, the
 # launches), which the GPU waits for; the package pays it too (it is also a custom operator with an
-# autograd Function), ours is longer. `make bench --only conv` prints this split for four problems
-# (`host_us`: the host's time per call); cutting the host path is the next work for this op, as for
-# the selective scan (chapter 07's section 11). `F.conv1d` and SiLU are the slowest in both.
+# autograd Function), ours is longer. `make bench BENCH_ARGS="--only conv"` prints this split for
+# four problems (`host_us`: the host's time per call); cutting the host path is the next work for
+# this op, as for the selective scan (chapter 07's section 11). `F.conv1d` and SiLU are the slowest
+# in both.
 
 # %% [markdown]
 # ### The initialisation: a check, and the sketch's two bugs
@@ -2230,8 +2234,8 @@ fig.tight_layout()
 save_figure(fig, "06_generation_cost.png")
 
 # %% [markdown]
-# In this run the attention step is the cheaper up to position 4096 (23.3 us against 32.5) and the
-# dearer from 16384 on (38.1 us against 32.6). For short contexts attention can still be the cheaper of
+# In this run the attention step is the cheaper up to position 4096 (23.5 us against 32.2) and the
+# dearer from 16384 on (38.3 us against 32.5). For short contexts attention can still be the cheaper of
 # the two (a few small matrix products), and where the lines cross, if they do within these positions,
 # depends on the device. The two byte columns are not measurements: the fourth is the size of the two
 # state tensors allocated once before the loop, the fifth the size of the keys and values an attention
@@ -2319,7 +2323,7 @@ save_figure(fig, "06_selective_copying.png")
 # early steps (not measured: no run without the warm-up), not a sign that the task is hard to start
 # on. The baseline's second plateau is different: its accuracy levels off at about the end of the
 # warm-up and then barely moves to the last step (the progress bar of section 5's training cell, which
-# shows a recent batch's accuracy, reads 0.43 at 225 of 1600 steps and 0.50 at the end), while the
+# shows a recent batch's accuracy, reads 0.43 at 222 of 1600 steps and 0.49 at the end), while the
 # learning rate is at its peak and then decays. That plateau is not the warm-up: it is what this
 # baseline reaches at this learning rate.
 #
@@ -2375,10 +2379,10 @@ assert torch.equal(step_tokens[gen_mask], full_tokens[gen_mask])
 # contiguous tensors, dtype casts and transposes around the projections are candidates, and finding out
 # which would need the profiler's stacks (`with_stack=True`), which this cell does not record.
 #
-# In this run the selective scan's two kernels take 70% of the step (`strided_bwd_kernel` 1849 us,
-# `strided_fwd_kernel` 668 us); four of cuBLAS's matrix products (the `nvjet` kernels) follow, three
-# at about 190 us each and one at 86 us, then the convolution's backward (82 us). Two of PyTorch's own
-# kernels come next: a concatenation (`CatArrayBatchedCopy`, 68 us) and an addition (63 us); the
+# In this run the selective scan's two kernels take 69% of the step (`strided_bwd_kernel` 1853 us,
+# `strided_fwd_kernel` 530 us); four of cuBLAS's matrix products (the `nvjet` kernels) follow, three
+# at about 190 us each and one at 87 us, then the convolution's backward (83 us). Two of PyTorch's own
+# kernels come next: a concatenation (`CatArrayBatchedCopy`, 67 us) and an addition (62 us); the
 # convolution's forward (39 us) closes the list. The names do not say which
 # operation launched them; the backward has one of each that fits, the split of `xz` into `x` and `z`
 # (its backward concatenates their gradients) and the sum of the convolution output's two gradients
