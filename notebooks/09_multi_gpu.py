@@ -24,8 +24,8 @@
 # 2. how the backward's carries flow the other way, and how autograd derives them from the forward's
 #    exchange if that exchange has a backward of its own;
 # 3. `scan_lib.distributed`: `linear_scan`, `selective_scan` and a whole Mamba block over a
-#    `torch.distributed` process group (NCCL on GPUs, gloo on CPUs), usable from a script started by
-#    `torchrun`;
+#    `torch.distributed` process group (NCCL with a GPU per rank; gloo on CPUs, or for ranks sharing
+#    one GPU as in this recording), usable from a script started by `torchrun`;
 # 4. what the exchange costs: one collective against a chain of sends, latency against bandwidth,
 #    and a cost model setting this design beside the chain, LASP-2's all-gathers and Megatron-core's
 #    all-to-all, extrapolated to 512 GPUs;
@@ -148,8 +148,9 @@ save_figure(draw_sharded_scan(), "09_sharded_scan.png")
 # a scan over ranks and divides by products of decays that reach 0; the reduce-scatter and the
 # doubling scan trade bytes for fewer hops, worth it only when $R$ is large enough for the hops to
 # count (gloo, in the torch this course pins, has all-reduce, reduce-scatter, all-to-all and
-# send/receive; NCCL has them all). This chapter's first version was the first row (with 3 tensors per summary then): at 4 ranks each
-# rank received 36 summary-sized tensors in the backward where the chain receives one.
+# send/receive; NCCL has them all). This chapter's first version was the first row (with 3 tensors
+# per summary then): at 4 ranks each rank received $3R(R-1)$ = 36 summary-sized tensors in the
+# backward where the chain receives one.
 #
 # The convolution's boundary columns in section 4 follow the same pattern, an all-gather forward and
 # a reverse chain backward.
@@ -571,8 +572,9 @@ for ranks, cases in CHECKS.items():
 
 # %% [markdown]
 # (The check starts processes, so it takes a while on a CPU: most of it is each process importing
-# torch and Triton.) Every error is at the level of float32 rounding: the sharded scans compute what
-# one process computes.
+# torch and Triton.) Every error is at the level of float32 rounding (at most 4.1e-07 here, run as
+# `gloo/cuda`: the ranks shared the one GPU; the chain row's 0.0: the chain of sends folds exactly as
+# the all-gather does, bit for bit): the sharded scans compute what one process computes.
 #
 # ## 6. What the exchange costs: one collective, or a chain of sends
 #
@@ -588,15 +590,15 @@ for ranks, cases in CHECKS.items():
 # **Prediction.** Model one message as a fixed cost $\alpha$ (launching it, the handshake, on gloo
 # the copies through host memory and the Python around each call) plus its bytes over a bandwidth
 # $\beta$. With 2 ranks both ways are one message on the critical path; the all-gather's carries
-# $2S$ (a summary is two tensors, $S$ the bytes of one) and the chain's $S$. The summaries timed below
-# are of 1 KiB, 96 KiB and 3 MiB (the middle one is the $2^{20}$-position problem's, batch 1, 1536
-# channels, $N$ = 16): below a few MiB a link moves them in less time than $\alpha$ on NVLink, so
-# the prediction is that **at 2 ranks the two take the same time within a factor of 2 at every size,
-# and the time grows far less than the 3072-fold bytes from the smallest summary to the largest**
-# (latency, not bytes, decides). At 4 ranks the chain's last rank waits for 3 messages one after
-# another where the all-gather's rounds are fewer or pipelined, so the all-gather should be faster
-# there by up to the ratio of rounds. The cell times both, median over repeated exchanges after a
-# barrier, as the slowest rank sees it; the next cell judges the prediction.
+# $2S$ (a summary is two tensors, $S$ the bytes of one) and the chain's $S$. The summaries timed
+# below have $S$ = 1 KiB, 96 KiB and 3 MiB (the middle one is the $2^{20}$-position problem's, batch
+# 1, 1536 channels, $N$ = 16): below a few MiB a link moves them in less time than $\alpha$ on
+# NVLink, so the prediction is that **at 2 ranks the two take the same time within a factor of 2 at
+# every size, and the time grows far less than the 3072-fold bytes from the smallest summary to the
+# largest** (latency, not bytes, decides). At 4 ranks the chain's last rank waits for 3 messages one
+# after another where the all-gather's rounds are fewer or pipelined, so the all-gather should be
+# faster there by up to the ratio of rounds. The cell times both, median over repeated exchanges
+# after a barrier, as the slowest rank sees it; the next cell judges the prediction.
 
 # %%
 #| export
@@ -711,18 +713,25 @@ for per_rank in timed.values():
 # %% [markdown]
 # The `measured:` lines judge the prediction: the 2-rank line says `held` or `failed`, and the
 # growth lines say whether latency or bytes decided (a time that grows far less than the bytes is
-# paying fixed costs per message). [LANDING: from the recording, say which plan ran (NCCL with a GPU
-# per rank, or gloo with the ranks sharing one GPU on a one-GPU machine), what the 2-rank line
-# printed, which way won at each size and by how much, and how much each way's time grew for 3072x
-# the bytes; if the prediction failed, say which part.] How to read a failure:
-# where both times stay flat while the bytes grow 3072-fold, a gap between the two ways is a gap in
-# fixed costs, not bytes; on gloo (CPU processes, or ranks sharing one GPU) every message is copied
-# through host memory with Python around each call, and the all-gather allocates and copies back
-# one buffer per rank where the chain handles one, so there the chain can win at every size. Section
-# 7 counts what each way moves and extrapolates it to many GPUs; section 8 puts the exchange's time
-# beside the scan's on two GPUs. `scan_lib.distributed` keeps the all-gather in the forward, where no
-# rank waits on a chain of others, and uses the reverse chain in the backward (section 2), whose
-# bytes per rank do not grow with $R$.
+# paying fixed costs per message). The run recorded here had one GPU, an H200, so the plan was
+# `gloo/cuda`: the ranks shared it and every message went through host memory, not the NVLink the
+# prediction assumed. The 2-rank line printed `failed`: the chain won at every size, 4.0x at
+# $S$ = 1 KiB, 35.8x at 96 KiB and 8.1x at 3 MiB, where the prediction allowed 2x either way. The
+# other part held: for 3072x the bytes the all-gather's time grew 9.7x and the chain's 4.8x, latency
+# not bytes. At 4 ranks the prediction that the all-gather wins failed too: the chain won by 2.2x,
+# 50.5x and 11.1x, its time growing 3.6x for 3072x the bytes and the all-gather's 17.8x. Nor did the
+# all-gather's time grow slowly with the ranks: at 1 KiB it went from 1400 us at 2 ranks to 3648 at
+# 4. And it is not even monotonic in the bytes (2 ranks: 16728 us at 96 KiB, 13603 at 3 MiB), which
+# these timings do not explain. How to read a failure: where both times stay flat while the bytes
+# grow 3072-fold, a gap between the two ways is a gap in fixed costs, not bytes; on gloo (CPU
+# processes, or ranks sharing one GPU) every message is copied through host memory with Python
+# around each call, and the all-gather allocates and copies back one buffer per rank where the chain
+# handles one, so there the chain can win at every size. Section 7 counts what each way moves and
+# extrapolates it to many GPUs; section 8 puts the exchange's time beside the scan's on two GPUs.
+# `scan_lib.distributed` keeps the all-gather in the forward, where no rank waits on a chain of
+# others, and uses the reverse chain in the backward (section 2), whose bytes per rank do not grow
+# with $R$. On gloo this run's timings favour the chain in the forward too; keeping the all-gather
+# rests on NCCL's collectives, which a one-GPU run cannot time.
 #
 # **Bytes, counted.** `BYTES_RECEIVED` adds up what this process's exchanges receive, by pass (the
 # backward while autograd's engine runs). **Prediction**, with $S$ the bytes of one state (batch
@@ -806,9 +815,10 @@ for kind, counts in most.items():
 # 3, and the backward likewise; the all-to-all scans whole sequences once, its shard being channels.
 #
 # The bytes of the three state-passing designs do not depend on $L$; the all-to-all's are
-# proportional to $L/R$ and do not grow with $R$. So which wins depends on the shard: the
-# all-to-all moves less than this chapter's forward once $4A \lesssim 2RS$, i.e. (leaving $B$ and $C$
-# aside) once $L/R \lesssim R N$ (with bf16 activations and float32 states, $A / S = (L/R)/(2N)$).
+# proportional to $L/R$, and at a given $L/R$ only its gather of $B$ and $C$ grows with $R$. So which
+# wins depends on the shard: the all-to-all moves less than this chapter's forward once
+# $4A \lesssim 2RS$, i.e. (leaving $B$ and $C$ aside) once $L/R \lesssim R N$ (with bf16 activations
+# and float32 states, $A / S = (L/R)/(2N)$).
 # The cell below checks the formulas against the bytes counted on the ranks of section 6's launches (a tiny problem: batch 1,
 # one channel per rank, $N$ = 4, 4 positions per rank, float32 throughout), with the all-to-all built here too
 # (`selective_scan_all_to_all`, checked against this chapter's scan), then prints the model for a
@@ -978,29 +988,36 @@ for ranks in (8, 64, 512):   # the shard below which the all-to-all moves fewer 
 # its own, its backward is this chapter's reverse chain), and the all-to-all computes the same scan,
 # gradients included. What the extrapolation says, at this shape:
 #
-# * **The all-gather's bytes grow with $R$**: $2(R-1)S$ is 14 MiB per layer at 8 GPUs and about 1 GiB
-#   at 512, where the chain's stay at 1 MiB. This chapter's backward already avoids it; its forward
-#   would need the chain, or a tree (recursive doubling: $\lceil\log_2 R\rceil$ rounds of $2S$), past a
-#   few dozen GPUs.
-# * **The chain's latency grows with $R$**: $R-1$ rounds, 5 ms at 512 GPUs with $\alpha$ = 10 us,
-#   against a scan of a shard of 2048 positions that takes far less. Past tens of GPUs the
-#   chain loses to a tree.
+# * **The all-gather's bytes grow with $R$**: $2(R-1)S$ is 14 MiB per layer at 8 GPUs and 1022 MiB
+#   at 512, where the chain's stay at 1 MiB. This chapter's backward already avoids it; its forward's
+#   bytes are most of its modelled time, so the chain's total is below it at every GPU count printed
+#   (0.18 against 0.41 ms at 8 GPUs, 10.26 against 26.65 at 512). A tree (recursive doubling:
+#   $\lceil\log_2 R\rceil$ rounds of $2S$) would avoid those bytes too.
+# * **The chain's latency grows with $R$**: $R-1$ rounds, 511 of $\alpha$ = 10 us, about 5 ms per
+#   pass at 512 GPUs, and it does not shrink with the shard (2048 positions per GPU there). A tree
+#   beats it once $(R-1)\alpha$ outgrows $\lceil\log_2 R\rceil(\alpha + 2S/\beta)$; the table has no
+#   row for the tree.
 # * **The all-to-all moves activations, not states**: 4 of them per pass, proportional to $L/R$. At
-#   $2^{20}$ positions over 8 GPUs that is gigabytes per layer against megabytes; at 512 GPUs (2048
-#   positions each) the gap closes, and the all-gather of $B$ and $C$, which grows with $R$, is most
-#   of it. It also needs the channels (Mamba-2: the heads) divisible by $R$, which caps $R$ (a
-#   Mamba-2 layer of 2048 channels in heads of 64 has 32 heads), and holds $B$ and $C$ for the whole
-#   sequence. What it buys: one pass over the data instead of two, no fold, and a scan kernel
-#   unchanged.
+#   $2^{20}$ positions over 8 GPUs that is 14784 MiB per pass against this chapter's 14 and 1; at 512
+#   GPUs (2048 positions each) the gap closes, its 766 MiB below this chapter's forward 1022 (though
+#   not its total time: 32.19 against 26.65 ms), and the all-gather of $B$ and $C$, which grows with
+#   $R$, is most of it. The last three lines put the forward's crossover, $B$ and $C$ included, at
+#   about 1024 positions per GPU at 64 GPUs ($RN$ = 1024) and 4096 at 512 ($RN$ = 8192: $B$ and $C$
+#   pull it down); at 8 GPUs ($RN$ = 128) the 256 printed is the smallest shard the search tries, so
+#   it says only "at most 256". It also needs the channels (Mamba-2: the heads) divisible by $R$,
+#   which caps $R$ (a Mamba-2 layer of 2048 channels in heads of 64 has 32 heads), and holds $B$ and
+#   $C$ for the whole sequence. What it buys: one pass over the data instead of two, no fold, and a
+#   scan kernel unchanged.
 #
 # So: this chapter's design (or the chain, or a tree over ranks) wins when each GPU holds a long
 # shard, $L/R \gg R N$, which is the case sequence parallelism exists for; the all-to-all wins on
 # bytes when shards are short and ranks many, and on passes (one, not two) whenever the scan itself,
 # not the exchange, is the cost: on fast links (NVLink within a node) with long shards, the second
-# pass can cost more than the all-to-all's bytes. The model ignores overlap (LASP-2 hides its
-# all-gather behind the intra-shard computation; an all-to-all can be pipelined over heads) and
-# counts a collective's rounds optimistically; it predicts bytes exactly and times only to the
-# accuracy of $\alpha$ and $\beta$, which are assumptions here, not measurements.
+# pass can cost more than the all-to-all's bytes (nothing here measures either). The model ignores
+# overlap (LASP-2 hides its all-gather behind the intra-shard computation; an all-to-all can be
+# pipelined over heads) and counts a collective's rounds optimistically; it predicts bytes exactly
+# and times only to the accuracy of $\alpha$ and $\beta$, which are assumptions here, not
+# measurements.
 
 # %% [markdown]
 # ## 8. Two GPUs against one
@@ -1066,11 +1083,10 @@ else:
 # %% [markdown]
 # (On two GPUs.) Where the cell ran, its table and plot judge the prediction: it holds if two GPUs
 # take about as long as one (each runs two passes over its half, and the second waits for the
-# exchange) and the exchange is a small fraction of the forward (the last column). [LANDING: if the recording's cell
-# printed a table, the forward and forward+backward times on one and two GPUs, their ratio, and the
-# exchange's share, and whether the prediction held; if it printed that it was skipped, say that the
-# run recorded here had one GPU, so the cell was skipped and this run judges nothing.] The GPUs' memory, which is what a second GPU
-# buys (each holds half of the sequence's activations), is not measured here.
+# exchange) and the exchange is a small fraction of the forward (the last column). The run recorded
+# here had one GPU, an H200, so the cell printed that it was skipped: this run judges nothing, and
+# the prediction stays untested. The GPUs' memory, which is what a second GPU buys (each holds half
+# of the sequence's activations), is not measured here either.
 
 # %% [markdown]
 # ## 9. Training with it: the example script
@@ -1081,7 +1097,8 @@ else:
 # positions' share of the mean, the ranks' gradients are summed with `all_reduce` (what
 # `DistributedDataParallel` does), and every gradient is checked against the same model run whole in one
 # process, at every step. On two GPUs it runs with NCCL; on one, with gloo, both ranks on that GPU; with
-# none, with gloo on the CPU, small.
+# none, with gloo on the CPU, small. The run below had one GPU (the H200): three steps, each loss the
+# one process's to four decimals, every gradient within 5.4e-07.
 
 # %%
 from pathlib import Path
@@ -1113,8 +1130,9 @@ else:
 # * `scan_lib.distributed.linear_scan`, `selective_scan` and `mamba` run over any process group;
 #   `launch` and `check_against_one_process` check them against one process; the example trains with
 #   them under `torchrun`.
-# * Measured: what the exchange costs, both ways; and, where two GPUs are present, the split against
-#   one GPU.
+# * Measured: what the exchange costs, both ways (here on gloo, the ranks sharing one H200, where the
+#   chain won at every size); and, where two GPUs are present, the split against one GPU (skipped
+#   here).
 #
 # ## Going deeper: cheaper phases, overlapped exchanges
 #
