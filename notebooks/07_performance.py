@@ -17,17 +17,16 @@
 # block's bf16 views (section 7 times both), and a list of guesses about where the time goes. This chapter
 # replaces guesses with measurements. You will learn:
 #
-# 1. how to find a kernel's **floors**: the bytes it must move and the `exp`s it must evaluate, each
-#    divided by a rate measured on this GPU;
+# 1. how to find a kernel's **floors**: its bytes and `exp`s over rates measured on this GPU;
 # 2. how to **profile** a training step with `torch.profiler`'s CUDA timeline;
 # 3. the optimisations **one at a time**, each with its idea, its kernel change and its measured effect:
 #    reading strided views in place, a leaner backward, and segments and several states per step for
 #    long sequences at small batch;
 # 4. where the result stands against `mamba_ssm`.
 #
-# The kernels become `scan_lib.selective_scan`; the "Going deeper" sections hold the rest of their
-# code, the checks, the detailed measurements, the ideas that did not pay and the host's share. Without
-# a GPU the kernels run on Triton's interpreter and the timing cells say they are skipped.
+# The kernels become `scan_lib.selective_scan`; "Going deeper" holds the rest of their code, the
+# checks, the details of the measurements, the ideas that did not pay and the host's share. Without a
+# GPU the kernels run on Triton's interpreter and the timing cells are skipped.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -69,9 +68,8 @@ selective_scan_05 = chapter05.selective_scan
 # A kernel cannot be faster than the slowest of the resources it must use. For the selective scan at
 # Mamba's usual layer size (batch 8, dim 1024, $L$ 2048, $N$ 16) two resources matter:
 #
-# * **Memory.** The forward reads $u$, $\Delta$, $z$ (batch $\times$ dim $\times L$ each), $B$ and
-#   $C$ (batch $\times N \times L$), and writes the output. Divided by the copy bandwidth (bytes read
-#   plus written per second, measured by copying 1 GiB) that is the **memory floor**.
+# * **Memory.** The forward reads $u$, $\Delta$, $z$, $B$ and $C$ and writes the output; those bytes
+#   over the copy bandwidth (measured by copying 1 GiB) are the **memory floor**.
 # * **Special functions.** Every (batch, channel, position, state) element needs $a = e^{\Delta A}$:
 #   268 million `exp`s in the forward, evaluated in a special-function unit with a fraction of the
 #   arithmetic units' throughput. The count over the `exp` rate (measured by a kernel that does
@@ -130,9 +128,8 @@ else:
                   f"memory floor {memory:6.0f} us, exp floor {exps:6.0f} us")
 
 # %% [markdown]
-# (On a GPU.) At $N = 16$ the `exp` floor is the larger one in the forward, in both dtypes, and in
-# bf16 forward+backward; only fp32 forward+backward has the bytes' floor above it. So bf16's halved
-# bytes do not lower the floor that matters. Chapter 05's kernel takes almost the same time forward in
+# (On a GPU.) At $N = 16$ the `exp` floor is the larger one, except in fp32 forward+backward, so bf16's
+# halved bytes do not lower the floor that matters. Chapter 05's kernel takes almost the same time forward in
 # fp32 and bf16 (section 6's table), while `mamba_ssm`'s roughly halves (chapter 05's benchmark): ours
 # is limited by the instructions it issues, far above both floors.
 #
@@ -201,9 +198,8 @@ else:
 
 # %% [markdown]
 # (On a GPU.) Three kinds of work show up: the backward kernel, the forward kernel, and copies
-# (`elementwise`, `copy_` or `contiguous` kernels): chapter 05's launcher calls `.contiguous()` on each
-# strided view before the forward and again before the backward. The copies are pure overhead. The
-# backward dominates, as it does in chapter 06's block profile.
+# (`elementwise`, `copy_` or `contiguous` kernels) of each strided view, which chapter 05's launcher
+# makes contiguous before each pass. The copies are pure overhead. The backward dominates.
 #
 # ## 3. First optimisation: read the views in place
 #
@@ -216,11 +212,10 @@ else:
 # along $L$ stay vectorised ("Going deeper: why strides and not `.contiguous()`"). $B$ and $C$ get four
 # strides (batch, group, state, position). Offsets are 64-bit, so inputs past $2^{31}$ elements work.
 #
-# The rest is chapter 05's forward: a program owns `BLOCK_D` channels of one batch element, walks the
-# sequence in chunks of `CHUNK` positions, and for each state discretises, scans the chunk from the
-# carried state and accumulates $\bar y = \sum_n C_n h_n$. The kernel below is the final one, with
-# section 4's instruction cuts (`discretize_exp2`, `step_u`, the carries in `LAST`) and section 5's
-# segments (`H0`, `SUMMARY`) and states per step (`UNROLL`).
+# The rest is chapter 05's forward (`BLOCK_D` channels per program, chunks of `CHUNK` positions, a scan
+# per state from the carried one). The kernel below is the final one, with section 4's instruction cuts
+# (`discretize_exp2`, `step_u`, the carries in `LAST`) and section 5's segments (`H0`, `SUMMARY`) and
+# states per step (`UNROLL`).
 
 # %%
 #| export
@@ -388,18 +383,16 @@ selective_scan = scan_lib.selective_scan
 # a_{t+1}\lambda_{t+1}$ (`reverse=True`), with three `exp`s per element; and Triton 3.6 runs
 # `reverse=True` by moving every register across the warp's lanes, about 14 lane shuffles per element
 # and state. This backward gives each thread a *run* of consecutive positions (16 bytes of the input)
-# and walks it in registers, the states left to right and the adjoint right to left, $h_{t-1}$ and
-# $a_{t+1}$ taken from the neighbouring item. Only the runs' summaries, one register per thread, are
+# and walks it in registers both ways, $h_{t-1}$ and $a_{t+1}$ taken from the neighbouring item. Only the runs' summaries, one register per thread, are
 # scanned across the lanes ("Going deeper: the backward kernel" has the steps and the code).
 #
 # ### Fewer instructions per position and state
 #
-# The floors say the bytes are not what limits these kernels; the instructions each (position, state)
-# costs are. Both kernels drop three kinds that do no arithmetic the recurrence needs (see the forward
-# above):
+# The floors say that instructions per (position, state), not bytes, limit these kernels. Both
+# kernels drop three kinds that do no arithmetic the recurrence needs (see the forward above):
 #
-# * **The carry in a tile.** Reading state $n$'s carry from a (`BLOCK_D`, $N$) register tile is a
-#   masked sum, writing it a select over the tile. The carries now wait in memory (`LAST`, `_carry_in`).
+# * **The carry in a tile.** Reading and writing state $n$'s carry in a (`BLOCK_D`, $N$) register tile
+#   costs a masked sum and a select over the tile. The carries now wait in memory (`LAST`, `_carry_in`).
 # * **`exp` as two instructions.** With $A$ multiplied by $\log_2 e$ once per state
 #   (`discretize_exp2`), each gate is one multiply and one `MUFU.EX2`.
 # * **$\Delta u$ once per position** (`step_u`), outside the loop over states.
@@ -412,8 +405,8 @@ selective_scan = scan_lib.selective_scan
 # ## 5. Third optimisation: long sequences at small batch
 #
 # Each program owns one (batch element, block of channels) and walks the whole sequence. At batch 1
-# and 1536 channels, one channel and one warp per program, that is about 12 programs per
-# multiprocessor of an H200, which could hold 32: the GPU is mostly idle. It needs more programs, or
+# and 1536 channels that is about 12 one-warp programs per multiprocessor of an H200, which could hold
+# 32: the GPU is mostly idle. It needs more programs, or
 # more independent work in each.
 #
 # **Segments.** Chapter 01's blocked scan splits a sequence in three phases, and so does the
@@ -422,31 +415,32 @@ selective_scan = scan_lib.selective_scan
 # 0: one step of the same kind. Phase 1 runs every segment from 0 at once and writes $\hat h_s$ and
 # $\Sigma_s$ (the forward with `SUMMARY`); phase 2 scans the $S$ pairs with chapter 03's `linear_scan`;
 # phase 3 runs every segment again from its entering state (`H0`). The backward splits the same way
-# ("Going deeper: segments in the backward"). **Prediction:** phase 1 adds about half the work, so where
-# programs were short of the GPU by a factor of three, the time should still fall nearly twofold.
-# **Measured** ("Going deeper: segments and states per step, measured"): it failed. Phase 1 costs
+# ("Going deeper: segments in the backward").
+#
+# **Prediction:** phase 1 adds about half the work, so where programs were short of the GPU by a factor
+# of three, the time should still fall nearly twofold. **Measured** ("Going deeper: segments and states
+# per step, measured"): it failed. Phase 1 costs
 # almost as much as phase 3, a split roughly doubles the work, and at batch 1 the best split is 1.09x
 # faster in the training step and slower in the forward. `selective_scan` keeps one segment; the split
 # stays, checked, because chapter 09 spreads a sequence over GPUs with the same phases.
 #
 # **States per step.** A state's scan is a chain of dependent instructions, and with a dozen warps per
-# multiprocessor there is rarely another ready while one waits. The states are independent, so the
+# multiprocessor there is rarely one ready while another waits. The states are independent, so the
 # forward takes `UNROLL` of them per step (the `tl.static_range(UNROLL)` above: the compiler
 # interleaves their instructions), and one channel per program. The price is registers, which decide
 # how many warps fit at once, so `states_per_step` reads how many pay from a table measured on an H100.
+#
 # **Prediction:** at batch 1 perhaps twice faster, at batch 8 little change; "Going deeper: segments and
 # states per step, measured" times each setting at four sizes.
 #
-# "Going deeper: the launchers and the public function" runs these kernels (strides, not copies; the
-# host's work done once per signature of the inputs); "Going deeper: the checks" tests them against
-# chapter 05's float64 reference in every option, layout and dtype.
+# "Going deeper: the launchers and the public function" runs these kernels; "Going deeper: the
+# checks" tests them against chapter 05's float64 reference in every option, layout and dtype.
 
 # %% [markdown]
 # ## 6. Measured: each optimisation's effect
 #
-# (GPU only.) The same training step as the profile, at the same size, for chapter 05's scan and this
-# chapter's, on the block's strided views and on contiguous tensors, in fp32 and bf16; then the
-# forward alone (inference). The profile of the new step shows what is left.
+# (GPU only.) The profile's training step, and the forward alone, for chapter 05's scan and this
+# chapter's, on strided views and contiguous tensors, in fp32 and bf16; then the new step's profile.
 
 # %%
 if not ON_GPU:
@@ -484,14 +478,13 @@ else:
 # %% [markdown]
 # (On a GPU.) Chapter 07's column has all of this chapter's changes, so each row mixes their effects:
 #
-# * **Strided views, forward.** The copies are gone and the instructions cut: in bf16 the cell asserts
-#   at least 1.3x less time.
-# * **Contiguous inputs, forward.** Nothing to copy: the `saved` column is the instruction cuts alone,
-#   net of the strided indexing; it need not have the same sign in both dtypes.
-# * **Forward+backward.** Recomputing $\bar y$, measured on its own before the instruction cuts, made
-#   the backward *slower* than chapter 05's: a loop limited by the instructions it issues, not by
-#   bytes, got one more multiply-add per element and state. The `saved` column has both changes. The
-#   new profile shows no copies, and the backward taking most of the time.
+# * **Strided views, forward.** No copies, fewer instructions: in bf16 the cell asserts at least 1.3x
+#   less time.
+# * **Contiguous inputs, forward.** The instruction cuts alone, net of the strided indexing; the sign
+#   may differ between dtypes.
+# * **Forward+backward.** Recomputing $\bar y$, measured alone before the instruction cuts, made the
+#   backward *slower*: its loop is limited by instructions, not bytes. The `saved` column has both
+#   changes; the new profile shows no copies and the backward taking most of the time.
 #
 # "Going deeper: the atomics" shows that the backward's $dB$, $dC$ atomic additions, timed alone,
 # take a large share of it; "Going deeper: ideas that did not pay" has one `exp` fewer (it cancels), all
@@ -501,8 +494,8 @@ else:
 #
 # (GPU only.) Chapter 07's `selective_scan` against chapter 05's and `mamba_ssm`'s `selective_scan_fn`
 # (skipped where it is not installed), bf16, every option, the block's layout, forward+backward:
-# against $L$ (batch 8, dim 1024, $N$ 16), $N$ ($L$ 2048) and batch (dim 1536, $L$ 8192). `make bench`
-# runs more shapes, both dtypes and both passes.
+# against $L$ (batch 8, dim 1024, $N$ 16), $N$ ($L$ 2048) and batch (dim 1536, $L$ 8192); `make bench`
+# runs more.
 
 # %%
 def peers():
@@ -544,8 +537,8 @@ else:
     save_figure(fig, "07_against_peers.png")
 
 # %% [markdown]
-# (On a GPU.) The cell below prints `mamba_ssm`'s time over ours (above 1: ours is faster). In the run
-# recorded here chapter 07 is faster than chapter 05 in every row, and against `mamba_ssm` the ratios
+# (On a GPU.) The cell below prints `mamba_ssm`'s time over ours (above 1: ours is faster). In the
+# recorded run chapter 07 beats chapter 05 in every row, and against `mamba_ssm` the ratios
 # run from 0.47 to 1.22: ours is faster at the base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$ 64
 # and at batch 4 of dim 1536, `mamba_ssm` at $L$ 512, at $N$ 4 and at batch 1 and 2 (the base shape,
 # timed twice, gives 1.15 both times; read a single ratio near 1 as "about even"). At $L$ 512 and $N$ 4
@@ -576,9 +569,8 @@ else:
 #   fewer instructions per (position, state), several states per step in the forward, and a split into
 #   segments, built and checked but not used.
 #
-# Not done yet: the forward with the same runs; the atomics (a workspace reduction or coalesced
-# additions); a sequence-parallel scan that pays at batch 1; and the host's time per step, which
-# decides the short rows.
+# Not done yet: the forward with the same runs; the atomics; a sequence-parallel scan that pays at
+# batch 1; and the host's time per step, which decides the short rows.
 
 # %% [markdown]
 # ## Going deeper: profiling tools on this GPU
