@@ -1398,7 +1398,8 @@ for width in (2, 3, 4):
 #
 # **The forward kernel in detail.** In the run kernels the second load (one run earlier) is aligned
 # too, and its values come from cache. `items_of` and `positions_of` only rename registers when each
-# thread holds its runs whole; chapter 07's section 4 shows the instructions they compile to. The sum
+# thread holds its runs whole; chapter 07's "Going deeper: the backward kernel" counts the instructions
+# they compile to. The sum
 # over $k$ is unrolled at compile time (`tl.static_range`), so every choice `_around` makes is made by
 # the compiler. `_x_at` is the one place that knows the padding: positions $< 0$ come from
 # `initial_states` (or are zero), positions $\ge L$ are masked. SiLU needs
@@ -1970,8 +1971,8 @@ else:
 # launches), which the GPU waits for; the package pays it too (it is also a custom operator with an
 # autograd Function), ours is longer. `make bench BENCH_ARGS="--only conv"` prints this split for
 # four problems (`host_us`: the host's time per call); cutting the host path is the next work for
-# this op, as for the selective scan (chapter 07's section 11). `F.conv1d` and SiLU are the slowest
-# in both.
+# this op, as for the selective scan (chapter 07's "Going deeper: the host's share"). `F.conv1d` and
+# SiLU are the slowest in both.
 
 # %% [markdown]
 # ### The initialisation: a check, and the sketch's two bugs

@@ -14,23 +14,19 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/07_performance.ipynb)
 #
 # Chapter 05 ended with a kernel that is correct but slower than `mamba_ssm`'s in training on a
-# block's bf16 views (section 10 times both), and a list of guesses about where the time goes. This chapter
+# block's bf16 views (section 7 times both), and a list of guesses about where the time goes. This chapter
 # replaces guesses with measurements. You will learn:
 #
-# 1. how to find a kernel's **floors**: the bytes it must move and the `exp`s it must evaluate, each
-#    divided by a rate measured on this GPU;
-# 2. how to **profile** on this GPU with `torch.profiler`'s CUDA timeline, and what it says about chapter
-#    05's kernels inside a training step;
-# 3. the optimisations **one at a time**, each with a prediction and its measured effect: reading the
-#    strided views a Mamba block produces in place, a leaner backward that recomputes $\bar y$
-#    instead of saving it, and fewer instructions per (position, state) in both kernels;
-# 4. what still stands in the way (the `dB`, `dC` atomics, measured alone), and the **ideas that did
-#    not pay**, with their numbers;
-# 5. the result against `mamba_ssm` at several lengths, state counts and batch sizes.
+# 1. how to find a kernel's **floors**: its bytes and `exp`s over rates measured on this GPU;
+# 2. how to **profile** a training step with `torch.profiler`'s CUDA timeline;
+# 3. the optimisations **one at a time**, each with its idea, its kernel change and its measured effect:
+#    reading strided views in place, a leaner backward, and segments and several states per step for
+#    long sequences at small batch;
+# 4. where the result stands against `mamba_ssm`.
 #
-# The kernels derived here become `scan_lib.selective_scan`; chapter 05 keeps its simpler teaching
-# kernel. On a machine without a GPU every kernel still runs (Triton's interpreter, small shapes) and
-# is checked; the timing cells say they are skipped.
+# The kernels become `scan_lib.selective_scan`; "Going deeper" holds the rest of their code, the
+# checks, the details of the measurements, the ideas that did not pay and the host's share. Without a
+# GPU the kernels run on Triton's interpreter and the timing cells are skipped.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -72,21 +68,15 @@ selective_scan_05 = chapter05.selective_scan
 # A kernel cannot be faster than the slowest of the resources it must use. For the selective scan at
 # Mamba's usual layer size (batch 8, dim 1024, $L$ 2048, $N$ 16) two resources matter:
 #
-# * **Memory.** The forward reads $u$, $\Delta$, $z$ (batch $\times$ dim $\times L$ each), $B$ and
-#   $C$ (batch $\times N \times L$), and writes the output: about $4 \cdot$ batch $\cdot$ dim $\cdot L$
-#   values. Divided by the copy bandwidth (bytes read plus written per second, measured by copying
-#   1 GiB) that is the **memory floor**.
-# * **Special functions.** Every (batch, channel, position, state) element needs $a = e^{\Delta A}$: 
-#   batch $\cdot$ dim $\cdot L \cdot N$ = 268 million `exp`s in the forward. GPUs evaluate `exp` in
-#   a special-function unit with a fraction of the arithmetic units' throughput, so this is a second
-#   floor: the count over the `exp` rate measured below.
+# * **Memory.** The forward reads $u$, $\Delta$, $z$, $B$ and $C$ and writes the output; those bytes
+#   over the copy bandwidth (measured by copying 1 GiB) are the **memory floor**.
+# * **Special functions.** Every (batch, channel, position, state) element needs $a = e^{\Delta A}$:
+#   268 million `exp`s in the forward, evaluated in a special-function unit with a fraction of the
+#   arithmetic units' throughput. The count over the `exp` rate (measured by a kernel that does
+#   nothing else) is the second floor.
 #
-# Everything else (the multiply-adds of the recurrence and of $C h$, the scan's combines) runs on the
-# ordinary arithmetic units, which on an H200 (about 67 TFLOP/s in fp32, NVIDIA's H200 SXM datasheet)
-# do about 18 fp32 operations for each `exp` at the rate measured below, so an efficient kernel should
-# sit near the larger of the two floors. The `exp` rate is measured by a
-# kernel that does nothing else: four independent chains per element (so that the unit, not the
-# latency of one chain, is the limit), many programs.
+# The rest runs on the arithmetic units, which on an H200 (about 67 TFLOP/s in fp32) do about 18
+# operations for each `exp` at the rate measured below: an efficient kernel sits near the larger floor.
 
 # %%
 @triton.jit
@@ -138,23 +128,18 @@ else:
                   f"memory floor {memory:6.0f} us, exp floor {exps:6.0f} us")
 
 # %% [markdown]
-# (On a GPU.) At $N = 16$ the `exp` floor is the larger one in the forward, in both dtypes, and in
-# bf16 forward+backward; only fp32 forward+backward has the bytes' floor above it (the table's second
-# line). And it does not shrink with bf16 inputs: halving the bytes only helps a kernel that waits on
-# memory. Chapter 05's kernel takes almost the
-# same time forward in fp32 and bf16 (section 8's table), while `mamba_ssm`'s roughly halves (chapter
-# 05's benchmark): ours is limited by the instructions it issues, far above both floors. The
-# forward+backward lines are a training step's:
-# the bytes of both passes, and two `exp`s per element (one in each pass: section 4).
+# (On a GPU.) At $N = 16$ the `exp` floor is the larger one, except in fp32 forward+backward, so bf16's
+# halved bytes do not lower the floor that matters. Chapter 05's kernel takes almost the same time forward in
+# fp32 and bf16 (section 6's table), while `mamba_ssm`'s roughly halves (chapter 05's benchmark): ours
+# is limited by the instructions it issues, far above both floors.
 #
 # ## 2. Where the time goes: the profiler
 #
-# `torch.profiler` records every kernel the GPU runs, with its duration, from CUDA's own timeline (no
-# counters needed). We profile one training step of chapter 05's scan as chapter 06's Mamba block calls
-# it: the block applies each projection as one matrix product on a (features, batch $\cdot$ L) matrix, so
-# $u$, $\Delta$, $z$, $B$ and $C$ are (batch, channels, $L$) views of such matrices (`positions_last`):
-# stride 1 along $L$, $L$ along the batch, batch $\cdot L$ along the channels. None is contiguous. The
-# table lists the GPU time per kernel name.
+# `torch.profiler` records every kernel the GPU runs, with its duration, from CUDA's own timeline
+# ("Going deeper: profiling tools on this GPU" lists the other tools). We profile one training step of
+# chapter 05's scan as chapter 06's Mamba block calls it: $u$, $\Delta$, $z$, $B$ and $C$ are
+# (batch, channels, $L$) views of (features, batch $\cdot$ L) matrices (`positions_last`), stride 1
+# along $L$ but not contiguous.
 
 # %%
 def block_layout_inputs(batch, dim, length, n_states, dtype, seed=0):
@@ -213,31 +198,24 @@ else:
 
 # %% [markdown]
 # (On a GPU.) Three kinds of work show up: the backward kernel, the forward kernel, and copies
-# (`elementwise`, `copy_` or `contiguous` kernels): chapter 05's launcher calls `.contiguous()` on its
-# inputs, so each strided view is copied before the forward and again before the backward, and the
-# gradients are produced in fresh tensors. The copies are pure overhead: the kernel could read the
-# views where they are. The backward dominates, as it does in chapter 06's block profile.
+# (`elementwise`, `copy_` or `contiguous` kernels) of each strided view, which chapter 05's launcher
+# makes contiguous before each pass. The copies are pure overhead. The backward dominates.
 #
 # ## 3. First optimisation: read the views in place
 #
 # **Prediction.** A copy of a (batch, dim, $L$) bf16 tensor moves $2 \times 2 \cdot 8 \cdot 1024 \cdot 2048$
-# bytes (read and write), about 16 µs at the measured bandwidth; the profile shows how many there
-# are per step. Removing them should save their total and nothing more: the kernel reads the same
-# bytes either way, only from different addresses.
+# bytes, about 16 µs at the measured bandwidth; removing the copies should save that per copy and nothing
+# more.
 #
 # **The change.** Each pointer gets its strides (batch, channel, position) instead of assuming
-# `(dim * L, L, 1)`. Triton specialises integer arguments equal to 1 at compile time, so a view with
-# stride 1 along $L$ still gets vectorised loads. $B$ and $C$ get four strides (batch, group, state,
-# position); the time-invariant $B$ of shape (dim, $N$) is the same code with the group stride set to
-# the channel stride and the batch and position strides to 0, so one kernel serves both. Offsets are
-# computed in 64-bit integers from the batch index on, so inputs past $2^{31}$ elements work (chapter
-# 05's kernel refuses them).
+# `(dim * L, L, 1)` (the loads of `u` and `delta` below); Triton specialises a stride of 1, so loads
+# along $L$ stay vectorised ("Going deeper: why strides and not `.contiguous()`"). $B$ and $C$ get four
+# strides (batch, group, state, position). Offsets are 64-bit, so inputs past $2^{31}$ elements work.
 #
-# The rest of the forward is chapter 05's: a program owns `BLOCK_D` channels of one batch element,
-# walks the sequence in chunks of `CHUNK` positions, and for each state $n$ discretises, scans the
-# chunk with chapter 02's combine operator starting from the carried state, and accumulates
-# $\bar y = \sum_n C_n h_n$. It imports chapter 05's pieces (`discretize`, the delta loader, the column
-# helper) rather than writing them again.
+# The rest is chapter 05's forward (`BLOCK_D` channels per program, chunks of `CHUNK` positions, a scan
+# per state from the carried one). The kernel below is the final one, with section 4's instruction cuts
+# (`discretize_exp2`, `step_u`, the carries in `LAST`) and section 5's segments (`H0`, `SUMMARY`) and
+# states per step (`UNROLL`).
 
 # %%
 #| export
@@ -384,35 +362,261 @@ def strided_fwd_kernel(
     if SUMMARY:
         tl.store(DSUM + (pid_b * dim + ds) * n_segments + pid_s, dsum, d_ok)
 
+# %%
+# The rest of this chapter's module (the backward kernel, section 5's phases, the launchers and the
+# public function) is in "Going deeper"; until there, the cells call it from scan_lib, where it is exported.
+selective_scan = scan_lib.selective_scan
 
 # %% [markdown]
 # ## 4. Second optimisation: a leaner backward
 #
-# Chapter 05's backward, per chunk and state, recomputes the states from the one kept at the chunk's
-# start, runs the adjoint scan right to left, and forms the gradients. One thing in it moves bytes it
-# does not need to.
+# Chapter 05's backward, per chunk and state, recomputes the states, runs the adjoint scan right to
+# left, and forms the gradients. Two things in it cost more than they need to.
 #
-# **$\bar y$ was saved.** The gradient of the gate, $\partial\mathcal L/\partial z_t =
-# \partial\mathcal L/\partial \text{out}_t \cdot \bar y_t \cdot \sigma(z_t)(1 + z_t(1 - \sigma(z_t)))$,
-# needs $\bar y$, and chapter 05's forward wrote it to memory for that (batch $\cdot$ dim $\cdot L$
-# floats in fp32, written once and read once). But the backward recomputes every $h_t$ anyway, so
-# $\bar y_t = \sum_n C_{t,n} h_{t,n} + D u_t$ costs one multiply-add per element, inside the loop over
-# the states that is already there. Prediction: the forward stops writing $4 \cdot 8 \cdot 1024 \cdot
-# 2048$ bytes and the backward stops reading them, about 30 µs at the measured bandwidth, and training
-# keeps 64 MiB less alive between the passes.
+# **$\bar y$ was saved.** The gate's gradient needs $\bar y$, and chapter 05's forward wrote it to
+# memory for that. But the backward recomputes every $h_t$ anyway, so $\bar y_t = \sum_n C_{t,n}
+# h_{t,n} + D u_t$ costs one multiply-add per element. Prediction: about 30 µs of bytes saved at the
+# measured bandwidth, and 64 MiB less kept alive between the passes.
 #
-# **No reverse scan, one `exp` per element.** Chapter 05's backward needs, per state, $h_{t-1}$ (a
-# forward scan over the steps of positions $t-1$, with their own $a_{t-1}$ and $B_{t-1}$), $h_t$, and
-# the adjoint $\lambda_t = C_t \partial\mathcal L/\partial \bar y_t + a_{t+1}\lambda_{t+1}$ (a scan
-# with `reverse=True`, with $a_{t+1}$): three `exp`s per element and two scans. The SASS of that loop
-# (see "Going deeper") showed where it goes: Triton 3.6 runs `reverse=True` by moving every register
-# across the warp's lanes before and after a forward scan, about 14 lane shuffles per element and
-# state, even when the scanned positions sit in one thread.
+# **No reverse scan, one `exp` per element.** Chapter 05's backward scans twice per state, for
+# $h_{t-1}$ and for the adjoint $\lambda_t = C_t \partial\mathcal L/\partial \bar y_t +
+# a_{t+1}\lambda_{t+1}$ (`reverse=True`), with three `exp`s per element; and Triton 3.6 runs
+# `reverse=True` by moving every register across the warp's lanes, about 14 lane shuffles per element
+# and state. This backward gives each thread a *run* of consecutive positions (16 bytes of the input)
+# and walks it in registers both ways, $h_{t-1}$ and $a_{t+1}$ taken from the neighbouring item. Only the runs' summaries, one register per thread, are
+# scanned across the lanes ("Going deeper: the backward kernel" has the steps and the code).
 #
-# This backward views a chunk as `SEGS` runs of `ITEMS` consecutive positions, one run per thread
-# (`ITEMS` positions are 16 bytes of the input: 8 in bf16, 4 in fp32), and splits each
-# (`BLOCK_D`, `CHUNK`) tile into `ITEMS` tiles of (`BLOCK_D`, `SEGS`) with `tl.split`
-# (`items_of`), which moves no data when each thread already holds its run. Then, per state:
+# ### Fewer instructions per position and state
+#
+# The floors say that instructions per (position, state), not bytes, limit these kernels. Both
+# kernels drop three kinds that do no arithmetic the recurrence needs (see the forward above):
+#
+# * **The carry in a tile.** Reading and writing state $n$'s carry in a (`BLOCK_D`, $N$) register tile
+#   costs a masked sum and a select over the tile. The carries now wait in memory (`LAST`, `_carry_in`).
+# * **`exp` as two instructions.** With $A$ multiplied by $\log_2 e$ once per state
+#   (`discretize_exp2`), each gate is one multiply and one `MUFU.EX2`.
+# * **$\Delta u$ once per position** (`step_u`), outside the loop over states.
+#
+# **Prediction.** Far fewer instructions per (position, state), counted in the machine code without a
+# GPU ("Going deeper: the backward kernel" prints the counts); if the kernels are bound by the
+# instructions they issue, as section 2 suggests, as much faster. Section 6 measures it.
+
+# %% [markdown]
+# ## 5. Third optimisation: long sequences at small batch
+#
+# Each program owns one (batch element, block of channels) and walks the whole sequence. At batch 1
+# and 1536 channels that is about 12 one-warp programs per multiprocessor of an H200, which could hold
+# 32: the GPU is mostly idle. It needs more programs, or
+# more independent work in each.
+#
+# **Segments.** Chapter 01's blocked scan splits a sequence in three phases, and so does the
+# recurrence. Started from any state $h$, a segment of positions $t_s \le t < t_{s+1}$ ends at
+# $e^{A \Sigma_s} h + \hat h_s$, where $\Sigma_s$ is its sum of steps and $\hat h_s$ where it ends from
+# 0: one step of the same kind. Phase 1 runs every segment from 0 at once and writes $\hat h_s$ and
+# $\Sigma_s$ (the forward with `SUMMARY`); phase 2 scans the $S$ pairs with chapter 03's `linear_scan`;
+# phase 3 runs every segment again from its entering state (`H0`). The backward splits the same way
+# ("Going deeper: segments in the backward").
+#
+# **Prediction:** phase 1 adds about half the work, so where programs were short of the GPU by a factor
+# of three, the time should still fall nearly twofold. **Measured** ("Going deeper: segments and states
+# per step, measured"): it failed. Phase 1 costs
+# almost as much as phase 3, a split roughly doubles the work, and at batch 1 the best split is 1.09x
+# faster in the training step and slower in the forward. `selective_scan` keeps one segment; the split
+# stays, checked, because chapter 09 spreads a sequence over GPUs with the same phases.
+#
+# **States per step.** A state's scan is a chain of dependent instructions, and with a dozen warps per
+# multiprocessor there is rarely one ready while another waits. The states are independent, so the
+# forward takes `UNROLL` of them per step (the `tl.static_range(UNROLL)` above: the compiler
+# interleaves their instructions), and one channel per program. The price is registers, which decide
+# how many warps fit at once, so `states_per_step` reads how many pay from a table measured on an H100.
+#
+# **Prediction:** at batch 1 perhaps twice faster, at batch 8 little change; "Going deeper: segments and
+# states per step, measured" times each setting at four sizes.
+#
+# "Going deeper: the launchers and the public function" runs these kernels; "Going deeper: the
+# checks" tests them against chapter 05's float64 reference in every option, layout and dtype.
+
+# %% [markdown]
+# ## 6. Measured: each optimisation's effect
+#
+# (GPU only.) The profile's training step, and the forward alone, for chapter 05's scan and this
+# chapter's, on strided views and contiguous tensors, in fp32 and bf16; then the new step's profile.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    from scan_lib.runtime import median_us
+
+    def contiguous_copy(inputs):
+        return [t.contiguous() for t in inputs]
+
+    def inference(scan, inputs):
+        with torch.no_grad():
+            return scan(*inputs, delta_softplus=True)
+
+    effects = []
+    print(torch.cuda.get_device_name(), "(batch, dim, L, N) = (8, 1024, 2048, 16); median us (do_bench)")
+    print(f"{'dtype':9s} {'layout':10s} {'pass':8s} {'chapter 05':>10s} {'chapter 07':>10s} {'saved':>7s}")
+    for dtype in (torch.float32, torch.bfloat16):
+        views = block_layout_inputs(8, 1024, 2048, 16, dtype)
+        for layout, inputs in (("strided", views), ("contiguous", contiguous_copy(views))):
+            for name, run in (("fwd", inference), ("fwd+bwd", training_step)):
+                old = median_us(lambda: run(selective_scan_05, inputs))
+                new = median_us(lambda: run(selective_scan, inputs))
+                effects.append(dict(dtype=dtype, layout=layout, name=name, old=old, new=new))
+                print(f"{str(dtype)[6:]:9s} {layout:10s} {name:8s} {old:10.0f} {new:10.0f} {1 - new / old:7.1%}")
+    print()
+    def effect(dtype, layout, name):
+        return next(e for e in effects if e["dtype"] == dtype and e["layout"] == layout and e["name"] == name)
+    # the one finding asserted: bf16 on the block's views, where both the copies and the instructions go
+    assert effect(torch.bfloat16, "strided", "fwd")["new"] < effect(torch.bfloat16, "strided", "fwd")["old"] / 1.3
+    print("chapter 07's selective_scan, one training step, bf16, block layout")
+    strided = block_layout_inputs(8, 1024, 2048, 16, torch.bfloat16)
+    profile_07 = profile_table(lambda: training_step(selective_scan, strided))
+
+# %% [markdown]
+# (On a GPU.) Chapter 07's column has all of this chapter's changes, so each row mixes their effects:
+#
+# * **Strided views, forward.** No copies, fewer instructions: in bf16 the cell asserts at least 1.3x
+#   less time.
+# * **Contiguous inputs, forward.** The instruction cuts alone, net of the strided indexing; the sign
+#   may differ between dtypes.
+# * **Forward+backward.** Recomputing $\bar y$, measured alone before the instruction cuts, made the
+#   backward *slower*: its loop is limited by instructions, not bytes. The `saved` column has both
+#   changes; the new profile shows no copies and the backward taking most of the time.
+#
+# "Going deeper: the atomics" shows that the backward's $dB$, $dC$ atomic additions, timed alone,
+# take a large share of it; "Going deeper: ideas that did not pay" has one `exp` fewer (it cancels), all
+# states in one three-dimensional tile (slower), and the sweep behind `GPU_CONFIG`.
+#
+# ## 7. Against the peers
+#
+# (GPU only.) Chapter 07's `selective_scan` against chapter 05's and `mamba_ssm`'s `selective_scan_fn`
+# (skipped where it is not installed), bf16, every option, the block's layout, forward+backward:
+# against $L$ (batch 8, dim 1024, $N$ 16), $N$ ($L$ 2048) and batch (dim 1536, $L$ 8192); `make bench`
+# runs more.
+
+# %%
+def peers():
+    """The implementations to time: name -> function with selective_scan_fn's signature."""
+    found = {"chapter 07": selective_scan, "chapter 05": selective_scan_05}
+    try:
+        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
+        found["mamba_ssm"] = selective_scan_fn
+    except ImportError as error:
+        print(f"mamba_ssm not importable ({type(error).__name__}): not in the plot")
+    return found
+
+
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    series = {"L": [(8, 1024, L, 16) for L in (512, 2048, 8192)],
+              "N": [(8, 1024, 2048, N) for N in (4, 16, 64)],
+              "batch": [(b, 1536, 8192, 16) for b in (1, 2, 4)]}
+    times = {}
+    for axis, shapes in series.items():
+        for shape in shapes:
+            inputs = block_layout_inputs(*shape, torch.bfloat16)
+            for name, fn in peers().items():
+                times[axis, shape, name] = median_us(lambda: training_step(fn, inputs), warmup=5, rep=50)
+            print(shape, "  ".join(f"{name} {times[axis, shape, name]:7.0f} us" for name in peers()))
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
+    for ax, (axis, shapes) in zip(axes, series.items()):
+        position = {"L": 2, "N": 3, "batch": 0}[axis]
+        for name in peers():
+            ax.plot([s[position] for s in shapes], [times[axis, s, name] / 1e3 for s in shapes], "o-", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(axis)
+        ax.set_ylabel("fwd+bwd, ms")
+    axes[0].legend()
+    fig.suptitle(f"selective scan, bf16, block layout, {torch.cuda.get_device_name()}")
+    fig.tight_layout()
+    save_figure(fig, "07_against_peers.png")
+
+# %% [markdown]
+# (On a GPU.) The cell below prints `mamba_ssm`'s time over ours (above 1: ours is faster). In the
+# recorded run chapter 07 beats chapter 05 in every row, and against `mamba_ssm` the ratios
+# run from 0.47 to 1.22: ours is faster at the base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$ 64
+# and at batch 4 of dim 1536, `mamba_ssm` at $L$ 512, at $N$ 4 and at batch 1 and 2 (the base shape,
+# timed twice, gives 1.15 both times; read a single ratio near 1 as "about even"). At $L$ 512 and $N$ 4
+# chapter 07 takes as long as at the base shape or longer (1344 and 1545 µs against 1308), with a
+# quarter of the work, while `mamba_ssm`'s time falls (772 and 734 µs against 1499): that time is the
+# host's Python, which "Going deeper: the host's share" measures (`mamba_ssm`'s launchers are C++). At
+# batch 1 and 2 of dim 1536 the kernels set the pace, with about 6 or 12 programs per multiprocessor:
+# section 5's problem, not solved yet.
+
+# %%
+if ON_GPU and any(name == "mamba_ssm" for _, _, name in times):
+    for axis, shapes in series.items():
+        for shape in shapes:
+            ratio = times[axis, shape, "mamba_ssm"] / times[axis, shape, "chapter 07"]
+            print(f"{str(shape):22s} forward+backward, mamba_ssm time / chapter 07 time: {ratio:.2f}")
+else:
+    print("skipped: needs a GPU and mamba_ssm")
+
+# %% [markdown]
+# ## What we built
+#
+# * Two floors for the selective scan, from bytes and `exp`s over rates measured on this GPU: at
+#   $N = 16$ the `exp`s set the higher one (except for fp32 forward+backward).
+# * A profile of chapter 05's scan in a training step: copies of strided views, and a backward that
+#   takes most of the time.
+# * `scan_lib.selective_scan`, now this chapter's kernels: strided inputs read in place, a backward
+#   that recomputes $\bar y$ and scans each thread's positions in registers (one `exp` per element),
+#   fewer instructions per (position, state), several states per step in the forward, and a split into
+#   segments, built and checked but not used.
+#
+# Not done yet: the forward with the same runs; the atomics; a sequence-parallel scan that pays at
+# batch 1; and the host's time per step, which decides the short rows.
+
+# %% [markdown]
+# ## Going deeper: profiling tools on this GPU
+#
+# * `torch.profiler` (used above) reads CUDA's activity timeline: durations per kernel, no hardware
+#   counters, no special permissions. It is enough to find which kernel to work on.
+# * Triton's own profiler, `proton`, adds per-kernel metadata (launch grid, bytes) and can instrument
+#   regions inside a kernel; `python -m triton.profiler.proton script.py` writes a trace that
+#   `proton-viewer` summarises.
+# * Nsight Compute gives issued instructions, stall reasons, registers, occupancy and memory traffic
+#   per kernel from the GPU's hardware counters: `ncu --clock-control none --profile-from-start off
+#   -k regex:strided --section SpeedOfLight --section WarpStateStats --section Occupancy python
+#   script.py`, with the script calling `torch.cuda.profiler.start()` and `stop()` around the calls to
+#   measure; `--section SourceCounters` attributes instructions to source lines of a Triton kernel.
+# * The machine code itself needs no GPU: `triton.compile` of a kernel with
+#   `target=GPUTarget("cuda", 90, 32)` runs Triton's bundled `ptxas` on any machine, and the
+#   `cuobjdump --dump-sass` beside it prints the SASS. Counting the instructions of the loop over
+#   states, divided by the elements each thread holds, gives the instructions per (position, state)
+#   that section 4 cuts (`benchmarks/sass_count.py` does this for both kernels; "Going deeper: the
+#   backward kernel" runs it); Triton's reverse scan shows up there as lane shuffles (`SHFL.BFLY`).
+#
+# ## Going deeper: why strides and not `.contiguous()`
+#
+# A view such as `xz[:, :dim]` of a (batch, 2 dim, L) tensor is "contiguous along $L$" but not
+# contiguous: its channel stride is $L$ and its batch stride is $2\,\text{dim}\cdot L$. `.contiguous()`
+# makes a copy whenever the strides differ from the packed ones, and autograd keeps the copy alive
+# for the backward. Passing strides costs nothing at run time: the kernels compute the same addresses
+# with different multipliers, and Triton specialises a stride of 1 so that loads along $L$ stay
+# vectorised. A layout with stride 1 along the *channels* (the `layout="channels_last"` case of the checks,
+# `(batch, L, dim)` transposed) also works, but each load of a row of positions then touches one float
+# per 32-byte sector: correct, and slow. Transpose such inputs once, outside the scan.
+#
+# Chapter 06's block passes views of (features, batch $\cdot$ L) matrices, and the kernels write `out`,
+# `du`, `d delta` and `dz` in `u`'s layout (`like_u`), so the products that read those downstream take
+# them without a copy too. $B$ and $C$ are the one input copied when needed: with positions not adjacent
+# (a (batch, L, N) tensor's transpose), `positions_adjacent` makes them contiguous, N values per
+# position, since the kernels load one state's coefficients along the positions. The time-invariant $B$
+# of shape (dim, $N$) is the forward's code with the group stride set to the channel stride and the
+# batch and position strides to 0, so one kernel serves both.
+#
+# ## Going deeper: the backward kernel
+#
+# Section 4's backward views a chunk as `SEGS` runs of `ITEMS` consecutive positions, one run per
+# thread (`ITEMS` positions are 16 bytes of the input: 8 in bf16, 4 in fp32), and splits each
+# (`BLOCK_D`, `CHUNK`) tile into `ITEMS` tiles of (`BLOCK_D`, `SEGS`) with `tl.split` (`items_of`),
+# which moves no data when each thread already holds its run. Then, per state:
 #
 # 1. **States, left to right.** Each run from zero gives its summary (the product of its $a$, its
 #    last state); a forward `tl.associative_scan` over the `SEGS` summaries, and one `tl.gather` to
@@ -428,11 +632,10 @@ def strided_fwd_kernel(
 #    the same way into totals the launcher zeroes, all in one buffer with $dB$ and $dC$: one
 #    zeroing launch before the kernel and no reduction after it.
 #
-# Prediction, from the instructions the loop over states issues, which need no GPU to count (the cell
-# after the kernel; "Going deeper" says how): far fewer per (position, state) than the version with two
-# scans and three `exp`s (`benchmarks/NOTES_selective_scan.md` keeps both counts), and no spilled
-# registers. If the backward is bound by the instructions it issues, as section 2 suggests, it should be
-# faster in the same proportion. Section 10 and `make bench` measure it.
+# The instructions the loop over states issues need no GPU to count (the cell after the kernel; "Going
+# deeper: profiling tools on this GPU" says how): far fewer per (position, state) than the version with
+# two scans and three `exp`s (`benchmarks/NOTES_selective_scan.md` keeps both counts), and no spilled
+# registers.
 
 # %%
 #| export
@@ -711,7 +914,6 @@ def strided_bwd_kernel(
     if HAS_BIAS:
         tl.atomic_add(DBIAS + ds, dbias_acc, d_ok, sem="relaxed")
 
-
 # %%
 # What the GPU executes, counted without one: benchmarks/sass_count.py compiles this chapter's exported
 # kernels for sm_90 with the ptxas in Triton's wheel and counts the instructions of the loop over states
@@ -729,67 +931,20 @@ else:
         print(report.stdout.strip())
 
 # %% [markdown]
-# ### Fewer instructions per position and state
+# The launch parameters changed with the instruction cuts (a sweep like the one in "Going deeper: ideas
+# that did not pay"): two channels and one warp per program, chunks of 512 positions in the forward
+# (section 5 later gives the forward one channel per program); the backward's chunk is 32 runs, one
+# per lane (128 positions in fp32, 256 in bf16).
 #
-# Section 1's floors say the bytes are not what limits these kernels. What does is the number of
-# instructions each (position, state) pair costs (Nsight Compute counts them on the GPU: "Going
-# deeper" says how), and three kinds of them did no arithmetic the recurrence needs:
+# ## Going deeper: segments in the backward
 #
-# * **The carry in a tile.** Each state's carried value sat in a (`BLOCK_D`, $N$) register tile: reading
-#   column $n$ is a masked sum over the tile, writing it back a select over the whole tile, for every
-#   state of every chunk. Both kernels now keep the carries in memory, in the program's own entries of
-#   the output that receives them anyway (`LAST` in the forward, `DH0` in the backward): one load at
-#   the state's start, one store of the chunk's last value. A barrier at the start of each chunk makes
-#   the stores of one thread visible to the loads of the others.
-# * **`exp` as two instructions.** $e^x$ is evaluated as $2^{x \log_2 e}$, and the GPU's `MUFU.EX2`
-#   computes $2^x$. With $A$ multiplied by $\log_2 e$ once per state (`discretize_exp2`), each gate is
-#   one multiply and one `MUFU.EX2`.
-# * **$\Delta u$ once per position.** $b = \Delta u B$ shares $\Delta u$ across the states: it is
-#   computed once per chunk, outside the loop over states.
-#
-# The launch parameters changed with them (a sweep like section 9's): two channels and one warp per program,
-# chunks of 512 positions in the forward (section 5 later gives the forward one channel per program);
-# the backward's chunk is 32 runs, one per lane (128 positions in fp32, 256 in bf16). Section 10 and
-# `make bench` measure the result.
-
-# %% [markdown]
-# ## 5. Third optimisation: long sequences at small batch, split into segments
-#
-# Both kernels give each program one (batch element, block of channels) and walk the whole sequence.
-# At batch 1 and 1536 channels, with one channel and one warp per program, that is 1536 programs:
-# about 12 per streaming multiprocessor of an H200, which could hold 32 (with two channels per program,
-# as `GPU_CONFIG` has it for the backward, half as many), and each walks its $L$ positions one chunk
-# after another. The
-# sequence is long, the GPU is mostly idle. More programs need a split along $L$, and chapter 01 showed
-# how a scan splits: the three phases of the blocked scan, here with the recurrence's pairs.
-#
-# Cut each sequence into $S$ segments of whole chunks. For segment $s$, covering positions
-# $t_s \le t < t_{s+1}$, the recurrence started from any state $h$ ends at
-# $$h_{t_{s+1}-1} = \Big(\prod_{t=t_s}^{t_{s+1}-1} a_t\Big) h + \hat h_s
-#   = e^{A \sum_t \Delta_t} h + \hat h_s ,$$
-# where $\hat h_s$ is where it ends when started from 0: a segment is one step of the same kind, with gate
-# $e^{A\,\Sigma_s}$ ($\Sigma_s$ the segment's sum of steps, one number per channel) and token $\hat h_s$.
-#
-# 1. **Phase 1**, all segments at once: each program runs its segment from 0, writes $\hat h_s$ and
-#    $\Sigma_s$, and nothing else (the forward kernel with `SUMMARY`: no $C$, no output).
-# 2. **Phase 2**: a scan of $S$ pairs $(e^{A\Sigma_s}, \hat h_s)$ per (batch, channel, state) gives the
-#    state entering each segment. It is chapter 03's `linear_scan`, imported: $S$ is small, the work is
-#    nothing.
-# 3. **Phase 3**, all segments at once: the forward kernel again, each segment starting from its
-#    entering state, writing the outputs.
-#
-# The backward splits the same way, right to left: the adjoint leaving segment $s$ at its first
+# The backward splits like the forward, right to left: the adjoint leaving segment $s$ at its first
 # position is $e^{A\Sigma_s}$ times the adjoint entering at its right end, plus what the segment adds
 # started from 0 (the product of the same gates, in the other order). Phase 1 is a kernel that runs
 # only the adjoint scan; phase 2 the reverse `linear_scan`; phase 3 the backward kernel, each segment
-# from its entering adjoint, the states it needs read from those the forward kept per chunk.
-#
-# **Prediction.** Phase 1 evaluates every `exp` and runs every scan of the forward again, so the work
-# grows by about half; where programs were short of the GPU by a factor of three or more, the time
-# should still fall by a factor near two. Where there were enough programs (batch 8), splitting only
-# adds work. The kernels take the number of segments as an argument (1: no split) and
-# `scan_in_segments` is `selective_scan` with it; section 8 measures both sizes and decides what
-# `selective_scan` uses.
+# from its entering adjoint, the states it needs read from those the forward kept per chunk. The
+# kernels take the number of segments as an argument (1: no split) and `scan_in_segments` is
+# `selective_scan` with it.
 
 # %%
 #| export
@@ -841,7 +996,6 @@ def adjoint_summary_kernel(
     tl.store(ADJ + state_offs * n_segments + pid_s, adj_carry, d_ok[:, None] & n_ok[None, :])
     tl.store(DSUM + (pid_b * dim + ds) * n_segments + pid_s, dsum, d_ok)
 
-
 # %% [markdown]
 # Phase 2, written once for both directions: the segments' gates $e^{A\Sigma_s}$ and a `linear_scan`
 # over them, forward for the states (from the initial state), reverse for the adjoints (from the
@@ -865,69 +1019,31 @@ def segment_carries(summary, dsum, A, boundary, reverse):
         return torch.cat([leaving[..., 1:], start[..., None]], -1), leaving[..., 0]
     return torch.cat([start[..., None], leaving[..., :-1]], -1), leaving[..., -1]
 
-
 # %% [markdown]
-# ### The other way: more independent work in each warp
-#
-# Segments give the GPU more programs; the other way is to keep the programs and give each warp more
-# work that does not wait on itself. The loop over states runs one state per step: a state's scan is a
-# chain of dependent instructions (the shuffles of the scan, the carry's store and load), and with a
-# dozen warps per multiprocessor there is rarely another warp ready while one waits. The states'
-# scans are independent of each other, so the forward takes `UNROLL` states per step of the loop
-# (`for j in tl.static_range(UNROLL)` inside it: the compiler sees `UNROLL` copies of the body and
-# interleaves their instructions). The forward also takes one channel per program now (`block_d` 1):
-# twice the programs at any batch, and half the registers each.
-#
-# The price is registers, and registers decide how many warps a multiprocessor holds at once (65,536
-# of 32 bits: at 200 per thread, 10 warps of 32 threads). If the unrolled forward needs so many that a
-# small batch's programs no longer all fit at once, the last ones wait for a second round and the time
-# nearly doubles. How many states per step pay therefore depends on the chunk (a thread holds
-# `CHUNK` / 32 positions of every tile) and on the programs per multiprocessor, and `states_per_step`
-# reads it from a table, `FORWARD_STATES_PER_STEP`, measured on an H100 (section 8 prints the
-# measurements; `benchmarks/NOTES_selective_scan.md` has the sweep it came from): with chunks of 512
-# positions, the forward's own, two states per step up to 24 programs per multiprocessor and one
-# beyond; with chunks of 256 or fewer (a sequence that short, or a config that asks for them), all 16
-# states up to 16 programs per multiprocessor and two beyond; with 4 states or fewer, all of them. The
-# backward's body is four times the forward's and already at the register limit with one state
-# (`benchmarks/sass_count.py`); two states per step measured no faster there (NOTES), so it keeps one.
-#
-# One more change keeps the forward at its own chunk in training. The backward needs the state
-# entering each of *its* chunks (128 positions in fp32, 256 in bf16), and the forward used to run
-# with that chunk for the sake of saving them. Now it runs its 512 positions and saves, besides the
-# state entering its chunk, the states entering the pieces of the backward's chunk inside it: each
-# the tile's state just before the piece, picked out with a masked sum over the chunk (one warp
-# reduction per piece, state and chunk, like the carry's).
-#
-# **Prediction.** Where the programs are few the forward waits rather than issues, so with more
-# states in flight it should get through more of them per unit of time: at batch 1, perhaps twice
-# faster. At batch 8, where the multiprocessors already have warps to switch between, the change
-# should be small. In training the forward should now take about as long as without gradients, plus
-# a few percent for the extra reductions.
-
-
-# %% [markdown]
-# ## 6. The launchers and the public function
+# ## Going deeper: the launchers and the public function
 #
 # The launchers are chapter 05's with two differences besides section 5's segments: they pass
 # strides instead of copying, and the forward returns no $\bar y$. The launch parameters come from a
-# sweep on an H200 (section 9 prints one, section 8 a long sequence): one warp per program; for the
-# forward one channel per program, 512 positions per chunk and `states_per_step`'s states per step
-# (section 5); for the backward two channels per program, one state per step and 32 runs of 16 bytes
-# (128 positions in fp32, 256 in bf16: `launch_config` scales the fp32 count); in training the
-# forward keeps the state entering every chunk of the backward's. Under the interpreter
-# the chunks are small, so that the tests' short sequences still cross several chunks and blocks.
-# The autograd plumbing (a `torch.library` custom op with fake and vmap rules, an autograd Function,
-# a second derivative that raises) is chapter 05's, imported.
+# sweep on an H200 ("Going deeper: ideas that did not pay" prints one, "Going deeper: segments and
+# states per step, measured" a long sequence): one warp per program; for the forward one channel per
+# program, 512 positions per chunk and `states_per_step`'s states per step (section 5); for the
+# backward two channels per program, one state per step and 32 runs of 16 bytes (128 positions in
+# fp32, 256 in bf16: `launch_config` scales the fp32 count); in training the forward keeps the state
+# entering every chunk of the backward's. Under the interpreter the chunks are small, so that the
+# tests' short sequences still cross several chunks and blocks. The autograd plumbing (a
+# `torch.library` custom op with fake and vmap rules, an autograd Function, a second derivative that
+# raises) is chapter 05's, imported. The backward's sums are atomic additions, so $dA$, $dD$ and
+# $d\Delta_{\text{bias}}$, like $dB$ and $dC$, can differ in their last bits from run to run.
 #
 # One thing is new: how much the host does per call. In a training loop the same shapes, strides and
 # dtypes come back at every step, and everything the launchers work out from them comes out the same
 # each time: the accumulator dtype, the layout and strides of every input, the launch config, the
 # grid, the dozens of integer arguments, the constexprs, the sizes of the outputs, chapter 05's input
 # checks. Each is a few microseconds of Python, and together they are a good part
-# of the host's time per step (section 11 measures that time). So the launchers work it out once per
-# *signature*, each tensor's shape, strides, dtype and device (`signature`), with the call's flags,
-# and keep the result, a *plan* (`planned`, with `fwd_plan` and `bwd_plan`); `check_inputs` runs
-# chapter 05's checks once per signature that passed them.
+# of the host's time per step ("Going deeper: the host's share" measures that time). So the launchers
+# work it out once per *signature*, each tensor's shape, strides, dtype and device (`signature`), with
+# the call's flags, and keep the result, a *plan* (`planned`, with `fwd_plan` and `bwd_plan`);
+# `check_inputs` runs chapter 05's checks once per signature that passed them.
 #
 # A plan's launches are `Launcher`s. On a GPU, `kernel[grid](*args)` runs a fair amount of Python
 # before launching. It looks up the current device and stream and matches the arguments to the
@@ -944,7 +1060,7 @@ def segment_carries(summary, dsum, A, boundary, reverse):
 # and that the kernel's globals have not changed), which these kernels do not use.
 #
 # A plan's key also includes `plan_context()`: the kernel objects and launch configs in force when
-# it was made. Section 9's sweep changes the configs, and re-running a cell that defines a kernel
+# it was made. The sweeps change the configs, and re-running a cell that defines a kernel
 # makes a new kernel object; either way the old plan stops matching and a new one is built. The
 # caches have two limits. Each holds at most `KEPT` entries before it starts afresh (every new
 # sequence length adds a plan). And where a size is a symbol rather than a number (a `SymInt`, as
@@ -954,8 +1070,8 @@ def segment_carries(summary, dsum, A, boundary, reverse):
 # tensors, use the caches as eager calls do). The test suite compiles with dynamic shapes to check
 # it. Triton's own `cdiv` and `next_power_of_2` are wrapped so that they also work inside kernels,
 # and the wrapper costs more per host call than the arithmetic; the plans use chapter 00's plain
-# Python ones (`scan_lib.runtime`).
-# Section 11 measures a training step with the Launchers and with every launch through Triton.
+# Python ones (`scan_lib.runtime`). From here on `selective_scan` is the notebook's own, the one these
+# cells define.
 
 # %%
 #| export
@@ -1033,7 +1149,6 @@ def planned(build, tensors: tuple, options: tuple):
     plan_context(): a plan reads only shapes, strides, dtypes and devices, never the tensors' values."""
     return cached("plans", lambda: (build, signature(*tensors), options, plan_context()),
                   lambda: build(*tensors, *options))
-
 
 # %%
 #| export
@@ -1427,16 +1542,16 @@ def backward_chunk(u, B4, C4):
     return launch_config("bwd", dim, dim // _groups(B4) if B4.dim() == 4 else 1,
                          dim // _groups(C4) if C4.dim() == 4 else 1, u.shape[2], u.element_size())["chunk"]
 
-
 # %% [markdown]
-# ## 7. Checks
+# ## Going deeper: the checks
 #
 # The new kernels must compute exactly what chapter 05's do. Each case below runs the forward and the
 # backward against the float64 reference of chapter 05 (`selective_scan_ref`, differentiated by
 # autograd), at awkward lengths, with and without every option, with grouped and time-invariant $B$
-# and $C$, in fp32 and bf16, and on strided views like the block's. The tolerance is the one chapter
-# 05 derived: a float32 random walk over the length, plus the final rounding of a half-precision
-# output. `tests/test_selective_scan.py` runs chapter 05's whole suite against this function too.
+# and $C$, in fp32 and bf16, and on strided views like the block's; then split into segments
+# (section 5). The tolerance is the one chapter 05 derived: a float32 random walk over the length,
+# plus the final rounding of a half-precision output. `tests/test_selective_scan.py` runs chapter 05's
+# whole suite against this function too.
 
 # %%
 def random_inputs(batch, dim, n_states, length, groups=1, dtype=torch.float32, options="DzbH",
@@ -1518,67 +1633,12 @@ assert torch.all(torch.autograd.grad(selective_scan(**leaves, delta_softplus=Tru
 print("dA is exactly 0 at L = 1 without an initial state")
 
 # %% [markdown]
-# ## 8. Measured: each optimisation's effect
-#
-# (GPU only.) The same training step as the profile, at the same size, for chapter 05's scan and this
-# chapter's, on the block's strided views and on contiguous tensors, in fp32 and bf16; then the
-# forward alone (inference). The profile of the new step shows what is left.
-
-# %%
-if not ON_GPU:
-    print("skipped: needs a GPU")
-else:
-    from scan_lib.runtime import median_us
-
-    def contiguous_copy(inputs):
-        return [t.contiguous() for t in inputs]
-
-    def inference(scan, inputs):
-        with torch.no_grad():
-            return scan(*inputs, delta_softplus=True)
-
-    effects = []
-    print(torch.cuda.get_device_name(), "(batch, dim, L, N) = (8, 1024, 2048, 16); median us (do_bench)")
-    print(f"{'dtype':9s} {'layout':10s} {'pass':8s} {'chapter 05':>10s} {'chapter 07':>10s} {'saved':>7s}")
-    for dtype in (torch.float32, torch.bfloat16):
-        views = block_layout_inputs(8, 1024, 2048, 16, dtype)
-        for layout, inputs in (("strided", views), ("contiguous", contiguous_copy(views))):
-            for name, run in (("fwd", inference), ("fwd+bwd", training_step)):
-                old = median_us(lambda: run(selective_scan_05, inputs))
-                new = median_us(lambda: run(selective_scan, inputs))
-                effects.append(dict(dtype=dtype, layout=layout, name=name, old=old, new=new))
-                print(f"{str(dtype)[6:]:9s} {layout:10s} {name:8s} {old:10.0f} {new:10.0f} {1 - new / old:7.1%}")
-    print()
-    def effect(dtype, layout, name):
-        return next(e for e in effects if e["dtype"] == dtype and e["layout"] == layout and e["name"] == name)
-    # the one finding asserted: bf16 on the block's views, where both the copies and the instructions go
-    assert effect(torch.bfloat16, "strided", "fwd")["new"] < effect(torch.bfloat16, "strided", "fwd")["old"] / 1.3
-    print("chapter 07's selective_scan, one training step, bf16, block layout")
-    strided = block_layout_inputs(8, 1024, 2048, 16, torch.bfloat16)
-    profile_07 = profile_table(lambda: training_step(selective_scan, strided))
-
-# %% [markdown]
-# (On a GPU.) Read the table by rows. Chapter 07's column is the kernels as they stand after all of
-# this chapter's changes, so each row mixes their effects; the notes say which one a row isolates.
-#
-# * **Strided views, forward.** Reading the views in place removes the copies the profile showed, and
-#   the kernel issues fewer instructions per (position, state) (section 4's last part): in bf16 the
-#   cell asserts at least 1.3x less time.
-# * **Contiguous inputs, forward.** Nothing to copy: the `saved` column is the instruction cuts alone,
-#   net of what the strided indexing costs. Read it per dtype: it need not have the same sign in both.
-# * **Forward+backward.** Recomputing $\bar y$ was meant to save about 30 µs of bytes. Measured on its
-#   own, before the instruction cuts, it made the backward *slower* than chapter 05's (the recomputation
-#   adds a (`BLOCK_D`, `CHUNK`) accumulator and a multiply-add per element and state to a loop limited
-#   by the instructions it issues, not by bytes). The backward in the table has the instruction cuts as
-#   well, and the `saved` column says where the sum of the two stands. The profile of the new step shows
-#   no copies, and the backward kernel taking most of the time. Section 9 measures what limits it.
-#
-# ### Segments, measured
+# ## Going deeper: segments and states per step, measured
 #
 # (GPU only.) Section 5's split at batch 1 with a long sequence, where the programs are few, and at
 # the usual size, where they are many: forward and training step, bf16, the block's layout, the
 # sequence in 1, 2, 4 and 8 segments. And, since long sequences behave differently, the forward's
-# chunk (256, 512 or 1024 positions) at both sizes.
+# chunk (256, 512 or 1024 positions) at both sizes. The cells below use section 6's `inference`.
 
 # %%
 if not ON_GPU:
@@ -1618,25 +1678,42 @@ else:
 # program). Section 5's prediction failed: at batch 1 the best split is 1.09x faster in the training
 # step, not near two, and slower in the forward; at the usual size two segments take 1.9 times the
 # forward's time of one (589 against 305 µs), about the doubled work. `selective_scan` keeps one
-# segment (`segments` stays 1); where
-# a row above shows a split faster, that is speed still left at small batch. The split stays in the
-# kernels, checked in section 7, because the same three phases are how a sequence is spread over
-# several GPUs (chapter 09), where the split is forced by memory rather than chosen for speed. A split
-# would pay more with a phase 1 much cheaper than the forward: the segment's end state is a sum,
-# $\hat h_s = \sum_t e^{A(\Sigma_{\le \text{end}} - \Sigma_{\le t})}\Delta_t B_t u_t$, a reduction
-# instead of a scan, though with the same `exp`s.
+# segment (`segments` stays 1); where a row above shows a split faster, that is speed still left at
+# small batch. A split would pay more with a phase 1 much cheaper than the forward: the segment's end
+# state is a sum, $\hat h_s = \sum_t e^{A(\Sigma_{\le \text{end}} - \Sigma_{\le t})}\Delta_t B_t u_t$, a
+# reduction instead of a scan, though with the same `exp`s.
 #
 # The forward's chunk is measured at both sizes too (the "forward chunk" lines); `GPU_CONFIG` takes
-# its value from the sweep of section 9.
+# its value from the sweep in "Going deeper: ideas that did not pay".
 #
-# ### States per step, measured
+# ### States per step
 #
-# (GPU only.) The other way of section 5: the forward at the same two sizes and at batch 2 and 4 of
-# the long shape's width, bf16, the block's layout, with the launch parameters it had before (two
-# channels per program, one state per step), with one channel per program and 1, 2 or 16 states per
-# step, and with `GPU_CONFIG` as it stands (`states_per_step`'s choice). Twice: as a forward without
-# gradients runs it, and as training runs it, keeping the states the backward needs (before this
-# section at the backward's chunk, now at its own with the extra saves).
+# How many states per step pay depends on the chunk (a thread holds `CHUNK` / 32 positions of every
+# tile) and on the programs per multiprocessor: a multiprocessor has 65,536 registers of 32 bits, so at
+# 200 per thread it holds 10 warps of 32 threads, and if the unrolled forward needs so many that a small
+# batch's programs no longer all fit at once, the time nearly doubles. `FORWARD_STATES_PER_STEP`,
+# measured on an H100 (`benchmarks/NOTES_selective_scan.md` has the sweep it came from), says: with
+# chunks of 512 positions, the forward's own, two states per step up to 24 programs per multiprocessor
+# and one beyond; with chunks of 256 or fewer (a sequence that short, or a config that asks for them),
+# all 16 states up to 16 programs per multiprocessor and two beyond; with 4 states or fewer, all of
+# them. The backward's body is four times the forward's and already at the register limit with one
+# state (`benchmarks/sass_count.py`); two states per step measured no faster there (NOTES), so it keeps
+# one.
+#
+# One more change keeps the forward at its own chunk in training. The backward needs the state
+# entering each of *its* chunks (128 positions in fp32, 256 in bf16), and the forward used to run
+# with that chunk for the sake of saving them. Now it runs its 512 positions and saves, besides the
+# state entering its chunk, the states entering the pieces of the backward's chunk inside it: each
+# the tile's state just before the piece, picked out with a masked sum over the chunk (one warp
+# reduction per piece, state and chunk, like the carry's). In training the forward should then take
+# about as long as without gradients, plus a few percent for the extra reductions.
+#
+# (GPU only.) The forward at the same two sizes and at batch 2 and 4 of the long shape's width, bf16,
+# the block's layout, with the launch parameters it had before (two channels per program, one state
+# per step), with one channel per program and 1, 2 or 16 states per step, and with `GPU_CONFIG` as it
+# stands (`states_per_step`'s choice). Twice: as a forward without gradients runs it, and as training
+# runs it, keeping the states the backward needs (before at the backward's chunk, now at its own with
+# the extra saves).
 
 # %%
 if not ON_GPU:
@@ -1671,17 +1748,15 @@ else:
             print(f"{mode:9s}{str(shape):22s}" + "".join(f"{us:21.0f}" for us in times))
 
 # %% [markdown]
-# (On a GPU.) Read each row from the left: the first column is the forward as it was before this
-# section, the next three isolate one channel per program and then the states per step, and the last
-# is what `selective_scan` now runs. Where `GPU_CONFIG`'s column is not the smallest of its row, the
-# table of `states_per_step` is off for that shape on this GPU (it was measured on an H100; other GPUs
-# hold other numbers of warps per multiprocessor). Between the two modes, the first column adds the
-# old training chunk; the others differ only by the states saved for the backward, which is what
-# those saves cost.
+# (On a GPU.) Read each row from the left: the first column is the forward as it was before section 5's
+# states per step, the next three isolate one channel per program and then the states per step, and
+# the last is what `selective_scan` now runs. Where `GPU_CONFIG`'s column is not the smallest of its
+# row, the table of `states_per_step` is off for that shape on this GPU (it was measured on an H100;
+# other GPUs hold other numbers of warps per multiprocessor). Between the two modes, the first column
+# adds the old training chunk; the others differ only by the states saved for the backward, which is
+# what those saves cost.
 #
-# ## 9. What stands in the way, and ideas that did not pay
-#
-# ### The atomics
+# ## Going deeper: the atomics
 #
 # $\partial\mathcal L/\partial B_{t,n}$ sums over every channel of the group: 1024 channels add into
 # each (batch, state, position) entry. Each program sums its `block_d` channels' contributions and
@@ -1734,13 +1809,15 @@ else:
 # and sectors, four times the reduction instructions, and the backward got slower;
 # `benchmarks/NOTES_selective_scan.md`, eleventh look.) Summing several channels
 # in one program before adding (`block_d` > 1) divides the additions, but fewer programs then share
-# the GPU; the sweep below tries one and two channels per program (in the recorded run the
+# the GPU; the sweep in the next section tries one and two channels per program (in the recorded run the
 # backward's best had two, as `GPU_CONFIG` has, but chunks of 256 positions where `GPU_CONFIG` has
 # 128, and `GPU_CONFIG`'s row came within 1.03x of it, 1095 against 1060 µs). Two ways around it that
 # this chapter has not built: accumulate $dB$ per group of channels in a workspace and reduce it with one more kernel
 # (the bytes: $\text{dim}/g \cdot N \cdot L$ floats per batch element), or reformulate the backward so
 # that the sum over channels becomes a matrix product (Mamba-2's "state space duality" does exactly this
 # for a scalar $A$ per head).
+#
+# ## Going deeper: ideas that did not pay
 #
 # ### One `exp` fewer: $a_t h_{t-1} = h_t - b_t$
 #
@@ -1831,7 +1908,8 @@ assert err < tolerance(torch.float32, 45)
 # (GPU only.) Both forwards over their launch parameters (channels per program, chunk, warps), and
 # the backward over its own, at (8, 1024, 2048, $N$=16) in fp32, without $D$, $z$ or `delta_bias`
 # (the three-dimensional kernel has none). `GPU_CONFIG` above holds the winners of earlier runs of
-# this sweep, and the forward's states per step come from section 8's bf16 measurements; the cell
+# this sweep, and the forward's states per step come from the bf16 measurements of "Going deeper: segments
+# and states per step, measured"; the cell
 # prints how far the config in force is from this run's best, and fails only on a gross miss (1.5x):
 # the best forward config depends on the dtype and the GPU, and one table serves them all.
 
@@ -1895,89 +1973,13 @@ else:
 # not the loop. The best rows say whether more than one channel per program (`block_d` 2, which shares
 # each load of $B$ and $C$ between two channels) paid, and for the forward whether two states per step
 # (section 5) did at this size; `GPU_CONFIG` holds the values earlier runs of this sweep and of
-# section 8's chose (the cell prints how far it is from this run's best, and checks that it is
+# the states-per-step measurements chose (the cell prints how far it is from this run's best, and checks that it is
 # within 1.5x). [LANDING: say what the printed ratios show on the recording's GPU; where the forward's
 # is over about 1.1x, say that fp32 prefers another chunk or states per step than the bf16-tuned
 # table gives, and that a per-dtype table is open work (issue 20).]
-#
-# ## 10. Against the peers
-#
-# (GPU only.) Chapter 07's `selective_scan` against chapter 05's and `mamba_ssm`'s `selective_scan_fn`
-# (built for this GPU; skipped where it is not installed), bf16 inputs with every option as a Mamba
-# block uses them, at the block's strided layout, forward+backward: time against $L$ (batch 8, dim
-# 1024, $N$ 16), against $N$ ($L$ 2048) and against batch (dim 1536, $L$ 8192). `make bench` runs the
-# full set of shapes, in both dtypes and both passes, with a CSV and the ratios.
-
-# %%
-def peers():
-    """The implementations to time: name -> function with selective_scan_fn's signature."""
-    found = {"chapter 07": selective_scan, "chapter 05": selective_scan_05}
-    try:
-        from mamba_ssm.ops.selective_scan_interface import selective_scan_fn
-        found["mamba_ssm"] = selective_scan_fn
-    except ImportError as error:
-        print(f"mamba_ssm not importable ({type(error).__name__}): not in the plot")
-    return found
-
-
-if not ON_GPU:
-    print("skipped: needs a GPU")
-else:
-    series = {"L": [(8, 1024, L, 16) for L in (512, 2048, 8192)],
-              "N": [(8, 1024, 2048, N) for N in (4, 16, 64)],
-              "batch": [(b, 1536, 8192, 16) for b in (1, 2, 4)]}
-    times = {}
-    for axis, shapes in series.items():
-        for shape in shapes:
-            inputs = block_layout_inputs(*shape, torch.bfloat16)
-            for name, fn in peers().items():
-                times[axis, shape, name] = median_us(lambda: training_step(fn, inputs), warmup=5, rep=50)
-            print(shape, "  ".join(f"{name} {times[axis, shape, name]:7.0f} us" for name in peers()))
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.4))
-    for ax, (axis, shapes) in zip(axes, series.items()):
-        position = {"L": 2, "N": 3, "batch": 0}[axis]
-        for name in peers():
-            ax.plot([s[position] for s in shapes], [times[axis, s, name] / 1e3 for s in shapes], "o-", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel(axis)
-        ax.set_ylabel("fwd+bwd, ms")
-    axes[0].legend()
-    fig.suptitle(f"selective scan, bf16, block layout, {torch.cuda.get_device_name()}")
-    fig.tight_layout()
-    save_figure(fig, "07_against_peers.png")
 
 # %% [markdown]
-# (On a GPU.) The lines say where chapter 07 stands in training on the block's layout,
-# against chapter 05 and, where it is importable, `mamba_ssm`; the cell below prints, row by row,
-# `mamba_ssm`'s time over ours (above 1: ours is faster). In the run recorded here `mamba_ssm` was
-# importable, and chapter 07 is faster than chapter 05 in every row. Against `mamba_ssm` the ratios
-# run from 0.47 to 1.22: ours is faster at the base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$
-# 64 and at batch 4 of dim 1536, `mamba_ssm` at $L$ 512, at $N$ 4 and at batch 1 and 2. The base
-# shape is timed twice, in the series against $L$ and against $N$: the same kernels on the same
-# inputs, and here its two lines agree (1.15 both; the same shape can vary between runs by more than
-# a ratio's distance from 1, so read a single ratio near 1 as "about even"). The rows where chapter
-# 07 is behind are of two kinds. At $L$ 512 and at $N$ 4 chapter 07 takes as long as at the base
-# shape or longer (1344 and 1545 µs against 1308), though they have a quarter of its positions ($L$ 512)
-# or states ($N$ 4): most of their time does not scale with the work, while `mamba_ssm`'s falls with
-# it (772 and 734 µs against 1499). Section 11 measures where that time goes. At batch 1 and 2 of dim 1536
-# ($L$ 8192) the step is long enough for the kernels to set the pace, and with 768 or 1536 programs
-# of one warp (32 threads), about 6 or 12 per multiprocessor of the 132, the GPU is underused
-# (section 8's cell on segments prints the count; section 5's segments aim at this, though section 8
-# measured little from them). The backward is still most of the step's GPU time in section 8's
-# profile. `make bench` has the forward rows and fp32 as well.
-
-# %%
-if ON_GPU and any(name == "mamba_ssm" for _, _, name in times):
-    for axis, shapes in series.items():
-        for shape in shapes:
-            ratio = times[axis, shape, "mamba_ssm"] / times[axis, shape, "chapter 07"]
-            print(f"{str(shape):22s} forward+backward, mamba_ssm time / chapter 07 time: {ratio:.2f}")
-else:
-    print("skipped: needs a GPU and mamba_ssm")
-
-# %% [markdown]
-# ## 11. The host's share
+# ## Going deeper: the host's share
 #
 # The GPU runs only what the host has queued. A training step's Python (the checks, the allocations,
 # autograd's bookkeeping, each launch) takes time on the CPU whatever the kernels do, and when it
@@ -1986,8 +1988,8 @@ else:
 # back, no synchronisation inside, so the timer measures only the host's work); and the sum of the
 # step's kernel durations (`kernel_times`, section 2's profiler). When the kernels are the larger,
 # the step follows them; when the host is the larger, `do_bench`'s step time is only a rough guide
-# (in the rows below it lands sometimes over the host's time, sometimes under it): compare the host and kernel columns to see which side sets the pace. The same step with section
-# 6's Launchers going through Triton's `kernel[grid](...)` (`triton_launched`) shows what the
+# (in the rows below it lands sometimes over the host's time, sometimes under it): compare the host and kernel columns to see which side sets the pace. The same step with the
+# Launchers ("Going deeper: the launchers and the public function") going through Triton's `kernel[grid](...)` (`triton_launched`) shows what the
 # Launchers save, and `mamba_ssm`, where it is importable, is measured the same way. The host's
 # samples of the rows are taken in turn, five rounds of 20 steps (`host_split`), so that a slow
 # spell of the host falls on every row alike.
@@ -2047,87 +2049,20 @@ else:
 # Python. At the base shape the kernels are the larger (1284 against 1144 µs), and there the step
 # (1311 µs) follows them and is faster than `mamba_ssm`'s (1499).
 #
-# The rows with Triton's own launches show what section 6's Launchers save: 145 to 403 µs of host
+# The rows with Triton's own launches show what the Launchers save: 145 to 403 µs of host
 # time per step in this run (1480 against 1335 µs at $L$ 512, 1257 against 963 at $N$ 4, 1547
 # against 1144 at the base shape, 1431 against 1174 at (1, 2048, 2048, 16)): Triton's per-call work,
 # twice per step (one launch per pass). Every host time here depends on the machine's CPU and on what
 # else it runs; on this recording's host both libraries' host times were high, so read the
 # differences, not the absolute values. The step column moves with the host (1225 against 1171 µs at
 # $L$ 512, 1550 against 1291 at (1, 2048, 2048, 16)), and between sections too (at $L$ 512: 1171 µs
-# here, 1344 in section 10's series): host-bound steps measure noisily, and section 10's rows near 1
+# here, 1344 in section 7's series): host-bound steps measure noisily, and section 7's rows near 1
 # should be read with it.
 # What is left on the host is spread over the path, not in one place (a count on a CPU with the
 # launches stubbed, in `benchmarks/NOTES_selective_scan.md`): autograd's own work, which `mamba_ssm`
 # pays too, then the ops' Python (allocations, the plan lookups, the split of the summed buffer) and
 # Triton's launcher per launch. The short rows are won or lost there; `benchmarks/step_split.py`
 # lists the host's largest operations per step.
-
-# %% [markdown]
-# ## What we built
-#
-# * Two floors for the selective scan, from bytes and `exp`s over rates measured on this GPU, and the
-#   observation that at $N = 16$ the `exp`s, not the bytes, set the higher floor (except for fp32
-#   forward+backward).
-# * A profile of chapter 05's scan in a training step: copies of strided views, and a backward that
-#   takes most of the time.
-# * `scan_lib.selective_scan`, now this chapter's kernels: strided inputs read in place (no copies:
-#   a faster forward on a block's views), 64-bit offsets (no size limit), a backward that recomputes
-#   $\bar y$ instead of keeping it (less memory kept for training), and both kernels cut to fewer
-#   instructions per (position, state): carries in memory instead of register tiles, `exp` as one
-#   `MUFU.EX2`, $\Delta u$ once per position, and a backward whose scans run through each thread's
-#   consecutive positions in registers (no reverse scan over the chunk, one `exp` per element);
-#   checked against the float64 reference.
-# * Measurements of what is left: the `dB`, `dC` atomics alone, and two ideas that did not pay (one
-#   `exp` fewer through $a_t h_{t-1} = h_t - b_t$, which cancels; all states in one tile, slower).
-# * The host's share of a training step: at short sequences, few states or batch 1 it is larger than
-#   the kernels' time, and 1.3 to 1.6 times `mamba_ssm`'s; plans worked out once per signature, Launchers
-#   that go straight to the compiled kernel, and the backward's sums inside its kernel (one zeroing
-#   launch before it, none after). The sums are atomic additions now, so $dA$, $dD$ and
-#   $d\Delta_{\text{bias}}$, like $dB$ and $dC$, can differ in their last bits from run to run.
-#
-# What is not done yet, and where to go next: the forward with the same runs (its scan is Triton's
-# forward one, already lean); the atomics (a workspace
-# reduction or coalesced additions); a sequence-parallel scan that pays for small batches (section 5's
-# three-phase split is built and checked, but in section 8's measurement it is at best 1.09x faster, in
-# the training step at batch 1, and slower in the forward), which long sequences at batch 1 need; and
-# the host's time per step (section 11), which decides the short rows: the Python each call runs
-# before and after its kernels.
-#
-# ## Going deeper: profiling tools on this GPU
-#
-# * `torch.profiler` (used above) reads CUDA's activity timeline: durations per kernel, no hardware
-#   counters, no special permissions. It is enough to find which kernel to work on.
-# * Triton's own profiler, `proton`, adds per-kernel metadata (launch grid, bytes) and can instrument
-#   regions inside a kernel; `python -m triton.profiler.proton script.py` writes a trace that
-#   `proton-viewer` summarises.
-# * Nsight Compute gives issued instructions, stall reasons, registers, occupancy and memory traffic
-#   per kernel from the GPU's hardware counters: `ncu --clock-control none --profile-from-start off
-#   -k regex:strided --section SpeedOfLight --section WarpStateStats --section Occupancy python
-#   script.py`, with the script calling `torch.cuda.profiler.start()` and `stop()` around the calls to
-#   measure; `--section SourceCounters` attributes instructions to source lines of a Triton kernel.
-# * The machine code itself needs no GPU: `triton.compile` of a kernel with
-#   `target=GPUTarget("cuda", 90, 32)` runs Triton's bundled `ptxas` on any machine, and the
-#   `cuobjdump --dump-sass` beside it prints the SASS. Counting the instructions of the loop over
-#   states, divided by the elements each thread holds, gives the instructions per (position, state)
-#   that section 4 cuts (`benchmarks/sass_count.py` does this for both kernels); Triton's reverse scan
-#   shows up there as lane shuffles (`SHFL.BFLY`).
-#
-# ## Going deeper: why strides and not `.contiguous()`
-#
-# A view such as `xz[:, :dim]` of a (batch, 2 dim, L) tensor is "contiguous along $L$" but not
-# contiguous: its channel stride is $L$ and its batch stride is $2\,\text{dim}\cdot L$. `.contiguous()`
-# makes a copy whenever the strides differ from the packed ones, and autograd keeps the copy alive
-# for the backward. Passing strides costs nothing at run time: the kernels compute the same addresses
-# with different multipliers, and Triton specialises a stride of 1 so that loads along $L$ stay
-# vectorised. A layout with stride 1 along the *channels* (the `layout="channels_last"` case of the checks,
-# `(batch, L, dim)` transposed) also works, but each load of a row of positions then touches one float
-# per 32-byte sector: correct, and slow. Transpose such inputs once, outside the scan.
-#
-# Chapter 06's block passes views of (features, batch $\cdot$ L) matrices, and the kernels write `out`,
-# `du`, `d delta` and `dz` in `u`'s layout (`like_u`), so the products that read those downstream take
-# them without a copy too. $B$ and $C$ are the one input copied when needed: with positions not adjacent
-# (a (batch, L, N) tensor's transpose), `positions_adjacent` makes them contiguous, N values per
-# position, since the kernels load one state's coefficients along the positions.
 
 # %% [markdown]
 # ## References
