@@ -346,7 +346,8 @@ def strided_fwd_kernel(
                 if SAVE:  # the states entering the chunk's other pieces: the tile's last state before each
                     for r in tl.static_range(1, SAVES):
                         entering = tl.sum(tl.where(ts[None, :] == r * SAVE_EVERY - 1, h, 0.0), axis=1)
-                        tl.store(SAVED + n * n_saved + k * SAVES + r, entering, d_ok & (k * SAVES + r < n_saved))
+                        if k * SAVES + r < n_saved:   # the last chunk may hold fewer pieces
+                            tl.store(SAVED + n * n_saved + k * SAVES + r, entering, d_ok)
                 if not SUMMARY:
                     ybar += c_coef * h
                 tl.store(CARRY + n * n_segments, tl.sum(tl.where(last, h, 0.0), axis=1), d_ok)
