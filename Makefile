@@ -11,7 +11,7 @@ PY ?= $(VENV)/bin/python
 CHAPTERS := $(sort $(wildcard notebooks/[0-9][0-9]_*.ipynb))
 BUILD := build
 # pytest-xdist workers for make test, one per core: tests spread one by one, notebooks one per worker
-# (a notebook's cells run in order in one kernel)
+# (a notebook's cells run in order in one kernel: see test below)
 WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 export PYTHONPATH := $(CURDIR)$(if $(PYTHONPATH),:$(PYTHONPATH))
 export MPLBACKEND := Agg
@@ -73,11 +73,13 @@ site: $(SETUP)
 	$(PY) tools/website.py
 
 # One thread per worker process (OMP_NUM_THREADS=1): the workers already fill the cores, and torch's
-# own threads on top of them would oversubscribe them
+# own threads on top of them would oversubscribe them. The suite and the chapters (nbval) in one run,
+# so that neither waits for the other's last, longest item with a core idle: --whole-notebooks
+# (tests/conftest.py) hands each chapter's cells to one worker as one unit (one kernel, in order), the
+# chapters first, then the tests one by one
 test: check
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(WORKERS) --dist load -m "not slow" tests
 	OMP_NUM_THREADS=1 SCAN_COURSE_FIGURES=$(CURDIR)/$(BUILD)/figures $(PY) -m pytest -q -p no:cacheprovider \
-	  -n $(WORKERS) --dist loadfile --nbval-lax --nbval-cell-timeout=1200 $(CHAPTERS)
+	  -n $(WORKERS) --dist load --whole-notebooks -m "not slow" --nbval-lax --nbval-cell-timeout=1200 tests $(CHAPTERS)
 
 # CI's second job: the kernels' tests (not the notebooks) with requirements.txt's pins but the newest
 # Triton and NumPy pip offers, in a venv of their own: scan_lib declares lower bounds only, so a fresh
