@@ -943,8 +943,8 @@ assert copy_accuracy["Mamba (selective)"] >= 0.9
 assert copy_accuracy["LTI baseline"] <= 0.7
 
 # %% [markdown]
-# In this run the selective model copies every slot; the baseline gets 0.464 of the tokens (chance is
-# 0.125), rising from 0.32 at the first marker to 0.64 at the last: at the last marker the answer is
+# In this run the selective model copies every slot; the baseline gets 0.467 of the tokens (chance is
+# 0.125), rising from 0.32 at the first marker to 0.65 at the last: at the last marker the answer is
 # the most recent data token, the one a decaying kernel weighs most.
 #
 # "Going deeper: selective copying" also runs the trained model token by token through `step` and
@@ -1061,9 +1061,10 @@ else:
 # %% [markdown]
 # The two blocks compute the same function: the cell asserts that outputs and every gradient agree.
 # In this run ours is the faster in every row. In a training step (forward+backward) `mamba_ssm`'s
-# time over ours is 1.04 (fused) to 1.06 (unfused) in float32 and 1.14 (fused) to 1.23 (unfused) in
-# bfloat16; in the forward alone it is 1.05 in float32 (within what a second run can change: see
-# "Section 6's comparison: the fine print") and 1.11 in bfloat16, for both of `mamba_ssm`'s paths.
+# time over ours is 1.03 (fused) to 1.05 (unfused) in float32 and 1.13 (fused) to 1.21 (unfused) in
+# bfloat16; in the forward alone it is 1.05 in float32 and 1.08 in bfloat16, for both of `mamba_ssm`'s
+# paths. Gaps of a few percent, as in float32, are within what a second run can change (see
+# "Section 6's comparison: the fine print").
 
 # %% [markdown]
 # ## Going deeper
@@ -1960,19 +1961,19 @@ else:
 # %% [markdown]
 # The table says where each implementation stands against the floor and against the others in this
 # run (the GPU is named above it; where the package was not importable, its row is missing). The
-# kernels first (the last two columns): our forward kernel takes 40 us against the package's 38 (the
-# floor is 32), our backward 90 us against its 68 (floor 47). So the forward kernel is within a few
-# percent of the package's and 1.25x the memory floor; the backward is 1.3x behind the package, and
-# **Why runs** above says what it still does twice (the sigmoids at the next run's first positions, a
-# partial sum per program). The calls (the first two columns) tell another story. Without autograd,
-# our forward call (43 us) is close to its kernel and ahead of the package's (59). But our
-# forward+backward takes 778 us against the package's 362, when the kernels add up to about 130 us
-# and 106. Most of a training step's call is the host's work (the custom operators, autograd, the
-# launches), which the GPU waits for; the package pays it too (it is also a custom operator with an
-# autograd Function), ours is longer. `make bench BENCH_ARGS="--only conv"` prints this split for
-# four problems (`host_us`: the host's time per call); cutting the host path is the next work for
-# this op, as for the selective scan (chapter 07's "Going deeper: the host's share"). `F.conv1d` and
-# SiLU are the slowest in both.
+# kernels first (the last two columns): our forward kernel takes 50 us against the package's 48 (the
+# floor is 44), our backward 99 us against its 80 (floor 67). So the forward kernel is within a few
+# percent of the package's and about 1.1x the memory floor; the backward is about 1.2x behind the
+# package, and **Why runs** above says what it still does twice (the sigmoids at the next run's
+# first positions, a partial sum per program). The calls (the first two columns) tell another story.
+# Without autograd, our forward call (56 us) is a few us above its kernel and a little behind the
+# package's (53). But our forward+backward takes 595 us against the package's 374, when the kernels
+# add up to 50 + 99 us and 48 + 80. Most of a training step's call is the host's work (the custom
+# operators, autograd, the launches), which the GPU waits for; the package pays it too (it is also a
+# custom operator with an autograd Function), ours is longer. `make bench BENCH_ARGS="--only conv"`
+# prints this split for four problems (`host_us`: the host's time per call); cutting the host path
+# is the next work for this op, as for the selective scan (chapter 07's "Going deeper: the host's
+# share"). `F.conv1d` and SiLU are the slowest in both.
 
 # %% [markdown]
 # ### The initialisation: a check, and the sketch's two bugs
@@ -2235,8 +2236,8 @@ fig.tight_layout()
 save_figure(fig, "06_generation_cost.png")
 
 # %% [markdown]
-# In this run the attention step is the cheaper up to position 4096 (23.5 us against 32.2) and the
-# dearer from 16384 on (38.3 us against 32.5). For short contexts attention can still be the cheaper of
+# In this run the attention step is the cheaper up to position 4096 (20.8 us against 24.7) and the
+# dearer from 16384 on (42.0 us against 24.9). For short contexts attention can still be the cheaper of
 # the two (a few small matrix products), and where the lines cross, if they do within these positions,
 # depends on the device. The two byte columns are not measurements: the fourth is the size of the two
 # state tensors allocated once before the loop, the fifth the size of the keys and values an attention
@@ -2324,7 +2325,7 @@ save_figure(fig, "06_selective_copying.png")
 # early steps (not measured: no run without the warm-up), not a sign that the task is hard to start
 # on. The baseline's second plateau is different: its accuracy levels off at about the end of the
 # warm-up and then barely moves to the last step (the progress bar of section 5's training cell, which
-# shows a recent batch's accuracy, reads 0.43 at 222 of 1600 steps and 0.49 at the end), while the
+# shows a recent batch's accuracy, reads 0.45 at 191 of 1600 steps and 0.50 at the end), while the
 # learning rate is at its peak and then decays. That plateau is not the warm-up: it is what this
 # baseline reaches at this learning rate.
 #
@@ -2380,14 +2381,15 @@ assert torch.equal(step_tokens[gen_mask], full_tokens[gen_mask])
 # contiguous tensors, dtype casts and transposes around the projections are candidates, and finding out
 # which would need the profiler's stacks (`with_stack=True`), which this cell does not record.
 #
-# In this run the selective scan's two kernels take 69% of the step (`strided_bwd_kernel` 1853 us,
-# `strided_fwd_kernel` 530 us); four of cuBLAS's matrix products (the `nvjet` kernels) follow, three
-# at about 190 us each and one at 87 us, then the convolution's backward (83 us). Two of PyTorch's own
-# kernels come next: a concatenation (`CatArrayBatchedCopy`, 67 us) and an addition (62 us); the
-# convolution's forward (39 us) closes the list. The names do not say which
-# operation launched them; the backward has one of each that fits, the split of `xz` into `x` and `z`
-# (its backward concatenates their gradients) and the sum of the convolution output's two gradients
-# (from the scan and from `x_proj`), and `with_stack=True` would confirm it.
+# In this run the selective scan's two kernels take over two thirds of the step
+# (`strided_bwd_kernel` 1899 us, 52.4%; `strided_fwd_kernel` 563 us, 15.5%); three of cuBLAS's matrix
+# products (the `nvjet` kernels) follow at about 190 us each, then the convolution's backward (92 us),
+# one of PyTorch's own kernels, a concatenation (`CatArrayBatchedCopy`, 90 us), a fourth matrix product
+# (86 us) and a second PyTorch kernel, an addition (82 us); the convolution's forward (49 us) closes
+# the list. The names of PyTorch's two do not say which operation launched them; the backward has one
+# of each that fits, the split of `xz` into `x` and `z` (its backward concatenates their gradients)
+# and the sum of the convolution output's two gradients (from the scan and from `x_proj`), and
+# `with_stack=True` would confirm it.
 # `benchmarks/NOTES_selective_scan.md` ("Fifth look") records the profile of the block before its
 # projections were applied in that layout, when $B$, $C$ and the scan's output gradient reached the
 # kernels with positions far apart and the forward kernel alone took longer than this whole list's
