@@ -914,8 +914,8 @@ if ON_GPU:
 # not, forward and forward + backward, in TFLOP/s ("Going deeper: the benchmark's fine print" gives the
 # flop count). The peers are `F.scaled_dot_product_attention` pinned with
 # `torch.nn.attention.sdpa_kernel` to `FLASH_ATTENTION` (PyTorch's FlashAttention-2 kernels, written
-# for the A100's generation: the lower bar on an H200) and to `CUDNN_ATTENTION` (NVIDIA's cuDNN: the
-# bar for a Hopper kernel). Every provider's output is first compared with ours.
+# for the A100's generation: the lower bar on this run's H100) and to `CUDNN_ATTENTION` (NVIDIA's
+# cuDNN: the bar for a Hopper kernel). Every provider's output is first compared with ours.
 
 # %%
 if not ON_GPU:
@@ -1014,12 +1014,14 @@ else:
     save_figure(fig, "flash_attention_benchmark.png")
 
 # %% [markdown]
-# In the committed run on the H200, ours is ahead of the flash backend everywhere except at $L = 1024$:
-# forward + backward in all four rows, and the causal forward at head dim 128 (107 against 179
-# TFLOP/s). [LANDING: say what the cell's L 1024 lines show: whether our host time per call exceeds
-# our GPU time, and how our GPU time compares with the flash backend's, quoting the printed numbers.]
-# Ours is behind cuDNN in every row (ours / cuDNN from 0.21 to 0.98). "Going deeper: the benchmark's
-# fine print" discusses both gaps.
+# In the run recorded here, on an H100, ours is ahead of the flash backend everywhere except at
+# $L = 1024$: forward + backward in all four rows (173, 99, 167 and 98 against 216, 145, 232 and 147
+# TFLOP/s), and the forward at head dim 128 (300 against 303 not causal, 112 against 174 causal). The
+# cell's $L = 1024$ lines (head dim 64, not causal) show our host time per call above our GPU time:
+# 126.3 against 92.7 us forward, 724.3 against 369.7 us forward + backward. Our GPU time is shorter
+# than the flash backend's (125.3 and 549.0 us), whose host time (77.2 and 337.1 us) stays below its
+# GPU time. Ours is behind cuDNN in every row (ours / cuDNN from 0.33 to 0.97). "Going deeper: the
+# benchmark's fine print" discusses both gaps.
 #
 # ## Summary
 #
@@ -1032,8 +1034,8 @@ else:
 #   `torch.func`.
 # - The naive CUDA kernel ("Going deeper: the CUDA kernel of the source, line by line") shows what a
 #   tiled kernel must avoid: a serial softmax, scalar products, bank conflicts, too few blocks. Its
-#   output's round trips through global memory, predicted to slow it, took 3% of its time in the
-#   recorded run.
+#   output's round trips through global memory, predicted to slow it, would take 4 to 5% of its time
+#   at the copy bandwidth in the recorded run.
 
 # %% [markdown]
 # ## Going deeper: why the merge is associative
@@ -1535,11 +1537,12 @@ else:
               f"5 (blocks {4 * heads} < 2 x {processors} multiprocessors): {4 * heads < 2 * processors}")
 
 # %% [markdown]
-# The cell prints each prediction's outcome; those lines, not this text, judge them. On the H200 of the
-# committed run, prediction 1 failed (5.2 and 8.7 times slower, not more than 10), and prediction 3
-# shows that the round trips of $O$ are not the naive kernel's problem: their bytes would take 3% of
-# its time. The other three held. What remains to explain its time is the serial softmax, the scalar
-# products, the bank conflicts and the small grid; the cell does not split the time between them.
+# The cell prints each prediction's outcome; those lines, not this text, judge them. In the run
+# recorded here, on an H100, prediction 1 failed (5.2 and 8.7 times slower, not more than 10), and
+# prediction 3 shows that the round trips of $O$ are not the naive kernel's problem: their bytes would
+# take 5% (head dim 64) and 4% (head dim 128) of its time. The other three held. What remains to
+# explain its time is the serial softmax, the scalar products, the bank conflicts and the small grid;
+# the cell does not split the time between them.
 
 # %% [markdown]
 # ## Going deeper: the CUDA kernel's fine print
@@ -1587,9 +1590,9 @@ else:
 # batch $\times$ heads blocks fewer than twice the GPU's multiprocessors means the GPU runs at most two
 # partly filled waves (our Triton grid has $L / $ `BLOCK_M` times more programs).
 #
-# **The measurements in detail.** In the committed run, bfloat16 took our forward from 11661 to 338 us
-# at head dim 64 and from 14964 to 318 us at 128, far more than twice as fast; `PAD = 1` made the naive
-# kernel 1.86 and 1.73 times faster. Its 128 and 64 blocks are fewer than twice the 132 multiprocessors
+# **The measurements in detail.** In the recorded run, bfloat16 took our forward from 11659 to 330 us
+# at head dim 64 and from 14975 to 320 us at 128, far more than twice as fast; `PAD = 1` made the naive
+# kernel 1.84 and 1.73 times faster. Its 128 and 64 blocks are fewer than twice the 132 multiprocessors
 # (prediction 5), fewer even than once, so at least 132 - 128 = 4 and 132 - 64 = 68 multiprocessors get
 # no block at all.
 
@@ -1613,7 +1616,12 @@ else:
 # Python (an autograd Function around two torch custom ops, four Triton launches for forward +
 # backward) where SDPA's is C++ from end to end. The benchmark cell's last lines separate the two at
 # $L = 1024$: `host_us` times the host's work per call (launches queued back to back) and `graph_us`
-# the GPU's (the call replayed from a CUDA graph). [LANDING: what they show, with the printed numbers.]
+# the GPU's (the call replayed from a CUDA graph). For ours the host is the slower of the two
+# (forward 126.3 against 92.7 us, forward + backward 724.3 against 369.7 us): calls queued back to
+# back leave the GPU waiting for the host. For the flash backend it is the other way round (77.2
+# against 125.3 us, 337.1 against 549.0 us). Our GPU time is shorter than the flash backend's in both
+# passes, so at this shape, where the table puts our forward + backward behind, it is the host's time
+# that loses. The cell does not split the other rows behind at $L = 1024$ this way.
 # The figure's dotted line is the GPU's dense bfloat16 peak from NVIDIA's datasheet.
 #
 # **Behind cuDNN.** The likely reason lies in what the kernel does not use: FlashAttention-3, and by
