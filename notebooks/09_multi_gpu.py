@@ -572,7 +572,7 @@ for ranks, cases in CHECKS.items():
 
 # %% [markdown]
 # (The check starts processes, so it takes a while on a CPU: most of it is each process importing
-# torch and Triton.) Every error is at the level of float32 rounding (at most 4.1e-07 here, run as
+# torch and Triton.) Every error is at the level of float32 rounding (at most 5.1e-07 here, run as
 # `gloo/cuda`: the ranks shared the one GPU; the chain row's 0.0: the chain of sends folds exactly as
 # the all-gather does, bit for bit): the sharded scans compute what one process computes.
 #
@@ -713,17 +713,17 @@ for per_rank in timed.values():
 # %% [markdown]
 # The `measured:` lines judge the prediction: the 2-rank line says `held` or `failed`, and the
 # growth lines say whether latency or bytes decided (a time that grows far less than the bytes is
-# paying fixed costs per message). The run recorded here had one GPU, an H200, so the plan was
+# paying fixed costs per message). The run recorded here had one GPU, an H100, so the plan was
 # `gloo/cuda`: the ranks shared it and every message went through host memory, not the NVLink the
-# prediction assumed. The 2-rank line printed `failed`: the chain won at every size, 4.0x at
-# $S$ = 1 KiB, 35.8x at 96 KiB and 8.1x at 3 MiB, where the prediction allowed 2x either way. The
-# other part held: for 3072x the bytes the all-gather's time grew 9.7x and the chain's 4.8x, latency
-# not bytes. At 4 ranks the prediction that the all-gather wins failed too: the chain won by 2.2x,
-# 50.5x and 11.1x, its time growing 3.6x for 3072x the bytes and the all-gather's 17.8x. Nor did the
-# all-gather's time grow slowly with the ranks: at 1 KiB it went from 1400 us at 2 ranks to 3648 at
-# 4. And it is not even monotonic in the bytes (2 ranks: 16728 us at 96 KiB, 13603 at 3 MiB), which
-# these timings do not explain. How to read a failure: where both times stay flat while the bytes
-# grow 3072-fold, a gap between the two ways is a gap in fixed costs, not bytes; on gloo (CPU
+# prediction assumed. The 2-rank line printed `failed`: the chain won at every size, 2.9x at
+# $S$ = 1 KiB, 3.1x at 96 KiB and 8.7x at 3 MiB, where the prediction allowed 2x either way. The
+# other part held: for 3072x the bytes the all-gather's time grew 11.5x and the chain's 3.8x, latency
+# not bytes. At 4 ranks the prediction that the all-gather wins failed too: the chain won by 2.6x,
+# 68.6x and 14.7x, its time growing 4.1x for 3072x the bytes and the all-gather's 23.1x. Nor did the
+# all-gather's time grow slowly with the ranks: at 1 KiB it went from 1419 us at 2 ranks to 4162 at
+# 4. And at 4 ranks it is not even monotonic in the bytes (107087 us at 96 KiB, 96298 at 3 MiB),
+# which these timings do not explain. How to read a failure: where both times grow far less than
+# the 3072-fold bytes, a gap between the two ways is a gap in fixed costs, not bytes; on gloo (CPU
 # processes, or ranks sharing one GPU) every message is copied through host memory with Python
 # around each call, and the all-gather allocates and copies back one buffer per rank where the chain
 # handles one, so there the chain can win at every size. Section 7 counts what each way moves and
@@ -1084,7 +1084,7 @@ else:
 # (On two GPUs.) Where the cell ran, its table and plot judge the prediction: it holds if two GPUs
 # take about as long as one (each runs two passes over its half, and the second waits for the
 # exchange) and the exchange is a small fraction of the forward (the last column). The run recorded
-# here had one GPU, an H200, so the cell printed that it was skipped: this run judges nothing, and
+# here had one GPU, an H100, so the cell printed that it was skipped: this run judges nothing, and
 # the prediction stays untested. The GPUs' memory, which is what a second GPU buys (each holds half
 # of the sequence's activations), is not measured here either.
 
@@ -1097,8 +1097,8 @@ else:
 # positions' share of the mean, the ranks' gradients are summed with `all_reduce` (what
 # `DistributedDataParallel` does), and every gradient is checked against the same model run whole in one
 # process, at every step. On two GPUs it runs with NCCL; on one, with gloo, both ranks on that GPU; with
-# none, with gloo on the CPU, small. The run below had one GPU (the H200): three steps, each loss the
-# one process's to four decimals, every gradient within 5.4e-07.
+# none, with gloo on the CPU, small. The run below had one GPU (the H100): three steps, each loss the
+# one process's to four decimals, every gradient within 7.4e-07.
 
 # %%
 from pathlib import Path
@@ -1130,7 +1130,7 @@ else:
 # * `scan_lib.distributed.linear_scan`, `selective_scan` and `mamba` run over any process group;
 #   `launch` and `check_against_one_process` check them against one process; the example trains with
 #   them under `torchrun`.
-# * Measured: what the exchange costs, both ways (here on gloo, the ranks sharing one H200, where the
+# * Measured: what the exchange costs, both ways (here on gloo, the ranks sharing one H100, where the
 #   chain won at every size); and, where two GPUs are present, the split against one GPU (skipped
 #   here).
 #
@@ -1138,9 +1138,10 @@ else:
 #
 # Each rank runs its scans twice, and the backward twice, because phase 1 needs only the shard's last
 # state but computes every output. Chapter 07 measured the same two-pass split inside one GPU and found
-# it seldom paid there (only the training step at batch 1, and slightly); across GPUs it is forced
-# by memory, and by the count of passes (section 8) it would pay in time from three ranks on, which
-# nothing here measures (two GPUs are all this course's machines have). Two ways to cut it: a phase 1 that forms only $E_r$ as a sum,
+# it did not pay there (one segment was fastest in every row it timed, forward and training step);
+# across GPUs it is forced by memory, and by the count of passes (section 8) it would pay in time
+# from three ranks on, which nothing here measures (two GPUs are all this course's machines have).
+# Two ways to cut it: a phase 1 that forms only $E_r$ as a sum,
 # $E_r = \sum_t e^{A(\Sigma_{\text{end}} - \Sigma_{\le t})} \Delta_t B_t u_t$, a reduction with no scan
 # and no output; and, for the backward, the gradient of $E_r$ alone is an adjoint scan with no
 # gradients to form. A pipeline can also hide the exchange: split each shard's batch in two and
