@@ -15,10 +15,10 @@
 #
 # Chapters 05 and 07 run Mamba's selective scan on the GPU's scalar units: every position and every
 # state is a multiply and an add, one after another along the sequence, and the tensor cores, which
-# do most of an H200's arithmetic, sit idle. Mamba-2 (Dao and Gu, "Transformers are SSMs", 2024)
-# changes one thing: the decay $A$ becomes **one number per head** instead of one per state. Then a
-# chunk of the recurrence is a masked matrix product, and the scan is left only *between* chunks.
-# You will
+# do most of an H100's or H200's arithmetic, sit idle. Mamba-2 (Dao and Gu, "Transformers are SSMs",
+# 2024) changes one thing: the decay $A$ becomes **one number per head** instead of one per state.
+# Then a chunk of the recurrence is a masked matrix product, and the scan is left only *between*
+# chunks. You will
 #
 # - write the Mamba-2 recurrence and its plain loop (the float64 reference);
 # - see the same computation as **one lower-triangular matrix** applied to the inputs, its mask built
@@ -371,9 +371,10 @@ assert error < 1e-12
 # factor $1 + Q(N+P)/(2PN)$: with $Q = P = 64$ and $N = 128$, 1.75 times the loop's. It can
 # still win, because almost all of it is matrix products of tiles of 64 or more, which tensor cores
 # run, and on an H200 the dense bfloat16 tensor-core rate is many times the scalar float32 rate (the
-# cell prints NVIDIA's datasheet figures and their ratio), far more than the chunks cost. The loop, and chapter
-# 07's kernels, can use only the scalar rate. This is an argument from datasheet peaks, not a
-# measurement; section 9 times the kernels. The cell prints the factor for a few chunk sizes.
+# cell prints NVIDIA's datasheet figures and their ratio; the H100 SXM's datasheet gives the same
+# two), far more than the chunks cost. The loop, and chapter 07's kernels, can use only the scalar
+# rate. This is an argument from datasheet peaks, not a measurement; section 9 times the kernels. The
+# cell prints the factor for a few chunk sizes.
 
 # %%
 def extra_work(chunk, head_dim, n_states):
@@ -436,11 +437,11 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 #   default for float32, one TF32 product.)
 #
 # A program holds a whole chunk: $Q \times Q$ scores and decays, $Q \times P$ and $Q \times N$ tiles,
-# and a $P \times N$ state, all in registers. Compiled for the H200 (`ptxas -v` reports what each
-# thread spills to memory; `benchmarks/NOTES_ssd.md` has the counts), at $Q = 64$ the forward's kernels
-# spill at most 124 bytes per thread and the backward's largest kernel 3 to 9 kilobytes ($N$ = 64, 128;
-# the first place to improve it); at 256 every kernel spills kilobytes, and at 128 the forward is a
-# little faster but a training step slower
+# and a $P \times N$ state, all in registers. Compiled for sm_90, the H100's and H200's architecture
+# (`ptxas -v` reports what each thread spills to memory; `benchmarks/NOTES_ssd.md` has the counts), at
+# $Q = 64$ the forward's kernels spill at most 124 bytes per thread and the backward's largest kernel 3
+# to 9 kilobytes ($N$ = 64, 128; the first place to improve it); at 256 every kernel spills kilobytes,
+# and at 128, timed on an H200, the forward is a little faster but a training step slower
 # (`benchmarks/results/ssd_tensor_cores_h200_2026-12-03.log`). So the kernels run chunks of
 # `KERNEL_CHUNK` = 64 positions whatever `chunk_size` asks above it: section 3 showed that every
 # chunk size is the same computation, so a call with `mamba_ssm`'s 256 gets the same result up to
@@ -1370,39 +1371,46 @@ else:
             print(speed_row(shape, dtype, ours, theirs, floors))
 
 # %% [markdown]
-# What the recorded table shows (one run on an H200; on a machine without a GPU the cell prints
+# What the recorded table shows (one run on an H100; on a machine without a GPU the cell prints
 # nothing to compare):
 #
-# * In bfloat16, the dtype Mamba-2 trains in, our op's calls beat `mamba_ssm`'s at both shapes: 2.78x in
-#   the forward and 3.25x in forward+backward at $N = 64$, 2.05x and 2.06x at $N = 128$ (but see the last
-#   point). Both sides run their products on the tensor cores with bfloat16 operands and float32 sums,
-#   so the precision is like for like; the chunks are not: ours runs chunks of 64 where `mamba_ssm`'s
-#   runs the 256 asked for, 1.75 against 4.0 times the loop's flops at $N = 128$ (section 4's table).
-# * In float32 the two do different work, and the ratios say so: at $N = 64$ we are still ahead (1.29x
-#   and 1.20x), at $N = 128$ we are behind (0.90x forward, 0.51x forward+backward). Each of our
-#   float32 products is tf32x3, three tensor-core products that keep float32's accuracy; `mamba_ssm`'s
-#   is one TF32 product, whose operands keep 10 bits of mantissa (`make bench` finds its float32 results
-#   1.3e-03 to 4.7e-03 off, relative, against our 8.3e-07 to 3.9e-06:
+# * In bfloat16, the dtype Mamba-2 trains in, our op's calls beat `mamba_ssm`'s at both shapes: 2.01x in
+#   the forward and 3.06x in forward+backward at $N = 64$, 1.31x and 1.28x at $N = 128$ (but see the
+#   next point). Both sides run their products on the tensor cores with bfloat16 operands and float32
+#   sums, so the precision is like for like; the chunks are not: ours runs chunks of 64 where
+#   `mamba_ssm`'s runs the 256 asked for, 1.75 against 4.0 times the loop's flops at $N = 128$
+#   (section 4's table).
+# * Those ratios compare calls, not kernels. On the GPU alone `mamba_ssm`'s bfloat16 forward is the
+#   faster one: 266 us against our 423 at $N = 64$, 351 against 618 at $N = 128$ (0.63x and 0.57x),
+#   while its calls take 875 and 823 us, most of it the host's work. Its forward+backward takes the
+#   host about as long to issue as the call lasts, or longer (5099 against 5206 us at $N = 64$, 4904
+#   against 4089 at $N = 128$): the host sets its pace, and the 3.06x and 1.28x compare host paths.
+#   Ours is set by the GPU in the forward (a 434 us call, 423 on the GPU), and at $N = 64$ its
+#   forward+backward is not far from the host's limit either: 1403 us to issue a 1700 us call.
+# * In float32 the two do different work, and the ratios say so: at $N = 64$ the forward calls are
+#   level (1.02x) and we are behind on the GPU (0.59x) and in forward+backward (0.70x); at $N = 128$ we
+#   are behind in all three (0.46x, 0.46x, 0.49x). Each of our float32 products is tf32x3, three
+#   tensor-core products that keep float32's accuracy; `mamba_ssm`'s is one TF32 product, whose
+#   operands keep 10 bits of mantissa (`make bench` on an H200 finds its float32 results 1.3e-03 to
+#   4.7e-03 off, relative, against our 8.3e-07 to 3.9e-06:
 #   `benchmarks/results/bench_ssd_h200_2026-12-03.log`). Our gradient kernel also holds more than the
 #   registers can, most at $N = 128$: the compiler spills part of it to memory (`ptxas -v`, counted in
 #   `benchmarks/NOTES_ssd.md`, where halving the spills bought nothing in bfloat16). A plain TF32 option
 #   does not fit that kernel in shared memory at $N = 128$; profiling the kernel, then splitting it, is
 #   the next step.
-# * Neither op is near the floor: our bfloat16 forward at $N = 64$ takes about 8 times the time of
-#   moving its inputs and outputs once, the forward+backward about 15 times. The profile in
-#   `benchmarks/NOTES_ssd.md` says where it goes: about half of a training step is the gradient
-#   kernel, and the PyTorch work around the kernels (the softplus of the steps, the gate, the sums of
-#   gradients over heads and chunks) is a sizeable share that a fused kernel would remove.
+# * Neither op is near the floor: our bfloat16 forward at $N = 64$ takes 423 us on the GPU against a
+#   floor of 69, about 6 times, the forward+backward 1700 against 184, about 9 times; `mamba_ssm`'s
+#   forward, 266 us, about 4 times. The profile in `benchmarks/NOTES_ssd.md` (an H200, 2026-12-03) says
+#   where ours goes: about half of a training step is the gradient kernel, and the PyTorch work around
+#   the kernels (the softplus of the steps, the gate, the sums of gradients over heads and chunks) is
+#   a sizeable share that a fused kernel would remove.
 # * Read `mamba_ssm`'s column with care. Its Triton kernels pick their tile sizes by timing candidates
 #   on the first call of each shape (autotuning), and the choice, so its time, changes from run to run:
-#   `make bench` timed the same shapes with other results
-#   (`benchmarks/results/bench_ssd_h200_2026-12-03.log`). That log also replays each forward from a CUDA
-#   graph, which leaves the host's work out: there `mamba_ssm`'s bfloat16 forward takes 254 us on the
-#   GPU at $N = 64$ and 326 at $N = 128$, against our 350 and 508. Its forward kernels are the faster
-#   ones; the forward ratios above come from the time its calls spend on the host. At longer sequences
-#   ($L$ = 8192 and 65536, the same log) its forward+backward in bfloat16 grows far less
-#   than the work does and ends faster than ours: at $L = 2048$ its step is set by something other than
-#   the work, which we have not profiled. Beating it at every length is still open.
+#   `make bench` timed the same shapes on an H200 with other results
+#   (`benchmarks/results/bench_ssd_h200_2026-12-03.log`). At longer sequences ($L$ = 8192 and 65536,
+#   the same log) its bfloat16 forward+backward grows far less than the work does and ends faster than
+#   ours: at $L = 2048$ its step is set by the host, as the host column shows here, not by its kernels.
+#   Beating its kernels, at every length, is still open.
 
 # %% [markdown]
 # ## What we built
@@ -1425,7 +1433,8 @@ else:
 #
 # * Section 9: the op's speed on a GPU against `mamba_ssm`'s Triton kernels and the memory floor.
 #
-# What is not done yet: the Mamba2 block, and the speed of float32 at $N = 128$ and of long sequences.
+# What is not done yet: the Mamba2 block, and the speed of the kernels themselves: `mamba_ssm`'s
+# forward kernels are faster in both dtypes (section 9), and its forward+backward at long sequences.
 #
 # ## References
 #
@@ -1433,4 +1442,5 @@ else:
 #   state space duality", ICML 2024, arXiv:2405.21060 (Mamba-2, SSD, the chunked algorithm).
 # - Gu and Dao, "Mamba: linear-time sequence modeling with selective state spaces", 2023, arXiv:2312.00752.
 # - Blelloch, "Prefix sums and their applications", CMU-CS-90-190, 1990 (the scan over chunks).
-# - NVIDIA H200 Tensor Core GPU datasheet (the tensor-core and scalar rates).
+# - NVIDIA H200 Tensor Core GPU datasheet (the tensor-core and scalar rates; the H100 SXM's has the
+#   same two).
