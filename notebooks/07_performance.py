@@ -75,8 +75,9 @@ selective_scan_05 = chapter05.selective_scan
 #   arithmetic units' throughput. The count over the `exp` rate (measured by a kernel that does
 #   nothing else) is the second floor.
 #
-# The rest runs on the arithmetic units, which on an H200 (about 67 TFLOP/s in fp32) do about 18
-# operations for each `exp` at the rate measured below: an efficient kernel sits near the larger floor.
+# The rest runs on the arithmetic units, which on an H100 (about 67 TFLOP/s in fp32, NVIDIA's figure)
+# do about 18 operations for each `exp` at the rate measured below: an efficient kernel sits near the
+# larger floor.
 
 # %%
 @triton.jit
@@ -128,10 +129,11 @@ else:
                   f"memory floor {memory:6.0f} us, exp floor {exps:6.0f} us")
 
 # %% [markdown]
-# (On a GPU.) At $N = 16$ the `exp` floor is the larger one, except in fp32 forward+backward, so bf16's
-# halved bytes do not lower the floor that matters. Chapter 05's kernel takes almost the same time forward in
-# fp32 and bf16 (section 6's table), while `mamba_ssm`'s roughly halves (chapter 05's benchmark): ours
-# is limited by the instructions it issues, far above both floors.
+# (On a GPU.) At $N = 16$ the memory floor is the larger one in fp32 and the `exp` floor in bf16, so
+# bf16's halved bytes lower the floor that matters only down to the `exp`s' (89 to 74 µs forward on
+# this run's H100). Chapter 05's kernel takes almost the same time forward in fp32 and bf16 (section
+# 6's table: 685 against 612 µs on the views), while `mamba_ssm`'s roughly halves (chapter 05's
+# benchmark): ours is limited by the instructions it issues, far above both floors.
 #
 # ## 2. Where the time goes: the profiler
 #
@@ -204,8 +206,8 @@ else:
 # ## 3. First optimisation: read the views in place
 #
 # **Prediction.** A copy of a (batch, dim, $L$) bf16 tensor moves $2 \times 2 \cdot 8 \cdot 1024 \cdot 2048$
-# bytes, about 16 µs at the measured bandwidth; removing the copies should save that per copy and nothing
-# more.
+# bytes (read and written), about 22 µs at the measured bandwidth; removing the copies should save that
+# per copy and nothing more.
 #
 # **The change.** Each pointer gets its strides (batch, channel, position) instead of assuming
 # `(dim * L, L, 1)` (the loads of `u` and `delta` below); Triton specialises a stride of 1, so loads
@@ -214,8 +216,9 @@ else:
 #
 # The rest is chapter 05's forward (`BLOCK_D` channels per program, chunks of `CHUNK` positions, a scan
 # per state from the carried one). The kernel below is the final one, with section 4's instruction cuts
-# (`discretize_exp2`, `step_u`, the carries in `LAST`) and section 5's segments (`H0`, `SUMMARY`) and
-# states per step (`UNROLL`).
+# (`discretize_exp2`, `step_u`, the carries in `LAST`), section 5's segments (`H0`, `SUMMARY`) and
+# states per step (`UNROLL`), and the states it keeps for the backward (`SAVE`, `SAVE_EVERY`: "Going
+# deeper: segments and states per step, measured").
 
 # %%
 #| export
@@ -376,8 +379,8 @@ selective_scan = scan_lib.selective_scan
 #
 # **$\bar y$ was saved.** The gate's gradient needs $\bar y$, and chapter 05's forward wrote it to
 # memory for that. But the backward recomputes every $h_t$ anyway, so $\bar y_t = \sum_n C_{t,n}
-# h_{t,n} + D u_t$ costs one multiply-add per element. Prediction: about 30 µs of bytes saved at the
-# measured bandwidth, and 64 MiB less kept alive between the passes.
+# h_{t,n} + D u_t$ costs one multiply-add per element. Prediction: about 44 µs of bytes saved at the
+# measured bandwidth (64 MiB of fp32 written, then read), and 64 MiB less kept alive between the passes.
 #
 # **No reverse scan, one `exp` per element.** Chapter 05's backward scans twice per state, for
 # $h_{t-1}$ and for the adjoint $\lambda_t = C_t \partial\mathcal L/\partial \bar y_t +
@@ -406,8 +409,9 @@ selective_scan = scan_lib.selective_scan
 # ## 5. Third optimisation: long sequences at small batch
 #
 # Each program owns one (batch element, block of channels) and walks the whole sequence. At batch 1
-# and 1536 channels that is about 12 one-warp programs per multiprocessor of an H200, which could hold
-# 32: the GPU is mostly idle. It needs more programs, or
+# and 1536 channels that is about 12 one-warp programs per multiprocessor of an H100 (the count
+# "Going deeper: segments and states per step, measured" prints), which could hold 32: the GPU is
+# mostly idle. It needs more programs, or
 # more independent work in each.
 #
 # **Segments.** Chapter 01's blocked scan splits a sequence in three phases, and so does the
@@ -420,10 +424,10 @@ selective_scan = scan_lib.selective_scan
 #
 # **Prediction:** phase 1 adds about half the work, so where programs were short of the GPU by a factor
 # of three, the time should still fall nearly twofold. **Measured** ("Going deeper: segments and states
-# per step, measured"): it failed. Phase 1 costs
-# almost as much as phase 3, a split roughly doubles the work, and at batch 1 the best split is 1.09x
-# faster in the training step and slower in the forward. `selective_scan` keeps one segment; the split
-# stays, checked, because chapter 09 spreads a sequence over GPUs with the same phases.
+# per step, measured"): it failed. Phase 1 costs almost as much as phase 3, a split roughly doubles
+# the work, and in the recorded run every split is slower than one segment, at batch 1 too, in the
+# forward and in the training step. `selective_scan` keeps one segment; the split stays, checked,
+# because chapter 09 spreads a sequence over GPUs with the same phases.
 #
 # **States per step.** A state's scan is a chain of dependent instructions, and with a dozen warps per
 # multiprocessor there is rarely one ready while another waits. The states are independent, so the
@@ -432,7 +436,8 @@ selective_scan = scan_lib.selective_scan
 # how many warps fit at once, so `states_per_step` reads how many pay from a table measured on an H100.
 #
 # **Prediction:** at batch 1 perhaps twice faster, at batch 8 little change; "Going deeper: segments and
-# states per step, measured" times each setting at four sizes.
+# states per step, measured" times each setting at four sizes. (Measured: far from twice; the forward
+# at batch 1 takes 2230 µs with two states per step, 2370 with one, 2720 as it was before this section.)
 #
 # "Going deeper: the launchers and the public function" runs these kernels; "Going deeper: the
 # checks" tests them against chapter 05's float64 reference in every option, layout and dtype.
@@ -480,9 +485,10 @@ else:
 # (On a GPU.) Chapter 07's column has all of this chapter's changes, so each row mixes their effects:
 #
 # * **Strided views, forward.** No copies, fewer instructions: in bf16 the cell asserts at least 1.3x
-#   less time.
-# * **Contiguous inputs, forward.** The instruction cuts alone, net of the strided indexing; the sign
-#   may differ between dtypes.
+#   less time (282 against 612 µs in the recorded run).
+# * **Contiguous inputs, forward.** No copies to save: the instruction cuts and launch parameters, net
+#   of the strided indexing. The sign may differ between dtypes, and here it does: fp32 2.1% slower,
+#   bf16 40.3% faster.
 # * **Forward+backward.** Recomputing $\bar y$, measured alone before the instruction cuts, made the
 #   backward *slower*: its loop is limited by instructions, not bytes. The `saved` column has both
 #   changes; the new profile shows no copies and the backward taking most of the time.
@@ -539,15 +545,17 @@ else:
 
 # %% [markdown]
 # (On a GPU.) The cell below prints `mamba_ssm`'s time over ours (above 1: ours is faster). In the
-# recorded run chapter 07 beats chapter 05 in every row, and against `mamba_ssm` the ratios
-# run from 0.47 to 1.22: ours is faster at the base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$ 64
-# and at batch 4 of dim 1536, `mamba_ssm` at $L$ 512, at $N$ 4 and at batch 1 and 2 (the base shape,
-# timed twice, gives 1.15 both times; read a single ratio near 1 as "about even"). At $L$ 512 and $N$ 4
-# chapter 07 takes as long as at the base shape or longer (1344 and 1545 µs against 1308), with a
-# quarter of the work, while `mamba_ssm`'s time falls (772 and 734 µs against 1499): that time is the
-# host's Python, which "Going deeper: the host's share" measures (`mamba_ssm`'s launchers are C++). At
-# batch 1 and 2 of dim 1536 the kernels set the pace, with about 6 or 12 programs per multiprocessor:
-# section 5's problem, not solved yet.
+# recorded run chapter 07 beats chapter 05 in every row, and against `mamba_ssm` the ratios run from
+# 0.53 to 1.27: ours is faster at the base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$ 64 and at
+# batch 4 of dim 1536 (1.21 to 1.27; the base shape, timed twice, gives 1.21 and 1.22), about even at
+# batch 1 and 2 (1.07 and 1.00; read a single ratio near 1 as "about even"), and `mamba_ssm` is faster
+# at $L$ 512 and at $N$ 4 (0.68 and 0.53). There, with a quarter of the work, chapter 07's time falls
+# by a quarter at most (986 and 1110 µs against 1300 at the base shape), while `mamba_ssm`'s falls by
+# more than half (666 and 589 µs against 1575): our time there is the host's Python, which "Going
+# deeper: the host's share" measures (`mamba_ssm`'s launchers are C++). Along the batch of dim 1536
+# the kernels set the pace (1328, 2508 and 3851 µs at batch 1, 2 and 4), and our lead is smallest at
+# batch 1 and 2, with about 12 programs per multiprocessor at batch 1 in the forward and half that
+# in the backward (two channels per program): section 5's problem, not solved yet.
 
 # %%
 if ON_GPU and any(name == "mamba_ssm" for _, _, name in times):
@@ -562,7 +570,7 @@ else:
 # ## What we built
 #
 # * Two floors for the selective scan, from bytes and `exp`s over rates measured on this GPU: at
-#   $N = 16$ the `exp`s set the higher one (except for fp32 forward+backward).
+#   $N = 16$ on the recording's H100 the `exp`s set the higher one in bf16, the bytes in fp32.
 # * A profile of chapter 05's scan in a training step: copies of strided views, and a backward that
 #   takes most of the time.
 # * `scan_lib.selective_scan`, now this chapter's kernels: strided inputs read in place, a backward
@@ -625,8 +633,9 @@ else:
 #    $a_t h_{t-1}$ and $h_t$ for every position, in registers.
 # 2. **The adjoint, right to left.** The same, through the items in reverse order (a Python loop over
 #    registers, not a scan): $a_{t+1}$ is the next item's $a_t$, and the next run's first for a run's
-#    last item (one `exp` per run). Only the (`BLOCK_D`, `SEGS`) summaries go through
-#    `reverse=True`: one register per thread instead of a whole chunk's.
+#    last item (one `exp` per run). Only the (`BLOCK_D`, `SEGS`) summaries are scanned across the
+#    lanes, one register per thread instead of a whole chunk's, and not with `reverse=True`: two
+#    `tl.gather`s reverse the runs around a forward scan (`run_adjoints`).
 # 3. **The gradients** from the items' values; $dB$ and $dC$ per position are summed over the block's
 #    channels and added across programs with atomic additions, as before. The sums over positions
 #    ($dA$ per run, $dD$, $d\Delta_{\text{bias}}$) are kept per program through the chunks, then added
@@ -1024,14 +1033,14 @@ def segment_carries(summary, dsum, A, boundary, reverse):
 # ## Going deeper: the launchers and the public function
 #
 # The launchers are chapter 05's with two differences besides section 5's segments: they pass
-# strides instead of copying, and the forward returns no $\bar y$. The launch parameters come from a
-# sweep on an H200 ("Going deeper: ideas that did not pay" prints one, "Going deeper: segments and
-# states per step, measured" a long sequence): one warp per program; for the forward one channel per
-# program, 512 positions per chunk and `states_per_step`'s states per step (section 5); for the
-# backward two channels per program, one state per step and 32 runs of 16 bytes (128 positions in
-# fp32, 256 in bf16: `launch_config` scales the fp32 count); in training the forward keeps the state
-# entering every chunk of the backward's. Under the interpreter the chunks are small, so that the
-# tests' short sequences still cross several chunks and blocks. The autograd plumbing (a
+# strides instead of copying, and the forward returns no $\bar y$. The launch parameters come from
+# sweeps on an H200 and an H100 ("Going deeper: ideas that did not pay" prints one, "Going deeper:
+# segments and states per step, measured" a long sequence): one warp per program; for the forward
+# one channel per program, 512 positions per chunk and `states_per_step`'s states per step (section
+# 5); for the backward two channels per program, one state per step and 32 runs of 16 bytes (128
+# positions in fp32, 256 in bf16: `launch_config` scales the fp32 count); in training the forward
+# keeps the state entering every chunk of the backward's. Under the interpreter the chunks are small,
+# so that the tests' short sequences still cross several chunks and blocks. The autograd plumbing (a
 # `torch.library` custom op with fake and vmap rules, an autograd Function, a second derivative that
 # raises) is chapter 05's, imported. The backward's sums are atomic additions, so $dA$, $dD$ and
 # $d\Delta_{\text{bias}}$, like $dB$ and $dC$, can differ in their last bits from run to run.
@@ -1676,16 +1685,19 @@ else:
 # so a split roughly doubles the work, and it pays only where the programs it adds find a GPU that
 # would otherwise be idle. That is the case only for few programs: the cell's second line gives the
 # warps per multiprocessor at batch 1 with one channel per program (half that with two channels per
-# program). Section 5's prediction failed: at batch 1 the best split is 1.09x faster in the training
-# step, not near two, and slower in the forward; at the usual size two segments take 1.9 times the
-# forward's time of one (589 against 305 µs), about the doubled work. `selective_scan` keeps one
-# segment (`segments` stays 1); where a row above shows a split faster, that is speed still left at
-# small batch. A split would pay more with a phase 1 much cheaper than the forward: the segment's end
-# state is a sum, $\hat h_s = \sum_t e^{A(\Sigma_{\le \text{end}} - \Sigma_{\le t})}\Delta_t B_t u_t$, a
-# reduction instead of a scan, though with the same `exp`s.
+# program). Section 5's prediction failed: in the recorded run one segment is the fastest in every
+# row. At batch 1 the best split, 8 segments, takes 1.44 times the forward's time of one (3180
+# against 2206 µs) and 1.13 times the training step's (12377 against 10993); at the usual size two
+# segments take 2.7 times the forward's time of one (763 against 287 µs), more than the doubled work.
+# `selective_scan` keeps one segment (`segments` stays 1); where a row shows a split faster (none
+# does on this run's H100), that is speed still left at small batch. A split would pay more with a
+# phase 1 much cheaper than the forward: the segment's end state is a sum,
+# $\hat h_s = \sum_t e^{A(\Sigma_{\le \text{end}} - \Sigma_{\le t})}\Delta_t B_t u_t$, a reduction
+# instead of a scan, though with the same `exp`s.
 #
-# The forward's chunk is measured at both sizes too (the "forward chunk" lines); `GPU_CONFIG` takes
-# its value from the sweep in "Going deeper: ideas that did not pay".
+# The forward's chunk is measured at both sizes too (the "forward chunk" lines): `GPU_CONFIG`'s 512
+# positions, from earlier runs of the sweep in "Going deeper: ideas that did not pay", are the fastest
+# of the three at both sizes here in bf16 (2216 and 286 µs).
 #
 # ### States per step
 #
@@ -1697,9 +1709,10 @@ else:
 # chunks of 512 positions, the forward's own, two states per step up to 24 programs per multiprocessor
 # and one beyond; with chunks of 256 or fewer (a sequence that short, or a config that asks for them),
 # all 16 states up to 16 programs per multiprocessor and two beyond; with 4 states or fewer, all of
-# them. The backward's body is four times the forward's and already at the register limit with one
-# state (`benchmarks/sass_count.py`); two states per step measured no faster there (NOTES), so it keeps
-# one.
+# them. The backward issues about twice the forward's instructions per (position, state) and in bf16
+# sits at the register limit with one state (36.4 against 17.4 instructions, 254 registers: the
+# counts in "Going deeper: the backward kernel"); two states per step measured no faster there
+# (NOTES), so it keeps one.
 #
 # One more change keeps the forward at its own chunk in training. The backward needs the state
 # entering each of *its* chunks (128 positions in fp32, 256 in bf16), and the forward used to run
@@ -1752,10 +1765,13 @@ else:
 # (On a GPU.) Read each row from the left: the first column is the forward as it was before section 5's
 # states per step, the next three isolate one channel per program and then the states per step, and
 # the last is what `selective_scan` now runs. Where `GPU_CONFIG`'s column is not the smallest of its
-# row, the table of `states_per_step` is off for that shape on this GPU (it was measured on an H100;
-# other GPUs hold other numbers of warps per multiprocessor). Between the two modes, the first column
-# adds the old training chunk; the others differ only by the states saved for the backward, which is
-# what those saves cost.
+# row, the table of `states_per_step` is off for that shape on this GPU. In the recorded run, on an
+# H100 like the one the table was measured on, it is the smallest of every row or within 1 µs of it
+# (312 against 311 µs in training at the usual size); other GPUs hold other numbers of warps per
+# multiprocessor. Between the two modes, the first column adds the old training chunk (at batch 1,
+# 5131 against 2720 µs); the others differ only by the states saved for the backward, which is what
+# those saves cost: in `GPU_CONFIG`'s column 3 to 4% at batch 1 and 2 (2325 against 2230 µs at batch
+# 1), as predicted, but 9 and 11% at batch 4 and 8 (944 against 867, 312 against 282).
 #
 # ## Going deeper: the atomics
 #
@@ -1799,9 +1815,9 @@ else:
           f"({2 * atomics_us / bwd_us:.0%} of the backward if they do not overlap other work)")
 
 # %% [markdown]
-# (On a GPU.) The atomic additions alone take a large share of the backward's time (the line above; it
-# times one addition per channel, twice as many as the backward with two channels per program issues,
-# so it overstates their share).
+# (On a GPU.) The atomic additions alone take a large share of the backward's time (the line above:
+# 824 of 1243 µs in the recorded run; it times one addition per channel, twice as many as the backward
+# with two channels per program issues, so it overstates their share).
 # `mamba_ssm` adds per channel too, but first rearranges each thread block's values so that every
 # warp adds 32 consecutive floats. Triton gets there by another route: its layout gives each thread 4
 # consecutive positions (16 bytes) and adds them with one 4-wide reduction instruction, so the memory
@@ -1812,7 +1828,7 @@ else:
 # in one program before adding (`block_d` > 1) divides the additions, but fewer programs then share
 # the GPU; the sweep in the next section tries one and two channels per program (in the recorded run the
 # backward's best had two, as `GPU_CONFIG` has, but chunks of 256 positions where `GPU_CONFIG` has
-# 128, and `GPU_CONFIG`'s row came within 1.03x of it, 1095 against 1060 µs). Two ways around it that
+# 128, and `GPU_CONFIG`'s row came within 1.02x of it, 1124 against 1099 µs). Two ways around it that
 # this chapter has not built: accumulate $dB$ per group of channels in a workspace and reduce it with one more kernel
 # (the bytes: $\text{dim}/g \cdot N \cdot L$ floats per batch element), or reformulate the backward so
 # that the sum over channels becomes a matrix product (Mamba-2's "state space duality" does exactly this
@@ -1906,13 +1922,14 @@ assert err < tolerance(torch.float32, 45)
 # %% [markdown]
 # ### The sweep
 #
-# (GPU only.) Both forwards over their launch parameters (channels per program, chunk, warps), and
-# the backward over its own, at (8, 1024, 2048, $N$=16) in fp32, without $D$, $z$ or `delta_bias`
-# (the three-dimensional kernel has none). `GPU_CONFIG` above holds the winners of earlier runs of
-# this sweep, and the forward's states per step come from the bf16 measurements of "Going deeper: segments
-# and states per step, measured"; the cell
-# prints how far the config in force is from this run's best, and fails only on a gross miss (1.5x):
-# the best forward config depends on the dtype and the GPU, and one table serves them all.
+# (GPU only.) Both forwards over their launch parameters (channels per program, chunk, warps; for the
+# loop over states also two states per step, at one channel and one warp), and the backward over its
+# own, at (8, 1024, 2048, $N$=16) in fp32, without $D$, $z$ or `delta_bias` (the three-dimensional
+# kernel has none). `GPU_CONFIG` above holds the winners of earlier runs of this sweep, and the
+# forward's states per step come from bf16 measurements like those of "Going deeper: segments and
+# states per step, measured"; the cell prints how far the config in force is from this run's best,
+# and fails only on a gross miss (1.5x): the best forward config depends on the dtype and the GPU,
+# and one table serves them all.
 
 # %%
 if not ON_GPU:
@@ -1968,16 +1985,20 @@ else:
 
 # %% [markdown]
 # (On a GPU.) The three-dimensional tile is *slower* than the loop over states, by the factor on the
-# last line (the cell asserts at least 1.3): the prediction failed. A scan along the last axis of a
-# three-dimensional tile spreads each row's positions over fewer threads per warp, and extracting the
-# carry becomes a reduction over the chunk for every state: the loop had neither problem to begin with. Its cost was
-# not the loop. The best rows say whether more than one channel per program (`block_d` 2, which shares
-# each load of $B$ and $C$ between two channels) paid, and for the forward whether two states per step
-# (section 5) did at this size; `GPU_CONFIG` holds the values earlier runs of this sweep and of
-# the states-per-step measurements chose (the cell prints how far it is from this run's best, and checks that it is
-# within 1.5x). [LANDING: say what the printed ratios show on the recording's GPU; where the forward's
-# is over about 1.1x, say that fp32 prefers another chunk or states per step than the bf16-tuned
-# table gives, and that a per-dtype table is open work (issue 20).]
+# last line (2.26 in the recorded run; the cell asserts at least 1.3): the prediction failed. A scan
+# along the last axis of a three-dimensional tile spreads each row's positions over fewer threads per
+# warp, and extracting the carry becomes a reduction over the chunk for every state: the loop had
+# neither problem to begin with. Its cost was not the loop. The best rows say whether more than one
+# channel per program (`block_d` 2, which shares each load of $B$ and $C$ between two channels) paid,
+# and for the forward whether two states per step (section 5) did at this size: in the recorded run
+# the backward's best has two channels, the forward's one channel and two states per step.
+# `GPU_CONFIG` holds the values earlier runs of this sweep and of the states-per-step measurements
+# chose (the cell prints how far it is from this run's best, and checks that it is within 1.5x). On
+# this run's H100 the backward's is 1.02x its best (1124 against 1099 µs), the forward's 1.30x (433
+# against 332 µs): in fp32 the forward prefers chunks of 1024 positions with two states per step,
+# where the table, tuned in bf16 (where 512 positions win: "Going deeper: segments and states per
+# step, measured"), gives 512 positions and, with this many programs, one state per step. A table
+# per dtype is open work (issue 20).
 
 # %% [markdown]
 # ## Going deeper: the host's share
@@ -1989,9 +2010,11 @@ else:
 # back, no synchronisation inside, so the timer measures only the host's work); and the sum of the
 # step's kernel durations (`kernel_times`, section 2's profiler). When the kernels are the larger,
 # the step follows them; when the host is the larger, `do_bench`'s step time is only a rough guide
-# (in the rows below it lands sometimes over the host's time, sometimes under it): compare the host and kernel columns to see which side sets the pace. The same step with the
-# Launchers ("Going deeper: the launchers and the public function") going through Triton's `kernel[grid](...)` (`triton_launched`) shows what the
-# Launchers save, and `mamba_ssm`, where it is importable, is measured the same way. The host's
+# (in the rows below it lands sometimes over the host's time, sometimes under it): compare the host
+# and kernel columns to see which side sets the pace. The same step with the Launchers ("Going deeper:
+# the launchers and the public function") going through Triton's `kernel[grid](...)`
+# (`triton_launched`) shows what the Launchers save, and `mamba_ssm`, where it is importable, is
+# measured the same way. The host's
 # samples of the rows are taken in turn, five rounds of 20 steps (`host_split`), so that a slow
 # spell of the host falls on every row alike.
 
@@ -2038,26 +2061,27 @@ else:
             print(f"{str(shape):22s} {name:28s} {'%7.0f %7.0f %8.0f' % times}")
 
 # %% [markdown]
-# (On a GPU.) Read each row as: which of host and kernels is the larger, and how the
-# step compares with it. In the run recorded here chapter 07's kernels are faster than `mamba_ssm`'s
-# at all four shapes (311 against 357 µs at $L$ 512, 462 against 538 at $N$ 4, 1284 against 1478 at
-# the base shape, 400 against 429 at (1, 2048, 2048, 16)), and its host time per step is 1.3 to 1.6
-# times `mamba_ssm`'s at every shape (963 to 1335 µs against 652 to 866): `mamba_ssm`'s launchers
-# are C++, ours are Python. [LANDING: issue 21 item 4 shortened the Python of every call (checks,
-# `EagerFastOp`, `apply`); re-measure this table's host column on the GPU and restate these numbers
-# from the new run.] At the three smaller shapes our host time is larger than our kernels'
-# (1335 against 311 µs at $L$ 512, 1174 against 400 at (1, 2048, 2048, 16)): the GPU waits for
-# Python. At the base shape the kernels are the larger (1284 against 1144 µs), and there the step
-# (1311 µs) follows them and is faster than `mamba_ssm`'s (1499).
+# (On a GPU.) Read each row as: which of host and kernels is the larger, and how the step compares
+# with it. In the run recorded here chapter 07's kernels are faster than `mamba_ssm`'s at all four
+# shapes (339 against 366 µs at $L$ 512, 493 against 554 at $N$ 4, 1280 against 1545 at the base
+# shape, 381 against 448 at (1, 2048, 2048, 16)), and its host time per step is 1.55 to 1.7 times
+# `mamba_ssm`'s at every shape (1394 to 1742 µs against 865 to 1028): `mamba_ssm`'s launchers are
+# C++, ours are Python. At every shape our host time is larger than our kernels', by far at the three
+# smaller ones (1394 against 339 µs at $L$ 512, 1470 against 381 at (1, 2048, 2048, 16)): the GPU
+# waits for Python. At the base shape the two are closer (1563 against 1280 µs); the step (1802 µs)
+# lands above both and behind `mamba_ssm`'s (1564), which follows its kernels (1545 µs, over its
+# host's 996). Section 7's series timed the same steps at 1300 and 1575 µs, ours ahead.
 #
-# The rows with Triton's own launches show what the Launchers save: 145 to 403 µs of host
-# time per step in this run (1480 against 1335 µs at $L$ 512, 1257 against 963 at $N$ 4, 1547
-# against 1144 at the base shape, 1431 against 1174 at (1, 2048, 2048, 16)): Triton's per-call work,
-# twice per step (one launch per pass). Every host time here depends on the machine's CPU and on what
-# else it runs; on this recording's host both libraries' host times were high, so read the
-# differences, not the absolute values. The step column moves with the host (1225 against 1171 µs at
-# $L$ 512, 1550 against 1291 at (1, 2048, 2048, 16)), and between sections too (at $L$ 512: 1171 µs
-# here, 1344 in section 7's series): host-bound steps measure noisily, and section 7's rows near 1
+# The rows with Triton's own launches show what the Launchers save: 161 to 367 µs of host time per
+# step in this run (1555 against 1394 µs at $L$ 512, 2109 against 1742 at $N$ 4, 1930 against 1563 at
+# the base shape, 1690 against 1470 at (1, 2048, 2048, 16)): Triton's per-call work, twice per step
+# (one launch per pass). Every host time here depends on the machine's CPU and on what else it runs;
+# on this recording's host both libraries' host times were high, so read the differences, not the
+# absolute values. The step column moves with the host where the host is far the larger (1351 against
+# 1182 µs at $L$ 512, 1791 against 1407 at $N$ 4), not always elsewhere (at the base shape the step
+# with Triton's launches, 1637 µs, came out faster than with the Launchers, 1802), and it moves
+# between sections too (at $L$ 512: 1182 µs here, 986 in section 7's series; at the base shape 1802
+# here, 1300 there): steps near or over the host's time measure noisily, and section 7's rows near 1
 # should be read with it.
 # What is left on the host is spread over the path, not in one place (a count on a CPU with the
 # launches stubbed, in `benchmarks/NOTES_selective_scan.md`): autograd's own work, which `mamba_ssm`
