@@ -111,10 +111,10 @@ def _window_sum(w, bias, before, run, after, i: tl.constexpr, WIDTH: tl.constexp
     With seq_idx, only the taps in item i's sequence, and 0 (no bias) where seq_idx < 0 (padding)."""
     acc = bias + tl.zeros_like(run[0])
     for k in tl.static_range(WIDTH):
-        term = w[k] * _around(before, run, after, i - (WIDTH - 1) + k, ITEMS)
-        if HAS_SEQ_IDX:
-            term = tl.where(_same_seq(seqs, i - (WIDTH - 1) + k, i, ITEMS), term, 0.0)
-        acc += term
+        x_k = _around(before, run, after, i - (WIDTH - 1) + k, ITEMS)
+        if HAS_SEQ_IDX:  # a tap in another sequence reads 0: masking the input, not the product, keeps the FMA
+            x_k = tl.where(_same_seq(seqs, i - (WIDTH - 1) + k, i, ITEMS), x_k, 0.0)
+        acc += w[k] * x_k
     if HAS_SEQ_IDX:
         acc = tl.where(_around(seqs[0], seqs[1], seqs[2], i, ITEMS) >= 0, acc, 0.0)
     return acc
@@ -217,10 +217,10 @@ def causal_conv1d_bwd_kernel(
     for i in tl.static_range(ITEMS):
         dx_i = tl.zeros_like(g[0])
         for j in tl.static_range(WIDTH):
-            term = w[WIDTH - 1 - j] * g[i + j]
+            g_j = g[i + j]
             if HAS_SEQ_IDX:  # only outputs of x[s]'s own sequence read it
-                term = tl.where(_same_seq(seqs, i + j, i, ITEMS), term, 0.0)
-            dx_i += term
+                g_j = tl.where(_same_seq(seqs, i + j, i, ITEMS), g_j, 0.0)
+            dx_i += w[WIDTH - 1 - j] * g_j
         dxs = dxs + (dx_i,)
     dx = positions_of(dxs, RUNS, ITEMS)                                    # BLOCK_D x BLOCK_L
     F_ROW = X_ROW
@@ -236,10 +236,10 @@ def causal_conv1d_bwd_kernel(
     for k in tl.static_range(WIDTH):
         share = tl.zeros_like(g[0])
         for i in tl.static_range(ITEMS):
-            term = g[i] * _around(x_before, x_run, x_run, i - (WIDTH - 1) + k, ITEMS)
+            x_k = _around(x_before, x_run, x_run, i - (WIDTH - 1) + k, ITEMS)
             if HAS_SEQ_IDX:
-                term = tl.where(_same_seq(seqs, i - (WIDTH - 1) + k, i, ITEMS), term, 0.0)
-            share += term
+                x_k = tl.where(_same_seq(seqs, i - (WIDTH - 1) + k, i, ITEMS), x_k, 0.0)
+            share += g[i] * x_k
         tl.store(DW_PART + (part + ds) * WIDTH + k, tl.sum(share, axis=1)[:, None], d_ok)
     if HAS_BIAS:
         share = tl.zeros_like(g[0])

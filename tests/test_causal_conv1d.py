@@ -471,9 +471,11 @@ def test_seq_idx_options(bias, activation):
 
 def test_seq_idx_of_one_sequence_changes_nothing():
     """Every position in one sequence (ids 0, or all 7): the same result as without seq_idx. The same
-    bits under the interpreter; on a GPU the masked taps keep the compiler from fusing a tap's multiply
-    and add into one FMA (the fp32 forward's PTX for sm_90: 128 fma.rn.f32 without seq_idx, 32 with),
-    so the last bits differ (seen on an H200), nothing more."""
+    bits under the interpreter. On a GPU the compiler may fuse a multiply and an add into one FMA in
+    one kernel and not in the other, which changes the last bits, nothing more. The kernels mask a
+    tap's input, not its product, so that the FMAs stay: compiled for sm_90, the fp32 forward's PTX
+    has 128 fma.rn.f32 with seq_idx and without, the backward's 268 with and 284 without (masking
+    the product gave 32 and 100, and differed in the last bits on an H200)."""
     x, weight, bias, _, dout, _ = make(2, 3, 21, 4, seed=2)
     plain = packed_results(causal_conv1d, x, weight, bias, None, dout, "silu")
     for value in (0, 7):
