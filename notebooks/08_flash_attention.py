@@ -13,14 +13,14 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/08_flash_attention.ipynb)
 #
-# Softmax attention looks nothing like a recurrence: every query looks at every key at once. Yet the
-# way FlashAttention computes it is the pattern of chapters 02 and 03: walk along the keys block by
-# block, carry a small state from block to block, and merge states with an associative operator.
-# You will define the **online-softmax state** $(m, \ell, o)$ and its merge, write the **tiled forward**
-# kernel and a **backward** that recomputes the tiles, export the differentiable
-# `flash_attention(q, k, v, causal=False, sm_scale=None)`, and on a GPU benchmark ours against PyTorch's
-# `scaled_dot_product_attention`. A naive CUDA kernel, read line by line and its weaknesses measured, is
-# a Going deeper section.
+# Softmax attention looks nothing like a recurrence: every query looks at every key at once. Yet
+# FlashAttention computes it with the pattern of chapters 02 and 03: walk along the keys block by
+# block, carry a small state, and merge states with an associative operator. You will define the
+# **online-softmax state** $(m, \ell, o)$ and its merge, write the **tiled forward** kernel and a
+# **backward** that recomputes the tiles, export the differentiable
+# `flash_attention(q, k, v, causal=False, sm_scale=None)`, and on a GPU compare it with PyTorch's
+# `scaled_dot_product_attention`. Going deeper reads a naive CUDA kernel line by line and measures its
+# weaknesses.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -123,7 +123,7 @@ for head_dim in (64, 128):
 
 # %% [markdown]
 # FlashAttention never stores the matrix. It walks along the keys in blocks, keeps for each query a
-# state of size $d + 2$, and recomputes scores in the backward pass instead of reading them.
+# state of size $d + 2$, and recomputes the scores in the backward pass.
 #
 # ## 2. The online-softmax state and its merge
 #
@@ -181,9 +181,9 @@ def random_cuts(length, pieces, rng):
     return [0, *sorted(rng.sample(range(1, length), pieces - 1)), length]
 
 # %% [markdown]
-# The checks: on random scores (spread wide, so that the maxima differ), cut the keys into random
+# The checks: cut the keys of random scores (spread wide, so that the maxima differ) into random
 # pieces, merge their states in four orders and groupings, and compare each with the state of all keys
-# at once and with the reference's output and log-sum-exp.
+# and with the reference's output and log-sum-exp.
 
 # %%
 def merge_in_random_tree(states, rng):
@@ -518,14 +518,74 @@ for length, head_dim, dtype, causal in forward_cases():
 #    $dV_j$ and $dK_j$ in registers;
 # 3. **dQ**: one program per block of queries, looping over the blocks of keys, accumulating $dQ_i$.
 #
-# Each program owns the rows it writes: no atomics, and the result does not depend on the order in which
-# programs run. The price is that $S$ and $dP$ are computed twice, once per kernel. ("Going deeper: the
-# backward kernels" checks these formulas in float64 against autograd.)
+# Each program owns the rows it writes: no atomics, and the result does not depend on the programs'
+# order. The price is that $S$ and $dP$ are computed twice, once per kernel. The loops have the
+# forward's shape, masked only on the causal diagonal and the last, partial block. "Going deeper: the
+# backward kernels" has their code (the dK/dV kernel's tiles transposed) and checks every gradient
+# against autograd of the float64 reference, and these formulas in float64.
+
+# %% [markdown]
+# ## 6. `scan_lib.flash_attention`: a differentiable torch op
 #
-# The dK/dV kernel computes its tiles transposed, $S^\top = K Q^\top$ (keys down, queries across), so
-# that $P^\top$ and $dS^\top$ come out as the left operands of $dV = P^\top dO$ and $dK = dS^\top Q$. As
-# in the forward, each kernel masks only the causal diagonal and the last, partial block ("Going deeper:
-# the backward kernels").
+# As in chapter 03, the kernels become two torch custom ops, `scan_lib::flash_attention_fwd` (output
+# and log-sum-exp) and `scan_lib::flash_attention_bwd`, each with a fake implementation (for
+# `torch.compile`) and a vmap rule, joined by an `autograd.Function` into the exported
+# `flash_attention`, which checks its arguments. Its export cell follows the backward kernels', in
+# "Going deeper: the torch op", with its checks.
+
+# %% [markdown]
+# ## 7. On a GPU: against PyTorch's FlashAttention and cuDNN
+#
+# "Going deeper: the benchmark" times ours in bfloat16 against `F.scaled_dot_product_attention` run by
+# PyTorch's FlashAttention-2 kernels and by NVIDIA's cuDNN. In the recorded run, on an H100, ours beats
+# the former except at $L = 1024$ (forward + backward, and the forward at head dim 128), where the GPU
+# has little work per call, and trails cuDNN in every row (ours / cuDNN from 0.33 to 0.97).
+
+# %% [markdown]
+# ## Summary
+#
+# - Softmax attention over the keys is a **scan with the state $(m, \ell, o)$**, whose merge is
+#   associative and commutative: the keys can be cut into blocks anywhere, and the $L \times L$ matrix
+#   never needs to exist.
+# - The tiled forward keeps the state of `BLOCK_M` queries in registers and saves the log-sum-exp; the
+#   backward recomputes $P = e^{S - \mathrm{lse}}$ tile by tile, in three kernels with no atomics.
+# - `scan_lib.flash_attention` is a differentiable torch op that works with `torch.compile` and
+#   `torch.func`.
+# - The naive CUDA kernel ("Going deeper: the CUDA kernel of the source, line by line") shows what a
+#   tiled kernel must avoid: a serial softmax, scalar products, bank conflicts, too few blocks.
+
+# %% [markdown]
+# ## Going deeper: the backward kernels
+#
+# The code of section 5's three kernels, what shaped it, and its checks: every gradient against
+# autograd of the float64 reference, and the derivation's formulas in float64.
+#
+# **Recomputing $P$.** The saved log-sum-exp gives each $P_{ij}$ in any tile, in
+# any order: no running maximum is needed the second time.
+#
+# **The price of no atomics.** Computing $S$ and $dP$ once per kernel makes seven matrix products per
+# tile pair ($S$, $dP$, $dV$, $dK$ in the first, $S$, $dP$, $dQ$ in the second), against two in the
+# forward and five in a backward that computes each once.
+#
+# **Which way round.** On the tensor cores, a matrix product takes its left operand from registers and
+# its right one from shared memory, where a transposed view costs nothing. $dV = P^\top dO$ and
+# $dK = dS^\top Q$ need $P$ and $dS$ *transposed* on the left, and they were computed in registers: the
+# transpose would shuffle them through shared memory, twice per tile. So the dK/dV kernel computes the
+# transposed tile from the start, $S^\top = K Q^\top$ (keys down, queries across), and every product then
+# has the operand it needs where it needs it: $P^\top$ and $dS^\top$ on the left, $Q^\top$, $dO^\top$
+# (loaded tiles) on the right.
+#
+# **Masks only where they change something.** As in the forward, each kernel runs two or three loops
+# of one body with a constexpr `MASKED`: masked on the causal diagonal and on the last, partial block,
+# unmasked everywhere else. The dK/dV kernel needs no mask for its own keys past $L$: their rows of
+# $dK$, $dV$ are never stored, and a row of a product depends only on the same row of its
+# left operand. Queries past $L$ load as zeros ($dO = 0$ makes their terms vanish) but are masked anyway,
+# because their recomputed $P$ is not a probability. The dQ kernel must mask keys past $L$: there
+# $P = e^{-\mathrm{lse}}$ can overflow, and $\infty \cdot 0$ in $dS\,K$ is NaN in a row that *is* stored.
+# The causal dQ program for the last queries has the most keys to visit, so the grid runs the query
+# blocks from last to first: the long programs start first and the short ones fill the end.
+#
+# The kernels, the autotuned launches and the launcher:
 
 # %%
 #| export
@@ -719,12 +779,40 @@ for length, head_dim, dtype, causal in forward_cases():
     assert all(g.dtype == dtype for g in got) and max(errors) < GRAD_TOLERANCE[dtype]
 
 # %% [markdown]
-# ## 6. `scan_lib.flash_attention`: a differentiable torch op
+# **The formulas, checked.** Section 5's $dS$, $dQ$, $dK$ and $dV$, in float64 against autograd of the
+# reference:
+
+# %%
+def attention_backward_formulas(q, k, v, grad_out, causal, sm_scale):
+    """(dq, dk, dv) from the formulas above, in float64, for (..., L, head_dim) tensors."""
+    out, lse = attention_reference(q, k, v, causal, sm_scale)
+    scores = q.double() @ k.double().transpose(-1, -2) * sm_scale  # ... x L x L
+    p = torch.exp(scores - lse[..., None])
+    if causal:
+        p = p.tril()  # e^(s - lse) of a masked score is 0
+    d_p = grad_out.double() @ v.double().transpose(-1, -2)
+    d_rows = (grad_out.double() * out).sum(-1)  # D_i = dO_i . O_i
+    d_s = p * (d_p - d_rows[..., None])
+    return sm_scale * d_s @ k.double(), sm_scale * d_s.transpose(-1, -2) @ q.double(), p.transpose(-1, -2) @ grad_out.double()
+
+
+torch.manual_seed(5)
+for causal in (False, True):
+    q_b, k_b, v_b, grad_b = torch.randn(4, 2, 3, 37, 32, dtype=torch.float64)
+    leaves = [t.clone().requires_grad_() for t in (q_b, k_b, v_b)]
+    want = torch.autograd.grad(attention_reference(*leaves, causal, 0.3)[0], leaves, grad_b)
+    got = attention_backward_formulas(q_b, k_b, v_b, grad_b, causal, 0.3)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
+print("dS = P * (dP - rowsum(dO * O)), dQ, dK, dV == autograd of the reference, causal and not: ok")
+
+# %% [markdown]
+# ## Going deeper: the torch op
 #
-# As in chapter 03, the kernels become two torch custom ops, `scan_lib::flash_attention_fwd` (output
-# and log-sum-exp) and `scan_lib::flash_attention_bwd`, each with a fake implementation (for
-# `torch.compile`) and a vmap rule. An `autograd.Function` joins them. "Going deeper: the torch op's
-# plumbing" shows its error messages for bad arguments and a check under `torch.compile`.
+# The code of section 6's export and its checks. Each custom op's fake implementation gives shapes
+# only, for `torch.compile`; its vmap rule folds the vmapped dim into the batch. The
+# `autograd.Function`'s forward saves $q, k, v$, the output and the log-sum-exp; its backward calls the
+# backward op, wrapped in a Function of its own so that a second differentiation raises.
 
 # %%
 #| export
@@ -870,7 +958,8 @@ def flash_attention(q, k, v, causal=False, sm_scale=None):
 # %% [markdown]
 # The public function end to end: output and every gradient against the reference, on non-contiguous
 # inputs (a transposed layout, as a model's projections give); on a GPU also against
-# `F.scaled_dot_product_attention` in bfloat16, with the bfloat16 tolerance.
+# `F.scaled_dot_product_attention` in bfloat16, with the bfloat16 tolerance because both round to
+# bfloat16.
 
 # %%
 def attention_inputs(batch, heads, length, head_dim, dtype, seed):
@@ -908,134 +997,39 @@ if ON_GPU:
         assert max(errors) < GRAD_TOLERANCE[torch.bfloat16]
 
 # %% [markdown]
-# ## 7. On a GPU: against PyTorch's FlashAttention and cuDNN
-#
-# The benchmark: bfloat16, batch 4, heads $\times$ head_dim $= 2048$, $L$ from 1024 to 16384, causal and
-# not, forward and forward + backward, in TFLOP/s ("Going deeper: the benchmark's fine print" gives the
-# flop count). The peers are `F.scaled_dot_product_attention` pinned with
-# `torch.nn.attention.sdpa_kernel` to `FLASH_ATTENTION` (PyTorch's FlashAttention-2 kernels, written
-# for the A100's generation: the lower bar on this run's H100) and to `CUDNN_ATTENTION` (NVIDIA's
-# cuDNN: the bar for a Hopper kernel). Every provider's output is first compared with ours.
+# Bad arguments raise an error that names the argument:
 
 # %%
-if not ON_GPU:
-    print("skipped: needs a GPU")
-else:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    from scan_lib.runtime import graph_us, host_us, median_us
-
-    def sdpa_with(backend):
-        def attention(q, k, v, causal):
-            with sdpa_kernel(backend):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        return attention
-
-    providers = {"ours (Triton)": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal),
-                 "SDPA flash": sdpa_with(SDPBackend.FLASH_ATTENTION),
-                 "SDPA cuDNN": sdpa_with(SDPBackend.CUDNN_ATTENTION)}
-    bench_lengths = (1024, 4096, 16384)
-    tflops = {}  # (head_dim, causal, "fwd" or "fwd+bwd", provider) -> {L: TFLOP/s}
-    for head_dim in (64, 128):
-        heads = 2048 // head_dim
-        for causal in (False, True):
-            for length in bench_lengths:
-                torch.manual_seed(10)
-                q_t, k_t, v_t = [torch.randn(4, heads, length, head_dim, device=DEVICE, dtype=torch.bfloat16,
-                                             requires_grad=True) for _ in range(3)]
-                grad_t = torch.randn_like(q_t)
-                forward_flops = 4 * 4 * heads * length**2 * head_dim / (2 if causal else 1)
-                ours_out = flash_attention(q_t, k_t, v_t, causal=causal).detach()
-                for name, attention in providers.items():
-                    try:
-                        out_t = attention(q_t, k_t, v_t, causal).detach()
-                    except RuntimeError as exc:
-                        print(f"skipped {name}, head_dim {head_dim}, causal {causal}, L {length}: "
-                              f"{str(exc).splitlines()[0]}")
-                        continue
-                    assert (out_t.float() - ours_out.float()).abs().max().item() < GRAD_TOLERANCE[torch.bfloat16]
-                    forward_us = median_us(lambda: attention(q_t, k_t, v_t, causal))
-                    both_us = median_us(lambda: torch.autograd.grad(attention(q_t, k_t, v_t, causal), (q_t, k_t, v_t), grad_t))
-                    tflops.setdefault((head_dim, causal, "fwd", name), {})[length] = forward_flops / forward_us / 1e6
-                    tflops.setdefault((head_dim, causal, "fwd+bwd", name), {})[length] = 3.5 * forward_flops / both_us / 1e6
-                del q_t, k_t, v_t, grad_t, ours_out
-
-    print(f"{torch.cuda.get_device_name()}, bfloat16, batch 4, heads x head_dim = 2048: TFLOP/s")
-    print(f"{'d':>4} {'causal':>6} {'pass':>8} {'provider':>14} " + " ".join(f"{length:>7}" for length in bench_lengths))
-    for (head_dim, causal, mode, name), row in tflops.items():
-        print(f"{head_dim:4} {str(causal):>6} {mode:>8} {name:>14} "
-              + " ".join(f"{row[length]:7.0f}" if length in row else f"{'-':>7}" for length in bench_lengths))
-    rows_compared = [(key, row) for key, row in tflops.items() if key[3] == "SDPA flash"]
-    behind = [(key[:3], length) for key, row in rows_compared for length, value in row.items()
-              if tflops[(*key[:3], "ours (Triton)")][length] < value]
-    print(f"ours >= SDPA flash in every row and length: {not behind}" + (f"; behind at {behind}" if behind else ""))
-    for key in sorted({key[:3] for key in tflops}):
-        if (*key, "SDPA cuDNN") in tflops:
-            ours_row, cudnn_row = tflops[(*key, "ours (Triton)")], tflops[(*key, "SDPA cuDNN")]
-            ratios = [ours_row[length] / cudnn_row[length] for length in bench_lengths if length in cudnn_row]
-            print(f"head_dim {key[0]}, causal {key[1]}, {key[2]}: ours / cuDNN from {min(ratios):.2f} to {max(ratios):.2f}")
-
-    # L = 1024, head_dim 64, not causal: the host's time per call (launches queued back to back) and the
-    # GPU's (the same work replayed from a CUDA graph, no host in between), for ours and the flash backend
-    torch.manual_seed(10)
-    q_t, k_t, v_t = [torch.randn(4, 32, 1024, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
-                     for _ in range(3)]
-    grad_t = torch.randn_like(q_t)
-    print("L 1024, head_dim 64, not causal, us per call: host / GPU (CUDA graph)")
-    for name in ("ours (Triton)", "SDPA flash"):
-        attention = providers[name]
-        forward = lambda: attention(q_t, k_t, v_t, False)
-        both = lambda: torch.autograd.grad(attention(q_t, k_t, v_t, False), (q_t, k_t, v_t), grad_t)
-        print(f"{name:>14}: forward {host_us(forward):7.1f} / {graph_us(forward):7.1f}, "
-              f"forward+backward {host_us(both):7.1f} / {graph_us(both):7.1f}")
-    del q_t, k_t, v_t, grad_t
-
-    # NVIDIA's datasheets: dense bfloat16 tensor-core peak of the SXM parts, TFLOP/s (no sparsity)
-    DENSE_BF16_PEAK = {"H100 80GB HBM3": 989, "H200": 989}
-    peak = next((value for part, value in DENSE_BF16_PEAK.items() if part in torch.cuda.get_device_name()), None)
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True, sharey=True)
-    for r, head_dim in enumerate((64, 128)):
-        for c, (mode, causal) in enumerate([("fwd", False), ("fwd", True), ("fwd+bwd", False), ("fwd+bwd", True)]):
-            ax = axes[r, c]
-            for name in providers:
-                row = tflops.get((head_dim, causal, mode, name), {})
-                ax.plot(list(row), list(row.values()), marker="o", linestyle="none", label=name)  # measured points only
-            if peak is not None:
-                ax.axhline(peak, color="gray", linestyle=":", linewidth=1, label=f"dense bf16 peak ({peak})")
-            ax.set_xscale("log", base=2)
-            ax.set_title(f"d {head_dim}, {'causal' if causal else 'not causal'}, {mode}", fontsize=9)
-            ax.set_ylim(bottom=0)
-            if c == 0:
-                ax.set_ylabel("TFLOP/s")
-            if r == 1:
-                ax.set_xlabel("L")
-    axes[0, 0].legend(fontsize=8)
-    fig.suptitle(f"attention, bfloat16, batch 4, heads x head_dim = 2048, on {torch.cuda.get_device_name()}")
-    save_figure(fig, "flash_attention_benchmark.png")
+q_ok = torch.randn(1, 2, 5, 32, device=DEVICE)
+bad_calls = [
+    ("k of another length", ValueError, lambda: flash_attention(q_ok, q_ok[:, :, :4], q_ok)),
+    ("head_dim 48", ValueError, lambda: flash_attention(*[torch.randn(1, 2, 5, 48, device=DEVICE)] * 3)),
+    ("3-dim q", ValueError, lambda: flash_attention(q_ok[0], q_ok[0], q_ok[0])),
+    ("integer v", TypeError, lambda: flash_attention(q_ok, q_ok, q_ok.long())),
+    ("float16 k, float32 q", TypeError, lambda: flash_attention(q_ok, q_ok.half(), q_ok)),
+    ("causal=1", TypeError, lambda: flash_attention(q_ok, q_ok, q_ok, causal=1)),
+]
+for what, error, call in bad_calls:
+    try:
+        call()
+    except error as exc:
+        print(f"{what:22} -> {error.__name__}: {exc}")
+    else:
+        raise AssertionError(f"{what}: no {error.__name__}")
 
 # %% [markdown]
-# In the run recorded here, on an H100, ours is ahead of the flash backend everywhere except at
-# $L = 1024$: forward + backward in all four rows (173, 99, 167 and 98 against 216, 145, 232 and 147
-# TFLOP/s), and the forward at head dim 128 (300 against 303 not causal, 112 against 174 causal). The
-# cell's $L = 1024$ lines (head dim 64, not causal) show our host time per call above our GPU time:
-# 126.3 against 92.7 us forward, 724.3 against 369.7 us forward + backward. Our GPU time is shorter
-# than the flash backend's (125.3 and 549.0 us), whose host time (77.2 and 337.1 us) stays below its
-# GPU time. Ours is behind cuDNN in every row (ours / cuDNN from 0.33 to 0.97). "Going deeper: the
-# benchmark's fine print" discusses both gaps.
-#
-# ## Summary
-#
-# - Softmax attention over the keys is a **scan with the state $(m, \ell, o)$**, whose merge is
-#   associative and commutative: the keys can be cut into blocks anywhere, and the $L \times L$ matrix
-#   never needs to exist.
-# - The tiled forward keeps the state of `BLOCK_M` queries in registers and saves the log-sum-exp; the
-#   backward recomputes $P = e^{S - \mathrm{lse}}$ tile by tile, in three kernels with no atomics.
-# - `scan_lib.flash_attention` is a differentiable torch op that works with `torch.compile` and
-#   `torch.func`.
-# - The naive CUDA kernel ("Going deeper: the CUDA kernel of the source, line by line") shows what a
-#   tiled kernel must avoid: a serial softmax, scalar products, bank conflicts, too few blocks. Its
-#   output's round trips through global memory, predicted to slow it, would take 4 to 5% of its time
-#   at the copy bandwidth in the recorded run.
+# `torch.compile` sees the two ops and their fake implementations, so a model that calls
+# `flash_attention` compiles in one graph, backward included:
+
+# %%
+q_c, k_c, v_c = [t.requires_grad_() for t in attention_inputs(1, 2, 40, 64, torch.float32, seed=8)]
+compiled = torch.compile(lambda q, k, v: flash_attention(2 * q, k, v, causal=True).sum(-1),
+                         fullgraph=True, backend="aot_eager")
+grads_compiled = torch.autograd.grad(compiled(q_c, k_c, v_c).sum(), (q_c, k_c, v_c))
+grads_eager = torch.autograd.grad(flash_attention(2 * q_c, k_c, v_c, causal=True).sum(-1).sum(), (q_c, k_c, v_c))
+for got, want in zip(grads_compiled, grads_eager):
+    torch.testing.assert_close(got, want)
+print("torch.compile(fullgraph=True): the same gradients as eager: ok")
 
 # %% [markdown]
 # ## Going deeper: why the merge is associative
@@ -1180,105 +1174,6 @@ else:
         print(f"{length:6} {matrix / 2**30:14.2f} {plain / 2**30:10.2f} {flash / 2**30:10.3f} {needed / 2**30:14.3f}")
         assert plain >= matrix and flash <= 1.05 * needed
         del q_mem, k_mem, v_mem
-
-# %% [markdown]
-# ## Going deeper: the backward kernels
-#
-# **Recomputing $P$.** The saved log-sum-exp gives each $P_{ij}$ in any tile, in
-# any order: no running maximum is needed the second time.
-#
-# **The price of no atomics.** Computing $S$ and $dP$ once per kernel makes seven matrix products per
-# tile pair ($S$, $dP$, $dV$, $dK$ in the first, $S$, $dP$, $dQ$ in the second), against two in the
-# forward and five in a backward that computes each once.
-#
-# **Which way round.** On the tensor cores, a matrix product takes its left operand from registers and
-# its right one from shared memory, where a transposed view costs nothing. $dV = P^\top dO$ and
-# $dK = dS^\top Q$ need $P$ and $dS$ *transposed* on the left, and they were computed in registers: the
-# transpose would shuffle them through shared memory, twice per tile. So the dK/dV kernel computes the
-# transposed tile from the start, $S^\top = K Q^\top$ (keys down, queries across), and every product then
-# has the operand it needs where it needs it: $P^\top$ and $dS^\top$ on the left, $Q^\top$, $dO^\top$
-# (loaded tiles) on the right.
-#
-# **Masks only where they change something.** As in the forward, each kernel runs two or three loops
-# of one body with a constexpr `MASKED`: masked on the causal diagonal and on the last, partial block,
-# unmasked everywhere else. The dK/dV kernel needs no mask for its own keys past $L$: their rows of
-# $dK$, $dV$ are never stored, and a row of a product depends only on the same row of its
-# left operand. Queries past $L$ load as zeros ($dO = 0$ makes their terms vanish) but are masked anyway,
-# because their recomputed $P$ is not a probability. The dQ kernel must mask keys past $L$: there
-# $P = e^{-\mathrm{lse}}$ can overflow, and $\infty \cdot 0$ in $dS\,K$ is NaN in a row that *is* stored.
-# The causal dQ program for the last queries has the most keys to visit, so the grid runs the query
-# blocks from last to first: the long programs start first and the short ones fill the end.
-
-# %% [markdown]
-# **The formulas, checked.** Section 5's $dS$, $dQ$, $dK$ and $dV$, in float64 against autograd of the
-# reference:
-
-# %%
-def attention_backward_formulas(q, k, v, grad_out, causal, sm_scale):
-    """(dq, dk, dv) from the formulas above, in float64, for (..., L, head_dim) tensors."""
-    out, lse = attention_reference(q, k, v, causal, sm_scale)
-    scores = q.double() @ k.double().transpose(-1, -2) * sm_scale  # ... x L x L
-    p = torch.exp(scores - lse[..., None])
-    if causal:
-        p = p.tril()  # e^(s - lse) of a masked score is 0
-    d_p = grad_out.double() @ v.double().transpose(-1, -2)
-    d_rows = (grad_out.double() * out).sum(-1)  # D_i = dO_i . O_i
-    d_s = p * (d_p - d_rows[..., None])
-    return sm_scale * d_s @ k.double(), sm_scale * d_s.transpose(-1, -2) @ q.double(), p.transpose(-1, -2) @ grad_out.double()
-
-
-torch.manual_seed(5)
-for causal in (False, True):
-    q_b, k_b, v_b, grad_b = torch.randn(4, 2, 3, 37, 32, dtype=torch.float64)
-    leaves = [t.clone().requires_grad_() for t in (q_b, k_b, v_b)]
-    want = torch.autograd.grad(attention_reference(*leaves, causal, 0.3)[0], leaves, grad_b)
-    got = attention_backward_formulas(q_b, k_b, v_b, grad_b, causal, 0.3)
-    for name, g, w in zip(("dq", "dk", "dv"), got, want):
-        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10)
-print("dS = P * (dP - rowsum(dO * O)), dQ, dK, dV == autograd of the reference, causal and not: ok")
-
-# %% [markdown]
-# ## Going deeper: the torch op's plumbing
-#
-# Each custom op's fake implementation gives shapes only, for `torch.compile`; its vmap rule folds the
-# vmapped dim into the batch. The `autograd.Function`'s forward saves $q, k, v$, the output and the
-# log-sum-exp; its backward calls the backward op. The end-to-end check compares ours with
-# `F.scaled_dot_product_attention` with the bfloat16 tolerance because both round to bfloat16.
-
-# %% [markdown]
-# Bad arguments raise an error that names the argument:
-
-# %%
-q_ok = torch.randn(1, 2, 5, 32, device=DEVICE)
-bad_calls = [
-    ("k of another length", ValueError, lambda: flash_attention(q_ok, q_ok[:, :, :4], q_ok)),
-    ("head_dim 48", ValueError, lambda: flash_attention(*[torch.randn(1, 2, 5, 48, device=DEVICE)] * 3)),
-    ("3-dim q", ValueError, lambda: flash_attention(q_ok[0], q_ok[0], q_ok[0])),
-    ("integer v", TypeError, lambda: flash_attention(q_ok, q_ok, q_ok.long())),
-    ("float16 k, float32 q", TypeError, lambda: flash_attention(q_ok, q_ok.half(), q_ok)),
-    ("causal=1", TypeError, lambda: flash_attention(q_ok, q_ok, q_ok, causal=1)),
-]
-for what, error, call in bad_calls:
-    try:
-        call()
-    except error as exc:
-        print(f"{what:22} -> {error.__name__}: {exc}")
-    else:
-        raise AssertionError(f"{what}: no {error.__name__}")
-
-# %% [markdown]
-# `torch.compile` sees the two ops and their fake implementations, so a model that calls
-# `flash_attention` compiles in one graph, backward included:
-
-# %%
-q_c, k_c, v_c = [t.requires_grad_() for t in attention_inputs(1, 2, 40, 64, torch.float32, seed=8)]
-compiled = torch.compile(lambda q, k, v: flash_attention(2 * q, k, v, causal=True).sum(-1),
-                         fullgraph=True, backend="aot_eager")
-grads_compiled = torch.autograd.grad(compiled(q_c, k_c, v_c).sum(), (q_c, k_c, v_c))
-grads_eager = torch.autograd.grad(flash_attention(2 * q_c, k_c, v_c, causal=True).sum(-1).sum(), (q_c, k_c, v_c))
-for got, want in zip(grads_compiled, grads_eager):
-    torch.testing.assert_close(got, want)
-print("torch.compile(fullgraph=True): the same gradients as eager: ok")
 
 # %% [markdown]
 # ## Going deeper: the CUDA kernel of the source, line by line
@@ -1597,7 +1492,121 @@ else:
 # no block at all.
 
 # %% [markdown]
-# ## Going deeper: the benchmark's fine print
+# ## Going deeper: the benchmark
+#
+# Section 7's measurements in full: the cell, the recorded run's numbers, and what may lie behind the
+# two gaps. The benchmark: bfloat16, batch 4, heads $\times$ head_dim $= 2048$, $L$ from 1024 to 16384,
+# causal and not, forward and forward + backward, in TFLOP/s. The peers are
+# `F.scaled_dot_product_attention` pinned with `torch.nn.attention.sdpa_kernel` to `FLASH_ATTENTION`
+# (PyTorch's FlashAttention-2 kernels, written for the A100's generation: the lower bar on this run's
+# H100) and to `CUDNN_ATTENTION` (NVIDIA's cuDNN: the bar for a Hopper kernel). Every provider's output
+# is first compared with ours.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from scan_lib.runtime import graph_us, host_us, median_us
+
+    def sdpa_with(backend):
+        def attention(q, k, v, causal):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        return attention
+
+    providers = {"ours (Triton)": lambda q, k, v, causal: flash_attention(q, k, v, causal=causal),
+                 "SDPA flash": sdpa_with(SDPBackend.FLASH_ATTENTION),
+                 "SDPA cuDNN": sdpa_with(SDPBackend.CUDNN_ATTENTION)}
+    bench_lengths = (1024, 4096, 16384)
+    tflops = {}  # (head_dim, causal, "fwd" or "fwd+bwd", provider) -> {L: TFLOP/s}
+    for head_dim in (64, 128):
+        heads = 2048 // head_dim
+        for causal in (False, True):
+            for length in bench_lengths:
+                torch.manual_seed(10)
+                q_t, k_t, v_t = [torch.randn(4, heads, length, head_dim, device=DEVICE, dtype=torch.bfloat16,
+                                             requires_grad=True) for _ in range(3)]
+                grad_t = torch.randn_like(q_t)
+                forward_flops = 4 * 4 * heads * length**2 * head_dim / (2 if causal else 1)
+                ours_out = flash_attention(q_t, k_t, v_t, causal=causal).detach()
+                for name, attention in providers.items():
+                    try:
+                        out_t = attention(q_t, k_t, v_t, causal).detach()
+                    except RuntimeError as exc:
+                        print(f"skipped {name}, head_dim {head_dim}, causal {causal}, L {length}: "
+                              f"{str(exc).splitlines()[0]}")
+                        continue
+                    assert (out_t.float() - ours_out.float()).abs().max().item() < GRAD_TOLERANCE[torch.bfloat16]
+                    forward_us = median_us(lambda: attention(q_t, k_t, v_t, causal))
+                    both_us = median_us(lambda: torch.autograd.grad(attention(q_t, k_t, v_t, causal), (q_t, k_t, v_t), grad_t))
+                    tflops.setdefault((head_dim, causal, "fwd", name), {})[length] = forward_flops / forward_us / 1e6
+                    tflops.setdefault((head_dim, causal, "fwd+bwd", name), {})[length] = 3.5 * forward_flops / both_us / 1e6
+                del q_t, k_t, v_t, grad_t, ours_out
+
+    print(f"{torch.cuda.get_device_name()}, bfloat16, batch 4, heads x head_dim = 2048: TFLOP/s")
+    print(f"{'d':>4} {'causal':>6} {'pass':>8} {'provider':>14} " + " ".join(f"{length:>7}" for length in bench_lengths))
+    for (head_dim, causal, mode, name), row in tflops.items():
+        print(f"{head_dim:4} {str(causal):>6} {mode:>8} {name:>14} "
+              + " ".join(f"{row[length]:7.0f}" if length in row else f"{'-':>7}" for length in bench_lengths))
+    rows_compared = [(key, row) for key, row in tflops.items() if key[3] == "SDPA flash"]
+    behind = [(key[:3], length) for key, row in rows_compared for length, value in row.items()
+              if tflops[(*key[:3], "ours (Triton)")][length] < value]
+    print(f"ours >= SDPA flash in every row and length: {not behind}" + (f"; behind at {behind}" if behind else ""))
+    for key in sorted({key[:3] for key in tflops}):
+        if (*key, "SDPA cuDNN") in tflops:
+            ours_row, cudnn_row = tflops[(*key, "ours (Triton)")], tflops[(*key, "SDPA cuDNN")]
+            ratios = [ours_row[length] / cudnn_row[length] for length in bench_lengths if length in cudnn_row]
+            print(f"head_dim {key[0]}, causal {key[1]}, {key[2]}: ours / cuDNN from {min(ratios):.2f} to {max(ratios):.2f}")
+
+    # L = 1024, head_dim 64, not causal: the host's time per call (launches queued back to back) and the
+    # GPU's (the same work replayed from a CUDA graph, no host in between), for ours and the flash backend
+    torch.manual_seed(10)
+    q_t, k_t, v_t = [torch.randn(4, 32, 1024, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+                     for _ in range(3)]
+    grad_t = torch.randn_like(q_t)
+    print("L 1024, head_dim 64, not causal, us per call: host / GPU (CUDA graph)")
+    for name in ("ours (Triton)", "SDPA flash"):
+        attention = providers[name]
+        forward = lambda: attention(q_t, k_t, v_t, False)
+        both = lambda: torch.autograd.grad(attention(q_t, k_t, v_t, False), (q_t, k_t, v_t), grad_t)
+        print(f"{name:>14}: forward {host_us(forward):7.1f} / {graph_us(forward):7.1f}, "
+              f"forward+backward {host_us(both):7.1f} / {graph_us(both):7.1f}")
+    del q_t, k_t, v_t, grad_t
+
+    # NVIDIA's datasheets: dense bfloat16 tensor-core peak of the SXM parts, TFLOP/s (no sparsity)
+    DENSE_BF16_PEAK = {"H100 80GB HBM3": 989, "H200": 989}
+    peak = next((value for part, value in DENSE_BF16_PEAK.items() if part in torch.cuda.get_device_name()), None)
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharex=True, sharey=True)
+    for r, head_dim in enumerate((64, 128)):
+        for c, (mode, causal) in enumerate([("fwd", False), ("fwd", True), ("fwd+bwd", False), ("fwd+bwd", True)]):
+            ax = axes[r, c]
+            for name in providers:
+                row = tflops.get((head_dim, causal, mode, name), {})
+                ax.plot(list(row), list(row.values()), marker="o", linestyle="none", label=name)  # measured points only
+            if peak is not None:
+                ax.axhline(peak, color="gray", linestyle=":", linewidth=1, label=f"dense bf16 peak ({peak})")
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"d {head_dim}, {'causal' if causal else 'not causal'}, {mode}", fontsize=9)
+            ax.set_ylim(bottom=0)
+            if c == 0:
+                ax.set_ylabel("TFLOP/s")
+            if r == 1:
+                ax.set_xlabel("L")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle(f"attention, bfloat16, batch 4, heads x head_dim = 2048, on {torch.cuda.get_device_name()}")
+    save_figure(fig, "flash_attention_benchmark.png")
+
+# %% [markdown]
+# In the run recorded here, on an H100, ours is ahead of the flash backend everywhere except at
+# $L = 1024$: forward + backward in all four rows (173, 99, 167 and 98 against 216, 145, 232 and 147
+# TFLOP/s), and the forward at head dim 128 (300 against 303 not causal, 112 against 174 causal). The
+# cell's $L = 1024$ lines (head dim 64, not causal) show our host time per call above our GPU time:
+# 126.3 against 92.7 us forward, 724.3 against 369.7 us forward + backward. Our GPU time is shorter
+# than the flash backend's (125.3 and 549.0 us), whose host time (77.2 and 337.1 us) stays below its
+# GPU time. Ours is behind cuDNN in every row (ours / cuDNN from 0.33 to 0.97). The fine print below
+# discusses both gaps.
 #
 # **The shapes.** heads $\times$ head_dim $= 2048$ is 32 heads of 64 or 16 of 128. A backend that
 # refuses a shape is reported and skipped.
