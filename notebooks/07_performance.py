@@ -738,7 +738,7 @@ def run_states(a, b, h_in, runs, SEGS: tl.constexpr, ITEMS: tl.constexpr):
 def run_adjoints(gate, c, adj_in, runs, SEGS: tl.constexpr, ITEMS: tl.constexpr):
     """The adjoint of a chunk, right to left: adj_t = c_t + gate_t adj_{t+1} (ITEMS tiles of BLOCK_D x SEGS
     each, gate_t = a_{t+1}), adj_in (BLOCK_D) entering at the chunk's last position; run_states' method
-    mirrored (the scan over the runs' summaries is the only reverse scan)."""
+    mirrored (the scan over the runs' summaries runs right to left: reversed by a gather, scanned forward)."""
     c_last = c[ITEMS - 1] + tl.where(runs == SEGS - 1, adj_in[:, None], 0.0)
     run_gate, run_adj = gate[ITEMS - 1], c_last
     for r in tl.static_range(ITEMS - 2, -1, -1):
@@ -1131,7 +1131,7 @@ class Launcher:
     compiles if needed and returns the compiled kernel; later calls go straight to that compiled
     kernel's launcher for the grid, which reads the current stream and launches. Tensors' dtypes and
     which are None, the integers and the constexprs are the plan's, fixed when the Launcher is made.
-    Under the interpreter, or with `through_triton` set (section 11 compares), every call goes
+    Under the interpreter, or with `through_triton` set ("Going deeper: the host's share" compares), every call goes
     through Triton."""
     through_triton = False
 
@@ -1171,23 +1171,24 @@ from scan_lib.selective_scan import (_NoSecondDerivative, _acc_dtype, _check_inp
                                      _vmap_by_loop, empty_selective_scan)
 
 # block_d channels per program, chunk positions per loop step, num_warps, and for the forward unroll
-# states per step of the loop over states (where it has none, states_per_step's table decides): the fastest of
-# sweeps on an H200 and an H100 (sections 8 and 9). The backward's chunk is for 4-byte inputs and
-# scales to the same bytes for others (launch_config): 32 runs of 16 bytes, one per lane of the warp.
+# states per step of the loop over states (where it has none, states_per_step's table decides): the
+# fastest of sweeps on an H200 and an H100 ("Going deeper": segments and states per step, and the
+# sweep). The backward's chunk is for 4-byte inputs and scales to the same bytes for others
+# (launch_config): 32 runs of 16 bytes, one per lane of the warp.
 # Under the interpreter, small chunks so that small tests cross several chunks, and two states per
 # step so that they run the unrolled loop.
 GPU_CONFIG = {"fwd": dict(block_d=1, chunk=512, num_warps=1), "bwd": dict(block_d=2, chunk=128, num_warps=1)}
 CPU_CONFIG = {"fwd": dict(block_d=2, chunk=16, num_warps=1, unroll=2), "bwd": dict(block_d=2, chunk=8, num_warps=1)}
-# The forward's states per step (section 5) where its config gives none, from section 8's measurements:
-# rows (largest chunk, most programs per multiprocessor, states per step), the first that fits wins;
-# one state per step where none does.
+# The forward's states per step (section 5) where its config gives none, as "Going deeper: segments
+# and states per step, measured" found: rows (largest chunk, most programs per multiprocessor, states
+# per step), the first that fits wins; one state per step where none does.
 FORWARD_STATES_PER_STEP = ((256, 16, 16), (256, math.inf, 2), (512, 24, 2))
 
 
 def plan_context() -> tuple:
     """What a plan depends on besides its inputs: the kernels and the launch configs as they stand now
-    (a notebook cell may define a kernel again, a grader swap in a student's, section 9's sweep
-    change GPU_CONFIG; a plan made before must not be used after)."""
+    (a notebook cell may define a kernel again, a grader swap in a student's, the sweep of "Going
+    deeper: ideas that did not pay" change GPU_CONFIG; a plan made before must not be used after)."""
     configs = CPU_CONFIG if INTERPRET else GPU_CONFIG
     return (strided_fwd_kernel, adjoint_summary_kernel, strided_bwd_kernel, FORWARD_STATES_PER_STEP,
             *[tuple(config.items()) for config in configs.values()])
@@ -2037,7 +2038,7 @@ def host_split(steps, rounds=5):
 
 
 def triton_launched(step):
-    """step() with section 6's Launchers going through Triton's kernel[grid](...) at every launch."""
+    """step() with the Launchers ("Going deeper: the launchers and the public function") going through Triton's kernel[grid](...) at every launch."""
     def run():
         Launcher.through_triton = True
         try:
