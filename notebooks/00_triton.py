@@ -277,7 +277,7 @@ print(wrong)
 #
 # Each program owns one row, reached through its strides, and walks along it `BLOCK` columns at a
 # time, carrying `BLOCK` partial sums in float32 registers; `tl.sum` adds them up at the end. The
-# loop is a `while`; "Going deeper: the interpreter and NumPy" says why not a `for`.
+# loop is a `while` (a `for` works too: "Going deeper: the interpreter and NumPy").
 
 # %%
 @triton.jit
@@ -505,8 +505,8 @@ assert relative.max() <= 2e-6, "more than a few float32 roundings"
 # ## Going deeper: why the setup cell comes first
 #
 # `scan_lib/runtime.py` starts with the cell below. `use_interpreter_without_gpu` sets
-# `TRITON_INTERPRET=1` when no CUDA GPU is visible, and warns about the NumPy versions under which the
-# interpreter fails ("Going deeper: the interpreter and NumPy"). `save_figure` writes a figure with
+# `TRITON_INTERPRET=1` when no CUDA GPU is visible, and mends older interpreters for NumPy 2.4
+# ("Going deeper: the interpreter and NumPy"). `save_figure` writes a figure with
 # no timestamp in it, so that re-running a notebook leaves git clean, into `$SCAN_COURSE_FIGURES`
 # where a test run sets it.
 
@@ -529,20 +529,39 @@ import torch
 def use_interpreter_without_gpu() -> bool:
     """Set TRITON_INTERPRET=1 when no CUDA GPU is visible. Call before any @triton.jit is defined.
 
-    Warns when NumPy is 2.4 or newer and Triton older than 3.9: Triton 3.6's interpreter cannot run a
-    `for` loop over a runtime bound with that NumPy (section "Going deeper: the interpreter and NumPy"
-    shows the failure); 3.9's can; 3.7 and 3.8 were not tried."""
+    Under the interpreter of a Triton older than 3.9, also gives it 3.9's conversion of a scalar to a
+    Python int, without which a `for` loop over a runtime bound fails under NumPy 2.4 or newer
+    ("Going deeper: the interpreter and NumPy")."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if interpret and _major_minor(np.__version__) >= (2, 4) and _major_minor(version("triton")) < (3, 9):
-        warnings.warn(f"Triton {version('triton')}'s CPU interpreter may fail with NumPy {np.__version__}: "
-                      "use numpy<2.4 (requirements.txt pins 2.3.5) or Triton 3.9", stacklevel=2)
+    if interpret and _major_minor(version("triton")) < (3, 9):
+        _index_scalars_as_triton_3_9_does()
     return interpret
 
 
 def _major_minor(version_string: str) -> tuple:
     return tuple(int(part) for part in version_string.split(".")[:2])
+
+
+def _index_scalars_as_triton_3_9_does():
+    """The interpreter holds a scalar as a one-element array and turns it into a Python int (a `range`
+    bound) with int(array), which NumPy 2.4 refuses for arrays of one dimension; Triton 3.9 squeezes
+    the array first. Wrap the interpreter's patching of tl.tensor so that older versions do the same;
+    warn if this Triton's interpreter is not laid out as 3.5 and 3.6's are."""
+    from triton.runtime import interpreter
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "squeezes_scalars", False):
+        if patch is None and _major_minor(np.__version__) >= (2, 4):
+            warnings.warn(f"Triton {version('triton')}'s CPU interpreter may fail with NumPy {np.__version__}: "
+                          "use numpy<2.4 (requirements.txt pins 2.3.5) or Triton 3.9", stacklevel=3)
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    patch_lang_tensor.squeezes_scalars = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
 
 
 INTERPRET: bool = use_interpreter_without_gpu()
@@ -1150,15 +1169,15 @@ def plus(tensor, zero):
 # %% [markdown]
 # ## Going deeper: the interpreter and NumPy
 #
-# The loop in `row_sums_kernel` is a `while` on purpose. Triton 3.6's interpreter under NumPy 2.4 or
-# newer cannot run a `for` loop whose bound is a kernel argument (it fails with "only 0-dimensional
-# arrays can be converted to Python scalars"), which is why `requirements.txt` pins NumPy 2.3 and
-# `use_interpreter_without_gpu` warns about newer ones; Triton 3.9's interpreter runs it, 3.7 and
-# 3.8 were not tried. On a GPU a `while` loop compiles to the same thing as the `for`. The cell
-# tries the `for` loop with whatever NumPy you have. On a GPU the kernel is compiled, not
-# interpreted, so NumPy plays no part there: the committed output, from a GPU run, shows the `for`
-# loop compiling and running correctly with a NumPy newer than 2.4, which says nothing about the
-# interpreter.
+# Left alone, Triton 3.6's interpreter under NumPy 2.4 or newer cannot run a `for` loop whose bound
+# is a kernel argument: it fails with "only 0-dimensional arrays can be converted to Python scalars".
+# The interpreter holds every scalar as a one-element NumPy array, and Python's `range` turns the
+# bound into an int with `int(array)`, which NumPy 2.4 refuses for an array of one dimension. Triton
+# 3.9 squeezes the array to zero dimensions first; `use_interpreter_without_gpu` gives older
+# interpreters that one line (`_index_scalars_as_triton_3_9_does`), so the course's `for` loops run
+# under any NumPy. (`requirements.txt` still pins NumPy 2.3, the version the course is tested with.)
+# The cell runs a `for` loop over a runtime bound with whatever NumPy you have. On a GPU the kernel is
+# compiled, not interpreted, and NumPy plays no part.
 
 # %%
 @triton.jit
@@ -1171,20 +1190,12 @@ def row_sums_for_kernel(X, OUT, n_cols, BLOCK: tl.constexpr):
     tl.store(OUT + row, tl.sum(acc, axis=0))
 
 
-numpy_version = tuple(int(part) for part in np.__version__.split(".")[:2])
-known_to_fail = INTERPRET and triton.__version__.startswith("3.6.") and numpy_version >= (2, 4)
 torch.manual_seed(3)
 x_for = torch.randn(2, 100, device=DEVICE)
 out_for = torch.empty(2, device=DEVICE)
-try:
-    row_sums_for_kernel[(2,)](x_for, out_for, 100, BLOCK=64)
-except Exception as error:
-    print(f"numpy {np.__version__}, interpreter: {type(error).__name__}: {error}")
-    assert INTERPRET and numpy_version >= (2, 4), "only the interpreter under NumPy >= 2.4 is known to fail"
-else:
-    assert not known_to_fail, "Triton 3.6's interpreter under NumPy >= 2.4 was expected to fail"
-    assert torch.allclose(out_for, x_for.sum(1), atol=1e-4)
-    print(f"numpy {np.__version__}: the for loop over a runtime bound ran and is correct")
+row_sums_for_kernel[(2,)](x_for, out_for, 100, BLOCK=64)
+assert torch.allclose(out_for, x_for.sum(1), atol=1e-4)
+print(f"triton {triton.__version__}, numpy {np.__version__}: the for loop over a runtime bound ran and is correct")
 
 # %% [markdown]
 # ## References

@@ -14,20 +14,39 @@ import torch
 def use_interpreter_without_gpu() -> bool:
     """Set TRITON_INTERPRET=1 when no CUDA GPU is visible. Call before any @triton.jit is defined.
 
-    Warns when NumPy is 2.4 or newer and Triton older than 3.9: Triton 3.6's interpreter cannot run a
-    `for` loop over a runtime bound with that NumPy (section "Going deeper: the interpreter and NumPy"
-    shows the failure); 3.9's can; 3.7 and 3.8 were not tried."""
+    Under the interpreter of a Triton older than 3.9, also gives it 3.9's conversion of a scalar to a
+    Python int, without which a `for` loop over a runtime bound fails under NumPy 2.4 or newer
+    ("Going deeper: the interpreter and NumPy")."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if interpret and _major_minor(np.__version__) >= (2, 4) and _major_minor(version("triton")) < (3, 9):
-        warnings.warn(f"Triton {version('triton')}'s CPU interpreter may fail with NumPy {np.__version__}: "
-                      "use numpy<2.4 (requirements.txt pins 2.3.5) or Triton 3.9", stacklevel=2)
+    if interpret and _major_minor(version("triton")) < (3, 9):
+        _index_scalars_as_triton_3_9_does()
     return interpret
 
 
 def _major_minor(version_string: str) -> tuple:
     return tuple(int(part) for part in version_string.split(".")[:2])
+
+
+def _index_scalars_as_triton_3_9_does():
+    """The interpreter holds a scalar as a one-element array and turns it into a Python int (a `range`
+    bound) with int(array), which NumPy 2.4 refuses for arrays of one dimension; Triton 3.9 squeezes
+    the array first. Wrap the interpreter's patching of tl.tensor so that older versions do the same;
+    warn if this Triton's interpreter is not laid out as 3.5 and 3.6's are."""
+    from triton.runtime import interpreter
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "squeezes_scalars", False):
+        if patch is None and _major_minor(np.__version__) >= (2, 4):
+            warnings.warn(f"Triton {version('triton')}'s CPU interpreter may fail with NumPy {np.__version__}: "
+                          "use numpy<2.4 (requirements.txt pins 2.3.5) or Triton 3.9", stacklevel=3)
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    patch_lang_tensor.squeezes_scalars = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
 
 
 INTERPRET: bool = use_interpreter_without_gpu()
