@@ -336,12 +336,12 @@ for length in (1, 7, 129, 1000, 4097):
 # %% [markdown]
 # ## Fewer words: reduce-then-scan ($3L$) and the single-pass look-back ($2L$)
 #
-# A cumulative sum does one addition per value and must move two words per value (read $x$, write
-# $y$): it is bound by memory bandwidth. The three-phase scan moves $4L$ words: phase 1 reads $x$ and
-# writes $y$, phase 3 reads and writes $y$ again.
+# A cumulative sum does one addition per value but must read $x$ and write $y$, two words per value:
+# it is bound by memory bandwidth. The three-phase scan moves $4L$ words: phase 1 reads $x$ and writes
+# $y$, phase 3 reads and writes $y$ again.
 #
-# **Reduce, then scan**: pass 1 reads $x$ and writes only the totals $T_k$; pass 2 scans the totals;
-# pass 3 reads $x$ again, scans each block, adds its carry and writes $y$. $3L$ words, three launches.
+# **Reduce, then scan** ($3L$ words, three launches): pass 1 reads $x$ and writes only the totals
+# $T_k$; pass 2 scans the totals; pass 3 reads $x$ again, scans each block, adds its carry and writes $y$.
 #
 # **Decoupled look-back** (Merrill and Garland, 2016) reads $x$ once: the program holding block $k$
 # learns its carry *during the same launch*.
@@ -354,16 +354,15 @@ for length in (1, 7, 129, 1000, 4097):
 #   carry is $S_{k-1} = S_j + T_{j+1} + \dots + T_{k-1}$. It publishes (PREFIX, $S_{k-1} + T_k$) and writes $y$.
 #
 # New primitives: `tl.atomic_add(pointer, value)` adds to a word in global memory and returns the old
-# value, as one indivisible step; `tl.atomic_xchg` writes a word the same way; `tl.where(c, a, b)`
+# value, as one indivisible step, and `tl.atomic_xchg` writes a word the same way; `tl.where(c, a, b)`
 # picks elementwise, like `torch.where`; `.to(tl.uint32, bitcast=True)` reinterprets a float32's bits,
-# so that a flag and a float32 fit in one int64 state word. Why this is correct under the GPU's weak
-# memory ordering is in "Going deeper", which also draws the state words during a look-back.
+# so that a flag and a float32 share one int64 state word. "Going deeper" draws the state words during
+# a look-back and says why this is correct under the GPU's weak memory ordering.
 #
-# The exported kernels scan each row of a contiguous `n_rows x length` tensor, the scanned dimension
-# last ("Going deeper" says what that costs other layouts). The program id numbers (row, block) pairs,
-# and the column indices and offsets are 64-bit. The kernels accumulate in `ACC`: float64 for float64,
-# int64 for integers (as `torch.cumsum` does), float32 otherwise. Rows of one block need only pass 3,
-# and a program then takes several rows at once.
+# The exported kernels scan the rows of a contiguous `n_rows x length` tensor, the scanned dimension
+# last; the program id numbers (row, block) pairs ("Going deeper" gives that layout's cost and why the
+# offsets are 64-bit). They accumulate in `ACC`: float64 for float64, int64 for integers (as
+# `torch.cumsum` does), float32 otherwise.
 
 # %%
 #| export
@@ -465,293 +464,26 @@ def lookback_scan_kernel(X, Y, STATE, length, num_blocks, BLOCK: tl.constexpr, W
     tl.store(Y + offsets, (y + exclusive).to(Y.dtype.element_ty), mask=cols < length)
 
 # %% [markdown]
-# ## The launcher and the exported `cumsum`
+# ## The exported `cumsum`
 #
-# `scan_rows` picks the path: rows of at most `block` values take one launch of `scan_tiles_kernel`;
-# longer ones the look-back (float32 sums, which fit in a state word) or reduce-then-scan (float64 and
-# integers). `CONFIG` holds the defaults; keyword arguments override them for one call ("Going deeper").
-
-# %%
-#| export
-ALGORITHMS = ("lookback", "reduce_then_scan")
-# GPU defaults: the fastest correct configuration of benchmarks/bench_cumsum.py on an H200 (2026-11-29).
-CONFIG = {
-    "algorithm": "lookback",                # rows longer than one block; float64 and int64 always reduce_then_scan
-    "block": 4096 if ON_GPU else 1024,      # values per program on those rows (the interpreter prefers few programs)
-    "num_warps": 4,                         # warps per program on those rows
-    "window": 16,                           # predecessors one look-back step inspects
-    "reverse": True,                        # reduce_then_scan: pass 3 starts with the last block
-}
-KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64)
-
-
-def accumulator(dtype: torch.dtype) -> torch.dtype:
-    """The dtype the kernels add in: float64 and int64 as themselves, float32 for the rest."""
-    return dtype if dtype in (torch.float64, torch.int64) else torch.float32
-
-
-def tl_dtype(dtype: torch.dtype):
-    return {torch.float32: tl.float32, torch.float64: tl.float64, torch.int64: tl.int64}[dtype]
-
-
-def is_power_of_two(value) -> bool:
-    return isinstance(value, int) and value > 0 and value & (value - 1) == 0
-
-
-def resolve_config(overrides: dict) -> dict:
-    """CONFIG with `overrides` applied, checked; raise TypeError/ValueError naming the bad key."""
-    unknown = set(overrides) - set(CONFIG)
-    if unknown:
-        raise TypeError(f"unknown scan option(s) {sorted(unknown)}; options are {sorted(CONFIG)}")
-    config = {**CONFIG, **overrides}
-    if config["algorithm"] not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {config['algorithm']!r}")
-    if not is_power_of_two(config["block"]) or config["block"] < 16:
-        raise ValueError(f"block must be a power of two >= 16, got {config['block']}")
-    if not is_power_of_two(config["window"]):
-        raise ValueError(f"window must be a power of two, got {config['window']}")
-    return config
-
-
-def warps_for(elements: int) -> int:
-    """Warps for a program handling `elements` values: about 16 per thread, between 1 and 8 warps."""
-    return max(1, min(8, elements // 512))
-
-
-def scan_short_rows(x: torch.Tensor, y: torch.Tensor, max_block: int) -> torch.Tensor:
-    """One launch for n_rows x length with length <= max_block: each program scans ROWS whole rows."""
-    n_rows, length = x.shape
-    block = max(16, triton.next_power_of_2(length))
-    rows = min(max_block // block, triton.next_power_of_2(n_rows))
-    scan_tiles_kernel[(triton.cdiv(n_rows, rows),)](
-        x, y, y, n_rows, length, 1, ROWS=rows, BLOCK=block, ACC=tl_dtype(accumulator(x.dtype)), REVERSE=False,
-        num_warps=warps_for(rows * block))
-    return y
-
-
-def scan_reduce_then_scan(x: torch.Tensor, y: torch.Tensor, config: dict) -> torch.Tensor:
-    """Three launches: block totals, their scan (one program per row), the scan of x plus carries."""
-    n_rows, length = x.shape
-    block, warps, acc = config["block"], config["num_warps"], accumulator(x.dtype)
-    num_blocks = triton.cdiv(length, block)
-    totals = torch.empty(n_rows, num_blocks, dtype=acc, device=x.device)
-    grid = (n_rows * num_blocks,)
-    block_totals_kernel[grid](x, totals, length, num_blocks, BLOCK=block, ACC=tl_dtype(acc), num_warps=warps)
-    chunk = min(block, triton.next_power_of_2(num_blocks))
-    scan_totals_kernel[(n_rows,)](totals, num_blocks, CHUNK=chunk, num_warps=warps_for(chunk))
-    scan_tiles_kernel[grid](x, totals, y, n_rows, length, num_blocks, ROWS=1, BLOCK=block, ACC=tl_dtype(acc),
-                            REVERSE=config["reverse"], num_warps=warps)
-    return y
-
-
-def scan_lookback(x: torch.Tensor, y: torch.Tensor, config: dict) -> torch.Tensor:
-    """One launch (after a memset): the decoupled look-back scan, float32 accumulation."""
-    n_rows, length = x.shape
-    num_blocks = triton.cdiv(length, config["block"])
-    state = torch.zeros(1 + n_rows * num_blocks, dtype=torch.int64, device=x.device)   # ticket, words
-    lookback_scan_kernel[(n_rows * num_blocks,)](x, y, state, length, num_blocks, BLOCK=config["block"],
-                                                 WINDOW=config["window"], num_warps=config["num_warps"])
-    return y
-
-
-def scan_rows(x: torch.Tensor, out: torch.Tensor | None = None, **overrides) -> torch.Tensor:
-    """Inclusive cumulative sum of each row of a contiguous n_rows x length tensor, returned in x's dtype
-    (one of KERNEL_DTYPES), in `out` if given (contiguous, like x). The path and its parameters come from
-    CONFIG, with `overrides` (algorithm, block, num_warps, window, reverse) applied for this call."""
-    config = resolve_config(overrides)
-    y = torch.empty_like(x) if out is None else out
-    if x.numel() == 0:
-        return y
-    if x.shape[1] <= config["block"]:
-        return scan_short_rows(x, y, config["block"])
-    if config["algorithm"] == "lookback" and accumulator(x.dtype) == torch.float32:
-        return scan_lookback(x, y, config)
-    return scan_reduce_then_scan(x, y, config)
-
-# %% [markdown]
-# The public function follows `torch.cumsum` (any dim, integers summed in int64, `dtype=`, 0-dim
-# tensors, a contiguous result, `IndexError` for a bad dim). Its gradient is the *reverse* cumulative
-# sum, $\partial\mathcal{L}/\partial x_j = \sum_{t \ge j} \partial\mathcal{L}/\partial y_t$: a flip, the
-# same scan, a flip back. The custom-op and autograd wrapping is explained in "Going deeper".
-
-# %%
-#| export
-INTEGER_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-RESULT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64) + INTEGER_DTYPES[1:]
-
-
-@custom_op("cumsum", __name__)
-def cumsum_op(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """The kernels on a tensor of KERNEL_DTYPES along dim (negative): a fresh contiguous tensor of x's shape."""
-    if x.dim() == 0 or x.numel() == 0:
-        return x.clone(memory_format=torch.contiguous_format)
-    moved = x.movedim(dim, -1).contiguous()                               # ... x length
-    y = torch.empty_like(moved)
-    scan_rows(moved.view(-1, moved.shape[-1]), out=y.view(-1, moved.shape[-1]))   # n_rows x length
-    return y if dim == -1 else y.movedim(-1, dim).clone(memory_format=torch.contiguous_format)
-
-
-@cumsum_op.register_fake
-def _(x, dim):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-def _cumsum_vmap(info, in_dims, x, dim):
-    """dim is negative, so it still names the same dimension after the batch dimension moves to the front."""
-    if in_dims[0] is None:
-        return cumsum_op(x, dim), None
-    return cumsum_op(x.movedim(in_dims[0], 0), dim), 0
-
-
-cumsum_op.register_vmap(_cumsum_vmap)
-
-
-class CumsumFunction(torch.autograd.Function):
-    """Autograd for cumsum_op: the gradient of a scan is the reverse scan, computed by this Function
-    again, so that it is differentiable in turn (twice, or more)."""
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(x, dim):
-        return cumsum_op(x, dim)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        ctx.dim = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        return apply(CumsumFunction, grad_y.flip(ctx.dim), ctx.dim).flip(ctx.dim), None
-
-
-def cumsum(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Inclusive cumulative sum of `x` along `dim`, like torch.cumsum, computed by Triton kernels.
-
-    x: a floating, integer or bool tensor (any shape, 0-dim included) on the GPU, or on the CPU under
-    Triton's interpreter. The result has x's shape, is contiguous and has dtype `dtype` if given
-    (x is cast to it first, as torch.cumsum does), else x's dtype, or int64 for integer and bool x.
-    Floating sums are accumulated in float32 (float64 for float64), integer sums in int64 (wrapping on
-    overflow, then cast to the result dtype). Differentiable, twice or more, and usable under
-    torch.func.grad, torch.func.vmap and torch.compile. The algorithm for long rows is chosen by the
-    module-level CONFIG (see scan_rows)."""
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in RESULT_DTYPES + (torch.bool,):
-        raise TypeError(f"x must be a floating, integer or bool tensor, got {x.dtype}")
-    if dtype is not None and dtype not in RESULT_DTYPES:
-        raise TypeError(f"dtype must be None or one of {', '.join(str(d) for d in RESULT_DTYPES)}, got {dtype}")
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
-    ndim = max(x.dim(), 1)                                                # a 0-dim tensor has dims -1 and 0
-    if not -ndim <= dim < ndim:
-        raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
-    check_same_device(x=x)
-    result = dtype or (torch.int64 if x.dtype in INTEGER_DTYPES else x.dtype)
-    x = x.to(result)                                                      # torch.cumsum casts first, too
-    dim = dim % ndim - ndim                                               # negative: survives a vmap batch dim
-    if x.dim() == 0:
-        return x.clone()
-    if not x.is_floating_point():
-        return cumsum_op(x.to(torch.int64), dim).to(result)          # integers are summed in int64
-    return apply(CumsumFunction, x, dim)
-
-# %% [markdown]
-# ## Checking the exported `cumsum`
+# A launcher, `scan_rows`, picks the path: rows of at most one block take one launch of
+# `scan_tiles_kernel`; longer ones the look-back (float32 sums, which fit in a state word) or
+# reduce-then-scan (float64 and integers). Around it, `scan_lib.cumsum` follows `torch.cumsum` (any
+# dim, integers summed in int64, `dtype=`, 0-dim tensors, a contiguous result, `IndexError` for a bad
+# dim). Its gradient is the *reverse* cumulative sum,
+# $\partial\mathcal{L}/\partial x_j = \sum_{t \ge j} \partial\mathcal{L}/\partial y_t$: a flip, the
+# same scan, a flip back. That code is engineering, not a new idea: it is exported from "Going deeper:
+# the launcher and the exported `cumsum`", and checked against the float64 reference there.
 #
-# Both algorithms at awkward lengths, with blocks small enough that 4097 values span many of them,
-# then a batch of rows (a look-back must not run into the previous row):
-
-# %%
-torch.manual_seed(6)
-block_sizes = (16, 128, 1024) if not ON_GPU else (256, 1024, 4096)
-print(f"{'algorithm':>16} {'L':>5} " + " ".join(f"{'block=' + str(b):>10}" for b in block_sizes))
-for algorithm in ALGORITHMS:
-    for length in (1, 7, 129, 1000, 4097):
-        x_rows = torch.randn(1, length, device=DEVICE)
-        errors = [assert_cumsum(scan_rows(x_rows, algorithm=algorithm, block=b), x_rows) for b in block_sizes]
-        print(f"{algorithm:>16} {length:>5} " + " ".join(f"{e:>10.1e}" for e in errors))
-    x_batch = torch.randn(3, 1000, device=DEVICE) + torch.arange(3, device=DEVICE)[:, None] * 100
-    for window in (1, 4, 32):
-        assert_cumsum(scan_rows(x_batch, algorithm=algorithm, block=16, window=window), x_batch)
-print("3 rows x 1000 values in blocks of 16, windows 1, 4, 32: ok")
-
-# %% [markdown]
-# Then the public function in every floating dtype along every kind of dim, and its gradient (its
-# other `torch.cumsum` behaviours are checked in "Going deeper"):
-
-# %%
-torch.manual_seed(7)
-print(f"{'dtype':>15} {'shape':>16} {'dim':>3} {'scaled err':>10} {'tolerance':>9}")
-for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
-    for shape, dim in (((3, 1000), -1), ((5, 37, 2), 1), ((129, 3), 0), ((2, 3, 4097), 2)):
-        x_any = torch.randn(shape, device=DEVICE, dtype=dtype)
-        y_any = cumsum(x_any, dim=dim)
-        assert y_any.is_contiguous()
-        err = assert_cumsum(y_any, x_any, dim)
-        print(f"{str(dtype):>15} {str(shape):>16} {dim:>3} {err:>10.1e} {scan_tolerance(dtype, shape[dim]):>9.1e}")
-x_grad = torch.randn(3, 7, device=DEVICE, dtype=torch.float64, requires_grad=True)
-assert torch.autograd.gradcheck(lambda t: cumsum(t, dim=0), (x_grad,), fast_mode=False)
-assert torch.autograd.gradgradcheck(lambda t: cumsum(t, dim=1), (x_grad,))
-print("gradcheck, gradgradcheck: ok")
-
-# %% [markdown]
 # ## Speed (GPU only)
 #
-# `cumsum` (the look-back) against `torch.cumsum`, reduce-then-scan and the three-phase scan, on 1-D
-# float32 inputs of $2^{10}$ to $2^{27}$ values: the median of `triton.testing.do_bench`, what a user
-# waits for once the GPU sets the pace (while the host does, a lower bound: "Going deeper" measures
-# it). The memory floor is the $2L$ words a cumulative sum must move, at the copy bandwidth measured
-# in the same cell. Up to $L = 2^{12}$ two of the columns time the same kernel ("Going deeper" says
-# which).
-
-# %%
-from scan_lib.runtime import copy_bandwidth, graph_us, host_us, median_us  # the timers of chapter 00
-
-BENCH_SIZES = [2**k for k in range(10, 28)]
-
-
-def benchmark_cumsum() -> dict:
-    gpu = torch.cuda.get_device_name(DEVICE)
-    copy_gbs = copy_bandwidth() / 1e9
-    print(f"{gpu}: copy bandwidth {copy_gbs:.0f} GB/s (1 GiB float32 copy_); CONFIG {CONFIG}")
-    methods = {"torch.cumsum": lambda x: torch.cumsum(x, 0),
-               "cumsum (look-back)": lambda x: cumsum(x),
-               "reduce-then-scan": lambda x: scan_rows(x[None], algorithm="reduce_then_scan")[0],
-               "three-phase (4L)": lambda x: cumsum_three_phase(x, 1024)}
-    times = {name: [] for name in methods}
-    floors = []
-    print(f"{'L':>10} {'floor':>7} " + " ".join(f"{name:>18}" for name in methods) + "   (median us, float32)")
-    for length in BENCH_SIZES:
-        x = torch.randn(length, device=DEVICE)
-        floors.append(2 * length * 4 / copy_gbs / 1e3)
-        for name, fn in methods.items():
-            assert_cumsum(fn(x), x)
-            times[name].append(median_us(lambda: fn(x)))
-        print(f"{length:>10} {floors[-1]:>7.1f} " + " ".join(f"{times[name][-1]:>18.1f}" for name in methods))
-    ours, theirs = times["cumsum (look-back)"], times["torch.cumsum"]
-    ahead = [i for i in range(len(BENCH_SIZES)) if all(ours[j] < theirs[j] for j in range(i, len(BENCH_SIZES)))]
-    if ahead:
-        print(f"cumsum is faster than torch.cumsum from L = 2^{int(math.log2(BENCH_SIZES[ahead[0]]))} up")
-    else:
-        print("cumsum is slower than torch.cumsum at the largest size measured")
-    for i in (BENCH_SIZES.index(2**25), len(BENCH_SIZES) - 1):
-        print(f"L = 2^{int(math.log2(BENCH_SIZES[i]))}: torch.cumsum / cumsum = {theirs[i] / ours[i]:.2f}; "
-              + ", ".join(f"{name} {times[name][i] / floors[i]:.2f}x" for name in methods) + " the memory floor")
-    return {"gpu": gpu, "times": times, "floors": floors}
-
-
-if ON_GPU:
-    bench = benchmark_cumsum()
-else:
-    print("skipped: no GPU (do_bench needs one)")
-
-# %% [markdown]
-# What the table shows: from $L = 2^{22}$ up to $2^{27}$, the largest size measured, the look-back is
-# the fastest of the four and beats `torch.cumsum`, as the cell's last lines say; there the words
-# moved set the order of our three scans ($2L$, then $3L$, then $4L$), and at $2^{27}$ the look-back
-# takes 1.07 times the memory floor. At every size up to $2^{22}$ that "Going deeper" measures, a
-# `cumsum` call is host-bound: its host time per call exceeds its GPU time (that section also plots
-# the table).
+# "Going deeper: the benchmark" times `cumsum` (the look-back) against `torch.cumsum`,
+# reduce-then-scan and the three-phase scan on float32 inputs of $2^{10}$ to $2^{27}$ values. From
+# $L = 2^{22}$ up to $2^{27}$, the largest size measured, the look-back is the fastest of the four and
+# beats `torch.cumsum`; there the words moved set the order of our three scans ($2L$, then $3L$, then
+# $4L$), and at $2^{27}$ the look-back takes 1.07 times the memory floor (the time to move $2L$ words
+# at the measured copy bandwidth). At every size up to $2^{22}$ that it splits into host and GPU time,
+# a `cumsum` call is host-bound: its host time per call exceeds its GPU time.
 #
 # ## Summary
 #
@@ -1089,6 +821,112 @@ assert torch.equal(pack_words(torch.tensor([2]), torch.tensor([-1.5])), torch.te
 print("look_back on snapshots: the walk over aggregates, the stop at a PREFIX and at the row start: ok")
 
 # %% [markdown]
+# ## Going deeper: the launcher and the exported `cumsum`
+#
+# The code that turns the main line's kernels into `scan_lib.cumsum`: first the launcher. `scan_rows`
+# picks the path: rows of at most `block` values take one launch of `scan_tiles_kernel` (pass 3 alone,
+# with no carry), in which a program takes several rows at once; longer ones the look-back (float32
+# sums, which fit in a state word) or reduce-then-scan (float64 and integers). `CONFIG` holds the
+# defaults; keyword arguments override them for one call ("launch configuration and tuning" below).
+
+# %%
+#| export
+ALGORITHMS = ("lookback", "reduce_then_scan")
+# GPU defaults: the fastest correct configuration of benchmarks/bench_cumsum.py on an H200 (2026-11-29).
+CONFIG = {
+    "algorithm": "lookback",                # rows longer than one block; float64 and int64 always reduce_then_scan
+    "block": 4096 if ON_GPU else 1024,      # values per program on those rows (the interpreter prefers few programs)
+    "num_warps": 4,                         # warps per program on those rows
+    "window": 16,                           # predecessors one look-back step inspects
+    "reverse": True,                        # reduce_then_scan: pass 3 starts with the last block
+}
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int64)
+
+
+def accumulator(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the kernels add in: float64 and int64 as themselves, float32 for the rest."""
+    return dtype if dtype in (torch.float64, torch.int64) else torch.float32
+
+
+def tl_dtype(dtype: torch.dtype):
+    return {torch.float32: tl.float32, torch.float64: tl.float64, torch.int64: tl.int64}[dtype]
+
+
+def is_power_of_two(value) -> bool:
+    return isinstance(value, int) and value > 0 and value & (value - 1) == 0
+
+
+def resolve_config(overrides: dict) -> dict:
+    """CONFIG with `overrides` applied, checked; raise TypeError/ValueError naming the bad key."""
+    unknown = set(overrides) - set(CONFIG)
+    if unknown:
+        raise TypeError(f"unknown scan option(s) {sorted(unknown)}; options are {sorted(CONFIG)}")
+    config = {**CONFIG, **overrides}
+    if config["algorithm"] not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {config['algorithm']!r}")
+    if not is_power_of_two(config["block"]) or config["block"] < 16:
+        raise ValueError(f"block must be a power of two >= 16, got {config['block']}")
+    if not is_power_of_two(config["window"]):
+        raise ValueError(f"window must be a power of two, got {config['window']}")
+    return config
+
+
+def warps_for(elements: int) -> int:
+    """Warps for a program handling `elements` values: about 16 per thread, between 1 and 8 warps."""
+    return max(1, min(8, elements // 512))
+
+
+def scan_short_rows(x: torch.Tensor, y: torch.Tensor, max_block: int) -> torch.Tensor:
+    """One launch for n_rows x length with length <= max_block: each program scans ROWS whole rows."""
+    n_rows, length = x.shape
+    block = max(16, triton.next_power_of_2(length))
+    rows = min(max_block // block, triton.next_power_of_2(n_rows))
+    scan_tiles_kernel[(triton.cdiv(n_rows, rows),)](
+        x, y, y, n_rows, length, 1, ROWS=rows, BLOCK=block, ACC=tl_dtype(accumulator(x.dtype)), REVERSE=False,
+        num_warps=warps_for(rows * block))
+    return y
+
+
+def scan_reduce_then_scan(x: torch.Tensor, y: torch.Tensor, config: dict) -> torch.Tensor:
+    """Three launches: block totals, their scan (one program per row), the scan of x plus carries."""
+    n_rows, length = x.shape
+    block, warps, acc = config["block"], config["num_warps"], accumulator(x.dtype)
+    num_blocks = triton.cdiv(length, block)
+    totals = torch.empty(n_rows, num_blocks, dtype=acc, device=x.device)
+    grid = (n_rows * num_blocks,)
+    block_totals_kernel[grid](x, totals, length, num_blocks, BLOCK=block, ACC=tl_dtype(acc), num_warps=warps)
+    chunk = min(block, triton.next_power_of_2(num_blocks))
+    scan_totals_kernel[(n_rows,)](totals, num_blocks, CHUNK=chunk, num_warps=warps_for(chunk))
+    scan_tiles_kernel[grid](x, totals, y, n_rows, length, num_blocks, ROWS=1, BLOCK=block, ACC=tl_dtype(acc),
+                            REVERSE=config["reverse"], num_warps=warps)
+    return y
+
+
+def scan_lookback(x: torch.Tensor, y: torch.Tensor, config: dict) -> torch.Tensor:
+    """One launch (after a memset): the decoupled look-back scan, float32 accumulation."""
+    n_rows, length = x.shape
+    num_blocks = triton.cdiv(length, config["block"])
+    state = torch.zeros(1 + n_rows * num_blocks, dtype=torch.int64, device=x.device)   # ticket, words
+    lookback_scan_kernel[(n_rows * num_blocks,)](x, y, state, length, num_blocks, BLOCK=config["block"],
+                                                 WINDOW=config["window"], num_warps=config["num_warps"])
+    return y
+
+
+def scan_rows(x: torch.Tensor, out: torch.Tensor | None = None, **overrides) -> torch.Tensor:
+    """Inclusive cumulative sum of each row of a contiguous n_rows x length tensor, returned in x's dtype
+    (one of KERNEL_DTYPES), in `out` if given (contiguous, like x). The path and its parameters come from
+    CONFIG, with `overrides` (algorithm, block, num_warps, window, reverse) applied for this call."""
+    config = resolve_config(overrides)
+    y = torch.empty_like(x) if out is None else out
+    if x.numel() == 0:
+        return y
+    if x.shape[1] <= config["block"]:
+        return scan_short_rows(x, y, config["block"])
+    if config["algorithm"] == "lookback" and accumulator(x.dtype) == torch.float32:
+        return scan_lookback(x, y, config)
+    return scan_reduce_then_scan(x, y, config)
+
+# %% [markdown]
 # ## Going deeper: the exported kernels' layout and 64-bit offsets
 #
 # The exported kernels scan rows of a contiguous `n_rows x length` tensor, the scanned dimension last.
@@ -1106,6 +944,92 @@ print("look_back on snapshots: the walk over aggregates, the stop at a PREFIX an
 # %% [markdown]
 # ## Going deeper: `cumsum` as a PyTorch op
 #
+# The public function around `scan_rows`, as the main line describes it: it follows `torch.cumsum`, and
+# its gradient, the reverse cumulative sum, is a flip, the same scan, a flip back. How it is wrapped
+# follows the code.
+
+# %%
+#| export
+INTEGER_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+RESULT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64) + INTEGER_DTYPES[1:]
+
+
+@custom_op("cumsum", __name__)
+def cumsum_op(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The kernels on a tensor of KERNEL_DTYPES along dim (negative): a fresh contiguous tensor of x's shape."""
+    if x.dim() == 0 or x.numel() == 0:
+        return x.clone(memory_format=torch.contiguous_format)
+    moved = x.movedim(dim, -1).contiguous()                               # ... x length
+    y = torch.empty_like(moved)
+    scan_rows(moved.view(-1, moved.shape[-1]), out=y.view(-1, moved.shape[-1]))   # n_rows x length
+    return y if dim == -1 else y.movedim(-1, dim).clone(memory_format=torch.contiguous_format)
+
+
+@cumsum_op.register_fake
+def _(x, dim):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _cumsum_vmap(info, in_dims, x, dim):
+    """dim is negative, so it still names the same dimension after the batch dimension moves to the front."""
+    if in_dims[0] is None:
+        return cumsum_op(x, dim), None
+    return cumsum_op(x.movedim(in_dims[0], 0), dim), 0
+
+
+cumsum_op.register_vmap(_cumsum_vmap)
+
+
+class CumsumFunction(torch.autograd.Function):
+    """Autograd for cumsum_op: the gradient of a scan is the reverse scan, computed by this Function
+    again, so that it is differentiable in turn (twice, or more)."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, dim):
+        return cumsum_op(x, dim)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.dim = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return apply(CumsumFunction, grad_y.flip(ctx.dim), ctx.dim).flip(ctx.dim), None
+
+
+def cumsum(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Inclusive cumulative sum of `x` along `dim`, like torch.cumsum, computed by Triton kernels.
+
+    x: a floating, integer or bool tensor (any shape, 0-dim included) on the GPU, or on the CPU under
+    Triton's interpreter. The result has x's shape, is contiguous and has dtype `dtype` if given
+    (x is cast to it first, as torch.cumsum does), else x's dtype, or int64 for integer and bool x.
+    Floating sums are accumulated in float32 (float64 for float64), integer sums in int64 (wrapping on
+    overflow, then cast to the result dtype). Differentiable, twice or more, and usable under
+    torch.func.grad, torch.func.vmap and torch.compile. The algorithm for long rows is chosen by the
+    module-level CONFIG (see scan_rows)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in RESULT_DTYPES + (torch.bool,):
+        raise TypeError(f"x must be a floating, integer or bool tensor, got {x.dtype}")
+    if dtype is not None and dtype not in RESULT_DTYPES:
+        raise TypeError(f"dtype must be None or one of {', '.join(str(d) for d in RESULT_DTYPES)}, got {dtype}")
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    ndim = max(x.dim(), 1)                                                # a 0-dim tensor has dims -1 and 0
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"Dimension out of range (expected to be in range of [{-ndim}, {ndim - 1}], but got {dim})")
+    check_same_device(x=x)
+    result = dtype or (torch.int64 if x.dtype in INTEGER_DTYPES else x.dtype)
+    x = x.to(result)                                                      # torch.cumsum casts first, too
+    dim = dim % ndim - ndim                                               # negative: survives a vmap batch dim
+    if x.dim() == 0:
+        return x.clone()
+    if not x.is_floating_point():
+        return cumsum_op(x.to(torch.int64), dim).to(result)          # integers are summed in int64
+    return apply(CumsumFunction, x, dim)
+
+# %% [markdown]
 # * `cumsum_op` is a custom op (`torch.library.custom_op`, through `scan_lib.runtime.custom_op`):
 #   `torch.compile` treats it as one opaque node instead of tracing into Triton's launcher, its *fake*
 #   version gives the result's shape and dtype without running a kernel (what the compiler traces
@@ -1114,12 +1038,51 @@ print("look_back on snapshots: the walk over aggregates, the stop at a PREFIX an
 # * `CumsumFunction` gives the op its gradient. It uses the `forward` + `setup_context` form, which
 #   `torch.func.grad` and `vmap` require, and `generate_vmap_rule = True`. Its backward calls
 #   `CumsumFunction` again (on the flipped gradient), so the backward is itself differentiable:
-#   `gradgradcheck` and Hessians come out right, as the checks above and `tests/test_cumsum.py` show.
+#   `gradgradcheck` and Hessians come out right, as the checks below and `tests/test_cumsum.py` show.
 # * The op returns a fresh tensor, never a view of its input or of a temporary, so that users may
 #   modify the result in place under autograd.
 
 # %% [markdown]
-# The checks of what makes `cumsum` behave like `torch.cumsum`: integer and bool inputs (exact, so
+# ## Going deeper: checking the exported `cumsum`
+#
+# The main line checked the three-phase scan; here the exported code is checked. First `scan_rows`,
+# both algorithms at awkward lengths, with blocks small enough that 4097 values span many of them,
+# then a batch of rows (a look-back must not run into the previous row):
+
+# %%
+torch.manual_seed(6)
+block_sizes = (16, 128, 1024) if not ON_GPU else (256, 1024, 4096)
+print(f"{'algorithm':>16} {'L':>5} " + " ".join(f"{'block=' + str(b):>10}" for b in block_sizes))
+for algorithm in ALGORITHMS:
+    for length in (1, 7, 129, 1000, 4097):
+        x_rows = torch.randn(1, length, device=DEVICE)
+        errors = [assert_cumsum(scan_rows(x_rows, algorithm=algorithm, block=b), x_rows) for b in block_sizes]
+        print(f"{algorithm:>16} {length:>5} " + " ".join(f"{e:>10.1e}" for e in errors))
+    x_batch = torch.randn(3, 1000, device=DEVICE) + torch.arange(3, device=DEVICE)[:, None] * 100
+    for window in (1, 4, 32):
+        assert_cumsum(scan_rows(x_batch, algorithm=algorithm, block=16, window=window), x_batch)
+print("3 rows x 1000 values in blocks of 16, windows 1, 4, 32: ok")
+
+# %% [markdown]
+# Then the public function in every floating dtype along every kind of dim, and its gradient:
+
+# %%
+torch.manual_seed(7)
+print(f"{'dtype':>15} {'shape':>16} {'dim':>3} {'scaled err':>10} {'tolerance':>9}")
+for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+    for shape, dim in (((3, 1000), -1), ((5, 37, 2), 1), ((129, 3), 0), ((2, 3, 4097), 2)):
+        x_any = torch.randn(shape, device=DEVICE, dtype=dtype)
+        y_any = cumsum(x_any, dim=dim)
+        assert y_any.is_contiguous()
+        err = assert_cumsum(y_any, x_any, dim)
+        print(f"{str(dtype):>15} {str(shape):>16} {dim:>3} {err:>10.1e} {scan_tolerance(dtype, shape[dim]):>9.1e}")
+x_grad = torch.randn(3, 7, device=DEVICE, dtype=torch.float64, requires_grad=True)
+assert torch.autograd.gradcheck(lambda t: cumsum(t, dim=0), (x_grad,), fast_mode=False)
+assert torch.autograd.gradgradcheck(lambda t: cumsum(t, dim=1), (x_grad,))
+print("gradcheck, gradgradcheck: ok")
+
+# %% [markdown]
+# Then the rest of what makes `cumsum` behave like `torch.cumsum`: integer and bool inputs (exact, so
 # compared with `torch.equal`), `dtype=`, 0-dim and empty tensors, non-contiguous inputs, a contiguous
 # result when `dim` is not the last, and bad input raising the exception `torch.cumsum` raises.
 
@@ -1193,10 +1156,61 @@ for call, error, words in bad_inputs:
 # `CONFIG` holds the fastest correct configuration of `benchmarks/bench_cumsum.py`'s sweep on an
 # H200; its output is kept in `benchmarks/results/bench_cumsum_h200.txt` (the sweep lines show every
 # configuration it tried, both pass-3 orders included). Run the script on another GPU to retune.
+
+# %% [markdown]
+# ## Going deeper: the benchmark, in a picture, and where the time goes at small sizes
 #
-# ## Going deeper: the benchmark in a picture, and where the time goes at small sizes
-#
-# Two column labels of the speed table hold only for rows longer than one block (`CONFIG["block"]`,
+# The measurement behind the main line's speed section, and what its table does not say at small
+# sizes. `cumsum` (the look-back) against `torch.cumsum`, reduce-then-scan and the three-phase scan, on
+# 1-D float32 inputs of $2^{10}$ to $2^{27}$ values: the median of `triton.testing.do_bench`, what a
+# user waits for once the GPU sets the pace (while the host does, a lower bound: the end of this
+# section measures it). The memory floor is the $2L$ words a cumulative sum must move, at the copy
+# bandwidth measured in the same cell. Up to $L = 2^{12}$ two of the columns time the same kernel
+# (said below the table).
+
+# %%
+from scan_lib.runtime import copy_bandwidth, graph_us, host_us, median_us  # the timers of chapter 00
+
+BENCH_SIZES = [2**k for k in range(10, 28)]
+
+
+def benchmark_cumsum() -> dict:
+    gpu = torch.cuda.get_device_name(DEVICE)
+    copy_gbs = copy_bandwidth() / 1e9
+    print(f"{gpu}: copy bandwidth {copy_gbs:.0f} GB/s (1 GiB float32 copy_); CONFIG {CONFIG}")
+    methods = {"torch.cumsum": lambda x: torch.cumsum(x, 0),
+               "cumsum (look-back)": lambda x: cumsum(x),
+               "reduce-then-scan": lambda x: scan_rows(x[None], algorithm="reduce_then_scan")[0],
+               "three-phase (4L)": lambda x: cumsum_three_phase(x, 1024)}
+    times = {name: [] for name in methods}
+    floors = []
+    print(f"{'L':>10} {'floor':>7} " + " ".join(f"{name:>18}" for name in methods) + "   (median us, float32)")
+    for length in BENCH_SIZES:
+        x = torch.randn(length, device=DEVICE)
+        floors.append(2 * length * 4 / copy_gbs / 1e3)
+        for name, fn in methods.items():
+            assert_cumsum(fn(x), x)
+            times[name].append(median_us(lambda: fn(x)))
+        print(f"{length:>10} {floors[-1]:>7.1f} " + " ".join(f"{times[name][-1]:>18.1f}" for name in methods))
+    ours, theirs = times["cumsum (look-back)"], times["torch.cumsum"]
+    ahead = [i for i in range(len(BENCH_SIZES)) if all(ours[j] < theirs[j] for j in range(i, len(BENCH_SIZES)))]
+    if ahead:
+        print(f"cumsum is faster than torch.cumsum from L = 2^{int(math.log2(BENCH_SIZES[ahead[0]]))} up")
+    else:
+        print("cumsum is slower than torch.cumsum at the largest size measured")
+    for i in (BENCH_SIZES.index(2**25), len(BENCH_SIZES) - 1):
+        print(f"L = 2^{int(math.log2(BENCH_SIZES[i]))}: torch.cumsum / cumsum = {theirs[i] / ours[i]:.2f}; "
+              + ", ".join(f"{name} {times[name][i] / floors[i]:.2f}x" for name in methods) + " the memory floor")
+    return {"gpu": gpu, "times": times, "floors": floors}
+
+
+if ON_GPU:
+    bench = benchmark_cumsum()
+else:
+    print("skipped: no GPU (do_bench needs one)")
+
+# %% [markdown]
+# Two column labels of the table hold only for rows longer than one block (`CONFIG["block"]`,
 # 4096 on a GPU): up to $L = 2^{12}$ `scan_rows` sends both `cumsum` and the reduce-then-scan call to
 # `scan_short_rows`, one launch of `scan_tiles_kernel`, so those two columns time the same kernel
 # behind different Python. The three-phase column, in blocks of 1024, is one launch at $2^{10}$ and
@@ -1210,7 +1224,7 @@ for call, error, words in bad_inputs:
 # (reduce-then-scan takes 55.4 us at $2^{20}$, between 12.1 at $2^{19}$ and 18.0 at $2^{21}$): that is
 # variation from call to call, whose source one run cannot pin down.
 #
-# The table of the speed section, plotted: times, and the fraction of the memory floor each method reaches.
+# The table, plotted: times, and the fraction of the memory floor each method reaches.
 
 # %%
 def plot_benchmark(gpu: str, times: dict, floors: list) -> None:
