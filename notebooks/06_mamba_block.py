@@ -13,13 +13,12 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/06_mamba_block.ipynb)
 #
-# Chapter 05 built the selective scan. Here it goes to work inside the layer Mamba stacks to make a
+# Chapter 05 built the selective scan. Here it goes to work inside the layer Mamba stacks into a
 # language model:
 #
-# 1. the causal depthwise convolution before the scan, as a Triton kernel (forward and backward), a
-#    drop-in for the `causal-conv1d` package's `causal_conv1d_fn`;
-# 2. the block around the two kernels, with `mamba_ssm`'s parameter names so a `state_dict` loads
-#    either way, and the initialisation that keeps it stable;
+# 1. the causal depthwise convolution before the scan, as a Triton kernel;
+# 2. the block around the two kernels, with `mamba_ssm`'s parameter names (a `state_dict` loads either
+#    way) and the initialisation that keeps it stable;
 # 3. inference three ways that agree: the whole sequence, a long prompt in chunks, and one token at a
 #    time in constant memory;
 # 4. a tiny model that learns the selective-copying task, beside a baseline that cannot.
@@ -76,40 +75,37 @@ def rel_err(x, ref):
 #
 # 1. **Project up** [`in_proj`]: each position's vector becomes two of $d_{inner}$ channels,
 #    $x$ (the signal) and $z$ (the gate).
-# 2. **Mix neighbours** [`conv1d`]: a causal depthwise convolution of width `d_conv` over positions, then
-#    SiLU.
-# 3. **Compute the selection** [`x_proj`, `dt_proj`]: from $x_t$, a low-rank step size
-#    $\Delta_t = \mathrm{softplus}(W_\Delta\, W_r x_t + b_\Delta)$ per channel, and $B_t$, $C_t$ of $N$
-#    values each, shared by all channels. `x_proj`'s first $R$ = `dt_rank`
-#    $= \lceil d_{model}/16 \rceil$ rows are $W_r$, its next $2N$ give $B_t$ and $C_t$; `dt_proj` is
-#    $W_\Delta$ ($d_{inner} \times R$) with its bias $b_\Delta$. This is what makes the scan
-#    *selective*: how much to keep and what to write and read depend on the token.
+# 2. **Mix neighbours** [`conv1d`]: a causal depthwise convolution of width `d_conv`, then SiLU.
+# 3. **Compute the selection** [`x_proj`, `dt_proj`]: from $x_t$, a step size
+#    $\Delta_t = \mathrm{softplus}(W_\Delta\, W_r x_t + b_\Delta)$ per channel and $B_t$, $C_t$ of $N$
+#    values each, shared by all channels. $W_r$ is `x_proj`'s first $R$ = `dt_rank`
+#    $= \lceil d_{model}/16 \rceil$ rows, its next $2N$ give $B_t$ and $C_t$; `dt_proj` is
+#    $W_\Delta$ ($d_{inner} \times R$) with bias $b_\Delta$. This makes the scan *selective*: what to
+#    keep, write and read depends on the token.
 # 4. **Scan** [`A_log`, `D`]: chapter 05's $h_t = e^{\Delta_t A} h_{t-1} + \Delta_t B_t x_t$,
 #    $\bar y_t = C_t \cdot h_t + D x_t$, with $A = -e^{A_{log}}$.
 # 5. **Gate**: $y_t = \bar y_t \cdot \mathrm{SiLU}(z_t)$ (fused into the scan).
 # 6. **Project down** [`out_proj`]: back to d_model.
 #
-# Only steps 2 and 4 look across positions, and they are the two kernels: the convolution (section 2)
-# and the selective scan (chapter 05). The rest are matrix products.
+# Only steps 2 and 4 look across positions: they are the two kernels, the convolution (section 2) and
+# chapter 05's scan. The rest are matrix products.
 
 # %% [markdown]
 # ## 2. The causal convolution
 #
 # Before the scan, Mamba mixes each channel with its few predecessors: a **depthwise** convolution
-# (each channel has its own filter) that is **causal** (position $t$ sees positions
-# $t-K+1, \dots, t$ only). With filter width $K$ (2 to 4; Mamba uses 4), weights $w_{d,k}$ and bias
-# $\beta_d$ for channel $d$, the output is the scan's input $u$ of chapter 05:
+# (a filter per channel) that is **causal** (position $t$ sees $t-K+1, \dots, t$ only). With width $K$
+# (2 to 4; Mamba uses 4), weights $w_{d,k}$ and bias $\beta_d$ for channel $d$, it gives chapter 05's
+# scan input $u$:
 #
 # $$u_{t,d} = \mathrm{silu}\Big(\beta_d + \sum_{k=0}^{K-1} w_{d,k}\, x_{t-K+1+k,\,d}\Big),
 # \qquad \mathrm{silu}(p) = p\,\sigma(p) = \frac{p}{1 + e^{-p}},$$
 #
 # where $x_s$ for $s < 0$ is zero, or the `initial_states` (the last $K-1$ inputs of a previous
 # piece of the sequence). `mamba_ssm` gets this from the `causal-conv1d` CUDA package; ours, in
-# Triton, has the signature of that package's `causal_conv1d_fn`. The reference is the package's own,
-# on `F.conv1d` (`groups=dim` makes it depthwise; padding $K-1$ on both sides, then keeping the first
-# $L$ outputs, makes it causal). The cell also imports what the library's kernels and launchers need,
-# each named in "Going deeper: the convolution kernels", which shows their code: the custom-op
-# plumbing and chapter 07's register helpers.
+# Triton, has the signature of its `causal_conv1d_fn`. The reference is the package's own, on
+# `F.conv1d` (`groups=dim`: depthwise; padding $K-1$ on both sides, then keeping the first $L$
+# outputs: causal). The cell's other imports serve the library's kernels, in "Going deeper".
 
 # %%
 #| export causal_conv1d
@@ -145,10 +141,10 @@ def causal_conv1d_ref(x, weight, bias=None, initial_states=None, return_final_st
 
 # %% [markdown]
 # **Why causal.** A language model predicts token $t+1$ from tokens $\le t$; if any layer lets
-# position $t$ read $t+1$, training shows the model the answer. The usual "same" convolution pads
+# position $t$ read $t+1$, training shows the model the answer. A "same" convolution pads
 # symmetrically, so its output at $t$ reads $t+1$. The cell changes the input at position 5 and asks
-# which outputs moved, with `scan_lib.causal_conv1d`, the library's op (its code is in "Going deeper:
-# the convolution kernels"; the next cells write a simpler forward kernel):
+# which outputs moved, with the library's `scan_lib.causal_conv1d` (the next cells write a simpler
+# forward kernel):
 
 # %%
 from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update
@@ -168,9 +164,8 @@ assert moved_causal == [5, 6, 7]       # the change reaches t = 5 .. 5 + K - 1, 
 # %% [markdown]
 # **A kernel.** One program per (batch element, block of `BLOCK_D` channels, block of `BLOCK_L`
 # positions) computes a `BLOCK_D x BLOCK_L` tile of outputs. Tap $k$ reads $x$ shifted by
-# $k - K + 1$ positions, so the program loads the tile $K$ times, once per tap, each load shifted and
-# masked: positions before 0 and from $L$ on read zero. This first kernel has no `initial_states`
-# (it reads zeros before position 0, as `causal_conv1d` does without them).
+# $k - K + 1$ positions, so the program loads the tile $K$ times, each load shifted and masked:
+# positions before 0 and from $L$ on read zero (this kernel has no `initial_states`).
 
 # %%
 @triton.jit
@@ -206,8 +201,8 @@ def conv_shifted(x, weight, bias, block_d=16, block_l=64):
 
 # %% [markdown]
 # It matches the reference in float64 at every width and at shapes that leave blocks partly empty
-# (one position, shorter than the filter; odd channel counts; a length that ends inside a block). Both
-# sides sum the same few terms, so they agree to rounding:
+# (one position; odd channel counts; a length that ends inside a block), to rounding: both sides sum
+# the same few terms.
 
 # %%
 for width in (2, 3, 4):
@@ -221,39 +216,11 @@ for width in (2, 3, 4):
     assert max(errors) < 1e-12, (width, errors)
 
 # %% [markdown]
-# **The library's kernels.** `scan_lib.causal_conv1d`, which the rest of the chapter uses, computes
-# the same function with kernels that load differently: a load shifted by $k - K + 1$ positions is
-# not aligned to 16 bytes, so the GPU cannot fetch it as one vector per thread, and the library's
-# kernels load aligned runs of 16 bytes only. They also read `initial_states`, write the final states
-# and have a backward; "Going deeper: the convolution kernels" shows them and checks every output and
-# gradient against the reference.
-#
-# **The backward.** Write $p_{t,d}$ for the pre-activation, the argument of silu
-# ($u = \mathrm{silu}(p)$). The incoming gradient through the activation is
-#
-# $$g_t = \frac{\partial\mathcal{L}}{\partial p_t} = \frac{\partial\mathcal{L}}{\partial u_t}\,
-# \mathrm{silu}'(p_t), \qquad \mathrm{silu}'(p) = \sigma(p)\big(1 + p\,(1 - \sigma(p))\big).$$
-#
-# Input $x_s$ appears in the outputs $t = s, \dots, s+K-1$, as the term $k = s - t + K - 1$, so
-#
-# $$\frac{\partial\mathcal{L}}{\partial x_s} = \sum_{j=0}^{K-1} w_{K-1-j}\, g_{s+j}
-# \qquad (g_t = 0 \text{ for } t \ge L):$$
-#
-# the same convolution with the **flipped** filter, run **forward** in time. The initial states are
-# the inputs at $s = -K+1, \dots, -1$, so the same formula gives their gradients, with only the terms
-# $s + j \ge 0$. Numbering them $h^0_i = x_{i-K+1}$, $i = 0, \dots, K-2$, and substituting
-# $k = K-1-j$:
-#
-# $$\frac{\partial\mathcal{L}}{\partial h^0_{i}} = \sum_{k=0}^{i} w_{k}\, g_{i-k}.$$
-#
-# The weight and bias gradients sum over every batch element and position:
-#
-# $$\frac{\partial\mathcal{L}}{\partial w_{d,k}} = \sum_{b,\,t} g_{b,t,d}\; x_{b,\,t-K+1+k,\,d},
-# \qquad \frac{\partial\mathcal{L}}{\partial \beta_d} = \sum_{b,\,t} g_{b,t,d}.$$
-#
-# A gradient arriving through the final states (the last $K-1$ columns of `cat(initial_states, x)`)
-# flows straight into the inputs they copied: the last $K-1$ columns of $x$, or initial states when
-# $L < K-1$.
+# **The library's kernels.** `scan_lib.causal_conv1d`, used from here on, computes the same function
+# with aligned loads only (a load shifted by $k - K + 1$ positions is not aligned to 16 bytes, so the
+# GPU cannot fetch it as one vector per thread). It also takes `initial_states`, returns the final
+# states and has a backward: the same convolution with the flipped filter, run forward in time.
+# "Going deeper" derives the backward and shows the kernels with their checks.
 
 # %% [markdown]
 # ## 3. The block, piece by piece
@@ -307,12 +274,11 @@ def selective_scan_loop(u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
     return (y, h) if return_last_state else y
 
 # %% [markdown]
-# Generation reads one token at a time, so it needs the scan's single step as a kernel of its own
-# (`mamba_ssm`'s `selective_state_update`, without heads): load the state $h$ (dim x N) of one sequence,
-# apply $h \leftarrow e^{\Delta A} h + \Delta B x$ with chapter 05's `discretize`, store it back in
-# place, and read out $y = C \cdot h + D x$, gated. One program covers `BLOCK_D` channels of one batch
-# element. Chapter 05's `_load_delta` adds `dt_bias` and applies softplus; its second result, the
-# pre-activation (whose sigmoid chapter 05's backward needs), is not needed here (`delta, _ =`).
+# Generation reads one token at a time, so the scan's single step gets a kernel of its own
+# (`mamba_ssm`'s `selective_state_update`, without heads). A program takes `BLOCK_D` channels of one
+# sequence's state $h$, applies $h \leftarrow e^{\Delta A} h + \Delta B x$ with chapter 05's
+# `discretize`, stores it back in place, and reads out $y = C \cdot h + D x$, gated. Chapter 05's
+# `_load_delta` adds `dt_bias` and applies softplus (its second result is not needed: `delta, _ =`).
 
 # %%
 #| export
@@ -398,9 +364,9 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     return out
 
 # %% [markdown]
-# The module itself. Its constructor takes `mamba_ssm`'s arguments and creates the same parameters with
-# the same shapes, in the same order, so a `state_dict` moves between the two. `ssm_parameters` is the
-# selection (step 3 of section 1) in a method of its own, so that section 5's baseline can replace it.
+# The module. Its constructor takes `mamba_ssm`'s arguments and creates the same parameters, shapes
+# and order, so a `state_dict` moves between the two. `ssm_parameters`, the selection (step 3 of
+# section 1), is a method of its own so that section 5's baseline can replace it.
 
 # %%
 #| export
@@ -613,18 +579,18 @@ class Mamba(nn.Module):
 # %% [markdown]
 # ### Initialisation
 #
-# Two parameters get special starting values, to keep the recurrence
-# $h_t = e^{\Delta_t A} h_{t-1} + \Delta_t B_t x_t$ stable and useful from the first step.
+# Two parameters start at special values, to keep $h_t = e^{\Delta_t A} h_{t-1} + \Delta_t B_t x_t$
+# stable and useful from the first step.
 #
 # **$A$ negative.** $A = -e^{A_{log}}$ is negative whatever $A_{log}$ learns, so $e^{\Delta A}$ lies in
 # $(0, 1)$: every state decays. At the start $A_{:,n} = -(n+1)$ for $n = 0 \dots N-1$ (S4D-real): some
 # states hold long context and some short.
 #
-# **$\Delta$ in $[\Delta_{min}, \Delta_{max}]$.** $\Delta = \mathrm{softplus}(\dots + b_\Delta)$ starts
-# near $\mathrm{softplus}(b_\Delta)$, because `dt_proj.weight` starts small. Drawing $\Delta_0$
-# log-uniformly in $[\Delta_{min}, \Delta_{max}]$ (default $[10^{-3}, 10^{-1}]$) and setting
-# $b_\Delta = \Delta_0 + \log(1 - e^{-\Delta_0})$, softplus's inverse, gives channels that remember for
-# about $1/\Delta$ steps, from ten to a thousand positions.
+# **$\Delta$ in $[\Delta_{min}, \Delta_{max}]$.** `dt_proj.weight` starts small, so $\Delta$ starts near
+# $\mathrm{softplus}(b_\Delta)$. Drawing $\Delta_0$ log-uniformly in $[\Delta_{min}, \Delta_{max}]$
+# (default $[10^{-3}, 10^{-1}]$) and setting $b_\Delta = \Delta_0 + \log(1 - e^{-\Delta_0})$,
+# softplus's inverse, gives channels that remember for about $1/\Delta$ steps, ten to a thousand
+# positions. "Going deeper: the initialisation" checks both and shows what goes wrong without them.
 
 # %%
 #| export
@@ -655,18 +621,11 @@ def init_dt_proj(dt_proj, dt_rank, dt_min=0.001, dt_max=0.1, dt_init="random", d
     dt_proj.bias._no_reinit = True
 
 # %% [markdown]
-# "Going deeper: the initialisation" checks both on a fresh block and shows the two bugs of the sketch
-# this chapter started from: a positive $A$, whose states grow at every position, and a $C$ that is the
-# same slice of `x_proj` as $B$.
-
-# %% [markdown]
 # ### Checks: the same function on both backends
 #
-# The two backends against each other: the `"triton"` block in float32 must match the `"torch"` block
-# in float64 with the same weights, output and every parameter's gradient, at awkward lengths, to
-# $10^{-4}$ relative to the largest value. (That the `state_dict` has exactly `mamba_ssm`'s parameter
-# names and shapes is checked in "Going deeper: the block"; where `mamba_ssm` runs, section 6 loads ours
-# into theirs.)
+# With the same weights, the float32 `"triton"` block must match the float64 `"torch"` block, output
+# and every parameter's gradient, at awkward lengths, to $10^{-4}$ relative to the largest value.
+# ("Going deeper: the block" checks the `state_dict`'s names and shapes against `mamba_ssm`'s.)
 
 # %%
 def compare_backends(length, d_model, d_state, batch=2, seed=0):
@@ -700,374 +659,97 @@ for length in (1, 7, 129, 1000) if ON_GPU else (1, 7, 40):
 # ## 4. Inference three ways
 #
 # A Transformer generating text keeps every past key and value: its cache grows with the sequence.
-# The block needs only two small states to continue: the last `d_conv` inputs of the convolution and
-# the scan's $h$ (d_inner x N). So three ways to run the block must agree:
-#
-# 1. **the whole sequence** at once (training, or a short prompt);
-# 2. **chunks**: a long prompt fed in pieces, each starting from the states the previous piece left;
-# 3. **one token at a time**: `step`, which updates both states in place (on a GPU with
-#    `selective_state_update`).
-#
-# The cell runs all three on the same weights and input, for several lengths and chunkings, in
-# float64: any difference beyond rounding is a bug.
-
-# %%
-def three_ways(length, chunks, d_model, d_state, batch, seed=0, dtype=torch.float64):
-    """Max difference between whole-sequence, chunked and token-by-token outputs (and final states)."""
-    torch.manual_seed(seed)
-    block = Mamba(d_model, d_state=d_state, layer_idx=0, backend="triton", device=DEVICE, dtype=dtype)
-    hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=dtype)
-    with torch.no_grad():
-        whole = block(hidden)
-        params = InferenceParams(max_seqlen=length, max_batch_size=batch)
-        pieces, start = [], 0
-        for size in chunks:
-            pieces.append(block(hidden[:, start:start + size], params))
-            params.seqlen_offset += size
-            start += size
-        chunked = torch.cat(pieces, dim=1)
-        conv_state, ssm_state = block.allocate_inference_cache(batch, length)
-        tokens = torch.cat([block.step(hidden[:, t:t + 1], conv_state, ssm_state)[0] for t in range(length)], 1)
-    cached = params.key_value_memory_dict[0]
-    return {"chunks": max_err(chunked, whole), "tokens": max_err(tokens, whole),
-            "states": max(max_err(conv_state, cached[0]), max_err(ssm_state, cached[1]))}
-
-
-if ON_GPU:
-    sizes, cases = dict(d_model=64, d_state=16, batch=2), {1: [1], 7: [3, 4], 129: [64, 1, 64], 1000: [500, 300, 200]}
-else:
-    sizes, cases = dict(d_model=4, d_state=4, batch=1), {1: [1], 7: [3, 4], 40: [20, 1, 19]}
-for length, chunks in cases.items():
-    diffs = three_ways(length, chunks, **sizes)
-    print(f"L={length:5d} in chunks {chunks}: " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
-    assert max(diffs.values()) < 1e-10, diffs
-
-# %% [markdown]
-# What the two states buy is measured in "Going deeper: generation's cost": the cost of the next token,
-# the block's step against an attention layer's, whose cache grows with the position, and a check that
-# generation's cache never grows.
+# The block continues from two small states: the last `d_conv` inputs of the convolution and the
+# scan's $h$ (d_inner x N). So three ways to run it must agree: **the whole sequence** at once
+# (training, or a short prompt); **chunks**, a long prompt fed in pieces, each starting from the states
+# the previous piece left; and **one token at a time**, `step`, which updates both states in place (on
+# a GPU with `selective_state_update`). "Going deeper: inference three ways" checks that they agree to
+# rounding; "Going deeper: generation's cost" times a step against an attention layer's.
 
 # %% [markdown]
 # ## 5. A model that learns: selective copying
 #
 # The Mamba paper motivates selection with a synthetic task, *selective copying* (Gu & Dao 2023,
-# section 4.1.1). A sequence of `L` positions holds `n_data` data tokens scattered at random positions
-# among blank tokens; then come `n_data` markers, and at the $k$-th marker the model must output the
-# $k$-th data token. Only the markers are scored. The data tokens' positions change from one sequence
-# to the next, so the gaps between them have no fixed length.
-
-# %%
-BLANK, MARKER = 0, 1
-
-
-def selective_copying_batch(batch, length, n_data, n_symbols, generator, device=DEVICE):
-    """A batch of the selective-copying task: n_data tokens drawn from n_symbols data symbols
-    (token ids 2 .. n_symbols+1) at random positions among length - n_data blanks, then n_data markers.
-    Returns inputs (batch, length), targets (batch, length) and the mask of the scored positions
-    (the markers), where the targets are the data tokens in order."""
-    n_noise = length - n_data
-    data = torch.randint(2, n_symbols + 2, (batch, n_data), generator=generator)
-    positions = torch.rand(batch, n_noise, generator=generator).argsort(dim=-1)[:, :n_data].sort(dim=-1).values
-    inputs = torch.full((batch, length), BLANK, dtype=torch.long)
-    inputs.scatter_(1, positions, data)
-    inputs[:, n_noise:] = MARKER
-    targets = torch.full((batch, length), BLANK, dtype=torch.long)
-    targets[:, n_noise:] = data
-    mask = torch.zeros(batch, length, dtype=torch.bool)
-    mask[:, n_noise:] = True
-    return inputs.to(device), targets.to(device), mask.to(device)
-
-
-def show_tokens(tokens):
-    """A token sequence as text: '.' blank, '>' marker, letters for the data symbols."""
-    return "".join(".>"[t] if t < 2 else chr(ord("a") + t - 2) for t in tokens.tolist())
-
-
-# The same task and model on both; the GPU trains on larger batches.
-copy_cfg = dict(length=32, n_data=4, n_symbols=8, d_model=32, n_layers=1, batch=64 if ON_GPU else 16,
-                steps=1600 if ON_GPU else 1200, lr=1e-2)
-copy_data = {k: copy_cfg[k] for k in ("length", "n_data", "n_symbols")}
-
-example_in, example_target, example_mask = selective_copying_batch(
-    2, generator=torch.Generator().manual_seed(0), **copy_data)
-for row in range(2):
-    print("input :", show_tokens(example_in[row]))
-    print("target:", " " * int((~example_mask[row]).sum()) + show_tokens(example_target[row][example_mask[row]]))
+# section 4.1.1). A sequence of `L` positions holds `n_data` data tokens at random positions among
+# blank tokens; then come `n_data` markers, and at the $k$-th marker the model must output the $k$-th
+# data token. Only the markers are scored. The data tokens' positions change from one sequence to the
+# next, so the gaps between them have no fixed length.
 
 # %% [markdown]
-# Why this needs selection. Fix $\Delta$, $B$ and $C$ (the same at every position, whatever the input)
-# and each channel's scan becomes *time-invariant* (LTI): unrolling $h_t = a h_{t-1} + \Delta B u_t$,
-# with $a = e^{\Delta A}$ at every step, gives a fixed convolution over positions,
+# **Why this needs selection.** Fix $\Delta$, $B$ and $C$ (the same at every position, whatever the
+# input) and each channel's scan becomes *time-invariant* (LTI): unrolling
+# $h_t = a h_{t-1} + \Delta B u_t$, with $a = e^{\Delta A}$, gives a fixed convolution over positions,
 #
 # $$\bar y_t = \sum_{s \le t} k_{t-s}\, u_s + D u_t, \qquad k_j = \sum_n C_n\, e^{j \Delta A_n}\, \Delta B_n .$$
 #
-# The weight $k_{t-s}$ that token $s$ gets at position $t$ depends only on the distance $t - s$, never
-# on the tokens in between. Making the blanks' values $u_s$ small does not help: a kernel that decays
-# weighs the $k$-th data token by the random number of positions after it, and one that does not
-# ($a \approx 1$) sums the data tokens in no order. A selective scan computes $\Delta_t$, $B_t$ and
-# $C_t$ from the token, so it can, for instance, take $\Delta_t$ near 0 on a blank
-# ($a_t \approx 1$, $b_t \approx 0$: the state passes through untouched) and a large $\Delta_t$ on a
-# data token, which is written in. The state then evolves only on the data tokens, however long the
-# gaps. Training finds its own mix of $\Delta$, $B$ and $C$.
+# The weight $k_{t-s}$ of token $s$ at position $t$ depends only on the distance $t - s$, never on the
+# tokens between. Small blank values $u_s$ do not help: a decaying kernel weighs the $k$-th data token
+# by the random number of positions after it, and one that does not decay ($a \approx 1$) sums the
+# data tokens in no order. A selective scan computes $\Delta_t$, $B_t$ and $C_t$ from the token, so it
+# can, for instance, take $\Delta_t$ near 0 on a blank ($a_t \approx 1$, $b_t \approx 0$: the state
+# passes untouched) and a large $\Delta_t$ on a data token, which is written in: the state evolves only
+# on the data tokens, however long the gaps. Training finds its own mix of $\Delta$, $B$ and $C$.
 #
 # The model: an embedding, `n_layers` residual blocks
 # $x \leftarrow x + \mathrm{Mamba}(\mathrm{RMSNorm}(x))$ (here one; "Going deeper: selective copying"
-# says why), a final RMSNorm and a linear head. The
-# baseline swaps in an LTI block: a subclass of `scan_lib.Mamba` whose `ssm_parameters` returns learned
-# constants. Everything else is shared, so the two differ only in the selection.
-
-# %%
-class CopyLM(nn.Module):
-    """Embedding, n_layers residual blocks x + mixer(RMSNorm(x)), a final RMSNorm and a linear head."""
-
-    def __init__(self, mixer, vocab, d_model, n_layers):
-        super().__init__()
-        self.embedding = nn.Embedding(vocab, d_model)
-        self.norms = nn.ModuleList(nn.RMSNorm(d_model) for _ in range(n_layers))
-        self.mixers = nn.ModuleList(mixer(d_model, layer_idx=i) for i in range(n_layers))
-        self.norm_f = nn.RMSNorm(d_model)
-        self.head = nn.Linear(d_model, vocab, bias=False)
-
-    def forward(self, tokens):                         # tokens (batch, L) -> logits (batch, L, vocab)
-        x = self.embedding(tokens)
-        for norm, mixer in zip(self.norms, self.mixers):
-            x = x + mixer(norm(x))
-        return self.head(self.norm_f(x))
-
-    def step(self, tokens, caches):                    # tokens (batch,) -> logits (batch, vocab), one position
-        x = self.embedding(tokens)[:, None]
-        for i, (norm, mixer) in enumerate(zip(self.norms, self.mixers)):
-            out, conv_state, ssm_state = mixer.step(norm(x), *caches[i])
-            caches[i] = (conv_state, ssm_state)
-            x = x + out
-        return self.head(self.norm_f(x))[:, 0]
-
-
-class LTIMamba(scan_lib.Mamba):
-    """scan_lib.Mamba with Delta, B and C that do not depend on the input: learned constants broadcast
-    over the batch and the positions, so its scan is a linear time-invariant SSM. (x_proj goes unused.)"""
-
-    def __init__(self, d_model, **kwargs):
-        super().__init__(d_model, **kwargs)
-        like = dict(device=self.A_log.device, dtype=self.dt_proj.weight.dtype)
-        self.delta_const = nn.Parameter(torch.zeros(self.d_inner, **like))  # dt_proj.bias still sets the step
-        self.B_const = nn.Parameter(torch.randn(self.d_state, **like))
-        self.C_const = nn.Parameter(torch.randn(self.d_state, **like))
-
-    def ssm_parameters(self, x):                        # x (batch, d_inner, L): only its shape is used
-        batch, _, length = x.shape
-        return (self.delta_const[None, :, None].expand(batch, -1, length),
-                self.B_const[None, :, None].expand(batch, -1, length),
-                self.C_const[None, :, None].expand(batch, -1, length))
-
-
-# The baseline's Delta, B and C are the same for two different inputs; the selective block's are not.
-probe = LTIMamba(8).to(DEVICE), scan_lib.Mamba(8).to(DEVICE)
-probe_x = torch.randn(2, 2, 16, 5, device=DEVICE)
-for block in probe:
-    same = all(torch.equal(p, q) for p, q in zip(block.ssm_parameters(probe_x[0]), block.ssm_parameters(probe_x[1])))
-    print(f"{type(block).__name__:8s} Delta, B, C independent of the input: {same}")
-    assert same == isinstance(block, LTIMamba)
+# says why), a final RMSNorm and a linear head. The baseline's block is LTI: a subclass of
+# `scan_lib.Mamba` whose `ssm_parameters` returns learned constants. All else is shared, so the two
+# differ only in the selection.
 
 # %% [markdown]
-# Training: AdamW with a linear warm-up over the first tenth of the steps and a cosine decay,
-# cross-entropy on the scored positions only, the same batches for both models. Both start from the
-# same weights wherever they share a parameter: the cell loads the selective model's `state_dict` into
-# the baseline (all but its three constants) and asserts that they are equal.
-
-# %%
-from tqdm import tqdm   # a text progress bar (tqdm.auto would want ipywidgets in Jupyter)
-
-
-def train_copying(model, cfg, seed=0):
-    """Train a CopyLM on fresh batches of the task (drawn from `seed`); returns the model and the loss
-    and accuracy on the scored positions at every step."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
-    steps, warmup = cfg["steps"], cfg["steps"] // 10
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
-    generator = torch.Generator().manual_seed(seed)
-    data = {k: cfg[k] for k in ("length", "n_data", "n_symbols")}
-    losses, accuracies = [], []
-    progress = tqdm(range(steps), desc=type(model.mixers[0]).__name__, mininterval=1.0)
-    for step in progress:
-        inputs, targets, mask = selective_copying_batch(cfg["batch"], generator=generator, **data)
-        logits = model(inputs)[mask]                       # (scored positions, vocab)
-        loss = F.cross_entropy(logits, targets[mask])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        losses.append(loss.item())
-        accuracies.append((logits.argmax(-1) == targets[mask]).float().mean().item())
-        if step % 10 == 0 or step == steps - 1:
-            progress.set_postfix(loss=f"{losses[-1]:.3f}", accuracy=f"{accuracies[-1]:.2f}", refresh=False)
-    return model, losses, accuracies
-
-
-copy_models = {}
-for name, mixer in [("Mamba (selective)", scan_lib.Mamba), ("LTI baseline", LTIMamba)]:
-    torch.manual_seed(0)
-    copy_models[name] = CopyLM(mixer, copy_cfg["n_symbols"] + 2, copy_cfg["d_model"], copy_cfg["n_layers"]).to(DEVICE)
-selective_start = copy_models["Mamba (selective)"].state_dict()
-not_loaded = copy_models["LTI baseline"].load_state_dict(selective_start, strict=False)
-assert not not_loaded.unexpected_keys and {k.rsplit(".", 1)[1] for k in not_loaded.missing_keys} == {
-    "delta_const", "B_const", "C_const"}, not_loaded
-baseline_start = copy_models["LTI baseline"].state_dict()
-assert all(torch.equal(value, baseline_start[key]) for key, value in selective_start.items())
-print(f"shared parameters equal at the start: {len(selective_start)} tensors; "
-      f"the baseline's own: {sorted(not_loaded.missing_keys)}")
-copy_runs = {name: train_copying(model, copy_cfg) for name, model in copy_models.items()}
-
-# %% [markdown]
-# The next cell asserts the outcome on a fresh held-out batch (the selective model copies at least 90%
-# of the tokens, the baseline at most 70%) and prints the accuracy for each slot $k$ (the $k$-th marker).
-# The training curves are drawn in "Going deeper: selective copying".
-
-# %%
-with torch.no_grad():
-    test_in, test_target, test_mask = selective_copying_batch(
-        1000, generator=torch.Generator().manual_seed(1), **copy_data)
-    copy_correct = {name: (model(test_in).argmax(-1) == test_target)[test_mask].view(len(test_in), -1).double()
-                    for name, (model, _, _) in copy_runs.items()}            # (sequences, n_data) hits
-copy_accuracy = {name: hits.mean().item() for name, hits in copy_correct.items()}
-chance = 1 / copy_cfg["n_symbols"]
-print(f"chance {chance:.3f}")
-print(f"{'model':18s} {'held-out':>8s}   by slot k = 1 .. n_data = {copy_cfg['n_data']}")
-for name, hits in copy_correct.items():
-    print(f"{name:18s} {copy_accuracy[name]:8.3f}   " + " ".join(f"{a:.2f}" for a in hits.mean(0).tolist()))
-baseline_slots = copy_correct["LTI baseline"].mean(0)
-print(f"the baseline's best slot: k = {baseline_slots.argmax().item() + 1} of {copy_cfg['n_data']}; "
-      f"its last slot beats its first: {bool(baseline_slots[-1] > baseline_slots[0])}")
-assert copy_accuracy["Mamba (selective)"] >= 0.9
-assert copy_accuracy["LTI baseline"] <= 0.7
-
-# %% [markdown]
-# In this run the selective model copies every slot; the baseline gets 0.467 of the tokens (chance is
-# 0.125), rising from 0.32 at the first marker to 0.65 at the last: at the last marker the answer is
-# the most recent data token, the one a decaying kernel weighs most.
-#
-# "Going deeper: selective copying" also runs the trained model token by token through `step` and
-# checks it against the whole-sequence forward.
+# **The result.** Both models train alike (AdamW with warm-up and cosine decay, cross-entropy on the
+# scored positions, the same batches, the same starting weights where they share a parameter) and are
+# scored on a held-out batch. In the recorded run the selective model copies every slot; the baseline
+# gets 0.467 of the tokens (chance is 0.125), from 0.32 at the first marker to 0.65 at the last, where
+# the answer is the most recent data token, the one a decaying kernel weighs most. "Going deeper:
+# selective copying" has the code (it asserts at least 90% for the selective model, at most 70% for
+# the baseline), the training curves, and the trained model generating token by token through `step`.
 
 # %% [markdown]
 # ## 6. On the GPU: one block against `mamba_ssm`'s
 #
-# The same weights in `scan_lib.Mamba` and in `mamba_ssm`'s `Mamba` (skipped where it is not installed),
-# at the size of a small language model's layer: first the outputs and gradients must agree, then the
-# times, forward and forward+backward, in float32 and bfloat16. `mamba_ssm` runs its unfused path
-# (convolution and scan as separate calls, like ours) and, where the `causal-conv1d` package is
-# installed, its fused path (one autograd function for the whole block).
-
-# %%
-#| export
-def _mamba_ssm_block():
-    """mamba_ssm's Mamba module class, or None and the reason it is missing. mamba_ssm's package
-    __init__ also imports Mamba2, Mamba3 and transformers; only mamba_simple is needed here."""
-    import importlib
-    import importlib.util
-    import sys
-    import types
-    try:
-        if "mamba_ssm" not in sys.modules:   # the package without its __init__ (a second call finds it)
-            spec = importlib.util.find_spec("mamba_ssm")
-            if spec is None:
-                return None, "mamba_ssm is not installed"
-            package = types.ModuleType("mamba_ssm")
-            package.__path__, package.__spec__ = list(spec.submodule_search_locations), spec
-            sys.modules["mamba_ssm"] = package
-        return importlib.import_module("mamba_ssm.modules.mamba_simple").Mamba, None
-    except Exception as error:   # noqa: BLE001 (a missing CUDA extension shows up as any of several errors)
-        return None, f"mamba_ssm not importable: {type(error).__name__}: {error}"
-
-# %%
-def block_pair(MambaSSM, d_model, dtype, fast_path, seed=0):
-    """scan_lib's block and mamba_ssm's (the class MambaSSM) with the same weights."""
-    torch.manual_seed(seed)
-    ours = Mamba(d_model, device=DEVICE, dtype=dtype)
-    theirs = MambaSSM(d_model, use_fast_path=fast_path, device=DEVICE, dtype=dtype)
-    theirs.load_state_dict(ours.state_dict())
-    return ours, theirs
-
-
-def agreement(ours, theirs, hidden):
-    """Relative differences of output and of every parameter's gradient (ours against theirs)."""
-    outs = []
-    for m in (ours, theirs):
-        m.zero_grad(set_to_none=True)
-        out = m(hidden)
-        out.float().square().mean().backward()
-        outs.append(out)
-    diffs = {"out": rel_err(outs[0], outs[1])}
-    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
-        diffs[name] = rel_err(p.grad, q.grad)
-    return diffs
-
-
-def block_times(m, hidden):
-    with torch.no_grad():
-        forward = scan_lib.runtime.median_us(lambda: m(hidden), rep=200)
-    grad = torch.randn_like(hidden)
-    training = scan_lib.runtime.median_us(lambda: m(hidden).backward(grad), rep=400)
-    return forward, training
-
-
-MambaSSM, missing = _mamba_ssm_block()
-if not ON_GPU or MambaSSM is None:
-    print(f"skipped: {'needs a GPU' if not ON_GPU else missing}")
-else:
-    import importlib.util
-    if importlib.util.find_spec("causal_conv1d") is not None:   # the package (its name is our function's)
-        paths = {"mamba_ssm (unfused)": False, "mamba_ssm (fused)": True}
-    else:
-        paths = {"mamba_ssm (unfused)": False}
-        print("causal-conv1d is not installed: mamba_ssm's fused path and its conv kernel are not measured")
-    batch, length, d_model = 8, 2048, 1024
-    print(f"{scan_lib.runtime.describe()}; batch {batch}, L {length}, d_model {d_model} (d_inner 2048, N 16)")
-    results = []
-    for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2)):
-        hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=dtype)
-        for label, fast_path in paths.items():
-            ours, theirs = block_pair(MambaSSM, d_model, dtype, fast_path)
-            diffs = agreement(ours, theirs, hidden)
-            worst = max(diffs, key=diffs.get)
-            print(f"{str(dtype):15s} vs {label}: out {diffs['out']:.1e}, worst of output and gradients: "
-                  f"{worst} {diffs[worst]:.1e}")
-            assert max(diffs.values()) < tol, diffs
-            if fast_path is False:
-                results.append((dtype, "scan_lib", *block_times(ours, hidden)))
-            results.append((dtype, label, *block_times(theirs, hidden)))
-    print(f"\n{'dtype':15s} {'block':22s} {'forward us':>11s} {'fwd+bwd us':>11s}")
-    for dtype, label, fwd, train in results:
-        print(f"{str(dtype):15s} {label:22s} {fwd:11.0f} {train:11.0f}")
-    for dtype in (torch.float32, torch.bfloat16):
-        rows = {label: (fwd, train) for d, label, fwd, train in results if d == dtype}
-        for label in paths:
-            print(f"{str(dtype)}: {label} / scan_lib = {rows[label][0] / rows['scan_lib'][0]:.2f} forward, "
-                  f"{rows[label][1] / rows['scan_lib'][1]:.2f} forward+backward (above 1: scan_lib faster)")
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    labels = ["scan_lib"] + list(paths)
-    for ax, dtype in zip(axes, (torch.float32, torch.bfloat16)):
-        rows = {label: (fwd, train) for d, label, fwd, train in results if d == dtype}
-        xs = torch.arange(len(labels)).float()
-        ax.bar(xs - 0.2, [rows[l][0] for l in labels], 0.4, label="forward")
-        ax.bar(xs + 0.2, [rows[l][1] for l in labels], 0.4, label="forward+backward")
-        ax.set_xticks(xs.tolist(), [l.replace("mamba_ssm ", "mamba_ssm\n") for l in labels], fontsize=8)
-        ax.set(ylabel="us", title=f"one block, {str(dtype)[6:]}")
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    save_figure(fig, "06_block_benchmark.png")
-
-# %% [markdown]
-# The two blocks compute the same function: the cell asserts that outputs and every gradient agree.
-# In this run ours is the faster in every row. In a training step (forward+backward) `mamba_ssm`'s
-# time over ours is 1.03 (fused) to 1.05 (unfused) in float32 and 1.13 (fused) to 1.21 (unfused) in
-# bfloat16; in the forward alone it is 1.05 in float32 and 1.08 in bfloat16, for both of `mamba_ssm`'s
-# paths. Gaps of a few percent, as in float32, are within what a second run can change (see
-# "Section 6's comparison: the fine print").
+# With the same weights, `scan_lib.Mamba` and `mamba_ssm`'s `Mamba` agree in outputs and every
+# gradient at the size of a small language model's layer (batch 8, L 2048, d_model 1024), in float32
+# and bfloat16. In the recorded run ours is the faster in every row, forward and forward+backward,
+# against both of `mamba_ssm`'s paths; the widest gap is bfloat16's training step, where `mamba_ssm`
+# takes 1.13 to 1.21 times as long. "Going deeper: one block against `mamba_ssm`'s" has the code, every
+# ratio and the fine print.
 
 # %% [markdown]
 # ## Going deeper
+
+# %% [markdown]
+# ### The convolution's backward, derived
+#
+# Section 2's kernel computes the forward only; training also needs the gradients, which the library's
+# backward kernel (next subsection) computes. Their formulas:
+#
+# **The backward.** Write $p_{t,d}$ for the pre-activation, the argument of silu
+# ($u = \mathrm{silu}(p)$). The incoming gradient through the activation is
+#
+# $$g_t = \frac{\partial\mathcal{L}}{\partial p_t} = \frac{\partial\mathcal{L}}{\partial u_t}\,
+# \mathrm{silu}'(p_t), \qquad \mathrm{silu}'(p) = \sigma(p)\big(1 + p\,(1 - \sigma(p))\big).$$
+#
+# Input $x_s$ appears in the outputs $t = s, \dots, s+K-1$, as the term $k = s - t + K - 1$, so
+#
+# $$\frac{\partial\mathcal{L}}{\partial x_s} = \sum_{j=0}^{K-1} w_{K-1-j}\, g_{s+j}
+# \qquad (g_t = 0 \text{ for } t \ge L):$$
+#
+# the same convolution with the **flipped** filter, run **forward** in time. The initial states are
+# the inputs at $s = -K+1, \dots, -1$, so the same formula gives their gradients, with only the terms
+# $s + j \ge 0$. Numbering them $h^0_i = x_{i-K+1}$, $i = 0, \dots, K-2$, and substituting
+# $k = K-1-j$:
+#
+# $$\frac{\partial\mathcal{L}}{\partial h^0_{i}} = \sum_{k=0}^{i} w_{k}\, g_{i-k}.$$
+#
+# The weight and bias gradients sum over every batch element and position:
+#
+# $$\frac{\partial\mathcal{L}}{\partial w_{d,k}} = \sum_{b,\,t} g_{b,t,d}\; x_{b,\,t-K+1+k,\,d},
+# \qquad \frac{\partial\mathcal{L}}{\partial \beta_d} = \sum_{b,\,t} g_{b,t,d}.$$
+#
+# A gradient arriving through the final states (the last $K-1$ columns of `cat(initial_states, x)`)
+# flows straight into the inputs they copied: the last $K-1$ columns of $x$, or initial states when
+# $L < K-1$.
 
 # %% [markdown]
 # ### The convolution kernels
@@ -1229,9 +911,9 @@ def causal_conv1d_fwd_kernel(
                  d_ok & (j < WIDTH - 1))
 
 # %% [markdown]
-# **The backward in runs.** The kernel computes section 2's formulas. For
-# $\partial\mathcal{L}/\partial x$, item $i$ of a run needs $g$ at items $i, \dots, i+K-1$, the last
-# ones in the run after it; so the kernel loads $x$ and $\partial\mathcal{L}/\partial u$ where they are
+# **The backward in runs.** The kernel computes the formulas of "The convolution's backward, derived"
+# above. For $\partial\mathcal{L}/\partial x$, item $i$ of a run needs $g$ at items $i, \dots, i+K-1$,
+# the last ones in the run after it; so the kernel loads $x$ and $\partial\mathcal{L}/\partial u$ where they are
 # and one run later, and computes $g$ at the run's `ITEMS` items and at the next run's first $K-1$. The
 # same formula, with $x$ padded on the left by the initial states, gives their gradients (the `dh0`
 # loop). For the weight and bias gradients each program writes its block's partial sums, and PyTorch
@@ -1415,7 +1097,7 @@ for width in (2, 3, 4):
 # convolution for $\partial\mathcal{L}/\partial x_s$ reads positions $s, \dots, s+K-1$, zero past $L$;
 # the kernel loads $x$ one run earlier too, for $p$ at the first items. It recomputes $g$ at the next
 # run's first $K-1$ positions rather than moving it between threads: a sigmoid costs less than a trip
-# through shared memory. The initial states' gradients are section 2's sum for
+# through shared memory. The initial states' gradients are the sum derived above for
 # $\partial\mathcal{L}/\partial h^0_i$ over the first run's items, plus, when $L < K-1$, the gradient of
 # the final state that copied $h^0_i$ (the kernel's `dh0` loop).
 # PyTorch adds the programs' partial sums of the weight and bias gradients in a fixed order: no
@@ -2056,6 +1738,175 @@ print("the sketch's C is its B: True;  the block's B and C differ: True")
 # are independent.
 
 # %% [markdown]
+# ### One block against `mamba_ssm`'s: the check, the times and the fine print
+#
+# The measurement behind section 6's summary: the same weights in `scan_lib.Mamba` and in
+# `mamba_ssm`'s `Mamba` (skipped where it is not installed), at the size of a small language model's
+# layer: first the outputs and gradients must agree, then the times, forward and forward+backward, in float32 and bfloat16.
+# `mamba_ssm` runs its unfused path (convolution and scan as separate calls, like ours) and, where the
+# `causal-conv1d` package is installed, its fused path (one autograd function for the whole block).
+#
+# The two blocks run at batch 8, L 2048, d_model 1024 (d_inner 2048, N 16), with `mamba_ssm` built
+# for this GPU. The forward is timed for inference, without autograd. `mamba_ssm`'s unfused path is
+# `use_fast_path=False`; its fused path is `mamba_inner_fn`. In the printed ratio lines a ratio below 1
+# means `mamba_ssm`'s block is the faster in that row, above 1 ours. These are one run's medians;
+# differences of a few percent are within what a second run can change.
+
+# %%
+#| export
+def _mamba_ssm_block():
+    """mamba_ssm's Mamba module class, or None and the reason it is missing. mamba_ssm's package
+    __init__ also imports Mamba2, Mamba3 and transformers; only mamba_simple is needed here."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+    try:
+        if "mamba_ssm" not in sys.modules:   # the package without its __init__ (a second call finds it)
+            spec = importlib.util.find_spec("mamba_ssm")
+            if spec is None:
+                return None, "mamba_ssm is not installed"
+            package = types.ModuleType("mamba_ssm")
+            package.__path__, package.__spec__ = list(spec.submodule_search_locations), spec
+            sys.modules["mamba_ssm"] = package
+        return importlib.import_module("mamba_ssm.modules.mamba_simple").Mamba, None
+    except Exception as error:   # noqa: BLE001 (a missing CUDA extension shows up as any of several errors)
+        return None, f"mamba_ssm not importable: {type(error).__name__}: {error}"
+
+# %%
+def block_pair(MambaSSM, d_model, dtype, fast_path, seed=0):
+    """scan_lib's block and mamba_ssm's (the class MambaSSM) with the same weights."""
+    torch.manual_seed(seed)
+    ours = Mamba(d_model, device=DEVICE, dtype=dtype)
+    theirs = MambaSSM(d_model, use_fast_path=fast_path, device=DEVICE, dtype=dtype)
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def agreement(ours, theirs, hidden):
+    """Relative differences of output and of every parameter's gradient (ours against theirs)."""
+    outs = []
+    for m in (ours, theirs):
+        m.zero_grad(set_to_none=True)
+        out = m(hidden)
+        out.float().square().mean().backward()
+        outs.append(out)
+    diffs = {"out": rel_err(outs[0], outs[1])}
+    for (name, p), q in zip(ours.named_parameters(), theirs.parameters()):
+        diffs[name] = rel_err(p.grad, q.grad)
+    return diffs
+
+
+def block_times(m, hidden):
+    with torch.no_grad():
+        forward = scan_lib.runtime.median_us(lambda: m(hidden), rep=200)
+    grad = torch.randn_like(hidden)
+    training = scan_lib.runtime.median_us(lambda: m(hidden).backward(grad), rep=400)
+    return forward, training
+
+
+MambaSSM, missing = _mamba_ssm_block()
+if not ON_GPU or MambaSSM is None:
+    print(f"skipped: {'needs a GPU' if not ON_GPU else missing}")
+else:
+    import importlib.util
+    if importlib.util.find_spec("causal_conv1d") is not None:   # the package (its name is our function's)
+        paths = {"mamba_ssm (unfused)": False, "mamba_ssm (fused)": True}
+    else:
+        paths = {"mamba_ssm (unfused)": False}
+        print("causal-conv1d is not installed: mamba_ssm's fused path and its conv kernel are not measured")
+    batch, length, d_model = 8, 2048, 1024
+    print(f"{scan_lib.runtime.describe()}; batch {batch}, L {length}, d_model {d_model} (d_inner 2048, N 16)")
+    results = []
+    for dtype, tol in ((torch.float32, 1e-3), (torch.bfloat16, 5e-2)):
+        hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=dtype)
+        for label, fast_path in paths.items():
+            ours, theirs = block_pair(MambaSSM, d_model, dtype, fast_path)
+            diffs = agreement(ours, theirs, hidden)
+            worst = max(diffs, key=diffs.get)
+            print(f"{str(dtype):15s} vs {label}: out {diffs['out']:.1e}, worst of output and gradients: "
+                  f"{worst} {diffs[worst]:.1e}")
+            assert max(diffs.values()) < tol, diffs
+            if fast_path is False:
+                results.append((dtype, "scan_lib", *block_times(ours, hidden)))
+            results.append((dtype, label, *block_times(theirs, hidden)))
+    print(f"\n{'dtype':15s} {'block':22s} {'forward us':>11s} {'fwd+bwd us':>11s}")
+    for dtype, label, fwd, train in results:
+        print(f"{str(dtype):15s} {label:22s} {fwd:11.0f} {train:11.0f}")
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = {label: (fwd, train) for d, label, fwd, train in results if d == dtype}
+        for label in paths:
+            print(f"{str(dtype)}: {label} / scan_lib = {rows[label][0] / rows['scan_lib'][0]:.2f} forward, "
+                  f"{rows[label][1] / rows['scan_lib'][1]:.2f} forward+backward (above 1: scan_lib faster)")
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+    labels = ["scan_lib"] + list(paths)
+    for ax, dtype in zip(axes, (torch.float32, torch.bfloat16)):
+        rows = {label: (fwd, train) for d, label, fwd, train in results if d == dtype}
+        xs = torch.arange(len(labels)).float()
+        ax.bar(xs - 0.2, [rows[l][0] for l in labels], 0.4, label="forward")
+        ax.bar(xs + 0.2, [rows[l][1] for l in labels], 0.4, label="forward+backward")
+        ax.set_xticks(xs.tolist(), [l.replace("mamba_ssm ", "mamba_ssm\n") for l in labels], fontsize=8)
+        ax.set(ylabel="us", title=f"one block, {str(dtype)[6:]}")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    save_figure(fig, "06_block_benchmark.png")
+
+# %% [markdown]
+# The two blocks compute the same function: the cell asserts that outputs and every gradient agree.
+# In the recorded run ours is the faster in every row. In a training step (forward+backward)
+# `mamba_ssm`'s time over ours is 1.03 (fused) to 1.05 (unfused) in float32 and 1.13 (fused) to 1.21
+# (unfused) in bfloat16; in the forward alone it is 1.05 in float32 and 1.08 in bfloat16, for both of
+# `mamba_ssm`'s paths. Gaps of a few percent, as in float32, are within what a second run can change.
+
+# %% [markdown]
+# ### Where the time goes in scan_lib's block
+#
+# In scan_lib's block, bfloat16, forward+backward: the ten kernels that take the most GPU time, from
+# `torch.profiler`, with their share of the total. The list says which kernels the time goes to (the
+# selective scan's Triton kernels, cuBLAS's matrix products, the convolution, and PyTorch's elementwise
+# kernels) and in what proportion in this run. It does not say which PyTorch operation launched each
+# elementwise kernel: the names are generic and cut at 90 characters. Copies of strided inputs to
+# contiguous tensors, dtype casts and transposes around the projections are candidates, and finding out
+# which would need the profiler's stacks (`with_stack=True`), which this cell does not record.
+#
+# In this run the selective scan's two kernels take over two thirds of the step
+# (`strided_bwd_kernel` 1899 us, 52.4%; `strided_fwd_kernel` 563 us, 15.5%); three of cuBLAS's matrix
+# products (the `nvjet` kernels) follow at about 190 us each, then the convolution's backward (92 us),
+# one of PyTorch's own kernels, a concatenation (`CatArrayBatchedCopy`, 90 us), a fourth matrix product
+# (86 us) and a second PyTorch kernel, an addition (82 us); the convolution's forward (49 us) closes
+# the list. The names of PyTorch's two do not say which operation launched them; the backward has one
+# of each that fits, the split of `xz` into `x` and `z` (its backward concatenates their gradients)
+# and the sum of the convolution output's two gradients (from the scan and from `x_proj`), and
+# `with_stack=True` would confirm it.
+# `benchmarks/NOTES_selective_scan.md` ("Fifth look") records the profile of the block before its
+# projections were applied in that layout, when $B$, $C$ and the scan's output gradient reached the
+# kernels with positions far apart and the forward kernel alone took longer than this whole list's
+# first line.
+
+# %%
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    from torch.profiler import ProfilerActivity, profile
+    torch.manual_seed(0)
+    block = Mamba(1024, device=DEVICE, dtype=torch.bfloat16)
+    hidden = torch.randn(8, 2048, 1024, device=DEVICE, dtype=torch.bfloat16)
+    grad = torch.randn_like(hidden)
+    for _ in range(3):
+        block(hidden).backward(grad)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            block(hidden).backward(grad)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in events)
+    print(f"GPU time per forward+backward: {total / 5:.0f} us")
+    for e in events[:10]:
+        print(f"{e.self_device_time_total / 5:8.0f} us {100 * e.self_device_time_total / total:5.1f}%  {e.key[:90]}")
+
+# %% [markdown]
 # ### The block: layouts, caches and what `mamba_ssm` does differently
 #
 # - **Layouts.** Every projection is one matrix product on the (features, batch L) matrix of its input
@@ -2099,8 +1950,8 @@ print("the sketch's C is its B: True;  the block's B and C differ: True")
 #   block relative to the largest value: float32 carries 24 bits (about $6 \cdot 10^{-8}$), and each
 #   output sums a few hundred products through the projections and the scan, so errors of a few
 #   $10^{-6}$ are expected; $10^{-4}$ would still catch any wrong term. That a `state_dict` moves
-#   between our block and `mamba_ssm`'s is checked only where `mamba_ssm` runs: section 6 loads ours
-#   into theirs and compares outputs and gradients.
+#   between our block and `mamba_ssm`'s is checked only where `mamba_ssm` runs: "One block against
+#   `mamba_ssm`'s" above loads ours into theirs and compares outputs and gradients.
 
 # %% [markdown]
 # **The same parameters as `mamba_ssm`.** The cell checks that the `state_dict` has exactly
@@ -2133,10 +1984,10 @@ print("parameter names and shapes as mamba_ssm's (listed by hand); our state_dic
 
 # %% [markdown]
 # **The same seed, the same weights.** The constructor also makes `mamba_ssm`'s random draws in
-# `mamba_ssm`'s order, so the same seed should give the same weights; the comparisons in the main line
+# `mamba_ssm`'s order, so the same seed should give the same weights; the comparisons in this chapter
 # never rely on it: they copy the `state_dict`. Where `mamba_ssm`'s module imports (on a GPU with the
-# package built; the same `_mamba_ssm_block` as section 6 and `tests/test_mamba.py`), the cell builds
-# both blocks from the same seed, for the default options and for a second set, and asserts every
+# package built; the same `_mamba_ssm_block` as "One block against `mamba_ssm`'s" above and
+# `tests/test_mamba.py`), the cell builds both blocks from the same seed, for the default options and for a second set, and asserts every
 # parameter bit-identical, without copying anything; elsewhere it says it skipped. (`_mamba_ssm_block`
 # imports `mamba_ssm`'s module without the package's `__init__`, through a stand-in package it puts in
 # `sys.modules` with the real package's import spec; an earlier run's stand-in had no spec, and this
@@ -2158,6 +2009,45 @@ else:
         print(f"options {options or 'default'}: {len(ours_params)} parameters, bit-identical from the same seed: "
               f"{not different}")
         assert not different, different
+
+# %% [markdown]
+# ### Inference three ways: the check
+#
+# Section 4's three ways to run the block, checked against each other: the whole sequence, chunks
+# through `forward` with `InferenceParams`, and `step` token by token, on the same weights and input,
+# for several lengths and chunkings, in float64: any difference beyond rounding, in the outputs or in
+# the final states, is a bug.
+
+# %%
+def three_ways(length, chunks, d_model, d_state, batch, seed=0, dtype=torch.float64):
+    """Max difference between whole-sequence, chunked and token-by-token outputs (and final states)."""
+    torch.manual_seed(seed)
+    block = Mamba(d_model, d_state=d_state, layer_idx=0, backend="triton", device=DEVICE, dtype=dtype)
+    hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        whole = block(hidden)
+        params = InferenceParams(max_seqlen=length, max_batch_size=batch)
+        pieces, start = [], 0
+        for size in chunks:
+            pieces.append(block(hidden[:, start:start + size], params))
+            params.seqlen_offset += size
+            start += size
+        chunked = torch.cat(pieces, dim=1)
+        conv_state, ssm_state = block.allocate_inference_cache(batch, length)
+        tokens = torch.cat([block.step(hidden[:, t:t + 1], conv_state, ssm_state)[0] for t in range(length)], 1)
+    cached = params.key_value_memory_dict[0]
+    return {"chunks": max_err(chunked, whole), "tokens": max_err(tokens, whole),
+            "states": max(max_err(conv_state, cached[0]), max_err(ssm_state, cached[1]))}
+
+
+if ON_GPU:
+    sizes, cases = dict(d_model=64, d_state=16, batch=2), {1: [1], 7: [3, 4], 129: [64, 1, 64], 1000: [500, 300, 200]}
+else:
+    sizes, cases = dict(d_model=4, d_state=4, batch=1), {1: [1], 7: [3, 4], 40: [20, 1, 19]}
+for length, chunks in cases.items():
+    diffs = three_ways(length, chunks, **sizes)
+    print(f"L={length:5d} in chunks {chunks}: " + ", ".join(f"{k} {v:.1e}" for k, v in diffs.items()))
+    assert max(diffs.values()) < 1e-10, diffs
 
 # %% [markdown]
 # ### Generation's cost: timed against attention
@@ -2268,10 +2158,184 @@ print(f"after the prompt and {gen_params.seqlen_offset - 16} generated tokens: {
       f"{sum(n for _, n in first)} bytes, the same storage at every step")
 
 # %% [markdown]
+# ### Selective copying: the code and the run
+#
+# Section 5's experiment in code: the task's batches (the cell prints two examples), the two models, the
+# training loop, and the held-out score that section 5 quotes.
+
+# %%
+BLANK, MARKER = 0, 1
+
+
+def selective_copying_batch(batch, length, n_data, n_symbols, generator, device=DEVICE):
+    """A batch of the selective-copying task: n_data tokens drawn from n_symbols data symbols
+    (token ids 2 .. n_symbols+1) at random positions among length - n_data blanks, then n_data markers.
+    Returns inputs (batch, length), targets (batch, length) and the mask of the scored positions
+    (the markers), where the targets are the data tokens in order."""
+    n_noise = length - n_data
+    data = torch.randint(2, n_symbols + 2, (batch, n_data), generator=generator)
+    positions = torch.rand(batch, n_noise, generator=generator).argsort(dim=-1)[:, :n_data].sort(dim=-1).values
+    inputs = torch.full((batch, length), BLANK, dtype=torch.long)
+    inputs.scatter_(1, positions, data)
+    inputs[:, n_noise:] = MARKER
+    targets = torch.full((batch, length), BLANK, dtype=torch.long)
+    targets[:, n_noise:] = data
+    mask = torch.zeros(batch, length, dtype=torch.bool)
+    mask[:, n_noise:] = True
+    return inputs.to(device), targets.to(device), mask.to(device)
+
+
+def show_tokens(tokens):
+    """A token sequence as text: '.' blank, '>' marker, letters for the data symbols."""
+    return "".join(".>"[t] if t < 2 else chr(ord("a") + t - 2) for t in tokens.tolist())
+
+
+# The same task and model on both; the GPU trains on larger batches.
+copy_cfg = dict(length=32, n_data=4, n_symbols=8, d_model=32, n_layers=1, batch=64 if ON_GPU else 16,
+                steps=1600 if ON_GPU else 1200, lr=1e-2)
+copy_data = {k: copy_cfg[k] for k in ("length", "n_data", "n_symbols")}
+
+example_in, example_target, example_mask = selective_copying_batch(
+    2, generator=torch.Generator().manual_seed(0), **copy_data)
+for row in range(2):
+    print("input :", show_tokens(example_in[row]))
+    print("target:", " " * int((~example_mask[row]).sum()) + show_tokens(example_target[row][example_mask[row]]))
+
+# %% [markdown]
+# The model and the LTI baseline of section 5. The cell's last lines check that the baseline's
+# $\Delta$, $B$ and $C$ are the same for two different inputs and the selective block's are not.
+
+# %%
+class CopyLM(nn.Module):
+    """Embedding, n_layers residual blocks x + mixer(RMSNorm(x)), a final RMSNorm and a linear head."""
+
+    def __init__(self, mixer, vocab, d_model, n_layers):
+        super().__init__()
+        self.embedding = nn.Embedding(vocab, d_model)
+        self.norms = nn.ModuleList(nn.RMSNorm(d_model) for _ in range(n_layers))
+        self.mixers = nn.ModuleList(mixer(d_model, layer_idx=i) for i in range(n_layers))
+        self.norm_f = nn.RMSNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+
+    def forward(self, tokens):                         # tokens (batch, L) -> logits (batch, L, vocab)
+        x = self.embedding(tokens)
+        for norm, mixer in zip(self.norms, self.mixers):
+            x = x + mixer(norm(x))
+        return self.head(self.norm_f(x))
+
+    def step(self, tokens, caches):                    # tokens (batch,) -> logits (batch, vocab), one position
+        x = self.embedding(tokens)[:, None]
+        for i, (norm, mixer) in enumerate(zip(self.norms, self.mixers)):
+            out, conv_state, ssm_state = mixer.step(norm(x), *caches[i])
+            caches[i] = (conv_state, ssm_state)
+            x = x + out
+        return self.head(self.norm_f(x))[:, 0]
+
+
+class LTIMamba(scan_lib.Mamba):
+    """scan_lib.Mamba with Delta, B and C that do not depend on the input: learned constants broadcast
+    over the batch and the positions, so its scan is a linear time-invariant SSM. (x_proj goes unused.)"""
+
+    def __init__(self, d_model, **kwargs):
+        super().__init__(d_model, **kwargs)
+        like = dict(device=self.A_log.device, dtype=self.dt_proj.weight.dtype)
+        self.delta_const = nn.Parameter(torch.zeros(self.d_inner, **like))  # dt_proj.bias still sets the step
+        self.B_const = nn.Parameter(torch.randn(self.d_state, **like))
+        self.C_const = nn.Parameter(torch.randn(self.d_state, **like))
+
+    def ssm_parameters(self, x):                        # x (batch, d_inner, L): only its shape is used
+        batch, _, length = x.shape
+        return (self.delta_const[None, :, None].expand(batch, -1, length),
+                self.B_const[None, :, None].expand(batch, -1, length),
+                self.C_const[None, :, None].expand(batch, -1, length))
+
+
+# The baseline's Delta, B and C are the same for two different inputs; the selective block's are not.
+probe = LTIMamba(8).to(DEVICE), scan_lib.Mamba(8).to(DEVICE)
+probe_x = torch.randn(2, 2, 16, 5, device=DEVICE)
+for block in probe:
+    same = all(torch.equal(p, q) for p, q in zip(block.ssm_parameters(probe_x[0]), block.ssm_parameters(probe_x[1])))
+    print(f"{type(block).__name__:8s} Delta, B, C independent of the input: {same}")
+    assert same == isinstance(block, LTIMamba)
+
+# %% [markdown]
+# Training: AdamW with a linear warm-up over the first tenth of the steps and a cosine decay,
+# cross-entropy on the scored positions only, the same batches for both models. Both start from the
+# same weights wherever they share a parameter: the cell loads the selective model's `state_dict` into
+# the baseline (all but its three constants) and asserts that they are equal.
+
+# %%
+from tqdm import tqdm   # a text progress bar (tqdm.auto would want ipywidgets in Jupyter)
+
+
+def train_copying(model, cfg, seed=0):
+    """Train a CopyLM on fresh batches of the task (drawn from `seed`); returns the model and the loss
+    and accuracy on the scored positions at every step."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.0)
+    steps, warmup = cfg["steps"], cfg["steps"] // 10
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+    generator = torch.Generator().manual_seed(seed)
+    data = {k: cfg[k] for k in ("length", "n_data", "n_symbols")}
+    losses, accuracies = [], []
+    progress = tqdm(range(steps), desc=type(model.mixers[0]).__name__, mininterval=1.0)
+    for step in progress:
+        inputs, targets, mask = selective_copying_batch(cfg["batch"], generator=generator, **data)
+        logits = model(inputs)[mask]                       # (scored positions, vocab)
+        loss = F.cross_entropy(logits, targets[mask])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(loss.item())
+        accuracies.append((logits.argmax(-1) == targets[mask]).float().mean().item())
+        if step % 10 == 0 or step == steps - 1:
+            progress.set_postfix(loss=f"{losses[-1]:.3f}", accuracy=f"{accuracies[-1]:.2f}", refresh=False)
+    return model, losses, accuracies
+
+
+copy_models = {}
+for name, mixer in [("Mamba (selective)", scan_lib.Mamba), ("LTI baseline", LTIMamba)]:
+    torch.manual_seed(0)
+    copy_models[name] = CopyLM(mixer, copy_cfg["n_symbols"] + 2, copy_cfg["d_model"], copy_cfg["n_layers"]).to(DEVICE)
+selective_start = copy_models["Mamba (selective)"].state_dict()
+not_loaded = copy_models["LTI baseline"].load_state_dict(selective_start, strict=False)
+assert not not_loaded.unexpected_keys and {k.rsplit(".", 1)[1] for k in not_loaded.missing_keys} == {
+    "delta_const", "B_const", "C_const"}, not_loaded
+baseline_start = copy_models["LTI baseline"].state_dict()
+assert all(torch.equal(value, baseline_start[key]) for key, value in selective_start.items())
+print(f"shared parameters equal at the start: {len(selective_start)} tensors; "
+      f"the baseline's own: {sorted(not_loaded.missing_keys)}")
+copy_runs = {name: train_copying(model, copy_cfg) for name, model in copy_models.items()}
+
+# %% [markdown]
+# The cell asserts the outcome on a fresh held-out batch (the selective model copies at least 90% of
+# the tokens, the baseline at most 70%) and prints the accuracy for each slot $k$ (the $k$-th marker).
+# The training curves are drawn below.
+
+# %%
+with torch.no_grad():
+    test_in, test_target, test_mask = selective_copying_batch(
+        1000, generator=torch.Generator().manual_seed(1), **copy_data)
+    copy_correct = {name: (model(test_in).argmax(-1) == test_target)[test_mask].view(len(test_in), -1).double()
+                    for name, (model, _, _) in copy_runs.items()}            # (sequences, n_data) hits
+copy_accuracy = {name: hits.mean().item() for name, hits in copy_correct.items()}
+chance = 1 / copy_cfg["n_symbols"]
+print(f"chance {chance:.3f}")
+print(f"{'model':18s} {'held-out':>8s}   by slot k = 1 .. n_data = {copy_cfg['n_data']}")
+for name, hits in copy_correct.items():
+    print(f"{name:18s} {copy_accuracy[name]:8.3f}   " + " ".join(f"{a:.2f}" for a in hits.mean(0).tolist()))
+baseline_slots = copy_correct["LTI baseline"].mean(0)
+print(f"the baseline's best slot: k = {baseline_slots.argmax().item() + 1} of {copy_cfg['n_data']}; "
+      f"its last slot beats its first: {bool(baseline_slots[-1] > baseline_slots[0])}")
+assert copy_accuracy["Mamba (selective)"] >= 0.9
+assert copy_accuracy["LTI baseline"] <= 0.7
+
+# %% [markdown]
 # ### Selective copying: the CPU path, the sizes and one run
 #
-# On a CPU, section 5 trains through the block's `"torch"` backend: the reference causal convolution
-# and `selective_scan_loop`, a Python loop over the `L` positions that autograd differentiates step
+# On a CPU, the training above runs through the block's `"torch"` backend: the reference causal
+# convolution and `selective_scan_loop`, a Python loop over the `L` positions that autograd differentiates step
 # by step. Its cost grows with `L` times the number of blocks, which is why the task keeps `L = 32`
 # and one block on both (the CPU profile trains on smaller batches and fewer steps); on a GPU the same model runs `scan_lib.causal_conv1d` and
 # `scan_lib.selective_scan`, and generation runs `selective_state_update`.
@@ -2324,7 +2388,7 @@ save_figure(fig, "06_selective_copying.png")
 # learning rate climbs linearly to its peak). So that first plateau is most likely the warm-up's small
 # early steps (not measured: no run without the warm-up), not a sign that the task is hard to start
 # on. The baseline's second plateau is different: its accuracy levels off at about the end of the
-# warm-up and then barely moves to the last step (the progress bar of section 5's training cell, which
+# warm-up and then barely moves to the last step (the progress bar of the training cell above, which
 # shows a recent batch's accuracy, reads 0.45 at 191 of 1600 steps and 0.50 at the end), while the
 # learning rate is at its peak and then decays. That plateau is not the warm-up: it is what this
 # baseline reaches at this learning rate.
@@ -2340,7 +2404,7 @@ save_figure(fig, "06_selective_copying.png")
 # would multiply the training time, which is already most of this chapter's CPU run.
 
 # %% [markdown]
-# **Generation with the recurrent path.** The trained model reads section 5's held-out sequences one
+# **Generation with the recurrent path.** The trained model reads the held-out sequences above one
 # token at a time through `step`, carrying only each block's two states (section 4). Its logits must
 # match the whole-sequence forward's, and so must the greedy tokens.
 
@@ -2360,63 +2424,6 @@ print(f"max |step logits - forward logits| = {logit_err:.2e} (tolerance {logit_t
       f"greedy tokens agree at the scored positions: {torch.equal(step_tokens[gen_mask], full_tokens[gen_mask])}")
 assert logit_err <= logit_tol
 assert torch.equal(step_tokens[gen_mask], full_tokens[gen_mask])
-
-# %% [markdown]
-# ### Section 6's comparison: the fine print
-#
-# The two blocks run at batch 8, L 2048, d_model 1024 (d_inner 2048, N 16), with `mamba_ssm` built
-# for this GPU. The forward is timed for inference, without autograd. `mamba_ssm`'s unfused path is
-# `use_fast_path=False`; its fused path is `mamba_inner_fn`. In the printed ratio lines a ratio below 1
-# means `mamba_ssm`'s block is the faster in that row, above 1 ours. These are one run's medians;
-# differences of a few percent are within what a second run can change.
-
-# %% [markdown]
-# ### Where the time goes in scan_lib's block
-#
-# In scan_lib's block, bfloat16, forward+backward: the ten kernels that take the most GPU time, from
-# `torch.profiler`, with their share of the total. The list says which kernels the time goes to (the
-# selective scan's Triton kernels, cuBLAS's matrix products, the convolution, and PyTorch's elementwise
-# kernels) and in what proportion in this run. It does not say which PyTorch operation launched each
-# elementwise kernel: the names are generic and cut at 90 characters. Copies of strided inputs to
-# contiguous tensors, dtype casts and transposes around the projections are candidates, and finding out
-# which would need the profiler's stacks (`with_stack=True`), which this cell does not record.
-#
-# In this run the selective scan's two kernels take over two thirds of the step
-# (`strided_bwd_kernel` 1899 us, 52.4%; `strided_fwd_kernel` 563 us, 15.5%); three of cuBLAS's matrix
-# products (the `nvjet` kernels) follow at about 190 us each, then the convolution's backward (92 us),
-# one of PyTorch's own kernels, a concatenation (`CatArrayBatchedCopy`, 90 us), a fourth matrix product
-# (86 us) and a second PyTorch kernel, an addition (82 us); the convolution's forward (49 us) closes
-# the list. The names of PyTorch's two do not say which operation launched them; the backward has one
-# of each that fits, the split of `xz` into `x` and `z` (its backward concatenates their gradients)
-# and the sum of the convolution output's two gradients (from the scan and from `x_proj`), and
-# `with_stack=True` would confirm it.
-# `benchmarks/NOTES_selective_scan.md` ("Fifth look") records the profile of the block before its
-# projections were applied in that layout, when $B$, $C$ and the scan's output gradient reached the
-# kernels with positions far apart and the forward kernel alone took longer than this whole list's
-# first line.
-
-# %%
-if not ON_GPU:
-    print("skipped: needs a GPU")
-else:
-    from torch.profiler import ProfilerActivity, profile
-    torch.manual_seed(0)
-    block = Mamba(1024, device=DEVICE, dtype=torch.bfloat16)
-    hidden = torch.randn(8, 2048, 1024, device=DEVICE, dtype=torch.bfloat16)
-    grad = torch.randn_like(hidden)
-    for _ in range(3):
-        block(hidden).backward(grad)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
-            block(hidden).backward(grad)
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    total = sum(e.self_device_time_total for e in events)
-    print(f"GPU time per forward+backward: {total / 5:.0f} us")
-    for e in events[:10]:
-        print(f"{e.self_device_time_total / 5:8.0f} us {100 * e.self_device_time_total / total:5.1f}%  {e.key[:90]}")
 
 # %% [markdown]
 # ### The scan three ways
