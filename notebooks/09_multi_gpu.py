@@ -24,13 +24,12 @@
 # 2. how the backward's carries flow the other way, and how autograd derives them from the forward's
 #    exchange if that exchange has a backward of its own;
 # 3. `scan_lib.distributed`: `linear_scan`, `selective_scan` and a whole Mamba block over a
-#    `torch.distributed` process group (NCCL with a GPU per rank; gloo on CPUs, or for ranks sharing
-#    one GPU as in this recording), usable from a script started by `torchrun`;
-# 4. what the exchange costs: one collective against a chain of sends, latency against bandwidth,
-#    and a cost model setting this design beside the chain, LASP-2's all-gathers and Megatron-core's
-#    all-to-all, extrapolated to 512 GPUs;
-# 5. on two GPUs (where there are two), the time of a sequence of
-#    $2^{20}$ positions split in two, against one GPU.
+#    `torch.distributed` process group (NCCL or gloo), usable from a script started by `torchrun`;
+# 4. what the exchange costs, in brief: one collective against a chain of sends, latency against
+#    bandwidth, and when the designs of real systems win.
+#
+# Going deeper, after the main line: why the backward is a chain, the exchange timed and counted, a
+# cost model of real systems' designs, two GPUs against one, and a `torchrun` training script.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -130,27 +129,11 @@ save_figure(draw_sharded_scan(), "09_sharded_scan.png")
 # scans' backward passes are scan_lib's, through `initial_state` (the gradient $g_r$) and the last
 # state (the gradient of $E_r$).
 #
-# **Why a chain, and not a collective.** With $S$ the bytes of one summary, the ways to deliver
-# $T_{r+1}$ to every rank cost, per backward:
-#
-# | way | on the critical path | bytes received per rank | what each rank computes |
-# | --- | --- | --- | --- |
-# | autograd through a differentiable all-gather of the forward's tensors | one all-gather | $2R(R-1)\,S$: every other rank's gradient for all $R$ entries | the fold's adjoint, up to $R$ steps |
-# | reduce-scatter: rank $j$ sends rank $r < j$ its term $(\prod_{r<k<j} P_k)\, g_j$ | one reduce-scatter | $(R-1)\,S$ (a ring moves $R - 1$ of the $R$ slots) | $R - 1$ terms, from the gathered $P_k$ |
-# | all-reduce of the terms $Q_j g_j$, $Q_j = \prod_{k<j} P_k$: $T_{r+1}$ is their sum over $j > r$ divided by $Q_{r+1}$ | one all-reduce of $S$; the sum over $j > r$ (the total less a prefix) still needs a scan over ranks | about $2S$ | divides by $Q_{r+1}$, a product of decays that underflows in float32 |
-# | recursive doubling: the pairs $(P, T)$ combined over ranks $1, 2, 4, \dots$ apart | $\lceil\log_2 R\rceil$ rounds | $2S \lceil\log_2 R\rceil$ | one combine per round |
-# | **reverse chain** (ours) | $R - 1$ hops in series | $S$ (the last rank: 0) | one step, $T_r = g_r + P_r T_{r+1}$ |
-#
-# The chain is the one to teach: it is the adjoint above executed literally, one step per rank with no
-# division and no term computed twice, and of the ways that deliver $T_{r+1}$ exactly it is the only
-# one whose bytes per rank stay the same at any $R$. What it pays is latency, $R-1$ messages one after
-# another, like the forward chain that section 6 times. The all-reduce looks cheapest but still needs
-# a scan over ranks and divides by products of decays that reach 0; the reduce-scatter and the
-# doubling scan trade bytes for fewer hops, worth it only when $R$ is large enough for the hops to
-# count (gloo, in the torch this course pins, has all-reduce, reduce-scatter, all-to-all and
-# send/receive; NCCL has them all). This chapter's first version was the first row (with 3 tensors
-# per summary then): at 4 ranks each rank received $3R(R-1)$ = 36 summary-sized tensors in the
-# backward where the chain receives one.
+# **Why a chain.** It is the adjoint above executed literally, one step per rank with no division and
+# no term computed twice, and of the ways that deliver $T_{r+1}$ exactly it is the only one whose bytes
+# per rank stay the same at any $R$. What it pays is latency, $R-1$ messages one after another, like
+# the forward chain of section 6. "Going deeper: why the backward is a chain" sets it beside the
+# collectives that could deliver $T_{r+1}$ instead.
 #
 # The convolution's boundary columns in section 4 follow the same pattern, an all-gather forward and
 # a reverse chain backward.
@@ -309,21 +292,19 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 # ## 4. A Mamba block, sequence-parallel
 #
 # Everything in chapter 06's block acts on each position alone (the projections, the gate), except
-# two pieces that look back: the causal convolution, which needs the `d_conv - 1` inputs before the
-# shard, and the scan. The convolution's boundary is another small exchange: every rank contributes
-# its last `d_conv - 1` columns (fewer if its shard is shorter: then the ranks before it contribute
-# too), and rank $r$'s `initial_states` are the last `d_conv - 1` columns of everything before it.
-# It is a fold like the scan's: with $W_k$ the last `d_conv - 1` columns up to the end of rank $k$'s
-# shard, $W_k$ is the last `d_conv - 1` columns of $W_{k-1}$ followed by rank $k$'s columns, and rank
-# $r$ needs $W_{r-1}$. So `_ConvBoundary` is built as `_EnteringState`: the forward all-gathers every
-# rank's last columns (and how many it has) and folds; the backward is a reverse chain in which rank $r$
-# receives $U_r$, the whole gradient of $W_r$, from rank $r+1$, keeps its last columns as the gradient
-# of its own, and sends $U_{r-1}$, its convolution's gradient of $W_{r-1}$ plus the part of $U_r$ that
-# $W_r$ copied from $W_{r-1}$ (none when the shard is at least `d_conv - 1` long): one window of
-# batch $\times$ `d_inner` $\times$ (`d_conv` $-$ 1) numbers received per rank.
-# The block's forward below is chapter 06's `Mamba` forward with those two pieces swapped in, using the
-# block's own parameters, so one `Mamba` module (replicated on every rank, as data parallelism
-# replicates it) serves both.
+# two pieces that look back: the scan, and the causal convolution, which needs the `d_conv - 1` inputs
+# before the shard. Those inputs are another small exchange, and a fold like the scan's: with $W_k$
+# the last `d_conv - 1` columns up to the end of rank $k$'s shard, $W_k$ is the last `d_conv - 1`
+# columns of $W_{k-1}$ followed by rank $k$'s columns (a shard shorter than that leaves part of
+# $W_{k-1}$ in, so earlier ranks contribute too), and rank $r$'s `initial_states` are $W_{r-1}$. So
+# `_ConvBoundary` is built as `_EnteringState`: the forward all-gathers every rank's last columns (and
+# how many it has) and folds; the backward is a reverse chain in which rank $r$ receives $U_r$, the
+# whole gradient of $W_r$, from rank $r+1$, keeps its last columns as the gradient of its own, and
+# sends $U_{r-1}$, its convolution's gradient of $W_{r-1}$ plus the part of $U_r$ that $W_r$ copied
+# from $W_{r-1}$ (none when the shard is at least `d_conv - 1` long): one window of batch $\times$
+# `d_inner` $\times$ (`d_conv` $-$ 1) numbers received per rank. The block's forward below is chapter
+# 06's `Mamba` forward with those two pieces swapped in, using the block's own parameters, so one
+# `Mamba` module (replicated on every rank, as data parallelism replicates it) serves both.
 
 # %%
 #| export
@@ -392,17 +373,16 @@ def mamba(block, hidden_states, *, group=None):
 # %% [markdown]
 # ## 5. Checked against one process
 #
-# `launch` starts processes joined in a process group, the way `torchrun` would, and collects what each
-# returns, as `launch_plan` picks for the machine: NCCL with one GPU per rank where there are GPUs
-# enough; else gloo with every rank on the one GPU (gloo passes the messages through host memory, so
-# `all_gather` above and the chain below copy GPU tensors to the host and back); else gloo between CPU
-# processes (Triton's interpreter). Each rank of
-# `check_against_one_process` builds the same random problem (same seed), computes it whole, as one
-# process would, takes its shard, runs the sequence-parallel version on it, and returns its worst
-# relative error over its outputs and every gradient: the gradients of sharded inputs are compared
-# shard by shard; those of tensors every rank holds (A, D, `delta_bias`, the initial state, the
-# block's parameters) are summed over the ranks first, as data-parallel training sums them. The
-# lengths are awkward and the shards uneven, one of them shorter than the convolution's reach.
+# `launch` starts processes joined in a process group, as `torchrun` would, and collects what each
+# returns; `launch_plan` picks how: NCCL with one GPU per rank where there are GPUs enough; else gloo
+# with every rank on the one GPU (gloo passes the messages through host memory, so `all_gather` and
+# the chains' sends copy GPU tensors to the host and back); else gloo between CPU processes (Triton's
+# interpreter). Each rank of `check_against_one_process` builds the same random problem (same seed),
+# computes it whole as one process would, runs the sequence-parallel version on its shard, and returns
+# its worst relative error over its outputs and every gradient: sharded inputs' gradients compared
+# shard by shard, those of tensors every rank holds (A, D, `delta_bias`, the initial state, the
+# block's parameters) summed over the ranks first, as data-parallel training sums them. The lengths
+# are awkward and the shards uneven, one of them shorter than the convolution's reach.
 
 # %%
 #| export
@@ -573,32 +553,105 @@ for ranks, cases in CHECKS.items():
 # %% [markdown]
 # (The check starts processes, so it takes a while on a CPU: most of it is each process importing
 # torch and Triton.) Every error is at the level of float32 rounding (at most 5.1e-07 here, run as
-# `gloo/cuda`: the ranks shared the one GPU; the chain row's 0.0: the chain of sends folds exactly as
-# the all-gather does, bit for bit): the sharded scans compute what one process computes.
+# `gloo/cuda`: the ranks shared the one GPU; the `chain` row, section 6's chain of sends against the
+# all-gather, is 0.0: it folds exactly as the all-gather does, bit for bit): the sharded scans compute
+# what one process computes.
 #
 # ## 6. What the exchange costs: one collective, or a chain of sends
 #
-# Two ways to get $h^{\text{in}}_r$ to every rank:
+# **Bytes.** With $S$ the bytes of one state (batch $\times$ channels $\times N$ float32), each rank
+# receives $2S(R-1)$ in the forward's all-gather, growing with $R$, and $S$ in the backward's chain
+# (the last rank none), at any $R$; the Mamba block adds its convolution's window to both. "Going
+# deeper: the exchange, timed and counted" counts them at 2, 3 and 4 ranks: exactly these.
 #
-# * **All-gather** (`entering_state`): every rank sends its summary to every other, then folds the ones
-#   before it itself. One collective: its time is a latency that grows slowly with the number of ranks,
-#   plus the bytes, a summary from each of the other $R-1$ ranks arriving at each rank.
-# * **A chain of sends** (`entering_state_by_chain` below): rank $r$ waits for $h^{\text{in}}_r$ from
-#   rank $r-1$, then sends $P_r h^{\text{in}}_r + E_r$ to rank $r+1$. One summary's bytes per link, but
-#   $R - 1$ transfers one after another: the last rank waits for $R - 1$ latencies.
+# **Time.** The forward could also use a **chain of sends** (`entering_state_by_chain`): rank $r$
+# waits for $h^{\text{in}}_r$ from rank $r-1$, then sends $P_r h^{\text{in}}_r + E_r$ to rank $r+1$.
+# One summary's bytes per link, but $R - 1$ transfers one after another, where the all-gather is one
+# collective whose latency grows slowly with the number of ranks. **Prediction:** with a fixed cost
+# $\alpha$ per message plus its bytes over a bandwidth $\beta$, and summaries (1 KiB to 3 MiB in the
+# timings) that NVLink moves in less time than $\alpha$, latency decides: **at 2 ranks, one message
+# either way, the two take the same time within a factor of 2 at every size, and the time grows far
+# less than the 3072-fold bytes**; at 4 ranks the all-gather, in fewer rounds, should beat the chain's
+# 3 messages in series.
 #
-# **Prediction.** Model one message as a fixed cost $\alpha$ (launching it, the handshake, on gloo
-# the copies through host memory and the Python around each call) plus its bytes over a bandwidth
-# $\beta$. With 2 ranks both ways are one message on the critical path; the all-gather's carries
-# $2S$ (a summary is two tensors, $S$ the bytes of one) and the chain's $S$. The summaries timed
-# below have $S$ = 1 KiB, 96 KiB and 3 MiB (the middle one is the $2^{20}$-position problem's, batch
-# 1, 1536 channels, $N$ = 16): below a few MiB a link moves them in less time than $\alpha$ on
-# NVLink, so the prediction is that **at 2 ranks the two take the same time within a factor of 2 at
-# every size, and the time grows far less than the 3072-fold bytes from the smallest summary to the
-# largest** (latency, not bytes, decides). At 4 ranks the chain's last rank waits for 3 messages one
-# after another where the all-gather's rounds are fewer or pipelined, so the all-gather should be
-# faster there by up to the ratio of rounds. The cell times both, median over repeated exchanges
-# after a barrier, as the slowest rank sees it; the next cell judges the prediction.
+# **Verdict** (measured in "Going deeper: the exchange, timed and counted"). The run recorded here had
+# one GPU, an H100, the ranks sharing it over gloo, every message through host memory, not NVLink. The
+# 2-rank prediction failed, the chain winning at every size (2.9x to 8.7x); the latency part held (for
+# 3072x the bytes the all-gather's time grew 11.5x, the chain's 3.8x); at 4 ranks the chain won too.
+# On gloo the all-gather copies one buffer per rank where the chain copies one, so there the chain
+# can win at every size. `scan_lib.distributed` keeps the all-gather in the forward, where no rank
+# waits on a chain of others, and the reverse chain in the backward, whose bytes per rank do not grow
+# with $R$; keeping the all-gather rests on NCCL's collectives, which a one-GPU run cannot time.
+#
+# **How real systems split a sequence.** LASP passes the state along a chain of sends [LASP];
+# LASP-2 all-gathers the states both ways [LASP-2]; Megatron-core's context parallelism for Mamba
+# [Megatron] reshards by channel with an all-to-all and scans whole sequences in one pass. A cost
+# model of the four ("Going deeper: how real systems split a sequence") says: this chapter's design
+# (or the chain, or a tree over ranks) wins when each GPU holds a long shard, $L/R \gg R N$, the case
+# sequence parallelism exists for; the all-to-all wins on bytes when shards are short and ranks many,
+# and on passes (one, not two) whenever the scan, not the exchange, is the cost. Counting passes, a
+# second GPU buys memory, not time: each rank scans its half twice, so two GPUs should take about as
+# long as one ("Going deeper: two GPUs against one" tests it where there are two).
+
+# %% [markdown]
+# ## What we built
+#
+# * The state entering a shard is a fold over one summary per earlier shard, $(P_r, E_r)$: the
+#   blocked scan of chapter 01 with GPUs for blocks, and the result is the one-device scan.
+# * One all-gather of the summaries is the forward's communication (each rank receives $2(R-1)$
+#   state-sized tensors), and a reverse chain the backward's (one state per rank, whatever $R$); the
+#   block's convolution boundary is exchanged the same way.
+# * `scan_lib.distributed.linear_scan`, `selective_scan` and `mamba` run over any process group;
+#   `launch` and `check_against_one_process` check them against one process.
+# * What the exchange costs: on gloo here, the ranks sharing one H100, the chain won at every size,
+#   latency more than bytes deciding; passing states wins when shards are long, the all-to-all when
+#   they are short or when its single pass matters more.
+
+# %% [markdown]
+# ## Going deeper: why the backward is a chain
+#
+# Section 2's backward hands $T_r$ from rank to rank. This section counts what the other ways to
+# deliver $T_{r+1}$ to every rank would cost, and says why the chain is the one this chapter uses.
+#
+# With $S$ the bytes of one summary, the ways to deliver $T_{r+1}$ to every rank cost, per backward:
+#
+# | way | on the critical path | bytes received per rank | what each rank computes |
+# | --- | --- | --- | --- |
+# | autograd through a differentiable all-gather of the forward's tensors | one all-gather | $2R(R-1)\,S$: every other rank's gradient for all $R$ entries | the fold's adjoint, up to $R$ steps |
+# | reduce-scatter: rank $j$ sends rank $r < j$ its term $(\prod_{r<k<j} P_k)\, g_j$ | one reduce-scatter | $(R-1)\,S$ (a ring moves $R - 1$ of the $R$ slots) | $R - 1$ terms, from the gathered $P_k$ |
+# | all-reduce of the terms $Q_j g_j$, $Q_j = \prod_{k<j} P_k$: $T_{r+1}$ is their sum over $j > r$ divided by $Q_{r+1}$ | one all-reduce of $S$; the sum over $j > r$ (the total less a prefix) still needs a scan over ranks | about $2S$ | divides by $Q_{r+1}$, a product of decays that underflows in float32 |
+# | recursive doubling: the pairs $(P, T)$ combined over ranks $1, 2, 4, \dots$ apart | $\lceil\log_2 R\rceil$ rounds | $2S \lceil\log_2 R\rceil$ | one combine per round |
+# | **reverse chain** (ours) | $R - 1$ hops in series | $S$ (the last rank: 0) | one step, $T_r = g_r + P_r T_{r+1}$ |
+#
+# The chain is the one to teach: it is section 2's adjoint executed literally, one step per rank with
+# no division and no term computed twice, and of the ways that deliver $T_{r+1}$ exactly it is the only
+# one whose bytes per rank stay the same at any $R$. What it pays is latency, $R-1$ messages one after
+# another, like the forward chain that the next section times. The all-reduce looks cheapest but still
+# needs a scan over ranks and divides by products of decays that reach 0; the reduce-scatter and the
+# doubling scan trade bytes for fewer hops, worth it only when $R$ is large enough for the hops to
+# count (gloo, in the torch this course pins, has all-reduce, reduce-scatter, all-to-all and
+# send/receive; NCCL has them all). This chapter's first version was the first row (with 3 tensors
+# per summary then): at 4 ranks each rank received $3R(R-1)$ = 36 summary-sized tensors in the
+# backward where the chain receives one.
+
+# %% [markdown]
+# ## Going deeper: the exchange, timed and counted
+#
+# This section measures section 6's two claims: the time of one exchange, by the all-gather and by the
+# chain of sends (`entering_state_by_chain` below), and the bytes each rank receives per pass.
+#
+# **Prediction**, in full. Model one message as a fixed cost $\alpha$ (launching it, the handshake, on
+# gloo the copies through host memory and the Python around each call) plus its bytes over a bandwidth
+# $\beta$. With 2 ranks both ways are one message on the critical path; the all-gather's carries $2S$
+# and the chain's $S$. The summaries timed below have $S$ = 1 KiB, 96 KiB and 3 MiB (the middle one is
+# the $2^{20}$-position problem's, batch 1, 1536 channels, $N$ = 16): below a few MiB a link moves them
+# in less time than $\alpha$ on NVLink, so the prediction is that **at 2 ranks the two take the same
+# time within a factor of 2 at every size, and the time grows far less than the 3072-fold bytes from
+# the smallest summary to the largest** (latency, not bytes, decides). At 4 ranks the chain's last rank
+# waits for 3 messages one after another where the all-gather's rounds are fewer or pipelined, so the
+# all-gather should be faster there by up to the ratio of rounds. The timing cell times both ways at 2
+# ranks (and at 4 where there are fewer than two GPUs), median over repeated exchanges after a
+# barrier, as the slowest rank sees it; the cell after it judges the prediction.
 
 # %%
 #| export
@@ -726,12 +779,9 @@ for per_rank in timed.values():
 # the 3072-fold bytes, a gap between the two ways is a gap in fixed costs, not bytes; on gloo (CPU
 # processes, or ranks sharing one GPU) every message is copied through host memory with Python
 # around each call, and the all-gather allocates and copies back one buffer per rank where the chain
-# handles one, so there the chain can win at every size. Section 7 counts what each way moves and
-# extrapolates it to many GPUs; section 8 puts the exchange's time beside the scan's on two GPUs.
-# `scan_lib.distributed` keeps the all-gather in the forward, where no rank waits on a chain of
-# others, and uses the reverse chain in the backward (section 2), whose bytes per rank do not grow
-# with $R$. On gloo this run's timings favour the chain in the forward too; keeping the all-gather
-# rests on NCCL's collectives, which a one-GPU run cannot time.
+# handles one, so there the chain can win at every size. The next section counts what each way moves
+# and extrapolates it to many GPUs; "Going deeper: two GPUs against one" puts the exchange's time
+# beside the scan's on two GPUs.
 #
 # **Bytes, counted.** `BYTES_RECEIVED` adds up what this process's exchanges receive, by pass (the
 # backward while autograd's engine runs). **Prediction**, with $S$ the bytes of one state (batch
@@ -774,7 +824,11 @@ for kind, counts in most.items():
 # $R - 1$ latencies one after another, which the timings above put beside it).
 
 # %% [markdown]
-# ## 7. How real systems split a sequence: a cost model
+# ## Going deeper: how real systems split a sequence, a cost model
+#
+# This section backs the last paragraph of section 6: a model of four designs' rounds, bytes, passes
+# and memory, its bytes checked against counts on real ranks (the all-to-all built here for that), and
+# extrapolated to 512 GPUs.
 #
 # Four designs for the scan of one layer over $R$ ranks, each holding $L/R$ positions. Symbols: $S$
 # the bytes of one state (batch $\times$ `d_inner` $\times N$, float32 here: $S$ = 8 $\times$ 2048
@@ -819,7 +873,7 @@ for kind, counts in most.items():
 # wins depends on the shard: the all-to-all moves less than this chapter's forward once
 # $4A \lesssim 2RS$, i.e. (leaving $B$ and $C$ aside) once $L/R \lesssim R N$ (with bf16 activations
 # and float32 states, $A / S = (L/R)/(2N)$).
-# The cell below checks the formulas against the bytes counted on the ranks of section 6's launches (a tiny problem: batch 1,
+# The cell below checks the formulas against the bytes counted on the ranks of the previous section's launches (a tiny problem: batch 1,
 # one channel per rank, $N$ = 4, 4 positions per rank, float32 throughout), with the all-to-all built here too
 # (`selective_scan_all_to_all`, checked against this chapter's scan), then prints the model for a
 # realistic shape.
@@ -1020,9 +1074,10 @@ for ranks in (8, 64, 512):   # the shard below which the all-to-all moves fewer 
 # measurements.
 
 # %% [markdown]
-# ## 8. Two GPUs against one
+# ## Going deeper: two GPUs against one
 #
-# (Needs two GPUs: the `nvidia-h200-x2` machine.) The selective scan at batch 1, dim 1536, $N$ = 16,
+# What splitting costs in time, measured. (Needs two GPUs: the `nvidia-h200-x2` machine; elsewhere
+# the cell says it skipped.) The selective scan at batch 1, dim 1536, $N$ = 16,
 # $L = 2^{20}$, bf16 with the block's options: on one GPU, `scan_lib.selective_scan` over the whole
 # sequence; on two, `scan_lib.distributed.selective_scan`, each GPU holding half; and the exchange alone,
 # timed separately. **Prediction:** each rank scans its half twice (phases 1 and 3), so two GPUs take
@@ -1089,9 +1144,10 @@ else:
 # of the sequence's activations), is not measured here either.
 
 # %% [markdown]
-# ## 9. Training with it: the example script
+# ## Going deeper: training with it, the example script
 #
-# `examples/sequence_parallel_mamba.py` is what a training script looks like: started by `torchrun`,
+# How the sequence-parallel block is used in training. `examples/sequence_parallel_mamba.py` is what a
+# training script looks like: started by `torchrun`,
 # one process per GPU, a small Mamba language model whose blocks run through
 # `scan_lib.distributed.mamba`, each rank holding its part of every sequence. Each rank's loss is its
 # positions' share of the mean, the ranks' gradients are summed with `all_reduce` (what
@@ -1117,30 +1173,17 @@ else:
     assert ran.returncode == 0, ran.stderr[-3000:]
 
 # %% [markdown]
-# ## What we built
-#
-# * The state entering a shard is a fold over one summary per earlier shard, $(P_r, E_r)$: the
-#   blocked scan of chapter 01 with GPUs for blocks, and the result is the one-device scan.
-# * One all-gather of the summaries is the forward's communication (each rank receives $2(R-1)$
-#   state-sized tensors), and a reverse chain the backward's (one state per rank, whatever $R$),
-#   both counted; the block's convolution boundary is exchanged the same way.
-# * A cost model of four designs (this one, the chain, LASP-2's all-gathers, Megatron-core's
-#   all-to-all), its bytes checked against the counts, extrapolated to 512 GPUs: state passing wins
-#   when shards are long, the all-to-all when they are short or when its single pass matters more.
-# * `scan_lib.distributed.linear_scan`, `selective_scan` and `mamba` run over any process group;
-#   `launch` and `check_against_one_process` check them against one process; the example trains with
-#   them under `torchrun`.
-# * Measured: what the exchange costs, both ways (here on gloo, the ranks sharing one H100, where the
-#   chain won at every size); and, where two GPUs are present, the split against one GPU (skipped
-#   here).
-#
 # ## Going deeper: cheaper phases, overlapped exchanges
+#
+# Ways, none built here, to make the sequence-parallel scan cheaper than this chapter's two passes,
+# and why a scan spreads over GPUs more cheaply than attention does.
 #
 # Each rank runs its scans twice, and the backward twice, because phase 1 needs only the shard's last
 # state but computes every output. Chapter 07 measured the same two-pass split inside one GPU and found
 # it did not pay there (one segment was fastest in every row it timed, forward and training step);
-# across GPUs it is forced by memory, and by the count of passes (section 8) it would pay in time
-# from three ranks on, which nothing here measures (two GPUs are all this course's machines have).
+# across GPUs it is forced by memory, and by the count of passes ("Going deeper: two GPUs against
+# one") it would pay in time from three ranks on, which nothing here measures (two GPUs are all this
+# course's machines have).
 # Two ways to cut it: a phase 1 that forms only $E_r$ as a sum,
 # $E_r = \sum_t e^{A(\Sigma_{\text{end}} - \Sigma_{\le t})} \Delta_t B_t u_t$, a reduction with no scan
 # and no output; and, for the backward, the gradient of $E_r$ alone is an adjoint scan with no

@@ -96,11 +96,12 @@ def test_the_backward_receives_one_summary_per_rank_whatever_the_ranks():
     model's bytes, the all-to-all computing the same scan.
 
     Slow (`make test-slow`, about 2 minutes of CPU here): CI runs the same check in the chapter,
-    notebooks/09_multi_gpu.ipynb under nbval (`make test`): its section 6 cell launches the same
-    bytes_per_pass at 2, 3 and 4 ranks and asserts these forward and backward counts on every rank and
-    the 1.5x bound, and its section 7 cell asserts, on those launches, every design's counts against
-    exchange_costs(ranks, 1, ranks, 4, 4 * ranks, activation_bytes=4) and the all-to-all's difference
-    below 1e-5. A change to either copy of these assertions belongs in both."""
+    notebooks/09_multi_gpu.ipynb under nbval (`make test`): the bytes cell of its "Going deeper: the
+    exchange, timed and counted" launches the same bytes_per_pass at 2, 3 and 4 ranks and asserts these
+    forward and backward counts on every rank and the 1.5x bound, and the first cell after the export
+    in its "Going deeper: how real systems split a sequence" asserts, on those launches, every design's
+    counts against exchange_costs(ranks, 1, ranks, 4, 4 * ranks, activation_bytes=4) and the
+    all-to-all's difference below 1e-5. A change to either copy of these assertions belongs in both."""
     summary = {"selective_scan": 1 * 4 * 4 * 4, "mamba": 1 * 8 * 4 * 4}   # bytes_per_pass's batch, dim (d_inner 8), N
     window = 1 * 8 * 3 * 4
     backward = {"selective_scan": summary["selective_scan"], "mamba": summary["mamba"] + window}
