@@ -150,7 +150,7 @@ import torch.nn.functional as F
 import scan_lib
 
 
-BYTES_RECEIVED = {"forward": 0, "backward": 0}   # this process's exchanges so far, for section 6's costs
+BYTES_RECEIVED = {"forward": 0, "backward": 0}   # this process's exchanges so far, for the costs
 
 
 def _count(tensor, copies=1):
@@ -703,8 +703,9 @@ def time_exchanges(shapes, repeats=20):
 def bytes_per_pass(batch=1, dim=4, n_states=4, shard=4):
     """Run on every rank: the bytes this rank receives in one forward and one backward of the
     sequence-parallel selective scan (batch x dim channels, N = n_states) and of a Mamba block (d_model
-    dim, expand 2, d_conv 4, d_state n_states), each rank holding `shard` positions; and, for section 7
-    (one launch serves both), bytes_by_design()'s counts of the other designs.
+    dim, expand 2, d_conv 4, d_state n_states), each rank holding `shard` positions; and, for the cost
+    model ("Going deeper: how real systems split a sequence"; one launch serves both), bytes_by_design()'s
+    counts of the other designs.
     Returns {"selective_scan" or "mamba": {pass: bytes}, "designs": bytes_by_design()}."""
     g = torch.Generator().manual_seed(dist.get_rank())
     leaves = [t.to(_device()).requires_grad_() for t in (
@@ -803,7 +804,7 @@ predicted = {"selective_scan": lambda R: (2 * summary["selective_scan"] * (R - 1
 print(f"summaries: {summary} bytes, the block's window {window}; bytes received per rank, in rank order")
 print(f"{'ranks':>5s} {'run as':11s} {'':15s} {'forward':>28s} {'backward':>24s}")
 most = {kind: {} for kind in summary}       # the backward's largest count over the ranks, by kind and ranks
-counted = {}                                # ranks -> per_rank, kept for section 7
+counted = {}                                # ranks -> per_rank, kept for the cost model
 for ranks in (2, 3, 4):
     per_rank = counted[ranks] = launch(bytes_per_pass, ranks)
     for kind in summary:
@@ -1008,7 +1009,7 @@ from scan_lib.distributed import exchange_costs
 
 print("bytes received per rank (the most over the ranks), measured / model; batch 1, one channel per rank, N = 4, 4 positions per rank, float32")
 print(f"{'ranks':>5s} {'design':22s} {'forward':>15s} {'backward':>15s}")
-for ranks, per_rank in counted.items():      # section 6's launches: per_rank[rank]["designs"]
+for ranks, per_rank in counted.items():      # the counting launches': per_rank[rank]["designs"]
     per_rank = [r["designs"] for r in per_rank]
     model = exchange_costs(ranks, 1, ranks, 4, 4 * ranks, activation_bytes=4)
     for design, (fwd, bwd) in per_rank[0]["counts"].items():

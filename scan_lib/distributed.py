@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import scan_lib
 
 
-BYTES_RECEIVED = {"forward": 0, "backward": 0}   # this process's exchanges so far, for section 6's costs
+BYTES_RECEIVED = {"forward": 0, "backward": 0}   # this process's exchanges so far, for the costs
 
 
 def _count(tensor, copies=1):
@@ -392,8 +392,9 @@ def time_exchanges(shapes, repeats=20):
 def bytes_per_pass(batch=1, dim=4, n_states=4, shard=4):
     """Run on every rank: the bytes this rank receives in one forward and one backward of the
     sequence-parallel selective scan (batch x dim channels, N = n_states) and of a Mamba block (d_model
-    dim, expand 2, d_conv 4, d_state n_states), each rank holding `shard` positions; and, for section 7
-    (one launch serves both), bytes_by_design()'s counts of the other designs.
+    dim, expand 2, d_conv 4, d_state n_states), each rank holding `shard` positions; and, for the cost
+    model ("Going deeper: how real systems split a sequence"; one launch serves both), bytes_by_design()'s
+    counts of the other designs.
     Returns {"selective_scan" or "mamba": {pass: bytes}, "designs": bytes_by_design()}."""
     g = torch.Generator().manual_seed(dist.get_rank())
     leaves = [t.to(_device()).requires_grad_() for t in (
