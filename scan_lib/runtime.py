@@ -32,8 +32,9 @@ def _major_minor(version_string: str) -> tuple:
 def _index_scalars_as_triton_3_9_does():
     """The interpreter holds a scalar as a one-element array and turns it into a Python int (a `range`
     bound) with int(array), which NumPy 2.4 refuses for arrays of one dimension; Triton 3.9 squeezes
-    the array first. Wrap the interpreter's patching of tl.tensor so that older versions do the same;
-    warn if this Triton's interpreter is not laid out as 3.5 and 3.6's are."""
+    the array first. Wrap the interpreter's patching of tl.tensor so that older versions do the same
+    (3.5 sets the attribute itself, 3.6 through a scope that restores it); warn if this Triton's
+    interpreter has no such function."""
     from triton.runtime import interpreter
     patch = getattr(interpreter, "_patch_lang_tensor", None)
     if patch is None or getattr(patch, "squeezes_scalars", False):
@@ -42,9 +43,13 @@ def _index_scalars_as_triton_3_9_does():
                           "use numpy<2.4 (requirements.txt pins 2.3.5) or Triton 3.9", stacklevel=3)
         return
 
-    def patch_lang_tensor(tensor, scope):
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+    def patch_lang_tensor(tensor, *scope):
+        patch(tensor, *scope)
+        index = lambda self: int(self.handle.data.squeeze())  # noqa: E731
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
     patch_lang_tensor.squeezes_scalars = True
     interpreter._patch_lang_tensor = patch_lang_tensor
 

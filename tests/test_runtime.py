@@ -67,12 +67,12 @@ def test_the_interpreter_turns_a_one_element_scalar_into_an_int_by_squeezing_it(
         def __init__(self):
             self.handle = type("Handle", (), {"data": OneDimensional()})()
 
-    if hasattr(interpreter, "_LangPatchScope"):   # 3.5 and 3.6 (mended), 3.9 (its own): as the kernels run
-        scope = interpreter._LangPatchScope()
-        interpreter._patch_lang_tensor(Tensor, scope)
-        assert int(Tensor.__index__(Tensor())) == 7
-    else:
+    if not hasattr(interpreter, "_patch_lang_tensor"):
         pytest.skip(f"Triton {triton.__version__}'s interpreter is laid out differently")
+    # as the kernels run: 3.5 and 3.6 mended, 3.9 its own; 3.6 and 3.9 patch through a scope, 3.5 directly
+    scope = (interpreter._LangPatchScope(),) if hasattr(interpreter, "_LangPatchScope") else ()
+    interpreter._patch_lang_tensor(Tensor, *scope)
+    assert int(Tensor.__index__(Tensor())) == 7
 
 
 def test_same_device_returns_it_and_skips_none():
