@@ -1060,8 +1060,8 @@ for width in (2, 3, 4):
 #
 # **The imports.** Besides the reference, section 2's first cell imports what the launchers need:
 # `accumulator_dtype` (chapter 02's map from a torch dtype to the Triton dtype a kernel sums in),
-# `custom_op`, `apply` and `_vmap_by_loop`, the custom-operator and autograd plumbing of chapter 05
-# (below), and from chapter 07's module the helpers its fast kernels share with these (`items_of`,
+# `custom_op` and `apply` (the runtime's custom-operator and autograd plumbing, taught in chapter
+# 03's "Going deeper"), `_vmap_by_loop` (chapter 05's vmap rule; below), and from chapter 07's module the helpers its fast kernels share with these (`items_of`,
 # `positions_of`, introduced above; `LOG2E`; `cdiv` and `next_power_of_2` in plain Python,
 # which cost less per call than Triton's).
 #

@@ -14,19 +14,19 @@
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/07_performance.ipynb)
 #
 # Chapter 05 ended with a kernel that is correct but slower than `mamba_ssm`'s in training on a
-# block's bf16 views (section 7 times both), and a list of guesses about where the time goes. This chapter
-# replaces guesses with measurements. You will learn:
+# block's bf16 views, and a list of guesses about where the time goes. This chapter replaces guesses
+# with measurements. You will learn:
 #
 # 1. how to find a kernel's **floors**: its bytes and `exp`s over rates measured on this GPU;
-# 2. how to **profile** a training step with `torch.profiler`'s CUDA timeline;
-# 3. the optimisations **one at a time**, each with its idea, its kernel change and its measured effect:
+# 2. how to **profile** a training step with `torch.profiler`;
+# 3. the optimisations **one at a time**, each with its idea, its change and its measured effect:
 #    reading strided views in place, a leaner backward, and segments and several states per step for
 #    long sequences at small batch;
 # 4. where the result stands against `mamba_ssm`.
 #
 # The kernels become `scan_lib.selective_scan`; "Going deeper" holds the rest of their code, the
-# checks, the details of the measurements, the ideas that did not pay and the host's share. Without a
-# GPU the kernels run on Triton's interpreter and the timing cells are skipped.
+# checks and the details. Without a GPU the kernels run on Triton's interpreter and the timing cells
+# are skipped.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -65,19 +65,17 @@ selective_scan_05 = chapter05.selective_scan
 # %% [markdown]
 # ## 1. The floors
 #
-# A kernel cannot be faster than the slowest of the resources it must use. For the selective scan at
-# Mamba's usual layer size (batch 8, dim 1024, $L$ 2048, $N$ 16) two resources matter:
+# A kernel cannot be faster than its slowest resource. For the selective scan at Mamba's usual layer
+# size (batch 8, dim 1024, $L$ 2048, $N$ 16) two matter:
 #
 # * **Memory.** The forward reads $u$, $\Delta$, $z$, $B$ and $C$ and writes the output; those bytes
 #   over the copy bandwidth (measured by copying 1 GiB) are the **memory floor**.
 # * **Special functions.** Every (batch, channel, position, state) element needs $a = e^{\Delta A}$:
-#   268 million `exp`s in the forward, evaluated in a special-function unit with a fraction of the
-#   arithmetic units' throughput. The count over the `exp` rate (measured by a kernel that does
-#   nothing else) is the second floor.
+#   268 million `exp`s in the forward, on a special-function unit with a fraction of the arithmetic
+#   units' throughput. The count over the `exp` rate measured below is the second floor.
 #
-# The rest runs on the arithmetic units, which on an H100 (about 67 TFLOP/s in fp32, NVIDIA's figure)
-# do about 18 operations for each `exp` at the rate measured below: an efficient kernel sits near the
-# larger floor.
+# The arithmetic units (about 67 TFLOP/s in fp32 on an H100, NVIDIA's figure) do about 18 operations
+# for each `exp` at that rate, so an efficient kernel sits near the larger floor.
 
 # %%
 @triton.jit
@@ -129,16 +127,16 @@ else:
                   f"memory floor {memory:6.0f} us, exp floor {exps:6.0f} us")
 
 # %% [markdown]
-# (On a GPU.) At $N = 16$ the memory floor is the larger one in fp32 and the `exp` floor in bf16, so
-# bf16's halved bytes lower the floor that matters only down to the `exp`s' (89 to 74 µs forward on
-# this run's H100). Chapter 05's kernel takes almost the same time forward in fp32 and bf16 (section
-# 6's table: 685 against 612 µs on the views), while `mamba_ssm`'s roughly halves (chapter 05's
-# benchmark): ours is limited by the instructions it issues, far above both floors.
+# (On a GPU.) At $N = 16$ the memory floor is the larger in fp32 and the `exp` floor in bf16: bf16's
+# halved bytes lower the binding floor only to the `exp`s' (89 to 74 µs forward on this run's H100).
+# Chapter 05's kernel takes almost the same time forward in fp32 and bf16 (section 6's table: 685
+# against 612 µs on the views), while `mamba_ssm`'s roughly halves (chapter 05's benchmark): ours is
+# limited by the instructions it issues, far above both floors.
 #
 # ## 2. Where the time goes: the profiler
 #
-# `torch.profiler` records every kernel the GPU runs, with its duration, from CUDA's own timeline
-# ("Going deeper: profiling tools on this GPU" lists the other tools). We profile one training step of
+# `torch.profiler` records every kernel the GPU runs and its duration ("Going deeper: profiling tools
+# on this GPU" lists others). We profile one training step of
 # chapter 05's scan as chapter 06's Mamba block calls it: $u$, $\Delta$, $z$, $B$ and $C$ are
 # (batch, channels, $L$) views of (features, batch $\cdot$ L) matrices (`positions_last`), stride 1
 # along $L$ but not contiguous.
@@ -199,9 +197,9 @@ else:
     profile_05 = profile_table(lambda: training_step(selective_scan_05, strided))
 
 # %% [markdown]
-# (On a GPU.) Three kinds of work show up: the backward kernel, the forward kernel, and copies
-# (`elementwise`, `copy_` or `contiguous` kernels) of each strided view, which chapter 05's launcher
-# makes contiguous before each pass. The copies are pure overhead. The backward dominates.
+# (On a GPU.) Three kinds of work show up: the backward, the forward, and copies
+# (`elementwise`, `copy_` or `contiguous` kernels) of each strided view, made by chapter 05's launcher
+# before each pass: pure overhead. The backward dominates.
 #
 # ## 3. First optimisation: read the views in place
 #
@@ -210,15 +208,13 @@ else:
 # per copy and nothing more.
 #
 # **The change.** Each pointer gets its strides (batch, channel, position) instead of assuming
-# `(dim * L, L, 1)` (the loads of `u` and `delta` below); Triton specialises a stride of 1, so loads
-# along $L$ stay vectorised ("Going deeper: why strides and not `.contiguous()`"). $B$ and $C$ get four
-# strides (batch, group, state, position). Offsets are 64-bit, so inputs past $2^{31}$ elements work.
+# `(dim * L, L, 1)` (the loads of `u` and `delta` below; "Going deeper: why strides and not
+# `.contiguous()`"), and $B$ and $C$ get four (batch, group, state, position). Offsets are 64-bit, so
+# inputs past $2^{31}$ elements work.
 #
-# The rest is chapter 05's forward (`BLOCK_D` channels per program, chunks of `CHUNK` positions, a scan
-# per state from the carried one). The kernel below is the final one, with section 4's instruction cuts
+# The kernel below, otherwise chapter 05's forward, is the final one, with section 4's instruction cuts
 # (`discretize_exp2`, `step_u`, the carries in `LAST`), section 5's segments (`H0`, `SUMMARY`) and
-# states per step (`UNROLL`), and the states it keeps for the backward (`SAVE`, `SAVE_EVERY`: "Going
-# deeper: segments and states per step, measured").
+# states per step (`UNROLL`), and the states it keeps for the backward (`SAVE`, `SAVE_EVERY`).
 
 # %%
 #| export
@@ -374,26 +370,25 @@ selective_scan = scan_lib.selective_scan
 # %% [markdown]
 # ## 4. Second optimisation: a leaner backward
 #
-# Chapter 05's backward, per chunk and state, recomputes the states, runs the adjoint scan right to
-# left, and forms the gradients. Two things in it cost more than they need to.
+# Two things in chapter 05's backward cost more than they need to.
 #
-# **$\bar y$ was saved.** The gate's gradient needs $\bar y$, and chapter 05's forward wrote it to
-# memory for that. But the backward recomputes every $h_t$ anyway, so $\bar y_t = \sum_n C_{t,n}
-# h_{t,n} + D u_t$ costs one multiply-add per element. Prediction: about 44 µs of bytes saved at the
-# measured bandwidth (64 MiB of fp32 written, then read), and 64 MiB less kept alive between the passes.
+# **$\bar y$ was saved.** The gate's gradient needs $\bar y$, which chapter 05's forward wrote to
+# memory. But the backward recomputes every $h_t$ anyway, so $\bar y_t = \sum_n C_{t,n} h_{t,n} + D
+# u_t$ costs one multiply-add per element. **Prediction:** about 44 µs saved at the measured bandwidth
+# (64 MiB of fp32 written, then read), and 64 MiB less kept alive between the passes.
 #
 # **No reverse scan, one `exp` per element.** Chapter 05's backward scans twice per state, for
 # $h_{t-1}$ and for the adjoint $\lambda_t = C_t \partial\mathcal L/\partial \bar y_t +
 # a_{t+1}\lambda_{t+1}$ (`reverse=True`), with three `exp`s per element; and Triton 3.6 runs
 # `reverse=True` by moving every register across the warp's lanes, about 14 lane shuffles per element
 # and state. This backward gives each thread a *run* of consecutive positions (16 bytes of the input)
-# and walks it in registers both ways, $h_{t-1}$ and $a_{t+1}$ taken from the neighbouring item. Only the runs' summaries, one register per thread, are
-# scanned across the lanes ("Going deeper: the backward kernel" has the steps and the code).
+# and walks it in registers both ways, taking $h_{t-1}$ and $a_{t+1}$ from the neighbouring item; only
+# the runs' summaries, one register per thread, cross the lanes ("Going deeper: the backward kernel").
 #
 # ### Fewer instructions per position and state
 #
-# The floors say that instructions per (position, state), not bytes, limit these kernels. Both
-# kernels drop three kinds that do no arithmetic the recurrence needs (see the forward above):
+# Instructions per (position, state), not bytes, limit these kernels (section 1). Both drop three
+# kinds that do no arithmetic the recurrence needs (see the forward above):
 #
 # * **The carry in a tile.** Reading and writing state $n$'s carry in a (`BLOCK_D`, $N$) register tile
 #   costs a masked sum and a select over the tile. The carries now wait in memory (`LAST`, `_carry_in`).
@@ -401,46 +396,42 @@ selective_scan = scan_lib.selective_scan
 #   (`discretize_exp2`), each gate is one multiply and one `MUFU.EX2`.
 # * **$\Delta u$ once per position** (`step_u`), outside the loop over states.
 #
-# **Prediction.** Far fewer instructions per (position, state), counted in the machine code without a
-# GPU ("Going deeper: the backward kernel" prints the counts); if the kernels are bound by the
-# instructions they issue, as section 2 suggests, as much faster. Section 6 measures it.
+# **Prediction.** Far fewer instructions per (position, state), counted in the machine code ("Going
+# deeper: the backward kernel"), so, if instructions bind, as much faster. Section 6 measures it.
 
 # %% [markdown]
 # ## 5. Third optimisation: long sequences at small batch
 #
 # Each program owns one (batch element, block of channels) and walks the whole sequence. At batch 1
-# and 1536 channels that is about 12 one-warp programs per multiprocessor of an H100 (the count
-# "Going deeper: segments and states per step, measured" prints), which could hold 32: the GPU is
-# mostly idle. It needs more programs, or
-# more independent work in each.
+# and 1536 channels that is about 12 one-warp programs per multiprocessor of an H100, which could hold
+# 32: the GPU is mostly idle and needs more programs, or more independent work in each.
 #
-# **Segments.** Chapter 01's blocked scan splits a sequence in three phases, and so does the
-# recurrence. Started from any state $h$, a segment of positions $t_s \le t < t_{s+1}$ ends at
-# $e^{A \Sigma_s} h + \hat h_s$, where $\Sigma_s$ is its sum of steps and $\hat h_s$ where it ends from
-# 0: one step of the same kind. Phase 1 runs every segment from 0 at once and writes $\hat h_s$ and
-# $\Sigma_s$ (the forward with `SUMMARY`); phase 2 scans the $S$ pairs with chapter 03's `linear_scan`;
-# phase 3 runs every segment again from its entering state (`H0`). The backward splits the same way
-# ("Going deeper: segments in the backward").
+# **Segments.** Like chapter 01's blocked scan, the recurrence splits in three phases. Started from
+# any state $h$, a segment of positions $t_s \le t < t_{s+1}$ ends at $e^{A \Sigma_s} h + \hat h_s$,
+# where $\Sigma_s$ is its sum of steps and $\hat h_s$ where it ends from 0: one step of the same kind.
+# Phase 1 runs every segment from 0 at once and writes $\hat h_s$ and $\Sigma_s$ (the forward with
+# `SUMMARY`); phase 2 scans the $S$ pairs with chapter 03's `linear_scan`; phase 3 runs every segment
+# again from its entering state (`H0`). The backward splits the same way ("Going deeper: segments in
+# the backward").
 #
 # **Prediction:** phase 1 adds about half the work, so where programs were short of the GPU by a factor
 # of three, the time should still fall nearly twofold. **Measured** ("Going deeper: segments and states
-# per step, measured"): it failed. Phase 1 costs almost as much as phase 3, a split roughly doubles
-# the work, and in the recorded run every split is slower than one segment, at batch 1 too, in the
-# forward and in the training step. `selective_scan` keeps one segment; the split stays, checked,
+# per step, measured"): it failed. Phase 1 costs almost as much as phase 3, so a split roughly doubles
+# the work, and in the recorded run every split is slower than one segment, at batch 1 too, forward
+# and training step alike. `selective_scan` keeps one segment; the split stays, checked,
 # because chapter 09 spreads a sequence over GPUs with the same phases.
 #
 # **States per step.** A state's scan is a chain of dependent instructions, and with a dozen warps per
 # multiprocessor there is rarely one ready while another waits. The states are independent, so the
 # forward takes `UNROLL` of them per step (the `tl.static_range(UNROLL)` above: the compiler
-# interleaves their instructions), and one channel per program. The price is registers, which decide
-# how many warps fit at once, so `states_per_step` reads how many pay from a table measured on an H100.
+# interleaves their instructions), and one channel per program. The price is registers, which limit
+# how many warps fit, so `states_per_step` reads how many pay from a table measured on an H100.
 #
-# **Prediction:** at batch 1 perhaps twice faster, at batch 8 little change; "Going deeper: segments and
-# states per step, measured" times each setting at four sizes. (Measured: far from twice; the forward
-# at batch 1 takes 2230 µs with two states per step, 2370 with one, 2720 as it was before this section.)
+# **Prediction:** at batch 1 perhaps twice faster, at batch 8 little change. **Measured** (the same
+# Going deeper section, four sizes): far from twice; the forward at batch 1 takes 2230 µs with two
+# states per step, 2370 with one, 2720 as it was before this section.
 #
-# "Going deeper: the launchers and the public function" runs these kernels; "Going deeper: the
-# checks" tests them against chapter 05's float64 reference in every option, layout and dtype.
+# "Going deeper: the checks" tests these kernels against chapter 05's float64 reference.
 
 # %% [markdown]
 # ## 6. Measured: each optimisation's effect
@@ -487,22 +478,19 @@ else:
 # * **Strided views, forward.** No copies, fewer instructions: in bf16 the cell asserts at least 1.3x
 #   less time (282 against 612 µs in the recorded run).
 # * **Contiguous inputs, forward.** No copies to save: the instruction cuts and launch parameters, net
-#   of the strided indexing. The sign may differ between dtypes, and here it does: fp32 2.1% slower,
-#   bf16 40.3% faster.
+#   of the strided indexing: fp32 2.1% slower, bf16 40.3% faster.
 # * **Forward+backward.** Recomputing $\bar y$, measured alone before the instruction cuts, made the
 #   backward *slower*: its loop is limited by instructions, not bytes. The `saved` column has both
 #   changes; the new profile shows no copies and the backward taking most of the time.
 #
-# "Going deeper: the atomics" shows that the backward's $dB$, $dC$ atomic additions, timed alone,
-# take a large share of it; "Going deeper: ideas that did not pay" has one `exp` fewer (it cancels), all
-# states in one three-dimensional tile (slower), and the sweep behind `GPU_CONFIG`.
+# The backward's $dB$, $dC$ atomic additions, timed alone, take a large share of it ("Going deeper:
+# the atomics"); "Going deeper: ideas that did not pay" lists what else was tried.
 #
 # ## 7. Against the peers
 #
-# (GPU only.) Chapter 07's `selective_scan` against chapter 05's and `mamba_ssm`'s `selective_scan_fn`
-# (skipped where it is not installed), bf16, every option, the block's layout, forward+backward:
-# against $L$ (batch 8, dim 1024, $N$ 16), $N$ ($L$ 2048) and batch (dim 1536, $L$ 8192); `make bench`
-# runs more.
+# (GPU only.) Chapter 07's `selective_scan` against chapter 05's and `mamba_ssm`'s `selective_scan_fn`,
+# bf16, every option, the block's layout, forward+backward: against $L$ (batch 8, dim 1024, $N$ 16),
+# $N$ ($L$ 2048) and batch (dim 1536, $L$ 8192).
 
 # %%
 def peers():
@@ -545,17 +533,14 @@ else:
 
 # %% [markdown]
 # (On a GPU.) The cell below prints `mamba_ssm`'s time over ours (above 1: ours is faster). In the
-# recorded run chapter 07 beats chapter 05 in every row, and against `mamba_ssm` the ratios run from
-# 0.53 to 1.27: ours is faster at the base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$ 64 and at
-# batch 4 of dim 1536 (1.21 to 1.27; the base shape, timed twice, gives 1.21 and 1.22), about even at
-# batch 1 and 2 (1.07 and 1.00; read a single ratio near 1 as "about even"), and `mamba_ssm` is faster
-# at $L$ 512 and at $N$ 4 (0.68 and 0.53). There, with a quarter of the work, chapter 07's time falls
-# by a quarter at most (986 and 1110 µs against 1300 at the base shape), while `mamba_ssm`'s falls by
-# more than half (666 and 589 µs against 1575): our time there is the host's Python, which "Going
-# deeper: the host's share" measures (`mamba_ssm`'s launchers are C++). Along the batch of dim 1536
-# the kernels set the pace (1328, 2508 and 3851 µs at batch 1, 2 and 4), and our lead is smallest at
-# batch 1 and 2, with about 12 programs per multiprocessor at batch 1 in the forward and half that
-# in the backward (two channels per program): section 5's problem, not solved yet.
+# recorded run chapter 07 beats chapter 05 in every row; against `mamba_ssm` ours is faster at the
+# base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$ 64 and at batch 4 of dim 1536 (1.21 to 1.27),
+# about even at batch 1 and 2 (1.07 and 1.00), and slower at $L$ 512 and at $N$ 4 (0.68 and 0.53).
+# There, with a quarter of the work, our time falls by a quarter at most (986 and 1110 µs against 1300
+# at the base shape) while `mamba_ssm`'s falls by more than half (666 and 589 µs against 1575): our
+# time there is the host's Python ("Going deeper: the host's share"; `mamba_ssm`'s launchers are
+# C++). Along the batch of dim 1536 the kernels set the pace, and our lead is smallest at batch 1 and
+# 2, where programs are few: section 5's problem, not solved yet.
 
 # %%
 if ON_GPU and any(name == "mamba_ssm" for _, _, name in times):
@@ -569,17 +554,16 @@ else:
 # %% [markdown]
 # ## What we built
 #
-# * Two floors for the selective scan, from bytes and `exp`s over rates measured on this GPU: at
-#   $N = 16$ on the recording's H100 the `exp`s set the higher one in bf16, the bytes in fp32.
-# * A profile of chapter 05's scan in a training step: copies of strided views, and a backward that
-#   takes most of the time.
-# * `scan_lib.selective_scan`, now this chapter's kernels: strided inputs read in place, a backward
-#   that recomputes $\bar y$ and scans each thread's positions in registers (one `exp` per element),
-#   fewer instructions per (position, state), several states per step in the forward, and a split into
-#   segments, built and checked but not used.
+# * Two floors, from bytes and `exp`s over measured rates: at $N = 16$ on the recording's H100 the
+#   `exp`s set the higher one in bf16, the bytes in fp32.
+# * A profile of chapter 05's training step: copies of strided views, and a backward taking most of
+#   the time.
+# * `scan_lib.selective_scan`: strided inputs read in place, a leaner backward (no saved $\bar y$, one
+#   `exp` per element), fewer instructions per (position, state), several states per step in the
+#   forward, and a split into segments, built and checked but not used.
 #
 # Not done yet: the forward with the same runs; the atomics; a sequence-parallel scan that pays at
-# batch 1; and the host's time per step, which decides the short rows.
+# batch 1; the host's time per step, which decides the short rows.
 
 # %% [markdown]
 # ## Going deeper: profiling tools on this GPU
