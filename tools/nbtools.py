@@ -222,15 +222,15 @@ def scan_lib_hashes(modules: list[str]) -> dict[str, str]:
 
 def fingerprint(notebook, device: str) -> dict:
     modules = scan_lib_dependencies(notebook)
-    return {"code": code_hash(notebook), "scan_lib": scan_lib_hash(modules), "scan_lib_modules": modules,
-            "scan_lib_hashes": scan_lib_hashes(modules), "device": device}
+    return {"code": code_hash(notebook), "scan_lib_hashes": scan_lib_hashes(modules), "device": device}
 
 
 def changed_modules(notebook, stamp: dict) -> list[str]:
     """The scan_lib modules the notebook runs with that changed since its stamp was recorded: with one
-    hash per module, those of today's dependencies whose hash differs (or that the stamp lacks); a
-    stamp with one hash over all (recorded before scan_lib_hashes) is checked over the modules it
-    lists, the dependencies as they were worked out when it was recorded, all of them if it differs."""
+    hash per module, those of today's dependencies whose hash differs (or that the stamp lacks); an
+    older stamp, with one hash over all its modules ("scan_lib") and their list ("scan_lib_modules"),
+    is checked over the modules it lists, the dependencies as they were worked out when it was
+    recorded, all of them if the hash differs."""
     recorded = stamp.get("scan_lib_hashes")
     if recorded is not None:
         modules = scan_lib_dependencies(notebook)
