@@ -480,7 +480,7 @@ def segment_carries(summary, dsum, A, boundary, reverse):
 from scan_lib.runtime import cdiv, next_power_of_2   # plain Python: Triton's cost a wrapper call each
 
 KEPT = 4096   # entries a cache holds before it starts afresh (every new sequence length adds one)
-CACHES: dict = {"plans": {}, "checked": {}, "summed": {}}   # name -> {key: value}
+CACHES: dict = {"plans": {}, "calls": {}, "summed": {}}   # name -> {key: value}
 _MISSING = object()
 
 
@@ -556,7 +556,7 @@ import functools
 import math
 from typing import Optional
 
-from scan_lib.runtime import apply, custom_op
+from scan_lib.runtime import _PLAIN_TENSORS, _dispatcher_needed, _plain_tensors, apply, custom_op, needs_grad
 from scan_lib.selective_scan import (_NoSecondDerivative, _acc_dtype, _check_inputs, _groups,
                                      _vmap_by_loop, empty_selective_scan)
 
@@ -696,10 +696,15 @@ def summed_layout(u, A, B, C, chunk, segments):
     return cached("summed", lambda: (u.shape, u.dtype, A.shape, B.shape, C.shape, chunk, segments), build)
 
 
-def gradients_from_summed(summed, u, A, B, C, chunk, segments):
-    """(dA, dB, dC, dD, d delta_bias) from the backward's flat buffer: views (dD and d delta_bias are
-    already 1-D pieces), the time-invariant B's and C's runs summed."""
-    shapes, sizes = summed_layout(u, A, B, C, chunk, segments)
+def gradients_from_summed(summed, shapes, sizes, B, C):
+    """(dA, dB, dC, dD, d delta_bias) from the backward's flat buffer of pieces `sizes` (summed_layout):
+    views (dD and d delta_bias are already 1-D pieces), the time-invariant B's and C's runs summed. dB
+    and dC, adjacent in the buffer, come back in B's and C's dtype, cast in one op where both are per
+    position and share a dtype other than the buffer's (in bf16 training: one launch instead of two)."""
+    if B.dim() == 4 and C.dim() == 4 and B.dtype == C.dtype != summed.dtype:
+        both = sizes[0] + sizes[1]
+        (dB, dC), (dA, dD, dbias) = summed[:both].to(B.dtype).split(sizes[:2]), summed[both:].split(sizes[2:])
+        return dA.view(shapes[2]), dB.view(shapes[0]), dC.view(shapes[1]), dD, dbias
     dB, dC, dA, dD, dbias = summed.split(sizes)
     over_batch_segments_runs = (0, -2, -1)
     dB, dC = dB.view(shapes[0]), dC.view(shapes[1])
@@ -753,6 +758,11 @@ def strided_fwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
     D, delta_bias, initial_state = _small_contiguous(D, delta_bias, initial_state)
     plan = planned(fwd_plan, (u, delta, A, B, C, D, z, delta_bias, initial_state),
                    (delta_softplus, save_chunk, segments))
+    return run_forward(plan, u, delta, A, B, C, D, z, delta_bias, initial_state)
+
+
+def run_forward(plan, u, delta, A, B, C, D, z, delta_bias, initial_state):
+    """strided_fwd's work once its plan (fwd_plan) is made: D, delta_bias and initial_state contiguous."""
     out = like_u(u)
     ends = u.new_empty(plan["ends"], dtype=plan["acc"])   # the state at each segment's end (one segment: the last)
     states = u.new_empty(plan["states"], dtype=plan["acc"])
@@ -799,8 +809,8 @@ def bwd_plan(u, delta, A, B, C, D, z, delta_bias, states, dout, dlast, delta_sof
         dict(sizes, **options, HAS_D=D is not None, HAS_DLAST=n_segments > 1 or dlast is not None,
              B_PER_STEP=B.dim() == 4, SEGS=chunk // items, ITEMS=items))
     per_run = run_partials_shape(u, A, chunk, segments)
-    _, summed_sizes = summed_layout(u, A, B, C, chunk, segments)
-    return dict(acc=acc, n_segments=n_segments, per_run=per_run, summed_sizes=summed_sizes,
+    summed_shapes, summed_sizes = summed_layout(u, A, B, C, chunk, segments)
+    return dict(acc=acc, n_segments=n_segments, per_run=per_run, summed_shapes=summed_shapes, summed_sizes=summed_sizes,
                 dh0=per_run[:-1] if n_segments > 1 else per_run[:3], summary=summary, gradients=gradients)
 
 
@@ -815,6 +825,11 @@ def strided_bwd(u: torch.Tensor, delta: torch.Tensor, A: torch.Tensor, B: torch.
     D, delta_bias, dlast = _small_contiguous(D, delta_bias, dlast)
     plan = planned(bwd_plan, (u, delta, A, B, C, D, z, delta_bias, states, dout, dlast),
                    (delta_softplus, chunk, segments))
+    return run_backward(plan, u, delta, A, B, C, D, z, delta_bias, states, dout, dlast)
+
+
+def run_backward(plan, u, delta, A, B, C, D, z, delta_bias, states, dout, dlast):
+    """strided_bwd's work once its plan (bwd_plan) is made: D, delta_bias and dlast contiguous."""
     acc, n_segments = plan["acc"], plan["n_segments"]
     entering = dlast
     if plan["summary"] is not None:   # phases 1 and 2: the adjoint entering each segment from the right
@@ -853,20 +868,28 @@ def cast(x, dtype):
 class StridedSelectiveScanFn(torch.autograd.Function):
     """(out, last_state, states) = S6(u, delta, A, B, C, D, z, delta_bias, initial_state) on strided inputs;
     B, C 4-D or (dim, N); save_chunk > 0 keeps one state per chunk for the backward; segments: how many
-    segments both passes split the sequence into (section 5; 1: none)."""
+    segments both passes split the sequence into (section 5; 1: none). plan: the call's plan (call_plan)
+    in a plain eager call, whose forward and backward then run their launches without the custom ops
+    (each of which would work out its plan again from its arguments' signature); None otherwise."""
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk, segments):
-        return strided_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk,
-                           segments)
+    def forward(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk, segments, plan):
+        if plan is None:
+            return strided_fwd(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk,
+                               segments)
+        D, delta_bias, initial_state = _small_contiguous(D, delta_bias, initial_state)
+        if plan["fwd"] is None:
+            plan["fwd"] = fwd_plan(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk,
+                                   segments)
+        return run_forward(plan["fwd"], u, delta, A, B, C, D, z, delta_bias, initial_state)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk, segments = inputs
+        u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus, save_chunk, segments, plan = inputs
         ctx.mark_non_differentiable(output[2])
         ctx.save_for_backward(u, delta, A, B, C, D, z, delta_bias, initial_state, output[2])
-        ctx.delta_softplus, ctx.chunk, ctx.segments = delta_softplus, save_chunk, segments
+        ctx.delta_softplus, ctx.chunk, ctx.segments, ctx.plan = delta_softplus, save_chunk, segments, plan
         ctx.set_materialize_grads(False)
 
     @staticmethod
@@ -877,10 +900,19 @@ class StridedSelectiveScanFn(torch.autograd.Function):
                                "gradient when it ran), so there is nothing to differentiate")
         if dout is None:
             dout = torch.zeros_like(u)
+        dout = cast(dout, u.dtype)
         with torch.no_grad():  # the op's own outputs carry no graph (chapter 05's _NoSecondDerivative)
-            du, ddelta, dz, dh0, summed = strided_bwd(u, delta, A, B, C, D, z, delta_bias, states, cast(dout, u.dtype),
-                                                      dlast, ctx.delta_softplus, ctx.chunk, ctx.segments)
-            dA, dB, dC, dD, dbias = gradients_from_summed(summed, u, A, B, C, ctx.chunk, ctx.segments)
+            if ctx.plan is not None and not _dispatcher_needed() and _plain_tensors((dout, dlast)):
+                plan = backward_plan(ctx.plan, u, delta, A, B, C, D, z, delta_bias, states, dout, dlast,
+                                     ctx.delta_softplus, ctx.chunk, ctx.segments)
+                D, delta_bias, dlast = _small_contiguous(D, delta_bias, dlast)
+                du, ddelta, dz, dh0, summed = run_backward(plan, u, delta, A, B, C, D, z, delta_bias, states, dout, dlast)
+                shapes, sizes = plan["summed_shapes"], plan["summed_sizes"]
+            else:
+                du, ddelta, dz, dh0, summed = strided_bwd(u, delta, A, B, C, D, z, delta_bias, states, dout, dlast,
+                                                          ctx.delta_softplus, ctx.chunk, ctx.segments)
+                shapes, sizes = summed_layout(u, A, B, C, ctx.chunk, ctx.segments)
+            dA, dB, dC, dD, dbias = gradients_from_summed(summed, shapes, sizes, B, C)
         grads = (du, ddelta, dA, dB, dC, dD, dz, dbias, dh0)
         inputs = (u, delta, A, B, C, D, z, delta_bias, initial_state)
         grads = [None if x is None else cast(g, x.dtype) for g, x in zip(grads, inputs)]
@@ -889,7 +921,7 @@ class StridedSelectiveScanFn(torch.autograd.Function):
             given = [g for g in grads if g is not None]
             poisoned = iter(_NoSecondDerivative.apply(len(anchors), *anchors, *given))
             grads = [None if g is None else next(poisoned) for g in grads]
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
@@ -915,26 +947,46 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 def scan_in_segments(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False,
                      return_last_state=False, initial_state=None, segments=1):
     """selective_scan with both passes split into `segments` segments along L (section 5)."""
-    check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
-    if u.numel() == 0:
-        return empty_selective_scan(u, delta, A, B, C, D, z, delta_bias, return_last_state, initial_state)
-    B4 = positions_adjacent(B.unsqueeze(1) if B.dim() == 3 else B)
-    C4 = positions_adjacent(C.unsqueeze(1) if C.dim() == 3 else C)
-    tensors = (u, delta, A, B4, C4, D, z, delta_bias, initial_state)
-    training = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-    save_chunk = backward_chunk(u, B4, C4) if training else 0
-    out, last, _ = apply(StridedSelectiveScanFn, *tensors, bool(delta_softplus), save_chunk, segments)
-    return (out, last) if return_last_state else out
-
-
-def check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state):
-    """Chapter 05's checks (_check_inputs), run once per signature: they read only the arguments'
-    types, shapes, dtypes and devices, so a signature that passed once passes again."""
     tensors = (u, delta, A, B, C, D, z, delta_bias, initial_state)
     if not all(t is None or isinstance(t, torch.Tensor) for t in tensors):
         _check_inputs(*tensors)             # raises the TypeError naming the argument
-        return
-    cached("checked", lambda: signature(*tensors), lambda: _check_inputs(*tensors))
+    delta_softplus, training = bool(delta_softplus), needs_grad(*tensors)
+    plan = cached("calls", lambda: (signature(*tensors), delta_softplus, training, segments, plan_context()),
+                  lambda: call_plan(*tensors, training))
+    if plan is None:
+        return empty_selective_scan(u, delta, A, B, C, D, z, delta_bias, return_last_state, initial_state)
+    B4 = positions_adjacent(B.unsqueeze(1) if B.dim() == 3 else B)
+    C4 = positions_adjacent(C.unsqueeze(1) if C.dim() == 3 else C)
+    eager = not _dispatcher_needed() and all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+    out, last, _ = apply(StridedSelectiveScanFn, u, delta, A, B4, C4, D, z, delta_bias, initial_state,
+                         delta_softplus, plan["save_chunk"], segments, plan if eager else None)
+    return (out, last) if return_last_state else out
+
+
+def call_plan(u, delta, A, B, C, D, z, delta_bias, initial_state, training):
+    """What scan_in_segments works out once per signature of its arguments and flags (one lookup per
+    call): chapter 05's checks (_check_inputs: a signature that fails them is never kept, so it raises at
+    every call); None for an empty input; else the chunk of states the forward keeps for the backward
+    (0 without training), and room for the forward's plan and the backward's plans by the output
+    gradient's strides, which plain eager calls fill and use (StridedSelectiveScanFn)."""
+    _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
+    if u.numel() == 0:
+        return None
+    B4, C4 = (M.unsqueeze(1) if M.dim() == 3 else M for M in (B, C))
+    return dict(save_chunk=backward_chunk(u, B4, C4) if training else 0, fwd=None, bwd={})
+
+
+def backward_plan(plan, u, delta, A, B, C, D, z, delta_bias, states, dout, dlast, delta_softplus, chunk, segments):
+    """bwd_plan(...) for the backward of a call planned by call_plan: the rest of its signature is the
+    forward's, so it is kept in the call's plan by what can still differ, dout's strides and whether
+    dlast is given."""
+    key = (dout.stride(), dlast is None)
+    found = plan["bwd"].get(key)
+    if found is None:
+        D, delta_bias, dlast = _small_contiguous(D, delta_bias, dlast)
+        found = remember(plan["bwd"], key, bwd_plan(u, delta, A, B, C, D, z, delta_bias, states, dout, dlast,
+                                                    delta_softplus, chunk, segments))
+    return found
 
 
 def backward_chunk(u, B4, C4):

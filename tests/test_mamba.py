@@ -172,12 +172,12 @@ def test_triton_block_training_step_copies_no_activation(dtype, monkeypatch):
     backward with stride 1 along L (out_proj's backward returns it in y's layout)."""
     batch, length, d_model, d_state = 2, 12, 8, 4
     fast = sys.modules["scan_lib.fast_selective_scan"]
-    backward, dout_strides = fast.strided_bwd, []
+    backward, dout_strides = fast.run_backward, []
 
     def recording_backward(*args):
-        dout_strides.append(args[9].stride())          # strided_bwd(u, delta, A, B, C, D, z, bias, states, dout, ...)
+        dout_strides.append(args[10].stride())   # run_backward(plan, u, delta, A, B, C, D, z, bias, states, dout, dlast)
         return backward(*args)
-    monkeypatch.setattr(fast, "strided_bwd", recording_backward)
+    monkeypatch.setattr(fast, "run_backward", recording_backward)
     block = Mamba(d_model, d_state=d_state, backend="triton", device=DEVICE, dtype=dtype)
     hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(hidden)

@@ -710,39 +710,64 @@ def test_fast_plans_follow_the_config_and_the_kernels(monkeypatch):
 
 
 def test_fast_checks_each_signature_until_it_passes(monkeypatch):
-    """check_inputs runs chapter 05's checks once per signature that passed; a failing one raises every time."""
+    """A call runs chapter 05's checks once per signature that passed them (call_plan); a failing one
+    raises every time."""
     inputs = make_inputs(1, 4, 2, 8, seed=0)
     runs = []
     check = FAST._check_inputs
     monkeypatch.setattr(FAST, "_check_inputs", lambda *args: runs.append(1) or check(*args))
-    monkeypatch.setitem(FAST.CACHES, "checked", {})
+    monkeypatch.setitem(FAST.CACHES, "calls", {})
     for _ in range(2):
-        FAST.check_inputs(**inputs)
+        FAST.selective_scan(**inputs)
     assert len(runs) == 1
     for _ in range(2):
         with pytest.raises(ValueError, match="delta"):
-            FAST.check_inputs(**dict(inputs, delta=inputs["delta"][..., :-1]))
+            FAST.selective_scan(**dict(inputs, delta=inputs["delta"][..., :-1]))
     assert len(runs) == 3
+
+
+def test_fast_eager_calls_plan_once_and_skip_the_ops(monkeypatch):
+    """A plain eager training step works out one signature (its call's plan) and runs no custom op;
+    under the profiler (which names ops) the same step goes through the ops, with the same results."""
+    inputs = make_inputs(2, 4, 3, 40, seed=3)
+    leaves = {k: v.detach().requires_grad_(True) for k, v in inputs.items()}
+
+    def step():
+        out, last = scan_lib.selective_scan(**leaves, delta_softplus=True, return_last_state=True)
+        return (out, last, *torch.autograd.grad((out * out).sum() + last.sum(), list(leaves.values())))
+    step()
+    signatures, ops = [], []
+    signature, fwd_op, bwd_op = FAST.signature, FAST.strided_fwd, FAST.strided_bwd
+    monkeypatch.setattr(FAST, "signature", lambda *t: signatures.append(1) or signature(*t))
+    monkeypatch.setattr(FAST, "strided_fwd", lambda *a: ops.append("fwd") or fwd_op(*a))
+    monkeypatch.setattr(FAST, "strided_bwd", lambda *a: ops.append("bwd") or bwd_op(*a))
+    eager = step()
+    assert (len(signatures), ops) == (1, [])
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        profiled = step()
+    assert ops == ["fwd", "bwd"]
+    for got, want in zip(eager, profiled):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_fast_keeps_only_chunk_states(monkeypatch):
     """Inference keeps nothing; training keeps one state per backward chunk and no ybar (the backward
     recomputes it)."""
-    calls = []
-    forward = FAST.strided_fwd
+    kept = []
+    forward = FAST.run_forward
 
     def recording_forward(*args):
         result = forward(*args)
-        calls.append((args[-2], result[2]))   # (save_chunk, the states kept)
+        kept.append(result[2])   # the states kept
         return result
-    monkeypatch.setattr(FAST, "strided_fwd", recording_forward)
+    monkeypatch.setattr(FAST, "run_forward", recording_forward)
     inputs = make_inputs(1, 4, 3, 40, seed=2)
     with torch.no_grad():
         out_ng = scan_lib.selective_scan(**inputs, delta_softplus=True)
     out = scan_lib.selective_scan(**{k: v.detach().requires_grad_(True) for k, v in inputs.items()}, delta_softplus=True)
     chunk = FAST.launch_config("bwd", 4, 4, 4, 40)["chunk"]
-    assert [c for c, _ in calls] == [0, chunk] and calls[0][1].numel() == 0
-    assert calls[1][1].shape == (1, 4, 3, -(-40 // chunk)) and calls[1][1].dtype == torch.float32
+    assert len(kept) == 2 and kept[0].numel() == 0
+    assert kept[1].shape == (1, 4, 3, -(-40 // chunk)) and kept[1].dtype == torch.float32
     torch.testing.assert_close(out.detach(), out_ng, rtol=1e-6, atol=1e-6)
 
 
