@@ -1036,8 +1036,16 @@ def segment_carries(summary, dsum, A, boundary, reverse):
 # checks. Each is a few microseconds of Python, and together they are a good part
 # of the host's time per step ("Going deeper: the host's share" measures that time). So the launchers
 # work it out once per *signature*, each tensor's shape, strides, dtype and device (`signature`), with
-# the call's flags, and keep the result, a *plan* (`planned`, with `fwd_plan` and `bwd_plan`);
-# `check_inputs` runs chapter 05's checks once per signature that passed them.
+# the call's flags, and keep the result, a *plan* (`planned`, with `fwd_plan` and `bwd_plan`).
+# A plain eager call (no `torch.compile`, `torch.func` transform, profiler or tensor subclass, as
+# chapter 00's `EagerFastOp` decides) works out one signature in all, its arguments': `call_plan`
+# runs chapter 05's checks the first time (a signature that fails them is never kept, so it raises
+# at every call) and holds the chunk of states to keep, the forward's plan and the backward's plans.
+# The backward's plan is found by what can still differ from the forward's signature, the output
+# gradient's strides and whether the last state has a gradient (`backward_plan`), and both passes
+# run their launches directly (`run_forward`, `run_backward`). Every other call goes through the
+# custom ops, which plan from their own arguments' signatures. The backward also returns $dB$ and
+# $dC$, adjacent in its buffer of summed gradients, to a half-precision dtype in one cast.
 #
 # A plan's launches are `Launcher`s. On a GPU, `kernel[grid](*args)` runs a fair amount of Python
 # before launching. It looks up the current device and stream and matches the arguments to the
