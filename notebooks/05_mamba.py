@@ -350,11 +350,11 @@ def single_sequence(u, delta, A, B, C, dout):
 # Checked against autograd of the reference (batch 1, one channel) at awkward lengths, with $N = 3$
 # padding the state axis too. Errors are relative to each reference's largest magnitude; at $L = 1$
 # the reference $dA$ is exactly zero ($h_{-1} = 0$), and `rel_err` then demands an exact zero.
-# `fp32_tolerance` is float32 rounding compounded over the length ("Going deeper: the tolerances").
+# The tolerance is chapter 04's `tolerance`: the output's rounding plus float32 rounding compounded
+# over the length, $32\sqrt{L}$ units ("Going deeper: the tolerances").
 
 # %%
-def fp32_tolerance(length):
-    return 32 * math.sqrt(max(length, 16)) * 2**-24
+from scan_lib.multistate import tolerance   # chapter 04's error model
 
 
 print(f"{'L':>5s} {'y':>9s} {'du':>9s} {'ddelta':>9s} {'dA':>9s} {'dB':>9s} {'dC':>9s} {'tol':>9s}")
@@ -372,8 +372,8 @@ for L in [1, 7, 129, 1000]:
                                leaves[3][None], leaves[4][None])[0, 0]
     refs = [y_ref, *torch.autograd.grad((y_ref * dout.double()).sum(), leaves)]
     errs = [rel_err(x, r) for x, r in zip(ours, refs)]
-    print(f"{L:5d} " + " ".join(f"{e:9.1e}" for e in errs) + f" {fp32_tolerance(L):9.1e}")
-    assert max(errs) < fp32_tolerance(L), errs
+    print(f"{L:5d} " + " ".join(f"{e:9.1e}" for e in errs) + f" {tolerance(torch.float32, L):9.1e}")
+    assert max(errs) < tolerance(torch.float32, L), errs
     if L == 1:
         assert torch.equal(ours[3], torch.zeros_like(ours[3])), ours[3]
 
@@ -688,28 +688,12 @@ def selective_scan_bwd_kernel(
 # The code behind section 7: `chapter_scan` against the float64 reference in every option; the later
 # sections' cells use its helpers too. `make_inputs` draws one problem; `check_selective_scan` runs
 # `chapter_scan` and the reference on the same (rounded) inputs and compares the output, the last
-# state, all nine gradients and the inference path (no gradient: nothing kept). The tolerance is
-# section 5's float32 bound plus, for half-precision inputs, the final rounding to the input's dtype
-# ("Going deeper: the tolerances"). The cases cover lengths from 1 to 1000, groups, time-invariant `B`
+# state, all nine gradients and the inference path (no gradient: nothing kept), within chapter 04's
+# `tolerance` for the input's dtype and length: for half-precision inputs its first part is the final
+# rounding to the input's dtype ("Going deeper: the tolerances"). The cases cover lengths from 1 to 1000, groups, time-invariant `B`
 # and `C`, each optional input left out in turn, and `delta_softplus=False` twice.
 
 # %%
-from scan_lib.runtime import INTERPRET
-
-# The largest relative error of the final cast to each dtype: round to nearest, except the
-# interpreter's float32 -> bfloat16, which truncates.
-UNIT_ROUNDOFF = {torch.bfloat16: 2**-7 if INTERPRET else 2**-8, torch.float16: 2**-11,
-                 torch.float32: 0.0, torch.float64: 0.0}
-
-
-def tolerance(dtype, length):
-    """Largest relative error allowed: float32 arithmetic over the length (float64 for float64 inputs),
-    plus the final rounding to a half-precision input's dtype."""
-    if dtype == torch.float64:
-        return fp32_tolerance(length) * 2**-29
-    return UNIT_ROUNDOFF[dtype] + fp32_tolerance(length)
-
-
 def make_inputs(batch, dim, N, L, groups=None, D=True, z=True, bias=True, h0=True, dtype=torch.float32,
                 seed=0, time_invariant=""):
     """Random S6 inputs: None for the options left out; B, C 4-D when groups is given, (dim, N) for the
@@ -894,12 +878,19 @@ assert err_subtract > 1e-2 and err_shifted < 1e-7
 # %% [markdown]
 # ## Going deeper: the tolerances
 #
-# **Float32 over the length** (`fp32_tolerance`, section 5). Rounding errors of either sign add up like
-# a random walk: $\sqrt{L}$ times the float32 unit roundoff $2^{-24}$, times 32 for the few roundings
-# per step and the sums over states (and at least $\sqrt{16}$). The float16 rounding that a state kept
-# in half precision would add, $2^{-11}$ per step, is far above it.
+# Every check of this chapter uses chapter 04's `tolerance(dtype, length)`, derived in its "Going
+# deeper: the tolerance": one rounding of the output to its dtype, plus $32\sqrt{L}$ float32 roundings
+# ($2^{-53}$ units for float64 inputs).
 #
-# **Half-precision inputs** (`tolerance`, "Going deeper: checking `selective_scan`") add the final rounding of each output and gradient
+# **Float32 over the length.** The selective scan is chapter 04's recurrence with gates
+# $e^{\Delta A} \in (0, 1)$, so chapter 04's argument holds as it stands: rounding errors of either
+# sign are carried and damped by the gates, and add up like a random walk, $\sqrt{L}$ times the float32
+# unit roundoff $2^{-24}$, times 32 for the few roundings per step and the sums over states (and at
+# least $\sqrt{16}$). The float16 rounding that a state kept in half precision would add, $2^{-11}$
+# per step, is far above it. The gradients run the same recurrence backwards (the adjoint), so the
+# same bound serves them.
+#
+# **Half-precision inputs** add the final rounding of each output and gradient
 # to the input's dtype: $2^{-11}$ for float16 (11 significant bits) and $2^{-8}$ for bfloat16 (8 bits)
 # when rounding to nearest, as a GPU does (under Triton's CPU interpreter, $2^{-7}$ for bfloat16:
 # "Going deeper: the fine print" says why). For it to hold, the incoming gradient `dout` is drawn
@@ -1807,7 +1798,7 @@ for message, change in bad_cases.items():
 # **The interpreter's bfloat16.** A GPU converts float32 to bfloat16 by rounding to nearest, an error
 # of at most half a unit in the last place, $2^{-8}$ relative (8 significant bits). Triton's CPU
 # interpreter truncates the low 16 bits instead, which can cost up to a whole unit, $2^{-7}$. That is
-# why `UNIT_ROUNDOFF` ("Going deeper: checking `selective_scan`") takes the bfloat16 bound from `INTERPRET`. The cell casts random
+# why chapter 04's `tolerance` (its `UNIT_ROUNDOFF`) takes the bfloat16 bound from `INTERPRET`. The cell casts random
 # float32 values with a one-line Triton kernel and asserts which of the two conversions ran: on the
 # interpreter, exactly the truncation, with errors above the round-to-nearest bound; on a GPU, exactly
 # PyTorch's round to nearest.

@@ -26,6 +26,23 @@ def multistate_scan_ref(a, b, c, x, initial_state=None):
         ys.append((c[:, :, t] * h).sum(dim=1))            # batch
     return torch.stack(ys, dim=1), h
 
+import math
+
+from scan_lib.runtime import INTERPRET
+
+# Largest relative error of one rounding to each dtype: round to nearest, except the interpreter's
+# float32 -> bfloat16, which truncates (chapter 00).
+UNIT_ROUNDOFF = {torch.float64: 2**-53, torch.float32: 2**-24, torch.float16: 2**-11,
+                 torch.bfloat16: 2**-7 if INTERPRET else 2**-8}
+
+
+def tolerance(dtype, length):
+    """Largest error relative to max |reference| of a recurrence carried over `length` steps: one rounding
+    of the output to dtype, plus 32 sqrt(L) roundings of the accumulator (float32; float64 for float64),
+    with L at least 16."""
+    accumulator = torch.float64 if dtype == torch.float64 else torch.float32
+    return UNIT_ROUNDOFF[dtype] + 32 * math.sqrt(max(length, 16)) * UNIT_ROUNDOFF[accumulator]
+
 @triton.jit
 def scan_tile(a, bx, h_in):
     """States of one chunk: a, bx are BLOCK_L x BLOCK_N (time on axis 0), h_in the BLOCK_N states before it."""

@@ -15,6 +15,7 @@ import scan_lib  # first: without a GPU it switches Triton to its interpreter, b
 import triton
 import triton.language as tl
 from scan_lib.mamba import features_first, positions_last
+from scan_lib.multistate import tolerance   # chapter 04's error model, as chapter 05 checks with it
 from scan_lib.runtime import DEVICE, INTERPRET, ON_GPU
 from scan_lib.selective_scan import selective_scan_ref
 
@@ -57,17 +58,6 @@ def rel_err(x, ref):
     if scale == 0.0:
         return 0.0 if err == 0.0 else float("inf")
     return err / scale
-
-
-def tolerance(dtype, length):
-    """Relative error allowed: float32 rounding over the length (a random walk: sqrt(L) times the unit
-    roundoff, times 32), plus the final cast of a half-precision output or gradient to its dtype: round to
-    nearest (2^-11 for float16, 2^-8 for bfloat16), except the interpreter's float32 -> bfloat16 cast, which
-    truncates (2^-7). Float64 inputs: 1e-12."""
-    if dtype == torch.float64:
-        return 1e-12
-    final = {torch.bfloat16: 2**-7 if INTERPRET else 2**-8, torch.float16: 2**-11, torch.float32: 0.0}[dtype]
-    return final + 32 * math.sqrt(max(length, 16)) * 2**-24
 
 
 def compare(inputs, softplus=True, tol=None, scan=None):
