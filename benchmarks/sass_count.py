@@ -4,10 +4,11 @@ instructions of the loop over states per (position, state) a thread handles.
 
     python benchmarks/sass_count.py [--dtype bf16|fp32] [--out DIR]
 
-Static counts: the instructions of one trip through the innermost loop (one state of one chunk),
-divided by the tile elements each thread holds (BLOCK_D x CHUNK / (32 x num_warps)); the registers
-and stack frame ptxas reports. They say where instructions go (the opcode mix), not how fast a kernel
-runs: occupancy and latency decide that (Nsight Compute on the GPU measures both).
+Static counts: the instructions of one trip through the innermost loop (one chunk, for the forward
+UNROLL states of it, for the backward one), divided by the (position, state) pairs each thread holds
+in it (UNROLL x BLOCK_D x CHUNK / (32 x num_warps)); the registers and stack frame ptxas reports. They say where instructions go (the opcode
+mix), not how fast a kernel runs: occupancy and latency decide that (Nsight Compute on the GPU
+measures both).
 """
 import argparse
 import os
@@ -94,8 +95,10 @@ def kernel_args(kind, dtype, batch=8, dim=1024, length=2048, n_states=16):
                   ACC=tl.float32, BLOCK_D=config["block_d"], BLOCK_N=n_states, CHUNK=chunk, **big)
     if kind == "fwd":
         return fast.strided_fwd_kernel, dict(shared, H0=None, OUT=f"*{dtype}", STATES="*fp32", LAST="*fp32",
-                                             DSUM=None, HAS_H0=False, SAVE=False, SUMMARY=False,
-                                             so_b=dim * length, so_d=length, so_l=1)
+                                             DSUM=None, HAS_H0=False, SAVE=False, SAVE_EVERY=chunk, SUMMARY=False,
+                                             so_b=dim * length, so_d=length, so_l=1,
+                                             UNROLL=fast.states_per_step(config, chunk, n_states,
+                                                                         batch * dim // config["block_d"], 132))
     items = min(chunk, 16 // size)                                          # fast.run_items
     shared = {name: value for name, value in shared.items() if name not in ("BLOCK_N", "CHUNK")}
     shared.update(SEGS=chunk // items, ITEMS=items)
@@ -112,7 +115,7 @@ def count(kind, dtype, out_dir):
     config = fast.GPU_CONFIG[kind]
     sass, registers, stack = sass_and_resources(compile_sm90(kernel, args, config["num_warps"]), out_dir)
     loop = innermost_loop(sass)
-    per_thread = config["block_d"] * gpu_chunk(kind, dtype) // (32 * config["num_warps"])
+    per_thread = args.get("UNROLL", 1) * config["block_d"] * gpu_chunk(kind, dtype) // (32 * config["num_warps"])
     return len(loop) / per_thread, registers, stack, Counter(opcode(text) for _, text in loop)
 
 

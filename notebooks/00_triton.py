@@ -36,180 +36,12 @@ print(scan_lib.runtime.describe())
 # ## The setup cell, opened up
 #
 # `import scan_lib` ran `scan_lib/runtime.py`, written from this chapter's cells marked `#| export`:
-# without a CUDA GPU it sets `TRITON_INTERPRET=1` (section "Why the setup cell comes first"), and
-# `describe()` prints where kernels will run. The rest of the first exported cell serves later
-# chapters ("Going deeper: the setup cell's other half").
+# without a CUDA GPU it sets `TRITON_INTERPRET=1` ("Going deeper: why the setup cell comes first"),
+# and `describe()` prints where kernels will run. The chapter imports its helpers from that module, as
+# later chapters do; their bodies are in the Going deeper sections named where each is used.
 
 # %%
-#| default_exp runtime
-
-# %%
-#| export
-"""Where kernels run (the GPU, else Triton's CPU interpreter), figures, compiled code, timers, input checks."""
-import functools
-import os
-import warnings
-from importlib.metadata import version
-from pathlib import Path
-
-import numpy as np
-import torch
-
-
-def use_interpreter_without_gpu() -> bool:
-    """Set TRITON_INTERPRET=1 when no CUDA GPU is visible. Call before any @triton.jit is defined.
-
-    Warns when NumPy is 2.4 or newer and Triton older than 3.9: Triton 3.6's interpreter cannot run a
-    `for` loop over a runtime bound with that NumPy (section "Going deeper: the interpreter and NumPy"
-    shows the failure); 3.9's can; 3.7 and 3.8 were not tried."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if interpret and _major_minor(np.__version__) >= (2, 4) and _major_minor(version("triton")) < (3, 9):
-        warnings.warn(f"Triton {version('triton')}'s CPU interpreter may fail with NumPy {np.__version__}: "
-                      "use numpy<2.4 (requirements.txt pins 2.3.5) or Triton 3.9", stacklevel=2)
-    return interpret
-
-
-def _major_minor(version_string: str) -> tuple:
-    return tuple(int(part) for part in version_string.split(".")[:2])
-
-
-INTERPRET: bool = use_interpreter_without_gpu()
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-ON_GPU: bool = DEVICE.type == "cuda" and not INTERPRET
-
-
-def describe() -> str:
-    """One line saying where kernels will run, for the top of every notebook and benchmark."""
-    if ON_GPU:
-        return f"GPU: {torch.cuda.get_device_name(DEVICE)} (torch {torch.__version__})"
-    return f"no GPU: Triton's CPU interpreter, small problem sizes (torch {torch.__version__})"
-
-
-def figure_path(name: str) -> Path:
-    """Where a notebook saves a figure: $SCAN_COURSE_FIGURES if set (`make test` and `make course` set it,
-    so that a CPU run leaves the committed GPU figures alone), else the repository's figures/ folder,
-    or ./figures elsewhere (Colab)."""
-    here = Path.cwd()
-    folder = Path(os.environ.get("SCAN_COURSE_FIGURES") or (here.parent if here.name == "notebooks" else here) / "figures")
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / name
-
-
-def save_figure(fig, name: str, dpi: int = 100) -> None:
-    """Save a matplotlib figure to figures/<name> and show it as the cell's output.
-
-    The file has no timestamp or version in it, so re-running a notebook rewrites the same bytes and
-    leaves git clean. The figure is shown as an image output (not a link to ../figures/, which Colab
-    and the HTML pages cannot follow), then closed so that it is not drawn a second time."""
-    import matplotlib.pyplot as plt
-    path = figure_path(name)
-    fig.savefig(path, dpi=dpi, bbox_inches="tight", metadata={"Software": None})
-    plt.close(fig)
-    try:
-        from IPython import get_ipython
-        from IPython.display import Image, display
-    except ImportError:
-        return
-    if get_ipython() is not None:
-        display(Image(filename=str(path)))
-
-
-_LOCAL_OPS = iter(range(1, 1 << 62))
-
-
-def custom_op(name: str, module: str, **options):
-    """torch.library.custom_op for a scan_lib public op: `@custom_op("cumsum", __name__)`.
-
-    In a scan_lib module the op is `scan_lib::name`. Defined anywhere else (a notebook cell, whose
-    module is `__main__`), it gets a namespace of its own each time the cell runs, because scan_lib,
-    imported by the setup cell, has already registered `scan_lib::name`, and torch refuses a second
-    registration of one name."""
-    namespace = "scan_lib" if module.startswith("scan_lib.") else f"scan_lib_local{next(_LOCAL_OPS)}"
-
-    def register(implementation):
-        return EagerFastOp(torch.library.custom_op(f"{namespace}::{name}", mutates_args=(), **options)(implementation),
-                           implementation)
-    return register
-
-
-class EagerFastOp:
-    """A registered custom op that, in a plain eager call, runs its Python implementation directly.
-
-    Through the dispatcher, a Python custom op costs tens of microseconds per call before its code
-    runs (the autograd key, a redispatch, a wrapper that keeps torch.compile out of the
-    implementation). None of that does anything for plain tensors outside torch.compile, torch.func
-    transforms, dispatch or torch-function modes (fake tensors, the profiler's op names), and
-    tensors that need no gradient through the op; such calls go straight to the implementation,
-    every other call through the op. Everything else (register_fake, register_vmap, ...) is the op's."""
-
-    def __init__(self, op, implementation):
-        self._op, self._implementation = op, implementation
-        functools.update_wrapper(self, implementation)     # name, docstring and signature for help()
-
-    def __call__(self, *args, **kwargs):
-        if _plain_eager(args) and _plain_eager(kwargs.values()):
-            return self._implementation(*args, **kwargs)
-        return self._op(*args, **kwargs)
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("_op", "_implementation"):   # not yet set (copy, pickle)
-            raise AttributeError(name)
-        return getattr(self._op, name)
-
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)   # a Parameter's __torch_function__ is the Tensor's
-
-
-def _plain_eager(args) -> bool:
-    """Whether a call with these arguments needs nothing from the dispatcher (see EagerFastOp): no
-    torch.compile, torch.func transform, dispatch or torch-function mode, profiler or jit tracer, and
-    tensor arguments that are plain tensors (or parameters) needing no gradient through the op."""
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-            or torch.autograd._profiler_enabled() or torch._C._get_tracing_state() is not None):
-        return False
-    grad = torch.is_grad_enabled()
-    for arg in args:
-        if isinstance(arg, (list, tuple)) and not _plain_eager(arg):
-            return False
-        if isinstance(arg, torch.Tensor) and (type(arg) not in _PLAIN_TENSORS or (grad and arg.requires_grad)):
-            return False
-    return True
-
-
-def apply(function, *args):
-    """`function.apply(*args)` for a torch.autograd.Function in the style torch.func needs (a forward
-    without ctx, and setup_context), without that style's cost in plain eager calls.
-
-    For that style, Function.apply binds the arguments with inspect.signature on every call: tens of
-    microseconds of host time, as much as a kernel launch. Outside torch.compile and torch.func
-    transforms, the same forward, setup_context and backward run as an old-style Function, whose
-    apply goes straight to C++. Pass every argument positionally."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return function.apply(*args)
-    return _eager_twin(function).apply(*args)
-
-
-_EAGER_TWINS: dict = {}
-
-
-def _eager_twin(function):
-    """An old-style autograd.Function, named like `function`, that runs its forward, setup_context and backward."""
-    if function not in _EAGER_TWINS:
-        def forward(ctx, *args):
-            output = function.forward(*args)
-            function.setup_context(ctx, args, output)
-            return output
-
-        def backward(ctx, *grads):
-            return function.backward(ctx, *grads)
-        _EAGER_TWINS[function] = type(function.__name__, (torch.autograd.Function,),
-                                      {"forward": staticmethod(forward), "backward": staticmethod(backward)})
-    return _EAGER_TWINS[function]
-
-# %%
+import re
 import time
 
 import numpy as np
@@ -217,7 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
-from scan_lib.runtime import INTERPRET, save_figure
+from scan_lib.runtime import INTERPRET, copy_bandwidth, gpu_assembly, median_us, save_figure
 
 # %% [markdown]
 # ## How a GPU runs a kernel
@@ -232,7 +64,9 @@ from scan_lib.runtime import INTERPRET, save_figure
 #   them unless the kernel itself does.
 # * A **warp** is 32 **threads** (each with its own registers) that execute the same instruction
 #   at the same time. A program has `num_warps` warps (a launch option, 4 by default); each thread
-#   holds a few values of the block: 1024 float32 over 4 warps is 8 per thread.
+#   holds a few values of the block: 1024 float32 over 4 warps is 8 per thread, in two runs of 4
+#   consecutive values, since 4 warps of 32 threads with 4 values each cover 512 values and then
+#   repeat (the figure's thread 0 holds values 0-3 and 512-515).
 # * Between threads, as in a sum or a scan, values move by **shuffles** (a thread reads a register of
 #   another thread of its warp) and through **shared memory** (a small, fast memory of the SM).
 #   `tl.sum` and `tl.associative_scan` do this for you.
@@ -256,7 +90,7 @@ for sm in range(4):                                        # left: grid = 8 prog
 ax_grid.set_xlim(-0.1, 4.4); ax_grid.set_ylim(-0.1, 2.8); ax_grid.axis("off")
 ax_grid.set_title("kernel[(8,)]: 8 programs on 4 SMs", fontsize=9)
 for row in range(8):                                       # right: one block of 1024 float32
-    warp = row % 4                                         # 4 values per thread, 32 threads per warp
+    warp = row % 4                                         # a row: 32 threads x 4 values; rows r and r + 4: 8 per thread
     for thread in range(32):
         ax_block.add_patch(Rectangle((thread * 4, 7 - row), 4, 0.8, facecolor=warp_colors[warp],
                                      edgecolor="white", linewidth=0.3, alpha=1.0 if thread else 0.55))
@@ -291,18 +125,10 @@ which_program_kernel[(programs,)](owner, BLOCK=block)
 assert torch.equal(owner.cpu(), torch.arange(programs, dtype=torch.int32).repeat_interleave(block))
 print(owner.view(programs, block))
 
-try:                                                      # a block of 6 is refused when compiled
-    which_program_kernel[(1,)](torch.empty(6, dtype=torch.int32, device=DEVICE), BLOCK=6)
-    refusal = "none"
-except Exception as error:
-    refusal = f"{type(error).__name__}: {error}"
-assert "power of 2" in refusal, refusal
-print("BLOCK=6 is refused: arange's range must be a power of 2")
-
 # %% [markdown]
 # `tl.full(shape, value, dtype)` makes a block of one value. `BLOCK` is a `tl.constexpr`, known when
 # the kernel is compiled, so it can set shapes, which must be compile-time constants; `tl.arange`
-# lengths must be powers of two.
+# lengths must be powers of two ("Going deeper: a block of 6" shows the refusal).
 #
 # ## `tl.arange`, shapes and broadcasting
 #
@@ -368,74 +194,27 @@ print("vector_add == x + y for n = 1, 7, 129, 1000, 4097 (BLOCK = 256)")
 # ## What `num_warps` changes
 #
 # `num_warps` (`kernel[grid](..., num_warps=8)`) changes how blocks are spread over threads, not
-# what a kernel computes. `gpu_assembly` (exported below) compiles a kernel for an H100 or H200 on
-# any machine, without running it, and returns the compiler's output by stage. The stage `ttgir`
-# states the block's layout: `sizePerThread` consecutive values per thread, `threadsPerWarp`, and
-# `warpsPerCTA` (warps per program); more in "Going deeper: reading a layout, choosing `num_warps`".
+# what a kernel computes. The compiler states that spread as the block's **layout**. `gpu_assembly`
+# compiles a kernel for an H100 or H200 on any machine, without running it, and returns the
+# compiler's output by stage, down to the GPU's assembly (PTX); the stage `ttgir` holds the layout.
+# The cell prints it for `vector_add_kernel` (BLOCK 1024) with 1, 4 and 8 warps.
 
 # %%
-#| export
-_COMPILE_FOR_GPU = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import triton
-from triton.backends.compiler import GPUTarget
-from kernel_source import kernel
-types, constexprs, num_warps, capability = json.loads(sys.argv[2])
-aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(types.values()) if kind.startswith("*")}
-source = triton.compiler.ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=aligned)
-compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
-print(json.dumps({stage: code for stage, code in compiled.asm.items() if isinstance(code, str)}))
-"""
-
-
-def gpu_assembly(kernel, signature: dict, num_warps: int = 4, capability: int = 90, **constexprs) -> dict:
-    """Compile `kernel` for an NVIDIA GPU without running it, on any machine, and return its code by
-    stage: "ttir" (Triton's IR), "ttgir" (the same with the layout of the block over threads), "llir",
-    "ptx" (the GPU's assembly). `capability` 90 is the H100 and H200.
-
-    `signature` gives the type of each runtime argument ("*fp32" a float32 pointer, "i32" an int);
-    `constexprs` the values of the tl.constexpr ones. Pointers are taken as 16-byte aligned, as
-    PyTorch's allocations are. The kernel is compiled in a fresh Python with the interpreter off (the
-    interpreter changes triton.language while it runs kernels), so it may use triton.language only,
-    not other @triton.jit functions or globals of its notebook."""
-    import inspect
-    import json
-    import re
-    import subprocess
-    import sys
-    import tempfile
-    import textwrap
-    source = textwrap.dedent(inspect.getsource(kernel.fn))
-    source = source[re.search(r"^def ", source, re.MULTILINE).start():]            # drop the decorator
-    names = list(inspect.signature(kernel.fn).parameters)
-    types = {name: signature.get(name, "constexpr") for name in names}
-    with tempfile.TemporaryDirectory() as folder:
-        Path(folder, "kernel_source.py").write_text(
-            f"import triton\nimport triton.language as tl\n\n\n@triton.jit\n{source}\n\nkernel = {kernel.fn.__name__}\n")
-        result = subprocess.run(
-            [sys.executable, "-c", _COMPILE_FOR_GPU, folder, json.dumps([types, constexprs, num_warps, capability])],
-            capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"})
-    if result.returncode != 0:
-        raise RuntimeError(f"compiling {kernel.fn.__name__} failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-# %%
-import re
-
 vector_add_types = {"X": "*fp32", "Y": "*fp32", "Z": "*fp32", "n": "i32"}
-print(f"{'num_warps':>9} {'threads':>7} {'values per thread':>17}   layout (BLOCK = 1024 float32)")
+layouts = {}
 for num_warps in (1, 4, 8):
     ttgir = gpu_assembly(vector_add_kernel, vector_add_types, num_warps=num_warps, BLOCK=1024)["ttgir"]
-    layout = re.search(r"#ttg\.blocked<\{(.*?)\}>", ttgir).group(1)
-    size, lanes, warps = (int(re.search(rf"{key} = \[(\d+)\]", layout).group(1))
-                          for key in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
-    assert lanes == 32 and warps == num_warps and size == 4, layout
-    print(f"{num_warps:>9} {lanes * warps:>7} {1024 // (lanes * warps):>17}   {layout}")
+    layouts[num_warps] = re.search(r"#ttg\.blocked<\{(.*?)\}>", ttgir).group(1)
+    print(f"num_warps {num_warps}: {layouts[num_warps]}")
 
 # %% [markdown]
-# Each thread holds 4 neighbouring float32: with 4 warps, 8 values, as in the figure.
-#
+# Each thread holds `sizePerThread` consecutive float32, each warp `threadsPerWarp` threads, each
+# program `warpsPerCTA` warps; a layout smaller than the block repeats until it covers it. With 4
+# warps that is 8 values per thread, as in the figure; with 8 warps, 4. "Going deeper: reading a
+# layout, choosing `num_warps`" defines `gpu_assembly`, reads the rest of the layout and shows how
+# `tl.sum` crosses warps.
+
+# %% [markdown]
 # ## Strides and contiguity
 #
 # A tensor is a flat piece of memory plus a shape and **strides**: `x.stride(d)` is how many
@@ -498,7 +277,7 @@ print(wrong)
 #
 # Each program owns one row, reached through its strides, and walks along it `BLOCK` columns at a
 # time, carrying `BLOCK` partial sums in float32 registers; `tl.sum` adds them up at the end. The
-# loop is a `while`; "Going deeper: the interpreter and NumPy" says why not a `for`.
+# loop is a `while` (a `for` works too: "Going deeper: the interpreter and NumPy").
 
 # %%
 @triton.jit
@@ -538,116 +317,53 @@ for shape in ((3, 1), (5, 7), (2, 1000), (4, 4097)):
 # %% [markdown]
 # The bound is the usual size of the error of `n` float32 additions, $\sqrt{n}\,2^{-24}\sum|x|$
 # (the roundings, each at most $2^{-24}$ relative, mostly cancel like a random walk); the transposed
-# rows pass it too. The next cell shows how `tl.sum` combines values of other threads: with one
-# warp, only shuffles (`shfl.sync`); with four, also shared memory (`st.shared`, `ld.shared`).
-
-# %%
-row_sums_types = {"X": "*fp32", "OUT": "*fp32", "n_cols": "i32", "stride_row": "i32", "stride_col": "i32"}
-print(f"{'num_warps':>9} {'shfl.sync':>9} {'st.shared':>9} {'ld.shared':>9}   (instructions in row_sums_kernel's PTX)")
-for num_warps in (1, 4):
-    ptx = gpu_assembly(row_sums_kernel, row_sums_types, num_warps=num_warps, BLOCK=1024)["ptx"]
-    counts = [ptx.count(instruction) for instruction in ("shfl.sync", "st.shared", "ld.shared")]
-    assert counts[0] > 0 and (min(counts[1:]) > 0) == (num_warps > 1), counts
-    print(f"{num_warps:>9} {counts[0]:>9} {counts[1]:>9} {counts[2]:>9}")
-
-# %% [markdown]
+# rows pass it too.
+#
 # ## Timing a kernel on a GPU
 #
 # A launch only *queues* the kernel, so `time.perf_counter()` around a launch measures the host, not
 # the GPU. The GPU's time is measured with **CUDA events**, markers that the GPU stamps with its own
 # clock. `median_us` calls `triton.testing.do_bench`: warm-up runs (the first launch compiles the
-# kernel), the **L2 cache** flushed before each run, the median in microseconds.
+# kernel), the **L2 cache** flushed before each run, the median in microseconds. A kernel that moves
+# `bytes` through memory needs about `bytes` over the memory bandwidth, which `copy_bandwidth`
+# measures by copying 1 GiB: every benchmark of the course compares with this **memory floor**. Both
+# are defined in "Going deeper: timing fine print", with two more timers that split host and GPU time.
 #
-# Each launch also costs the host time, which for a small kernel can exceed the GPU's. `host_us`
-# measures it per call; `graph_us` replays the calls from a **CUDA graph** (recorded launches,
-# replayed by one call), leaving only the GPU's time. A kernel that moves `bytes` through memory
-# needs about `bytes` over the memory bandwidth, which `copy_bandwidth` measures by copying 1 GiB:
-# every benchmark of the course compares with this **memory floor**.
+# On a GPU, the cell times `vector_add`'s kernel and `torch.add` at a small and a large size against
+# the memory floor (3 float32 of 4 bytes per element), and checks after each that the output holds
+# `x + y`. Without a GPU there is nothing to time: the
+# interpreter's speed says nothing about a GPU's ("Going deeper: timing fine print" shows it).
 
 # %%
-#| export
-def median_us(fn, **do_bench_options) -> float:
-    """Median GPU time of fn() in microseconds (triton.testing.do_bench; needs a GPU). Sweeps that
-    must be quick pass shorter warm-up and repeat times, e.g. warmup=5, rep=40 (milliseconds)."""
-    from triton.testing import do_bench
-    return do_bench(fn, return_mode="median", **do_bench_options) * 1e3
+def additions(n):
+    """Fresh float32 x, y, z of n values and the two additions to time, by name; each writes x + y into z."""
+    x, y, z = (torch.randn(n, device=DEVICE) for _ in range(3))
+    ops = {"triton": lambda: vector_add_kernel[(triton.cdiv(n, 1024),)](x, y, z, n, BLOCK=1024),
+           "torch": lambda: torch.add(x, y, out=z)}
+    return ops, (x, y, z)
 
 
-def graph_us(fn) -> float:
-    """Median time of fn() replayed from a CUDA graph, in microseconds: the GPU's time without launch overhead."""
-    from triton.testing import do_bench_cudagraph
-    return do_bench_cudagraph(fn, return_mode="median") * 1e3
+def addition_floor_us(n, bandwidth):
+    """The memory floor of an addition of n float32: 3 tensors of 4 bytes per element at `bandwidth`."""
+    return 3 * 4 * n / bandwidth * 1e6
 
 
-def host_us(fn, calls: int = 50) -> float:
-    """Host time per call: launches queued back to back, timed on the CPU, no synchronisation inside
-    (the GPU, where there is one, is synchronised before and after)."""
-    import time
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    sync()
-    return elapsed / calls * 1e6
-
-
-def copy_bandwidth() -> float:
-    """Device memory bandwidth in bytes per second, read plus write, measured by copying 1 GiB of
-    float32 (far larger than the L2 cache): the rate every memory floor in the course divides by."""
-    source = torch.empty(2**28, device=DEVICE)
-    target = torch.empty_like(source)
-    return 2 * source.numel() * source.element_size() / (median_us(lambda: target.copy_(source)) * 1e-6)
-
-# %% [markdown]
-# On a GPU, the cell times `vector_add` and `torch.add` at a small and a large size with the three
-# timers, against the memory floor (3 float32 of 4 bytes per element), and says which of host and
-# GPU sets the pace ("Going deeper: timing fine print"). Without a GPU it times the much slower
-# interpreter instead.
-
-# %%
 torch.manual_seed(4)
 if ON_GPU:
     bandwidth = copy_bandwidth()
     print(f"{torch.cuda.get_device_name(DEVICE)}: copy bandwidth {bandwidth / 1e12:.2f} TB/s; float32, BLOCK 1024")
-    print(f"{'n':>5} {'op':>7} {'median_us':>9} {'graph_us':>9} {'host_us':>8} {'floor_us':>8}  paced by")
+    print(f"{'n':>5} {'op':>7} {'median_us':>9} {'floor_us':>8}")
     for log_n in (14, 26):
-        n = 2**log_n
-        x_speed, y_speed, z_speed = (torch.randn(n, device=DEVICE) for _ in range(3))
-        floor_us = 3 * 4 * n / bandwidth * 1e6
-        ops = {"triton": lambda: vector_add_kernel[(triton.cdiv(n, 1024),)](x_speed, y_speed, z_speed, n, BLOCK=1024),
-               "torch": lambda: torch.add(x_speed, y_speed, out=z_speed)}
+        ops, (x_speed, y_speed, z_speed) = additions(2**log_n)
+        floor_us = addition_floor_us(2**log_n, bandwidth)
         for name, op in ops.items():
-            gpu, graph, host = median_us(op), graph_us(op), host_us(op)
+            z_speed.zero_()
+            gpu = median_us(op)
+            assert torch.equal(z_speed, x_speed + y_speed), f"{name} wrote a wrong sum"
             assert gpu >= 0.8 * floor_us, f"{name} beats the memory floor at 2^{log_n}: the timing is wrong"
-            print(f"{'2^' + str(log_n):>5} {name:>7} {gpu:>9.1f} {graph:>9.1f} {host:>8.1f} {floor_us:>8.1f}  "
-                  f"{'the host' if host > graph else 'the GPU'}")
-    assert torch.equal(z_speed, x_speed + y_speed)
+            print(f"{'2^' + str(log_n):>5} {name:>7} {gpu:>9.1f} {floor_us:>8.1f}")
 else:
-    x_speed, y_speed = torch.randn(2**14, device=DEVICE), torch.randn(2**14, device=DEVICE)
-    seconds = {}
-    for block in (64, 1024):
-        start = time.perf_counter()
-        vector_add(x_speed, y_speed, block)
-        seconds[block] = time.perf_counter() - start
-    start = time.perf_counter()
-    x_speed + y_speed
-    seconds["torch"] = time.perf_counter() - start
-    print(f"2^14 additions: interpreter {seconds[64] * 1e3:.0f} ms (BLOCK 64, 256 programs), "
-          f"{seconds[1024] * 1e3:.0f} ms (BLOCK 1024, 16 programs); torch {seconds['torch'] * 1e3:.2f} ms")
-    assert seconds[64] > seconds[1024] > seconds["torch"]
-
-# %% [markdown]
-# `torch.add` wrote `z_speed` last, so the timing cell's final check tests PyTorch's sum. This cell
-# checks the kernel's, into its own buffer filled with NaN, so that a launch that wrote nothing, or
-# only part, fails.
-
-# %%
-z_kernel = torch.full_like(x_speed, float("nan"))
-vector_add_kernel[(triton.cdiv(x_speed.numel(), 1024),)](x_speed, y_speed, z_kernel, x_speed.numel(), BLOCK=1024)
-assert torch.equal(z_kernel, x_speed + y_speed), "vector_add_kernel's output"
-print(f"vector_add_kernel, {x_speed.numel()} values, BLOCK 1024, into its own buffer: equal to x + y")
+    print("no GPU: nothing to time")
 
 # %% [markdown]
 # ## The CPU interpreter and what it hides
@@ -742,9 +458,428 @@ print("a + b is associative; a - b is not")
 # %% [markdown]
 # ### 3. Out-of-bounds reads are silent, so masks matter
 #
-# A kernel only receives a pointer: it does not know where the tensor ends. Below, `x` is the first
-# five elements of an eight-element buffer whose tail holds 100. An unmasked block of 8 reads the
-# neighbours, on CPU and GPU alike, with no error. The mask makes it right.
+# A kernel only receives a pointer: it does not know where the tensor ends. An unmasked block that
+# runs past the end reads its neighbours, on CPU and GPU alike, with no error ("Going deeper:
+# out-of-bounds reads" shows one). The mask makes it right.
+#
+# ### 4. Rounding differs from the GPU's
+#
+# The interpreter computes with NumPy; a GPU uses its own instructions, some of them fast
+# approximations, and sums in another order. Results agree within rounding errors, not bit for bit,
+# so the course checks a computed result against a float64 reference within a tolerance; `torch.equal`
+# only checks what involves no rounding (copies, indices, a single addition, as in this chapter's
+# first kernels). The cell checks `tl.exp`, which a GPU computes with a fast approximate instruction,
+# against float64 within a tolerance ("Going deeper: the error bound of `tl.exp`" derives the bound
+# under it).
+
+# %%
+@triton.jit
+def exp_kernel(X, Y, n, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(Y + offsets, tl.exp(tl.load(X + offsets, mask=mask)), mask=mask)
+
+
+x_exp = torch.linspace(-10, 10, 4097, device=DEVICE)
+y_exp = torch.empty_like(x_exp)
+exp_kernel[(triton.cdiv(x_exp.numel(), 1024),)](x_exp, y_exp, x_exp.numel(), BLOCK=1024)
+exact = torch.exp(x_exp.double())
+relative = (y_exp.double() - exact).abs() / exact
+print(f"tl.exp on [-10, 10]: max relative error {relative.max().item():.1e} against float64")
+assert relative.max() <= 2e-6, "more than a few float32 roundings"
+
+# %% [markdown]
+# Conversions can differ too: Triton 3.6's interpreter truncates float32 to bfloat16, where PyTorch
+# and a GPU round to nearest ("Going deeper: catching a truncating conversion").
+#
+# ## Summary
+#
+# Kernels find their block from `tl.program_id` and `tl.arange`, read tensors through strides and
+# mask every load and store; `median_us` times them against the memory floor. The interpreter hides
+# races, non-associative combines and the GPU's rounding: run everything on a real GPU before
+# trusting it.
+#
+# Next: chapter 01 scans with `+`, first in one block, then at any length.
+
+# %% [markdown]
+# ## Going deeper: why the setup cell comes first
+#
+# `scan_lib/runtime.py` starts with the cell below. `use_interpreter_without_gpu` sets
+# `TRITON_INTERPRET=1` when no CUDA GPU is visible, and mends older interpreters for NumPy 2.4
+# ("Going deeper: the interpreter and NumPy"). `save_figure` writes a figure with
+# no timestamp in it, so that re-running a notebook leaves git clean, into `$SCAN_COURSE_FIGURES`
+# where a test run sets it.
+
+# %%
+#| default_exp runtime
+
+# %%
+#| export
+"""Where kernels run (the GPU, else Triton's CPU interpreter), figures, compiled code, timers, input checks."""
+import functools
+import os
+import warnings
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def use_interpreter_without_gpu() -> bool:
+    """Set TRITON_INTERPRET=1 when no CUDA GPU is visible. Call before any @triton.jit is defined.
+
+    Under the interpreter of a Triton older than 3.9, also gives it 3.9's conversion of a scalar to a
+    Python int, without which a `for` loop over a runtime bound fails under NumPy 2.4 or newer
+    ("Going deeper: the interpreter and NumPy")."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if interpret and _major_minor(version("triton")) < (3, 9):
+        _index_scalars_as_triton_3_9_does()
+    return interpret
+
+
+def _major_minor(version_string: str) -> tuple:
+    return tuple(int(part) for part in version_string.split(".")[:2])
+
+
+def _index_scalars_as_triton_3_9_does():
+    """The interpreter holds a scalar as a one-element array and turns it into a Python int (a `range`
+    bound) with int(array), which NumPy 2.4 refuses for arrays of one dimension; Triton 3.9 squeezes
+    the array first. Wrap the interpreter's patching of tl.tensor so that older versions do the same
+    (3.5 sets the attribute itself, 3.6 through a scope that restores it); warn if this Triton's
+    interpreter has no such function."""
+    from triton.runtime import interpreter
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "squeezes_scalars", False):
+        if patch is None and _major_minor(np.__version__) >= (2, 4):
+            warnings.warn(f"Triton {version('triton')}'s CPU interpreter may fail with NumPy {np.__version__}: "
+                          "use numpy<2.4 (requirements.txt pins 2.3.5) or Triton 3.9", stacklevel=3)
+        return
+
+    def patch_lang_tensor(tensor, *scope):
+        patch(tensor, *scope)
+        index = lambda self: int(self.handle.data.squeeze())  # noqa: E731
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
+    patch_lang_tensor.squeezes_scalars = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
+
+
+INTERPRET: bool = use_interpreter_without_gpu()
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ON_GPU: bool = DEVICE.type == "cuda" and not INTERPRET
+
+
+def describe() -> str:
+    """One line saying where kernels will run, for the top of every notebook and benchmark."""
+    if ON_GPU:
+        return f"GPU: {torch.cuda.get_device_name(DEVICE)} (torch {torch.__version__})"
+    return f"no GPU: Triton's CPU interpreter, small problem sizes (torch {torch.__version__})"
+
+
+def figure_path(name: str) -> Path:
+    """Where a notebook saves a figure: $SCAN_COURSE_FIGURES if set (`make test` and `make course` set it,
+    so that a CPU run leaves the committed GPU figures alone), else the repository's figures/ folder,
+    or ./figures elsewhere (Colab)."""
+    here = Path.cwd()
+    folder = Path(os.environ.get("SCAN_COURSE_FIGURES") or (here.parent if here.name == "notebooks" else here) / "figures")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / name
+
+
+def save_figure(fig, name: str, dpi: int = 100) -> None:
+    """Save a matplotlib figure to figures/<name> and show it as the cell's output.
+
+    The file has no timestamp or version in it, so re-running a notebook rewrites the same bytes and
+    leaves git clean. The figure is shown as an image output (not a link to ../figures/, which Colab
+    and the HTML pages cannot follow), then closed so that it is not drawn a second time."""
+    import matplotlib.pyplot as plt
+    path = figure_path(name)
+    fig.savefig(path, dpi=dpi, bbox_inches="tight", metadata={"Software": None})
+    plt.close(fig)
+    try:
+        from IPython import get_ipython
+        from IPython.display import Image, display
+    except ImportError:
+        return
+    if get_ipython() is not None:
+        display(Image(filename=str(path)))
+
+# %% [markdown]
+# `@triton.jit` looks at `TRITON_INTERPRET` when it *defines* a kernel, and returns either a
+# compiled GPU function or an interpreted one; setting the variable later changes no kernel already
+# defined. A kernel defined while it was unset is compiled for a GPU, and without one its first
+# launch fails. So `import scan_lib`, which sets the variable when no GPU is visible, comes first in
+# every chapter. (On Colab, the setup cell's first lines also `pip install` this repository.)
+
+# %%
+import os
+
+from triton.runtime.interpreter import InterpretedFunction
+
+assert isinstance(vector_add_kernel, InterpretedFunction) == INTERPRET
+print(f"vector_add_kernel is a {type(vector_add_kernel).__name__}")
+if INTERPRET:
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        @triton.jit
+        def defined_too_late_kernel(X):
+            tl.store(X, 1.0)
+    finally:
+        os.environ["TRITON_INTERPRET"] = "1"
+    assert not isinstance(defined_too_late_kernel, InterpretedFunction)
+    try:
+        defined_too_late_kernel[(1,)](torch.zeros(1))
+        raise AssertionError("a GPU kernel should not launch without a GPU")
+    except RuntimeError as error:
+        print(f"defined with TRITON_INTERPRET=0, launched without a GPU: RuntimeError: {error}")
+
+# %% [markdown]
+# ## Going deeper: names in kernels
+#
+# Names in the kernels of this course follow one rule:
+#
+# * **Pointers** are capitalised words: `X`, `Y`, `GATES`, `DA`.
+# * **Compile-time constants** (`tl.constexpr` parameters) are upper case too: `BLOCK`, `CHUNK`,
+#   `REVERSE`. The annotation tells them from pointers.
+# * **Runtime values**, sizes and strides included, are lower case: `length`, `n_rows`, `stride_t`,
+#   `num_blocks`.
+#
+# So an upper-case name in a kernel is a pointer or a constant, and never changes while the kernel
+# runs. A `tl.constexpr` gets one compiled version of the kernel per value.
+
+# %% [markdown]
+# ## Going deeper: a block of 6
+#
+# `tl.arange` lengths must be powers of two, so `which_program_kernel` launched with `BLOCK=6` is
+# refused when it is compiled:
+
+# %%
+try:                                                      # a block of 6 is refused when compiled
+    which_program_kernel[(1,)](torch.empty(6, dtype=torch.int32, device=DEVICE), BLOCK=6)
+    refusal = "none"
+except Exception as error:
+    refusal = f"{type(error).__name__}: {error}"
+assert "power of 2" in refusal, refusal
+print("BLOCK=6 is refused: arange's range must be a power of 2")
+
+# %% [markdown]
+# ## Going deeper: reading a layout, choosing `num_warps`
+#
+# `gpu_assembly` is below. It compiles in a fresh Python process, with the interpreter off, because
+# the interpreter changes `triton.language` while it runs kernels; its docstring gives the arguments.
+
+# %%
+#| export
+_COMPILE_FOR_GPU = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import triton
+from triton.backends.compiler import GPUTarget
+from kernel_source import kernel
+types, constexprs, num_warps, capability = json.loads(sys.argv[2])
+aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(types.values()) if kind.startswith("*")}
+source = triton.compiler.ASTSource(fn=kernel, signature=types, constexprs=constexprs, attrs=aligned)
+compiled = triton.compile(source, target=GPUTarget("cuda", capability, 32), options={"num_warps": num_warps})
+print(json.dumps({stage: code for stage, code in compiled.asm.items() if isinstance(code, str)}))
+"""
+
+
+def gpu_assembly(kernel, signature: dict, num_warps: int = 4, capability: int = 90, **constexprs) -> dict:
+    """Compile `kernel` for an NVIDIA GPU without running it, on any machine, and return its code by
+    stage: "ttir" (Triton's IR), "ttgir" (the same with the layout of the block over threads), "llir",
+    "ptx" (the GPU's assembly). `capability` 90 is the H100 and H200.
+
+    `signature` gives the type of each runtime argument ("*fp32" a float32 pointer, "i32" an int);
+    `constexprs` the values of the tl.constexpr ones. Pointers are taken as 16-byte aligned, as
+    PyTorch's allocations are. The kernel is compiled in a fresh Python with the interpreter off (the
+    interpreter changes triton.language while it runs kernels), so it may use triton.language only,
+    not other @triton.jit functions or globals of its notebook."""
+    import inspect
+    import json
+    import re
+    import subprocess
+    import sys
+    import tempfile
+    import textwrap
+    source = textwrap.dedent(inspect.getsource(kernel.fn))
+    source = source[re.search(r"^def ", source, re.MULTILINE).start():]            # drop the decorator
+    names = list(inspect.signature(kernel.fn).parameters)
+    types = {name: signature.get(name, "constexpr") for name in names}
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "kernel_source.py").write_text(
+            f"import triton\nimport triton.language as tl\n\n\n@triton.jit\n{source}\n\nkernel = {kernel.fn.__name__}\n")
+        result = subprocess.run(
+            [sys.executable, "-c", _COMPILE_FOR_GPU, folder, json.dumps([types, constexprs, num_warps, capability])],
+            capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"})
+    if result.returncode != 0:
+        raise RuntimeError(f"compiling {kernel.fn.__name__} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+# %% [markdown]
+# The cell reads the layouts of "What `num_warps` changes" (`warpsPerCTA` is warps per program) as
+# threads per program and values per thread.
+
+# %%
+print(f"{'num_warps':>9} {'threads':>7} {'values per thread':>17}   (BLOCK = 1024 float32)")
+for num_warps, layout in layouts.items():
+    size, lanes, warps = (int(re.search(rf"{key} = \[(\d+)\]", layout).group(1))
+                          for key in ("sizePerThread", "threadsPerWarp", "warpsPerCTA"))
+    assert lanes == 32 and warps == num_warps and size == 4, layout
+    print(f"{num_warps:>9} {lanes * warps:>7} {1024 // (lanes * warps):>17}")
+
+# %% [markdown]
+# Each thread's 4 neighbouring float32 are 16 bytes. `order` lists the block's dimensions from
+# the one whose consecutive values sit in one thread (and then in neighbouring threads) first: a
+# one-dimensional block has only `[0]`.
+#
+# The next cell shows how `tl.sum` combines values of other threads in `row_sums_kernel`: with one
+# warp, only shuffles (`shfl.sync`); with four, also shared memory (`st.shared`, `ld.shared`).
+
+# %%
+row_sums_types = {"X": "*fp32", "OUT": "*fp32", "n_cols": "i32", "stride_row": "i32", "stride_col": "i32"}
+print(f"{'num_warps':>9} {'shfl.sync':>9} {'st.shared':>9} {'ld.shared':>9}   (instructions in row_sums_kernel's PTX)")
+for num_warps in (1, 4):
+    ptx = gpu_assembly(row_sums_kernel, row_sums_types, num_warps=num_warps, BLOCK=1024)["ptx"]
+    counts = [ptx.count(instruction) for instruction in ("shfl.sync", "st.shared", "ld.shared")]
+    assert counts[0] > 0 and (min(counts[1:]) > 0) == (num_warps > 1), counts
+    print(f"{num_warps:>9} {counts[0]:>9} {counts[1]:>9} {counts[2]:>9}")
+
+# %% [markdown]
+# More warps mean fewer values per thread and more threads to hide memory latency, but also more
+# work to combine values across warps in a sum or a scan; later chapters choose `num_warps` per
+# kernel.
+
+# %% [markdown]
+# ## Going deeper: timing fine print
+#
+# The timers of `scan_lib.runtime` are below. `do_bench` flushes the L2 cache (the GPU's last cache
+# before its memory) by writing a 256 MiB buffer before each run, so that every run reads its inputs
+# from memory as a real workload would.
+
+# %%
+#| export
+def median_us(fn, **do_bench_options) -> float:
+    """Median GPU time of fn() in microseconds (triton.testing.do_bench; needs a GPU). Sweeps that
+    must be quick pass shorter warm-up and repeat times, e.g. warmup=5, rep=40 (milliseconds)."""
+    from triton.testing import do_bench
+    return do_bench(fn, return_mode="median", **do_bench_options) * 1e3
+
+
+def graph_us(fn) -> float:
+    """Median time of fn() replayed from a CUDA graph, in microseconds: the GPU's time without launch overhead."""
+    from triton.testing import do_bench_cudagraph
+    return do_bench_cudagraph(fn, return_mode="median") * 1e3
+
+
+def host_us(fn, calls: int = 50) -> float:
+    """Host time per call: launches queued back to back, timed on the CPU, no synchronisation inside
+    (the GPU, where there is one, is synchronised before and after)."""
+    import time
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    sync()
+    return elapsed / calls * 1e6
+
+
+def copy_bandwidth() -> float:
+    """Device memory bandwidth in bytes per second, read plus write, measured by copying 1 GiB of
+    float32 (far larger than the L2 cache): the rate every memory floor in the course divides by."""
+    source = torch.empty(2**28, device=DEVICE)
+    target = torch.empty_like(source)
+    return 2 * source.numel() * source.element_size() / (median_us(lambda: target.copy_(source)) * 1e-6)
+
+# %% [markdown]
+# Each launch also costs the host time (Python, argument checks and the driver), which for a small
+# kernel can exceed the GPU's. `host_us` measures it per call; `graph_us` replays the calls from a
+# **CUDA graph** (recorded launches, replayed by one call), leaving only the GPU's time. On a GPU the
+# cell times the additions of "Timing a kernel on a GPU" with all three timers and says which of
+# host and GPU sets the pace.
+
+# %%
+from scan_lib.runtime import graph_us, host_us
+
+if ON_GPU:
+    print(f"{'n':>5} {'op':>7} {'median_us':>9} {'graph_us':>9} {'host_us':>8} {'floor_us':>8}  paced by")
+    for log_n in (14, 26):
+        ops, _ = additions(2**log_n)
+        floor_us = addition_floor_us(2**log_n, bandwidth)
+        for name, op in ops.items():
+            gpu, graph, host = median_us(op), graph_us(op), host_us(op)
+            print(f"{'2^' + str(log_n):>5} {name:>7} {gpu:>9.1f} {graph:>9.1f} {host:>8.1f} {floor_us:>8.1f}  "
+                  f"{'the host' if host > graph else 'the GPU'}")
+else:
+    print("no GPU: nothing to time")
+
+# %% [markdown]
+# The memory floor is itself a measurement, of a copy, so a kernel that streams as well as a copy
+# lands on it give or take the run-to-run variation, and may come in slightly under it (in the
+# table above, the large additions replayed from a CUDA graph, the `graph_us` column, do); the
+# cell of "Timing a kernel on a GPU" treats only a time under 0.8 of the floor as a timing error.
+#
+# Without a GPU the next cell times the interpreter: every operation of every program runs in
+# Python, so many small blocks cost far more than a few large ones, and both are much slower than
+# PyTorch. That is why every chapter has two size profiles (`if ON_GPU:` realistic sizes, else small
+# ones) and reports no CPU timings.
+
+# %%
+if not ON_GPU:
+    torch.manual_seed(4)
+    x_speed, y_speed = torch.randn(2**14, device=DEVICE), torch.randn(2**14, device=DEVICE)
+    seconds = {}
+    for block in (64, 1024):
+        start = time.perf_counter()
+        vector_add(x_speed, y_speed, block)
+        seconds[block] = time.perf_counter() - start
+    start = time.perf_counter()
+    x_speed + y_speed
+    seconds["torch"] = time.perf_counter() - start
+    print(f"2^14 additions: interpreter {seconds[64] * 1e3:.0f} ms (BLOCK 64, 256 programs), "
+          f"{seconds[1024] * 1e3:.0f} ms (BLOCK 1024, 16 programs); torch {seconds['torch'] * 1e3:.2f} ms")
+    assert seconds[64] > seconds[1024] > seconds["torch"]
+else:
+    print("on a GPU: the interpreter is not timed")
+
+# %% [markdown]
+# ## Going deeper: the error bound of `tl.exp`
+#
+# On a GPU `tl.exp(x)` computes $2^t$, $t = x \log_2 e$, with the fast instruction `ex2.approx.f32`,
+# whose error is at most 2 units in the last place (ulp), a relative $2^{-22}$; the rounding of $t$
+# (up to $2^{-23}|t|$) adds a relative $|x|\,2^{-23}$. The cell checks that `exp_kernel` compiles to
+# that instruction, and asserts, on the GPU and under the interpreter (NumPy's float32 `exp`), that
+# the error of "4. Rounding differs from the GPU's" against float64 stays within
+# $2^{-22} + |x|\,2^{-23} + 2^{-24}$ (the last term for the final rounding), which on $[-10, 10]$
+# stays under that cell's tolerance. It also prints the largest errors in ulp, with `torch.exp`'s.
+
+# %%
+ptx = gpu_assembly(exp_kernel, {"X": "*fp32", "Y": "*fp32", "n": "i32"}, BLOCK=1024)["ptx"]
+assert "ex2.approx.f32" in ptx
+print("PTX of exp_kernel:", next(line.strip() for line in ptx.splitlines() if "ex2.approx" in line))
+bound = 2**-22 + x_exp.double().abs() * 2**-23 + 2**-24
+
+
+def max_ulps(y: torch.Tensor) -> float:
+    """Largest error of float32 values y, in units of the last place of the exact result."""
+    return ((y.double() - exact).abs() / (2**-23 * 2.0 ** torch.floor(torch.log2(exact)))).max().item()
+
+
+print(f"tl.exp on [-10, 10]: max relative error {relative.max().item():.1e} ({max_ulps(y_exp):.2f} ulp; "
+      f"torch.exp {max_ulps(torch.exp(x_exp)):.2f} ulp), within the bound everywhere: {bool((relative <= bound).all())}")
+assert (relative <= bound).all() and bound.max() <= 2e-6
+
+# %% [markdown]
+# ## Going deeper: out-of-bounds reads
+#
+# Below, `x` is the first five elements of an eight-element buffer whose tail holds 100. An unmasked
+# block of 8 reads the neighbours, on CPU and GPU alike, with no error; the mask makes it right.
 
 # %%
 @triton.jit
@@ -768,45 +903,12 @@ print(f"sum of five ones: unmasked {unmasked:.0f}, masked {total.item():.0f}")
 assert unmasked == 5 + 3 * 100 and total.item() == 5
 
 # %% [markdown]
-# ### 4. Rounding differs from the GPU's
-#
-# The interpreter computes with NumPy; a GPU uses its own instructions, some of them fast
-# approximations, and sums in another order. Results agree within rounding errors, not bit for bit,
-# so the course checks a computed result against a float64 reference within a tolerance; `torch.equal`
-# only checks what involves no rounding (copies, indices, a single addition, as in this chapter's
-# first kernels). The cell checks the fast `ex2.approx.f32` behind `tl.exp` against float64
-# ("Going deeper: the error bound of `tl.exp`").
-
-# %%
-@triton.jit
-def exp_kernel(X, Y, n, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n
-    tl.store(Y + offsets, tl.exp(tl.load(X + offsets, mask=mask)), mask=mask)
-
-
-ptx = gpu_assembly(exp_kernel, {"X": "*fp32", "Y": "*fp32", "n": "i32"}, BLOCK=1024)["ptx"]
-assert "ex2.approx.f32" in ptx
-print("PTX of exp_kernel:", next(line.strip() for line in ptx.splitlines() if "ex2.approx" in line))
-
-x_exp = torch.linspace(-10, 10, 4097, device=DEVICE)
-y_exp = torch.empty_like(x_exp)
-exp_kernel[(triton.cdiv(x_exp.numel(), 1024),)](x_exp, y_exp, x_exp.numel(), BLOCK=1024)
-exact = torch.exp(x_exp.double())
-relative = (y_exp.double() - exact).abs() / exact
-bound = 2**-22 + x_exp.double().abs() * 2**-23 + 2**-24
-
-
-def max_ulps(y: torch.Tensor) -> float:
-    """Largest error of float32 values y, in units of the last place of the exact result."""
-    return ((y.double() - exact).abs() / (2**-23 * 2.0 ** torch.floor(torch.log2(exact)))).max().item()
-
-
-print(f"tl.exp on [-10, 10]: max relative error {relative.max().item():.1e} ({max_ulps(y_exp):.2f} ulp; "
-      f"torch.exp {max_ulps(torch.exp(x_exp)):.2f} ulp), within the bound everywhere: {bool((relative <= bound).all())}")
-assert (relative <= bound).all()
+# The cell reads past the end of a tensor but inside its buffer. Past the end of an allocation the
+# result is garbage or a crash, depending on luck.
 
 # %% [markdown]
+# ## Going deeper: catching a truncating conversion
+#
 # Conversions can differ too: PyTorch and a GPU round float32 to the nearest bfloat16 or float16,
 # while Triton 3.6's interpreter truncates float32 to bfloat16. `rounds_to_nearest` tells the two
 # apart with $\pm(1 + \tfrac34\varepsilon)$, $\varepsilon$ the gap between 1 and the next value of
@@ -850,115 +952,6 @@ for dtype in (torch.bfloat16, torch.float16):
         assert nearest
 
 # %% [markdown]
-# ## Why the setup cell comes first
-#
-# `@triton.jit` looks at `TRITON_INTERPRET` when it *defines* a kernel, and returns either a
-# compiled GPU function or an interpreted one; setting the variable later changes no kernel already
-# defined. A kernel defined while it was unset is compiled for a GPU, and without one its first
-# launch fails. So `import scan_lib`, which sets the variable when no GPU is visible, comes first in
-# every chapter.
-
-# %%
-import os
-
-from triton.runtime.interpreter import InterpretedFunction
-
-assert isinstance(vector_add_kernel, InterpretedFunction) == INTERPRET
-print(f"vector_add_kernel is a {type(vector_add_kernel).__name__}")
-if INTERPRET:
-    os.environ["TRITON_INTERPRET"] = "0"
-    try:
-        @triton.jit
-        def defined_too_late_kernel(X):
-            tl.store(X, 1.0)
-    finally:
-        os.environ["TRITON_INTERPRET"] = "1"
-    assert not isinstance(defined_too_late_kernel, InterpretedFunction)
-    try:
-        defined_too_late_kernel[(1,)](torch.zeros(1))
-        raise AssertionError("a GPU kernel should not launch without a GPU")
-    except RuntimeError as error:
-        print(f"defined with TRITON_INTERPRET=0, launched without a GPU: RuntimeError: {error}")
-
-# %% [markdown]
-# ## Summary
-#
-# Kernels find their block from `tl.program_id` and `tl.arange`, read tensors through strides and
-# mask every load and store; `median_us` times them against the memory floor. The interpreter hides
-# races, non-associative combines and the GPU's rounding: run everything on a real GPU before
-# trusting it.
-#
-# Next: chapter 01 scans with `+`, first in one block, then at any length.
-
-# %% [markdown]
-# ## Going deeper: the setup cell's other half
-#
-# On Colab the first lines of the setup cell `pip install` this repository. The first exported cell
-# of `scan_lib.runtime` also holds `custom_op`, `EagerFastOp`, `apply` and `_eager_twin`: the
-# wrapping that makes the library's kernels PyTorch ops with gradients. Chapter 01 ("Going deeper:
-# `cumsum` as a PyTorch op") explains custom ops, chapter 03 ("Autograd plumbing") `apply`;
-# `EagerFastOp`'s docstring says why a plain eager call skips the dispatcher.
-
-# %% [markdown]
-# ## Going deeper: names in kernels
-#
-# Names in the kernels of this course follow one rule:
-#
-# * **Pointers** are capitalised words: `X`, `Y`, `GATES`, `DA`.
-# * **Compile-time constants** (`tl.constexpr` parameters) are upper case too: `BLOCK`, `CHUNK`,
-#   `REVERSE`. The annotation tells them from pointers.
-# * **Runtime values**, sizes and strides included, are lower case: `length`, `n_rows`, `stride_t`,
-#   `num_blocks`.
-#
-# So an upper-case name in a kernel is a pointer or a constant, and never changes while the kernel
-# runs. A `tl.constexpr` gets one compiled version of the kernel per value.
-
-# %% [markdown]
-# ## Going deeper: reading a layout, choosing `num_warps`
-#
-# In the `ttgir` layout, each thread's 4 neighbouring float32 are 16 bytes, and a layout smaller
-# than the block repeats until it covers it. `order` lists the block's dimensions from the one whose
-# consecutive values sit in one thread (and then in neighbouring threads) first: a one-dimensional
-# block has only `[0]`.
-#
-# More warps mean fewer values per thread and more threads to hide memory latency, but also more
-# work to combine values across warps in a sum or a scan; later chapters choose `num_warps` per
-# kernel.
-
-# %% [markdown]
-# ## Going deeper: timing fine print
-#
-# `do_bench` flushes the L2 cache (the GPU's last cache before its memory) by writing a 256 MiB
-# buffer before each run, so that every run reads its inputs from memory as a real workload would.
-# A launch's host time goes to Python, argument checks and the driver.
-#
-# The memory floor is itself a measurement, of a copy, so a kernel that streams as well as a copy
-# lands on it give or take the run-to-run variation, and may come in slightly under it (in the
-# timing table, the large additions replayed from a CUDA graph, the `graph_us` column, do); the
-# timing cell treats only a time under 0.8 of the floor as a timing error.
-#
-# Without a GPU the timing cell times the interpreter: every operation of every program runs in
-# Python, so many small blocks cost far more than a few large ones, and both are much slower than
-# PyTorch. That is why every chapter has two size profiles (`if ON_GPU:` realistic sizes, else small
-# ones) and reports no CPU timings.
-#
-# Timed ops that share an output buffer leave in it only the last op's result. That is why the
-# timing cell's own last check tests less than it seems, and the cell after it checks the timed
-# launch itself (the same grid and `BLOCK`, on the last inputs timed).
-
-# %% [markdown]
-# ## Going deeper: the error bound of `tl.exp`
-#
-# On a GPU `tl.exp(x)` computes $2^t$, $t = x \log_2 e$, with the fast instruction `ex2.approx.f32`,
-# whose error is at most 2 units in the last place (ulp), a relative $2^{-22}$; the rounding of $t$
-# (up to $2^{-23}|t|$) adds a relative $|x|\,2^{-23}$. The cell of "4. Rounding differs from the
-# GPU's" asserts, on the GPU and under the interpreter (NumPy's float32 `exp`), that the error
-# against float64 stays within $2^{-22} + |x|\,2^{-23} + 2^{-24}$ (the last term for the final
-# rounding).
-
-# %% [markdown]
-# ## Going deeper: catching a truncating conversion
-#
 # Triton 3.6's interpreter converts float32 to bfloat16 by dropping the low 16 bits, that is
 # truncation, towards zero. A test value must tell that from rounding to nearest: not representable
 # in the target type, and closer to its upper neighbour. $\pm(1 + \tfrac34\varepsilon)$ is both,
@@ -967,10 +960,124 @@ if INTERPRET:
 # a truncating conversion passing with it and failing with this one.
 
 # %% [markdown]
-# ## Going deeper: past the end of an allocation
+# ## Going deeper: torch ops in `scan_lib.runtime`
 #
-# The cell of "3. Out-of-bounds reads are silent" reads past the end of a tensor but inside its
-# buffer. Past the end of an allocation the result is garbage or a crash, depending on luck.
+# Nothing in this chapter uses the cell below; later chapters' exported modules do. `custom_op`
+# registers a launcher as a PyTorch custom op (`torch.library.custom_op`) and wraps it in
+# `EagerFastOp`; `apply` runs a `torch.autograd.Function`: the wrapping that makes the library's
+# kernels PyTorch ops with gradients. Chapter 03 ("Going deeper: autograd plumbing: torch ops,
+# `setup_context`, double backward") explains custom ops and `apply`; `EagerFastOp`'s docstring says
+# why a plain eager call skips the dispatcher.
+
+# %%
+#| export
+_LOCAL_OPS = iter(range(1, 1 << 62))
+
+
+def custom_op(name: str, module: str, **options):
+    """torch.library.custom_op for a scan_lib public op: `@custom_op("cumsum", __name__)`.
+
+    In a scan_lib module the op is `scan_lib::name`. Defined anywhere else (a notebook cell, whose
+    module is `__main__`), it gets a namespace of its own each time the cell runs, because scan_lib,
+    imported by the setup cell, has already registered `scan_lib::name`, and torch refuses a second
+    registration of one name."""
+    namespace = "scan_lib" if module.startswith("scan_lib.") else f"scan_lib_local{next(_LOCAL_OPS)}"
+
+    def register(implementation):
+        return EagerFastOp(torch.library.custom_op(f"{namespace}::{name}", mutates_args=(), **options)(implementation),
+                           implementation)
+    return register
+
+
+class EagerFastOp:
+    """A registered custom op that, in a plain eager call, runs its Python implementation directly.
+
+    Through the dispatcher, a Python custom op costs tens of microseconds per call before its code
+    runs (the autograd key, a redispatch, a wrapper that keeps torch.compile out of the
+    implementation). None of that does anything for plain tensors outside torch.compile, torch.func
+    transforms, dispatch or torch-function modes (fake tensors, the profiler's op names), and
+    tensors that need no gradient through the op; such calls go straight to the implementation,
+    every other call through the op. Everything else (register_fake, register_vmap, ...) is the op's."""
+
+    def __init__(self, op, implementation):
+        self._op, self._implementation = op, implementation
+        functools.update_wrapper(self, implementation)     # name, docstring and signature for help()
+
+    def __call__(self, *args, **kwargs):
+        if not _dispatcher_needed() and _plain_tensors(args) and (not kwargs or _plain_tensors(kwargs.values())):
+            return self._implementation(*args, **kwargs)
+        return self._op(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_op", "_implementation"):   # not yet set (copy, pickle)
+            raise AttributeError(name)
+        return getattr(self._op, name)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)   # a Parameter's __torch_function__ is the Tensor's
+
+
+def _dispatcher_needed() -> bool:
+    """Whether the current context needs every op call to go through the dispatcher: torch.compile, a
+    torch.func transform, a dispatch or torch-function mode (fake tensors, ...), the profiler (its op
+    names) or the jit tracer. One C call each (is_compiling first: Dynamo answers it while tracing and
+    then reads no further)."""
+    return (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+            or torch.autograd._profiler_enabled() or torch._C._get_tracing_state() is not None)
+
+
+def _plain_tensors(args) -> bool:
+    """Whether every tensor among args (lists and tuples looked into) is a plain tensor or parameter
+    needing no gradient through the op: a subclass or a gradient is the dispatcher's business."""
+    grad = torch.is_grad_enabled()
+    for arg in args:
+        if isinstance(arg, (list, tuple)) and not _plain_tensors(arg):
+            return False
+        if isinstance(arg, torch.Tensor) and (type(arg) not in _PLAIN_TENSORS or (grad and arg.requires_grad)):
+            return False
+    return True
+
+
+def needs_grad(*tensors) -> bool:
+    """Whether autograd must record an op on these tensors (None and numbers skipped): grad mode is on
+    and one of them requires a gradient."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def apply(function, *args):
+    """`function.apply(*args)` for a torch.autograd.Function in the style torch.func needs (a forward
+    without ctx, and setup_context), without that style's cost in plain eager calls.
+
+    For that style, Function.apply binds the arguments with inspect.signature on every call: tens of
+    microseconds of host time, as much as a kernel launch. Outside torch.compile and torch.func
+    transforms, the same forward, setup_context and backward run as an old-style Function, whose
+    apply goes straight to C++; and when no argument needs a gradient (nor a forward-mode tangent,
+    which the Function would refuse), the forward alone runs: the Function would record nothing.
+    Pass every argument positionally."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    if not needs_grad(*args) and torch.autograd.forward_ad._current_level < 0:   # no dual_level open
+        return function.forward(*args)
+    return _eager_twin(function).apply(*args)
+
+
+_EAGER_TWINS: dict = {}
+
+
+def _eager_twin(function):
+    """An old-style autograd.Function, named like `function`, that runs its forward, setup_context and backward."""
+    if function not in _EAGER_TWINS:
+        def forward(ctx, *args):
+            output = function.forward(*args)
+            function.setup_context(ctx, args, output)
+            return output
+
+        def backward(ctx, *grads):
+            return function.backward(ctx, *grads)
+        _EAGER_TWINS[function] = type(function.__name__, (torch.autograd.Function,),
+                                      {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    return _EAGER_TWINS[function]
 
 # %% [markdown]
 # ## Going deeper: the rest of `scan_lib.runtime`
@@ -996,7 +1103,27 @@ def check_same_device(**tensors) -> torch.device:
     on which the kernels can run, and return that device.
 
     On a GPU machine kernels need CUDA tensors; under the interpreter, CPU tensors (the interpreter
-    also copies CUDA tensors through the host, so those are accepted too). Meta tensors never are."""
+    also copies CUDA tensors through the host, so those are accepted too). Meta tensors never are.
+    Every call of every op runs this check, so the passing path is a plain loop; the messages are
+    built only when one is raised."""
+    device = None
+    for t in tensors.values():
+        if t is None:
+            continue
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            _raise_device_error(tensors)
+    if device is None or device.type not in KERNEL_DEVICE_TYPES:
+        _raise_device_error(tensors)
+    return device
+
+
+KERNEL_DEVICE_TYPES = ("cpu", "cuda") if INTERPRET else ("cuda",)
+
+
+def _raise_device_error(tensors: dict):
+    """The ValueError of check_same_device for these arguments, naming them."""
     named = {name: t for name, t in tensors.items() if t is not None}
     if not named:
         raise ValueError(f"{', '.join(tensors) or 'tensors'}: no tensor given, only None")
@@ -1005,27 +1132,57 @@ def check_same_device(**tensors) -> torch.device:
         listing = ", ".join(f"{name} on {t.device}" for name, t in named.items())
         raise ValueError(f"all tensors must be on one device, got {listing}")
     device = devices.pop()
-    if INTERPRET and device.type not in ("cpu", "cuda"):
+    if INTERPRET:
         raise ValueError(f"{', '.join(named)} must be CPU tensors for Triton's interpreter (got {device})")
-    if not INTERPRET and device.type != "cuda":
-        raise ValueError(
-            f"{', '.join(named)} must be CUDA tensors (got {device}); to run Triton kernels on the CPU "
-            "set TRITON_INTERPRET=1 before importing scan_lib"
-        )
-    return device
+    raise ValueError(
+        f"{', '.join(named)} must be CUDA tensors (got {device}); to run Triton kernels on the CPU "
+        "set TRITON_INTERPRET=1 before importing scan_lib"
+    )
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive integers (triton.cdiv, without its per-call cost on the host)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n for n >= 1, 0 for 0: triton.next_power_of_2 in plain Python.
+    Triton's is wrapped so that kernels can call it too, and under the interpreter that wrapper costs
+    about as much per host call as a tensor allocation. A size that is a symbol while torch.compile
+    traces (a SymInt, not an int) goes to Triton's, which is written with operators a SymInt has."""
+    if type(n) is not int:
+        import triton
+        return triton.next_power_of_2(n)
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def zero_in_graph(*tensors):
+    """A 0-dim zero in the autograd graph of each given tensor that needs a gradient (None and numbers
+    skipped), or None when none does. An op's result for an empty input, plus this zero, gives every input a
+    gradient of its own shape (zeros), as torch's ops do, while a call without gradients pays nothing.
+    The zero is the sum of no elements (each tensor's first zero elements), so it is exactly 0 even
+    for inputs holding inf or nan."""
+    if not needs_grad(*tensors):
+        return None
+    return torch.cat([t.flatten()[:0] for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]).sum()
+
+
+def plus(tensor, zero):
+    """tensor + zero in tensor's dtype, or tensor itself when zero is None (see zero_in_graph)."""
+    return tensor if zero is None else tensor + zero.to(tensor.dtype)
 
 # %% [markdown]
 # ## Going deeper: the interpreter and NumPy
 #
-# The loop in `row_sums_kernel` is a `while` on purpose. Triton 3.6's interpreter under NumPy 2.4 or
-# newer cannot run a `for` loop whose bound is a kernel argument (it fails with "only 0-dimensional
-# arrays can be converted to Python scalars"), which is why `requirements.txt` pins NumPy 2.3 and
-# `use_interpreter_without_gpu` warns about newer ones; Triton 3.9's interpreter runs it, 3.7 and
-# 3.8 were not tried. On a GPU a `while` loop compiles to the same thing as the `for`. The cell
-# tries the `for` loop with whatever NumPy you have. On a GPU the kernel is compiled, not
-# interpreted, so NumPy plays no part there: the committed output, from a GPU run, shows the `for`
-# loop compiling and running correctly with a NumPy newer than 2.4, which says nothing about the
-# interpreter.
+# Left alone, Triton 3.6's interpreter under NumPy 2.4 or newer cannot run a `for` loop whose bound
+# is a kernel argument: it fails with "only 0-dimensional arrays can be converted to Python scalars".
+# The interpreter holds every scalar as a one-element NumPy array, and Python's `range` turns the
+# bound into an int with `int(array)`, which NumPy 2.4 refuses for an array of one dimension. Triton
+# 3.9 squeezes the array to zero dimensions first; `use_interpreter_without_gpu` gives older
+# interpreters that one line (`_index_scalars_as_triton_3_9_does`), so the course's `for` loops run
+# under any NumPy. (`requirements.txt` still pins NumPy 2.3, the version CI tests with.)
+# The cell runs a `for` loop over a runtime bound with whatever NumPy you have (the recorded GPU run
+# had NumPy 2.5.2). On a GPU the kernel is compiled, not interpreted, and NumPy plays no part.
 
 # %%
 @triton.jit
@@ -1038,20 +1195,12 @@ def row_sums_for_kernel(X, OUT, n_cols, BLOCK: tl.constexpr):
     tl.store(OUT + row, tl.sum(acc, axis=0))
 
 
-numpy_version = tuple(int(part) for part in np.__version__.split(".")[:2])
-known_to_fail = INTERPRET and triton.__version__.startswith("3.6.") and numpy_version >= (2, 4)
 torch.manual_seed(3)
 x_for = torch.randn(2, 100, device=DEVICE)
 out_for = torch.empty(2, device=DEVICE)
-try:
-    row_sums_for_kernel[(2,)](x_for, out_for, 100, BLOCK=64)
-except Exception as error:
-    print(f"numpy {np.__version__}, interpreter: {type(error).__name__}: {error}")
-    assert INTERPRET and numpy_version >= (2, 4), "only the interpreter under NumPy >= 2.4 is known to fail"
-else:
-    assert not known_to_fail, "Triton 3.6's interpreter under NumPy >= 2.4 was expected to fail"
-    assert torch.allclose(out_for, x_for.sum(1), atol=1e-4)
-    print(f"numpy {np.__version__}: the for loop over a runtime bound ran and is correct")
+row_sums_for_kernel[(2,)](x_for, out_for, 100, BLOCK=64)
+assert torch.allclose(out_for, x_for.sum(1), atol=1e-4)
+print(f"triton {triton.__version__}, numpy {np.__version__}: the for loop over a runtime bound ran and is correct")
 
 # %% [markdown]
 # ## References

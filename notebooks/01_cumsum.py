@@ -77,8 +77,8 @@ print("sequential loop == float64 torch.cumsum (to 1e-12) on 1000 random values:
 # ($2^{-24}$ for float32, $2^{-11}$ for float16) times $|y_t|$, and each addition in the accumulation
 # dtype up to $u_\text{acc}$ times a partial sum; both are at most $\sum_{j \le t} |x_j|$. So we divide
 # the error by that (not by $y_t$, which can cancel to zero) and allow
-# $u_\text{out} + 32\,u_\text{acc}\log_2 L$ ("Going deeper" derives the factor 32 and the margins of
-# float16 and bfloat16).
+# $u_\text{out} + 32\,u_\text{acc}\log_2 L$ ("Going deeper" derives the factor 32, measures the worst
+# order of additions against it, and gives the margins of float16 and bfloat16).
 
 # %%
 UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
@@ -102,25 +102,6 @@ def assert_cumsum(y: torch.Tensor, x: torch.Tensor, dim: int = -1) -> float:
     err, tolerance = scan_error(y, x, dim), scan_tolerance(x.dtype, x.shape[dim] if x.dim() else 1)
     assert err <= tolerance, f"scaled error {err:.2e} above {tolerance:.1e} for {x.dtype}"
     return err
-
-# %% [markdown]
-# The cell below measures the worst order of additions, a fully sequential float32 sum (NumPy's
-# `cumsum`, on positive values, which do not cancel): its error is within the tolerance, and above
-# $u_\text{acc}\log_2 L$, so a factor of 1 would fail it.
-
-# %%
-import numpy as np
-
-assert all(math.sqrt(n) <= 32 * math.log2(n) for n in range(2, 2**18 + 1))   # sqrt(L) <= 32 log2 L up to 2^18
-print(f"{'L':>7} {'sequential float32':>18} {'u log2 L':>9} {'tolerance':>9}   (scaled errors)")
-for log_length in (10, 14, 18):
-    n = 2**log_length
-    x_pos = torch.rand(n, generator=torch.Generator().manual_seed(log_length), dtype=torch.float64).float()
-    y_sequential = torch.from_numpy(np.cumsum(x_pos.numpy(), dtype=np.float32))   # one addition after another
-    err = scan_error(y_sequential, x_pos)
-    assert UNIT_ROUNDOFF[torch.float32] * log_length < err <= scan_tolerance(torch.float32, n), (n, err)
-    print(f"{'2^' + str(log_length):>7} {err:>18.1e} {UNIT_ROUNDOFF[torch.float32] * log_length:>9.1e} "
-          f"{scan_tolerance(torch.float32, n):>9.1e}")
 
 # %% [markdown]
 # ## One block: `tl.associative_scan`
@@ -189,11 +170,8 @@ for length in (1, 7, 16, 129, 1000):
 #   value to its left child $t - d$ and takes (its value + the child's old value). Value $t$ now holds
 #   $\sum_{j<t} x_j$, the *exclusive* scan; adding $x_t$ gives the inclusive one.
 #
-# That is $3L - 2$ additions against the loop's $L$, but only $2\log_2 L + 1$ dependent steps instead of $L$.
-#
-# The check below counts, with a `TorchDispatchMode` (a hook that sees every operation torch runs
-# while it is active), the floating-point additions torch actually performs and the calls that
-# perform them: each call adds one whole index set at once, so the calls are the dependent steps.
+# That is $3L - 2$ additions against the loop's $L$, but only $2\log_2 L + 1$ dependent steps instead of $L$
+# ("Going deeper" counts both in what torch actually runs).
 
 # %%
 def blelloch_scan(x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[str, torch.Tensor, torch.Tensor]], int]:
@@ -222,33 +200,6 @@ def blelloch_scan(x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[str, torch.
     inclusive = a + x                                   # exclusive scan + input
     steps.append(("+ input", torch.arange(length), inclusive.clone()))
     return inclusive, steps, additions + length
-
-
-from torch.utils._python_dispatch import TorchDispatchMode
-
-
-class CountAdditions(TorchDispatchMode):
-    """Counts what torch itself adds while active: each floating-point aten.add call (one parallel step)
-    and the elements it adds (one addition each), whatever the code under it believes it does."""
-    def __init__(self):
-        super().__init__()
-        self.calls = self.additions = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func is torch.ops.aten.add.Tensor and out.is_floating_point():
-            self.calls, self.additions = self.calls + 1, self.additions + out.numel()
-        return out
-
-
-for length in (1, 2, 8, 16, 1024):
-    x_check = torch.randn(length, dtype=torch.float64)
-    with CountAdditions() as counted:
-        y_check, steps, additions = blelloch_scan(x_check)
-    assert torch.allclose(y_check, cumsum_reference(x_check), rtol=0, atol=1e-12)
-    assert counted.additions == additions == 3 * length - 2, (length, counted.additions, additions)
-    assert counted.calls == 2 * int(math.log2(length)) + 1, (length, counted.calls)   # dependent steps
-print("Blelloch scan == reference for L = 1, 2, 8, 16, 1024, with 3L - 2 additions in 2 log2(L) + 1 dependent steps")
 
 # %%
 def draw_cell(ax, x: float, y: float, text: str, color: str, width: float = 0.8, fontsize: float = 8) -> None:
@@ -323,41 +274,8 @@ print("float32: (1e8 + -1e8) + 1 =", ((a32 + b32) + c32).item(), " but 1e8 + (-1
 # and the carries are themselves a cumulative sum, of the block totals. Hence three phases:
 # (1) every program scans its block into $y$ and writes its total $T_k$; (2) scan the totals
 # (the same function, recursively, until they fit in one block); (3) every program adds its carry
-# $S_{k-1}$ to its block of $y$.
-
-# %%
-def draw_three_phase(x: torch.Tensor, block: int) -> plt.Figure:
-    """The three phases on a short integer input, one row each, blocks side by side."""
-    length, num_blocks = x.numel(), x.numel() // block
-    totals = x.view(num_blocks, block).sum(1)                              # T_k
-    prefix = torch.cumsum(totals, 0)                                       # S_k
-    shades = ["#dde6f0", "#f4e3b5", "#e3d4ef", "#d4efe0"]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
-    position = lambda t: t + 0.6 * (t // block)                           # noqa: E731 (gaps between blocks)
-    rows = [("x", x, None), ("1: scan each block", torch.cumsum(x.view(num_blocks, block), 1).flatten(), None),
-            ("2: S = scan of totals", None, None), ("3: add carry S(k-1)", torch.cumsum(x, 0), "#9fd89f")]
-    for row, (label, values, color) in enumerate(rows):
-        ax.text(-0.8, -row, label, ha="right", va="center", fontsize=8)
-        for t in range(length) if values is not None else []:
-            draw_cell(ax, position(t), -row, f"{values[t]:.0f}", color or shades[(t // block) % len(shades)])
-    for k in range(num_blocks):
-        last, centre = position((k + 1) * block - 1), (position(k * block) + position((k + 1) * block - 1)) / 2
-        draw_cell(ax, centre, -2, f"T={totals[k]:.0f}, S={prefix[k]:.0f}", shades[k % len(shades)], width=1.8, fontsize=7)
-        ax.annotate("", xy=(centre, -1.7), xytext=(last, -1.3), arrowprops=dict(arrowstyle="->", lw=0.7))
-        if k + 1 < num_blocks:                                             # S_k is the carry into block k+1
-            target = (position((k + 1) * block) + position((k + 2) * block - 1)) / 2
-            ax.annotate("", xy=(target, -2.7), xytext=(centre + 0.9, -2.1),
-                        arrowprops=dict(arrowstyle="->", lw=0.8, color="#c0392b", linestyle="--"))
-    ax.set(xlim=(-4.2, position(length - 1) + 0.6), ylim=(-3.5, 0.6))
-    ax.axis("off")
-    ax.set_title(f"Three-phase scan of {length} values in blocks of {block} (dashed: carry into the next block)", fontsize=9)
-    return fig
-
-
-torch.manual_seed(3)
-save_figure(draw_three_phase(torch.randint(0, 10, (12,)).double(), 4), "three_phase_scan.png")
-
-# %% [markdown]
+# $S_{k-1}$ to its block of $y$. ("Going deeper" draws the three phases on a short input.)
+#
 # The two kernels and the recursive launcher, in separate launches: block $k$ needs the totals of all
 # earlier blocks, and the end of a launch is the only grid-wide barrier ("Going deeper" shows what goes
 # wrong in one launch).
@@ -418,12 +336,12 @@ for length in (1, 7, 129, 1000, 4097):
 # %% [markdown]
 # ## Fewer words: reduce-then-scan ($3L$) and the single-pass look-back ($2L$)
 #
-# A cumulative sum does one addition per value and must move two words per value (read $x$, write
-# $y$): it is bound by memory bandwidth. The three-phase scan moves $4L$ words: phase 1 reads $x$ and
-# writes $y$, phase 3 reads and writes $y$ again.
+# A cumulative sum does one addition per value but must read $x$ and write $y$, two words per value:
+# it is bound by memory bandwidth. The three-phase scan moves $4L$ words: phase 1 reads $x$ and writes
+# $y$, phase 3 reads and writes $y$ again.
 #
-# **Reduce, then scan**: pass 1 reads $x$ and writes only the totals $T_k$; pass 2 scans the totals;
-# pass 3 reads $x$ again, scans each block, adds its carry and writes $y$. $3L$ words, three launches.
+# **Reduce, then scan** ($3L$ words, three launches): pass 1 reads $x$ and writes only the totals
+# $T_k$; pass 2 scans the totals; pass 3 reads $x$ again, scans each block, adds its carry and writes $y$.
 #
 # **Decoupled look-back** (Merrill and Garland, 2016) reads $x$ once: the program holding block $k$
 # learns its carry *during the same launch*.
@@ -436,42 +354,15 @@ for length in (1, 7, 129, 1000, 4097):
 #   carry is $S_{k-1} = S_j + T_{j+1} + \dots + T_{k-1}$. It publishes (PREFIX, $S_{k-1} + T_k$) and writes $y$.
 #
 # New primitives: `tl.atomic_add(pointer, value)` adds to a word in global memory and returns the old
-# value, as one indivisible step; `tl.atomic_xchg` writes a word the same way; `tl.where(c, a, b)`
+# value, as one indivisible step, and `tl.atomic_xchg` writes a word the same way; `tl.where(c, a, b)`
 # picks elementwise, like `torch.where`; `.to(tl.uint32, bitcast=True)` reinterprets a float32's bits,
-# so that a flag and a float32 fit in one int64 state word. Why this is correct under the GPU's weak
-# memory ordering is in "Going deeper".
-
-# %%
-def draw_look_back() -> plt.Figure:
-    """Eight tiles' state words at one moment, and tile 6 looking back until it meets a PREFIX."""
-    states, totals = "PPPPAAAE", [3, 5, 2, 4, 6, 1, 7, 2]            # tile 6 has published its aggregate
-    prefix = torch.cumsum(torch.tensor(totals), 0).tolist()
-    fig, ax = plt.subplots(figsize=(7, 2.4))
-    for tile, state in enumerate(states):
-        text = {"P": f"PREFIX\nS={prefix[tile]}", "A": f"AGGREGATE\nT={totals[tile]}", "E": "EMPTY"}[state]
-        ax.add_patch(plt.Rectangle((tile - 0.45, -0.4), 0.9, 0.8, facecolor={"P": "#9fd89f", "A": "#f4c542", "E": "#ffffff"}[state],
-                                   edgecolor="black", lw=0.6))
-        ax.text(tile, 0, text, ha="center", va="center", fontsize=5.5)
-        ax.text(tile, 0.55, f"tile {tile}", ha="center", fontsize=7)
-    for source in (5, 4, 3):                                            # tile 6 reads back to the first PREFIX
-        ax.annotate("", xy=(source, -0.45), xytext=(6, -0.45),
-                    arrowprops=dict(arrowstyle="->", color="#c0392b", lw=0.8, connectionstyle=f"arc3,rad={-0.12 * (7 - source)}"))
-    ax.text(3.5, -1.45, f"tile 6: carry = S(3) + T(4) + T(5) = {prefix[3]} + {totals[4]} + {totals[5]} = {prefix[5]}; "
-            f"then it publishes PREFIX S(6) = {prefix[6]}", ha="center", fontsize=7.5)
-    ax.set(xlim=(-0.6, 7.6), ylim=(-1.65, 0.8))
-    ax.axis("off")
-    ax.set_title("Decoupled look-back: tiles in ticket order, their state words, tile 6 looking back", fontsize=9)
-    return fig
-
-
-save_figure(draw_look_back(), "look_back_scan.png")
-
-# %% [markdown]
-# The exported kernels scan each row of a contiguous `n_rows x length` tensor, the scanned dimension
-# last ("Going deeper" says what that costs other layouts). The program id numbers (row, block) pairs,
-# and the column indices and offsets are 64-bit. The kernels accumulate in `ACC`: float64 for float64,
-# int64 for integers (as `torch.cumsum` does), float32 otherwise. Rows of one block need only pass 3,
-# and a program then takes several rows at once.
+# so that a flag and a float32 share one int64 state word. "Going deeper" draws the state words during
+# a look-back and says why this is correct under the GPU's weak memory ordering.
+#
+# The exported kernels scan the rows of a contiguous `n_rows x length` tensor, the scanned dimension
+# last; the program id numbers (row, block) pairs ("Going deeper" gives that layout's cost and why the
+# offsets are 64-bit). They accumulate in `ACC`: float64 for float64, int64 for integers (as
+# `torch.cumsum` does), float32 otherwise.
 
 # %%
 #| export
@@ -573,11 +464,370 @@ def lookback_scan_kernel(X, Y, STATE, length, num_blocks, BLOCK: tl.constexpr, W
     tl.store(Y + offsets, (y + exclusive).to(Y.dtype.element_ty), mask=cols < length)
 
 # %% [markdown]
-# ## The launcher and the exported `cumsum`
+# ## The exported `cumsum`
 #
-# `scan_rows` picks the path: rows of at most `block` values take one launch of `scan_tiles_kernel`;
-# longer ones the look-back (float32 sums, which fit in a state word) or reduce-then-scan (float64 and
-# integers). `CONFIG` holds the defaults; keyword arguments override them for one call ("Going deeper").
+# A launcher, `scan_rows`, picks the path: rows of at most one block take one launch of
+# `scan_tiles_kernel`; longer ones the look-back (float32 sums, which fit in a state word) or
+# reduce-then-scan (float64 and integers). Around it, `scan_lib.cumsum` follows `torch.cumsum` (any
+# dim, integers summed in int64, `dtype=`, 0-dim tensors, a contiguous result, `IndexError` for a bad
+# dim). Its gradient is the *reverse* cumulative sum,
+# $\partial\mathcal{L}/\partial x_j = \sum_{t \ge j} \partial\mathcal{L}/\partial y_t$: a flip, the
+# same scan, a flip back. That code is engineering, not a new idea: it is exported from "Going deeper:
+# the launcher and the exported `cumsum`", and checked against the float64 reference there.
+#
+# ## Speed (GPU only)
+#
+# "Going deeper: the benchmark" times `cumsum` (the look-back) against `torch.cumsum`,
+# reduce-then-scan and the three-phase scan on float32 inputs of $2^{10}$ to $2^{27}$ values. From
+# $L = 2^{22}$ up to $2^{27}$, the largest size measured, the look-back is the fastest of the four and
+# beats `torch.cumsum`; there the words moved set the order of our three scans ($2L$, then $3L$, then
+# $4L$), and at $2^{27}$ the look-back takes 1.07 times the memory floor (the time to move $2L$ words
+# at the measured copy bandwidth). At every size up to $2^{22}$ that it splits into host and GPU time,
+# a `cumsum` call is host-bound: its host time per call exceeds its GPU time.
+#
+# ## Summary
+#
+# * A scan parallelises because its operator is associative: a tree of depth $O(\log L)$ with $O(L)$
+#   work. A non-associative operator breaks this silently, and the CPU interpreter does not notice.
+# * A long scan is blocks plus carries. Launch boundaries are the safe grid-wide barriers;
+#   reduce-then-scan moves $3L$ words, the decoupled look-back $2L$ in one launch.
+# * `scan_lib.cumsum` behaves like `torch.cumsum`, checked against a float64 reference with tolerances
+#   a wrong kernel fails.
+#
+# The next chapter swaps `+` for the operator of a first-order linear recurrence, $h_t = a_t h_{t-1} + b_t$.
+
+# %% [markdown]
+# ## Going deeper: where the tolerance's factor 32 comes from
+#
+# A sum grouped as any tree has an error of at most $d\,u_\text{acc}\sum|x_j|$ (to first order), where
+# $d$ is the largest number of additions one value passes through on its way to $y_t$; the roundings
+# have random signs and mostly cancel, so the typical error is nearer
+# $\sqrt{d}\,u_\text{acc}\sum|x_j|$ (chapter 00's row sums use the same model). A balanced tree has
+# $d \approx \log_2 L$, but no kernel here is one: a GPU thread first adds the values it holds one
+# after another, the carries pass from block to block one addition per block, and the interpreter
+# folds a whole block left to right, so $d$ can reach the block's length. The worst case of such a sum
+# grows like $L$, and no tolerance tight enough to catch a bug covers it; the factor 32 covers the
+# typical error of the worst order there is, a fully sequential float32 sum ($d = L - 1$):
+# $\sqrt{L} \le 32\log_2 L$ for every $L$ up to $2^{18}$, beyond the lengths the CPU run checks; the
+# measurement below asserts that inequality. On a GPU the longest path is much shorter than $L$: the
+# carry chain, about one addition per block of 4096, plus a thread's few values and a tree; at the
+# benchmark's largest size, $2^{27}$, the chain is $2^{27}/4096 = 2^{15}$ additions, and the square
+# root of the whole path, about 181, is far below $32\log_2 L = 32 \cdot 27 = 864$.
+#
+# The cell below measures the worst order of additions, a fully sequential float32 sum (NumPy's
+# `cumsum`, on positive values, which do not cancel): its error is within the tolerance, and above
+# $u_\text{acc}\log_2 L$, so a factor of 1 would fail it.
+
+# %%
+import numpy as np
+
+assert all(math.sqrt(n) <= 32 * math.log2(n) for n in range(2, 2**18 + 1))   # sqrt(L) <= 32 log2 L up to 2^18
+print(f"{'L':>7} {'sequential float32':>18} {'u log2 L':>9} {'tolerance':>9}   (scaled errors)")
+for log_length in (10, 14, 18):
+    n = 2**log_length
+    x_pos = torch.rand(n, generator=torch.Generator().manual_seed(log_length), dtype=torch.float64).float()
+    y_sequential = torch.from_numpy(np.cumsum(x_pos.numpy(), dtype=np.float32))   # one addition after another
+    err = scan_error(y_sequential, x_pos)
+    assert UNIT_ROUNDOFF[torch.float32] * log_length < err <= scan_tolerance(torch.float32, n), (n, err)
+    print(f"{'2^' + str(log_length):>7} {err:>18.1e} {UNIT_ROUNDOFF[torch.float32] * log_length:>9.1e} "
+          f"{scan_tolerance(torch.float32, n):>9.1e}")
+
+# %% [markdown]
+# In float16 and bfloat16 the output rounding dominates: rounding to nearest costs at most
+# $u_\text{out}|y_t| \le u_\text{out}\sum_{j\le t}|x_j|$, the tolerance's first term, so the margin of
+# a correctly rounding kernel is the accumulation term alone, a few percent of the tolerance in
+# float16 and under one percent in bfloat16 (the table of the exported `cumsum`'s checks prints error
+# and tolerance side by side). That margin is thin but not luck: the float32 accumulation's own error
+# is about $u_\text{acc}$, thousands of times smaller than $u_\text{out}$, and the rounding of the
+# output cannot exceed its bound. A kernel that accumulated float16 in float16 fails the tolerance
+# (`tests/test_cumsum.py` shows it). Under the interpreter, whose float32-to-bfloat16 cast truncates,
+# bfloat16 gets $2u_\text{out}$.
+
+# %% [markdown]
+# ## Going deeper: counting the tree's additions
+#
+# `blelloch_scan` tallies its additions from the index sets it writes, which would agree with the
+# formula even if an addition were missing or doubled. So the check below does not take the function's
+# word for it: it counts, with a `TorchDispatchMode` (a hook that sees every operation torch runs
+# while it is active), the floating-point additions torch actually performs and the calls that
+# perform them: each call adds one whole index set at once, so the calls are the dependent steps.
+
+# %%
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class CountAdditions(TorchDispatchMode):
+    """Counts what torch itself adds while active: each floating-point aten.add call (one parallel step)
+    and the elements it adds (one addition each), whatever the code under it believes it does."""
+    def __init__(self):
+        super().__init__()
+        self.calls = self.additions = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.ops.aten.add.Tensor and out.is_floating_point():
+            self.calls, self.additions = self.calls + 1, self.additions + out.numel()
+        return out
+
+
+for length in (1, 2, 8, 16, 1024):
+    x_check = torch.randn(length, dtype=torch.float64)
+    with CountAdditions() as counted:
+        y_check, steps, additions = blelloch_scan(x_check)
+    assert torch.allclose(y_check, cumsum_reference(x_check), rtol=0, atol=1e-12)
+    assert counted.additions == additions == 3 * length - 2, (length, counted.additions, additions)
+    assert counted.calls == 2 * int(math.log2(length)) + 1, (length, counted.calls)   # dependent steps
+print("Blelloch scan == reference for L = 1, 2, 8, 16, 1024, with 3L - 2 additions in 2 log2(L) + 1 dependent steps")
+
+# %% [markdown]
+# ## Going deeper: why one program cannot scan a long sequence
+#
+# A program's block lives in its threads' registers (chapter 00: a block of values is spread over the
+# program's threads), and registers are a fixed budget: 65,536 32-bit registers per multiprocessor on
+# an H100 or H200, at most 255 per thread, shared by every program resident there. With the default
+# 4 warps a program's 128 threads have at most 128 x 255 = 32,640 registers, so a block of tens of
+# thousands of values no longer fits; more warps raise that only towards the multiprocessor's
+# 65,536, and well before that one program fills a multiprocessor alone.
+
+# %% [markdown]
+# ## Going deeper: one launch, no barrier
+#
+# Why not carry the totals within one launch? A GPU runs as many programs as fit, in an order it
+# chooses, and starts the rest only when earlier ones *finish*; inside a launch there is no barrier
+# across programs. Here is the tempting wrong version: program $k$ reads the running total that
+# program $k-1$ wrote, without waiting. The running totals start as NaN, so an early read shows up,
+# and since each program passes on what it read, one early read spoils every block after it. The
+# interpreter runs program 0 to completion, then program 1, and so on, so there the wrong kernel
+# passes; on a GPU most blocks come out wrong (the cell asserts more than half). Only a GPU run
+# exposes such a bug.
+
+# %%
+@triton.jit
+def one_launch_chained_kernel(X, Y, RUNNING, length, BLOCK: tl.constexpr):
+    """WRONG on a GPU: reads RUNNING[k-1] whether or not program k-1 has written it yet."""
+    k = tl.program_id(0)
+    offsets = k * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < length
+    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
+    carry = tl.load(RUNNING + k - 1, mask=k > 0, other=0.0)
+    tl.store(Y + offsets, tl.associative_scan(x, 0, add_combine) + carry, mask=mask)
+    tl.store(RUNNING + k, carry + tl.sum(x, axis=0))
+
+
+torch.manual_seed(5)
+length_chain, block_chain = (2**24, 1024) if ON_GPU else (4096, 64)
+x_chain = torch.randn(length_chain, device=DEVICE)
+y_chain = torch.empty_like(x_chain)
+running = torch.full((triton.cdiv(length_chain, block_chain),), float("nan"), device=DEVICE)
+one_launch_chained_kernel[(running.numel(),)](x_chain, y_chain, running, length_chain, BLOCK=block_chain)
+block_errors = ((y_chain.double() - cumsum_reference(x_chain)).abs()
+                / torch.cumsum(x_chain.double().abs(), 0)).view(-1, block_chain).amax(dim=1)
+wrong_blocks = (~(block_errors <= scan_tolerance(torch.float32, length_chain))).sum().item()   # NaN counts as wrong
+print(f"{'interpreter' if INTERPRET else 'GPU'}: {wrong_blocks} of {running.numel()} blocks wrong")
+if INTERPRET:
+    assert wrong_blocks == 0, "the interpreter runs programs 0, 1, 2, ... one after another"
+else:
+    assert wrong_blocks > running.numel() // 2, "on a GPU most programs read their carry too early"
+
+# %% [markdown]
+# ## Going deeper: the three-phase scan and the look-back, drawn
+#
+# The three phases on a short integer input, blocks side by side; the dashed arrows carry each
+# running total $S_k$ into the next block:
+
+# %%
+def draw_three_phase(x: torch.Tensor, block: int) -> plt.Figure:
+    """The three phases on a short integer input, one row each, blocks side by side."""
+    length, num_blocks = x.numel(), x.numel() // block
+    totals = x.view(num_blocks, block).sum(1)                              # T_k
+    prefix = torch.cumsum(totals, 0)                                       # S_k
+    shades = ["#dde6f0", "#f4e3b5", "#e3d4ef", "#d4efe0"]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    position = lambda t: t + 0.6 * (t // block)                           # noqa: E731 (gaps between blocks)
+    rows = [("x", x, None), ("1: scan each block", torch.cumsum(x.view(num_blocks, block), 1).flatten(), None),
+            ("2: S = scan of totals", None, None), ("3: add carry S(k-1)", torch.cumsum(x, 0), "#9fd89f")]
+    for row, (label, values, color) in enumerate(rows):
+        ax.text(-0.8, -row, label, ha="right", va="center", fontsize=8)
+        for t in range(length) if values is not None else []:
+            draw_cell(ax, position(t), -row, f"{values[t]:.0f}", color or shades[(t // block) % len(shades)])
+    for k in range(num_blocks):
+        last, centre = position((k + 1) * block - 1), (position(k * block) + position((k + 1) * block - 1)) / 2
+        draw_cell(ax, centre, -2, f"T={totals[k]:.0f}, S={prefix[k]:.0f}", shades[k % len(shades)], width=1.8, fontsize=7)
+        ax.annotate("", xy=(centre, -1.7), xytext=(last, -1.3), arrowprops=dict(arrowstyle="->", lw=0.7))
+        if k + 1 < num_blocks:                                             # S_k is the carry into block k+1
+            target = (position((k + 1) * block) + position((k + 2) * block - 1)) / 2
+            ax.annotate("", xy=(target, -2.7), xytext=(centre + 0.9, -2.1),
+                        arrowprops=dict(arrowstyle="->", lw=0.8, color="#c0392b", linestyle="--"))
+    ax.set(xlim=(-4.2, position(length - 1) + 0.6), ylim=(-3.5, 0.6))
+    ax.axis("off")
+    ax.set_title(f"Three-phase scan of {length} values in blocks of {block} (dashed: carry into the next block)", fontsize=9)
+    return fig
+
+
+torch.manual_seed(3)
+save_figure(draw_three_phase(torch.randint(0, 10, (12,)).double(), 4), "three_phase_scan.png")
+
+# %% [markdown]
+# The look-back at one moment: the tiles' state words in ticket order, and one tile walking back over
+# aggregates until it meets a PREFIX:
+
+# %%
+def draw_look_back() -> plt.Figure:
+    """Eight tiles' state words at one moment, and tile 6 looking back until it meets a PREFIX."""
+    states, totals = "PPPPAAAE", [3, 5, 2, 4, 6, 1, 7, 2]            # tile 6 has published its aggregate
+    prefix = torch.cumsum(torch.tensor(totals), 0).tolist()
+    fig, ax = plt.subplots(figsize=(7, 2.4))
+    for tile, state in enumerate(states):
+        text = {"P": f"PREFIX\nS={prefix[tile]}", "A": f"AGGREGATE\nT={totals[tile]}", "E": "EMPTY"}[state]
+        ax.add_patch(plt.Rectangle((tile - 0.45, -0.4), 0.9, 0.8, facecolor={"P": "#9fd89f", "A": "#f4c542", "E": "#ffffff"}[state],
+                                   edgecolor="black", lw=0.6))
+        ax.text(tile, 0, text, ha="center", va="center", fontsize=5.5)
+        ax.text(tile, 0.55, f"tile {tile}", ha="center", fontsize=7)
+    for source in (5, 4, 3):                                            # tile 6 reads back to the first PREFIX
+        ax.annotate("", xy=(source, -0.45), xytext=(6, -0.45),
+                    arrowprops=dict(arrowstyle="->", color="#c0392b", lw=0.8, connectionstyle=f"arc3,rad={-0.12 * (7 - source)}"))
+    ax.text(3.5, -1.45, f"tile 6: carry = S(3) + T(4) + T(5) = {prefix[3]} + {totals[4]} + {totals[5]} = {prefix[5]}; "
+            f"then it publishes PREFIX S(6) = {prefix[6]}", ha="center", fontsize=7.5)
+    ax.set(xlim=(-0.6, 7.6), ylim=(-1.65, 0.8))
+    ax.axis("off")
+    ax.set_title("Decoupled look-back: tiles in ticket order, their state words, tile 6 looking back", fontsize=9)
+    return fig
+
+
+save_figure(draw_look_back(), "look_back_scan.png")
+
+# %% [markdown]
+# ## Going deeper: the look-back and the GPU's memory model
+#
+# The decoupled look-back is the algorithm behind the device scans of CUB, NVIDIA's C++ library of GPU
+# primitives such as scans, sorts and reductions, and of `torch.cumsum`.
+#
+# A GPU's memory model is weak: two stores by one program may become visible to another
+# multiprocessor in the opposite order, and an ordinary load in a loop may be served from the
+# multiprocessor's own L1 cache (a small cache private to each multiprocessor, which other
+# multiprocessors' writes do not update), or hoisted out of the loop by the compiler, and never see
+# the new value. With the flag and the value in two separate words, a reader could see the flag
+# AGGREGATE together with the *old* value of the other word. The textbook fix is a *release* store of
+# the flag after the value (a store that becomes visible only after every earlier write of its
+# program) and an *acquire* load of the flag before the value (a load after which the reader sees every
+# write that preceded the release it read). We sidestep it: the
+# flag (high 32 bits) and the float32 bits of the value (low 32 bits) share **one int64 word**,
+# written by one 64-bit atomic exchange and read by 64-bit loads. An aligned 64-bit access is
+# indivisible, so a reader sees the old word or the new one, never half of each, and every value a
+# word ever holds is final for its flag. The programs share nothing else (each writes only its own
+# part of $y$), so no ordering between *different* addresses is needed, and the atomics can be
+# `sem="relaxed"`. The look-back reads with `tl.load(..., volatile=True)`, which becomes PTX
+# `ld.volatile`: issued again on every trip round the loop, it reads the coherent copy in the L2 cache
+# (the one cache that all multiprocessors share, in front of the GPU's memory), where the atomics are
+# performed. The counter and the state words are zeroed by one `torch.zeros` before the launch, and
+# the launch boundary orders that memset before every program.
+#
+# The interpreter cannot show which instructions these become, but the compiler can, without a GPU.
+# `gpu_assembly` (chapter 00) compiles a kernel's source alone, and `lookback_scan_kernel` calls other
+# `@triton.jit` functions of `scan_lib.cumsum`; so the cell below hands the same compile script a
+# module that imports the kernel from `scan_lib.cumsum`, and reads its PTX for sm_90 (H100, H200). It
+# asserts the instructions the claims above name: the ticket is one `atom.global.gpu.relaxed.add.u64`;
+# both publications are `atom.global.gpu.relaxed.exch.b64`, relaxed, 64 bits at once, at the scope of
+# the whole GPU (`.gpu`: every multiprocessor); the look-back's read is `ld.volatile.global.b64`, a
+# 64-bit load; and there is no acquire load, release store or fence (`.acquire`, `.release`, `fence`,
+# `membar`) anywhere: nothing in the kernel orders accesses to different addresses. The cell shows
+# which instructions the kernel compiles to, not what they do: that an aligned 64-bit access is
+# indivisible, and that `ld.volatile` is issued on every trip round the loop and served from L2, not
+# L1, is what the PTX documentation says of these instructions; nothing in this chapter inspects it.
+
+# %%
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import scan_lib.runtime
+
+
+def lookback_ptx(block: int = 4096, window: int = 16, num_warps: int = 4) -> str:
+    """PTX of scan_lib.cumsum.lookback_scan_kernel for sm_90, compiled without a GPU by gpu_assembly's script."""
+    types = {"X": "*fp32", "Y": "*fp32", "STATE": "*i64", "length": "i32", "num_blocks": "i32"}
+    package_root = str(Path(scan_lib.__file__).resolve().parent.parent)
+    with tempfile.TemporaryDirectory() as folder:
+        Path(folder, "kernel_source.py").write_text("from scan_lib.cumsum import lookback_scan_kernel as kernel\n")
+        result = subprocess.run(
+            [sys.executable, "-c", scan_lib.runtime._COMPILE_FOR_GPU, folder,
+             json.dumps([types, {"BLOCK": block, "WINDOW": window}, num_warps, 90])],
+            capture_output=True, text=True,
+            env={**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])["ptx"]
+
+
+ptx_lookback = lookback_ptx()
+memory_lines = [line.strip() for line in ptx_lookback.splitlines()
+                if re.search(r"\batom\.|\.volatile|\.acquire|\.release|\bfence\b|\bmembar\b", line)]
+print("\n".join(memory_lines))
+opcodes = [re.search(r"(atom|ld|st|fence|membar)\S*", line).group(0) for line in memory_lines]
+assert opcodes.count("atom.global.gpu.relaxed.add.u64") == 1, opcodes             # the ticket
+assert opcodes.count("atom.global.gpu.relaxed.exch.b64") == 2, opcodes            # AGGREGATE, then PREFIX
+assert opcodes.count("ld.volatile.global.b64") >= 1, opcodes                      # the look-back's window
+assert not any(re.search(r"acquire|release|fence|membar", op) for op in opcodes), opcodes
+assert len(opcodes) == 3 + opcodes.count("ld.volatile.global.b64"), opcodes       # nothing else orders memory
+print("PTX of lookback_scan_kernel: relaxed 64-bit atomics at GPU scope, volatile 64-bit loads, no acquire, release or fence")
+
+# %% [markdown]
+# `look_back` inspects `WINDOW` predecessors with one vector load: it finds the newest PREFIX in the
+# window, and uses the window only if every word newer than that is already non-empty (otherwise it
+# loads the same window again). Tiles before the start of the tile's row read as (PREFIX, 0), so a
+# look-back stops at its row's start by itself. Float64 and int64 sums do not fit next to a flag in
+# 64 bits, so those inputs take reduce-then-scan.
+#
+# The interpreter cannot test any of this: it runs the programs one after another in ticket order,
+# so every look-back finds a PREFIX at $k-1$ on the first try. The walk is checked instead on
+# snapshots of state words as a GPU might leave them mid-flight: tile 37 of a row whose only PREFIX
+# so far is tile 5 (so a window of 4 must walk eight windows back), and a second row that starts at
+# tile 20 and has no PREFIX yet (so the row start must stop the walk). Races can only show on a GPU:
+# `benchmarks/bench_cumsum.py` repeats the checks many times on fresh data there.
+
+# %%
+def pack_words(flags: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """State words as pack_state writes them: flag << 32 | float32 bits of value."""
+    bits = values.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    return flags.to(torch.int64) << 32 | bits
+
+
+@triton.jit
+def look_back_probe_kernel(STATE, OUT, tile, first, WINDOW: tl.constexpr):
+    tl.store(OUT, look_back(STATE, tile, first, WINDOW))
+
+
+def probe_look_back(words: torch.Tensor, tile: int, first: int, window: int) -> float:
+    out = torch.empty(1, device=DEVICE)
+    look_back_probe_kernel[(1,)](words.to(DEVICE), out, tile, first, WINDOW=window)
+    return out.item()
+
+
+torch.manual_seed(9)
+block_totals = torch.randint(-9, 10, (40,)).float()                     # exact in float32
+flags = torch.full((40,), 1)                                             # AGGREGATE everywhere ...
+flags[5] = 2                                                             # ... but tile 5 is a PREFIX
+values = block_totals.clone()
+values[5] = block_totals[:6].sum()                                       # S_5
+words = pack_words(flags, values)
+for window in (1, 4, 32):
+    assert probe_look_back(words, 37, 0, window) == block_totals[:37].sum().item()
+    assert probe_look_back(words, 37, 20, window) == block_totals[20:37].sum().item()
+    assert probe_look_back(words, 20, 20, window) == 0.0                # first tile of its row
+assert torch.equal(pack_words(torch.tensor([2]), torch.tensor([-1.5])), torch.tensor([(2 << 32) | 0xBFC00000]))
+print("look_back on snapshots: the walk over aggregates, the stop at a PREFIX and at the row start: ok")
+
+# %% [markdown]
+# ## Going deeper: the launcher and the exported `cumsum`
+#
+# The code that turns the main line's kernels into `scan_lib.cumsum`: first the launcher. `scan_rows`
+# picks the path: rows of at most `block` values take one launch of `scan_tiles_kernel` (pass 3 alone,
+# with no carry), in which a program takes several rows at once; longer ones the look-back (float32
+# sums, which fit in a state word) or reduce-then-scan (float64 and integers). `CONFIG` holds the
+# defaults; keyword arguments override them for one call ("launch configuration and tuning" below).
 
 # %%
 #| export
@@ -677,10 +927,26 @@ def scan_rows(x: torch.Tensor, out: torch.Tensor | None = None, **overrides) -> 
     return scan_reduce_then_scan(x, y, config)
 
 # %% [markdown]
-# The public function follows `torch.cumsum` (any dim, integers summed in int64, `dtype=`, 0-dim
-# tensors, a contiguous result, `IndexError` for a bad dim). Its gradient is the *reverse* cumulative
-# sum, $\partial\mathcal{L}/\partial x_j = \sum_{t \ge j} \partial\mathcal{L}/\partial y_t$: a flip, the
-# same scan, a flip back. The custom-op and autograd wrapping is explained in "Going deeper".
+# ## Going deeper: the exported kernels' layout and 64-bit offsets
+#
+# The exported kernels scan rows of a contiguous `n_rows x length` tensor, the scanned dimension last.
+# So `cumsum` of a non-contiguous tensor, or along any dimension but the last, first copies its
+# input into that layout, and along any dimension but the last copies its result back: each copy
+# reads and writes every value once more, which a kernel taking strides (chapter 00) would avoid.
+# These kernels do not read such views in place, and this chapter does not time the copies.
+#
+# The column indices and offsets are 64-bit because a program id is a 32-bit integer, and block k's
+# first column, k times the block, passes 2^31 in a row of that many values: the kernels widen k
+# before multiplying.
+#
+# Pass 2 of reduce-then-scan needs no recursion: one program per row walks the totals in chunks.
+
+# %% [markdown]
+# ## Going deeper: `cumsum` as a PyTorch op
+#
+# The public function around `scan_rows`, as the main line describes it: it follows `torch.cumsum`, and
+# its gradient, the reverse cumulative sum, is a flip, the same scan, a flip back. How it is wrapped
+# follows the code.
 
 # %%
 #| export
@@ -764,9 +1030,23 @@ def cumsum(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None) 
     return apply(CumsumFunction, x, dim)
 
 # %% [markdown]
-# ## Checking the exported `cumsum`
+# * `cumsum_op` is a custom op (`torch.library.custom_op`, through `scan_lib.runtime.custom_op`):
+#   `torch.compile` treats it as one opaque node instead of tracing into Triton's launcher, its *fake*
+#   version gives the result's shape and dtype without running a kernel (what the compiler traces
+#   with), and its *vmap* rule moves the batch dimension to the front, where the op treats it as one
+#   more row. `dim` is kept negative, so it names the same dimension once a batch dimension is added.
+# * `CumsumFunction` gives the op its gradient. It uses the `forward` + `setup_context` form, which
+#   `torch.func.grad` and `vmap` require, and `generate_vmap_rule = True`. Its backward calls
+#   `CumsumFunction` again (on the flipped gradient), so the backward is itself differentiable:
+#   `gradgradcheck` and Hessians come out right, as the checks below and `tests/test_cumsum.py` show.
+# * The op returns a fresh tensor, never a view of its input or of a temporary, so that users may
+#   modify the result in place under autograd.
+
+# %% [markdown]
+# ## Going deeper: checking the exported `cumsum`
 #
-# Both algorithms at awkward lengths, with blocks small enough that 4097 values span many of them,
+# The main line checked the three-phase scan; here the exported code is checked. First `scan_rows`,
+# both algorithms at awkward lengths, with blocks small enough that 4097 values span many of them,
 # then a batch of rows (a look-back must not run into the previous row):
 
 # %%
@@ -784,8 +1064,7 @@ for algorithm in ALGORITHMS:
 print("3 rows x 1000 values in blocks of 16, windows 1, 4, 32: ok")
 
 # %% [markdown]
-# Then the public function in every floating dtype along every kind of dim, and its gradient (its
-# other `torch.cumsum` behaviours are checked in "Going deeper"):
+# Then the public function in every floating dtype along every kind of dim, and its gradient:
 
 # %%
 torch.manual_seed(7)
@@ -803,13 +1082,91 @@ assert torch.autograd.gradgradcheck(lambda t: cumsum(t, dim=1), (x_grad,))
 print("gradcheck, gradgradcheck: ok")
 
 # %% [markdown]
-# ## Speed (GPU only)
+# Then the rest of what makes `cumsum` behave like `torch.cumsum`: integer and bool inputs (exact, so
+# compared with `torch.equal`), `dtype=`, 0-dim and empty tensors, non-contiguous inputs, a contiguous
+# result when `dim` is not the last, and bad input raising the exception `torch.cumsum` raises.
+
+# %%
+torch.manual_seed(8)
+x_int = torch.randint(-2**40, 2**40, (3, 2000), device=DEVICE)
+for x_like, dim in ((x_int, 1), (x_int.int(), 0), (torch.rand(4, 100, device=DEVICE) < 0.5, 1)):
+    y_like = cumsum(x_like, dim=dim)
+    assert y_like.dtype == torch.int64 and torch.equal(y_like, torch.cumsum(x_like, dim))
+x_half = torch.randn(3, 500, device=DEVICE, dtype=torch.float16)
+assert torch.equal(cumsum(x_half, dtype=torch.float64), torch.cumsum(x_half, -1, dtype=torch.float64))
+assert torch.equal(cumsum(x_int, dim=1, dtype=torch.int8), torch.cumsum(x_int, 1, dtype=torch.int8))   # wraps like torch
+x_scalar = torch.tensor(2.5, device=DEVICE)
+assert torch.equal(cumsum(x_scalar, dim=0), torch.cumsum(x_scalar, 0))
+assert cumsum(torch.empty(3, 0, device=DEVICE)).shape == (3, 0)
+x_t = torch.randn(40, 30, device=DEVICE).t()                             # 30 x 40, not contiguous
+assert_cumsum(cumsum(x_t, dim=1), x_t, 1)
+y_dim0 = cumsum(torch.randn(6, 7, device=DEVICE), dim=0)
+assert y_dim0.is_contiguous() and y_dim0.view(-1).shape == (42,)
+print("integers, bool, dtype=, 0-dim, empty, non-contiguous, contiguous result: ok")
+
+bad_inputs = [
+    (lambda: cumsum([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
+    (lambda: cumsum(torch.ones(3, dtype=torch.complex64, device=DEVICE)), TypeError, "x must be a floating, integer or bool"),
+    (lambda: cumsum(torch.ones(2, 3, device=DEVICE), dim=2), IndexError, "Dimension out of range"),
+    (lambda: cumsum(torch.tensor(1.0, device=DEVICE), dim=1), IndexError, "Dimension out of range"),
+    (lambda: cumsum(torch.ones(2, 3, device=DEVICE), dim=1.0), TypeError, "dim must be an int"),
+    (lambda: cumsum(torch.ones(3, device=DEVICE), dtype=torch.bool), TypeError, "dtype must be None or one of"),
+    (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), block=24), ValueError, "block must be a power of two"),
+]
+for call, error, words in bad_inputs:
+    try:
+        call()
+    except error as e:
+        assert words in str(e), str(e)
+        print(f"{error.__name__}: {e}")
+    else:
+        raise AssertionError(f"expected {error.__name__} ({words})")
+
+# %% [markdown]
+# ## Going deeper: what the checks guard against
 #
-# `cumsum` (the look-back) against `torch.cumsum`, reduce-then-scan and the three-phase scan, on 1-D
-# float32 inputs of $2^{10}$ to $2^{27}$ values: the median of `triton.testing.do_bench`, what a user
-# waits for. The memory floor is the $2L$ words a cumulative sum must move, at the copy bandwidth
-# measured in the same cell. Up to $L = 2^{12}$ two of the columns time the same kernel ("Going
-# deeper" says which).
+# * Since the CPU interpreter folds `tl.associative_scan` left to right, associativity is tested on
+#   its own, in plain PyTorch, in `tests/test_cumsum.py`.
+# * Without a GPU the three-phase check's blocks start at 16, and 4097 values give 257 totals, then
+#   17, then 2 (three levels).
+# * The check of both algorithms uses blocks small enough that 4097 values give a chain of tiles to
+#   look back over, and totals that pass 2 walks in chunks.
+#
+# `tests/test_cumsum.py` runs the checks of this chapter and more (random shapes, `torch.func.grad`,
+# `vmap`, `torch.compile(fullgraph=True)`, Hessians), and injects the bugs they guard against (a skipped
+# carry, a look-back past its row, float16 accumulation, non-associative combines) to show each fails.
+
+# %% [markdown]
+# ## Going deeper: launch configuration and tuning
+#
+# * `block`: values per program on long rows. Larger blocks mean fewer carries and fewer tiles to
+#   look back over, but more registers per program. Under the interpreter few large programs run
+#   fastest, hence the separate CPU default.
+# * `num_warps`: how many warps (groups of 32 threads) run one program; `warps_for` picks it for
+#   short rows (about 16 values per thread).
+# * `window`: how many predecessors one look-back step reads; a wider window finds a PREFIX in fewer
+#   trips but loads more words per trip.
+# * `reverse`: when True, pass 3 of reduce-then-scan runs its programs from the last block to the
+#   first. Pass 1 finished at the end of the tensor, so part of its tail may still sit in the L2
+#   cache when pass 3 starts. Any order is correct, since pass 3's programs are independent.
+# * Rows no longer than one block take `scan_short_rows`: one launch in which each program scans a
+#   tile of `ROWS` whole rows, so that a batch of many short rows does not become millions of tiny
+#   programs.
+#
+# `CONFIG` holds the fastest correct configuration of `benchmarks/bench_cumsum.py`'s sweep on an
+# H200; its output is kept in `benchmarks/results/bench_cumsum_h200.txt` (the sweep lines show every
+# configuration it tried, both pass-3 orders included). Run the script on another GPU to retune.
+
+# %% [markdown]
+# ## Going deeper: the benchmark, in a picture, and where the time goes at small sizes
+#
+# The measurement behind the main line's speed section, and what its table does not say at small
+# sizes. `cumsum` (the look-back) against `torch.cumsum`, reduce-then-scan and the three-phase scan, on
+# 1-D float32 inputs of $2^{10}$ to $2^{27}$ values: the median of `triton.testing.do_bench`, what a
+# user waits for once the GPU sets the pace (while the host does, a lower bound: the end of this
+# section measures it). The memory floor is the $2L$ words a cumulative sum must move, at the copy
+# bandwidth measured in the same cell. Up to $L = 2^{12}$ two of the columns time the same kernel
+# (said below the table).
 
 # %%
 from scan_lib.runtime import copy_bandwidth, graph_us, host_us, median_us  # the timers of chapter 00
@@ -853,350 +1210,23 @@ else:
     print("skipped: no GPU (do_bench needs one)")
 
 # %% [markdown]
-# What the table shows: at $L = 2^{26}$ and $2^{27}$, the two largest sizes measured, the words moved
-# set the order: there the look-back is the fastest of the four and beats `torch.cumsum`, as the
-# cell's last lines say. Up to $2^{25}$ the public `cumsum`'s time is mostly the host's ("Going
-# deeper" plots the table and measures the split).
-#
-# ## Summary
-#
-# * A scan parallelises because its operator is associative: a tree of depth $O(\log L)$ with $O(L)$
-#   work. A non-associative operator breaks this silently, and the CPU interpreter does not notice.
-# * A long scan is blocks plus carries. Launch boundaries are the safe grid-wide barriers;
-#   reduce-then-scan moves $3L$ words, the decoupled look-back $2L$ in one launch.
-# * `scan_lib.cumsum` behaves like `torch.cumsum`, checked against a float64 reference with tolerances
-#   a wrong kernel fails.
-#
-# The next chapter swaps `+` for the operator of a first-order linear recurrence, $h_t = a_t h_{t-1} + b_t$.
-
-# %% [markdown]
-# ## Going deeper: where the tolerance's factor 32 comes from
-#
-# A sum grouped as any tree has an error of at most $d\,u_\text{acc}\sum|x_j|$ (to first order), where
-# $d$ is the largest number of additions one value passes through on its way to $y_t$; the roundings
-# have random signs and mostly cancel, so the typical error is nearer
-# $\sqrt{d}\,u_\text{acc}\sum|x_j|$ (chapter 00's row sums use the same model). A balanced tree has
-# $d \approx \log_2 L$, but no kernel here is one: a GPU thread first adds the values it holds one
-# after another, the carries pass from block to block one addition per block, and the interpreter
-# folds a whole block left to right, so $d$ can reach the block's length. The worst case of such a sum
-# grows like $L$, and no tolerance tight enough to catch a bug covers it; the factor 32 covers the
-# typical error of the worst order there is, a fully sequential float32 sum ($d = L - 1$):
-# $\sqrt{L} \le 32\log_2 L$ for every $L$ up to $2^{18}$, beyond the lengths the CPU run checks; the
-# cell that measures a sequential float32 sum, after `scan_tolerance`, asserts that inequality. On a
-# GPU the longest path is much shorter than $L$: the carry chain, about one addition per block of
-# 4096, plus a thread's few values and a tree; at the benchmark's largest size, $2^{27}$, the chain is
-# $2^{27}/4096 = 2^{15}$ additions, and the square root of the whole path, about 181, is far below
-# $32\log_2 L = 32 \cdot 27 = 864$.
-#
-# In float16 and bfloat16 the output rounding dominates: rounding to nearest costs at most
-# $u_\text{out}|y_t| \le u_\text{out}\sum_{j\le t}|x_j|$, the tolerance's first term, so the margin of
-# a correctly rounding kernel is the accumulation term alone, a few percent of the tolerance in
-# float16 and under one percent in bfloat16 (the table of the exported `cumsum`'s checks prints error
-# and tolerance side by side). That margin is thin but not luck: the float32 accumulation's own error
-# is about $u_\text{acc}$, thousands of times smaller than $u_\text{out}$, and the rounding of the
-# output cannot exceed its bound. A kernel that accumulated float16 in float16 fails the tolerance
-# (`tests/test_cumsum.py` shows it). Under the interpreter, whose float32-to-bfloat16 cast truncates,
-# bfloat16 gets $2u_\text{out}$.
-
-# %% [markdown]
-# ## Going deeper: why one program cannot scan a long sequence
-#
-# A program's block lives in its threads' registers (chapter 00: a block of values is spread over the
-# program's threads), and registers are a fixed budget: 65,536 32-bit registers per multiprocessor on
-# an H100 or H200, at most 255 per thread, shared by every program resident there. With the default
-# 4 warps a program's 128 threads have at most 128 x 255 = 32,640 registers, so a block of tens of
-# thousands of values no longer fits; more warps raise that only towards the multiprocessor's
-# 65,536, and well before that one program fills a multiprocessor alone.
-
-# %% [markdown]
-# ## Going deeper: one launch, no barrier
-#
-# Why not carry the totals within one launch? A GPU runs as many programs as fit, in an order it
-# chooses, and starts the rest only when earlier ones *finish*; inside a launch there is no barrier
-# across programs. Here is the tempting wrong version: program $k$ reads the running total that
-# program $k-1$ wrote, without waiting. The running totals start as NaN, so an early read shows up,
-# and since each program passes on what it read, one early read spoils every block after it. The
-# interpreter runs program 0 to completion, then program 1, and so on, so there the wrong kernel
-# passes; on a GPU most blocks come out wrong (the cell asserts more than half). Only a GPU run
-# exposes such a bug.
-
-# %%
-@triton.jit
-def one_launch_chained_kernel(X, Y, RUNNING, length, BLOCK: tl.constexpr):
-    """WRONG on a GPU: reads RUNNING[k-1] whether or not program k-1 has written it yet."""
-    k = tl.program_id(0)
-    offsets = k * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < length
-    x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-    carry = tl.load(RUNNING + k - 1, mask=k > 0, other=0.0)
-    tl.store(Y + offsets, tl.associative_scan(x, 0, add_combine) + carry, mask=mask)
-    tl.store(RUNNING + k, carry + tl.sum(x, axis=0))
-
-
-torch.manual_seed(5)
-length_chain, block_chain = (2**24, 1024) if ON_GPU else (4096, 64)
-x_chain = torch.randn(length_chain, device=DEVICE)
-y_chain = torch.empty_like(x_chain)
-running = torch.full((triton.cdiv(length_chain, block_chain),), float("nan"), device=DEVICE)
-one_launch_chained_kernel[(running.numel(),)](x_chain, y_chain, running, length_chain, BLOCK=block_chain)
-block_errors = ((y_chain.double() - cumsum_reference(x_chain)).abs()
-                / torch.cumsum(x_chain.double().abs(), 0)).view(-1, block_chain).amax(dim=1)
-wrong_blocks = (~(block_errors <= scan_tolerance(torch.float32, length_chain))).sum().item()   # NaN counts as wrong
-print(f"{'interpreter' if INTERPRET else 'GPU'}: {wrong_blocks} of {running.numel()} blocks wrong")
-if INTERPRET:
-    assert wrong_blocks == 0, "the interpreter runs programs 0, 1, 2, ... one after another"
-else:
-    assert wrong_blocks > running.numel() // 2, "on a GPU most programs read their carry too early"
-
-# %% [markdown]
-# ## Going deeper: the look-back and the GPU's memory model
-#
-# The decoupled look-back is the algorithm behind the device scans of CUB, NVIDIA's C++ library of GPU
-# primitives such as scans, sorts and reductions, and of `torch.cumsum`.
-#
-# A GPU's memory model is weak: two stores by one program may become visible to another
-# multiprocessor in the opposite order, and an ordinary load in a loop may be served from the
-# multiprocessor's own L1 cache (a small cache private to each multiprocessor, which other
-# multiprocessors' writes do not update), or hoisted out of the loop by the compiler, and never see
-# the new value. With the flag and the value in two separate words, a reader could see the flag
-# AGGREGATE together with the *old* value of the other word. The textbook fix is a *release* store of
-# the flag after the value (a store that becomes visible only after every earlier write of its
-# program) and an *acquire* load of the flag before the value (a load after which the reader sees every
-# write that preceded the release it read). We sidestep it: the
-# flag (high 32 bits) and the float32 bits of the value (low 32 bits) share **one int64 word**,
-# written by one 64-bit atomic exchange and read by 64-bit loads. An aligned 64-bit access is
-# indivisible, so a reader sees the old word or the new one, never half of each, and every value a
-# word ever holds is final for its flag. The programs share nothing else (each writes only its own
-# part of $y$), so no ordering between *different* addresses is needed, and the atomics can be
-# `sem="relaxed"`. The look-back reads with `tl.load(..., volatile=True)`, which becomes PTX
-# `ld.volatile`: issued again on every trip round the loop, it reads the coherent copy in the L2 cache
-# (the one cache that all multiprocessors share, in front of the GPU's memory), where the atomics are
-# performed. The counter and the state words are zeroed by one `torch.zeros` before the launch, and
-# the launch boundary orders that memset before every program.
-#
-# The interpreter cannot show which instructions these become, but the compiler can, without a GPU.
-# `gpu_assembly` (chapter 00) compiles a kernel's source alone, and `lookback_scan_kernel` calls other
-# `@triton.jit` functions of `scan_lib.cumsum`; so the cell below hands the same compile script a
-# module that imports the kernel from `scan_lib.cumsum`, and reads its PTX for an H200 (sm_90). It
-# asserts the instructions the claims above name: the ticket is one `atom.global.gpu.relaxed.add.u64`;
-# both publications are `atom.global.gpu.relaxed.exch.b64`, relaxed, 64 bits at once, at the scope of
-# the whole GPU (`.gpu`: every multiprocessor); the look-back's read is `ld.volatile.global.b64`, a
-# 64-bit load; and there is no acquire load, release store or fence (`.acquire`, `.release`, `fence`,
-# `membar`) anywhere: nothing in the kernel orders accesses to different addresses. The cell shows
-# which instructions the kernel compiles to, not what they do: that an aligned 64-bit access is
-# indivisible, and that `ld.volatile` is issued on every trip round the loop and served from L2, not
-# L1, is what the PTX documentation says of these instructions; nothing in this chapter inspects it.
-
-# %%
-import json
-import os
-import re
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
-import scan_lib.runtime
-
-
-def lookback_ptx(block: int = 4096, window: int = 16, num_warps: int = 4) -> str:
-    """PTX of scan_lib.cumsum.lookback_scan_kernel for sm_90, compiled without a GPU by gpu_assembly's script."""
-    types = {"X": "*fp32", "Y": "*fp32", "STATE": "*i64", "length": "i32", "num_blocks": "i32"}
-    package_root = str(Path(scan_lib.__file__).resolve().parent.parent)
-    with tempfile.TemporaryDirectory() as folder:
-        Path(folder, "kernel_source.py").write_text("from scan_lib.cumsum import lookback_scan_kernel as kernel\n")
-        result = subprocess.run(
-            [sys.executable, "-c", scan_lib.runtime._COMPILE_FOR_GPU, folder,
-             json.dumps([types, {"BLOCK": block, "WINDOW": window}, num_warps, 90])],
-            capture_output=True, text=True,
-            env={**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")])})
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])["ptx"]
-
-
-ptx_lookback = lookback_ptx()
-memory_lines = [line.strip() for line in ptx_lookback.splitlines()
-                if re.search(r"\batom\.|\.volatile|\.acquire|\.release|\bfence\b|\bmembar\b", line)]
-print("\n".join(memory_lines))
-opcodes = [re.search(r"(atom|ld|st|fence|membar)\S*", line).group(0) for line in memory_lines]
-assert opcodes.count("atom.global.gpu.relaxed.add.u64") == 1, opcodes             # the ticket
-assert opcodes.count("atom.global.gpu.relaxed.exch.b64") == 2, opcodes            # AGGREGATE, then PREFIX
-assert opcodes.count("ld.volatile.global.b64") >= 1, opcodes                      # the look-back's window
-assert not any(re.search(r"acquire|release|fence|membar", op) for op in opcodes), opcodes
-assert len(opcodes) == 3 + opcodes.count("ld.volatile.global.b64"), opcodes       # nothing else orders memory
-print("PTX of lookback_scan_kernel: relaxed 64-bit atomics at GPU scope, volatile 64-bit loads, no acquire, release or fence")
-
-# %% [markdown]
-# `look_back` inspects `WINDOW` predecessors with one vector load: it finds the newest PREFIX in the
-# window, and uses the window only if every word newer than that is already non-empty (otherwise it
-# loads the same window again). Tiles before the start of the tile's row read as (PREFIX, 0), so a
-# look-back stops at its row's start by itself. Float64 and int64 sums do not fit next to a flag in
-# 64 bits, so those inputs take reduce-then-scan.
-#
-# The interpreter cannot test any of this: it runs the programs one after another in ticket order,
-# so every look-back finds a PREFIX at $k-1$ on the first try. The walk is checked instead on
-# snapshots of state words as a GPU might leave them mid-flight: tile 37 of a row whose only PREFIX
-# so far is tile 5 (so a window of 4 must walk eight windows back), and a second row that starts at
-# tile 20 and has no PREFIX yet (so the row start must stop the walk). Races can only show on a GPU:
-# `benchmarks/bench_cumsum.py` repeats the checks many times on fresh data there.
-
-# %%
-def pack_words(flags: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """State words as pack_state writes them: flag << 32 | float32 bits of value."""
-    bits = values.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    return flags.to(torch.int64) << 32 | bits
-
-
-@triton.jit
-def look_back_probe_kernel(STATE, OUT, tile, first, WINDOW: tl.constexpr):
-    tl.store(OUT, look_back(STATE, tile, first, WINDOW))
-
-
-def probe_look_back(words: torch.Tensor, tile: int, first: int, window: int) -> float:
-    out = torch.empty(1, device=DEVICE)
-    look_back_probe_kernel[(1,)](words.to(DEVICE), out, tile, first, WINDOW=window)
-    return out.item()
-
-
-torch.manual_seed(9)
-block_totals = torch.randint(-9, 10, (40,)).float()                     # exact in float32
-flags = torch.full((40,), 1)                                             # AGGREGATE everywhere ...
-flags[5] = 2                                                             # ... but tile 5 is a PREFIX
-values = block_totals.clone()
-values[5] = block_totals[:6].sum()                                       # S_5
-words = pack_words(flags, values)
-for window in (1, 4, 32):
-    assert probe_look_back(words, 37, 0, window) == block_totals[:37].sum().item()
-    assert probe_look_back(words, 37, 20, window) == block_totals[20:37].sum().item()
-    assert probe_look_back(words, 20, 20, window) == 0.0                # first tile of its row
-assert torch.equal(pack_words(torch.tensor([2]), torch.tensor([-1.5])), torch.tensor([(2 << 32) | 0xBFC00000]))
-print("look_back on snapshots: the walk over aggregates, the stop at a PREFIX and at the row start: ok")
-
-# %% [markdown]
-# ## Going deeper: the exported kernels' layout and 64-bit offsets
-#
-# The exported kernels scan rows of a contiguous `n_rows x length` tensor, the scanned dimension last.
-# So `cumsum` of a non-contiguous tensor, or along any dimension but the last, first copies its
-# input into that layout, and along any dimension but the last copies its result back: each copy
-# reads and writes every value once more, which a kernel taking strides (chapter 00) would avoid.
-# These kernels do not read such views in place, and this chapter does not time the copies.
-#
-# The column indices and offsets are 64-bit because a program id is a 32-bit integer, and block k's
-# first column, k times the block, passes 2^31 in a row of that many values: the kernels widen k
-# before multiplying.
-#
-# Pass 2 of reduce-then-scan needs no recursion: one program per row walks the totals in chunks.
-
-# %% [markdown]
-# ## Going deeper: `cumsum` as a PyTorch op
-#
-# * `cumsum_op` is a custom op (`torch.library.custom_op`, through `scan_lib.runtime.custom_op`):
-#   `torch.compile` treats it as one opaque node instead of tracing into Triton's launcher, its *fake*
-#   version gives the result's shape and dtype without running a kernel (what the compiler traces
-#   with), and its *vmap* rule moves the batch dimension to the front, where the op treats it as one
-#   more row. `dim` is kept negative, so it names the same dimension once a batch dimension is added.
-# * `CumsumFunction` gives the op its gradient. It uses the `forward` + `setup_context` form, which
-#   `torch.func.grad` and `vmap` require, and `generate_vmap_rule = True`. Its backward calls
-#   `CumsumFunction` again (on the flipped gradient), so the backward is itself differentiable:
-#   `gradgradcheck` and Hessians come out right, as the checks above and `tests/test_cumsum.py` show.
-# * The op returns a fresh tensor, never a view of its input or of a temporary, so that users may
-#   modify the result in place under autograd.
-
-# %% [markdown]
-# The checks of what makes `cumsum` behave like `torch.cumsum`: integer and bool inputs (exact, so
-# compared with `torch.equal`), `dtype=`, 0-dim and empty tensors, non-contiguous inputs, a contiguous
-# result when `dim` is not the last, and bad input raising the exception `torch.cumsum` raises.
-
-# %%
-torch.manual_seed(8)
-x_int = torch.randint(-2**40, 2**40, (3, 2000), device=DEVICE)
-for x_like, dim in ((x_int, 1), (x_int.int(), 0), (torch.rand(4, 100, device=DEVICE) < 0.5, 1)):
-    y_like = cumsum(x_like, dim=dim)
-    assert y_like.dtype == torch.int64 and torch.equal(y_like, torch.cumsum(x_like, dim))
-x_half = torch.randn(3, 500, device=DEVICE, dtype=torch.float16)
-assert torch.equal(cumsum(x_half, dtype=torch.float64), torch.cumsum(x_half, -1, dtype=torch.float64))
-assert torch.equal(cumsum(x_int, dim=1, dtype=torch.int8), torch.cumsum(x_int, 1, dtype=torch.int8))   # wraps like torch
-x_scalar = torch.tensor(2.5, device=DEVICE)
-assert torch.equal(cumsum(x_scalar, dim=0), torch.cumsum(x_scalar, 0))
-assert cumsum(torch.empty(3, 0, device=DEVICE)).shape == (3, 0)
-x_t = torch.randn(40, 30, device=DEVICE).t()                             # 30 x 40, not contiguous
-assert_cumsum(cumsum(x_t, dim=1), x_t, 1)
-y_dim0 = cumsum(torch.randn(6, 7, device=DEVICE), dim=0)
-assert y_dim0.is_contiguous() and y_dim0.view(-1).shape == (42,)
-print("integers, bool, dtype=, 0-dim, empty, non-contiguous, contiguous result: ok")
-
-bad_inputs = [
-    (lambda: cumsum([1.0, 2.0]), TypeError, "x must be a torch.Tensor"),
-    (lambda: cumsum(torch.ones(3, dtype=torch.complex64, device=DEVICE)), TypeError, "x must be a floating, integer or bool"),
-    (lambda: cumsum(torch.ones(2, 3, device=DEVICE), dim=2), IndexError, "Dimension out of range"),
-    (lambda: cumsum(torch.tensor(1.0, device=DEVICE), dim=1), IndexError, "Dimension out of range"),
-    (lambda: cumsum(torch.ones(2, 3, device=DEVICE), dim=1.0), TypeError, "dim must be an int"),
-    (lambda: cumsum(torch.ones(3, device=DEVICE), dtype=torch.bool), TypeError, "dtype must be None or one of"),
-    (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), block=24), ValueError, "block must be a power of two"),
-]
-for call, error, words in bad_inputs:
-    try:
-        call()
-    except error as e:
-        assert words in str(e), str(e)
-        print(f"{error.__name__}: {e}")
-    else:
-        raise AssertionError(f"expected {error.__name__} ({words})")
-
-# %% [markdown]
-# ## Going deeper: what the checks guard against
-#
-# * The Blelloch check does not take the function's word for it: `blelloch_scan` tallies its
-#   additions from the index sets it writes, which would agree with the formula even if an addition
-#   were missing or doubled; the `TorchDispatchMode` counts what torch actually adds.
-# * Since the CPU interpreter folds `tl.associative_scan` left to right, associativity is tested on
-#   its own, in plain PyTorch, in `tests/test_cumsum.py`.
-# * Without a GPU the three-phase check's blocks start at 16, and 4097 values give 257 totals, then
-#   17, then 2 (three levels).
-# * The check of both algorithms uses blocks small enough that 4097 values give a chain of tiles to
-#   look back over, and totals that pass 2 walks in chunks.
-#
-# `tests/test_cumsum.py` runs the checks of this chapter and more (random shapes, `torch.func.grad`,
-# `vmap`, `torch.compile(fullgraph=True)`, Hessians), and injects the bugs they guard against (a skipped
-# carry, a look-back past its row, float16 accumulation, non-associative combines) to show each fails.
-
-# %% [markdown]
-# ## Going deeper: launch configuration and tuning
-#
-# * `block`: values per program on long rows. Larger blocks mean fewer carries and fewer tiles to
-#   look back over, but more registers per program. Under the interpreter few large programs run
-#   fastest, hence the separate CPU default.
-# * `num_warps`: how many warps (groups of 32 threads) run one program; `warps_for` picks it for
-#   short rows (about 16 values per thread).
-# * `window`: how many predecessors one look-back step reads; a wider window finds a PREFIX in fewer
-#   trips but loads more words per trip.
-# * `reverse`: when True, pass 3 of reduce-then-scan runs its programs from the last block to the
-#   first. Pass 1 finished at the end of the tensor, so part of its tail may still sit in the L2
-#   cache when pass 3 starts. Any order is correct, since pass 3's programs are independent.
-# * Rows no longer than one block take `scan_short_rows`: one launch in which each program scans a
-#   tile of `ROWS` whole rows, so that a batch of many short rows does not become millions of tiny
-#   programs.
-#
-# `CONFIG` holds the fastest correct configuration of `benchmarks/bench_cumsum.py`'s sweep on an
-# H200; its output is kept in `benchmarks/results/bench_cumsum_h200.txt` (the sweep lines show every
-# configuration it tried, both pass-3 orders included). Run the script on another GPU to retune.
-#
-# ## Going deeper: the benchmark in a picture, and where the time goes at small sizes
-#
-# Two column labels of the speed table hold only for rows longer than one block (`CONFIG["block"]`,
+# Two column labels of the table hold only for rows longer than one block (`CONFIG["block"]`,
 # 4096 on a GPU): up to $L = 2^{12}$ `scan_rows` sends both `cumsum` and the reduce-then-scan call to
 # `scan_short_rows`, one launch of `scan_tiles_kernel`, so those two columns time the same kernel
 # behind different Python. The three-phase column, in blocks of 1024, is one launch at $2^{10}$ and
 # three or more from $2^{11}$.
 #
 # The speed cell prints its conclusions from its measurements; its line "faster than torch.cumsum
-# from L = 2^26 up" means at every size from there to the
-# largest measured, $2^{27}$: the table says nothing about longer inputs. At $2^{25}$ the look-back is
-# still the slowest of the four in this run, and `torch.cumsum` is faster. At small sizes the Triton
-# columns jump up and down between neighbouring sizes, where GPU work would grow with $L$: host time
-# and its variation from call to call, not the kernels.
+# from L = 2^22 up" means at every size from there to the largest measured, $2^{27}$: the table says
+# nothing about longer inputs. Below $2^{22}$ the two trade places: `cumsum` is faster up to $2^{12}$,
+# where it is one launch of `scan_short_rows`, and at $2^{16}$ (8.9 us against 9.0); at $2^{19}$ the
+# two tie (11.5 us each); at the other sizes `torch.cumsum` is faster. Below $2^{22}$ the Triton
+# columns also step down here and there between neighbouring sizes, where the kernels' work only
+# grows with $L$ (reduce-then-scan takes 11.5 us at $2^{13}$, 10.5 at $2^{14}$ and 10.3 at $2^{15}$;
+# the three-phase scan 10.9 at $2^{12}$ and 9.2 at $2^{13}$): that is variation from call to call,
+# whose source one run cannot pin down.
 #
-# The table of the speed section, plotted: times, and the fraction of the memory floor each method reaches.
+# The table, plotted: times, and the fraction of the memory floor each method reaches.
 
 # %%
 def plot_benchmark(gpu: str, times: dict, floors: list) -> None:
@@ -1227,21 +1257,22 @@ else:
 # runs out of queued work. Two more timers from chapter 00 split it: the GPU time alone (`graph_us`: a
 # CUDA graph replays the launches with no Python in between) and the host time per call (`host_us`:
 # calls queued back to back, timed on the CPU). When the host time exceeds the GPU time, the call is
-# host-bound: in the table below, every size but the largest, and at small sizes the host time alone
-# is many times `torch.cumsum`'s whole median. A call makes one Triton launch (rows of at most 4096
-# values) or a `torch.zeros` and one launch (the look-back), yet its host time is 90.7 to
-# 161.2 us in this run, several times the host time of one bare launch of `vector_add_kernel` (chapter
-# 00's table, its `host_us` column at $2^{14}$). So most of the host time per call is not the launch
-# itself; it goes to what `cumsum` runs around its launch: the input checks,
-# `apply` and the autograd Function, the reshaping in `cumsum_op`, the configuration in `scan_rows`,
-# and a launch that binds more arguments than `vector_add_kernel`'s (the custom op's dispatcher is not
+# host-bound: in the table below, every size up to $2^{22}$ (all but the two largest), and at
+# $2^{10}$ the host time alone, 46.8 us, is many times `torch.cumsum`'s whole median, 8.0. A call
+# makes one Triton launch (rows of at most 4096 values) or a `torch.zeros` and one launch (the
+# look-back), yet its host time is 46.8 to 68.8 us in this run, several times the host time of one
+# bare launch of `vector_add_kernel` (chapter 00's table, its `host_us` column at $2^{14}$). So most
+# of the host time per call is not the launch itself; it goes to what `cumsum` runs around its
+# launch: the input checks, `apply` (which, when nothing needs a gradient, runs the autograd
+# Function's forward alone), the reshaping in `cumsum_op`, the configuration in `scan_rows`, and a
+# launch that binds more arguments than `vector_add_kernel`'s (the custom op's dispatcher is not
 # among them: for tensors that need no gradient, `EagerFastOp` calls the implementation directly).
-# These outputs do not split the time among those layers; the speed table's columns at $L = 2^{10}$,
-# each a single launch, rank them roughly (host-paced medians, which vary from call to call): the
-# three-phase scan's bare launcher 18.2 us, `scan_rows` (the reduce-then-scan column) 44.8, `cumsum`
-# 96.8; the three-phase launcher's 18.2 us is still about 2.6 times `torch.cumsum`'s 7.0. Fewer
-# Python layers per call, CUDA graphs (they replay the launches with no Python in between) or a C++
-# launcher make such calls faster; cutting the library's host path is open work.
+# These outputs do not split the host time among those layers, and the speed table cannot rank them:
+# at $L = 2^{10}$, where each of its columns is a single launch, its medians (`cumsum` 4.5 us,
+# reduce-then-scan and the three-phase scan 5.0, `torch.cumsum` 7.8) lie far below `cumsum`'s host
+# time, which mostly hides under `do_bench`'s L2 flush (next paragraph). Fewer Python layers per
+# call, CUDA graphs (they replay the launches with no Python in between) or a C++ launcher make such
+# calls faster; cutting the library's host path further is open work.
 #
 # One more thing the table below shows: at every size up to $2^{22}$ (all but the two largest), the
 # `median` column is below the `host` column, although a host-bound call cannot finish before the host

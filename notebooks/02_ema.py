@@ -79,7 +79,8 @@ print(f"EMA of a unit step after 1, 10, 50 samples: {climb[0]:.3f}, {climb[9]:.3
 # $a_t = \alpha$, $b_t = (1-\alpha)\,x_t$; in Mamba (chapter 05) both are computed from the input.
 # The float64 loop below, the reference for every check, takes `gates` ($a_t$) and `tokens` ($b_t$)
 # of shape (..., L), an optional initial state, and an optional **reverse** direction,
-# $h_t = a_t h_{t+1} + b_t$, running from the end.
+# $h_t = a_t h_{t+1} + b_t$, running from the end. ("Going deeper" checks it against the unrolled
+# EMA.)
 
 # %%
 #| export
@@ -104,22 +105,6 @@ def linear_scan_loop(gates, tokens, initial_state=None, reverse=False):
         h = gates[..., t] * h + tokens[..., t]  # (...)
         states.append(h)
     return torch.stack(states, dim=-1)  # (..., L)
-
-# %% [markdown]
-# The check compares the scan with something computed another way: the unrolled sum above,
-# $h_t = (1-\alpha)\sum_{s \le t} \alpha^{t-s} x_s$, as a matrix of weights times the samples (no loop,
-# no recurrence), on a random signal.
-
-# %%
-torch.manual_seed(0)
-alpha = 0.9
-samples = torch.randn(50, dtype=torch.float64)
-ema_as_scan = linear_scan_loop(torch.full_like(samples, alpha), (1 - alpha) * samples)
-t_out, s_in = torch.arange(50)[:, None], torch.arange(50)[None, :]  # output position t, sample position s
-weights = torch.where(s_in <= t_out, (1 - alpha) * alpha ** (t_out - s_in).clamp(min=0).double(), 0.0)  # 50 x 50
-unrolled = weights @ samples  # h_t = (1 - alpha) * sum_{s <= t} alpha^(t - s) x_s
-assert torch.allclose(ema_as_scan, unrolled, rtol=1e-12, atol=1e-12)
-print("the linear scan with gates a_t = alpha and tokens b_t = (1 - alpha) * x_t equals the unrolled EMA: ok")
 
 # %% [markdown]
 # ## 2. One step is a pair, and pairs compose
@@ -165,8 +150,8 @@ def first_order_op(a_left, b_left, a_right, b_right):
     With finite gates and tokens a scan with this operator gives the recurrence up to rounding, in any
     grouping. With infinite gates it need not: a zero gate followed later by an infinite one gives the
     composed gate 0 * inf = NaN, so a tree scan (a GPU's) returns NaN where the recurrence, applied
-    step by step, gives +-inf or a finite value; a left-to-right fold (Triton's CPU interpreter) gives
-    the recurrence's values. See "Zero and infinite gates" in notebooks/02_ema.
+    step by step, gives +-inf (finite only where a product or sum of finite values overflowed first); a
+    left-to-right fold (Triton's CPU interpreter) gives the recurrence's values. See "Zero and infinite gates" in notebooks/02_ema.
     """
     return a_left * a_right, a_right * b_left + b_right
     ### END SOLUTION
@@ -195,18 +180,10 @@ print("M(q) @ M(p) == M(p . q) on 1000 random pairs: ok;  p . q != q . p: ok (or
 # %% [markdown]
 # ### A property test for associativity
 #
-# `is_associative` compares both groupings on random float64 triples. It accepts the operator and
-# rejects a tempting wrong one, `broken`, which keeps only the later gate. This test matters: a kernel
-# using `broken` passes every check on Triton's CPU interpreter and fails only on a GPU ("Going
-# deeper" shows why).
-#
-# What `is_associative` cannot see is *which* composition the operator computes: it compares the
-# operator with itself, grouped two ways. The operator with its operands swapped, `swapped` below,
-# which does the later step first, is associative too (it is the product of the same matrices in the
-# other order) and has the same identity, so it passes both tests. What catches it is a comparison of
-# the composed value with the definition: the step matrices above do that, and so does
-# `follows_the_recurrence`, which applies the composed pair to a random state and compares the result
-# with step $p$ applied first and step $q$ applied to that, $a_q(a_p h + b_p) + b_q$.
+# `is_associative` compares both groupings on random float64 triples. This test matters: a kernel
+# using a tempting wrong operator, `broken`, which keeps only the later gate, passes every check on
+# Triton's CPU interpreter and fails only on a GPU. "Going deeper" runs the test on the operator, on
+# `broken` and on one more wrong operator, and shows why the interpreter lets `broken` through.
 
 # %%
 #| export
@@ -218,38 +195,6 @@ def is_associative(op, n: int = 10_000, seed: int = 0) -> bool:
     left = op(*op(*p, *q), *r)
     right = op(*p, *op(*q, *r))
     return all(torch.allclose(u, v, rtol=1e-12, atol=1e-12) for u, v in zip(left, right))
-
-# %%
-def broken(a_left, b_left, a_right, b_right):
-    """A wrong combine: keeps only the later gate instead of the product of both."""
-    return a_right, a_right * b_left + b_right
-
-
-def swapped(a_left, b_left, a_right, b_right):
-    """A wrong combine: the right (later) step first, then the left one."""
-    return compose(a_right, b_right, a_left, b_left)
-
-
-def is_identity(op, n: int = 1000) -> bool:
-    """(1, 0) . p == p . (1, 0) == p on random pairs."""
-    a, b = torch.randn(2, n, dtype=torch.float64)
-    one, zero = torch.ones_like(a), torch.zeros_like(b)
-    return all(torch.equal(torch.stack(op(*x)), torch.stack((a, b))) for x in [(one, zero, a, b), (a, b, one, zero)])
-
-
-def follows_the_recurrence(op, n: int = 1000) -> bool:
-    """op(p, q) applied to a state h equals step p, then step q, applied to h, on random pairs and states."""
-    a_p, b_p, a_q, b_q, h = torch.randn(5, n, dtype=torch.float64)
-    a_pq, b_pq = op(a_p, b_p, a_q, b_q)
-    return torch.allclose(a_pq * h + b_pq, a_q * (a_p * h + b_p) + b_q, rtol=1e-12, atol=1e-12)
-
-
-assert is_associative(compose) and is_identity(compose) and follows_the_recurrence(compose)
-assert not is_associative(broken)
-assert is_associative(swapped) and is_identity(swapped) and not follows_the_recurrence(swapped)
-print(f"{'operator':10} {'associative':>12} {'(1,0) identity':>15} {'follows the recurrence':>23}")
-for name, op in [("compose", compose), ("broken", broken), ("swapped", swapped)]:
-    print(f"{name:10} {str(is_associative(op)):>12} {str(is_identity(op)):>15} {str(follows_the_recurrence(op)):>23}")
 
 # %% [markdown]
 # ## 3. One block: `tl.associative_scan` over pairs
@@ -418,7 +363,7 @@ def linear_scan_fwd_kernel(GATES, TOKENS, H0, H, length, REVERSE: tl.constexpr, 
 # %% [markdown]
 # The launcher scans contiguous (rows, L) tensors; chapter 03 builds the public, differentiable
 # `scan_lib.linear_scan` on top of it. Its launch parameters (chunk size, warps) live in the dict
-# `FWD_CONFIG`, explained in "Going deeper".
+# `FWD_CONFIG`, explained in "Going deeper" with the tensor it passes for a missing initial state.
 
 # %%
 #| export
@@ -459,10 +404,6 @@ def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=Non
     return h
 
 # %% [markdown]
-# (Without an initial state the kernel never reads `H0`: `HAS_H0` is a compile-time constant, so
-# the load is compiled out, and whatever is passed in that argument's place is never read. The
-# launcher passes `tokens`, a tensor already at hand, as that placeholder.)
-#
 # ## 5. Checks, with tolerances derived from the dtype and the length
 #
 # We compare the kernel with the float64 loop on the *same* (already rounded) inputs, so what is
@@ -474,8 +415,8 @@ def linear_scan_rows(gates, tokens, initial_state=None, reverse=False, chunk=Non
 # float32, $2^{-53}$ in float64), which add up along the way of each term $b_s$ to $h_t$: about one
 # multiply and one add per step from $s$ to $t$, plus a few more in a tree. "Going deeper" counts
 # them and writes the bound as two scans of absolute values, which is how `error_bound` computes it.
-# The bound holds element by element, so a small $|h_t|$ gets a small tolerance too; the end of this
-# section shows that a kernel accumulating in float16, or one that forgets the carry, fails it.
+# The bound holds element by element, so a small $|h_t|$ gets a small tolerance too; "Going deeper"
+# shows that a kernel accumulating in float16, or one that forgets the carry, fails it.
 
 # %%
 #| export
@@ -543,14 +484,14 @@ print("every length, chunk, direction and initial state: error within the bound"
 # %% [markdown]
 # Every dtype, with gates drawn in $[0.5, 1)$ (a long memory, the hard case for rounding): float16 and
 # bfloat16 are scanned in float32, so one output rounding dominates their bound. (How large $h$ gets
-# depends on the tokens. For a constant gate $a$ and tokens all equal to 1, $h$ climbs to $1/(1-a)$,
-# the size the code comment gives; but these tokens have mean 0 and variance 1, their terms partly
+# depends on the tokens. For a constant gate $a$ and tokens all equal to 1, $h$ climbs to $1/(1-a)$;
+# but these tokens have mean 0 and variance 1, their terms partly
 # cancel, and $|h|$ is typically of the size of its standard deviation, which for a constant gate $a$
 # tends to $1/\sqrt{1-a^2}$.)
 
 # %%
 torch.manual_seed(5)
-gates_lp = torch.rand(4, 3000, device=DEVICE) * 0.5 + 0.5  # long memory: h grows to about 1/(1-a)
+gates_lp = torch.rand(4, 3000, device=DEVICE) * 0.5 + 0.5  # long memory: gates near 1
 tokens_lp = torch.randn(4, 3000, device=DEVICE)
 print(f"{'dtype':>15} {'max err / bound':>16}")
 for dtype in [torch.float64, torch.float32, torch.float16, torch.bfloat16]:
@@ -562,25 +503,79 @@ for dtype in [torch.float64, torch.float32, torch.float16, torch.bfloat16]:
     assert ratio <= 1, (dtype, ratio)
 
 # %% [markdown]
-# **The checks can fail.** Two plausible bugs, run through the same check: the kernel with its
-# accumulator forced to float16 (`ACC=tl.float16`, a rounding per step), and a scan that forgets the
-# carry, that is, scans every chunk of 256 on its own from a zero state.
+# ## 6. Speed
+#
+# A scan reads the gates and tokens and writes the states: its floor is moving those three arrays at
+# chapter 00's copy bandwidth. On a GPU the cell times the forward scan and the two ways of scanning
+# in reverse ("Going deeper"), against that floor. Chapter 03 benchmarks the differentiable version.
 
 # %%
-gates_16, tokens_16 = gates_lp.to(torch.float16), tokens_lp.to(torch.float16)
-h_acc16 = torch.empty_like(tokens_16)
-linear_scan_fwd_kernel[(4,)](gates_16, tokens_16, tokens_16, h_acc16, 3000, REVERSE=False, HAS_H0=False,
-                             ACC=tl.float16, **launch_options(3000, FWD_CONFIG, 256))
-no_carry = linear_scan_rows(gates_lp[:, :2816].reshape(-1, 256), tokens_lp[:, :2816].reshape(-1, 256)).reshape(4, 2816)
-ratio_acc16 = error_ratio(h_acc16, gates_16, tokens_16)
-ratio_no_carry = error_ratio(no_carry, gates_lp[:, :2816], tokens_lp[:, :2816])
-print(f"float16 accumulation: max err / bound = {ratio_acc16:.1f};  carry skipped: {ratio_no_carry:.3g}")
-assert ratio_acc16 > 1 and ratio_no_carry > 1
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    from scan_lib.runtime import copy_bandwidth, median_us
+    rows_sp, length_sp = 8192, 4096
+    gates_sp = torch.rand(rows_sp, length_sp, device=DEVICE)
+    tokens_sp = torch.randn(rows_sp, length_sp, device=DEVICE)
+    floor_us = 3 * gates_sp.numel() * gates_sp.element_size() / copy_bandwidth() * 1e6  # read a, b; write h
+    print(f"{torch.cuda.get_device_name(DEVICE)}: {rows_sp} rows x {length_sp} float32, "
+          f"chunks of {default_chunk(length_sp, FWD_CONFIG['max_chunk'])}; memory floor {floor_us:.1f} us")
+    times_sp = {}
+    for name, reverse, reversed_loads in [("forward", False, False), ("reverse, reverse=True", True, False),
+                                          ("reverse, descending loads", True, True)]:
+        config_sp = {**FWD_CONFIG, "reversed_loads": reversed_loads}
+        times_sp[name] = median_us(lambda: linear_scan_rows(gates_sp, tokens_sp, reverse=reverse, config=config_sp))
+        print(f"{name:26} {times_sp[name]:8.1f} us   floor / time = {floor_us / times_sp[name]:.2f}")
+    faster = min(["reverse, reverse=True", "reverse, descending loads"], key=times_sp.get)
+    print(f"fastest reverse scan here: {faster}; FWD_CONFIG['reversed_loads'] = {FWD_CONFIG['reversed_loads']}")
 
 # %% [markdown]
-# ## 6. The EMA of a noisy signal
+# ## What we have, and what comes next
 #
-# Back to where we started, now with the kernel: gates $a_t = \alpha$ and tokens $b_t = (1-\alpha)x_t$.
+# - The recurrence $h_t = a_t h_{t-1} + b_t$ is a scan with the pair operator
+#   $(a_p, b_p) \bullet (a_q, b_q) = (a_p a_q,\ a_q b_p + b_q)$, associative because it is a product of
+#   $2\times2$ matrices; a property test in plain PyTorch ("Going deeper") confirms it and rejects a
+#   plausible wrong one that the interpreter's left-to-right fold would have accepted. Associativity
+#   is not correctness: the operator with its operands swapped is associative too, and only the
+#   comparison with the steps applied one after another rejects it.
+# - `scan_lib.ema` exports `first_order_op`, `scan_chunk`, `chunk_positions`, `linear_scan_fwd_kernel`
+#   and the launcher `linear_scan_rows` with its launch parameters `FWD_CONFIG`: one program per row,
+#   chunks in order, the state carried in a register and folded into each chunk's first pair in scan
+#   order, with an initial state and the reverse direction; and the checks `linear_scan_loop`,
+#   `error_bound` (with `error_ratio`) and `is_associative`.
+# - "Going deeper" puts the kernel to work on a noisy signal: the EMA lags behind it, the reverse EMA
+#   leads, and forward then reverse cancels the lag.
+# - Chapter 03 derives the gradients, finds that the backward pass is the same scan run the other way,
+#   and wraps both into the differentiable `scan_lib.linear_scan`.
+
+# %% [markdown]
+# ## Going deeper
+#
+# The main line is complete; what follows is the EMA computed as a scan, by the reference and then by
+# the kernel on a noisy signal, and detail for readers who tune or debug these kernels.
+
+# %% [markdown]
+# ### The reference against the unrolled EMA
+#
+# The check compares the scan with something computed another way: the unrolled sum of section 1,
+# $h_t = (1-\alpha)\sum_{s \le t} \alpha^{t-s} x_s$, as a matrix of weights times the samples (no loop,
+# no recurrence), on a random signal.
+
+# %%
+torch.manual_seed(0)
+alpha = 0.9
+samples = torch.randn(50, dtype=torch.float64)
+ema_as_scan = linear_scan_loop(torch.full_like(samples, alpha), (1 - alpha) * samples)
+t_out, s_in = torch.arange(50)[:, None], torch.arange(50)[None, :]  # output position t, sample position s
+weights = torch.where(s_in <= t_out, (1 - alpha) * alpha ** (t_out - s_in).clamp(min=0).double(), 0.0)  # 50 x 50
+unrolled = weights @ samples  # h_t = (1 - alpha) * sum_{s <= t} alpha^(t - s) x_s
+assert torch.allclose(ema_as_scan, unrolled, rtol=1e-12, atol=1e-12)
+print("the linear scan with gates a_t = alpha and tokens b_t = (1 - alpha) * x_t equals the unrolled EMA: ok")
+
+# %% [markdown]
+# ### The EMA of a noisy signal
+#
+# Back to where section 1 started, now with the kernel: gates $a_t = \alpha$ and tokens $b_t = (1-\alpha)x_t$.
 # A causal EMA lags behind the signal. Feed it a complex sine $x_t = e^{i\omega t}$ (angular frequency
 # $\omega$ radians per sample): once the start-up transient (which decays like $\alpha^t$) has died
 # out, the output is the same sine times a constant, $h_t = H e^{i\omega t}$,
@@ -639,54 +634,6 @@ ax.set_title("Exponential moving averages computed by linear_scan_fwd_kernel", f
 save_figure(fig, "ema_noisy_signal.png")
 
 # %% [markdown]
-# ## 7. Speed
-#
-# A scan reads the gates and tokens and writes the states: its floor is moving those three arrays at
-# chapter 00's copy bandwidth. On a GPU the cell times the forward scan and the two ways of scanning
-# in reverse ("Going deeper"), against that floor. Chapter 03 benchmarks the differentiable version.
-
-# %%
-if not ON_GPU:
-    print("skipped: needs a GPU")
-else:
-    from scan_lib.runtime import copy_bandwidth, median_us
-    rows_sp, length_sp = 8192, 4096
-    gates_sp = torch.rand(rows_sp, length_sp, device=DEVICE)
-    tokens_sp = torch.randn(rows_sp, length_sp, device=DEVICE)
-    floor_us = 3 * gates_sp.numel() * gates_sp.element_size() / copy_bandwidth() * 1e6  # read a, b; write h
-    print(f"{torch.cuda.get_device_name(DEVICE)}: {rows_sp} rows x {length_sp} float32, "
-          f"chunks of {default_chunk(length_sp, FWD_CONFIG['max_chunk'])}; memory floor {floor_us:.1f} us")
-    times_sp = {}
-    for name, reverse, reversed_loads in [("forward", False, False), ("reverse, reverse=True", True, False),
-                                          ("reverse, descending loads", True, True)]:
-        config_sp = {**FWD_CONFIG, "reversed_loads": reversed_loads}
-        times_sp[name] = median_us(lambda: linear_scan_rows(gates_sp, tokens_sp, reverse=reverse, config=config_sp))
-        print(f"{name:26} {times_sp[name]:8.1f} us   floor / time = {floor_us / times_sp[name]:.2f}")
-    faster = min(["reverse, reverse=True", "reverse, descending loads"], key=times_sp.get)
-    print(f"fastest reverse scan here: {faster}; FWD_CONFIG['reversed_loads'] = {FWD_CONFIG['reversed_loads']}")
-
-# %% [markdown]
-# ## What we have, and what comes next
-#
-# - The recurrence $h_t = a_t h_{t-1} + b_t$ is a scan with the pair operator
-#   $(a_p, b_p) \bullet (a_q, b_q) = (a_p a_q,\ a_q b_p + b_q)$, associative because it is a product of
-#   $2\times2$ matrices; a property test in plain PyTorch confirms it and rejects a plausible wrong one
-#   that the interpreter's left-to-right fold would have accepted. Associativity is not correctness: the
-#   operator with its operands swapped is associative too, and only the comparison with the steps
-#   applied one after another rejects it.
-# - `scan_lib.ema` exports `first_order_op`, `scan_chunk`, `chunk_positions`, `linear_scan_fwd_kernel`
-#   and the launcher `linear_scan_rows` with its launch parameters `FWD_CONFIG`: one program per row,
-#   chunks in order, the state carried in a register and folded into each chunk's first pair in scan
-#   order, with an initial state and the reverse direction; and the checks `linear_scan_loop`,
-#   `error_bound` (with `error_ratio`) and `is_associative`.
-# - Chapter 03 derives the gradients, finds that the backward pass is the same scan run the other way,
-#   and wraps both into the differentiable `scan_lib.linear_scan`.
-
-# %% [markdown]
-# ## Going deeper
-#
-# The main line is complete; what follows is detail for readers who tune or debug these kernels.
-#
 # ### Launch parameters
 #
 # `launch_options` picks the chunk as the largest power of two up to `max_chunk` that the row needs
@@ -698,6 +645,10 @@ else:
 # one module-level dict so that `benchmarks/bench_linear_scan.py` can sweep others without touching
 # the code. On the CPU interpreter only the chunk matters.
 #
+# Without an initial state the kernel never reads `H0`: `HAS_H0` is a compile-time constant, so the
+# load is compiled out, and whatever is passed in that argument's place is never read. The launcher
+# passes `tokens`, a tensor already at hand, as that placeholder.
+#
 # ### One loop per row, or three phases
 #
 # Chapter 01's cumsum scanned long rows in three phases: scan every chunk in parallel, scan the
@@ -705,7 +656,7 @@ else:
 # reads and writes every element twice. The loop reads and writes once, and gives up only the
 # parallelism along the sequence, which the many rows of a Mamba layer (batch $\times$ dim) make up
 # for. With few rows and very long sequences we expect the balance to turn, an argument that this
-# course does not measure: 16 rows are 16 programs, which keep at most 16 of the H200's 132
+# course does not measure: 16 rows are 16 programs, which keep at most 16 of the H100's 132
 # multiprocessors busy (chapter 00 prints the count), while the three phases spread every row over many
 # programs. Whether, and from which length on, the three-phase form is the faster one, no cell here times.
 #
@@ -727,9 +678,10 @@ else:
 #   one wide (vectorised) load (not inspected here either). The chunks then end at
 #   $L-1, L-1-\text{CHUNK}, \dots$ instead of being aligned.
 #
-# Which costs less is a measurement, not an argument: the speed table of section 7 times both on a
-# GPU and names the faster, and `benchmarks/bench_linear_scan.py` sweeps them with the other launch
-# parameters. Section 5 checks both against the loop.
+# Which costs less is a measurement, not an argument: the speed table of section 6 times both on a
+# GPU and names the faster (in this run `reverse=True`, 141.5 us; descending loads were slower,
+# 157.3 us), and `benchmarks/bench_linear_scan.py` sweeps them with the other launch parameters.
+# Section 5 checks both against the loop.
 #
 # ### The error bound of section 5, derived
 #
@@ -792,6 +744,70 @@ else:
 # confirm the assumed count $d$, which random inputs rarely come near.
 
 # %% [markdown]
+# ### The checks can fail
+#
+# Two plausible bugs, run through the check of section 5's dtype table, on its inputs: the kernel
+# with its accumulator forced to float16 (`ACC=tl.float16`, a rounding per step), and a scan that
+# forgets the carry, that is, scans every chunk of 256 on its own from a zero state.
+
+# %%
+gates_16, tokens_16 = gates_lp.to(torch.float16), tokens_lp.to(torch.float16)
+h_acc16 = torch.empty_like(tokens_16)
+linear_scan_fwd_kernel[(4,)](gates_16, tokens_16, tokens_16, h_acc16, 3000, REVERSE=False, HAS_H0=False,
+                             ACC=tl.float16, **launch_options(3000, FWD_CONFIG, 256))
+no_carry = linear_scan_rows(gates_lp[:, :2816].reshape(-1, 256), tokens_lp[:, :2816].reshape(-1, 256)).reshape(4, 2816)
+ratio_acc16 = error_ratio(h_acc16, gates_16, tokens_16)
+ratio_no_carry = error_ratio(no_carry, gates_lp[:, :2816], tokens_lp[:, :2816])
+print(f"float16 accumulation: max err / bound = {ratio_acc16:.1f};  carry skipped: {ratio_no_carry:.3g}")
+assert ratio_acc16 > 1 and ratio_no_carry > 1
+
+# %% [markdown]
+# ### Operators that pass some tests
+#
+# Section 2's `is_associative` accepts the operator and rejects a tempting wrong one, `broken`, which
+# keeps only the later gate.
+#
+# What `is_associative` cannot see is *which* composition the operator computes: it compares the
+# operator with itself, grouped two ways. The operator with its operands swapped, `swapped` below,
+# which does the later step first, is associative too (it is the product of the same matrices in the
+# other order) and has the same identity, so it passes both tests. What catches it is a comparison of
+# the composed value with the definition: the step matrices of section 2 do that, and so does
+# `follows_the_recurrence`, which applies the composed pair to a random state and compares the result
+# with step $p$ applied first and step $q$ applied to that, $a_q(a_p h + b_p) + b_q$.
+
+# %%
+def broken(a_left, b_left, a_right, b_right):
+    """A wrong combine: keeps only the later gate instead of the product of both."""
+    return a_right, a_right * b_left + b_right
+
+
+def swapped(a_left, b_left, a_right, b_right):
+    """A wrong combine: the right (later) step first, then the left one."""
+    return compose(a_right, b_right, a_left, b_left)
+
+
+def is_identity(op, n: int = 1000) -> bool:
+    """(1, 0) . p == p . (1, 0) == p on random pairs."""
+    a, b = torch.randn(2, n, dtype=torch.float64)
+    one, zero = torch.ones_like(a), torch.zeros_like(b)
+    return all(torch.equal(torch.stack(op(*x)), torch.stack((a, b))) for x in [(one, zero, a, b), (a, b, one, zero)])
+
+
+def follows_the_recurrence(op, n: int = 1000) -> bool:
+    """op(p, q) applied to a state h equals step p, then step q, applied to h, on random pairs and states."""
+    a_p, b_p, a_q, b_q, h = torch.randn(5, n, dtype=torch.float64)
+    a_pq, b_pq = op(a_p, b_p, a_q, b_q)
+    return torch.allclose(a_pq * h + b_pq, a_q * (a_p * h + b_p) + b_q, rtol=1e-12, atol=1e-12)
+
+
+assert is_associative(compose) and is_identity(compose) and follows_the_recurrence(compose)
+assert not is_associative(broken)
+assert is_associative(swapped) and is_identity(swapped) and not follows_the_recurrence(swapped)
+print(f"{'operator':10} {'associative':>12} {'(1,0) identity':>15} {'follows the recurrence':>23}")
+for name, op in [("compose", compose), ("broken", broken), ("swapped", swapped)]:
+    print(f"{name:10} {str(is_associative(op)):>12} {str(is_identity(op)):>15} {str(follows_the_recurrence(op)):>23}")
+
+# %% [markdown]
 # ### Why a kernel test on the CPU would not catch `broken`
 #
 # Folding left to right only ever combines the accumulated pair with a *single* step, and for that
@@ -843,13 +859,13 @@ assert torch.allclose(scan_by_doubling(compose, gates_demo, tokens_demo), expect
 # %% [markdown]
 # ### The combine as compiled
 #
-# The property tests of section 2 ran `first_order_op.fn` in PyTorch. The same tests on the operator
+# The property tests above ran `first_order_op.fn` in PyTorch. The same tests on the operator
 # as Triton compiles it: a tiny kernel evaluates both groupings on random triples. On the interpreter
 # this checks the formula again; on a GPU it also checks the compiled code. Equal groupings alone would
-# let an operator with its operands swapped through (section 2's table), so the cell also checks the
-# composed value: the pair $(p \bullet q) \bullet r$ applied to a random state must equal the three
-# steps applied one after another, $a_r(a_q(a_p h + b_p) + b_q) + b_r$, computed on the host without
-# `first_order_op`.
+# let an operator with its operands swapped through (the table of "Operators that pass some tests"),
+# so the cell also checks the composed value: the pair $(p \bullet q) \bullet r$ applied to a random
+# state must equal the three steps applied one after another, $a_r(a_q(a_p h + b_p) + b_q) + b_r$,
+# computed on the host without `first_order_op`.
 
 # %%
 @triton.jit
@@ -900,10 +916,13 @@ print(f"first_order_op as compiled, on {n_triples} random float64 triples: (p.q)
 # `first_order_op.fn` from running on PyTorch tensors (`tl.where` exists only inside a kernel). So
 # `first_order_op` keeps the plain formula. What it gives: with finite gates and tokens (and no
 # overflow) the recurrence up to rounding, in any grouping; with infinite gates, possibly NaN on a GPU
-# where the recurrence gives $\pm\infty$. (Its docstring says "+-inf or a finite value"; by the
-# argument above, a finite value there needs some product or sum to overflow first.) The interpreter
-# folds left to right, which is the recurrence step by step, so on the CPU the kernel gives the loop's
-# values. Both, on a row whose gate 0 is followed by an infinite one:
+# where the recurrence gives $\pm\infty$ (or, as its docstring says, a finite value where some product
+# or sum overflowed first). The interpreter folds left to right, which is the recurrence step by
+# step, so on the CPU the kernel gives the loop's values. The cell runs the loop, the left fold, the
+# tree (`scan_by_doubling`) and the kernel on a row whose gate 0 is followed by an infinite one. On a
+# GPU the kernel's tree need not group like `scan_by_doubling`, so its NaNs need not fall on the same
+# positions; the asserts require only that wherever the kernel differs from the loop, the kernel
+# gives NaN and the loop $\pm\infty$.
 
 # %%
 gates_inf = torch.tensor([[0.5, 0.0, math.inf, 0.5, 0.5]], dtype=torch.float64)

@@ -59,7 +59,7 @@ from scan_lib.runtime import save_figure
 # This is Mamba's scan for one channel before discretisation. In code `a, b, c` are `(batch, N, L)`,
 # Mamba's layout, and `x` is `(batch, L)`: **`b` holds $B$ and `c` holds $C$**. A batch row is one
 # independent sequence (in Mamba, one (sample, channel) pair). The reference is the loop itself, in
-# float64.
+# float64 ("Going deeper: four states, four decay rates" plots it for a pulse).
 
 # %%
 #| export
@@ -73,7 +73,7 @@ import triton
 import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype, first_order_op
-from scan_lib.runtime import apply, check_float_tensor, check_same_device, custom_op
+from scan_lib.runtime import apply, check_float_tensor, check_same_device, custom_op, next_power_of_2, plus, zero_in_graph
 
 
 def multistate_scan_ref(a, b, c, x, initial_state=None):
@@ -123,28 +123,6 @@ for length in (1, 7, 129, 1000):
     err = rel_err(multistate_scan_ref(a, b, c, x)[0], (c * reference_states(a, b, x)).sum(dim=1))
     print(f"L = {length:4d}: reference vs N linear_scans, max rel err {err:.1e}")
     assert err < 1e-12
-
-# %% [markdown]
-# A picture: four exponential moving averages of a pulse, with constant gates $a[n] = 1 - 2^{-(n+1)}$
-# (memories of about 1, 3, 7 and 15 steps), $B[n] = 1 - a[n]$ and $C[n] = 1/N$, so that $y$ is
-# their average.
-
-# %%
-length, n_states = 128, 4
-x_demo = torch.zeros(1, length, dtype=torch.float64)
-x_demo[0, 16:64] = 1.0                                                     # 1 x L: a pulse
-gates = 1 - 0.5 ** (torch.arange(n_states, dtype=torch.float64) + 1)      # N
-a_demo = gates[None, :, None].expand(1, n_states, length)                 # 1 x N x L
-y_demo, _ = multistate_scan_ref(a_demo, 1 - a_demo, torch.full_like(a_demo, 1 / n_states), x_demo)
-h_demo = reference_states(a_demo, 1 - a_demo, x_demo)[0]                  # N x L
-
-fig, ax = plt.subplots(figsize=(7, 3.5))
-ax.plot(x_demo[0], "k--", lw=1, label="$x_t$")
-for n in range(n_states):
-    ax.plot(h_demo[n], label=f"$h_t[{n}]$, $a={gates[n]:.4f}$")
-ax.plot(y_demo[0], "k", lw=2, label=r"$y_t=\frac{1}{4}\sum_n h_t[n]$")
-ax.set_xlabel("t"); ax.legend(fontsize=7, loc="upper right"); ax.set_title("four states, four decay rates, one output")
-save_figure(fig, "multistate_emas.png")
 
 # %% [markdown]
 # ## 2 · The states are the expensive part
@@ -386,6 +364,8 @@ for length in (1, 7, 129, 1000):
 #    $\delta_t = Q_t \delta_{\text{carry}} + \tilde\delta_t$, $Q_t$ the product of the shifted gates from $t$
 #    to the chunk's end;
 # 3. write the four gradients; the new carry is the first row, $\delta_s$.
+#
+# In the code `adj` holds the adjoint $\delta$ (chapter 05 keeps `delta` for Mamba's step $\Delta$).
 
 # %%
 #| export
@@ -402,7 +382,7 @@ def multistate_bwd_kernel(
     X, DY, DX = X + seq * length, DY + seq * length, DX + seq * length
     rows = tl.arange(0, BLOCK_L)                                  # BLOCK_L: time within a chunk
     n = tl.arange(0, BLOCK_N)                                     # BLOCK_N: state index
-    delta = tl.load(DH_LAST + seq * n_states + n, mask=n < n_states, other=0.0).to(ACC)  # adjoint carry
+    adj = tl.load(DH_LAST + seq * n_states + n, mask=n < n_states, other=0.0).to(ACC)  # adjoint carry
     chunk = n_chunks - 1
     while chunk >= 0:                                             # right to left
         t = chunk * BLOCK_L + rows                                # BLOCK_L
@@ -424,21 +404,21 @@ def multistate_bwd_kernel(
         h = a * h_prev + b * x[:, None]                                  # h_t
         # 2. the adjoint: reversed scan of (a_{t+1}, C_t dy_t), then the carry from the right
         ### BEGIN SOLUTION
-        ### HINT: delta_tile = the adjoint delta_t: load the shifted gates a_{t+1} (1 past the end), scan (a_{t+1}, C dy) right to left with first_order_op, apply the carry delta from the right
+        ### HINT: adj_tile = the adjoint delta_t (a tile of time x states): load the shifted gates a_{t+1} (1 past the end), scan (a_{t+1}, C dy) right to left with first_order_op, apply the carry adj from the right
         a_next = tl.load(A + tile + 1, mask=(t + 1 < length)[:, None] & (n < n_states)[None, :], other=1.0).to(ACC)
-        a_suffix, delta_from_zero = tl.associative_scan((a_next, c * dy[:, None]), axis=0,
+        a_suffix, adj_from_zero = tl.associative_scan((a_next, c * dy[:, None]), axis=0,
                                                         combine_fn=first_order_op, reverse=True)
-        delta_tile = a_suffix * delta[None, :] + delta_from_zero         # delta_t
+        adj_tile = a_suffix * adj[None, :] + adj_from_zero         # adj_t
         ### END SOLUTION
         # 3. the gradients
-        tl.store(DA + tile, (delta_tile * h_prev).to(DA.dtype.element_ty), mask=mask)
-        tl.store(DB + tile, (delta_tile * x[:, None]).to(DB.dtype.element_ty), mask=mask)
+        tl.store(DA + tile, (adj_tile * h_prev).to(DA.dtype.element_ty), mask=mask)
+        tl.store(DB + tile, (adj_tile * x[:, None]).to(DB.dtype.element_ty), mask=mask)
         tl.store(DC + tile, (h * dy[:, None]).to(DC.dtype.element_ty), mask=mask)
-        tl.store(DX + t, tl.sum(delta_tile * b, axis=1).to(DX.dtype.element_ty), mask=t_ok)
-        delta = row_of(delta_tile, rows, 0)
+        tl.store(DX + t, tl.sum(adj_tile * b, axis=1).to(DX.dtype.element_ty), mask=t_ok)
+        adj = row_of(adj_tile, rows, 0)
         chunk -= 1
     a_first = tl.load(A + n * length, mask=n < n_states, other=0.0).to(ACC)
-    tl.store(DH0 + seq * n_states + n, (a_first * delta).to(DH0.dtype.element_ty), mask=n < n_states)
+    tl.store(DH0 + seq * n_states + n, (a_first * adj).to(DH0.dtype.element_ty), mask=n < n_states)
 
 
 def multistate_backward(a, b, c, x, h_chunks, dy, dh_last, block_l):
@@ -483,8 +463,8 @@ for length in (1, 7, 129, 1000):
 #
 # The docstring is the contract. The function checks its arguments and runs the forward as a torch
 # custom op, through an autograd Function when a gradient may be needed; its helpers are defined in
-# "Going deeper: a torch op, autograd, and transforms", and the next cell imports the exported module,
-# which has them all.
+# "Going deeper: a torch op, autograd, and transforms", and the dtype check after it imports the
+# exported module, which has them all.
 
 # %%
 #| export
@@ -608,9 +588,9 @@ else:
         assert r["fused Triton"] < r["materialised PyTorch"], key
 
 # %% [markdown]
-# "fused / floor" near 1 means memory-bound: only the float32 forward comes near it. "materialised /
-# fused" is the price of writing the states. "Going deeper" draws the table and looks at bfloat16 and
-# chunk lengths.
+# "fused / floor" near 1 means memory-bound: in this run the float32 rows come near it (1.07 forward,
+# 1.12 forward + backward), the bfloat16 rows do not (1.64, 1.86). "materialised / fused" is the price
+# of writing the states. "Going deeper" draws the table and looks at bfloat16 and chunk lengths.
 #
 # ## Summary
 #
@@ -619,6 +599,30 @@ else:
 #   and, for training, the states at chunk boundaries, from which the backward recomputes them.
 # - Next, chapter 05 adds Mamba's discretisation, $a_t = e^{\Delta_t A}$, $b_t = \Delta_t B_t x_t$, and shares
 #   $B$, $C$ across channels.
+
+# %% [markdown]
+# ## Going deeper: four states, four decay rates
+#
+# Section 1's recurrence as a picture: four exponential moving averages of a pulse, with constant
+# gates $a[n] = 1 - 2^{-(n+1)}$ (memories of about 1, 3, 7 and 15 steps), $B[n] = 1 - a[n]$ and
+# $C[n] = 1/N$, so that $y$ is their average.
+
+# %%
+length, n_states = 128, 4
+x_demo = torch.zeros(1, length, dtype=torch.float64)
+x_demo[0, 16:64] = 1.0                                                     # 1 x L: a pulse
+gates = 1 - 0.5 ** (torch.arange(n_states, dtype=torch.float64) + 1)      # N
+a_demo = gates[None, :, None].expand(1, n_states, length)                 # 1 x N x L
+y_demo, _ = multistate_scan_ref(a_demo, 1 - a_demo, torch.full_like(a_demo, 1 / n_states), x_demo)
+h_demo = reference_states(a_demo, 1 - a_demo, x_demo)[0]                  # N x L
+
+fig, ax = plt.subplots(figsize=(7, 3.5))
+ax.plot(x_demo[0], "k--", lw=1, label="$x_t$")
+for n in range(n_states):
+    ax.plot(h_demo[n], label=f"$h_t[{n}]$, $a={gates[n]:.4f}$")
+ax.plot(y_demo[0], "k", lw=2, label=r"$y_t=\frac{1}{4}\sum_n h_t[n]$")
+ax.set_xlabel("t"); ax.legend(fontsize=7, loc="upper right"); ax.set_title("four states, four decay rates, one output")
+save_figure(fig, "multistate_emas.png")
 
 # %% [markdown]
 # ## Going deeper: the speed table drawn, and bfloat16
@@ -670,7 +674,7 @@ MAX_TILE = 2**14
 
 def default_block_l(length, n_states):
     """About 1024 tile elements, at least 16 rows, no more rows than L needs."""
-    return max(16, min(triton.next_power_of_2(length), 1024 // triton.next_power_of_2(max(n_states, 1))))
+    return max(16, min(next_power_of_2(length), 1024 // next_power_of_2(max(n_states, 1))))
 
 
 def num_warps_for(block_l, n_states):
@@ -700,19 +704,20 @@ else:
 
 
 # %% [markdown]
-# (On a GPU.) In this run the time is not monotone in $L_{\text{block}}$. In float32 it falls from 376 us at
-# 16 to 215 us at 64, the default, rises to 405 us at 128 and falls again to 242 us at 256. In bfloat16 it
-# is 200 and 197 us at 16 and 32, 227 us at 64, and 366 and 364 us at 128 and 256, so the fastest there is
-# 32 and the default is 1.15x slower. Both dtypes slow down sharply from 64 to 128, where `num_warps_for`
-# first gives 8 warps (16, 32, 64 get 1, 2, 4; 256 gets 8 too, with twice the tile elements per thread). A
-# hypothesis, which nothing in this chapter measures: from 16 to 128 the warps grow with the tile, so every
-# thread holds the same number of tile elements (at $N = 16$), and the tile's demand on each thread's
-# registers alone would not explain a jump at 128; what does change is how Triton spreads the tile over
-# threads and warps, and with it how much of each chunk's scan and of the sum over $N$ combines values held
-# by other warps, which go through shared memory with a synchronisation. Testing that would take the
-# compiled code's layouts and a profile (registers, spills, occupancy, stalls); the bfloat16 row at 256,
-# which does not recover as float32's does, is not explained by it either. The default is the rule above,
-# not a tuned value; in this run it is the fastest in float32 only.
+# (On a GPU.) In this run the time is not monotone in $L_{\text{block}}$. In float32 it falls from 455 us
+# at 16 to 302 us at 64, the default, rises to 413 us at 128 and falls again to 297 us at 256, so the
+# fastest there is 256 and the default is 1.02x slower. In bfloat16 it falls from 257 us at 16 to 229 us
+# at 64, the fastest, and is 367 and 364 us at 128 and 256. Both dtypes slow down sharply from 64 to 128,
+# where `num_warps_for` first gives 8 warps (16, 32, 64 get 1, 2, 4; 256 gets 8 too, with twice the tile
+# elements per thread). A hypothesis, which nothing in this chapter measures: from 16 to 128 the warps
+# grow with the tile, so every thread holds the same number of tile elements (at $N = 16$), and the
+# tile's demand on each thread's registers alone would not explain a jump at 128; what does change is how
+# Triton spreads the tile over threads and warps, and with it how much of each chunk's scan and of the
+# sum over $N$ combines values held by other warps, which go through shared memory with a
+# synchronisation. Testing that would take the compiled code's layouts and a profile (registers, spills,
+# occupancy, stalls); the bfloat16 row at 256, which does not recover as float32's does, is not explained
+# by it either. The default is the rule above, not a tuned value; in this run it is the fastest in
+# bfloat16 only (in float32, 1.02x slower than 256).
 #
 # ## Going deeper: the backward formulas as a loop
 #
@@ -732,12 +737,12 @@ def multistate_backward_ref(a, b, c, x, initial_state, dy, dh_last):
     """The formulas above as loops (float64). Returns the gradients of a, B, C, x and the initial state."""
     states = reference_states(a, b, x, initial_state)                          # batch x N x L
     h_prev = torch.cat([initial_state[..., None], states[..., :-1]], dim=-1)    # h_{t-1}
-    delta = torch.empty_like(a)                                                 # batch x N x L
-    carry, gate = dh_last, torch.ones_like(dh_last)                             # delta_L, a_L
+    adj = torch.empty_like(a)                                                 # batch x N x L
+    carry, gate = dh_last, torch.ones_like(dh_last)                             # adj_L, a_L
     for t in reversed(range(a.shape[-1])):
         carry = gate * carry + c[:, :, t] * dy[:, None, t]
-        delta[:, :, t], gate = carry, a[:, :, t]
-    return delta * h_prev, delta * x[:, None, :], dy[:, None, :] * states, (delta * b).sum(1), a[:, :, 0] * delta[:, :, 0]
+        adj[:, :, t], gate = carry, a[:, :, t]
+    return adj * h_prev, adj * x[:, None, :], dy[:, None, :] * states, (adj * b).sum(1), a[:, :, 0] * adj[:, :, 0]
 
 
 a, b, c, x = (t.requires_grad_() for t in random_inputs(2, 3, 50, dtype=torch.float64, seed=1))
@@ -804,10 +809,11 @@ for name, got, want in zip(("a", "B", "C", "x", "h0"), formula_grads, autograd_g
 def empty_multistate_scan(a, b, c, x, initial_state):
     """(y, last state) for an empty a (batch, N or L zero), as torch's ops give them: y zeros of x's
     shape (a sum over no states, or no positions), the last state the initial state or zeros; both in
-    the graph of every input (zero gradients, the initial state's through the last state)."""
-    anchor = torch.cat([t.flatten()[:0] for t in (a, b, c, x, initial_state) if t is not None]).sum()   # exactly 0
-    h_last = a.new_zeros(a.shape[:2]) if initial_state is None else initial_state
-    return torch.zeros_like(x) + anchor, h_last + anchor
+    the graph of every input that needs a gradient (zero gradients, the initial state's through the
+    last state)."""
+    zero = zero_in_graph(a, b, c, x, initial_state)       # None when nothing is differentiated
+    h_last = a.new_zeros(a.shape[:2]) if initial_state is None else initial_state.clone()
+    return plus(torch.zeros_like(x), zero), plus(h_last, zero)
 
 
 def check_multistate_inputs(a, b, c, x, initial_state, block_l):

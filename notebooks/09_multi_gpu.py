@@ -24,11 +24,12 @@
 # 2. how the backward's carries flow the other way, and how autograd derives them from the forward's
 #    exchange if that exchange has a backward of its own;
 # 3. `scan_lib.distributed`: `linear_scan`, `selective_scan` and a whole Mamba block over a
-#    `torch.distributed` process group (NCCL on GPUs, gloo on CPUs), usable from a script started by
-#    `torchrun`;
-# 4. what the exchange costs: one collective against a chain of sends, latency against bandwidth;
-# 5. on two GPUs (where there are two; the run recorded here had one), the time of a sequence of
-#    $2^{20}$ positions split in two, against one GPU.
+#    `torch.distributed` process group (NCCL or gloo), usable from a script started by `torchrun`;
+# 4. what the exchange costs, in brief: one collective against a chain of sends, latency against
+#    bandwidth, and when the designs of real systems win.
+#
+# Going deeper, after the main line: why the backward is a chain, the exchange timed and counted, a
+# cost model of real systems' designs, two GPUs against one, and a `torchrun` training script.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -72,33 +73,38 @@ GPUS = torch.cuda.device_count() if ON_GPU else 0
 # rounding, which the checks below measure.
 #
 # Three phases, as in chapter 01: every rank scans its shard from 0 and forms $(P_r, E_r)$; the ranks
-# exchange their summaries (one small collective: a summary is $2 \times$ batch $\times$ channels
-# $\times N$ numbers per rank, independent of the length; section 6 counts what our implementation
-# sends); every rank folds the summaries before it and scans its
-# shard again from the entering state. For the selective scan, $P_r = e^{A \sum_t \Delta_t}$ per
+# exchange their summaries in one all-gather; every rank folds the summaries before it and scans its
+# shard again from the entering state. A summary is 2 tensors of batch $\times$ channels $\times N$
+# numbers, whatever the length; rank 0 sends $P_0 h_{-1} + E_0$ in place of $E_0$, so the initial
+# state travels inside its summary, and each rank receives $2(R-1)$ such tensors from the $R - 1$
+# others (section 6 counts them). For the selective scan, $P_r = e^{A \sum_t \Delta_t}$ per
 # (batch, channel, state), from the shard's steps.
 
 # %%
 def draw_sharded_scan(ranks=3, length=12):
-    """The three phases over `ranks` shards of a sequence of `length` positions."""
-    fig, ax = plt.subplots(figsize=(9, 2.6))
+    """The three phases over `ranks` shards of a sequence of `length` positions: phase 2 is one
+    all-gather, every summary reaching every rank, each rank folding those before it."""
+    fig, ax = plt.subplots(figsize=(9, 3.2))
     bounds = [round(r * length / ranks) for r in range(ranks + 1)]
     colors = plt.cm.tab10.colors
+    ax.add_patch(plt.Rectangle((-0.3, 0.05), length + 0.2, 0.5, color="lightgray"))
+    ax.text(length / 2 - 0.5, 0.22, "all-gather: every rank receives every $(P_k, E_k)$", ha="center", fontsize=9)
     for r in range(ranks):
+        middle = (bounds[r] + bounds[r + 1]) / 2 - 0.05
         for t in range(bounds[r], bounds[r + 1]):
-            ax.add_patch(plt.Rectangle((t, 2), 0.9, 0.8, color=colors[r], alpha=0.35))
-        middle = (bounds[r] + bounds[r + 1]) / 2 - 0.5
-        ax.text(middle + 0.45, 3.05, f"rank {r}", ha="center", fontsize=9)
-        ax.annotate("", xy=(middle + 0.45, 1.15), xytext=(bounds[r + 1] - 0.55, 1.95),
+            ax.add_patch(plt.Rectangle((t, 2.4), 0.9, 0.8, color=colors[r], alpha=0.35))
+        ax.text(middle, 3.45, f"rank {r}", ha="center", fontsize=9)
+        ax.annotate("", xy=(middle, 1.55), xytext=(bounds[r + 1] - 0.55, 2.35),
                     arrowprops=dict(arrowstyle="->", color=colors[r]))
-        ax.text(middle + 0.45, 0.75, f"$(P_{r}, E_{r})$", ha="center", fontsize=10)
-        if r > 0:
-            ax.annotate("", xy=(bounds[r] + 0.1, 2.4), xytext=(bounds[r] - 0.5, 0.85),
-                        arrowprops=dict(arrowstyle="->", color="gray", connectionstyle="arc3,rad=-0.3"))
-            ax.text(bounds[r] - 0.2, 1.55, f"$h^{{in}}_{r}$", fontsize=9, color="gray")
-    ax.text(-0.5, 0.1, "phase 1: each shard from 0, summarised;  phase 2: the summaries gathered and folded;"
-            "  phase 3: each shard again from its entering state", fontsize=8)
-    ax.set(xlim=(-0.7, length + 0.2), ylim=(-0.1, 3.4))
+        ax.text(middle, 1.2, f"$(P_{r}, E_{r})$", ha="center", fontsize=10)
+        ax.annotate("", xy=(middle, 0.58), xytext=(middle, 1.1), arrowprops=dict(arrowstyle="->", color=colors[r]))
+        if r > 0:   # the fold of the gathered summaries before rank r comes back as its entering state
+            ax.annotate("", xy=(bounds[r] + 0.1, 2.4), xytext=(bounds[r] + 0.1, 0.58),
+                        arrowprops=dict(arrowstyle="->", color="gray", linestyle="--"))
+            ax.text(bounds[r] + 0.2, 1.75, f"$h^{{in}}_{r}$ = fold of $k < {r}$", fontsize=8, color="gray")
+    ax.text(-0.5, -0.45, "phase 1: each shard from 0, summarised;  phase 2: one all-gather, each rank folds the summaries\n"
+            "before it (dashed);  phase 3: each shard again from its entering state", fontsize=8)
+    ax.set(xlim=(-0.7, length + 0.2), ylim=(-0.7, 3.7))
     ax.axis("off")
     return fig
 
@@ -119,14 +125,18 @@ save_figure(draw_sharded_scan(), "09_sharded_scan.png")
 # receives none), and the last rank's message reaches rank 0 after $R-1$ hops, one after another.
 #
 # `_EnteringState` below is that: an `autograd.Function` whose forward all-gathers every rank's
-# summary and folds the ones before it, and whose backward is the reverse chain, written out. Letting
-# autograd differentiate the fold instead would need a differentiable all-gather, whose backward
-# must bring every rank's gradient for every entry to every rank: $R - 1$ ranks' gradients of all $R$
-# entering states, $R(R-1)$ summaries received per rank, which grows with the square of the number of
-# GPUs. `gather_small`, that simple form, stays
-# for the convolution's boundary columns (section 4), which are $K - 1$ columns, not a state. The local
+# summary and folds the ones before it, and whose backward is the reverse chain, written out. The local
 # scans' backward passes are scan_lib's, through `initial_state` (the gradient $g_r$) and the last
 # state (the gradient of $E_r$).
+#
+# **Why a chain.** It is the adjoint above executed literally, one step per rank with no division and
+# no term computed twice, and of the ways that deliver $T_{r+1}$ exactly it is the only one whose bytes
+# per rank stay the same at any $R$. What it pays is latency, $R-1$ messages one after another, like
+# the forward chain of section 6. "Going deeper: why the backward is a chain" sets it beside the
+# collectives that could deliver $T_{r+1}$ instead.
+#
+# The convolution's boundary columns in section 4 follow the same pattern, an all-gather forward and
+# a reverse chain backward.
 
 # %%
 #| export
@@ -140,7 +150,7 @@ import torch.nn.functional as F
 import scan_lib
 
 
-BYTES_RECEIVED = {"forward": 0, "backward": 0}   # this process's exchanges so far, for section 6's costs
+BYTES_RECEIVED = {"forward": 0, "backward": 0}   # this process's exchanges so far, for the costs
 
 
 def _count(tensor, copies=1):
@@ -177,43 +187,26 @@ def send(tensor, rank, group=None):
 
 def receive(like, rank, group=None):
     """A tensor shaped as `like`, received from `rank` of `group`, on like's device."""
-    received = torch.empty_like(like, device=_staging(like, group))
+    received = torch.empty(like.shape, dtype=like.dtype, device=_staging(like, group))   # contiguous, as recv needs
     dist.recv(received, src=_peer(rank, group), group=group)
     _count(received)
     return received.to(like.device)
 
 
-class _GatherSmall(torch.autograd.Function):
-    """all_gather of one small tensor, differentiable: the backward sums, over the ranks, the gradients
-    each rank's output holds for this rank's entry."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return torch.stack(all_gather(tensor, group))                    # ranks x tensor's shape
-
-    @staticmethod
-    def backward(ctx, grad):
-        every = torch.stack(all_gather(grad, ctx.group))                 # ranks x (ranks x shape)
-        return every[:, dist.get_rank(ctx.group)].sum(0), None
-
-
-def gather_small(tensor, group=None):
-    """Every rank's `tensor` (same shape everywhere), stacked in rank order: (ranks, *shape). Gradients
-    flow back to each rank's tensor."""
-    return _GatherSmall.apply(tensor, group)
-
-
 class _EnteringState(torch.autograd.Function):
-    """h_in of this rank from every rank's (decay, end) and rank 0's start: one all_gather forward; the
+    """h_in of this rank from every rank's (decay, end), rank 0's carrying its start: one all_gather forward; the
     backward is the adjoint's reverse chain, T_r = g_r + decay_r T_{r+1}, received from rank r + 1 and
     sent to rank r - 1: one summary's bytes per rank, whatever the number of ranks."""
 
     @staticmethod
     def forward(ctx, decay, end, start, group):
-        summaries = torch.stack(all_gather(torch.stack([decay, end, start]), group))   # ranks x 3 x shape
-        h = summaries[0, 2]                                                  # rank 0's initial state
-        for k in range(dist.get_rank(group)):
+        # rank 0 sends P_0 h_{-1} + E_0, where its shard ends, in place of E_0: the initial state rides in
+        # rank 0's summary, and every summary is 2 tensors, (P_k, the state after shard k from h_{-1} = 0)
+        rank = dist.get_rank(group)
+        first = decay * start + end if rank == 0 else end
+        summaries = torch.stack(all_gather(torch.stack([decay, first]), group))   # ranks x 2 x shape
+        h = start if rank == 0 else summaries[0, 1]                          # h_in_1 = P_0 h_{-1} + E_0
+        for k in range(1, rank):
             h = summaries[k, 0] * h + summaries[k, 1]
         ctx.save_for_backward(decay, h)
         ctx.group = group
@@ -299,28 +292,65 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
 # ## 4. A Mamba block, sequence-parallel
 #
 # Everything in chapter 06's block acts on each position alone (the projections, the gate), except
-# two pieces that look back: the causal convolution, which needs the `d_conv - 1` inputs before the
-# shard, and the scan. The convolution's boundary is another small exchange: every rank contributes
-# its last `d_conv - 1` columns (fewer if its shard is shorter: then the ranks before it contribute
-# too), and rank $r$'s `initial_states` are the last `d_conv - 1` columns of everything before it.
-# The block's forward below is chapter 06's `Mamba` forward with those two pieces swapped in, using the
-# block's own parameters, so one `Mamba` module (replicated on every rank, as data parallelism
-# replicates it) serves both.
+# two pieces that look back: the scan, and the causal convolution, which needs the `d_conv - 1` inputs
+# before the shard. Those inputs are another small exchange, and a fold like the scan's: with $W_k$
+# the last `d_conv - 1` columns up to the end of rank $k$'s shard, $W_k$ is the last `d_conv - 1`
+# columns of $W_{k-1}$ followed by rank $k$'s columns (a shard shorter than that leaves part of
+# $W_{k-1}$ in, so earlier ranks contribute too), and rank $r$'s `initial_states` are $W_{r-1}$. So
+# `_ConvBoundary` is built as `_EnteringState`: the forward all-gathers every rank's last columns (and
+# how many it has) and folds; the backward is a reverse chain in which rank $r$ receives $U_r$, the
+# whole gradient of $W_r$, from rank $r+1$, keeps its last columns as the gradient of its own, and
+# sends $U_{r-1}$, its convolution's gradient of $W_{r-1}$ plus the part of $U_r$ that $W_r$ copied
+# from $W_{r-1}$ (none when the shard is at least `d_conv - 1` long): one window of batch $\times$
+# `d_inner` $\times$ (`d_conv` $-$ 1) numbers received per rank. The block's forward below is chapter
+# 06's `Mamba` forward with those two pieces swapped in, using the block's own parameters, so one
+# `Mamba` module (replicated on every rank, as data parallelism replicates it) serves both.
 
 # %%
 #| export
+class _ConvBoundary(torch.autograd.Function):
+    """The keep = width - 1 columns of the sequence before this rank's shard (zeros before the
+    sequence), from every rank's last columns: one all_gather forward, folded as _EnteringState's; the
+    backward is the same reverse chain, one window of keep columns received from rank r + 1 and one
+    sent to rank r - 1, whatever the number of ranks."""
+
+    @staticmethod
+    def forward(ctx, tail, keep, group):
+        # tail: this rank's last m = min(keep, shard) columns. W_k, the keep columns up to the end of rank
+        # k's shard, is the last keep columns of (W_{k-1}, rank k's tail); rank r's boundary is W_{r-1}.
+        m = tail.shape[-1]
+        lengths = torch.cat(all_gather(torch.tensor([m], device=tail.device), group)).tolist()   # one host sync
+        if 0 in lengths:   # raised on every rank alike: none is left waiting for the others
+            raise ValueError(f"every rank's shard must hold at least one position; rank {lengths.index(0)}'s is empty")
+        tails = all_gather(F.pad(tail, (keep - m, 0)), group)               # ranks x (batch x dim x keep)
+        window = torch.zeros_like(tails[0])                                 # W_{-1}: before the sequence
+        for k in range(dist.get_rank(group)):
+            window = torch.cat([window, tails[k][..., keep - lengths[k]:]], -1)[..., -keep:]   # W_k
+        ctx.m, ctx.keep, ctx.group = m, keep, group
+        return window
+
+    @staticmethod
+    def backward(ctx, grad):
+        # U_r = dL/dW_r, all of it: W_r reaches rank r + 1's convolution (its grad there) and, if rank
+        # r + 1's shard is shorter than keep, W_{r+1} too. U_{r-1} = grad + U_r's first keep - m columns
+        # (where W_r copied W_{r-1}); the tail's gradient is U_r's last m columns.
+        m, keep, group = ctx.m, ctx.keep, ctx.group
+        rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+        later = receive(grad, rank + 1, group) if rank < ranks - 1 else torch.zeros_like(grad)   # U_r
+        total = grad.clone()
+        total[..., m:] += later[..., :keep - m]                             # U_{r-1}
+        if rank > 0:
+            send(total, rank - 1, group)
+        return later[..., keep - m:], None, None
+
+
 def conv_initial_states(x, width, group=None):
     """The width - 1 columns of x (batch, dim, this rank's shard) before this rank's shard, from the
-    ranks before it (zeros before the sequence), as causal_conv1d's initial_states. Differentiable."""
+    ranks before it (zeros before the sequence), as causal_conv1d's initial_states. Differentiable; the
+    backward receives one window of width - 1 columns per rank."""
     keep = width - 1
-    tail = F.pad(x[..., -keep:], (keep - min(keep, x.shape[-1]), 0))           # batch x dim x keep
-    lengths = all_gather(torch.tensor([min(keep, x.shape[-1])], device=x.device), group)
-    tails = gather_small(tail, group)                                          # ranks x batch x dim x keep
-    rank = dist.get_rank(group)
-    before = [torch.zeros_like(tail)] + [tails[k][..., keep - int(lengths[k]):] for k in range(rank)]
-    # tails[rank][..., :0] adds nothing but keeps the gather in every rank's graph (rank 0 uses no tail):
-    # its backward is a collective, which every rank must join.
-    return torch.cat(before + [tails[rank][..., :0]], -1)[..., -keep:]
+    m = min(keep, x.shape[-1])
+    return _ConvBoundary.apply(x[..., x.shape[-1] - m:], keep, group)
 
 
 def mamba(block, hidden_states, *, group=None):
@@ -343,17 +373,16 @@ def mamba(block, hidden_states, *, group=None):
 # %% [markdown]
 # ## 5. Checked against one process
 #
-# `launch` starts processes joined in a process group, the way `torchrun` would, and collects what each
-# returns, as `launch_plan` picks for the machine: NCCL with one GPU per rank where there are GPUs
-# enough; else gloo with every rank on the one GPU (gloo passes the messages through host memory, so
-# `all_gather` above and the chain below copy GPU tensors to the host and back); else gloo between CPU
-# processes (Triton's interpreter). Each rank of
-# `check_against_one_process` builds the same random problem (same seed), computes it whole, as one
-# process would, takes its shard, runs the sequence-parallel version on it, and returns its worst
-# relative error over its outputs and every gradient: the gradients of sharded inputs are compared
-# shard by shard; those of tensors every rank holds (A, D, `delta_bias`, the initial state, the
-# block's parameters) are summed over the ranks first, as data-parallel training sums them. The
-# lengths are awkward and the shards uneven, one of them shorter than the convolution's reach.
+# `launch` starts processes joined in a process group, as `torchrun` would, and collects what each
+# returns; `launch_plan` picks how: NCCL with one GPU per rank where there are GPUs enough; else gloo
+# with every rank on the one GPU (gloo passes the messages through host memory, so `all_gather` and
+# the chains' sends copy GPU tensors to the host and back); else gloo between CPU processes (Triton's
+# interpreter). Each rank of `check_against_one_process` builds the same random problem (same seed),
+# computes it whole as one process would, runs the sequence-parallel version on its shard, and returns
+# its worst relative error over its outputs and every gradient: sharded inputs' gradients compared
+# shard by shard, those of tensors every rank holds (A, D, `delta_bias`, the initial state, the
+# block's parameters) summed over the ranks first, as data-parallel training sums them. The lengths
+# are awkward and the shards uneven, one of them shorter than the convolution's reach.
 
 # %%
 #| export
@@ -523,25 +552,107 @@ for ranks, cases in CHECKS.items():
 
 # %% [markdown]
 # (The check starts processes, so it takes a while on a CPU: most of it is each process importing
-# torch and Triton.) Every error is at the level of float32 rounding: the sharded scans compute what
-# one process computes.
+# torch and Triton.) Every error is at the level of float32 rounding (at most 4.1e-07 here, run as
+# `gloo/cuda`: the ranks shared the one GPU; the `chain` row, section 6's chain of sends against the
+# all-gather, is 0.0: it folds exactly as the all-gather does, bit for bit): the sharded scans compute
+# what one process computes.
 #
 # ## 6. What the exchange costs: one collective, or a chain of sends
 #
-# Two ways to get $h^{\text{in}}_r$ to every rank:
+# **Bytes.** With $S$ the bytes of one state (batch $\times$ channels $\times N$ float32), each rank
+# receives $2S(R-1)$ in the forward's all-gather, growing with $R$, and $S$ in the backward's chain
+# (the last rank none), at any $R$; the Mamba block adds its convolution's window to both. "Going
+# deeper: the exchange, timed and counted" counts them at 2, 3 and 4 ranks: exactly these.
 #
-# * **All-gather** (`entering_state`): every rank sends its summary to every other, then folds the ones
-#   before it itself. One collective: its time is a latency that grows slowly with the number of ranks,
-#   plus the bytes, a summary from each of the other $R-1$ ranks arriving at each rank.
-# * **A chain of sends** (`entering_state_by_chain` below): rank $r$ waits for $h^{\text{in}}_r$ from
-#   rank $r-1$, then sends $P_r h^{\text{in}}_r + E_r$ to rank $r+1$. One summary's bytes per link, but
-#   $R - 1$ transfers one after another: the last rank waits for $R - 1$ latencies.
+# **Time.** The forward could also use a **chain of sends** (`entering_state_by_chain`): rank $r$
+# waits for $h^{\text{in}}_r$ from rank $r-1$, then sends $P_r h^{\text{in}}_r + E_r$ to rank $r+1$.
+# One summary's bytes per link, but $R - 1$ transfers one after another, where the all-gather is one
+# collective whose latency grows slowly with the number of ranks. **Prediction:** with a fixed cost
+# $\alpha$ per message plus its bytes over a bandwidth $\beta$, and summaries (1 KiB to 3 MiB in the
+# timings) that NVLink moves in less time than $\alpha$, latency decides: **at 2 ranks, one message
+# either way, the two take the same time within a factor of 2 at every size, and the time grows far
+# less than the 3072-fold bytes**; at 4 ranks the all-gather, in fewer rounds, should beat the chain's
+# 3 messages in series.
 #
-# **Prediction.** The summaries are small (the selective scan's is batch $\times$ dim $\times N$ numbers,
-# independent of $L$), so latency decides: with 2 ranks the two are about equal, and from 3 or 4 ranks
-# on the chain's last rank waits longer; only with summaries of megabytes does the all-gather's
-# $R$-fold traffic start to show. (The run recorded here contradicts it: see below.) The cell times both, median over repeated exchanges after a barrier,
-# as the slowest rank sees it.
+# **Verdict** (measured in "Going deeper: the exchange, timed and counted"). The run recorded here had
+# one GPU, an NVIDIA H100 80GB HBM3, the ranks sharing it over gloo, every message through host
+# memory, not NVLink. The 2-rank prediction failed, the chain winning at every size (3.5x to 13.4x);
+# the latency part held (for 3072x the bytes the all-gather's time grew 8.7x, the chain's 4.2x); at 4
+# ranks the chain won too.
+# On gloo the all-gather copies one buffer per rank where the chain copies one, so there the chain
+# can win at every size. `scan_lib.distributed` keeps the all-gather in the forward, where no rank
+# waits on a chain of others, and the reverse chain in the backward, whose bytes per rank do not grow
+# with $R$; keeping the all-gather rests on NCCL's collectives, which a one-GPU run cannot time.
+#
+# **How real systems split a sequence.** LASP passes the state along a chain of sends [LASP];
+# LASP-2 all-gathers the states both ways [LASP-2]; Megatron-core's context parallelism for Mamba
+# [Megatron] reshards by channel with an all-to-all and scans whole sequences in one pass. A cost
+# model of the four ("Going deeper: how real systems split a sequence") says: this chapter's design
+# (or the chain, or a tree over ranks) wins when each GPU holds a long shard, $L/R \gg R N$, the case
+# sequence parallelism exists for; the all-to-all wins on bytes when shards are short and ranks many,
+# and on passes (one, not two) whenever the scan, not the exchange, is the cost. Counting passes, a
+# second GPU buys memory, not time: each rank scans its half twice, so two GPUs should take about as
+# long as one ("Going deeper: two GPUs against one" tests it where there are two).
+
+# %% [markdown]
+# ## What we built
+#
+# * The state entering a shard is a fold over one summary per earlier shard, $(P_r, E_r)$: the
+#   blocked scan of chapter 01 with GPUs for blocks, and the result is the one-device scan.
+# * One all-gather of the summaries is the forward's communication (each rank receives $2(R-1)$
+#   state-sized tensors), and a reverse chain the backward's (one state per rank, whatever $R$); the
+#   block's convolution boundary is exchanged the same way.
+# * `scan_lib.distributed.linear_scan`, `selective_scan` and `mamba` run over any process group;
+#   `launch` and `check_against_one_process` check them against one process.
+# * What the exchange costs: on gloo here, the ranks sharing one H100 80GB HBM3, the chain won at
+#   every size, latency more than bytes deciding; passing states wins when shards are long, the all-to-all when
+#   they are short or when its single pass matters more.
+
+# %% [markdown]
+# ## Going deeper: why the backward is a chain
+#
+# Section 2's backward hands $T_r$ from rank to rank. This section counts what the other ways to
+# deliver $T_{r+1}$ to every rank would cost, and says why the chain is the one this chapter uses.
+#
+# With $S$ the bytes of one summary, the ways to deliver $T_{r+1}$ to every rank cost, per backward:
+#
+# | way | on the critical path | bytes received per rank | what each rank computes |
+# | --- | --- | --- | --- |
+# | autograd through a differentiable all-gather of the forward's tensors | one all-gather | $2R(R-1)\,S$: every other rank's gradient for all $R$ entries | the fold's adjoint, up to $R$ steps |
+# | reduce-scatter: rank $j$ sends rank $r < j$ its term $(\prod_{r<k<j} P_k)\, g_j$ | one reduce-scatter | $(R-1)\,S$ (a ring moves $R - 1$ of the $R$ slots) | $R - 1$ terms, from the gathered $P_k$ |
+# | all-reduce of the terms $Q_j g_j$, $Q_j = \prod_{k<j} P_k$: $T_{r+1}$ is their sum over $j > r$ divided by $Q_{r+1}$ | one all-reduce of $S$; the sum over $j > r$ (the total less a prefix) still needs a scan over ranks | about $2S$ | divides by $Q_{r+1}$, a product of decays that underflows in float32 |
+# | recursive doubling: the pairs $(P, T)$ combined over ranks $1, 2, 4, \dots$ apart | $\lceil\log_2 R\rceil$ rounds | $2S \lceil\log_2 R\rceil$ | one combine per round |
+# | **reverse chain** (ours) | $R - 1$ hops in series | $S$ (the last rank: 0) | one step, $T_r = g_r + P_r T_{r+1}$ |
+#
+# The chain is the one to teach: it is section 2's adjoint executed literally, one step per rank with
+# no division and no term computed twice, and of the ways that deliver $T_{r+1}$ exactly it is the only
+# one whose bytes per rank stay the same at any $R$. What it pays is latency, $R-1$ messages one after
+# another, like the forward chain that the next section times. The all-reduce looks cheapest but still
+# needs a scan over ranks and divides by products of decays that reach 0; the reduce-scatter and the
+# doubling scan trade bytes for fewer hops, worth it only when $R$ is large enough for the hops to
+# count (gloo, in the torch this course pins, has all-reduce, reduce-scatter, all-to-all and
+# send/receive; NCCL has them all). This chapter's first version was the first row (with 3 tensors
+# per summary then): at 4 ranks each rank received $3R(R-1)$ = 36 summary-sized tensors in the
+# backward where the chain receives one.
+
+# %% [markdown]
+# ## Going deeper: the exchange, timed and counted
+#
+# This section measures section 6's two claims: the time of one exchange, by the all-gather and by the
+# chain of sends (`entering_state_by_chain` below), and the bytes each rank receives per pass.
+#
+# **Prediction**, in full. Model one message as a fixed cost $\alpha$ (launching it, the handshake, on
+# gloo the copies through host memory and the Python around each call) plus its bytes over a bandwidth
+# $\beta$. With 2 ranks both ways are one message on the critical path; the all-gather's carries $2S$
+# and the chain's $S$. The summaries timed below have $S$ = 1 KiB, 96 KiB and 3 MiB (the middle one is
+# the $2^{20}$-position problem's, batch 1, 1536 channels, $N$ = 16): below a few MiB a link moves them
+# in less time than $\alpha$ on NVLink, so the prediction is that **at 2 ranks the two take the same
+# time within a factor of 2 at every size, and the time grows far less than the 3072-fold bytes from
+# the smallest summary to the largest** (latency, not bytes, decides). At 4 ranks the chain's last rank
+# waits for 3 messages one after another where the all-gather's rounds are fewer or pipelined, so the
+# all-gather should be faster there by up to the ratio of rounds. The timing cell times both ways at 2
+# ranks (and at 4 where there are fewer than two GPUs), median over repeated exchanges after a
+# barrier, as the slowest rank sees it; the cell after it judges the prediction.
 
 # %%
 #| export
@@ -590,20 +701,33 @@ def time_exchanges(shapes, repeats=20):
     return times
 
 
-def bytes_per_pass(batch=2, dim=8, n_states=4, shard=16):
+def bytes_per_pass(batch=1, dim=4, n_states=4, shard=4):
     """Run on every rank: the bytes this rank receives in one forward and one backward of the
-    sequence-parallel selective scan, each rank holding `shard` positions. Returns {pass: bytes}."""
+    sequence-parallel selective scan (batch x dim channels, N = n_states) and of a Mamba block (d_model
+    dim, expand 2, d_conv 4, d_state n_states), each rank holding `shard` positions; and, for the cost
+    model ("Going deeper: how real systems split a sequence"; one launch serves both), bytes_by_design()'s
+    counts of the other designs.
+    Returns {"selective_scan" or "mamba": {pass: bytes}, "designs": bytes_by_design()}."""
     g = torch.Generator().manual_seed(dist.get_rank())
     leaves = [t.to(_device()).requires_grad_() for t in (
         torch.randn(batch, dim, shard, generator=g), torch.randn(batch, dim, shard, generator=g) - 1.0,
         -torch.rand(dim, n_states, generator=g) - 0.5, torch.randn(batch, n_states, shard, generator=g),
         torch.randn(batch, n_states, shard, generator=g))]
-    before = dict(BYTES_RECEIVED)
-    out = selective_scan(*leaves, delta_softplus=True)
-    after_forward = dict(BYTES_RECEIVED)
-    torch.autograd.grad(out.sum(), leaves)
-    return {"forward": after_forward["forward"] - before["forward"],
-            "backward": BYTES_RECEIVED["backward"] - after_forward["backward"]}
+    torch.manual_seed(0)                                          # the same block on every rank
+    block = scan_lib.Mamba(d_model=dim, d_state=n_states, d_conv=4, expand=2, device=_device())
+    hidden = torch.randn(batch, shard, dim, generator=g).to(_device()).requires_grad_()
+    runs = {"selective_scan": (lambda: selective_scan(*leaves, delta_softplus=True), leaves),
+            "mamba": (lambda: mamba(block, hidden), [hidden, *block.parameters()])}
+    counts = {}
+    for kind, (forward, inputs) in runs.items():
+        before = dict(BYTES_RECEIVED)
+        out = forward()
+        after_forward = dict(BYTES_RECEIVED)
+        torch.autograd.grad(out.sum(), inputs)
+        counts[kind] = {"forward": after_forward["forward"] - before["forward"],
+                        "backward": BYTES_RECEIVED["backward"] - after_forward["backward"]}
+    counts["designs"] = bytes_by_design()
+    return counts
 
 
 # %%
@@ -612,70 +736,356 @@ from scan_lib.distributed import EXCHANGES, time_exchanges
 SHAPES = [(1, 16, 16), (1, 1536, 16), (8, 1536, 64)]   # summaries of 256 values, of the 2^20 problem, 786432 values
 print("median us of one exchange, the slowest rank's")
 print(f"{'ranks':>5s} {'run as':11s} {'summary shape':16s} " + " ".join(f"{way:>16s}" for way in EXCHANGES))
+timed = {}                                                                    # ranks -> per_rank[rank][shape][way]
 for ranks in ((2,) if GPUS >= 2 else (2, 4)):
     plan = launch_plan(ranks)
-    per_rank = launch(time_exchanges, ranks, SHAPES, plan=plan)                # per_rank[rank][shape][way]
+    per_rank = timed[ranks] = launch(time_exchanges, ranks, SHAPES, plan=plan)
     for i, shape in enumerate(SHAPES):
         slowest = {way: max(times[i][way] for times in per_rank) for way in EXCHANGES}
         print(f"{ranks:5d} {'/'.join(plan):11s} {str(shape):16s} " + " ".join(f"{slowest[way]:16.0f}" for way in EXCHANGES))
 
 # %%
 def verdict(per_rank_times, shapes):
-    """One printed sentence per shape: which way was faster, by how much (the slowest rank's times)."""
-    for i, shape in enumerate(shapes):
-        slowest = {way: max(times[i][way] for times in per_rank_times) for way in EXCHANGES}
-        fast, slow = sorted(slowest, key=slowest.get)
-        print(f"  {str(shape):16s} ({len(per_rank_times)} ranks): {fast} faster, {slowest[slow] / slowest[fast]:.1f}x")
+    """One printed line per shape: which way was faster and by how much (the slowest rank's times);
+    then, per way, how much the time grew from the smallest summary to the largest, beside the bytes."""
+    slowest = [{way: max(times[i][way] for times in per_rank_times) for way in EXCHANGES} for i in range(len(shapes))]
+    ranks = len(per_rank_times)
+    for shape, t in zip(shapes, slowest):
+        fast, slow = sorted(t, key=t.get)
+        print(f"  {str(shape):16s} ({ranks} ranks): {fast} faster, {t[slow] / t[fast]:.1f}x")
+    numbers = [torch.Size(shape).numel() for shape in shapes]
+    for way in EXCHANGES:
+        print(f"  {way}: {slowest[-1][way] / slowest[0][way]:.1f}x the time for {numbers[-1] // numbers[0]}x the bytes")
+    if ranks == 2:
+        within = all(max(t.values()) <= 2 * min(t.values()) for t in slowest)
+        print(f"  prediction (2 ranks: equal within 2x at every size): {'held' if within else 'failed'}")
 
 
 print("measured:")
-verdict(per_rank, SHAPES)
+for per_rank in timed.values():
+    verdict(per_rank, SHAPES)
 
 # %% [markdown]
-# The lines above say which way won at each size in this run, and how the backend ran (the "run as"
-# column). Where the chain won at every size, the prediction failed: the all-gather was not a cheap
-# single latency. Our `entering_state` gathers three tensors per rank (the decay, the end state, and
-# the initial state, of which only rank 0's matters) and folds on every rank, so each rank receives
-# $3(R-1)$ summaries where the chain passes one along each link; and gloo, on CPUs or with the ranks
-# sharing one GPU, copies every message through host memory with Python around each call, so the
-# per-call costs count at every size, and the bytes only where the summaries are large (at 4 ranks the
-# all-gather's time rises with the summary's size; at 2 ranks, in this run, the middle summary took
-# longer than the largest, and one median per row does not say more). NCCL between GPUs on NVLink should move the bytes far faster (this
-# run, on one GPU, did not measure it), and section 7 puts the exchange's time beside the scan's on
-# two GPUs. `scan_lib.distributed` keeps the
-# all-gather in the forward, where no rank waits on a chain of others (though on gloo in this run the
-# chain was faster at every size), and uses the reverse chain in the backward (section 2), whose bytes per rank do not grow with $R$.
+# The `measured:` lines judge the prediction: the 2-rank line says `held` or `failed`, and the
+# growth lines say whether latency or bytes decided (a time that grows far less than the bytes is
+# paying fixed costs per message). The run recorded here had one GPU, an NVIDIA H100 80GB HBM3, so the
+# plan was `gloo/cuda`: the ranks shared it and every message went through host memory, not the NVLink
+# the prediction assumed. The 2-rank line printed `failed`: the chain won at every size, 3.5x at
+# $S$ = 1 KiB, 13.4x at 96 KiB and 7.3x at 3 MiB, where the prediction allowed 2x either way. The
+# other part held: for 3072x the bytes the all-gather's time grew 8.7x and the chain's 4.2x, latency
+# not bytes. At 4 ranks the prediction that the all-gather wins failed too: the chain won by 2.7x,
+# 85.1x and 9.5x, its time growing 3.8x for 3072x the bytes and the all-gather's 13.1x. Nor did the
+# all-gather's time grow slowly with the ranks: at 1 KiB it went from 1285 us at 2 ranks to 3499 at
+# 4. And at 4 ranks it is not even monotonic in the bytes (102291 us at 96 KiB, 45694 at 3 MiB),
+# which these timings do not explain. How to read a failure: where both times grow far less than
+# the 3072-fold bytes, a gap between the two ways is a gap in fixed costs, not bytes; on gloo (CPU
+# processes, or ranks sharing one GPU) every message is copied through host memory with Python
+# around each call, and the all-gather allocates and copies back one buffer per rank where the chain
+# handles one, so there the chain can win at every size. The next section counts what each way moves
+# and extrapolates it to many GPUs; "Going deeper: two GPUs against one" puts the exchange's time
+# beside the scan's on two GPUs.
 #
 # **Bytes, counted.** `BYTES_RECEIVED` adds up what this process's exchanges receive, by pass (the
-# backward while autograd's engine runs). **Prediction**, with $S$ the bytes of one summary (batch
-# $\times$ dim $\times N$ float32): in the forward every rank receives $3S(R-1)$ (three tensors from
-# each other rank); in the backward every rank but the last receives $S$, at any $R$.
+# backward while autograd's engine runs). **Prediction**, with $S$ the bytes of one state (batch
+# $\times$ channels $\times N$ float32): for the selective scan, in the forward every rank receives
+# $2S(R-1)$ (a summary, two tensors, from each other rank); in the backward every rank but the last
+# receives $S$, at any $R$. For the Mamba block, add the convolution's window, $W$ bytes (batch $\times$
+# `d_inner` $\times$ (`d_conv` $-$ 1) float32): $(2S + W + 8)(R-1)$ in the forward (the 8: each other
+# rank's count of columns, an int64), $S + W$ in the backward on every rank but the last. The cell
+# measures both at 2, 3 and 4 ranks, each rank holding the same shard of 4 positions, and checks that
+# the most any rank receives in the backward stays within 1.5 times its smallest value over the three.
 
 # %%
 from scan_lib.distributed import bytes_per_pass
 
-summary_bytes = 2 * 8 * 4 * 4                       # bytes_per_pass's summary: batch 2, dim 8, N 4, float32
-print(f"one summary: {summary_bytes} bytes; bytes received per rank, in rank order")
-print(f"{'ranks':>5s} {'run as':11s} {'forward':>28s} {'backward':>24s}")
+summary = {"selective_scan": 1 * 4 * 4 * 4, "mamba": 1 * 8 * 4 * 4}    # batch x channels x N, float32
+window = 1 * 8 * 3 * 4                      # the block's convolution boundary: batch x d_inner x (d_conv - 1)
+predicted = {"selective_scan": lambda R: (2 * summary["selective_scan"] * (R - 1), summary["selective_scan"]),
+             "mamba": lambda R: ((2 * summary["mamba"] + window + 8) * (R - 1), summary["mamba"] + window)}
+print(f"summaries: {summary} bytes, the block's window {window}; bytes received per rank, in rank order")
+print(f"{'ranks':>5s} {'run as':11s} {'':15s} {'forward':>28s} {'backward':>24s}")
+most = {kind: {} for kind in summary}       # the backward's largest count over the ranks, by kind and ranks
+counted = {}                                # ranks -> per_rank, kept for the cost model
 for ranks in (2, 3, 4):
-    per_rank = launch(bytes_per_pass, ranks)
-    forward, backward = ([r[key] for r in per_rank] for key in ("forward", "backward"))
-    print(f"{ranks:5d} {'/'.join(launch_plan(ranks)):11s} {str(forward):>28s} {str(backward):>24s}")
-    assert backward == [summary_bytes] * (ranks - 1) + [0] and forward == [3 * summary_bytes * (ranks - 1)] * ranks
+    per_rank = counted[ranks] = launch(bytes_per_pass, ranks)
+    for kind in summary:
+        forward, backward = ([r[kind][key] for r in per_rank] for key in ("forward", "backward"))
+        print(f"{ranks:5d} {'/'.join(launch_plan(ranks)):11s} {kind:15s} {str(forward):>28s} {str(backward):>24s}")
+        fwd, bwd = predicted[kind](ranks)
+        assert backward == [bwd] * (ranks - 1) + [0] and forward == [fwd] * ranks, (kind, ranks, per_rank)
+        most[kind][ranks] = max(backward)
+for kind, counts in most.items():
+    print(f"{kind}: the backward's most per rank at 2, 3, 4 ranks {list(counts.values())}, "
+          f"largest / smallest {max(counts.values()) / min(counts.values()):.2f}")
+    assert max(counts.values()) <= 1.5 * min(counts.values())
 
 # %% [markdown]
-# The counts are the prediction's, exactly: the backward's traffic per rank does not grow with the
-# number of ranks; the forward's all-gather does, linearly (a chain forward would not, at the price of
+# The counts are the prediction's, exactly (the cell asserts them, so this sentence holds wherever the
+# cell ran): the backward's traffic per rank does not grow with the number of ranks, for the scan and
+# for the block; the forward's all-gather's does, linearly (a chain forward would not, at the price of
 # $R - 1$ latencies one after another, which the timings above put beside it).
+
+# %% [markdown]
+# ## Going deeper: how real systems split a sequence, a cost model
 #
-# ## 7. Two GPUs against one
+# This section backs the last paragraph of section 6: a model of four designs' rounds, bytes, passes
+# and memory, its bytes checked against counts on real ranks (the all-to-all built here for that), and
+# extrapolated to 512 GPUs.
 #
-# (Needs two GPUs: the `nvidia-h200-x2` machine.) The selective scan at batch 1, dim 1536, $N$ = 16,
+# Four designs for the scan of one layer over $R$ ranks, each holding $L/R$ positions. Symbols: $S$
+# the bytes of one state (batch $\times$ `d_inner` $\times N$, float32 here: $S$ = 8 $\times$ 2048
+# $\times$ 16 $\times$ 4 bytes = 1 MiB in the table below), $A$ the bytes of one `d_inner`-wide activation
+# on one rank (batch $\times$ `d_inner` $\times L/R$, bf16), $G$ the same for $B$ or $C$ (batch
+# $\times N \times L/R$).
+#
+# * **This chapter**: one all-gather of the summaries $(P_r, E_r)$ forward, the reverse chain backward.
+# * **The chain both ways** (`entering_state_by_chain` forward, the reverse chain backward): LASP's
+#   pattern for linear attention [LASP], where the state is a $d_k \times d_v$ matrix per head.
+# * **All-gather both ways**, LASP-2's pattern [LASP-2]: one all-gather of the states forward and one
+#   of their gradients backward, each rank folding what it needs (for linear attention without a
+#   decay the fold is a sum and a summary is the state alone, $S$ instead of $2S$).
+# * **All-to-all**, Megatron-core's context parallelism for Mamba [Megatron]: before the convolution
+#   and the scan an all-to-all turns the sequence-sharded activations ($L/R$ positions, all channels)
+#   into channel-sharded ones (all $L$ positions, `d_inner`$/R$ channels), each rank scans its
+#   channels over the whole sequence in one pass, and an all-to-all turns the output back. Megatron
+#   does it for Mamba-2, whose $B$, $C$ and $\Delta$ come from the input projection and move with
+#   the heads (it asserts that the heads divide by the ranks). For this chapter's Mamba-1 scan the
+#   same idea moves $u$, $\Delta$, $z$ in and $y$ out, and every rank needs all of $B$ and $C$ (one
+#   group shared by all channels): an all-gather of them, whose backward is a reduce-scatter.
+#
+# Per rank and per layer, in rounds on the critical path (each costing a latency $\alpha$),
+# bytes received, passes over the shard and extra memory (beyond the shard's own activations, the
+# same $L/R \times$ `d_inner` in every design):
+#
+# | design | rounds fwd / bwd | bytes received fwd | bytes received bwd | passes fwd / bwd | extra memory |
+# | --- | --- | --- | --- | --- | --- |
+# | this chapter | $\lceil\log_2 R\rceil$ / $R-1$ | $2(R-1)S$ | $S$ | 2 / 2 | $2RS$ |
+# | chain both ways | $R-1$ / $R-1$ | $S$ | $S$ | 2 / 2 | $S$ |
+# | all-gather both ways (LASP-2) | $\lceil\log_2 R\rceil$ / $\lceil\log_2 R\rceil$ | $2(R-1)S$ | $(R-1)S$ | 2 / 2 | $2RS$ |
+# | all-to-all (Megatron-core) | 2 / 2 | $4\frac{R-1}{R}A + 2(R-1)G$ | the same | 1 / 1 | $2RG$ |
+#
+# A collective's rounds are counted as $\lceil\log_2 R\rceil$, the recursive-doubling algorithms (a
+# ring all-gather takes $R-1$ steps, pipelined); an all-to-all as one round in which every rank sends
+# to every other at once. The time model is $\text{rounds}\cdot\alpha + \text{bytes}/\beta$. The
+# passes: every design but the all-to-all scans its shard twice, phase 1 (for the summary) and phase
+# 3, and the backward likewise; the all-to-all scans whole sequences once, its shard being channels.
+#
+# The bytes of the three state-passing designs do not depend on $L$; the all-to-all's are
+# proportional to $L/R$, and at a given $L/R$ only its gather of $B$ and $C$ grows with $R$. So which
+# wins depends on the shard: the all-to-all moves less than this chapter's forward once
+# $4A \lesssim 2RS$, i.e. (leaving $B$ and $C$ aside) once $L/R \lesssim R N$ (with bf16 activations
+# and float32 states, $A / S = (L/R)/(2N)$).
+# The cell below checks the formulas against the bytes counted on the ranks of the previous section's launches (a tiny problem: batch 1,
+# one channel per rank, $N$ = 4, 4 positions per rank, float32 throughout), with the all-to-all built here too
+# (`selective_scan_all_to_all`, checked against this chapter's scan), then prints the model for a
+# realistic shape.
+
+# %%
+#| export
+import math
+
+
+def _all_to_all(x, split_dim, cat_dim, group):
+    """Split x in `ranks` equal chunks along split_dim, chunk j to rank j; the chunks received, in rank
+    order, concatenated along cat_dim. Staged as all_gather's; counts the R - 1 chunks received."""
+    ranks = dist.get_world_size(group)
+    parts = torch.stack(x.to(_staging(x, group)).chunk(ranks, split_dim))   # ranks x chunk, contiguous
+    received = torch.empty_like(parts)
+    dist.all_to_all_single(received, parts, group=group)   # gloo's list form all_to_all needs torch 2.12
+    _count(received[0], ranks - 1)
+    return torch.cat(received.unbind(0), cat_dim).to(x.device)
+
+
+class _Reshard(torch.autograd.Function):
+    """An all-to-all between a sequence-sharded and a channel-sharded layout; its backward is the
+    all-to-all the other way."""
+
+    @staticmethod
+    def forward(ctx, x, split_dim, cat_dim, group):
+        ctx.dims, ctx.group = (split_dim, cat_dim), group
+        return _all_to_all(x, split_dim, cat_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split_dim, cat_dim = ctx.dims
+        return _all_to_all(grad, cat_dim, split_dim, ctx.group), None, None, None
+
+
+class _GatherPositions(torch.autograd.Function):
+    """Every rank's shard (equal lengths) concatenated along the last axis: an all_gather; its backward
+    is a reduce-scatter, each rank receiving the other ranks' gradients of its own positions."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return torch.cat(all_gather(x, group), -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ranks = dist.get_world_size(ctx.group)
+        parts = [p.contiguous() for p in grad.to(_staging(grad, ctx.group)).chunk(ranks, -1)]
+        mine = torch.empty_like(parts[0])
+        dist.reduce_scatter(mine, parts, group=ctx.group)
+        _count(mine, ranks - 1)
+        return mine.to(grad.device), None
+
+
+def selective_scan_all_to_all(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, *,
+                              group=None):
+    """selective_scan's result (this rank's shard of out) by the all-to-all design: u, delta, z
+    resharded to this rank's d_inner / R channels over the whole sequence, B and C gathered, one scan,
+    out resharded back. Needs equal shards and the channels divisible by the ranks. Differentiable."""
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    dim = u.shape[1]
+    lengths = [None] * ranks
+    dist.all_gather_object(lengths, u.shape[-1], group=group)   # a check, not the design's bytes: not counted
+    if len(set(lengths)) > 1:   # raised on every rank alike (unequal chunks would fail or hang inside the exchange)
+        raise ValueError(f"the all-to-all needs every rank's shard of u the same length, got {lengths}")
+    if dim % ranks:
+        raise ValueError(f"the all-to-all needs the channels ({dim}) divisible by the ranks ({ranks})")
+    for name, t in (("B", B), ("C", C)):
+        if t.dim() != 3:
+            raise ValueError(f"{name}: the all-to-all here takes one group per position, (batch, N, L); got shape "
+                             f"{tuple(t.shape)} (grouped and time-invariant {name} are not supported)")
+    mine = slice(rank * dim // ranks, (rank + 1) * dim // ranks)
+    u, delta, z = (None if t is None else _Reshard.apply(t, 1, -1, group) for t in (u, delta, z))
+    B, C = (_GatherPositions.apply(t, group) for t in (B, C))
+    out = scan_lib.selective_scan(u, delta, A[mine], B, C, None if D is None else D[mine], z,
+                                  None if delta_bias is None else delta_bias[mine], delta_softplus)
+    return _Reshard.apply(out, -1, 1, group)
+
+
+def exchange_costs(ranks, batch, d_inner, n_states, length, state_bytes=4, activation_bytes=2,
+                   alpha=10e-6, beta=50e9):
+    """Section 7's cost model, per rank and per layer's scan, for the four designs: {design: {"rounds":
+    (fwd, bwd), "received": (fwd, bwd) bytes (the most any rank receives), "passes": (fwd, bwd), "memory":
+    extra bytes held, "seconds": rounds * alpha + received / beta, summed over both passes}}."""
+    R, log = ranks, math.ceil(math.log2(ranks)) if ranks > 1 else 0
+    S = batch * d_inner * n_states * state_bytes
+    A = batch * d_inner * length / R * activation_bytes
+    G = batch * n_states * length / R * activation_bytes
+    one = 1 if R > 1 else 0
+    moved = 4 * (R - 1) / R * A + 2 * (R - 1) * G
+    costs = {"this chapter": dict(rounds=(log, R - 1), received=(2 * (R - 1) * S, one * S), passes=(2, 2), memory=2 * R * S),
+             "chain both ways": dict(rounds=(R - 1, R - 1), received=(one * S, one * S), passes=(2, 2), memory=S),
+             "all-gather both ways": dict(rounds=(log, log), received=(2 * (R - 1) * S, (R - 1) * S), passes=(2, 2),
+                                          memory=2 * R * S),
+             "all-to-all": dict(rounds=(2 * one, 2 * one), received=(moved, moved), passes=(1, 1), memory=2 * R * G)}
+    for cost in costs.values():
+        cost["seconds"] = sum(cost["rounds"]) * alpha + sum(cost["received"]) / beta
+    return costs
+
+
+def bytes_by_design(batch=1, channels=None, n_states=4, shard=4):
+    """Run on every rank: the bytes this rank receives in one forward and one backward of the selective
+    scan (batch x channels, default one per rank, N = n_states, `shard` positions per rank) by this chapter's design and by
+    the all-to-all, the forward bytes of entering_state_by_chain, and the largest relative difference
+    between the two designs' outputs and gradients. Returns a dict."""
+    channels = channels or dist.get_world_size()
+    g = torch.Generator().manual_seed(dist.get_rank())
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(_device())  # noqa: E731
+    u, delta, B, C, z = (rand(batch, channels, shard), rand(batch, channels, shard) - 1.0, rand(batch, n_states, shard),
+                         rand(batch, n_states, shard), rand(batch, channels, shard))
+    torch.manual_seed(0)                                                  # A, D, delta_bias: the same on every rank
+    A = -(0.5 + torch.rand(channels, n_states)).to(_device())
+    D, bias = torch.randn(channels).to(_device()), torch.randn(channels).to(_device())
+    counts, results = {}, {}
+    for design, scan in (("this chapter", selective_scan), ("all-to-all", selective_scan_all_to_all)):
+        leaves = [t.clone().requires_grad_() for t in (u, delta, B, C, z)]
+        before = dict(BYTES_RECEIVED)
+        out = scan(leaves[0], leaves[1], A, leaves[2], leaves[3], D, leaves[4], bias, delta_softplus=True)
+        middle = dict(BYTES_RECEIVED)
+        grads = torch.autograd.grad((out * out).sum(), leaves)
+        counts[design] = (middle["forward"] - before["forward"], BYTES_RECEIVED["backward"] - middle["backward"])
+        results[design] = [out, *grads]
+    before = BYTES_RECEIVED["forward"]
+    entering_state_by_chain(*(torch.rand(batch, channels, n_states).to(_device()) for _ in range(2)))
+    counts["chain both ways"] = (BYTES_RECEIVED["forward"] - before, None)
+    difference = _worst(zip(results["all-to-all"], results["this chapter"]))
+    return dict(counts=counts, difference=difference)
+
+
+# %%
+from scan_lib.distributed import exchange_costs
+
+print("bytes received per rank (the most over the ranks), measured / model; batch 1, one channel per rank, N = 4, 4 positions per rank, float32")
+print(f"{'ranks':>5s} {'design':22s} {'forward':>15s} {'backward':>15s}")
+for ranks, per_rank in counted.items():      # the counting launches': per_rank[rank]["designs"]
+    per_rank = [r["designs"] for r in per_rank]
+    model = exchange_costs(ranks, 1, ranks, 4, 4 * ranks, activation_bytes=4)
+    for design, (fwd, bwd) in per_rank[0]["counts"].items():
+        measured = [max(r["counts"][design][i] for r in per_rank) if x is not None else None for i, x in enumerate((fwd, bwd))]
+        cells = [f"{m} / {int(p)}" if m is not None else f"- / {int(p)}" for m, p in zip(measured, model[design]["received"])]
+        print(f"{ranks:5d} {design:22s} {cells[0]:>15s} {cells[1]:>15s}")
+        assert all(m is None or m == p for m, p in zip(measured, model[design]["received"])), (design, ranks, measured)
+    worst = max(r["difference"] for r in per_rank)
+    print(f"{'':5s} all-to-all against this chapter's scan, outputs and gradients: worst rel diff {worst:.1e}")
+    assert worst < 1e-5
+
+# %%
+shape = dict(batch=8, d_inner=2048, n_states=16, length=2**20)
+MiB = 2**20
+print("model, per rank and per layer's scan: batch 8, d_inner 2048, N 16, L = 2^20 in all, float32 states "
+      "(S = 1 MiB), bf16 activations; alpha = 10 us per round, beta = 50 GB/s")
+print(f"{'GPUs':>5s} {'design':22s} {'rounds f/b':>11s} {'MiB in f / b':>18s} {'passes':>7s} {'extra MiB':>10s} {'model ms':>9s}")
+for ranks in (8, 64, 512):
+    for design, c in exchange_costs(ranks, **shape).items():
+        received = " / ".join(f"{b / MiB:.0f}" for b in c["received"])
+        print(f"{ranks:5d} {design:22s} {'%d / %d' % c['rounds']:>11s} {received:>18s} {'%d / %d' % c['passes']:>7s} "
+              f"{c['memory'] / MiB:10.0f} {c['seconds'] * 1e3:9.2f}")
+for ranks in (8, 64, 512):   # the shard below which the all-to-all moves fewer bytes than this chapter's forward
+    crossover = next(L for L in (2**k for k in range(8, 40))
+                     if exchange_costs(ranks, **dict(shape, length=L * ranks))["all-to-all"]["received"][0]
+                     > exchange_costs(ranks, **dict(shape, length=L * ranks))["this chapter"]["received"][0])
+    print(f"{ranks:5d} GPUs: the all-to-all's forward moves more than this chapter's from about {crossover} positions per GPU")
+
+# %% [markdown]
+# The measured counts equal the model's (the cell asserts it; "-": the chain here has no backward of
+# its own, its backward is this chapter's reverse chain), and the all-to-all computes the same scan,
+# gradients included. What the extrapolation says, at this shape:
+#
+# * **The all-gather's bytes grow with $R$**: $2(R-1)S$ is 14 MiB per layer at 8 GPUs and 1022 MiB
+#   at 512, where the chain's stay at 1 MiB. This chapter's backward already avoids it; its forward's
+#   bytes are most of its modelled time, so the chain's total is below it at every GPU count printed
+#   (0.18 against 0.41 ms at 8 GPUs, 10.26 against 26.65 at 512). A tree (recursive doubling:
+#   $\lceil\log_2 R\rceil$ rounds of $2S$) would avoid those bytes too.
+# * **The chain's latency grows with $R$**: $R-1$ rounds, 511 of $\alpha$ = 10 us, about 5 ms per
+#   pass at 512 GPUs, and it does not shrink with the shard (2048 positions per GPU there). A tree
+#   beats it once $(R-1)\alpha$ outgrows $\lceil\log_2 R\rceil(\alpha + 2S/\beta)$; the table has no
+#   row for the tree.
+# * **The all-to-all moves activations, not states**: 4 of them per pass, proportional to $L/R$. At
+#   $2^{20}$ positions over 8 GPUs that is 14784 MiB per pass against this chapter's 14 and 1; at 512
+#   GPUs (2048 positions each) the gap closes, its 766 MiB below this chapter's forward 1022 (though
+#   not its total time: 32.19 against 26.65 ms), and the all-gather of $B$ and $C$, which grows with
+#   $R$, is most of it. The last three lines put the forward's crossover, $B$ and $C$ included, at
+#   about 1024 positions per GPU at 64 GPUs ($RN$ = 1024) and 4096 at 512 ($RN$ = 8192: $B$ and $C$
+#   pull it down); at 8 GPUs ($RN$ = 128) the 256 printed is the smallest shard the search tries, so
+#   it says only "at most 256". It also needs the channels (Mamba-2: the heads) divisible by $R$,
+#   which caps $R$ (a Mamba-2 layer of 2048 channels in heads of 64 has 32 heads), and holds $B$ and
+#   $C$ for the whole sequence. What it buys: one pass over the data instead of two, no fold, and a
+#   scan kernel unchanged.
+#
+# So: this chapter's design (or the chain, or a tree over ranks) wins when each GPU holds a long
+# shard, $L/R \gg R N$, which is the case sequence parallelism exists for; the all-to-all wins on
+# bytes when shards are short and ranks many, and on passes (one, not two) whenever the scan itself,
+# not the exchange, is the cost: on fast links (NVLink within a node) with long shards, the second
+# pass can cost more than the all-to-all's bytes (nothing here measures either). The model ignores
+# overlap (LASP-2 hides its all-gather behind the intra-shard computation; an all-to-all can be
+# pipelined over heads) and counts a collective's rounds optimistically; it predicts bytes exactly
+# and times only to the accuracy of $\alpha$ and $\beta$, which are assumptions here, not
+# measurements.
+
+# %% [markdown]
+# ## Going deeper: two GPUs against one
+#
+# What splitting costs in time, measured. (Needs two GPUs; elsewhere the cell says it
+# skipped.) The selective scan at batch 1, dim 1536, $N$ = 16,
 # $L = 2^{20}$, bf16 with the block's options: on one GPU, `scan_lib.selective_scan` over the whole
 # sequence; on two, `scan_lib.distributed.selective_scan`, each GPU holding half; and the exchange alone,
 # timed separately. **Prediction:** each rank scans its half twice (phases 1 and 3), so two GPUs take
-# about as long as one, not half: the split buys memory (each GPU holds half the activations), and time
-# only from three ranks on ($2/R$ of one GPU's time for $R$ ranks, plus the exchange).
+# about as long as one, not half: the split buys memory (each GPU holds half the activations). Counting
+# passes, $R$ ranks would take $2/R$ of one GPU's time plus the exchange, less than one GPU from three
+# ranks on; that part is a count, not a measurement (the machines here have at most two GPUs).
 
 # %%
 #| export
@@ -731,19 +1141,22 @@ else:
 # (On two GPUs.) Where the cell ran, its table and plot judge the prediction: it holds if two GPUs
 # take about as long as one (each runs two passes over its half, and the second waits for the
 # exchange) and the exchange is a small fraction of the forward (the last column). The run recorded
-# here had one GPU, so the cell was skipped and this run judges nothing; the GPUs' memory, which is
-# what a second GPU buys (each holds half of the sequence's activations), is not measured yet either.
+# here had one GPU, an NVIDIA H100 80GB HBM3, so the cell printed that it was skipped: this run judges
+# nothing, and the prediction stays untested. The GPUs' memory, which is what a second GPU buys (each
+# holds half of the sequence's activations), is not measured here either.
 
 # %% [markdown]
-# ## 8. Training with it: the example script
+# ## Going deeper: training with it, the example script
 #
-# `examples/sequence_parallel_mamba.py` is what a training script looks like: started by `torchrun`,
+# How the sequence-parallel block is used in training. `examples/sequence_parallel_mamba.py` is what a
+# training script looks like: started by `torchrun`,
 # one process per GPU, a small Mamba language model whose blocks run through
 # `scan_lib.distributed.mamba`, each rank holding its part of every sequence. Each rank's loss is its
 # positions' share of the mean, the ranks' gradients are summed with `all_reduce` (what
 # `DistributedDataParallel` does), and every gradient is checked against the same model run whole in one
 # process, at every step. On two GPUs it runs with NCCL; on one, with gloo, both ranks on that GPU; with
-# none, with gloo on the CPU, small.
+# none, with gloo on the CPU, small. The run below had one GPU (the H100 80GB HBM3): three steps, each
+# loss the one process's to four decimals, every gradient within 4.4e-07.
 
 # %%
 from pathlib import Path
@@ -762,25 +1175,18 @@ else:
     assert ran.returncode == 0, ran.stderr[-3000:]
 
 # %% [markdown]
-# ## What we built
-#
-# * The state entering a shard is a fold over one summary per earlier shard, $(P_r, E_r)$: the
-#   blocked scan of chapter 01 with GPUs for blocks, and the result is the one-device scan.
-# * One all-gather of the summaries is the forward's communication (each rank receives $3(R-1)$
-#   summaries), and a reverse chain the backward's (one summary per rank, whatever $R$), both counted.
-# * `scan_lib.distributed.linear_scan`, `selective_scan` and `mamba` run over any process group;
-#   `launch` and `check_against_one_process` check them against one process; the example trains with
-#   them under `torchrun`.
-# * Measured: what the exchange costs, both ways; and, where two GPUs are present, the split against
-#   one GPU (the run recorded here had one GPU, so that cell skipped).
-#
 # ## Going deeper: cheaper phases, overlapped exchanges
+#
+# Ways, none built here, to make the sequence-parallel scan cheaper than this chapter's two passes,
+# and why a scan spreads over GPUs more cheaply than attention does.
 #
 # Each rank runs its scans twice, and the backward twice, because phase 1 needs only the shard's last
 # state but computes every output. Chapter 07 measured the same two-pass split inside one GPU and found
-# it seldom paid there (only the training step at batch 1, and slightly); across GPUs it is forced
-# by memory, and by the count of passes it would pay in
-# time from three ranks on (two GPUs are all this course's machines have). Two ways to cut it: a phase 1 that forms only $E_r$ as a sum,
+# it did not pay there (one segment was fastest in every row it timed, forward and training step);
+# across GPUs it is forced by memory, and by the count of passes ("Going deeper: two GPUs against
+# one") it would pay in time from three ranks on, which nothing here measures (two GPUs are all this
+# course's machines have).
+# Two ways to cut it: a phase 1 that forms only $E_r$ as a sum,
 # $E_r = \sum_t e^{A(\Sigma_{\text{end}} - \Sigma_{\le t})} \Delta_t B_t u_t$, a reduction with no scan
 # and no output; and, for the backward, the gradient of $E_r$ alone is an adjoint scan with no
 # gradients to form. A pipeline can also hide the exchange: split each shard's batch in two and
@@ -795,6 +1201,8 @@ else:
 # ## References
 #
 # - Blelloch, "Prefix sums and their applications", CMU-CS-90-190, 1990 (scans, the up-sweep/down-sweep tree, and first-order recurrences as scans of pairs). (the blocked scan whose blocks are processes here).
-# - Liu, Zaharia and Abbeel, "Ring attention with blockwise transformers for near-infinite context", arXiv:2310.01889, 2023.
-# - Sun et al., "Linear attention sequence parallelism" (LASP), arXiv:2404.02882, 2024, and its sequel LASP-2, 2025.
+# - Liu, Zaharia and Abbeel, "Ring attention with blockwise transformers for near-infinite context", 2023: https://arxiv.org/abs/2310.01889 (attention over a sharded sequence: every key and value block passes every rank).
+# - [LASP] Sun, Qin, Li, Shen, Qiao and Zhong, "Linear attention sequence parallelism", 2024 (TMLR 2025): https://arxiv.org/abs/2404.02882 (the state passed along a ring of point-to-point sends, forward and backward).
+# - [LASP-2] Sun, Lan, Zhong, Qu and Cheng, "LASP-2: Rethinking sequence parallelism for linear attention and its hybrid", 2025: https://arxiv.org/abs/2502.07563 (one all-gather of the states, whose size does not depend on the length).
+# - [Megatron] Megatron-core's context parallelism for Mamba, `MambaContextParallel`: https://github.com/NVIDIA/Megatron-LM/blob/main/megatron/core/ssm/mamba_context_parallel.py and its API page https://docs.nvidia.com/megatron-core/developer-guide/latest/apidocs/core/core.ssm.mamba_context_parallel.html (all-to-all from sequence-sharded to head-sharded before the convolution and the scan, and back after).
 # - PyTorch documentation: torch.distributed (collectives, the gloo and NCCL backends): https://pytorch.org/docs/stable/distributed.html

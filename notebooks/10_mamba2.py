@@ -13,25 +13,12 @@
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/scan-course/scans-the-hard-way/blob/main/notebooks/10_mamba2.ipynb)
 #
-# Chapters 05 and 07 run Mamba's selective scan on the GPU's scalar units: every position and every
-# state is a multiply and an add, one after another along the sequence, and the tensor cores, which
-# do most of an H200's arithmetic, sit idle. Mamba-2 (Dao and Gu, "Transformers are SSMs", 2024)
-# changes one thing: the decay $A$ becomes **one number per head** instead of one per state. Then a
-# chunk of the recurrence is a masked matrix product, and the scan is left only *between* chunks.
-# You will
-#
-# - write the Mamba-2 recurrence and its plain loop (the float64 reference);
-# - see the same computation as **one lower-triangular matrix** applied to the inputs, its mask built
-#   from a segment sum (chapter 01's cumulative sum), and check the two agree;
-# - derive the **chunked algorithm** (state space duality, SSD): masked matrix products inside each
-#   chunk, a chunk state, chapter 02's carried state between chunks (now a matrix per head), and the
-#   contribution of the past to each chunk; each step checked against the loop;
-# - count what the chunked form costs, and why its products are the kind tensor cores run;
-# - write the chunked forward and backward as Triton kernels whose products run on the tensor cores,
-#   and join them into one differentiable op with `mamba_ssm`'s interface, `mamba_chunk_scan_combined`;
-# - time it on a GPU against `mamba_ssm`'s own Triton kernels.
-#
-# The Mamba2 block built on the op comes in a later part.
+# Chapters 05 and 07 run Mamba's selective scan on the GPU's scalar units, while the tensor cores, which
+# do most of an H100's or H200's arithmetic, sit idle. Mamba-2 (Dao and Gu, "Transformers are SSMs",
+# 2024) changes one thing: the decay $A$ becomes **one number per head**. Then a chunk of the recurrence
+# is a masked matrix product, and the scan is left only *between* chunks: state space duality (SSD),
+# built here in PyTorch, then in Triton. The backward, the differentiable op and its speed are summed up
+# at the end and built in "Going deeper"; the Mamba2 block comes in a later part.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -58,23 +45,17 @@ from scan_lib.runtime import save_figure
 # %% [markdown]
 # ## 1. The recurrence
 #
-# A Mamba-2 layer splits its channels into $H$ **heads** of $P$ channels each (the head dimension).
-# Head $h$ keeps a state $\mathbf{H}_t \in \mathbb{R}^{P \times N}$: for each of its $P$ channels, $N$
-# numbers, as chapter 05's state has $N$ numbers per channel. At position $t$ the head reads its
-# input $x_t \in \mathbb{R}^P$, a step $\Delta_t > 0$ (one per head and position), and the vectors
-# $B_t, C_t \in \mathbb{R}^N$ (shared by a **group** of heads, as grouped-query attention shares keys):
+# A Mamba-2 layer splits its channels into $H$ **heads** of $P$ channels. Head $h$ keeps a state
+# $\mathbf{H}_t \in \mathbb{R}^{P \times N}$. At position $t$ it reads its input $x_t \in \mathbb{R}^P$,
+# a step $\Delta_t > 0$, and $B_t, C_t \in \mathbb{R}^N$ (shared by a **group** of heads):
 #
 # $$\mathbf{H}_t = e^{\Delta_t A}\, \mathbf{H}_{t-1} + \Delta_t\, x_t B_t^{\top}, \qquad
 # y_t = \mathbf{H}_t\, C_t + D\, x_t .$$
 #
-# $A < 0$ is **one number per head**. That is the whole difference from chapter 05, where $A$ is an
-# $N$-vector per channel and each of the $N$ states decays at its own rate: here every entry of
-# $\mathbf{H}_t$ decays by the same factor $e^{\Delta_t A}$. The shapes follow `mamba_ssm`'s
-# `mamba_chunk_scan_combined`: $x$ is `(batch, L, heads, P)`, $\Delta$ `(batch, L, heads)`, $A$
-# `(heads,)`, $B$ and $C$ `(batch, L, groups, N)` with head $h$ in group $h \,/\!/\, (H / G)$, $D$
-# `(heads,)`, the initial and final states `(batch, heads, P, N)`.
-#
-# The reference is the loop, in float64:
+# $A < 0$ is **one number per head**: every entry of $\mathbf{H}_t$ decays by the same factor, where in
+# chapter 05 each state decays at its own rate. The shapes are `mamba_ssm`'s: $x$ `(batch, L, heads,
+# P)`, $\Delta$ `(batch, L, heads)`, $A$ and $D$ `(heads,)`, $B$ and $C$ `(batch, L, groups, N)`, the
+# states `(batch, heads, P, N)`. The reference is the loop, in float64:
 
 # %%
 #| export
@@ -136,52 +117,23 @@ y_loop, final_loop = ssd_loop(*problem)
 print("y", tuple(y_loop.shape), " final state", tuple(final_loop.shape))
 
 # %% [markdown]
-# One check that the loop is the recurrence and not something near it: with one head, one channel and
-# $N = 1$, $\mathbf{H}_t$ is a number, and the recurrence is chapter 02's linear scan with gates
-# $e^{\Delta_t A}$ and tokens $\Delta_t x_t B_t$; `scan_lib.linear_scan` must give $\mathbf{H}_t$, and
-# $y_t = \mathbf{H}_t C_t$.
-
-# %%
-x1, dt1, A1, B1, C1 = ssd_problem(batch=1, heads=1, head_dim=1, groups=1, n_states=1)[:5]
-gates = torch.exp(dt1[0, :, 0] * A1[0])                                     # L
-tokens = dt1[0, :, 0] * x1[0, :, 0, 0] * B1[0, :, 0, 0]                     # L
-states = scan_lib.linear_scan(gates, tokens)                                # H_t, a number per position
-y1, _ = ssd_loop(x1, dt1, A1, B1, C1)
-error = (y1[0, :, 0, 0] - states * C1[0, :, 0, 0]).abs().max().item()
-print(f"one head, one channel, N = 1: loop against linear_scan, max |difference| {error:.1e}")
-assert error < 1e-12
-
-# %% [markdown]
 # ## 2. The same computation as one matrix
 #
-# Unroll the recurrence from $\mathbf{H}_{-1} = 0$: the input at position $s$ reaches position
-# $t \ge s$ multiplied by the decays of the positions after it,
+# Unrolled from $\mathbf{H}_{-1} = 0$, the input at $s$ reaches $t \ge s$ decayed by every step in
+# between:
 #
-# $$\mathbf{H}_t = \sum_{s \le t} \exp\Big(\sum_{r=s+1}^{t} \Delta_r A\Big)\, \Delta_s\, x_s B_s^{\top},
-# \qquad
-# y_t = \sum_{s \le t} \underbrace{\exp\Big(\sum_{r=s+1}^{t} \Delta_r A\Big)}_{L_{ts}}\,
-# \big(C_t^{\top} B_s\big)\, \Delta_s\, x_s .$$
+# $$y_t = \sum_{s \le t} L_{ts}\, \big(C_t^{\top} B_s\big)\, \Delta_s\, x_s, \qquad
+# L_{ts} = \exp\Big(\sum_{r=s+1}^{t} a_r\Big) = e^{\,\mathrm{segsum}(a)_{ts}},\quad a_r = \Delta_r A .$$
 #
-# Because $A$ is a scalar, the decay $L_{ts}$ is a number for each pair of positions, the same for
-# every channel and state of the head. So the whole sequence is one matrix product:
+# Because $A$ is a scalar, $L_{ts}$ is one number per pair of positions. So $y = M (\Delta \circ x)$
+# with $M = L \circ (C B^{\top})$, lower triangular ($L_{ts} = 0$ for $s > t$): attention with a
+# decaying causal mask in place of the softmax, the link to chapter 08. With chapter 05's vector $A$, no
+# single matrix would do.
 #
-# $$y = M\, (\Delta \circ x), \qquad M = L \circ (C B^{\top}), \qquad
-# L_{ts} = \begin{cases} e^{\,\mathrm{segsum}(a)_{ts}} & s \le t \\ 0 & s > t \end{cases},
-# \quad a_r = \Delta_r A ,$$
-#
-# with $\circ$ the elementwise product and $\mathrm{segsum}(a)_{ts} = \sum_{r=s+1}^{t} a_r$, the
-# **segment sum**. $M$ is lower triangular ($y_t$ reads only $s \le t$: causal) and $L \times L$ ($L$ the
-# length; the mask $L_{ts}$ shares its letter, as in the paper); this
-# is attention with a decaying causal mask in place of the softmax, the link to chapter 08
-# ("Transformers are SSMs"). In chapter 05's model $A$ is a vector, $L_{ts}$ would differ per state,
-# and no single matrix would do.
-#
-# The segment sum is a difference of cumulative sums, $\mathrm{segsum}(a)_{ts} = \mathrm{cs}_t -
-# \mathrm{cs}_s$ with $\mathrm{cs} = \mathrm{cumsum}(a)$, but that difference cancels two large numbers
-# when the sequence is long (both grow like $t$), and loses digits exactly where $L_{ts}$ matters,
-# near the diagonal. The stable way sums only the terms it needs: put $a_r$ in row $r$ of every column
-# $s < r$ (zeros elsewhere) and take a cumulative sum down each column; row $t$ of column $s$ then holds
-# $\sum_{r=s+1}^{t} a_r$.
+# The segment sum is a difference of cumulative sums, but on a long sequence that cancels two large
+# numbers and loses digits near the diagonal, where $L_{ts}$ matters. `segsum` adds only the terms it
+# needs, a cumulative sum down each column ("Going deeper: more checks of the reference forms" shows the
+# difference).
 
 # %%
 #| export
@@ -218,47 +170,24 @@ print(f"the matrix form against the loop (float64): relative error {error:.1e}")
 assert error < 1e-12
 
 # %% [markdown]
-# **Why the stable segment sum.** The next cell makes the cancellation visible: a long sequence of
-# steps whose cumulative sum drifts far from zero, in float32. The difference of cumulative sums
-# gets the decay between neighbours wrong by what is lost in rounding $\mathrm{cs}_t$, which grows
-# with $t$; the column sums do not.
-
-# %%
-a_long = -torch.rand(4096, dtype=torch.float64) * 0.1 - 1.0                 # decays summing to about -4300
-exact = segsum(a_long)                                                       # float64
-stable = segsum(a_long.float()).double()
-cs32 = torch.cumsum(a_long.float(), 0)
-by_difference = (cs32[:, None] - cs32[None, :]).double()
-near_diagonal = torch.ones(4096, 4096, dtype=torch.bool).tril() & ~torch.ones(4096, 4096, dtype=torch.bool).tril(-8)
-worst = {name: (torch.exp(v) - torch.exp(exact))[near_diagonal].abs().max().item()
-         for name, v in (("column sums", stable), ("difference of cumsums", by_difference))}
-print("float32, L = 4096, decays within 8 positions of the diagonal, max |error|: "
-      + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
-assert worst["column sums"] < worst["difference of cumsums"]
-
-# %% [markdown]
 # ## 3. In chunks: state space duality
 #
-# The matrix form does $L^2$ work per head and stores an $L \times L$ matrix: fine for a check, hopeless
-# for $L = 64\text{k}$. The loop does $O(L)$ work but one position at a time. The **chunked** form
-# takes the best of both. Cut the sequence into chunks of $Q$ positions. $M$ splits into $Q \times Q$
-# blocks: the blocks on the diagonal are small matrix products (the "attention" part), and every block
-# below the diagonal factors through the state at the chunk boundary, because any path from position
-# $s$ in an earlier chunk to position $t$ in chunk $c$ crosses the start of chunk $c$:
+# The matrix form does $L^2$ work, the loop one position at a time. Cut the sequence into chunks of
+# $Q$ positions: $M$ splits into $Q \times Q$ blocks, and every block below the diagonal factors
+# through the state at a chunk boundary, since any path into chunk $c$ from an earlier one crosses
+# its start:
 #
-# 1. **Diagonal blocks**: $y^{\text{diag}}_t = \sum_{s \in c,\, s \le t} L_{ts} (C_t^{\top}B_s) \Delta_s x_s$,
-#    the matrix form of section 2 inside each chunk.
-# 2. **Chunk states**: the state each chunk would leave behind starting from zero,
-#    $\mathbf{S}_c = \sum_{s \in c} e^{\,\mathrm{segsum}(a)_{\text{end}_c, s}}\, \Delta_s x_s B_s^{\top}$.
-# 3. **The scan over chunks**: $\mathbf{H}^{\text{in}}_{c+1} = e^{\sum_{r \in c} a_r}\, \mathbf{H}^{\text{in}}_c +
-#    \mathbf{S}_c$, from $\mathbf{H}^{\text{in}}_0$ = the initial state: chapter 02's carried state,
-#    with a $P \times N$ matrix for the state and a scalar gate per chunk. Its last value is the final state.
-# 4. **The past's contribution**: $y^{\text{off}}_t = e^{\sum_{r \in c,\, r \le t} a_r}\, \mathbf{H}^{\text{in}}_c C_t$.
+# 1. **Diagonal blocks**: section 2's matrix form inside each chunk.
+# 2. **Chunk states**, what each chunk leaves from zero:
+#    $\mathbf{S}_c = \sum_{s \in c} L_{\text{end}_c, s}\, \Delta_s x_s B_s^{\top}$.
+# 3. **The scan over chunks**: $\mathbf{H}^{\text{in}}_{c+1} = g_c \mathbf{H}^{\text{in}}_c + \mathbf{S}_c$,
+#    $g_c = e^{\sum_{r \in c} a_r}$, from the initial state: chapter 02's carried state, one gate per
+#    chunk. Its last value is the final state.
+# 4. **The past's contribution**:
+#    $y^{\text{off}}_t = e^{\sum_{r \in c,\, r \le t} a_r}\, \mathbf{H}^{\text{in}}_c C_t$.
 #
-# and $y = y^{\text{diag}} + y^{\text{off}} + D x$. Steps 1, 2 and 4 are independent across chunks
-# (and batched matrix products); only step 3 is sequential, over $L / Q$ chunks instead of $L$
-# positions. A length that is not a multiple of $Q$ gets its last chunk padded with $\Delta = 0$:
-# a zero step neither decays the state ($e^{0} = 1$) nor adds to it, so padding changes nothing.
+# Then $y = y^{\text{diag}} + y^{\text{off}} + D x$: batched matrix products, and a scan over only
+# $L / Q$ chunks. A last partial chunk is padded with $\Delta = 0$, which neither decays nor adds.
 
 # %%
 #| export
@@ -318,9 +247,8 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
     return y, state
 
 # %% [markdown]
-# **Checks**, in float64 against the loop: lengths that are and are not multiples of the chunk, a
-# chunk longer than the sequence, one position, heads sharing groups, with and without the initial
-# state; the final state too.
+# **Checks** against the loop in float64, $y$ and the final state, at awkward lengths, with groups of
+# heads and initial states:
 
 # %%
 print(f"{'L':>4s} {'chunk':>5s} {'heads/groups':>12s} {'initial state':>13s} {'y rel err':>10s} {'final rel err':>13s}")
@@ -335,125 +263,43 @@ for length, chunk, heads, groups, with_h0 in [(37, 8, 4, 2, True), (32, 8, 4, 4,
     assert max(errors) < 1e-12, errors
 
 # %% [markdown]
-# The final state is step 3's last value, so the table checks steps 2 and 3; step 1 alone is the answer
-# when every chunk starts from zero states. Cut the problem into chunks and run each piece alone, the
-# loop and the chunked function: for a single chunk from zero, steps 2-4 add nothing, and what is
-# compared is the diagonal block.
-
-# %%
-x, dt, A, B, C, D, h0 = ssd_problem(length=24, seed=3)
-chunk = 8
-y_cut = torch.cat([ssd_loop(x[:, i:i + chunk], dt[:, i:i + chunk], A, B[:, i:i + chunk], C[:, i:i + chunk])[0]
-                   for i in range(0, 24, chunk)], dim=1)                 # every chunk from zero states
-y_diag_only = torch.cat([ssd_chunked(x[:, i:i + chunk], dt[:, i:i + chunk], A, B[:, i:i + chunk], C[:, i:i + chunk], chunk)[0]
-                         for i in range(0, 24, chunk)], dim=1)
-error = ((y_diag_only - y_cut).abs().max() / y_cut.abs().max()).item()
-print(f"step 1 (diagonal blocks, each chunk from zero) against the loop cut into chunks: {error:.1e}")
-assert error < 1e-12
-
-# %% [markdown]
 # ## 4. What the chunked form costs
 #
-# Per head and chunk of $Q$ positions, with head dimension $P$ and $N$ states, counting a multiply-add
-# as 2 flops:
+# Per head and chunk, a multiply-add counted as 2 flops:
 #
 # | step | work | flops |
 # | --- | --- | --- |
 # | 1. $C B^{\top}$, then $(L \circ C B^{\top})(\Delta x)$ | two $Q \times Q$ products | $2Q^2N + 2Q^2P$ |
-# | 2. chunk state $\sum_s (\ldots) x_s B_s^{\top}$ | a $P \times Q$ by $Q \times N$ product | $2QPN$ |
+# | 2. chunk state | $P \times Q$ by $Q \times N$ | $2QPN$ |
 # | 3. scan over chunks | a scale and an add of $P \times N$ | $2PN$ |
-# | 4. $\mathbf{H}^{\text{in}} C_t$ for the chunk | a $Q \times N$ by $N \times P$ product | $2QPN$ |
+# | 4. $\mathbf{H}^{\text{in}} C_t$ | $Q \times N$ by $N \times P$ | $2QPN$ |
 #
-# Per position that is $2Q(N+P) + 4PN$ flops (step 3's $2PN/Q$ is too small to keep), against $4PN$ for
-# the loop (a multiply-add into each of the $PN$ state entries, and one for the output). Both counts
-# keep only the products: the loop's decay is one more multiply per entry, and the chunked form's
-# decays and masks are elementwise work too. The chunked form does **more** arithmetic, by a
-# factor $1 + Q(N+P)/(2PN)$: with $Q = P = 64$ and $N = 128$, 1.75 times the loop's. It can
-# still win, because almost all of it is matrix products of tiles of 64 or more, which tensor cores
-# run, and on an H200 the dense bfloat16 tensor-core rate is many times the scalar float32 rate (the
-# cell prints NVIDIA's datasheet figures and their ratio), far more than the chunks cost. The loop, and chapter
-# 07's kernels, can use only the scalar rate. This is an argument from datasheet peaks, not a
-# measurement; section 9 times the kernels. The cell prints the factor for a few chunk sizes.
-
-# %%
-def extra_work(chunk, head_dim, n_states):
-    """Chunked flops over the loop's, per position: (2Q(N + P) + 4PN) / 4PN."""
-    return (2 * chunk * (n_states + head_dim) + 4 * head_dim * n_states) / (4 * head_dim * n_states)
-
-
-H200_DATASHEET_TFLOPS = {"bf16 tensor cores, dense": 989.5, "fp32 scalar cores": 67.0}   # NVIDIA's H200 datasheet
-print(", ".join(f"{k}: {v} TFLOP/s" for k, v in H200_DATASHEET_TFLOPS.items())
-      + f"; ratio {H200_DATASHEET_TFLOPS['bf16 tensor cores, dense'] / H200_DATASHEET_TFLOPS['fp32 scalar cores']:.1f}")
-print("chunked flops over the loop's, per position:")
-print(f"{'chunk Q':>8s} " + " ".join(f"{f'P={p}, N={n}':>14s}" for p, n in ((64, 64), (64, 128), (128, 128))))
-for chunk in (16, 32, 64, 128, 256):
-    print(f"{chunk:8d} " + " ".join(f"{extra_work(chunk, p, n):14.2f}" for p, n in ((64, 64), (64, 128), (128, 128))))
-assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
-
-# %% [markdown]
-# The factor grows with $Q$, so the chunk should be as small as the tensor cores allow while still
-# filling them. `mamba_ssm`'s Mamba-2 block uses chunks of 256 with $P = 64$ and $N = 128$, a factor
-# of 4.0 in the table, bought back by fewer, larger products and a shorter scan over chunks. Which
-# chunk wins depends on the kernels as much as on the count: this chapter's kernels hold a whole
-# chunk in one program's registers, and run chunks of at most 64 (section 5 says why).
+# Per position that is about $2Q(N+P) + 4PN$ flops where the loop does $4PN$: **more** work, 1.75 times
+# the loop's with $Q = P = 64$ and $N = 128$, 4.0 times with `mamba_ssm`'s chunks of 256. It can still
+# win: almost all of it is matrix products of tiles of 64 or more, and an H200's dense bfloat16
+# tensor-core rate is many times the scalar float32 rate the loop and chapter 07's kernels use
+# (datasheet peaks, not a measurement; "Going deeper: the cost for other chunks" has the figures). So
+# the chunk should be as small as still fills the tensor cores.
 
 # %% [markdown]
 # ## 5. A first Triton forward
 #
-# The four steps map onto three kernels:
+# Three kernels, one program per (batch, head, chunk) unless said:
 #
-# - `ssd_chunk_state_kernel`, one program per (batch, head, chunk): step 2, the chunk's state from zero
-#   as one `tl.dot` of the weighted inputs ($P \times Q$) by $B$ ($Q \times N$), and the chunk's total
-#   decay $e^{\sum_{r \in c} a_r}$.
-# - Step 3, the scan over chunks: $\mathbf{H}^{\text{in}}_{c+1} = e^{\sum_{r \in c} a_r}\,\mathbf{H}^{\text{in}}_c +
-#   \mathbf{S}_c$ is chapter 02's carried state, with one gate per chunk for all $P N$ entries of a
-#   head's state. `ssd_state_passing_kernel` (through `pass_states`) walks the chunks in order, one
-#   program per (batch, head, block of entries), the carry in registers, writing the state entering
-#   each chunk where the next kernel reads it. Chapter 03's `linear_scan` computes the same recurrence
-#   with the entries as rows, but it wants a gate per row and the chunks along each row: the chunk's
-#   gate would be copied to all $P N$ rows, and the states transposed in and out. A kernel that reads
-#   the states in their own layout needs neither copy; `tests/test_ssd.py` checks the two agree.
-# - `ssd_chunk_output_kernel`, one program per (batch, head, chunk): steps 1 and 4, $C B^{\top}$ and
-#   $(L \circ C B^{\top})(\Delta x)$ as two `tl.dot`s, and $e^{a_{\text{cum}}} C\,(\mathbf{H}^{\text{in}})^{\top}$
-#   as a third.
+# - `ssd_chunk_state_kernel`: step 2, the chunk's state as one `tl.dot` of the weighted inputs
+#   ($P \times Q$) by $B$ ($Q \times N$), and its gate.
+# - `ssd_state_passing_kernel` (through `pass_states`), one program per block of a head's state
+#   entries: step 3, chapter 02's carried state walked over the chunks.
+# - `ssd_chunk_output_kernel`: steps 1 and 4 as three `tl.dot`s.
 #
-# Inside a chunk the decays come from a difference of cumulative sums (`tl.cumsum(v, axis=0)`, chapter
-# 01's `tl.associative_scan` with addition, built in), $e^{\mathrm{cs}_t - \mathrm{cs}_s}$:
-# within $Q$ positions the sums stay small, so the cancellation of section 2 costs little, and a
-# $Q \times Q$ tile of them is what the products need. Positions past $L$ load $\Delta = 0$ (no decay,
-# no input) and are not stored.
+# Inside a chunk the decays are differences of cumulative sums (`tl.cumsum`): over $Q$ positions they
+# stay small, so section 2's cancellation costs little.
 #
-# **On the tensor cores.** Every product goes through `_mm`, which puts it on the tensor cores at the
-# precision of the inputs, with float32 sums:
-#
-# - bfloat16 and float16 inputs: both operands are rounded to the input's dtype first, as chapter 08's
-#   attention rounds its probabilities, so the weighted inputs, the decayed scores and the states are
-#   rounded once more each (chapter 08's `matmul` makes this work under the CPU interpreter too).
-# - float32 inputs: the tensor cores take TF32, a float32 with a 10-bit mantissa, which alone would
-#   round each operand by up to $2^{-11}$. Triton's `tf32x3` splits each operand into a TF32 part and
-#   a TF32 remainder and adds three products, which gives about float32's accuracy for three times
-#   the work; a float32 call stays checked to float32 rounding. (`mamba_ssm`'s kernels use Triton's
-#   default for float32, one TF32 product.)
-#
-# A program holds a whole chunk: $Q \times Q$ scores and decays, $Q \times P$ and $Q \times N$ tiles,
-# and a $P \times N$ state, all in registers. Compiled for the H200 (`ptxas -v` reports what each
-# thread spills to memory; `benchmarks/NOTES_ssd.md` has the counts), at $Q = 64$ the forward's kernels
-# spill at most 124 bytes per thread and the backward's largest kernel 3 to 9 kilobytes ($N$ = 64, 128;
-# the first place to improve it); at 256 every kernel spills kilobytes, and at 128 the forward is a
-# little faster but a training step slower
-# (`benchmarks/results/ssd_tensor_cores_h200_2026-12-03.log`). So the kernels run chunks of
-# `KERNEL_CHUNK` = 64 positions whatever `chunk_size` asks above it: section 3 showed that every
-# chunk size is the same computation, so a call with `mamba_ssm`'s 256 gets the same result up to
-# rounding, in chunks of 64.
-#
-# The kernels trust their arguments: they index $A$ and $D$ by head at stride 1, B and C by group
-# $h \,/\!/\, (H / G)$, and tile the chunk with `tl.arange` (a power of two) into `tl.dot` (16 or
-# more). So `ssd_forward` first checks them (`_check_forward_inputs`: the shapes of section 1, float
-# dtypes, one device, groups dividing heads, the chunk a power of two $\ge 16$), raising an error that
-# names the argument instead of reading past a tensor (and refusing what it cannot do: float64
-# inputs, whose digits its float32 sums would drop, and inputs that require a gradient, since the
-# kernels keep no graph; `ssd_chunked` does both, section 7 adds the backward's kernels and section 8
-# the differentiable op); copies $A$ and $D$ to contiguous float32; and for an empty sequence launches nothing, returning an empty $y$ and the initial state, as the loop does.
+# **The tensor cores.** Every product goes through `_mm`, a `tl.dot` at the inputs' precision with
+# float32 sums (float32 inputs as `tf32x3`, three TF32 products). A program holds a whole chunk in
+# registers, so the kernels run chunks of `KERNEL_CHUNK` = 64 whatever larger `chunk_size` is asked: by
+# section 3, the same computation. `ssd_forward` checks its arguments and is not differentiable.
+# "Going deeper: the forward kernels' fine print" has the details.
 
 # %%
 #| export
@@ -695,13 +541,149 @@ for length, chunk, heads, groups, head_dim, n_states in [(37, 16, 4, 2, 3, 5), (
     assert max(errors) < 1e-5, errors
 
 # %% [markdown]
-# Float32 inputs against the float64 loop: the errors are float32 rounding, over lengths that are not
-# multiples of the chunk, a single position, head and state sizes that are not powers of two (the
-# tiles are padded and masked), and groups of heads.
+# The errors are float32 rounding, with sizes that are not powers of two (the tiles are padded and
+# masked).
+
+# %% [markdown]
+# ## What we built
 #
-# And the arguments the kernels cannot take as they come: $A$ and $D$ read every other element of a
-# longer tensor give the same answer, an empty sequence gives the initial state, and groups that do
-# not divide the heads or a chunk of 24 are refused.
+# `ssd_loop` (the float64 reference), `segsum` and `ssd_quadratic` (one masked matrix) and
+# `ssd_chunked` (the SSD algorithm), each checked against the loop; and `ssd_forward`, three Triton
+# kernels with their products on the tensor cores, checked in float32.
+#
+# **What Going deeper builds, in brief.** The backward is chapter 03's recipe: the four steps in
+# reverse, the scan over chunks walked backward from the final state's gradient. Every term is a
+# product of one chunk's tiles: kernels like the forward's (sections 6 and 7). With the forward,
+# they make one differentiable op with `mamba_ssm`'s interface, `scan_lib.mamba_chunk_scan_combined`
+# (section 8). On an NVIDIA H100 80GB HBM3 in bfloat16, at length 2048, its forward+backward call
+# beats `mamba_ssm`'s at $N = 64$ but not at $N = 128$, its forward calls are slower, `mamba_ssm`'s
+# forward kernels are faster on the GPU alone, and in float32 ours is behind everywhere (section 9).
+
+# %% [markdown]
+# ## Going deeper: more checks of the reference forms
+#
+# Three checks the main line leaves out: the loop against chapter 02's scan, the stable segment sum
+# against the difference of cumulative sums, and step 1 of the chunked form alone.
+#
+# One check that the loop is the recurrence and not something near it: with one head, one channel and
+# $N = 1$, $\mathbf{H}_t$ is a number, and the recurrence is chapter 02's linear scan with gates
+# $e^{\Delta_t A}$ and tokens $\Delta_t x_t B_t$; `scan_lib.linear_scan` must give $\mathbf{H}_t$, and
+# $y_t = \mathbf{H}_t C_t$.
+
+# %%
+x1, dt1, A1, B1, C1 = ssd_problem(batch=1, heads=1, head_dim=1, groups=1, n_states=1)[:5]
+gates = torch.exp(dt1[0, :, 0] * A1[0])                                     # L
+tokens = dt1[0, :, 0] * x1[0, :, 0, 0] * B1[0, :, 0, 0]                     # L
+states = scan_lib.linear_scan(gates, tokens)                                # H_t, a number per position
+y1, _ = ssd_loop(x1, dt1, A1, B1, C1)
+error = (y1[0, :, 0, 0] - states * C1[0, :, 0, 0]).abs().max().item()
+print(f"one head, one channel, N = 1: loop against linear_scan, max |difference| {error:.1e}")
+assert error < 1e-12
+
+# %% [markdown]
+# **Why the stable segment sum.** The next cell makes section 2's cancellation visible: a long sequence
+# of steps whose cumulative sum drifts far from zero, in float32. The difference of cumulative sums
+# gets the decay between neighbours wrong by what is lost in rounding $\mathrm{cs}_t$, which grows
+# with $t$; the column sums do not.
+
+# %%
+a_long = -torch.rand(4096, dtype=torch.float64) * 0.1 - 1.0                 # decays summing to about -4300
+exact = segsum(a_long)                                                       # float64
+stable = segsum(a_long.float()).double()
+cs32 = torch.cumsum(a_long.float(), 0)
+by_difference = (cs32[:, None] - cs32[None, :]).double()
+near_diagonal = torch.ones(4096, 4096, dtype=torch.bool).tril() & ~torch.ones(4096, 4096, dtype=torch.bool).tril(-8)
+worst = {name: (torch.exp(v) - torch.exp(exact))[near_diagonal].abs().max().item()
+         for name, v in (("column sums", stable), ("difference of cumsums", by_difference))}
+print("float32, L = 4096, decays within 8 positions of the diagonal, max |error|: "
+      + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+assert worst["column sums"] < worst["difference of cumsums"]
+
+# %% [markdown]
+# **Step 1 alone.** The final state is step 3's last value, so section 3's table checks steps 2 and 3;
+# step 1 alone is the answer when every chunk starts from zero states. Cut the problem into chunks and
+# run each piece alone, the loop and the chunked function: for a single chunk from zero, steps 2-4 add
+# nothing, and what is compared is the diagonal block.
+
+# %%
+x, dt, A, B, C, D, h0 = ssd_problem(length=24, seed=3)
+chunk = 8
+y_cut = torch.cat([ssd_loop(x[:, i:i + chunk], dt[:, i:i + chunk], A, B[:, i:i + chunk], C[:, i:i + chunk])[0]
+                   for i in range(0, 24, chunk)], dim=1)                 # every chunk from zero states
+y_diag_only = torch.cat([ssd_chunked(x[:, i:i + chunk], dt[:, i:i + chunk], A, B[:, i:i + chunk], C[:, i:i + chunk], chunk)[0]
+                         for i in range(0, 24, chunk)], dim=1)
+error = ((y_diag_only - y_cut).abs().max() / y_cut.abs().max()).item()
+print(f"step 1 (diagonal blocks, each chunk from zero) against the loop cut into chunks: {error:.1e}")
+assert error < 1e-12
+
+# %% [markdown]
+# ## Going deeper: the cost for other chunks
+#
+# Section 4's factor, $(2Q(N+P) + 4PN) / 4PN$, for a few chunk sizes and head shapes, beside NVIDIA's
+# datasheet rates for the H200 (the H100 SXM's datasheet gives the same two). It grows with $Q$;
+# `mamba_ssm` buys its factor of 4.0 back with fewer, larger products and a shorter scan over chunks.
+
+# %%
+def extra_work(chunk, head_dim, n_states):
+    """Chunked flops over the loop's, per position: (2Q(N + P) + 4PN) / 4PN."""
+    return (2 * chunk * (n_states + head_dim) + 4 * head_dim * n_states) / (4 * head_dim * n_states)
+
+
+H200_DATASHEET_TFLOPS = {"bf16 tensor cores, dense": 989.5, "fp32 scalar cores": 67.0}   # NVIDIA's H200 datasheet
+print(", ".join(f"{k}: {v} TFLOP/s" for k, v in H200_DATASHEET_TFLOPS.items())
+      + f"; ratio {H200_DATASHEET_TFLOPS['bf16 tensor cores, dense'] / H200_DATASHEET_TFLOPS['fp32 scalar cores']:.1f}")
+print("chunked flops over the loop's, per position:")
+print(f"{'chunk Q':>8s} " + " ".join(f"{f'P={p}, N={n}':>14s}" for p, n in ((64, 64), (64, 128), (128, 128))))
+for chunk in (16, 32, 64, 128, 256):
+    print(f"{chunk:8d} " + " ".join(f"{extra_work(chunk, p, n):14.2f}" for p, n in ((64, 64), (64, 128), (128, 128))))
+assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
+
+# %% [markdown]
+# ## Going deeper: the forward kernels' fine print
+#
+# What section 5 says in a sentence each: why the scan over chunks has a kernel of its own, how `_mm`
+# rounds, why a chunk of 64, and what `ssd_forward` checks, with a cell that tries its refusals.
+#
+# **The scan over chunks.** Chapter 03's `linear_scan` computes the same recurrence as
+# `ssd_state_passing_kernel` with the state entries as rows, but it wants a gate per row and the
+# chunks along each row: the chunk's gate would be copied to all $P N$ rows, and the states
+# transposed in and out. A kernel that reads the states in their own layout needs neither copy;
+# `tests/test_ssd.py` checks the two agree.
+#
+# **On the tensor cores.** Every product goes through `_mm`, which puts it on the tensor cores at the
+# precision of the inputs, with float32 sums:
+#
+# - bfloat16 and float16 inputs: both operands are rounded to the input's dtype first, as chapter 08's
+#   attention rounds its probabilities, so the weighted inputs, the decayed scores and the states are
+#   rounded once more each (chapter 08's `matmul` makes this work under the CPU interpreter too).
+# - float32 inputs: the tensor cores take TF32, a float32 with a 10-bit mantissa, which alone would
+#   round each operand by up to $2^{-11}$. Triton's `tf32x3` splits each operand into a TF32 part and
+#   a TF32 remainder and adds three products, which gives about float32's accuracy for three times
+#   the work; a float32 call stays checked to float32 rounding. (`mamba_ssm`'s kernels use Triton's
+#   default for float32, one TF32 product.)
+#
+# **Why chunks of 64.** A program holds a whole chunk: $Q \times Q$ scores and decays, $Q \times P$ and
+# $Q \times N$ tiles, and a $P \times N$ state, all in registers. Compiled for sm_90, the H100's and
+# H200's architecture (`ptxas -v` reports what each thread spills to memory; `benchmarks/NOTES_ssd.md`
+# has the counts), at $Q = 64$ the forward's kernels spill at most 124 bytes per thread and the
+# backward's largest kernel 3 to 9 kilobytes ($N$ = 64, 128; the first place to improve it); at 256
+# every kernel spills kilobytes, and at 128, timed on an H200, the forward is a little faster but a
+# training step slower (`benchmarks/results/ssd_tensor_cores_h200_2026-12-03.log`). So the kernels run
+# chunks of 64, and a call with `mamba_ssm`'s 256 gets the same result up to rounding.
+#
+# **What `ssd_forward` checks.** The kernels trust their arguments: they index $A$ and $D$ by head at
+# stride 1, B and C by group $h \,/\!/\, (H / G)$, and tile the chunk with `tl.arange` (a power of two)
+# into `tl.dot` (16 or more). So `ssd_forward` first checks them (`_check_forward_inputs`: the shapes of
+# section 1, float dtypes, one device, groups dividing heads, the chunk a power of two $\ge 16$),
+# raising an error that names the argument instead of reading past a tensor (and refusing what it
+# cannot do: float64 inputs, whose digits its float32 sums would drop, and inputs that require a
+# gradient, since the kernels keep no graph; `ssd_chunked` does both, section 7 adds the backward's
+# kernels and section 8 the differentiable op); copies $A$ and $D$ to contiguous float32; and for an
+# empty sequence launches nothing, returning an empty $y$ and the initial state, as the loop does.
+#
+# The cell tries the arguments the kernels cannot take as they come: $A$ and $D$ read every other
+# element of a longer tensor give the same answer, an empty sequence gives the initial state, and
+# groups that do not divide the heads or a chunk of 24 are refused.
 
 # %%
 x, dt, A, B, C, D, h0 = ssd_problem(length=20, seed=7, dtype=torch.float32)
@@ -724,7 +706,10 @@ for what, call in [("3 groups for 4 heads", lambda: ssd_forward(x, dt, A, B[:, :
         raise AssertionError(f"{what} was accepted")
 
 # %% [markdown]
-# ## 6. The backward, chunk by chunk
+# ## Going deeper: 6. The backward, chunk by chunk
+#
+# The main line's backward in brief, worked out: each step's adjoint, then `ssd_chunked_backward`,
+# every gradient in PyTorch, checked against autograd through the loop.
 #
 # Training needs the gradients of $y$ and of the final state with respect to every input. Autograd
 # through `ssd_chunked` gives them, but it keeps every intermediate of every step, and the kernels
@@ -875,7 +860,9 @@ for length, chunk, heads, groups, with_options in [(37, 8, 4, 2, True), (32, 8, 
 # specification of the Triton backward to come, as `ssd_chunked` was of the forward's kernels.
 
 # %% [markdown]
-# ## 7. A Triton backward
+# ## Going deeper: 7. A Triton backward
+#
+# Section 6's gradients as Triton kernels on the tensor cores, `ssd_backward`, checked in float32.
 #
 # Section 6's steps map onto kernels the way the forward's do, with the scan over chunks once more
 # section 5's `pass_states`, now walking the chunks backward (`reverse=True`):
@@ -1065,7 +1052,10 @@ print(f"L = 0: d initial_state equals dfinal: {torch.equal(empty[-1], dfinal)}; 
 assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] == 0).all()
 
 # %% [markdown]
-# ## 8. One differentiable op: `mamba_chunk_scan_combined`
+# ## Going deeper: 8. One differentiable op: `mamba_chunk_scan_combined`
+#
+# The forward and backward launchers joined into the op that training calls: its plumbing, its
+# checks, and what it refuses.
 #
 # Sections 5 and 7 give two launchers, a forward and its backward. An engineer wants what
 # `mamba_ssm` offers, `mamba_chunk_scan_combined`, with its shapes and argument order, so that a
@@ -1274,7 +1264,10 @@ for what, call, error in [
         raise AssertionError(f"{what} was accepted")
 
 # %% [markdown]
-# ## 9. The speed on a GPU
+# ## Going deeper: 9. The speed on a GPU
+#
+# The timing behind the main line's summary: the op against `mamba_ssm`'s Triton kernels and the
+# memory floor, and how to read the table.
 #
 # The kernels of sections 5 and 7 run their products on the tensor cores (`_mm`), and each program
 # holds one chunk of at most 64 positions. How fast is the op where Mamba-2 trains? The cell times one
@@ -1284,7 +1277,17 @@ for what, call, error in [
 # bench` times longer sequences too): the median of `triton.testing.do_bench`, beside `mamba_ssm`'s own Triton
 # `mamba_chunk_scan_combined` at its chunk of 256 where `mamba_ssm` is installed, and beside the memory
 # floor, the inputs and outputs moved once at the copy bandwidth (chapter 07's floor). In float32 the
-# two do different work: tf32x3 here, one TF32 product there (Triton's default for float32).
+# two do different work: tf32x3 here, one TF32 product there (Triton's default for float32). With
+# `mamba_ssm` installed, expect the cell to take minutes on a fresh machine: its SSD kernels are
+# autotuned, and each kernel's candidate configs (about 200 `triton.Config`s across its `ssd_*.py`
+# files) are compiled and timed on the first call of every new shape and dtype.
+#
+# A call's time is the larger of two things: the GPU running the kernels, and the host (Python, the
+# dispatch, autograd, an autotuner's lookup) issuing them. The table shows both: the forward as a
+# call and as the GPU's time alone (the same forward replayed from a CUDA graph, which leaves the
+# host's work out), and beside the forward+backward the host's time to issue one (calls queued back to
+# back, no synchronisation inside). Where the host's time is near the call's, the GPU waits for Python,
+# and the ratio compares host paths, not kernels.
 
 # %%
 def chunk_scan_inputs(batch, length, heads, head_dim, n_states, dtype, seed=0):
@@ -1309,19 +1312,36 @@ def chunk_scan_floor_us(inputs, backward, bandwidth):
 
 
 def time_chunk_scan(op, inputs, chunk):
-    """(forward, forward+backward) medians in microseconds of op (mamba_chunk_scan_combined's signature)."""
+    """Medians in microseconds of op (mamba_chunk_scan_combined's signature): a forward call, the same
+    forward replayed from a CUDA graph (the GPU's time, the host's work left out), a forward+backward
+    call, and the host's time to queue one forward+backward (calls back to back, no synchronisation)."""
     call = lambda: op(inputs["x"], inputs["dt"], inputs["A"], inputs["B"], inputs["C"], chunk, D=inputs["D"],  # noqa: E731
                       z=inputs["z"], dt_bias=inputs["dt_bias"], dt_softplus=True)
-    forward = scan_lib.runtime.median_us(call)
+    times = dict(forward=scan_lib.runtime.median_us(call), forward_gpu=scan_lib.runtime.graph_us(call))
     leaves = [t.requires_grad_() for t in inputs.values()]   # every input, as in training
     dy = torch.randn_like(inputs["x"])
-    step = scan_lib.runtime.median_us(lambda: call().backward(dy), grad_to_none=leaves)
+    step = lambda: call().backward(dy)  # noqa: E731
+    times.update(step=scan_lib.runtime.median_us(step, grad_to_none=leaves),
+                 step_host=scan_lib.runtime.host_us(step, calls=5))   # few calls: the launch queue never fills
     for leaf in leaves:
         leaf.requires_grad_(False)
-    return forward, step
+    return times
+
+
+def speed_row(shape, dtype, ours, theirs, floors):
+    """One line of the table: each column ours / mamba_ssm's where it was timed, then the ratio."""
+    cells = []
+    for key, floor in (("forward", floors[0]), ("forward_gpu", floors[0]), ("step", floors[1]), ("step_host", None)):
+        mine = f"{ours[key]:6.0f}"
+        other = "     -" if theirs is None else f"{theirs[key]:6.0f}"
+        ratio = "    -" if theirs is None or key == "step_host" else f"{theirs[key] / ours[key]:5.2f}"
+        cells.append(f"{mine} {other} {ratio}" + ("" if floor is None else f" {floor:5.0f}"))
+    return f"{str(shape):>24s} {str(dtype)[6:]:>9s} | " + " | ".join(cells)
 
 
 SPEED_SHAPES = [(8, 2048, 32, 64, 64), (8, 2048, 32, 64, 128)]   # make bench times more (benchmarks/bench.py)
+SPEED_COLUMNS = [("forward call", True), ("forward on the GPU", True), ("forward+backward", True),
+                 ("host per fwd+bwd", False)]
 if not ON_GPU:
     print("Timing needs a GPU: this machine runs the kernels under Triton's interpreter.")
 else:
@@ -1331,82 +1351,66 @@ else:
         mamba_ssm_op = None
         print(f"mamba_ssm's Triton kernels are not importable ({missing}): scan_lib alone")
     bandwidth = scan_lib.runtime.copy_bandwidth()
-    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s; times in us; "
-          "ratio = mamba_ssm / scan_lib (above 1: scan_lib faster)")
-    print(f"{'':>24s} {'':>9s} | {'forward':^29s} | {'forward+backward':^29s} |")
-    print(f"{'(batch, L, heads, P, N)':>24s} {'dtype':>9s} |" + 2 * f" {'ours':>7s} {'floor':>6s} {'mamba':>7s} {'ratio':>5s} |")
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s; times in us, each column "
+          "ours, mamba_ssm's, ratio = mamba_ssm / ours (above 1: ours faster), floor")
+    print(f"{'(batch, L, heads, P, N)':>24s} {'dtype':>9s} | " + " | ".join(f"{name:^{24 if floor else 18}s}" for name, floor in SPEED_COLUMNS))
     for shape in SPEED_SHAPES:
         for dtype in (torch.bfloat16, torch.float32):
             inputs = chunk_scan_inputs(*shape, dtype)
             ours = time_chunk_scan(mamba_chunk_scan_combined, inputs, 256)
-            theirs = (None, None) if mamba_ssm_op is None else time_chunk_scan(mamba_ssm_op, inputs, 256)
+            theirs = None if mamba_ssm_op is None else time_chunk_scan(mamba_ssm_op, inputs, 256)
             floors = [chunk_scan_floor_us(inputs, backward, bandwidth) for backward in (False, True)]
-            cells = [f" {o:7.0f} {f:6.0f} " + (f"{'-':>7s} {'-':>5s}" if t is None else f"{t:7.0f} {t / o:5.2f}")
-                     for o, f, t in zip(ours, floors, theirs)]
-            print(f"{str(shape):>24s} {str(dtype)[6:]:>9s} |{cells[0]} |{cells[1]} |")
+            print(speed_row(shape, dtype, ours, theirs, floors))
 
 # %% [markdown]
-# What the recorded table shows (one run on an H200; on a machine without a GPU the cell prints
-# nothing to compare):
+# What the recorded table shows (one run on an NVIDIA H100 80GB HBM3; on a machine without a GPU the
+# cell prints nothing to compare):
 #
-# * In bfloat16, the dtype Mamba-2 trains in, our op's calls beat `mamba_ssm`'s at both shapes: 2.78x in
-#   the forward and 3.25x in forward+backward at $N = 64$, 2.05x and 2.06x at $N = 128$ (but see the last
-#   point). Both sides run their products on the tensor cores with bfloat16 operands and float32 sums,
-#   so the precision is like for like; the chunks are not: ours runs chunks of 64 where `mamba_ssm`'s
-#   runs the 256 asked for, 1.75 against 4.0 times the loop's flops at $N = 128$ (section 4's table).
-# * In float32 the two do different work, and the ratios say so: at $N = 64$ we are still ahead (1.29x
-#   and 1.20x), at $N = 128$ we are behind (0.90x forward, 0.51x forward+backward). Each of our
-#   float32 products is tf32x3, three tensor-core products that keep float32's accuracy; `mamba_ssm`'s
-#   is one TF32 product, whose operands keep 10 bits of mantissa (`make bench` finds its float32 results
-#   1.3e-03 to 4.7e-03 off, relative, against our 8.3e-07 to 3.9e-06:
+# * In bfloat16, the dtype Mamba-2 trains in, our op's calls beat `mamba_ssm`'s only in
+#   forward+backward at $N = 64$ (1.69x; but see the next point). Our forward calls are slower at both
+#   shapes (0.95x at $N = 64$, 0.68x at $N = 128$), and so is our forward+backward at $N = 128$
+#   (0.94x). Both sides run their products on the tensor cores with bfloat16 operands and float32
+#   sums, so the precision is like for like; the chunks are not: ours runs chunks of 64 where
+#   `mamba_ssm`'s runs the 256 asked for, 1.75 against 4.0 times the loop's flops at $N = 128$
+#   (section 4).
+# * Those ratios compare calls, not kernels. On the GPU alone `mamba_ssm`'s bfloat16 forward is the
+#   faster one: 269 us against our 427 at $N = 64$, 353 against 626 at $N = 128$ (0.63x and 0.56x),
+#   while its calls take 419 and 435 us, the difference the host's work. Its forward+backward takes
+#   the host about as long to issue as the call lasts, or longer (3058 against 2892 us at $N = 64$,
+#   3080 against 3029 at $N = 128$): the host sets its pace. Ours is set by the GPU, in the forward (a
+#   439 us call, 427 on the GPU) and in forward+backward (1119 us to issue a 1716 us call at $N = 64$,
+#   1078 to issue 3237 at $N = 128$). So the 1.69x and 0.94x compare its host path with our kernels.
+# * In float32 the two do different work, and the ratios say so: we are behind in every column, at
+#   $N = 64$ (0.58x for the forward call, 0.59x on the GPU, 0.50x in forward+backward) and further at
+#   $N = 128$ (0.47x, 0.46x, 0.28x). Each of our float32 products is tf32x3, three tensor-core
+#   products that keep float32's accuracy; `mamba_ssm`'s is one TF32 product, whose
+#   operands keep 10 bits of mantissa (`make bench` on an H200 finds its float32 results 1.3e-03 to
+#   4.7e-03 off, relative, against our 8.3e-07 to 3.9e-06:
 #   `benchmarks/results/bench_ssd_h200_2026-12-03.log`). Our gradient kernel also holds more than the
 #   registers can, most at $N = 128$: the compiler spills part of it to memory (`ptxas -v`, counted in
 #   `benchmarks/NOTES_ssd.md`, where halving the spills bought nothing in bfloat16). A plain TF32 option
 #   does not fit that kernel in shared memory at $N = 128$; profiling the kernel, then splitting it, is
 #   the next step.
-# * Neither op is near the floor: our bfloat16 forward at $N = 64$ takes about 8 times the time of
-#   moving its inputs and outputs once, the forward+backward about 15 times. The profile in
-#   `benchmarks/NOTES_ssd.md` says where it goes: about half of a training step is the gradient
-#   kernel, and the PyTorch work around the kernels (the softplus of the steps, the gate, the sums of
-#   gradients over heads and chunks) is a sizeable share that a fused kernel would remove.
+# * Neither op is near the floor: our bfloat16 forward at $N = 64$ takes 427 us on the GPU against a
+#   floor of 69, about 6 times, the forward+backward 1716 against 185, about 9 times; `mamba_ssm`'s
+#   forward, 269 us, about 4 times. The profile in `benchmarks/NOTES_ssd.md` (an H200, 2026-12-03) says
+#   where ours goes: about half of a training step is the gradient kernel, and the PyTorch work around
+#   the kernels (the softplus of the steps, the gate, the sums of gradients over heads and chunks) is
+#   a sizeable share that a fused kernel would remove.
 # * Read `mamba_ssm`'s column with care. Its Triton kernels pick their tile sizes by timing candidates
 #   on the first call of each shape (autotuning), and the choice, so its time, changes from run to run:
-#   `make bench` timed the same shapes with other results
-#   (`benchmarks/results/bench_ssd_h200_2026-12-03.log`). That log also replays each forward from a CUDA
-#   graph, which leaves the host's work out: there `mamba_ssm`'s bfloat16 forward takes 254 us on the
-#   GPU at $N = 64$ and 326 at $N = 128$, against our 350 and 508. Its forward kernels are the faster
-#   ones; the forward ratios above come from the time its calls spend on the host. At longer sequences
-#   ($L$ = 8192 and 65536, the same log) its forward+backward in bfloat16 grows far less
-#   than the work does and ends faster than ours: at $L = 2048$ its step is set by something other than
-#   the work, which we have not profiled. Beating it at every length is still open.
+#   `make bench` timed the same shapes on an H200 with other results
+#   (`benchmarks/results/bench_ssd_h200_2026-12-03.log`). At longer sequences ($L$ = 8192 and 65536,
+#   the same log) its bfloat16 forward+backward grows far less than the work does and ends faster than
+#   ours: at $L = 2048$ its step is set by the host, as the host column shows here, not by its kernels.
+#   Beating its kernels, at every length, is still open.
 
 # %% [markdown]
-# ## What we built
-#
-# * `ssd_loop`: the recurrence one position at a time, the float64 reference.
-# * `segsum` and `ssd_quadratic`: the same computation as one masked $L \times L$ matrix, $M = L \circ
-#   CB^{\top}$, with a segment sum that adds only the terms it needs.
-# * `ssd_chunked`: the state space duality algorithm, each of its four steps checked against the loop,
-#   any length, groups of heads, initial and final states.
-# * `ssd_forward`: the same in three Triton kernels, the scan over chunks one of them (`pass_states`),
-#   the products on the tensor cores (`_mm`), checked in float32.
-# * `ssd_chunked_backward`: every gradient of the chunked form, step by step in reverse (the scan
-#   over chunks run backward), checked against autograd through the loop.
-# * `ssd_backward`: the same in Triton kernels (the forward's chunk states and scan recomputed, the
-#   adjoint's scan walked backward), checked in float32 against it.
-# * `scan_lib.mamba_chunk_scan_combined`: the two joined into one differentiable op with
-#   `mamba_ssm`'s shapes and argument order (custom ops with fake tensors and vmap rules, an autograd
-#   Function, the step's bias and softplus and the gate in PyTorch), every gradient checked in float32
-#   and bfloat16 (float16 too in `tests/test_ssd.py`), and a second derivative that raises.
-#
-# * Section 9: the op's speed on a GPU against `mamba_ssm`'s Triton kernels and the memory floor.
-#
-# What is not done yet: the Mamba2 block, and the speed of float32 at $N = 128$ and of long sequences.
-#
 # ## References
 #
 # - Dao and Gu, "Transformers are SSMs: generalized models and efficient algorithms through structured
 #   state space duality", ICML 2024, arXiv:2405.21060 (Mamba-2, SSD, the chunked algorithm).
 # - Gu and Dao, "Mamba: linear-time sequence modeling with selective state spaces", 2023, arXiv:2312.00752.
 # - Blelloch, "Prefix sums and their applications", CMU-CS-90-190, 1990 (the scan over chunks).
-# - NVIDIA H200 Tensor Core GPU datasheet (the tensor-core and scalar rates).
+# - NVIDIA H200 Tensor Core GPU datasheet (the tensor-core and scalar rates; the H100 SXM's has the
+#   same two).

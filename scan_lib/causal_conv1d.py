@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype
-from scan_lib.runtime import INTERPRET, apply, check_float_tensor, check_same_device, custom_op
+from scan_lib.runtime import INTERPRET, apply, check_float_tensor, check_same_device, custom_op, plus, zero_in_graph
 from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
 from scan_lib.fast_selective_scan import LOG2E, cdiv, items_of, next_power_of_2, positions_of   # chapter 07's
 
@@ -49,6 +49,12 @@ def _x_items(X_ROW, H0_ROW, s, d_ok, length, stride_xl, stride_hl, WIDTH: tl.con
 
 
 @triton.jit
+def _seq_items(SEQ_ROW, s, length, stride_sl, RUNS: tl.constexpr, ITEMS: tl.constexpr):
+    """seq_idx at positions s (1 x BLOCK_L) as ITEMS tiles 1 x RUNS; -1 (no sequence) outside 0 <= s < L."""
+    return items_of(tl.load(SEQ_ROW + s * stride_sl, (s >= 0) & (s < length), other=-1), RUNS, ITEMS)
+
+
+@triton.jit
 def _around(before, run, after, m: tl.constexpr, ITEMS: tl.constexpr):
     """Item m of every run, counted from the run's first position (each argument: ITEMS tiles, item by
     item): from the run before it for m < 0, from the run after it for m >= ITEMS."""
@@ -70,11 +76,47 @@ def _weights(W_ROW, d_ok, stride_wk, WIDTH: tl.constexpr, ACC: tl.constexpr):
 
 
 @triton.jit
-def _window_sum(w, bias, before, run, after, i: tl.constexpr, WIDTH: tl.constexpr, ITEMS: tl.constexpr):
-    """The pre-activation bias + sum_k w[k] x[t - (WIDTH - 1) + k] at item i of every run: BLOCK_D x RUNS."""
+def _program_tile(X, WEIGHT, BIAS, H0, dim, stride_xb, stride_xd, stride_wd, stride_wk, stride_bias, stride_hb,
+                  stride_hd, WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, ACC: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
+    """What the forward and the backward program (batch element, block of channels, block of positions)
+    both start from: b, the block of positions pid_l, the channels ds (BLOCK_D x 1) and which exist,
+    the positions ts (1 x BLOCK_L), the rows of x and of the initial states, the bias and the weights."""
+    b = tl.program_id(0).to(tl.int64)
+    pid_l = tl.program_id(2)
+    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
+    d_ok = ds < dim
+    ts = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]                  # 1 x BLOCK_L
+    X_ROW = X + b * stride_xb + ds * stride_xd
+    H0_ROW = X_ROW
+    if HAS_H0:
+        H0_ROW = H0 + b * stride_hb + ds * stride_hd
+    bias = tl.zeros((BLOCK_D, 1), ACC)
+    if HAS_BIAS:
+        bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
+    return b, pid_l, ds, d_ok, ts, X_ROW, H0_ROW, bias, _weights(WEIGHT + ds * stride_wd, d_ok, stride_wk, WIDTH, ACC)
+
+
+@triton.jit
+def _same_seq(seqs, m: tl.constexpr, i: tl.constexpr, ITEMS: tl.constexpr):
+    """Whether items m and i of every run are in one sequence (seqs: seq_idx's ITEMS tiles before, at
+    and after the run): 1 x RUNS."""
+    return _around(seqs[0], seqs[1], seqs[2], m, ITEMS) == _around(seqs[0], seqs[1], seqs[2], i, ITEMS)
+
+
+@triton.jit
+def _window_sum(w, bias, before, run, after, i: tl.constexpr, WIDTH: tl.constexpr, ITEMS: tl.constexpr,
+                seqs, HAS_SEQ_IDX: tl.constexpr):
+    """The pre-activation bias + sum_k w[k] x[t - (WIDTH - 1) + k] at item i of every run: BLOCK_D x RUNS.
+    With seq_idx, only the taps in item i's sequence, and 0 (no bias) where seq_idx < 0 (padding)."""
     acc = bias + tl.zeros_like(run[0])
     for k in tl.static_range(WIDTH):
-        acc += w[k] * _around(before, run, after, i - (WIDTH - 1) + k, ITEMS)
+        x_k = _around(before, run, after, i - (WIDTH - 1) + k, ITEMS)
+        if HAS_SEQ_IDX:  # a tap in another sequence reads 0: masking the input, not the product, keeps the FMA
+            x_k = tl.where(_same_seq(seqs, i - (WIDTH - 1) + k, i, ITEMS), x_k, 0.0)
+        acc += w[k] * x_k
+    if HAS_SEQ_IDX:
+        acc = tl.where(_around(seqs[0], seqs[1], seqs[2], i, ITEMS) >= 0, acc, 0.0)
     return acc
 
 
@@ -89,34 +131,31 @@ def _sigmoid(p, ACC: tl.constexpr):
 
 @triton.jit
 def causal_conv1d_fwd_kernel(
-    X, WEIGHT, BIAS, H0, OUT, FINAL,          # b x d x L, d x W, d, b x d x (W-1), b x d x L, b x d x (W-1)
+    X, WEIGHT, BIAS, H0, OUT, FINAL, SEQ,     # b x d x L, d x W, d, b x d x (W-1), b x d x L, b x d x (W-1), b x L
     dim, length,
     stride_xb, stride_xd, stride_xl, stride_wd, stride_wk, stride_bias,
     stride_hb, stride_hd, stride_hl, stride_ob, stride_od, stride_ol, stride_fb, stride_fd, stride_fl,
+    stride_sb, stride_sl,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, SILU: tl.constexpr,
-    ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, ITEMS: tl.constexpr,
+    HAS_SEQ_IDX: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr,
+    ITEMS: tl.constexpr,
 ):
     """One program per (batch element, block of channels, block of positions); runs of ITEMS positions."""
     RUNS: tl.constexpr = BLOCK_L // ITEMS
-    b = tl.program_id(0).to(tl.int64)
-    pid_l = tl.program_id(2)
-    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
-    d_ok = ds < dim
-    ts = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]                  # 1 x BLOCK_L
-    X_ROW = X + b * stride_xb + ds * stride_xd
-    H0_ROW = X_ROW
-    if HAS_H0:
-        H0_ROW = H0 + b * stride_hb + ds * stride_hd
-    bias = tl.zeros((BLOCK_D, 1), ACC)
-    if HAS_BIAS:
-        bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
+    b, pid_l, ds, d_ok, ts, X_ROW, H0_ROW, bias, w = _program_tile(
+        X, WEIGHT, BIAS, H0, dim, stride_xb, stride_xd, stride_wd, stride_wk, stride_bias, stride_hb, stride_hd,
+        WIDTH, HAS_BIAS, HAS_H0, ACC, BLOCK_D, BLOCK_L)
     x_run = _x_items(X_ROW, H0_ROW, ts, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
     x_before = _x_items(X_ROW, H0_ROW, ts - ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS,
                         ITEMS)                                             # the same tile, one run earlier
-    w = _weights(WEIGHT + ds * stride_wd, d_ok, stride_wk, WIDTH, ACC)
+    seqs = ()
+    if HAS_SEQ_IDX:  # seq_idx where x is loaded: one run earlier and at the run (the forward reads no later)
+        SEQ_ROW = SEQ + b * stride_sb
+        seq_run = _seq_items(SEQ_ROW, ts, length, stride_sl, RUNS, ITEMS)
+        seqs = (_seq_items(SEQ_ROW, ts - ITEMS, length, stride_sl, RUNS, ITEMS), seq_run, seq_run)
     outs = ()
     for i in tl.static_range(ITEMS):
-        pre = _window_sum(w, bias, x_before, x_run, x_run, i, WIDTH, ITEMS)   # BLOCK_D x RUNS
+        pre = _window_sum(w, bias, x_before, x_run, x_run, i, WIDTH, ITEMS, seqs, HAS_SEQ_IDX)   # BLOCK_D x RUNS
         if SILU:
             pre = pre * _sigmoid(pre, ACC)
         outs = outs + (pre,)
@@ -137,29 +176,21 @@ def _silu_grad(pre, dout, ACC: tl.constexpr):
 
 @triton.jit
 def causal_conv1d_bwd_kernel(
-    X, WEIGHT, BIAS, H0, DOUT, DFINAL,        # as the forward; b x d x L, b x d x (W-1)
+    X, WEIGHT, BIAS, H0, DOUT, DFINAL, SEQ,   # as the forward; b x d x L, b x d x (W-1), b x L
     DX, DW_PART, DBIAS_PART, DH0,             # b x d x L, (b * n_blocks_l) x d x W, (b * n_blocks_l) x d, b x d x (W-1)
     dim, length, n_blocks_l,
     stride_xb, stride_xd, stride_xl, stride_wd, stride_wk, stride_bias, stride_hb, stride_hd, stride_hl,
-    stride_gb, stride_gd, stride_gl, stride_fb, stride_fd, stride_fl, stride_dxb, stride_dxd, stride_dxl,
+    stride_gb, stride_gd, stride_gl, stride_fb, stride_fd, stride_fl, stride_sb, stride_sl,
+    stride_dxb, stride_dxd, stride_dxl,
     WIDTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_H0: tl.constexpr, HAS_DFINAL: tl.constexpr,
-    SILU: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr, ITEMS: tl.constexpr,
+    SILU: tl.constexpr, HAS_SEQ_IDX: tl.constexpr, ACC: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_L: tl.constexpr, ITEMS: tl.constexpr,
 ):
     RUNS: tl.constexpr = BLOCK_L // ITEMS
-    b = tl.program_id(0).to(tl.int64)
-    pid_l = tl.program_id(2)
-    ds = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[:, None]       # BLOCK_D x 1
-    d_ok = ds < dim
-    ts = pid_l * BLOCK_L + tl.arange(0, BLOCK_L)[None, :]                  # 1 x BLOCK_L
-    X_ROW = X + b * stride_xb + ds * stride_xd
+    b, pid_l, ds, d_ok, ts, X_ROW, H0_ROW, bias, w = _program_tile(
+        X, WEIGHT, BIAS, H0, dim, stride_xb, stride_xd, stride_wd, stride_wk, stride_bias, stride_hb, stride_hd,
+        WIDTH, HAS_BIAS, HAS_H0, ACC, BLOCK_D, BLOCK_L)
     DOUT_ROW = DOUT + b * stride_gb + ds * stride_gd
-    H0_ROW = X_ROW
-    if HAS_H0:
-        H0_ROW = H0 + b * stride_hb + ds * stride_hd
-    bias = tl.zeros((BLOCK_D, 1), ACC)
-    if HAS_BIAS:
-        bias = tl.load(BIAS + ds * stride_bias, d_ok, other=0.0).to(ACC)
-    w = _weights(WEIGHT + ds * stride_wd, d_ok, stride_wk, WIDTH, ACC)
     x_run = _x_items(X_ROW, H0_ROW, ts, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
     x_before = _x_items(X_ROW, H0_ROW, ts - ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS, ITEMS)
     du_run = _x_items(DOUT_ROW, DOUT_ROW, ts, d_ok, length, stride_gl, 0, WIDTH, False, ACC, RUNS, ITEMS)
@@ -167,17 +198,29 @@ def causal_conv1d_bwd_kernel(
     if SILU:
         x_after = _x_items(X_ROW, H0_ROW, ts + ITEMS, d_ok, length, stride_xl, stride_hl, WIDTH, HAS_H0, ACC, RUNS,
                            ITEMS)
+    seqs = ()
+    if HAS_SEQ_IDX:  # seq_idx one run earlier, at the run and one run later
+        SEQ_ROW = SEQ + b * stride_sb
+        seqs = (_seq_items(SEQ_ROW, ts - ITEMS, length, stride_sl, RUNS, ITEMS),
+                _seq_items(SEQ_ROW, ts, length, stride_sl, RUNS, ITEMS),
+                _seq_items(SEQ_ROW, ts + ITEMS, length, stride_sl, RUNS, ITEMS))
     g = ()  # g at the run's items and the next run's first WIDTH - 1 (zero past L, where dout is)
     for i in tl.static_range(ITEMS + WIDTH - 1):
         g_i = _around(du_run, du_run, du_after, i, ITEMS)                  # BLOCK_D x RUNS
         if SILU:
-            g_i = _silu_grad(_window_sum(w, bias, x_before, x_run, x_after, i, WIDTH, ITEMS), g_i, ACC)
+            g_i = _silu_grad(_window_sum(w, bias, x_before, x_run, x_after, i, WIDTH, ITEMS, seqs, HAS_SEQ_IDX),
+                             g_i, ACC)
+        if HAS_SEQ_IDX:  # padding's outputs are constant zeros
+            g_i = tl.where(_around(seqs[0], seqs[1], seqs[2], i, ITEMS) >= 0, g_i, 0.0)
         g = g + (g_i,)
     dxs = ()  # dx[s] = sum_j w[WIDTH - 1 - j] g[s + j]: the flipped filter, reading forward in time
     for i in tl.static_range(ITEMS):
         dx_i = tl.zeros_like(g[0])
         for j in tl.static_range(WIDTH):
-            dx_i += w[WIDTH - 1 - j] * g[i + j]
+            g_j = g[i + j]
+            if HAS_SEQ_IDX:  # only outputs of x[s]'s own sequence read it
+                g_j = tl.where(_same_seq(seqs, i + j, i, ITEMS), g_j, 0.0)
+            dx_i += w[WIDTH - 1 - j] * g_j
         dxs = dxs + (dx_i,)
     dx = positions_of(dxs, RUNS, ITEMS)                                    # BLOCK_D x BLOCK_L
     F_ROW = X_ROW
@@ -193,7 +236,10 @@ def causal_conv1d_bwd_kernel(
     for k in tl.static_range(WIDTH):
         share = tl.zeros_like(g[0])
         for i in tl.static_range(ITEMS):
-            share += g[i] * _around(x_before, x_run, x_run, i - (WIDTH - 1) + k, ITEMS)
+            x_k = _around(x_before, x_run, x_run, i - (WIDTH - 1) + k, ITEMS)
+            if HAS_SEQ_IDX:
+                x_k = tl.where(_same_seq(seqs, i - (WIDTH - 1) + k, i, ITEMS), x_k, 0.0)
+            share += g[i] * x_k
         tl.store(DW_PART + (part + ds) * WIDTH + k, tl.sum(share, axis=1)[:, None], d_ok)
     if HAS_BIAS:
         share = tl.zeros_like(g[0])
@@ -253,9 +299,11 @@ def _strides(t, n=3):
 
 @custom_op("causal_conv1d_fwd", __name__)
 def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                      initial_states: Optional[torch.Tensor], silu: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                      initial_states: Optional[torch.Tensor], silu: bool,
+                      seq_idx: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward kernel, on x of any strides: out (x's layout and dtype) and the final states
-    (batch, dim, width - 1), the last width - 1 columns of cat(initial_states or zeros, x)."""
+    (batch, dim, width - 1), the last width - 1 columns of cat(initial_states or zeros, x). With
+    seq_idx (batch, L) int32, a tap counts only within its output's sequence (see causal_conv1d)."""
     batch, dim, length = x.shape
     width = weight.shape[1]
     out = torch.empty_like(x)
@@ -263,23 +311,24 @@ def causal_conv1d_fwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     config = _launch_config(dim, length)
     grid = (batch, cdiv(dim, config["block_d"]), cdiv(length, config["block_l"]))
     causal_conv1d_fwd_kernel[grid](
-        x, weight, bias, initial_states, out, final, dim, length,
+        x, weight, bias, initial_states, out, final, seq_idx, dim, length,
         *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_states), *out.stride(), *final.stride(),
+        *_strides(seq_idx, 2),
         WIDTH=width, HAS_BIAS=bias is not None, HAS_H0=initial_states is not None, SILU=silu,
-        ACC=accumulator_dtype(_acc_dtype(x, weight)), BLOCK_D=config["block_d"], BLOCK_L=config["block_l"],
-        ITEMS=_items(x), num_warps=config["num_warps"])
+        HAS_SEQ_IDX=seq_idx is not None, ACC=accumulator_dtype(_acc_dtype(x, weight)), BLOCK_D=config["block_d"],
+        BLOCK_L=config["block_l"], ITEMS=_items(x), num_warps=config["num_warps"])
     return out, final
 
 
 @causal_conv1d_fwd.register_fake
-def _(x, weight, bias, initial_states, silu):
+def _(x, weight, bias, initial_states, silu, seq_idx=None):
     return torch.empty_like(x), x.new_empty(x.shape[0], x.shape[1], weight.shape[1] - 1)
 
 
 @custom_op("causal_conv1d_bwd", __name__)
 def causal_conv1d_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       initial_states: Optional[torch.Tensor], dout: torch.Tensor, dfinal: Optional[torch.Tensor],
-                      silu: bool) -> list[torch.Tensor]:
+                      silu: bool, seq_idx: Optional[torch.Tensor] = None) -> list[torch.Tensor]:
     """The backward kernel: dx (x's layout and dtype), dweight and dbias (float32, float64 for float64
     inputs; dbias empty without bias), dinitial_states (its dtype; empty without). dweight and dbias are
     sums of per-program partials, so the result does not depend on the order programs run in."""
@@ -294,17 +343,17 @@ def causal_conv1d_bwd(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torc
     dh0 = x.new_empty(batch, dim, width - 1) if initial_states is not None else x.new_empty(0)
     grid = (batch, cdiv(dim, config["block_d"]), n_blocks_l)
     causal_conv1d_bwd_kernel[grid](
-        x, weight, bias, initial_states, dout, dfinal, dx, dw_part, dbias_part, dh0, dim, length, n_blocks_l,
+        x, weight, bias, initial_states, dout, dfinal, seq_idx, dx, dw_part, dbias_part, dh0, dim, length, n_blocks_l,
         *x.stride(), *weight.stride(), *_strides(bias, 1), *_strides(initial_states), *dout.stride(),
-        *_strides(dfinal), *dx.stride(),
+        *_strides(dfinal), *_strides(seq_idx, 2), *dx.stride(),
         WIDTH=width, HAS_BIAS=bias is not None, HAS_H0=initial_states is not None, HAS_DFINAL=dfinal is not None,
-        SILU=silu, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"], BLOCK_L=config["block_l"],
-        ITEMS=_items(x), num_warps=config["num_warps"])
+        SILU=silu, HAS_SEQ_IDX=seq_idx is not None, ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"],
+        BLOCK_L=config["block_l"], ITEMS=_items(x), num_warps=config["num_warps"])
     return [dx, dw_part.sum(0), dbias_part.sum(0), dh0]
 
 
 @causal_conv1d_bwd.register_fake
-def _(x, weight, bias, initial_states, dout, dfinal, silu):
+def _(x, weight, bias, initial_states, dout, dfinal, silu, seq_idx=None):
     acc = _acc_dtype(x, weight)
     return [torch.empty_like(x), weight.new_empty(weight.shape, dtype=acc),
             weight.new_empty(weight.shape[0] if bias is not None else 0, dtype=acc),
@@ -338,27 +387,28 @@ class _NoSecondDerivative(torch.autograd.Function):
 
 
 class CausalConv1dFn(torch.autograd.Function):
-    """(out, final_states) = causal_conv1d(x, weight, bias, initial_states, silu)."""
+    """(out, final_states) = causal_conv1d(x, weight, bias, initial_states, silu, seq_idx); seq_idx
+    (integers) gets no gradient."""
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, weight, bias, initial_states, silu):
-        return causal_conv1d_fwd(x, weight, bias, initial_states, silu)
+    def forward(x, weight, bias, initial_states, silu, seq_idx):
+        return causal_conv1d_fwd(x, weight, bias, initial_states, silu, seq_idx)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, weight, bias, initial_states, silu = inputs
-        ctx.save_for_backward(x, weight, bias, initial_states)
+        x, weight, bias, initial_states, silu, seq_idx = inputs
+        ctx.save_for_backward(x, weight, bias, initial_states, seq_idx)
         ctx.silu = silu
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, dout, dfinal):
-        x, weight, bias, initial_states = ctx.saved_tensors
+        x, weight, bias, initial_states, seq_idx = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(x)
         with torch.no_grad():  # the op's own outputs carry no graph (see _NoSecondDerivative)
-            grads = causal_conv1d_bwd(x, weight, bias, initial_states, dout, dfinal, ctx.silu)
+            grads = causal_conv1d_bwd(x, weight, bias, initial_states, dout, dfinal, ctx.silu, seq_idx)
         inputs = (x, weight, bias, initial_states)
         grads = [None if t is None else g.to(t.dtype) for g, t in zip(grads, inputs)]
         if torch.is_grad_enabled():  # create_graph=True (or torch.func.grad): make a second derivative raise
@@ -366,10 +416,10 @@ class CausalConv1dFn(torch.autograd.Function):
             given = [g for g in grads if g is not None]
             poisoned = iter(_NoSecondDerivative.apply(len(anchors), *anchors, *given))
             grads = [None if g is None else next(poisoned) for g in grads]
-        return (*grads, None)
+        return (*grads, None, None)
 
 
-def _check_inputs(x, weight, bias, initial_states, final_states_out):
+def _check_inputs(x, weight, bias, initial_states, final_states_out, seq_idx=None):
     named = dict(x=x, weight=weight, bias=bias, initial_states=initial_states, final_states_out=final_states_out)
     for name, value in named.items():
         if value is not None or name in ("x", "weight"):
@@ -391,16 +441,24 @@ def _check_inputs(x, weight, bias, initial_states, final_states_out):
                               ("final_states_out", final_states_out, "x")):
         if value is not None and value.dtype != named[like].dtype:
             raise TypeError(f"{name} must have {like}'s dtype {named[like].dtype}, got {value.dtype}")
-    check_same_device(**named)
+    if seq_idx is not None:
+        if not isinstance(seq_idx, torch.Tensor) or seq_idx.dtype != torch.int32:
+            got = seq_idx.dtype if isinstance(seq_idx, torch.Tensor) else type(seq_idx).__name__
+            raise TypeError(f"seq_idx must be a torch.int32 tensor, got {got}")
+        if tuple(seq_idx.shape) != (batch, length):
+            raise ValueError(f"seq_idx must have shape (batch, L) = {(batch, length)}, got {tuple(seq_idx.shape)}")
+    check_same_device(**named, seq_idx=seq_idx)
 
 
-def _empty_conv(x, weight, bias, initial_states):
+def _empty_conv(x, weight, bias, initial_states, return_final_states):
     """out and the final states for an empty x, as torch's ops give them: out empty, in the graph of
-    x, weight and bias (zero gradients); the final states the last width - 1 columns of
-    cat(initial_states or zeros, x)."""
-    anchor = torch.cat([t.flatten()[:0] for t in (weight, bias, initial_states) if t is not None]).sum().to(x.dtype)   # exactly 0
+    every input that needs a gradient (zero gradients); the final states, made only when asked for,
+    the last width - 1 columns of cat(initial_states or zeros, x)."""
+    out = plus(torch.empty_like(x), zero_in_graph(x, weight, bias, initial_states))   # None: no gradients
+    if not return_final_states:
+        return out, None
     start = x.new_zeros(*x.shape[:2], weight.shape[1] - 1) if initial_states is None else initial_states
-    return x + anchor, torch.cat([start, x], dim=-1)[..., x.shape[-1]:]
+    return out, torch.cat([start, x], dim=-1)[..., x.shape[-1]:]
 
 
 def causal_conv1d(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
@@ -409,9 +467,14 @@ def causal_conv1d(x, weight, bias=None, seq_idx=None, initial_states=None, retur
 
     x: (batch, dim, L), any strides; weight: (dim, width), width 2, 3 or 4; bias: (dim,);
     initial_states: (batch, dim, width - 1), the inputs before position 0 (default zeros);
-    activation: None, "silu" or "swish" (the same). seq_idx is not supported (NotImplementedError).
+    activation: None, "silu" or "swish" (the same).
 
         out[b, d, t] = act(bias[d] + sum_k weight[d, k] * x[b, d, t - (width - 1) + k])
+
+    seq_idx: (batch, L) int32, any strides, for several sequences packed in one row, as the package
+    takes it: position s feeds out[b, :, t] only where seq_idx[b, s] == seq_idx[b, t], so each
+    sequence (a run of equal ids) starts from zeros; out is 0 where seq_idx < 0 (padding). It excludes
+    initial_states and return_final_states (ValueError), and gets no gradient.
 
     Returns out (x's dtype and layout), and with return_final_states also final_states
     (batch, dim, width - 1): the last width - 1 columns of cat(initial_states or zeros, x), the
@@ -421,17 +484,19 @@ def causal_conv1d(x, weight, bias=None, seq_idx=None, initial_states=None, retur
     weight, bias, initial_states, also through final_states. First derivatives only: differentiating
     the gradients again raises RuntimeError. Works under torch.compile, torch.func.grad and vmap.
     """
-    if seq_idx is not None:
-        raise NotImplementedError("causal_conv1d: seq_idx (several sequences packed in one row) is not supported")
     if activation not in (None, "silu", "swish"):
         raise ValueError(f"activation must be None, 'silu' or 'swish', got {activation!r}")
     if final_states_out is not None and not return_final_states:
         raise ValueError("final_states_out is only written with return_final_states=True")
-    _check_inputs(x, weight, bias, initial_states, final_states_out)
+    if seq_idx is not None and initial_states is not None:
+        raise ValueError("initial_states must be None when seq_idx is given (each packed sequence starts from zeros)")
+    if seq_idx is not None and return_final_states:
+        raise ValueError("return_final_states must be False when seq_idx is given (no final states for packed sequences)")
+    _check_inputs(x, weight, bias, initial_states, final_states_out, seq_idx)
     if x.numel() == 0:
-        out, final_states = _empty_conv(x, weight, bias, initial_states)
+        out, final_states = _empty_conv(x, weight, bias, initial_states, return_final_states)
     else:
-        out, final_states = apply(CausalConv1dFn, x, weight, bias, initial_states, activation is not None)
+        out, final_states = apply(CausalConv1dFn, x, weight, bias, initial_states, activation is not None, seq_idx)
     if not return_final_states:
         return out
     if final_states_out is not None:
@@ -536,6 +601,8 @@ def causal_conv1d_update(x, conv_state, weight, bias=None, activation=None):
         steps = [causal_conv1d_update(x[..., t], conv_state, weight, bias, activation) for t in range(x.shape[-1])]
         return torch.stack(steps, dim=-1) if steps else x.clone()
     _check_update_inputs(x, conv_state, weight, bias)
+    if x.numel() == 0:   # no batch element or no channel: no output to compute, no state to shift
+        return torch.empty_like(x)
     silu = activation is not None
     if torch.compiler.is_compiling():  # traced: the functional op, then the in-place copy torch.compile tracks
         out, new_state = causal_conv1d_update_op(x, conv_state, weight, bias, silu)

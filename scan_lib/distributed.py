@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import scan_lib
 
 
-BYTES_RECEIVED = {"forward": 0, "backward": 0}   # this process's exchanges so far, for section 6's costs
+BYTES_RECEIVED = {"forward": 0, "backward": 0}   # this process's exchanges so far, for the costs
 
 
 def _count(tensor, copies=1):
@@ -47,43 +47,26 @@ def send(tensor, rank, group=None):
 
 def receive(like, rank, group=None):
     """A tensor shaped as `like`, received from `rank` of `group`, on like's device."""
-    received = torch.empty_like(like, device=_staging(like, group))
+    received = torch.empty(like.shape, dtype=like.dtype, device=_staging(like, group))   # contiguous, as recv needs
     dist.recv(received, src=_peer(rank, group), group=group)
     _count(received)
     return received.to(like.device)
 
 
-class _GatherSmall(torch.autograd.Function):
-    """all_gather of one small tensor, differentiable: the backward sums, over the ranks, the gradients
-    each rank's output holds for this rank's entry."""
-
-    @staticmethod
-    def forward(ctx, tensor, group):
-        ctx.group = group
-        return torch.stack(all_gather(tensor, group))                    # ranks x tensor's shape
-
-    @staticmethod
-    def backward(ctx, grad):
-        every = torch.stack(all_gather(grad, ctx.group))                 # ranks x (ranks x shape)
-        return every[:, dist.get_rank(ctx.group)].sum(0), None
-
-
-def gather_small(tensor, group=None):
-    """Every rank's `tensor` (same shape everywhere), stacked in rank order: (ranks, *shape). Gradients
-    flow back to each rank's tensor."""
-    return _GatherSmall.apply(tensor, group)
-
-
 class _EnteringState(torch.autograd.Function):
-    """h_in of this rank from every rank's (decay, end) and rank 0's start: one all_gather forward; the
+    """h_in of this rank from every rank's (decay, end), rank 0's carrying its start: one all_gather forward; the
     backward is the adjoint's reverse chain, T_r = g_r + decay_r T_{r+1}, received from rank r + 1 and
     sent to rank r - 1: one summary's bytes per rank, whatever the number of ranks."""
 
     @staticmethod
     def forward(ctx, decay, end, start, group):
-        summaries = torch.stack(all_gather(torch.stack([decay, end, start]), group))   # ranks x 3 x shape
-        h = summaries[0, 2]                                                  # rank 0's initial state
-        for k in range(dist.get_rank(group)):
+        # rank 0 sends P_0 h_{-1} + E_0, where its shard ends, in place of E_0: the initial state rides in
+        # rank 0's summary, and every summary is 2 tensors, (P_k, the state after shard k from h_{-1} = 0)
+        rank = dist.get_rank(group)
+        first = decay * start + end if rank == 0 else end
+        summaries = torch.stack(all_gather(torch.stack([decay, first]), group))   # ranks x 2 x shape
+        h = start if rank == 0 else summaries[0, 1]                          # h_in_1 = P_0 h_{-1} + E_0
+        for k in range(1, rank):
             h = summaries[k, 0] * h + summaries[k, 1]
         ctx.save_for_backward(decay, h)
         ctx.group = group
@@ -150,18 +133,49 @@ def selective_scan(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_sof
     return scan_lib.selective_scan(u, delta, A, B, C, D, z, delta_bias, delta_softplus, return_last_state,
                                    entering)                                         # phase 3
 
+class _ConvBoundary(torch.autograd.Function):
+    """The keep = width - 1 columns of the sequence before this rank's shard (zeros before the
+    sequence), from every rank's last columns: one all_gather forward, folded as _EnteringState's; the
+    backward is the same reverse chain, one window of keep columns received from rank r + 1 and one
+    sent to rank r - 1, whatever the number of ranks."""
+
+    @staticmethod
+    def forward(ctx, tail, keep, group):
+        # tail: this rank's last m = min(keep, shard) columns. W_k, the keep columns up to the end of rank
+        # k's shard, is the last keep columns of (W_{k-1}, rank k's tail); rank r's boundary is W_{r-1}.
+        m = tail.shape[-1]
+        lengths = torch.cat(all_gather(torch.tensor([m], device=tail.device), group)).tolist()   # one host sync
+        if 0 in lengths:   # raised on every rank alike: none is left waiting for the others
+            raise ValueError(f"every rank's shard must hold at least one position; rank {lengths.index(0)}'s is empty")
+        tails = all_gather(F.pad(tail, (keep - m, 0)), group)               # ranks x (batch x dim x keep)
+        window = torch.zeros_like(tails[0])                                 # W_{-1}: before the sequence
+        for k in range(dist.get_rank(group)):
+            window = torch.cat([window, tails[k][..., keep - lengths[k]:]], -1)[..., -keep:]   # W_k
+        ctx.m, ctx.keep, ctx.group = m, keep, group
+        return window
+
+    @staticmethod
+    def backward(ctx, grad):
+        # U_r = dL/dW_r, all of it: W_r reaches rank r + 1's convolution (its grad there) and, if rank
+        # r + 1's shard is shorter than keep, W_{r+1} too. U_{r-1} = grad + U_r's first keep - m columns
+        # (where W_r copied W_{r-1}); the tail's gradient is U_r's last m columns.
+        m, keep, group = ctx.m, ctx.keep, ctx.group
+        rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+        later = receive(grad, rank + 1, group) if rank < ranks - 1 else torch.zeros_like(grad)   # U_r
+        total = grad.clone()
+        total[..., m:] += later[..., :keep - m]                             # U_{r-1}
+        if rank > 0:
+            send(total, rank - 1, group)
+        return later[..., keep - m:], None, None
+
+
 def conv_initial_states(x, width, group=None):
     """The width - 1 columns of x (batch, dim, this rank's shard) before this rank's shard, from the
-    ranks before it (zeros before the sequence), as causal_conv1d's initial_states. Differentiable."""
+    ranks before it (zeros before the sequence), as causal_conv1d's initial_states. Differentiable; the
+    backward receives one window of width - 1 columns per rank."""
     keep = width - 1
-    tail = F.pad(x[..., -keep:], (keep - min(keep, x.shape[-1]), 0))           # batch x dim x keep
-    lengths = all_gather(torch.tensor([min(keep, x.shape[-1])], device=x.device), group)
-    tails = gather_small(tail, group)                                          # ranks x batch x dim x keep
-    rank = dist.get_rank(group)
-    before = [torch.zeros_like(tail)] + [tails[k][..., keep - int(lengths[k]):] for k in range(rank)]
-    # tails[rank][..., :0] adds nothing but keeps the gather in every rank's graph (rank 0 uses no tail):
-    # its backward is a collective, which every rank must join.
-    return torch.cat(before + [tails[rank][..., :0]], -1)[..., -keep:]
+    m = min(keep, x.shape[-1])
+    return _ConvBoundary.apply(x[..., x.shape[-1] - m:], keep, group)
 
 
 def mamba(block, hidden_states, *, group=None):
@@ -375,20 +389,155 @@ def time_exchanges(shapes, repeats=20):
     return times
 
 
-def bytes_per_pass(batch=2, dim=8, n_states=4, shard=16):
+def bytes_per_pass(batch=1, dim=4, n_states=4, shard=4):
     """Run on every rank: the bytes this rank receives in one forward and one backward of the
-    sequence-parallel selective scan, each rank holding `shard` positions. Returns {pass: bytes}."""
+    sequence-parallel selective scan (batch x dim channels, N = n_states) and of a Mamba block (d_model
+    dim, expand 2, d_conv 4, d_state n_states), each rank holding `shard` positions; and, for the cost
+    model ("Going deeper: how real systems split a sequence"; one launch serves both), bytes_by_design()'s
+    counts of the other designs.
+    Returns {"selective_scan" or "mamba": {pass: bytes}, "designs": bytes_by_design()}."""
     g = torch.Generator().manual_seed(dist.get_rank())
     leaves = [t.to(_device()).requires_grad_() for t in (
         torch.randn(batch, dim, shard, generator=g), torch.randn(batch, dim, shard, generator=g) - 1.0,
         -torch.rand(dim, n_states, generator=g) - 0.5, torch.randn(batch, n_states, shard, generator=g),
         torch.randn(batch, n_states, shard, generator=g))]
-    before = dict(BYTES_RECEIVED)
-    out = selective_scan(*leaves, delta_softplus=True)
-    after_forward = dict(BYTES_RECEIVED)
-    torch.autograd.grad(out.sum(), leaves)
-    return {"forward": after_forward["forward"] - before["forward"],
-            "backward": BYTES_RECEIVED["backward"] - after_forward["backward"]}
+    torch.manual_seed(0)                                          # the same block on every rank
+    block = scan_lib.Mamba(d_model=dim, d_state=n_states, d_conv=4, expand=2, device=_device())
+    hidden = torch.randn(batch, shard, dim, generator=g).to(_device()).requires_grad_()
+    runs = {"selective_scan": (lambda: selective_scan(*leaves, delta_softplus=True), leaves),
+            "mamba": (lambda: mamba(block, hidden), [hidden, *block.parameters()])}
+    counts = {}
+    for kind, (forward, inputs) in runs.items():
+        before = dict(BYTES_RECEIVED)
+        out = forward()
+        after_forward = dict(BYTES_RECEIVED)
+        torch.autograd.grad(out.sum(), inputs)
+        counts[kind] = {"forward": after_forward["forward"] - before["forward"],
+                        "backward": BYTES_RECEIVED["backward"] - after_forward["backward"]}
+    counts["designs"] = bytes_by_design()
+    return counts
+
+import math
+
+
+def _all_to_all(x, split_dim, cat_dim, group):
+    """Split x in `ranks` equal chunks along split_dim, chunk j to rank j; the chunks received, in rank
+    order, concatenated along cat_dim. Staged as all_gather's; counts the R - 1 chunks received."""
+    ranks = dist.get_world_size(group)
+    parts = torch.stack(x.to(_staging(x, group)).chunk(ranks, split_dim))   # ranks x chunk, contiguous
+    received = torch.empty_like(parts)
+    dist.all_to_all_single(received, parts, group=group)   # gloo's list form all_to_all needs torch 2.12
+    _count(received[0], ranks - 1)
+    return torch.cat(received.unbind(0), cat_dim).to(x.device)
+
+
+class _Reshard(torch.autograd.Function):
+    """An all-to-all between a sequence-sharded and a channel-sharded layout; its backward is the
+    all-to-all the other way."""
+
+    @staticmethod
+    def forward(ctx, x, split_dim, cat_dim, group):
+        ctx.dims, ctx.group = (split_dim, cat_dim), group
+        return _all_to_all(x, split_dim, cat_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        split_dim, cat_dim = ctx.dims
+        return _all_to_all(grad, cat_dim, split_dim, ctx.group), None, None, None
+
+
+class _GatherPositions(torch.autograd.Function):
+    """Every rank's shard (equal lengths) concatenated along the last axis: an all_gather; its backward
+    is a reduce-scatter, each rank receiving the other ranks' gradients of its own positions."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return torch.cat(all_gather(x, group), -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ranks = dist.get_world_size(ctx.group)
+        parts = [p.contiguous() for p in grad.to(_staging(grad, ctx.group)).chunk(ranks, -1)]
+        mine = torch.empty_like(parts[0])
+        dist.reduce_scatter(mine, parts, group=ctx.group)
+        _count(mine, ranks - 1)
+        return mine.to(grad.device), None
+
+
+def selective_scan_all_to_all(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_softplus=False, *,
+                              group=None):
+    """selective_scan's result (this rank's shard of out) by the all-to-all design: u, delta, z
+    resharded to this rank's d_inner / R channels over the whole sequence, B and C gathered, one scan,
+    out resharded back. Needs equal shards and the channels divisible by the ranks. Differentiable."""
+    rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+    dim = u.shape[1]
+    lengths = [None] * ranks
+    dist.all_gather_object(lengths, u.shape[-1], group=group)   # a check, not the design's bytes: not counted
+    if len(set(lengths)) > 1:   # raised on every rank alike (unequal chunks would fail or hang inside the exchange)
+        raise ValueError(f"the all-to-all needs every rank's shard of u the same length, got {lengths}")
+    if dim % ranks:
+        raise ValueError(f"the all-to-all needs the channels ({dim}) divisible by the ranks ({ranks})")
+    for name, t in (("B", B), ("C", C)):
+        if t.dim() != 3:
+            raise ValueError(f"{name}: the all-to-all here takes one group per position, (batch, N, L); got shape "
+                             f"{tuple(t.shape)} (grouped and time-invariant {name} are not supported)")
+    mine = slice(rank * dim // ranks, (rank + 1) * dim // ranks)
+    u, delta, z = (None if t is None else _Reshard.apply(t, 1, -1, group) for t in (u, delta, z))
+    B, C = (_GatherPositions.apply(t, group) for t in (B, C))
+    out = scan_lib.selective_scan(u, delta, A[mine], B, C, None if D is None else D[mine], z,
+                                  None if delta_bias is None else delta_bias[mine], delta_softplus)
+    return _Reshard.apply(out, -1, 1, group)
+
+
+def exchange_costs(ranks, batch, d_inner, n_states, length, state_bytes=4, activation_bytes=2,
+                   alpha=10e-6, beta=50e9):
+    """Section 7's cost model, per rank and per layer's scan, for the four designs: {design: {"rounds":
+    (fwd, bwd), "received": (fwd, bwd) bytes (the most any rank receives), "passes": (fwd, bwd), "memory":
+    extra bytes held, "seconds": rounds * alpha + received / beta, summed over both passes}}."""
+    R, log = ranks, math.ceil(math.log2(ranks)) if ranks > 1 else 0
+    S = batch * d_inner * n_states * state_bytes
+    A = batch * d_inner * length / R * activation_bytes
+    G = batch * n_states * length / R * activation_bytes
+    one = 1 if R > 1 else 0
+    moved = 4 * (R - 1) / R * A + 2 * (R - 1) * G
+    costs = {"this chapter": dict(rounds=(log, R - 1), received=(2 * (R - 1) * S, one * S), passes=(2, 2), memory=2 * R * S),
+             "chain both ways": dict(rounds=(R - 1, R - 1), received=(one * S, one * S), passes=(2, 2), memory=S),
+             "all-gather both ways": dict(rounds=(log, log), received=(2 * (R - 1) * S, (R - 1) * S), passes=(2, 2),
+                                          memory=2 * R * S),
+             "all-to-all": dict(rounds=(2 * one, 2 * one), received=(moved, moved), passes=(1, 1), memory=2 * R * G)}
+    for cost in costs.values():
+        cost["seconds"] = sum(cost["rounds"]) * alpha + sum(cost["received"]) / beta
+    return costs
+
+
+def bytes_by_design(batch=1, channels=None, n_states=4, shard=4):
+    """Run on every rank: the bytes this rank receives in one forward and one backward of the selective
+    scan (batch x channels, default one per rank, N = n_states, `shard` positions per rank) by this chapter's design and by
+    the all-to-all, the forward bytes of entering_state_by_chain, and the largest relative difference
+    between the two designs' outputs and gradients. Returns a dict."""
+    channels = channels or dist.get_world_size()
+    g = torch.Generator().manual_seed(dist.get_rank())
+    rand = lambda *shape: torch.randn(*shape, generator=g).to(_device())  # noqa: E731
+    u, delta, B, C, z = (rand(batch, channels, shard), rand(batch, channels, shard) - 1.0, rand(batch, n_states, shard),
+                         rand(batch, n_states, shard), rand(batch, channels, shard))
+    torch.manual_seed(0)                                                  # A, D, delta_bias: the same on every rank
+    A = -(0.5 + torch.rand(channels, n_states)).to(_device())
+    D, bias = torch.randn(channels).to(_device()), torch.randn(channels).to(_device())
+    counts, results = {}, {}
+    for design, scan in (("this chapter", selective_scan), ("all-to-all", selective_scan_all_to_all)):
+        leaves = [t.clone().requires_grad_() for t in (u, delta, B, C, z)]
+        before = dict(BYTES_RECEIVED)
+        out = scan(leaves[0], leaves[1], A, leaves[2], leaves[3], D, leaves[4], bias, delta_softplus=True)
+        middle = dict(BYTES_RECEIVED)
+        grads = torch.autograd.grad((out * out).sum(), leaves)
+        counts[design] = (middle["forward"] - before["forward"], BYTES_RECEIVED["backward"] - middle["backward"])
+        results[design] = [out, *grads]
+    before = BYTES_RECEIVED["forward"]
+    entering_state_by_chain(*(torch.rand(batch, channels, n_states).to(_device()) for _ in range(2)))
+    counts["chain both ways"] = (BYTES_RECEIVED["forward"] - before, None)
+    difference = _worst(zip(results["all-to-all"], results["this chapter"]))
+    return dict(counts=counts, difference=difference)
 
 def time_selective_scan(length, dim=1536, n_states=16, dtype=torch.bfloat16, repeats=5):
     """Run on every rank: this rank's median seconds for the forward and the forward+backward of the

@@ -31,8 +31,8 @@ def first_order_op(a_left, b_left, a_right, b_right):
     With finite gates and tokens a scan with this operator gives the recurrence up to rounding, in any
     grouping. With infinite gates it need not: a zero gate followed later by an infinite one gives the
     composed gate 0 * inf = NaN, so a tree scan (a GPU's) returns NaN where the recurrence, applied
-    step by step, gives +-inf or a finite value; a left-to-right fold (Triton's CPU interpreter) gives
-    the recurrence's values. See "Zero and infinite gates" in notebooks/02_ema.
+    step by step, gives +-inf (finite only where a product or sum of finite values overflowed first); a
+    left-to-right fold (Triton's CPU interpreter) gives the recurrence's values. See "Zero and infinite gates" in notebooks/02_ema.
     """
     return a_left * a_right, a_right * b_left + b_right
 

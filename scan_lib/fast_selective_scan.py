@@ -58,14 +58,14 @@ def _carry_in(CARRY, n, n_segments, d_ok):
 @triton.jit
 def strided_fwd_kernel(
     U, DELTA, A, B, C, D, Z, BIAS, H0,     # u, delta, z: any strides (b, d, L); A (d, N); B, C (b, g, N, L) or (d, N)
-    OUT, STATES, LAST, DSUM,               # OUT: u's layout; contiguous b x d x N x n_chunks, b x d x N x S, b x d x S
+    OUT, STATES, LAST, DSUM,               # OUT: u's layout; contiguous b x d x N x n_saved, b x d x N x S, b x d x S
     dim, length, n_chunks, seg_chunks, per_group_b, per_group_c,
     su_b, su_d, su_l, sdt_b, sdt_d, sdt_l, sz_b, sz_d, sz_l, sa_d, sa_n,
     sb_b, sb_g, sb_n, sb_l, sc_b, sc_g, sc_n, sc_l, so_b, so_d, so_l,
     N_STATES: tl.constexpr, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_H0: tl.constexpr, B_PER_STEP: tl.constexpr, C_PER_STEP: tl.constexpr, SOFTPLUS: tl.constexpr,
-    ACC: tl.constexpr, SAVE: tl.constexpr, SUMMARY: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+    ACC: tl.constexpr, SAVE: tl.constexpr, SAVE_EVERY: tl.constexpr, SUMMARY: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, UNROLL: tl.constexpr,
 ):
     # Program (batch element, block of channels, segment): the segment's chunks, from the state H0 holds
     # for it (S segments: section 5; S = 1 is the whole sequence). SUMMARY: write no output, only the
@@ -90,6 +90,11 @@ def strided_fwd_kernel(
     tl.store(CARRY[:, None] + ns[None, :] * n_segments, carry, dn_ok)
     if HAS_D:
         skip = tl.load(D + ds, d_ok, other=0.0).to(ACC)[:, None]
+    # SAVE: the state entering every piece of SAVE_EVERY positions (the backward's chunk), SAVES per chunk,
+    # state n of the block's channels at SAVED + n * n_saved + piece.
+    SAVES: tl.constexpr = CHUNK // SAVE_EVERY
+    n_saved = tl.cdiv(length, SAVE_EVERY)
+    SAVED = STATES + (pid_b * dim + ds) * N_STATES * n_saved                # BLOCK_D
     dsum = tl.zeros((BLOCK_D,), dtype=ACC)
     first, last = ts[None, :] == 0, ts[None, :] == CHUNK - 1
     for k in range(k_first, k_end):
@@ -103,20 +108,27 @@ def strided_fwd_kernel(
         dsum += tl.sum(delta, axis=1)                                     # 0 where masked
         step_u = delta * u                                                # shared by the states
         ybar = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)
-        for n in range(0, N_STATES):
-            rate = tl.load(A + ds * sa_d + n * sa_n, d_ok, other=0.0).to(ACC)[:, None]      # BLOCK_D x 1
-            h_in = _carry_in(CARRY, n, n_segments, d_ok)                                    # BLOCK_D
-            if SAVE:  # the state entering chunk k, for the backward
-                tl.store(STATES + ((pid_b * dim + ds) * N_STATES + n) * n_chunks + k, h_in, d_ok)
-            b_coef = _coef_row(B, b_base, n, ds, d_ok, t, t_ok, sb_g, sb_n, sb_l, B_PER_STEP, ACC)
-            if not SUMMARY:
-                c_coef = _coef_row(C, c_base, n, ds, d_ok, t, t_ok, sc_g, sc_n, sc_l, C_PER_STEP, ACC)
-            a, b = discretize_exp2(delta, rate * LOG2E, b_coef, step_u)                  # BLOCK_D x CHUNK
-            b += tl.where(first, a * h_in[:, None], 0.0)                                 # start from the carry
-            _, h = tl.associative_scan((a, b), axis=1, combine_fn=first_order_op)
-            if not SUMMARY:
-                ybar += c_coef * h
-            tl.store(CARRY + n * n_segments, tl.sum(tl.where(last, h, 0.0), axis=1), d_ok)
+        for n_first in range(0, N_STATES, UNROLL):   # UNROLL states per step: their scans are independent
+            for j in tl.static_range(UNROLL):
+                n = n_first + j
+                rate = tl.load(A + ds * sa_d + n * sa_n, d_ok, other=0.0).to(ACC)[:, None]      # BLOCK_D x 1
+                h_in = _carry_in(CARRY, n, n_segments, d_ok)                                    # BLOCK_D
+                if SAVE:  # the state entering chunk k (its first piece), for the backward
+                    tl.store(SAVED + n * n_saved + k * SAVES, h_in, d_ok)
+                b_coef = _coef_row(B, b_base, n, ds, d_ok, t, t_ok, sb_g, sb_n, sb_l, B_PER_STEP, ACC)
+                if not SUMMARY:
+                    c_coef = _coef_row(C, c_base, n, ds, d_ok, t, t_ok, sc_g, sc_n, sc_l, C_PER_STEP, ACC)
+                a, b = discretize_exp2(delta, rate * LOG2E, b_coef, step_u)                  # BLOCK_D x CHUNK
+                b += tl.where(first, a * h_in[:, None], 0.0)                                 # start from the carry
+                _, h = tl.associative_scan((a, b), axis=1, combine_fn=first_order_op)
+                if SAVE:  # the states entering the chunk's other pieces: the tile's last state before each
+                    for r in tl.static_range(1, SAVES):
+                        entering = tl.sum(tl.where(ts[None, :] == r * SAVE_EVERY - 1, h, 0.0), axis=1)
+                        if k * SAVES + r < n_saved:   # the last chunk may hold fewer pieces
+                            tl.store(SAVED + n * n_saved + k * SAVES + r, entering, d_ok)
+                if not SUMMARY:
+                    ybar += c_coef * h
+                tl.store(CARRY + n * n_segments, tl.sum(tl.where(last, h, 0.0), axis=1), d_ok)
         if not SUMMARY:
             if HAS_D:
                 ybar += skip * u
@@ -218,7 +230,7 @@ def run_states(a, b, h_in, runs, SEGS: tl.constexpr, ITEMS: tl.constexpr):
 def run_adjoints(gate, c, adj_in, runs, SEGS: tl.constexpr, ITEMS: tl.constexpr):
     """The adjoint of a chunk, right to left: adj_t = c_t + gate_t adj_{t+1} (ITEMS tiles of BLOCK_D x SEGS
     each, gate_t = a_{t+1}), adj_in (BLOCK_D) entering at the chunk's last position; run_states' method
-    mirrored (the scan over the runs' summaries is the only reverse scan)."""
+    mirrored (the scan over the runs' summaries runs right to left: reversed by a gather, scanned forward)."""
     c_last = c[ITEMS - 1] + tl.where(runs == SEGS - 1, adj_in[:, None], 0.0)
     run_gate, run_adj = gate[ITEMS - 1], c_last
     for r in tl.static_range(ITEMS - 2, -1, -1):
@@ -465,15 +477,7 @@ def segment_carries(summary, dsum, A, boundary, reverse):
         return torch.cat([leaving[..., 1:], start[..., None]], -1), leaving[..., 0]
     return torch.cat([start[..., None], leaving[..., :-1]], -1), leaving[..., -1]
 
-def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) for positive integers (triton.cdiv, without its per-call cost on the host)."""
-    return -(-a // b)
-
-
-def next_power_of_2(n: int) -> int:
-    """The smallest power of two >= n for n >= 1, 0 for 0 (triton.next_power_of_2, plain Python)."""
-    return 1 << (n - 1).bit_length() if n > 0 else 0
-
+from scan_lib.runtime import cdiv, next_power_of_2   # plain Python: Triton's cost a wrapper call each
 
 KEPT = 4096   # entries a cache holds before it starts afresh (every new sequence length adds one)
 CACHES: dict = {"plans": {}, "checked": {}, "summed": {}}   # name -> {key: value}
@@ -519,7 +523,7 @@ class Launcher:
     compiles if needed and returns the compiled kernel; later calls go straight to that compiled
     kernel's launcher for the grid, which reads the current stream and launches. Tensors' dtypes and
     which are None, the integers and the constexprs are the plan's, fixed when the Launcher is made.
-    Under the interpreter, or with `through_triton` set (section 11 compares), every call goes
+    Under the interpreter, or with `through_triton` set ("Going deeper: the host's share" compares), every call goes
     through Triton."""
     through_triton = False
 
@@ -548,6 +552,7 @@ def planned(build, tensors: tuple, options: tuple):
     return cached("plans", lambda: (build, signature(*tensors), options, plan_context()),
                   lambda: build(*tensors, *options))
 
+import functools
 import math
 from typing import Optional
 
@@ -555,20 +560,27 @@ from scan_lib.runtime import apply, custom_op
 from scan_lib.selective_scan import (_NoSecondDerivative, _acc_dtype, _check_inputs, _groups,
                                      _vmap_by_loop, empty_selective_scan)
 
-# block_d channels per program, chunk positions per loop step, num_warps: the fastest of a sweep on an
-# H200 (section 9). The backward's chunk is for 4-byte inputs and scales to the same bytes for others
-# (launch_config): 32 runs of 16 bytes, one per lane of the warp. Under the interpreter, small chunks
-# so that small tests cross several chunks.
-GPU_CONFIG = {"fwd": dict(block_d=2, chunk=512, num_warps=1), "bwd": dict(block_d=2, chunk=128, num_warps=1)}
-CPU_CONFIG = {"fwd": dict(block_d=2, chunk=16, num_warps=1), "bwd": dict(block_d=2, chunk=8, num_warps=1)}
+# block_d channels per program, chunk positions per loop step, num_warps, and for the forward unroll
+# states per step of the loop over states (where it has none, states_per_step's table decides): the
+# fastest of sweeps on an H200 and an H100 ("Going deeper": segments and states per step, and the
+# sweep). The backward's chunk is for 4-byte inputs and scales to the same bytes for others
+# (launch_config): 32 runs of 16 bytes, one per lane of the warp.
+# Under the interpreter, small chunks so that small tests cross several chunks, and two states per
+# step so that they run the unrolled loop.
+GPU_CONFIG = {"fwd": dict(block_d=1, chunk=512, num_warps=1), "bwd": dict(block_d=2, chunk=128, num_warps=1)}
+CPU_CONFIG = {"fwd": dict(block_d=2, chunk=16, num_warps=1, unroll=2), "bwd": dict(block_d=2, chunk=8, num_warps=1)}
+# The forward's states per step (section 5) where its config gives none, as "Going deeper: segments
+# and states per step, measured" found: rows (largest chunk, most programs per multiprocessor, states
+# per step), the first that fits wins; one state per step where none does.
+FORWARD_STATES_PER_STEP = ((256, 16, 16), (256, math.inf, 2), (512, 24, 2))
 
 
 def plan_context() -> tuple:
     """What a plan depends on besides its inputs: the kernels and the launch configs as they stand now
-    (a notebook cell may define a kernel again, a grader swap in a student's, section 9's sweep
-    change GPU_CONFIG; a plan made before must not be used after)."""
+    (a notebook cell may define a kernel again, a grader swap in a student's, the sweep of "Going
+    deeper: ideas that did not pay" change GPU_CONFIG; a plan made before must not be used after)."""
     configs = CPU_CONFIG if INTERPRET else GPU_CONFIG
-    return (strided_fwd_kernel, adjoint_summary_kernel, strided_bwd_kernel,
+    return (strided_fwd_kernel, adjoint_summary_kernel, strided_bwd_kernel, FORWARD_STATES_PER_STEP,
             *[tuple(config.items()) for config in configs.values()])
 
 
@@ -583,6 +595,27 @@ def launch_config(kind, dim, per_group_b, per_group_c, length, element_size=4):
         block_d = min(block_d, per_group & -per_group)       # largest power of two dividing per_group
     config.update(block_d=block_d, chunk=min(config["chunk"], max(next_power_of_2(length), 2)))
     return config
+
+
+def states_per_step(config, chunk, n_states, programs, multiprocessors):
+    """UNROLL, the states one step of the loop over states takes: the config's "unroll" where it has
+    one; else all of them with 4 states or fewer (few registers), else FORWARD_STATES_PER_STEP's row for
+    the chunk and the programs per multiprocessor. Made a divisor of n_states."""
+    if "unroll" in config:
+        unroll = config["unroll"]
+    elif n_states <= 4:
+        unroll = n_states
+    else:
+        per_multiprocessor = programs / multiprocessors
+        unroll = next((states for most_chunk, most_programs, states in FORWARD_STATES_PER_STEP
+                       if chunk <= most_chunk and per_multiprocessor <= most_programs), 1)
+    return math.gcd(unroll, n_states)
+
+
+@functools.cache
+def multiprocessor_count(device: torch.device):
+    """The GPU's multiprocessors (None under the interpreter)."""
+    return None if INTERPRET else torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def run_items(u, chunk):
@@ -682,7 +715,11 @@ def fwd_plan(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
     acc = _acc_dtype(u, delta, A, B, C, D, z, delta_bias, initial_state)
     per_group_b, per_group_c, strides = _layout(u, delta, z, A, B, C)
     config = launch_config("fwd", dim, per_group_b, per_group_c, length)
-    chunk = save_chunk if save_chunk > 0 else config["chunk"]
+    chunk = max(config["chunk"], save_chunk)
+    if save_chunk > 0 and chunk % save_chunk:
+        raise ValueError(f"save_chunk must divide the forward's chunk {chunk} (a power of two), got {save_chunk}")
+    unroll = states_per_step(config, chunk, n_states, batch * cdiv(dim, config["block_d"]),
+                             multiprocessor_count(u.device))
     n_chunks = cdiv(length, chunk)
     n_segments, seg_chunks = split(n_chunks, segments)
     grid = (batch, cdiv(dim, config["block_d"]), n_segments)
@@ -691,14 +728,15 @@ def fwd_plan(u, delta, A, B, C, D, z, delta_bias, initial_state, delta_softplus,
     constexprs = dict(N_STATES=n_states, HAS_D=D is not None, HAS_Z=z is not None, HAS_BIAS=delta_bias is not None,
                       B_PER_STEP=B.dim() == 4, C_PER_STEP=C.dim() == 4, SOFTPLUS=delta_softplus,
                       ACC=accumulator_dtype(acc), BLOCK_D=config["block_d"], BLOCK_N=next_power_of_2(n_states),
-                      CHUNK=chunk, num_warps=config["num_warps"])
+                      CHUNK=chunk, UNROLL=unroll, SAVE_EVERY=save_chunk if save_chunk > 0 else chunk,
+                      num_warps=config["num_warps"])
 
     def scan_pass(summary, has_h0):   # summary: phase 1 (each segment's last state and sum of steps)
         return Launcher(strided_fwd_kernel, grid, scalars, dict(
             constexprs, HAS_H0=has_h0, SAVE=save_chunk > 0 and not summary, SUMMARY=summary))
     return dict(acc=acc, n_segments=n_segments,
                 ends=(batch, dim, n_states, n_segments) if n_segments > 1 else (batch, dim, n_states),
-                states=(batch, dim, n_states, n_chunks if save_chunk > 0 else 0),
+                states=(batch, dim, n_states, cdiv(length, save_chunk) if save_chunk > 0 else 0),
                 summary=scan_pass(True, False) if n_segments > 1 else None,
                 outputs=scan_pass(False, n_segments > 1 or initial_state is not None))
 

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype, chunk_positions, launch_options, linear_scan_rows, scan_chunk
-from scan_lib.runtime import FLOAT_DTYPES, apply, check_same_device, custom_op
+from scan_lib.runtime import FLOAT_DTYPES, apply, check_same_device, custom_op, plus, zero_in_graph
 
 # Launch parameters of the backward kernel (benchmarks/bench_linear_scan.py sweeps them on a GPU).
 BWD_CONFIG = {"max_chunk": 2048, "elements_per_thread": 16, "stages": 1, "reversed_loads": False}
@@ -64,112 +64,6 @@ def linear_scan_rows_backward(gates, h, grad_h, initial_state=None, reverse=Fals
     )
     return d_gates, d_tokens, d_init
 
-
-# The two kernels as torch ops: opaque to torch.compile (which sees only their fake implementations)
-# and batched by torch.func.vmap through their vmap rules. Inputs: contiguous rows of one dtype.
-@custom_op("linear_scan_fwd", __name__)
-def linear_scan_fwd(gates: torch.Tensor, tokens: torch.Tensor, initial_state: Optional[torch.Tensor],
-                    reverse: bool, chunk: Optional[int]) -> torch.Tensor:
-    """h for gates, tokens (rows, L) and initial_state (rows,) or None."""
-    if tokens.numel() == 0:
-        return torch.empty_like(tokens)
-    return linear_scan_rows(gates, tokens, initial_state, reverse, chunk)
-
-
-@linear_scan_fwd.register_fake
-def _(gates, tokens, initial_state, reverse, chunk):
-    return torch.empty_like(tokens)
-
-
-@custom_op("linear_scan_bwd", __name__)
-def linear_scan_bwd(gates: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor, initial_state: Optional[torch.Tensor],
-                    reverse: bool, chunk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(d_gates, d_tokens, d_initial_state), the last of shape (0,) when initial_state is None."""
-    d_init = gates.new_empty(0) if initial_state is None else torch.zeros_like(initial_state)
-    if h.numel() == 0:
-        return torch.zeros_like(gates), torch.zeros_like(h), d_init
-    d_gates, d_tokens, d_init_rows = linear_scan_rows_backward(gates, h, grad_h, initial_state, reverse, chunk)
-    return d_gates, d_tokens, d_init if d_init_rows is None else d_init_rows
-
-
-@linear_scan_bwd.register_fake
-def _(gates, h, grad_h, initial_state, reverse, chunk):
-    d_init = gates.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
-    return torch.empty_like(gates), torch.empty_like(h), d_init
-
-
-def _rows_of_batch(info, in_dims, *tensors):
-    """vmap: move each batch dim to the front (expanding unbatched tensors), then fold it into the rows:
-    (batch, rows, L) -> (batch * rows, L), (batch, rows) -> (batch * rows,)."""
-    out = []
-    for tensor, dim in zip(tensors, in_dims):
-        if tensor is not None:
-            tensor = tensor.movedim(dim, 0) if dim is not None else tensor.expand(info.batch_size, *tensor.shape)
-            tensor = tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).contiguous()
-        out.append(tensor)
-    return out
-
-
-def _linear_scan_fwd_vmap(info, in_dims, gates, tokens, initial_state, reverse, chunk):
-    rows = tokens.shape[0] if in_dims[1] is None else tokens.movedim(in_dims[1], 0).shape[1]
-    h = linear_scan_fwd(*_rows_of_batch(info, in_dims[:3], gates, tokens, initial_state), reverse, chunk)
-    return h.view(info.batch_size, rows, h.shape[-1]), 0
-
-
-def _linear_scan_bwd_vmap(info, in_dims, gates, h, grad_h, initial_state, reverse, chunk):
-    rows = h.shape[0] if in_dims[1] is None else h.movedim(in_dims[1], 0).shape[1]
-    d_gates, d_tokens, d_init = linear_scan_bwd(*_rows_of_batch(info, in_dims[:4], gates, h, grad_h, initial_state),
-                                                reverse, chunk)
-    batch, length = info.batch_size, h.shape[-1]
-    d_init = d_init.view(batch, rows) if initial_state is not None else d_init.new_empty(batch, 0)
-    return (d_gates.view(batch, rows, length), d_tokens.view(batch, rows, length), d_init), (0, 0, 0)
-
-
-linear_scan_fwd.register_vmap(_linear_scan_fwd_vmap)
-linear_scan_bwd.register_vmap(_linear_scan_bwd_vmap)
-
-
-def _shift(x, reverse, fill):
-    """x_{t+1} at position t with `fill` at the end (reverse: x_{t-1}, `fill` at the start). (rows, L)."""
-    pad = fill.expand_as(x[:, :1]) if isinstance(fill, torch.Tensor) else torch.full_like(x[:, :1], fill)
-    return torch.cat([pad, x[:, :-1]], -1) if reverse else torch.cat([x[:, 1:], pad], -1)
-
-
-class LinearScanFunction(torch.autograd.Function):
-    """Autograd for linear_scan on contiguous rows of one dtype: gates, tokens (rows, L), initial_state (rows,) or None."""
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(gates, tokens, initial_state, reverse, chunk):
-        return linear_scan_fwd(gates, tokens, initial_state, reverse, chunk)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        gates, _, initial_state, reverse, chunk = inputs
-        ctx.save_for_backward(gates, output, initial_state)
-        ctx.reverse, ctx.chunk = reverse, chunk
-
-    @staticmethod
-    def backward(ctx, grad_h):
-        gates, h, initial_state = ctx.saved_tensors
-        if torch.is_grad_enabled() and h.shape[-1] > 0:  # create_graph=True: a backward autograd can differentiate
-            d_gates, d_tokens, d_init = _backward_by_scan(gates, h, grad_h, initial_state, ctx.reverse, ctx.chunk)
-        else:  # the usual case: one fused kernel
-            d_gates, d_tokens, d_init = linear_scan_bwd(gates, h, grad_h.contiguous(), initial_state,
-                                                        ctx.reverse, ctx.chunk)
-        return d_gates, d_tokens, None if initial_state is None else d_init, None, None
-
-
-def _backward_by_scan(gates, h, grad_h, initial_state, reverse, chunk):
-    """The backward pass written with differentiable pieces: the adjoint is a linear scan the other way
-    on the shifted gates, so autograd can differentiate it again (Hessians, double backward)."""
-    delta = apply(LinearScanFunction, _shift(gates, reverse, 0.0), grad_h.contiguous(), None, not reverse, chunk)
-    h_init = torch.zeros_like(h[:, :1]) if initial_state is None else initial_state[:, None]
-    h_prev = _shift(h, not reverse, h_init)  # h_{t-1} (reverse: h_{t+1}), the initial state at the first step
-    first = -1 if reverse else 0
-    return h_prev * delta, delta, gates[:, first] * delta[:, first]
-
-
 def _promoted_dtype(gates, tokens):
     """torch.result_type(gates, tokens) for floating tensors (or a Python number for gates), written with
     torch.promote_types so that torch.compile can trace it: a tensor with dimensions outranks a 0-dim
@@ -218,6 +112,68 @@ def _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk):
     check_same_device(**{name: value for name, value in named.items() if isinstance(value, torch.Tensor)})
     return shape, dtype
 
+# The two kernels as torch ops: opaque to torch.compile (which sees only their fake implementations)
+# and batched by torch.func.vmap through their vmap rules. Inputs: contiguous rows of one dtype.
+@custom_op("linear_scan_fwd", __name__)
+def linear_scan_fwd(gates: torch.Tensor, tokens: torch.Tensor, initial_state: Optional[torch.Tensor],
+                    reverse: bool, chunk: Optional[int]) -> torch.Tensor:
+    """h for gates, tokens (rows, L) and initial_state (rows,) or None."""
+    if tokens.numel() == 0:
+        return torch.empty_like(tokens)
+    return linear_scan_rows(gates, tokens, initial_state, reverse, chunk)
+
+
+@custom_op("linear_scan_bwd", __name__)
+def linear_scan_bwd(gates: torch.Tensor, h: torch.Tensor, grad_h: torch.Tensor, initial_state: Optional[torch.Tensor],
+                    reverse: bool, chunk: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(d_gates, d_tokens, d_initial_state), the last of shape (0,) when initial_state is None."""
+    d_init = gates.new_empty(0) if initial_state is None else torch.zeros_like(initial_state)
+    if h.numel() == 0:
+        return torch.zeros_like(gates), torch.zeros_like(h), d_init
+    d_gates, d_tokens, d_init_rows = linear_scan_rows_backward(gates, h, grad_h, initial_state, reverse, chunk)
+    return d_gates, d_tokens, d_init if d_init_rows is None else d_init_rows
+
+
+def _shift(x, reverse, fill):
+    """x_{t+1} at position t with `fill` at the end (reverse: x_{t-1}, `fill` at the start). (rows, L)."""
+    pad = fill.expand_as(x[:, :1]) if isinstance(fill, torch.Tensor) else torch.full_like(x[:, :1], fill)
+    return torch.cat([pad, x[:, :-1]], -1) if reverse else torch.cat([x[:, 1:], pad], -1)
+
+
+class LinearScanFunction(torch.autograd.Function):
+    """Autograd for linear_scan on contiguous rows of one dtype: gates, tokens (rows, L), initial_state (rows,) or None."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(gates, tokens, initial_state, reverse, chunk):
+        return linear_scan_fwd(gates, tokens, initial_state, reverse, chunk)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        gates, _, initial_state, reverse, chunk = inputs
+        ctx.save_for_backward(gates, output, initial_state)
+        ctx.reverse, ctx.chunk = reverse, chunk
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        gates, h, initial_state = ctx.saved_tensors
+        if torch.is_grad_enabled() and h.shape[-1] > 0:  # create_graph=True: a backward autograd can differentiate
+            d_gates, d_tokens, d_init = _backward_by_scan(gates, h, grad_h, initial_state, ctx.reverse, ctx.chunk)
+        else:  # the usual case: one fused kernel
+            d_gates, d_tokens, d_init = linear_scan_bwd(gates, h, grad_h.contiguous(), initial_state,
+                                                        ctx.reverse, ctx.chunk)
+        return d_gates, d_tokens, None if initial_state is None else d_init, None, None
+
+
+def _backward_by_scan(gates, h, grad_h, initial_state, reverse, chunk):
+    """The backward pass written with differentiable pieces: the adjoint is a linear scan the other way
+    on the shifted gates, so autograd can differentiate it again (Hessians, double backward)."""
+    delta = apply(LinearScanFunction, _shift(gates, reverse, 0.0), grad_h.contiguous(), None, not reverse, chunk)
+    h_init = torch.zeros_like(h[:, :1]) if initial_state is None else initial_state[:, None]
+    h_prev = _shift(h, not reverse, h_init)  # h_{t-1} (reverse: h_{t+1}), the initial state at the first step
+    first = -1 if reverse else 0
+    return h_prev * delta, delta, gates[:, first] * delta[:, first]
+
 
 def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None):
     """The first-order linear scan along the last dim, differentiable (twice and more) in all three tensors.
@@ -233,9 +189,52 @@ def linear_scan(gates, tokens, initial_state=None, reverse=False, *, chunk=None)
     """
     shape, dtype = _check_linear_scan_inputs(gates, tokens, initial_state, reverse, chunk)
     rows, length = math.prod(shape[:-1]), shape[-1]
+    if rows * length == 0:   # an empty h, as torch's ops give: no kernel, none of the copies below
+        return plus(tokens.new_empty(shape, dtype=dtype), zero_in_graph(gates, tokens, initial_state))
     if not isinstance(gates, torch.Tensor):
         gates = torch.tensor(gates, dtype=dtype, device=tokens.device)
     rows_gates = gates.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
     rows_tokens = tokens.to(dtype).expand(shape).reshape(rows, length).contiguous()  # rows x L
     rows_init = None if initial_state is None else initial_state.to(dtype).expand(shape[:-1]).reshape(rows).contiguous()
     return apply(LinearScanFunction, rows_gates, rows_tokens, rows_init, reverse, chunk).view(shape)
+
+@linear_scan_fwd.register_fake
+def _(gates, tokens, initial_state, reverse, chunk):
+    return torch.empty_like(tokens)
+
+
+@linear_scan_bwd.register_fake
+def _(gates, h, grad_h, initial_state, reverse, chunk):
+    d_init = gates.new_empty(0) if initial_state is None else torch.empty_like(initial_state)
+    return torch.empty_like(gates), torch.empty_like(h), d_init
+
+
+def _rows_of_batch(info, in_dims, *tensors):
+    """vmap: move each batch dim to the front (expanding unbatched tensors), then fold it into the rows:
+    (batch, rows, L) -> (batch * rows, L), (batch, rows) -> (batch * rows,)."""
+    out = []
+    for tensor, dim in zip(tensors, in_dims):
+        if tensor is not None:
+            tensor = tensor.movedim(dim, 0) if dim is not None else tensor.expand(info.batch_size, *tensor.shape)
+            tensor = tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).contiguous()
+        out.append(tensor)
+    return out
+
+
+def _linear_scan_fwd_vmap(info, in_dims, gates, tokens, initial_state, reverse, chunk):
+    rows = tokens.shape[0] if in_dims[1] is None else tokens.movedim(in_dims[1], 0).shape[1]
+    h = linear_scan_fwd(*_rows_of_batch(info, in_dims[:3], gates, tokens, initial_state), reverse, chunk)
+    return h.view(info.batch_size, rows, h.shape[-1]), 0
+
+
+def _linear_scan_bwd_vmap(info, in_dims, gates, h, grad_h, initial_state, reverse, chunk):
+    rows = h.shape[0] if in_dims[1] is None else h.movedim(in_dims[1], 0).shape[1]
+    d_gates, d_tokens, d_init = linear_scan_bwd(*_rows_of_batch(info, in_dims[:4], gates, h, grad_h, initial_state),
+                                                reverse, chunk)
+    batch, length = info.batch_size, h.shape[-1]
+    d_init = d_init.view(batch, rows) if initial_state is not None else d_init.new_empty(batch, 0)
+    return (d_gates.view(batch, rows, length), d_tokens.view(batch, rows, length), d_init), (0, 0, 0)
+
+
+linear_scan_fwd.register_vmap(_linear_scan_fwd_vmap)
+linear_scan_bwd.register_vmap(_linear_scan_bwd_vmap)

@@ -108,6 +108,8 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     _check_step_inputs(state, x, dt, A, B, C, D, z, dt_bias)
     batch, dim, n_states = state.shape
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if out.numel() == 0:   # no batch element or no channel: nothing to launch (Triton's launch alone costs more)
+        return out
     block_n = next_power_of_2(n_states)
     block_d = max(1, min(next_power_of_2(dim), 4096 // block_n))
     acc = torch.float64 if state.dtype == torch.float64 or x.dtype == torch.float64 else torch.float32

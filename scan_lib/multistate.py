@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype, first_order_op
-from scan_lib.runtime import apply, check_float_tensor, check_same_device, custom_op
+from scan_lib.runtime import apply, check_float_tensor, check_same_device, custom_op, next_power_of_2, plus, zero_in_graph
 
 
 def multistate_scan_ref(a, b, c, x, initial_state=None):
@@ -106,7 +106,7 @@ def multistate_bwd_kernel(
     X, DY, DX = X + seq * length, DY + seq * length, DX + seq * length
     rows = tl.arange(0, BLOCK_L)                                  # BLOCK_L: time within a chunk
     n = tl.arange(0, BLOCK_N)                                     # BLOCK_N: state index
-    delta = tl.load(DH_LAST + seq * n_states + n, mask=n < n_states, other=0.0).to(ACC)  # adjoint carry
+    adj = tl.load(DH_LAST + seq * n_states + n, mask=n < n_states, other=0.0).to(ACC)  # adjoint carry
     chunk = n_chunks - 1
     while chunk >= 0:                                             # right to left
         t = chunk * BLOCK_L + rows                                # BLOCK_L
@@ -128,18 +128,18 @@ def multistate_bwd_kernel(
         h = a * h_prev + b * x[:, None]                                  # h_t
         # 2. the adjoint: reversed scan of (a_{t+1}, C_t dy_t), then the carry from the right
         a_next = tl.load(A + tile + 1, mask=(t + 1 < length)[:, None] & (n < n_states)[None, :], other=1.0).to(ACC)
-        a_suffix, delta_from_zero = tl.associative_scan((a_next, c * dy[:, None]), axis=0,
+        a_suffix, adj_from_zero = tl.associative_scan((a_next, c * dy[:, None]), axis=0,
                                                         combine_fn=first_order_op, reverse=True)
-        delta_tile = a_suffix * delta[None, :] + delta_from_zero         # delta_t
+        adj_tile = a_suffix * adj[None, :] + adj_from_zero         # adj_t
         # 3. the gradients
-        tl.store(DA + tile, (delta_tile * h_prev).to(DA.dtype.element_ty), mask=mask)
-        tl.store(DB + tile, (delta_tile * x[:, None]).to(DB.dtype.element_ty), mask=mask)
+        tl.store(DA + tile, (adj_tile * h_prev).to(DA.dtype.element_ty), mask=mask)
+        tl.store(DB + tile, (adj_tile * x[:, None]).to(DB.dtype.element_ty), mask=mask)
         tl.store(DC + tile, (h * dy[:, None]).to(DC.dtype.element_ty), mask=mask)
-        tl.store(DX + t, tl.sum(delta_tile * b, axis=1).to(DX.dtype.element_ty), mask=t_ok)
-        delta = row_of(delta_tile, rows, 0)
+        tl.store(DX + t, tl.sum(adj_tile * b, axis=1).to(DX.dtype.element_ty), mask=t_ok)
+        adj = row_of(adj_tile, rows, 0)
         chunk -= 1
     a_first = tl.load(A + n * length, mask=n < n_states, other=0.0).to(ACC)
-    tl.store(DH0 + seq * n_states + n, (a_first * delta).to(DH0.dtype.element_ty), mask=n < n_states)
+    tl.store(DH0 + seq * n_states + n, (a_first * adj).to(DH0.dtype.element_ty), mask=n < n_states)
 
 
 def multistate_backward(a, b, c, x, h_chunks, dy, dh_last, block_l):
@@ -182,7 +182,7 @@ MAX_TILE = 2**14
 
 def default_block_l(length, n_states):
     """About 1024 tile elements, at least 16 rows, no more rows than L needs."""
-    return max(16, min(triton.next_power_of_2(length), 1024 // triton.next_power_of_2(max(n_states, 1))))
+    return max(16, min(next_power_of_2(length), 1024 // next_power_of_2(max(n_states, 1))))
 
 
 def num_warps_for(block_l, n_states):
@@ -193,10 +193,11 @@ def num_warps_for(block_l, n_states):
 def empty_multistate_scan(a, b, c, x, initial_state):
     """(y, last state) for an empty a (batch, N or L zero), as torch's ops give them: y zeros of x's
     shape (a sum over no states, or no positions), the last state the initial state or zeros; both in
-    the graph of every input (zero gradients, the initial state's through the last state)."""
-    anchor = torch.cat([t.flatten()[:0] for t in (a, b, c, x, initial_state) if t is not None]).sum()   # exactly 0
-    h_last = a.new_zeros(a.shape[:2]) if initial_state is None else initial_state
-    return torch.zeros_like(x) + anchor, h_last + anchor
+    the graph of every input that needs a gradient (zero gradients, the initial state's through the
+    last state)."""
+    zero = zero_in_graph(a, b, c, x, initial_state)       # None when nothing is differentiated
+    h_last = a.new_zeros(a.shape[:2]) if initial_state is None else initial_state.clone()
+    return plus(torch.zeros_like(x), zero), plus(h_last, zero)
 
 
 def check_multistate_inputs(a, b, c, x, initial_state, block_l):

@@ -14,20 +14,44 @@ import torch
 def use_interpreter_without_gpu() -> bool:
     """Set TRITON_INTERPRET=1 when no CUDA GPU is visible. Call before any @triton.jit is defined.
 
-    Warns when NumPy is 2.4 or newer and Triton older than 3.9: Triton 3.6's interpreter cannot run a
-    `for` loop over a runtime bound with that NumPy (section "Going deeper: the interpreter and NumPy"
-    shows the failure); 3.9's can; 3.7 and 3.8 were not tried."""
+    Under the interpreter of a Triton older than 3.9, also gives it 3.9's conversion of a scalar to a
+    Python int, without which a `for` loop over a runtime bound fails under NumPy 2.4 or newer
+    ("Going deeper: the interpreter and NumPy")."""
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-    if interpret and _major_minor(np.__version__) >= (2, 4) and _major_minor(version("triton")) < (3, 9):
-        warnings.warn(f"Triton {version('triton')}'s CPU interpreter may fail with NumPy {np.__version__}: "
-                      "use numpy<2.4 (requirements.txt pins 2.3.5) or Triton 3.9", stacklevel=2)
+    if interpret and _major_minor(version("triton")) < (3, 9):
+        _index_scalars_as_triton_3_9_does()
     return interpret
 
 
 def _major_minor(version_string: str) -> tuple:
     return tuple(int(part) for part in version_string.split(".")[:2])
+
+
+def _index_scalars_as_triton_3_9_does():
+    """The interpreter holds a scalar as a one-element array and turns it into a Python int (a `range`
+    bound) with int(array), which NumPy 2.4 refuses for arrays of one dimension; Triton 3.9 squeezes
+    the array first. Wrap the interpreter's patching of tl.tensor so that older versions do the same
+    (3.5 sets the attribute itself, 3.6 through a scope that restores it); warn if this Triton's
+    interpreter has no such function."""
+    from triton.runtime import interpreter
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "squeezes_scalars", False):
+        if patch is None and _major_minor(np.__version__) >= (2, 4):
+            warnings.warn(f"Triton {version('triton')}'s CPU interpreter may fail with NumPy {np.__version__}: "
+                          "use numpy<2.4 (requirements.txt pins 2.3.5) or Triton 3.9", stacklevel=3)
+        return
+
+    def patch_lang_tensor(tensor, *scope):
+        patch(tensor, *scope)
+        index = lambda self: int(self.handle.data.squeeze())  # noqa: E731
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
+    patch_lang_tensor.squeezes_scalars = True
+    interpreter._patch_lang_tensor = patch_lang_tensor
 
 
 INTERPRET: bool = use_interpreter_without_gpu()
@@ -69,100 +93,6 @@ def save_figure(fig, name: str, dpi: int = 100) -> None:
         return
     if get_ipython() is not None:
         display(Image(filename=str(path)))
-
-
-_LOCAL_OPS = iter(range(1, 1 << 62))
-
-
-def custom_op(name: str, module: str, **options):
-    """torch.library.custom_op for a scan_lib public op: `@custom_op("cumsum", __name__)`.
-
-    In a scan_lib module the op is `scan_lib::name`. Defined anywhere else (a notebook cell, whose
-    module is `__main__`), it gets a namespace of its own each time the cell runs, because scan_lib,
-    imported by the setup cell, has already registered `scan_lib::name`, and torch refuses a second
-    registration of one name."""
-    namespace = "scan_lib" if module.startswith("scan_lib.") else f"scan_lib_local{next(_LOCAL_OPS)}"
-
-    def register(implementation):
-        return EagerFastOp(torch.library.custom_op(f"{namespace}::{name}", mutates_args=(), **options)(implementation),
-                           implementation)
-    return register
-
-
-class EagerFastOp:
-    """A registered custom op that, in a plain eager call, runs its Python implementation directly.
-
-    Through the dispatcher, a Python custom op costs tens of microseconds per call before its code
-    runs (the autograd key, a redispatch, a wrapper that keeps torch.compile out of the
-    implementation). None of that does anything for plain tensors outside torch.compile, torch.func
-    transforms, dispatch or torch-function modes (fake tensors, the profiler's op names), and
-    tensors that need no gradient through the op; such calls go straight to the implementation,
-    every other call through the op. Everything else (register_fake, register_vmap, ...) is the op's."""
-
-    def __init__(self, op, implementation):
-        self._op, self._implementation = op, implementation
-        functools.update_wrapper(self, implementation)     # name, docstring and signature for help()
-
-    def __call__(self, *args, **kwargs):
-        if _plain_eager(args) and _plain_eager(kwargs.values()):
-            return self._implementation(*args, **kwargs)
-        return self._op(*args, **kwargs)
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("_op", "_implementation"):   # not yet set (copy, pickle)
-            raise AttributeError(name)
-        return getattr(self._op, name)
-
-
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)   # a Parameter's __torch_function__ is the Tensor's
-
-
-def _plain_eager(args) -> bool:
-    """Whether a call with these arguments needs nothing from the dispatcher (see EagerFastOp): no
-    torch.compile, torch.func transform, dispatch or torch-function mode, profiler or jit tracer, and
-    tensor arguments that are plain tensors (or parameters) needing no gradient through the op."""
-    if (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
-            or torch._C._len_torch_dispatch_stack() or torch._C._is_torch_function_mode_enabled()
-            or torch.autograd._profiler_enabled() or torch._C._get_tracing_state() is not None):
-        return False
-    grad = torch.is_grad_enabled()
-    for arg in args:
-        if isinstance(arg, (list, tuple)) and not _plain_eager(arg):
-            return False
-        if isinstance(arg, torch.Tensor) and (type(arg) not in _PLAIN_TENSORS or (grad and arg.requires_grad)):
-            return False
-    return True
-
-
-def apply(function, *args):
-    """`function.apply(*args)` for a torch.autograd.Function in the style torch.func needs (a forward
-    without ctx, and setup_context), without that style's cost in plain eager calls.
-
-    For that style, Function.apply binds the arguments with inspect.signature on every call: tens of
-    microseconds of host time, as much as a kernel launch. Outside torch.compile and torch.func
-    transforms, the same forward, setup_context and backward run as an old-style Function, whose
-    apply goes straight to C++. Pass every argument positionally."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
-        return function.apply(*args)
-    return _eager_twin(function).apply(*args)
-
-
-_EAGER_TWINS: dict = {}
-
-
-def _eager_twin(function):
-    """An old-style autograd.Function, named like `function`, that runs its forward, setup_context and backward."""
-    if function not in _EAGER_TWINS:
-        def forward(ctx, *args):
-            output = function.forward(*args)
-            function.setup_context(ctx, args, output)
-            return output
-
-        def backward(ctx, *grads):
-            return function.backward(ctx, *grads)
-        _EAGER_TWINS[function] = type(function.__name__, (torch.autograd.Function,),
-                                      {"forward": staticmethod(forward), "backward": staticmethod(backward)})
-    return _EAGER_TWINS[function]
 
 _COMPILE_FOR_GPU = """
 import json, sys
@@ -253,6 +183,114 @@ def rounds_to_nearest(convert, dtype: torch.dtype) -> bool:
     nearest = torch.tensor([1 + eps, -(1 + eps)], dtype=torch.float64).to(dtype)
     return torch.equal(convert(x, dtype).cpu(), nearest)
 
+_LOCAL_OPS = iter(range(1, 1 << 62))
+
+
+def custom_op(name: str, module: str, **options):
+    """torch.library.custom_op for a scan_lib public op: `@custom_op("cumsum", __name__)`.
+
+    In a scan_lib module the op is `scan_lib::name`. Defined anywhere else (a notebook cell, whose
+    module is `__main__`), it gets a namespace of its own each time the cell runs, because scan_lib,
+    imported by the setup cell, has already registered `scan_lib::name`, and torch refuses a second
+    registration of one name."""
+    namespace = "scan_lib" if module.startswith("scan_lib.") else f"scan_lib_local{next(_LOCAL_OPS)}"
+
+    def register(implementation):
+        return EagerFastOp(torch.library.custom_op(f"{namespace}::{name}", mutates_args=(), **options)(implementation),
+                           implementation)
+    return register
+
+
+class EagerFastOp:
+    """A registered custom op that, in a plain eager call, runs its Python implementation directly.
+
+    Through the dispatcher, a Python custom op costs tens of microseconds per call before its code
+    runs (the autograd key, a redispatch, a wrapper that keeps torch.compile out of the
+    implementation). None of that does anything for plain tensors outside torch.compile, torch.func
+    transforms, dispatch or torch-function modes (fake tensors, the profiler's op names), and
+    tensors that need no gradient through the op; such calls go straight to the implementation,
+    every other call through the op. Everything else (register_fake, register_vmap, ...) is the op's."""
+
+    def __init__(self, op, implementation):
+        self._op, self._implementation = op, implementation
+        functools.update_wrapper(self, implementation)     # name, docstring and signature for help()
+
+    def __call__(self, *args, **kwargs):
+        if not _dispatcher_needed() and _plain_tensors(args) and (not kwargs or _plain_tensors(kwargs.values())):
+            return self._implementation(*args, **kwargs)
+        return self._op(*args, **kwargs)
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("_op", "_implementation"):   # not yet set (copy, pickle)
+            raise AttributeError(name)
+        return getattr(self._op, name)
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)   # a Parameter's __torch_function__ is the Tensor's
+
+
+def _dispatcher_needed() -> bool:
+    """Whether the current context needs every op call to go through the dispatcher: torch.compile, a
+    torch.func transform, a dispatch or torch-function mode (fake tensors, ...), the profiler (its op
+    names) or the jit tracer. One C call each (is_compiling first: Dynamo answers it while tracing and
+    then reads no further)."""
+    return (torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active()
+            or torch._C._len_torch_dispatch_stack() > 0 or torch._C._is_torch_function_mode_enabled()
+            or torch.autograd._profiler_enabled() or torch._C._get_tracing_state() is not None)
+
+
+def _plain_tensors(args) -> bool:
+    """Whether every tensor among args (lists and tuples looked into) is a plain tensor or parameter
+    needing no gradient through the op: a subclass or a gradient is the dispatcher's business."""
+    grad = torch.is_grad_enabled()
+    for arg in args:
+        if isinstance(arg, (list, tuple)) and not _plain_tensors(arg):
+            return False
+        if isinstance(arg, torch.Tensor) and (type(arg) not in _PLAIN_TENSORS or (grad and arg.requires_grad)):
+            return False
+    return True
+
+
+def needs_grad(*tensors) -> bool:
+    """Whether autograd must record an op on these tensors (None and numbers skipped): grad mode is on
+    and one of them requires a gradient."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def apply(function, *args):
+    """`function.apply(*args)` for a torch.autograd.Function in the style torch.func needs (a forward
+    without ctx, and setup_context), without that style's cost in plain eager calls.
+
+    For that style, Function.apply binds the arguments with inspect.signature on every call: tens of
+    microseconds of host time, as much as a kernel launch. Outside torch.compile and torch.func
+    transforms, the same forward, setup_context and backward run as an old-style Function, whose
+    apply goes straight to C++; and when no argument needs a gradient (nor a forward-mode tangent,
+    which the Function would refuse), the forward alone runs: the Function would record nothing.
+    Pass every argument positionally."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return function.apply(*args)
+    if not needs_grad(*args) and torch.autograd.forward_ad._current_level < 0:   # no dual_level open
+        return function.forward(*args)
+    return _eager_twin(function).apply(*args)
+
+
+_EAGER_TWINS: dict = {}
+
+
+def _eager_twin(function):
+    """An old-style autograd.Function, named like `function`, that runs its forward, setup_context and backward."""
+    if function not in _EAGER_TWINS:
+        def forward(ctx, *args):
+            output = function.forward(*args)
+            function.setup_context(ctx, args, output)
+            return output
+
+        def backward(ctx, *grads):
+            return function.backward(ctx, *grads)
+        _EAGER_TWINS[function] = type(function.__name__, (torch.autograd.Function,),
+                                      {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+    return _EAGER_TWINS[function]
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -269,7 +307,27 @@ def check_same_device(**tensors) -> torch.device:
     on which the kernels can run, and return that device.
 
     On a GPU machine kernels need CUDA tensors; under the interpreter, CPU tensors (the interpreter
-    also copies CUDA tensors through the host, so those are accepted too). Meta tensors never are."""
+    also copies CUDA tensors through the host, so those are accepted too). Meta tensors never are.
+    Every call of every op runs this check, so the passing path is a plain loop; the messages are
+    built only when one is raised."""
+    device = None
+    for t in tensors.values():
+        if t is None:
+            continue
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            _raise_device_error(tensors)
+    if device is None or device.type not in KERNEL_DEVICE_TYPES:
+        _raise_device_error(tensors)
+    return device
+
+
+KERNEL_DEVICE_TYPES = ("cpu", "cuda") if INTERPRET else ("cuda",)
+
+
+def _raise_device_error(tensors: dict):
+    """The ValueError of check_same_device for these arguments, naming them."""
     named = {name: t for name, t in tensors.items() if t is not None}
     if not named:
         raise ValueError(f"{', '.join(tensors) or 'tensors'}: no tensor given, only None")
@@ -278,11 +336,41 @@ def check_same_device(**tensors) -> torch.device:
         listing = ", ".join(f"{name} on {t.device}" for name, t in named.items())
         raise ValueError(f"all tensors must be on one device, got {listing}")
     device = devices.pop()
-    if INTERPRET and device.type not in ("cpu", "cuda"):
+    if INTERPRET:
         raise ValueError(f"{', '.join(named)} must be CPU tensors for Triton's interpreter (got {device})")
-    if not INTERPRET and device.type != "cuda":
-        raise ValueError(
-            f"{', '.join(named)} must be CUDA tensors (got {device}); to run Triton kernels on the CPU "
-            "set TRITON_INTERPRET=1 before importing scan_lib"
-        )
-    return device
+    raise ValueError(
+        f"{', '.join(named)} must be CUDA tensors (got {device}); to run Triton kernels on the CPU "
+        "set TRITON_INTERPRET=1 before importing scan_lib"
+    )
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for positive integers (triton.cdiv, without its per-call cost on the host)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two >= n for n >= 1, 0 for 0: triton.next_power_of_2 in plain Python.
+    Triton's is wrapped so that kernels can call it too, and under the interpreter that wrapper costs
+    about as much per host call as a tensor allocation. A size that is a symbol while torch.compile
+    traces (a SymInt, not an int) goes to Triton's, which is written with operators a SymInt has."""
+    if type(n) is not int:
+        import triton
+        return triton.next_power_of_2(n)
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def zero_in_graph(*tensors):
+    """A 0-dim zero in the autograd graph of each given tensor that needs a gradient (None and numbers
+    skipped), or None when none does. An op's result for an empty input, plus this zero, gives every input a
+    gradient of its own shape (zeros), as torch's ops do, while a call without gradients pays nothing.
+    The zero is the sum of no elements (each tensor's first zero elements), so it is exactly 0 even
+    for inputs holding inf or nan."""
+    if not needs_grad(*tensors):
+        return None
+    return torch.cat([t.flatten()[:0] for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]).sum()
+
+
+def plus(tensor, zero):
+    """tensor + zero in tensor's dtype, or tensor itself when zero is None (see zero_in_graph)."""
+    return tensor if zero is None else tensor + zero.to(tensor.dtype)

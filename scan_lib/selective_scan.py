@@ -230,8 +230,8 @@ def selective_scan_bwd_kernel(
             tl.store(DZ + offs, _gate_dz(dout, tl.load(YBAR + offs, mask, other=0.0), zv).to(DZ.dtype.element_ty), mask)
         dybar = _gate_dybar(dout, zv, HAS_Z)
         dD_acc += tl.sum(dybar * u, axis=1)
-        adj_b_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)           # sum_n delta_t B_t
-        adj_ah_rate_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)     # sum_n delta_t a_t h_{t-1} A
+        adj_b_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)           # sum_n adj_t B_t
+        adj_ah_rate_sum = tl.zeros((BLOCK_D, CHUNK), dtype=ACC)     # sum_n adj_t a_t h_{t-1} A
         for n in range(0, n_states):
             rate = tl.load(A + ds * n_states + n, d_ok, other=0.0).to(ACC)[:, None]
             b_coef = _load_coef(B + b_off, B, n, t, t_ok, ds, d_ok, n_states, length, B_PER_STEP, ACC)
@@ -475,7 +475,7 @@ class SelectiveScanFn(torch.autograd.Function):
             grads = [None if g is None else next(poisoned) for g in grads]
         return (*grads, None, None)
 
-from scan_lib.runtime import apply, check_float_tensor, check_same_device
+from scan_lib.runtime import apply, check_float_tensor, check_same_device, plus, zero_in_graph
 
 
 def _check_shape(name, tensor, shape):
@@ -520,13 +520,14 @@ def empty_selective_scan(u, delta, A, B, C, D, z, delta_bias, return_last_state,
     dtype; the last state, the initial state (no position moved it) or zeros. Differentiable: the
     gradient reaches initial_state through the last state, and every other input's is zero."""
     inputs = [t for t in (u, delta, A, B, C, D, z, delta_bias, initial_state) if t is not None]
-    anchor = torch.cat([t.flatten()[:0] for t in inputs]).sum()       # exactly 0, in every input's graph
-    out = u.flatten()[:0].view(u.shape).to(u.dtype) + anchor.to(u.dtype)
+    zero = zero_in_graph(*inputs)                 # in every input's graph; None when nothing is differentiated
+    out = plus(torch.empty_like(u, memory_format=torch.contiguous_format), zero)
     if not return_last_state:
         return out
     acc = _acc_dtype(*inputs)
-    last = u.new_zeros(u.shape[0], u.shape[1], A.shape[1], dtype=acc) if initial_state is None else initial_state.to(acc)
-    return out, last + anchor.to(acc)
+    last = (u.new_zeros(u.shape[0], u.shape[1], A.shape[1], dtype=acc) if initial_state is None
+            else initial_state.to(acc, copy=True))
+    return out, plus(last, zero)
 
 
 def _check_index_range(u_shape, n_states, groups_b, groups_c):

@@ -1,6 +1,7 @@
 """scan_lib.causal_conv1d against float64 F.conv1d references (every option, width and gradient, awkward
 lengths, strided inputs), gradcheck, half precision, bad input, torch.func / torch.compile, a bug injected
-into the kernels, causal_conv1d_update, and (on a GPU, where it is installed) the causal-conv1d package."""
+into the kernels, causal_conv1d_update, seq_idx (several sequences packed in a row) against a reference that
+cuts the rows, and (on a GPU, where it is installed) the causal-conv1d package."""
 import sys
 import types
 
@@ -251,7 +252,6 @@ def _good():
     (dict(weight=[1.0]), TypeError, "weight must be a torch.Tensor"),
     (dict(bias=torch.randn(4, dtype=torch.float64, device="meta")), ValueError, "all tensors must be on one device"),
     (dict(activation="relu"), ValueError, "activation must be None, 'silu' or 'swish'"),
-    (dict(seq_idx=torch.zeros(2, 9, dtype=torch.int32)), NotImplementedError, "seq_idx"),
     (dict(return_final_states=True, final_states_out=torch.empty(2, 4, 2, dtype=torch.float64)), ValueError,
      "final_states_out must have shape (2, 4, 3)"),
 ])
@@ -378,7 +378,210 @@ def test_update_takes_several_positions_as_the_package_does(length):
     torch.testing.assert_close(state, torch.cat([state_before, x], dim=-1)[..., -4:], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("batch, dim", [(0, 4), (2, 0)], ids=["batch0", "dim0"])
+def test_update_of_an_empty_step_launches_nothing(batch, dim, monkeypatch):
+    """An empty out and the state as it was, without a kernel launch (whose host work would be most of
+    the call: issue 21's host-time target is for empty calls)."""
+    module = sys.modules["scan_lib.causal_conv1d"]   # (scan_lib.causal_conv1d is the function)
+    monkeypatch.setattr(module, "causal_conv1d_update_kernel", None)   # a launch would raise TypeError
+    state = torch.randn(batch, dim, 3, device=DEVICE)
+    state_before = state.clone()
+    out = causal_conv1d_update(torch.randn(batch, dim, device=DEVICE), state, torch.randn(dim, 4, device=DEVICE))
+    assert out.shape == (batch, dim) and torch.equal(state, state_before)
+
+
 def test_update_with_no_positions_still_checks_its_inputs():
     with pytest.raises(ValueError, match="conv_state must have shape"):
         causal_conv1d_update(torch.randn(2, 4, 0, device=DEVICE), torch.randn(9, 9, 9, device=DEVICE),
                              torch.randn(4, 4, device=DEVICE))
+
+
+# seq_idx: several sequences packed in one row. The reference cuts each row into its sequences (runs of
+# equal ids) and convolves each alone, from zeros, with causal_conv1d_ref; padding (ids < 0) gives zeros.
+
+def packed_ref(x, weight, bias, seq_idx, activation=None):
+    rows = []
+    for b in range(x.shape[0]):
+        ids = seq_idx[b].tolist()
+        starts = [t for t in range(len(ids)) if t == 0 or ids[t] != ids[t - 1]] + [len(ids)]
+        pieces = []
+        for start, end in zip(starts, starts[1:]):
+            piece = x[b:b + 1, :, start:end]
+            if ids[start] >= 0:
+                pieces.append(causal_conv1d_ref(piece, weight, bias, activation=activation))
+            else:
+                pieces.append(torch.zeros_like(piece))
+        rows.append(torch.cat(pieces, dim=-1))
+    return torch.cat(rows, dim=0)
+
+
+def packing(*rows):
+    """seq_idx (len(rows), L) from each row's sequence lengths, numbered 0, 1, ... along the row; a
+    negative length -n is n padding positions (id -1)."""
+    def row(lengths):
+        ids, n = [], 0
+        for length in lengths:
+            ids += [n] * length if length > 0 else [-1] * -length
+            n += length > 0
+        return ids
+    return torch.tensor([row(r) for r in rows], dtype=torch.int32, device=DEVICE)
+
+
+def packed_results(fn, x, weight, bias, seq_idx, dout, activation, dtype=None):
+    """out and the gradients of x, weight and bias (those given) of sum(out * dout)."""
+    leaves = [None if t is None else t.detach().to(dtype or t.dtype).requires_grad_(True) for t in (x, weight, bias)]
+    if fn is causal_conv1d:
+        out = causal_conv1d(*leaves, seq_idx=seq_idx, activation=activation)
+    else:
+        out = packed_ref(*leaves, seq_idx, activation=activation)
+    return [out, *torch.autograd.grad((out.double() * dout).sum(), [t for t in leaves if t is not None])]
+
+
+def compare_packed(seq_idx, width, activation="silu", bias=True, dim=3, dtype=None, tol=1e-12, seed=0):
+    batch, length = seq_idx.shape
+    x, weight, b, _, dout, _ = make(batch, dim, length, width, dtype=dtype or torch.float64, seed=seed)
+    b = b if bias else None
+    ours = packed_results(causal_conv1d, x, weight, b, seq_idx, dout, activation, dtype)
+    ref = packed_results(packed_ref, x, weight, b, seq_idx, dout, activation)
+    errors = [rel_err(a, r) for a, r in zip(ours, ref)]
+    assert all(a.shape == r.shape for a, r in zip(ours, ref)) and max(errors) <= tol, errors
+    return ours
+
+
+PACKINGS = {
+    "one sequence": ([13], [13]),
+    "many": ([5, 1, 2, 3, 2], [1, 6, 6]),
+    "length 1": ([1] * 13, [12, 1]),
+    "shorter than the width": ([2, 1, 3, 2, 3, 1, 1], [3, 3, 3, 3, 1]),
+    "padding": ([7, -3, 3], [-2, 5, 4, -2]),
+}
+
+
+@pytest.mark.parametrize("width", [2, 3, 4])
+@pytest.mark.parametrize("packed", list(PACKINGS))
+def test_seq_idx_matches_the_cut_rows(packed, width):
+    """out, dx, dweight and dbias, with SiLU and bias, at every width and packing."""
+    compare_packed(packing(*PACKINGS[packed]), width, seed=width)
+
+
+@pytest.mark.parametrize("bias,activation", [(False, None), (True, None), (False, "swish")])
+def test_seq_idx_options(bias, activation):
+    compare_packed(packing([2, 4, 1, -2, 4], [4, 1, 3, 5]), 4, activation=activation, bias=bias, seed=1)
+
+
+def test_seq_idx_of_one_sequence_changes_nothing():
+    """Every position in one sequence (ids 0, or all 7): the same result as without seq_idx. The same
+    bits under the interpreter. On a GPU the compiler may fuse a multiply and an add into one FMA in
+    one kernel and not in the other, which changes the last bits, nothing more. The kernels mask a
+    tap's input, not its product, so that the FMAs stay: compiled for sm_90, the fp32 forward's PTX
+    has 128 fma.rn.f32 with seq_idx and without, the backward's 268 with and 284 without (masking
+    the product gave 32 and 100, and differed in the last bits on an H200)."""
+    x, weight, bias, _, dout, _ = make(2, 3, 21, 4, seed=2)
+    plain = packed_results(causal_conv1d, x, weight, bias, None, dout, "silu")
+    for value in (0, 7):
+        same = packed_results(causal_conv1d, x, weight, bias, torch.full((2, 21), value, dtype=torch.int32, device=DEVICE),
+                              dout, "silu")
+        for got, want in zip(same, plain):
+            if INTERPRET:
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_seq_idx_across_blocks(monkeypatch):
+    """Blocks of 2 channels and 16 positions: sequences that start and end across runs and blocks."""
+    small = {"block_d": 2, "block_l": 16}
+    monkeypatch.setattr(MODULE, CONFIG, {**getattr(MODULE, CONFIG), **small})
+    monkeypatch.setattr(MODULE, "GPU_BWD_CONFIG", {size: {**config, **small} for size, config in MODULE.GPU_BWD_CONFIG.items()})
+    compare_packed(packing([15, 2, 1, 14, 3, -5, 5]), 4, seed=8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_seq_idx_in_every_dtype(dtype):
+    """As test_half_precision: inputs representable in dtype, sums in float32."""
+    length = 40
+    unit = {torch.float32: 2**-24, torch.float16: 2**-11, torch.bfloat16: 2**-7 if INTERPRET else 2**-8}[dtype]
+    ours = compare_packed(packing([9, 1, 3, 20, -7]), 4, dim=8, dtype=dtype, seed=3,
+                          tol=unit + 32 * (2 * length) ** 0.5 * 2**-24)
+    assert all(t.dtype == dtype for t in ours)
+
+
+def test_seq_idx_compares_ids_as_the_package_does():
+    """A tap counts where its id equals its output's, as in causal-conv1d: an id that comes back after
+    another one (0 0 1 0) is read across it. out[t] = bias + sum_k w[k] x[s] over s = t - 3 + k with
+    seq_idx[s] == seq_idx[t]; 0 where seq_idx[t] < 0."""
+    x, weight, bias = make(1, 2, 7, 4, seed=4)[:3]
+    seq_idx = torch.tensor([[0, 0, 1, 0, -1, 0, 1]], dtype=torch.int32, device=DEVICE)
+    want = torch.zeros_like(x)
+    for t in range(7):
+        if seq_idx[0, t] >= 0:
+            want[0, :, t] = bias + sum(weight[:, k] * x[0, :, s] for k, s in enumerate(range(t - 3, t + 1))
+                                       if s >= 0 and seq_idx[0, s] == seq_idx[0, t])
+    torch.testing.assert_close(causal_conv1d(x, weight, bias, seq_idx=seq_idx), want, rtol=0, atol=1e-14)
+
+
+def test_seq_idx_gradients_are_the_forwards_derivative():
+    """Our backward against a central difference of our own forward along a random direction, padding
+    included (its outputs are constant zeros: no gradient flows through them). gradcheck would take
+    tens of interpreted calls; this takes three."""
+    x, weight, bias, _, dout, _ = make(2, 2, 8, 4, seed=5)
+    seq_idx = packing([2, -1, 1, 3, -1], [-2, 1, 5])
+    loss = lambda x, w, b: (causal_conv1d(x, w, b, seq_idx=seq_idx, activation="silu") * dout).sum()
+    leaves = [t.requires_grad_(True) for t in (x, weight, bias)]
+    grads = torch.autograd.grad(loss(*leaves), leaves)
+    g = torch.Generator().manual_seed(6)
+    directions = [torch.randn(t.shape, generator=g, dtype=t.dtype).to(DEVICE) for t in leaves]
+    eps = 1e-6
+    with torch.no_grad():
+        numeric = (loss(*[t + eps * v for t, v in zip(leaves, directions)])
+                   - loss(*[t - eps * v for t, v in zip(leaves, directions)])) / (2 * eps)
+    analytic = sum((gr * v).sum() for gr, v in zip(grads, directions))
+    assert abs(numeric - analytic).item() <= 1e-7 * max(1.0, abs(analytic).item()), (numeric, analytic)
+
+
+def test_seq_idx_layouts_and_empty_rows():
+    """A channel-last x (the package's only layout for seq_idx) and a strided seq_idx, read in place;
+    an empty x with its empty seq_idx."""
+    seq_idx = packing([4, 3, 6], [1, 8, 4])
+    x, weight, bias = make(2, 3, 13, 4, seed=6)[:3]
+    want = packed_ref(x, weight, bias, seq_idx)
+    x_cl = x.transpose(1, 2).contiguous().transpose(1, 2)
+    seq_strided = torch.stack([seq_idx, -seq_idx], dim=-1)[..., 0]            # stride 2 along L
+    assert seq_strided.stride() == (26, 2)
+    torch.testing.assert_close(causal_conv1d(x_cl, weight, bias, seq_idx=seq_strided), want, rtol=0, atol=1e-13)
+    empty = causal_conv1d(x[..., :0], weight, bias, seq_idx=seq_idx[:, :0])
+    assert empty.shape == (2, 3, 0)
+
+
+def test_seq_idx_under_compile():
+    torch._dynamo.reset()
+    seq_idx = packing([3, 5, -1, 3], [12])
+    x, weight, bias = (t.requires_grad_(True) for t in make(2, 3, 12, 4, seed=7)[:3])
+    f = lambda x, weight, bias, seq_idx: causal_conv1d(x, weight, bias, seq_idx=seq_idx, activation="silu")
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(x, weight, bias, seq_idx)
+    expected = f(x, weight, bias, seq_idx)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for g, e in zip(torch.autograd.grad(out.sum(), [x, weight, bias]), torch.autograd.grad(expected.sum(), [x, weight, bias])):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-13)
+
+
+@pytest.mark.parametrize("change,error,message", [
+    (dict(seq_idx=torch.zeros(2, 9, dtype=torch.int64)), TypeError, "seq_idx must be a torch.int32 tensor, got torch.int64"),
+    (dict(seq_idx=torch.zeros(2, 9)), TypeError, "seq_idx must be a torch.int32 tensor, got torch.float32"),
+    (dict(seq_idx=[[0] * 9] * 2), TypeError, "seq_idx must be a torch.int32 tensor, got list"),
+    (dict(seq_idx=torch.zeros(2, 8, dtype=torch.int32)), ValueError, "seq_idx must have shape (batch, L) = (2, 9), got (2, 8)"),
+    (dict(seq_idx=torch.zeros(2, 9, 1, dtype=torch.int32)), ValueError, "seq_idx must have shape (batch, L) = (2, 9)"),
+    (dict(seq_idx=torch.zeros(9, dtype=torch.int32)), ValueError, "seq_idx must have shape (batch, L) = (2, 9)"),
+    (dict(seq_idx=torch.zeros(2, 9, dtype=torch.int32, device="meta")), ValueError, "all tensors must be on one device"),
+    (dict(initial_states=torch.zeros(2, 4, 3, dtype=torch.float64)), ValueError,
+     "initial_states must be None when seq_idx is given"),
+    (dict(return_final_states=True), ValueError, "return_final_states must be False when seq_idx is given"),
+])
+def test_seq_idx_bad_input(change, error, message):
+    x, weight, bias = make(2, 4, 9, 4)[:3]
+    good = dict(x=x, weight=weight, bias=bias, seq_idx=torch.zeros(2, 9, dtype=torch.int32, device=DEVICE))
+    change = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) and v.device.type != "meta" else v)
+              for k, v in change.items()}
+    with pytest.raises(error) as info:
+        causal_conv1d(**{**good, **change})
+    assert message in str(info.value)

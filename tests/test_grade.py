@@ -7,7 +7,8 @@ on Triton's interpreter, 5-12 s each: the untouched and partly solved notebooks 
 later cells fail fast); the solved ones run with --needed-only, up to linear_scan_rows (the full
 solved chapter takes 65-85 s here, so it is graded by hand: `make grade NB=notebooks/02_ema.ipynb`).
 The one-wrong-exercise test of each chapter runs the checks' process alone, 8-16 s; the same notebooks
-graded in full, a kernel each, are slow (`make test-slow`).
+graded in full, a kernel each, are slow (`make test-slow`). The solved, off-by-one and forging
+notebooks are graded once, by test_grade_all_writes_the_gradebook, which checks each one's report too.
 """
 import os
 import sys
@@ -105,20 +106,14 @@ def test_partly_solved_notebook_gets_partial_credit(tmp_path):
     assert "exercise 02.2" in report["exercises"][1]["reason"]
 
 
-def test_solution_passes_every_exercise(tmp_path):
-    """The exercise notebook with the solutions put back (the chapter itself passes too: every chapter's
-    test_grade_NN.py grades its own chapter that way)."""
-    report = grade.grade(_solved({"02.1", "02.2", "02.3"}, tmp_path), needed_only=True)
-    assert _passed(report) == {"02.1": True, "02.2": True, "02.3": True}, grade.text_report(report)
-    assert report["execution"]["cells"] < sum(c.cell_type == "code" for c in nbformat.read(EXERCISE, 4).cells)
-
-
-def test_wrong_reverse_positions_fail_with_a_reason(tmp_path):
-    """An off-by-one in 02.3: the hidden checks try a length that is a multiple of the chunk; the other
-    exercises still pass."""
-    report = grade.grade(_wrong_reverse_positions(tmp_path), needed_only=True)
-    assert _passed(report) == {"02.1": True, "02.2": True, "02.3": False}
-    assert "reverse" in report["exercises"][2]["reason"] and "L = " in report["exercises"][2]["reason"]
+FORGING_ATTACK = ("import json, torch, builtins\n"
+                  "torch.allclose = lambda *a, **k: True\n"
+                  "torch.equal = lambda *a, **k: True\n"
+                  "torch.testing.assert_close = lambda *a, **k: None\n"
+                  "for name in ('results.json', '../results.json'):\n"
+                  "    open(name, 'w').write(json.dumps([{'number': k, 'passed': True, 'reason': '', 'seconds': 0}"
+                  " for k in (1, 2, 3)]))\n"
+                  "print('02.1 passed\\n02.2 passed\\n02.3 passed\\nscore: 3/3')")
 
 
 def test_a_forgotten_carry_fails_its_exercise_alone_saying_so(tmp_path):
@@ -139,7 +134,7 @@ FIRST_EXERCISE_WRONG = {
     "03_backward": ("dy, reverse=not reverse)  # the adjoint", "dy, reverse=reverse)", "grads_by_formula"),
     "04_multistate": ("y = tl.sum(c * h, axis=1)", "y = tl.sum(h, axis=1)", "multistate_single_block"),
     "05_mamba": ("D=(dybar * u).sum((0, 2)),", "D=dybar.sum((0, 2)),", "d D,"),
-    "06_mamba_block": ("W_ROW + k * stride_wk", "W_ROW + (WIDTH - 1 - k) * stride_wk", "out (width"),
+    "06_mamba_block": ("WEIGHT + ds * WIDTH + k,", "WEIGHT + ds * WIDTH + (WIDTH - 1 - k),", "out (width"),
     "07_performance": ("4 * big + 2 * small", "3 * big + 2 * small", "are the bytes counted as the docstring says"),
     "08_flash_attention": ("scale_x = torch.where(m_x == m, 1.0, torch.exp(m_x - m))", "scale_x = torch.exp(m_x - m)",
                            "must count as 1, not NaN"),
@@ -369,21 +364,6 @@ def _every_exercise_wrong_and(attack: str, tmp_path: Path) -> Path:
     return path
 
 
-def test_patching_torch_forging_results_and_printing_a_score_gets_nothing(tmp_path):
-    """The checks run in a process of the grader's on the notebook's definitions: a notebook that patches
-    torch's comparisons at top level, writes a results file and prints a perfect score still scores 0."""
-    attack = ("import json, torch, builtins\n"
-              "torch.allclose = lambda *a, **k: True\n"
-              "torch.equal = lambda *a, **k: True\n"
-              "torch.testing.assert_close = lambda *a, **k: None\n"
-              "for name in ('results.json', '../results.json'):\n"
-              "    open(name, 'w').write(json.dumps([{'number': k, 'passed': True, 'reason': '', 'seconds': 0}"
-              " for k in (1, 2, 3)]))\n"
-              "print('02.1 passed\\n02.2 passed\\n02.3 passed\\nscore: 3/3')")
-    report = grade.grade(_every_exercise_wrong_and(attack, tmp_path), needed_only=True)
-    assert report["score"] == 0, grade.text_report(report)
-
-
 def test_a_definition_that_patches_torch_is_caught(tmp_path):
     """A patch hidden in an assignment (which the checks' process does run) changes torch there: every
     exercise fails, saying so."""
@@ -413,13 +393,22 @@ def test_the_kernel_talks_to_the_grader_over_unix_sockets(tmp_path):
 
 def test_grade_all_writes_the_gradebook(tmp_path):
     """A folder of three students' chapter 02 notebooks: solved, one exercise wrong, every exercise wrong
-    with an attack on the checks; the gradebook has 3, 2 and 0 points, and each student a feedback page."""
+    with an attack on the checks; the gradebook has 3, 2 and 0 points, and each student a feedback page.
+
+    Each notebook is also the one of a check of its own, on its report (grade_all grades it as
+    grade.grade(path, needed_only=True) does; one grading run serves both):
+    - ada, the solutions put back: every exercise passes, with --needed-only running fewer cells than the
+      notebook has (the chapter itself passes too: every chapter's test_grade_NN.py grades it that way);
+    - ben, an off-by-one in 02.3: the hidden checks try a length that is a multiple of the chunk and say
+      so; the other exercises still pass;
+    - cy, FORGING_ATTACK: the checks run in a process of the grader's on the notebook's definitions, so a
+      notebook that patches torch's comparisons at top level, writes a results file and prints a perfect
+      score still scores 0."""
     import csv
     submissions = tmp_path / "submissions"
-    attack = "import torch\ntorch.allclose = lambda *a, **k: True"
     for student, make in (("ada", lambda d: _solved({"02.1", "02.2", "02.3"}, d)),
                           ("ben", lambda d: _wrong_reverse_positions(d)),
-                          ("cy", lambda d: _every_exercise_wrong_and(attack, d))):
+                          ("cy", lambda d: _every_exercise_wrong_and(FORGING_ATTACK, d))):
         folder = submissions / student
         folder.mkdir(parents=True)
         work = tmp_path / f"work_{student}"
@@ -427,6 +416,17 @@ def test_grade_all_writes_the_gradebook(tmp_path):
         made = make(work)
         (folder / "homework.ipynb").write_bytes(made.read_bytes())
     reports = grade.grade_all(submissions, jobs=2, needed_only=True)
+    by_student = {r["student"]: r for r in reports}
+
+    ada = by_student["ada"]   # the solution passes every exercise
+    assert _passed(ada) == {"02.1": True, "02.2": True, "02.3": True}, grade.text_report(ada)
+    assert ada["execution"]["cells"] < sum(c.cell_type == "code" for c in nbformat.read(EXERCISE, 4).cells)
+    ben = by_student["ben"]   # wrong reverse positions fail with a reason
+    assert _passed(ben) == {"02.1": True, "02.2": True, "02.3": False}
+    assert "reverse" in ben["exercises"][2]["reason"] and "L = " in ben["exercises"][2]["reason"]
+    cy = by_student["cy"]     # patching torch, forging results and printing a score gets nothing
+    assert cy["score"] == 0, grade.text_report(cy)
+
     rows = {row["student"]: row for row in csv.DictReader(open(grade.write_gradebook(reports, tmp_path / "grades")))}
     assert {s: float(r["total"]) for s, r in rows.items()} == {"ada": 3.0, "ben": 2.0, "cy": 0.0}, rows
     assert rows["ben"]["02.3"] == "0.0" and rows["ben"]["chapter"] == "02" and rows["ada"]["max"] == "3.0"

@@ -1,11 +1,10 @@
 """The grader (tools/grade.py) on chapter 03's exercise notebook: untouched, partly solved, solved.
 
-Cost on 2 shared CPU cores: about 4 minutes for the file (measured 244 s: the chapter 156 s, the
-partial 56 s, the untouched 32 s), over the 60 s aimed at. Every case runs with --needed-only (up to
-the exported cell, where the last two exercises are); the untouched notebook's stubs fail fast, but
-the solved chapter still runs its own demonstrations of sections 1-3 before that cell (the formulas,
-the adjoint's figure, the one-block kernel up to L = 4097 on Triton's interpreter); the hidden checks
-themselves take about 10 s. The exercise notebook with every solution put back is not run again: its
+Cost on 2 shared CPU cores: about 5 minutes for the file (measured 302 s), over the 60 s aimed at.
+Every case runs with --needed-only (up to the op-wiring export cell in "Going deeper: autograd
+plumbing", where the last exercise is); the untouched notebook's stubs fail fast, but the solved
+chapter still runs its whole main line before that cell (the formulas, the one-block and blocked
+kernels on Triton's interpreter, section 5's checks); the hidden checks themselves take about 10 s. The exercise notebook with every solution put back is not run again: its
 code cells are compared with the chapter's instead (same code, same grade). Every grading run here is
 marked slow (`make test-slow`; CI runs only the comparison).
 """

@@ -1,8 +1,8 @@
 """The grader (tools/grade.py) on chapter 07's exercise notebook: untouched, partly solved, and the chapter.
 
-Every case runs with --needed-only: the run stops after the launchers' cell (8 code cells; the
-chapter's checks, measurements and failed ideas after it take about 1.5 minutes on Triton's
-interpreter and are not what the checks need). Most of each case is the checks of 07.2 and 07.3 (the
+Every case runs with --needed-only: the run stops after the launchers' cells in "Going deeper" (16 code
+cells, the main line's timing cells skipped on a CPU; the chapter's checks, measurements and failed ideas
+after them take about 1.5 minutes on Triton's interpreter and are not what the checks need). Most of each case is the checks of 07.2 and 07.3 (the
 strided scan forward and backward on the interpreter, about 10 s each). Cost on 2 shared CPU cores: 10-28 s per case,
 54 s for the file (measured at load 4).
 """

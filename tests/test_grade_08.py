@@ -1,9 +1,10 @@
 """The grader (tools/grade.py) on chapter 08's exercise notebook: untouched, partly solved, and the chapter.
 
-Every case runs with --needed-only: the run stops after the backward kernels' cell (the last that
-holds an exercise; the torch op, the CUDA walk-through and the GPU comparisons after it are not what
-the checks need). In the chapter run most of the time is the forward and backward checks of sections 5
-and 7 on Triton's interpreter; in the exercise notebooks those cells stop at the first stub. The
+Every case runs with --needed-only: the run stops after the backward kernels' cell, the first code cell
+of "Going deeper: the backward kernels" right after the main line's Summary (the last that holds an
+exercise; the backward's checks, the torch op, the CUDA walk-through and the GPU comparisons after it
+are not what the checks need). In the chapter run most of the time is the forward checks of section 4
+on Triton's interpreter; in the exercise notebooks those cells stop at the first stub. The
 checks take about 5 s (08.2 and 08.3 run scan_lib's kernels on the interpreter). Cost on 2 shared CPU
 cores: 28 s untouched, 28 s partly solved, 34 s for the chapter (over CI's 15 s: all three are slow),
 91 s for the file (measured at load 0.5).

@@ -2,8 +2,8 @@
 
 Every case runs with --needed-only: the run stops after the cell of the state-passing kernel (the last
 that holds an exercise). The checks run the chunked form in float64 and the kernel on Triton's
-interpreter in a few seconds; most of a case's time is the chapter's own checks of sections 1-5 before
-that cell. All three cases are slow (over CI's 15 s each).
+interpreter in a few seconds; before that cell run the chapter's main-line checks of sections 1-3 (its
+Going deeper checks come after it). All three cases are slow (over CI's 15 s each).
 """
 from pathlib import Path
 

@@ -389,6 +389,17 @@ def test_selective_state_update_matches_one_scan_step(dtype, options):
     assert not torch.equal(state, h0)
 
 
+@pytest.mark.parametrize("batch, dim", [(0, 5), (2, 0)], ids=["batch0", "dim0"])
+def test_selective_state_update_of_an_empty_step_launches_nothing(batch, dim, monkeypatch):
+    """An empty y and the state as it was, without a kernel launch (issue 21's host time for empty calls)."""
+    import scan_lib.mamba as module
+    monkeypatch.setattr(module, "selective_state_update_kernel", None)   # a launch would raise TypeError
+    t = step_inputs(batch, dim, 3, torch.float32, strided=False)
+    state_before = t["state"].clone()
+    y = selective_state_update(**t, dt_softplus=True)
+    assert y.shape == (batch, dim) and torch.equal(t["state"], state_before)
+
+
 @pytest.mark.parametrize("batch, dim, n", [(1, 1, 1), (2, 300, 16), (3, 200, 17)])
 def test_selective_state_update_shapes(batch, dim, n):
     """Several programs along the channels (the last one masked), N not a power of two."""

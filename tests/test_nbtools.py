@@ -37,7 +37,7 @@ def executed(tmp_path_factory):
 def test_execute_records_a_fingerprint_that_check_accepts(executed):
     notebook = nbformat.read(executed, as_version=4)
     stamp = notebook.metadata["scan_course"]["fingerprint"]
-    assert stamp["scan_lib_modules"] == ["runtime"]
+    assert stamp["scan_lib_hashes"] == {"runtime": nbtools.scan_lib_hash(["runtime"])}
     assert stamp["device"] == nbtools.device_name()
     assert [c.execution_count for c in notebook.cells if c.cell_type == "code"] == [1, 2]
     assert notebook.cells[2].outputs[0]["text"] == "2\n"
@@ -87,6 +87,43 @@ def test_scan_lib_dependencies_follow_public_names():
     """A public name runs the module that defines it, whatever the module is called."""
     modules = nbtools.scan_lib_dependencies(_notebook("block = scan_lib.Mamba(16)", "y = scan_lib.selective_scan(*args)"))
     assert {"mamba", "causal_conv1d", "fast_selective_scan", "selective_scan"} <= set(modules)
+
+
+def test_an_import_from_a_module_runs_that_module_not_a_public_name_of_the_same_name():
+    """`from scan_lib.selective_scan import ...` is chapter 05's module; `scan_lib.selective_scan(...)`
+    may be the public function, chapter 07's (fast_selective_scan): only the second runs it."""
+    from_module = nbtools.scan_lib_dependencies(_notebook("from scan_lib.selective_scan import _vmap_by_loop"))
+    assert "selective_scan" in from_module and "fast_selective_scan" not in from_module
+    assert "fast_selective_scan" in nbtools.scan_lib_dependencies(_notebook("y = scan_lib.selective_scan(*args)"))
+
+
+def _edited_module(monkeypatch, module):
+    """Make Path.read_text return scan_lib/<module>.py with one line more, as an edit would."""
+    original = Path.read_text
+
+    def edited(path, *args, **kwargs):
+        text = original(path, *args, **kwargs)
+        return text + "\n# edited" if path.name == f"{module}.py" and path.parent == nbtools.PACKAGE else text
+    monkeypatch.setattr(Path, "read_text", edited)
+
+
+def test_check_names_the_module_that_changed(monkeypatch):
+    notebook = _notebook("from scan_lib.linear_scan import linear_scan")
+    stamp = nbtools.fingerprint(notebook, "a GPU")
+    assert nbtools.changed_modules(notebook, stamp) == []
+    _edited_module(monkeypatch, "ema")     # linear_scan imports ema
+    assert nbtools.changed_modules(notebook, stamp) == ["ema"]
+
+
+def test_a_stamp_with_one_hash_is_checked_over_the_modules_it_recorded(monkeypatch):
+    """A stamp from before the hashes per module: its recorded module list, not today's, is checked,
+    so a narrower way of working out the dependencies neither passes nor fails it on its own."""
+    notebook = _notebook("from scan_lib.linear_scan import linear_scan")
+    recorded = ["ema", "fast_selective_scan", "linear_scan", "runtime"]   # as an older, wider rule had it
+    stamp = {"scan_lib": nbtools.scan_lib_hash(recorded), "scan_lib_modules": recorded}
+    assert nbtools.changed_modules(notebook, stamp) == []
+    _edited_module(monkeypatch, "fast_selective_scan")   # not among today's dependencies, but recorded
+    assert nbtools.changed_modules(notebook, stamp) == recorded
 
 
 def test_scan_lib_change_invalidates_the_fingerprint(monkeypatch):

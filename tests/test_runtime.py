@@ -34,6 +34,47 @@ def test_non_float_rejected_with_name(value, words):
         check_float_tensor("x", value)
 
 
+@triton.jit
+def _sum_by_blocks_kernel(X, OUT, n, BLOCK: tl.constexpr):
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, n, BLOCK):   # a `for` over a bound given at run time
+        offsets = start + tl.arange(0, BLOCK)
+        acc += tl.load(X + offsets, mask=offsets < n, other=0.0)
+    tl.store(OUT, tl.sum(acc, axis=0))
+
+
+def test_a_for_loop_over_a_runtime_bound_runs():
+    """The loop Triton 3.6's interpreter could not run under NumPy 2.4 before runtime mended it."""
+    x, out = torch.randn(100, device=DEVICE), torch.empty(1, device=DEVICE)
+    _sum_by_blocks_kernel[(1,)](x, out, 100, BLOCK=16)
+    torch.testing.assert_close(out[0], x.sum(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the mend is for Triton's CPU interpreter")
+def test_the_interpreter_turns_a_one_element_scalar_into_an_int_by_squeezing_it():
+    """NumPy 2.4 refuses int() of an array of one dimension; a scalar's index must squeeze it first
+    (Triton 3.9 does; runtime gives 3.5 and 3.6 the same line)."""
+    from triton.runtime import interpreter
+
+    class OneDimensional:   # int() of it fails as NumPy 2.4's does for shape (1,); its squeeze is a 0-d value
+        def __int__(self):
+            raise TypeError("only 0-dimensional arrays can be converted to Python scalars")
+
+        def squeeze(self):
+            return 7
+
+    class Tensor:
+        def __init__(self):
+            self.handle = type("Handle", (), {"data": OneDimensional()})()
+
+    if not hasattr(interpreter, "_patch_lang_tensor"):
+        pytest.skip(f"Triton {triton.__version__}'s interpreter is laid out differently")
+    # as the kernels run: 3.5 and 3.6 mended, 3.9 its own; 3.6 and 3.9 patch through a scope, 3.5 directly
+    scope = (interpreter._LangPatchScope(),) if hasattr(interpreter, "_LangPatchScope") else ()
+    interpreter._patch_lang_tensor(Tensor, *scope)
+    assert int(Tensor.__index__(Tensor())) == 7
+
+
 def test_same_device_returns_it_and_skips_none():
     a, c = torch.ones(1, device=DEVICE), torch.ones(2, device=DEVICE)
     assert check_same_device(a=a, b=None, c=c) == a.device      # cuda:0 on a GPU, not the bare "cuda"

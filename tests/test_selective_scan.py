@@ -555,6 +555,44 @@ def test_fast_launch_configs_agree(monkeypatch, fwd, bwd, groups):
     compare(make_inputs(1, 8, 2, 30, groups=groups, seed=8))
 
 
+def test_states_per_step():
+    """The forward's UNROLL: a config's own "unroll" first; all states with 4 or fewer; else the first
+    row of FORWARD_STATES_PER_STEP that fits the chunk and the programs per multiprocessor, 1 where none
+    does; always a divisor of N."""
+    gpu, sms = dict(block_d=1, chunk=512, num_warps=1), 132
+    assert FAST.FORWARD_STATES_PER_STEP == ((256, 16, 16), (256, math.inf, 2), (512, 24, 2))
+    assert FAST.states_per_step(gpu, 256, 16, 16 * sms, sms) == 16       # few programs, chunks of 256
+    assert FAST.states_per_step(gpu, 128, 16, 16 * sms + 1, sms) == 2
+    assert FAST.states_per_step(gpu, 512, 16, sms, sms) == 2              # few programs, long chunk
+    assert FAST.states_per_step(gpu, 512, 16, 24 * sms + 1, sms) == 1
+    assert FAST.states_per_step(gpu, 1024, 16, sms, sms) == 1             # past every row's chunk
+    assert FAST.states_per_step(gpu, 128, 4, 100 * sms, sms) == 4         # few states: all of them
+    assert FAST.states_per_step(gpu, 128, 3, 100 * sms, sms) == 3
+    assert FAST.states_per_step(gpu, 256, 12, sms, sms) == 4              # a divisor of N
+    assert FAST.states_per_step(dict(gpu, unroll=4), 128, 16, sms, sms) == 4   # the config's own
+    assert FAST.states_per_step(dict(gpu, unroll=4), 128, 6, sms, None) == 2
+
+
+def test_fast_forward_refuses_a_save_chunk_that_does_not_divide_its_chunk():
+    """The forward saves the state entering every save_chunk positions inside its own chunk, so one must
+    divide the other (the public function passes powers of two); otherwise states would be missed."""
+    x = make_inputs(1, 4, 2, 40, seed=11)
+    chunk = FAST.launch_config("fwd", 4, 4, 4, 40)["chunk"]
+    with pytest.raises(ValueError, match="save_chunk"):
+        FAST.strided_fwd(x["u"], x["delta"], x["A"], x["B"][:, None], x["C"][:, None], None, None, None, None,
+                         False, chunk - 1, 1)
+
+
+@pytest.mark.parametrize("unroll", [1, 2, 4])
+def test_fast_states_per_step_agree(monkeypatch, unroll):
+    """Every number of the forward's states per step computes the same scan (N 4: 1, 2 or all per step;
+    N 3: one)."""
+    configs = getattr(FAST, f"{CONFIGS}_CONFIG")
+    monkeypatch.setitem(configs, "fwd", {**configs["fwd"], "unroll": unroll})
+    compare(make_inputs(1, 4, 4, 21, seed=9))
+    compare(make_inputs(1, 4, 3, 21, seed=10))
+
+
 @pytest.mark.parametrize("segments,case", [
     (2, dict(batch=1, dim=4, N=3, L=77)),                       # 10 backward chunks of 8 (interpreter)
     (3, dict(batch=2, dim=4, N=2, L=40, groups=2, h0=False)),   # uneven segments, no initial state

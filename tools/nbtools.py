@@ -17,9 +17,9 @@ Export markers follow nbdev: a cell starting with `#| default_exp name` sets the
 
 Fingerprints: `execute` runs a notebook top to bottom in a fresh kernel and records in its metadata
 (`scan_course.fingerprint`) a hash of its code cells, a hash of the scan_lib modules it depends on
-(those it imports, followed through their own scan_lib imports), and the device it ran on. `check`
-recomputes both hashes and fails when they differ, or when a code cell has no execution count or the
-counts are not 1, 2, 3, ... in order: the outputs would not be one run of today's code.
+(those it imports, followed through their own scan_lib imports; one hash per module), and the device
+it ran on. `check` recomputes the hashes and fails when one differs, or when a code cell has no execution
+count or the counts are not 1, 2, 3, ... in order: the outputs would not be one run of today's code.
 """
 from __future__ import annotations
 
@@ -167,7 +167,10 @@ def code_hash(notebook) -> str:
     return _sha([strip_solution_markers(c.source).strip() for c in notebook.cells if c.cell_type == "code"])
 
 
-_SCAN_LIB_NAME = re.compile(r"\bscan_lib\.([A-Za-z_]\w*)|from scan_lib import ([\w, ()\n]+)")
+# `from scan_lib.name import ...` (name: a module), `scan_lib.name` (a module or a public name),
+# `from scan_lib import names`
+_SCAN_LIB_NAME = re.compile(r"from scan_lib\.(\w+)(?:\.\w+)* import|\bscan_lib\.([A-Za-z_]\w*)"
+                            r"|from scan_lib import ([\w, ()\n]+)")
 
 
 def _public_names() -> dict[str, set[str]]:
@@ -182,12 +185,15 @@ def _public_names() -> dict[str, set[str]]:
 
 
 def _scan_lib_modules_named(code: str) -> set[str]:
-    """Modules of scan_lib that `code` refers to: `scan_lib.name`, `from scan_lib.name import`,
-    `from scan_lib import name`, where name is a module or a public name (then the module that defines
-    it; a name that is both, like selective_scan, counts as both)."""
+    """Modules of scan_lib that `code` refers to: `from scan_lib.name import` (the module name),
+    `scan_lib.name` and `from scan_lib import name`, where name is a module or a public name (then the
+    module that defines it; a name that is both, like selective_scan, counts as both)."""
     public = _public_names()
     found = set()
-    for dotted, imported in _SCAN_LIB_NAME.findall(code):
+    for module, dotted, imported in _SCAN_LIB_NAME.findall(code):
+        if module:
+            found |= {module} if (PACKAGE / f"{module}.py").exists() else set()
+            continue
         for name in [dotted] if dotted else re.findall(r"\w+", imported):
             found |= public.get(name, set()) | ({name} if (PACKAGE / f"{name}.py").exists() else set())
     return found
@@ -209,10 +215,28 @@ def scan_lib_hash(modules: list[str]) -> str:
     return _sha([f"{m}\n{(PACKAGE / f'{m}.py').read_text()}" for m in modules])
 
 
+def scan_lib_hashes(modules: list[str]) -> dict[str, str]:
+    """One hash per module: `check` then names the modules that changed."""
+    return {m: scan_lib_hash([m]) for m in modules}
+
+
 def fingerprint(notebook, device: str) -> dict:
     modules = scan_lib_dependencies(notebook)
-    return {"code": code_hash(notebook), "scan_lib": scan_lib_hash(modules), "scan_lib_modules": modules,
-            "device": device}
+    return {"code": code_hash(notebook), "scan_lib_hashes": scan_lib_hashes(modules), "device": device}
+
+
+def changed_modules(notebook, stamp: dict) -> list[str]:
+    """The scan_lib modules the notebook runs with that changed since its stamp was recorded: with one
+    hash per module, those of today's dependencies whose hash differs (or that the stamp lacks); an
+    older stamp, with one hash over all its modules ("scan_lib") and their list ("scan_lib_modules"),
+    is checked over the modules it lists, the dependencies as they were worked out when it was
+    recorded, all of them if the hash differs."""
+    recorded = stamp.get("scan_lib_hashes")
+    if recorded is not None:
+        modules = scan_lib_dependencies(notebook)
+        return [m for m, h in scan_lib_hashes(modules).items() if recorded.get(m) != h]
+    modules = stamp.get("scan_lib_modules") or scan_lib_dependencies(notebook)
+    return modules if stamp.get("scan_lib") != scan_lib_hash(modules) else []
 
 
 def device_name() -> str:
@@ -260,9 +284,9 @@ def _check_outputs(ipynb: Path) -> list[str]:
     problems = []
     if stamp.get("code") != code_hash(notebook):
         problems.append(f"{name}: its code changed after its outputs were recorded ({stamp.get('device')}): {redo}")
-    modules = scan_lib_dependencies(notebook)
-    if stamp.get("scan_lib") != scan_lib_hash(modules):
-        problems.append(f"{name}: scan_lib ({', '.join(modules)}) changed after its outputs were recorded: {redo}")
+    changed = changed_modules(notebook, stamp)
+    if changed:
+        problems.append(f"{name}: scan_lib ({', '.join(changed)}) changed after its outputs were recorded: {redo}")
     counts = [c.get("execution_count") for c in notebook.cells if c.cell_type == "code"]
     if counts != list(range(1, len(counts) + 1)):
         problems.append(f"{name}: code cells were not run once each, in order (execution counts {counts}): {redo}")

@@ -4,24 +4,20 @@ One function `exercise_K(nb)` per exercise 06.K, its docstring's first line the 
 returns when the exercise is solved and raises (an AssertionError saying why) when it is not. `nb.name`
 is what the student's notebook defined. Inputs are drawn here (odd channel counts and state sizes,
 lengths 1, 7, 129, ...) and compared in float64 with scan_lib's references (`causal_conv1d_ref` on
-F.conv1d, `selective_scan_ref`) or with PyTorch written out here, never with the notebook's code;
-the convolution's gradients (x, weight, bias, initial states) are checked too.
+F.conv1d, `selective_scan_ref`) or with PyTorch written out here, never with the notebook's code.
 
-06.1 runs the student's conv kernels through the library's launchers: the chapter's own cells import
-scan_lib's `causal_conv1d`, and the notebook defines its launchers only at its end, so the check
-swaps the notebook's two kernels into scan_lib.causal_conv1d for its duration (and needs only the
-cells up to the kernels: `grade.py --needed-only` stops there).
+06.1 launches the student's `conv_shifted_kernel` (section 2's kernel of K shifted, masked loads)
+itself, at several block sizes, on x placed inside a NaN-filled buffer: a load that is not masked to
+0 <= s < L reads a NaN (or a neighbouring channel) and shows. It needs only the cells up to the
+Initialisation's (06.3's helpers): `grade.py --needed-only` stops there, before the training.
 """
-import contextlib
-import importlib
-
 import torch
+import triton
 
 from scan_lib.causal_conv1d import causal_conv1d_ref   # the float64 references (the library's, not the notebook's)
 from scan_lib.selective_scan import selective_scan_ref
 
 SEED = 20_06
-library_conv = importlib.import_module("scan_lib.causal_conv1d")   # the module (scan_lib.causal_conv1d is also a function)
 
 
 def _rel_err(x, ref):
@@ -43,50 +39,40 @@ def _randint(gen, low, high):
 
 # ---- 06.1 ---------------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def _notebook_kernels(nb):
-    """scan_lib's causal_conv1d (launchers, autograd) running the notebook's forward and backward kernels."""
-    saved = library_conv.causal_conv1d_fwd_kernel, library_conv.causal_conv1d_bwd_kernel
-    library_conv.causal_conv1d_fwd_kernel = nb.causal_conv1d_fwd_kernel
-    library_conv.causal_conv1d_bwd_kernel = nb.causal_conv1d_bwd_kernel
-    try:
-        yield library_conv.causal_conv1d
-    finally:
-        library_conv.causal_conv1d_fwd_kernel, library_conv.causal_conv1d_bwd_kernel = saved
-
-
-def _conv_run(fn, x, weight, bias, h0, dout, dfinal, silu):
-    """out, final states and the gradients of sum(out * dout) + sum(final * dfinal) for the given leaves."""
-    leaves = [t.detach().clone().requires_grad_(True) if t is not None else None for t in (x, weight, bias, h0)]
-    out, final = fn(leaves[0], leaves[1], leaves[2], initial_states=leaves[3], return_final_states=True,
-                    activation="silu" if silu else None)
-    loss = (out.double() * dout).sum() + (final.double() * dfinal).sum()
-    given = [t for t in leaves if t is not None]
-    grads = iter(torch.autograd.grad(loss, given))
-    return [out, final] + [next(grads) if t is not None else None for t in leaves]
+def _inside_nan(gen, shape, before, after, device):
+    """A float64 tensor of random values, contiguous, inside a buffer with `before` and `after` NaNs around it:
+    a load outside the tensor reads NaN, never memory the test does not own."""
+    n = 1
+    for size in shape:
+        n *= size
+    buffer = torch.full((before + n + after,), float("nan"), dtype=torch.float64)
+    buffer[before:before + n] = torch.randn(n, generator=gen, dtype=torch.float64)
+    return buffer.to(device)[before:before + n].view(*shape)
 
 
 def exercise_1(nb):
-    """the causal convolution's window sum in _window_sum (forward and backward kernels)"""
+    """the causal convolution's window sum in conv_shifted_kernel (K shifted, masked loads)"""
     gen = torch.Generator().manual_seed(SEED + 1)
-    names = ["out", "final states", "dx", "dweight", "dbias", "dinitial_states"]
-    cases = [(2, 1, True, False, True), (4, 1, False, True, True), (3, 7, True, True, False), (4, 7, False, False, True),
-             (2, 129, True, True, True), (3, 129, True, False, True), (4, _randint(gen, 30, 100), True, True, True)]
-    with _notebook_kernels(nb) as conv:
-        for width, length, with_bias, with_h0, silu in cases:
-            batch, dim = _randint(gen, 1, 3), _randint(gen, 1, 12)
-            rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=torch.float64).to(nb.DEVICE)
-            x, weight, dout = rand(batch, dim, length), rand(dim, width), rand(batch, dim, length)
-            bias = rand(dim) if with_bias else None
-            h0 = rand(batch, dim, width - 1) if with_h0 else None
-            dfinal = rand(batch, dim, width - 1)
-            ours = _conv_run(conv, x, weight, bias, h0, dout, dfinal, silu)
-            ref = _conv_run(causal_conv1d_ref, x, weight, bias, h0, dout, dfinal, silu)
-            what = (f"width {width}, L = {length}, {dim} channels, {'with' if with_bias else 'no'} bias, "
-                    f"{'with' if with_h0 else 'no'} initial states, {'silu' if silu else 'no activation'}")
-            for name, a, r in zip(names, ours, ref):
-                if r is not None:
-                    _close(a, r, f"{name} ({what})", 1e-10)
+    cases = [(2, 1, 16, 64), (4, 1, 16, 64), (4, 3, 4, 8), (3, 7, 16, 64), (4, 7, 4, 8), (2, 129, 16, 64),
+             (3, 129, 8, 32), (4, 129, 4, 16), (4, _randint(gen, 30, 100), 8, 16)]
+    for width, length, block_d, block_l in cases:
+        batch, dim = _randint(gen, 1, 4), _randint(gen, 1, 12)
+        # the chapter's launch, with these blocks: x, weight and bias inside NaNs (room for a whole block
+        # past the end), out NaN where the kernel stores nothing
+        x = _inside_nan(gen, (batch, dim, length), 2 * width, block_d * (length + block_l), nb.DEVICE)
+        weight = _inside_nan(gen, (dim, width), width, block_d * width, nb.DEVICE)
+        bias = _inside_nan(gen, (dim,), 1, block_d, nb.DEVICE)
+        out = torch.full_like(x, float("nan"))
+        grid = (batch, triton.cdiv(dim, block_d), triton.cdiv(length, block_l))
+        with torch.no_grad():
+            nb.conv_shifted_kernel[grid](x, weight, bias, out, dim, length, WIDTH=width, BLOCK_D=block_d,
+                                         BLOCK_L=block_l)
+        want = causal_conv1d_ref(x, weight, bias, activation="silu")
+        what = f"width {width}, L = {length}, {dim} channels, batch {batch}, BLOCK_D {block_d}, BLOCK_L {block_l}"
+        if out.isnan().any():
+            raise AssertionError(f"out ({what}) has NaNs: does a load of x read outside 0 <= s < length "
+                                 "(it must be masked there, reading zero)?")
+        _close(out, want, f"out ({what})", 1e-10)
 
 
 # ---- 06.2 ---------------------------------------------------------------------------------------
