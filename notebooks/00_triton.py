@@ -1180,9 +1180,9 @@ def plus(tensor, zero):
 # bound into an int with `int(array)`, which NumPy 2.4 refuses for an array of one dimension. Triton
 # 3.9 squeezes the array to zero dimensions first; `use_interpreter_without_gpu` gives older
 # interpreters that one line (`_index_scalars_as_triton_3_9_does`), so the course's `for` loops run
-# under any NumPy. (`requirements.txt` still pins NumPy 2.3, the version the course is tested with.)
-# The cell runs a `for` loop over a runtime bound with whatever NumPy you have. On a GPU the kernel is
-# compiled, not interpreted, and NumPy plays no part.
+# under any NumPy. (`requirements.txt` still pins NumPy 2.3, the version CI tests with.)
+# The cell runs a `for` loop over a runtime bound with whatever NumPy you have (the recorded GPU run
+# had NumPy 2.5.2). On a GPU the kernel is compiled, not interpreted, and NumPy plays no part.
 
 # %%
 @triton.jit

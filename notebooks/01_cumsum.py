@@ -1219,10 +1219,12 @@ else:
 # The speed cell prints its conclusions from its measurements; its line "faster than torch.cumsum
 # from L = 2^22 up" means at every size from there to the largest measured, $2^{27}$: the table says
 # nothing about longer inputs. Below $2^{22}$ the two trade places: `cumsum` is faster up to $2^{12}$,
-# where it is one launch of `scan_short_rows`, and at $2^{19}$. Below $2^{22}$ the Triton columns also
-# step up and down between neighbouring sizes, where the kernels' work only grows with $L$
-# (reduce-then-scan takes 55.4 us at $2^{20}$, between 12.1 at $2^{19}$ and 18.0 at $2^{21}$): that is
-# variation from call to call, whose source one run cannot pin down.
+# where it is one launch of `scan_short_rows`, and at $2^{16}$ (8.9 us against 9.0); at $2^{19}$ the
+# two tie (11.5 us each); at the other sizes `torch.cumsum` is faster. Below $2^{22}$ the Triton
+# columns also step down here and there between neighbouring sizes, where the kernels' work only
+# grows with $L$ (reduce-then-scan takes 11.5 us at $2^{13}$, 10.5 at $2^{14}$ and 10.3 at $2^{15}$;
+# the three-phase scan 10.9 at $2^{12}$ and 9.2 at $2^{13}$): that is variation from call to call,
+# whose source one run cannot pin down.
 #
 # The table, plotted: times, and the fraction of the memory floor each method reaches.
 
@@ -1256,9 +1258,9 @@ else:
 # CUDA graph replays the launches with no Python in between) and the host time per call (`host_us`:
 # calls queued back to back, timed on the CPU). When the host time exceeds the GPU time, the call is
 # host-bound: in the table below, every size up to $2^{22}$ (all but the two largest), and at
-# $2^{10}$ the host time alone, 50.2 us, is many times `torch.cumsum`'s whole median, 8.0. A call
+# $2^{10}$ the host time alone, 46.8 us, is many times `torch.cumsum`'s whole median, 8.0. A call
 # makes one Triton launch (rows of at most 4096 values) or a `torch.zeros` and one launch (the
-# look-back), yet its host time is 50.2 to 72.9 us in this run, several times the host time of one
+# look-back), yet its host time is 46.8 to 68.8 us in this run, several times the host time of one
 # bare launch of `vector_add_kernel` (chapter 00's table, its `host_us` column at $2^{14}$). So most
 # of the host time per call is not the launch itself; it goes to what `cumsum` runs around its
 # launch: the input checks, `apply` (which, when nothing needs a gradient, runs the autograd
@@ -1266,8 +1268,8 @@ else:
 # launch that binds more arguments than `vector_add_kernel`'s (the custom op's dispatcher is not
 # among them: for tensors that need no gradient, `EagerFastOp` calls the implementation directly).
 # These outputs do not split the host time among those layers, and the speed table cannot rank them:
-# at $L = 2^{10}$, where each of its columns is a single launch, its medians (`cumsum` 4.3 us,
-# reduce-then-scan and the three-phase scan 5.1, `torch.cumsum` 7.6) lie far below `cumsum`'s host
+# at $L = 2^{10}$, where each of its columns is a single launch, its medians (`cumsum` 4.5 us,
+# reduce-then-scan and the three-phase scan 5.0, `torch.cumsum` 7.8) lie far below `cumsum`'s host
 # time, which mostly hides under `do_bench`'s L2 flush (next paragraph). Fewer Python layers per
 # call, CUDA graphs (they replay the launches with no Python in between) or a C++ launcher make such
 # calls faster; cutting the library's host path further is open work.

@@ -380,9 +380,9 @@ for L in [1, 7, 129, 1000]:
 # %% [markdown]
 # ## 6. The batched, chunked kernel
 #
-# A real layer has (batch 8, dim 1024, L 2048, N 16): 268 million state values, a gigabyte in float32,
-# which must never be written to memory; and one program cannot hold a sequence of any length. The
-# batched kernel follows `mamba_ssm`'s CUDA kernel:
+# A real layer has (batch 8, dim 1024, L 2048, N 16): 1024 MiB of states in float32 ("Going deeper:
+# memory in training" prints it), which must never be written to memory; and one program cannot hold
+# a sequence of any length. The batched kernel follows `mamba_ssm`'s CUDA kernel:
 #
 # * **One program per (batch element, block of `BLOCK_D` channels)**, walking the sequence in chunks
 #   of `CHUNK` positions; `u` and $\Delta$ (bias and softplus applied on the fly) load as
@@ -538,7 +538,10 @@ def selective_scan_fwd_kernel(
 # ## 8. Speed (GPU only)
 #
 # "Going deeper: the benchmark" times `chapter_scan` against `mamba_ssm` at Mamba's usual layer size,
-# next to the memory floor. Closing the gaps is chapter 07's work ("Going deeper: where the time goes"
+# next to the memory floor. In the recorded run (an NVIDIA H100 80GB HBM3) ours is 1.17x faster than
+# `mamba_ssm` in the float32 forward only, and slower in the other three rows: 1.35x in the float32
+# forward+backward, 1.50x and 1.61x in the bfloat16 forward and forward+backward. Ours runs at 5.7x to
+# 20.1x the memory floor. Closing the gaps is chapter 07's work ("Going deeper: where the time goes"
 # lists the likely costs).
 
 # %% [markdown]

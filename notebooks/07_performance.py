@@ -128,8 +128,8 @@ else:
 
 # %% [markdown]
 # (On a GPU.) At $N = 16$ the memory floor is the larger in fp32 and the `exp` floor in bf16: bf16's
-# halved bytes lower the binding floor only to the `exp`s' (89 to 74 µs forward on this run's H100).
-# Chapter 05's kernel takes almost the same time forward in fp32 and bf16 (section 6's table: 685
+# halved bytes lower the binding floor only to the `exp`s' (90 to 74 µs forward on this run's H100).
+# Chapter 05's kernel takes almost the same time forward in fp32 and bf16 (section 6's table: 688
 # against 612 µs on the views), while `mamba_ssm`'s roughly halves (chapter 05's benchmark): ours is
 # limited by the instructions it issues, far above both floors.
 #
@@ -380,8 +380,8 @@ selective_scan = scan_lib.selective_scan
 # **No reverse scan, one `exp` per element.** Chapter 05's backward scans twice per state, for
 # $h_{t-1}$ and for the adjoint $\lambda_t = C_t \partial\mathcal L/\partial \bar y_t +
 # a_{t+1}\lambda_{t+1}$ (`reverse=True`), with three `exp`s per element; and Triton 3.6 runs
-# `reverse=True` by moving every register across the warp's lanes, about 14 lane shuffles per element
-# and state. This backward gives each thread a *run* of consecutive positions (16 bytes of the input)
+# `reverse=True` by moving every register across the warp's lanes, many lane shuffles per element
+# and state (`benchmarks/NOTES_selective_scan.md` counts them). This backward gives each thread a *run* of consecutive positions (16 bytes of the input)
 # and walks it in registers both ways, taking $h_{t-1}$ and $a_{t+1}$ from the neighbouring item; only
 # the runs' summaries, one register per thread, cross the lanes ("Going deeper: the backward kernel").
 #
@@ -428,8 +428,8 @@ selective_scan = scan_lib.selective_scan
 # how many warps fit, so `states_per_step` reads how many pay from a table measured on an H100.
 #
 # **Prediction:** at batch 1 perhaps twice faster, at batch 8 little change. **Measured** (the same
-# Going deeper section, four sizes): far from twice; the forward at batch 1 takes 2230 µs with two
-# states per step, 2370 with one, 2720 as it was before this section.
+# Going deeper section, four sizes): far from twice; the forward at batch 1 takes 2232 µs with two
+# states per step, 2373 with one, 2722 as it was before this section.
 #
 # "Going deeper: the checks" tests these kernels against chapter 05's float64 reference.
 
@@ -478,7 +478,7 @@ else:
 # * **Strided views, forward.** No copies, fewer instructions: in bf16 the cell asserts at least 1.3x
 #   less time (282 against 612 µs in the recorded run).
 # * **Contiguous inputs, forward.** No copies to save: the instruction cuts and launch parameters, net
-#   of the strided indexing: fp32 2.1% slower, bf16 40.3% faster.
+#   of the strided indexing: fp32 2.3% slower, bf16 40.2% faster.
 # * **Forward+backward.** Recomputing $\bar y$, measured alone before the instruction cuts, made the
 #   backward *slower*: its loop is limited by instructions, not bytes. The `saved` column has both
 #   changes; the new profile shows no copies and the backward taking most of the time.
@@ -534,11 +534,11 @@ else:
 # %% [markdown]
 # (On a GPU.) The cell below prints `mamba_ssm`'s time over ours (above 1: ours is faster). In the
 # recorded run chapter 07 beats chapter 05 in every row; against `mamba_ssm` ours is faster at the
-# base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$ 64 and at batch 4 of dim 1536 (1.21 to 1.27),
-# about even at batch 1 and 2 (1.07 and 1.00), and slower at $L$ 512 and at $N$ 4 (0.68 and 0.53).
-# There, with a quarter of the work, our time falls by a quarter at most (986 and 1110 µs against 1300
-# at the base shape) while `mamba_ssm`'s falls by more than half (666 and 589 µs against 1575): our
-# time there is the host's Python ("Going deeper: the host's share"; `mamba_ssm`'s launchers are
+# base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$ 64 and at batch 4 of dim 1536 (1.20 to 1.26),
+# about even at batch 1 and 2 (1.06 and 1.00), and slower at $L$ 512 and at $N$ 4 (0.71 and 0.85).
+# There, with a quarter of the work, our time falls only to about half (546 and 670 µs against 1301
+# and 1295 at the base shape) while `mamba_ssm`'s falls to a quarter and a third (386 and 568 µs
+# against 1572 and 1569): our time there is the host's Python ("Going deeper: the host's share"; `mamba_ssm`'s launchers are
 # C++). Along the batch of dim 1536 the kernels set the pace, and our lead is smallest at batch 1 and
 # 2, where programs are few: section 5's problem, not solved yet.
 
@@ -1731,9 +1731,9 @@ else:
 # would otherwise be idle. That is the case only for few programs: the cell's second line gives the
 # warps per multiprocessor at batch 1 with one channel per program (half that with two channels per
 # program). Section 5's prediction failed: in the recorded run one segment is the fastest in every
-# row. At batch 1 the best split, 8 segments, takes 1.44 times the forward's time of one (3180
-# against 2206 µs) and 1.13 times the training step's (12377 against 10993); at the usual size two
-# segments take 2.7 times the forward's time of one (763 against 287 µs), more than the doubled work.
+# row. At batch 1 the best split, 8 segments, takes 1.44 times the forward's time of one (3178
+# against 2204 µs) and 1.15 times the training step's (12388 against 10729); at the usual size two
+# segments take 1.78 times the forward's time of one (514 against 289 µs), close to the doubled work.
 # `selective_scan` keeps one segment (`segments` stays 1); where a row shows a split faster (none
 # does on this run's H100), that is speed still left at small batch. A split would pay more with a
 # phase 1 much cheaper than the forward: the segment's end state is a sum,
@@ -1742,7 +1742,7 @@ else:
 #
 # The forward's chunk is measured at both sizes too (the "forward chunk" lines): `GPU_CONFIG`'s 512
 # positions, from earlier runs of the sweep in "Going deeper: ideas that did not pay", are the fastest
-# of the three at both sizes here in bf16 (2216 and 286 µs).
+# of the three at both sizes here in bf16 (2214 and 290 µs).
 #
 # ### States per step
 #
@@ -1811,12 +1811,12 @@ else:
 # states per step, the next three isolate one channel per program and then the states per step, and
 # the last is what `selective_scan` now runs. Where `GPU_CONFIG`'s column is not the smallest of its
 # row, the table of `states_per_step` is off for that shape on this GPU. In the recorded run, on an
-# H100 like the one the table was measured on, it is the smallest of every row or within 1 µs of it
-# (312 against 311 µs in training at the usual size); other GPUs hold other numbers of warps per
+# H100 like the one the table was measured on, it is the smallest of every row or within 2 µs of it
+# (2331 against 2329 µs in training at batch 1); other GPUs hold other numbers of warps per
 # multiprocessor. Between the two modes, the first column adds the old training chunk (at batch 1,
-# 5131 against 2720 µs); the others differ only by the states saved for the backward, which is what
-# those saves cost: in `GPU_CONFIG`'s column 3 to 4% at batch 1 and 2 (2325 against 2230 µs at batch
-# 1), as predicted, but 9 and 11% at batch 4 and 8 (944 against 867, 312 against 282).
+# 5133 against 2722 µs); the others differ only by the states saved for the backward, which is what
+# those saves cost: in `GPU_CONFIG`'s column 4 and 3% at batch 1 and 2 (2331 against 2231 µs at batch
+# 1), as predicted, but 8 and 9% at batch 4 and 8 (948 against 874, 310 against 284).
 #
 # ## Going deeper: the atomics
 #
@@ -1861,7 +1861,7 @@ else:
 
 # %% [markdown]
 # (On a GPU.) The atomic additions alone take a large share of the backward's time (the line above:
-# 824 of 1243 µs in the recorded run; it times one addition per channel, twice as many as the backward
+# 824 of 1246 µs in the recorded run; it times one addition per channel, twice as many as the backward
 # with two channels per program issues, so it overstates their share).
 # `mamba_ssm` adds per channel too, but first rearranges each thread block's values so that every
 # warp adds 32 consecutive floats. Triton gets there by another route: its layout gives each thread 4
@@ -1873,7 +1873,7 @@ else:
 # in one program before adding (`block_d` > 1) divides the additions, but fewer programs then share
 # the GPU; the sweep in the next section tries one and two channels per program (in the recorded run the
 # backward's best had two, as `GPU_CONFIG` has, but chunks of 256 positions where `GPU_CONFIG` has
-# 128, and `GPU_CONFIG`'s row came within 1.02x of it, 1124 against 1099 µs). Two ways around it that
+# 128, and `GPU_CONFIG`'s row came within 1.03x of it, 1128 against 1096 µs). Two ways around it that
 # this chapter has not built: accumulate $dB$ per group of channels in a workspace and reduce it with one more kernel
 # (the bytes: $\text{dim}/g \cdot N \cdot L$ floats per batch element), or reformulate the backward so
 # that the sum over channels becomes a matrix product (Mamba-2's "state space duality" does exactly this
@@ -2030,7 +2030,7 @@ else:
 
 # %% [markdown]
 # (On a GPU.) The three-dimensional tile is *slower* than the loop over states, by the factor on the
-# last line (2.26 in the recorded run; the cell asserts at least 1.3): the prediction failed. A scan
+# last line (2.23 in the recorded run; the cell asserts at least 1.3): the prediction failed. A scan
 # along the last axis of a three-dimensional tile spreads each row's positions over fewer threads per
 # warp, and extracting the carry becomes a reduction over the chunk for every state: the loop had
 # neither problem to begin with. Its cost was not the loop. The best rows say whether more than one
@@ -2039,8 +2039,8 @@ else:
 # the backward's best has two channels, the forward's one channel and two states per step.
 # `GPU_CONFIG` holds the values earlier runs of this sweep and of the states-per-step measurements
 # chose (the cell prints how far it is from this run's best, and checks that it is within 1.5x). On
-# this run's H100 the backward's is 1.02x its best (1124 against 1099 µs), the forward's 1.30x (433
-# against 332 µs): in fp32 the forward prefers chunks of 1024 positions with two states per step,
+# this run's H100 the backward's is 1.03x its best (1128 against 1096 µs), the forward's 1.29x (437
+# against 339 µs): in fp32 the forward prefers chunks of 1024 positions with two states per step,
 # where the table, tuned in bf16 (where 512 positions win: "Going deeper: segments and states per
 # step, measured"), gives 512 positions and, with this many programs, one state per step. A table
 # per dtype is open work (issue 20).
@@ -2108,26 +2108,26 @@ else:
 # %% [markdown]
 # (On a GPU.) Read each row as: which of host and kernels is the larger, and how the step compares
 # with it. In the run recorded here chapter 07's kernels are faster than `mamba_ssm`'s at all four
-# shapes (339 against 366 µs at $L$ 512, 493 against 554 at $N$ 4, 1280 against 1545 at the base
-# shape, 381 against 448 at (1, 2048, 2048, 16)), and its host time per step is 1.55 to 1.7 times
-# `mamba_ssm`'s at every shape (1394 to 1742 µs against 865 to 1028): `mamba_ssm`'s launchers are
-# C++, ours are Python. At every shape our host time is larger than our kernels', by far at the three
-# smaller ones (1394 against 339 µs at $L$ 512, 1470 against 381 at (1, 2048, 2048, 16)): the GPU
-# waits for Python. At the base shape the two are closer (1563 against 1280 µs); the step (1802 µs)
-# lands above both and behind `mamba_ssm`'s (1564), which follows its kernels (1545 µs, over its
-# host's 996). Section 7's series timed the same steps at 1300 and 1575 µs, ours ahead.
+# shapes (340 against 365 µs at $L$ 512, 495 against 553 at $N$ 4, 1280 against 1548 at the base
+# shape, 391 against 464 at (1, 2048, 2048, 16)), and its host time per step is 1.6 to 1.7 times
+# `mamba_ssm`'s at every shape (627 to 673 µs against 379 to 408): `mamba_ssm`'s launchers are
+# C++, ours are Python. At the three smaller shapes our host time is larger than our kernels' (673
+# against 340 µs at $L$ 512, 627 against 495 at $N$ 4, 657 against 391 at (1, 2048, 2048, 16)): the
+# GPU waits for Python. At the base shape the kernels are the larger (1280 against 660 µs of host
+# time); the step (1302 µs) follows them and is ahead of `mamba_ssm`'s (1569), which follows its
+# kernels too (1548 µs, over its host's 408). Section 7's series timed the same steps at 1301 and
+# 1572 µs, ours ahead.
 #
-# The rows with Triton's own launches show what the Launchers save: 161 to 367 µs of host time per
-# step in this run (1555 against 1394 µs at $L$ 512, 2109 against 1742 at $N$ 4, 1930 against 1563 at
-# the base shape, 1690 against 1470 at (1, 2048, 2048, 16)): Triton's per-call work, twice per step
-# (one launch per pass). Every host time here depends on the machine's CPU and on what else it runs;
-# on this recording's host both libraries' host times were high, so read the differences, not the
-# absolute values. The step column moves with the host where the host is far the larger (1351 against
-# 1182 µs at $L$ 512, 1791 against 1407 at $N$ 4), not always elsewhere (at the base shape the step
-# with Triton's launches, 1637 µs, came out faster than with the Launchers, 1802), and it moves
-# between sections too (at $L$ 512: 1182 µs here, 986 in section 7's series; at the base shape 1802
-# here, 1300 there): steps near or over the host's time measure noisily, and section 7's rows near 1
-# should be read with it.
+# The rows with Triton's own launches show what the Launchers save: 115 to 150 µs of host time per
+# step in this run (788 against 673 µs at $L$ 512, 766 against 627 at $N$ 4, 810 against 660 at the
+# base shape, 788 against 657 at (1, 2048, 2048, 16)): Triton's per-call work, twice per step (one
+# launch per pass). Every host time here depends on the machine's CPU and on what else it runs, so
+# read the differences, not the absolute values. The step column moves with the host where the host
+# is the larger (818 against 647 µs at $L$ 512, 722 against 634 at $N$ 4, 732 against 633 at
+# (1, 2048, 2048, 16)), not at the base shape, where the kernels set the pace (1300 against 1302 µs),
+# and it moves between sections too where the host is the larger (at $L$ 512: 647 µs here, 546 in
+# section 7's series; at the base shape 1302 here, 1301 there): steps near or over the host's time
+# measure noisily, and section 7's rows near 1 should be read with it.
 # What is left on the host is spread over the path, not in one place (a count on a CPU with the
 # launches stubbed, in `benchmarks/NOTES_selective_scan.md`): autograd's own work, which `mamba_ssm`
 # pays too, then the ops' Python (allocations, the plan lookups, the split of the summed buffer) and

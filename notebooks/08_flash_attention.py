@@ -537,9 +537,10 @@ for length, head_dim, dtype, causal in forward_cases():
 # ## 7. On a GPU: against PyTorch's FlashAttention and cuDNN
 #
 # "Going deeper: the benchmark" times ours in bfloat16 against `F.scaled_dot_product_attention` run by
-# PyTorch's FlashAttention-2 kernels and by NVIDIA's cuDNN. In the recorded run, on an H100, ours beats
-# the former except at $L = 1024$ (forward + backward, and the forward at head dim 128), where the GPU
-# has little work per call, and trails cuDNN in every row (ours / cuDNN from 0.33 to 0.97).
+# PyTorch's FlashAttention-2 kernels and by NVIDIA's cuDNN. In the recorded run, on an NVIDIA H100
+# 80GB HBM3, ours is at least as fast as the former in every row and at every length (level with it
+# only at $L = 1024$, head dim 128, causal forward + backward: 147 TFLOP/s each), and trails cuDNN in
+# every row (ours / cuDNN from 0.56 to 0.98).
 
 # %% [markdown]
 # ## Summary
@@ -1433,9 +1434,9 @@ else:
 
 # %% [markdown]
 # The cell prints each prediction's outcome; those lines, not this text, judge them. In the run
-# recorded here, on an H100, prediction 1 failed (5.2 and 8.7 times slower, not more than 10), and
-# prediction 3 shows that the round trips of $O$ are not the naive kernel's problem: their bytes would
-# take 5% (head dim 64) and 4% (head dim 128) of its time. The other three held. What remains to
+# recorded here, on an NVIDIA H100 80GB HBM3, prediction 1 failed (5.2 and 8.7 times slower, not more
+# than 10), and prediction 3 shows that the round trips of $O$ are not the naive kernel's problem: their
+# bytes would take 5% (head dim 64) and 4% (head dim 128) of its time. The other three held. What remains to
 # explain its time is the serial softmax, the scalar products, the bank conflicts and the small grid;
 # the cell does not split the time between them.
 
@@ -1477,26 +1478,27 @@ else:
 # puts `col`'s float in bank $(\text{col} + c) \bmod 32$, a different bank for each `col`.
 #
 # **Shared memory.** With $B_r = B_c = 32$ and $d = 64$ the five tiles take
-# $4 \cdot 32 \cdot 65 + 32 \cdot 32$ floats plus five rows of 32, about 37 KB; $d = 128$ needs
-# $B_r = B_c = 16$ (about 34 KB).
+# $4 \cdot 32 \cdot 65 + 32 \cdot 32$ floats plus five rows of 32, 38016 bytes with `PAD` $= 1$ (37504
+# without); $d = 128$ needs $B_r = B_c = 16$ (34368 and 34112 bytes), as the launcher's cell prints.
 #
 # **The predictions in full.** Prediction 3 counts that the kernel reads and writes $O$ once per key
 # tile, $L / B_c$ times. Prediction 5 compares the number of blocks with the number of multiprocessors:
 # batch $\times$ heads blocks fewer than twice the GPU's multiprocessors means the GPU runs at most two
 # partly filled waves (our Triton grid has $L / $ `BLOCK_M` times more programs).
 #
-# **The measurements in detail.** In the recorded run, bfloat16 took our forward from 11659 to 330 us
-# at head dim 64 and from 14975 to 320 us at 128, far more than twice as fast; `PAD = 1` made the naive
-# kernel 1.84 and 1.73 times faster. Its 128 and 64 blocks are fewer than twice the 132 multiprocessors
+# **The measurements in detail.** In the recorded run, bfloat16 took our forward from 11656 to 337 us
+# at head dim 64 and from 14972 to 327 us at 128, far more than twice as fast; `PAD = 1` made the naive
+# kernel 1.83 and 1.72 times faster. Its 128 and 64 blocks are fewer than twice the 132 multiprocessors
 # (prediction 5), fewer even than once, so at least 132 - 128 = 4 and 132 - 64 = 68 multiprocessors get
 # no block at all.
 
 # %% [markdown]
 # ## Going deeper: the benchmark
 #
-# Section 7's measurements in full: the cell, the recorded run's numbers, and what may lie behind the
-# two gaps. The benchmark: bfloat16, batch 4, heads $\times$ head_dim $= 2048$, $L$ from 1024 to 16384,
-# causal and not, forward and forward + backward, in TFLOP/s. The peers are
+# Section 7's measurements in full: the cell, the recorded run's numbers, the host's share at
+# $L = 1024$, and what may lie behind the gap to cuDNN. The benchmark: bfloat16, batch 4, heads
+# $\times$ head_dim $= 2048$, $L$ from 1024 to 16384, causal and not, forward and forward + backward,
+# in TFLOP/s. The peers are
 # `F.scaled_dot_product_attention` pinned with `torch.nn.attention.sdpa_kernel` to `FLASH_ATTENTION`
 # (PyTorch's FlashAttention-2 kernels, written for the A100's generation: the lower bar on this run's
 # H100) and to `CUDNN_ATTENTION` (NVIDIA's cuDNN: the bar for a Hopper kernel). Every provider's output
@@ -1599,14 +1601,14 @@ else:
     save_figure(fig, "flash_attention_benchmark.png")
 
 # %% [markdown]
-# In the run recorded here, on an H100, ours is ahead of the flash backend everywhere except at
-# $L = 1024$: forward + backward in all four rows (173, 99, 167 and 98 against 216, 145, 232 and 147
-# TFLOP/s), and the forward at head dim 128 (300 against 303 not causal, 112 against 174 causal). The
-# cell's $L = 1024$ lines (head dim 64, not causal) show our host time per call above our GPU time:
-# 126.3 against 92.7 us forward, 724.3 against 369.7 us forward + backward. Our GPU time is shorter
-# than the flash backend's (125.3 and 549.0 us), whose host time (77.2 and 337.1 us) stays below its
-# GPU time. Ours is behind cuDNN in every row (ours / cuDNN from 0.33 to 0.97). The fine print below
-# discusses both gaps.
+# In the run recorded here, on an NVIDIA H100 80GB HBM3, ours is at least as fast as the flash backend
+# in every row and at every length (the cell prints `True`). The margin is smallest at $L = 1024$ in
+# the causal forward + backward: 150 against 143 TFLOP/s at head dim 64, and level, 147 each, at 128.
+# The cell's $L = 1024$ lines (head dim 64, not causal) show our host time per call below our GPU
+# time in the forward (81.9 against 94.2 us) and above it in forward + backward (450.4 against
+# 381.6 us). Our GPU time is shorter than the flash backend's (126.1 and 549.9 us), whose host time
+# (50.2 and 212.7 us) stays below its GPU time. Ours is behind cuDNN in every row (ours / cuDNN from
+# 0.56 to 0.98). The fine print below discusses the host's share and the gap to cuDNN.
 #
 # **The shapes.** heads $\times$ head_dim $= 2048$ is 32 heads of 64 or 16 of 128. A backend that
 # refuses a shape is reported and skipped.
@@ -1621,16 +1623,17 @@ else:
 # (`wgmma`) nor the tensor memory accelerator (TMA), while cuDNN's Hopper kernels, like
 # FlashAttention-3, are built on both.
 #
-# **Behind the flash backend at $L = 1024$.** There the GPU has little work per call. Our op is
+# **The host at $L = 1024$.** There the GPU has little work per call. Our op is
 # Python (an autograd Function around two torch custom ops, four Triton launches for forward +
 # backward) where SDPA's is C++ from end to end. The benchmark cell's last lines separate the two at
 # $L = 1024$: `host_us` times the host's work per call (launches queued back to back) and `graph_us`
-# the GPU's (the call replayed from a CUDA graph). For ours the host is the slower of the two
-# (forward 126.3 against 92.7 us, forward + backward 724.3 against 369.7 us): calls queued back to
-# back leave the GPU waiting for the host. For the flash backend it is the other way round (77.2
-# against 125.3 us, 337.1 against 549.0 us). Our GPU time is shorter than the flash backend's in both
-# passes, so at this shape, where the table puts our forward + backward behind, it is the host's time
-# that loses. The cell does not split the other rows behind at $L = 1024$ this way.
+# the GPU's (the call replayed from a CUDA graph). For ours the GPU is the slower of the two in the
+# forward (81.9 against 94.2 us), but the host in forward + backward (450.4 against 381.6 us): there
+# calls queued back to back leave the GPU waiting for the host. For the flash backend the GPU is the
+# slower in both passes (50.2 against 126.1 us, 212.7 against 549.9 us). Our GPU time is shorter than
+# the flash backend's in both passes, so at this shape our lead comes from the kernels, and in
+# forward + backward our host's time, not the GPU's, sets the pace. The cell does not split the
+# other rows at $L = 1024$ this way.
 # The figure's dotted line is the GPU's dense bfloat16 peak from NVIDIA's datasheet.
 #
 # **Behind cuDNN.** The likely reason lies in what the kernel does not use: FlashAttention-3, and by

@@ -552,7 +552,7 @@ for ranks, cases in CHECKS.items():
 
 # %% [markdown]
 # (The check starts processes, so it takes a while on a CPU: most of it is each process importing
-# torch and Triton.) Every error is at the level of float32 rounding (at most 5.1e-07 here, run as
+# torch and Triton.) Every error is at the level of float32 rounding (at most 4.1e-07 here, run as
 # `gloo/cuda`: the ranks shared the one GPU; the `chain` row, section 6's chain of sends against the
 # all-gather, is 0.0: it folds exactly as the all-gather does, bit for bit): the sharded scans compute
 # what one process computes.
@@ -575,9 +575,10 @@ for ranks, cases in CHECKS.items():
 # 3 messages in series.
 #
 # **Verdict** (measured in "Going deeper: the exchange, timed and counted"). The run recorded here had
-# one GPU, an H100, the ranks sharing it over gloo, every message through host memory, not NVLink. The
-# 2-rank prediction failed, the chain winning at every size (2.9x to 8.7x); the latency part held (for
-# 3072x the bytes the all-gather's time grew 11.5x, the chain's 3.8x); at 4 ranks the chain won too.
+# one GPU, an NVIDIA H100 80GB HBM3, the ranks sharing it over gloo, every message through host
+# memory, not NVLink. The 2-rank prediction failed, the chain winning at every size (3.5x to 13.4x);
+# the latency part held (for 3072x the bytes the all-gather's time grew 8.7x, the chain's 4.2x); at 4
+# ranks the chain won too.
 # On gloo the all-gather copies one buffer per rank where the chain copies one, so there the chain
 # can win at every size. `scan_lib.distributed` keeps the all-gather in the forward, where no rank
 # waits on a chain of others, and the reverse chain in the backward, whose bytes per rank do not grow
@@ -603,8 +604,8 @@ for ranks, cases in CHECKS.items():
 #   block's convolution boundary is exchanged the same way.
 # * `scan_lib.distributed.linear_scan`, `selective_scan` and `mamba` run over any process group;
 #   `launch` and `check_against_one_process` check them against one process.
-# * What the exchange costs: on gloo here, the ranks sharing one H100, the chain won at every size,
-#   latency more than bytes deciding; passing states wins when shards are long, the all-to-all when
+# * What the exchange costs: on gloo here, the ranks sharing one H100 80GB HBM3, the chain won at
+#   every size, latency more than bytes deciding; passing states wins when shards are long, the all-to-all when
 #   they are short or when its single pass matters more.
 
 # %% [markdown]
@@ -767,15 +768,15 @@ for per_rank in timed.values():
 # %% [markdown]
 # The `measured:` lines judge the prediction: the 2-rank line says `held` or `failed`, and the
 # growth lines say whether latency or bytes decided (a time that grows far less than the bytes is
-# paying fixed costs per message). The run recorded here had one GPU, an H100, so the plan was
-# `gloo/cuda`: the ranks shared it and every message went through host memory, not the NVLink the
-# prediction assumed. The 2-rank line printed `failed`: the chain won at every size, 2.9x at
-# $S$ = 1 KiB, 3.1x at 96 KiB and 8.7x at 3 MiB, where the prediction allowed 2x either way. The
-# other part held: for 3072x the bytes the all-gather's time grew 11.5x and the chain's 3.8x, latency
-# not bytes. At 4 ranks the prediction that the all-gather wins failed too: the chain won by 2.6x,
-# 68.6x and 14.7x, its time growing 4.1x for 3072x the bytes and the all-gather's 23.1x. Nor did the
-# all-gather's time grow slowly with the ranks: at 1 KiB it went from 1419 us at 2 ranks to 4162 at
-# 4. And at 4 ranks it is not even monotonic in the bytes (107087 us at 96 KiB, 96298 at 3 MiB),
+# paying fixed costs per message). The run recorded here had one GPU, an NVIDIA H100 80GB HBM3, so the
+# plan was `gloo/cuda`: the ranks shared it and every message went through host memory, not the NVLink
+# the prediction assumed. The 2-rank line printed `failed`: the chain won at every size, 3.5x at
+# $S$ = 1 KiB, 13.4x at 96 KiB and 7.3x at 3 MiB, where the prediction allowed 2x either way. The
+# other part held: for 3072x the bytes the all-gather's time grew 8.7x and the chain's 4.2x, latency
+# not bytes. At 4 ranks the prediction that the all-gather wins failed too: the chain won by 2.7x,
+# 85.1x and 9.5x, its time growing 3.8x for 3072x the bytes and the all-gather's 13.1x. Nor did the
+# all-gather's time grow slowly with the ranks: at 1 KiB it went from 1285 us at 2 ranks to 3499 at
+# 4. And at 4 ranks it is not even monotonic in the bytes (102291 us at 96 KiB, 45694 at 3 MiB),
 # which these timings do not explain. How to read a failure: where both times grow far less than
 # the 3072-fold bytes, a gap between the two ways is a gap in fixed costs, not bytes; on gloo (CPU
 # processes, or ranks sharing one GPU) every message is copied through host memory with Python
@@ -1077,8 +1078,8 @@ for ranks in (8, 64, 512):   # the shard below which the all-to-all moves fewer 
 # %% [markdown]
 # ## Going deeper: two GPUs against one
 #
-# What splitting costs in time, measured. (Needs two GPUs: the `nvidia-h200-x2` machine; elsewhere
-# the cell says it skipped.) The selective scan at batch 1, dim 1536, $N$ = 16,
+# What splitting costs in time, measured. (Needs two GPUs; elsewhere the cell says it
+# skipped.) The selective scan at batch 1, dim 1536, $N$ = 16,
 # $L = 2^{20}$, bf16 with the block's options: on one GPU, `scan_lib.selective_scan` over the whole
 # sequence; on two, `scan_lib.distributed.selective_scan`, each GPU holding half; and the exchange alone,
 # timed separately. **Prediction:** each rank scans its half twice (phases 1 and 3), so two GPUs take
@@ -1140,9 +1141,9 @@ else:
 # (On two GPUs.) Where the cell ran, its table and plot judge the prediction: it holds if two GPUs
 # take about as long as one (each runs two passes over its half, and the second waits for the
 # exchange) and the exchange is a small fraction of the forward (the last column). The run recorded
-# here had one GPU, an H100, so the cell printed that it was skipped: this run judges nothing, and
-# the prediction stays untested. The GPUs' memory, which is what a second GPU buys (each holds half
-# of the sequence's activations), is not measured here either.
+# here had one GPU, an NVIDIA H100 80GB HBM3, so the cell printed that it was skipped: this run judges
+# nothing, and the prediction stays untested. The GPUs' memory, which is what a second GPU buys (each
+# holds half of the sequence's activations), is not measured here either.
 
 # %% [markdown]
 # ## Going deeper: training with it, the example script
@@ -1154,8 +1155,8 @@ else:
 # positions' share of the mean, the ranks' gradients are summed with `all_reduce` (what
 # `DistributedDataParallel` does), and every gradient is checked against the same model run whole in one
 # process, at every step. On two GPUs it runs with NCCL; on one, with gloo, both ranks on that GPU; with
-# none, with gloo on the CPU, small. The run below had one GPU (the H100): three steps, each loss the
-# one process's to four decimals, every gradient within 7.4e-07.
+# none, with gloo on the CPU, small. The run below had one GPU (the H100 80GB HBM3): three steps, each
+# loss the one process's to four decimals, every gradient within 4.4e-07.
 
 # %%
 from pathlib import Path

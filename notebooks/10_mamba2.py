@@ -555,8 +555,9 @@ for length, chunk, heads, groups, head_dim, n_states in [(37, 16, 4, 2, 3, 5), (
 # reverse, the scan over chunks walked backward from the final state's gradient. Every term is a
 # product of one chunk's tiles: kernels like the forward's (sections 6 and 7). With the forward,
 # they make one differentiable op with `mamba_ssm`'s interface, `scan_lib.mamba_chunk_scan_combined`
-# (section 8). On an H100 in bfloat16 its calls beat `mamba_ssm`'s at length 2048, but `mamba_ssm`'s
-# forward kernels are faster on the GPU alone, and in float32 ours is mostly behind (section 9).
+# (section 8). On an NVIDIA H100 80GB HBM3 in bfloat16, at length 2048, its forward+backward call
+# beats `mamba_ssm`'s at $N = 64$ but not at $N = 128$, its forward calls are slower, `mamba_ssm`'s
+# forward kernels are faster on the GPU alone, and in float32 ours is behind everywhere (section 9).
 
 # %% [markdown]
 # ## Going deeper: more checks of the reference forms
@@ -1362,26 +1363,27 @@ else:
             print(speed_row(shape, dtype, ours, theirs, floors))
 
 # %% [markdown]
-# What the recorded table shows (one run on an H100; on a machine without a GPU the cell prints
-# nothing to compare):
+# What the recorded table shows (one run on an NVIDIA H100 80GB HBM3; on a machine without a GPU the
+# cell prints nothing to compare):
 #
-# * In bfloat16, the dtype Mamba-2 trains in, our op's calls beat `mamba_ssm`'s at both shapes: 2.01x in
-#   the forward and 3.06x in forward+backward at $N = 64$, 1.31x and 1.28x at $N = 128$ (but see the
-#   next point). Both sides run their products on the tensor cores with bfloat16 operands and float32
+# * In bfloat16, the dtype Mamba-2 trains in, our op's calls beat `mamba_ssm`'s only in
+#   forward+backward at $N = 64$ (1.69x; but see the next point). Our forward calls are slower at both
+#   shapes (0.95x at $N = 64$, 0.68x at $N = 128$), and so is our forward+backward at $N = 128$
+#   (0.94x). Both sides run their products on the tensor cores with bfloat16 operands and float32
 #   sums, so the precision is like for like; the chunks are not: ours runs chunks of 64 where
 #   `mamba_ssm`'s runs the 256 asked for, 1.75 against 4.0 times the loop's flops at $N = 128$
 #   (section 4).
 # * Those ratios compare calls, not kernels. On the GPU alone `mamba_ssm`'s bfloat16 forward is the
-#   faster one: 266 us against our 423 at $N = 64$, 351 against 618 at $N = 128$ (0.63x and 0.57x),
-#   while its calls take 875 and 823 us, most of it the host's work. Its forward+backward takes the
-#   host about as long to issue as the call lasts, or longer (5099 against 5206 us at $N = 64$, 4904
-#   against 4089 at $N = 128$): the host sets its pace, and the 3.06x and 1.28x compare host paths.
-#   Ours is set by the GPU in the forward (a 434 us call, 423 on the GPU), and at $N = 64$ its
-#   forward+backward is not far from the host's limit either: 1403 us to issue a 1700 us call.
-# * In float32 the two do different work, and the ratios say so: at $N = 64$ the forward calls are
-#   level (1.02x) and we are behind on the GPU (0.59x) and in forward+backward (0.70x); at $N = 128$ we
-#   are behind in all three (0.46x, 0.46x, 0.49x). Each of our float32 products is tf32x3, three
-#   tensor-core products that keep float32's accuracy; `mamba_ssm`'s is one TF32 product, whose
+#   faster one: 269 us against our 427 at $N = 64$, 353 against 626 at $N = 128$ (0.63x and 0.56x),
+#   while its calls take 419 and 435 us, the difference the host's work. Its forward+backward takes
+#   the host about as long to issue as the call lasts, or longer (3058 against 2892 us at $N = 64$,
+#   3080 against 3029 at $N = 128$): the host sets its pace. Ours is set by the GPU, in the forward (a
+#   439 us call, 427 on the GPU) and in forward+backward (1119 us to issue a 1716 us call at $N = 64$,
+#   1078 to issue 3237 at $N = 128$). So the 1.69x and 0.94x compare its host path with our kernels.
+# * In float32 the two do different work, and the ratios say so: we are behind in every column, at
+#   $N = 64$ (0.58x for the forward call, 0.59x on the GPU, 0.50x in forward+backward) and further at
+#   $N = 128$ (0.47x, 0.46x, 0.28x). Each of our float32 products is tf32x3, three tensor-core
+#   products that keep float32's accuracy; `mamba_ssm`'s is one TF32 product, whose
 #   operands keep 10 bits of mantissa (`make bench` on an H200 finds its float32 results 1.3e-03 to
 #   4.7e-03 off, relative, against our 8.3e-07 to 3.9e-06:
 #   `benchmarks/results/bench_ssd_h200_2026-12-03.log`). Our gradient kernel also holds more than the
@@ -1389,9 +1391,9 @@ else:
 #   `benchmarks/NOTES_ssd.md`, where halving the spills bought nothing in bfloat16). A plain TF32 option
 #   does not fit that kernel in shared memory at $N = 128$; profiling the kernel, then splitting it, is
 #   the next step.
-# * Neither op is near the floor: our bfloat16 forward at $N = 64$ takes 423 us on the GPU against a
-#   floor of 69, about 6 times, the forward+backward 1700 against 184, about 9 times; `mamba_ssm`'s
-#   forward, 266 us, about 4 times. The profile in `benchmarks/NOTES_ssd.md` (an H200, 2026-12-03) says
+# * Neither op is near the floor: our bfloat16 forward at $N = 64$ takes 427 us on the GPU against a
+#   floor of 69, about 6 times, the forward+backward 1716 against 185, about 9 times; `mamba_ssm`'s
+#   forward, 269 us, about 4 times. The profile in `benchmarks/NOTES_ssd.md` (an H200, 2026-12-03) says
 #   where ours goes: about half of a training step is the gradient kernel, and the PyTorch work around
 #   the kernels (the softplus of the steps, the gate, the sums of gradients over heads and chunks) is
 #   a sizeable share that a fused kernel would remove.
