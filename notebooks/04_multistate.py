@@ -206,8 +206,8 @@ def multistate_single_block(a, b, c, x):
 # How close must it be? Relative to the largest $|y|$, `tolerance` allows one rounding of the output to
 # its dtype, plus $32\sqrt{L}$ units of the accumulator ($2^{-24}$ in float32, $2^{-53}$ in float64)
 # for the roundings the recurrence carries along the sequence ("Going deeper: the tolerance, and the
-# bugs the checks catch" derives it). It is chapter 01's form, with $\sqrt{L}$ where a tree had
-# $\log_2 L$; chapter 05 checks the selective scan with this same function.
+# bugs the checks catch" says where it comes from). It has the shape of chapter 01's, with $\sqrt{L}$
+# where a tree had $\log_2 L$; chapter 05 checks the selective scan with this same function.
 
 # %%
 #| export
@@ -799,17 +799,20 @@ for name, got, want in zip(("a", "B", "C", "x", "h0"), formula_grads, autograd_g
 # carried like a state: after step $s$ it has been multiplied by $a_{t+1}\cdots a_s$, at most 1 in
 # size for gates in $(0, 1)$, as here. The error at step $L$ is therefore a sum of at most $L$ terms of size
 # $c\,u\,\max|h|$. In the worst case they share a sign and add to $c\,L\,u$; rounding errors are
-# as often up as down, though, and behave like a random walk, whose typical size is $\sqrt{L}$ steps
-# (chapter 01 met the same question for a tree, where each value passes $\log_2 L$ additions). The
-# factor 32 covers $c$, the sum over the $N$ states into $y$, and a random walk's excursions several
-# times its typical size; $L$ is taken as at least 16, so that short sequences keep room for their
-# few roundings. Chapter 05 checks the selective scan, the same recurrence, with this function.
+# as often up as down, though, and behave like a random walk, whose typical size is $\sqrt{L}$ times
+# one step's error (chapter 01 met the same question for a tree, where each value passes $\log_2 L$
+# additions). The factor 32 covers $c$, the sum over the $N$ states into $y$, and a random walk's
+# excursions several times its typical size; $L$ is taken as at least 16, so that short sequences
+# keep room for their few roundings. This is an allowance argued from the typical case, not a
+# proven bound: the worst case grows like $L$. Chapter 05 checks the selective scan, the same
+# recurrence, with this function.
 #
-# The bound is loose on purpose: the float32 errors this chapter records are about 2 units or less
-# (the largest in section 3's table, 1.24e-07 at $L = 129$, $N = 5$, against a tolerance of 2.2e-05).
-# What it must do is separate a correct kernel from a broken one, and the broken ones land far above
-# it: a float16 accumulator fails it for float16 inputs, and in section 4's check, dropping the carry
-# between chunks fails every row past the first chunk (the tests inject both bugs).
+# It is loose on purpose: the float32 errors this chapter records are about 2 units or less (the
+# largest in section 3's table, 1.24e-07 at $L = 129$, $N = 5$, against a tolerance of 2.2e-05). What
+# it must do is separate a correct kernel from a broken one. In section 4's check, dropping the carry
+# between chunks fails every row past the first chunk, by orders of magnitude; a float16 accumulator
+# fails it for float32 inputs. For float16 inputs the output's own rounding, $2^{-11}$, is most of the
+# tolerance, and a float16 accumulator lands only a little above it. The tests inject these bugs.
 
 # %% [markdown]
 # ## Going deeper: a torch op, autograd, and transforms

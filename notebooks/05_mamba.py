@@ -885,12 +885,15 @@ assert err_subtract > 1e-2 and err_shifted < 1e-7
 # deeper: the tolerance": one rounding of the output to its dtype, plus $32\sqrt{L}$ float32 roundings
 # ($2^{-53}$ units for float64 inputs).
 #
-# **Float32 over the length.** The selective scan is chapter 04's recurrence with gates
-# $e^{\Delta A} \in (0, 1)$, so chapter 04's argument holds as it stands: rounding errors of either
-# sign are carried and damped by the gates, and add up like a random walk, $\sqrt{L}$ times the float32
-# unit roundoff $2^{-24}$, times 32 for the few roundings per step and the sums over states (and at
-# least $\sqrt{16}$). The float16 rounding that a state kept in half precision would add, $2^{-11}$
-# per step, is far above it. The gradients run the same recurrence backwards (the adjoint), so the
+# **Float32 over the length.** The selective scan is chapter 04's recurrence. With positive steps
+# $\Delta$ (softplus makes them so) its gates $e^{\Delta A}$ lie in $(0, 1)$, so chapter 04's argument
+# holds as it stands: rounding errors of either sign are carried and damped by the gates, and add up
+# like a random walk, $\sqrt{L}$ times the float32 unit roundoff $2^{-24}$, times 32 for the few
+# roundings per step and the sums over states (and at least $\sqrt{16}$). One check with
+# `delta_softplus=False` passes steps near $-1$, gates above 1 (a state that grows along the
+# sequence), and stays within it as well; the bound then rests on no argument. The float16
+# rounding that a state kept in half precision would add, $2^{-11}$ per step, is far above the
+# float32 part. The gradients run the same recurrence backwards (the adjoint), so the
 # same bound serves them.
 #
 # **Half-precision inputs** add the final rounding of each output and gradient

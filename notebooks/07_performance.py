@@ -1037,15 +1037,17 @@ def segment_carries(summary, dsum, A, boundary, reverse):
 # of the host's time per step ("Going deeper: the host's share" measures that time). So the launchers
 # work it out once per *signature*, each tensor's shape, strides, dtype and device (`signature`), with
 # the call's flags, and keep the result, a *plan* (`planned`, with `fwd_plan` and `bwd_plan`).
-# A plain eager call (no `torch.compile`, `torch.func` transform, profiler or tensor subclass, as
-# chapter 00's `EagerFastOp` decides) works out one signature in all, its arguments': `call_plan`
-# runs chapter 05's checks the first time (a signature that fails them is never kept, so it raises
-# at every call) and holds the chunk of states to keep, the forward's plan and the backward's plans.
+# A plain eager call (no `torch.compile`, `torch.func` transform, dispatch or torch-function mode,
+# profiler, jit tracer, tensor subclass, nor saved-tensor hooks such as activation checkpointing's)
+# works out one signature in all, its arguments': `call_plan` runs chapter 05's checks the first
+# time a signature comes with its flags (one that fails them is never kept, so it raises at every
+# call) and holds the chunk of states to keep, the forward's plan and the backward's plans.
 # The backward's plan is found by what can still differ from the forward's signature, the output
 # gradient's strides and whether the last state has a gradient (`backward_plan`), and both passes
 # run their launches directly (`run_forward`, `run_backward`). Every other call goes through the
 # custom ops, which plan from their own arguments' signatures. The backward also returns $dB$ and
-# $dC$, adjacent in its buffer of summed gradients, to a half-precision dtype in one cast.
+# $dC$, adjacent in its buffer of summed gradients, to their dtype in one cast where both are per
+# position and of one half-precision dtype (bf16 training).
 #
 # A plan's launches are `Launcher`s. On a GPU, `kernel[grid](*args)` runs a fair amount of Python
 # before launching. It looks up the current device and stream and matches the arguments to the
@@ -1505,9 +1507,9 @@ class StridedSelectiveScanFn(torch.autograd.Function):
         dout = cast(dout, u.dtype)
         with torch.no_grad():  # the op's own outputs carry no graph (chapter 05's _NoSecondDerivative)
             if ctx.plan is not None and not _dispatcher_needed() and _plain_tensors((dout, dlast)):
+                D, delta_bias, dlast = _small_contiguous(D, delta_bias, dlast)
                 plan = backward_plan(ctx.plan, u, delta, A, B, C, D, z, delta_bias, states, dout, dlast,
                                      ctx.delta_softplus, ctx.chunk, ctx.segments)
-                D, delta_bias, dlast = _small_contiguous(D, delta_bias, dlast)
                 du, ddelta, dz, dh0, summed = run_backward(plan, u, delta, A, B, C, D, z, delta_bias, states, dout, dlast)
                 shapes, sizes = plan["summed_shapes"], plan["summed_sizes"]
             else:
@@ -1559,16 +1561,17 @@ def scan_in_segments(u, delta, A, B, C, D=None, z=None, delta_bias=None, delta_s
         return empty_selective_scan(u, delta, A, B, C, D, z, delta_bias, return_last_state, initial_state)
     B4 = positions_adjacent(B.unsqueeze(1) if B.dim() == 3 else B)
     C4 = positions_adjacent(C.unsqueeze(1) if C.dim() == 3 else C)
-    eager = not _dispatcher_needed() and all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+    eager = (not _dispatcher_needed() and all(t is None or type(t) in _PLAIN_TENSORS for t in tensors)
+             and torch._C._autograd._top_saved_tensors_default_hooks(False) is None)  # no save_on_cpu, checkpoint
     out, last, _ = apply(StridedSelectiveScanFn, u, delta, A, B4, C4, D, z, delta_bias, initial_state,
                          delta_softplus, plan["save_chunk"], segments, plan if eager else None)
     return (out, last) if return_last_state else out
 
 
 def call_plan(u, delta, A, B, C, D, z, delta_bias, initial_state, training):
-    """What scan_in_segments works out once per signature of its arguments and flags (one lookup per
-    call): chapter 05's checks (_check_inputs: a signature that fails them is never kept, so it raises at
-    every call); None for an empty input; else the chunk of states the forward keeps for the backward
+    """What scan_in_segments works out once per signature of its arguments, its flags and plan_context()
+    (one lookup per call): chapter 05's checks (_check_inputs: a key whose arguments fail them is never
+    kept, so it raises at every call); None for an empty input; else the chunk of states the forward keeps for the backward
     (0 without training), and room for the forward's plan and the backward's plans by the output
     gradient's strides, which plain eager calls fill and use (StridedSelectiveScanFn)."""
     _check_inputs(u, delta, A, B, C, D, z, delta_bias, initial_state)
@@ -1579,13 +1582,13 @@ def call_plan(u, delta, A, B, C, D, z, delta_bias, initial_state, training):
 
 
 def backward_plan(plan, u, delta, A, B, C, D, z, delta_bias, states, dout, dlast, delta_softplus, chunk, segments):
-    """bwd_plan(...) for the backward of a call planned by call_plan: the rest of its signature is the
-    forward's, so it is kept in the call's plan by what can still differ, dout's strides and whether
-    dlast is given."""
+    """bwd_plan(...) (D, delta_bias, dlast contiguous) for the backward of a call planned by call_plan:
+    the rest of its signature is the forward's (the saved tensors come back as they were saved: no
+    saved-tensor hooks were active, scan_in_segments checks), so it is kept in the call's plan by what
+    can still differ, dout's strides and whether dlast is given."""
     key = (dout.stride(), dlast is None)
     found = plan["bwd"].get(key)
     if found is None:
-        D, delta_bias, dlast = _small_contiguous(D, delta_bias, dlast)
         found = remember(plan["bwd"], key, bwd_plan(u, delta, A, B, C, D, z, delta_bias, states, dout, dlast,
                                                     delta_softplus, chunk, segments))
     return found

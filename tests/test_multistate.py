@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 from scan_lib.multistate import (MAX_STATES, multistate_backward, multistate_forward, multistate_fwd_kernel,
                                  multistate_scan_ref, num_warps_for, tolerance)
-from scan_lib.runtime import DEVICE, INTERPRET
+from scan_lib.runtime import DEVICE
 
 
 def make_inputs(batch, n_states, length, dtype, seed, requires_grad=False):
@@ -239,10 +239,14 @@ def half_accumulating_forward(a, b, c, x, block_l=64):
 
 
 def test_tolerance_catches_half_precision_accumulation():
-    a, b, c, x, _ = make_inputs(3, 16, 1000, torch.float16, seed=2)
-    y_ref, _ = multistate_scan_ref(*(t.double() for t in (a, b, c, x)))
-    assert rel_err(scan_lib.multistate_scan(a, b, c, x), y_ref) < tolerance(torch.float16, 1000)
-    assert rel_err(half_accumulating_forward(a, b, c, x), y_ref) > 2 * tolerance(torch.float16, 1000)
+    """A float16 accumulator fails the float32 tolerance; and for float16 inputs, where the output's own
+    rounding is most of the tolerance, it still lands above it."""
+    for dtype in (torch.float32, torch.float16):
+        a, b, c, x, _ = make_inputs(3, 16, 1000, dtype, seed=2)
+        y_ref, _ = multistate_scan_ref(*(t.double() for t in (a, b, c, x)))
+        assert rel_err(scan_lib.multistate_scan(a, b, c, x), y_ref) < tolerance(dtype, 1000)
+        margin = 4 if dtype == torch.float32 else 1.3
+        assert rel_err(half_accumulating_forward(a, b, c, x), y_ref) > margin * tolerance(dtype, 1000), dtype
 
 
 def test_reference_check_catches_coupled_states():
