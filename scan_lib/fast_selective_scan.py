@@ -703,9 +703,10 @@ def gradients_from_summed(summed, shapes, sizes, B, C):
     position and share a dtype other than the buffer's (in bf16 training: one launch instead of two)."""
     if B.dim() == 4 and C.dim() == 4 and B.dtype == C.dtype != summed.dtype:
         both = sizes[0] + sizes[1]
-        (dB, dC), (dA, dD, dbias) = summed[:both].to(B.dtype).split(sizes[:2]), summed[both:].split(sizes[2:])
+        dB, dC = summed[:both].to(B.dtype).split_with_sizes(sizes[:2])
+        dA, dD, dbias = summed[both:].split_with_sizes(sizes[2:])
         return dA.view(shapes[2]), dB.view(shapes[0]), dC.view(shapes[1]), dD, dbias
-    dB, dC, dA, dD, dbias = summed.split(sizes)
+    dB, dC, dA, dD, dbias = summed.split_with_sizes(sizes)
     over_batch_segments_runs = (0, -2, -1)
     dB, dC = dB.view(shapes[0]), dC.view(shapes[1])
     return (dA.view(shapes[2]), dB.sum(over_batch_segments_runs) if B.dim() == 2 else dB,
@@ -840,7 +841,7 @@ def run_backward(plan, u, delta, A, B, C, D, z, delta_bias, states, dout, dlast)
     du, ddelta = like_u(u), like_u(u, delta.dtype)
     dz = like_u(u, z.dtype) if z is not None else u.new_empty(0)
     summed = torch.zeros(sum(plan["summed_sizes"]), device=u.device, dtype=acc)
-    dB, dC, dA, dD, dbias = summed.split(plan["summed_sizes"])   # the kernel indexes each piece as contiguous
+    dB, dC, dA, dD, dbias = summed.split_with_sizes(plan["summed_sizes"])   # the kernel indexes each piece as contiguous
     dA_part, dh0 = u.new_empty(plan["per_run"], dtype=acc), u.new_empty(plan["dh0"], dtype=acc)
     plan["gradients"](u, delta, A, B, C, D, z, delta_bias, states, dout, entering,
                       du, ddelta, dz, dB, dC, dA_part, dA, dD if D is not None else None,
