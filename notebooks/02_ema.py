@@ -260,29 +260,35 @@ for length in [1, 7, 129, 1000]:
 # chunk, like the forward ones, so when the chunk does not divide $L$ the padding sits at the right
 # end of the first chunk visited, where the reverse scan starts: the state enters folded into a
 # padding pair, $(1, 0) \to (1, h^{\text{init}})$, and the identity steps carry it unchanged to the
-# row's last element. (The figure's row, $12 = 3 \times 4$, has no padding.)
+# row's last element. The figure's row has $L = 10$ in chunks of 4: its last chunk holds positions 8
+# and 9 and two padding pairs (hatched), where the reverse scan starts.
 
 # %%
-def draw_carried_state(length=12, chunk=4):
-    """The state carried between the chunks of one row, forward (top) and reverse (bottom)."""
+def draw_carried_state(length=10, chunk=4):
+    """The state carried between the chunks of one row, forward (top) and reverse (bottom); the chunks are
+    aligned to multiples of `chunk`, the last one padded with identity pairs (hatched)."""
+    padded = -(-length // chunk) * chunk          # the row rounded up to whole chunks
     fig, ax = plt.subplots(figsize=(7, 2.8))
     for y, reverse in [(1.6, False), (0.0, True)]:
-        for t in range(length):
-            ax.add_patch(plt.Rectangle((t, y), 0.9, 0.7, facecolor=f"C{t // chunk}", alpha=0.3, edgecolor="0.3"))
-            ax.text(t + 0.45, y + 0.35, f"{t}", ha="center", va="center", fontsize=8)
+        for t in range(padded):
+            pad = t >= length
+            ax.add_patch(plt.Rectangle((t, y), 0.9, 0.7, facecolor=f"C{t // chunk}", alpha=0.12 if pad else 0.3,
+                                       hatch="//" if pad else None, edgecolor="0.3"))
+            ax.text(t + 0.45, y + 0.35, "pad" if pad else f"{t}", ha="center", va="center", fontsize=7 if pad else 8)
         arrow = dict(arrowstyle="->", color="C3", lw=1.5, connectionstyle=f"arc3,rad={0.6 if reverse else -0.6}")
-        for k in range(1, length // chunk):  # the state leaves one chunk and enters the next in scan order
+        for k in range(1, padded // chunk):  # the state leaves one chunk and enters the next in scan order
             leave, enter = (k * chunk, k * chunk - 1) if reverse else (k * chunk - 1, k * chunk)
             ax.annotate("", xy=(enter + 0.45, y + 0.72), xytext=(leave + 0.45, y + 0.72), arrowprops=arrow)
             ax.text(k * chunk - 0.05, y + 1.05, "h", color="C3", ha="center", fontsize=9)
-        first, side = (length - 1, 1) if reverse else (0, -1)
+        first, side = (padded - 1, 1) if reverse else (0, -1)
         ax.annotate(r"$h^{init}$", xy=(first + 0.45, y + 0.72), xytext=(first + 0.45 + 1.3 * side, y + 1.2), color="C0",
                     ha="center", fontsize=9, arrowprops=dict(arrowstyle="->", color="C0", lw=1.5))
         how = "reverse: chunks from the right,\neach scanned right to left" if reverse else "forward: chunks from the left,\neach scanned left to right"
-        ax.text(length + 0.4, y + 0.35, how, va="center", fontsize=8)
-    ax.set(xlim=(-1.8, length + 4.6), ylim=(-0.2, 3.0))
+        ax.text(padded + 0.4, y + 0.35, how, va="center", fontsize=8)
+    ax.set(xlim=(-1.8, padded + 4.6), ylim=(-0.2, 3.0))
     ax.axis("off")
-    ax.set_title(f"One program per row: {length // chunk} chunks of {chunk}, the state h carried in a register", fontsize=9)
+    ax.set_title(f"One program per row: L = {length} in {padded // chunk} chunks of {chunk} (the last padded), "
+                 "the state h carried in a register", fontsize=9)
     return fig
 
 

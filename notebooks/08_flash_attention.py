@@ -960,7 +960,10 @@ def flash_attention(q, k, v, causal=False, sm_scale=None):
 # The public function end to end: output and every gradient against the reference, on non-contiguous
 # inputs (a transposed layout, as a model's projections give); on a GPU also against
 # `F.scaled_dot_product_attention` in bfloat16, with the bfloat16 tolerance because both round to
-# bfloat16.
+# bfloat16. Such a layout is accepted, not read in place: `flash_attention` copies q, k and v to
+# contiguous tensors first (and the backward copies the output's gradient), because the kernels index
+# each (batch, head) as L contiguous rows of head_dim values. Reading the (batch, L, heads, head_dim)
+# layout with strides, as FlashAttention's kernels do, would save those copies; it is not done yet.
 
 # %%
 def attention_inputs(batch, heads, length, head_dim, dtype, seed):

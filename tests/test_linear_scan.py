@@ -263,7 +263,8 @@ def test_second_derivatives_through_torch_func_reverse_mode_only():
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_hessian_matches_the_loop(reverse):
-    """h is bilinear in (gates, tokens) and (gates, initial_state): the true Hessian is not zero."""
+    """h is linear in the tokens and in the initial state, multilinear in the gates (a product of up to L of
+    them): the true Hessian is not zero."""
     gates, tokens, init = make_inputs((6,), torch.float64, seed=18)
     def loss(scan):
         return lambda g, u, h0: (scan(g, u, h0, reverse) ** 2).sum() + scan(g, u, h0, reverse)[-1]
