@@ -933,7 +933,8 @@ def scan_rows(x: torch.Tensor, out: torch.Tensor | None = None, **overrides) -> 
 # So `cumsum` of a non-contiguous tensor, or along any dimension but the last, first copies its
 # input into that layout, and along any dimension but the last copies its result back: each copy
 # reads and writes every value once more, which a kernel taking strides (chapter 00) would avoid.
-# These kernels do not read such views in place, and this chapter does not time the copies.
+# These kernels do not read such views in place; "Going deeper: what the copies along a dimension
+# but the last cost" times the copies on a GPU.
 #
 # The column indices and offsets are 64-bit because a program id is a 32-bit integer, and block k's
 # first column, k times the block, passes 2^31 in a row of that many values: the kernels widen k
@@ -1121,6 +1122,29 @@ for call, error, words in bad_inputs:
         print(f"{error.__name__}: {e}")
     else:
         raise AssertionError(f"expected {error.__name__} ({words})")
+
+# %% [markdown]
+# ## Going deeper: what the copies along a dimension but the last cost
+#
+# ("The exported kernels' layout" says why they are made.) On a GPU, the cell times `cumsum` of one
+# (4096, 4096) float32 tensor along its last dimension and along its first, and, alone, the two copies
+# that the second call makes: into rows, and back. Kernels that read the view in place would save at
+# most the copies' time.
+
+# %%
+from scan_lib.runtime import median_us   # chapter 00's timer
+
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    square = torch.randn(4096, 4096, device=DEVICE)
+    calls = {"cumsum along the last dim": lambda: cumsum(square, dim=-1),
+             "cumsum along the first dim": lambda: cumsum(square, dim=0),
+             "the copy into rows": lambda: square.movedim(0, -1).contiguous(),
+             "the copy back": lambda: square.movedim(-1, 0).clone(memory_format=torch.contiguous_format)}
+    print(f"(4096, 4096) float32 on {torch.cuda.get_device_name()}, median us (do_bench):")
+    for name, call in calls.items():
+        print(f"  {name:28s} {median_us(call):8.1f}")
 
 # %% [markdown]
 # ## Going deeper: what the checks guard against
