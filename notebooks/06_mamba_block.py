@@ -105,39 +105,7 @@ def rel_err(x, ref):
 # piece of the sequence). `mamba_ssm` gets this from the `causal-conv1d` CUDA package; ours, in
 # Triton, has the signature of its `causal_conv1d_fn`. The reference is the package's own, on
 # `F.conv1d` (`groups=dim`: depthwise; padding $K-1$ on both sides, then keeping the first $L$
-# outputs: causal). The cell's other imports serve the library's kernels, in "Going deeper".
-
-# %%
-#| export causal_conv1d
-"""Causal depthwise conv1d (Mamba's short convolution): float64 reference and the Triton kernels behind
-`causal_conv1d` (a drop-in for the causal-conv1d package's causal_conv1d_fn) and `causal_conv1d_update`."""
-from typing import Optional
-
-import torch
-import torch.nn.functional as F
-import triton
-import triton.language as tl
-
-from scan_lib.ema import accumulator_dtype
-from scan_lib.runtime import INTERPRET, apply, check_float_tensor, check_same_device, custom_op, plus, zero_in_graph
-from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
-from scan_lib.fast_selective_scan import LOG2E, cdiv, items_of, next_power_of_2, positions_of   # chapter 07's
-
-
-def causal_conv1d_ref(x, weight, bias=None, initial_states=None, return_final_states=False, activation=None):
-    """The package's reference (causal_conv1d_ref), with F.conv1d: x (batch, dim, L), weight (dim, width)."""
-    dtype_in, length, (dim, width) = x.dtype, x.shape[-1], weight.shape
-    x = x.to(weight.dtype)
-    if initial_states is None:
-        out = F.conv1d(x, weight.unsqueeze(1), bias, padding=width - 1, groups=dim)
-    else:
-        x = torch.cat([initial_states.to(weight.dtype), x], dim=-1)
-        out = F.conv1d(x, weight.unsqueeze(1), bias, padding=0, groups=dim)
-    out = out[..., :length]
-    out = (out if activation is None else F.silu(out)).to(dtype_in)
-    if not return_final_states:
-        return out
-    return out, F.pad(x, (width - 1 - x.shape[-1], 0)).to(dtype_in)
+# outputs: causal); it heads the library's module, in "Going deeper: the convolution kernels".
 
 # %% [markdown]
 # **Why causal.** A language model predicts token $t+1$ from tokens $\le t$; if any layer lets
@@ -200,27 +168,10 @@ def conv_shifted(x, weight, bias, block_d=16, block_l=64):
     return out
 
 # %% [markdown]
-# It matches the reference in float64 at every width and at shapes that leave blocks partly empty
-# (one position; odd channel counts; a length that ends inside a block), to rounding: both sides sum
-# the same few terms.
-
-# %%
-for width in (2, 3, 4):
-    errors = []
-    for batch, dim, length in ((1, 1, 1), (2, 5, 7), (3, 19, 129)):
-        g = torch.Generator().manual_seed(width * length)
-        x, weight, bias = (torch.randn(*shape, generator=g, dtype=torch.float64).to(DEVICE)
-                           for shape in ((batch, dim, length), (dim, width), (dim,)))
-        errors.append(rel_err(conv_shifted(x, weight, bias), causal_conv1d_ref(x, weight, bias, activation="silu")))
-    print(f"width {width}: relative errors " + "  ".join(f"{e:.1e}" for e in errors))
-    assert max(errors) < 1e-12, (width, errors)
-
-# %% [markdown]
 # **The library's kernels.** `scan_lib.causal_conv1d`, used from here on, computes the same function
-# with aligned loads only (a load shifted by $k - K + 1$ positions is not aligned to 16 bytes, so the
-# GPU cannot fetch it as one vector per thread). It also takes `initial_states`, returns the final
-# states and has a backward: the same convolution with the flipped filter, run forward in time.
-# "Going deeper" derives the backward and shows the kernels with their checks.
+# with aligned loads, takes `initial_states`, returns the final states and has a backward. "Going
+# deeper" checks section 2's kernel against the reference, derives the backward and shows the
+# library's kernels with their checks.
 
 # %% [markdown]
 # ## 3. The block, piece by piece
@@ -577,83 +528,9 @@ class Mamba(nn.Module):
                 raise ValueError(f"{name} must be contiguous: it is updated in place")
 
 # %% [markdown]
-# ### Initialisation
-#
-# Two parameters start at special values, to keep $h_t = e^{\Delta_t A} h_{t-1} + \Delta_t B_t x_t$
-# stable and useful from the first step.
-#
-# **$A$ negative.** $A = -e^{A_{log}}$ is negative whatever $A_{log}$ learns, so $e^{\Delta A}$ lies in
-# $(0, 1)$: every state decays. At the start $A_{:,n} = -(n+1)$ for $n = 0 \dots N-1$ (S4D-real): some
-# states hold long context and some short.
-#
-# **$\Delta$ in $[\Delta_{min}, \Delta_{max}]$.** `dt_proj.weight` starts small, so $\Delta$ starts near
-# $\mathrm{softplus}(b_\Delta)$. Drawing $\Delta_0$ log-uniformly in $[\Delta_{min}, \Delta_{max}]$
-# (default $[10^{-3}, 10^{-1}]$) and setting $b_\Delta = \Delta_0 + \log(1 - e^{-\Delta_0})$,
-# softplus's inverse, gives channels that remember for about $1/\Delta$ steps, ten to a thousand
-# positions. "Going deeper: the initialisation" checks both and shows what goes wrong without them.
-
-# %%
-#| export
-def s4d_real_A(d_inner, d_state, device=None):
-    """The S4D-real initial -A: (1, 2, ..., N) for every channel (A = -exp(A_log) = -(1..N))."""
-    return torch.arange(1, d_state + 1, dtype=torch.float32, device=device).repeat(d_inner, 1)
-
-
-def inverse_softplus(y):
-    """x with softplus(x) = y, for y > 0: y + log(1 - exp(-y)), written with expm1 for small y."""
-    return y + torch.log(-torch.expm1(-y))
-
-
-def init_dt_proj(dt_proj, dt_rank, dt_min=0.001, dt_max=0.1, dt_init="random", dt_scale=1.0, dt_init_floor=1e-4):
-    """mamba_ssm's initialisation of dt_proj: small weights, and a bias that puts softplus(bias)
-    log-uniformly in [dt_min, dt_max] (never below dt_init_floor)."""
-    std = dt_rank ** -0.5 * dt_scale
-    if dt_init == "constant":
-        nn.init.constant_(dt_proj.weight, std)
-    elif dt_init == "random":
-        nn.init.uniform_(dt_proj.weight, -std, std)
-    else:
-        raise ValueError(f"dt_init must be 'random' or 'constant', got {dt_init!r}")
-    log_dt = torch.rand(dt_proj.out_features, device=dt_proj.bias.device, dtype=dt_proj.bias.dtype)
-    dt = torch.exp(log_dt * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=dt_init_floor)
-    with torch.no_grad():
-        dt_proj.bias.copy_(inverse_softplus(dt))
-    dt_proj.bias._no_reinit = True
-
-# %% [markdown]
-# ### Checks: the same function on both backends
-#
-# With the same weights, the float32 `"triton"` block must match the float64 `"torch"` block, output
-# and every parameter's gradient, at awkward lengths, to $10^{-4}$ relative to the largest value.
-# ("Going deeper: the block" checks the `state_dict`'s names and shapes against `mamba_ssm`'s.)
-
-# %%
-def compare_backends(length, d_model, d_state, batch=2, seed=0):
-    """Max relative error of the float32 triton block against the float64 torch block: output and grads."""
-    torch.manual_seed(seed)
-    reference = Mamba(d_model, d_state=d_state, bias=True, backend="torch", device=DEVICE, dtype=torch.float64)
-    with torch.no_grad():   # an A that is not the initial one, to catch a wrong index into A
-        reference.A_log.add_(0.3 * torch.randn_like(reference.A_log))
-    block = Mamba(d_model, d_state=d_state, bias=True, backend="triton", device=DEVICE)
-    block.load_state_dict(reference.state_dict())
-    hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=torch.float64)
-    errors = {}
-    outputs = [m(hidden.to(dtype)) for m, dtype in ((reference, torch.float64), (block, torch.float32))]
-    errors["out"] = rel_err(outputs[1], outputs[0])
-    weight = torch.randn_like(outputs[0])
-    for m, out in zip((reference, block), outputs):
-        (out * weight.to(out.dtype)).sum().backward()
-    for (name, p), q in zip(reference.named_parameters(), block.parameters()):
-        errors[name] = rel_err(q.grad, p.grad)
-    return errors
-
-
-sizes = dict(d_model=64, d_state=16, batch=2) if ON_GPU else dict(d_model=4, d_state=4, batch=1)
-for length in (1, 7, 129, 1000) if ON_GPU else (1, 7, 40):
-    errors = compare_backends(length, **sizes)
-    worst = max(errors, key=errors.get)
-    print(f"L={length:5d}: out {errors['out']:.1e}, worst of output and gradients: {worst} {errors[worst]:.1e}")
-    assert max(errors.values()) < 1e-4, errors
+# The constructor's helpers `s4d_real_A` and `init_dt_proj` start $A$ negative and $\Delta$ in
+# $[\Delta_{min}, \Delta_{max}]$, which keeps the scan stable: "Going deeper: the initialisation".
+# "Going deeper: the block on both backends" checks that the two backends compute the same function.
 
 # %% [markdown]
 # ## 4. Inference three ways
@@ -719,6 +596,183 @@ for length in (1, 7, 129, 1000) if ON_GPU else (1, 7, 40):
 # ## Going deeper
 
 # %% [markdown]
+# ### Section 2's kernel against the reference
+#
+# `conv_shifted` matches the reference in float64 at every width and at shapes that leave blocks
+# partly empty (one position; odd channel counts; a length that ends inside a block), to rounding:
+# both sides sum the same few terms.
+
+# %%
+for width in (2, 3, 4):
+    errors = []
+    for batch, dim, length in ((1, 1, 1), (2, 5, 7), (3, 19, 129)):
+        g = torch.Generator().manual_seed(width * length)
+        x, weight, bias = (torch.randn(*shape, generator=g, dtype=torch.float64).to(DEVICE)
+                           for shape in ((batch, dim, length), (dim, width), (dim,)))
+        errors.append(rel_err(conv_shifted(x, weight, bias), causal_conv1d_ref(x, weight, bias, activation="silu")))
+    print(f"width {width}: relative errors " + "  ".join(f"{e:.1e}" for e in errors))
+    assert max(errors) < 1e-12, (width, errors)
+
+# %% [markdown]
+# ### The initialisation: the code, a check, and the sketch's two bugs
+#
+# Two parameters start at special values, to keep $h_t = e^{\Delta_t A} h_{t-1} + \Delta_t B_t x_t$
+# stable and useful from the first step.
+#
+# **$A$ negative.** $A = -e^{A_{log}}$ is negative whatever $A_{log}$ learns, so $e^{\Delta A}$ lies in
+# $(0, 1)$: every state decays. At the start $A_{:,n} = -(n+1)$ for $n = 0 \dots N-1$ (S4D-real): some
+# states hold long context and some short.
+#
+# **$\Delta$ in $[\Delta_{min}, \Delta_{max}]$.** `dt_proj.weight` starts small, so $\Delta$ starts near
+# $\mathrm{softplus}(b_\Delta)$. Drawing $\Delta_0$ log-uniformly in $[\Delta_{min}, \Delta_{max}]$
+# (default $[10^{-3}, 10^{-1}]$) and setting $b_\Delta = \Delta_0 + \log(1 - e^{-\Delta_0})$,
+# softplus's inverse, gives channels that remember for about $1/\Delta$ steps, ten to a thousand
+# positions. The constructor calls the two helpers below; the cells after them check both and show
+# what goes wrong without them.
+
+# %%
+#| export
+def s4d_real_A(d_inner, d_state, device=None):
+    """The S4D-real initial -A: (1, 2, ..., N) for every channel (A = -exp(A_log) = -(1..N))."""
+    return torch.arange(1, d_state + 1, dtype=torch.float32, device=device).repeat(d_inner, 1)
+
+
+def inverse_softplus(y):
+    """x with softplus(x) = y, for y > 0: y + log(1 - exp(-y)), written with expm1 for small y."""
+    return y + torch.log(-torch.expm1(-y))
+
+
+def init_dt_proj(dt_proj, dt_rank, dt_min=0.001, dt_max=0.1, dt_init="random", dt_scale=1.0, dt_init_floor=1e-4):
+    """mamba_ssm's initialisation of dt_proj: small weights, and a bias that puts softplus(bias)
+    log-uniformly in [dt_min, dt_max] (never below dt_init_floor)."""
+    std = dt_rank ** -0.5 * dt_scale
+    if dt_init == "constant":
+        nn.init.constant_(dt_proj.weight, std)
+    elif dt_init == "random":
+        nn.init.uniform_(dt_proj.weight, -std, std)
+    else:
+        raise ValueError(f"dt_init must be 'random' or 'constant', got {dt_init!r}")
+    log_dt = torch.rand(dt_proj.out_features, device=dt_proj.bias.device, dtype=dt_proj.bias.dtype)
+    dt = torch.exp(log_dt * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min)).clamp(min=dt_init_floor)
+    with torch.no_grad():
+        dt_proj.bias.copy_(inverse_softplus(dt))
+    dt_proj.bias._no_reinit = True
+
+# %% [markdown]
+# **A check.** The initialisation on a fresh block: $\mathrm{softplus}(b_\Delta)$ lies in
+# $[\Delta_{min}, \Delta_{max}]$, `inverse_softplus` inverts softplus, and $A_{:,n} = -(n+1)$, all
+# negative. The histogram shows the initial step sizes, log-uniform.
+
+# %%
+torch.manual_seed(0)
+block = Mamba(d_model=64, d_state=16, backend="torch")
+dt0 = F.softplus(block.dt_proj.bias.detach())
+assert 0.001 * (1 - 1e-5) <= dt0.min() and dt0.max() <= 0.1 * (1 + 1e-5), "softplus(bias) outside [dt_min, dt_max]"
+assert torch.allclose(inverse_softplus(F.softplus(torch.linspace(-5, 5, 11))), torch.linspace(-5, 5, 11), atol=1e-5)
+A = -torch.exp(block.A_log.detach())
+assert torch.allclose(A[0], -torch.arange(1.0, 17.0), rtol=1e-6) and (A < 0).all()
+print(f"softplus(dt bias) in [{dt0.min():.4f}, {dt0.max():.4f}]; A[0] = {A[0, :4].tolist()} ... {A[0, -1].item()}")
+fig, ax = plt.subplots(figsize=(7, 3))
+ax.hist(dt0.log10().numpy(), bins=20, color="tab:blue")
+ax.set(xlabel=r"$\log_{10} \Delta_0$ per channel", ylabel="channels",
+       title=r"initial step sizes: log-uniform in $[\Delta_{min}, \Delta_{max}]$")
+save_figure(fig, "06_dt_init.png")
+
+# %% [markdown]
+# **What goes wrong without them.** The source sketch this chapter started from uses
+# $A$ = `torch.rand(d_model, d_state) * 0.1`: positive. Then $e^{\Delta A} > 1$ and every state *grows*
+# at every position, whatever the input. The cell runs the scan 4096 positions with $A = -(1..N)$ and
+# with the sketch's $A$, all else the same.
+
+# %%
+def state_norms(A, length=4096, d_inner=32, d_state=16, seed=0):
+    """max |h_t| over channels and states, at every position, for the block's initial dt and A."""
+    torch.manual_seed(seed)
+    init = Mamba(d_model=d_inner // 2, d_state=d_state, backend="torch")
+    u = torch.randn(1, d_inner, length)
+    delta = F.softplus(init.dt_proj.bias.detach())[None, :, None].expand(1, d_inner, length)
+    B = torch.randn(1, d_state, length)
+    a = torch.exp(delta[..., None] * A[:, None, :])[0]                       # d_inner x L x N
+    b = (delta * u)[0, :, :, None] * B[0].T[None]
+    h, norms = torch.zeros(d_inner, d_state), []
+    for t in range(length):
+        h = a[:, t] * h + b[:, t]
+        norms.append(h.abs().max().item())
+    return norms
+
+
+torch.manual_seed(1)
+stable = state_norms(-s4d_real_A(32, 16))
+sketch = state_norms(torch.rand(32, 16) * 0.1)
+print(f"max |h| at the last position: A = -(1..N): {stable[-1]:.3g};  the sketch's positive A: {sketch[-1]:.3g}")
+assert max(stable) < 10 and sketch[-1] > 1e6 * stable[-1]
+fig, ax = plt.subplots(figsize=(7, 3))
+ax.semilogy(stable, label=r"$A = -(1..N)$: $e^{\Delta A} < 1$")
+ax.semilogy(sketch, label=r"positive $A$: $e^{\Delta A} > 1$")
+ax.set(xlabel="position t", ylabel=r"max $|h_t|$", title="a positive A makes every state grow")
+ax.legend()
+save_figure(fig, "06_positive_A.png")
+
+# %% [markdown]
+# The sketch's second bug: it takes $C$ as `x_proj(x)[..., d_state:]`, the same slice as $B$, so the
+# block can only read a state in the direction it writes it. The block's $B$ and $C$ come from disjoint
+# rows of `x_proj`.
+
+# %%
+torch.manual_seed(0)
+d_model, d_state = 16, 4
+sketch_x_proj = nn.Linear(d_model, 2 * d_state)
+x = torch.randn(3, 10, d_model)
+delta_in, B_sketch = sketch_x_proj(x).split(d_state, dim=-1)
+C_sketch = sketch_x_proj(x)[..., d_state:]
+assert torch.equal(C_sketch, B_sketch)
+block = Mamba(d_model=d_model, d_state=d_state, backend="torch")
+_, B_ours, C_ours = block.ssm_parameters(torch.randn(3, block.d_inner, 10))
+assert not torch.allclose(B_ours, C_ours)
+print("the sketch's C is its B: True;  the block's B and C differ: True")
+
+# %% [markdown]
+# With $C_t = B_t$, at the current position the output gets $\Delta_t x_t \lVert B_t\rVert^2 \geq 0$, a
+# term whose sign the block cannot choose. The block's `x_proj` has $R + 2N$ outputs, so its $B$ and $C$
+# are independent.
+
+# %% [markdown]
+# ### The block on both backends: the check
+#
+# With the same weights, the float32 `"triton"` block must match the float64 `"torch"` block, output
+# and every parameter's gradient, at awkward lengths, to $10^{-4}$ relative to the largest value.
+# ("The block: layouts, caches and what `mamba_ssm` does differently" below checks the `state_dict`'s
+# names and shapes against `mamba_ssm`'s.)
+
+# %%
+def compare_backends(length, d_model, d_state, batch=2, seed=0):
+    """Max relative error of the float32 triton block against the float64 torch block: output and grads."""
+    torch.manual_seed(seed)
+    reference = Mamba(d_model, d_state=d_state, bias=True, backend="torch", device=DEVICE, dtype=torch.float64)
+    with torch.no_grad():   # an A that is not the initial one, to catch a wrong index into A
+        reference.A_log.add_(0.3 * torch.randn_like(reference.A_log))
+    block = Mamba(d_model, d_state=d_state, bias=True, backend="triton", device=DEVICE)
+    block.load_state_dict(reference.state_dict())
+    hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=torch.float64)
+    errors = {}
+    outputs = [m(hidden.to(dtype)) for m, dtype in ((reference, torch.float64), (block, torch.float32))]
+    errors["out"] = rel_err(outputs[1], outputs[0])
+    weight = torch.randn_like(outputs[0])
+    for m, out in zip((reference, block), outputs):
+        (out * weight.to(out.dtype)).sum().backward()
+    for (name, p), q in zip(reference.named_parameters(), block.parameters()):
+        errors[name] = rel_err(q.grad, p.grad)
+    return errors
+
+
+sizes = dict(d_model=64, d_state=16, batch=2) if ON_GPU else dict(d_model=4, d_state=4, batch=1)
+for length in (1, 7, 129, 1000) if ON_GPU else (1, 7, 40):
+    errors = compare_backends(length, **sizes)
+    worst = max(errors, key=errors.get)
+    print(f"L={length:5d}: out {errors['out']:.1e}, worst of output and gradients: {worst} {errors[worst]:.1e}")
+    assert max(errors.values()) < 1e-4, errors
+
+# %% [markdown]
 # ### The convolution's backward, derived
 #
 # Section 2's kernel computes the forward only; training also needs the gradients, which the library's
@@ -754,9 +808,10 @@ for length in (1, 7, 129, 1000) if ON_GPU else (1, 7, 40):
 # %% [markdown]
 # ### The convolution kernels
 #
-# This is the code of `scan_lib.causal_conv1d`: the forward and backward kernels (their window sum,
-# `_window_sum`, is section 2's loop over taps), their checks against the reference, the launchers,
-# the one-token update, half precision and the `causal-conv1d` package.
+# This is the code of `scan_lib.causal_conv1d`: the module's first cell (section 2's reference and the
+# imports), the forward and backward kernels (their window sum, `_window_sum`, is section 2's loop
+# over taps), their checks against the reference, the launchers, the one-token update, half precision
+# and the `causal-conv1d` package.
 #
 # **Aligned runs.** Section 2's kernel loads the tile $K$ times, shifted, and a shifted load is not
 # aligned to 16 bytes. These kernels use aligned loads only. They cut a tile's positions into
@@ -770,6 +825,38 @@ for length in (1, 7, 129, 1000) if ON_GPU else (1, 7, 40):
 # it ($m \ge$ `ITEMS`). `_x_at` handles the padding, reading `initial_states` before position 0. The
 # first block of positions also writes the final states, the last $K-1$ columns of
 # `cat(initial_states, x)`: the next piece's `initial_states`.
+
+# %%
+#| export causal_conv1d
+"""Causal depthwise conv1d (Mamba's short convolution): float64 reference and the Triton kernels behind
+`causal_conv1d` (a drop-in for the causal-conv1d package's causal_conv1d_fn) and `causal_conv1d_update`."""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from scan_lib.ema import accumulator_dtype
+from scan_lib.runtime import INTERPRET, apply, check_float_tensor, check_same_device, custom_op, plus, zero_in_graph
+from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
+from scan_lib.fast_selective_scan import LOG2E, cdiv, items_of, next_power_of_2, positions_of   # chapter 07's
+
+
+def causal_conv1d_ref(x, weight, bias=None, initial_states=None, return_final_states=False, activation=None):
+    """The package's reference (causal_conv1d_ref), with F.conv1d: x (batch, dim, L), weight (dim, width)."""
+    dtype_in, length, (dim, width) = x.dtype, x.shape[-1], weight.shape
+    x = x.to(weight.dtype)
+    if initial_states is None:
+        out = F.conv1d(x, weight.unsqueeze(1), bias, padding=width - 1, groups=dim)
+    else:
+        x = torch.cat([initial_states.to(weight.dtype), x], dim=-1)
+        out = F.conv1d(x, weight.unsqueeze(1), bias, padding=0, groups=dim)
+    out = out[..., :length]
+    out = (out if activation is None else F.silu(out)).to(dtype_in)
+    if not return_final_states:
+        return out
+    return out, F.pad(x, (width - 1 - x.shape[-1], 0)).to(dtype_in)
 
 # %%
 #| export causal_conv1d
@@ -1058,12 +1145,13 @@ for width in (2, 3, 4):
 # the same problems). Under the interpreter the blocks are
 # larger, because the interpreter runs each program as NumPy array operations.
 #
-# **The imports.** Besides the reference, section 2's first cell imports what the launchers need:
-# `accumulator_dtype` (chapter 02's map from a torch dtype to the Triton dtype a kernel sums in),
-# `custom_op` and `apply` (the runtime's custom-operator and autograd plumbing, taught in chapter
-# 03's "Going deeper"), `_vmap_by_loop` (chapter 05's vmap rule; below), and from chapter 07's module the helpers its fast kernels share with these (`items_of`,
-# `positions_of`, introduced above; `LOG2E`; `cdiv` and `next_power_of_2` in plain Python,
-# which cost less per call than Triton's).
+# **The imports.** Besides the reference, the module's first cell (at the start of this subsection)
+# imports what the launchers need: `accumulator_dtype` (chapter 02's map from a torch dtype to the
+# Triton dtype a kernel sums in), `custom_op` and `apply` (the runtime's custom-operator and autograd
+# plumbing, taught in chapter 03's "Going deeper"), `_vmap_by_loop` (chapter 05's vmap rule; below),
+# and from chapter 07's module the helpers its fast kernels share with these (`items_of`,
+# `positions_of`, introduced above; `LOG2E`; `cdiv` and `next_power_of_2` in plain Python, which cost
+# less per call than Triton's).
 #
 # **Why runs.** The kernels before these loaded $x$ at $K$ shifted positions (the forward: section 2's
 # kernel) or shifted tiles between threads with `tl.gather` (the backward). On an H200 (2026-12-04)
@@ -1658,86 +1746,6 @@ else:
 # share"). `F.conv1d` and SiLU are the slowest in both.
 
 # %% [markdown]
-# ### The initialisation: a check, and the sketch's two bugs
-#
-# Section 3's initialisation on a fresh block: $\mathrm{softplus}(b_\Delta)$ lies in
-# $[\Delta_{min}, \Delta_{max}]$, `inverse_softplus` inverts softplus, and $A_{:,n} = -(n+1)$, all
-# negative. The histogram shows the initial step sizes, log-uniform.
-
-# %%
-torch.manual_seed(0)
-block = Mamba(d_model=64, d_state=16, backend="torch")
-dt0 = F.softplus(block.dt_proj.bias.detach())
-assert 0.001 * (1 - 1e-5) <= dt0.min() and dt0.max() <= 0.1 * (1 + 1e-5), "softplus(bias) outside [dt_min, dt_max]"
-assert torch.allclose(inverse_softplus(F.softplus(torch.linspace(-5, 5, 11))), torch.linspace(-5, 5, 11), atol=1e-5)
-A = -torch.exp(block.A_log.detach())
-assert torch.allclose(A[0], -torch.arange(1.0, 17.0), rtol=1e-6) and (A < 0).all()
-print(f"softplus(dt bias) in [{dt0.min():.4f}, {dt0.max():.4f}]; A[0] = {A[0, :4].tolist()} ... {A[0, -1].item()}")
-fig, ax = plt.subplots(figsize=(7, 3))
-ax.hist(dt0.log10().numpy(), bins=20, color="tab:blue")
-ax.set(xlabel=r"$\log_{10} \Delta_0$ per channel", ylabel="channels",
-       title=r"initial step sizes: log-uniform in $[\Delta_{min}, \Delta_{max}]$")
-save_figure(fig, "06_dt_init.png")
-
-# %% [markdown]
-# **What goes wrong without them.** The source sketch this chapter started from uses
-# $A$ = `torch.rand(d_model, d_state) * 0.1`: positive. Then $e^{\Delta A} > 1$ and every state *grows*
-# at every position, whatever the input. The cell runs the scan 4096 positions with $A = -(1..N)$ and
-# with the sketch's $A$, all else the same.
-
-# %%
-def state_norms(A, length=4096, d_inner=32, d_state=16, seed=0):
-    """max |h_t| over channels and states, at every position, for the block's initial dt and A."""
-    torch.manual_seed(seed)
-    init = Mamba(d_model=d_inner // 2, d_state=d_state, backend="torch")
-    u = torch.randn(1, d_inner, length)
-    delta = F.softplus(init.dt_proj.bias.detach())[None, :, None].expand(1, d_inner, length)
-    B = torch.randn(1, d_state, length)
-    a = torch.exp(delta[..., None] * A[:, None, :])[0]                       # d_inner x L x N
-    b = (delta * u)[0, :, :, None] * B[0].T[None]
-    h, norms = torch.zeros(d_inner, d_state), []
-    for t in range(length):
-        h = a[:, t] * h + b[:, t]
-        norms.append(h.abs().max().item())
-    return norms
-
-
-torch.manual_seed(1)
-stable = state_norms(-s4d_real_A(32, 16))
-sketch = state_norms(torch.rand(32, 16) * 0.1)
-print(f"max |h| at the last position: A = -(1..N): {stable[-1]:.3g};  the sketch's positive A: {sketch[-1]:.3g}")
-assert max(stable) < 10 and sketch[-1] > 1e6 * stable[-1]
-fig, ax = plt.subplots(figsize=(7, 3))
-ax.semilogy(stable, label=r"$A = -(1..N)$: $e^{\Delta A} < 1$")
-ax.semilogy(sketch, label=r"positive $A$: $e^{\Delta A} > 1$")
-ax.set(xlabel="position t", ylabel=r"max $|h_t|$", title="a positive A makes every state grow")
-ax.legend()
-save_figure(fig, "06_positive_A.png")
-
-# %% [markdown]
-# The sketch's second bug: it takes $C$ as `x_proj(x)[..., d_state:]`, the same slice as $B$, so the
-# block can only read a state in the direction it writes it. The block's $B$ and $C$ come from disjoint
-# rows of `x_proj`.
-
-# %%
-torch.manual_seed(0)
-d_model, d_state = 16, 4
-sketch_x_proj = nn.Linear(d_model, 2 * d_state)
-x = torch.randn(3, 10, d_model)
-delta_in, B_sketch = sketch_x_proj(x).split(d_state, dim=-1)
-C_sketch = sketch_x_proj(x)[..., d_state:]
-assert torch.equal(C_sketch, B_sketch)
-block = Mamba(d_model=d_model, d_state=d_state, backend="torch")
-_, B_ours, C_ours = block.ssm_parameters(torch.randn(3, block.d_inner, 10))
-assert not torch.allclose(B_ours, C_ours)
-print("the sketch's C is its B: True;  the block's B and C differ: True")
-
-# %% [markdown]
-# With $C_t = B_t$, at the current position the output gets $\Delta_t x_t \lVert B_t\rVert^2 \geq 0$, a
-# term whose sign the block cannot choose. The block's `x_proj` has $R + 2N$ outputs, so its $B$ and $C$
-# are independent.
-
-# %% [markdown]
 # ### One block against `mamba_ssm`'s: the check, the times and the fine print
 #
 # The measurement behind section 6's summary: the same weights in `scan_lib.Mamba` and in
@@ -1946,12 +1954,12 @@ else:
 # - **Precision.** `A_log` and `D` stay float32 in a bfloat16 block (as in `mamba_ssm`), and both kernels
 #   accumulate in float32; the states in the cache take the weights' dtype unless
 #   `allocate_inference_cache(..., dtype=...)` says otherwise.
-# - **The backends' tolerance.** Section 3 holds the float32 `"triton"` block to the float64 `"torch"`
-#   block relative to the largest value: float32 carries 24 bits (about $6 \cdot 10^{-8}$), and each
-#   output sums a few hundred products through the projections and the scan, so errors of a few
-#   $10^{-6}$ are expected; $10^{-4}$ would still catch any wrong term. That a `state_dict` moves
-#   between our block and `mamba_ssm`'s is checked only where `mamba_ssm` runs: "One block against
-#   `mamba_ssm`'s" above loads ours into theirs and compares outputs and gradients.
+# - **The backends' tolerance.** "The block on both backends" above holds the float32 `"triton"`
+#   block to the float64 `"torch"` block relative to the largest value: float32 carries 24 bits (about
+#   $6 \cdot 10^{-8}$), and each output sums a few hundred products through the projections and the
+#   scan, so errors of a few $10^{-6}$ are expected; $10^{-4}$ would still catch any wrong term. That a
+#   `state_dict` moves between our block and `mamba_ssm`'s is checked only where `mamba_ssm` runs: "One
+#   block against `mamba_ssm`'s" above loads ours into theirs and compares outputs and gradients.
 
 # %% [markdown]
 # **The same parameters as `mamba_ssm`.** The cell checks that the `state_dict` has exactly

@@ -1,6 +1,6 @@
 """The grader (tools/grade.py) on chapter 06's exercise notebook: untouched, partly solved, and the chapter.
 
-Every case runs with --needed-only: the run stops after the Initialisation cell (11 code cells), since
+Every case runs with --needed-only: the run stops after the Initialisation cell (10 code cells), since
 the rest of the chapter (the block's checks, the timings, the selective-copying training, Going deeper's
 checks of scan_lib's convolution kernels) is not what the checks need and takes minutes on Triton's
 interpreter. Exercise 06.1 is the tap loop of section 2's short convolution kernel, whose check there
