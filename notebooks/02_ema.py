@@ -243,9 +243,10 @@ for length in [1, 7, 129, 1000]:
 # of pairs keeps several values per element live (the gate, the token, the scanned pair). What does
 # not fit is spilled by the compiler to local memory, which lives in the GPU's main memory and is
 # slow, and Triton refuses a block of more than $2^{20}$ elements outright. Where between those limits
-# a single block stops being fast is not measured here: section 3 runs rows of up to 1000 elements in
-# one block, and chapter 03 runs rows of 4097 float64 values in one block of 8192 (the next power of
-# two), three scans in one program, and its checks pass; that they run says nothing of their speed.
+# a single block stops being fast, "Going deeper: one chunk per row, measured" times on a GPU: section
+# 3 runs rows of up to 1000 elements in one block, and chapter 03 runs rows of 4097 float64 values in
+# one block of 8192 (the next power of two), three scans in one program; that they run says nothing
+# of their speed.
 # So one program walks its row **chunk by chunk, in order**, and carries the state in a register: the
 # $h$ at the end of one chunk is the $h^{\text{init}}$ of the next. Inside a chunk `tl.associative_scan`
 # still works in parallel, and every element is read once and written once. The parallelism along
@@ -655,6 +656,31 @@ save_figure(fig, "ema_noisy_signal.png")
 # load is compiled out, and whatever is passed in that argument's place is never read. The launcher
 # passes `tokens`, a tensor already at hand, as that placeholder.
 #
+# ### One chunk per row, measured
+#
+# Section 4 gave up a single block per row for chunks. Where does one block stop being fast? On a
+# GPU, the cell times the forward on $2^{24}$ float32 values laid out as rows of $L$, once with the
+# whole row as one chunk (a block of $L$ elements, with `launch_options`' warps: up to 16) and once with
+# the default chunk, for $L$ from $2^{10}$ to $2^{16}$, and prints their ratio. Above 1, the single
+# block is the slower.
+
+# %%
+from scan_lib.runtime import median_us   # chapter 00's timer
+
+if not ON_GPU:
+    print("skipped: needs a GPU")
+else:
+    print(f"{'L':>6} {'one chunk us':>13} {'default chunk us':>17} {'ratio':>6}"
+          f"   ({torch.cuda.get_device_name()}, 2^24 float32 values)")
+    for log_length in range(10, 17):
+        length = 2**log_length
+        gates_1c = torch.rand(2**24 // length, length, device=DEVICE)
+        tokens_1c = torch.randn_like(gates_1c)
+        whole_row = median_us(lambda: linear_scan_rows(gates_1c, tokens_1c, chunk=length))
+        chunked = median_us(lambda: linear_scan_rows(gates_1c, tokens_1c))
+        print(f"{length:6d} {whole_row:13.1f} {chunked:17.1f} {whole_row / chunked:6.2f}")
+
+# %% [markdown]
 # ### One loop per row, or three phases
 #
 # Chapter 01's cumsum scanned long rows in three phases: scan every chunk in parallel, scan the
