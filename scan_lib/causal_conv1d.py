@@ -12,6 +12,7 @@ import triton.language as tl
 from scan_lib.ema import accumulator_dtype
 from scan_lib.runtime import INTERPRET, apply, check_float_tensor, check_same_device, custom_op, plus, zero_in_graph
 from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
+from scan_lib.selective_scan import _NoSecondDerivative as _SelectiveScanNoSecondDerivative   # chapter 05's
 from scan_lib.fast_selective_scan import LOG2E, cdiv, items_of, next_power_of_2, positions_of   # chapter 07's
 
 
@@ -368,18 +369,9 @@ _NO_SECOND_DERIVATIVE = ("causal_conv1d has no second derivative: its backward k
                          "double backward and gradgradcheck through causal_conv1d are not supported)")
 
 
-class _NoSecondDerivative(torch.autograd.Function):
-    """The identity on causal_conv1d's gradients, attached to the tensors they depend on; differentiating
-    through it (a second derivative) raises instead of returning a silent zero."""
-    generate_vmap_rule = True
-
-    @staticmethod
-    def forward(n_anchors, *tensors):
-        return tuple(t.clone() for t in tensors[n_anchors:])
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        pass
+class _NoSecondDerivative(_SelectiveScanNoSecondDerivative):
+    """Chapter 05's identity on the gradients, attached to the tensors they depend on (differentiating
+    through it raises instead of returning a silent zero), with this op's message."""
 
     @staticmethod
     def backward(ctx, *grads):
