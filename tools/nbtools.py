@@ -211,13 +211,9 @@ def scan_lib_dependencies(notebook) -> list[str]:
     return sorted(done)
 
 
-def scan_lib_hash(modules: list[str]) -> str:
-    return _sha([f"{m}\n{(PACKAGE / f'{m}.py').read_text()}" for m in modules])
-
-
 def scan_lib_hashes(modules: list[str]) -> dict[str, str]:
     """One hash per module: `check` then names the modules that changed."""
-    return {m: scan_lib_hash([m]) for m in modules}
+    return {m: _sha([f"{m}\n{(PACKAGE / f'{m}.py').read_text()}"]) for m in modules}
 
 
 def fingerprint(notebook, device: str) -> dict:
@@ -226,17 +222,10 @@ def fingerprint(notebook, device: str) -> dict:
 
 
 def changed_modules(notebook, stamp: dict) -> list[str]:
-    """The scan_lib modules the notebook runs with that changed since its stamp was recorded: with one
-    hash per module, those of today's dependencies whose hash differs (or that the stamp lacks); an
-    older stamp, with one hash over all its modules ("scan_lib") and their list ("scan_lib_modules"),
-    is checked over the modules it lists, the dependencies as they were worked out when it was
-    recorded, all of them if the hash differs."""
-    recorded = stamp.get("scan_lib_hashes")
-    if recorded is not None:
-        modules = scan_lib_dependencies(notebook)
-        return [m for m, h in scan_lib_hashes(modules).items() if recorded.get(m) != h]
-    modules = stamp.get("scan_lib_modules") or scan_lib_dependencies(notebook)
-    return modules if stamp.get("scan_lib") != scan_lib_hash(modules) else []
+    """The scan_lib modules the notebook runs with that changed since its stamp was recorded: those of
+    today's dependencies whose hash differs from the stamp's, or that the stamp lacks."""
+    recorded = stamp.get("scan_lib_hashes", {})
+    return [m for m, h in scan_lib_hashes(scan_lib_dependencies(notebook)).items() if recorded.get(m) != h]
 
 
 def device_name() -> str:
