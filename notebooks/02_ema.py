@@ -742,9 +742,104 @@ else:
 #   entry pair is one more combine). A left-to-right fold puts at most $t - s + 1$ combines on that
 #   way. A tree puts fewer on a distant term's way and can put more on a near one's; the bound assumes
 #   at most $d = \lceil\log_2 \max(L, 2)\rceil + 2$ more than the fold, one per level of a binary tree
-#   over the row, plus two. This is the one count not derived here: it depends on how Triton compiles
-#   `tl.associative_scan` and how the chunks cut the row.
+#   over the row, plus two. This count is measured rather than derived: it depends on how Triton
+#   compiles `tl.associative_scan` and how the chunks cut the row.
 #
+# The cell below counts them. `count_adds_kernel` is `linear_scan_fwd_kernel` (the same launch
+# options, chunk loop, masked loads, fold, pick of the leaving state and `tl.associative_scan` call:
+# axis 0, the same `reverse`, a tuple of two 32-bit tensors like the float32 kernel's) in which
+# program $s$ follows one term, $b_s$, and one more program the initial state, which enters as the
+# carry (counted as present in every row: without one the first fold adds zero, exactly). Its pairs
+# are $(\text{kind}, \text{count})$: kind 2 where the pair's $b$ holds the term, 0 where $b$ is exactly
+# zero (the padding's identity pairs), 1 otherwise; count, the adds the term has passed. `count_op`
+# mirrors `first_order_op`: the add $a_q b_p + b_q$ lies on the term's way if either operand holds it
+# (at most one does: their ranges are disjoint) and rounds unless the other operand's $b$ is zero, so
+# there the count goes up by one; the result's kind is the larger one. (The `tl.sum` that picks the
+# leaving state adds only zeros to it: exact.) The cell subtracts the loop's $t - s + 1$ (the initial
+# state counts as $b_0$, or $b_{L-1}$ in reverse) and checks that the largest excess, over every term
+# and every output it reaches, is at most $d$. It counts whichever lowering of `tl.associative_scan`
+# runs it: on a GPU the compiled one (a sequential scan of each thread's elements, shuffles between
+# the threads of a warp, a step across warps); on Triton's CPU interpreter a left-to-right fold, whose
+# excess must be exactly 0, which checks the counting itself.
+
+# %%
+@triton.jit
+def count_op(kind_left, count_left, kind_right, count_right):
+    """first_order_op's adds on the way of one term: kind 2 = this b holds the term, 1 = b may be nonzero,
+    0 = b is exactly 0; count = adds the term has passed. a_right * b_left + b_right rounds unless a summand is 0."""
+    passes_left = (kind_left == 2) & (kind_right > 0)  # the term is in b_left, and b_right may be nonzero
+    passes_right = (kind_right == 2) & (kind_left > 0)
+    count = tl.where(kind_left == 2, count_left, tl.where(kind_right == 2, count_right, 0))
+    return tl.maximum(kind_left, kind_right), count + (passes_left | passes_right).to(tl.int32)
+
+
+@triton.jit
+def count_chunk(kind, count, carry_kind, carry_count, REVERSE: tl.constexpr):
+    """scan_chunk on (kind, count) pairs: fold the carry into the entry pair, scan, pick the leaving pair."""
+    CHUNK: tl.constexpr = kind.shape[0]
+    idx = tl.arange(0, CHUNK)
+    entry: tl.constexpr = CHUNK - 1 if REVERSE else 0
+    leave: tl.constexpr = 0 if REVERSE else CHUNK - 1
+    fold_kind, fold_count = count_op(carry_kind, carry_count, kind, count)  # the fold a * carry + b
+    kind = tl.where(idx == entry, fold_kind, kind)
+    count = tl.where(idx == entry, fold_count, count)
+    kind, count = tl.associative_scan((kind, count), 0, count_op, reverse=REVERSE)
+    return count, tl.sum(tl.where(idx == leave, kind, 0), axis=0), tl.sum(tl.where(idx == leave, count, 0), axis=0)
+
+
+@triton.jit
+def count_adds_kernel(KIND, CARRY_KIND, COUNT, length, REVERSE: tl.constexpr, CHUNK: tl.constexpr,
+                      REVERSED_LOADS: tl.constexpr, STAGES: tl.constexpr):
+    # KIND, COUNT: rows x length int32 (program r follows one term: row r of KIND is its pairs' kinds);
+    # CARRY_KIND: rows, the kind of the state entering the row. Loops like linear_scan_fwd_kernel.
+    row = tl.program_id(0)
+    base = row.to(tl.int64) * length
+    carry_kind = tl.load(CARRY_KIND + row)
+    carry_count = tl.zeros((), tl.int32)
+    SCAN_REVERSE: tl.constexpr = REVERSE and not REVERSED_LOADS
+    for k in tl.range(0, tl.cdiv(length, CHUNK), num_stages=STAGES):
+        t, mask = chunk_positions(k, length, CHUNK, REVERSE, REVERSED_LOADS)
+        kind = tl.load(KIND + base + t, mask=mask, other=0)  # CHUNK kinds, padding 0: the identity's b = 0
+        count = tl.zeros_like(kind)
+        count, carry_kind, carry_count = count_chunk(kind, count, carry_kind, carry_count, SCAN_REVERSE)
+        tl.store(COUNT + base + t, count, mask=mask)
+
+
+def count_adds(length: int, reverse: bool, chunk=None):
+    """Adds on the way of each term to each output of linear_scan_fwd_kernel, (length + 1, length) int32:
+    row s < length for b_s, row `length` for the initial state (zero where the term does not reach)."""
+    kind = torch.ones(length + 1, length, dtype=torch.int32, device=DEVICE)
+    kind[torch.arange(length), torch.arange(length)] = 2  # program s follows b_s
+    carry_kind = torch.ones(length + 1, dtype=torch.int32, device=DEVICE)
+    carry_kind[length] = 2  # the last program follows the initial state, the carry entering the row
+    count = torch.zeros_like(kind)
+    count_adds_kernel[(length + 1,)](kind, carry_kind, count, length, REVERSE=reverse,
+                                     **launch_options(length, FWD_CONFIG, chunk))
+    return count
+
+
+def excess_over_fold(count, reverse: bool) -> int:
+    """max over terms s and outputs t of count - (t - s + 1), the adds of the loop; the initial state as b_0."""
+    length = count.shape[1]
+    t = torch.arange(length, device=count.device)
+    s = torch.cat([t, t[-1:] if reverse else t[:1]])[:, None]  # (length + 1, 1): each program's term
+    steps = (s - t if reverse else t - s) + 1  # (length + 1, length): the loop's adds; < 1 where unreached
+    return (count - steps)[steps >= 1].max().item()
+
+
+sizes_adds = [(256, None), (1000, None), (2048, None), (4096, None), (5000, None), (5000, 256)] if ON_GPU \
+    else [(7, None), (40, 16)]  # (L, chunk): the interpreter runs one program per term
+print(f"{'L':>5} {'chunk':>6} {'direction':>9} {'excess':>7} {'d':>3}")
+for length, chunk in sizes_adds:
+    depth = math.ceil(math.log2(max(length, 2))) + 2
+    for reverse in [False, True]:
+        excess = excess_over_fold(count_adds(length, reverse, chunk), reverse)
+        print(f"{length:5} {launch_options(length, FWD_CONFIG, chunk)['CHUNK']:6} "
+              f"{'reverse' if reverse else 'forward':>9} {excess:7} {depth:3}")
+        assert excess <= depth, (length, chunk, reverse, excess)
+        assert ON_GPU or excess == 0  # the interpreter folds left to right: the loop's count exactly
+
+# %% [markdown]
 # So $n_s \le (t - s) + (t - s + 1 + d) \le 2(t - s + 1 + d)$: that is where $2u_{\text{acc}}$ and the
 # weight $t - s + 1 + d$ come from. The initial state shares the combines of $b_0$ and has one more
 # multiply, $n \le (t + 1) + (t + 1 + d) \le 2(t + 1 + d)$: weight $t + 1 + d$, as `error_bound` gives it.
@@ -773,7 +868,7 @@ else:
 #
 # The ratios printed in section 5 (at most 0.164 in float32 and float64; 0.970 and 0.969 in float16
 # and bfloat16, where the output rounding dominates) say the bound held on those inputs; they cannot
-# confirm the assumed count $d$, which random inputs rarely come near.
+# confirm the count $d$, which random inputs rarely come near: the counting cell above checks it.
 
 # %% [markdown]
 # ### The checks can fail
