@@ -603,8 +603,8 @@ else:
         assert r["fused Triton"] < r["materialised PyTorch"], key
 
 # %% [markdown]
-# "fused / floor" near 1 means memory-bound: in this run the float32 rows come near it (1.07 forward,
-# 1.12 forward + backward), the bfloat16 rows do not (1.64, 1.86). "materialised / fused" is the price
+# "fused / floor" near 1 means memory-bound: in this run the float32 rows come near it (1.08 forward,
+# 1.12 forward + backward), the bfloat16 rows do not (1.63, 1.86). "materialised / fused" is the price
 # of writing the states. "Going deeper" draws the table and looks at bfloat16 and chunk lengths.
 #
 # ## Summary
@@ -719,9 +719,9 @@ else:
 
 
 # %% [markdown]
-# (On a GPU.) In this run the time is not monotone in $L_{\text{block}}$. In float32 it falls from 455 us
-# at 16 to 302 us at 64, the default, rises to 413 us at 128 and falls again to 297 us at 256, so the
-# fastest there is 256 and the default is 1.02x slower. In bfloat16 it falls from 257 us at 16 to 229 us
+# (On a GPU.) In this run the time is not monotone in $L_{\text{block}}$. In float32 it falls from 456 us
+# at 16 to 300 us at 64, the default, rises to 412 us at 128 and falls again to 297 us at 256, so the
+# fastest there is 256 and the default is 1.01x slower. In bfloat16 it falls from 252 us at 16 to 229 us
 # at 64, the fastest, and is 367 and 364 us at 128 and 256. Both dtypes slow down sharply from 64 to 128,
 # where `num_warps_for` first gives 8 warps (16, 32, 64 get 1, 2, 4; 256 gets 8 too, with twice the tile
 # elements per thread). A hypothesis, which nothing in this chapter measures: from 16 to 128 the warps
@@ -732,7 +732,7 @@ else:
 # synchronisation. Testing that would take the compiled code's layouts and a profile (registers, spills,
 # occupancy, stalls); the bfloat16 row at 256, which does not recover as float32's does, is not explained
 # by it either. The default is the rule above, not a tuned value; in this run it is the fastest in
-# bfloat16 only (in float32, 1.02x slower than 256).
+# bfloat16 only (in float32, 1.01x slower than 256).
 #
 # ## Going deeper: the backward formulas as a loop
 #

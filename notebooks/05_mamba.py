@@ -538,9 +538,9 @@ def selective_scan_fwd_kernel(
 # ## 8. Speed (GPU only)
 #
 # "Going deeper: the benchmark" times `chapter_scan` against `mamba_ssm` at Mamba's usual layer size,
-# next to the memory floor. In the recorded run (an NVIDIA H100 80GB HBM3) ours is 1.17x faster than
-# `mamba_ssm` in the float32 forward only, and slower in the other three rows: 1.35x in the float32
-# forward+backward, 1.50x and 1.61x in the bfloat16 forward and forward+backward. Ours runs at 5.7x to
+# next to the memory floor. In the recorded run (an NVIDIA H100 80GB HBM3) ours is 1.16x faster than
+# `mamba_ssm` in the float32 forward only, and slower in the other three rows: 1.34x in the float32
+# forward+backward, 1.50x and 1.60x in the bfloat16 forward and forward+backward. Ours runs at 5.7x to
 # 20.1x the memory floor. Closing the gaps is chapter 07's work ("Going deeper: where the time goes"
 # lists the likely costs).
 
