@@ -1130,6 +1130,12 @@ for call, error, words in bad_inputs:
 # (4096, 4096) float32 tensor along its last dimension and along its first, and, alone, the two copies
 # that the second call makes: into rows, and back. Kernels that read the view in place would save at
 # most the copies' time.
+#
+# On the H100 of this run the copies are most of the cost: along the first dimension `cumsum` takes
+# 323.8 us against 50.0 along the last, and the two copies alone take 141.2 and 140.7 us of it. Each
+# copy, which reads and writes every value once, as the scan does, takes longer than the whole scan
+# along the last dimension. So along any dimension but the last, `cumsum` pays mostly for its layout,
+# not for scanning; how much of that kernels taking strides would win back, no cell here measures.
 
 # %%
 from scan_lib.runtime import median_us   # chapter 00's timer
@@ -1243,12 +1249,13 @@ else:
 # The speed cell prints its conclusions from its measurements; its line "faster than torch.cumsum
 # from L = 2^22 up" means at every size from there to the largest measured, $2^{27}$: the table says
 # nothing about longer inputs. Below $2^{22}$ the two trade places: `cumsum` is faster up to $2^{12}$,
-# where it is one launch of `scan_short_rows`, and at $2^{16}$ (8.9 us against 9.0); at $2^{19}$ the
-# two tie (11.5 us each); at the other sizes `torch.cumsum` is faster. Below $2^{22}$ the Triton
-# columns also step down here and there between neighbouring sizes, where the kernels' work only
-# grows with $L$ (reduce-then-scan takes 11.5 us at $2^{13}$, 10.5 at $2^{14}$ and 10.3 at $2^{15}$;
-# the three-phase scan 10.9 at $2^{12}$ and 9.2 at $2^{13}$): that is variation from call to call,
-# whose source one run cannot pin down.
+# where it is one launch of `scan_short_rows`, and from $2^{15}$ to $2^{19}$, narrowly (at $2^{16}$,
+# 8.7 us against 9.0); `torch.cumsum` is faster at $2^{13}$, $2^{14}$, $2^{20}$ and $2^{21}$
+# (at $2^{21}$, 15.6 us against 17.0). Below $2^{22}$ the columns also step down here and there
+# between neighbouring sizes, where the kernels' work only grows with $L$ (reduce-then-scan takes
+# 11.1 us at $2^{13}$ and 10.2 at $2^{16}$; the three-phase scan 10.1 at $2^{11}$ and 9.5 at
+# $2^{12}$, 10.2 at $2^{13}$ and 9.4 at $2^{14}$): that is variation from call to call, whose source
+# one run cannot pin down.
 #
 # The table, plotted: times, and the fraction of the memory floor each method reaches.
 
@@ -1282,9 +1289,9 @@ else:
 # CUDA graph replays the launches with no Python in between) and the host time per call (`host_us`:
 # calls queued back to back, timed on the CPU). When the host time exceeds the GPU time, the call is
 # host-bound: in the table below, every size up to $2^{22}$ (all but the two largest), and at
-# $2^{10}$ the host time alone, 46.8 us, is many times `torch.cumsum`'s whole median, 8.0. A call
+# $2^{10}$ the host time alone, 53.3 us, is many times `torch.cumsum`'s whole median, 7.8. A call
 # makes one Triton launch (rows of at most 4096 values) or a `torch.zeros` and one launch (the
-# look-back), yet its host time is 46.8 to 68.8 us in this run, several times the host time of one
+# look-back), yet its host time is 53.3 to 78.1 us in this run, several times the host time of one
 # bare launch of `vector_add_kernel` (chapter 00's table, its `host_us` column at $2^{14}$). So most
 # of the host time per call is not the launch itself; it goes to what `cumsum` runs around its
 # launch: the input checks, `apply` (which, when nothing needs a gradient, runs the autograd
@@ -1292,8 +1299,8 @@ else:
 # launch that binds more arguments than `vector_add_kernel`'s (the custom op's dispatcher is not
 # among them: for tensors that need no gradient, `EagerFastOp` calls the implementation directly).
 # These outputs do not split the host time among those layers, and the speed table cannot rank them:
-# at $L = 2^{10}$, where each of its columns is a single launch, its medians (`cumsum` 4.5 us,
-# reduce-then-scan and the three-phase scan 5.0, `torch.cumsum` 7.8) lie far below `cumsum`'s host
+# at $L = 2^{10}$, where each of its columns is a single launch, its medians (`cumsum` 4.9 us,
+# reduce-then-scan 5.1, the three-phase scan 4.6, `torch.cumsum` 7.8) lie far below `cumsum`'s host
 # time, which mostly hides under `do_bench`'s L2 flush (next paragraph). Fewer Python layers per
 # call, CUDA graphs (they replay the launches with no Python in between) or a C++ launcher make such
 # calls faster; cutting the library's host path further is open work.

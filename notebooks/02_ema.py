@@ -243,10 +243,12 @@ for length in [1, 7, 129, 1000]:
 # of pairs keeps several values per element live (the gate, the token, the scanned pair). What does
 # not fit is spilled by the compiler to local memory, which lives in the GPU's main memory and is
 # slow, and Triton refuses a block of more than $2^{20}$ elements outright. Where between those limits
-# a single block stops being fast, "Going deeper: one chunk per row, measured" times on a GPU: section
-# 3 runs rows of up to 1000 elements in one block, and chapter 03 runs rows of 4097 float64 values in
-# one block of 8192 (the next power of two), three scans in one program; that they run says nothing
-# of their speed.
+# a single block stops being fast, "Going deeper: one chunk per row, measured" times on a GPU: on the
+# H100 of this run, one block per row keeps pace with the default chunk (at most 2048) up to rows of
+# $2^{14}$ (ratios 0.99 to 1.04), then takes 1.61 times as long at $2^{15}$ and 5.82 times at
+# $2^{16}$. Section 3 runs rows of up to 1000 elements in one block, and chapter 03 runs rows of 4097
+# float64 values in one block of 8192 (the next power of two), three scans in one program; that they
+# run says nothing of their speed.
 # So one program walks its row **chunk by chunk, in order**, and carries the state in a register: the
 # $h$ at the end of one chunk is the $h^{\text{init}}$ of the next. Inside a chunk `tl.associative_scan`
 # still works in parallel, and every element is read once and written once. The parallelism along
@@ -662,7 +664,8 @@ save_figure(fig, "ema_noisy_signal.png")
 # GPU, the cell times the forward on $2^{24}$ float32 values laid out as rows of $L$, once with the
 # whole row as one chunk (a block of $L$ elements, with `launch_options`' warps: up to 16) and once with
 # the default chunk, for $L$ from $2^{10}$ to $2^{16}$, and prints their ratio. Above 1, the single
-# block is the slower.
+# block is the slower. Up to $L = 2^{11}$ the default chunk is the whole row, so both columns time the
+# same kernel, and their ratios (1.01, 1.00) show the noise.
 
 # %%
 from scan_lib.runtime import median_us   # chapter 00's timer
@@ -711,8 +714,8 @@ else:
 #   $L-1, L-1-\text{CHUNK}, \dots$ instead of being aligned.
 #
 # Which costs less is a measurement, not an argument: the speed table of section 6 times both on a
-# GPU and names the faster (in this run `reverse=True`, 141.5 us; descending loads were slower,
-# 157.3 us), and `benchmarks/bench_linear_scan.py` sweeps them with the other launch parameters.
+# GPU and names the faster (in this run `reverse=True`, 141.4 us; descending loads were slower,
+# 157.6 us), and `benchmarks/bench_linear_scan.py` sweeps them with the other launch parameters.
 # Section 5 checks both against the loop.
 #
 # ### The error bound of section 5, derived
@@ -740,10 +743,13 @@ else:
 #   initial state also passes through the first gate (in the fold $a_0 h^{\text{init}} + b_0$): $t + 1$.
 # - *Adds:* one per combine on the term's way ($a_q b_p + b_q$ has one add; the fold into a chunk's
 #   entry pair is one more combine). A left-to-right fold puts at most $t - s + 1$ combines on that
-#   way. A tree puts fewer on a distant term's way and can put more on a near one's; the bound assumes
-#   at most $d = \lceil\log_2 \max(L, 2)\rceil + 2$ more than the fold, one per level of a binary tree
-#   over the row, plus two. This count is measured rather than derived: it depends on how Triton
-#   compiles `tl.associative_scan` and how the chunks cut the row.
+#   way. A tree puts fewer on a distant term's way and can put more on a near one's; the bound allows
+#   $d = \lceil\log_2 \max(L, 2)\rceil + 2$ more than the fold, one per level of a binary tree over
+#   the row, plus two. That allowance is not derived: the excess depends on how Triton compiles
+#   `tl.associative_scan` and how the chunks cut the row, so it is measured. On the H100 of this run
+#   the largest excess was 5 or 6 adds at every size measured ($L$ from 256 to 5000, chunks of 256 to
+#   2048, both directions), against $d$ of 10 to 15: $d$ is an allowance well above what was measured,
+#   and at other sizes, or with another Triton, an assumption until the cell runs there.
 #
 # The cell below counts them. `count_adds_kernel` is `linear_scan_fwd_kernel` (the same launch
 # options, chunk loop, masked loads, fold, pick of the leaving state and `tl.associative_scan` call:
@@ -868,7 +874,8 @@ for length, chunk in sizes_adds:
 #
 # The ratios printed in section 5 (at most 0.164 in float32 and float64; 0.970 and 0.969 in float16
 # and bfloat16, where the output rounding dominates) say the bound held on those inputs; they cannot
-# confirm the count $d$, which random inputs rarely come near: the counting cell above checks it.
+# confirm the count $d$, which random inputs rarely come near. The counting cell above measures the
+# excess that $d$ allows for instead: at most 6 adds on the GPU, below $d$ at every size it tried.
 
 # %% [markdown]
 # ### The checks can fail
