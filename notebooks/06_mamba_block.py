@@ -577,7 +577,7 @@ class Mamba(nn.Module):
 # **The result.** Both models train alike (AdamW with warm-up and cosine decay, cross-entropy on the
 # scored positions, the same batches, the same starting weights where they share a parameter) and are
 # scored on a held-out batch. In the recorded run the selective model copies every slot; the baseline
-# gets 0.472 of the tokens (chance is 0.125), from 0.33 at the first marker to 0.65 at the last, where
+# gets 0.472 of the tokens (chance is 0.125), from 0.32 at the first marker to 0.65 at the last, where
 # the answer is the most recent data token, the one a decaying kernel weighs most. "Going deeper:
 # selective copying" has the code (it asserts at least 90% for the selective model, at most 70% for
 # the baseline), the training curves, and the trained model generating token by token through `step`.
@@ -589,7 +589,7 @@ class Mamba(nn.Module):
 # gradient at the size of a small language model's layer (batch 8, L 2048, d_model 1024), in float32
 # and bfloat16. In the recorded run ours is the faster in every row, forward and forward+backward,
 # against both of `mamba_ssm`'s paths; the widest gap is bfloat16's training step, where `mamba_ssm`
-# takes 1.13 to 1.22 times as long. "Going deeper: one block against `mamba_ssm`'s" has the code, every
+# takes 1.14 to 1.22 times as long. "Going deeper: one block against `mamba_ssm`'s" has the code, every
 # ratio and the fine print.
 
 # %% [markdown]
@@ -1729,10 +1729,10 @@ else:
 # package, and **Why runs** above says what it still does twice (the sigmoids at the next run's
 # first positions, a partial sum per program). The calls (the first two columns) tell another story.
 # Without autograd, our forward call (55 us) is a few us above its kernel and a little behind the
-# package's (53). But our forward+backward takes 305 us against the package's 196, when the kernels
-# add up to 50 + 100 us and 49 + 81. About half of our training step's call is the host's work (the
+# package's (53). But our forward+backward takes 438 us against the package's 279, when the kernels
+# add up to 50 + 100 us and 49 + 81. About two thirds of our training step's call is the host's work (the
 # custom operators, autograd, the launches), which the GPU waits for; the package pays it too (it is also a
-# custom operator with an autograd Function), ours is longer. `make bench BENCH_ARGS="--only conv"`
+# custom operator with an autograd Function: about half of its call), ours is longer. `make bench BENCH_ARGS="--only conv"`
 # prints this split for four problems (`host_us`: the host's time per call); cutting the host path
 # is the next work for this op, as for the selective scan (chapter 07's "Going deeper: the host's
 # share"). `F.conv1d` and SiLU are the slowest in both.
@@ -1854,9 +1854,9 @@ else:
 # %% [markdown]
 # The two blocks compute the same function: the cell asserts that outputs and every gradient agree.
 # In the recorded run ours is the faster in every row. In a training step (forward+backward)
-# `mamba_ssm`'s time over ours is 1.03 (fused) to 1.05 (unfused) in float32 and 1.13 (fused) to 1.22
+# `mamba_ssm`'s time over ours is 1.03 (fused) to 1.05 (unfused) in float32 and 1.14 (fused) to 1.22
 # (unfused) in bfloat16; in the forward alone it is 1.04 in float32, for both of `mamba_ssm`'s paths,
-# and 1.11 (fused) to 1.12 (unfused) in bfloat16. Gaps of a few percent, as in float32, are within what a second run can change.
+# and 1.10 (unfused) to 1.11 (fused) in bfloat16. Gaps of a few percent, as in float32, are within what a second run can change.
 
 # %% [markdown]
 # ### Where the time goes in scan_lib's block
@@ -1870,10 +1870,10 @@ else:
 # which would need the profiler's stacks (`with_stack=True`), which this cell does not record.
 #
 # In this run the selective scan's two kernels take over two thirds of the step
-# (`strided_bwd_kernel` 1903 us, 52.2%; `strided_fwd_kernel` 565 us, 15.5%); three of cuBLAS's matrix
+# (`strided_bwd_kernel` 1919 us, 52.3%; `strided_fwd_kernel` 573 us, 15.6%); three of cuBLAS's matrix
 # products (the `nvjet` kernels) follow at about 190 us each, then the convolution's backward (93 us),
-# one of PyTorch's own kernels, a concatenation (`CatArrayBatchedCopy`, 92 us), a fourth matrix product
-# (87 us) and a second PyTorch kernel, an addition (82 us); the convolution's forward (49 us) closes
+# one of PyTorch's own kernels, a concatenation (`CatArrayBatchedCopy`, 91 us), a fourth matrix product
+# (87 us) and a second PyTorch kernel, an addition (82 us); the convolution's forward (50 us) closes
 # the list. The names of PyTorch's two do not say which operation launched them; the backward has one
 # of each that fits, the split of `xz` into `x` and `z` (its backward concatenates their gradients)
 # and the sum of the convolution output's two gradients (from the scan and from `x_proj`), and
@@ -2126,8 +2126,8 @@ fig.tight_layout()
 save_figure(fig, "06_generation_cost.png")
 
 # %% [markdown]
-# In this run the attention step is the cheaper up to position 4096 (23.0 us against 27.1) and the
-# dearer from 16384 on (44.2 us against 27.2). For short contexts attention can still be the cheaper of
+# In this run the attention step is the cheaper up to position 4096 (23.1 us against 26.9) and the
+# dearer from 16384 on (43.9 us against 27.0). For short contexts attention can still be the cheaper of
 # the two (a few small matrix products), and where the lines cross, if they do within these positions,
 # depends on the device. The two byte columns are not measurements: the fourth is the size of the two
 # state tensors allocated once before the loop, the fifth the size of the keys and values an attention
@@ -2389,7 +2389,7 @@ save_figure(fig, "06_selective_copying.png")
 # early steps (not measured: no run without the warm-up), not a sign that the task is hard to start
 # on. The baseline's second plateau is different: its accuracy levels off at about the end of the
 # warm-up and then barely moves to the last step (the progress bar of the training cell above, which
-# shows a recent batch's accuracy, reads 0.44 at 265 of 1600 steps and 0.49 at the end), while the
+# shows a recent batch's accuracy, reads 0.45 at 200 of 1600 steps and 0.49 at the end), while the
 # learning rate is at its peak and then decays. That plateau is not the warm-up: it is what this
 # baseline reaches at this learning rate.
 #

@@ -129,7 +129,7 @@ else:
 # %% [markdown]
 # (On a GPU.) At $N = 16$ the memory floor is the larger in fp32 and the `exp` floor in bf16: bf16's
 # halved bytes lower the binding floor only to the `exp`s' (90 to 74 µs forward on this run's H100).
-# Chapter 05's kernel takes almost the same time forward in fp32 and bf16 (section 6's table: 688
+# Chapter 05's kernel takes almost the same time forward in fp32 and bf16 (section 6's table: 690
 # against 612 µs on the views), while `mamba_ssm`'s roughly halves (chapter 05's benchmark): ours is
 # limited by the instructions it issues, far above both floors.
 #
@@ -428,8 +428,8 @@ selective_scan = scan_lib.selective_scan
 # how many warps fit, so `states_per_step` reads how many pay from a table measured on an H100.
 #
 # **Prediction:** at batch 1 perhaps twice faster, at batch 8 little change. **Measured** (the same
-# Going deeper section, four sizes): far from twice; the forward at batch 1 takes 2232 µs with two
-# states per step, 2373 with one, 2722 as it was before this section.
+# Going deeper section, four sizes): far from twice; the forward at batch 1 takes 2240 µs with two
+# states per step, 2380 with one, 2728 as it was before this section.
 #
 # "Going deeper: the checks" tests these kernels against chapter 05's float64 reference.
 
@@ -476,9 +476,9 @@ else:
 # (On a GPU.) Chapter 07's column has all of this chapter's changes, so each row mixes their effects:
 #
 # * **Strided views, forward.** No copies, fewer instructions: in bf16 the cell asserts at least 1.3x
-#   less time (282 against 612 µs in the recorded run).
+#   less time (284 against 612 µs in the recorded run).
 # * **Contiguous inputs, forward.** No copies to save: the instruction cuts and launch parameters, net
-#   of the strided indexing: fp32 2.3% slower, bf16 40.2% faster.
+#   of the strided indexing: fp32 2.3% slower, bf16 40.1% faster.
 # * **Forward+backward.** Recomputing $\bar y$, measured alone before the instruction cuts, made the
 #   backward *slower*: its loop is limited by instructions, not bytes. The `saved` column has both
 #   changes; the new profile shows no copies and the backward taking most of the time.
@@ -534,13 +534,13 @@ else:
 # %% [markdown]
 # (On a GPU.) The cell below prints `mamba_ssm`'s time over ours (above 1: ours is faster). In the
 # recorded run chapter 07 beats chapter 05 in every row; against `mamba_ssm` ours is faster at the
-# base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$ 64 and at batch 4 of dim 1536 (1.20 to 1.26),
-# about even at batch 1 and 2 (1.06 and 1.00), and slower at $L$ 512 and at $N$ 4 (0.71 and 0.85).
-# There, with a quarter of the work, our time falls only to about half (546 and 670 µs against 1301
-# and 1295 at the base shape) while `mamba_ssm`'s falls to a quarter and a third (386 and 568 µs
-# against 1572 and 1569): our time there is the host's Python ("Going deeper: the host's share"; `mamba_ssm`'s launchers are
-# C++). Along the batch of dim 1536 the kernels set the pace, and our lead is smallest at batch 1 and
-# 2, where programs are few: section 5's problem, not solved yet.
+# base shape (8, 1024, 2048, 16), at $L$ 8192, at $N$ 64 and at batch 4 of dim 1536 (1.21 to 1.27)
+# and at batch 1 (1.10), even at batch 2 (1.00), and slower at $L$ 512 and at $N$ 4 (0.74 and 0.68).
+# There, with a quarter of the work, our time falls only to a half and two thirds (650 and 834 µs
+# against 1304 and 1297 at the base shape) while `mamba_ssm`'s falls to about a third (482 and 568 µs
+# against 1584 and 1582): our time there is the host's Python ("Going deeper: the host's share"; `mamba_ssm`'s launchers are
+# C++). Along the batch of dim 1536 the kernels set the pace, and our lead is small at batch 1 and gone
+# at batch 2, where programs are few: section 5's problem, not solved yet.
 
 # %%
 if ON_GPU and any(name == "mamba_ssm" for _, _, name in times):
@@ -1735,9 +1735,9 @@ else:
 # would otherwise be idle. That is the case only for few programs: the cell's second line gives the
 # warps per multiprocessor at batch 1 with one channel per program (half that with two channels per
 # program). Section 5's prediction failed: in the recorded run one segment is the fastest in every
-# row. At batch 1 the best split, 8 segments, takes 1.44 times the forward's time of one (3178
-# against 2204 µs) and 1.15 times the training step's (12388 against 10729); at the usual size two
-# segments take 1.78 times the forward's time of one (514 against 289 µs), close to the doubled work.
+# row. At batch 1 the best split, 8 segments, takes 1.44 times the forward's time of one (3193
+# against 2215 µs) and 1.15 times the training step's (12398 against 10812); at the usual size two
+# segments take 1.77 times the forward's time of one (513 against 290 µs), close to the doubled work.
 # `selective_scan` keeps one segment (`segments` stays 1); where a row shows a split faster (none
 # does on this run's H100), that is speed still left at small batch. A split would pay more with a
 # phase 1 much cheaper than the forward: the segment's end state is a sum,
@@ -1746,7 +1746,7 @@ else:
 #
 # The forward's chunk is measured at both sizes too (the "forward chunk" lines): `GPU_CONFIG`'s 512
 # positions, from earlier runs of the sweep in "Going deeper: ideas that did not pay", are the fastest
-# of the three at both sizes here in bf16 (2214 and 290 µs).
+# of the three at both sizes here in bf16 (2221 and 290 µs).
 #
 # ### States per step
 #
@@ -1815,12 +1815,12 @@ else:
 # states per step, the next three isolate one channel per program and then the states per step, and
 # the last is what `selective_scan` now runs. Where `GPU_CONFIG`'s column is not the smallest of its
 # row, the table of `states_per_step` is off for that shape on this GPU. In the recorded run, on an
-# H100 like the one the table was measured on, it is the smallest of every row or within 2 µs of it
-# (2331 against 2329 µs in training at batch 1); other GPUs hold other numbers of warps per
+# H100 like the one the table was measured on, it is the smallest of every row or within 1 µs of it
+# (2338 against 2337 µs in training at batch 1); other GPUs hold other numbers of warps per
 # multiprocessor. Between the two modes, the first column adds the old training chunk (at batch 1,
-# 5133 against 2722 µs); the others differ only by the states saved for the backward, which is what
-# those saves cost: in `GPU_CONFIG`'s column 4 and 3% at batch 1 and 2 (2331 against 2231 µs at batch
-# 1), as predicted, but 8 and 9% at batch 4 and 8 (948 against 874, 310 against 284).
+# 5144 against 2728 µs); the others differ only by the states saved for the backward, which is what
+# those saves cost: in `GPU_CONFIG`'s column 4 and 3% at batch 1 and 2 (2338 against 2240 µs at batch
+# 1), as predicted, but 8 and 9% at batch 4 and 8 (949 against 876, 311 against 285).
 #
 # ## Going deeper: the atomics
 #
@@ -1865,7 +1865,7 @@ else:
 
 # %% [markdown]
 # (On a GPU.) The atomic additions alone take a large share of the backward's time (the line above:
-# 824 of 1246 µs in the recorded run; it times one addition per channel, twice as many as the backward
+# 849 of 1251 µs in the recorded run; it times one addition per channel, twice as many as the backward
 # with two channels per program issues, so it overstates their share).
 # `mamba_ssm` adds per channel too, but first rearranges each thread block's values so that every
 # warp adds 32 consecutive floats. Triton gets there by another route: its layout gives each thread 4
@@ -1877,7 +1877,7 @@ else:
 # in one program before adding (`block_d` > 1) divides the additions, but fewer programs then share
 # the GPU; the sweep in the next section tries one and two channels per program (in the recorded run the
 # backward's best had two, as `GPU_CONFIG` has, but chunks of 256 positions where `GPU_CONFIG` has
-# 128, and `GPU_CONFIG`'s row came within 1.03x of it, 1128 against 1096 µs). Two ways around it that
+# 128, and `GPU_CONFIG`'s row came within 1.04x of it, 1140 against 1101 µs). Two ways around it that
 # this chapter has not built: accumulate $dB$ per group of channels in a workspace and reduce it with one more kernel
 # (the bytes: $\text{dim}/g \cdot N \cdot L$ floats per batch element), or reformulate the backward so
 # that the sum over channels becomes a matrix product (Mamba-2's "state space duality" does exactly this
@@ -2034,7 +2034,7 @@ else:
 
 # %% [markdown]
 # (On a GPU.) The three-dimensional tile is *slower* than the loop over states, by the factor on the
-# last line (2.23 in the recorded run; the cell asserts at least 1.3): the prediction failed. A scan
+# last line (2.27 in the recorded run; the cell asserts at least 1.3): the prediction failed. A scan
 # along the last axis of a three-dimensional tile spreads each row's positions over fewer threads per
 # warp, and extracting the carry becomes a reduction over the chunk for every state: the loop had
 # neither problem to begin with. Its cost was not the loop. The best rows say whether more than one
@@ -2043,8 +2043,8 @@ else:
 # the backward's best has two channels, the forward's one channel and two states per step.
 # `GPU_CONFIG` holds the values earlier runs of this sweep and of the states-per-step measurements
 # chose (the cell prints how far it is from this run's best, and checks that it is within 1.5x). On
-# this run's H100 the backward's is 1.03x its best (1128 against 1096 µs), the forward's 1.29x (437
-# against 339 µs): in fp32 the forward prefers chunks of 1024 positions with two states per step,
+# this run's H100 the backward's is 1.04x its best (1140 against 1101 µs), the forward's 1.32x (437
+# against 332 µs): in fp32 the forward prefers chunks of 1024 positions with two states per step,
 # where the table, tuned in bf16 (where 512 positions win: "Going deeper: segments and states per
 # step, measured"), gives 512 positions and, with this many programs, one state per step. A table
 # per dtype is open work (issue 20).
@@ -2112,25 +2112,26 @@ else:
 # %% [markdown]
 # (On a GPU.) Read each row as: which of host and kernels is the larger, and how the step compares
 # with it. In the run recorded here chapter 07's kernels are faster than `mamba_ssm`'s at all four
-# shapes (340 against 365 µs at $L$ 512, 495 against 553 at $N$ 4, 1280 against 1548 at the base
-# shape, 391 against 464 at (1, 2048, 2048, 16)), and its host time per step is 1.6 to 1.7 times
-# `mamba_ssm`'s at every shape (627 to 673 µs against 379 to 408): `mamba_ssm`'s launchers are
-# C++, ours are Python. At the three smaller shapes our host time is larger than our kernels' (673
-# against 340 µs at $L$ 512, 627 against 495 at $N$ 4, 657 against 391 at (1, 2048, 2048, 16)): the
-# GPU waits for Python. At the base shape the kernels are the larger (1280 against 660 µs of host
-# time); the step (1302 µs) follows them and is ahead of `mamba_ssm`'s (1569), which follows its
-# kernels too (1548 µs, over its host's 408). Section 7's series timed the same steps at 1301 and
-# 1572 µs, ours ahead.
+# shapes (343 against 366 µs at $L$ 512, 495 against 557 at $N$ 4, 1286 against 1563 at the base
+# shape, 393 against 470 at (1, 2048, 2048, 16)), but its host time per step is 1.4 to 1.5 times
+# `mamba_ssm`'s at every shape (790 to 846 µs against 552 to 602): `mamba_ssm`'s launchers are
+# C++, ours are Python. At the three smaller shapes our host time is larger than our kernels' (790
+# against 343 µs at $L$ 512, 846 against 495 at $N$ 4, 820 against 393 at (1, 2048, 2048, 16)): the
+# GPU waits for Python, and there `mamba_ssm`'s step is the faster (713 against 899 µs, 684 against
+# 787, 630 against 780); its host is the larger of its two columns too, by less. At the base shape
+# the kernels are the larger (1286 against 815 µs of host time); the step (1303 µs) follows them and
+# is ahead of `mamba_ssm`'s (1583), which follows its kernels too (1563 µs, over its host's 587).
+# Section 7's series timed the same steps at 1304 and 1584 µs, ours ahead.
 #
-# The rows with Triton's own launches show what the Launchers save: 115 to 150 µs of host time per
-# step in this run (788 against 673 µs at $L$ 512, 766 against 627 at $N$ 4, 810 against 660 at the
-# base shape, 788 against 657 at (1, 2048, 2048, 16)): Triton's per-call work, twice per step (one
+# The rows with Triton's own launches show what the Launchers save: 152 to 196 µs of host time per
+# step in this run (942 against 790 µs at $L$ 512, 1021 against 846 at $N$ 4, 1011 against 815 at the
+# base shape, 991 against 820 at (1, 2048, 2048, 16)): Triton's per-call work, twice per step (one
 # launch per pass). Every host time here depends on the machine's CPU and on what else it runs, so
 # read the differences, not the absolute values. The step column moves with the host where the host
-# is the larger (818 against 647 µs at $L$ 512, 722 against 634 at $N$ 4, 732 against 633 at
-# (1, 2048, 2048, 16)), not at the base shape, where the kernels set the pace (1300 against 1302 µs),
-# and it moves between sections too where the host is the larger (at $L$ 512: 647 µs here, 546 in
-# section 7's series; at the base shape 1302 here, 1301 there): steps near or over the host's time
+# is the larger (948 against 899 µs at $L$ 512, 1033 against 787 at $N$ 4, 1014 against 780 at
+# (1, 2048, 2048, 16)), not at the base shape, where the kernels set the pace (1303 against 1303 µs),
+# and it moves between sections too where the host is the larger (at $L$ 512: 899 µs here, 650 in
+# section 7's series; at the base shape 1303 here, 1304 there): steps near or over the host's time
 # measure noisily, and section 7's rows near 1 should be read with it.
 # What is left on the host is spread over the path, not in one place (a count on a CPU with the
 # launches stubbed, in `benchmarks/NOTES_selective_scan.md`): autograd's own work, which `mamba_ssm`
