@@ -1085,7 +1085,7 @@ for ranks in (8, 64, 512):   # the shard below which the all-to-all moves fewer 
 # timed separately. **Prediction:** each rank scans its half twice (phases 1 and 3), so two GPUs take
 # about as long as one, not half: the split buys memory (each GPU holds half the activations). Counting
 # passes, $R$ ranks would take $2/R$ of one GPU's time plus the exchange, less than one GPU from three
-# ranks on; that part is a count, not a measurement (the machines here have at most two GPUs).
+# ranks on; that part is a count, not a measurement (this chapter's cells time at most two GPUs).
 
 # %%
 #| export
@@ -1184,8 +1184,8 @@ else:
 # state but computes every output. Chapter 07 measured the same two-pass split inside one GPU and found
 # it did not pay there (one segment was fastest in every row it timed, forward and training step);
 # across GPUs it is forced by memory, and by the count of passes ("Going deeper: two GPUs against
-# one") it would pay in time from three ranks on, which nothing here measures (two GPUs are all this
-# course's machines have).
+# one") it would pay in time from three ranks on, which nothing here measures (this chapter's cells
+# time at most two GPUs).
 # Two ways to cut it: a phase 1 that forms only $E_r$ as a sum,
 # $E_r = \sum_t e^{A(\Sigma_{\text{end}} - \Sigma_{\le t})} \Delta_t B_t u_t$, a reduction with no scan
 # and no output; and, for the backward, the gradient of $E_r$ alone is an adjoint scan with no
