@@ -113,7 +113,8 @@ def assert_cumsum(y: torch.Tensor, x: torch.Tensor, dim: int = -1) -> float:
 # %%
 #| export
 """Cumulative sums along any dimension of a tensor, like torch.cumsum, computed with Triton kernels
-(a single-pass decoupled look-back scan, or reduce-then-scan)."""
+(a single-pass decoupled look-back scan, or reduce-then-scan, on rows; along a dimension but the last,
+a column scan that reads the tensor in place at its strides)."""
 import torch
 import triton
 import triton.language as tl
@@ -359,10 +360,11 @@ for length in (1, 7, 129, 1000, 4097):
 # so that a flag and a float32 share one int64 state word. "Going deeper" draws the state words during
 # a look-back and says why this is correct under the GPU's weak memory ordering.
 #
-# The exported kernels scan the rows of a contiguous `n_rows x length` tensor, the scanned dimension
-# last; the program id numbers (row, block) pairs ("Going deeper" gives that layout's cost and why the
-# offsets are 64-bit). They accumulate in `ACC`: float64 for float64, int64 for integers (as
-# `torch.cumsum` does), float32 otherwise.
+# The exported kernels below scan the rows of a contiguous `n_rows x length` tensor, the scanned
+# dimension last; the program id numbers (row, block) pairs ("Going deeper" gives that layout's cost,
+# why the offsets are 64-bit, and the further kernel that scans along any other dimension in place).
+# They accumulate in `ACC`: float64 for float64, int64 for integers (as `torch.cumsum` does), float32
+# otherwise.
 
 # %%
 #| export
@@ -929,23 +931,205 @@ def scan_rows(x: torch.Tensor, out: torch.Tensor | None = None, **overrides) -> 
 # %% [markdown]
 # ## Going deeper: the exported kernels' layout and 64-bit offsets
 #
-# The exported kernels scan rows of a contiguous `n_rows x length` tensor, the scanned dimension last.
-# So `cumsum` of a non-contiguous tensor, or along any dimension but the last, first copies its
-# input into that layout, and along any dimension but the last copies its result back: each copy
-# reads and writes every value once more, which a kernel taking strides (chapter 00) would avoid.
-# These kernels do not read such views in place; "Going deeper: what the copies along a dimension
-# but the last cost" times the copies on a GPU.
+# The row kernels above scan rows of a contiguous `n_rows x length` tensor, the scanned dimension
+# last. Given anything else, `cumsum` could copy its input into that layout and, along any dimension
+# but the last, copy its result back: each copy reads and writes every value once more, which a
+# kernel taking strides (chapter 00) avoids. So along a dimension but the last, a second exported
+# kernel, the column scan of the next section, reads the tensor in place at its strides and writes
+# the contiguous result directly; the copy path remains where the column scan would be slow or cannot
+# read the view (that section says when: few columns and a long scan, the last dimension of a
+# non-contiguous tensor, dimensions that do not share one stride). "Going deeper: what the copies
+# along a dimension but the last cost" times both paths on a GPU.
 #
-# The column indices and offsets are 64-bit because a program id is a 32-bit integer, and block k's
+# The row kernels' column indices and offsets are 64-bit because a program id is a 32-bit integer, and block k's
 # first column, k times the block, passes 2^31 in a row of that many values: the kernels widen k
 # before multiplying.
 #
 # Pass 2 of reduce-then-scan needs no recursion: one program per row walks the totals in chunks.
 
 # %% [markdown]
+# ## Going deeper: scanning along a dimension but the last, in place
+#
+# Along a dimension that is not the last, the values of one scan are not neighbours in memory, but
+# the scans themselves are: view `x` as `outer x length x inner`, `length` the scanned dimension,
+# `outer` the product of the dimensions before it and `inner` of those after it. For a given outer
+# index and position $t$, the `inner` values of the `inner` different scans lie side by side. So the
+# *column scan* puts the lanes across them:
+#
+# * a program takes `BLOCK_INNER` consecutive columns of one outer index and walks down `length`,
+#   `BLOCK_L` rows at a time: it loads the `BLOCK_L x BLOCK_INNER` tile through x's strides, scans it
+#   along axis 0 (`tl.cumsum`: on a GPU the same tree as `tl.associative_scan` with `add_combine`,
+#   but the CPU interpreter runs it as one NumPy call instead of a combine per value), adds the
+#   *carry* (one running total per column, `BLOCK_INNER` values in registers), stores the tile into
+#   the contiguous result and adds the tile's column sums to the carry. That is chapter 02's state
+#   carried from chunk to chunk, here down `BLOCK_INNER` columns at once;
+# * neighbouring lanes read neighbouring columns, which for a tensor whose last dimensions are dense
+#   are neighbouring addresses: the loads are coalesced (chapter 00), whole 32-byte sectors.
+#   `BLOCK_INNER` is at most 16, so that a tile row fills at least one sector in every dtype (16 x 2
+#   bytes) while a wide `inner` still gives many programs; the rows of the tile make it `COLUMN_TILE`
+#   values in all, like the row kernels' block;
+# * the sums are accumulated in `ACC`, as in the row kernels, and cast to the result's dtype on store;
+#   the offsets are 64-bit, since `outer x length x inner` and positions times strides can pass $2^{31}$.
+#
+# It reads every value once and writes it once, as the row kernels do on rows: no copy in, no copy
+# back. Its parallelism is the number of programs, `outer x ceil(inner / BLOCK_INNER)`, each of which
+# walks all of `length` in order. `cumsum` (`cumsum_op`, next section) therefore takes it only where
+# that suffices, and otherwise the copy path of the previous section, whose row kernels split a long
+# row across many programs (the look-back):
+#
+# * `inner > 1`. With `inner == 1` the scanned dimension is the last one that matters: for a
+#   contiguous `x` these are rows already, which the row kernels scan with no copy at all (the `.contiguous()`
+#   of the copy path returns `x` itself, and the result, in `x`'s shape, is rows too: `scan_copied`
+#   copies back only where it is not). Along the last dimension of a non-contiguous `x` (a
+#   transposed matrix, say) the values of one row are strided and the columns' lanes would have no
+#   neighbours to read: each load would fetch a sector for one value. The copy path's transposing
+#   copy reads such a view once, efficiently, and its result is already the answer's layout: one copy,
+#   not two.
+# * At least `MIN_COLUMNS` (4096) columns, `outer x inner`: at least 256 programs of 16 columns, about
+#   two per SM of a 132-SM H100, so that every SM has loads in flight while each program walks its
+#   columns. With few columns and a long `length` (a `(2**22, 4)` tensor along dim 0: one program
+#   walking 4 million rows), the lanes would be full, but one SM would do all the work. The count is a
+#   threshold on columns, not on `inner` alone: a `(65536, 64, 4)` tensor along dim 1 has only four
+#   columns per outer index but 65536 programs.
+# * Or a `length` of one tile (`BLOCK_L` rows or fewer): then no program walks, and one launch beats
+#   three (copy, scan, copy back), however few the columns.
+# * x views as `outer x length x inner` with one stride for each (`as_columns`): true of every
+#   contiguous tensor and of many views (a slice or a step along the scanned dimension, a slice of the
+#   first; a step or an `expand` along the first when the scan is along the second, a step along the
+#   last when it is along the one before it); false where a slice, a step or a transpose leaves the
+#   dimensions on one side of `dim` with strides that do not chain, as `x[:, ::2]` along dim 0 of a 3-D
+#   `x`. The kernel would then need a stride per dimension; the copy path is taken instead.
+#   `as_columns` checks the strides before it views: a `view` that fails raises an exception, which
+#   costs more host time than a launch.
+# * Fewer than $2^{31}$ programs, the most a grid holds: only a huge `outer` of very short scans
+#   (`(2**31, 1, 2)` along dim 1) has more, and the row kernels take many of those in one program.
+#
+# The GPU timing of "what the copies along a dimension but the last cost" below compares the two
+# paths on the same tensors.
+
+# %%
+#| export
+COLUMN_WIDTH = 16     # BLOCK_INNER at most: a tile row fills a 32-byte sector even in 16-bit dtypes
+COLUMN_TILE = 4096    # values per tile of the column scan, BLOCK_L x BLOCK_INNER
+MIN_COLUMNS = 4096    # outer x inner below which long scans take the copy path (256 programs of 16 columns)
+
+
+@triton.jit
+def scan_columns_kernel(X, Y, length, inner, column_blocks, stride_outer, stride_length, stride_inner,
+                        BLOCK_L: tl.constexpr, BLOCK_INNER: tl.constexpr, ACC: tl.constexpr):
+    """Scan X (outer x length x inner, at its strides) along its middle dimension into Y (the same shape,
+    contiguous). A program takes BLOCK_INNER consecutive columns of one outer index and walks down length
+    BLOCK_L rows at a time, carrying each column's running total."""
+    pid = tl.program_id(0)                                                      # o * column_blocks + j
+    o = (pid // column_blocks).to(tl.int64)
+    cols = (pid % column_blocks).to(tl.int64) * BLOCK_INNER + tl.arange(0, BLOCK_INNER)[None, :]   # 1 x BLOCK_INNER
+    rows = tl.arange(0, BLOCK_L)[:, None]                                       # BLOCK_L x 1
+    X_COLS = X + o * stride_outer + cols * stride_inner                         # 1 x BLOCK_INNER pointers
+    Y_COLS = Y + o * length * inner + cols
+    carry = tl.zeros((1, BLOCK_INNER), ACC)                                     # sums of the rows done
+    for start in range(0, length, BLOCK_L):
+        t = (start + rows).to(tl.int64)                                         # BLOCK_L x 1 positions
+        mask = (t < length) & (cols < inner)                                    # BLOCK_L x BLOCK_INNER
+        x = tl.load(X_COLS + t * stride_length, mask=mask, other=0).to(ACC)
+        tl.store(Y_COLS + t * inner, (tl.cumsum(x, 0) + carry).to(Y.dtype.element_ty), mask=mask)
+        carry += tl.sum(x, 0, keep_dims=True)
+
+
+def column_tile(length: int, inner: int, tile: int = COLUMN_TILE) -> tuple[int, int]:
+    """(BLOCK_L, BLOCK_INNER) of the column scan: up to COLUMN_WIDTH columns, `tile` values, rows no more
+    than length needs. (Powers of two by bit_length: every cumsum along a dim but the last asks, and
+    triton.next_power_of_2, a ConstexprFunction in Triton 3.6, costs microseconds a call on the host.)"""
+    width = min(COLUMN_WIDTH, 1 << (inner - 1).bit_length())
+    return min(tile // width, 1 << (length - 1).bit_length()), width
+
+
+def scan_columns(x: torch.Tensor, out: torch.Tensor | None = None, tile: int = COLUMN_TILE) -> torch.Tensor:
+    """Inclusive cumulative sum of x (outer x length x inner, any strides, one of KERNEL_DTYPES) along its
+    middle dimension, read in place, into a contiguous tensor of x's shape and dtype (`out` if given), in
+    tiles of `tile` values (a power of two, at least COLUMN_WIDTH)."""
+    if not is_power_of_two(tile) or tile < COLUMN_WIDTH:
+        raise ValueError(f"tile must be a power of two >= {COLUMN_WIDTH}, got {tile}")
+    outer, length, inner = x.shape
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if out is None else out
+    if x.numel() == 0:
+        return y
+    block_l, block_inner = column_tile(length, inner, tile)
+    column_blocks = triton.cdiv(inner, block_inner)
+    scan_columns_kernel[(outer * column_blocks,)](
+        x, y, length, inner, column_blocks, *x.stride(), BLOCK_L=block_l, BLOCK_INNER=block_inner,
+        ACC=tl_dtype(accumulator(x.dtype)), num_warps=warps_for(block_l * block_inner))
+    return y
+
+
+def column_shape(shape: torch.Size, dim: int) -> tuple[int, int, int]:
+    """(outer, length, inner) of a tensor of `shape` scanned along dim: the dims before it, dim, those after."""
+    d = dim % len(shape)
+    return shape[:d].numel(), shape[d], shape[d + 1:].numel()
+
+
+def chain(sizes: torch.Size, strides: tuple[int, ...]) -> bool:
+    """Whether dims (sizes, strides) merge into one with a single stride: each one's stride is the next
+    one's times the next one's size, dims of size 1 aside (their stride is never used)."""
+    dims = [(size, stride) for size, stride in zip(sizes, strides) if size != 1]
+    return all(stride == size * next_stride for (_, stride), (size, next_stride) in zip(dims, dims[1:]))
+
+
+def as_columns(x: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """x viewed as outer x length x inner (length: dim, outer: the dims before it, inner: those after), or
+    None where the dims before dim, or those after it, cannot share one stride (the view would need a copy).
+    Checked before viewing: a failing x.view raises, which costs more host time than the whole launch."""
+    d = dim % x.dim()
+    shape, strides = x.shape, x.stride()
+    if not (chain(shape[:d], strides[:d]) and chain(shape[d + 1:], strides[d + 1:])):
+        return None
+    return x.view(*column_shape(shape, d))
+
+
+def takes_columns(outer: int, length: int, inner: int) -> bool:
+    """Whether cumsum scans columns in place rather than copying into rows: more than one column per
+    outer index, and enough columns to give every SM programs, or a length of one tile; and fewer
+    programs than a grid holds (2^31 - 1), which a huge outer of very short scans could pass."""
+    if inner == 1:
+        return False
+    block_l, block_inner = column_tile(length, inner)
+    return (outer * inner >= MIN_COLUMNS or length <= block_l) and outer * -(-inner // block_inner) < 2**31
+
+# %% [markdown]
+# Checked on the CPU against `torch.cumsum`, through `scan_columns` itself (the shapes here are too
+# small for `cumsum` to choose it), along each dimension of a dense `(3, 37, 5)` tensor, of a view with
+# steps and of an `expand` (a stride of 0): integers exactly, floats within the chapter's tolerance.
+# Tiles of 256 values (16 rows of 16 columns at most) make the 37 rows take three tiles, so that the
+# carry is used. Where a view's outer or inner dimensions do not share one stride, `as_columns` says so
+# (None) and `cumsum` would take the copy path.
+
+# %%
+def awkward_views(dtype: torch.dtype) -> dict:
+    """A dense (3, 37, 5) tensor, a view with steps of a (6, 37, 40) one, an expand: values of about 1000."""
+    make = lambda *shape: (torch.randn(shape, device=DEVICE) * 1000).to(dtype)   # noqa: E731
+    return {"(3, 37, 5)": make(3, 37, 5),
+            "(6, 37, 40)[::2, :, 3::7]": make(6, 37, 40)[::2, :, 3::7],         # strides (2960, 40, 7)
+            "(1, 37, 5).expand(3, 37, 5)": make(1, 37, 5).expand(3, 37, 5)}     # strides (0, 5, 1)
+
+
+torch.manual_seed(9)
+x_floats, x_longs = awkward_views(torch.float32), awkward_views(torch.int64)
+for name in x_floats:
+    for dim in range(3):
+        x_view, x_long = x_floats[name], x_longs[name]
+        columns = as_columns(x_view, dim)
+        if columns is None:
+            print(f"{name:>28} dim {dim}: no single-stride outer x length x inner view: the copy path")
+            continue
+        err = assert_cumsum(scan_columns(columns, tile=256).view(x_view.shape), x_view, dim)
+        y_long = scan_columns(as_columns(x_long, dim), tile=256).view(x_long.shape)
+        assert torch.equal(y_long, torch.cumsum(x_long, dim))
+        print(f"{name:>28} dim {dim}: {tuple(columns.shape)} at strides {columns.stride()}, "
+              f"float32 scaled err {err:.1e}, int64 exact")
+
+# %% [markdown]
 # ## Going deeper: `cumsum` as a PyTorch op
 #
-# The public function around `scan_rows`, as the main line describes it: it follows `torch.cumsum`, and
+# The public function around `scan_rows` (and `scan_columns`), as the main line describes it: it follows `torch.cumsum`, and
 # its gradient, the reverse cumulative sum, is a flip, the same scan, a flip back. How it is wrapped
 # follows the code.
 
@@ -957,13 +1141,37 @@ RESULT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64) + 
 
 @custom_op("cumsum", __name__)
 def cumsum_op(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """The kernels on a tensor of KERNEL_DTYPES along dim (negative): a fresh contiguous tensor of x's shape."""
+    """The kernels on a tensor of KERNEL_DTYPES along dim (negative): a fresh contiguous tensor of x's shape.
+    Along a dim but the last, the column scan reads x in place where takes_columns says it pays; else
+    scan_copied. (dim == -1 is tested first: it never takes the column scan, and it is the common call.)"""
     if x.dim() == 0 or x.numel() == 0:
         return x.clone(memory_format=torch.contiguous_format)
+    columns = None
+    if dim != -1 and takes_columns(*column_shape(x.shape, dim)):
+        columns = as_columns(x, dim)                                      # outer x length x inner, or None
+    if columns is None:
+        return scan_copied(x, dim)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    scan_columns(columns, out=y.view(*columns.shape))
+    return y
+
+
+def scan_copied(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """The row kernels on x copied into rows (... x length; no copy if x is already so), the result
+    copied back into x's shape unless that shape is already rows: dim is the last, or those after it
+    have size 1."""
     moved = x.movedim(dim, -1).contiguous()                               # ... x length
-    y = torch.empty_like(moved)
-    scan_rows(moved.view(-1, moved.shape[-1]), out=y.view(-1, moved.shape[-1]))   # n_rows x length
-    return y if dim == -1 else y.movedim(-1, dim).clone(memory_format=torch.contiguous_format)
+    length = moved.shape[-1]
+    if dim == -1:
+        y = torch.empty_like(moved)
+    elif x.shape[dim + 1:].numel() == 1:                                  # only size-1 dims after dim:
+        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)          # x's shape, contiguous, is rows too
+    else:
+        y = torch.empty_like(moved)
+        scan_rows(moved.view(-1, length), out=y.view(-1, length))         # n_rows x length
+        return y.movedim(-1, dim).clone(memory_format=torch.contiguous_format)   # the copy back
+    scan_rows(moved.view(-1, length), out=y.view(-1, length))             # n_rows x length
+    return y
 
 
 @cumsum_op.register_fake
@@ -1008,7 +1216,8 @@ def cumsum(x: torch.Tensor, dim: int = -1, *, dtype: torch.dtype | None = None) 
     Floating sums are accumulated in float32 (float64 for float64), integer sums in int64 (wrapping on
     overflow, then cast to the result dtype). Differentiable, twice or more, and usable under
     torch.func.grad, torch.func.vmap and torch.compile. The algorithm for long rows is chosen by the
-    module-level CONFIG (see scan_rows)."""
+    module-level CONFIG (see scan_rows); along a dim but the last, x is read in place where it has
+    enough columns (see cumsum_op)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in RESULT_DTYPES + (torch.bool,):
@@ -1127,15 +1336,22 @@ for call, error, words in bad_inputs:
 # ## Going deeper: what the copies along a dimension but the last cost
 #
 # ("The exported kernels' layout" says why they are made.) On a GPU, the cell times `cumsum` of one
-# (4096, 4096) float32 tensor along its last dimension and along its first, and, alone, the two copies
-# that the second call makes: into rows, and back. Kernels that read the view in place would save at
-# most the copies' time.
+# (4096, 4096) float32 tensor along its last dimension, then along its first two ways: the copy path
+# (`scan_copied`, called directly) and, alone, its two copies, into rows and back; and the column scan
+# that `cumsum` now takes there, which reads the tensor in place. Reading in place can save at most the
+# copies' time.
 #
-# On the H100 of this run the copies are most of the cost: along the first dimension `cumsum` takes
-# 323.8 us against 50.0 along the last, and the two copies alone take 141.2 and 140.7 us of it. Each
-# copy, which reads and writes every value once, as the scan does, takes longer than the whole scan
-# along the last dimension. So along any dimension but the last, `cumsum` pays mostly for its layout,
-# not for scanning; how much of that kernels taking strides would win back, no cell here measures.
+# On the H100 of an earlier run, before the column scan, the copies were most of the cost: along the
+# first dimension `cumsum` took 323.8 us against 50.0 along the last, and the two copies alone 141.2
+# and 140.7 us of it. Each copy, which reads and writes every value once, as the scan does, took longer
+# than the whole scan along the last dimension: along any dimension but the last, `cumsum` paid mostly
+# for its layout, not for scanning. The rows of the output below for the column scan say how much of
+# that reading in place wins back, against the copy path timed in the same run.
+#
+# Its last two rows test the threshold of "scanning along a dimension but the last, in place": a
+# (2^22, 4) tensor along its first dimension has 4 columns, fewer than `MIN_COLUMNS`, so `cumsum` takes
+# the copy path there; the column scan called directly shows what one program walking 2^22 rows
+# would cost instead.
 
 # %%
 from scan_lib.runtime import median_us   # chapter 00's timer
@@ -1144,13 +1360,20 @@ if not ON_GPU:
     print("skipped: needs a GPU")
 else:
     square = torch.randn(4096, 4096, device=DEVICE)
+    skinny = torch.randn(2**22, 4, device=DEVICE)
     calls = {"cumsum along the last dim": lambda: cumsum(square, dim=-1),
              "cumsum along the first dim": lambda: cumsum(square, dim=0),
-             "the copy into rows": lambda: square.movedim(0, -1).contiguous(),
-             "the copy back": lambda: square.movedim(-1, 0).clone(memory_format=torch.contiguous_format)}
-    print(f"(4096, 4096) float32 on {torch.cuda.get_device_name()}, median us (do_bench):")
+             "  the column scan alone": lambda: scan_columns(as_columns(square, -2)),
+             "  the copy path instead": lambda: scan_copied(square, -2),
+             "    its copy into rows": lambda: square.movedim(0, -1).contiguous(),
+             "    its copy back": lambda: square.movedim(-1, 0).clone(memory_format=torch.contiguous_format),
+             "(2^22, 4), cumsum along dim 0": lambda: cumsum(skinny, dim=0),
+             "  the column scan instead": lambda: scan_columns(as_columns(skinny, -2))}
+    print(f"(4096, 4096) float32 unless said, on {torch.cuda.get_device_name()}, median us (do_bench):")
+    print(f"  (along the first dim, cumsum takes the column scan: {takes_columns(*as_columns(square, -2).shape)}; "
+          f"on (2^22, 4): {takes_columns(*as_columns(skinny, -2).shape)})")
     for name, call in calls.items():
-        print(f"  {name:28s} {median_us(call):8.1f}")
+        print(f"  {name:32s} {median_us(call):8.1f}")
 
 # %% [markdown]
 # ## Going deeper: what the checks guard against

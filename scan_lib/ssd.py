@@ -117,14 +117,37 @@ from scan_lib.runtime import check_float_tensor, check_same_device
 
 
 @triton.jit
-def _chunk_program(DT, A, length, heads, groups, CHUNK: tl.constexpr):
+def _softplus(p):
+    """log(1 + e^p) in float32 with neither overflow nor lost digits (chapter 05's form): max(p, 0) +
+    log1p(e^-|p|), log1p(e) computed as log(w) e / (w - 1) with w = 1 + e. F.softplus to float32 rounding."""
+    e = tl.exp(-tl.abs(p))
+    w = 1.0 + e
+    return tl.maximum(p, 0.0) + tl.where(w == 1.0, e, tl.log(w) * e / (w - 1.0))
+
+
+@triton.jit
+def _raw_steps(DT, DT_BIAS, b, h, t, t_ok, length, heads, HAS_DT_BIAS: tl.constexpr):
+    """dt + dt_bias at the chunk's positions (CHUNK, float32), 0 past L: the step before its softplus. DT:
+    b x L x h in any float dtype, DT_BIAS: h float32."""
+    raw = tl.load(DT + (b * length + t) * heads + h, t_ok, other=0.0).to(tl.float32)
+    if HAS_DT_BIAS:
+        raw += tl.where(t_ok, tl.load(DT_BIAS + h), 0.0)
+    return raw
+
+
+@triton.jit
+def _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+                   CHUNK: tl.constexpr):
     """A program's (batch, head, chunk), its head's group, the chunk's positions t and which are before
-    L, the steps dt there (0 past L: no decay, no input), the head's A and the decay from the chunk's
-    start a_cum (CHUNK). DT: b x L x h."""
+    L, the steps dt there, the head's A and the decay from the chunk's start a_cum (CHUNK). The step is
+    softplus(dt + dt_bias), with the bias and the softplus where asked (section 8's options), computed
+    here from the raw dt, and 0 past L (no decay, no input)."""
     b, h, c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     t = c * CHUNK + tl.arange(0, CHUNK)
     t_ok = t < length
-    dt = tl.load(DT + (b * length + t) * heads + h, t_ok, other=0.0).to(tl.float32)
+    dt = _raw_steps(DT, DT_BIAS, b, h, t, t_ok, length, heads, HAS_DT_BIAS)
+    if DT_SOFTPLUS:   # (masked only here: a mask the compiler cannot drop costs the grad kernel registers)
+        dt = tl.where(t_ok, _softplus(dt), 0.0)                             # softplus(0) is not 0
     rate = tl.load(A + h).to(tl.float32)
     return b, h, c, h // (heads // groups), t, t_ok, dt, rate, tl.cumsum(dt * rate, axis=0)
 
@@ -149,12 +172,14 @@ def _mm(a, b, X):
 
 
 @triton.jit
-def ssd_chunk_state_kernel(X, DT, A, B, STATES, DECAY, length, heads, groups, head_dim, n_states, n_chunks,
-                           CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def ssd_chunk_state_kernel(X, DT, DT_BIAS, A, B, STATES, DECAY, length, heads, groups, head_dim, n_states, n_chunks,
+                           HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, CHUNK: tl.constexpr,
+                           BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (batch, head, chunk): the state the chunk leaves from zero, sum_s exp(a_end - a_cum_s) dt_s x_s B_s^T
     (P x N), and the chunk's decay exp(sum of a). X: b x L x h x P, DT: b x L x h, B: b x L x g x N (contiguous);
-    STATES: b x h x chunks x P x N, DECAY: b x h x chunks."""
-    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, A, length, heads, groups, CHUNK)
+    DT_BIAS: h; STATES: b x h x chunks x P x N, DECAY: b x h x chunks."""
+    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
+                                                          DT_SOFTPLUS, CHUNK)
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
     a_end = tl.sum(dt * rate, axis=0)
     weight = dt * tl.exp(a_end - a_cum)                                     # CHUNK
@@ -168,24 +193,36 @@ def ssd_chunk_state_kernel(X, DT, A, B, STATES, DECAY, length, heads, groups, he
 
 
 @triton.jit
-def ssd_chunk_output_kernel(X, DT, A, B, C, D, ENTERING, Y, length, heads, groups, head_dim, n_states, n_chunks,
-                            HAS_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (batch, head, chunk): y = (L o C B^T)(dt x) + exp(a_cum) C H_in^T (+ D x) for the chunk's positions."""
-    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, A, length, heads, groups, CHUNK)
+def _decays(a_cum, CHUNK: tl.constexpr):
+    """The diagonal block's decays L_ts = exp(a_cum_t - a_cum_s) for s <= t, 0 above (CHUNK x CHUNK): within
+    a chunk, short differences."""
+    causal = tl.arange(0, CHUNK)[:, None] >= tl.arange(0, CHUNK)[None, :]
+    return tl.where(causal, tl.exp(a_cum[:, None] - a_cum[None, :]), 0.0)
+
+
+@triton.jit
+def ssd_chunk_output_kernel(X, DT, DT_BIAS, A, B, C, D, Z, ENTERING, Y, length, heads, groups, head_dim, n_states,
+                            n_chunks, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr,
+                            HAS_Z: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (batch, head, chunk): y = (L o C B^T)(dt x) + exp(a_cum) C H_in^T (+ D x), times the gate silu(z)
+    where z (b x L x h x P, like X and Y) is given, for the chunk's positions."""
+    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
+                                                          DT_SOFTPLUS, CHUNK)
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
     Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
     scores = _mm(Cv, tl.trans(Bv), X)                                       # CHUNK x CHUNK
-    causal = tl.arange(0, CHUNK)[:, None] >= tl.arange(0, CHUNK)[None, :]
-    decay = tl.where(causal, tl.exp(a_cum[:, None] - a_cum[None, :]), 0.0)  # within a chunk: short differences
-    y = _mm(scores * decay * dt[None, :], x, X)                             # CHUNK x P
+    y = _mm(scores * _decays(a_cum, CHUNK) * dt[None, :], x, X)             # CHUNK x P
     base = (b * heads + h) * n_chunks + c
     H = tl.load(ENTERING + base * head_dim * n_states + p[:, None] * n_states + n[None, :],
                 (p[:, None] < head_dim) & (n[None, :] < n_states), other=0.0)   # P x N
     y += tl.exp(a_cum)[:, None] * _mm(Cv, tl.trans(H), X)                   # CHUNK x P
     if HAS_D:
         y += tl.load(D + h).to(tl.float32) * x
+    if HAS_Z:   # the gate in registers: y is stored once, gated
+        z = _rows(Z, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
+        y *= z * tl.sigmoid(z)
     tl.store(Y + ((b * length + t[:, None]) * heads + h) * head_dim + p[None, :], y.to(Y.dtype.element_ty),
              t_ok[:, None] & (p[None, :] < head_dim))
 
@@ -199,13 +236,16 @@ def _check_given(name, value, dims, shape):
         raise ValueError(f"{name} must have shape {dims} = {tuple(shape)}, got {tuple(value.shape)}")
 
 
-def _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state):
-    """Raise a TypeError or ValueError naming the argument unless the kernels can index the inputs as given."""
+def _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state, float64_dt=False):
+    """Raise a TypeError or ValueError naming the argument unless the kernels can index the inputs as given.
+    float64_dt: take a float64 dt, for section 8's op with a bias or softplus on the step, whose step has
+    always been computed in float32 from dt (before the kernels took it over, by PyTorch)."""
     named = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, initial_state=initial_state)
     for name, value in named.items():
         if value is not None or name not in ("D", "initial_state"):
             check_float_tensor(name, value)
-            if value.dtype == torch.float64:   # the kernels sum in float32: float64 would lose digits silently
+            # the kernels sum in float32: float64 would lose digits silently
+            if value.dtype == torch.float64 and not (name == "dt" and float64_dt):
                 raise TypeError(f"{name}: ssd_forward computes in float32; for float64 use ssd_chunked")
     if x.dim() != 4:
         raise ValueError(f"x must have shape (batch, L, heads, P), got {tuple(x.shape)}")
@@ -227,12 +267,17 @@ def _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state):
         raise ValueError(f"chunk_size must be a power of two >= 16 (tl.arange and tl.dot's tiles), got {chunk_size!r}")
 
 
-def _empty_forward(x, n_states, initial_state):
+def _output_dtype(x, z):
+    """y's dtype: x's, or with the gate z what y * silu(z) gives in PyTorch (x's and z's, promoted)."""
+    return x.dtype if z is None else torch.promote_types(x.dtype, z.dtype)
+
+
+def _empty_forward(x, n_states, initial_state, z):
     """ssd_forward's result for an empty x (L = 0, or no batch, heads or channels), launching nothing."""
     batch, _, heads, head_dim = x.shape
     final = (torch.zeros(batch, heads, head_dim, n_states, device=x.device) if initial_state is None
              else initial_state.to(torch.float32, copy=True))               # no position moved the state
-    return torch.empty_like(x), final
+    return torch.empty(x.shape, dtype=_output_dtype(x, z), device=x.device), final
 
 
 KERNEL_CHUNK = 64   # the longest chunk a program holds: its Q x Q, Q x P and Q x N tiles fit in registers
@@ -282,17 +327,25 @@ def pass_states(local, decay, start, reverse=False, block=1024):
     return passed, end
 
 
-def _scan_chunks(x, dt, A, B, tiles, initial_state):
-    """Steps 2 and 3 on contiguous inputs (A float32) in chunks of tiles["CHUNK"]: the chunk states and
-    their decays (ssd_chunk_state_kernel), then pass_states over the chunks. Returns the state entering
-    each chunk (batch, heads, chunks, P, N), the decays (batch, heads, chunks) and the final state, float32."""
+def _step_options(dt_bias, dt_softplus):
+    """The kernels' step options: dt_bias (heads,) as contiguous float32 (they read DT_BIAS + h) or None,
+    and their flags."""
+    bias = None if dt_bias is None else dt_bias.float().contiguous()
+    return bias, dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus)
+
+
+def _scan_chunks(x, dt, dt_bias, A, B, tiles, steps, initial_state):
+    """Steps 2 and 3 on contiguous inputs (A and dt_bias float32; steps: _step_options' flags) in chunks of
+    tiles["CHUNK"]: the chunk states and their decays (ssd_chunk_state_kernel), then pass_states over the
+    chunks. Returns the state entering each chunk (batch, heads, chunks, P, N), the decays (batch, heads,
+    chunks) and the final state, float32."""
     batch, length, heads, head_dim = x.shape
     groups, n_states = B.shape[2], B.shape[3]
     n_chunks = triton.cdiv(length, tiles["CHUNK"])
     states = torch.empty(batch, heads, n_chunks, head_dim, n_states, device=x.device, dtype=torch.float32)
     decay = torch.empty(batch, heads, n_chunks, device=x.device, dtype=torch.float32)
-    ssd_chunk_state_kernel[(batch, heads, n_chunks)](x, dt, A, B, states, decay, length, heads, groups, head_dim,
-                                                     n_states, n_chunks, **tiles)
+    ssd_chunk_state_kernel[(batch, heads, n_chunks)](x, dt, dt_bias, A, B, states, decay, length, heads, groups,
+                                                     head_dim, n_states, n_chunks, **steps, **tiles)
     start = None if initial_state is None else initial_state.float().contiguous()
     entering, final = pass_states(states, decay, start)      # step 3, the scan over chunks
     return entering, decay, final
@@ -315,20 +368,23 @@ def _launch_forward(x, dt, A, B, C, chunk_size, D, initial_state):
     return _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state)
 
 
-def _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state):
-    """The forward's work on checked inputs."""
+def _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state, z=None, dt_bias=None, dt_softplus=False):
+    """The forward's work on checked inputs; z, dt_bias and dt_softplus are section 8's options (its op
+    checks them): the step softplus(dt + dt_bias) and the gate y silu(z), both inside the kernels."""
     if x.numel() == 0:
-        return _empty_forward(x, B.shape[3], initial_state)
+        return _empty_forward(x, B.shape[3], initial_state, z)
     batch, length, heads, head_dim = x.shape
     groups, n_states = B.shape[2], B.shape[3]
     x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
+    z = None if z is None else z.contiguous()
     A, D = (None if t is None else t.float().contiguous() for t in (A, D))  # the kernels read A + h, D + h
+    dt_bias, steps = _step_options(dt_bias, dt_softplus)
     tiles = _tiles(chunk_size, head_dim, n_states)
-    entering, _, final = _scan_chunks(x, dt, A, B, tiles, initial_state)
-    y = torch.empty_like(x)
+    entering, _, final = _scan_chunks(x, dt, dt_bias, A, B, tiles, steps, initial_state)
+    y = torch.empty(x.shape, dtype=_output_dtype(x, z), device=x.device)
     ssd_chunk_output_kernel[(batch, heads, entering.shape[2])](
-        x, dt, A, B, C, D, entering, y, length, heads, groups, head_dim, n_states, entering.shape[2],
-        HAS_D=D is not None, **tiles)
+        x, dt, dt_bias, A, B, C, D, z, entering, y, length, heads, groups, head_dim, n_states, entering.shape[2],
+        HAS_D=D is not None, HAS_Z=z is not None, **steps, **tiles)
     return y, final
 
 def _empty_gradients(x, dt, A, B, C, dfinal, D, initial_state):
@@ -399,14 +455,39 @@ def ssd_chunked_backward(x, dt, A, B, C, chunk_size, dy, dfinal=None, D=None, in
         dD = (dy * x).sum((0, 1, 3))
     return dx, ddt, dA, _per_group(dBh, groups), _per_group(dCh, groups), dD, (dh0 if initial_state is not None else None)
 
+from scan_lib.selective_scan import _gate_dybar, _gate_dz   # chapter 05's gate y = ybar silu(z), differentiated
+
+
 @triton.jit
-def ssd_chunk_adjoint_kernel(DY, DT, A, C, LOCAL, length, heads, groups, head_dim, n_states, n_chunks,
+def _head_rows(b, t, t_ok, length, heads, h, head_dim, p):
+    """Offsets and mask of the chunk's rows of head h in a contiguous b x L x h x P tensor (x, z, their
+    gradients): CHUNK x P, p = arange(BLOCK_P)."""
+    return ((b * length + t[:, None]) * heads + h) * head_dim + p[None, :], t_ok[:, None] & (p[None, :] < head_dim)
+
+
+@triton.jit
+def _output_grads(DY, Z, b, t, t_ok, length, heads, h, head_dim, HAS_Z: tl.constexpr, BLOCK_P: tl.constexpr):
+    """At the chunk's positions (CHUNK x P, float32): the gradient dy of the op's output y = ybar silu(z),
+    the gradient of the scan's output ybar, dy silu(z) (dy itself without z: chapter 05's _gate_dybar),
+    and z (0 without it). DY, Z: b x L x h x P."""
+    dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
+    z = tl.zeros_like(dy)
+    if HAS_Z:
+        z = _rows(Z, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
+    return dy, _gate_dybar(dy, z, HAS_Z), z
+
+
+@triton.jit
+def ssd_chunk_adjoint_kernel(DY, Z, DT, DT_BIAS, A, C, LOCAL, length, heads, groups, head_dim, n_states, n_chunks,
+                             HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_Z: tl.constexpr,
                              CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (batch, head, chunk): what the chunk's outputs send back to the state entering it,
-    sum_t exp(a_cum_t) dy_t C_t^T (P x N). DY: b x L x h x P, C: b x L x g x N; LOCAL: b x h x chunks x P x N."""
-    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, A, length, heads, groups, CHUNK)
+    sum_t exp(a_cum_t) dy_t C_t^T (P x N), dy the gradient of the scan's output (through the gate where z
+    is given). DY, Z: b x L x h x P, C: b x L x g x N; LOCAL: b x h x chunks x P x N."""
+    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
+                                                          DT_SOFTPLUS, CHUNK)
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
-    dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)        # CHUNK x P
+    _, dy, _ = _output_grads(DY, Z, b, t, t_ok, length, heads, h, head_dim, HAS_Z, BLOCK_P)   # CHUNK x P
     Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
     local = _mm(tl.trans(dy * tl.exp(a_cum)[:, None]), Cv, DY)              # P x N
     base = (b * heads + h) * n_chunks + c
@@ -415,24 +496,34 @@ def ssd_chunk_adjoint_kernel(DY, DT, A, C, LOCAL, length, heads, groups, head_di
 
 
 @triton.jit
-def ssd_chunk_grad_kernel(X, DT, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DB, DC, DA_PART, DD_PART,
-                          length, heads, groups, head_dim, n_states, n_chunks,
-                          HAS_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def ssd_chunk_grad_kernel(X, DT, DT_BIAS, A, B, C, D, Z, DY, ENTERING, DSTATE, DX, DDT, DB, DC, DZ, DA_PART, DD_PART,
+                          DBIAS_PART, length, heads, groups, head_dim, n_states, n_chunks,
+                          HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr,
+                          HAS_Z: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (batch, head, chunk): section 6's steps 4, 2 and 1 in reverse for the chunk's positions, from
-    the state entering it (ENTERING) and the gradient of the state leaving it (DSTATE, both P x N): dx, d dt,
-    this head's dB and dC (fp32, b x L x h x N, summed over a group's heads afterwards), and the chunk's
-    shares of dA and dD (b x h x chunks)."""
-    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, A, length, heads, groups, CHUNK)   # a_cum: gamma_t
+    the state entering it (ENTERING) and the gradient of the state leaving it (DSTATE, both P x N): dx, d dt
+    (of the raw dt, through the bias and softplus where asked), dz where z is given, this head's dB and dC
+    (fp32, b x L x h x N, summed over a group's heads afterwards), and the chunk's shares of dA, dD and
+    d dt_bias (b x h x chunks)."""
+    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
+                                                          DT_SOFTPLUS, CHUNK)   # a_cum: gamma_t
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
     a_end = tl.sum(dt * rate, axis=0)
     to_end, from_start = tl.exp(a_end - a_cum), tl.exp(a_cum)               # w_s, e^{gamma_t}
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)          # CHUNK x P
-    dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
+    dy_out, dy, z = _output_grads(DY, Z, b, t, t_ok, length, heads, h, head_dim, HAS_Z, BLOCK_P)   # dy: of ybar
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
     Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
     pn = ((b * heads + h) * n_chunks + c) * head_dim * n_states + p[:, None] * n_states + n[None, :]
     pn_ok = (p[:, None] < head_dim) & (n[None, :] < n_states)
     H = tl.load(ENTERING + pn, pn_ok, other=0.0)                            # P x N
+    qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, p)     # the chunk's rows of x, z (CHUNK x P)
+    if HAS_Z:   # dz = dy ybar silu'(z), ybar the output kernel's y before the gate, recomputed (section 8)
+        ybar = _mm(_mm(Cv, tl.trans(Bv), X) * _decays(a_cum, CHUNK) * dt[None, :], x, X)
+        ybar += from_start[:, None] * _mm(Cv, tl.trans(H), X)
+        if HAS_D:
+            ybar += tl.load(D + h).to(tl.float32) * x
+        tl.store(DZ + qp, _gate_dz(dy_out, ybar, z).to(DZ.dtype.element_ty), qp_ok)
     dS = tl.load(DSTATE + pn, pn_ok, other=0.0)
     u = x * dt[:, None]
     # 4. the past's contribution e^{gamma_t} H C_t
@@ -446,7 +537,7 @@ def ssd_chunk_grad_kernel(X, DT, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DB, 
     v = to_end * tl.sum(u * dSB, axis=1)
     # 1. the diagonal block sum_{s <= t} L_ts (C_t . B_s) u_s
     rows, cols = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
-    decay = tl.where(rows >= cols, tl.exp(a_cum[:, None] - a_cum[None, :]), 0.0)   # CHUNK x CHUNK
+    decay = _decays(a_cum, CHUNK)                                           # CHUNK x CHUNK
     M = _mm(Cv, tl.trans(Bv), X) * decay
     pi = _mm(dy, tl.trans(u), X)                                            # dy_t . u_s
     du += _mm(tl.trans(M), dy, X)
@@ -464,9 +555,11 @@ def ssd_chunk_grad_kernel(X, DT, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DB, 
     dd_part = tl.sum(tl.sum(dy * x, axis=1), axis=0)
     if HAS_D:
         dx += tl.load(D + h).to(tl.float32) * dy
-    qp_ok = t_ok[:, None] & (p[None, :] < head_dim)
-    tl.store(DX + ((b * length + t[:, None]) * heads + h) * head_dim + p[None, :], dx.to(DX.dtype.element_ty), qp_ok)
-    tl.store(DDT + (b * length + t) * heads + h, (tl.sum(x * du, axis=1) + rate * da).to(DDT.dtype.element_ty), t_ok)
+    tl.store(DX + qp, dx.to(DX.dtype.element_ty), qp_ok)
+    ddt = tl.sum(x * du, axis=1) + rate * da                                # d step
+    if DT_SOFTPLUS:   # the step is softplus(dt + dt_bias), whose slope is sigmoid(dt + dt_bias): read dt again
+        ddt *= tl.sigmoid(_raw_steps(DT, DT_BIAS, b, h, t, t_ok, length, heads, HAS_DT_BIAS))
+    tl.store(DDT + (b * length + t) * heads + h, ddt.to(DDT.dtype.element_ty), t_ok)
     qn_head = ((b * length + t[:, None]) * heads + h) * n_states + n[None, :]   # this head's dB, dC rows
     qn_ok = t_ok[:, None] & (n[None, :] < n_states)
     tl.store(DB + qn_head, dB, qn_ok)
@@ -474,6 +567,8 @@ def ssd_chunk_grad_kernel(X, DT, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DB, 
     part = (b * heads + h) * n_chunks + c
     tl.store(DA_PART + part, tl.sum(dt * da, axis=0))
     tl.store(DD_PART + part, dd_part)
+    if HAS_DT_BIAS:
+        tl.store(DBIAS_PART + part, tl.sum(tl.where(t_ok, ddt, 0.0), axis=0))   # d dt_bias: d dt summed, to L
 
 
 def ssd_backward(x, dt, A, B, C, chunk_size, dy, dfinal=None, D=None, initial_state=None):
@@ -485,41 +580,48 @@ def ssd_backward(x, dt, A, B, C, chunk_size, dy, dfinal=None, D=None, initial_st
     _check_given("dy", dy, "x's (batch, L, heads, P)", x.shape)
     _check_given("dfinal", dfinal, "(batch, heads, P, N)", (*x.shape[::2], x.shape[3], B.shape[3]))
     check_same_device(x=x, dy=dy, dfinal=dfinal)
-    return _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state)
+    return _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state)[:7]
 
 
-def _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state):
-    """ssd_backward's work on checked inputs."""
+def _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state, z=None, dt_bias=None,
+                      dt_softplus=False):
+    """ssd_backward's work on checked inputs, with section 8's options (z, dt_bias, dt_softplus, as in
+    _forward_kernels): its seven gradients, then dz and d dt_bias (None where z, dt_bias are)."""
     batch, length, heads, head_dim = x.shape
     groups, n_states = B.shape[2], B.shape[3]
     if x.numel() == 0:
-        return _empty_gradients(x, dt, A, B, C, dfinal, D, initial_state)
+        return (*_empty_gradients(x, dt, A, B, C, dfinal, D, initial_state),
+                *(None if t is None else torch.zeros_like(t) for t in (z, dt_bias)))
     x, dt, B, C, dy = (t.contiguous() for t in (x, dt, B, C, dy))
+    z = None if z is None else z.contiguous()
     A32, D32 = (None if t is None else t.float().contiguous() for t in (A, D))
+    bias32, steps = _step_options(dt_bias, dt_softplus)
     tiles = _tiles(chunk_size, head_dim, n_states)
-    entering, decay, _ = _scan_chunks(x, dt, A32, B, tiles, initial_state)
+    entering, decay, _ = _scan_chunks(x, dt, bias32, A32, B, tiles, steps, initial_state)
     n_chunks = entering.shape[2]
     grid = (batch, heads, n_chunks)
     f32 = dict(device=x.device, dtype=torch.float32)
     local = torch.empty(batch, heads, n_chunks, head_dim, n_states, **f32)
-    ssd_chunk_adjoint_kernel[grid](dy, dt, A32, C, local, length, heads, groups, head_dim, n_states, n_chunks,
-                                   **tiles)
+    ssd_chunk_adjoint_kernel[grid](dy, z, dt, bias32, A32, C, local, length, heads, groups, head_dim, n_states,
+                                   n_chunks, HAS_Z=z is not None, **steps, **tiles)
     d_end = None if dfinal is None else dfinal.float().contiguous()
     d_leaving, d_start = pass_states(local, decay, d_end, reverse=True)   # Lambda_{c+1} per chunk, Lambda_0
     dx, ddt = torch.empty_like(x), torch.empty_like(dt)
+    dz = None if z is None else torch.empty_like(z)
     dB_heads, dC_heads = (torch.empty(batch, length, heads, n_states, **f32) for _ in range(2))
     dA_part, dD_part = (torch.empty(batch, heads, n_chunks, **f32) for _ in range(2))
-    ssd_chunk_grad_kernel[grid](x, dt, A32, B, C, D32, dy, entering, d_leaving, dx, ddt, dB_heads, dC_heads,
-                                dA_part, dD_part, length, heads, groups, head_dim, n_states, n_chunks,
-                                HAS_D=D is not None, **tiles)
+    dbias_part = None if dt_bias is None else torch.empty(batch, heads, n_chunks, **f32)
+    ssd_chunk_grad_kernel[grid](x, dt, bias32, A32, B, C, D32, z, dy, entering, d_leaving, dx, ddt, dB_heads,
+                                dC_heads, dz, dA_part, dD_part, dbias_part, length, heads, groups, head_dim,
+                                n_states, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **steps, **tiles)
     dh0 = None if initial_state is None else d_start.to(initial_state.dtype)
     return (dx, ddt, dA_part.sum((0, 2)).to(A.dtype), _per_group(dB_heads, groups).to(B.dtype),
             _per_group(dC_heads, groups).to(B.dtype),
-            None if D is None else dD_part.sum((0, 2)).to(D.dtype), dh0)
+            None if D is None else dD_part.sum((0, 2)).to(D.dtype), dh0, dz,
+            None if dt_bias is None else dbias_part.sum((0, 2)).to(dt_bias.dtype))
 
 from typing import Optional
 
-import torch.nn.functional as F
 from scan_lib.runtime import apply, custom_op
 from scan_lib.selective_scan import _NoSecondDerivative as _SelectiveScanNoSecondDerivative
 from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
@@ -535,32 +637,37 @@ def _dense(t):
 
 @custom_op("ssd_fwd", __name__)
 def ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk_size: int,
-            D: Optional[torch.Tensor], initial_state: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward launcher as a custom op: y (x's shape and dtype) and the final state (float32), both
-    contiguous (the final state is a view of the last chunk's column of the scan: contiguous() copies it)."""
-    y, final = _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state)
+            D: Optional[torch.Tensor], z: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
+            initial_state: Optional[torch.Tensor], dt_softplus: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward launcher as a custom op, the step's bias and softplus and the gate z included: y (x's
+    shape; x's dtype, promoted with z's where z is given) and the final state (float32), both contiguous
+    (the final state is a view of the last chunk's column of the scan: contiguous() copies it)."""
+    y, final = _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state, z, dt_bias, dt_softplus)
     return y.contiguous(), final.contiguous()
 
 
 @ssd_fwd.register_fake
-def _(x, dt, A, B, C, chunk_size, D, initial_state):
+def _(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_state, dt_softplus):
     batch, _, heads, head_dim = x.shape
-    return _dense(x), x.new_empty(batch, heads, head_dim, B.shape[3], dtype=torch.float32)
+    return (x.new_empty(x.shape, dtype=_output_dtype(x, z)),
+            x.new_empty(batch, heads, head_dim, B.shape[3], dtype=torch.float32))
 
 
 @custom_op("ssd_bwd", __name__)
 def ssd_bwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor, C: torch.Tensor, chunk_size: int,
-            dy: torch.Tensor, dfinal: Optional[torch.Tensor], D: Optional[torch.Tensor],
-            initial_state: Optional[torch.Tensor]) -> list[torch.Tensor]:
-    """The backward launcher as a custom op: the seven gradients of ssd_backward, each contiguous in its
-    input's dtype, an empty tensor where D or initial_state is None (a custom op returns tensors only)."""
-    grads = _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state)
+            dy: torch.Tensor, dfinal: Optional[torch.Tensor], D: Optional[torch.Tensor], z: Optional[torch.Tensor],
+            dt_bias: Optional[torch.Tensor], initial_state: Optional[torch.Tensor],
+            dt_softplus: bool) -> list[torch.Tensor]:
+    """The backward launcher as a custom op: the nine gradients of _backward_kernels (x, dt, A, B, C, D, the
+    initial state, z, dt_bias), each contiguous in its input's dtype, an empty tensor where D, the initial
+    state, z or dt_bias is None (a custom op returns tensors only)."""
+    grads = _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state, z, dt_bias, dt_softplus)
     return [x.new_empty(0) if g is None else g.contiguous() for g in grads]
 
 
 @ssd_bwd.register_fake
-def _(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state):
-    return [_dense(t) if t is not None else x.new_empty(0) for t in (x, dt, A, B, C, D, initial_state)]
+def _(x, dt, A, B, C, chunk_size, dy, dfinal, D, z, dt_bias, initial_state, dt_softplus):
+    return [_dense(t) if t is not None else x.new_empty(0) for t in (x, dt, A, B, C, D, initial_state, z, dt_bias)]
 
 
 ssd_fwd.register_vmap(_vmap_by_loop(ssd_fwd))
@@ -576,35 +683,37 @@ class _NoSecondDerivative(_SelectiveScanNoSecondDerivative):
 
 
 class SSDFn(torch.autograd.Function):
-    """(y, final state) = the chunked scan of (x, dt, A, B, C, D, initial_state), differentiable once."""
+    """(y, final state) = the chunked scan of (x, dt, A, B, C, D, z, dt_bias, initial_state, dt_softplus),
+    differentiable once."""
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(x, dt, A, B, C, chunk_size, D, initial_state):
-        return ssd_fwd(x, dt, A, B, C, chunk_size, D, initial_state)
+    def forward(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_state, dt_softplus):
+        return ssd_fwd(x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_state, dt_softplus)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        x, dt, A, B, C, chunk_size, D, initial_state = inputs
-        ctx.save_for_backward(x, dt, A, B, C, D, initial_state)
-        ctx.chunk_size = chunk_size
+        x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_state, dt_softplus = inputs
+        ctx.save_for_backward(x, dt, A, B, C, D, initial_state, z, dt_bias)   # the inputs only: no ybar (section 8)
+        ctx.chunk_size, ctx.dt_softplus = chunk_size, dt_softplus
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, dy, dfinal):
-        x, dt, A, B, C, D, initial_state = ctx.saved_tensors
+        x, dt, A, B, C, D, initial_state, z, dt_bias = ctx.saved_tensors
         dy = torch.zeros_like(x) if dy is None else dy
         with torch.no_grad():   # the op's own outputs carry no graph
-            grads = ssd_bwd(x, dt, A, B, C, ctx.chunk_size, dy, dfinal, D, initial_state)
-        inputs = (x, dt, A, B, C, D, initial_state)
+            grads = ssd_bwd(x, dt, A, B, C, ctx.chunk_size, dy, dfinal, D, z, dt_bias, initial_state,
+                            ctx.dt_softplus)
+        inputs = (x, dt, A, B, C, D, initial_state, z, dt_bias)
         grads = [None if t is None else g for g, t in zip(grads, inputs)]
         if torch.is_grad_enabled():   # create_graph=True (or torch.func.grad): make a second derivative raise
             anchors = [t for t in (*inputs, dy, dfinal) if t is not None]
             given = [g for g in grads if g is not None]
             poisoned = iter(_NoSecondDerivative.apply(len(anchors), *anchors, *given))
             grads = [None if g is None else next(poisoned) for g in grads]
-        dx, ddt, dA, dB, dC, dD, dh0 = grads
-        return dx, ddt, dA, dB, dC, None, dD, dh0
+        dx, ddt, dA, dB, dC, dD, dh0, dz, ddt_bias = grads
+        return dx, ddt, dA, dB, dC, None, dD, dz, ddt_bias, dh0, None
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, *,
@@ -618,11 +727,7 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     _check_given("z", z, "x's (batch, L, heads, P)", x.shape)
     _check_given("dt_bias", dt_bias, "(heads,)", dt.shape[-1:])
     check_same_device(x=x, z=z, dt_bias=dt_bias)
-    if dt_bias is not None or dt_softplus:
-        dt = dt.float() if dt_bias is None else dt.float() + dt_bias.float()
-        dt = F.softplus(dt) if dt_softplus else dt
-    _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_states)
-    y, final = apply(SSDFn, x, dt, A, B, C, chunk_size, D, initial_states)
-    if z is not None:
-        y = y * F.silu(z)
+    _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_states,
+                          float64_dt=dt_bias is not None or bool(dt_softplus))
+    y, final = apply(SSDFn, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, bool(dt_softplus))
     return (y, final) if return_final_states else y

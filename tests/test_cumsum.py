@@ -1,5 +1,6 @@
 """scan_lib.cumsum against a float64 reference and against torch.cumsum: shapes, dims, dtypes (integers and
-bool included), edge cases, gradients of any order, torch.func / vmap / torch.compile, bad input; a property
+bool included), edge cases, gradients of any order, torch.func / vmap / torch.compile, bad input; the column
+scan along a dim but the last (views read at their strides, no copy) and the threshold that picks it; a property
 test that the combine operator is associative (which the CPU interpreter cannot see); and injected bugs
 (a skipped carry, float16 accumulation, a look-back that runs past its row) that the checks must catch."""
 import math
@@ -225,6 +226,8 @@ def test_gradient_matches_torch_in_float32():
     (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), window=3), ValueError, "window must be a power of two"),
     (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), algorithm="chained"), ValueError, "algorithm must be"),
     (lambda: scan_rows(torch.ones(2, 3, device=DEVICE), max_block=16), TypeError, "unknown scan option"),
+    (lambda: cs.scan_columns(torch.ones(2, 3, 4, device=DEVICE), tile=24), ValueError, "tile must be a power of two"),
+    (lambda: cs.scan_columns(torch.ones(2, 3, 4, device=DEVICE), tile=8), ValueError, "tile must be a power of two"),
 ])
 def test_bad_input(call, error, words):
     with pytest.raises(error, match=words):
@@ -451,6 +454,241 @@ def test_fake_tensor_gives_shape_and_dtype():
     with FakeTensorMode():
         y = torch.ops.scan_lib.cumsum(torch.empty(3, 5, 2), -2)
     assert y.shape == (3, 5, 2) and y.dtype == torch.float32 and y.is_contiguous()
+
+
+# Along a dim but the last: the column scan, which reads x in place (scan_columns), and the dispatch
+# between it and the copy path (takes_columns, as_columns).
+
+def assert_cumsum_like_torch(y: torch.Tensor, x: torch.Tensor, dim: int) -> None:
+    """Integers (summed to int64) exactly, floats within the tolerance."""
+    if x.is_floating_point():
+        assert_matches_reference(y, x, dim)
+    else:
+        expected = torch.cumsum(x, dim)
+        assert y.dtype == expected.dtype and torch.equal(y, expected)
+
+
+def awkward_input(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Random values in dtype: about unit size for floats, up to 2^40 for int64, 0/1 for bool."""
+    if dtype == torch.bool:
+        return torch.rand(shape, device=DEVICE) < 0.5
+    if dtype.is_floating_point:
+        return torch.randn(shape, device=DEVICE).to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -2**40), min(info.max, 2**40), shape, device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64])
+@pytest.mark.parametrize("shape", [(3, 37, 5), (2, 3, 19, 17)])
+def test_scan_columns_along_every_dim(shape, dtype):
+    """Tiles of 64 values: up to 16 columns by 4 rows, so that 17 columns take two column blocks and 19
+    or 37 rows several tiles, each adding the carry of those before."""
+    torch.manual_seed(30)
+    x = awkward_input(shape, dtype)
+    for dim in range(len(shape)):
+        y = cs.scan_columns(cs.as_columns(x, dim), tile=64).view(shape)
+        assert y.is_contiguous()
+        assert_cumsum_like_torch(y, x, dim)
+
+
+@pytest.mark.parametrize("view", ["step", "expand", "outer transpose", "offset"])
+def test_scan_columns_reads_views_at_their_strides(view):
+    torch.manual_seed(31)
+    base = torch.randn(6, 37, 40, device=DEVICE)
+    x = {"step": base[::2, :, 3::7],                                      # strides (2960, 40, 7)
+         "expand": base[:1, :, :5].expand(3, 37, 5),                      # strides (0, 40, 1)
+         "outer transpose": base.transpose(0, 1),                         # (37, 6, 40), strides (40, 1480, 1)
+         "offset": base[1:, 2:, 4:]}[view]                                # a storage offset
+    columns = cs.as_columns(x, 1)
+    assert columns is not None and not columns.is_contiguous()
+    assert_matches_reference(cs.scan_columns(columns, tile=64).view(x.shape), x, 1)
+
+
+def test_as_columns_needs_one_stride_on_each_side():
+    x = torch.empty(4, 5, 6, 7, device=DEVICE)
+    assert cs.as_columns(x, -2).stride() == (42, 7, 1)                    # 20 x 6 x 7
+    assert cs.as_columns(x[::2], 1).stride() == (420, 42, 1)              # 2 x 5 x 42: a step before dim 1
+    assert cs.as_columns(x.transpose(0, 1), 2) is None                    # before dim 2: (5, 4) in the wrong order
+    assert cs.as_columns(x.transpose(2, 3), 0) is None                    # after dim 0: (7, 6) in the wrong order
+    assert cs.as_columns(x[:, :, :, ::2], 1) is None                      # after dim 1: a step in the last dim
+
+
+def test_as_columns_checks_strides_instead_of_letting_view_raise(monkeypatch):
+    """as_columns agrees with x.view (None exactly where it raises) without calling a view that raises:
+    the exception costs tens of microseconds of host time, more than a launch."""
+    base = torch.empty(4, 5, 6, 7, device=DEVICE)
+    views = [base, base[::2], base[1:3], base[:, ::2], base[:, :, 1:], base[..., ::3], base.transpose(0, 1),
+             base.transpose(2, 3), base.permute(3, 2, 1, 0), base[:1].expand(3, 5, 6, 7),
+             base[:, :1].expand(4, 2, 6, 7), base[..., :1].expand(4, 5, 6, 2),
+             base[:, :1, :, :1].as_strided((4, 1, 6, 1), (210, 12345, 7, 999)),   # size-1 dims, odd strides
+             torch.zeros(()).expand(3, 4, 5)]                                    # every stride 0
+    expected = {}
+    for i, x in enumerate(views):
+        for dim in range(x.dim()):
+            try:
+                expected[i, dim] = x.view(x.shape[:dim].numel(), x.shape[dim], x.shape[dim + 1:].numel()).stride()
+            except RuntimeError:
+                expected[i, dim] = None
+    raised = []
+
+    def view(self, *args, _view=torch.Tensor.view):
+        try:
+            return _view(self, *args)
+        except RuntimeError:
+            raised.append(tuple(self.shape))
+            raise
+    monkeypatch.setattr(torch.Tensor, "view", view)
+    for (i, dim), strides in expected.items():
+        columns = cs.as_columns(views[i], dim)
+        assert (None if columns is None else columns.stride()) == strides, (i, dim)
+        assert columns is None or columns.data_ptr() == views[i].data_ptr()
+    assert None in expected.values() and not raised, raised
+
+
+def test_takes_columns_only_with_fewer_programs_than_a_grid_holds():
+    """(2^31, 1, 2) along dim 1: one tile, but 2^31 programs, one past CUDA's grid limit of 2^31 - 1."""
+    assert cs.takes_columns(2**31 - 1, 1, 2) and not cs.takes_columns(2**31, 1, 2)
+    assert cs.takes_columns(2**29, 1, 32) and not cs.takes_columns(2**30, 1, 32)   # 2 column blocks each
+
+
+@pytest.fixture
+def paths(monkeypatch):
+    """Records which launcher cumsum_op calls (scan_columns or scan_rows) and every Tensor.contiguous
+    and Tensor.clone on the way: the copies of the copy path."""
+    taken = []
+    for name in ("scan_columns", "scan_rows"):
+        launcher = getattr(cs, name)
+        monkeypatch.setattr(cs, name, lambda *args, _name=name, _launcher=launcher, **kwargs:
+                            taken.append(_name) or _launcher(*args, **kwargs))
+    for name in ("contiguous", "clone"):
+        method = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *args, _name=name, _method=method, **kwargs:
+                            taken.append(_name) or _method(self, *args, **kwargs))
+    return taken
+
+
+@pytest.mark.parametrize("dim", [0, 1, -2])
+def test_column_scan_reads_in_place_with_no_copy(dim, paths):
+    """A non-contiguous (4, 30, 24) view (every other slab of (8, 30, 24)) along a dim but the last: one
+    launch of the column scan, and neither the copy into rows (contiguous) nor the copy back (clone) that
+    the copy path makes."""
+    torch.manual_seed(32)
+    x = torch.randn(8, 30, 24, device=DEVICE)[::2]
+    y = scan_lib.cumsum(x, dim=dim)
+    assert paths == ["scan_columns"], paths
+    assert y.is_contiguous()
+    assert_matches_reference(y, x, dim)
+
+
+@pytest.mark.parametrize("shape,dim,path", [
+    ((2, 300, 32), 1, "scan_columns"),         # 64 columns, MIN_COLUMNS here: enough programs
+    ((1, 300, 32), 1, "scan_rows"),            # 32 columns and 300 rows, more than one tile (256 rows)
+    ((1, 256, 32), 1, "scan_columns"),         # 32 columns, but 256 rows: one tile, no program walks
+    ((64, 300, 1), 1, "scan_rows"),            # inner == 1: rows already
+    ((300, 64), -1, "scan_rows"),              # the last dim
+])
+def test_threshold_picks_the_path(shape, dim, path, paths, monkeypatch):
+    monkeypatch.setattr(cs, "MIN_COLUMNS", 64)
+    torch.manual_seed(33)
+    x = torch.randn(shape, device=DEVICE)
+    y = scan_lib.cumsum(x, dim=dim)
+    assert path in paths and {"scan_columns", "scan_rows"} - {path} - set(paths), paths
+    assert_matches_reference(y, x, dim)
+
+
+@pytest.mark.parametrize("view", ["transpose, last dim", "no single stride"])
+def test_copy_path_where_the_column_scan_cannot_read_the_view(view, paths):
+    """The last dim of a transposed matrix (inner == 1), and dims after dim 0 that share no stride."""
+    torch.manual_seed(34)
+    x, dim = {"transpose, last dim": (torch.randn(40, 30, device=DEVICE).t(), 1),
+              "no single stride": (torch.randn(3, 7, 5, device=DEVICE).transpose(1, 2), 0)}[view]
+    y = scan_lib.cumsum(x, dim=dim)
+    assert "scan_rows" in paths and "scan_columns" not in paths and "contiguous" in paths, paths
+    assert y.is_contiguous()
+    assert_matches_reference(y, x, dim)
+
+
+@pytest.mark.parametrize("shape,dim,step", [((64, 300, 1), 1, 1), ((64, 300, 1), 1, 2),
+                                             ((5, 3, 300, 1, 1), -3, 1), ((300, 1), 0, 1)])
+def test_copy_path_copies_back_only_where_the_result_is_not_rows(shape, dim, step, paths):
+    """With only size-1 dims after dim (inner == 1), the contiguous result in x's shape is rows already:
+    the row kernels write it directly, with no copy back (clone). A strided x is still copied into rows."""
+    torch.manual_seed(40)
+    x = torch.randn((shape[0] * step,) + shape[1:], device=DEVICE)[::step]
+    y = scan_lib.cumsum(x, dim=dim)
+    assert "scan_rows" in paths and "scan_columns" not in paths and "clone" not in paths, paths
+    assert y.is_contiguous() and y._base is None
+    assert_matches_reference(y, x, dim)
+    y.add_(1.0)                                                          # a fresh tensor, not a view
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.int8, torch.int32, torch.int64, torch.float16,
+                                   torch.bfloat16, torch.float32, torch.float64])
+def test_every_dim_of_awkward_views_like_torch(dtype):
+    """The public function along every dim (column scan, copy path, rows) of a 4-D tensor, a permuted
+    view of it and a view with steps."""
+    torch.manual_seed(35)
+    base = awkward_input((3, 5, 19, 4), dtype)
+    for x in (base, base.permute(2, 0, 3, 1), base[:, ::2, 1::3]):
+        for dim in range(4):
+            assert_cumsum_like_torch(scan_lib.cumsum(x, dim=dim), x, dim)
+
+
+@pytest.mark.parametrize("source,dtype", [(torch.float16, torch.float32), (torch.float32, torch.float64),
+                                          (torch.int32, torch.int8), (torch.bool, torch.int16)])
+def test_dtype_argument_along_a_middle_dim(source, dtype, paths):
+    torch.manual_seed(36)
+    x = (torch.randn(3, 37, 6, device=DEVICE) * 50).to(source)[:, :, ::2]
+    y, expected = scan_lib.cumsum(x, dim=1, dtype=dtype), torch.cumsum(x, 1, dtype=dtype)
+    assert y.dtype == dtype and "scan_columns" in paths
+    if dtype.is_floating_point:
+        assert_matches_reference(y, x.to(dtype), 1)
+    else:
+        assert torch.equal(y, expected)
+
+
+def test_gradcheck_along_a_middle_dim(paths):
+    """The backward scans the flipped gradient (a copy, so contiguous) along the same dim: the column scan too."""
+    torch.manual_seed(37)
+    x = torch.randn(2, 5, 3, device=DEVICE, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: scan_lib.cumsum(t, dim=1), (x,), fast_mode=False)
+    assert torch.autograd.gradgradcheck(lambda t: scan_lib.cumsum(t, dim=-3), (x[:, :2].detach().requires_grad_(),))
+    assert "scan_rows" not in paths
+
+
+@pytest.mark.parametrize("in_dims", [0, 1, 2])
+def test_vmap_along_a_middle_dim(in_dims):
+    """The batch dim moved to the front by the vmap rule: a view the column scan reads in place, or not."""
+    torch.manual_seed(38)
+    x = torch.randn(4, 5, 6, device=DEVICE)
+    ours = torch.func.vmap(lambda t: scan_lib.cumsum(t, dim=0), in_dims=in_dims)(x)
+    theirs = torch.func.vmap(lambda t: torch.cumsum(t, 0), in_dims=in_dims)(x)
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_compile_along_a_middle_dim():
+    torch.manual_seed(39)
+    x = torch.randn(3, 20, 18, device=DEVICE, requires_grad=True)
+    compiled = torch.compile(lambda t: scan_lib.cumsum(t, dim=1) * 2, fullgraph=True, backend="aot_eager")
+    y = compiled(x)
+    (ours,) = torch.autograd.grad(y.pow(2).sum(), x)
+    (theirs,) = torch.autograd.grad((torch.cumsum(x, 1) * 2).pow(2).sum(), x)
+    assert_matches_reference(y.detach() / 2, x.detach(), 1)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_properties(0).total_memory < 24 * 2**30,
+                    reason="a float16 tensor of 2^31 + 16384 values and its result need a GPU with 24 GB")
+def test_columns_past_2_31_values_are_indexed_in_64_bits():
+    """Position t of the column scan is at t * 16384 values: past 2^31 for the last row of (2^17 + 1, 16384).
+    A 32-bit offset would write the last row's sums over the first rows."""
+    x = torch.zeros(2**17 + 1, 16384, dtype=torch.float16, device=DEVICE)
+    x[-1, 5] = 1.0
+    x[0, 7] = 1.0
+    assert cs.takes_columns(*cs.as_columns(x, 0).shape)
+    y = scan_lib.cumsum(x, dim=0)
+    assert y[-1, 5].item() == 1.0 and y[-2, 5].item() == 0.0 and y[-1, 7].item() == 1.0
+    assert y[0].sum().item() == 1.0 and y[:, 5].sum().item() == 1.0
 
 
 # Injected bugs: each check must fail on the bug it guards against.

@@ -255,13 +255,19 @@ def _opcheck_cases():
                                                                        (2, 20, 2, 5), (4,), (2, 4, 3, 5))]
     scan[1], scan[2] = scan[1].sigmoid(), -scan[2].exp()                  # positive steps, negative decays
     u, dt, A, B, C, D, h0 = scan
+    z, dt_bias = torch.randn(u.shape, generator=g).to(DEVICE), torch.randn(4, generator=g).to(DEVICE)
     return {"cumsum": (cumsum.cumsum_op, (x[0], -1)),
             "causal_conv1d_fwd": (conv.causal_conv1d_fwd, (x, weight, bias, None, True)),
             "causal_conv1d_bwd": (conv.causal_conv1d_bwd, (x, weight, bias, None, torch.randn_like(x), None, True)),
             "multistate_fwd": (multistate.multistate_fwd, (a, a, a, x[:, 0], None, 16, False)),
-            "ssd_fwd": (ssd.ssd_fwd, (u, dt, A, B, C, 16, D, h0)),
-            "ssd_bwd": (ssd.ssd_bwd, (u, dt, A, B, C, 16, torch.randn_like(u), torch.randn_like(h0), D, h0)),
-            "ssd_bwd without options": (ssd.ssd_bwd, (u, dt, A, B, C, 16, torch.randn_like(u), None, None, None))}
+            "ssd_fwd": (ssd.ssd_fwd, (u, dt, A, B, C, 16, D, None, None, h0, False)),
+            "ssd_fwd with the gate and the step's options": (ssd.ssd_fwd, (u, dt, A, B, C, 16, D, z, dt_bias, h0, True)),
+            "ssd_bwd": (ssd.ssd_bwd, (u, dt, A, B, C, 16, torch.randn_like(u), torch.randn_like(h0), D, None, None, h0,
+                                      False)),
+            "ssd_bwd with the gate and the step's options": (
+                ssd.ssd_bwd, (u, dt, A, B, C, 16, torch.randn_like(u), torch.randn_like(h0), D, z, dt_bias, h0, True)),
+            "ssd_bwd without options": (ssd.ssd_bwd, (u, dt, A, B, C, 16, torch.randn_like(u), None, None, None, None,
+                                                      None, False))}
 
 
 @pytest.mark.parametrize("name", list(_opcheck_cases()))

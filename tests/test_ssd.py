@@ -306,21 +306,24 @@ def combined_grads(p, chunk, options, dtypes, weights):
                          [(37, 16, 4, 2, 3, 5, "D z bias softplus h0", "float32"), (70, 32, 2, 1, 8, 4, "", "float32"),
                           (1, 16, 2, 2, 4, 4, "D z bias softplus h0", "float32"),
                           (33, 16, 4, 4, 5, 3, "z softplus", "float32"), (40, 16, 2, 1, 4, 4, "bias h0", "float32"),
-                          (17, 16, 2, 1, 16, 16, "D", "float32"),
+                          (17, 16, 2, 1, 16, 16, "D", "float32"), (45, 16, 4, 2, 3, 5, "D bias softplus", "float32"),
+                          (21, 16, 2, 2, 4, 3, "z bias h0", "float32"), (52, 32, 3, 1, 5, 4, "z", "float32"),
                           (37, 16, 4, 2, 3, 5, "D z bias softplus h0", "bfloat16"), (70, 32, 2, 1, 8, 4, "", "bfloat16"),
+                          (37, 16, 4, 2, 3, 5, "D z bias softplus h0 half-dt", "bfloat16"),
                           (37, 16, 4, 2, 3, 5, "D z bias softplus h0", "float16"), (17, 16, 2, 1, 16, 16, "D", "float16")])
 def test_mamba_chunk_scan_combined_matches_autograd_through_the_chunked_form(length, chunk, heads, groups, head_dim,
                                                                              n_states, options, precision):
     """Every output and gradient of the op (z, dt_bias, softplus, D, the initial state and the final
-    state's gradient, each where the case has it) against autograd through ssd_chunked in float64 on the
-    same values. float32 inputs: float32 rounding (A and dt_bias, sums over every position, a little
-    looser); x, z, B and C in half precision: a few roundings of 2^-8 (bf16) or 2^-11 (fp16)."""
+    state's gradient, each where the case has it: the step with and without its bias and softplus, the
+    gate with and without z) against autograd through ssd_chunked in float64 on the same values. float32
+    inputs: float32 rounding (A and dt_bias, sums over every position, a little looser); x, z, B and C
+    (and dt with half-dt) in half precision: a few roundings of 2^-8 (bf16) or 2^-11 (fp16)."""
     p = combined_problem(length, heads, head_dim, groups, n_states, options, seed=length)
     g = torch.Generator().manual_seed(length + 2)
     weights = [torch.randn(shape, generator=g, dtype=torch.float64)
                for shape in (p["x"].shape, (2, heads, head_dim, n_states))]
     half = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[precision]
-    dtypes = {k: half for k in ("x", "z", "B", "C")}
+    dtypes = {k: half for k in ("x", "z", "B", "C", *(["dt"] if "half-dt" in options else []))}
     want = combined_grads(p, chunk, options, None, weights)
     got = combined_grads(p, chunk, options, dtypes, weights)
     assert set(got) == set(want)
@@ -346,6 +349,53 @@ def test_mamba_chunk_scan_combined_returns_what_mamba_ssm_returns():
     y2, final = scan_lib.mamba_chunk_scan_combined(x, dt, A, B, C, 16, D, initial_states=h0, return_final_states=True)
     y_want, final_want = ssd_chunked(*(t.double() for t in (x, dt, A, B, C)), 16, D.double(), h0.double())
     assert rel(y2.double(), y_want) < 1e-5 and rel(final.double(), final_want) < 1e-5 and final.shape == h0.shape
+
+
+def test_mamba_chunk_scan_combined_folds_the_softplus_and_the_gate_into_its_kernels():
+    """Issue 24: the step's bias and softplus and the gate silu(z) run inside the kernels, forward and
+    backward: the profiler sees the op's two custom ops and no PyTorch softplus, silu, sigmoid or their
+    gradients, and autograd runs one node for the op (before, F.softplus, F.silu and the bias's add each
+    recorded theirs)."""
+    x, dt, A, B, C, D, h0 = (t.requires_grad_() for t in _small_combined())
+    z, dt_bias = torch.randn_like(x).requires_grad_(), torch.randn_like(A).requires_grad_()
+    with torch.profiler.profile() as prof:
+        y = scan_lib.mamba_chunk_scan_combined(x, dt, A, B, C, 16, D, z, dt_bias, h0, dt_softplus=True)
+        y.sum().backward()
+    names = {event.name for event in prof.events()}
+    assert {"scan_lib::ssd_fwd", "scan_lib::ssd_bwd"} <= names, sorted(names)
+    elementwise = {n for n in names if any(op in n.lower() for op in ("softplus", "silu", "sigmoid"))}
+    assert not elementwise, sorted(elementwise)
+    nodes = {n.split(": ")[1] for n in names if n.startswith("autograd::engine::evaluate_function: ")}
+    assert nodes == {"SSDFnBackward", "SumBackward0", "torch::autograd::AccumulateGrad"}, sorted(nodes)
+    assert all(t.grad is not None for t in (x, dt, A, B, C, D, h0, z, dt_bias))
+
+
+def test_the_gate_promotes_y_as_pytorch_would():
+    """y = ybar silu(z) has the dtype PyTorch's product gives (x bf16, z float32: float32); each
+    gradient has its input's dtype."""
+    x, dt, A, B, C, D, h0 = _small_combined()
+    x = x.bfloat16().requires_grad_()
+    z = torch.randn(x.shape, device=DEVICE).requires_grad_()
+    y = scan_lib.mamba_chunk_scan_combined(x, dt, A, B, C, 16, D, z)
+    assert y.dtype == torch.float32
+    y_want = ssd_chunked(*(t.double() for t in (x, dt, A, B, C)), 16, D.double())[0] * torch.nn.functional.silu(z.double())
+    assert rel(y.double(), y_want) < 2e-2
+    dx, dz = torch.autograd.grad(y.sum(), [x, z])
+    assert dx.dtype == torch.bfloat16 and dz.dtype == torch.float32
+
+
+def test_a_float64_step_is_taken_with_a_bias_or_softplus_as_before():
+    """With a bias or softplus the step is computed in float32 from dt, as it was when PyTorch computed
+    it: a float64 dt is taken there (its gradient float64), and refused without them."""
+    x, dt, A, B, C, D, h0 = _small_combined()
+    dt64 = dt.double().requires_grad_()
+    y = scan_lib.mamba_chunk_scan_combined(x, dt64, A, B, C, 16, dt_softplus=True)
+    y_want = scan_lib.mamba_chunk_scan_combined(x, dt, A, B, C, 16, dt_softplus=True)
+    assert torch.equal(y, y_want)
+    (ddt,) = torch.autograd.grad(y.sum(), [dt64])
+    assert ddt.dtype == torch.float64
+    with pytest.raises(TypeError, match="dt: ssd_forward computes in float32"):
+        scan_lib.mamba_chunk_scan_combined(x, dt64, A, B, C, 16)
 
 
 def test_mamba_chunk_scan_combined_of_an_empty_sequence_is_differentiable():
