@@ -2,7 +2,7 @@
 the rows `make bench` has short with few programs per GPU (batch 1-2 at dim 1536, L 8192 and 65536).
 
     python benchmarks/tune_fast_selective_scan.py [--shapes 1,1536,8192,16 2,1536,8192,16] [--dtype bf16]
-                                                  [--budget 240]
+                                                  [--budget 240] [--states table 1 2 4]
 
 For each (batch, dim, L, N), on the inputs `make bench` times (bench.py's selective_inputs: the
 block's layout, D, z, delta_bias and softplus), the forward without gradients and one
@@ -11,7 +11,10 @@ forward+backward (bench.py's timing: do_bench medians, us) under each candidate:
 then the number of segments (section 5's split along L) with the best configs. One line per
 measurement, the best per shape and pass at the end, beside GPU_CONFIG's own time: a candidate
 counts as better only when it is at least 5% faster, so that run-to-run noise does not pick one.
-The sweep stops at --budget seconds of wall time, keeping what it measured.
+The sweep stops at --budget seconds of wall time, keeping what it measured. With --states, each
+forward candidate is tried at each number of states per step of the forward's loop over states (the
+config's "unroll"; `table` for FORWARD_STATES_PER_STEP's choice, what runs without one): the per-dtype
+forward table of issue 20 (07's sweep found fp32 faster at chunk 1024 with 2 states per step, bf16 not).
 
 Why these rows: at batch 1 of dim 1536 the forward launches batch x dim / block_d = 768 programs of
 one warp on the H200's 132 multiprocessors, about six warps each, which may be too few to hide the
@@ -87,6 +90,13 @@ class Sweep:
         print(f"{label}: {us:9.1f} us", flush=True)
         return us
 
+    @staticmethod
+    def apply(table, change):
+        """table updated by change, a key whose value is None removed (unroll None: the table's choice)."""
+        table.update(change)
+        for key in [key for key, value in table.items() if value is None]:
+            del table[key]
+
     def configs(self, kind, candidates, fn, shape_label):
         """(the default's time, the best config, its time) over candidates for the active config[kind];
         the best is left in place, so that the backward's sweep runs with the forward's best."""
@@ -95,7 +105,7 @@ class Sweep:
         default_us = self.measure(f"{shape_label} {kind} default {default}", fn)
         best, best_us = default, default_us
         for change in candidates:
-            table.update(change)
+            self.apply(table, change)
             us = self.measure(f"{shape_label} {kind} {change}", fn)
             if us is not None and (best_us is None or us < best_us / 1.05):
                 best, best_us = dict(table), us
@@ -124,22 +134,34 @@ def tune_shape(sweep, shape, dtype, fwd_candidates=FWD_CANDIDATES, bwd_candidate
     return report
 
 
+def with_states(candidates, states):
+    """Each candidate at each of `states` ("table" -> unroll None, the table's choice), or candidates as
+    they are when states is None."""
+    if not states:
+        return candidates
+    unrolls = [None if value == "table" else int(value) for value in states]
+    return [dict(candidate, unroll=unroll) for candidate in candidates for unroll in unrolls]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", nargs="+", default=SHAPES, help="batch,dim,L,N")
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     parser.add_argument("--budget", type=float, default=240, help="seconds of sweeping, then stop")
+    parser.add_argument("--states", nargs="+", help="states per step of the forward's loop to try with each forward "
+                        "candidate: numbers, or `table` for FORWARD_STATES_PER_STEP's choice")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, the plumbing only (any machine)")
     args = parser.parse_args(argv)
     if not ON_GPU and not args.smoke:
         raise SystemExit("needs a GPU (or --smoke)")
     print(describe(), flush=True)
     sweep = Sweep(args.budget)
+    fwd_candidates = with_states(FWD_CANDIDATES, args.states)
     if args.smoke:   # two candidates of each kind, two segment counts
-        reports = {(1, 4, 24, 2): tune_shape(sweep, (1, 4, 24, 2), DTYPES[args.dtype], FWD_CANDIDATES[:2],
+        reports = {(1, 4, 24, 2): tune_shape(sweep, (1, 4, 24, 2), DTYPES[args.dtype], fwd_candidates[:2],
                                              BWD_CANDIDATES[:2], SEGMENTS[:2])}
     else:
-        reports = {shape: tune_shape(sweep, shape, DTYPES[args.dtype])
+        reports = {shape: tune_shape(sweep, shape, DTYPES[args.dtype], fwd_candidates)
                    for shape in (tuple(int(x) for x in s.split(",")) for s in args.shapes)}
     print("\nbest per shape and pass (a change counts when at least 5% faster than the best before it):")
     for shape, report in reports.items():

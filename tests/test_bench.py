@@ -123,15 +123,17 @@ def test_step_split_times_a_step_and_names_host_operations(bench, capsys, monkey
     assert all(word in shape_line for word in ("step", "host", "cpu", "kernels")), lines
 
 
-def test_tune_fast_selective_scan_smoke(monkeypatch):
+@pytest.mark.parametrize("states", [[], ["--states", "table", "1"]])
+def test_tune_fast_selective_scan_smoke(monkeypatch, states):
     """benchmarks/tune_fast_selective_scan.py's plumbing on tiny shapes: every candidate measured,
-    a report per pass, and the launch configs as they were afterwards (its numbers are the GPU's)."""
+    a report per pass, and the launch configs as they were afterwards (its numbers are the GPU's); with
+    --states, the forward's candidates with the table's states per step (unroll removed) and with one."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     spec = importlib.util.spec_from_file_location("tune_fast", ROOT / "benchmarks" / "tune_fast_selective_scan.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     before = {kind: dict(config) for kind, config in module.active_config().items()}
-    reports = module.main(["--smoke", "--budget", "600"])
+    reports = module.main(["--smoke", "--budget", "600", *states])
     (report,) = reports.values()
     assert set(report) == {"fwd", "bwd"} and all(default is not None and best_us is not None
                                                  for default, _, best_us in report.values())
