@@ -727,9 +727,9 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 # **Why chunks of 64.** A program holds a whole chunk: $Q \times Q$ scores and decays, $Q \times P$ and
 # $Q \times N$ tiles, and a $P \times N$ state, all in registers. Compiled for sm_90, the H100's and
 # H200's architecture (`ptxas -v` reports what each thread spills to memory; `benchmarks/NOTES_ssd.md`
-# has the counts), at $Q = 64$ the forward's kernels spill at most 124 bytes per thread and the
-# backward's largest kernel 3 to 9 kilobytes ($N$ = 64, 128; the first place to improve it); at 256
-# every kernel spills kilobytes, and at 128, timed on an H200, the forward is a little faster but a
+# has the counts), at $Q = 64$ the forward's kernels spill at most about a hundred bytes per thread
+# and the backward's largest, the grad kernel, the most (section 8 counts it; the first place to
+# improve); at 256 every kernel spills kilobytes, and at 128, timed on an H200, the forward is a little faster but a
 # training step slower (`benchmarks/results/ssd_tensor_cores_h200_2026-12-03.log`). So the kernels run
 # chunks of 64, and a call with `mamba_ssm`'s 256 gets the same result up to rounding.
 #
@@ -1551,14 +1551,14 @@ else:
 #   where ours went: about half of a training step was the gradient kernel, and the PyTorch work around
 #   the kernels (the softplus of the steps, the gate, the sums of gradients over heads and chunks) was
 #   a sizeable share. The softplus and the gate are now inside the kernels (section 8), and this table
-#   is the first recorded with them. Our forward on the GPU is faster than in the previous recording,
-#   on the same kind of H100: in bfloat16 353 us against 427 at $N = 64$ and 558 against 626 at
-#   $N = 128$, in float32 654 against 796 and 1300 against 1351, while `mamba_ssm`'s stayed within 2 %.
-#   The forward+backward cannot be compared across the two runs: this run's host was slower (1741 us
-#   to issue our step at $N = 64$ against 1119 before, 4367 against 3058 for `mamba_ssm`'s), and the
-#   table has no GPU time for the backward alone. So whether the fold made the backward's kernels
-#   faster or slower (the grad kernel now recomputes the ungated output with three more `tl.dot`s and
-#   spills more) is still to be measured, with `benchmarks/step_split.py --workload ssd`.
+#   is the first recorded with them. Our forward on the GPU is faster than in the previous recording
+#   on the same kind of H100, at every row, while `mamba_ssm`'s stayed within 2 % (both runs' numbers
+#   are in `benchmarks/NOTES_device.md`). The forward+backward cannot be compared across the two runs:
+#   the previous run's host was faster (this table's host column is one side of that comparison, the
+#   notes have the other), and the table has no GPU time for the backward alone. So whether the fold
+#   made the backward's kernels faster or slower (the grad kernel now recomputes the ungated output
+#   with three more `tl.dot`s and spills more) is still to be measured, with
+#   `benchmarks/step_split.py --workload ssd`.
 # * Read `mamba_ssm`'s column with care. Its Triton kernels pick their tile sizes by timing candidates
 #   on the first call of each shape (autotuning), and the choice, so its time, changes from run to run:
 #   `make bench` timed the same shapes on an H200 with other results
