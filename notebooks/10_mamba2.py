@@ -616,9 +616,10 @@ for length, chunk, heads, groups, head_dim, n_states in [(37, 16, 4, 2, 3, 5), (
 # reverse, the scan over chunks walked backward from the final state's gradient. Every term is a
 # product of one chunk's tiles: kernels like the forward's (sections 6 and 7). With the forward,
 # they make one differentiable op with `mamba_ssm`'s interface, `scan_lib.mamba_chunk_scan_combined`
-# (section 8). On an NVIDIA H100 80GB HBM3 in bfloat16, at length 2048, its forward+backward call
-# beats `mamba_ssm`'s at $N = 64$ but not at $N = 128$, its forward calls are slower, `mamba_ssm`'s
-# forward kernels are faster on the GPU alone, and in float32 ours is behind everywhere (section 9).
+# (section 8). On an NVIDIA H100 80GB HBM3 in bfloat16, at length 2048, its calls, forward and
+# forward+backward, beat `mamba_ssm`'s at $N = 64$, where `mamba_ssm`'s wait on the host, but not at
+# $N = 128$; `mamba_ssm`'s forward kernels are faster on the GPU alone, and in float32 ours is behind
+# everywhere (section 9).
 
 # %% [markdown]
 # ## Going deeper: more checks of the reference forms
@@ -726,9 +727,9 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 # **Why chunks of 64.** A program holds a whole chunk: $Q \times Q$ scores and decays, $Q \times P$ and
 # $Q \times N$ tiles, and a $P \times N$ state, all in registers. Compiled for sm_90, the H100's and
 # H200's architecture (`ptxas -v` reports what each thread spills to memory; `benchmarks/NOTES_ssd.md`
-# has the counts), at $Q = 64$ the forward's kernels spill at most 124 bytes per thread and the
-# backward's largest kernel 3 to 9 kilobytes ($N$ = 64, 128; the first place to improve it); at 256
-# every kernel spills kilobytes, and at 128, timed on an H200, the forward is a little faster but a
+# has the counts), at $Q = 64$ the forward's kernels spill at most about a hundred bytes per thread
+# and the backward's largest, the grad kernel, the most (section 8 counts it; the first place to
+# improve); at 256 every kernel spills kilobytes, and at 128, timed on an H200, the forward is a little faster but a
 # training step slower (`benchmarks/results/ssd_tensor_cores_h200_2026-12-03.log`). So the kernels run
 # chunks of 64, and a call with `mamba_ssm`'s 256 gets the same result up to rounding.
 #
@@ -1194,8 +1195,9 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 # $z$ anyway, or can, so each option is a few operations on values already in registers, and each
 # pass over memory is saved. (The profile in `benchmarks/NOTES_ssd.md` put the PyTorch work around
 # the kernels, these passes and the sums of the gradients over heads and chunks, at about 270 of a
-# 1415 us training step on an H200; what folding saves is not measured yet: section 9's table was
-# recorded before it.) The choices:
+# 1415 us training step on an H200. Section 9's table is the first recorded with the folding: its
+# forward is faster on the GPU than before, and what folding saves in the backward is not measured
+# yet.) The choices:
 #
 # - **The step, computed where it is read.** Every chunk kernel (state, output, adjoint, grad) loads
 #   $\Delta$ and computes $\operatorname{softplus}(\Delta^{\text{raw}} + b)$ there (`_chunk_program`;
@@ -1517,38 +1519,46 @@ else:
 # What the recorded table shows (one run on an NVIDIA H100 80GB HBM3; on a machine without a GPU the
 # cell prints nothing to compare):
 #
-# * In bfloat16, the dtype Mamba-2 trains in, our op's calls beat `mamba_ssm`'s only in
-#   forward+backward at $N = 64$ (1.69x; but see the next point). Our forward calls are slower at both
-#   shapes (0.95x at $N = 64$, 0.68x at $N = 128$), and so is our forward+backward at $N = 128$
-#   (0.94x). Both sides run their products on the tensor cores with bfloat16 operands and float32
-#   sums, so the precision is like for like; the chunks are not: ours runs chunks of 64 where
-#   `mamba_ssm`'s runs the 256 asked for, 1.75 against 4.0 times the loop's flops at $N = 128$
-#   (section 4).
+# * In bfloat16, the dtype Mamba-2 trains in, our op's calls beat `mamba_ssm`'s at $N = 64$, the
+#   forward (2.07x) and the forward+backward (1.70x; but see the next point), and are slower at
+#   $N = 128$: the forward 0.70x, the forward+backward 0.86x. Both sides run their products on the
+#   tensor cores with bfloat16 operands and float32 sums, so the precision is like for like; the
+#   chunks are not: ours runs chunks of 64 where `mamba_ssm`'s runs the 256 asked for, 1.75 against
+#   4.0 times the loop's flops at $N = 128$ (section 4).
 # * Those ratios compare calls, not kernels. On the GPU alone `mamba_ssm`'s bfloat16 forward is the
-#   faster one: 269 us against our 427 at $N = 64$, 353 against 626 at $N = 128$ (0.63x and 0.56x),
-#   while its calls take 419 and 435 us, the difference the host's work. Its forward+backward takes
-#   the host about as long to issue as the call lasts, or longer (3058 against 2892 us at $N = 64$,
-#   3080 against 3029 at $N = 128$): the host sets its pace. Ours is set by the GPU, in the forward (a
-#   439 us call, 427 on the GPU) and in forward+backward (1119 us to issue a 1716 us call at $N = 64$,
-#   1078 to issue 3237 at $N = 128$). So the 1.69x and 0.94x compare its host path with our kernels.
+#   faster one: 268 us against our 353 at $N = 64$, 348 against 558 at $N = 128$ (0.76x and 0.62x),
+#   while its calls take 758 and 398 us, the difference the host's work. Its forward+backward takes
+#   the host longer to issue than the call lasts (4367 against 3987 us at $N = 64$, 4382 against
+#   4129 at $N = 128$): the host sets its pace. Ours is issued faster than it runs, in the forward (a
+#   366 us call, 353 on the GPU) and in forward+backward (1741 us to issue a 2350 us call at $N = 64$,
+#   1601 to issue 4805 at $N = 128$). So the 2.07x, 1.70x and 0.86x compare its host path with our
+#   kernels.
 # * In float32 the two do different work, and the ratios say so: we are behind in every column, at
-#   $N = 64$ (0.58x for the forward call, 0.59x on the GPU, 0.50x in forward+backward) and further at
-#   $N = 128$ (0.47x, 0.46x, 0.28x). Each of our float32 products is tf32x3, three tensor-core
-#   products that keep float32's accuracy; `mamba_ssm`'s is one TF32 product, whose
-#   operands keep 10 bits of mantissa (`make bench` on an H200 finds its float32 results 1.3e-03 to
-#   4.7e-03 off, relative, against our 8.3e-07 to 3.9e-06:
+#   $N = 64$ (0.70x for the forward call, 0.70x on the GPU, 0.46x in forward+backward) and at
+#   $N = 128$ (0.86x, 0.48x, 0.36x), further behind on the GPU and in forward+backward; the call's
+#   0.86x is `mamba_ssm`'s host again (1129 us for 618 on the GPU). Each of our float32 products is
+#   tf32x3, three tensor-core products that keep float32's accuracy; `mamba_ssm`'s is one TF32
+#   product, whose operands keep 10 bits of mantissa (`make bench` on an H200 finds its float32
+#   results 1.3e-03 to 4.7e-03 off, relative, against our 8.3e-07 to 3.9e-06:
 #   `benchmarks/results/bench_ssd_h200_2026-12-03.log`). Our gradient kernel also holds more than the
 #   registers can, most at $N = 128$: the compiler spills part of it to memory (`ptxas -v`, counted in
 #   `benchmarks/NOTES_ssd.md`, where halving the spills bought nothing in bfloat16). A plain TF32 option
 #   does not fit that kernel in shared memory at $N = 128$; profiling the kernel, then splitting it, is
 #   the next step.
-# * Neither op is near the floor: our bfloat16 forward at $N = 64$ takes 427 us on the GPU against a
-#   floor of 69, about 6 times, the forward+backward 1716 against 185, about 9 times; `mamba_ssm`'s
-#   forward, 269 us, about 4 times. The profile in `benchmarks/NOTES_ssd.md` (an H200, 2026-12-03) says
-#   where ours goes: about half of a training step is the gradient kernel, and the PyTorch work around
-#   the kernels (the softplus of the steps, the gate, the sums of gradients over heads and chunks) is
-#   a sizeable share; the softplus and the gate are now inside the kernels (section 8), which this
-#   table, recorded before, does not show.
+# * Neither op is near the floor: our bfloat16 forward at $N = 64$ takes 353 us on the GPU against a
+#   floor of 69, about 5 times, the forward+backward 2350 against 184, about 13 times; `mamba_ssm`'s
+#   forward, 268 us, about 4 times. The profile in `benchmarks/NOTES_ssd.md` (an H200, 2026-12-03) says
+#   where ours went: about half of a training step was the gradient kernel, and the PyTorch work around
+#   the kernels (the softplus of the steps, the gate, the sums of gradients over heads and chunks) was
+#   a sizeable share. The softplus and the gate are now inside the kernels (section 8), and this table
+#   is the first recorded with them. Our forward on the GPU is faster than in the previous recording
+#   on the same kind of H100, at every row, while `mamba_ssm`'s stayed within 2 % (both runs' numbers
+#   are in `benchmarks/NOTES_device.md`). The forward+backward cannot be compared across the two runs:
+#   the previous run's host was faster (this table's host column is one side of that comparison, the
+#   notes have the other), and the table has no GPU time for the backward alone. So whether the fold
+#   made the backward's kernels faster or slower (the grad kernel now recomputes the ungated output
+#   with three more `tl.dot`s and spills more) is still to be measured, with
+#   `benchmarks/step_split.py --workload ssd`.
 # * Read `mamba_ssm`'s column with care. Its Triton kernels pick their tile sizes by timing candidates
 #   on the first call of each shape (autotuning), and the choice, so its time, changes from run to run:
 #   `make bench` timed the same shapes on an H200 with other results
