@@ -435,15 +435,19 @@ def test_torch_func_grad_and_vmap():
     torch.testing.assert_close(per_row, torch.func.vmap(torch.func.grad(loss(torch.cumsum)))(x))
 
 
-def test_torch_compile_fullgraph():
-    torch.manual_seed(26)
-    x = torch.randn(3, 40, device=DEVICE, requires_grad=True)
+def check_compiled_along_dim_1(x):
+    """torch.compile(fullgraph=True) of cumsum along dim 1: the values and the gradient against torch.cumsum's."""
     compiled = torch.compile(lambda t: scan_lib.cumsum(t, dim=1) * 2, fullgraph=True, backend="aot_eager")
     y = compiled(x)
     (ours,) = torch.autograd.grad(y.pow(2).sum(), x)
     (theirs,) = torch.autograd.grad((torch.cumsum(x, 1) * 2).pow(2).sum(), x)
     assert_matches_reference(y.detach() / 2, x.detach(), 1)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-3)
+
+
+def test_torch_compile_fullgraph():
+    torch.manual_seed(26)
+    check_compiled_along_dim_1(torch.randn(3, 40, device=DEVICE, requires_grad=True))
     integers = torch.randint(0, 9, (2, 30), device=DEVICE)
     compiled_int = torch.compile(lambda t: scan_lib.cumsum(t, dim=0), fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled_int(integers), torch.cumsum(integers, 0))
@@ -668,13 +672,7 @@ def test_vmap_along_a_middle_dim(in_dims):
 
 def test_compile_along_a_middle_dim():
     torch.manual_seed(39)
-    x = torch.randn(3, 20, 18, device=DEVICE, requires_grad=True)
-    compiled = torch.compile(lambda t: scan_lib.cumsum(t, dim=1) * 2, fullgraph=True, backend="aot_eager")
-    y = compiled(x)
-    (ours,) = torch.autograd.grad(y.pow(2).sum(), x)
-    (theirs,) = torch.autograd.grad((torch.cumsum(x, 1) * 2).pow(2).sum(), x)
-    assert_matches_reference(y.detach() / 2, x.detach(), 1)
-    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-3)
+    check_compiled_along_dim_1(torch.randn(3, 20, 18, device=DEVICE, requires_grad=True))
 
 
 @pytest.mark.skipif(not ON_GPU or torch.cuda.get_device_properties(0).total_memory < 24 * 2**30,
