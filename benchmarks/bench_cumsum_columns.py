@@ -2,8 +2,9 @@
 and torch.cumsum, with the column scan's tile swept, on a GPU. One line per (shape, dim, dtype): the worst
 error scaled by cumsum(|x|) against a float64 torch.cumsum, takes_columns' choice, do_bench medians in us of
 cumsum (what a user calls), scan_copied (the copy path), torch.cumsum and scan_columns at tiles of 1024 to
-16384 values (where x views as columns), and the memory floor (read x, write y) at about 4 TB/s; then one
-forward+backward. Sets COLUMN_TILE and MIN_COLUMNS in notebooks/01_cumsum.py.
+16384 values (where x views as columns), and the memory floor (read x, write y) at the copy bandwidth
+runtime.copy_bandwidth measures; then one forward+backward. (The committed run of 2026-12-06 printed its
+floors at a fixed 4 TB/s, an H200's rate, not its H100's: results/README.md says so.) Sets COLUMN_TILE and MIN_COLUMNS in notebooks/01_cumsum.py.
 
     python benchmarks/bench_cumsum_columns.py         (GPU only, about 30 s)
 """
@@ -13,6 +14,8 @@ import torch
 
 import scan_lib  # noqa: I001  (before triton, as everywhere)
 from triton.testing import do_bench
+
+from scan_lib.runtime import copy_bandwidth
 
 cs = sys.modules["scan_lib.cumsum"]  # the module: scan_lib.cumsum is the function
 TILES = (1024, 2048, 4096, 8192, 16384)
@@ -24,15 +27,16 @@ def columns(x, dim, tile):
     return None if view is None else cs.scan_columns(view, tile=tile)
 
 
-def line(name, x, dim):
+def print_line(name, x, dim, bandwidth):
     """One printed line for x along dim; an exception is printed, not raised, so that the rest still runs."""
     try:
-        print(measure(name, x, dim), flush=True)
+        print(measure(name, x, dim, bandwidth), flush=True)
     except Exception as error:
         print(f"FAILED {name}: {type(error).__name__} {str(error)[:300]}", flush=True)
 
 
-def measure(name, x, dim) -> str:
+def measure(name, x, dim, bandwidth) -> str:
+    """The line for x along dim; bandwidth: bytes per second, read plus write (copy_bandwidth)."""
     reference = torch.cumsum(x.double(), dim)
     scale = torch.cumsum(x.double().abs(), dim).max().clamp_min(1e-30)
     error = ((scan_lib.cumsum(x, dim).double() - reference).abs().max() / scale).item()
@@ -42,16 +46,20 @@ def measure(name, x, dim) -> str:
     if cs.as_columns(x, dim) is not None and inner > 1:
         for tile in TILES:
             ms[f"col{tile}"] = do_bench(lambda: columns(x, dim, tile))
-    floor_us = 2 * x.numel() * x.element_size() / 4.0e12 * 1e6   # read x, write y at about 4 TB/s
+    floor_us = 2 * x.numel() * x.element_size() / bandwidth * 1e6   # read x, write y
     return (f"{name:40s} {x.dtype} takes_columns={cs.takes_columns(outer, length, inner)} err {error:.1e}  "
             + "  ".join(f"{key} {value * 1e3:.1f}" for key, value in ms.items()) + f"  floor~{floor_us:.1f} us")
 
 
 def main():
-    print(torch.cuda.get_device_name(), flush=True)
+    bandwidth = copy_bandwidth()
+    print(f"{torch.cuda.get_device_name()}, copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
 
     def randn(*shape, dtype=torch.float32):
         return torch.randn(*shape, device="cuda", dtype=dtype)
+
+    def line(name, x, dim):
+        print_line(name, x, dim, bandwidth)
     square = randn(4096, 4096)
     line("(4096,4096) dim0", square, 0)
     line("(4096,4096).T dim0", square.t(), 0)
