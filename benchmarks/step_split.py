@@ -2,6 +2,7 @@
 
     python benchmarks/step_split.py [--dtype bf16] [--shapes 8,1024,512,16 8,1024,2048,4 ...] [--rows 12]
     python benchmarks/step_split.py --workload ssd [--shapes 8,2048,32,64,64 ...]
+    ncu --clock-control none --profile-from-start off ... python benchmarks/step_split.py --ncu ...
 
 For each (batch, dim, L, N), on the inputs `make bench` times (bench.py's selective_inputs: the
 block's layout, with D, z, delta_bias and softplus), one forward+backward (`training_step`) of
@@ -23,7 +24,9 @@ kernels are not what to cut. Then, for scan_lib, the host's own time per step by
 (`torch.profiler`'s CPU activity, self time, the `--rows` largest), which names what the host
 spends it on. `--workload ssd` does the same for `mamba_chunk_scan_combined` (bench.py's ssd_inputs:
 D, z, dt_bias, softplus, chunk 256; shapes batch,L,heads,P,N) beside mamba_ssm's Triton op where it is
-importable. GPU only, as bench.py is (tests/test_bench.py runs it on the CPU interpreter at a tiny
+importable. With `--ncu`, nothing is timed: one step of each implementation per shape runs between
+cudaProfilerStart and Stop (after a warm-up step outside, which compiles and autotunes), for Nsight
+Compute's `--profile-from-start off`. GPU only, as bench.py is (tests/test_bench.py runs it on the CPU interpreter at a tiny
 shape, with bench.py's device switched to the CPU: there it times the interpreter).
 """
 import argparse
@@ -129,6 +132,20 @@ def split(shape, dtype, scans, rows, calls, samples, workload="selective_scan"):
         print(f"    {us:8.1f} us  {op[:90]}")
 
 
+def profiled_steps(shape, dtype, scans, workload="selective_scan"):
+    """One step of each implementation inside cudaProfilerStart/Stop, after one outside (compiles, autotunes)."""
+    make_inputs, step_of, _, _ = WORKLOADS[workload]
+    inputs = make_inputs(shape, dtype)
+    for name, scan in scans.items():
+        step_of(inputs, scan)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.start()
+        step_of(inputs, scan)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        print(f"{str(shape):22s} {name:10s} one step profiled", flush=True)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -138,14 +155,19 @@ def main(argv=None):
     parser.add_argument("--calls", type=int, default=20, help="steps per host sample and profiled")
     parser.add_argument("--samples", type=int, default=9, help="host samples (their median is printed)")
     parser.add_argument("--no-peer", action="store_true", help="scan_lib alone, without mamba_ssm's rows")
+    parser.add_argument("--ncu", action="store_true", help="one step per implementation and shape inside "
+                        "cudaProfilerStart/Stop, for ncu --profile-from-start off; nothing timed")
     args = parser.parse_args(argv)
     scans = implementations(peer=not args.no_peer, workload=args.workload)
     options = ("block layout, D, z, delta_bias, softplus" if args.workload == "selective_scan"
                else f"D, z, dt_bias, softplus, chunk {SSD_CHUNK}")
     print(f"{scan_lib.runtime.describe()}; {args.workload} forward+backward, {args.dtype}, {options}; us per step")
     for text in args.shapes or SHAPES[args.workload]:
-        split(tuple(int(v) for v in text.split(",")), DTYPES[args.dtype], scans, args.rows, args.calls, args.samples,
-              args.workload)
+        shape = tuple(int(v) for v in text.split(","))
+        if args.ncu:
+            profiled_steps(shape, DTYPES[args.dtype], scans, args.workload)
+            continue
+        split(shape, DTYPES[args.dtype], scans, args.rows, args.calls, args.samples, args.workload)
 
 
 if __name__ == "__main__":
