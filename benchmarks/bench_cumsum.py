@@ -29,10 +29,10 @@ cs = sys.modules["scan_lib.cumsum"]  # the module: scan_lib.cumsum is the functi
 WATCHDOG_S = 150
 
 
-def scaled_error(y: torch.Tensor, x: torch.Tensor) -> float:
-    """max |y - reference| / cumsum(|x|), the notebook's error measure (row-wise, float64)."""
-    reference = torch.cumsum(x.double(), dim=-1)
-    scale = torch.cumsum(x.double().abs(), dim=-1).clamp_min(1e-30)
+def scaled_error(y: torch.Tensor, x: torch.Tensor, dim: int = -1) -> float:
+    """max |y - reference| / cumsum(|x|) along dim, the notebook's error measure (elementwise, float64)."""
+    reference = torch.cumsum(x.double(), dim=dim)
+    scale = torch.cumsum(x.double().abs(), dim=dim).clamp_min(1e-30)
     return ((y.double() - reference).abs() / scale).max().item()
 
 

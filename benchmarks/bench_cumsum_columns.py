@@ -1,10 +1,12 @@
 """scan_lib.cumsum along a dim other than the last: the column scan (x read in place) against the copy path
 and torch.cumsum, with the column scan's tile swept, on a GPU. One line per (shape, dim, dtype): the worst
-error scaled by cumsum(|x|) against a float64 torch.cumsum, takes_columns' choice, do_bench medians in us of
-cumsum (what a user calls), scan_copied (the copy path), torch.cumsum and scan_columns at tiles of 1024 to
-16384 values (where x views as columns), and the memory floor (read x, write y) at the copy bandwidth
-runtime.copy_bandwidth measures; then one forward+backward. (The committed run of 2026-12-06 printed its
-floors at a fixed 4 TB/s, an H200's rate, not its H100's: results/README.md says so.) Sets COLUMN_TILE and MIN_COLUMNS in notebooks/01_cumsum.py.
+error against a float64 torch.cumsum, scaled by cumsum(|x|) (bench_cumsum.scaled_error), takes_columns'
+choice, do_bench medians in us of cumsum (what a user calls), scan_copied (the copy path), torch.cumsum and
+scan_columns at tiles of 1024 to 16384 values (where x views as columns), and the memory floor (read x,
+write y) at the copy bandwidth runtime.copy_bandwidth measures; then one forward+backward. (The committed
+run of 2026-12-06 printed its floors at a fixed 4 TB/s, an H200's rate, not its H100's, and scaled each
+error by the largest cumsum(|x|) rather than its own: results/README.md says so.) Sets COLUMN_TILE and
+MIN_COLUMNS in notebooks/01_cumsum.py.
 
     python benchmarks/bench_cumsum_columns.py         (GPU only, about 30 s)
 """
@@ -15,6 +17,7 @@ import torch
 import scan_lib  # noqa: I001  (before triton, as everywhere)
 from triton.testing import do_bench
 
+from bench_cumsum import scaled_error   # benchmarks/bench_cumsum.py's
 from scan_lib.runtime import copy_bandwidth
 
 cs = sys.modules["scan_lib.cumsum"]  # the module: scan_lib.cumsum is the function
@@ -37,9 +40,7 @@ def print_line(name, x, dim, bandwidth):
 
 def measure(name, x, dim, bandwidth) -> str:
     """The line for x along dim; bandwidth: bytes per second, read plus write (copy_bandwidth)."""
-    reference = torch.cumsum(x.double(), dim)
-    scale = torch.cumsum(x.double().abs(), dim).max().clamp_min(1e-30)
-    error = ((scan_lib.cumsum(x, dim).double() - reference).abs().max() / scale).item()
+    error = scaled_error(scan_lib.cumsum(x, dim), x, dim)
     outer, length, inner = cs.column_shape(x.shape, dim)
     ms = dict(cumsum=do_bench(lambda: scan_lib.cumsum(x, dim)), copied=do_bench(lambda: cs.scan_copied(x, dim)),
               torch=do_bench(lambda: torch.cumsum(x, dim)))
