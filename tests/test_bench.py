@@ -156,3 +156,43 @@ def test_a_wrong_conv_fails_its_check(bench, monkeypatch):
     ours = [r for r in bench.ROWS if r["impl"] == "scan_lib.causal_conv1d"]
     assert len(ours) == 2 and not any(r["correct"] for r in ours)
     assert all(math.isnan(r["gpu_us"]) for r in ours)
+
+
+def test_sass_lines_charges_every_instruction_to_a_kernel_line(tmp_path):
+    """benchmarks/sass_lines.py (a fresh process, as sass_count) on chapter 10's grad kernel at a small size
+    (chunk, P and N 16, no options): its rows' counts sum to the kernel's instruction count in cuobjdump's
+    SASS, every row is a line of ssd_chunk_grad_kernel's source (helpers charged to the lines calling them),
+    and the CLI prints its report."""
+    import inspect
+    import json
+    import os
+    import subprocess
+    import sys
+    import triton
+    from scan_lib import ssd
+    tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    missing = [tool for tool in ("nvdisasm", "cuobjdump") if not (tools / tool).exists()]
+    if missing:
+        pytest.skip(f"Triton's wheel has no {', '.join(missing)} in {tools}")
+    script = (
+        "import json, sys\n"
+        "import sass_lines as s\n"
+        "kernel, args = s.ssd_grad_args('bf16', 16, 16, 16, bare=True)\n"
+        "compiled = s.compile_sm90(kernel, args, 4)\n"
+        "sass, _, _ = s.sass_and_resources(compiled, sys.argv[1])\n"
+        "rows = [(r.file, r.line, r.text, r.count, r.spills) for r in s.line_profile(compiled)]\n"
+        "print(json.dumps(dict(total=len(s.INSTRUCTION.findall(sass)), rows=rows)))\n"
+        "s.main(['ssd-grad', '--chunk', '16', '--head-dim', '16', '--n-states', '16', '--bare', '--top', '3'])\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    profile, report = run.stdout.split("\n", 1)
+    profile = json.loads(profile)
+    assert sum(row[3] for row in profile["rows"]) == profile["total"] > 100
+    source, first = inspect.getsourcelines(ssd.ssd_chunk_grad_kernel.fn)
+    for file, line, text, _, _ in profile["rows"]:
+        assert Path(file).name == "ssd.py" and first <= line < first + len(source), (file, line, text)
+        assert text.startswith(source[line - first].split("#")[0].strip()), (text, source[line - first])
+    assert "instructions" in report and "by opcode class:" in report and "HGMMA" in report, report
