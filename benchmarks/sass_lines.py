@@ -2,12 +2,12 @@
 instructions of its H100/H200 compile, their opcodes and the spill instructions (STL, LDL) among them.
 The static counterpart of Nsight Compute's SourceCounters section.
 
-    python benchmarks/sass_lines.py ssd-grad [--dtype bf16|fp32] [--n-states 64] [--head-dim 64] [--chunk 64]
+    python benchmarks/sass_lines.py ssd-grad|ssd-adjoint|ssd-output [--dtype bf16|fp32] [--n-states 64] [--head-dim 64] [--chunk 64]
                                              [--warps 4] [--top 25] [--by kernel|innermost] [--bare]
     python benchmarks/sass_lines.py conv-bwd [--dtype bf16|fp32] [--top 25] [--by kernel|innermost]
 
-ssd-grad is chapter 10's `ssd_chunk_grad_kernel` as `_backward_kernels` launches it at (8, 2048, 32 heads x P,
-N, one group), contiguous inputs, with D, z, dt_bias and dt_softplus as the training step of bench.py passes
+ssd-grad is chapter 10's `ssd_chunk_grad_kernel` as `_backward_kernels` launches it (ssd-adjoint, ssd-output:
+the adjoint and output kernels) at (8, 2048, 32 heads x P, N, one group), contiguous inputs, with D, z, dt_bias and dt_softplus as the training step of bench.py passes
 them (--bare: none of them, as `ssd_backward` calls it); conv-bwd is chapter 06's `causal_conv1d_bwd_kernel` at
 (8, 2048, 2048), width 4, bias, SiLU, with the launch config `causal_conv1d_bwd` takes on the GPU.
 
@@ -207,19 +207,26 @@ def spill_bytes(sass):
     return totals["STL"], totals["LDL"]
 
 
-def ssd_grad_args(dtype, n_states, head_dim, chunk, bare, batch=8, length=2048, heads=32, groups=1):
-    """ssd_chunk_grad_kernel's arguments as _backward_kernels passes them for contiguous (batch, length,
-    heads, head_dim) inputs of `dtype` ('bf16', 'fp32'), A, D, dt_bias float32, with D, z, dt_bias and
-    dt_softplus (bench.py's training step) unless bare."""
+SSD_KERNELS = {"ssd-grad": "ssd_chunk_grad_kernel", "ssd-adjoint": "ssd_chunk_adjoint_kernel",
+               "ssd-output": "ssd_chunk_output_kernel"}
+
+
+def ssd_args(which, dtype, n_states, head_dim, chunk, bare, batch=8, length=2048, heads=32, groups=1):
+    """One of chapter 10's chunk kernels (SSD_KERNELS) and its arguments as the launchers pass them for
+    contiguous (batch, length, heads, head_dim) inputs of `dtype` ('bf16', 'fp32'), A, D, dt_bias float32,
+    with D, z, dt_bias and dt_softplus (bench.py's training step) unless bare."""
+    kernel = getattr(ssd, SSD_KERNELS[which])
     tiles = ssd._tiles(chunk, head_dim, n_states)
     n_chunks = triton.cdiv(length, tiles["CHUNK"])
     x, f32 = f"*{dtype}", "*fp32"
     optional = (lambda kind: None) if bare else (lambda kind: kind)
-    return ssd.ssd_chunk_grad_kernel, dict(
+    every = dict(
         X=x, DT=x, DT_BIAS=optional(f32), A=f32, B=x, C=x, D=optional(f32), Z=optional(x), DY=x, ENTERING=f32,
-        DSTATE=f32, DX=x, DDT=x, DB=f32, DC=f32, DZ=optional(x), DA_PART=f32, DD_PART=f32, DBIAS_PART=optional(f32),
-        length=length, heads=heads, groups=groups, head_dim=head_dim, n_states=n_states, n_chunks=n_chunks,
-        HAS_D=not bare, HAS_Z=not bare, HAS_DT_BIAS=not bare, DT_SOFTPLUS=not bare, **tiles)
+        LOCAL=f32, Y=x, DYBAR=optional(x), DSTATE=f32, DX=x, DDT=x, DB=f32, DC=f32, DZ=optional(x), DA_PART=f32,
+        DD_PART=f32, DBIAS_PART=optional(f32), length=length, heads=heads, groups=groups, head_dim=head_dim,
+        n_states=n_states, n_chunks=n_chunks, HAS_D=not bare, HAS_Z=not bare, HAS_DT_BIAS=not bare,
+        DT_SOFTPLUS=not bare, **tiles)
+    return kernel, {name: every[name] for name in kernel.arg_names}
 
 
 def conv_bwd_args(dtype, batch=8, dim=2048, length=2048, width=4):
@@ -296,21 +303,22 @@ def report(kernel, args, num_warps, top, by):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kernel", choices=["ssd-grad", "conv-bwd"])
+    parser.add_argument("kernel", choices=[*SSD_KERNELS, "conv-bwd"])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--n-states", type=int, default=64)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=64, help="chunk_size (the kernel runs min(chunk, 64))")
-    parser.add_argument("--warps", type=int, default=4, help="ssd-grad's num_warps (its launch: Triton's 4)")
-    parser.add_argument("--bare", action="store_true", help="ssd-grad without D, z, dt_bias, dt_softplus")
+    parser.add_argument("--warps", type=int, default=4, help="the ssd kernels' num_warps (their launch: Triton's 4)")
+    parser.add_argument("--bare", action="store_true", help="the ssd kernels without D, z, dt_bias, dt_softplus")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--by", default="kernel", choices=["kernel", "innermost"],
                         help="charge a helper's instructions to the kernel's line calling it, or to its own line")
     options = parser.parse_args(argv)
-    if options.kernel == "ssd-grad":
-        kernel, args = ssd_grad_args(options.dtype, options.n_states, options.head_dim, options.chunk, options.bare)
+    if options.kernel in SSD_KERNELS:
+        kernel, args = ssd_args(options.kernel, options.dtype, options.n_states, options.head_dim, options.chunk,
+                                options.bare)
         num_warps = options.warps
-        print(f"ssd_chunk_grad_kernel at (8, 2048, 32 x {options.head_dim}, N {options.n_states}), chunk "
+        print(f"{SSD_KERNELS[options.kernel]} at (8, 2048, 32 x {options.head_dim}, N {options.n_states}), chunk "
               f"{args['CHUNK']}, {options.dtype}, {'bare' if options.bare else 'D, z, dt_bias, dt_softplus'}")
     else:
         kernel, args, num_warps = conv_bwd_args(options.dtype)

@@ -177,7 +177,7 @@ def test_sass_lines_charges_every_instruction_to_a_kernel_line(tmp_path):
     script = (
         "import json, sys\n"
         "import sass_lines as s\n"
-        "kernel, args = s.ssd_grad_args('bf16', 16, 16, 16, bare=True)\n"
+        "kernel, args = s.ssd_args('ssd-grad', 'bf16', 16, 16, 16, bare=True)\n"
         "compiled = s.compile_sm90(kernel, args, 4)\n"
         "sass, _, _ = s.sass_and_resources(compiled, sys.argv[1])\n"
         "rows = [(r.file, r.line, r.text, r.count, r.spills) for r in s.line_profile(compiled)]\n"
