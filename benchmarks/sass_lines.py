@@ -4,11 +4,14 @@ The static counterpart of Nsight Compute's SourceCounters section.
 
     python benchmarks/sass_lines.py ssd-grad|ssd-adjoint|ssd-output [--dtype bf16|fp32] [--n-states 64] [--head-dim 64] [--chunk 64]
                                              [--warps 4] [--top 25] [--by kernel|innermost] [--bare]
+    python benchmarks/sass_lines.py scan-fwd|scan-bwd [--dtype bf16|fp32] [--bare] [--top 25] [--by kernel|innermost]
     python benchmarks/sass_lines.py conv-bwd [--dtype bf16|fp32] [--top 25] [--by kernel|innermost]
 
 ssd-grad is chapter 10's `ssd_chunk_grad_kernel` as `_backward_kernels` launches it (ssd-adjoint, ssd-output:
 the adjoint and output kernels) at (8, 2048, 32 heads x P, N, one group), contiguous inputs, with D, z, dt_bias and dt_softplus as the training step of bench.py passes
-them (--bare: none of them, as `ssd_backward` calls it); conv-bwd is chapter 06's `causal_conv1d_bwd_kernel` at
+them (--bare: none of them, as `ssd_backward` calls it); scan-fwd and scan-bwd are chapter 07's selective-scan
+kernels at sass_count's base shape (8, 1024, 2048, N 16) with D, z, delta_bias and the softplus (--bare:
+without); conv-bwd is chapter 06's `causal_conv1d_bwd_kernel` at
 (8, 2048, 2048), width 4, bias, SiLU, with the launch config `causal_conv1d_bwd` takes on the GPU.
 
 How a SASS instruction finds its line: Triton compiles with line info (PTX `.loc`, ptxas -lineinfo). The
@@ -45,7 +48,8 @@ from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]   # rows name files relative to it
 sys.path[:0] = [str(ROOT / "benchmarks"), str(ROOT)]   # sass_count, scan_lib
-from sass_count import INSTRUCTION, TOOLS, compile_sm90, opcode, sass_and_resources  # noqa: E402  (TRITON_INTERPRET=0)
+from sass_count import INSTRUCTION, TOOLS, compile_sm90, kernel_args, opcode, sass_and_resources  # noqa: E402  (TRITON_INTERPRET=0)
+from sass_count import fast                  # noqa: E402  (chapter 07's kernels, scan_lib.fast_selective_scan)
 import triton                                # noqa: E402
 import torch                                 # noqa: E402
 
@@ -229,6 +233,19 @@ def ssd_args(which, dtype, n_states, head_dim, chunk, bare, batch=8, length=2048
     return kernel, {name: every[name] for name in kernel.arg_names}
 
 
+def scan_args(kind, dtype, bare, batch=8, dim=1024, length=2048):
+    """Chapter 07's selective-scan kernel `kind` ('fwd', 'bwd') with sass_count's arguments at its base shape
+    (batch, dim, L, N 16), block layout, GPU_CONFIG, plus D, z, delta_bias and the softplus (the Mamba
+    block's call) unless bare; and its warps."""
+    kernel, args = kernel_args(kind, dtype, batch, dim, length)
+    if not bare:
+        args.update(D="*fp32", Z=f"*{dtype}", BIAS="*fp32", HAS_D=True, HAS_Z=True, HAS_BIAS=True, SOFTPLUS=True,
+                    sz_b=dim * length, sz_d=length, sz_l=1)
+        if kind == "bwd":
+            args.update(DZ=f"*{dtype}", DD="*fp32", DBIAS="*fp32")
+    return kernel, args, fast.GPU_CONFIG[kind]["num_warps"]
+
+
 def conv_bwd_args(dtype, batch=8, dim=2048, length=2048, width=4):
     """causal_conv1d_bwd_kernel's arguments and warps as causal_conv1d_bwd launches it on the GPU (its
     _launch_config with the interpreter off) for contiguous x and dout of `dtype`, weight and bias of x's
@@ -303,13 +320,14 @@ def report(kernel, args, num_warps, top, by):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("kernel", choices=[*SSD_KERNELS, "conv-bwd"])
+    parser.add_argument("kernel", choices=[*SSD_KERNELS, "scan-fwd", "scan-bwd", "conv-bwd"])
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     parser.add_argument("--n-states", type=int, default=64)
     parser.add_argument("--head-dim", type=int, default=64)
     parser.add_argument("--chunk", type=int, default=64, help="chunk_size (the kernel runs min(chunk, 64))")
     parser.add_argument("--warps", type=int, default=4, help="the ssd kernels' num_warps (their launch: Triton's 4)")
-    parser.add_argument("--bare", action="store_true", help="the ssd kernels without D, z, dt_bias, dt_softplus")
+    parser.add_argument("--bare", action="store_true", help="the ssd and scan kernels without their options (D, z, the "
+                        "step's bias and softplus)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--by", default="kernel", choices=["kernel", "innermost"],
                         help="charge a helper's instructions to the kernel's line calling it, or to its own line")
@@ -320,6 +338,11 @@ def main(argv=None):
         num_warps = options.warps
         print(f"{SSD_KERNELS[options.kernel]} at (8, 2048, 32 x {options.head_dim}, N {options.n_states}), chunk "
               f"{args['CHUNK']}, {options.dtype}, {'bare' if options.bare else 'D, z, dt_bias, dt_softplus'}")
+    elif options.kernel.startswith("scan-"):
+        kind = options.kernel.removeprefix("scan-")
+        kernel, args, num_warps = scan_args(kind, options.dtype, options.bare)
+        print(f"{kernel.fn.__name__} at (8, 1024, 2048, N 16), block layout, GPU_CONFIG {fast.GPU_CONFIG[kind]}, "
+              f"{options.dtype}, {'bare' if options.bare else 'D, z, delta_bias, softplus'} (loops counted once)")
     else:
         kernel, args, num_warps = conv_bwd_args(options.dtype)
         print(f"causal_conv1d_bwd_kernel at (8, 2048, 2048), width 4, bias, SiLU, {options.dtype}, block "
