@@ -6,8 +6,8 @@ notebook (the notebook is the source of scan_lib; this script only measures).
 Each PATH is a copy of scan_lib/ssd.py as some branch generates it (`git show BRANCH:scan_lib/ssd.py >
 PATH`); the first is the baseline. Every version runs its own launchers on checked inputs,
 `_forward_kernels` and `_backward_kernels`, with every option of a Mamba-2 layer (D, z, dt_bias, softplus;
-bench.py's `ssd_inputs`, chunk_size 256). Per shape and dtype it prints, per version: the largest relative
-difference (norm-wise) of y and of each gradient from the baseline's, the forward's and the backward's GPU
+bench.py's `ssd_inputs`, chunk_size 256). Per shape and dtype it prints, per version: the largest difference
+of y and of each gradient from the baseline's, relative to the baseline's largest value (bench.py's rel_err), the forward's and the backward's GPU
 time (CUDA-graph replay: no host work) and the forward+backward call (do_bench, host included).
 """
 import argparse
@@ -21,7 +21,7 @@ from triton.testing import do_bench
 from scan_lib.runtime import graph_us
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import SIZES, ssd_inputs  # noqa: E402
+from bench import SIZES, rel_err, ssd_inputs  # noqa: E402
 
 GRADIENTS = ("dx", "ddt", "dA", "dB", "dC", "dD", "dh0", "dz", "ddt_bias")
 
@@ -40,14 +40,6 @@ def calls(module, inputs, dy, chunk):
     forward = lambda: module._forward_kernels(x, dt, A, B, C, chunk, D, None, z, dt_bias, True)  # noqa: E731
     backward = lambda: module._backward_kernels(x, dt, A, B, C, chunk, dy, None, D, None, z, dt_bias, True)  # noqa: E731
     return forward, backward
-
-
-def relative(a, b):
-    """Norm-wise relative difference of a from b (0 where both are None)."""
-    if a is None and b is None:
-        return 0.0
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
 def results(forward, backward):
@@ -76,7 +68,7 @@ def main():
                 forward, backward = calls(module, inputs, dy, chunk)
                 got = results(forward, backward)
                 baseline = baseline or got
-                worst = max(((relative(got[k], baseline[k]), k) for k in got), default=(0.0, "-"))
+                worst = max((rel_err([got[k]], [baseline[k]]), k) for k in got if got[k] is not None)
                 fwd_us, bwd_us = graph_us(forward), graph_us(backward)
                 both_us = do_bench(lambda: (forward(), backward()), return_mode="median") * 1e3
                 print(f"  {name:12s} {fwd_us:10.1f} {bwd_us:10.1f} {both_us:15.1f}  {worst[0]:.1e} ({worst[1]})",

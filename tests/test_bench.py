@@ -196,3 +196,24 @@ def test_sass_lines_charges_every_instruction_to_a_kernel_line(tmp_path):
         assert Path(file).name == "ssd.py" and first <= line < first + len(source), (file, line, text)
         assert text.startswith(source[line - first].split("#")[0].strip()), (text, source[line - first])
     assert "instructions" in report and "by opcode class:" in report and "HGMMA" in report, report
+
+
+def test_probe_ssd_variants_finds_two_copies_of_one_version_equal(monkeypatch, capsys):
+    """benchmarks/probe_ssd_variants.py with a tiny shape and fake timers: two copies of scan_lib/ssd.py run,
+    and the second's results equal the first's (difference 0 in every row)."""
+    import sys
+    spec = importlib.util.spec_from_file_location("probe_ssd_variants", ROOT / "benchmarks" / "probe_ssd_variants.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    sys.modules["bench"].DEVICE = str(scan_lib.runtime.DEVICE)     # bench.py itself assumes a GPU
+    monkeypatch.setitem(probe.SIZES, "ssd", [(1, 20, 2, 4, 4)])
+    monkeypatch.setitem(probe.SIZES, "ssd_chunk", 16)
+    monkeypatch.setattr(probe, "graph_us", lambda fn: (fn(), 1.0)[1])
+    monkeypatch.setattr(probe, "do_bench", lambda fn, return_mode: (fn(), 2.0)[1])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "test")
+    path = str(ROOT / "scan_lib" / "ssd.py")
+    monkeypatch.setattr(sys, "argv", ["probe", f"a={path}", f"b={path}", "--quick"])
+    probe.main()
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith(("a ", "b "))]
+    assert [row[0] for row in rows] == ["a", "b"] * 2, rows              # bf16 and float32
+    assert all(float(row[4]) == 0.0 for row in rows), rows
