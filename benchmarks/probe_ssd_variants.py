@@ -7,8 +7,9 @@ Each PATH is a copy of scan_lib/ssd.py as some branch generates it (`git show BR
 PATH`); the first is the baseline. Every version runs its own launchers on checked inputs,
 `_forward_kernels` and `_backward_kernels`, with every option of a Mamba-2 layer (D, z, dt_bias, softplus;
 bench.py's `ssd_inputs`, chunk_size 256). Per shape and dtype it prints, per version: the largest difference
-of y and of each gradient from the baseline's, relative to the baseline's largest value (bench.py's rel_err), the forward's and the backward's GPU
-time (CUDA-graph replay: no host work) and the forward+backward call (do_bench, host included).
+of y and of each gradient from the baseline's, relative to the baseline's largest value (bench.py's rel_err),
+the forward's and the backward's GPU time (CUDA-graph replay: no host work) and the forward+backward call
+(do_bench, host included).
 """
 import argparse
 import importlib.util

@@ -205,7 +205,7 @@ def test_probe_ssd_variants_finds_two_copies_of_one_version_equal(monkeypatch, c
     spec = importlib.util.spec_from_file_location("probe_ssd_variants", ROOT / "benchmarks" / "probe_ssd_variants.py")
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)
-    sys.modules["bench"].DEVICE = str(scan_lib.runtime.DEVICE)     # bench.py itself assumes a GPU
+    monkeypatch.setattr(sys.modules["bench"], "DEVICE", str(scan_lib.runtime.DEVICE))   # bench.py assumes a GPU
     monkeypatch.setitem(probe.SIZES, "ssd", [(1, 20, 2, 4, 4)])
     monkeypatch.setitem(probe.SIZES, "ssd_chunk", 16)
     monkeypatch.setattr(probe, "graph_us", lambda fn: (fn(), 1.0)[1])
