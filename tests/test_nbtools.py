@@ -44,6 +44,16 @@ def test_execute_records_a_fingerprint_that_check_accepts(executed):
     assert nbtools._check_outputs(executed) == []
 
 
+def test_execute_names_each_slow_cell_as_it_finishes(tmp_path, monkeypatch, capsys):
+    """A recording cut off by a device call's time limit must still say which cells took the time."""
+    path = tmp_path / "slow.ipynb"
+    nbformat.write(_notebook("x = 1", "import time\ntime.sleep(0.6)", "print(x)"), path)
+    monkeypatch.setattr(nbtools, "SLOW_CELL_S", 0.5)
+    assert nbtools.execute([path], timeout=600) == []
+    slow = [line for line in capsys.readouterr().out.splitlines() if line.startswith("   cell ")]
+    assert len(slow) == 1 and slow[0].startswith("   cell 2 ran ") and slow[0].endswith(": import time"), slow  # 0: markdown
+
+
 def _changed(executed, tmp_path, change):
     notebook = nbformat.read(executed, as_version=4)
     change(notebook)
