@@ -237,17 +237,16 @@ def device_name() -> str:
 
 
 SLOW_CELL_S = 5  # execute prints each cell that takes this long, as it finishes: a run cut off still says where it was
-_CELL_START = {}
 
 
-def _cell_started(cell, cell_index):
-    import time
-    _CELL_START[cell_index] = time.time()
-
-
-def _cell_finished(cell, cell_index, execute_reply):
-    import time
-    seconds = time.time() - _CELL_START.pop(cell_index, time.time())
+def _print_if_slow(cell, cell_index, execute_reply):
+    """nbclient's on_cell_executed hook: the cell's time from the timestamps nbclient records in its metadata."""
+    from datetime import datetime
+    timing = cell.metadata.get("execution", {})
+    if "iopub.execute_input" not in timing or "shell.execute_reply" not in timing:
+        return
+    seconds = (datetime.fromisoformat(timing["shell.execute_reply"])
+               - datetime.fromisoformat(timing["iopub.execute_input"])).total_seconds()
     if seconds >= SLOW_CELL_S:
         first_line = next((line for line in cell.source.splitlines() if line.strip()), "")
         print(f"   cell {cell_index} ran {seconds:.1f} s: {first_line[:70]}", flush=True)
@@ -267,8 +266,8 @@ def execute(paths: list[Path], timeout: int = 3600) -> list[Path]:
         print(f"== {path}", flush=True)
         start = time.time()
         try:
-            ExecutePreprocessor(timeout=timeout, kernel_name="python3", on_cell_execute=_cell_started,
-                                on_cell_executed=_cell_finished).preprocess(notebook, {"metadata": {"path": str(path.parent)}})
+            ExecutePreprocessor(timeout=timeout, kernel_name="python3", on_cell_executed=_print_if_slow).preprocess(
+                notebook, {"metadata": {"path": str(path.parent)}})
         except CellExecutionError as error:
             print(f"FAILED {path} (left unchanged):\n{error}", flush=True)
             failed.append(path)
