@@ -119,7 +119,7 @@ import torch
 import triton
 import triton.language as tl
 
-from scan_lib.runtime import ON_GPU, apply, check_same_device, custom_op
+from scan_lib.runtime import ON_GPU, apply, cdiv, check_same_device, custom_op, next_power_of_2
 
 
 @triton.jit
@@ -883,9 +883,9 @@ def warps_for(elements: int) -> int:
 def scan_short_rows(x: torch.Tensor, y: torch.Tensor, max_block: int) -> torch.Tensor:
     """One launch for n_rows x length with length <= max_block: each program scans ROWS whole rows."""
     n_rows, length = x.shape
-    block = max(16, triton.next_power_of_2(length))
-    rows = min(max_block // block, triton.next_power_of_2(n_rows))
-    scan_tiles_kernel[(triton.cdiv(n_rows, rows),)](
+    block = max(16, next_power_of_2(length))
+    rows = min(max_block // block, next_power_of_2(n_rows))
+    scan_tiles_kernel[(cdiv(n_rows, rows),)](
         x, y, y, n_rows, length, 1, ROWS=rows, BLOCK=block, ACC=tl_dtype(accumulator(x.dtype)), REVERSE=False,
         num_warps=warps_for(rows * block))
     return y
@@ -895,11 +895,11 @@ def scan_reduce_then_scan(x: torch.Tensor, y: torch.Tensor, config: dict) -> tor
     """Three launches: block totals, their scan (one program per row), the scan of x plus carries."""
     n_rows, length = x.shape
     block, warps, acc = config["block"], config["num_warps"], accumulator(x.dtype)
-    num_blocks = triton.cdiv(length, block)
+    num_blocks = cdiv(length, block)
     totals = torch.empty(n_rows, num_blocks, dtype=acc, device=x.device)
     grid = (n_rows * num_blocks,)
     block_totals_kernel[grid](x, totals, length, num_blocks, BLOCK=block, ACC=tl_dtype(acc), num_warps=warps)
-    chunk = min(block, triton.next_power_of_2(num_blocks))
+    chunk = min(block, next_power_of_2(num_blocks))
     scan_totals_kernel[(n_rows,)](totals, num_blocks, CHUNK=chunk, num_warps=warps_for(chunk))
     scan_tiles_kernel[grid](x, totals, y, n_rows, length, num_blocks, ROWS=1, BLOCK=block, ACC=tl_dtype(acc),
                             REVERSE=config["reverse"], num_warps=warps)
@@ -909,7 +909,7 @@ def scan_reduce_then_scan(x: torch.Tensor, y: torch.Tensor, config: dict) -> tor
 def scan_lookback(x: torch.Tensor, y: torch.Tensor, config: dict) -> torch.Tensor:
     """One launch (after a memset): the decoupled look-back scan, float32 accumulation."""
     n_rows, length = x.shape
-    num_blocks = triton.cdiv(length, config["block"])
+    num_blocks = cdiv(length, config["block"])
     state = torch.zeros(1 + n_rows * num_blocks, dtype=torch.int64, device=x.device)   # ticket, words
     lookback_scan_kernel[(n_rows * num_blocks,)](x, y, state, length, num_blocks, BLOCK=config["block"],
                                                  WINDOW=config["window"], num_warps=config["num_warps"])
@@ -1039,10 +1039,9 @@ def scan_columns_kernel(X, Y, length, inner, column_blocks, stride_outer, stride
 
 def column_tile(length: int, inner: int, tile: int = COLUMN_TILE) -> tuple[int, int]:
     """(BLOCK_L, BLOCK_INNER) of the column scan: up to COLUMN_WIDTH columns, `tile` values, rows no more
-    than length needs. (Powers of two by bit_length: every cumsum along a dim but the last asks, and
-    triton.next_power_of_2, a ConstexprFunction in Triton 3.6, costs microseconds a call on the host.)"""
-    width = min(COLUMN_WIDTH, 1 << (inner - 1).bit_length())
-    return min(tile // width, 1 << (length - 1).bit_length()), width
+    than length needs."""
+    width = min(COLUMN_WIDTH, next_power_of_2(inner))
+    return min(tile // width, next_power_of_2(length)), width
 
 
 def scan_columns(x: torch.Tensor, out: torch.Tensor | None = None, tile: int = COLUMN_TILE) -> torch.Tensor:
@@ -1056,7 +1055,7 @@ def scan_columns(x: torch.Tensor, out: torch.Tensor | None = None, tile: int = C
     if x.numel() == 0:
         return y
     block_l, block_inner = column_tile(length, inner, tile)
-    column_blocks = triton.cdiv(inner, block_inner)
+    column_blocks = cdiv(inner, block_inner)
     scan_columns_kernel[(outer * column_blocks,)](
         x, y, length, inner, column_blocks, *x.stride(), BLOCK_L=block_l, BLOCK_INNER=block_inner,
         ACC=tl_dtype(accumulator(x.dtype)), num_warps=warps_for(block_l * block_inner))
@@ -1094,7 +1093,7 @@ def takes_columns(outer: int, length: int, inner: int) -> bool:
     if inner == 1:
         return False
     block_l, block_inner = column_tile(length, inner)
-    return (outer * inner >= MIN_COLUMNS or length <= block_l) and outer * -(-inner // block_inner) < 2**31
+    return (outer * inner >= MIN_COLUMNS or length <= block_l) and outer * cdiv(inner, block_inner) < 2**31
 
 # %% [markdown]
 # Checked on the CPU against `torch.cumsum`, through `scan_columns` itself (the shapes here are too
@@ -1164,16 +1163,12 @@ def scan_copied(x: torch.Tensor, dim: int) -> torch.Tensor:
     have size 1."""
     moved = x.movedim(dim, -1).contiguous()                               # ... x length
     length = moved.shape[-1]
-    if dim == -1:
-        y = torch.empty_like(moved)
-    elif x.shape[dim + 1:].numel() == 1:                                  # only size-1 dims after dim:
-        y = torch.empty(x.shape, dtype=x.dtype, device=x.device)          # x's shape, contiguous, is rows too
-    else:
-        y = torch.empty_like(moved)
-        scan_rows(moved.view(-1, length), out=y.view(-1, length))         # n_rows x length
-        return y.movedim(-1, dim).clone(memory_format=torch.contiguous_format)   # the copy back
+    rows_only = dim == -1 or x.shape[dim + 1:].numel() == 1               # x's shape, contiguous, is rows
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device) if rows_only else torch.empty_like(moved)
     scan_rows(moved.view(-1, length), out=y.view(-1, length))             # n_rows x length
-    return y
+    if rows_only:
+        return y
+    return y.movedim(-1, dim).clone(memory_format=torch.contiguous_format)   # the copy back
 
 
 @cumsum_op.register_fake

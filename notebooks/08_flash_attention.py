@@ -19,8 +19,7 @@
 # **online-softmax state** $(m, \ell, o)$ and its merge, write the **tiled forward** kernel and a
 # **backward** that recomputes the tiles, export the differentiable
 # `flash_attention(q, k, v, causal=False, sm_scale=None)`, and on a GPU compare it with PyTorch's
-# `scaled_dot_product_attention`. Going deeper reads a naive CUDA kernel line by line and measures its
-# weaknesses.
+# `scaled_dot_product_attention`.
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -60,8 +59,9 @@ from scan_lib.runtime import save_figure
 # with the scale $\tau = 1/\sqrt{d}$ by default. **Causal** attention lets query $i$ see only the keys
 # $j \le i$ ($s_{ij} = -\infty$ for $j > i$). The **log-sum-exp** $\mathrm{lse}_i = \log \sum_j e^{s_{ij}}$
 # gives $P_{ij} = e^{s_{ij} - \mathrm{lse}_i}$; we will store it for the backward pass. The reference
-# below is the definition in float64, on tensors (batch, heads, L, head_dim) as in PyTorch's
-# `F.scaled_dot_product_attention`; it builds the full matrix of scores.
+# below is the definition in float64, on tensors (batch, heads, L, head_dim) as in
+# `F.scaled_dot_product_attention`, through the full matrix of scores (other cases: "Going deeper:
+# attention as people call it").
 
 # %%
 #| export
@@ -71,26 +71,30 @@ import triton
 import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype
-from scan_lib.runtime import INTERPRET, ON_GPU, apply, check_float_tensor, check_same_device, custom_op
+from scan_lib.runtime import (INTERPRET, ON_GPU, apply, cdiv, check_float_tensor, check_same_device, custom_op,
+                              next_power_of_2)
 
-HEAD_DIMS = (32, 64, 128)  # the head dims the kernels are built for
 LOG2E = 1.4426950408889634  # log2(e): the kernels use exp2, e^x = 2^(x log2 e)
 
 
 def attention_reference(q, k, v, causal=False, sm_scale=None):
-    """softmax(q k^T * sm_scale, causal mask) v in float64, through the full L x L matrix of scores.
+    """(softmax(q k^T * sm_scale, causal mask) v, log-sum-exp of the scores), float64 and differentiable.
 
-    q, k, v: (..., L, head_dim). Returns (output (..., L, head_dim), log-sum-exp of the scores (..., L)),
-    both float64 and differentiable by autograd. sm_scale None means 1 / sqrt(head_dim)."""
+    q: (..., heads, Lq, head_dim); k, v: (..., kv_heads, Lk, head_dim), query head h reading kv head h // (heads //
+    kv_heads). causal: query i sees the keys j <= i + Lk - Lq (bottom-right; the usual mask if Lq == Lk); a query
+    that sees no key gets the output 0 and the lse -inf. sm_scale None: 1 / sqrt(head_dim)."""
     q, k, v = q.double(), k.double(), v.double()
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    scores = q @ k.transpose(-1, -2) * scale  # ... x L x L
+    if k.shape[-3:-2] != q.shape[-3:-2]:  # fewer kv heads: each serves a group of consecutive query heads
+        k, v = (t.repeat_interleave(q.shape[-3] // k.shape[-3], -3) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) * scale  # ... x Lq x Lk
     if causal:
-        length = scores.shape[-1]
-        later = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)  # key j > query i
+        queries, keys = scores.shape[-2:]
+        later = torch.ones(queries, keys, dtype=torch.bool, device=q.device).triu(keys - queries + 1)  # j > i + Lk - Lq
         scores = scores.masked_fill(later, float("-inf"))
-    lse = torch.logsumexp(scores, -1)  # ... x L
-    return torch.exp(scores - lse[..., None]) @ v, lse
+    lse = torch.logsumexp(scores, -1)  # ... x Lq; -inf where a query sees no key
+    p = torch.exp(scores - lse.clamp(min=torch.finfo(lse.dtype).min)[..., None])  # such a row: e^-inf = 0, not NaN
+    return p @ v, lse
 
 # %%
 torch.manual_seed(0)
@@ -101,27 +105,11 @@ torch.testing.assert_close(out_small[..., 0, :], v_small[..., 0, :])  # causal: 
 print("attention_reference == F.scaled_dot_product_attention in float64 (causal); query 0 returns v_0: ok")
 
 # %% [markdown]
-# The reference materialises the scores $s$ and the probabilities $P$: $L^2$ numbers per head, where the
-# inputs and the output hold $4 L d$. The table below computes both for heads $\times$ head_dim $= 2048$,
-# batch 4, in bfloat16: one matrix of scores outgrows all the inputs and outputs together by the factor
-# $L / (4 d)$ (arithmetic; "Going deeper: the memory, measured" measures it on a GPU). PyTorch's autograd
-# keeps $P$ for the backward pass, so training pays it on every layer.
-
-# %%
-def attention_bytes(batch, heads, length, head_dim, element_size=2):
-    """(bytes of q, k, v and the output; bytes of one batch x heads x L x L matrix), in one dtype."""
-    return 4 * batch * heads * length * head_dim * element_size, batch * heads * length**2 * element_size
-
-
-print(f"{'head_dim':>8} {'L':>6} {'q,k,v,out GiB':>14} {'one L x L GiB':>14} {'ratio':>6}")
-for head_dim in (64, 128):
-    for length in (1024, 4096, 16384):
-        io_bytes, matrix_bytes = attention_bytes(4, 2048 // head_dim, length, head_dim)
-        print(f"{head_dim:8} {length:6} {io_bytes / 2**30:14.3f} {matrix_bytes / 2**30:14.2f} "
-              f"{matrix_bytes / io_bytes:6.0f}")
-        assert matrix_bytes / io_bytes == length / (4 * head_dim)
-
-# %% [markdown]
+# The reference materialises the scores $s$ and the probabilities $P$: $L^2$ numbers per head, against
+# $4 L d$ for the inputs and the output, $L / (4 d)$ times more: 64 times at $L = 16384$, $d = 64$
+# ("Going deeper: the memory, measured"). Autograd keeps $P$ for the backward pass, so training pays it
+# on every layer.
+#
 # FlashAttention never stores the matrix. It walks along the keys in blocks, keeps for each query a
 # state of size $d + 2$, and recomputes the scores in the backward pass.
 #
@@ -145,10 +133,11 @@ for head_dim in (64, 128):
 #
 # **The merge is associative and commutative**: multiplying $\ell$ and $o$ by $e^{m}$ turns the state
 # of $J$ into $(\max_J s_j,\ \sum_J e^{s_j},\ \sum_J e^{s_j} v_j)$ and the merge into (max, +, +)
-# componentwise ("Going deeper: why the merge is associative"). So the keys can be cut into blocks
-# anywhere, the blocks merged in any grouping and, unlike chapter 02's steps, in any order.
+# componentwise ("Going deeper: why the merge is associative" proves it and checks `merge_states`). So
+# the keys can be cut into blocks anywhere and merged in any grouping and, unlike chapter 02's steps, in
+# any order.
 #
-# In PyTorch, for states of many queries at once (`m`, `l` of shape (...), `o` of shape (..., head_dim)):
+# In PyTorch, for the states of many queries at once:
 
 # %%
 def softmax_state(scores, values):
@@ -169,80 +158,15 @@ def merge_states(x, y):
     return m, scale_x * l_x + scale_y * l_y, scale_x[..., None] * o_x + scale_y[..., None] * o_y
     ### END SOLUTION
 
-
-def identity_state(queries, head_dim):
-    """The state of no keys: (-inf, 0, 0) for `queries` queries, float64."""
-    m = torch.full((queries,), float("-inf"), dtype=torch.float64)
-    return m, torch.zeros(queries, dtype=torch.float64), torch.zeros(queries, head_dim, dtype=torch.float64)
-
-
-def random_cuts(length, pieces, rng):
-    """`pieces` - 1 distinct cut points in (0, length): contiguous pieces [0, c1), [c1, c2), ..."""
-    return [0, *sorted(rng.sample(range(1, length), pieces - 1)), length]
-
 # %% [markdown]
-# The checks: cut the keys of random scores (spread wide, so that the maxima differ) into random
-# pieces, merge their states in four orders and groupings, and compare each with the state of all keys
-# and with the reference's output and log-sum-exp.
-
-# %%
-def merge_in_random_tree(states, rng):
-    """Merge a list of states by repeatedly merging a random adjacent pair."""
-    states = list(states)
-    while len(states) > 1:
-        i = rng.randrange(len(states) - 1)
-        states[i:i + 2] = [merge_states(states[i], states[i + 1])]
-    return states[0]
-
-
-torch.manual_seed(1)
-rng = random.Random(1)
-queries, keys, head_dim = 6, 97, 32
-scores = 20 * torch.randn(queries, keys, dtype=torch.float64)
-values = torch.randn(keys, head_dim, dtype=torch.float64)
-whole = softmax_state(scores, values)
-cuts = random_cuts(keys, 9, rng)
-pieces = [softmax_state(scores[:, a:b], values[a:b]) for a, b in zip(cuts, cuts[1:])]
-empty = identity_state(queries, head_dim)
-shuffled = rng.sample(pieces, len(pieces))
-left = pieces[0]
-for piece in pieces[1:]:
-    left = merge_states(left, piece)
-right = pieces[-1]
-for piece in reversed(pieces[:-1]):
-    right = merge_states(piece, right)
-shuffled_left = empty
-for piece in shuffled:
-    shuffled_left = merge_states(shuffled_left, piece)
-results = {"left to right": left, "right to left": right, "random tree": merge_in_random_tree(pieces, rng),
-           "shuffled, from the identity": shuffled_left}
-attention_out, attention_lse = attention_reference(scores[None], torch.eye(keys, dtype=torch.float64)[None],
-                                                   values[None], sm_scale=1.0)
-print(f"pieces: {[b - a for a, b in zip(cuts, cuts[1:])]}")
-print(f"{'grouping':28} {'state err':>10} {'output err':>11} {'lse err':>9}")
-for name, (m, l, o) in results.items():
-    state_err = max((x - w).abs().max().item() for x, w in zip((m, l, o), whole))
-    out_err = (o / l[:, None] - attention_out[0]).abs().max().item()
-    lse_err = (m + l.log() - attention_lse[0]).abs().max().item()
-    print(f"{name:28} {state_err:10.1e} {out_err:11.1e} {lse_err:9.1e}")
-    assert state_err < 1e-12 and out_err < 1e-12 and lse_err < 1e-12
-
-empty_merged = merge_states(empty, left)
-assert all(torch.equal(x, y) for x, y in zip(empty_merged, left))
-print("the identity (-inf, 0, 0) merged with a state leaves it unchanged: ok")
-
-# %% [markdown]
-# Because the merge is associative, Triton's `tl.associative_scan` can scan these states, as chapter 02
-# scanned pairs ("Going deeper: the merge in `tl.associative_scan`" computes attention over every prefix
-# of the keys that way). A query wants only the state of all its keys, though, so the kernels that follow
-# fold the key blocks into one state, left to right, like chapter 02's chunk loop, and parallelise over
-# queries instead.
+# A query needs only the state of all its keys, so the kernels fold the key blocks into one state, left
+# to right like chapter 02's chunk loop, and parallelise over queries. (`tl.associative_scan` can scan
+# the states too, for attention over every prefix: "Going deeper: the merge in `tl.associative_scan`".)
 #
 # ## 3. One block: attention in a single program
 #
-# When $L$ is small, one program can hold all the queries, keys and values of one head and compute
-# the scores with a single `tl.dot`. Keys past $L$ get the score $-\infty$, so their weight is
-# $e^{-\infty} = 0$.
+# When $L$ is small, one program can hold a head's queries, keys and values and compute the scores
+# with one `tl.dot`. Keys past $L$ get the score $-\infty$, so their weight is $e^{-\infty} = 0$.
 
 # %%
 @triton.jit
@@ -287,11 +211,10 @@ for length in (1, 7, 33, 100):
 #
 # ## 4. The tiled forward kernel
 #
-# Each program takes `BLOCK_M` queries of one head (a grid of $\lceil L / \text{BLOCK\_M} \rceil
-# \times$ batch $\cdot$ heads programs) and loops over the keys in blocks of `BLOCK_N`. Per key block it
-# computes the scores with `tl.dot` and merges the block's state into the running state $(m, \ell, o)$
-# of its queries, kept in registers for the whole loop. The merge of section 2, written for a running
-# state and one new block, is the **online softmax**:
+# Each program takes `BLOCK_M` queries of one head and loops over the keys in blocks of `BLOCK_N`,
+# keeping its queries' state $(m, \ell, o)$ in registers. Per key block it computes the scores with
+# `tl.dot` and merges in the block's state: section 2's merge, for a running state and one new block, is
+# the **online softmax**:
 #
 # $$m' = \max\big(m, \max_j s_{ij}\big),\quad \alpha = e^{m - m'},\quad p_{ij} = e^{s_{ij} - m'},\quad
 # \ell' = \alpha\,\ell + \sum_j p_{ij},\quad o' = \alpha\, o + p\, V_{\text{block}} .$$
@@ -301,20 +224,22 @@ for length in (1, 7, 33, 100):
 #
 # - **exp2**: the scores are multiplied by $\tau \log_2 e$ and exponentiated with `tl.exp2`, one
 #   multiply fewer per score; $m$ is kept in these base-2 units.
-# - **masks only where needed**: `attend_key_blocks` runs twice, without masks over the key blocks
-#   wholly inside $0..L-1$ (and, when causal, left of the program's first query), then with masks over
-#   the rest. A causal program stops at its last query, skipping the blocks above the diagonal.
+# - **masks only where needed**: `attend_key_blocks` runs twice: unmasked over the key blocks wholly
+#   inside $0..L-1$ (and, when causal, left of the program's first query), then masked over the rest. A
+#   causal program stops at its last query, skipping the blocks above the diagonal.
 # - **precision**: scores and the state are float32 (float64 for float64 inputs); $p$ is rounded to the
-#   input's dtype for the second `tl.dot`, so that float16 / bfloat16 run on the tensor cores. `matmul`
-#   is `tl.dot` at full float32 precision (`input_precision="ieee"`, not TF32).
+#   input's dtype for the second product, so that float16 / bfloat16 run on the tensor cores.
+# - **as people call it**: the kernel reads any strides, lets query heads share a head of keys and values
+#   (`group`), takes $L_q$ queries and $L_k$ keys (`diagonal` $= L_k - L_q$) and pads head dims such as 80
+#   to a power of two (`HEAD_DIM_PADDED`). On a first reading take `group` 1, `diagonal` 0 and a head dim
+#   of 64 ("Going deeper: attention as people call it" explains the rest).
 #
-# "Going deeper: the forward kernel's details" explains the grid's order (the last query blocks first)
-# and the bug of the CPU interpreter that `matmul` works around.
+# "Going deeper: the forward kernel's details" explains the grid's order (the last query blocks first),
+# the `tl.float64` scale and the interpreter bug that `matmul` works around.
 
 # %%
 #| export
-# Under Triton 3.6's interpreter tl.dot multiplies bfloat16 blocks as raw 16-bit integers: matmul upcasts them.
-UPCAST_BFLOAT16_DOTS: tl.constexpr = tl.constexpr(INTERPRET)
+UPCAST_BFLOAT16_DOTS: tl.constexpr = tl.constexpr(INTERPRET)  # Triton 3.6's interpreter botches bfloat16 tl.dot
 LOG2E_CONST: tl.constexpr = tl.constexpr(LOG2E)  # LOG2E inside kernels
 
 
@@ -328,27 +253,50 @@ def matmul(a, b):
 
 
 @triton.jit
-def attend_key_blocks(o, l, m, q, K, V, base, rows, start, stop, length, qk_scale,
-                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    """Merge the key blocks [start, stop) into the running state (m, l, o) of the queries `rows`.
+def tile_pointers(T, positions, dims, stride_l, stride_d):
+    """Pointers to the tile `positions` x `dims` of one head T (positions down, head dims across), at its strides."""
+    return T + positions[:, None] * stride_l + dims[None, :] * stride_d
 
-    o: BLOCK_M x HEAD_DIM, l, m: BLOCK_M (m in base-2 units: scores times qk_scale = sm_scale * log2 e);
-    q: BLOCK_M x HEAD_DIM. MASKED: mask keys past `length` and, if CAUSAL, keys after the query."""
-    dims = tl.arange(0, HEAD_DIM)
+
+@triton.jit
+def load_tile(PTRS, positions, length, dims, HEAD_DIM: tl.constexpr, MASK_POSITIONS: tl.constexpr):
+    """The tile at PTRS, zeros at positions >= `length` (if MASK_POSITIONS) and dims >= HEAD_DIM (padding)."""
+    if dims.shape[0] != HEAD_DIM:
+        inside = dims[None, :] < HEAD_DIM
+        if MASK_POSITIONS:
+            inside = inside & (positions[:, None] < length)
+        tile = tl.load(PTRS, mask=inside, other=0.0)
+    elif MASK_POSITIONS:
+        tile = tl.load(PTRS, mask=positions[:, None] < length, other=0.0)
+    else:
+        tile = tl.load(PTRS)
+    return tile
+
+
+@triton.jit
+def store_tile(PTRS, tile, positions, length, dims, HEAD_DIM: tl.constexpr):
+    """Store `tile` at PTRS, except at the positions from `length` on and the dims from HEAD_DIM on."""
+    inside = positions[:, None] < length
+    if dims.shape[0] != HEAD_DIM:
+        inside = inside & (dims[None, :] < HEAD_DIM)
+    tl.store(PTRS, tile.to(PTRS.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def attend_key_blocks(o, l, m, q, K, V, stride_kl, stride_kd, stride_vl, stride_vd, rows, start, stop, k_length,
+                      diagonal, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                      CAUSAL: tl.constexpr):
+    """Merge the key blocks [start, stop) into the state (m, l, o) of the queries `rows` (m in base-2 units)."""
+    dims = tl.arange(0, q.shape[1])  # the head dim, padded to a power of two
     for block_start in tl.range(start, stop, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
-        offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
-        if MASKED:
-            k = tl.load(K + offsets, mask=keys[:, None] < length, other=0.0)
-            v = tl.load(V + offsets, mask=keys[:, None] < length, other=0.0)
-        else:
-            k = tl.load(K + offsets)
-            v = tl.load(V + offsets)
+        k = load_tile(tile_pointers(K, keys, dims, stride_kl, stride_kd), keys, k_length, dims, HEAD_DIM, MASKED)
+        v = load_tile(tile_pointers(V, keys, dims, stride_vl, stride_vd), keys, k_length, dims, HEAD_DIM, MASKED)
         s = matmul(q, tl.trans(k)).to(o.dtype) * qk_scale  # BLOCK_M x BLOCK_N
         if MASKED:
-            visible = keys[None, :] < length
+            visible = keys[None, :] < k_length
             if CAUSAL:
-                visible = visible & (keys[None, :] <= rows[:, None])
+                visible = visible & (keys[None, :] <= rows[:, None] + diagonal)
             s = tl.where(visible, s, float("-inf"))
         ### BEGIN SOLUTION
         ### HINT: fold the block's scores s (base 2) into (m, l, o): m_new = the larger maximum, alpha = 2^(m - m_new) rescales the old l and o, p = 2^(s - m_new) adds the block's terms; then m = m_new
@@ -363,45 +311,51 @@ def attend_key_blocks(o, l, m, q, K, V, base, rows, start, stop, length, qk_scal
 
 
 @triton.jit
-def flash_fwd_kernel(Q, K, V, O, LSE, length, qk_scale: tl.float64, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                     ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Q, K, V, O: (batch * heads) x length x HEAD_DIM contiguous; LSE: (batch * heads) x length, in ACC.
-    # One program per BLOCK_M queries of one head; qk_scale = sm_scale * log2(e). Triton passes a Python
-    # float as float32 unless the parameter is annotated: float64 keeps every digit of the scale for float64
-    # inputs, and the kernel computes in ACC (tl.full, not .to: under the interpreter it is a Python float).
-    qk_scale = tl.full([], qk_scale, ACC)
+def flash_fwd_kernel(Q, K, V, O, LSE, q_length, k_length, q_bucket, k_bucket, group,  # buckets: the autotune key
+                     qk_scale: tl.float64,
+                     stride_qb, stride_qh, stride_ql, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+                     stride_vb, stride_vh, stride_vl, stride_vd, stride_ob, stride_oh, stride_ol, stride_od,
+                     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Q, O: batch x heads x q_length x HEAD_DIM; K, V: batch x (heads / group) x k_length x HEAD_DIM; LSE in ACC.
+    qk_scale = tl.full([], qk_scale, ACC)  # why float64, why tl.full: "Going deeper: the forward kernel's details"
     block_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last queries first: causal, they have the most keys
-    head = tl.program_id(1).to(tl.int64)
-    base = head * length * HEAD_DIM
+    head, batch = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    Q += batch * stride_qb + head * stride_qh
+    K += batch * stride_kb + head // group * stride_kh
+    V += batch * stride_vb + head // group * stride_vh
+    O += batch * stride_ob + head * stride_oh
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
-    row_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
-    q = tl.load(Q + row_offsets, mask=rows[:, None] < length, other=0.0)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    q = load_tile(tile_pointers(Q, rows, dims, stride_ql, stride_qd), rows, q_length, dims, HEAD_DIM, True)
     m = tl.full([BLOCK_M], float("-inf"), ACC)
     l = tl.zeros([BLOCK_M], ACC)
-    o = tl.zeros([BLOCK_M, HEAD_DIM], ACC)
-    if CAUSAL:  # keys left of the first query need no mask; stop after the last query
-        unmasked_stop = block_m * BLOCK_M // BLOCK_N * BLOCK_N
-        stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
+    o = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], ACC)
+    diagonal = k_length - q_length  # causal: query i sees the keys j <= i + diagonal (aligned bottom-right)
+    if CAUSAL:  # keys left of the first query's diagonal need no mask; stop after the last query's
+        unmasked_stop = tl.maximum(block_m * BLOCK_M + diagonal, 0) // BLOCK_N * BLOCK_N
+        stop = tl.minimum(k_length, (block_m + 1) * BLOCK_M + diagonal)
+        m = tl.where(rows + diagonal < 0, 0.0, m)  # a query that sees no key: 2^(-inf - 0), never -inf - (-inf)
     else:  # whole key blocks need no mask
-        unmasked_stop = length // BLOCK_N * BLOCK_N
-        stop = length
-    o, l, m = attend_key_blocks(o, l, m, q, K, V, base, rows, 0, unmasked_stop, length, qk_scale,
-                                HEAD_DIM, BLOCK_N, False, CAUSAL)
-    o, l, m = attend_key_blocks(o, l, m, q, K, V, base, rows, unmasked_stop, stop, length, qk_scale,
-                                HEAD_DIM, BLOCK_N, True, CAUSAL)
-    tl.store(O + row_offsets, (o / l[:, None]).to(O.dtype.element_ty), mask=rows[:, None] < length)
-    tl.store(LSE + head * length + rows, m / LOG2E_CONST + tl.log(l), mask=rows < length)  # natural log
+        unmasked_stop = k_length // BLOCK_N * BLOCK_N
+        stop = k_length
+    o, l, m = attend_key_blocks(o, l, m, q, K, V, stride_kl, stride_kd, stride_vl, stride_vd, rows, 0, unmasked_stop,
+                                k_length, diagonal, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL)
+    o, l, m = attend_key_blocks(o, l, m, q, K, V, stride_kl, stride_kd, stride_vl, stride_vd, rows, unmasked_stop, stop,
+                                k_length, diagonal, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL)
+    seen = l > 0  # l >= 1 for a query that sees a key: only one that sees none has l = 0 (and o = 0)
+    l = tl.where(seen, l, 1.0)
+    store_tile(tile_pointers(O, rows, dims, stride_ol, stride_od), o / l[:, None], rows, q_length, dims, HEAD_DIM)
+    lse = tl.where(seen, m / LOG2E_CONST + tl.log(l), float("-inf"))  # natural log; log(no terms) = -inf
+    tl.store(LSE + (batch * tl.num_programs(1) + head) * q_length + rows, lse, mask=rows < q_length)
 
 # %% [markdown]
-# The launcher makes the grid from the block size, which `triton.autotune` picks on a GPU ("Going
-# deeper: tile sizes and autotuning"); under the interpreter one small configuration is used.
+# The launcher's grid depends on the block size, which `triton.autotune` picks on a GPU ("Going deeper:
+# tile sizes and autotuning"); the interpreter runs one small tile.
 
 # %%
 #| export
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) that autotune tries on a GPU, by the inputs' element size:
-# 2 bytes (float16, bfloat16) run on the tensor cores; 4 and 8 (float32, float64 with "ieee" precision) do
-# not, and get smaller tiles that fit in registers and shared memory.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for autotune on a GPU, by element size, at head dims <= 128.
 GPU_TILES = {
     "fwd": {2: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
             4: [(64, 32, 4, 2), (32, 32, 4, 2)], 8: [(32, 32, 4, 1)]},
@@ -411,28 +365,43 @@ GPU_TILES = {
            4: [(64, 32, 4, 2), (32, 32, 4, 2)], 8: [(32, 32, 4, 1)]},
 }
 INTERPRETER_TILES = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}  # (BLOCK_M, BLOCK_N) on the CPU
+MAX_HEAD_DIM = 256  # head dims: the multiples of 16 up to this (tl.dot needs 16 at least)
+
+
+def gpu_tiles(kernel_name: str, element_size: int, head_dim_padded: int) -> list:
+    """GPU_TILES[kernel_name][element_size], shrunk past head dim 128 ("Going deeper: attention as people call it")."""
+    shrink = max(1, head_dim_padded // 128)
+    return list(dict.fromkeys(
+        (max(16, block_m // shrink), max(16, block_n // shrink), warps, stages if shrink == 1 else min(stages, 2))
+        for block_m, block_n, warps, stages in GPU_TILES[kernel_name][element_size]))
 
 
 def tuned(kernel_name: str):
-    """triton.autotune keyed on (length, HEAD_DIM, CAUSAL) (and the dtypes, which autotune adds), trying
-    only the GPU_TILES of the inputs' element size; under the interpreter one fixed INTERPRETER_TILES tile."""
+    """triton.autotune over the gpu_tiles of the inputs' element size and head dim; on the CPU, INTERPRETER_TILES."""
+    key = ["q_bucket", "k_bucket", "HEAD_DIM", "CAUSAL"]
     if not ON_GPU:
         block_m, block_n = INTERPRETER_TILES[kernel_name]
-        return triton.autotune([triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n})],
-                               key=["length", "HEAD_DIM", "CAUSAL"])
-    by_size = {size: [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
-               for size, tiles in GPU_TILES[kernel_name].items()}
+        return triton.autotune([triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n})], key=key)
+    padded_dims = [16 << i for i in range(MAX_HEAD_DIM.bit_length() - 4)]  # 16, 32, ..., MAX_HEAD_DIM
+    by_size_and_dim = {(size, dim): [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                                     for m, n, w, s in gpu_tiles(kernel_name, size, dim)]
+                       for size in GPU_TILES[kernel_name] for dim in padded_dims}
 
-    def for_element_size(configs, named_args, **kwargs):
-        return by_size[named_args["Q"].element_size()]
+    def for_element_size_and_head_dim(configs, named_args, **kwargs):
+        return by_size_and_dim[named_args["Q"].element_size(), kwargs["HEAD_DIM_PADDED"]]
 
     def quick_bench(kernel_call, quantiles):  # each new key costs a search: short warm-up and repeats
         return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
-    return triton.autotune([c for configs in by_size.values() for c in configs], key=["length", "HEAD_DIM", "CAUSAL"],
-                           prune_configs_by={"early_config_prune": for_element_size}, do_bench=quick_bench)
+    return triton.autotune([c for configs in by_size_and_dim.values() for c in configs], key=key, do_bench=quick_bench,
+                           prune_configs_by={"early_config_prune": for_element_size_and_head_dim})
 
 
 flash_fwd = tuned("fwd")(flash_fwd_kernel)
+
+
+def length_bucket(length: int) -> int:
+    """The autotuning key of a length: the power of two at or above it."""
+    return 1 << (length - 1).bit_length()
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -440,34 +409,39 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def flash_attention_forward(q, k, v, causal: bool, sm_scale: float):
-    """(output, lse) for contiguous q, k, v (batch, heads, L, head_dim) of one dtype, L >= 1.
+def head_dim_options(head_dim: int) -> dict:
+    """The kernels' constexprs for a head dim: itself, and padded to a power of two (tl.arange's sizes)."""
+    return dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=next_power_of_2(head_dim))
 
-    output: the input dtype; lse: (batch, heads, L), the log-sum-exp of each query's scores, in lse_dtype."""
-    batch, heads, length, head_dim = q.shape
+
+def flash_attention_forward(q, k, v, causal: bool, sm_scale: float):
+    """(output, lse) for q (batch, heads, Lq, head_dim), k, v (batch, kv_heads, Lk, head_dim): one dtype, any strides,
+    Lq, Lk >= 1, kv_heads dividing heads. output: empty_like(q); lse: (batch, heads, Lq), lse_dtype, -inf: no key."""
+    batch, heads, q_length, head_dim = q.shape
+    kv_heads, k_length = k.shape[1:3]
     out = torch.empty_like(q)
-    lse = torch.empty(batch, heads, length, dtype=lse_dtype(q.dtype), device=q.device)
-    grid = lambda meta: (triton.cdiv(length, meta["BLOCK_M"]), batch * heads)  # noqa: E731
-    flash_fwd[grid](q, k, v, out, lse, length, sm_scale * LOG2E, HEAD_DIM=head_dim, CAUSAL=causal,
-                    ACC=accumulator_dtype(q.dtype))
+    lse = torch.empty(batch, heads, q_length, dtype=lse_dtype(q.dtype), device=q.device)
+    grid = lambda meta: (cdiv(q_length, meta["BLOCK_M"]), heads, batch)  # noqa: E731
+    flash_fwd[grid](q, k, v, out, lse, q_length, k_length, length_bucket(q_length), length_bucket(k_length),
+                    heads // kv_heads, sm_scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                    CAUSAL=causal, ACC=accumulator_dtype(q.dtype), **head_dim_options(head_dim))
     return out, lse
 
 # %% [markdown]
-# The checks: random inputs at awkward lengths, causal and not, every head dim and input dtype, against
-# the float64 reference. The output is rounded once to the input dtype, so the tolerance is a few units
-# of the dtype's rounding. (On a CPU, bfloat16 errors are larger than the GPU's printed here: see "Going
-# deeper: the forward kernel's details".)
+# The checks: random inputs at awkward lengths, causal and not, head dims 32, 64 and 128 (the others:
+# "Going deeper: attention as people call it") and every input dtype, against the float64 reference. The
+# output is rounded once to the input dtype, so the tolerance is a few units of its rounding. (On a CPU,
+# bfloat16 errors are larger than the GPU's printed here: "Going deeper: the forward kernel's details".)
 
 # %%
 TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # max abs error allowed, inputs ~ N(0, 1)
 
 
 def forward_cases():
-    """(L, head_dim, dtype, causal) checked: every L and causal flag in float32 at head dim 64, the other head
-    dims and dtypes at two lengths (the interpreter is slow; a GPU checks more)."""
+    """(L, head_dim, dtype, causal): every L and flag in float32 at d 64; the rest at two L (the CPU is slow)."""
     lengths = (1, 7, 33, 129, 1000, 4097) if ON_GPU else (1, 7, 33, 129)
     cases = [(length, 64, torch.float32, causal) for length in lengths for causal in (False, True)]
-    for head_dim in HEAD_DIMS:
+    for head_dim in (32, 64, 128):
         for dtype in TOLERANCE:
             cases += [(length, head_dim, dtype, True) for length in (7, 129) if (head_dim, dtype) != (64, torch.float32)]
     return cases
@@ -488,8 +462,8 @@ for length, head_dim, dtype, causal in forward_cases():
 # %% [markdown]
 # ## 5. The backward pass, derived
 #
-# Take one head and a loss $\mathcal{L}$ with incoming gradient $dO_i = \partial\mathcal{L}/\partial O_i$.
-# Write $dX$ for $\partial\mathcal{L}/\partial X$. From $O_i = \sum_j P_{ij} v_j$:
+# For one head and a loss $\mathcal{L}$, write $dX$ for $\partial\mathcal{L}/\partial X$ ($dO$ is the
+# incoming gradient). From $O_i = \sum_j P_{ij} v_j$:
 #
 # $$dV_j = \sum_i P_{ij}\, dO_i, \qquad dP_{ij} = dO_i \cdot v_j .$$
 #
@@ -518,29 +492,28 @@ for length, head_dim, dtype, causal in forward_cases():
 #    $dV_j$ and $dK_j$ in registers;
 # 3. **dQ**: one program per block of queries, looping over the blocks of keys, accumulating $dQ_i$.
 #
-# Each program owns the rows it writes: no atomics, and the result does not depend on the programs'
-# order. The price is that $S$ and $dP$ are computed twice, once per kernel. The loops have the
-# forward's shape, masked only on the causal diagonal and the last, partial block. "Going deeper: the
-# backward kernels" has their code (the dK/dV kernel's tiles transposed) and checks every gradient
-# against autograd of the float64 reference, and these formulas in float64.
+# Each program owns the rows it writes: no atomics, and a result that does not depend on the programs'
+# order. The price is computing $S$ and $dP$ twice, once per kernel. "Going deeper: the backward kernels"
+# has their code, with the forward's loops and masks, and checks these formulas and every gradient
+# against autograd of the float64 reference.
 
 # %% [markdown]
 # ## 6. `scan_lib.flash_attention`: a differentiable torch op
 #
-# As in chapter 03, the kernels become two torch custom ops, `scan_lib::flash_attention_fwd` (output
-# and log-sum-exp) and `scan_lib::flash_attention_bwd`, each with a fake implementation (for
-# `torch.compile`) and a vmap rule, joined by an `autograd.Function` into the exported
-# `flash_attention`, which checks its arguments. Its export cell follows the backward kernels', in
-# "Going deeper: the torch op", with its checks.
+# As in chapter 03, the kernels become two torch custom ops, forward and backward, with fake
+# implementations (for `torch.compile`) and vmap rules, joined by an `autograd.Function` into the
+# exported `flash_attention`, which checks its arguments. Its code and checks follow the backward
+# kernels', in "Going deeper: the torch op". It takes head dims that are multiples of 16 up to 256,
+# grouped-query attention, $L_q \ne L_k$ and the (batch, L, heads, head_dim) layout in place ("Going
+# deeper: attention as people call it").
 
 # %% [markdown]
 # ## 7. On a GPU: against PyTorch's FlashAttention and cuDNN
 #
 # "Going deeper: the benchmark" times ours in bfloat16 against `F.scaled_dot_product_attention` run by
-# PyTorch's FlashAttention-2 kernels and by NVIDIA's cuDNN. In the recorded run, on an NVIDIA H100
-# 80GB HBM3, ours is at least as fast as the former in every row and at every length (level with it
-# only at $L = 1024$, head dim 128, causal forward + backward: 147 TFLOP/s each), and trails cuDNN in
-# every row (ours / cuDNN from 0.56 to 0.98).
+# PyTorch's FlashAttention-2 kernels and by NVIDIA's cuDNN. In the recorded run (NVIDIA H100 80GB HBM3)
+# ours beats the former in every row but one, where the two are level, and trails cuDNN in every row
+# (ours / cuDNN from 0.56 to 0.98).
 
 # %% [markdown]
 # ## Summary
@@ -550,8 +523,9 @@ for length, head_dim, dtype, causal in forward_cases():
 #   never needs to exist.
 # - The tiled forward keeps the state of `BLOCK_M` queries in registers and saves the log-sum-exp; the
 #   backward recomputes $P = e^{S - \mathrm{lse}}$ tile by tile, in three kernels with no atomics.
-# - `scan_lib.flash_attention` is a differentiable torch op that works with `torch.compile` and
-#   `torch.func`.
+# - `scan_lib.flash_attention` is a differentiable torch op for `torch.compile` and `torch.func`, with
+#   head dims up to 256, grouped-query attention, $L_q \ne L_k$ (causal aligned bottom-right) and the
+#   (batch, L, heads, head_dim) layout in place.
 # - The naive CUDA kernel ("Going deeper: the CUDA kernel of the source, line by line") shows what a
 #   tiled kernel must avoid: a serial softmax, scalar products, bank conflicts, too few blocks.
 
@@ -591,46 +565,47 @@ for length, head_dim, dtype, causal in forward_cases():
 # %%
 #| export
 @triton.jit
-def flash_bwd_preprocess_kernel(O, DO, DELTA, length, HEAD_DIM: tl.constexpr, ACC: tl.constexpr,
-                                BLOCK_M: tl.constexpr):
-    # O, DO: (batch * heads) x length x HEAD_DIM contiguous; DELTA: (batch * heads) x length, in ACC.
-    # DELTA = rowsum(DO * O): D_i = dO_i . O_i.
-    block_m = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
-    offsets = head * length * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
-    o = tl.load(O + offsets, mask=rows[:, None] < length, other=0.0).to(ACC)
-    do = tl.load(DO + offsets, mask=rows[:, None] < length, other=0.0).to(ACC)
-    tl.store(DELTA + head * length + rows, tl.sum(o * do, 1), mask=rows < length)
+def flash_bwd_preprocess_kernel(O, DO, DELTA, q_length, stride_ob, stride_oh, stride_ol, stride_od,
+                                stride_dob, stride_doh, stride_dol, stride_dod, HEAD_DIM: tl.constexpr,
+                                HEAD_DIM_PADDED: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr):
+    # O, DO: batch x heads x q_length x HEAD_DIM at their strides; DELTA: batch x heads x q_length contiguous, in
+    # ACC. DELTA = rowsum(DO * O): D_i = dO_i . O_i. The grid: (query blocks, heads, batch).
+    head, batch = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    o = load_tile(tile_pointers(O + batch * stride_ob + head * stride_oh, rows, dims, stride_ol, stride_od),
+                  rows, q_length, dims, HEAD_DIM, True).to(ACC)
+    do = load_tile(tile_pointers(DO + batch * stride_dob + head * stride_doh, rows, dims, stride_dol, stride_dod),
+                   rows, q_length, dims, HEAD_DIM, True).to(ACC)
+    tl.store(DELTA + (batch * tl.num_programs(1) + head) * q_length + rows, tl.sum(o * do, 1), mask=rows < q_length)
 
 
 @triton.jit
-def dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, stats, keys, start, stop, length, qk_scale,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    """Add the query blocks [start, stop) to the keys' dK / sm_scale and dV, transposed: keys down the tiles.
+def dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, stride_ql, stride_qd, stride_dol, stride_dod, keys, start, stop,
+                      q_length, diagonal, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                      MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Add the query blocks [start, stop) of one query head to the keys' dK / sm_scale and dV, transposed: keys
+    down the tiles.
 
-    dk, dv: BLOCK_N x HEAD_DIM accumulators; k, v: BLOCK_N x HEAD_DIM; keys: BLOCK_N positions; stats: the
-    head's offset in LSE and DELTA. MASKED: mask queries past `length` and, if CAUSAL, queries before a key."""
-    dims = tl.arange(0, HEAD_DIM)
+    dk, dv: BLOCK_N x HEAD_DIM (padded) accumulators; k, v: BLOCK_N x HEAD_DIM; keys: BLOCK_N positions; Q, DO: the
+    query head's rows (q_length x HEAD_DIM, at their strides), LSE, DELTA: its q_length statistics. MASKED: mask
+    queries past `q_length` and, if CAUSAL, the queries before a key's diagonal (query i < key j - diagonal)."""
+    dims = tl.arange(0, k.shape[1])  # the head dim, padded to a power of two
     for block_start in tl.range(start, stop, BLOCK_M):
         rows = block_start + tl.arange(0, BLOCK_M)
-        offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
+        q = load_tile(tile_pointers(Q, rows, dims, stride_ql, stride_qd), rows, q_length, dims, HEAD_DIM, MASKED)
+        do = load_tile(tile_pointers(DO, rows, dims, stride_dol, stride_dod), rows, q_length, dims, HEAD_DIM, MASKED)
         if MASKED:
-            q = tl.load(Q + offsets, mask=rows[:, None] < length, other=0.0)
-            do = tl.load(DO + offsets, mask=rows[:, None] < length, other=0.0)
-            lse2 = tl.load(LSE + stats + rows, mask=rows < length, other=0.0) * LOG2E_CONST  # base 2
-            delta = tl.load(DELTA + stats + rows, mask=rows < length, other=0.0)
+            lse2 = tl.load(LSE + rows, mask=rows < q_length, other=0.0) * LOG2E_CONST  # base 2
+            delta = tl.load(DELTA + rows, mask=rows < q_length, other=0.0)
         else:
-            q = tl.load(Q + offsets)
-            do = tl.load(DO + offsets)
-            lse2 = tl.load(LSE + stats + rows) * LOG2E_CONST
-            delta = tl.load(DELTA + stats + rows)
+            lse2 = tl.load(LSE + rows) * LOG2E_CONST
+            delta = tl.load(DELTA + rows)
         p_t = tl.exp2(matmul(k, tl.trans(q)).to(dk.dtype) * qk_scale - lse2[None, :])  # P^T: BLOCK_N x BLOCK_M
         if MASKED:
-            visible = rows[None, :] < length
+            visible = rows[None, :] < q_length
             if CAUSAL:
-                visible = visible & (keys[:, None] <= rows[None, :])
+                visible = visible & (keys[:, None] <= rows[None, :] + diagonal)
             p_t = tl.where(visible, p_t, 0.0)
         ### BEGIN SOLUTION
         ### HINT: accumulate dV += P^T dO, then dP^T = V dO^T, dS^T = P^T * (dP^T - delta) (delta: one number per query, and queries run across the tile), dK += dS^T Q (sm_scale is applied at the store); use matmul
@@ -643,62 +618,75 @@ def dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, stats, keys, start,
 
 
 @triton.jit
-def flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, length, qk_scale: tl.float64, sm_scale: tl.float64,
-                          HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr,
+def flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_length, k_length, q_bucket, k_bucket, group,
+                          qk_scale: tl.float64,
+                          sm_scale: tl.float64, stride_qb, stride_qh, stride_ql, stride_qd,
+                          stride_kb, stride_kh, stride_kl, stride_kd, stride_vb, stride_vh, stride_vl, stride_vd,
+                          stride_dob, stride_doh, stride_dol, stride_dod,
+                          stride_dkb, stride_dkh, stride_dkl, stride_dkd,
+                          stride_dvb, stride_dvh, stride_dvl, stride_dvd, HEAD_DIM: tl.constexpr,
+                          HEAD_DIM_PADDED: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Q, K, V, DO, DK, DV: (batch * heads) x length x HEAD_DIM contiguous; LSE, DELTA: (batch * heads) x length.
-    # One program per BLOCK_N keys of one head, looping over the blocks of queries that can see them.
+    # Q, DO: batch x heads x q_length x HEAD_DIM; K, V, DK, DV: batch x (heads / group) x k_length x HEAD_DIM; each
+    # at its strides. LSE, DELTA: batch x heads x q_length contiguous. One program per BLOCK_N keys of one kv head,
+    # the grid (key blocks, kv heads, batch): it loops over the group of query heads that read the kv head, and
+    # over each one's blocks of queries that can see the keys, summing their terms of dK and dV.
     qk_scale, sm_scale = tl.full([], qk_scale, ACC), tl.full([], sm_scale, ACC)  # see flash_fwd_kernel
-    block_n = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    base = head * length * HEAD_DIM
-    keys = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
-    key_offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
-    k = tl.load(K + key_offsets, mask=keys[:, None] < length, other=0.0)
-    v = tl.load(V + key_offsets, mask=keys[:, None] < length, other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], ACC)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], ACC)
-    whole_stop = length // BLOCK_M * BLOCK_M  # the query blocks before it are whole
-    if CAUSAL:  # queries before the keys' block cannot see them; the blocks on the diagonal see some
-        first = block_n * BLOCK_N // BLOCK_M * BLOCK_M
-        diagonal_stop = tl.cdiv((block_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M
+    kv_head, batch = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    K += batch * stride_kb + kv_head * stride_kh
+    V += batch * stride_vb + kv_head * stride_vh
+    keys = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    k = load_tile(tile_pointers(K, keys, dims, stride_kl, stride_kd), keys, k_length, dims, HEAD_DIM, True)
+    v = load_tile(tile_pointers(V, keys, dims, stride_vl, stride_vd), keys, k_length, dims, HEAD_DIM, True)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PADDED], ACC)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PADDED], ACC)
+    whole_stop = q_length // BLOCK_M * BLOCK_M  # the query blocks before it are whole
+    diagonal = k_length - q_length  # causal: query i sees the keys j <= i + diagonal
+    if CAUSAL:  # queries before the keys' first diagonal cannot see them; the blocks across the diagonals see some
+        first = tl.maximum(tl.program_id(0) * BLOCK_N - diagonal, 0) // BLOCK_M * BLOCK_M
+        diagonal_stop = tl.cdiv(tl.maximum((tl.program_id(0) + 1) * BLOCK_N - diagonal, 0), BLOCK_M) * BLOCK_M
     else:
         first = 0
         diagonal_stop = 0
-    dk, dv = dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, head * length, keys, first,
-                               tl.minimum(diagonal_stop, length), length, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL)
-    dk, dv = dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, head * length, keys, diagonal_stop,
-                               whole_stop, length, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL)
-    dk, dv = dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, head * length, keys,
-                               tl.maximum(diagonal_stop, whole_stop), length, length, qk_scale,
-                               HEAD_DIM, BLOCK_M, True, CAUSAL)
-    tl.store(DK + key_offsets, (dk * sm_scale).to(DK.dtype.element_ty), mask=keys[:, None] < length)
-    tl.store(DV + key_offsets, dv.to(DV.dtype.element_ty), mask=keys[:, None] < length)
+    for member in range(group):  # the query heads that read this kv head (a loop of one, compiled away, when
+        head = kv_head * group + member  # group is 1: Triton specializes an int argument equal to 1)
+        Q_head = Q + batch * stride_qb + head * stride_qh
+        DO_head = DO + batch * stride_dob + head * stride_doh
+        stats = (batch * tl.num_programs(1) * group + head) * q_length  # the head's offset in LSE and DELTA
+        dk, dv = dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE + stats, DELTA + stats, stride_ql, stride_qd,
+                                   stride_dol, stride_dod, keys, first, tl.minimum(diagonal_stop, q_length), q_length,
+                                   diagonal, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL)
+        dk, dv = dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE + stats, DELTA + stats, stride_ql, stride_qd,
+                                   stride_dol, stride_dod, keys, diagonal_stop, whole_stop, q_length,
+                                   diagonal, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL)
+        dk, dv = dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE + stats, DELTA + stats, stride_ql, stride_qd,
+                                   stride_dol, stride_dod, keys, tl.maximum(diagonal_stop, whole_stop), q_length,
+                                   q_length, diagonal, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL)
+    DK += batch * stride_dkb + kv_head * stride_dkh
+    DV += batch * stride_dvb + kv_head * stride_dvh
+    store_tile(tile_pointers(DK, keys, dims, stride_dkl, stride_dkd), dk * sm_scale, keys, k_length, dims, HEAD_DIM)
+    store_tile(tile_pointers(DV, keys, dims, stride_dvl, stride_dvd), dv, keys, k_length, dims, HEAD_DIM)
 
 
 @triton.jit
-def dq_key_blocks(dq, q, do, lse2, delta, K, V, base, rows, start, stop, length, qk_scale,
-                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+def dq_key_blocks(dq, q, do, lse2, delta, K, V, stride_kl, stride_kd, stride_vl, stride_vd, rows, start, stop,
+                  k_length, diagonal, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  CAUSAL: tl.constexpr):
     """Add the key blocks [start, stop) to the queries' dQ / sm_scale.
 
-    dq, q, do: BLOCK_M x HEAD_DIM; lse2 (base 2), delta: BLOCK_M. MASKED: mask keys past `length` and,
-    if CAUSAL, keys after the query."""
-    dims = tl.arange(0, HEAD_DIM)
+    dq, q, do: BLOCK_M x HEAD_DIM (padded); lse2 (base 2), delta: BLOCK_M; K, V: the head's keys and values, at
+    their strides. MASKED: mask keys past `k_length` and, if CAUSAL, the keys after a query's diagonal."""
+    dims = tl.arange(0, q.shape[1])  # the head dim, padded to a power of two
     for block_start in tl.range(start, stop, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
-        offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
-        if MASKED:
-            k = tl.load(K + offsets, mask=keys[:, None] < length, other=0.0)
-            v = tl.load(V + offsets, mask=keys[:, None] < length, other=0.0)
-        else:
-            k = tl.load(K + offsets)
-            v = tl.load(V + offsets)
+        k = load_tile(tile_pointers(K, keys, dims, stride_kl, stride_kd), keys, k_length, dims, HEAD_DIM, MASKED)
+        v = load_tile(tile_pointers(V, keys, dims, stride_vl, stride_vd), keys, k_length, dims, HEAD_DIM, MASKED)
         p = tl.exp2(matmul(q, tl.trans(k)).to(dq.dtype) * qk_scale - lse2[:, None])  # BLOCK_M x BLOCK_N
         if MASKED:
-            visible = keys[None, :] < length
+            visible = keys[None, :] < k_length
             if CAUSAL:
-                visible = visible & (keys[None, :] <= rows[:, None])
+                visible = visible & (keys[None, :] <= rows[:, None] + diagonal)
             p = tl.where(visible, p, 0.0)
         dp = matmul(do, tl.trans(v)).to(dq.dtype)  # dP = dO V^T
         ds = p * (dp - delta[:, None])
@@ -707,34 +695,44 @@ def dq_key_blocks(dq, q, do, lse2, delta, K, V, base, rows, start, stop, length,
 
 
 @triton.jit
-def flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, length, qk_scale: tl.float64, sm_scale: tl.float64,
-                        HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Q, K, V, DO, DQ: (batch * heads) x length x HEAD_DIM contiguous; LSE, DELTA: (batch * heads) x length.
-    # One program per BLOCK_M queries of one head, looping over the blocks of keys they can see.
+def flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_length, k_length, q_bucket, k_bucket, group,
+                        qk_scale: tl.float64,
+                        sm_scale: tl.float64, stride_qb, stride_qh, stride_ql, stride_qd,
+                        stride_kb, stride_kh, stride_kl, stride_kd, stride_vb, stride_vh, stride_vl, stride_vd,
+                        stride_dob, stride_doh, stride_dol, stride_dod, stride_dqb, stride_dqh, stride_dql, stride_dqd,
+                        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, CAUSAL: tl.constexpr,
+                        ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Q, DO, DQ: batch x heads x q_length x HEAD_DIM; K, V: batch x (heads / group) x k_length x HEAD_DIM; each at
+    # its strides. LSE, DELTA: batch x heads x q_length contiguous. One program per BLOCK_M queries of one head,
+    # the grid (query blocks, heads, batch), looping over the blocks of keys they can see (of kv head h // group).
     qk_scale, sm_scale = tl.full([], qk_scale, ACC), tl.full([], sm_scale, ACC)  # see flash_fwd_kernel
     block_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last queries first: they have the most keys
-    head = tl.program_id(1).to(tl.int64)
-    base = head * length * HEAD_DIM
+    head, batch = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    Q += batch * stride_qb + head * stride_qh
+    DO += batch * stride_dob + head * stride_doh
+    DQ += batch * stride_dqb + head * stride_dqh
+    K += batch * stride_kb + head // group * stride_kh
+    V += batch * stride_vb + head // group * stride_vh
+    stats = (batch * tl.num_programs(1) + head) * q_length  # the head's offset in LSE and DELTA
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
-    row_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
-    q = tl.load(Q + row_offsets, mask=rows[:, None] < length, other=0.0)
-    do = tl.load(DO + row_offsets, mask=rows[:, None] < length, other=0.0)
-    lse2 = tl.load(LSE + head * length + rows, mask=rows < length, other=0.0) * LOG2E_CONST
-    delta = tl.load(DELTA + head * length + rows, mask=rows < length, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], ACC)
-    if CAUSAL:  # keys left of the first query need no mask; stop after the last query
-        unmasked_stop = block_m * BLOCK_M // BLOCK_N * BLOCK_N
-        stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    q = load_tile(tile_pointers(Q, rows, dims, stride_ql, stride_qd), rows, q_length, dims, HEAD_DIM, True)
+    do = load_tile(tile_pointers(DO, rows, dims, stride_dol, stride_dod), rows, q_length, dims, HEAD_DIM, True)
+    lse2 = tl.load(LSE + stats + rows, mask=rows < q_length, other=0.0) * LOG2E_CONST
+    delta = tl.load(DELTA + stats + rows, mask=rows < q_length, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], ACC)
+    diagonal = k_length - q_length  # causal: query i sees the keys j <= i + diagonal
+    if CAUSAL:  # keys left of the first query's diagonal need no mask; stop after the last query's
+        unmasked_stop = tl.maximum(block_m * BLOCK_M + diagonal, 0) // BLOCK_N * BLOCK_N
+        stop = tl.minimum(k_length, (block_m + 1) * BLOCK_M + diagonal)
     else:  # whole key blocks need no mask
-        unmasked_stop = length // BLOCK_N * BLOCK_N
-        stop = length
-    dq = dq_key_blocks(dq, q, do, lse2, delta, K, V, base, rows, 0, unmasked_stop, length, qk_scale,
-                       HEAD_DIM, BLOCK_N, False, CAUSAL)
-    dq = dq_key_blocks(dq, q, do, lse2, delta, K, V, base, rows, unmasked_stop, stop, length, qk_scale,
-                       HEAD_DIM, BLOCK_N, True, CAUSAL)
-    tl.store(DQ + row_offsets, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < length)
+        unmasked_stop = k_length // BLOCK_N * BLOCK_N
+        stop = k_length
+    dq = dq_key_blocks(dq, q, do, lse2, delta, K, V, stride_kl, stride_kd, stride_vl, stride_vd, rows, 0,
+                       unmasked_stop, k_length, diagonal, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL)
+    dq = dq_key_blocks(dq, q, do, lse2, delta, K, V, stride_kl, stride_kd, stride_vl, stride_vd, rows, unmasked_stop,
+                       stop, k_length, diagonal, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL)
+    store_tile(tile_pointers(DQ, rows, dims, stride_dql, stride_dqd), dq * sm_scale, rows, q_length, dims, HEAD_DIM)
 
 
 flash_bwd_dkdv = tuned("dkdv")(flash_bwd_dkdv_kernel)
@@ -743,20 +741,25 @@ PREPROCESS_BLOCK = 128 if ON_GPU else 32  # queries per program of the preproces
 
 
 def flash_attention_backward(q, k, v, out, lse, grad_out, causal: bool, sm_scale: float):
-    """(dq, dk, dv) for contiguous q, k, v, out, grad_out (batch, heads, L, head_dim) of one dtype and the
-    forward's lse (batch, heads, L), L >= 1; the gradients in the input dtype."""
-    batch, heads, length, head_dim = q.shape
-    acc = accumulator_dtype(q.dtype)
-    delta = torch.empty_like(lse)  # rowsum(dO * O), (batch, heads, L)
-    flash_bwd_preprocess_kernel[(triton.cdiv(length, PREPROCESS_BLOCK), batch * heads)](
-        out, grad_out, delta, length, HEAD_DIM=head_dim, ACC=acc, BLOCK_M=PREPROCESS_BLOCK)
+    """(dq, dk, dv) for q, out, grad_out (batch, heads, Lq, head_dim) and k, v (batch, kv_heads, Lk, head_dim) of one
+    dtype, at any strides (read in place), and the forward's lse (batch, heads, Lq); Lq, Lk >= 1. The gradients
+    in the input dtype, each with its input's strides where that input is dense (torch.empty_like)."""
+    batch, heads, q_length, head_dim = q.shape
+    kv_heads, k_length = k.shape[1:3]
+    acc, dim_options = accumulator_dtype(q.dtype), head_dim_options(head_dim)
+    delta = torch.empty_like(lse)  # rowsum(dO * O), (batch, heads, Lq)
+    flash_bwd_preprocess_kernel[(cdiv(q_length, PREPROCESS_BLOCK), heads, batch)](
+        out, grad_out, delta, q_length, *out.stride(), *grad_out.stride(), ACC=acc, BLOCK_M=PREPROCESS_BLOCK,
+        **dim_options)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     args = (q, k, v, grad_out, lse, delta)
-    options = dict(HEAD_DIM=head_dim, CAUSAL=causal, ACC=acc)
-    flash_bwd_dkdv[lambda meta: (triton.cdiv(length, meta["BLOCK_N"]), batch * heads)](
-        *args, dk, dv, length, sm_scale * LOG2E, sm_scale, **options)
-    flash_bwd_dq[lambda meta: (triton.cdiv(length, meta["BLOCK_M"]), batch * heads)](
-        *args, dq, length, sm_scale * LOG2E, sm_scale, **options)
+    sizes = (q_length, k_length, length_bucket(q_length), length_bucket(k_length), heads // kv_heads, sm_scale * LOG2E,
+             sm_scale)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride())
+    flash_bwd_dkdv[lambda meta: (cdiv(k_length, meta["BLOCK_N"]), kv_heads, batch)](
+        *args, dk, dv, *sizes, *strides, *dk.stride(), *dv.stride(), CAUSAL=causal, ACC=acc, **dim_options)
+    flash_bwd_dq[lambda meta: (cdiv(q_length, meta["BLOCK_M"]), heads, batch)](
+        *args, dq, *sizes, *strides, *dq.stride(), CAUSAL=causal, ACC=acc, **dim_options)
     return dq, dk, dv
 
 # %% [markdown]
@@ -820,9 +823,9 @@ print("dS = P * (dP - rowsum(dO * O)), dQ, dK, dV == autograd of the reference, 
 @custom_op("flash_attention_fwd", __name__)
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                         sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, lse) for contiguous q, k, v (batch, heads, L, head_dim) of one dtype."""
-    if q.numel() == 0:
-        return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+    """(output, lse) for q (batch, heads, Lq, head_dim) and k, v (batch, kv_heads, Lk, head_dim) of one dtype."""
+    if q.numel() == 0 or k.numel() == 0:  # no query, or no key: every output 0 and every lse -inf, as in SDPA
+        return torch.zeros_like(q), q.new_full(q.shape[:-1], float("-inf"), dtype=lse_dtype(q.dtype))
     return flash_attention_forward(q, k, v, causal, sm_scale)
 
 
@@ -835,8 +838,9 @@ def _(q, k, v, causal, sm_scale):
 def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                         grad_out: torch.Tensor, causal: bool,
                         sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) for contiguous tensors (batch, heads, L, head_dim), lse (batch, heads, L)."""
-    if q.numel() == 0:
+    """(dq, dk, dv) for q, out, grad_out (batch, heads, Lq, head_dim), k, v (batch, kv_heads, Lk, head_dim),
+    lse (batch, heads, Lq)."""
+    if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return flash_attention_backward(q, k, v, out, lse, grad_out, causal, sm_scale)
 
@@ -848,17 +852,17 @@ def _(q, k, v, out, lse, grad_out, causal, sm_scale):
 
 def _fold_into_batch(info, in_dims, *tensors):
     """vmap: move each tensor's vmapped dim to the front (expanding an unbatched tensor), then fold it
-    into the batch: (n, batch, ...) -> (n * batch, ...), contiguous."""
+    into the batch: (n, batch, ...) -> (n * batch, ...), a view where the strides allow (the kernels read any)."""
     folded = []
     for tensor, dim in zip(tensors, in_dims):
         tensor = tensor.movedim(dim, 0) if dim is not None else tensor.expand(info.batch_size, *tensor.shape)
-        folded.append(tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).contiguous())
+        folded.append(tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]))
     return folded
 
 
 def _unfold(info, tensor):
     """(n * batch, ...) -> (n, batch, ...)."""
-    return tensor.view(info.batch_size, tensor.shape[0] // info.batch_size, *tensor.shape[1:])
+    return tensor.unflatten(0, (info.batch_size, tensor.shape[0] // info.batch_size))
 
 
 def _flash_attention_fwd_vmap(info, in_dims, q, k, v, causal, sm_scale):
@@ -877,8 +881,8 @@ flash_attention_bwd.register_vmap(_flash_attention_bwd_vmap)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """Autograd for flash_attention on contiguous q, k, v (batch, heads, L, head_dim) of one dtype:
-    returns (output, lse); lse is not differentiable."""
+    """Autograd for flash_attention on q (batch, heads, Lq, head_dim), k, v (batch, kv_heads, Lk, head_dim) of one
+    dtype: returns (output, lse); lse is not differentiable."""
     generate_vmap_rule = True
 
     @staticmethod
@@ -896,7 +900,8 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = apply(FlashAttentionBackward, q, k, v, out, lse, grad_out.contiguous(), ctx.causal, ctx.sm_scale)
+        grad_out = grad_out if offsets_fit_in_32_bits(grad_out) else grad_out.contiguous()
+        dq, dk, dv = apply(FlashAttentionBackward, q, k, v, out, lse, grad_out, ctx.causal, ctx.sm_scale)
         return dq, dk, dv, None, None
 
 
@@ -919,19 +924,35 @@ class FlashAttentionBackward(torch.autograd.Function):
                            "backward, no Hessian)")
 
 
+OFFSET_LIMIT = 2**31  # the kernels widen batch and head offsets to 64 bits; the offsets inside a head stay 32-bit
+
+
+def offsets_fit_in_32_bits(tensor) -> bool:
+    """Whether every element of every (batch, head) of `tensor` (batch, heads, L, head_dim) lies less than
+    OFFSET_LIMIT elements from the head's first: the kernels compute position * stride + dim * stride in int32."""
+    length, head_dim = tensor.shape[2:]
+    return (length - 1) * abs(tensor.stride(2)) + (head_dim - 1) * abs(tensor.stride(3)) < OFFSET_LIMIT
+
+
 def _check_attention_inputs(q, k, v, causal, sm_scale):
     """Raise TypeError / ValueError naming the argument at fault."""
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(name, tensor)
-    if q.dim() != 4:
-        raise ValueError(f"q must have 4 dims (batch, heads, L, head_dim), got shape {tuple(q.shape)}")
-    for name, tensor in (("k", k), ("v", v)):
-        if tensor.shape != q.shape:
-            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)} (batch, heads, L, head_dim), "
-                             f"got {tuple(tensor.shape)}")
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"head_dim (the last dim of q, k, v) must be one of {', '.join(map(str, HEAD_DIMS))}, "
-                         f"got {q.shape[-1]}")
+        if tensor.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, heads, L, head_dim), got shape {tuple(tensor.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)} (batch, kv_heads, Lk, head_dim): one number "
+                         f"of heads and one length Lk, got {tuple(v.shape)}")
+    (batch, heads, _, head_dim), kv_heads = q.shape, k.shape[1]
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k and v must have q's batch ({batch}, dim 0) and head_dim ({head_dim}, dim 3), got "
+                         f"shape {tuple(k.shape)}")
+    if heads % kv_heads if kv_heads else heads:
+        raise ValueError(f"k's and v's heads (dim 1) must divide q's heads {heads} (grouped-query attention: "
+                         f"heads / kv_heads query heads share a kv head), got {kv_heads}")
+    if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim (the last dim of q, k, v) must be a multiple of 16 from 16 to {MAX_HEAD_DIM}, "
+                         f"got {head_dim}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not isinstance(causal, bool):
@@ -939,31 +960,46 @@ def _check_attention_inputs(q, k, v, causal, sm_scale):
     if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))):
         raise TypeError(f"sm_scale must be None or a real number, got {type(sm_scale).__name__}")
     check_same_device(q=q, k=k, v=v)
+    for name, tensor in (("q", q), ("k", k)):
+        if tensor.shape[2] * tensor.shape[3] >= OFFSET_LIMIT:
+            raise ValueError(f"{name}'s L x head_dim must be below 2^31 (the kernels' offsets inside a head are "
+                             f"32-bit), got {tensor.shape[2]} x {tensor.shape[3]}")
 
 
 def flash_attention(q, k, v, causal=False, sm_scale=None):
-    """softmax(q k^T * sm_scale, causal mask) v, the L x L matrix never stored; differentiable in q, k, v.
+    """softmax(q k^T * sm_scale, causal mask) v, the Lq x Lk matrix never stored; differentiable in q, k, v.
 
-    q, k, v: (batch, heads, L, head_dim) of one float dtype, head_dim 32, 64 or 128; causal: query i sees
-    keys 0..i; sm_scale: the scale of the scores, None for 1 / sqrt(head_dim). Returns the output
-    (batch, heads, L, head_dim) in the input dtype, computed in float32 (float64 for float64), like
-    F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale). Differentiable once
-    (no double backward); works under torch.func (grad, vmap), and torch.compile sees the kernels as
-    the custom ops scan_lib::flash_attention_fwd / flash_attention_bwd.
+    q: (batch, heads, Lq, head_dim); k, v: (batch, kv_heads, Lk, head_dim), of one float dtype, at any strides:
+    the kernels read them in place, so the (batch, heads, L, head_dim) view of a (batch, L, heads, head_dim)
+    tensor (x.transpose(1, 2)) is not copied. head_dim: a multiple of 16 from 16 to 256. kv_heads must divide
+    heads: query head h reads kv head h // (heads // kv_heads) (grouped-query attention; kv_heads 1 is multi-query
+    attention), as F.scaled_dot_product_attention(..., enable_gqa=True). causal: query i sees the keys
+    j <= i + Lk - Lq, the diagonal aligned bottom-right as in flash-attn and
+    torch.nn.attention.bias.causal_lower_right (not SDPA's is_causal=True, which is aligned top-left; the two
+    agree when Lq == Lk); a query that sees no key (i < Lq - Lk) gets the output 0 and zero gradients.
+    sm_scale: the scale of the scores, None for 1 / sqrt(head_dim).
+
+    Returns the output (batch, heads, Lq, head_dim) in the input dtype, with q's strides where q is dense
+    (torch.empty_like: a (batch, L, heads, head_dim) layout stays one), computed in float32 (float64 for
+    float64). Differentiable once (no double backward); works under torch.func (grad, vmap), and torch.compile
+    sees the kernels as the custom ops scan_lib::flash_attention_fwd / flash_attention_bwd.
     """
     _check_attention_inputs(q, k, v, causal, sm_scale)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    out, _ = apply(FlashAttentionFunction, q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+    # A view whose heads span 2^31 elements or more (the (batch, L, heads, head_dim) layout at L x heads x head_dim
+    # >= 2^31) would overflow the kernels' 32-bit offsets inside a head: it is copied, contiguous, instead.
+    q, k, v = (t if offsets_fit_in_32_bits(t) else t.contiguous() for t in (q, k, v))
+    out, _ = apply(FlashAttentionFunction, q, k, v, causal, scale)
     return out
 
 # %% [markdown]
 # The public function end to end: output and every gradient against the reference, on non-contiguous
-# inputs (a transposed layout, as a model's projections give); on a GPU also against
+# inputs (the (batch, heads, L, head_dim) views of (batch, L, heads, head_dim) tensors that a model's
+# projections give, which the kernels read in place: no copy); on a GPU also against
 # `F.scaled_dot_product_attention` in bfloat16, with the bfloat16 tolerance because both round to
-# bfloat16. Such a layout is accepted, not read in place: `flash_attention` copies q, k and v to
-# contiguous tensors first (and the backward copies the output's gradient), because the kernels index
-# each (batch, head) as L contiguous rows of head_dim values. Reading the (batch, L, heads, head_dim)
-# layout with strides, as FlashAttention's kernels do, would save those copies; it is not done yet.
+# bfloat16. (One exception to reading in place: the offsets inside a head are 32-bit, so a view whose heads
+# span $2^{31}$ elements or more, L $\times$ heads $\times$ head_dim $\ge 2^{31}$ in the (batch, L, heads,
+# head_dim) layout, is copied to a contiguous tensor first.)
 
 # %%
 def attention_inputs(batch, heads, length, head_dim, dtype, seed):
@@ -1006,8 +1042,9 @@ if ON_GPU:
 # %%
 q_ok = torch.randn(1, 2, 5, 32, device=DEVICE)
 bad_calls = [
-    ("k of another length", ValueError, lambda: flash_attention(q_ok, q_ok[:, :, :4], q_ok)),
-    ("head_dim 48", ValueError, lambda: flash_attention(*[torch.randn(1, 2, 5, 48, device=DEVICE)] * 3)),
+    ("v of another length than k", ValueError, lambda: flash_attention(q_ok, q_ok, q_ok[:, :, :4])),
+    ("k with 3 heads, q 2", ValueError, lambda: flash_attention(q_ok, *[torch.randn(1, 3, 5, 32, device=DEVICE)] * 2)),
+    ("head_dim 40", ValueError, lambda: flash_attention(*[torch.randn(1, 2, 5, 40, device=DEVICE)] * 3)),
     ("3-dim q", ValueError, lambda: flash_attention(q_ok[0], q_ok[0], q_ok[0])),
     ("integer v", TypeError, lambda: flash_attention(q_ok, q_ok, q_ok.long())),
     ("float16 k, float32 q", TypeError, lambda: flash_attention(q_ok, q_ok.half(), q_ok)),
@@ -1017,7 +1054,7 @@ for what, error, call in bad_calls:
     try:
         call()
     except error as exc:
-        print(f"{what:22} -> {error.__name__}: {exc}")
+        print(f"{what:26} -> {error.__name__}: {exc}")
     else:
         raise AssertionError(f"{what}: no {error.__name__}")
 
@@ -1053,6 +1090,68 @@ print("torch.compile(fullgraph=True): the same gradients as eager: ok")
 # $x \oplus y = y \oplus x$. (With the identity involved the equalities hold by its definition.) The
 # rescaling by $e^{-m}$ changes how the numbers are stored, not what they mean: it is there only so
 # that they fit in floating point.
+
+# %% [markdown]
+# **The check.** Cut the keys of random scores (spread wide, so that the maxima differ) into random
+# pieces, merge their states in four orders and groupings with section 2's `merge_states`, and compare
+# each with the state of all keys and with the reference's output and log-sum-exp.
+
+# %%
+def identity_state(queries, head_dim):
+    """The state of no keys: (-inf, 0, 0) for `queries` queries, float64."""
+    m = torch.full((queries,), float("-inf"), dtype=torch.float64)
+    return m, torch.zeros(queries, dtype=torch.float64), torch.zeros(queries, head_dim, dtype=torch.float64)
+
+
+def random_cuts(length, pieces, rng):
+    """`pieces` - 1 distinct cut points in (0, length): contiguous pieces [0, c1), [c1, c2), ..."""
+    return [0, *sorted(rng.sample(range(1, length), pieces - 1)), length]
+
+
+def merge_in_random_tree(states, rng):
+    """Merge a list of states by repeatedly merging a random adjacent pair."""
+    states = list(states)
+    while len(states) > 1:
+        i = rng.randrange(len(states) - 1)
+        states[i:i + 2] = [merge_states(states[i], states[i + 1])]
+    return states[0]
+
+
+torch.manual_seed(1)
+rng = random.Random(1)
+queries, keys, head_dim = 6, 97, 32
+scores = 20 * torch.randn(queries, keys, dtype=torch.float64)
+values = torch.randn(keys, head_dim, dtype=torch.float64)
+whole = softmax_state(scores, values)
+cuts = random_cuts(keys, 9, rng)
+pieces = [softmax_state(scores[:, a:b], values[a:b]) for a, b in zip(cuts, cuts[1:])]
+empty = identity_state(queries, head_dim)
+shuffled = rng.sample(pieces, len(pieces))
+left = pieces[0]
+for piece in pieces[1:]:
+    left = merge_states(left, piece)
+right = pieces[-1]
+for piece in reversed(pieces[:-1]):
+    right = merge_states(piece, right)
+shuffled_left = empty
+for piece in shuffled:
+    shuffled_left = merge_states(shuffled_left, piece)
+results = {"left to right": left, "right to left": right, "random tree": merge_in_random_tree(pieces, rng),
+           "shuffled, from the identity": shuffled_left}
+attention_out, attention_lse = attention_reference(scores[None], torch.eye(keys, dtype=torch.float64)[None],
+                                                   values[None], sm_scale=1.0)
+print(f"pieces: {[b - a for a, b in zip(cuts, cuts[1:])]}")
+print(f"{'grouping':28} {'state err':>10} {'output err':>11} {'lse err':>9}")
+for name, (m, l, o) in results.items():
+    state_err = max((x - w).abs().max().item() for x, w in zip((m, l, o), whole))
+    out_err = (o / l[:, None] - attention_out[0]).abs().max().item()
+    lse_err = (m + l.log() - attention_lse[0]).abs().max().item()
+    print(f"{name:28} {state_err:10.1e} {out_err:11.1e} {lse_err:9.1e}")
+    assert state_err < 1e-12 and out_err < 1e-12 and lse_err < 1e-12
+
+empty_merged = merge_states(empty, left)
+assert all(torch.equal(x, y) for x, y in zip(empty_merged, left))
+print("the identity (-inf, 0, 0) merged with a state leaves it unchanged: ok")
 
 # %% [markdown]
 # ## Going deeper: the merge in `tl.associative_scan`
@@ -1132,7 +1231,10 @@ for length in (1, 7, 33, 129):
 #
 # **Precision.** Rounding $p$ to the input's dtype before its product is what every FlashAttention
 # does. With float32 products at `input_precision="ieee"`, not TF32, a float32 call is as accurate as a
-# float32 matrix product.
+# float32 matrix product. The scale `qk_scale` is annotated `tl.float64`: Triton passes a Python float as
+# float32 unless told otherwise, and float64 keeps every digit of the scale for float64 inputs. The kernel
+# converts it to the accumulator's dtype `ACC` with `tl.full`, not `.to`, because under the interpreter it
+# arrives as a Python float.
 #
 # **The interpreter and bfloat16.** Triton 3.6's CPU interpreter multiplies bfloat16 blocks in `tl.dot`
 # as their raw 16-bit integers, a bug; under the interpreter `matmul` converts bfloat16 to float32
@@ -1145,10 +1247,29 @@ for length in (1, 7, 33, 129):
 # %% [markdown]
 # ## Going deeper: the memory, measured
 #
-# (On a GPU.) The cell measures the peak memory, above the inputs, of the plain computation in bfloat16
-# and of our forward kernel, at batch 4, 16 heads of dim 128. Section 1 predicts that the plain one
-# needs at least one $L \times L$ matrix (the printed peak shows how many it holds at once), the kernel
-# only its output and the log-sum-exp.
+# The arithmetic first. The table computes, for heads $\times$ head_dim $= 2048$, batch 4, in bfloat16,
+# the bytes of the inputs and the output, $4 L d$ per head, and of one matrix of scores, $L^2$ per head:
+# the matrix outgrows all the rest together by the factor $L / (4 d)$.
+
+# %%
+def attention_bytes(batch, heads, length, head_dim, element_size=2):
+    """(bytes of q, k, v and the output; bytes of one batch x heads x L x L matrix), in one dtype."""
+    return 4 * batch * heads * length * head_dim * element_size, batch * heads * length**2 * element_size
+
+
+print(f"{'head_dim':>8} {'L':>6} {'q,k,v,out GiB':>14} {'one L x L GiB':>14} {'ratio':>6}")
+for head_dim in (64, 128):
+    for length in (1024, 4096, 16384):
+        io_bytes, matrix_bytes = attention_bytes(4, 2048 // head_dim, length, head_dim)
+        print(f"{head_dim:8} {length:6} {io_bytes / 2**30:14.3f} {matrix_bytes / 2**30:14.2f} "
+              f"{matrix_bytes / io_bytes:6.0f}")
+        assert matrix_bytes / io_bytes == length / (4 * head_dim)
+
+# %% [markdown]
+# (On a GPU.) The next cell measures the peak memory, above the inputs, of the plain computation in
+# bfloat16 and of our forward kernel, at batch 4, 16 heads of dim 128. The plain one needs at least one
+# $L \times L$ matrix (the printed peak shows how many it holds at once), the kernel only its output and
+# the log-sum-exp.
 
 # %%
 if not ON_GPU:
@@ -1652,13 +1773,17 @@ else:
 # %% [markdown]
 # ## Going deeper: tile sizes and autotuning
 #
-# On a GPU each kernel is wrapped in `triton.autotune`, keyed on $L$, the head dim, the causal flag
-# and (automatically) the dtypes, and tries the tiles of `GPU_TILES` for the inputs' element size:
+# On a GPU each kernel is wrapped in `triton.autotune`, keyed on $L_q$ and $L_k$ rounded up to powers of
+# two (`length_bucket`), the head dim, the causal flag and (automatically) the dtypes, and tries the tiles of `GPU_TILES` for the inputs' element size
+# (shrunk by `gpu_tiles` past head dim 128: "Going deeper: attention as people call it"):
 # `BLOCK_M` 128 queries per forward program (a multiple of the 64 rows a Hopper warpgroup's `wgmma`
 # handles), `BLOCK_N` 64 or 128 keys, 4 or 8 warps, 1 to 3 pipeline stages. float32 and float64 inputs
 # run with `input_precision="ieee"`, not on the tensor cores, and get small tiles (their blocks of
 # scores would not fit in registers at 128 $\times$ 128). The first call for each key pays for the
-# search; the chosen configuration is printed below on a GPU. Under the interpreter a single small
+# search, a few hundred milliseconds: keyed on the exact lengths, a decoding loop whose $L_k$ grows by one
+# per step would search at every step; keyed on buckets it searches once per doubling of $L_k$. The
+# kernels take the two buckets as arguments they never read, because `triton.autotune` keys on arguments
+# by name. The chosen configuration is printed below on a GPU. Under the interpreter a single small
 # tile runs, with `BLOCK_M` $\ne$ `BLOCK_N` so that the block arithmetic of the masks is exercised.
 
 # %%
@@ -1667,7 +1792,7 @@ if not ON_GPU:
 else:
     for name, kernel in (("forward", flash_fwd), ("dK, dV", flash_bwd_dkdv), ("dQ", flash_bwd_dq)):
         for key, config in kernel.cache.items():
-            print(f"{name:8} key (L, head_dim, causal, dtypes...) {key}: {config}")
+            print(f"{name:8} key (Lq bucket, Lk bucket, head_dim, causal, dtypes...) {key}: {config}")
 
 # %% [markdown]
 # ## Going deeper: what Hopper offers beyond this kernel
@@ -1688,12 +1813,195 @@ else:
 # ## Going deeper: why every row has a key, and what if it did not
 #
 # The online softmax would produce NaN for a query whose every key is masked: $m = -\infty$,
-# $e^{m - m'} = e^{-\infty + \infty}$. Causal masking never does that (query $i$ sees key $i$, and every
-# program's first key block holds key 0, which every query may see, so $m$ is finite after it), and
-# padding rows past $L$ see real keys too. In the naive CUDA kernel every key tile holds at least one
-# key below $L$, so the tile's max is finite and no $-\infty - (-\infty)$ occurs. A kernel with
-# arbitrary masks (document boundaries, sliding windows) must guard the rescaling, as `softmax_merge`
-# does with its select, and define the output of an empty row (zero, by convention).
+# $e^{m - m'} = e^{-\infty + \infty}$. With one length $L$ and the causal mask that never happens (query $i$
+# sees key $i$, and every program's first key block holds key 0, which every query that sees a key sees,
+# so $m$ is finite after it), and padding rows past $L$ see real keys too. In the naive CUDA kernel every
+# key tile holds at least one key below $L$, so the tile's max is finite and no $-\infty - (-\infty)$
+# occurs. It does happen for causal attention with more queries than keys, $L_q > L_k$: the next section
+# says which rows see no key, what they get (the output 0, as in flash-attn), and how the forward kernel
+# avoids the NaN. A kernel with arbitrary masks (document boundaries, sliding windows) must guard the
+# rescaling the same way, or as `softmax_merge` does with its select.
+
+# %% [markdown]
+# ## Going deeper: attention as people call it (head dims, grouped queries, $L_q \ne L_k$, the (B, L, H, D) layout)
+#
+# Models call attention in four ways that the main line set aside: head dims such as 80 or 96; keys and
+# values with fewer heads than the queries; a different number of queries and keys (decoding with a cache of
+# keys and values); and queries laid out (batch, L, heads, head_dim), as a projection of (batch, L, d_model)
+# gives them. The kernels of section 4 and "Going deeper: the backward kernels" take all four. Here is why
+# each change is what it is, with a check on the CPU against the float64 reference or PyTorch's SDPA. No
+# timing of these cases is recorded: what they cost on a GPU is not measured in this chapter.
+#
+# **Head dims that are not powers of two.** `tl.arange` needs a power of two, so the kernels run on the head
+# dim padded to the next one, `HEAD_DIM_PADDED` (80 and 96 become 128; 160 and 192 become 256), and mask the
+# dims from `HEAD_DIM` on. `load_tile` loads zeros there, so no byte past a row is read (the start of the
+# next row, or memory past the tensor); a zero column adds nothing to $q \cdot k$, and in $o = P\,V$ the zero
+# columns of $V$ give zero columns, which `store_tile` does not write. The price is arithmetic: the products
+# run at the padded size, 128/80 = 1.6 times the work of a head dim of 80. Where the head dim is already a
+# power of two, `load_tile` and `store_tile` compile to the loads and stores of before (the test
+# `dims.shape[0] != HEAD_DIM` is decided when the kernel is compiled). `flash_attention` accepts the
+# multiples of 16 from 16 to 256: `tl.dot` needs 16 at least, and Triton marks an integer argument divisible
+# by 16 as such, so that the strides of a tensor whose head dim is a multiple of 16 keep its rows aligned for
+# vector loads.
+#
+# **Large head dims need smaller tiles.** A forward program keeps its $o$ accumulator, `BLOCK_M` $\times$
+# head dim floats, in registers, and each pipeline stage holds a tile of keys and one of values,
+# `BLOCK_N` $\times$ head dim, in shared memory; the dK/dV program keeps two accumulators of `BLOCK_N`
+# $\times$ head dim. The tiles of `GPU_TILES` were chosen at head dim 128; at 256 the same blocks would
+# need twice the registers (and spill them to memory) and twice the shared memory per stage. So
+# `gpu_tiles` halves both blocks at a padded head dim of 256 and keeps at most 2 pipeline stages: every
+# tile then holds as many numbers as at 128. Neither their speed nor their use of registers and shared
+# memory is measured in this chapter.
+#
+# The check: every head dim that is not a power of two, and 16 and 256, forward and every gradient; the
+# inputs are the first columns of wider rows whose other columns hold NaN, so a read of the padding's
+# columns would bring NaN in.
+
+# %%
+def with_nan_beyond(tensor, width):
+    """`tensor` (..., head_dim) as the first head_dim columns of rows of `width`, the other columns NaN."""
+    wide = torch.full((*tensor.shape[:-1], width), float("nan"), dtype=tensor.dtype, device=tensor.device)
+    wide[..., :tensor.shape[-1]] = tensor
+    return wide[..., :tensor.shape[-1]]
+
+
+def errors_against_reference(q, k, v, grad_out, causal):
+    """Max abs errors of flash_attention's output, dq, dk, dv against the float64 reference's autograd."""
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = flash_attention(*leaves, causal=causal)
+    got = [out, *torch.autograd.grad(out, leaves, grad_out)]
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want_out = attention_reference(*leaves64, causal)[0]
+    want = [want_out, *torch.autograd.grad(want_out, leaves64, grad_out.double())]
+    return [(g.double() - w).abs().max().item() for g, w in zip(got, want)]
+
+
+torch.manual_seed(20)
+print(f"{'d':>4} {'padded':>6} {'out err':>9} {'dq err':>9} {'dk err':>9} {'dv err':>9}")
+for head_dim in (16, 48, 80, 96, 160, 192, 256):
+    q_d, k_d, v_d, grad_d = [with_nan_beyond(t, 272) for t in torch.randn(4, 1, 2, 19, head_dim, device=DEVICE)]
+    errors = errors_against_reference(q_d, k_d, v_d, grad_d, causal=True)
+    print(f"{head_dim:4} {triton.next_power_of_2(head_dim):6} " + " ".join(f"{e:9.1e}" for e in errors))
+    assert max(errors) < GRAD_TOLERANCE[torch.float32]
+
+# %% [markdown]
+# **Grouped-query and multi-query attention.** Keys and values may have $H_{kv}$ heads for $H_q = g\,H_{kv}$
+# query heads (grouped-query attention; $H_{kv} = 1$ is multi-query attention): query head $h$ reads kv head
+# $\lfloor h / g \rfloor$, so consecutive query heads share one, as in SDPA's `enable_gqa=True`. The reference
+# repeats each kv head $g$ times (`repeat_interleave`), $g$ times the memory; the kernels only compute the kv
+# head's address from the query head's, `K += ... + head // group * stride_kh`, in the forward and the dQ
+# kernel.
+#
+# The backward is where the sharing shows. A kv head is used by $g$ query heads, so by the chain rule its
+# $dK$ and $dV$ are the sums of the $g$ query heads' terms. Each dK/dV program owns a block of keys of one kv
+# head and loops over the group's query heads, adding each one's query blocks into the same accumulators:
+# no atomics, no buffer of per-query-head gradients to add up afterwards, and the same sums on every run.
+# The price is parallelism: that kernel's grid has $g$ times fewer programs, each doing $g$ times the work,
+# so with multi-query attention and few batch $\times$ kv heads a GPU may get too few programs to fill its
+# multiprocessors (not measured here). When $g = 1$ the loop has one iteration, and Triton, which compiles
+# an integer argument equal to 1 as the constant 1, removes it.
+#
+# The check, against SDPA with `enable_gqa=True` in float64 (in the form the reference runs):
+
+# %%
+torch.manual_seed(21)
+print(f"{'Hq':>3} {'Hkv':>3} {'causal':>6} {'out err':>9} {'dq err':>9} {'dk err':>9} {'dv err':>9}")
+for heads, kv_heads in ((6, 2), (4, 1)):
+    for causal in (False, True):
+        q_g, grad_g = torch.randn(2, 2, heads, 23, 32, device=DEVICE)
+        k_g, v_g = torch.randn(2, 2, kv_heads, 23, 32, device=DEVICE)
+        errors = errors_against_reference(q_g, k_g, v_g, grad_g, causal)
+        print(f"{heads:3} {kv_heads:3} {str(causal):>6} " + " ".join(f"{e:9.1e}" for e in errors))
+        assert max(errors) < GRAD_TOLERANCE[torch.float32]
+        want_sdpa = F.scaled_dot_product_attention(q_g.double(), k_g.double(), v_g.double(), is_causal=causal,
+                                                   enable_gqa=True)
+        torch.testing.assert_close(attention_reference(q_g, k_g, v_g, causal)[0], want_sdpa)
+
+# %% [markdown]
+# **$L_q \ne L_k$, and which diagonal.** Without a mask nothing changes but the two lengths. With the causal
+# mask one must say where the diagonal lies. When a model decodes with a cache, its $L_q$ new queries are the
+# last $L_q$ positions of a sequence of $L_k$: query $i$ stands at position $i + L_k - L_q$ and sees the keys
+# $j \le i + L_k - L_q$. That is the diagonal **aligned bottom-right**, the convention of flash-attn (since
+# 2.1) and of `torch.nn.attention.bias.causal_lower_right`, and the one `flash_attention(causal=True)` uses.
+# SDPA's own `is_causal=True` is aligned top-left (query $i$ sees $j \le i$), which for $L_q < L_k$ would
+# hide most of the cache from the new queries; for $L_q = L_k$ the two agree. The kernels take
+# `diagonal` $= L_k - L_q$ and compare a key with its query's `rows + diagonal`; the block bounds shift the
+# same way (a forward program's unmasked blocks end at its first query's diagonal and its loop at its last
+# query's; a dK/dV program's first query block holds the first query that sees its first key, key $-$
+# `diagonal`).
+#
+# **Queries that see no key.** With $L_q > L_k$, queries $i < L_q - L_k$ see no key at all, and attention
+# over no keys is $0/0$. We do what flash-attn and SDPA's math backend do: output 0 and zero gradients; the
+# log-sum-exp is $-\infty$, the log of an empty sum (flash-attn stores $+\infty$ there, so that its backward
+# gets $e^{s - \mathrm{lse}} = 0$ without a mask). In the online softmax such a row would compute
+# $2^{m - m'} = 2^{-\infty - (-\infty)}$, NaN, in any key block it shares with rows that do see keys, so
+# the forward starts these rows at $m = 0$ instead of $-\infty$: each update then gives $2^{-\infty - 0} = 0$,
+# their $(\ell, o)$ stay $(0, 0)$, and at the end $\ell = 0$ (every row with a key has $\ell \ge 1$) selects
+# the output 0 and the log-sum-exp $-\infty$. In the backward these rows meet keys only in masked tiles,
+# where $P$, $e^{s + \infty} = \infty$ there, is replaced by 0 with a select before it is used (a product
+# $\infty \cdot 0$ would be NaN).
+#
+# The check, against SDPA with the mask `causal_lower_right` would build (`tril` at diagonal $L_k - L_q$),
+# in float64; at $L_q = 37$, $L_k = 20$ the first 17 queries see no key, and share the first block of
+# queries with queries that do:
+
+# %%
+torch.manual_seed(22)
+print(f"{'Lq':>3} {'Lk':>3} {'causal':>6} {'no key':>6} {'out err':>9} {'dq err':>9} {'dk err':>9} {'dv err':>9}")
+for q_length, k_length in ((5, 37), (37, 5), (37, 20)):
+    for causal in (False, True):
+        q_l, grad_l = torch.randn(2, 1, 4, q_length, 32, device=DEVICE)
+        k_l, v_l = torch.randn(2, 1, 2, k_length, 32, device=DEVICE)
+        errors = errors_against_reference(q_l, k_l, v_l, grad_l, causal)
+        mask = torch.ones(q_length, k_length, dtype=torch.bool, device=DEVICE).tril(k_length - q_length)
+        want_sdpa = F.scaled_dot_product_attention(q_l.double(), k_l.double(), v_l.double(),
+                                                   attn_mask=mask if causal else None, enable_gqa=True)
+        torch.testing.assert_close(attention_reference(q_l, k_l, v_l, causal)[0], want_sdpa)
+        out_l, lse_l = flash_attention_fwd(q_l, k_l, v_l, causal, 32**-0.5)
+        no_key = (lse_l == float("-inf")).all(1).all(0).sum().item()  # queries that see no key, in every head
+        assert no_key == (max(0, q_length - k_length) if causal else 0) and not out_l[..., :no_key, :].any()
+        print(f"{q_length:3} {k_length:3} {str(causal):>6} {no_key:6} " + " ".join(f"{e:9.1e}" for e in errors))
+        assert max(errors) < GRAD_TOLERANCE[torch.float32]
+
+# %% [markdown]
+# **The (B, L, H, D) layout, read in place.** A model projects $x$ of shape (batch, L, d_model) to queries
+# of shape (batch, L, heads, head_dim) and calls attention on `q.transpose(1, 2)`, a (batch, heads, L,
+# head_dim) view with strides (L·heads·head_dim, head_dim, heads·head_dim, 1). Every kernel takes the four
+# strides of each tensor (batch, head, position, dim) and computes its addresses from them, so such a view
+# is read where it lies, with no `.contiguous()` copy of q, k, v or, in the backward, of the incoming
+# gradient (a copy is a read and a write of the whole tensor). The head dim's stride is 1 in either layout,
+# and Triton compiles an integer argument equal to 1 as the constant 1, so the loads along the head dim stay
+# vector loads. The output is allocated with `torch.empty_like(q)`, which keeps q's strides when q is dense:
+# from (batch, L, heads, head_dim) memory the output is again such a view, which the model's output
+# projection can reshape to (batch, L, heads·head_dim) without a copy; dq, dk and dv take the layouts of q,
+# k and v the same way. A stride of 0 works too: k expanded over the heads is read, never materialised.
+#
+# The check: the launcher receives the views themselves (their data pointers and strides), and the results
+# match the reference.
+
+# %%
+torch.manual_seed(23)
+q_v, grad_v = torch.randn(2, 2, 21, 4, 48, device=DEVICE).transpose(2, 3)  # (batch, heads, L, head_dim) views
+k_v, v_v = torch.randn(2, 2, 30, 2, 48, device=DEVICE).transpose(2, 3)  # of (batch, L, heads, head_dim) tensors
+received = []
+launch_forward = flash_attention_forward
+
+
+def flash_attention_forward(q, k, v, causal, sm_scale):  # the launcher, recording what it receives
+    received.append([(t.data_ptr(), t.stride()) for t in (q, k, v)])
+    return launch_forward(q, k, v, causal, sm_scale)
+
+
+try:
+    out_v = flash_attention(q_v, k_v, v_v, causal=True)
+finally:
+    flash_attention_forward = launch_forward
+assert received == [[(t.data_ptr(), t.stride()) for t in (q_v, k_v, v_v)]]
+assert out_v.stride() == q_v.stride() and out_v.transpose(1, 2).is_contiguous()
+errors = errors_against_reference(q_v, k_v, v_v, grad_v, causal=True)
+print(f"q {tuple(q_v.shape)} strides {q_v.stride()}: the launcher got q, k, v in place; the output's strides "
+      f"{out_v.stride()}; max abs errors out, dq, dk, dv: " + ", ".join(f"{e:.1e}" for e in errors))
+assert max(errors) < GRAD_TOLERANCE[torch.float32]
 
 # %% [markdown]
 # ## References

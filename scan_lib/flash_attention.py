@@ -6,29 +6,32 @@ import triton
 import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype
-from scan_lib.runtime import INTERPRET, ON_GPU, apply, check_float_tensor, check_same_device, custom_op
+from scan_lib.runtime import (INTERPRET, ON_GPU, apply, cdiv, check_float_tensor, check_same_device, custom_op,
+                              next_power_of_2)
 
-HEAD_DIMS = (32, 64, 128)  # the head dims the kernels are built for
 LOG2E = 1.4426950408889634  # log2(e): the kernels use exp2, e^x = 2^(x log2 e)
 
 
 def attention_reference(q, k, v, causal=False, sm_scale=None):
-    """softmax(q k^T * sm_scale, causal mask) v in float64, through the full L x L matrix of scores.
+    """(softmax(q k^T * sm_scale, causal mask) v, log-sum-exp of the scores), float64 and differentiable.
 
-    q, k, v: (..., L, head_dim). Returns (output (..., L, head_dim), log-sum-exp of the scores (..., L)),
-    both float64 and differentiable by autograd. sm_scale None means 1 / sqrt(head_dim)."""
+    q: (..., heads, Lq, head_dim); k, v: (..., kv_heads, Lk, head_dim), query head h reading kv head h // (heads //
+    kv_heads). causal: query i sees the keys j <= i + Lk - Lq (bottom-right; the usual mask if Lq == Lk); a query
+    that sees no key gets the output 0 and the lse -inf. sm_scale None: 1 / sqrt(head_dim)."""
     q, k, v = q.double(), k.double(), v.double()
     scale = q.shape[-1] ** -0.5 if sm_scale is None else sm_scale
-    scores = q @ k.transpose(-1, -2) * scale  # ... x L x L
+    if k.shape[-3:-2] != q.shape[-3:-2]:  # fewer kv heads: each serves a group of consecutive query heads
+        k, v = (t.repeat_interleave(q.shape[-3] // k.shape[-3], -3) for t in (k, v))
+    scores = q @ k.transpose(-1, -2) * scale  # ... x Lq x Lk
     if causal:
-        length = scores.shape[-1]
-        later = torch.ones(length, length, dtype=torch.bool, device=q.device).triu(1)  # key j > query i
+        queries, keys = scores.shape[-2:]
+        later = torch.ones(queries, keys, dtype=torch.bool, device=q.device).triu(keys - queries + 1)  # j > i + Lk - Lq
         scores = scores.masked_fill(later, float("-inf"))
-    lse = torch.logsumexp(scores, -1)  # ... x L
-    return torch.exp(scores - lse[..., None]) @ v, lse
+    lse = torch.logsumexp(scores, -1)  # ... x Lq; -inf where a query sees no key
+    p = torch.exp(scores - lse.clamp(min=torch.finfo(lse.dtype).min)[..., None])  # such a row: e^-inf = 0, not NaN
+    return p @ v, lse
 
-# Under Triton 3.6's interpreter tl.dot multiplies bfloat16 blocks as raw 16-bit integers: matmul upcasts them.
-UPCAST_BFLOAT16_DOTS: tl.constexpr = tl.constexpr(INTERPRET)
+UPCAST_BFLOAT16_DOTS: tl.constexpr = tl.constexpr(INTERPRET)  # Triton 3.6's interpreter botches bfloat16 tl.dot
 LOG2E_CONST: tl.constexpr = tl.constexpr(LOG2E)  # LOG2E inside kernels
 
 
@@ -42,27 +45,50 @@ def matmul(a, b):
 
 
 @triton.jit
-def attend_key_blocks(o, l, m, q, K, V, base, rows, start, stop, length, qk_scale,
-                      HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    """Merge the key blocks [start, stop) into the running state (m, l, o) of the queries `rows`.
+def tile_pointers(T, positions, dims, stride_l, stride_d):
+    """Pointers to the tile `positions` x `dims` of one head T (positions down, head dims across), at its strides."""
+    return T + positions[:, None] * stride_l + dims[None, :] * stride_d
 
-    o: BLOCK_M x HEAD_DIM, l, m: BLOCK_M (m in base-2 units: scores times qk_scale = sm_scale * log2 e);
-    q: BLOCK_M x HEAD_DIM. MASKED: mask keys past `length` and, if CAUSAL, keys after the query."""
-    dims = tl.arange(0, HEAD_DIM)
+
+@triton.jit
+def load_tile(PTRS, positions, length, dims, HEAD_DIM: tl.constexpr, MASK_POSITIONS: tl.constexpr):
+    """The tile at PTRS, zeros at positions >= `length` (if MASK_POSITIONS) and dims >= HEAD_DIM (padding)."""
+    if dims.shape[0] != HEAD_DIM:
+        inside = dims[None, :] < HEAD_DIM
+        if MASK_POSITIONS:
+            inside = inside & (positions[:, None] < length)
+        tile = tl.load(PTRS, mask=inside, other=0.0)
+    elif MASK_POSITIONS:
+        tile = tl.load(PTRS, mask=positions[:, None] < length, other=0.0)
+    else:
+        tile = tl.load(PTRS)
+    return tile
+
+
+@triton.jit
+def store_tile(PTRS, tile, positions, length, dims, HEAD_DIM: tl.constexpr):
+    """Store `tile` at PTRS, except at the positions from `length` on and the dims from HEAD_DIM on."""
+    inside = positions[:, None] < length
+    if dims.shape[0] != HEAD_DIM:
+        inside = inside & (dims[None, :] < HEAD_DIM)
+    tl.store(PTRS, tile.to(PTRS.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def attend_key_blocks(o, l, m, q, K, V, stride_kl, stride_kd, stride_vl, stride_vd, rows, start, stop, k_length,
+                      diagonal, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                      CAUSAL: tl.constexpr):
+    """Merge the key blocks [start, stop) into the state (m, l, o) of the queries `rows` (m in base-2 units)."""
+    dims = tl.arange(0, q.shape[1])  # the head dim, padded to a power of two
     for block_start in tl.range(start, stop, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
-        offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
-        if MASKED:
-            k = tl.load(K + offsets, mask=keys[:, None] < length, other=0.0)
-            v = tl.load(V + offsets, mask=keys[:, None] < length, other=0.0)
-        else:
-            k = tl.load(K + offsets)
-            v = tl.load(V + offsets)
+        k = load_tile(tile_pointers(K, keys, dims, stride_kl, stride_kd), keys, k_length, dims, HEAD_DIM, MASKED)
+        v = load_tile(tile_pointers(V, keys, dims, stride_vl, stride_vd), keys, k_length, dims, HEAD_DIM, MASKED)
         s = matmul(q, tl.trans(k)).to(o.dtype) * qk_scale  # BLOCK_M x BLOCK_N
         if MASKED:
-            visible = keys[None, :] < length
+            visible = keys[None, :] < k_length
             if CAUSAL:
-                visible = visible & (keys[None, :] <= rows[:, None])
+                visible = visible & (keys[None, :] <= rows[:, None] + diagonal)
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)  # rescales the old state to the new maximum
@@ -74,39 +100,45 @@ def attend_key_blocks(o, l, m, q, K, V, base, rows, start, stop, length, qk_scal
 
 
 @triton.jit
-def flash_fwd_kernel(Q, K, V, O, LSE, length, qk_scale: tl.float64, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-                     ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Q, K, V, O: (batch * heads) x length x HEAD_DIM contiguous; LSE: (batch * heads) x length, in ACC.
-    # One program per BLOCK_M queries of one head; qk_scale = sm_scale * log2(e). Triton passes a Python
-    # float as float32 unless the parameter is annotated: float64 keeps every digit of the scale for float64
-    # inputs, and the kernel computes in ACC (tl.full, not .to: under the interpreter it is a Python float).
-    qk_scale = tl.full([], qk_scale, ACC)
+def flash_fwd_kernel(Q, K, V, O, LSE, q_length, k_length, q_bucket, k_bucket, group,  # buckets: the autotune key
+                     qk_scale: tl.float64,
+                     stride_qb, stride_qh, stride_ql, stride_qd, stride_kb, stride_kh, stride_kl, stride_kd,
+                     stride_vb, stride_vh, stride_vl, stride_vd, stride_ob, stride_oh, stride_ol, stride_od,
+                     HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Q, O: batch x heads x q_length x HEAD_DIM; K, V: batch x (heads / group) x k_length x HEAD_DIM; LSE in ACC.
+    qk_scale = tl.full([], qk_scale, ACC)  # why float64, why tl.full: "Going deeper: the forward kernel's details"
     block_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last queries first: causal, they have the most keys
-    head = tl.program_id(1).to(tl.int64)
-    base = head * length * HEAD_DIM
+    head, batch = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    Q += batch * stride_qb + head * stride_qh
+    K += batch * stride_kb + head // group * stride_kh
+    V += batch * stride_vb + head // group * stride_vh
+    O += batch * stride_ob + head * stride_oh
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
-    row_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
-    q = tl.load(Q + row_offsets, mask=rows[:, None] < length, other=0.0)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    q = load_tile(tile_pointers(Q, rows, dims, stride_ql, stride_qd), rows, q_length, dims, HEAD_DIM, True)
     m = tl.full([BLOCK_M], float("-inf"), ACC)
     l = tl.zeros([BLOCK_M], ACC)
-    o = tl.zeros([BLOCK_M, HEAD_DIM], ACC)
-    if CAUSAL:  # keys left of the first query need no mask; stop after the last query
-        unmasked_stop = block_m * BLOCK_M // BLOCK_N * BLOCK_N
-        stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
+    o = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], ACC)
+    diagonal = k_length - q_length  # causal: query i sees the keys j <= i + diagonal (aligned bottom-right)
+    if CAUSAL:  # keys left of the first query's diagonal need no mask; stop after the last query's
+        unmasked_stop = tl.maximum(block_m * BLOCK_M + diagonal, 0) // BLOCK_N * BLOCK_N
+        stop = tl.minimum(k_length, (block_m + 1) * BLOCK_M + diagonal)
+        m = tl.where(rows + diagonal < 0, 0.0, m)  # a query that sees no key: 2^(-inf - 0), never -inf - (-inf)
     else:  # whole key blocks need no mask
-        unmasked_stop = length // BLOCK_N * BLOCK_N
-        stop = length
-    o, l, m = attend_key_blocks(o, l, m, q, K, V, base, rows, 0, unmasked_stop, length, qk_scale,
-                                HEAD_DIM, BLOCK_N, False, CAUSAL)
-    o, l, m = attend_key_blocks(o, l, m, q, K, V, base, rows, unmasked_stop, stop, length, qk_scale,
-                                HEAD_DIM, BLOCK_N, True, CAUSAL)
-    tl.store(O + row_offsets, (o / l[:, None]).to(O.dtype.element_ty), mask=rows[:, None] < length)
-    tl.store(LSE + head * length + rows, m / LOG2E_CONST + tl.log(l), mask=rows < length)  # natural log
+        unmasked_stop = k_length // BLOCK_N * BLOCK_N
+        stop = k_length
+    o, l, m = attend_key_blocks(o, l, m, q, K, V, stride_kl, stride_kd, stride_vl, stride_vd, rows, 0, unmasked_stop,
+                                k_length, diagonal, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL)
+    o, l, m = attend_key_blocks(o, l, m, q, K, V, stride_kl, stride_kd, stride_vl, stride_vd, rows, unmasked_stop, stop,
+                                k_length, diagonal, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL)
+    seen = l > 0  # l >= 1 for a query that sees a key: only one that sees none has l = 0 (and o = 0)
+    l = tl.where(seen, l, 1.0)
+    store_tile(tile_pointers(O, rows, dims, stride_ol, stride_od), o / l[:, None], rows, q_length, dims, HEAD_DIM)
+    lse = tl.where(seen, m / LOG2E_CONST + tl.log(l), float("-inf"))  # natural log; log(no terms) = -inf
+    tl.store(LSE + (batch * tl.num_programs(1) + head) * q_length + rows, lse, mask=rows < q_length)
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) that autotune tries on a GPU, by the inputs' element size:
-# 2 bytes (float16, bfloat16) run on the tensor cores; 4 and 8 (float32, float64 with "ieee" precision) do
-# not, and get smaller tiles that fit in registers and shared memory.
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) for autotune on a GPU, by element size, at head dims <= 128.
 GPU_TILES = {
     "fwd": {2: [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2)],
             4: [(64, 32, 4, 2), (32, 32, 4, 2)], 8: [(32, 32, 4, 1)]},
@@ -116,28 +148,43 @@ GPU_TILES = {
            4: [(64, 32, 4, 2), (32, 32, 4, 2)], 8: [(32, 32, 4, 1)]},
 }
 INTERPRETER_TILES = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}  # (BLOCK_M, BLOCK_N) on the CPU
+MAX_HEAD_DIM = 256  # head dims: the multiples of 16 up to this (tl.dot needs 16 at least)
+
+
+def gpu_tiles(kernel_name: str, element_size: int, head_dim_padded: int) -> list:
+    """GPU_TILES[kernel_name][element_size], shrunk past head dim 128 ("Going deeper: attention as people call it")."""
+    shrink = max(1, head_dim_padded // 128)
+    return list(dict.fromkeys(
+        (max(16, block_m // shrink), max(16, block_n // shrink), warps, stages if shrink == 1 else min(stages, 2))
+        for block_m, block_n, warps, stages in GPU_TILES[kernel_name][element_size]))
 
 
 def tuned(kernel_name: str):
-    """triton.autotune keyed on (length, HEAD_DIM, CAUSAL) (and the dtypes, which autotune adds), trying
-    only the GPU_TILES of the inputs' element size; under the interpreter one fixed INTERPRETER_TILES tile."""
+    """triton.autotune over the gpu_tiles of the inputs' element size and head dim; on the CPU, INTERPRETER_TILES."""
+    key = ["q_bucket", "k_bucket", "HEAD_DIM", "CAUSAL"]
     if not ON_GPU:
         block_m, block_n = INTERPRETER_TILES[kernel_name]
-        return triton.autotune([triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n})],
-                               key=["length", "HEAD_DIM", "CAUSAL"])
-    by_size = {size: [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
-               for size, tiles in GPU_TILES[kernel_name].items()}
+        return triton.autotune([triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n})], key=key)
+    padded_dims = [16 << i for i in range(MAX_HEAD_DIM.bit_length() - 4)]  # 16, 32, ..., MAX_HEAD_DIM
+    by_size_and_dim = {(size, dim): [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+                                     for m, n, w, s in gpu_tiles(kernel_name, size, dim)]
+                       for size in GPU_TILES[kernel_name] for dim in padded_dims}
 
-    def for_element_size(configs, named_args, **kwargs):
-        return by_size[named_args["Q"].element_size()]
+    def for_element_size_and_head_dim(configs, named_args, **kwargs):
+        return by_size_and_dim[named_args["Q"].element_size(), kwargs["HEAD_DIM_PADDED"]]
 
     def quick_bench(kernel_call, quantiles):  # each new key costs a search: short warm-up and repeats
         return triton.testing.do_bench(kernel_call, warmup=5, rep=25, quantiles=quantiles)
-    return triton.autotune([c for configs in by_size.values() for c in configs], key=["length", "HEAD_DIM", "CAUSAL"],
-                           prune_configs_by={"early_config_prune": for_element_size}, do_bench=quick_bench)
+    return triton.autotune([c for configs in by_size_and_dim.values() for c in configs], key=key, do_bench=quick_bench,
+                           prune_configs_by={"early_config_prune": for_element_size_and_head_dim})
 
 
 flash_fwd = tuned("fwd")(flash_fwd_kernel)
+
+
+def length_bucket(length: int) -> int:
+    """The autotuning key of a length: the power of two at or above it."""
+    return 1 << (length - 1).bit_length()
 
 
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -145,59 +192,66 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def flash_attention_forward(q, k, v, causal: bool, sm_scale: float):
-    """(output, lse) for contiguous q, k, v (batch, heads, L, head_dim) of one dtype, L >= 1.
+def head_dim_options(head_dim: int) -> dict:
+    """The kernels' constexprs for a head dim: itself, and padded to a power of two (tl.arange's sizes)."""
+    return dict(HEAD_DIM=head_dim, HEAD_DIM_PADDED=next_power_of_2(head_dim))
 
-    output: the input dtype; lse: (batch, heads, L), the log-sum-exp of each query's scores, in lse_dtype."""
-    batch, heads, length, head_dim = q.shape
+
+def flash_attention_forward(q, k, v, causal: bool, sm_scale: float):
+    """(output, lse) for q (batch, heads, Lq, head_dim), k, v (batch, kv_heads, Lk, head_dim): one dtype, any strides,
+    Lq, Lk >= 1, kv_heads dividing heads. output: empty_like(q); lse: (batch, heads, Lq), lse_dtype, -inf: no key."""
+    batch, heads, q_length, head_dim = q.shape
+    kv_heads, k_length = k.shape[1:3]
     out = torch.empty_like(q)
-    lse = torch.empty(batch, heads, length, dtype=lse_dtype(q.dtype), device=q.device)
-    grid = lambda meta: (triton.cdiv(length, meta["BLOCK_M"]), batch * heads)  # noqa: E731
-    flash_fwd[grid](q, k, v, out, lse, length, sm_scale * LOG2E, HEAD_DIM=head_dim, CAUSAL=causal,
-                    ACC=accumulator_dtype(q.dtype))
+    lse = torch.empty(batch, heads, q_length, dtype=lse_dtype(q.dtype), device=q.device)
+    grid = lambda meta: (cdiv(q_length, meta["BLOCK_M"]), heads, batch)  # noqa: E731
+    flash_fwd[grid](q, k, v, out, lse, q_length, k_length, length_bucket(q_length), length_bucket(k_length),
+                    heads // kv_heads, sm_scale * LOG2E, *q.stride(), *k.stride(), *v.stride(), *out.stride(),
+                    CAUSAL=causal, ACC=accumulator_dtype(q.dtype), **head_dim_options(head_dim))
     return out, lse
 
 @triton.jit
-def flash_bwd_preprocess_kernel(O, DO, DELTA, length, HEAD_DIM: tl.constexpr, ACC: tl.constexpr,
-                                BLOCK_M: tl.constexpr):
-    # O, DO: (batch * heads) x length x HEAD_DIM contiguous; DELTA: (batch * heads) x length, in ACC.
-    # DELTA = rowsum(DO * O): D_i = dO_i . O_i.
-    block_m = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
-    offsets = head * length * HEAD_DIM + rows[:, None] * HEAD_DIM + dims[None, :]
-    o = tl.load(O + offsets, mask=rows[:, None] < length, other=0.0).to(ACC)
-    do = tl.load(DO + offsets, mask=rows[:, None] < length, other=0.0).to(ACC)
-    tl.store(DELTA + head * length + rows, tl.sum(o * do, 1), mask=rows < length)
+def flash_bwd_preprocess_kernel(O, DO, DELTA, q_length, stride_ob, stride_oh, stride_ol, stride_od,
+                                stride_dob, stride_doh, stride_dol, stride_dod, HEAD_DIM: tl.constexpr,
+                                HEAD_DIM_PADDED: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr):
+    # O, DO: batch x heads x q_length x HEAD_DIM at their strides; DELTA: batch x heads x q_length contiguous, in
+    # ACC. DELTA = rowsum(DO * O): D_i = dO_i . O_i. The grid: (query blocks, heads, batch).
+    head, batch = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    o = load_tile(tile_pointers(O + batch * stride_ob + head * stride_oh, rows, dims, stride_ol, stride_od),
+                  rows, q_length, dims, HEAD_DIM, True).to(ACC)
+    do = load_tile(tile_pointers(DO + batch * stride_dob + head * stride_doh, rows, dims, stride_dol, stride_dod),
+                   rows, q_length, dims, HEAD_DIM, True).to(ACC)
+    tl.store(DELTA + (batch * tl.num_programs(1) + head) * q_length + rows, tl.sum(o * do, 1), mask=rows < q_length)
 
 
 @triton.jit
-def dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, stats, keys, start, stop, length, qk_scale,
-                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
-    """Add the query blocks [start, stop) to the keys' dK / sm_scale and dV, transposed: keys down the tiles.
+def dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, stride_ql, stride_qd, stride_dol, stride_dod, keys, start, stop,
+                      q_length, diagonal, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                      MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """Add the query blocks [start, stop) of one query head to the keys' dK / sm_scale and dV, transposed: keys
+    down the tiles.
 
-    dk, dv: BLOCK_N x HEAD_DIM accumulators; k, v: BLOCK_N x HEAD_DIM; keys: BLOCK_N positions; stats: the
-    head's offset in LSE and DELTA. MASKED: mask queries past `length` and, if CAUSAL, queries before a key."""
-    dims = tl.arange(0, HEAD_DIM)
+    dk, dv: BLOCK_N x HEAD_DIM (padded) accumulators; k, v: BLOCK_N x HEAD_DIM; keys: BLOCK_N positions; Q, DO: the
+    query head's rows (q_length x HEAD_DIM, at their strides), LSE, DELTA: its q_length statistics. MASKED: mask
+    queries past `q_length` and, if CAUSAL, the queries before a key's diagonal (query i < key j - diagonal)."""
+    dims = tl.arange(0, k.shape[1])  # the head dim, padded to a power of two
     for block_start in tl.range(start, stop, BLOCK_M):
         rows = block_start + tl.arange(0, BLOCK_M)
-        offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
+        q = load_tile(tile_pointers(Q, rows, dims, stride_ql, stride_qd), rows, q_length, dims, HEAD_DIM, MASKED)
+        do = load_tile(tile_pointers(DO, rows, dims, stride_dol, stride_dod), rows, q_length, dims, HEAD_DIM, MASKED)
         if MASKED:
-            q = tl.load(Q + offsets, mask=rows[:, None] < length, other=0.0)
-            do = tl.load(DO + offsets, mask=rows[:, None] < length, other=0.0)
-            lse2 = tl.load(LSE + stats + rows, mask=rows < length, other=0.0) * LOG2E_CONST  # base 2
-            delta = tl.load(DELTA + stats + rows, mask=rows < length, other=0.0)
+            lse2 = tl.load(LSE + rows, mask=rows < q_length, other=0.0) * LOG2E_CONST  # base 2
+            delta = tl.load(DELTA + rows, mask=rows < q_length, other=0.0)
         else:
-            q = tl.load(Q + offsets)
-            do = tl.load(DO + offsets)
-            lse2 = tl.load(LSE + stats + rows) * LOG2E_CONST
-            delta = tl.load(DELTA + stats + rows)
+            lse2 = tl.load(LSE + rows) * LOG2E_CONST
+            delta = tl.load(DELTA + rows)
         p_t = tl.exp2(matmul(k, tl.trans(q)).to(dk.dtype) * qk_scale - lse2[None, :])  # P^T: BLOCK_N x BLOCK_M
         if MASKED:
-            visible = rows[None, :] < length
+            visible = rows[None, :] < q_length
             if CAUSAL:
-                visible = visible & (keys[:, None] <= rows[None, :])
+                visible = visible & (keys[:, None] <= rows[None, :] + diagonal)
             p_t = tl.where(visible, p_t, 0.0)
         dv += matmul(p_t.to(do.dtype), do).to(dk.dtype)  # dV += P^T dO
         dp_t = matmul(v, tl.trans(do)).to(dk.dtype)  # dP^T = V dO^T: BLOCK_N x BLOCK_M
@@ -207,62 +261,75 @@ def dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, stats, keys, start,
 
 
 @triton.jit
-def flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, length, qk_scale: tl.float64, sm_scale: tl.float64,
-                          HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr,
+def flash_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, q_length, k_length, q_bucket, k_bucket, group,
+                          qk_scale: tl.float64,
+                          sm_scale: tl.float64, stride_qb, stride_qh, stride_ql, stride_qd,
+                          stride_kb, stride_kh, stride_kl, stride_kd, stride_vb, stride_vh, stride_vl, stride_vd,
+                          stride_dob, stride_doh, stride_dol, stride_dod,
+                          stride_dkb, stride_dkh, stride_dkl, stride_dkd,
+                          stride_dvb, stride_dvh, stride_dvl, stride_dvd, HEAD_DIM: tl.constexpr,
+                          HEAD_DIM_PADDED: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Q, K, V, DO, DK, DV: (batch * heads) x length x HEAD_DIM contiguous; LSE, DELTA: (batch * heads) x length.
-    # One program per BLOCK_N keys of one head, looping over the blocks of queries that can see them.
+    # Q, DO: batch x heads x q_length x HEAD_DIM; K, V, DK, DV: batch x (heads / group) x k_length x HEAD_DIM; each
+    # at its strides. LSE, DELTA: batch x heads x q_length contiguous. One program per BLOCK_N keys of one kv head,
+    # the grid (key blocks, kv heads, batch): it loops over the group of query heads that read the kv head, and
+    # over each one's blocks of queries that can see the keys, summing their terms of dK and dV.
     qk_scale, sm_scale = tl.full([], qk_scale, ACC), tl.full([], sm_scale, ACC)  # see flash_fwd_kernel
-    block_n = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    base = head * length * HEAD_DIM
-    keys = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
-    key_offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
-    k = tl.load(K + key_offsets, mask=keys[:, None] < length, other=0.0)
-    v = tl.load(V + key_offsets, mask=keys[:, None] < length, other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], ACC)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], ACC)
-    whole_stop = length // BLOCK_M * BLOCK_M  # the query blocks before it are whole
-    if CAUSAL:  # queries before the keys' block cannot see them; the blocks on the diagonal see some
-        first = block_n * BLOCK_N // BLOCK_M * BLOCK_M
-        diagonal_stop = tl.cdiv((block_n + 1) * BLOCK_N, BLOCK_M) * BLOCK_M
+    kv_head, batch = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    K += batch * stride_kb + kv_head * stride_kh
+    V += batch * stride_vb + kv_head * stride_vh
+    keys = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    k = load_tile(tile_pointers(K, keys, dims, stride_kl, stride_kd), keys, k_length, dims, HEAD_DIM, True)
+    v = load_tile(tile_pointers(V, keys, dims, stride_vl, stride_vd), keys, k_length, dims, HEAD_DIM, True)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM_PADDED], ACC)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM_PADDED], ACC)
+    whole_stop = q_length // BLOCK_M * BLOCK_M  # the query blocks before it are whole
+    diagonal = k_length - q_length  # causal: query i sees the keys j <= i + diagonal
+    if CAUSAL:  # queries before the keys' first diagonal cannot see them; the blocks across the diagonals see some
+        first = tl.maximum(tl.program_id(0) * BLOCK_N - diagonal, 0) // BLOCK_M * BLOCK_M
+        diagonal_stop = tl.cdiv(tl.maximum((tl.program_id(0) + 1) * BLOCK_N - diagonal, 0), BLOCK_M) * BLOCK_M
     else:
         first = 0
         diagonal_stop = 0
-    dk, dv = dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, head * length, keys, first,
-                               tl.minimum(diagonal_stop, length), length, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL)
-    dk, dv = dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, head * length, keys, diagonal_stop,
-                               whole_stop, length, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL)
-    dk, dv = dkdv_query_blocks(dk, dv, k, v, Q, DO, LSE, DELTA, base, head * length, keys,
-                               tl.maximum(diagonal_stop, whole_stop), length, length, qk_scale,
-                               HEAD_DIM, BLOCK_M, True, CAUSAL)
-    tl.store(DK + key_offsets, (dk * sm_scale).to(DK.dtype.element_ty), mask=keys[:, None] < length)
-    tl.store(DV + key_offsets, dv.to(DV.dtype.element_ty), mask=keys[:, None] < length)
+    for member in range(group):  # the query heads that read this kv head (a loop of one, compiled away, when
+        head = kv_head * group + member  # group is 1: Triton specializes an int argument equal to 1)
+        Q_head = Q + batch * stride_qb + head * stride_qh
+        DO_head = DO + batch * stride_dob + head * stride_doh
+        stats = (batch * tl.num_programs(1) * group + head) * q_length  # the head's offset in LSE and DELTA
+        dk, dv = dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE + stats, DELTA + stats, stride_ql, stride_qd,
+                                   stride_dol, stride_dod, keys, first, tl.minimum(diagonal_stop, q_length), q_length,
+                                   diagonal, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL)
+        dk, dv = dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE + stats, DELTA + stats, stride_ql, stride_qd,
+                                   stride_dol, stride_dod, keys, diagonal_stop, whole_stop, q_length,
+                                   diagonal, qk_scale, HEAD_DIM, BLOCK_M, False, CAUSAL)
+        dk, dv = dkdv_query_blocks(dk, dv, k, v, Q_head, DO_head, LSE + stats, DELTA + stats, stride_ql, stride_qd,
+                                   stride_dol, stride_dod, keys, tl.maximum(diagonal_stop, whole_stop), q_length,
+                                   q_length, diagonal, qk_scale, HEAD_DIM, BLOCK_M, True, CAUSAL)
+    DK += batch * stride_dkb + kv_head * stride_dkh
+    DV += batch * stride_dvb + kv_head * stride_dvh
+    store_tile(tile_pointers(DK, keys, dims, stride_dkl, stride_dkd), dk * sm_scale, keys, k_length, dims, HEAD_DIM)
+    store_tile(tile_pointers(DV, keys, dims, stride_dvl, stride_dvd), dv, keys, k_length, dims, HEAD_DIM)
 
 
 @triton.jit
-def dq_key_blocks(dq, q, do, lse2, delta, K, V, base, rows, start, stop, length, qk_scale,
-                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+def dq_key_blocks(dq, q, do, lse2, delta, K, V, stride_kl, stride_kd, stride_vl, stride_vd, rows, start, stop,
+                  k_length, diagonal, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+                  CAUSAL: tl.constexpr):
     """Add the key blocks [start, stop) to the queries' dQ / sm_scale.
 
-    dq, q, do: BLOCK_M x HEAD_DIM; lse2 (base 2), delta: BLOCK_M. MASKED: mask keys past `length` and,
-    if CAUSAL, keys after the query."""
-    dims = tl.arange(0, HEAD_DIM)
+    dq, q, do: BLOCK_M x HEAD_DIM (padded); lse2 (base 2), delta: BLOCK_M; K, V: the head's keys and values, at
+    their strides. MASKED: mask keys past `k_length` and, if CAUSAL, the keys after a query's diagonal."""
+    dims = tl.arange(0, q.shape[1])  # the head dim, padded to a power of two
     for block_start in tl.range(start, stop, BLOCK_N):
         keys = block_start + tl.arange(0, BLOCK_N)
-        offsets = base + keys[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_N x HEAD_DIM
-        if MASKED:
-            k = tl.load(K + offsets, mask=keys[:, None] < length, other=0.0)
-            v = tl.load(V + offsets, mask=keys[:, None] < length, other=0.0)
-        else:
-            k = tl.load(K + offsets)
-            v = tl.load(V + offsets)
+        k = load_tile(tile_pointers(K, keys, dims, stride_kl, stride_kd), keys, k_length, dims, HEAD_DIM, MASKED)
+        v = load_tile(tile_pointers(V, keys, dims, stride_vl, stride_vd), keys, k_length, dims, HEAD_DIM, MASKED)
         p = tl.exp2(matmul(q, tl.trans(k)).to(dq.dtype) * qk_scale - lse2[:, None])  # BLOCK_M x BLOCK_N
         if MASKED:
-            visible = keys[None, :] < length
+            visible = keys[None, :] < k_length
             if CAUSAL:
-                visible = visible & (keys[None, :] <= rows[:, None])
+                visible = visible & (keys[None, :] <= rows[:, None] + diagonal)
             p = tl.where(visible, p, 0.0)
         dp = matmul(do, tl.trans(v)).to(dq.dtype)  # dP = dO V^T
         ds = p * (dp - delta[:, None])
@@ -271,34 +338,44 @@ def dq_key_blocks(dq, q, do, lse2, delta, K, V, base, rows, start, stop, length,
 
 
 @triton.jit
-def flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, length, qk_scale: tl.float64, sm_scale: tl.float64,
-                        HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, ACC: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    # Q, K, V, DO, DQ: (batch * heads) x length x HEAD_DIM contiguous; LSE, DELTA: (batch * heads) x length.
-    # One program per BLOCK_M queries of one head, looping over the blocks of keys they can see.
+def flash_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, q_length, k_length, q_bucket, k_bucket, group,
+                        qk_scale: tl.float64,
+                        sm_scale: tl.float64, stride_qb, stride_qh, stride_ql, stride_qd,
+                        stride_kb, stride_kh, stride_kl, stride_kd, stride_vb, stride_vh, stride_vl, stride_vd,
+                        stride_dob, stride_doh, stride_dol, stride_dod, stride_dqb, stride_dqh, stride_dql, stride_dqd,
+                        HEAD_DIM: tl.constexpr, HEAD_DIM_PADDED: tl.constexpr, CAUSAL: tl.constexpr,
+                        ACC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Q, DO, DQ: batch x heads x q_length x HEAD_DIM; K, V: batch x (heads / group) x k_length x HEAD_DIM; each at
+    # its strides. LSE, DELTA: batch x heads x q_length contiguous. One program per BLOCK_M queries of one head,
+    # the grid (query blocks, heads, batch), looping over the blocks of keys they can see (of kv head h // group).
     qk_scale, sm_scale = tl.full([], qk_scale, ACC), tl.full([], sm_scale, ACC)  # see flash_fwd_kernel
     block_m = tl.num_programs(0) - 1 - tl.program_id(0)  # the last queries first: they have the most keys
-    head = tl.program_id(1).to(tl.int64)
-    base = head * length * HEAD_DIM
+    head, batch = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    Q += batch * stride_qb + head * stride_qh
+    DO += batch * stride_dob + head * stride_doh
+    DQ += batch * stride_dqb + head * stride_dqh
+    K += batch * stride_kb + head // group * stride_kh
+    V += batch * stride_vb + head // group * stride_vh
+    stats = (batch * tl.num_programs(1) + head) * q_length  # the head's offset in LSE and DELTA
     rows = block_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    dims = tl.arange(0, HEAD_DIM)
-    row_offsets = base + rows[:, None] * HEAD_DIM + dims[None, :]  # BLOCK_M x HEAD_DIM
-    q = tl.load(Q + row_offsets, mask=rows[:, None] < length, other=0.0)
-    do = tl.load(DO + row_offsets, mask=rows[:, None] < length, other=0.0)
-    lse2 = tl.load(LSE + head * length + rows, mask=rows < length, other=0.0) * LOG2E_CONST
-    delta = tl.load(DELTA + head * length + rows, mask=rows < length, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], ACC)
-    if CAUSAL:  # keys left of the first query need no mask; stop after the last query
-        unmasked_stop = block_m * BLOCK_M // BLOCK_N * BLOCK_N
-        stop = tl.minimum(length, (block_m + 1) * BLOCK_M)
+    dims = tl.arange(0, HEAD_DIM_PADDED)
+    q = load_tile(tile_pointers(Q, rows, dims, stride_ql, stride_qd), rows, q_length, dims, HEAD_DIM, True)
+    do = load_tile(tile_pointers(DO, rows, dims, stride_dol, stride_dod), rows, q_length, dims, HEAD_DIM, True)
+    lse2 = tl.load(LSE + stats + rows, mask=rows < q_length, other=0.0) * LOG2E_CONST
+    delta = tl.load(DELTA + stats + rows, mask=rows < q_length, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM_PADDED], ACC)
+    diagonal = k_length - q_length  # causal: query i sees the keys j <= i + diagonal
+    if CAUSAL:  # keys left of the first query's diagonal need no mask; stop after the last query's
+        unmasked_stop = tl.maximum(block_m * BLOCK_M + diagonal, 0) // BLOCK_N * BLOCK_N
+        stop = tl.minimum(k_length, (block_m + 1) * BLOCK_M + diagonal)
     else:  # whole key blocks need no mask
-        unmasked_stop = length // BLOCK_N * BLOCK_N
-        stop = length
-    dq = dq_key_blocks(dq, q, do, lse2, delta, K, V, base, rows, 0, unmasked_stop, length, qk_scale,
-                       HEAD_DIM, BLOCK_N, False, CAUSAL)
-    dq = dq_key_blocks(dq, q, do, lse2, delta, K, V, base, rows, unmasked_stop, stop, length, qk_scale,
-                       HEAD_DIM, BLOCK_N, True, CAUSAL)
-    tl.store(DQ + row_offsets, (dq * sm_scale).to(DQ.dtype.element_ty), mask=rows[:, None] < length)
+        unmasked_stop = k_length // BLOCK_N * BLOCK_N
+        stop = k_length
+    dq = dq_key_blocks(dq, q, do, lse2, delta, K, V, stride_kl, stride_kd, stride_vl, stride_vd, rows, 0,
+                       unmasked_stop, k_length, diagonal, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL)
+    dq = dq_key_blocks(dq, q, do, lse2, delta, K, V, stride_kl, stride_kd, stride_vl, stride_vd, rows, unmasked_stop,
+                       stop, k_length, diagonal, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL)
+    store_tile(tile_pointers(DQ, rows, dims, stride_dql, stride_dqd), dq * sm_scale, rows, q_length, dims, HEAD_DIM)
 
 
 flash_bwd_dkdv = tuned("dkdv")(flash_bwd_dkdv_kernel)
@@ -307,28 +384,33 @@ PREPROCESS_BLOCK = 128 if ON_GPU else 32  # queries per program of the preproces
 
 
 def flash_attention_backward(q, k, v, out, lse, grad_out, causal: bool, sm_scale: float):
-    """(dq, dk, dv) for contiguous q, k, v, out, grad_out (batch, heads, L, head_dim) of one dtype and the
-    forward's lse (batch, heads, L), L >= 1; the gradients in the input dtype."""
-    batch, heads, length, head_dim = q.shape
-    acc = accumulator_dtype(q.dtype)
-    delta = torch.empty_like(lse)  # rowsum(dO * O), (batch, heads, L)
-    flash_bwd_preprocess_kernel[(triton.cdiv(length, PREPROCESS_BLOCK), batch * heads)](
-        out, grad_out, delta, length, HEAD_DIM=head_dim, ACC=acc, BLOCK_M=PREPROCESS_BLOCK)
+    """(dq, dk, dv) for q, out, grad_out (batch, heads, Lq, head_dim) and k, v (batch, kv_heads, Lk, head_dim) of one
+    dtype, at any strides (read in place), and the forward's lse (batch, heads, Lq); Lq, Lk >= 1. The gradients
+    in the input dtype, each with its input's strides where that input is dense (torch.empty_like)."""
+    batch, heads, q_length, head_dim = q.shape
+    kv_heads, k_length = k.shape[1:3]
+    acc, dim_options = accumulator_dtype(q.dtype), head_dim_options(head_dim)
+    delta = torch.empty_like(lse)  # rowsum(dO * O), (batch, heads, Lq)
+    flash_bwd_preprocess_kernel[(cdiv(q_length, PREPROCESS_BLOCK), heads, batch)](
+        out, grad_out, delta, q_length, *out.stride(), *grad_out.stride(), ACC=acc, BLOCK_M=PREPROCESS_BLOCK,
+        **dim_options)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     args = (q, k, v, grad_out, lse, delta)
-    options = dict(HEAD_DIM=head_dim, CAUSAL=causal, ACC=acc)
-    flash_bwd_dkdv[lambda meta: (triton.cdiv(length, meta["BLOCK_N"]), batch * heads)](
-        *args, dk, dv, length, sm_scale * LOG2E, sm_scale, **options)
-    flash_bwd_dq[lambda meta: (triton.cdiv(length, meta["BLOCK_M"]), batch * heads)](
-        *args, dq, length, sm_scale * LOG2E, sm_scale, **options)
+    sizes = (q_length, k_length, length_bucket(q_length), length_bucket(k_length), heads // kv_heads, sm_scale * LOG2E,
+             sm_scale)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *grad_out.stride())
+    flash_bwd_dkdv[lambda meta: (cdiv(k_length, meta["BLOCK_N"]), kv_heads, batch)](
+        *args, dk, dv, *sizes, *strides, *dk.stride(), *dv.stride(), CAUSAL=causal, ACC=acc, **dim_options)
+    flash_bwd_dq[lambda meta: (cdiv(q_length, meta["BLOCK_M"]), heads, batch)](
+        *args, dq, *sizes, *strides, *dq.stride(), CAUSAL=causal, ACC=acc, **dim_options)
     return dq, dk, dv
 
 @custom_op("flash_attention_fwd", __name__)
 def flash_attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
                         sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output, lse) for contiguous q, k, v (batch, heads, L, head_dim) of one dtype."""
-    if q.numel() == 0:
-        return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=lse_dtype(q.dtype))
+    """(output, lse) for q (batch, heads, Lq, head_dim) and k, v (batch, kv_heads, Lk, head_dim) of one dtype."""
+    if q.numel() == 0 or k.numel() == 0:  # no query, or no key: every output 0 and every lse -inf, as in SDPA
+        return torch.zeros_like(q), q.new_full(q.shape[:-1], float("-inf"), dtype=lse_dtype(q.dtype))
     return flash_attention_forward(q, k, v, causal, sm_scale)
 
 
@@ -341,8 +423,9 @@ def _(q, k, v, causal, sm_scale):
 def flash_attention_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
                         grad_out: torch.Tensor, causal: bool,
                         sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) for contiguous tensors (batch, heads, L, head_dim), lse (batch, heads, L)."""
-    if q.numel() == 0:
+    """(dq, dk, dv) for q, out, grad_out (batch, heads, Lq, head_dim), k, v (batch, kv_heads, Lk, head_dim),
+    lse (batch, heads, Lq)."""
+    if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     return flash_attention_backward(q, k, v, out, lse, grad_out, causal, sm_scale)
 
@@ -354,17 +437,17 @@ def _(q, k, v, out, lse, grad_out, causal, sm_scale):
 
 def _fold_into_batch(info, in_dims, *tensors):
     """vmap: move each tensor's vmapped dim to the front (expanding an unbatched tensor), then fold it
-    into the batch: (n, batch, ...) -> (n * batch, ...), contiguous."""
+    into the batch: (n, batch, ...) -> (n * batch, ...), a view where the strides allow (the kernels read any)."""
     folded = []
     for tensor, dim in zip(tensors, in_dims):
         tensor = tensor.movedim(dim, 0) if dim is not None else tensor.expand(info.batch_size, *tensor.shape)
-        folded.append(tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]).contiguous())
+        folded.append(tensor.reshape(tensor.shape[0] * tensor.shape[1], *tensor.shape[2:]))
     return folded
 
 
 def _unfold(info, tensor):
     """(n * batch, ...) -> (n, batch, ...)."""
-    return tensor.view(info.batch_size, tensor.shape[0] // info.batch_size, *tensor.shape[1:])
+    return tensor.unflatten(0, (info.batch_size, tensor.shape[0] // info.batch_size))
 
 
 def _flash_attention_fwd_vmap(info, in_dims, q, k, v, causal, sm_scale):
@@ -383,8 +466,8 @@ flash_attention_bwd.register_vmap(_flash_attention_bwd_vmap)
 
 
 class FlashAttentionFunction(torch.autograd.Function):
-    """Autograd for flash_attention on contiguous q, k, v (batch, heads, L, head_dim) of one dtype:
-    returns (output, lse); lse is not differentiable."""
+    """Autograd for flash_attention on q (batch, heads, Lq, head_dim), k, v (batch, kv_heads, Lk, head_dim) of one
+    dtype: returns (output, lse); lse is not differentiable."""
     generate_vmap_rule = True
 
     @staticmethod
@@ -402,7 +485,8 @@ class FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = apply(FlashAttentionBackward, q, k, v, out, lse, grad_out.contiguous(), ctx.causal, ctx.sm_scale)
+        grad_out = grad_out if offsets_fit_in_32_bits(grad_out) else grad_out.contiguous()
+        dq, dk, dv = apply(FlashAttentionBackward, q, k, v, out, lse, grad_out, ctx.causal, ctx.sm_scale)
         return dq, dk, dv, None, None
 
 
@@ -425,19 +509,35 @@ class FlashAttentionBackward(torch.autograd.Function):
                            "backward, no Hessian)")
 
 
+OFFSET_LIMIT = 2**31  # the kernels widen batch and head offsets to 64 bits; the offsets inside a head stay 32-bit
+
+
+def offsets_fit_in_32_bits(tensor) -> bool:
+    """Whether every element of every (batch, head) of `tensor` (batch, heads, L, head_dim) lies less than
+    OFFSET_LIMIT elements from the head's first: the kernels compute position * stride + dim * stride in int32."""
+    length, head_dim = tensor.shape[2:]
+    return (length - 1) * abs(tensor.stride(2)) + (head_dim - 1) * abs(tensor.stride(3)) < OFFSET_LIMIT
+
+
 def _check_attention_inputs(q, k, v, causal, sm_scale):
     """Raise TypeError / ValueError naming the argument at fault."""
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         check_float_tensor(name, tensor)
-    if q.dim() != 4:
-        raise ValueError(f"q must have 4 dims (batch, heads, L, head_dim), got shape {tuple(q.shape)}")
-    for name, tensor in (("k", k), ("v", v)):
-        if tensor.shape != q.shape:
-            raise ValueError(f"{name} must have the shape of q {tuple(q.shape)} (batch, heads, L, head_dim), "
-                             f"got {tuple(tensor.shape)}")
-    if q.shape[-1] not in HEAD_DIMS:
-        raise ValueError(f"head_dim (the last dim of q, k, v) must be one of {', '.join(map(str, HEAD_DIMS))}, "
-                         f"got {q.shape[-1]}")
+        if tensor.dim() != 4:
+            raise ValueError(f"{name} must have 4 dims (batch, heads, L, head_dim), got shape {tuple(tensor.shape)}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have the shape of k {tuple(k.shape)} (batch, kv_heads, Lk, head_dim): one number "
+                         f"of heads and one length Lk, got {tuple(v.shape)}")
+    (batch, heads, _, head_dim), kv_heads = q.shape, k.shape[1]
+    if k.shape[0] != batch or k.shape[3] != head_dim:
+        raise ValueError(f"k and v must have q's batch ({batch}, dim 0) and head_dim ({head_dim}, dim 3), got "
+                         f"shape {tuple(k.shape)}")
+    if heads % kv_heads if kv_heads else heads:
+        raise ValueError(f"k's and v's heads (dim 1) must divide q's heads {heads} (grouped-query attention: "
+                         f"heads / kv_heads query heads share a kv head), got {kv_heads}")
+    if head_dim % 16 or not 16 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim (the last dim of q, k, v) must be a multiple of 16 from 16 to {MAX_HEAD_DIM}, "
+                         f"got {head_dim}")
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if not isinstance(causal, bool):
@@ -445,19 +545,34 @@ def _check_attention_inputs(q, k, v, causal, sm_scale):
     if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, (int, float))):
         raise TypeError(f"sm_scale must be None or a real number, got {type(sm_scale).__name__}")
     check_same_device(q=q, k=k, v=v)
+    for name, tensor in (("q", q), ("k", k)):
+        if tensor.shape[2] * tensor.shape[3] >= OFFSET_LIMIT:
+            raise ValueError(f"{name}'s L x head_dim must be below 2^31 (the kernels' offsets inside a head are "
+                             f"32-bit), got {tensor.shape[2]} x {tensor.shape[3]}")
 
 
 def flash_attention(q, k, v, causal=False, sm_scale=None):
-    """softmax(q k^T * sm_scale, causal mask) v, the L x L matrix never stored; differentiable in q, k, v.
+    """softmax(q k^T * sm_scale, causal mask) v, the Lq x Lk matrix never stored; differentiable in q, k, v.
 
-    q, k, v: (batch, heads, L, head_dim) of one float dtype, head_dim 32, 64 or 128; causal: query i sees
-    keys 0..i; sm_scale: the scale of the scores, None for 1 / sqrt(head_dim). Returns the output
-    (batch, heads, L, head_dim) in the input dtype, computed in float32 (float64 for float64), like
-    F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=sm_scale). Differentiable once
-    (no double backward); works under torch.func (grad, vmap), and torch.compile sees the kernels as
-    the custom ops scan_lib::flash_attention_fwd / flash_attention_bwd.
+    q: (batch, heads, Lq, head_dim); k, v: (batch, kv_heads, Lk, head_dim), of one float dtype, at any strides:
+    the kernels read them in place, so the (batch, heads, L, head_dim) view of a (batch, L, heads, head_dim)
+    tensor (x.transpose(1, 2)) is not copied. head_dim: a multiple of 16 from 16 to 256. kv_heads must divide
+    heads: query head h reads kv head h // (heads // kv_heads) (grouped-query attention; kv_heads 1 is multi-query
+    attention), as F.scaled_dot_product_attention(..., enable_gqa=True). causal: query i sees the keys
+    j <= i + Lk - Lq, the diagonal aligned bottom-right as in flash-attn and
+    torch.nn.attention.bias.causal_lower_right (not SDPA's is_causal=True, which is aligned top-left; the two
+    agree when Lq == Lk); a query that sees no key (i < Lq - Lk) gets the output 0 and zero gradients.
+    sm_scale: the scale of the scores, None for 1 / sqrt(head_dim).
+
+    Returns the output (batch, heads, Lq, head_dim) in the input dtype, with q's strides where q is dense
+    (torch.empty_like: a (batch, L, heads, head_dim) layout stays one), computed in float32 (float64 for
+    float64). Differentiable once (no double backward); works under torch.func (grad, vmap), and torch.compile
+    sees the kernels as the custom ops scan_lib::flash_attention_fwd / flash_attention_bwd.
     """
     _check_attention_inputs(q, k, v, causal, sm_scale)
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    out, _ = apply(FlashAttentionFunction, q.contiguous(), k.contiguous(), v.contiguous(), causal, scale)
+    # A view whose heads span 2^31 elements or more (the (batch, L, heads, head_dim) layout at L x heads x head_dim
+    # >= 2^31) would overflow the kernels' 32-bit offsets inside a head: it is copied, contiguous, instead.
+    q, k, v = (t if offsets_fit_in_32_bits(t) else t.contiguous() for t in (q, k, v))
+    out, _ = apply(FlashAttentionFunction, q, k, v, causal, scale)
     return out

@@ -10,18 +10,9 @@ def _per_head(M, heads):
     return M.repeat_interleave(heads // M.shape[2], dim=2)
 
 
-def _per_group(M, groups):
-    """_per_head's adjoint: a (batch, L, heads, N) gradient summed over each group's heads, (batch, L, groups, N)."""
-    batch, length, heads, n_states = M.shape
-    return M.reshape(batch, length, groups, heads // groups, n_states).sum(3)
-
-
 def ssd_loop(x, dt, A, B, C, D=None, initial_state=None):
     """H_t = exp(dt_t A) H_{t-1} + dt_t x_t B_t^T, y_t = H_t C_t + D x_t, one position at a time, in float64.
-
-    x: (batch, L, heads, P); dt: (batch, L, heads), the steps (positive); A: (heads,); B, C:
-    (batch, L, groups, N), groups dividing heads; D: (heads,) or None; initial_state: (batch, heads,
-    P, N) or None (zeros). Returns y (batch, L, heads, P) and the final state (batch, heads, P, N)."""
+    Shapes as above (D, initial_state may be None: zeros). Returns y and the final state."""
     x, dt, A = x.double(), dt.double(), A.double()
     batch, length, heads, head_dim = x.shape
     B, C = _per_head(B.double(), heads), _per_head(C.double(), heads)       # batch x L x heads x N
@@ -38,14 +29,12 @@ def ssd_loop(x, dt, A, B, C, D=None, initial_state=None):
     return y, state
 
 def segsum(a):
-    """segsum(a)[..., t, s] = a[s+1] + ... + a[t] for s <= t (0 on the diagonal), -inf above it, summing
-    only those terms (no difference of two long cumulative sums). a: (..., T) -> (..., T, T)."""
+    """(..., T) -> (..., T, T): a[s+1] + ... + a[t] for s <= t, -inf above, summing only those terms."""
     length = a.shape[-1]
     terms = a[..., :, None].expand(*a.shape, length)                      # [..., r, s] = a[r]
-    below = torch.ones(length, length, dtype=torch.bool, device=a.device).tril(-1)   # r > s
-    sums = terms.masked_fill(~below, 0).cumsum(dim=-2)                     # [..., t, s] = sum_{s<r<=t} a[r]
-    on_or_below = torch.ones(length, length, dtype=torch.bool, device=a.device).tril()
-    return sums.masked_fill(~on_or_below, float("-inf"))
+    ones = torch.ones(length, length, dtype=torch.bool, device=a.device)
+    sums = terms.masked_fill(~ones.tril(-1), 0).cumsum(dim=-2)             # [..., t, s] = sum_{s<r<=t} a[r]
+    return sums.masked_fill(~ones.tril(), float("-inf"))
 
 
 def ssd_quadratic(x, dt, A, B, C, D=None):
@@ -58,8 +47,7 @@ def ssd_quadratic(x, dt, A, B, C, D=None):
     return y if D is None else y + D[:, None] * x
 
 def _in_chunks(t, chunk_size):
-    """(batch, L, ...) -> (batch, chunks, Q, ...), the last chunk padded with zeros (where dt is 0: no
-    decay, no input)."""
+    """(batch, L, ...) -> (batch, chunks, Q, ...), padded with zeros (where dt is 0: no decay, no input)."""
     batch, length = t.shape[:2]
     n_chunks = -(-length // chunk_size)
     t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, n_chunks * chunk_size - length))
@@ -67,10 +55,8 @@ def _in_chunks(t, chunk_size):
 
 
 def _chunk_steps(x, dt, A, B, C, initial_state):
-    """Steps 1 to 3 on inputs in chunks (x: batch x chunks x Q x heads x P, dt: ... x heads, B and C per
-    head: ... x heads x N): the decays from each chunk's start a_cum, the diagonal blocks' decays and
-    scores, each position's decay to its chunk's end, the chunk states, the state entering each chunk
-    and the final state."""
+    """Steps 1 to 3 on inputs in chunks (batch x chunks x Q x heads x ..., B and C per head): a_cum, the diagonal
+    blocks' decays and scores, the decays to the chunk's end, the chunk states, the entering and final states."""
     batch, n_chunks, _, heads, head_dim = x.shape
     a = (dt * A).permute(0, 3, 1, 2)                                       # batch x heads x chunks x Q
     a_cum = a.cumsum(-1)                                                   # decay from the chunk's start
@@ -93,10 +79,8 @@ def _chunk_steps(x, dt, A, B, C, initial_state):
 
 
 def ssd_chunked(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
-    """The chunked algorithm (SSD) in PyTorch: intra-chunk matrix products, chunk states, the scan over
-    chunk boundaries, the past's contribution. Shapes as ssd_loop; any L (the last chunk is padded
-    with dt = 0; L = 0 gives an empty y and the initial state). Returns y (batch, L, heads, P) and the
-    final state (batch, heads, P, N)."""
+    """Section 3's four steps in PyTorch. Shapes and results as ssd_loop; any L (the last chunk padded with
+    dt = 0; L = 0 gives an empty y and the initial state)."""
     batch, length, heads, head_dim = x.shape
     xc, dtc, Bc, Cc = (_in_chunks(t, chunk_size) for t in (x, dt, _per_head(B, heads), _per_head(C, heads)))
     a_cum, decay, scores, _, _, entering, state = _chunk_steps(xc, dtc, A, Bc, Cc, initial_state)
@@ -118,8 +102,7 @@ from scan_lib.runtime import check_float_tensor, check_same_device
 
 @triton.jit
 def _softplus(p):
-    """log(1 + e^p) in float32 with neither overflow nor lost digits (chapter 05's form): max(p, 0) +
-    log1p(e^-|p|), log1p(e) computed as log(w) e / (w - 1) with w = 1 + e. F.softplus to float32 rounding."""
+    """log(1 + e^p) in float32, chapter 05's form (no overflow, no lost digits): F.softplus to rounding."""
     e = tl.exp(-tl.abs(p))
     w = 1.0 + e
     return tl.maximum(p, 0.0) + tl.where(w == 1.0, e, tl.log(w) * e / (w - 1.0))
@@ -127,8 +110,7 @@ def _softplus(p):
 
 @triton.jit
 def _raw_steps(DT, DT_BIAS, b, h, t, t_ok, length, heads, HAS_DT_BIAS: tl.constexpr):
-    """dt + dt_bias at the chunk's positions (CHUNK, float32), 0 past L: the step before its softplus. DT:
-    b x L x h in any float dtype, DT_BIAS: h float32."""
+    """dt + dt_bias at the chunk's positions (float32), 0 past L: the step before its softplus."""
     raw = tl.load(DT + (b * length + t) * heads + h, t_ok, other=0.0).to(tl.float32)
     if HAS_DT_BIAS:
         raw += tl.where(t_ok, tl.load(DT_BIAS + h), 0.0)
@@ -138,10 +120,7 @@ def _raw_steps(DT, DT_BIAS, b, h, t, t_ok, length, heads, HAS_DT_BIAS: tl.conste
 @triton.jit
 def _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
                    CHUNK: tl.constexpr):
-    """A program's (batch, head, chunk), its head's group, the chunk's positions t and which are before
-    L, the steps dt there, the head's A and the decay from the chunk's start a_cum (CHUNK). The step is
-    softplus(dt + dt_bias), with the bias and the softplus where asked (section 8's options), computed
-    here from the raw dt, and 0 past L (no decay, no input)."""
+    """b, h, c, the group, positions t (t_ok: before L), steps dt (0 past L), A and a_cum from the chunk's start."""
     b, h, c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
     t = c * CHUNK + tl.arange(0, CHUNK)
     t_ok = t < length
@@ -154,8 +133,7 @@ def _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS: tl.conste
 
 @triton.jit
 def _rows(M, b, t, t_ok, length, count, index, width, BLOCK: tl.constexpr):
-    """M[b, t, index, :width] of a contiguous b x L x count x width tensor as a CHUNK x BLOCK float32
-    tile, 0 past L and past width: x or dy (count = heads), B or C (count = groups)."""
+    """M[b, t, index, :width] of a contiguous b x L x count x width tensor: a CHUNK x BLOCK float32 tile, 0 outside."""
     j = tl.arange(0, BLOCK)
     return tl.load(M + ((b * length + t[:, None]) * count + index) * width + j[None, :],
                    t_ok[:, None] & (j[None, :] < width), other=0.0).to(tl.float32)
@@ -163,9 +141,7 @@ def _rows(M, b, t, t_ok, length, count, index, width, BLOCK: tl.constexpr):
 
 @triton.jit
 def _mm(a, b, X):
-    """a @ b of float32 tiles on the tensor cores at the precision of X's elements, float32 sums: both
-    operands rounded to X's dtype when it has 16 bits; for float32, tf32x3 (three TF32 products, about
-    float32's accuracy)."""
+    """a @ b on the tensor cores at X's precision, float32 sums; float32 as tf32x3 (float32's accuracy)."""
     if X.dtype.element_ty == tl.float32:
         return tl.dot(a, b, input_precision="tf32x3")
     return matmul(a.to(X.dtype.element_ty), b.to(X.dtype.element_ty))
@@ -175,9 +151,8 @@ def _mm(a, b, X):
 def ssd_chunk_state_kernel(X, DT, DT_BIAS, A, B, STATES, DECAY, length, heads, groups, head_dim, n_states, n_chunks,
                            HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, CHUNK: tl.constexpr,
                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (batch, head, chunk): the state the chunk leaves from zero, sum_s exp(a_end - a_cum_s) dt_s x_s B_s^T
-    (P x N), and the chunk's decay exp(sum of a). X: b x L x h x P, DT: b x L x h, B: b x L x g x N (contiguous);
-    DT_BIAS: h; STATES: b x h x chunks x P x N, DECAY: b x h x chunks."""
+    """Step 2: the chunk's state from zero, sum_s exp(a_end - a_cum_s) dt_s x_s B_s^T (P x N), and its decay.
+    X: b x L x h x P, DT: b x L x h, B: b x L x g x N; STATES: b x h x chunks x P x N, DECAY: b x h x chunks."""
     b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
                                                           DT_SOFTPLUS, CHUNK)
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
@@ -194,8 +169,7 @@ def ssd_chunk_state_kernel(X, DT, DT_BIAS, A, B, STATES, DECAY, length, heads, g
 
 @triton.jit
 def _decays(a_cum, CHUNK: tl.constexpr):
-    """The diagonal block's decays L_ts = exp(a_cum_t - a_cum_s) for s <= t, 0 above (CHUNK x CHUNK): within
-    a chunk, short differences."""
+    """The diagonal block's L_ts = exp(a_cum_t - a_cum_s) for s <= t, else 0: short differences."""
     causal = tl.arange(0, CHUNK)[:, None] >= tl.arange(0, CHUNK)[None, :]
     return tl.where(causal, tl.exp(a_cum[:, None] - a_cum[None, :]), 0.0)
 
@@ -204,8 +178,8 @@ def _decays(a_cum, CHUNK: tl.constexpr):
 def ssd_chunk_output_kernel(X, DT, DT_BIAS, A, B, C, D, Z, ENTERING, Y, length, heads, groups, head_dim, n_states,
                             n_chunks, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr,
                             HAS_Z: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (batch, head, chunk): y = (L o C B^T)(dt x) + exp(a_cum) C H_in^T (+ D x), times the gate silu(z)
-    where z (b x L x h x P, like X and Y) is given, for the chunk's positions."""
+    """Steps 1 and 4: y = (L o C B^T)(dt x) + exp(a_cum) C H_in^T (+ D x), times silu(z) if z is given.
+    X, Z, Y: b x L x h x P, DT: b x L x h, B, C: b x L x g x N; ENTERING: b x h x chunks x P x N."""
     b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
                                                           DT_SOFTPLUS, CHUNK)
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
@@ -227,6 +201,7 @@ def ssd_chunk_output_kernel(X, DT, DT_BIAS, A, B, C, D, Z, ENTERING, Y, length, 
              t_ok[:, None] & (p[None, :] < head_dim))
 
 
+
 def _check_given(name, value, dims, shape):
     """Raise naming the argument unless value is None or a float tensor of this shape (dims: its names)."""
     if value is None:
@@ -238,8 +213,7 @@ def _check_given(name, value, dims, shape):
 
 def _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state, float64_dt=False):
     """Raise a TypeError or ValueError naming the argument unless the kernels can index the inputs as given.
-    float64_dt: take a float64 dt, for section 8's op with a bias or softplus on the step, whose step has
-    always been computed in float32 from dt (before the kernels took it over, by PyTorch)."""
+    float64_dt: accept a float64 dt (section 8's op, whose step with a bias or softplus is computed in float32)."""
     named = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, initial_state=initial_state)
     for name, value in named.items():
         if value is not None or name not in ("D", "initial_state"):
@@ -251,8 +225,7 @@ def _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state, float64_
         raise ValueError(f"x must have shape (batch, L, heads, P), got {tuple(x.shape)}")
     batch, length, heads, head_dim = x.shape
     if B.dim() != 4 or tuple(B.shape[:2]) != (batch, length) or B.shape[3] == 0:
-        raise ValueError(f"B must have shape (batch={batch}, L={length}, groups, N) with N >= 1, "
-                         f"got {tuple(B.shape)}")
+        raise ValueError(f"B must have shape (batch={batch}, L={length}, groups, N) with N >= 1, got {tuple(B.shape)}")
     groups, n_states = B.shape[2], B.shape[3]
     if groups == 0 or heads % groups != 0:
         raise ValueError(f"B and C: the number of groups ({groups}) must divide heads ({heads}, x's third dim)")
@@ -272,21 +245,11 @@ def _output_dtype(x, z):
     return x.dtype if z is None else torch.promote_types(x.dtype, z.dtype)
 
 
-def _empty_forward(x, n_states, initial_state, z):
-    """ssd_forward's result for an empty x (L = 0, or no batch, heads or channels), launching nothing."""
-    batch, _, heads, head_dim = x.shape
-    final = (torch.zeros(batch, heads, head_dim, n_states, device=x.device) if initial_state is None
-             else initial_state.to(torch.float32, copy=True))               # no position moved the state
-    return torch.empty(x.shape, dtype=_output_dtype(x, z), device=x.device), final
-
-
 KERNEL_CHUNK = 64   # the longest chunk a program holds: its Q x Q, Q x P and Q x N tiles fit in registers
 
 
 def _tiles(chunk_size, head_dim, n_states):
-    """The kernels' compile-time sizes: CHUNK, the chunk they run (chunk_size up to KERNEL_CHUNK; the
-    chunked form is the same computation for any chunk); BLOCK_P and BLOCK_N, P and N padded to powers of
-    two, at least 16 (tl.dot's smallest tile)."""
+    """CHUNK, at most KERNEL_CHUNK (the same result); P, N padded to powers of two >= 16 (tl.dot's smallest)."""
     return dict(CHUNK=min(chunk_size, KERNEL_CHUNK), BLOCK_P=max(16, triton.next_power_of_2(head_dim)),
                 BLOCK_N=max(16, triton.next_power_of_2(n_states)))
 
@@ -294,9 +257,7 @@ def _tiles(chunk_size, head_dim, n_states):
 @triton.jit
 def ssd_state_passing_kernel(LOCAL, DECAY, START, PASSED, END, n_chunks, size,
                              HAS_START: tl.constexpr, REVERSE: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per (batch, head, BLOCK entries of the P x N state), walking the chunks in order
-    (backward with REVERSE) with chapter 02's carried state h = g_c h + s_c, one gate per chunk for all
-    entries. PASSED[c] gets the carry before chunk c is folded in; END the carry after the last."""
+    """Step 3 on BLOCK state entries (REVERSE: last chunk first): PASSED[c], the carry before chunk c; END, after."""
     bh, block = tl.program_id(0), tl.program_id(1)
     entries = block * BLOCK + tl.arange(0, BLOCK)
     ok = entries < size
@@ -304,19 +265,16 @@ def ssd_state_passing_kernel(LOCAL, DECAY, START, PASSED, END, n_chunks, size,
     carry = tl.zeros([BLOCK], dtype=tl.float32)
     if HAS_START:
         carry = tl.load(START + bh.to(tl.int64) * size + entries, ok, 0.0)
-    step = 0
-    while step < n_chunks:
+    for step in range(n_chunks):
         c = n_chunks - 1 - step if REVERSE else step
         tl.store(PASSED + head_base + c * size + entries, carry, ok)
         carry = tl.load(DECAY + bh * n_chunks + c) * carry + tl.load(LOCAL + head_base + c * size + entries, ok, 0.0)
-        step += 1
     tl.store(END + bh.to(tl.int64) * size + entries, carry, ok)
 
 
 def pass_states(local, decay, start, reverse=False, block=1024):
-    """The scan over chunks of (batch, heads, chunks, P, N) float32 contributions with (batch, heads,
-    chunks) gates, from start (batch, heads, P, N) or zeros: (the carry entering each chunk, in the
-    order walked, and the carry at the end), read and written in place, one pass."""
+    """Step 3 on float32 chunk states (batch, heads, chunks, P, N) with gates (batch, heads, chunks), from start
+    or zeros: the carry entering each chunk (in the order walked) and the carry at the end."""
     batch, heads, n_chunks, head_dim, n_states = local.shape
     size = head_dim * n_states
     passed = torch.empty_like(local)
@@ -328,55 +286,39 @@ def pass_states(local, decay, start, reverse=False, block=1024):
 
 
 def _step_options(dt_bias, dt_softplus):
-    """The kernels' step options: dt_bias (heads,) as contiguous float32 (they read DT_BIAS + h) or None,
-    and their flags."""
+    """dt_bias as contiguous float32 (the kernels read DT_BIAS + h) or None, and the kernels' step flags."""
     bias = None if dt_bias is None else dt_bias.float().contiguous()
     return bias, dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus)
 
 
 def _scan_chunks(x, dt, dt_bias, A, B, tiles, steps, initial_state):
-    """Steps 2 and 3 on contiguous inputs (A and dt_bias float32; steps: _step_options' flags) in chunks of
-    tiles["CHUNK"]: the chunk states and their decays (ssd_chunk_state_kernel), then pass_states over the
-    chunks. Returns the state entering each chunk (batch, heads, chunks, P, N), the decays (batch, heads,
-    chunks) and the final state, float32."""
-    batch, length, heads, head_dim = x.shape
-    groups, n_states = B.shape[2], B.shape[3]
+    """Steps 2 and 3 on contiguous inputs (A, dt_bias float32): the state entering each chunk
+    (batch, heads, chunks, P, N), the chunks' decays (batch, heads, chunks) and the final state, float32."""
+    (batch, length, heads, head_dim), (groups, n_states) = x.shape, B.shape[2:]
     n_chunks = triton.cdiv(length, tiles["CHUNK"])
     states = torch.empty(batch, heads, n_chunks, head_dim, n_states, device=x.device, dtype=torch.float32)
     decay = torch.empty(batch, heads, n_chunks, device=x.device, dtype=torch.float32)
     ssd_chunk_state_kernel[(batch, heads, n_chunks)](x, dt, dt_bias, A, B, states, decay, length, heads, groups,
                                                      head_dim, n_states, n_chunks, **steps, **tiles)
     start = None if initial_state is None else initial_state.float().contiguous()
-    entering, final = pass_states(states, decay, start)      # step 3, the scan over chunks
+    entering, final = pass_states(states, decay, start)
     return entering, decay, final
 
 
 def ssd_forward(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
-    """The chunked forward on the GPU (or Triton's interpreter): the chunk states, the scan over chunks,
-    the outputs (three kernels). Shapes as ssd_loop (checked); chunk_size a power of two >= 16; float32 sums. Returns y
-    (x's dtype) and the final state (float32). Not differentiable: section 8's op is."""
-    named = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, initial_state=initial_state)
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in named.values()):
-        raise RuntimeError("ssd_forward is not differentiable: call mamba_chunk_scan_combined (section 8), "
-                           "which is, or ssd_forward under torch.no_grad()")
-    return _launch_forward(x, dt, A, B, C, chunk_size, D, initial_state)
-
-
-def _launch_forward(x, dt, A, B, C, chunk_size, D, initial_state):
-    """ssd_forward's checks and kernels, whether or not the inputs require a gradient."""
+    """ssd_chunked in three kernels (inputs checked): y in x's dtype, the final state in float32. Not differentiable."""
+    if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (x, dt, A, B, C, D, initial_state)):
+        raise RuntimeError("ssd_forward is not differentiable: call mamba_chunk_scan_combined (section 8), or no_grad")
     _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state)
     return _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state)
 
 
 def _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state, z=None, dt_bias=None, dt_softplus=False):
-    """The forward's work on checked inputs; z, dt_bias and dt_softplus are section 8's options (its op
-    checks them): the step softplus(dt + dt_bias) and the gate y silu(z), both inside the kernels."""
+    """The forward on checked inputs; z, dt_bias and dt_softplus are section 8's options (its op checks them)."""
     if x.numel() == 0:
-        return _empty_forward(x, B.shape[3], initial_state, z)
-    batch, length, heads, head_dim = x.shape
-    groups, n_states = B.shape[2], B.shape[3]
-    x, dt, B, C = (t.contiguous() for t in (x, dt, B, C))
-    z = None if z is None else z.contiguous()
+        return _empty_forward(x, B.shape[3], initial_state, z)   # "Going deeper: the forward kernels' fine print"
+    (batch, length, heads, head_dim), (groups, n_states) = x.shape, B.shape[2:]
+    x, dt, B, C, z = (None if t is None else t.contiguous() for t in (x, dt, B, C, z))
     A, D = (None if t is None else t.float().contiguous() for t in (A, D))  # the kernels read A + h, D + h
     dt_bias, steps = _step_options(dt_bias, dt_softplus)
     tiles = _tiles(chunk_size, head_dim, n_states)
@@ -386,6 +328,19 @@ def _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state, z=None, dt_bi
         x, dt, dt_bias, A, B, C, D, z, entering, y, length, heads, groups, head_dim, n_states, entering.shape[2],
         HAS_D=D is not None, HAS_Z=z is not None, **steps, **tiles)
     return y, final
+
+def _empty_forward(x, n_states, initial_state, z):
+    """ssd_forward's result for an empty x (L = 0, or no batch, heads or channels), launching nothing."""
+    batch, _, heads, head_dim = x.shape
+    final = (torch.zeros(batch, heads, head_dim, n_states, device=x.device) if initial_state is None
+             else initial_state.to(torch.float32, copy=True))               # no position moved the state
+    return torch.empty(x.shape, dtype=_output_dtype(x, z), device=x.device), final
+
+def _per_group(M, groups):
+    """_per_head's adjoint: a (batch, L, heads, N) gradient summed over each group's heads, (batch, L, groups, N)."""
+    batch, length, heads, n_states = M.shape
+    return M.reshape(batch, length, groups, heads // groups, n_states).sum(3)
+
 
 def _empty_gradients(x, dt, A, B, C, dfinal, D, initial_state):
     """The gradients for a sequence of no position: the final state is the initial one, so its gradient
