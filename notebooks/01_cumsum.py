@@ -481,11 +481,11 @@ def lookback_scan_kernel(X, Y, STATE, length, num_blocks, BLOCK: tl.constexpr, W
 #
 # "Going deeper: the benchmark" times `cumsum` (the look-back) against `torch.cumsum`,
 # reduce-then-scan and the three-phase scan on float32 inputs of $2^{10}$ to $2^{27}$ values. From
-# $L = 2^{24}$ up to $2^{27}$, the largest size measured, the look-back is the fastest of the four and
+# $L = 2^{22}$ up to $2^{27}$, the largest size measured, the look-back is the fastest of the four and
 # beats `torch.cumsum`; there the words moved set the order of our three scans ($2L$, then $3L$, then
 # $4L$), and at $2^{27}$ the look-back takes 1.07 times the memory floor (the time to move $2L$ words
 # at the measured copy bandwidth). At every size up to $2^{22}$ that it splits into host and GPU time,
-# a `cumsum` call is host-bound: its host time per call exceeds its GPU time. So below $2^{24}$ its
+# a `cumsum` call is host-bound: its host time per call exceeds its GPU time. So below $2^{22}$ its
 # medians in this run include host time, which varies from call to call, and say little about the
 # kernels ("Going deeper: the benchmark" sets them beside the GPU time alone).
 #
@@ -1339,20 +1339,20 @@ for call, error, words in bad_inputs:
 # copies' time.
 #
 # On the copy path, which `cumsum` took along every dimension but the last before the column scan,
-# the copies are most of the cost: it takes 325.3 us against 49.0 along the last dimension, and its
-# two copies alone 140.9 and 141.5 us of it. Each copy, which reads and writes every value once, as
+# the copies are most of the cost: it takes 326.9 us against 81.3 along the last dimension, and its
+# two copies alone 142.4 and 141.8 us of it. Each copy, which reads and writes every value once, as
 # the scan does, takes longer than the whole scan along the last dimension: there `cumsum` pays mostly
-# for its layout, not for scanning. The column scan wins most of that back: `cumsum` along the first
-# dimension takes 71.9 us, and the column scan called alone, without `cumsum`'s checks and choice of
-# path, 72.6. That is still longer than the 49.0 along the last dimension, and the output does not
-# say why; the two differ in parallelism, which it does not isolate: along the first dimension 256
-# programs of 16 columns each walk all 4096 rows in order, where along the last each of the 4096 rows
-# is one program.
+# for its layout, not for scanning. The column scan wins all of that back: `cumsum` along the first
+# dimension takes 72.1 us, and the column scan called alone, without `cumsum`'s checks and choice of
+# path, 72.6. In this run that is even a little shorter than the 81.3 along the last dimension; the
+# output does not say why, and the two differ in parallelism, which it does not isolate: along the
+# first dimension 256 programs of 16 columns each walk all 4096 rows in order, where along the last
+# each of the 4096 rows is one program.
 #
 # Its last two rows test the threshold of "scanning along a dimension but the last, in place": a
 # (2^22, 4) tensor along its first dimension has 4 columns, fewer than `MIN_COLUMNS`, so `cumsum` takes
-# the copy path there (233.1 us); the column scan called directly, one program walking 2^22 rows,
-# takes 9415.7 us.
+# the copy path there (234.7 us); the column scan called directly, one program walking 2^22 rows,
+# takes 9352.1 us.
 
 # %%
 from scan_lib.runtime import median_us   # chapter 00's timer
@@ -1471,20 +1471,18 @@ else:
 # three or more from $2^{11}$.
 #
 # The speed cell prints its conclusions from its measurements; its line "faster than torch.cumsum
-# from L = 2^24 up" means at every size from there to the largest measured, $2^{27}$: the table says
-# nothing about longer inputs. Below $2^{24}$ the two trade places: `cumsum` is faster up to $2^{12}$,
-# where it is one launch of `scan_short_rows`, and at $2^{16}$, narrowly (8.8 us against 8.9);
-# `torch.cumsum` is faster at $2^{13}$ to $2^{15}$, narrowly, and at every size from $2^{17}$ to
-# $2^{23}$, by far up to $2^{22}$ (at $2^{20}$, 13.0 us against 56.0). Those medians do not measure
-# the look-back kernel: from $2^{17}$ to $2^{22}$ `cumsum` takes 38.0 to 58.7 us, while the table at
-# the end of this section times its GPU work alone at 5.9 us at $2^{19}$ and 14.0 at $2^{22}$, and
-# the same calls' medians there at 11.9 and 23.0 (at $2^{22}$ below `torch.cumsum`'s 26.0). The gap
-# is not the kernel's work; those calls are host-bound (end of this section), so it is most likely
-# host time that `do_bench`'s L2 flush did not hide. The other columns show the same: they step down
-# here and there between neighbouring sizes, where the kernels' work only grows with $L$
-# (reduce-then-scan takes 71.1 us at $2^{22}$ and 58.3 at $2^{23}$; the three-phase scan 27.8 at
-# $2^{11}$ and 10.4 at $2^{12}$, 34.4 at $2^{18}$ and 19.7 at $2^{19}$). How much host time reaches a
-# median varies from call to call, for reasons one run cannot pin down.
+# from L = 2^22 up" means at every size from there to the largest measured, $2^{27}$: the table says
+# nothing about longer inputs. Below $2^{22}$ `torch.cumsum` is faster or level at every size but
+# $2^{16}$ (8.9 us against 9.1), by far at some: at $2^{10}$ `cumsum` takes 69.3 us against 7.8, at
+# $2^{21}$ 42.8 against 30.7. Those medians do not measure the look-back kernel: the table at the end
+# of this section times `cumsum`'s GPU work alone at 1.4 us at $2^{10}$ and 5.9 at $2^{19}$, and the
+# same calls' medians there at 4.5 and 11.5. The gap is not the kernel's work; those calls are
+# host-bound (end of this section), so it is most likely host time that `do_bench`'s L2 flush did not
+# hide. The other columns show the same: they step down here and there between neighbouring sizes,
+# where the kernels' work only grows with $L$ (reduce-then-scan takes 69.9 us at $2^{13}$ and 11.0 at
+# $2^{14}$, 98.0 at $2^{17}$ and 13.2 at $2^{18}$; the three-phase scan 64.0 at $2^{17}$ and 10.3 at
+# $2^{18}$). How much host time reaches a median varies from call to call, for reasons one run cannot
+# pin down.
 #
 # The table, plotted: times, and the fraction of the memory floor each method reaches.
 
@@ -1518,9 +1516,9 @@ else:
 # CUDA graph replays the launches with no Python in between) and the host time per call (`host_us`:
 # calls queued back to back, timed on the CPU). When the host time exceeds the GPU time, the call is
 # host-bound: in the table below, every size up to $2^{22}$ (all but the two largest), and at
-# $2^{10}$ the host time alone, 79.8 us, is many times `torch.cumsum`'s whole median, 8.0. A call
+# $2^{10}$ the host time alone, 50.8 us, is many times `torch.cumsum`'s whole median, 8.2. A call
 # makes one Triton launch (rows of at most 4096 values) or a `torch.zeros` and one launch (the
-# look-back), yet its host time is 57.1 to 95.5 us in this run, several times the host time of one
+# look-back), yet its host time is 50.8 to 82.6 us in this run, several times the host time of one
 # bare launch of `vector_add_kernel` (chapter 00's table, its `host_us` column at $2^{14}$). So most
 # of the host time per call is not the launch itself; it goes to what `cumsum` runs around its
 # launch: the input checks, `apply` (which, when nothing needs a gradient, runs the autograd
@@ -1528,9 +1526,10 @@ else:
 # launch that binds more arguments than `vector_add_kernel`'s (the custom op's dispatcher is not
 # among them: for tensors that need no gradient, `EagerFastOp` calls the implementation directly).
 # These outputs do not split the host time among those layers, and the speed table cannot rank them:
-# at $L = 2^{10}$, where each of its columns is a single launch, its medians (`cumsum` 4.5 us,
-# reduce-then-scan 5.1, the three-phase scan 4.6, `torch.cumsum` 7.8) lie far below `cumsum`'s host
-# time, which mostly hides under `do_bench`'s L2 flush (next paragraph). Fewer Python layers per
+# at $L = 2^{10}$, where each of its columns is a single launch, its medians (`cumsum` 69.3 us,
+# reduce-then-scan 21.0, the three-phase scan 6.9, `torch.cumsum` 7.8) spread far wider than one
+# launch's GPU time (1.4 us for `cumsum` in the table below): how much of the host time reaches a
+# median varies from call to call (next paragraph). Fewer Python layers per
 # call, CUDA graphs (they replay the launches with no Python in between) or a C++ launcher make such
 # calls faster; cutting the library's host path further is open work.
 #
@@ -1538,11 +1537,11 @@ else:
 # `median` column is below the `host` column, although a host-bound call cannot finish before the host
 # has queued it. `do_bench` queues its L2 flush before each call's start event, so the GPU stamps that
 # event only when the flush is done, and the host's work for the call runs meanwhile: part of the host
-# time hides under the flush. How much is not fixed: at $2^{10}$ and $2^{16}$ the median, 35.4 and
-# 29.3 us, is far above the GPU time alone, 1.4 and 4.0, where the speed table measured the same
-# calls at 4.5 and 8.8. `host_us` is therefore the measure of host time, and `do_bench`'s median a
-# lower bound of what a host-bound call costs when called back to back, one that varies from call to
-# call.
+# time hides under the flush. How much is not fixed: at $2^{13}$ the median is 31.5 us against 3.8
+# of GPU time alone, where the speed table measured the same call at 63.0, and at $2^{10}$ the speed
+# table measured 69.3 where the median below is 4.5. `host_us` is therefore the measure of host
+# time, and `do_bench`'s median a lower bound of what a host-bound call costs when called back to
+# back, one that varies from call to call.
 
 # %%
 def time_split() -> None:

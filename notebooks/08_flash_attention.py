@@ -512,8 +512,8 @@ for length, head_dim, dtype, causal in forward_cases():
 #
 # "Going deeper: the benchmark" times ours in bfloat16 against `F.scaled_dot_product_attention` run by
 # PyTorch's FlashAttention-2 kernels and by NVIDIA's cuDNN. In the recorded run (NVIDIA H100 80GB HBM3)
-# ours beats the former in every row but one, where the two are level, and trails cuDNN in every row
-# (ours / cuDNN from 0.56 to 0.98).
+# ours beats the former at $L$ 4096 and 16384, trails it in five rows of eight at 1024 (the fine
+# print measures why in one), and trails cuDNN everywhere (0.35-0.97x).
 
 # %% [markdown]
 # ## Summary
@@ -1558,7 +1558,7 @@ else:
 
 # %% [markdown]
 # The cell prints each prediction's outcome; those lines, not this text, judge them. In the run
-# recorded here, on an NVIDIA H100 80GB HBM3, prediction 1 failed (5.2 and 8.7 times slower, not more
+# recorded here, on an NVIDIA H100 80GB HBM3, prediction 1 failed (5.2 and 8.9 times slower, not more
 # than 10), and prediction 3 shows that the round trips of $O$ are not the naive kernel's problem: their
 # bytes would take 5% (head dim 64) and 4% (head dim 128) of its time. The other three held. What remains to
 # explain its time is the serial softmax, the scalar products, the bank conflicts and the small grid;
@@ -1726,13 +1726,13 @@ else:
 
 # %% [markdown]
 # In the run recorded here, on an NVIDIA H100 80GB HBM3, ours is at least as fast as the flash backend
-# in every row and at every length (the cell prints `True`). The margin is smallest at $L = 1024$ in
-# the causal forward + backward: 150 against 143 TFLOP/s at head dim 64, and level, 147 each, at 128.
-# The cell's $L = 1024$ lines (head dim 64, not causal) show our host time per call below our GPU
-# time in the forward (81.9 against 94.2 us) and above it in forward + backward (450.4 against
-# 381.6 us). Our GPU time is shorter than the flash backend's (126.1 and 549.9 us), whose host time
-# (50.2 and 212.7 us) stays below its GPU time. Ours is behind cuDNN in every row (ours / cuDNN from
-# 0.56 to 0.98). The fine print below discusses the host's share and the gap to cuDNN.
+# in every row at $L$ = 4096 and 16384, and behind it at $L = 1024$ in five rows of eight (the cell
+# lists them): forward + backward at both head dims, causal or not, and the causal forward at head
+# dim 64. The cell's $L = 1024$ lines (head dim 64, not causal) show our host time per call above our
+# GPU time in both passes: 104.2 against 94.0 us in the forward, 739.1 against 376.6 us in forward +
+# backward. Our GPU time is shorter than the flash backend's (123.3 and 548.0 us), whose host time
+# (45.5 and 226.5 us) stays below its GPU time. Ours is behind cuDNN in every row (ours / cuDNN from
+# 0.35 to 0.97). The fine print below discusses the host's share and the gap to cuDNN.
 #
 # **The shapes.** heads $\times$ head_dim $= 2048$ is 32 heads of 64 or 16 of 128. A backend that
 # refuses a shape is reported and skipped.
@@ -1751,13 +1751,13 @@ else:
 # Python (an autograd Function around two torch custom ops, four Triton launches for forward +
 # backward) where SDPA's is C++ from end to end. The benchmark cell's last lines separate the two at
 # $L = 1024$: `host_us` times the host's work per call (launches queued back to back) and `graph_us`
-# the GPU's (the call replayed from a CUDA graph). For ours the GPU is the slower of the two in the
-# forward (81.9 against 94.2 us), but the host in forward + backward (450.4 against 381.6 us): there
-# calls queued back to back leave the GPU waiting for the host. For the flash backend the GPU is the
-# slower in both passes (50.2 against 126.1 us, 212.7 against 549.9 us). Our GPU time is shorter than
-# the flash backend's in both passes, so at this shape our lead comes from the kernels, and in
-# forward + backward our host's time, not the GPU's, sets the pace. The cell does not split the
-# other rows at $L = 1024$ this way.
+# the GPU's (the call replayed from a CUDA graph). For ours the host is the slower of the two in both
+# passes (104.2 against 94.0 us in the forward, 739.1 against 376.6 us in forward + backward): calls
+# queued back to back leave the GPU waiting for the host. For the flash backend the GPU is the slower
+# in both passes (45.5 against 123.3 us, 226.5 against 548.0 us). Our GPU time is shorter than the
+# flash backend's in both passes, so at this shape the kernels are not what puts us behind: our
+# host's time per call sets the pace, and cutting it is open work. The cell does
+# not split the other rows at $L = 1024$ this way.
 # The figure's dotted line is the GPU's dense bfloat16 peak from NVIDIA's datasheet.
 #
 # **Behind cuDNN.** The likely reason lies in what the kernel does not use: FlashAttention-3, and by
