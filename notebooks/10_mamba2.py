@@ -362,13 +362,10 @@ def _decays(a_cum, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def ssd_chunk_output_kernel(X, DT, DT_BIAS, A, B, C, D, Z, ENTERING, Y, length, heads, groups, head_dim, n_states,
-                            n_chunks, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr,
-                            HAS_Z: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Steps 1 and 4: y = (L o C B^T)(dt x) + exp(a_cum) C H_in^T (+ D x), times silu(z) if z is given.
-    X, Z, Y: b x L x h x P, DT: b x L x h, B, C: b x L x g x N; ENTERING: b x h x chunks x P x N."""
-    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
-                                                          DT_SOFTPLUS, CHUNK)
+def _scan_outputs(X, B, C, D, ENTERING, b, h, c, g, t, t_ok, dt, a_cum, length, heads, groups, head_dim, n_states,
+                  n_chunks, HAS_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Steps 1 and 4 for one chunk, before any gate: y = (L o C B^T)(dt x) + exp(a_cum) C H_in^T (+ D x),
+    CHUNK x P (float32), and C's rows (CHUNK x N). Shapes as in the kernel below."""
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
@@ -381,9 +378,23 @@ def ssd_chunk_output_kernel(X, DT, DT_BIAS, A, B, C, D, Z, ENTERING, Y, length, 
     y += tl.exp(a_cum)[:, None] * _mm(Cv, tl.trans(H), X)                   # CHUNK x P
     if HAS_D:
         y += tl.load(D + h).to(tl.float32) * x
+    return y, Cv
+
+
+@triton.jit
+def ssd_chunk_output_kernel(X, DT, DT_BIAS, A, B, C, D, Z, ENTERING, Y, length, heads, groups, head_dim, n_states,
+                            n_chunks, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr,
+                            HAS_Z: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Steps 1 and 4, times silu(z) if z is given. X, Z, Y: b x L x h x P, DT: b x L x h, B, C: b x L x g x N;
+    ENTERING: b x h x chunks x P x N."""
+    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
+                                                          DT_SOFTPLUS, CHUNK)
+    y, _ = _scan_outputs(X, B, C, D, ENTERING, b, h, c, g, t, t_ok, dt, a_cum, length, heads, groups, head_dim,
+                         n_states, n_chunks, HAS_D, CHUNK, BLOCK_P, BLOCK_N)
     if HAS_Z:   # the gate in registers: y is stored once, gated
         z = _rows(Z, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
         y *= z * tl.sigmoid(z)
+    p = tl.arange(0, BLOCK_P)
     tl.store(Y + ((b * length + t[:, None]) * heads + h) * head_dim + p[None, :], y.to(Y.dtype.element_ty),
              t_ok[:, None] & (p[None, :] < head_dim))
 
@@ -913,29 +924,29 @@ def _head_rows(b, t, t_ok, length, heads, h, head_dim, p):
 
 
 @triton.jit
-def _output_grads(DY, Z, b, t, t_ok, length, heads, h, head_dim, HAS_Z: tl.constexpr, BLOCK_P: tl.constexpr):
-    """At the chunk's positions (CHUNK x P, float32): the gradient dy of the op's output y = ybar silu(z),
-    the gradient of the scan's output ybar, dy silu(z) (dy itself without z: chapter 05's _gate_dybar),
-    and z (0 without it). DY, Z: b x L x h x P."""
-    dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
-    z = tl.zeros_like(dy)
-    if HAS_Z:
-        z = _rows(Z, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
-    return dy, _gate_dybar(dy, z, HAS_Z), z
-
-
-@triton.jit
-def ssd_chunk_adjoint_kernel(DY, Z, DT, DT_BIAS, A, C, LOCAL, length, heads, groups, head_dim, n_states, n_chunks,
-                             HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_Z: tl.constexpr,
-                             CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def ssd_chunk_adjoint_kernel(DY, Z, X, DT, DT_BIAS, A, B, C, D, ENTERING, LOCAL, DYBAR, DZ, length, heads, groups,
+                             head_dim, n_states, n_chunks, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
+                             HAS_D: tl.constexpr, HAS_Z: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr,
+                             BLOCK_N: tl.constexpr):
     """Program (batch, head, chunk): what the chunk's outputs send back to the state entering it,
-    sum_t exp(a_cum_t) dy_t C_t^T (P x N), dy the gradient of the scan's output (through the gate where z
-    is given). DY, Z: b x L x h x P, C: b x L x g x N; LOCAL: b x h x chunks x P x N."""
+    sum_t exp(a_cum_t) dybar_t C_t^T (P x N), dybar the gradient of the scan's output. Where z is given the
+    gate's gradients come first: dz = dy ybar silu'(z) (ybar recomputed as the output kernel computes it) and
+    dybar = dy silu(z), both written for the grad kernel. DY, Z, DYBAR, DZ: b x L x h x P, C: b x L x g x N;
+    LOCAL: b x h x chunks x P x N."""
     b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
                                                           DT_SOFTPLUS, CHUNK)
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
-    _, dy, _ = _output_grads(DY, Z, b, t, t_ok, length, heads, h, head_dim, HAS_Z, BLOCK_P)   # CHUNK x P
-    Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
+    dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)        # CHUNK x P
+    if HAS_Z:   # section 8's gate, undone once here rather than in each layout the grad kernel's products want
+        ybar, Cv = _scan_outputs(X, B, C, D, ENTERING, b, h, c, g, t, t_ok, dt, a_cum, length, heads, groups,
+                                 head_dim, n_states, n_chunks, HAS_D, CHUNK, BLOCK_P, BLOCK_N)
+        z = _rows(Z, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
+        qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, p)
+        tl.store(DZ + qp, _gate_dz(dy, ybar, z).to(DZ.dtype.element_ty), qp_ok)
+        dy = _gate_dybar(dy, z, HAS_Z)
+        tl.store(DYBAR + qp, dy.to(DYBAR.dtype.element_ty), qp_ok)
+    else:
+        Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)    # CHUNK x N
     local = _mm(tl.trans(dy * tl.exp(a_cum)[:, None]), Cv, DY)              # P x N
     base = (b * heads + h) * n_chunks + c
     tl.store(LOCAL + base * head_dim * n_states + p[:, None] * n_states + n[None, :], local,
@@ -943,34 +954,27 @@ def ssd_chunk_adjoint_kernel(DY, Z, DT, DT_BIAS, A, C, LOCAL, length, heads, gro
 
 
 @triton.jit
-def ssd_chunk_grad_kernel(X, DT, DT_BIAS, A, B, C, D, Z, DY, ENTERING, DSTATE, DX, DDT, DB, DC, DZ, DA_PART, DD_PART,
+def ssd_chunk_grad_kernel(X, DT, DT_BIAS, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DB, DC, DA_PART, DD_PART,
                           DBIAS_PART, length, heads, groups, head_dim, n_states, n_chunks,
                           HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr,
-                          HAS_Z: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                          CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (batch, head, chunk): section 6's steps 4, 2 and 1 in reverse for the chunk's positions, from
     the state entering it (ENTERING) and the gradient of the state leaving it (DSTATE, both P x N): dx, d dt
-    (of the raw dt, through the bias and softplus where asked), dz where z is given, this head's dB and dC
-    (fp32, b x L x h x N, summed over a group's heads afterwards), and the chunk's shares of dA, dD and
-    d dt_bias (b x h x chunks)."""
+    (of the raw dt, through the bias and softplus where asked), this head's dB and dC (fp32, b x L x h x N,
+    summed over a group's heads afterwards), and the chunk's shares of dA, dD and d dt_bias (b x h x chunks).
+    DY: the gradient of the scan's output (the adjoint kernel's DYBAR where z is given)."""
     b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
                                                           DT_SOFTPLUS, CHUNK)   # a_cum: gamma_t
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
     a_end = tl.sum(dt * rate, axis=0)
     to_end, from_start = tl.exp(a_end - a_cum), tl.exp(a_cum)               # w_s, e^{gamma_t}
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)          # CHUNK x P
-    dy_out, dy, z = _output_grads(DY, Z, b, t, t_ok, length, heads, h, head_dim, HAS_Z, BLOCK_P)   # dy: of ybar
+    dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)        # CHUNK x P
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
     Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
     pn = ((b * heads + h) * n_chunks + c) * head_dim * n_states + p[:, None] * n_states + n[None, :]
     pn_ok = (p[:, None] < head_dim) & (n[None, :] < n_states)
     H = tl.load(ENTERING + pn, pn_ok, other=0.0)                            # P x N
-    qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, p)     # the chunk's rows of x, z (CHUNK x P)
-    if HAS_Z:   # dz = dy ybar silu'(z), ybar the output kernel's y before the gate, recomputed (section 8)
-        ybar = _mm(_mm(Cv, tl.trans(Bv), X) * _decays(a_cum, CHUNK) * dt[None, :], x, X)
-        ybar += from_start[:, None] * _mm(Cv, tl.trans(H), X)
-        if HAS_D:
-            ybar += tl.load(D + h).to(tl.float32) * x
-        tl.store(DZ + qp, _gate_dz(dy_out, ybar, z).to(DZ.dtype.element_ty), qp_ok)
     dS = tl.load(DSTATE + pn, pn_ok, other=0.0)
     u = x * dt[:, None]
     # 4. the past's contribution e^{gamma_t} H C_t
@@ -1002,6 +1006,7 @@ def ssd_chunk_grad_kernel(X, DT, DT_BIAS, A, B, C, D, Z, DY, ENTERING, DSTATE, D
     dd_part = tl.sum(tl.sum(dy * x, axis=1), axis=0)
     if HAS_D:
         dx += tl.load(D + h).to(tl.float32) * dy
+    qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, p)     # the chunk's rows of x (CHUNK x P)
     tl.store(DX + qp, dx.to(DX.dtype.element_ty), qp_ok)
     ddt = tl.sum(x * du, axis=1) + rate * da                                # d step
     if DT_SOFTPLUS:   # the step is softplus(dt + dt_bias), whose slope is sigmoid(dt + dt_bias): read dt again
@@ -1049,18 +1054,20 @@ def _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state, 
     grid = (batch, heads, n_chunks)
     f32 = dict(device=x.device, dtype=torch.float32)
     local = torch.empty(batch, heads, n_chunks, head_dim, n_states, **f32)
-    ssd_chunk_adjoint_kernel[grid](dy, z, dt, bias32, A32, C, local, length, heads, groups, head_dim, n_states,
-                                   n_chunks, HAS_Z=z is not None, **steps, **tiles)
+    dz = None if z is None else torch.empty_like(z)
+    dybar = dy if z is None else torch.empty_like(dy)   # the scan's output gradient, dy silu(z), where z is given
+    ssd_chunk_adjoint_kernel[grid](dy, z, x, dt, bias32, A32, B, C, D32, entering, local, dybar, dz, length, heads,
+                                   groups, head_dim, n_states, n_chunks, HAS_D=D is not None, HAS_Z=z is not None,
+                                   **steps, **tiles)
     d_end = None if dfinal is None else dfinal.float().contiguous()
     d_leaving, d_start = pass_states(local, decay, d_end, reverse=True)   # Lambda_{c+1} per chunk, Lambda_0
     dx, ddt = torch.empty_like(x), torch.empty_like(dt)
-    dz = None if z is None else torch.empty_like(z)
     dB_heads, dC_heads = (torch.empty(batch, length, heads, n_states, **f32) for _ in range(2))
     dA_part, dD_part = (torch.empty(batch, heads, n_chunks, **f32) for _ in range(2))
     dbias_part = None if dt_bias is None else torch.empty(batch, heads, n_chunks, **f32)
-    ssd_chunk_grad_kernel[grid](x, dt, bias32, A32, B, C, D32, z, dy, entering, d_leaving, dx, ddt, dB_heads,
-                                dC_heads, dz, dA_part, dD_part, dbias_part, length, heads, groups, head_dim,
-                                n_states, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **steps, **tiles)
+    ssd_chunk_grad_kernel[grid](x, dt, bias32, A32, B, C, D32, dybar, entering, d_leaving, dx, ddt, dB_heads,
+                                dC_heads, dA_part, dD_part, dbias_part, length, heads, groups, head_dim, n_states,
+                                n_chunks, HAS_D=D is not None, **steps, **tiles)
     dh0 = None if initial_state is None else d_start.to(initial_state.dtype)
     return (dx, ddt, dA_part.sum((0, 2)).to(A.dtype), _per_group(dB_heads, groups).to(B.dtype),
             _per_group(dC_heads, groups).to(B.dtype),
