@@ -2,16 +2,17 @@
 instructions of its H100/H200 compile, their opcodes and the spill instructions (STL, LDL) among them.
 The static counterpart of Nsight Compute's SourceCounters section.
 
-    python benchmarks/sass_lines.py ssd-grad|ssd-adjoint|ssd-output [--dtype bf16|fp32] [--n-states 64] [--head-dim 64] [--chunk 64]
-                                             [--warps 4] [--top 25] [--by kernel|innermost] [--bare]
+    python benchmarks/sass_lines.py ssd-grad|ssd-adjoint|ssd-output|ssd-state|ssd-steps [--dtype bf16|fp32] [--n-states 64]
+                                             [--head-dim 64] [--chunk 64] [--warps 4] [--top 25] [--by kernel|innermost] [--bare]
     python benchmarks/sass_lines.py scan-fwd|scan-bwd [--dtype bf16|fp32] [--bare] [--top 25] [--by kernel|innermost]
     python benchmarks/sass_lines.py conv-bwd [--dtype bf16|fp32] [--top 25] [--by kernel|innermost]
 
-ssd-grad is chapter 10's `ssd_chunk_grad_kernel` as `_backward_kernels` launches it (ssd-adjoint, ssd-output:
-the adjoint and output kernels) at (8, 2048, 32 heads x P, N, one group), contiguous inputs, with D, z, dt_bias and dt_softplus as the training step of bench.py passes
-them (--bare: none of them, as `ssd_backward` calls it); scan-fwd and scan-bwd are chapter 07's selective-scan
-kernels at sass_count's base shape (8, 1024, 2048, N 16) with D, z, delta_bias and the softplus (--bare:
-without); conv-bwd is chapter 06's `causal_conv1d_bwd_kernel` at
+ssd-grad is chapter 10's `ssd_chunk_grad_kernel` as `_backward_kernels` launches it (ssd-adjoint, ssd-output,
+ssd-state, ssd-steps: the adjoint, output, chunk-state and steps kernels; ssd-steps as the backward launches it,
+writing the softplus's slope too) at (8, 2048, 32 heads x P, N, one group), contiguous inputs, with D, z, dt_bias
+and dt_softplus as the training step of bench.py passes them (--bare: none of them, as `ssd_backward` calls it);
+scan-fwd and scan-bwd are chapter 07's selective-scan kernels at sass_count's base shape (8, 1024, 2048, N 16)
+with D, z, delta_bias and the softplus (--bare: without); conv-bwd is chapter 06's `causal_conv1d_bwd_kernel` at
 (8, 2048, 2048), width 4, bias, SiLU, with the launch config `causal_conv1d_bwd` takes on the GPU.
 
 How a SASS instruction finds its line: Triton compiles with line info (PTX `.loc`, ptxas -lineinfo). The
@@ -212,7 +213,8 @@ def spill_bytes(sass):
 
 
 SSD_KERNELS = {"ssd-grad": "ssd_chunk_grad_kernel", "ssd-adjoint": "ssd_chunk_adjoint_kernel",
-               "ssd-output": "ssd_chunk_output_kernel"}
+               "ssd-output": "ssd_chunk_output_kernel", "ssd-state": "ssd_chunk_state_kernel",
+               "ssd-steps": "ssd_chunk_steps_kernel"}
 
 
 def ssd_args(which, dtype, n_states, head_dim, chunk, bare, batch=8, length=2048, heads=32, groups=1):
@@ -227,9 +229,10 @@ def ssd_args(which, dtype, n_states, head_dim, chunk, bare, batch=8, length=2048
     every = dict(
         X=x, DT=x, DT_BIAS=optional(f32), A=f32, B=x, C=x, D=optional(f32), Z=optional(x), DY=x, ENTERING=f32,
         LOCAL=f32, Y=x, DYBAR=optional(x), DSTATE=f32, DX=x, DDT=x, DB=f32, DC=f32, DZ=optional(x), DA_PART=f32,
-        DD_PART=f32, DBIAS_PART=optional(f32), length=length, heads=heads, groups=groups, head_dim=head_dim,
-        n_states=n_states, n_chunks=n_chunks, HAS_D=not bare, HAS_Z=not bare, HAS_DT_BIAS=not bare,
-        DT_SOFTPLUS=not bare, **tiles)
+        DD_PART=f32, DBIAS_PART=optional(f32), STATES=f32, DECAY=f32, STEPS=f32, A_CUM=f32, SLOPE=optional(f32),
+        length=length, heads=heads, groups=groups, head_dim=head_dim, n_states=n_states, n_chunks=n_chunks,
+        HAS_D=not bare, HAS_Z=not bare, HAS_DT_BIAS=not bare, DT_SOFTPLUS=not bare,
+        BLOCK_H=32, **tiles)   # BLOCK_H: as _scan_chunks launches the steps kernel
     return kernel, {name: every[name] for name in kernel.arg_names}
 
 

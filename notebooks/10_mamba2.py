@@ -35,12 +35,7 @@ print(scan_lib.runtime.describe())
 #| default_exp ssd
 
 # %%
-import math
-
-import matplotlib.pyplot as plt
 import torch
-
-from scan_lib.runtime import save_figure
 
 # %% [markdown]
 # ## 1. The recurrence
@@ -268,15 +263,15 @@ for length, chunk, heads, groups, with_h0 in [(37, 8, 4, 2, True), (32, 8, 4, 4,
 # %% [markdown]
 # ## 5. A first Triton forward
 #
-# Three kernels, one program per (batch, head, chunk) unless said: `ssd_chunk_state_kernel`, step 2 as
-# one `tl.dot`; `ssd_state_passing_kernel`, step 3, chapter 02's carried state; `ssd_chunk_output_kernel`,
-# steps 1 and 4 as three `tl.dot`s.
+# Four kernels, one program per (batch, head, chunk) unless said. `ssd_chunk_steps_kernel` writes the
+# steps $\Delta$ and, per chunk, the cumulative sums $a_{\text{cum}}$ of $\Delta A$ (`tl.cumsum`) once
+# for the others: `ssd_chunk_state_kernel`, step 2 as one `tl.dot`; `ssd_state_passing_kernel`, step 3,
+# chapter 02's carried state; `ssd_chunk_output_kernel`, steps 1 and 4 as three `tl.dot`s.
 #
-# They also take section 8's options (the step's softplus, the gate), off in `ssd_forward`. Inside a
-# chunk the decays are differences of cumulative sums (`tl.cumsum`): over $Q$ positions they stay
-# small, so section 2's cancellation costs little. A program holds a whole chunk in registers, so the
-# kernels run chunks of at most `KERNEL_CHUNK` = 64: by section 3, the same computation. "Going deeper:
-# the forward kernels' fine print" has the details.
+# Decays are differences of $a_{\text{cum}}$, small over $Q$ positions: section 2's cancellation costs
+# little. Section 8's options (the step's softplus, the gate) are off in `ssd_forward`. A program holds
+# a chunk in registers, so kernels run chunks of at most `KERNEL_CHUNK` = 64: by section 3, the same
+# computation. Details: "Going deeper: the forward kernels' fine print".
 
 # %%
 #| export
@@ -285,37 +280,32 @@ import triton.language as tl
 
 from scan_lib.flash_attention import matmul   # chapter 08: tl.dot, float32 sums, bfloat16 safe under the interpreter
 from scan_lib.runtime import check_float_tensor, check_same_device
+from scan_lib.selective_scan import _load_delta   # chapter 05: steps after their bias and softplus, 0 where masked
 
 
 @triton.jit
-def _softplus(p):
-    """log(1 + e^p) in float32, chapter 05's form (no overflow, no lost digits): F.softplus to rounding."""
-    e = tl.exp(-tl.abs(p))
-    w = 1.0 + e
-    return tl.maximum(p, 0.0) + tl.where(w == 1.0, e, tl.log(w) * e / (w - 1.0))
+def ssd_chunk_steps_kernel(DT, DT_BIAS, A, STEPS, A_CUM, SLOPE, length, heads, n_chunks, HAS_DT_BIAS: tl.constexpr,
+                           DT_SOFTPLUS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (batch, chunk, BLOCK_H heads): dt (+ dt_bias, softplus if asked; 0 past L), a_cum = cumsum(dt A) in the
+    chunk, SLOPE (if given) = sigmoid(dt + dt_bias). DT: b x L x h; STEPS, A_CUM, SLOPE: b x h x chunks x CHUNK fp32."""
+    b, c, h = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t, h_ok = c * CHUNK + tl.arange(0, CHUNK), h < heads
+    dt, raw = _load_delta(DT, DT_BIAS, (b * length + t[None, :]) * heads + h[:, None], h_ok[:, None] & (t < length),
+                          h, h_ok, HAS_DT_BIAS, DT_SOFTPLUS, tl.float32)   # BLOCK_H x CHUNK, a row of heads per t
+    rows = ((b * heads + h[:, None]) * n_chunks + c) * CHUNK + tl.arange(0, CHUNK)[None, :]
+    tl.store(STEPS + rows, dt, h_ok[:, None])
+    tl.store(A_CUM + rows, tl.cumsum(dt * tl.load(A + h, h_ok, other=0.0)[:, None], axis=1), h_ok[:, None])
+    if SLOPE is not None:
+        tl.store(SLOPE + rows, tl.sigmoid(raw), h_ok[:, None])
 
 
 @triton.jit
-def _raw_steps(DT, DT_BIAS, b, h, t, t_ok, length, heads, HAS_DT_BIAS: tl.constexpr):
-    """dt + dt_bias at the chunk's positions (float32), 0 past L: the step before its softplus."""
-    raw = tl.load(DT + (b * length + t) * heads + h, t_ok, other=0.0).to(tl.float32)
-    if HAS_DT_BIAS:
-        raw += tl.where(t_ok, tl.load(DT_BIAS + h), 0.0)
-    return raw
-
-
-@triton.jit
-def _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-                   CHUNK: tl.constexpr):
-    """b, h, c, the group, positions t (t_ok: before L), steps dt (0 past L), A and a_cum from the chunk's start."""
+def _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK: tl.constexpr):
+    """b, h, c, the group, positions t (t_ok: before L), dt and a_cum (the chunk's rows of STEPS, A_CUM), a_cum[-1]."""
     b, h, c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    t = c * CHUNK + tl.arange(0, CHUNK)
-    t_ok = t < length
-    dt = _raw_steps(DT, DT_BIAS, b, h, t, t_ok, length, heads, HAS_DT_BIAS)
-    if DT_SOFTPLUS:   # (masked only here: a mask the compiler cannot drop costs the grad kernel registers)
-        dt = tl.where(t_ok, _softplus(dt), 0.0)                             # softplus(0) is not 0
-    rate = tl.load(A + h).to(tl.float32)
-    return b, h, c, h // (heads // groups), t, t_ok, dt, rate, tl.cumsum(dt * rate, axis=0)
+    t, row = c * CHUNK + tl.arange(0, CHUNK), ((b * heads + h) * n_chunks + c) * CHUNK
+    dt, a_cum = tl.load(STEPS + row + tl.arange(0, CHUNK)), tl.load(A_CUM + row + tl.arange(0, CHUNK))
+    return b, h, c, h // (heads // groups), t, t < length, dt, a_cum, tl.load(A_CUM + row + CHUNK - 1)
 
 
 @triton.jit
@@ -335,15 +325,12 @@ def _mm(a, b, X):
 
 
 @triton.jit
-def ssd_chunk_state_kernel(X, DT, DT_BIAS, A, B, STATES, DECAY, length, heads, groups, head_dim, n_states, n_chunks,
-                           HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, CHUNK: tl.constexpr,
-                           BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Step 2: the chunk's state from zero, sum_s exp(a_end - a_cum_s) dt_s x_s B_s^T (P x N), and its decay.
-    X: b x L x h x P, DT: b x L x h, B: b x L x g x N; STATES: b x h x chunks x P x N, DECAY: b x h x chunks."""
-    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
-                                                          DT_SOFTPLUS, CHUNK)
+def ssd_chunk_state_kernel(X, STEPS, A_CUM, B, STATES, DECAY, length, heads, groups, head_dim, n_states, n_chunks,
+                           CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Step 2: the chunk's state from zero, sum_s exp(a_end - a_cum_s) dt_s x_s B_s^T, and its decay. X: b x L x h x P,
+    B: b x L x g x N, STEPS, A_CUM: b x h x chunks x CHUNK; STATES: b x h x chunks x P x N, DECAY: b x h x chunks."""
+    b, h, c, g, t, t_ok, dt, a_cum, a_end = _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK)
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
-    a_end = tl.sum(dt * rate, axis=0)
     weight = dt * tl.exp(a_end - a_cum)                                     # CHUNK
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)          # CHUNK x P
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
@@ -382,13 +369,12 @@ def _scan_outputs(X, B, C, D, ENTERING, b, h, c, g, t, t_ok, dt, a_cum, length, 
 
 
 @triton.jit
-def ssd_chunk_output_kernel(X, DT, DT_BIAS, A, B, C, D, Z, ENTERING, Y, length, heads, groups, head_dim, n_states,
-                            n_chunks, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr,
-                            HAS_Z: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Steps 1 and 4, times silu(z) if z is given. X, Z, Y: b x L x h x P, DT: b x L x h, B, C: b x L x g x N;
-    ENTERING: b x h x chunks x P x N."""
-    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
-                                                          DT_SOFTPLUS, CHUNK)
+def ssd_chunk_output_kernel(X, STEPS, A_CUM, B, C, D, Z, ENTERING, Y, length, heads, groups, head_dim, n_states,
+                            n_chunks, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, CHUNK: tl.constexpr,
+                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Steps 1 and 4, times silu(z) if z is given. X, Z, Y: b x L x h x P, B, C: b x L x g x N, STEPS, A_CUM:
+    b x h x chunks x CHUNK; ENTERING: b x h x chunks x P x N."""
+    b, h, c, g, t, t_ok, dt, a_cum, _ = _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK)
     y, _ = _scan_outputs(X, B, C, D, ENTERING, b, h, c, g, t, t_ok, dt, a_cum, length, heads, groups, head_dim,
                          n_states, n_chunks, HAS_D, CHUNK, BLOCK_P, BLOCK_N)
     if HAS_Z:   # the gate in registers: y is stored once, gated
@@ -486,28 +472,27 @@ def pass_states(local, decay, start, reverse=False, block=1024):
     return passed, end
 
 
-def _step_options(dt_bias, dt_softplus):
-    """dt_bias as contiguous float32 (the kernels read DT_BIAS + h) or None, and the kernels' step flags."""
-    bias = None if dt_bias is None else dt_bias.float().contiguous()
-    return bias, dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus)
-
-
-def _scan_chunks(x, dt, dt_bias, A, B, tiles, steps, initial_state):
-    """Steps 2 and 3 on contiguous inputs (A, dt_bias float32): the state entering each chunk
-    (batch, heads, chunks, P, N), the chunks' decays (batch, heads, chunks) and the final state, float32."""
+def _scan_chunks(x, dt, dt_bias, dt_softplus, A, B, tiles, initial_state, slope=None):
+    """The steps kernel, then steps 2 and 3, on contiguous inputs (A, dt_bias float32), all float32: (dt, a_cum), each
+    (batch, heads, chunks, CHUNK; slope, if given, gets sigmoid(dt + dt_bias)), the state entering each chunk (batch,
+    heads, chunks, P, N), the chunks' decays (batch, heads, chunks) and the final state."""
     (batch, length, heads, head_dim), (groups, n_states) = x.shape, B.shape[2:]
-    n_chunks = triton.cdiv(length, tiles["CHUNK"])
-    states = torch.empty(batch, heads, n_chunks, head_dim, n_states, device=x.device, dtype=torch.float32)
-    decay = torch.empty(batch, heads, n_chunks, device=x.device, dtype=torch.float32)
-    ssd_chunk_state_kernel[(batch, heads, n_chunks)](x, dt, dt_bias, A, B, states, decay, length, heads, groups,
-                                                     head_dim, n_states, n_chunks, **steps, **tiles)
+    n_chunks, f32 = triton.cdiv(length, tiles["CHUNK"]), dict(device=x.device, dtype=torch.float32)
+    steps, a_cum = (torch.empty(batch, heads, n_chunks, tiles["CHUNK"], **f32) for _ in range(2))
+    ssd_chunk_steps_kernel[(batch, n_chunks, triton.cdiv(heads, 32))](   # 32 heads: 128 bytes of float32 steps
+        dt, dt_bias, A, steps, a_cum, slope, length, heads, n_chunks, HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=dt_softplus, CHUNK=tiles["CHUNK"], BLOCK_H=32)
+    states = torch.empty(batch, heads, n_chunks, head_dim, n_states, **f32)
+    decay = torch.empty(batch, heads, n_chunks, **f32)
+    ssd_chunk_state_kernel[(batch, heads, n_chunks)](x, steps, a_cum, B, states, decay, length, heads, groups,
+                                                     head_dim, n_states, n_chunks, **tiles)
     start = None if initial_state is None else initial_state.float().contiguous()
     entering, final = pass_states(states, decay, start)
-    return entering, decay, final
+    return (steps, a_cum), entering, decay, final
 
 
 def ssd_forward(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
-    """ssd_chunked in three kernels (inputs checked): y in x's dtype, the final state in float32. Not differentiable."""
+    """ssd_chunked in four kernels (inputs checked): y in x's dtype, the final state in float32. Not differentiable."""
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (x, dt, A, B, C, D, initial_state)):
         raise RuntimeError("ssd_forward is not differentiable: call mamba_chunk_scan_combined (section 8), or no_grad")
     _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state)
@@ -520,14 +505,13 @@ def _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state, z=None, dt_bi
         return _empty_forward(x, B.shape[3], initial_state, z)   # "Going deeper: the forward kernels' fine print"
     (batch, length, heads, head_dim), (groups, n_states) = x.shape, B.shape[2:]
     x, dt, B, C, z = (None if t is None else t.contiguous() for t in (x, dt, B, C, z))
-    A, D = (None if t is None else t.float().contiguous() for t in (A, D))  # the kernels read A + h, D + h
-    dt_bias, steps = _step_options(dt_bias, dt_softplus)
+    A, D, dt_bias = (None if t is None else t.float().contiguous() for t in (A, D, dt_bias))   # indexed by head
     tiles = _tiles(chunk_size, head_dim, n_states)
-    entering, _, final = _scan_chunks(x, dt, dt_bias, A, B, tiles, steps, initial_state)
+    steps, entering, _, final = _scan_chunks(x, dt, dt_bias, dt_softplus, A, B, tiles, initial_state)
     y = torch.empty(x.shape, dtype=_output_dtype(x, z), device=x.device)
     ssd_chunk_output_kernel[(batch, heads, entering.shape[2])](
-        x, dt, dt_bias, A, B, C, D, z, entering, y, length, heads, groups, head_dim, n_states, entering.shape[2],
-        HAS_D=D is not None, HAS_Z=z is not None, **steps, **tiles)
+        x, *steps, B, C, D, z, entering, y, length, heads, groups, head_dim, n_states, entering.shape[2],
+        HAS_D=D is not None, HAS_Z=z is not None, **tiles)
     return y, final
 
 # %%
@@ -549,8 +533,8 @@ for length, chunk, heads, groups, head_dim, n_states in [(37, 16, 4, 2, 3, 5), (
 # ## What we built
 #
 # `ssd_loop` (the float64 reference), `segsum` and `ssd_quadratic` (one masked matrix) and
-# `ssd_chunked`, each checked against the loop; and `ssd_forward`, three Triton kernels on the tensor
-# cores, checked in float32.
+# `ssd_chunked`, each checked against the loop; and `ssd_forward`, four Triton kernels, checked in
+# float32.
 #
 # **Going deeper, in brief.** The backward is chapter 03's recipe: the four steps in reverse, every
 # term a product of one chunk's tiles (sections 6 and 7). With the forward it makes one differentiable
@@ -639,8 +623,36 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 # %% [markdown]
 # ## Going deeper: the forward kernels' fine print
 #
-# What section 5 says in a sentence each: why the scan over chunks has a kernel of its own, how `_mm`
-# rounds, why a chunk of 64, and what `ssd_forward` checks, with a cell that tries its refusals.
+# What section 5 says in a sentence each: why the steps and the scan over chunks have kernels of their
+# own, how `_mm` rounds, why a chunk of 64, and what `ssd_forward` checks, with a cell that tries its
+# refusals.
+#
+# **The steps, once.** Every chunk kernel needs its chunk's steps $\Delta$ (after section 8's bias and
+# softplus) and $a_{\text{cum}}$, and a training step runs five of them: the state and output kernels
+# forward, then the state kernel again, the adjoint and the grad kernel backward. Computed in each, as
+# this chapter first did, the steps cost far more than the $Q$ exponentials and logarithms of a
+# chunk. A program's `(CHUNK,)` vector lives in the layout of the 2-D tile it scales (the rows of the
+# decays, their columns, a product's rows), spread so that each thread holds many of its positions,
+# and Triton recomputed the load, the softplus and the cumulative sum in each layout it was used in
+# (two `math.log` in the output kernel's TTGIR, three in the grad kernel's). Compiled for sm_90 by
+# `benchmarks/sass_lines.py` (bfloat16, $P = N = 64$, chunk 64, with $D$, $z$, the bias and the
+# softplus; static counts, not time), those lines were 1109 of the output kernel's 2592 instructions
+# per thread, 1103 of the adjoint kernel's 4128 and 648 of the grad kernel's 3880.
+#
+# So `ssd_chunk_steps_kernel` computes them once per forward and once per backward, as `mamba_ssm`'s
+# `_chunk_cumsum_fwd` does, into two (batch, heads, chunks, $Q$) float32 arrays, 0 past $L$, in which
+# a chunk kernel's program finds each of its two rows contiguous. It reads $\Delta$ through chapter
+# 05's `_load_delta` (the bias, the overflow-safe softplus, the mask), one program per batch element,
+# chunk and 32 heads: $(B, L, H)$ keeps the heads last, so one position's 32 heads are 128 contiguous
+# bytes of float32, a whole cache line per load, where a program per (batch, head, chunk) reads 4 bytes
+# of every line it touches. The same counts after the change: the output kernel 1584 instructions, the
+# adjoint 3176, the grad 3480 (its spills 488 bytes a thread, from 548), the state kernel 528 (from
+# 632); the steps kernel has 1040 (1352 in the backward, where it also writes the softplus's slope for
+# the grad kernel, section 8), in 256 programs at (8, 2048, 32 heads) where each chunk kernel runs
+# 8192. The price is memory traffic: two float32 arrays of $B \cdot H \cdot L$ written, and read back
+# by every chunk kernel in place of the raw steps, each about 3 % of a bfloat16 $x$ at $P = 64$.
+# Whether the trade wins on the GPU is for section 9's table to say (`benchmarks/NOTES_ssd.md` has the
+# static profiles).
 #
 # **The scan over chunks.** Chapter 03's `linear_scan` computes the same recurrence as
 # `ssd_state_passing_kernel` with the state entries as rows, but it wants a gate per row and the
@@ -883,9 +895,12 @@ for length, chunk, heads, groups, with_options in [(37, 8, 4, 2, True), (32, 8, 
 # Section 6's steps map onto kernels the way the forward's do, with the scan over chunks once more
 # section 5's `pass_states`, now walking the chunks backward (`reverse=True`):
 #
-# - The forward's steps 2 and 3 again (`_scan_chunks`, section 5's code): the backward needs the
-#   state entering each chunk, and recomputing it costs one kernel and one scan, where keeping it
-#   would cost $P \times N$ floats per chunk and head for the whole sequence.
+# - The forward's steps kernel and its steps 2 and 3 again (`_scan_chunks`, section 5's code): the
+#   backward gets only the inputs, so it computes the steps and $a_{\text{cum}}$ once more (and, where
+#   the softplus is on, its slope, section 8), and it needs the state entering each chunk:
+#   recomputing that costs one kernel and one scan, where keeping it would cost $P \times N$ floats per
+#   chunk and head for the whole sequence. The two kernels below read their chunk's rows of the steps
+#   and $a_{\text{cum}}$, as the forward's do.
 # - `ssd_chunk_adjoint_kernel`, one program per (batch, head, chunk): the local gradient of the
 #   entering state, $\sum_t e^{\gamma_t} \bar y_t C_t^{\top}$, one `tl.dot` ($P \times Q$ by $Q \times N$).
 # - The backward scan over chunks, $\Lambda_c = (\text{local})_c + g_c \Lambda_{c+1}$ from the final
@@ -907,9 +922,10 @@ for length, chunk, heads, groups, with_options in [(37, 8, 4, 2, True), (32, 8, 
 #   order the programs run in (no atomics).
 #
 # As in the forward, every product goes through `_mm`, on the tensor cores at the inputs' precision.
-# Section 8's options reach these kernels too: the adjoint and grad kernels turn the gradient of the
-# gated output into that of the scan's, $\bar y_t \odot \operatorname{silu}(z_t)$, where they load it,
-# the grad kernel writes $\bar z$ and chains $\bar\Delta$ through the softplus, and section 8 says how.
+# Section 8's options reach these kernels too: the adjoint kernel writes $\bar z$ and turns the
+# gradient of the gated output into that of the scan's, $\bar y_t \odot \operatorname{silu}(z_t)$,
+# which the grad kernel reads; the grad kernel chains $\bar\Delta$ through the softplus with the slope
+# the steps kernel wrote. Section 8 says how.
 
 # %%
 #| export
@@ -924,17 +940,15 @@ def _head_rows(b, t, t_ok, length, heads, h, head_dim, p):
 
 
 @triton.jit
-def ssd_chunk_adjoint_kernel(DY, Z, X, DT, DT_BIAS, A, B, C, D, ENTERING, LOCAL, DYBAR, DZ, length, heads, groups,
-                             head_dim, n_states, n_chunks, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-                             HAS_D: tl.constexpr, HAS_Z: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr,
-                             BLOCK_N: tl.constexpr):
+def ssd_chunk_adjoint_kernel(DY, Z, X, STEPS, A_CUM, B, C, D, ENTERING, LOCAL, DYBAR, DZ, length, heads, groups,
+                             head_dim, n_states, n_chunks, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                             CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (batch, head, chunk): what the chunk's outputs send back to the state entering it,
     sum_t exp(a_cum_t) dybar_t C_t^T (P x N), dybar the gradient of the scan's output. Where z is given the
     gate's gradients come first: dz = dy ybar silu'(z) (ybar recomputed as the output kernel computes it) and
-    dybar = dy silu(z), both written for the grad kernel. DY, Z, DYBAR, DZ: b x L x h x P, C: b x L x g x N;
-    LOCAL: b x h x chunks x P x N."""
-    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
-                                                          DT_SOFTPLUS, CHUNK)
+    dybar = dy silu(z), both written for the grad kernel. DY, Z, DYBAR, DZ: b x L x h x P, C: b x L x g x N,
+    STEPS, A_CUM: b x h x chunks x CHUNK; LOCAL: b x h x chunks x P x N."""
+    b, h, c, g, t, t_ok, dt, a_cum, _ = _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK)
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
     dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)        # CHUNK x P
     if HAS_Z:   # section 8's gate, undone once here rather than in each layout the grad kernel's products want
@@ -954,25 +968,24 @@ def ssd_chunk_adjoint_kernel(DY, Z, X, DT, DT_BIAS, A, B, C, D, ENTERING, LOCAL,
 
 
 @triton.jit
-def ssd_chunk_grad_kernel(X, DT, DT_BIAS, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DB, DC, DA_PART, DD_PART,
-                          DBIAS_PART, length, heads, groups, head_dim, n_states, n_chunks,
-                          HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr,
-                          CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def ssd_chunk_grad_kernel(X, STEPS, A_CUM, SLOPE, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DB, DC, DA_PART,
+                          DD_PART, DBIAS_PART, length, heads, groups, head_dim, n_states, n_chunks,
+                          HAS_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (batch, head, chunk): section 6's steps 4, 2 and 1 in reverse for the chunk's positions, from
     the state entering it (ENTERING) and the gradient of the state leaving it (DSTATE, both P x N): dx, d dt
-    (of the raw dt, through the bias and softplus where asked), this head's dB and dC (fp32, b x L x h x N,
-    summed over a group's heads afterwards), and the chunk's shares of dA, dD and d dt_bias (b x h x chunks).
-    DY: the gradient of the scan's output (the adjoint kernel's DYBAR where z is given)."""
-    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
-                                                          DT_SOFTPLUS, CHUNK)   # a_cum: gamma_t
-    p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
-    a_end = tl.sum(dt * rate, axis=0)
+    (of the raw dt: times the softplus's slope SLOPE where given), this head's dB and dC (fp32, b x L x h x N,
+    summed over a group's heads afterwards), and the chunk's shares of dA, dD and, where DBIAS_PART is given,
+    d dt_bias (b x h x chunks). STEPS, A_CUM, SLOPE: the steps kernel's, b x h x chunks x CHUNK. DY: the
+    gradient of the scan's output (the adjoint kernel's DYBAR where z is given)."""
+    b, h, c, g, t, t_ok, dt, a_cum, a_end = _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK)
+    p, n, rate = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N), tl.load(A + h).to(tl.float32)   # a_cum: gamma
     to_end, from_start = tl.exp(a_end - a_cum), tl.exp(a_cum)               # w_s, e^{gamma_t}
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)          # CHUNK x P
     dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)        # CHUNK x P
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
     Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
-    pn = ((b * heads + h) * n_chunks + c) * head_dim * n_states + p[:, None] * n_states + n[None, :]
+    part = (b * heads + h) * n_chunks + c                                  # the chunk's index in b x h x chunks
+    pn = part * head_dim * n_states + p[:, None] * n_states + n[None, :]
     pn_ok = (p[:, None] < head_dim) & (n[None, :] < n_states)
     H = tl.load(ENTERING + pn, pn_ok, other=0.0)                            # P x N
     dS = tl.load(DSTATE + pn, pn_ok, other=0.0)
@@ -1009,24 +1022,24 @@ def ssd_chunk_grad_kernel(X, DT, DT_BIAS, A, B, C, D, DY, ENTERING, DSTATE, DX, 
     qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, p)     # the chunk's rows of x (CHUNK x P)
     tl.store(DX + qp, dx.to(DX.dtype.element_ty), qp_ok)
     ddt = tl.sum(x * du, axis=1) + rate * da                                # d step
-    if DT_SOFTPLUS:   # the step is softplus(dt + dt_bias), whose slope is sigmoid(dt + dt_bias): read dt again
-        ddt *= tl.sigmoid(_raw_steps(DT, DT_BIAS, b, h, t, t_ok, length, heads, HAS_DT_BIAS))
+    if SLOPE is not None:   # the step is softplus(dt + dt_bias), whose slope the steps kernel wrote
+        ddt *= tl.load(SLOPE + part * CHUNK + tl.arange(0, CHUNK))
     tl.store(DDT + (b * length + t) * heads + h, ddt.to(DDT.dtype.element_ty), t_ok)
     qn_head = ((b * length + t[:, None]) * heads + h) * n_states + n[None, :]   # this head's dB, dC rows
     qn_ok = t_ok[:, None] & (n[None, :] < n_states)
     tl.store(DB + qn_head, dB, qn_ok)
     tl.store(DC + qn_head, dC, qn_ok)
-    part = (b * heads + h) * n_chunks + c
     tl.store(DA_PART + part, tl.sum(dt * da, axis=0))
     tl.store(DD_PART + part, dd_part)
-    if HAS_DT_BIAS:
+    if DBIAS_PART is not None:
         tl.store(DBIAS_PART + part, tl.sum(tl.where(t_ok, ddt, 0.0), axis=0))   # d dt_bias: d dt summed, to L
 
 
 def ssd_backward(x, dt, A, B, C, chunk_size, dy, dfinal=None, D=None, initial_state=None):
     """The gradients of ssd_forward's (y, final state) given dy (batch, L, heads, P) and dfinal (batch,
     heads, P, N) or None: (dx, d dt, dA, dB, dC, dD, d initial_state), each in its input's dtype (dD and
-    d initial_state None where D and initial_state are). Five kernels, the forward's scan recomputed (section 7)."""
+    d initial_state None where D and initial_state are). Six kernel launches, the forward's steps and scan
+    recomputed (section 7)."""
     _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state)
     check_float_tensor("dy", dy)
     _check_given("dy", dy, "x's (batch, L, heads, P)", x.shape)
@@ -1046,28 +1059,27 @@ def _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state, 
                 *(None if t is None else torch.zeros_like(t) for t in (z, dt_bias)))
     x, dt, B, C, dy = (t.contiguous() for t in (x, dt, B, C, dy))
     z = None if z is None else z.contiguous()
-    A32, D32 = (None if t is None else t.float().contiguous() for t in (A, D))
-    bias32, steps = _step_options(dt_bias, dt_softplus)
+    A32, D32, bias32 = (None if t is None else t.float().contiguous() for t in (A, D, dt_bias))
     tiles = _tiles(chunk_size, head_dim, n_states)
-    entering, decay, _ = _scan_chunks(x, dt, bias32, A32, B, tiles, steps, initial_state)
-    n_chunks = entering.shape[2]
+    n_chunks = triton.cdiv(length, tiles["CHUNK"])
     grid = (batch, heads, n_chunks)
     f32 = dict(device=x.device, dtype=torch.float32)
+    slope = torch.empty(batch, heads, n_chunks, tiles["CHUNK"], **f32) if dt_softplus else None
+    steps, entering, decay, _ = _scan_chunks(x, dt, bias32, dt_softplus, A32, B, tiles, initial_state, slope)
     local = torch.empty(batch, heads, n_chunks, head_dim, n_states, **f32)
     dz = None if z is None else torch.empty_like(z)
     dybar = dy if z is None else torch.empty_like(dy)   # the scan's output gradient, dy silu(z), where z is given
-    ssd_chunk_adjoint_kernel[grid](dy, z, x, dt, bias32, A32, B, C, D32, entering, local, dybar, dz, length, heads,
-                                   groups, head_dim, n_states, n_chunks, HAS_D=D is not None, HAS_Z=z is not None,
-                                   **steps, **tiles)
+    ssd_chunk_adjoint_kernel[grid](dy, z, x, *steps, B, C, D32, entering, local, dybar, dz, length, heads, groups,
+                                   head_dim, n_states, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **tiles)
     d_end = None if dfinal is None else dfinal.float().contiguous()
     d_leaving, d_start = pass_states(local, decay, d_end, reverse=True)   # Lambda_{c+1} per chunk, Lambda_0
     dx, ddt = torch.empty_like(x), torch.empty_like(dt)
     dB_heads, dC_heads = (torch.empty(batch, length, heads, n_states, **f32) for _ in range(2))
     dA_part, dD_part = (torch.empty(batch, heads, n_chunks, **f32) for _ in range(2))
     dbias_part = None if dt_bias is None else torch.empty(batch, heads, n_chunks, **f32)
-    ssd_chunk_grad_kernel[grid](x, dt, bias32, A32, B, C, D32, dybar, entering, d_leaving, dx, ddt, dB_heads,
+    ssd_chunk_grad_kernel[grid](x, *steps, slope, A32, B, C, D32, dybar, entering, d_leaving, dx, ddt, dB_heads,
                                 dC_heads, dA_part, dD_part, dbias_part, length, heads, groups, head_dim, n_states,
-                                n_chunks, HAS_D=D is not None, **steps, **tiles)
+                                n_chunks, HAS_D=D is not None, **tiles)
     dh0 = None if initial_state is None else d_start.to(initial_state.dtype)
     return (dx, ddt, dA_part.sum((0, 2)).to(A.dtype), _per_group(dB_heads, groups).to(B.dtype),
             _per_group(dC_heads, groups).to(B.dtype),
@@ -1131,9 +1143,10 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 #   They run the launchers' kernels without their checks (`_forward_kernels`, `_backward_kernels`):
 #   the public function checks its arguments once per call, as the course's other ops do.
 # - `SSDFn`: an autograd Function whose forward is `ssd_fwd` and whose backward is `ssd_bwd`, keeping
-#   only the inputs (the backward recomputes the chunk states, section 7). Its kernels' gradients
-#   carry no graph, so the backward ties them to the inputs through chapter 05's `_NoSecondDerivative`:
-#   a second derivative raises instead of treating the gradients as constants, silently.
+#   only the inputs (the backward recomputes the steps and the chunk states, section 7). Its kernels'
+#   gradients carry no graph, so the backward ties them to the inputs through chapter 05's
+#   `_NoSecondDerivative`: a second derivative raises instead of treating the gradients as constants,
+#   silently.
 # - `mamba_chunk_scan_combined`: the checks, then `SSDFn` with the options as they come: the step's
 #   bias and softplus, $\Delta_t = \operatorname{softplus}(\Delta^{\text{raw}}_t + b)$ in float32, and
 #   the gate, $y_t \odot \operatorname{silu}(z_t)$, are computed inside the kernels.
@@ -1149,14 +1162,18 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 # forward is faster on the GPU than before, and what folding saves in the backward is not measured
 # yet.) The choices:
 #
-# - **The step, computed where it is read.** Every chunk kernel (state, output, adjoint, grad) loads
-#   $\Delta$ and computes $\operatorname{softplus}(\Delta^{\text{raw}} + b)$ there (`_chunk_program`;
-#   chapter 05's overflow-safe softplus), 0 past $L$. Computing it once and saving it, as `mamba_ssm`
-#   does with its steps and their cumulative sums, would add a write of $(B, L, H)$ floats and read
-#   them back as often as the raw steps are read now: more memory traffic for $Q$ exponentials and
-#   logarithms a program, nothing beside its products. The grad kernel multiplies
-#   $\bar\Delta$ by the softplus's slope, $\sigma(\Delta^{\text{raw}} + b)$, and writes each chunk's sum of
-#   it, which the launcher adds up into $\bar b$ (as $\bar A$'s shares, no atomics).
+# - **The step, computed once.** `ssd_chunk_steps_kernel` loads $\Delta^{\text{raw}}$ and computes
+#   $\operatorname{softplus}(\Delta^{\text{raw}} + b)$ (chapter 05's `_load_delta`, its overflow-safe
+#   softplus), 0 past $L$, and the cumulative sums $a_{\text{cum}}$, once per forward and once per
+#   backward, as `mamba_ssm` does with its steps and their cumulative sums; every chunk kernel (state,
+#   output, adjoint, grad) reads its chunk's rows of the two. Computed in each of them instead, as this
+#   chapter first did, the steps cost far more than their exponentials and logarithms, up to 43 % of a
+#   kernel's instructions: "Going deeper: the forward kernels' fine print" has the static counts. The
+#   grad kernel multiplies $\bar\Delta$ by the softplus's slope, $\sigma(\Delta^{\text{raw}} + b)$, which
+#   the backward's steps kernel writes as a third array from the same $\Delta^{\text{raw}} + b$ (cheaper,
+#   compiled for sm_90, than reading the raw steps again in the grad kernel: 3480 instructions a thread
+#   there against 3528, and 488 bytes of spills against 512), and writes each chunk's sum of the
+#   product, which the launcher adds up into $\bar b$ (as $\bar A$'s shares, no atomics).
 # - **The gate.** The output kernel multiplies by $\operatorname{silu}(z)$ before its one store. The
 #   backward needs the output before the gate, $\hat y$, for $\bar z = \bar y \odot \hat y \odot
 #   \operatorname{silu}'(z)$, and the scan's gradient is $\bar y \odot \operatorname{silu}(z)$. `mamba_ssm`

@@ -98,37 +98,32 @@ import triton.language as tl
 
 from scan_lib.flash_attention import matmul   # chapter 08: tl.dot, float32 sums, bfloat16 safe under the interpreter
 from scan_lib.runtime import check_float_tensor, check_same_device
+from scan_lib.selective_scan import _load_delta   # chapter 05: steps after their bias and softplus, 0 where masked
 
 
 @triton.jit
-def _softplus(p):
-    """log(1 + e^p) in float32, chapter 05's form (no overflow, no lost digits): F.softplus to rounding."""
-    e = tl.exp(-tl.abs(p))
-    w = 1.0 + e
-    return tl.maximum(p, 0.0) + tl.where(w == 1.0, e, tl.log(w) * e / (w - 1.0))
+def ssd_chunk_steps_kernel(DT, DT_BIAS, A, STEPS, A_CUM, SLOPE, length, heads, n_chunks, HAS_DT_BIAS: tl.constexpr,
+                           DT_SOFTPLUS: tl.constexpr, CHUNK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Program (batch, chunk, BLOCK_H heads): dt (+ dt_bias, softplus if asked; 0 past L), a_cum = cumsum(dt A) in the
+    chunk, SLOPE (if given) = sigmoid(dt + dt_bias). DT: b x L x h; STEPS, A_CUM, SLOPE: b x h x chunks x CHUNK fp32."""
+    b, c, h = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    t, h_ok = c * CHUNK + tl.arange(0, CHUNK), h < heads
+    dt, raw = _load_delta(DT, DT_BIAS, (b * length + t[None, :]) * heads + h[:, None], h_ok[:, None] & (t < length),
+                          h, h_ok, HAS_DT_BIAS, DT_SOFTPLUS, tl.float32)   # BLOCK_H x CHUNK, a row of heads per t
+    rows = ((b * heads + h[:, None]) * n_chunks + c) * CHUNK + tl.arange(0, CHUNK)[None, :]
+    tl.store(STEPS + rows, dt, h_ok[:, None])
+    tl.store(A_CUM + rows, tl.cumsum(dt * tl.load(A + h, h_ok, other=0.0)[:, None], axis=1), h_ok[:, None])
+    if SLOPE is not None:
+        tl.store(SLOPE + rows, tl.sigmoid(raw), h_ok[:, None])
 
 
 @triton.jit
-def _raw_steps(DT, DT_BIAS, b, h, t, t_ok, length, heads, HAS_DT_BIAS: tl.constexpr):
-    """dt + dt_bias at the chunk's positions (float32), 0 past L: the step before its softplus."""
-    raw = tl.load(DT + (b * length + t) * heads + h, t_ok, other=0.0).to(tl.float32)
-    if HAS_DT_BIAS:
-        raw += tl.where(t_ok, tl.load(DT_BIAS + h), 0.0)
-    return raw
-
-
-@triton.jit
-def _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-                   CHUNK: tl.constexpr):
-    """b, h, c, the group, positions t (t_ok: before L), steps dt (0 past L), A and a_cum from the chunk's start."""
+def _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK: tl.constexpr):
+    """b, h, c, the group, positions t (t_ok: before L), dt and a_cum (the chunk's rows of STEPS, A_CUM), a_cum[-1]."""
     b, h, c = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-    t = c * CHUNK + tl.arange(0, CHUNK)
-    t_ok = t < length
-    dt = _raw_steps(DT, DT_BIAS, b, h, t, t_ok, length, heads, HAS_DT_BIAS)
-    if DT_SOFTPLUS:   # (masked only here: a mask the compiler cannot drop costs the grad kernel registers)
-        dt = tl.where(t_ok, _softplus(dt), 0.0)                             # softplus(0) is not 0
-    rate = tl.load(A + h).to(tl.float32)
-    return b, h, c, h // (heads // groups), t, t_ok, dt, rate, tl.cumsum(dt * rate, axis=0)
+    t, row = c * CHUNK + tl.arange(0, CHUNK), ((b * heads + h) * n_chunks + c) * CHUNK
+    dt, a_cum = tl.load(STEPS + row + tl.arange(0, CHUNK)), tl.load(A_CUM + row + tl.arange(0, CHUNK))
+    return b, h, c, h // (heads // groups), t, t < length, dt, a_cum, tl.load(A_CUM + row + CHUNK - 1)
 
 
 @triton.jit
@@ -148,15 +143,12 @@ def _mm(a, b, X):
 
 
 @triton.jit
-def ssd_chunk_state_kernel(X, DT, DT_BIAS, A, B, STATES, DECAY, length, heads, groups, head_dim, n_states, n_chunks,
-                           HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, CHUNK: tl.constexpr,
-                           BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Step 2: the chunk's state from zero, sum_s exp(a_end - a_cum_s) dt_s x_s B_s^T (P x N), and its decay.
-    X: b x L x h x P, DT: b x L x h, B: b x L x g x N; STATES: b x h x chunks x P x N, DECAY: b x h x chunks."""
-    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
-                                                          DT_SOFTPLUS, CHUNK)
+def ssd_chunk_state_kernel(X, STEPS, A_CUM, B, STATES, DECAY, length, heads, groups, head_dim, n_states, n_chunks,
+                           CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Step 2: the chunk's state from zero, sum_s exp(a_end - a_cum_s) dt_s x_s B_s^T, and its decay. X: b x L x h x P,
+    B: b x L x g x N, STEPS, A_CUM: b x h x chunks x CHUNK; STATES: b x h x chunks x P x N, DECAY: b x h x chunks."""
+    b, h, c, g, t, t_ok, dt, a_cum, a_end = _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK)
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
-    a_end = tl.sum(dt * rate, axis=0)
     weight = dt * tl.exp(a_end - a_cum)                                     # CHUNK
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)          # CHUNK x P
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
@@ -195,13 +187,12 @@ def _scan_outputs(X, B, C, D, ENTERING, b, h, c, g, t, t_ok, dt, a_cum, length, 
 
 
 @triton.jit
-def ssd_chunk_output_kernel(X, DT, DT_BIAS, A, B, C, D, Z, ENTERING, Y, length, heads, groups, head_dim, n_states,
-                            n_chunks, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr,
-                            HAS_Z: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Steps 1 and 4, times silu(z) if z is given. X, Z, Y: b x L x h x P, DT: b x L x h, B, C: b x L x g x N;
-    ENTERING: b x h x chunks x P x N."""
-    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
-                                                          DT_SOFTPLUS, CHUNK)
+def ssd_chunk_output_kernel(X, STEPS, A_CUM, B, C, D, Z, ENTERING, Y, length, heads, groups, head_dim, n_states,
+                            n_chunks, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, CHUNK: tl.constexpr,
+                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Steps 1 and 4, times silu(z) if z is given. X, Z, Y: b x L x h x P, B, C: b x L x g x N, STEPS, A_CUM:
+    b x h x chunks x CHUNK; ENTERING: b x h x chunks x P x N."""
+    b, h, c, g, t, t_ok, dt, a_cum, _ = _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK)
     y, _ = _scan_outputs(X, B, C, D, ENTERING, b, h, c, g, t, t_ok, dt, a_cum, length, heads, groups, head_dim,
                          n_states, n_chunks, HAS_D, CHUNK, BLOCK_P, BLOCK_N)
     if HAS_Z:   # the gate in registers: y is stored once, gated
@@ -296,28 +287,27 @@ def pass_states(local, decay, start, reverse=False, block=1024):
     return passed, end
 
 
-def _step_options(dt_bias, dt_softplus):
-    """dt_bias as contiguous float32 (the kernels read DT_BIAS + h) or None, and the kernels' step flags."""
-    bias = None if dt_bias is None else dt_bias.float().contiguous()
-    return bias, dict(HAS_DT_BIAS=dt_bias is not None, DT_SOFTPLUS=dt_softplus)
-
-
-def _scan_chunks(x, dt, dt_bias, A, B, tiles, steps, initial_state):
-    """Steps 2 and 3 on contiguous inputs (A, dt_bias float32): the state entering each chunk
-    (batch, heads, chunks, P, N), the chunks' decays (batch, heads, chunks) and the final state, float32."""
+def _scan_chunks(x, dt, dt_bias, dt_softplus, A, B, tiles, initial_state, slope=None):
+    """The steps kernel, then steps 2 and 3, on contiguous inputs (A, dt_bias float32), all float32: (dt, a_cum), each
+    (batch, heads, chunks, CHUNK; slope, if given, gets sigmoid(dt + dt_bias)), the state entering each chunk (batch,
+    heads, chunks, P, N), the chunks' decays (batch, heads, chunks) and the final state."""
     (batch, length, heads, head_dim), (groups, n_states) = x.shape, B.shape[2:]
-    n_chunks = triton.cdiv(length, tiles["CHUNK"])
-    states = torch.empty(batch, heads, n_chunks, head_dim, n_states, device=x.device, dtype=torch.float32)
-    decay = torch.empty(batch, heads, n_chunks, device=x.device, dtype=torch.float32)
-    ssd_chunk_state_kernel[(batch, heads, n_chunks)](x, dt, dt_bias, A, B, states, decay, length, heads, groups,
-                                                     head_dim, n_states, n_chunks, **steps, **tiles)
+    n_chunks, f32 = triton.cdiv(length, tiles["CHUNK"]), dict(device=x.device, dtype=torch.float32)
+    steps, a_cum = (torch.empty(batch, heads, n_chunks, tiles["CHUNK"], **f32) for _ in range(2))
+    ssd_chunk_steps_kernel[(batch, n_chunks, triton.cdiv(heads, 32))](   # 32 heads: 128 bytes of float32 steps
+        dt, dt_bias, A, steps, a_cum, slope, length, heads, n_chunks, HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=dt_softplus, CHUNK=tiles["CHUNK"], BLOCK_H=32)
+    states = torch.empty(batch, heads, n_chunks, head_dim, n_states, **f32)
+    decay = torch.empty(batch, heads, n_chunks, **f32)
+    ssd_chunk_state_kernel[(batch, heads, n_chunks)](x, steps, a_cum, B, states, decay, length, heads, groups,
+                                                     head_dim, n_states, n_chunks, **tiles)
     start = None if initial_state is None else initial_state.float().contiguous()
     entering, final = pass_states(states, decay, start)
-    return entering, decay, final
+    return (steps, a_cum), entering, decay, final
 
 
 def ssd_forward(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
-    """ssd_chunked in three kernels (inputs checked): y in x's dtype, the final state in float32. Not differentiable."""
+    """ssd_chunked in four kernels (inputs checked): y in x's dtype, the final state in float32. Not differentiable."""
     if torch.is_grad_enabled() and any(getattr(t, "requires_grad", False) for t in (x, dt, A, B, C, D, initial_state)):
         raise RuntimeError("ssd_forward is not differentiable: call mamba_chunk_scan_combined (section 8), or no_grad")
     _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state)
@@ -330,14 +320,13 @@ def _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state, z=None, dt_bi
         return _empty_forward(x, B.shape[3], initial_state, z)   # "Going deeper: the forward kernels' fine print"
     (batch, length, heads, head_dim), (groups, n_states) = x.shape, B.shape[2:]
     x, dt, B, C, z = (None if t is None else t.contiguous() for t in (x, dt, B, C, z))
-    A, D = (None if t is None else t.float().contiguous() for t in (A, D))  # the kernels read A + h, D + h
-    dt_bias, steps = _step_options(dt_bias, dt_softplus)
+    A, D, dt_bias = (None if t is None else t.float().contiguous() for t in (A, D, dt_bias))   # indexed by head
     tiles = _tiles(chunk_size, head_dim, n_states)
-    entering, _, final = _scan_chunks(x, dt, dt_bias, A, B, tiles, steps, initial_state)
+    steps, entering, _, final = _scan_chunks(x, dt, dt_bias, dt_softplus, A, B, tiles, initial_state)
     y = torch.empty(x.shape, dtype=_output_dtype(x, z), device=x.device)
     ssd_chunk_output_kernel[(batch, heads, entering.shape[2])](
-        x, dt, dt_bias, A, B, C, D, z, entering, y, length, heads, groups, head_dim, n_states, entering.shape[2],
-        HAS_D=D is not None, HAS_Z=z is not None, **steps, **tiles)
+        x, *steps, B, C, D, z, entering, y, length, heads, groups, head_dim, n_states, entering.shape[2],
+        HAS_D=D is not None, HAS_Z=z is not None, **tiles)
     return y, final
 
 def _empty_forward(x, n_states, initial_state, z):
@@ -432,17 +421,15 @@ def _head_rows(b, t, t_ok, length, heads, h, head_dim, p):
 
 
 @triton.jit
-def ssd_chunk_adjoint_kernel(DY, Z, X, DT, DT_BIAS, A, B, C, D, ENTERING, LOCAL, DYBAR, DZ, length, heads, groups,
-                             head_dim, n_states, n_chunks, HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr,
-                             HAS_D: tl.constexpr, HAS_Z: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr,
-                             BLOCK_N: tl.constexpr):
+def ssd_chunk_adjoint_kernel(DY, Z, X, STEPS, A_CUM, B, C, D, ENTERING, LOCAL, DYBAR, DZ, length, heads, groups,
+                             head_dim, n_states, n_chunks, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
+                             CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (batch, head, chunk): what the chunk's outputs send back to the state entering it,
     sum_t exp(a_cum_t) dybar_t C_t^T (P x N), dybar the gradient of the scan's output. Where z is given the
     gate's gradients come first: dz = dy ybar silu'(z) (ybar recomputed as the output kernel computes it) and
-    dybar = dy silu(z), both written for the grad kernel. DY, Z, DYBAR, DZ: b x L x h x P, C: b x L x g x N;
-    LOCAL: b x h x chunks x P x N."""
-    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
-                                                          DT_SOFTPLUS, CHUNK)
+    dybar = dy silu(z), both written for the grad kernel. DY, Z, DYBAR, DZ: b x L x h x P, C: b x L x g x N,
+    STEPS, A_CUM: b x h x chunks x CHUNK; LOCAL: b x h x chunks x P x N."""
+    b, h, c, g, t, t_ok, dt, a_cum, _ = _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK)
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
     dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)        # CHUNK x P
     if HAS_Z:   # section 8's gate, undone once here rather than in each layout the grad kernel's products want
@@ -462,25 +449,24 @@ def ssd_chunk_adjoint_kernel(DY, Z, X, DT, DT_BIAS, A, B, C, D, ENTERING, LOCAL,
 
 
 @triton.jit
-def ssd_chunk_grad_kernel(X, DT, DT_BIAS, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DB, DC, DA_PART, DD_PART,
-                          DBIAS_PART, length, heads, groups, head_dim, n_states, n_chunks,
-                          HAS_DT_BIAS: tl.constexpr, DT_SOFTPLUS: tl.constexpr, HAS_D: tl.constexpr,
-                          CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+def ssd_chunk_grad_kernel(X, STEPS, A_CUM, SLOPE, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DB, DC, DA_PART,
+                          DD_PART, DBIAS_PART, length, heads, groups, head_dim, n_states, n_chunks,
+                          HAS_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (batch, head, chunk): section 6's steps 4, 2 and 1 in reverse for the chunk's positions, from
     the state entering it (ENTERING) and the gradient of the state leaving it (DSTATE, both P x N): dx, d dt
-    (of the raw dt, through the bias and softplus where asked), this head's dB and dC (fp32, b x L x h x N,
-    summed over a group's heads afterwards), and the chunk's shares of dA, dD and d dt_bias (b x h x chunks).
-    DY: the gradient of the scan's output (the adjoint kernel's DYBAR where z is given)."""
-    b, h, c, g, t, t_ok, dt, rate, a_cum = _chunk_program(DT, DT_BIAS, A, length, heads, groups, HAS_DT_BIAS,
-                                                          DT_SOFTPLUS, CHUNK)   # a_cum: gamma_t
-    p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
-    a_end = tl.sum(dt * rate, axis=0)
+    (of the raw dt: times the softplus's slope SLOPE where given), this head's dB and dC (fp32, b x L x h x N,
+    summed over a group's heads afterwards), and the chunk's shares of dA, dD and, where DBIAS_PART is given,
+    d dt_bias (b x h x chunks). STEPS, A_CUM, SLOPE: the steps kernel's, b x h x chunks x CHUNK. DY: the
+    gradient of the scan's output (the adjoint kernel's DYBAR where z is given)."""
+    b, h, c, g, t, t_ok, dt, a_cum, a_end = _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK)
+    p, n, rate = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N), tl.load(A + h).to(tl.float32)   # a_cum: gamma
     to_end, from_start = tl.exp(a_end - a_cum), tl.exp(a_cum)               # w_s, e^{gamma_t}
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)          # CHUNK x P
     dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)        # CHUNK x P
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
     Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
-    pn = ((b * heads + h) * n_chunks + c) * head_dim * n_states + p[:, None] * n_states + n[None, :]
+    part = (b * heads + h) * n_chunks + c                                  # the chunk's index in b x h x chunks
+    pn = part * head_dim * n_states + p[:, None] * n_states + n[None, :]
     pn_ok = (p[:, None] < head_dim) & (n[None, :] < n_states)
     H = tl.load(ENTERING + pn, pn_ok, other=0.0)                            # P x N
     dS = tl.load(DSTATE + pn, pn_ok, other=0.0)
@@ -517,24 +503,24 @@ def ssd_chunk_grad_kernel(X, DT, DT_BIAS, A, B, C, D, DY, ENTERING, DSTATE, DX, 
     qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, p)     # the chunk's rows of x (CHUNK x P)
     tl.store(DX + qp, dx.to(DX.dtype.element_ty), qp_ok)
     ddt = tl.sum(x * du, axis=1) + rate * da                                # d step
-    if DT_SOFTPLUS:   # the step is softplus(dt + dt_bias), whose slope is sigmoid(dt + dt_bias): read dt again
-        ddt *= tl.sigmoid(_raw_steps(DT, DT_BIAS, b, h, t, t_ok, length, heads, HAS_DT_BIAS))
+    if SLOPE is not None:   # the step is softplus(dt + dt_bias), whose slope the steps kernel wrote
+        ddt *= tl.load(SLOPE + part * CHUNK + tl.arange(0, CHUNK))
     tl.store(DDT + (b * length + t) * heads + h, ddt.to(DDT.dtype.element_ty), t_ok)
     qn_head = ((b * length + t[:, None]) * heads + h) * n_states + n[None, :]   # this head's dB, dC rows
     qn_ok = t_ok[:, None] & (n[None, :] < n_states)
     tl.store(DB + qn_head, dB, qn_ok)
     tl.store(DC + qn_head, dC, qn_ok)
-    part = (b * heads + h) * n_chunks + c
     tl.store(DA_PART + part, tl.sum(dt * da, axis=0))
     tl.store(DD_PART + part, dd_part)
-    if HAS_DT_BIAS:
+    if DBIAS_PART is not None:
         tl.store(DBIAS_PART + part, tl.sum(tl.where(t_ok, ddt, 0.0), axis=0))   # d dt_bias: d dt summed, to L
 
 
 def ssd_backward(x, dt, A, B, C, chunk_size, dy, dfinal=None, D=None, initial_state=None):
     """The gradients of ssd_forward's (y, final state) given dy (batch, L, heads, P) and dfinal (batch,
     heads, P, N) or None: (dx, d dt, dA, dB, dC, dD, d initial_state), each in its input's dtype (dD and
-    d initial_state None where D and initial_state are). Five kernels, the forward's scan recomputed (section 7)."""
+    d initial_state None where D and initial_state are). Six kernel launches, the forward's steps and scan
+    recomputed (section 7)."""
     _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state)
     check_float_tensor("dy", dy)
     _check_given("dy", dy, "x's (batch, L, heads, P)", x.shape)
@@ -554,28 +540,27 @@ def _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state, 
                 *(None if t is None else torch.zeros_like(t) for t in (z, dt_bias)))
     x, dt, B, C, dy = (t.contiguous() for t in (x, dt, B, C, dy))
     z = None if z is None else z.contiguous()
-    A32, D32 = (None if t is None else t.float().contiguous() for t in (A, D))
-    bias32, steps = _step_options(dt_bias, dt_softplus)
+    A32, D32, bias32 = (None if t is None else t.float().contiguous() for t in (A, D, dt_bias))
     tiles = _tiles(chunk_size, head_dim, n_states)
-    entering, decay, _ = _scan_chunks(x, dt, bias32, A32, B, tiles, steps, initial_state)
-    n_chunks = entering.shape[2]
+    n_chunks = triton.cdiv(length, tiles["CHUNK"])
     grid = (batch, heads, n_chunks)
     f32 = dict(device=x.device, dtype=torch.float32)
+    slope = torch.empty(batch, heads, n_chunks, tiles["CHUNK"], **f32) if dt_softplus else None
+    steps, entering, decay, _ = _scan_chunks(x, dt, bias32, dt_softplus, A32, B, tiles, initial_state, slope)
     local = torch.empty(batch, heads, n_chunks, head_dim, n_states, **f32)
     dz = None if z is None else torch.empty_like(z)
     dybar = dy if z is None else torch.empty_like(dy)   # the scan's output gradient, dy silu(z), where z is given
-    ssd_chunk_adjoint_kernel[grid](dy, z, x, dt, bias32, A32, B, C, D32, entering, local, dybar, dz, length, heads,
-                                   groups, head_dim, n_states, n_chunks, HAS_D=D is not None, HAS_Z=z is not None,
-                                   **steps, **tiles)
+    ssd_chunk_adjoint_kernel[grid](dy, z, x, *steps, B, C, D32, entering, local, dybar, dz, length, heads, groups,
+                                   head_dim, n_states, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **tiles)
     d_end = None if dfinal is None else dfinal.float().contiguous()
     d_leaving, d_start = pass_states(local, decay, d_end, reverse=True)   # Lambda_{c+1} per chunk, Lambda_0
     dx, ddt = torch.empty_like(x), torch.empty_like(dt)
     dB_heads, dC_heads = (torch.empty(batch, length, heads, n_states, **f32) for _ in range(2))
     dA_part, dD_part = (torch.empty(batch, heads, n_chunks, **f32) for _ in range(2))
     dbias_part = None if dt_bias is None else torch.empty(batch, heads, n_chunks, **f32)
-    ssd_chunk_grad_kernel[grid](x, dt, bias32, A32, B, C, D32, dybar, entering, d_leaving, dx, ddt, dB_heads,
+    ssd_chunk_grad_kernel[grid](x, *steps, slope, A32, B, C, D32, dybar, entering, d_leaving, dx, ddt, dB_heads,
                                 dC_heads, dA_part, dD_part, dbias_part, length, heads, groups, head_dim, n_states,
-                                n_chunks, HAS_D=D is not None, **steps, **tiles)
+                                n_chunks, HAS_D=D is not None, **tiles)
     dh0 = None if initial_state is None else d_start.to(initial_state.dtype)
     return (dx, ddt, dA_part.sum((0, 2)).to(A.dtype), _per_group(dB_heads, groups).to(B.dtype),
             _per_group(dC_heads, groups).to(B.dtype),
