@@ -1178,14 +1178,17 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 #   backward needs the output before the gate, $\hat y$, for $\bar z = \bar y \odot \hat y \odot
 #   \operatorname{silu}'(z)$, and the scan's gradient is $\bar y \odot \operatorname{silu}(z)$. `mamba_ssm`
 #   saves $\hat y$ in its forward (a second output of $x$'s size) and reads it back in a kernel of its
-#   own. Here nothing is saved: the grad kernel recomputes $\hat y$ from the tiles it holds ($x$, $B$,
-#   $C$, $\Delta$ and the entering state) with three more `tl.dot`s, and the adjoint and grad kernels
-#   each read $z$. That is the least memory traffic (one more read of $z$, against $\hat y$ written,
-#   read and kept from the forward to the backward), paid in the grad kernel's registers: compiled for
-#   sm_90 in bfloat16 at $P = 64$, chunk 64, it spills 1496 bytes a thread with $z$ against 472 without
-#   at $N = 64$ (2376 against 1288 at $N = 128$; without the options, what every kernel uses is what it
-#   was before). Spills bought nothing when they were halved before (`benchmarks/NOTES_ssd.md`), so the
-#   recomputation should cost little, but only the GPU can say; saving $\hat y$ is the alternative.
+#   own. Here nothing is saved: the adjoint kernel recomputes $\hat y$ as the output kernel computes it
+#   (`_scan_outputs`, one definition for both: three more `tl.dot`s on $x$, $B$, $C$, the steps and the
+#   entering state), writes $\bar z$, and writes $\bar y \odot \operatorname{silu}(z)$ in $\bar y$'s
+#   dtype, which the grad kernel reads in place of $\bar y$ and $z$. The first version undid the gate
+#   in the grad kernel, where it cost most: compiled for sm_90 (`benchmarks/sass_lines.py`, bfloat16,
+#   $P = N = 64$, chunk 64), Triton computed $\operatorname{silu}(z)$ once for each layout the grad
+#   kernel's products read $\bar y \odot \operatorname{silu}(z)$ in, and the gate's lines were 44 % of
+#   its 6440 instructions a thread, with 1644 bytes of spills; there now the grad kernel has 3480 and 488
+#   bytes (with the steps of the bullet above), the adjoint kernel 3176. The price is one more write and
+#   read of an $x$-sized tensor; saving $\hat y$ in the forward instead would add another. Only the GPU
+#   can say which costs less (section 9).
 #
 # `y` keeps the dtype PyTorch's `y * silu(z)` gave (x's and z's promoted), and the step's float32.
 #
