@@ -956,9 +956,16 @@ def ssd_chunk_adjoint_kernel(DY, Z, X, STEPS, A_CUM, B, C, D, ENTERING, LOCAL, D
                                  head_dim, n_states, n_chunks, HAS_D, CHUNK, BLOCK_P, BLOCK_N)
         z = _rows(Z, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
         qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, p)
+        # Staged through memory so the gate is computed once, in the loads' layout (section 8): ybar goes
+        # out through DZ and comes back, dy silu(z) goes out and comes back for the product below.
+        tl.store(DZ + qp, ybar.to(DZ.dtype.element_ty), qp_ok)
+        tl.debug_barrier()   # the program's own stores, visible to all its threads
+        ybar = _rows(DZ, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
+        tl.debug_barrier()
         tl.store(DZ + qp, _gate_dz(dy, ybar, z).to(DZ.dtype.element_ty), qp_ok)
-        dy = _gate_dybar(dy, z, HAS_Z)
-        tl.store(DYBAR + qp, dy.to(DYBAR.dtype.element_ty), qp_ok)
+        tl.store(DYBAR + qp, _gate_dybar(dy, z, HAS_Z).to(DYBAR.dtype.element_ty), qp_ok)
+        tl.debug_barrier()
+        dy = _rows(DYBAR, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
     else:
         Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)    # CHUNK x N
     local = _mm(tl.trans(dy * tl.exp(a_cum)[:, None]), Cv, DY)              # P x N
