@@ -945,9 +945,10 @@ def ssd_chunk_adjoint_kernel(DY, Z, X, STEPS, A_CUM, B, C, D, ENTERING, LOCAL, D
                              CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (batch, head, chunk): what the chunk's outputs send back to the state entering it,
     sum_t exp(a_cum_t) dybar_t C_t^T (P x N), dybar the gradient of the scan's output. Where z is given the
-    gate's gradients come first: dz = dy ybar silu'(z) (ybar recomputed as the output kernel computes it) and
-    dybar = dy silu(z), both written for the grad kernel. DY, Z, DYBAR, DZ: b x L x h x P, C: b x L x g x N,
-    STEPS, A_CUM: b x h x chunks x CHUNK; LOCAL: b x h x chunks x P x N."""
+    gate's gradients come first: dz = dy ybar silu'(z) (ybar recomputed as the output kernel computes it, and
+    rounded to DYBAR's dtype) and dybar = dy silu(z), both written for the grad kernel. X, DY, Z, DYBAR, DZ:
+    b x L x h x P, B, C: b x L x g x N, STEPS, A_CUM: b x h x chunks x CHUNK; ENTERING, LOCAL: b x h x chunks
+    x P x N."""
     b, h, c, g, t, t_ok, dt, a_cum, _ = _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK)
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
     dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)        # CHUNK x P
@@ -956,13 +957,13 @@ def ssd_chunk_adjoint_kernel(DY, Z, X, STEPS, A_CUM, B, C, D, ENTERING, LOCAL, D
                                  head_dim, n_states, n_chunks, HAS_D, CHUNK, BLOCK_P, BLOCK_N)
         z = _rows(Z, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
         qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, p)
-        # Staged through memory so the gate is computed once, in the loads' layout (section 8): ybar goes
-        # out through DZ and comes back, dy silu(z) goes out and comes back for the product below.
-        tl.store(DZ + qp, ybar.to(DZ.dtype.element_ty), qp_ok)
-        tl.debug_barrier()   # the program's own stores, visible to all its threads
-        ybar = _rows(DZ, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
-        tl.debug_barrier()
+        # Staged through DYBAR (section 8) so that ybar, dy and z meet in the loads' layout and the gate
+        # is computed once: ybar goes out and comes back, then dy silu(z) goes out and comes back.
+        tl.store(DYBAR + qp, ybar.to(DYBAR.dtype.element_ty), qp_ok)
+        tl.debug_barrier()   # every thread's stores done and visible to the program's threads
+        ybar = _rows(DYBAR, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)   # what this program stored
         tl.store(DZ + qp, _gate_dz(dy, ybar, z).to(DZ.dtype.element_ty), qp_ok)
+        tl.debug_barrier()   # every thread's loads of ybar done before DYBAR is overwritten
         tl.store(DYBAR + qp, _gate_dybar(dy, z, HAS_Z).to(DYBAR.dtype.element_ty), qp_ok)
         tl.debug_barrier()
         dy = _rows(DYBAR, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
@@ -1075,7 +1076,9 @@ def _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state, 
     steps, entering, decay, _ = _scan_chunks(x, dt, bias32, dt_softplus, A32, B, tiles, initial_state, slope)
     local = torch.empty(batch, heads, n_chunks, head_dim, n_states, **f32)
     dz = None if z is None else torch.empty_like(z)
-    dybar = dy if z is None else torch.empty_like(dy)   # the scan's output gradient, dy silu(z), where z is given
+    # the scan's output gradient dy silu(z) where z is given (and ybar staged before it): dy's dtype, float32
+    # where that is float16, whose range (65504) ybar may leave while y = ybar silu(z) stays in it
+    dybar = dy if z is None else torch.empty_like(dy, dtype=torch.float32 if dy.dtype == torch.float16 else None)
     ssd_chunk_adjoint_kernel[grid](dy, z, x, *steps, B, C, D32, entering, local, dybar, dz, length, heads, groups,
                                    head_dim, n_states, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **tiles)
     d_end = None if dfinal is None else dfinal.float().contiguous()
@@ -1187,15 +1190,36 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 #   saves $\hat y$ in its forward (a second output of $x$'s size) and reads it back in a kernel of its
 #   own. Here nothing is saved: the adjoint kernel recomputes $\hat y$ as the output kernel computes it
 #   (`_scan_outputs`, one definition for both: three more `tl.dot`s on $x$, $B$, $C$, the steps and the
-#   entering state), writes $\bar z$, and writes $\bar y \odot \operatorname{silu}(z)$ in $\bar y$'s
-#   dtype, which the grad kernel reads in place of $\bar y$ and $z$. The first version undid the gate
-#   in the grad kernel, where it cost most: compiled for sm_90 (`benchmarks/sass_lines.py`, bfloat16,
-#   $P = N = 64$, chunk 64), Triton computed $\operatorname{silu}(z)$ once for each layout the grad
+#   entering state), writes $\bar z$, and writes $\bar y \odot \operatorname{silu}(z)$, which the grad
+#   kernel reads in place of $\bar y$ and $z$. The first version undid the gate in the grad kernel,
+#   where it cost most: compiled for sm_90 (`benchmarks/sass_lines.py`, bfloat16, $P = N = 64$, chunk
+#   64, static counts, not time), Triton computed $\operatorname{silu}(z)$ once for each layout the grad
 #   kernel's products read $\bar y \odot \operatorname{silu}(z)$ in, and the gate's lines were 44 % of
-#   its 6440 instructions a thread, with 1644 bytes of spills; there now the grad kernel has 3480 and 488
-#   bytes (with the steps of the bullet above), the adjoint kernel 3176. The price is one more write and
-#   read of an $x$-sized tensor; saving $\hat y$ in the forward instead would add another. Only the GPU
-#   can say which costs less (section 9).
+#   its 6440 instructions a thread, with 1644 bytes of spills; now the grad kernel has 3480 and 488
+#   bytes (with the steps of the bullet above). The price is one more write and read of an $x$-sized
+#   tensor; saving $\hat y$ in the forward instead would add another. Only the GPU can say which costs
+#   less (section 9).
+# - **The gate's layouts, and a barrier.** A 2-D value in a Triton program has a *layout*: which of
+#   the program's threads holds which element. $\bar y$ and $z$ come in the layout of their loads,
+#   $\hat y$ in that of the `tl.dot` that made it, and $\bar y \odot \operatorname{silu}(z)$ goes into
+#   another `tl.dot`, which wants its own. Moving values between layouts goes through shared memory,
+#   so where an elementwise chain is used in several layouts Triton's compiler recomputes it in each,
+#   from the loads, instead: the adjoint kernel computed the gate in several (3176 instructions a
+#   thread, static count as above). So it stages through memory: it stores $\hat y$ into the rows of
+#   its output `DYBAR` that it fills anyway, loads them back in the layout $\bar y$ and $z$ were loaded
+#   in, computes $\bar z$ and $\bar y \odot \operatorname{silu}(z)$ once there, stores the latter over
+#   the same rows and loads it back for its product (2304 instructions, 195 registers against 254).
+#   Each program reads back exactly the rows it wrote, with the same mask; no other program touches
+#   them. Within the program the values cross between threads, which `tl.debug_barrier()` makes safe:
+#   a barrier of the program's threads (`bar.sync` on an NVIDIA GPU) that none passes until all have
+#   reached it, after which the memory writes each made before it are visible to all. One barrier
+#   stands between each store and the load that reads it, and one between the load of $\hat y$ and the
+#   store that overwrites it (else a fast thread could overwrite a row a slow one has not read yet).
+#   The interpreter runs a program as one thread; there the barrier does nothing. The staged $\hat y$
+#   is rounded to $\bar y$'s dtype (`mamba_ssm` keeps its saved $\hat y$ in $x$'s), but `DYBAR` is
+#   float32 where $\bar y$ is float16: float16 ends at 65504, which $\hat y$ can pass where
+#   $y = \hat y \odot \operatorname{silu}(z)$ does not. Two more passes over `DYBAR`'s rows, which
+#   the program has just written (likely in the GPU's caches): the GPU will say what they cost.
 #
 # `y` keeps the dtype PyTorch's `y * silu(z)` gave (x's and z's promoted), and the step's float32.
 #

@@ -426,9 +426,10 @@ def ssd_chunk_adjoint_kernel(DY, Z, X, STEPS, A_CUM, B, C, D, ENTERING, LOCAL, D
                              CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (batch, head, chunk): what the chunk's outputs send back to the state entering it,
     sum_t exp(a_cum_t) dybar_t C_t^T (P x N), dybar the gradient of the scan's output. Where z is given the
-    gate's gradients come first: dz = dy ybar silu'(z) (ybar recomputed as the output kernel computes it) and
-    dybar = dy silu(z), both written for the grad kernel. DY, Z, DYBAR, DZ: b x L x h x P, C: b x L x g x N,
-    STEPS, A_CUM: b x h x chunks x CHUNK; LOCAL: b x h x chunks x P x N."""
+    gate's gradients come first: dz = dy ybar silu'(z) (ybar recomputed as the output kernel computes it, and
+    rounded to DYBAR's dtype) and dybar = dy silu(z), both written for the grad kernel. X, DY, Z, DYBAR, DZ:
+    b x L x h x P, B, C: b x L x g x N, STEPS, A_CUM: b x h x chunks x CHUNK; ENTERING, LOCAL: b x h x chunks
+    x P x N."""
     b, h, c, g, t, t_ok, dt, a_cum, _ = _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK)
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
     dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)        # CHUNK x P
@@ -437,13 +438,13 @@ def ssd_chunk_adjoint_kernel(DY, Z, X, STEPS, A_CUM, B, C, D, ENTERING, LOCAL, D
                                  head_dim, n_states, n_chunks, HAS_D, CHUNK, BLOCK_P, BLOCK_N)
         z = _rows(Z, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
         qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, p)
-        # Staged through memory so the gate is computed once, in the loads' layout (section 8): ybar goes
-        # out through DZ and comes back, dy silu(z) goes out and comes back for the product below.
-        tl.store(DZ + qp, ybar.to(DZ.dtype.element_ty), qp_ok)
-        tl.debug_barrier()   # the program's own stores, visible to all its threads
-        ybar = _rows(DZ, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
-        tl.debug_barrier()
+        # Staged through DYBAR (section 8) so that ybar, dy and z meet in the loads' layout and the gate
+        # is computed once: ybar goes out and comes back, then dy silu(z) goes out and comes back.
+        tl.store(DYBAR + qp, ybar.to(DYBAR.dtype.element_ty), qp_ok)
+        tl.debug_barrier()   # every thread's stores done and visible to the program's threads
+        ybar = _rows(DYBAR, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)   # what this program stored
         tl.store(DZ + qp, _gate_dz(dy, ybar, z).to(DZ.dtype.element_ty), qp_ok)
+        tl.debug_barrier()   # every thread's loads of ybar done before DYBAR is overwritten
         tl.store(DYBAR + qp, _gate_dybar(dy, z, HAS_Z).to(DYBAR.dtype.element_ty), qp_ok)
         tl.debug_barrier()
         dy = _rows(DYBAR, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
@@ -556,7 +557,9 @@ def _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state, 
     steps, entering, decay, _ = _scan_chunks(x, dt, bias32, dt_softplus, A32, B, tiles, initial_state, slope)
     local = torch.empty(batch, heads, n_chunks, head_dim, n_states, **f32)
     dz = None if z is None else torch.empty_like(z)
-    dybar = dy if z is None else torch.empty_like(dy)   # the scan's output gradient, dy silu(z), where z is given
+    # the scan's output gradient dy silu(z) where z is given (and ybar staged before it): dy's dtype, float32
+    # where that is float16, whose range (65504) ybar may leave while y = ybar silu(z) stays in it
+    dybar = dy if z is None else torch.empty_like(dy, dtype=torch.float32 if dy.dtype == torch.float16 else None)
     ssd_chunk_adjoint_kernel[grid](dy, z, x, *steps, B, C, D32, entering, local, dybar, dz, length, heads, groups,
                                    head_dim, n_states, n_chunks, HAS_D=D is not None, HAS_Z=z is not None, **tiles)
     d_end = None if dfinal is None else dfinal.float().contiguous()

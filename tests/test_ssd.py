@@ -511,3 +511,37 @@ def test_a_chunk_longer_than_the_kernels_tile_is_the_same_computation():
     got = combined_grads(p, 128, "D h0", {}, weights)
     for name, w in want.items():
         assert rel(got[name].double().cpu(), w.detach().cpu()) < (5e-5 if name == "A" else 1e-5), name
+
+
+def test_the_steps_kernel_covers_heads_past_its_first_block_of_32():
+    """ssd_chunk_steps_kernel runs 32 heads a program: at 33 heads (groups of 11) the second program holds
+    one head and 31 masked rows, with every option and a length not a multiple of the chunk."""
+    options = "D z bias softplus h0"
+    p = combined_problem(9, 33, 2, 3, 2, options, seed=9)
+    p = {k: (v[:1] if k in ("x", "dt", "B", "C", "z", "initial_state") and v is not None else v) for k, v in p.items()}
+    g = torch.Generator().manual_seed(10)
+    weights = [torch.randn(shape, generator=g, dtype=torch.float64) for shape in (p["x"].shape, (1, 33, 2, 2))]
+    want = combined_grads(p, 16, options, None, weights)
+    got = combined_grads(p, 16, options, {}, weights)
+    for name, w in want.items():
+        assert rel(got[name].double().cpu(), w.detach().cpu()) < (5e-5 if name in ("A", "dt_bias") else 1e-5), name
+
+
+def test_the_gate_gradient_survives_a_float16_ybar_beyond_float16s_range():
+    """float16 x and z: ybar = D x reaches 2e5, past float16's 65504, while y = ybar silu(z) (z = -10) stays
+    in range. The adjoint kernel stages ybar through DYBAR, float32 for a float16 dy: dz stays finite and
+    right (in float16, ybar would come back inf and dz inf or nan)."""
+    x = torch.full((1, 5, 2, 2), 2000.0, dtype=torch.float64)
+    dt, A = torch.full((1, 5, 2), 1e-3, dtype=torch.float64), torch.full((2,), -1.0, dtype=torch.float64)
+    B = C = torch.full((1, 5, 1, 2), 1e-3, dtype=torch.float64)
+    D, z = torch.full((2,), 100.0, dtype=torch.float64), torch.full(x.shape, -10.0, dtype=torch.float64)
+    leaves = [t.requires_grad_() for t in (x.half(), z.half())]
+    y = scan_lib.mamba_chunk_scan_combined(leaves[0].to(DEVICE), dt.float().to(DEVICE), A.float().to(DEVICE),
+                                           B.half().to(DEVICE), C.half().to(DEVICE), 16, D.float().to(DEVICE),
+                                           leaves[1].to(DEVICE))
+    assert y.dtype == torch.float16 and torch.isfinite(y).all()
+    (dz,) = torch.autograd.grad(y.double().sum(), [leaves[1]])
+    z64 = z.requires_grad_()
+    want = combined_reference(x, dt, A, B, C, 16, D, z64, None, None, False)[0]
+    (dz_want,) = torch.autograd.grad(want.sum(), [z64])
+    assert torch.isfinite(dz).all() and rel(dz.double().cpu(), dz_want) < 5e-3
