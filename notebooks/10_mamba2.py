@@ -640,8 +640,9 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 # per thread, 1103 of the adjoint kernel's 4128 and 648 of the grad kernel's 3880.
 #
 # So `ssd_chunk_steps_kernel` computes them once per forward and once per backward, as `mamba_ssm`'s
-# `_chunk_cumsum_fwd` does, into two (batch, heads, chunks, $Q$) float32 arrays, 0 past $L$, in which
-# a chunk kernel's program finds each of its two rows contiguous. It reads $\Delta$ through chapter
+# `_chunk_cumsum_fwd` does, into two (batch, heads, chunks, `CHUNK`) float32 arrays (the kernels'
+# chunks, of at most `KERNEL_CHUNK`), 0 past $L$, in which a chunk kernel's program finds each of its
+# two rows contiguous. It reads $\Delta$ through chapter
 # 05's `_load_delta` (the bias, the overflow-safe softplus, the mask), one program per batch element,
 # chunk and 32 heads: $(B, L, H)$ keeps the heads last, so one position's 32 heads are 128 contiguous
 # bytes of float32, a whole cache line per load, where a program per (batch, head, chunk) reads 4 bytes
@@ -1208,7 +1209,7 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 #   thread, static count as above). So it stages through memory: it stores $\hat y$ into the rows of
 #   its output `DYBAR` that it fills anyway, loads them back in the layout $\bar y$ and $z$ were loaded
 #   in, computes $\bar z$ and $\bar y \odot \operatorname{silu}(z)$ once there, stores the latter over
-#   the same rows and loads it back for its product (2304 instructions, 195 registers against 254).
+#   the same rows and loads it back for its product (2296 instructions, 195 registers against 254).
 #   Each program reads back exactly the rows it wrote, with the same mask; no other program touches
 #   them. Within the program the values cross between threads, which `tl.debug_barrier()` makes safe:
 #   a barrier of the program's threads (`bar.sync` on an NVIDIA GPU) that none passes until all have
