@@ -2,18 +2,19 @@
 instructions of its H100/H200 compile, their opcodes and the spill instructions (STL, LDL) among them.
 The static counterpart of Nsight Compute's SourceCounters section.
 
-    python benchmarks/sass_lines.py ssd-grad|ssd-adjoint|ssd-output|ssd-state|ssd-steps [--dtype bf16|fp32] [--n-states 64]
-                                             [--head-dim 64] [--chunk 64] [--warps 4] [--top 25] [--by kernel|innermost] [--bare]
+    python benchmarks/sass_lines.py ssd-grad|ssd-grad-bc|ssd-adjoint|ssd-output|ssd-state|ssd-steps [--dtype bf16|fp32]
+                                             [--n-states 64] [--head-dim 64] [--chunk 64] [--warps 4] [--top 25] [--by kernel|innermost] [--bare]
     python benchmarks/sass_lines.py scan-fwd|scan-bwd [--dtype bf16|fp32] [--bare] [--top 25] [--by kernel|innermost]
     python benchmarks/sass_lines.py conv-bwd [--dtype bf16|fp32] [--top 25] [--by kernel|innermost]
 
-ssd-grad is chapter 10's `ssd_chunk_grad_kernel` as `_backward_kernels` launches it (ssd-adjoint, ssd-output,
-ssd-state, ssd-steps: the adjoint, output, chunk-state and steps kernels; ssd-steps as the backward launches it,
-writing the softplus's slope too) at (8, 2048, 32 heads x P, N, one group), contiguous inputs, with D, z, dt_bias
-and dt_softplus as the training step of bench.py passes them (--bare: none of them, as `ssd_backward` calls it);
-scan-fwd and scan-bwd are chapter 07's selective-scan kernels at sass_count's base shape (8, 1024, 2048, N 16)
-with D, z, delta_bias and the softplus (--bare: without); conv-bwd is chapter 06's `causal_conv1d_bwd_kernel` at
-(8, 2048, 2048), width 4, bias, SiLU, with the launch config `causal_conv1d_bwd` takes on the GPU.
+ssd-grad is chapter 10's `ssd_chunk_grad_kernel` as `_backward_kernels` launches it (ssd-grad-bc, ssd-adjoint,
+ssd-output, ssd-state, ssd-steps: the grad kernel of dB and dC, the adjoint, output, chunk-state and steps kernels;
+ssd-steps as the backward launches it, writing the softplus's slope too) at (8, 2048, 32 heads x P, N, one group),
+contiguous inputs, with D, z, dt_bias and dt_softplus as the training step of bench.py passes them (--bare: none of
+them, as `ssd_backward` calls it); scan-fwd and scan-bwd are chapter 07's selective-scan kernels at sass_count's
+base shape (8, 1024, 2048, N 16) with D, z, delta_bias and the softplus (--bare: without); conv-bwd is chapter 06's
+`causal_conv1d_bwd_kernel` at (8, 2048, 2048), width 4, bias, SiLU, with the launch config `causal_conv1d_bwd`
+takes on the GPU.
 
 How a SASS instruction finds its line: Triton compiles with line info (PTX `.loc`, ptxas -lineinfo). The
 cubin's own line table (`nvdisasm -g`) names only the innermost location, the line of an inlined @triton.jit
@@ -212,7 +213,8 @@ def spill_bytes(sass):
     return totals["STL"], totals["LDL"]
 
 
-SSD_KERNELS = {"ssd-grad": "ssd_chunk_grad_kernel", "ssd-adjoint": "ssd_chunk_adjoint_kernel",
+SSD_KERNELS = {"ssd-grad": "ssd_chunk_grad_kernel", "ssd-grad-bc": "ssd_chunk_grad_bc_kernel",
+               "ssd-adjoint": "ssd_chunk_adjoint_kernel",
                "ssd-output": "ssd_chunk_output_kernel", "ssd-state": "ssd_chunk_state_kernel",
                "ssd-steps": "ssd_chunk_steps_kernel"}
 

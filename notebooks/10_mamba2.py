@@ -677,9 +677,9 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 # $Q \times N$ tiles, and a $P \times N$ state, all in registers. Compiled for sm_90, the H100's and
 # H200's architecture (`ptxas -v` reports what each thread spills to memory; `benchmarks/NOTES_ssd.md`
 # has the counts), at $Q = 64$ the forward's kernels spill at most about a hundred bytes per thread
-# and the backward's largest, the grad kernel, the most (section 8 counts it; the first place to
-# improve); at 256 every kernel spills kilobytes, and at 128, timed on an H200, the forward is a little faster but a
-# training step slower (`benchmarks/results/ssd_tensor_cores_h200_2026-12-03.log`). So the kernels run
+# and the backward's grad kernel the most (section 7 splits it in two for that); at 256 every kernel
+# spills kilobytes, and at 128, timed on an H200, the forward is a little faster but a training step
+# slower (`benchmarks/results/ssd_tensor_cores_h200_2026-12-03.log`). So the kernels run
 # chunks of 64, and a call with `mamba_ssm`'s 256 gets the same result up to rounding.
 #
 # **What `ssd_forward` checks.** The kernels trust their arguments: they index $A$ and $D$ by head at
@@ -909,9 +909,17 @@ for length, chunk, heads, groups, with_options in [(37, 8, 4, 2, True), (32, 8, 
 #   chunk to the first and writes, for chunk $c$, the carry before it folds chunk $c$ in: $\Lambda_{c+1}$,
 #   the gradient of the state leaving the chunk, which is what chunk $c$ reads. Its carry at the end is
 #   $\Lambda_0$, the initial state's gradient.
-# - `ssd_chunk_grad_kernel`, one program per (batch, head, chunk): steps 4, 2 and 1 of section 6 for
-#   the chunk's positions, eight `tl.dot`s on tiles of $Q$, $P$ and $N$, the reverse cumulative sum
-#   within the chunk (`tl.cumsum(..., reverse=True)`), and the chain to $\bar x$ and $\bar\Delta$. Summed
+# - Two grad kernels, one program per (batch, head, chunk) each, for steps 4, 2 and 1 of section 6 at
+#   the chunk's positions: `ssd_chunk_grad_kernel` computes $\bar x$, $\bar\Delta$ and the chunk's
+#   shares of $\bar A$ and $\bar D$ (five `tl.dot`s on tiles of $Q$, $P$ and $N$, the reverse cumulative
+#   sum within the chunk, `tl.cumsum(..., reverse=True)`, and the chain), `ssd_chunk_grad_bc_kernel`
+#   $\bar B$ and $\bar C$ (five more). Both start from the same loads (`_grad_program`), and two
+#   products, $\bar y_t H$ and $\bar y_t \cdot u_s$, are made in both: one kernel with all eight
+#   products held so many tiles at once that it spilled registers to memory. Compiled for sm_90 by
+#   `benchmarks/sass_lines.py` (bfloat16, $P = N = 64$, with section 8's options; static counts, not
+#   time), the one kernel had 3480 instructions a thread and spilled 488 bytes; the two have 2776 and
+#   1496 and spill 96 and none (in float32: 9312 and 4588 bytes, then 6336 and 4104 with 2180 and 604).
+#   Summed
 #   as section 6 writes it, $\bar a_r = \sum_{t \ge r} \bar\gamma_t$ adds step 1's $E_{ts} = L_{ts} G_{ts}
 #   \pi_{ts}$ once with a plus sign (at $t$) and once with a minus (at $s$), and the two cancel for every
 #   $r \le s$: exact in float64, lost digits in float32. The kernel adds only what survives,
@@ -925,8 +933,8 @@ for length, chunk, heads, groups, with_options in [(37, 8, 4, 2, True), (32, 8, 
 # As in the forward, every product goes through `_mm`, on the tensor cores at the inputs' precision.
 # Section 8's options reach these kernels too: the adjoint kernel writes $\bar z$ and turns the
 # gradient of the gated output into that of the scan's, $\bar y_t \odot \operatorname{silu}(z_t)$,
-# which the grad kernel reads; the grad kernel chains $\bar\Delta$ through the softplus with the slope
-# the steps kernel wrote. Section 8 says how.
+# which the grad kernels read; the first chains $\bar\Delta$ through the softplus with the slope the
+# steps kernel wrote. Section 8 says how.
 
 # %%
 #| export
@@ -977,18 +985,13 @@ def ssd_chunk_adjoint_kernel(DY, Z, X, STEPS, A_CUM, B, C, D, ENTERING, LOCAL, D
 
 
 @triton.jit
-def ssd_chunk_grad_kernel(X, STEPS, A_CUM, SLOPE, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DB, DC, DA_PART,
-                          DD_PART, DBIAS_PART, length, heads, groups, head_dim, n_states, n_chunks,
-                          HAS_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (batch, head, chunk): section 6's steps 4, 2 and 1 in reverse for the chunk's positions, from
-    the state entering it (ENTERING) and the gradient of the state leaving it (DSTATE, both P x N): dx, d dt
-    (of the raw dt: times the softplus's slope SLOPE where given), this head's dB and dC (fp32, b x L x h x N,
-    summed over a group's heads afterwards), and the chunk's shares of dA, dD and, where DBIAS_PART is given,
-    d dt_bias (b x h x chunks). STEPS, A_CUM, SLOPE: the steps kernel's, b x h x chunks x CHUNK. DY: the
-    gradient of the scan's output (the adjoint kernel's DYBAR where z is given)."""
+def _grad_program(X, STEPS, A_CUM, B, C, DY, ENTERING, DSTATE, length, heads, groups, head_dim, n_states, n_chunks,
+                  CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What both grad kernels' programs (batch, head, chunk) start from: b, h, positions t (t_ok: before L),
+    dt, a_cum (gamma) and a_end, the chunk's index in b x h x chunks, the rows of x, u = x dt and dy (CHUNK x
+    P), of B and C (CHUNK x N), the state entering the chunk H and the gradient of the one leaving it dS (P x N)."""
     b, h, c, g, t, t_ok, dt, a_cum, a_end = _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK)
-    p, n, rate = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N), tl.load(A + h).to(tl.float32)   # a_cum: gamma
-    to_end, from_start = tl.exp(a_end - a_cum), tl.exp(a_cum)               # w_s, e^{gamma_t}
+    p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)          # CHUNK x P
     dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)        # CHUNK x P
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
@@ -998,26 +1001,35 @@ def ssd_chunk_grad_kernel(X, STEPS, A_CUM, SLOPE, A, B, C, D, DY, ENTERING, DSTA
     pn_ok = (p[:, None] < head_dim) & (n[None, :] < n_states)
     H = tl.load(ENTERING + pn, pn_ok, other=0.0)                            # P x N
     dS = tl.load(DSTATE + pn, pn_ok, other=0.0)
-    u = x * dt[:, None]
+    return b, h, t, t_ok, dt, a_cum, a_end, part, x, x * dt[:, None], dy, Bv, Cv, H, dS
+
+
+@triton.jit
+def ssd_chunk_grad_kernel(X, STEPS, A_CUM, SLOPE, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DA_PART, DD_PART,
+                          DBIAS_PART, length, heads, groups, head_dim, n_states, n_chunks, HAS_D: tl.constexpr,
+                          CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (batch, head, chunk): section 6's steps 4, 2 and 1 in reverse for the chunk's positions, from
+    the state entering it (ENTERING) and the gradient of the state leaving it (DSTATE, both P x N): dx, d dt
+    (of the raw dt: times the softplus's slope SLOPE where given), and the chunk's shares of dA, dD and, where
+    DBIAS_PART is given, d dt_bias (b x h x chunks). dB and dC: the next kernel. STEPS, A_CUM, SLOPE: the steps
+    kernel's, b x h x chunks x CHUNK. DY: the gradient of the scan's output (the adjoint kernel's DYBAR where z
+    is given)."""
+    b, h, t, t_ok, dt, a_cum, a_end, part, x, u, dy, Bv, Cv, H, dS = _grad_program(
+        X, STEPS, A_CUM, B, C, DY, ENTERING, DSTATE, length, heads, groups, head_dim, n_states, n_chunks, CHUNK,
+        BLOCK_P, BLOCK_N)
+    to_end, rate = tl.exp(a_end - a_cum), tl.load(A + h).to(tl.float32)   # w_s; a_cum: gamma
     # 4. the past's contribution e^{gamma_t} H C_t
-    dC = from_start[:, None] * _mm(dy, H, X)                                # CHUNK x N
-    d_gamma = tl.sum(dC * Cv, axis=1)                                       # dy_t . y_off_t
+    d_gamma = tl.exp(a_cum) * tl.sum(_mm(dy, H, X) * Cv, axis=1)            # dy_t . y_off_t
     end_term = tl.exp(a_end) * tl.sum(tl.sum(dS * H, axis=1), axis=0)       # the chunk's gate
     # 2. the chunk state sum_s w_s u_s B_s^T
     dSB = _mm(Bv, tl.trans(dS), X)                                          # CHUNK x P: dS B_s
     du = to_end[:, None] * dSB
-    dB = to_end[:, None] * _mm(u, dS, X)                                    # CHUNK x N
     v = to_end * tl.sum(u * dSB, axis=1)
     # 1. the diagonal block sum_{s <= t} L_ts (C_t . B_s) u_s
     rows, cols = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
-    decay = _decays(a_cum, CHUNK)                                           # CHUNK x CHUNK
-    M = _mm(Cv, tl.trans(Bv), X) * decay
-    pi = _mm(dy, tl.trans(u), X)                                            # dy_t . u_s
+    M = _mm(Cv, tl.trans(Bv), X) * _decays(a_cum, CHUNK)                   # CHUNK x CHUNK
     du += _mm(tl.trans(M), dy, X)
-    dG = decay * pi
-    dC += _mm(dG, Bv, X)
-    dB += _mm(tl.trans(dG), Cv, X)
-    E = M * pi
+    E = M * _mm(dy, tl.trans(u), X)                                         # L_ts (C_t . B_s) (dy_t . u_s)
     # the chain: a = dt A, gamma = cumsum(a) within the chunk, so a_r gets the gamma_t of t >= r. The
     # terms entering with opposite signs at two positions are summed in the form that cancels nothing
     # (section 7's prose): step 1's as the pairs t >= r > s, step 2's as the positions before r
@@ -1028,20 +1040,36 @@ def ssd_chunk_grad_kernel(X, STEPS, A_CUM, SLOPE, A, B, C, D, DY, ENTERING, DSTA
     dd_part = tl.sum(tl.sum(dy * x, axis=1), axis=0)
     if HAS_D:
         dx += tl.load(D + h).to(tl.float32) * dy
-    qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, p)     # the chunk's rows of x (CHUNK x P)
+    qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, tl.arange(0, BLOCK_P))   # x's rows, CHUNK x P
     tl.store(DX + qp, dx.to(DX.dtype.element_ty), qp_ok)
     ddt = tl.sum(x * du, axis=1) + rate * da                                # d step
     if SLOPE is not None:   # the step is softplus(dt + dt_bias), whose slope the steps kernel wrote
         ddt *= tl.load(SLOPE + part * CHUNK + tl.arange(0, CHUNK))
     tl.store(DDT + (b * length + t) * heads + h, ddt.to(DDT.dtype.element_ty), t_ok)
-    qn_head = ((b * length + t[:, None]) * heads + h) * n_states + n[None, :]   # this head's dB, dC rows
-    qn_ok = t_ok[:, None] & (n[None, :] < n_states)
-    tl.store(DB + qn_head, dB, qn_ok)
-    tl.store(DC + qn_head, dC, qn_ok)
     tl.store(DA_PART + part, tl.sum(dt * da, axis=0))
     tl.store(DD_PART + part, dd_part)
     if DBIAS_PART is not None:
         tl.store(DBIAS_PART + part, tl.sum(tl.where(t_ok, ddt, 0.0), axis=0))   # d dt_bias: d dt summed, to L
+
+
+@triton.jit
+def ssd_chunk_grad_bc_kernel(X, STEPS, A_CUM, B, C, DY, ENTERING, DSTATE, DB, DC, length, heads, groups, head_dim,
+                             n_states, n_chunks, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (batch, head, chunk): the same steps' dB and dC, this head's share (fp32, b x L x h x N, summed over
+    a group's heads afterwards). Arguments as the kernel above's."""
+    b, h, t, t_ok, dt, a_cum, a_end, part, x, u, dy, Bv, Cv, H, dS = _grad_program(
+        X, STEPS, A_CUM, B, C, DY, ENTERING, DSTATE, length, heads, groups, head_dim, n_states, n_chunks, CHUNK,
+        BLOCK_P, BLOCK_N)
+    dC = tl.exp(a_cum)[:, None] * _mm(dy, H, X)                             # 4.: CHUNK x N
+    dB = tl.exp(a_end - a_cum)[:, None] * _mm(u, dS, X)                     # 2.
+    dG = _decays(a_cum, CHUNK) * _mm(dy, tl.trans(u), X)                    # 1.: L_ts (dy_t . u_s)
+    dC += _mm(dG, Bv, X)
+    dB += _mm(tl.trans(dG), Cv, X)
+    n = tl.arange(0, BLOCK_N)
+    qn_head = ((b * length + t[:, None]) * heads + h) * n_states + n[None, :]   # this head's dB, dC rows
+    qn_ok = t_ok[:, None] & (n[None, :] < n_states)
+    tl.store(DB + qn_head, dB, qn_ok)
+    tl.store(DC + qn_head, dC, qn_ok)
 
 
 def ssd_backward(x, dt, A, B, C, chunk_size, dy, dfinal=None, D=None, initial_state=None):
@@ -1088,9 +1116,10 @@ def _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state, 
     dB_heads, dC_heads = (torch.empty(batch, length, heads, n_states, **f32) for _ in range(2))
     dA_part, dD_part = (torch.empty(batch, heads, n_chunks, **f32) for _ in range(2))
     dbias_part = None if dt_bias is None else torch.empty(batch, heads, n_chunks, **f32)
-    ssd_chunk_grad_kernel[grid](x, *steps, slope, A32, B, C, D32, dybar, entering, d_leaving, dx, ddt, dB_heads,
-                                dC_heads, dA_part, dD_part, dbias_part, length, heads, groups, head_dim, n_states,
-                                n_chunks, HAS_D=D is not None, **tiles)
+    sizes = (length, heads, groups, head_dim, n_states, n_chunks)
+    ssd_chunk_grad_kernel[grid](x, *steps, slope, A32, B, C, D32, dybar, entering, d_leaving, dx, ddt, dA_part,
+                                dD_part, dbias_part, *sizes, HAS_D=D is not None, **tiles)
+    ssd_chunk_grad_bc_kernel[grid](x, *steps, B, C, dybar, entering, d_leaving, dB_heads, dC_heads, *sizes, **tiles)
     dh0 = None if initial_state is None else d_start.to(initial_state.dtype)
     return (dx, ddt, dA_part.sum((0, 2)).to(A.dtype), _per_group(dB_heads, groups).to(B.dtype),
             _per_group(dC_heads, groups).to(B.dtype),
@@ -1183,7 +1212,7 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 #   grad kernel multiplies $\bar\Delta$ by the softplus's slope, $\sigma(\Delta^{\text{raw}} + b)$, which
 #   the backward's steps kernel writes as a third array from the same $\Delta^{\text{raw}} + b$ (cheaper,
 #   compiled for sm_90, than reading the raw steps again in the grad kernel: 3480 instructions a thread
-#   there against 3528, and 488 bytes of spills against 512), and writes each chunk's sum of the
+#   there against 3528, and 488 bytes of spills against 512, before section 7's split), and writes each chunk's sum of the
 #   product, which the launcher adds up into $\bar b$ (as $\bar A$'s shares, no atomics).
 # - **The gate.** The output kernel multiplies by $\operatorname{silu}(z)$ before its one store. The
 #   backward needs the output before the gate, $\hat y$, for $\bar z = \bar y \odot \hat y \odot
@@ -1196,8 +1225,8 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 #   where it cost most: compiled for sm_90 (`benchmarks/sass_lines.py`, bfloat16, $P = N = 64$, chunk
 #   64, static counts, not time), Triton computed $\operatorname{silu}(z)$ once for each layout the grad
 #   kernel's products read $\bar y \odot \operatorname{silu}(z)$ in, and the gate's lines were 44 % of
-#   its 6440 instructions a thread, with 1644 bytes of spills; now the grad kernel has 3480 and 488
-#   bytes (with the steps of the bullet above). The price is one more write and read of an $x$-sized
+#   its 6440 instructions a thread, with 1644 bytes of spills; then it had 3480 and 488 bytes (with the
+#   steps of the bullet above), before section 7 split it in two. The price is one more write and read of an $x$-sized
 #   tensor; saving $\hat y$ in the forward instead would add another. Only the GPU can say which costs
 #   less (section 9).
 # - **The gate's layouts, and a barrier.** A 2-D value in a Triton program has a *layout*: which of

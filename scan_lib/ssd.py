@@ -457,18 +457,13 @@ def ssd_chunk_adjoint_kernel(DY, Z, X, STEPS, A_CUM, B, C, D, ENTERING, LOCAL, D
 
 
 @triton.jit
-def ssd_chunk_grad_kernel(X, STEPS, A_CUM, SLOPE, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DB, DC, DA_PART,
-                          DD_PART, DBIAS_PART, length, heads, groups, head_dim, n_states, n_chunks,
-                          HAS_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Program (batch, head, chunk): section 6's steps 4, 2 and 1 in reverse for the chunk's positions, from
-    the state entering it (ENTERING) and the gradient of the state leaving it (DSTATE, both P x N): dx, d dt
-    (of the raw dt: times the softplus's slope SLOPE where given), this head's dB and dC (fp32, b x L x h x N,
-    summed over a group's heads afterwards), and the chunk's shares of dA, dD and, where DBIAS_PART is given,
-    d dt_bias (b x h x chunks). STEPS, A_CUM, SLOPE: the steps kernel's, b x h x chunks x CHUNK. DY: the
-    gradient of the scan's output (the adjoint kernel's DYBAR where z is given)."""
+def _grad_program(X, STEPS, A_CUM, B, C, DY, ENTERING, DSTATE, length, heads, groups, head_dim, n_states, n_chunks,
+                  CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """What both grad kernels' programs (batch, head, chunk) start from: b, h, positions t (t_ok: before L),
+    dt, a_cum (gamma) and a_end, the chunk's index in b x h x chunks, the rows of x, u = x dt and dy (CHUNK x
+    P), of B and C (CHUNK x N), the state entering the chunk H and the gradient of the one leaving it dS (P x N)."""
     b, h, c, g, t, t_ok, dt, a_cum, a_end = _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK)
-    p, n, rate = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N), tl.load(A + h).to(tl.float32)   # a_cum: gamma
-    to_end, from_start = tl.exp(a_end - a_cum), tl.exp(a_cum)               # w_s, e^{gamma_t}
+    p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)          # CHUNK x P
     dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)        # CHUNK x P
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
@@ -478,26 +473,35 @@ def ssd_chunk_grad_kernel(X, STEPS, A_CUM, SLOPE, A, B, C, D, DY, ENTERING, DSTA
     pn_ok = (p[:, None] < head_dim) & (n[None, :] < n_states)
     H = tl.load(ENTERING + pn, pn_ok, other=0.0)                            # P x N
     dS = tl.load(DSTATE + pn, pn_ok, other=0.0)
-    u = x * dt[:, None]
+    return b, h, t, t_ok, dt, a_cum, a_end, part, x, x * dt[:, None], dy, Bv, Cv, H, dS
+
+
+@triton.jit
+def ssd_chunk_grad_kernel(X, STEPS, A_CUM, SLOPE, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DA_PART, DD_PART,
+                          DBIAS_PART, length, heads, groups, head_dim, n_states, n_chunks, HAS_D: tl.constexpr,
+                          CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (batch, head, chunk): section 6's steps 4, 2 and 1 in reverse for the chunk's positions, from
+    the state entering it (ENTERING) and the gradient of the state leaving it (DSTATE, both P x N): dx, d dt
+    (of the raw dt: times the softplus's slope SLOPE where given), and the chunk's shares of dA, dD and, where
+    DBIAS_PART is given, d dt_bias (b x h x chunks). dB and dC: the next kernel. STEPS, A_CUM, SLOPE: the steps
+    kernel's, b x h x chunks x CHUNK. DY: the gradient of the scan's output (the adjoint kernel's DYBAR where z
+    is given)."""
+    b, h, t, t_ok, dt, a_cum, a_end, part, x, u, dy, Bv, Cv, H, dS = _grad_program(
+        X, STEPS, A_CUM, B, C, DY, ENTERING, DSTATE, length, heads, groups, head_dim, n_states, n_chunks, CHUNK,
+        BLOCK_P, BLOCK_N)
+    to_end, rate = tl.exp(a_end - a_cum), tl.load(A + h).to(tl.float32)   # w_s; a_cum: gamma
     # 4. the past's contribution e^{gamma_t} H C_t
-    dC = from_start[:, None] * _mm(dy, H, X)                                # CHUNK x N
-    d_gamma = tl.sum(dC * Cv, axis=1)                                       # dy_t . y_off_t
+    d_gamma = tl.exp(a_cum) * tl.sum(_mm(dy, H, X) * Cv, axis=1)            # dy_t . y_off_t
     end_term = tl.exp(a_end) * tl.sum(tl.sum(dS * H, axis=1), axis=0)       # the chunk's gate
     # 2. the chunk state sum_s w_s u_s B_s^T
     dSB = _mm(Bv, tl.trans(dS), X)                                          # CHUNK x P: dS B_s
     du = to_end[:, None] * dSB
-    dB = to_end[:, None] * _mm(u, dS, X)                                    # CHUNK x N
     v = to_end * tl.sum(u * dSB, axis=1)
     # 1. the diagonal block sum_{s <= t} L_ts (C_t . B_s) u_s
     rows, cols = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
-    decay = _decays(a_cum, CHUNK)                                           # CHUNK x CHUNK
-    M = _mm(Cv, tl.trans(Bv), X) * decay
-    pi = _mm(dy, tl.trans(u), X)                                            # dy_t . u_s
+    M = _mm(Cv, tl.trans(Bv), X) * _decays(a_cum, CHUNK)                   # CHUNK x CHUNK
     du += _mm(tl.trans(M), dy, X)
-    dG = decay * pi
-    dC += _mm(dG, Bv, X)
-    dB += _mm(tl.trans(dG), Cv, X)
-    E = M * pi
+    E = M * _mm(dy, tl.trans(u), X)                                         # L_ts (C_t . B_s) (dy_t . u_s)
     # the chain: a = dt A, gamma = cumsum(a) within the chunk, so a_r gets the gamma_t of t >= r. The
     # terms entering with opposite signs at two positions are summed in the form that cancels nothing
     # (section 7's prose): step 1's as the pairs t >= r > s, step 2's as the positions before r
@@ -508,20 +512,36 @@ def ssd_chunk_grad_kernel(X, STEPS, A_CUM, SLOPE, A, B, C, D, DY, ENTERING, DSTA
     dd_part = tl.sum(tl.sum(dy * x, axis=1), axis=0)
     if HAS_D:
         dx += tl.load(D + h).to(tl.float32) * dy
-    qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, p)     # the chunk's rows of x (CHUNK x P)
+    qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, tl.arange(0, BLOCK_P))   # x's rows, CHUNK x P
     tl.store(DX + qp, dx.to(DX.dtype.element_ty), qp_ok)
     ddt = tl.sum(x * du, axis=1) + rate * da                                # d step
     if SLOPE is not None:   # the step is softplus(dt + dt_bias), whose slope the steps kernel wrote
         ddt *= tl.load(SLOPE + part * CHUNK + tl.arange(0, CHUNK))
     tl.store(DDT + (b * length + t) * heads + h, ddt.to(DDT.dtype.element_ty), t_ok)
-    qn_head = ((b * length + t[:, None]) * heads + h) * n_states + n[None, :]   # this head's dB, dC rows
-    qn_ok = t_ok[:, None] & (n[None, :] < n_states)
-    tl.store(DB + qn_head, dB, qn_ok)
-    tl.store(DC + qn_head, dC, qn_ok)
     tl.store(DA_PART + part, tl.sum(dt * da, axis=0))
     tl.store(DD_PART + part, dd_part)
     if DBIAS_PART is not None:
         tl.store(DBIAS_PART + part, tl.sum(tl.where(t_ok, ddt, 0.0), axis=0))   # d dt_bias: d dt summed, to L
+
+
+@triton.jit
+def ssd_chunk_grad_bc_kernel(X, STEPS, A_CUM, B, C, DY, ENTERING, DSTATE, DB, DC, length, heads, groups, head_dim,
+                             n_states, n_chunks, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (batch, head, chunk): the same steps' dB and dC, this head's share (fp32, b x L x h x N, summed over
+    a group's heads afterwards). Arguments as the kernel above's."""
+    b, h, t, t_ok, dt, a_cum, a_end, part, x, u, dy, Bv, Cv, H, dS = _grad_program(
+        X, STEPS, A_CUM, B, C, DY, ENTERING, DSTATE, length, heads, groups, head_dim, n_states, n_chunks, CHUNK,
+        BLOCK_P, BLOCK_N)
+    dC = tl.exp(a_cum)[:, None] * _mm(dy, H, X)                             # 4.: CHUNK x N
+    dB = tl.exp(a_end - a_cum)[:, None] * _mm(u, dS, X)                     # 2.
+    dG = _decays(a_cum, CHUNK) * _mm(dy, tl.trans(u), X)                    # 1.: L_ts (dy_t . u_s)
+    dC += _mm(dG, Bv, X)
+    dB += _mm(tl.trans(dG), Cv, X)
+    n = tl.arange(0, BLOCK_N)
+    qn_head = ((b * length + t[:, None]) * heads + h) * n_states + n[None, :]   # this head's dB, dC rows
+    qn_ok = t_ok[:, None] & (n[None, :] < n_states)
+    tl.store(DB + qn_head, dB, qn_ok)
+    tl.store(DC + qn_head, dC, qn_ok)
 
 
 def ssd_backward(x, dt, A, B, C, chunk_size, dy, dfinal=None, D=None, initial_state=None):
@@ -568,9 +588,10 @@ def _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state, 
     dB_heads, dC_heads = (torch.empty(batch, length, heads, n_states, **f32) for _ in range(2))
     dA_part, dD_part = (torch.empty(batch, heads, n_chunks, **f32) for _ in range(2))
     dbias_part = None if dt_bias is None else torch.empty(batch, heads, n_chunks, **f32)
-    ssd_chunk_grad_kernel[grid](x, *steps, slope, A32, B, C, D32, dybar, entering, d_leaving, dx, ddt, dB_heads,
-                                dC_heads, dA_part, dD_part, dbias_part, length, heads, groups, head_dim, n_states,
-                                n_chunks, HAS_D=D is not None, **tiles)
+    sizes = (length, heads, groups, head_dim, n_states, n_chunks)
+    ssd_chunk_grad_kernel[grid](x, *steps, slope, A32, B, C, D32, dybar, entering, d_leaving, dx, ddt, dA_part,
+                                dD_part, dbias_part, *sizes, HAS_D=D is not None, **tiles)
+    ssd_chunk_grad_bc_kernel[grid](x, *steps, B, C, dybar, entering, d_leaving, dB_heads, dC_heads, *sizes, **tiles)
     dh0 = None if initial_state is None else d_start.to(initial_state.dtype)
     return (dx, ddt, dA_part.sum((0, 2)).to(A.dtype), _per_group(dB_heads, groups).to(B.dtype),
             _per_group(dC_heads, groups).to(B.dtype),
