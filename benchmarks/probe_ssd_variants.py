@@ -53,11 +53,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("versions", nargs="+", help="NAME=PATH, the baseline first")
     parser.add_argument("--quick", action="store_true", help="the two short shapes only")
+    parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high"],
+                        help="torch.set_float32_matmul_precision for the run: versions that follow it take one TF32 "
+                        "product per float32 tl.dot under high (their differences from the first then include TF32's)")
     options = parser.parse_args()
+    torch.set_float32_matmul_precision(options.matmul_precision)
     versions = [(name, load_version(name, path)) for name, path in (v.split("=", 1) for v in options.versions)]
     chunk = SIZES["ssd_chunk"]
     shapes = SIZES["ssd"] + ([] if options.quick else SIZES["ssd_more"])
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; chunk_size {chunk}; D, z, dt_bias, softplus")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; chunk_size {chunk}; D, z, dt_bias, softplus; "
+          f"float32 matmul precision {options.matmul_precision}")
     for shape in shapes:
         for dtype in (torch.bfloat16, torch.float32):
             inputs = ssd_inputs(*shape, dtype)

@@ -333,16 +333,20 @@ def main(argv=None):
     parser.add_argument("--warps", type=int, default=4, help="the ssd kernels' num_warps (their launch: Triton's 4)")
     parser.add_argument("--bare", action="store_true", help="the ssd and scan kernels without their options (D, z, the "
                         "step's bias and softplus)")
+    parser.add_argument("--matmul-precision", default="highest", choices=["highest", "high"],
+                        help="torch.set_float32_matmul_precision for the ssd kernels' float32 products (high: TF32)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--by", default="kernel", choices=["kernel", "innermost"],
                         help="charge a helper's instructions to the kernel's line calling it, or to its own line")
     options = parser.parse_args(argv)
     if options.kernel in SSD_KERNELS:
+        torch.set_float32_matmul_precision(options.matmul_precision)
         kernel, args = ssd_args(options.kernel, options.dtype, options.n_states, options.head_dim, options.chunk,
                                 options.bare)
         num_warps = options.warps
         print(f"{SSD_KERNELS[options.kernel]} at (8, 2048, 32 x {options.head_dim}, N {options.n_states}), chunk "
-              f"{args['CHUNK']}, {options.dtype}, {'bare' if options.bare else 'D, z, dt_bias, dt_softplus'}")
+              f"{args['CHUNK']}, {options.dtype}, {'bare' if options.bare else 'D, z, dt_bias, dt_softplus'}"
+              + (f", float32 products {args['DOT']}" if options.dtype == "fp32" else ""))
     elif options.kernel.startswith("scan-"):
         kind = options.kernel.removeprefix("scan-")
         kernel, args, num_warps = scan_args(kind, options.dtype, options.bare)

@@ -135,16 +135,16 @@ def _rows(M, b, t, t_ok, length, count, index, width, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _mm(a, b, X):
-    """a @ b on the tensor cores at X's precision, float32 sums; float32 as tf32x3 (float32's accuracy)."""
+def _mm(a, b, X, DOT: tl.constexpr):
+    """a @ b on the tensor cores at X's precision, float32 sums; float32 as DOT, "tf32x3" or "tf32" (_tiles)."""
     if X.dtype.element_ty == tl.float32:
-        return tl.dot(a, b, input_precision="tf32x3")
+        return tl.dot(a, b, input_precision=DOT)
     return matmul(a.to(X.dtype.element_ty), b.to(X.dtype.element_ty))
 
 
 @triton.jit
 def ssd_chunk_state_kernel(X, STEPS, A_CUM, B, STATES, DECAY, length, heads, groups, head_dim, n_states, n_chunks,
-                           CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                           CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
     """Step 2: the chunk's state from zero, sum_s exp(a_end - a_cum_s) dt_s x_s B_s^T, and its decay. X: b x L x h x P,
     B: b x L x g x N, STEPS, A_CUM: b x h x chunks x CHUNK; STATES: b x h x chunks x P x N, DECAY: b x h x chunks."""
     b, h, c, g, t, t_ok, dt, a_cum, a_end = _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK)
@@ -152,7 +152,7 @@ def ssd_chunk_state_kernel(X, STEPS, A_CUM, B, STATES, DECAY, length, heads, gro
     weight = dt * tl.exp(a_end - a_cum)                                     # CHUNK
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)          # CHUNK x P
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
-    state = _mm(tl.trans(x * weight[:, None]), Bv, X)                       # P x N
+    state = _mm(tl.trans(x * weight[:, None]), Bv, X, DOT)                  # P x N
     base = (b * heads + h) * n_chunks + c
     tl.store(STATES + base * head_dim * n_states + p[:, None] * n_states + n[None, :], state,
              (p[:, None] < head_dim) & (n[None, :] < n_states))
@@ -168,19 +168,19 @@ def _decays(a_cum, CHUNK: tl.constexpr):
 
 @triton.jit
 def _scan_outputs(X, B, C, D, ENTERING, b, h, c, g, t, t_ok, dt, a_cum, length, heads, groups, head_dim, n_states,
-                  n_chunks, HAS_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Steps 1 and 4 for one chunk, before any gate: y = (L o C B^T)(dt x) + exp(a_cum) C H_in^T (+ D x),
-    CHUNK x P (float32), and C's rows (CHUNK x N). Shapes as in the kernel below."""
+                  n_chunks, HAS_D: tl.constexpr, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT: tl.constexpr):
+    """Steps 1 and 4 before any gate: y = (L o C B^T)(dt x) + exp(a_cum) C H_in^T (+ D x), CHUNK x P; C's rows."""
     p, n = tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
     Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
-    scores = _mm(Cv, tl.trans(Bv), X)                                       # CHUNK x CHUNK
-    y = _mm(scores * _decays(a_cum, CHUNK) * dt[None, :], x, X)             # CHUNK x P
+    scores = _mm(Cv, tl.trans(Bv), X, DOT)                                  # CHUNK x CHUNK
+    y = _mm(scores * _decays(a_cum, CHUNK) * dt[None, :], x, X, DOT)        # CHUNK x P
     base = (b * heads + h) * n_chunks + c
     H = tl.load(ENTERING + base * head_dim * n_states + p[:, None] * n_states + n[None, :],
                 (p[:, None] < head_dim) & (n[None, :] < n_states), other=0.0)   # P x N
-    y += tl.exp(a_cum)[:, None] * _mm(Cv, tl.trans(H), X)                   # CHUNK x P
+    y += tl.exp(a_cum)[:, None] * _mm(Cv, tl.trans(H), X, DOT)              # CHUNK x P
     if HAS_D:
         y += tl.load(D + h).to(tl.float32) * x
     return y, Cv
@@ -189,12 +189,12 @@ def _scan_outputs(X, B, C, D, ENTERING, b, h, c, g, t, t_ok, dt, a_cum, length, 
 @triton.jit
 def ssd_chunk_output_kernel(X, STEPS, A_CUM, B, C, D, Z, ENTERING, Y, length, heads, groups, head_dim, n_states,
                             n_chunks, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, CHUNK: tl.constexpr,
-                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                            BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
     """Steps 1 and 4, times silu(z) if z is given. X, Z, Y: b x L x h x P, B, C: b x L x g x N, STEPS, A_CUM:
     b x h x chunks x CHUNK; ENTERING: b x h x chunks x P x N."""
     b, h, c, g, t, t_ok, dt, a_cum, _ = _chunk_program(STEPS, A_CUM, length, heads, groups, n_chunks, CHUNK)
     y, _ = _scan_outputs(X, B, C, D, ENTERING, b, h, c, g, t, t_ok, dt, a_cum, length, heads, groups, head_dim,
-                         n_states, n_chunks, HAS_D, CHUNK, BLOCK_P, BLOCK_N)
+                         n_states, n_chunks, HAS_D, CHUNK, BLOCK_P, BLOCK_N, DOT)
     if HAS_Z:   # the gate in registers: y is stored once, gated
         z = _rows(Z, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
         y *= z * tl.sigmoid(z)
@@ -251,9 +251,10 @@ KERNEL_CHUNK = 64   # the longest chunk a program holds: its Q x Q, Q x P and Q 
 
 
 def _tiles(chunk_size, head_dim, n_states):
-    """CHUNK, at most KERNEL_CHUNK (the same result); P, N padded to powers of two >= 16 (tl.dot's smallest)."""
+    """CHUNK (at most KERNEL_CHUNK), P, N padded to powers of two >= 16 (tl.dot's), float32 products (fine print)."""
     return dict(CHUNK=min(chunk_size, KERNEL_CHUNK), BLOCK_P=max(16, triton.next_power_of_2(head_dim)),
-                BLOCK_N=max(16, triton.next_power_of_2(n_states)))
+                BLOCK_N=max(16, triton.next_power_of_2(n_states)),
+                DOT="tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32")
 
 
 @triton.jit
@@ -423,7 +424,7 @@ def _head_rows(b, t, t_ok, length, heads, h, head_dim, p):
 @triton.jit
 def ssd_chunk_adjoint_kernel(DY, Z, X, STEPS, A_CUM, B, C, D, ENTERING, LOCAL, DYBAR, DZ, length, heads, groups,
                              head_dim, n_states, n_chunks, HAS_D: tl.constexpr, HAS_Z: tl.constexpr,
-                             CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                             CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
     """Program (batch, head, chunk): what the chunk's outputs send back to the state entering it,
     sum_t exp(a_cum_t) dybar_t C_t^T (P x N), dybar the gradient of the scan's output. Where z is given the
     gate's gradients come first: dz = dy ybar silu'(z) (ybar recomputed as the output kernel computes it, and
@@ -435,7 +436,7 @@ def ssd_chunk_adjoint_kernel(DY, Z, X, STEPS, A_CUM, B, C, D, ENTERING, LOCAL, D
     dy = _rows(DY, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)        # CHUNK x P
     if HAS_Z:   # section 8's gate, undone once here rather than in each layout the grad kernel's products want
         ybar, Cv = _scan_outputs(X, B, C, D, ENTERING, b, h, c, g, t, t_ok, dt, a_cum, length, heads, groups,
-                                 head_dim, n_states, n_chunks, HAS_D, CHUNK, BLOCK_P, BLOCK_N)
+                                 head_dim, n_states, n_chunks, HAS_D, CHUNK, BLOCK_P, BLOCK_N, DOT)
         z = _rows(Z, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
         qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, p)
         # Staged through DYBAR (section 8) so that ybar, dy and z meet in the loads' layout and the gate
@@ -450,7 +451,7 @@ def ssd_chunk_adjoint_kernel(DY, Z, X, STEPS, A_CUM, B, C, D, ENTERING, LOCAL, D
         dy = _rows(DYBAR, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
     else:
         Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)    # CHUNK x N
-    local = _mm(tl.trans(dy * tl.exp(a_cum)[:, None]), Cv, DY)              # P x N
+    local = _mm(tl.trans(dy * tl.exp(a_cum)[:, None]), Cv, DY, DOT)         # P x N
     base = (b * heads + h) * n_chunks + c
     tl.store(LOCAL + base * head_dim * n_states + p[:, None] * n_states + n[None, :], local,
              (p[:, None] < head_dim) & (n[None, :] < n_states))
@@ -479,7 +480,7 @@ def _grad_program(X, STEPS, A_CUM, B, C, DY, ENTERING, DSTATE, length, heads, gr
 @triton.jit
 def ssd_chunk_grad_kernel(X, STEPS, A_CUM, SLOPE, A, B, C, D, DY, ENTERING, DSTATE, DX, DDT, DA_PART, DD_PART,
                           DBIAS_PART, length, heads, groups, head_dim, n_states, n_chunks, HAS_D: tl.constexpr,
-                          CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                          CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
     """Program (batch, head, chunk): section 6's steps 4, 2 and 1 in reverse for the chunk's positions, from
     the state entering it (ENTERING) and the gradient of the state leaving it (DSTATE, both P x N): dx, d dt
     (of the raw dt: times the softplus's slope SLOPE where given), and the chunk's shares of dA, dD and, where
@@ -491,17 +492,17 @@ def ssd_chunk_grad_kernel(X, STEPS, A_CUM, SLOPE, A, B, C, D, DY, ENTERING, DSTA
         BLOCK_P, BLOCK_N)
     to_end, rate = tl.exp(a_end - a_cum), tl.load(A + h).to(tl.float32)   # w_s; a_cum: gamma
     # 4. the past's contribution e^{gamma_t} H C_t
-    d_gamma = tl.exp(a_cum) * tl.sum(_mm(dy, H, X) * Cv, axis=1)            # dy_t . y_off_t
+    d_gamma = tl.exp(a_cum) * tl.sum(_mm(dy, H, X, DOT) * Cv, axis=1)       # dy_t . y_off_t
     end_term = tl.exp(a_end) * tl.sum(tl.sum(dS * H, axis=1), axis=0)       # the chunk's gate
     # 2. the chunk state sum_s w_s u_s B_s^T
-    dSB = _mm(Bv, tl.trans(dS), X)                                          # CHUNK x P: dS B_s
+    dSB = _mm(Bv, tl.trans(dS), X, DOT)                                     # CHUNK x P: dS B_s
     du = to_end[:, None] * dSB
     v = to_end * tl.sum(u * dSB, axis=1)
     # 1. the diagonal block sum_{s <= t} L_ts (C_t . B_s) u_s
     rows, cols = tl.arange(0, CHUNK)[:, None], tl.arange(0, CHUNK)[None, :]
-    M = _mm(Cv, tl.trans(Bv), X) * _decays(a_cum, CHUNK)                   # CHUNK x CHUNK
-    du += _mm(tl.trans(M), dy, X)
-    E = M * _mm(dy, tl.trans(u), X)                                         # L_ts (C_t . B_s) (dy_t . u_s)
+    M = _mm(Cv, tl.trans(Bv), X, DOT) * _decays(a_cum, CHUNK)              # CHUNK x CHUNK
+    du += _mm(tl.trans(M), dy, X, DOT)
+    E = M * _mm(dy, tl.trans(u), X, DOT)                                    # L_ts (C_t . B_s) (dy_t . u_s)
     # the chain: a = dt A, gamma = cumsum(a) within the chunk, so a_r gets the gamma_t of t >= r. The
     # terms entering with opposite signs at two positions are summed in the form that cancels nothing
     # (section 7's prose): step 1's as the pairs t >= r > s, step 2's as the positions before r
@@ -526,17 +527,18 @@ def ssd_chunk_grad_kernel(X, STEPS, A_CUM, SLOPE, A, B, C, D, DY, ENTERING, DSTA
 
 @triton.jit
 def ssd_chunk_grad_bc_kernel(X, STEPS, A_CUM, B, C, DY, ENTERING, DSTATE, DB, DC, length, heads, groups, head_dim,
-                             n_states, n_chunks, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr):
+                             n_states, n_chunks, CHUNK: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+                             DOT: tl.constexpr):
     """Program (batch, head, chunk): the same steps' dB and dC, this head's share (fp32, b x L x h x N, summed over
     a group's heads afterwards). Arguments as the kernel above's."""
     b, h, t, t_ok, dt, a_cum, a_end, part, x, u, dy, Bv, Cv, H, dS = _grad_program(
         X, STEPS, A_CUM, B, C, DY, ENTERING, DSTATE, length, heads, groups, head_dim, n_states, n_chunks, CHUNK,
         BLOCK_P, BLOCK_N)
-    dC = tl.exp(a_cum)[:, None] * _mm(dy, H, X)                             # 4.: CHUNK x N
-    dB = tl.exp(a_end - a_cum)[:, None] * _mm(u, dS, X)                     # 2.
-    dG = _decays(a_cum, CHUNK) * _mm(dy, tl.trans(u), X)                    # 1.: L_ts (dy_t . u_s)
-    dC += _mm(dG, Bv, X)
-    dB += _mm(tl.trans(dG), Cv, X)
+    dC = tl.exp(a_cum)[:, None] * _mm(dy, H, X, DOT)                        # 4.: CHUNK x N
+    dB = tl.exp(a_end - a_cum)[:, None] * _mm(u, dS, X, DOT)                # 2.
+    dG = _decays(a_cum, CHUNK) * _mm(dy, tl.trans(u), X, DOT)               # 1.: L_ts (dy_t . u_s)
+    dC += _mm(dG, Bv, X, DOT)
+    dB += _mm(tl.trans(dG), Cv, X, DOT)
     n = tl.arange(0, BLOCK_N)
     qn_head = ((b * length + t[:, None]) * heads + h) * n_states + n[None, :]   # this head's dB, dC rows
     qn_ok = t_ok[:, None] & (n[None, :] < n_states)

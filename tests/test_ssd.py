@@ -1,6 +1,8 @@
 """scan_lib.ssd (chapter 10): Mamba-2's recurrence as a loop, as one masked matrix and in chunks, in
 float64, at awkward lengths, groups of heads, initial and final states, and gradients through autograd;
 the Triton forward in float32 against the loop, on strided A and D, empty sequences and bad arguments."""
+import contextlib
+
 import pytest
 import torch
 
@@ -284,6 +286,26 @@ def combined_problem(length, heads, head_dim, groups, n_states, options, seed=0)
     return p
 
 
+@contextlib.contextmanager
+def float32_matmul_precision(setting):
+    """torch.set_float32_matmul_precision(setting) for the block, the previous setting restored after."""
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(setting)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+@pytest.mark.parametrize("setting, products", [("highest", "tf32x3"), ("high", "tf32"), ("medium", "tf32")])
+def test_float32_products_follow_torchs_matmul_precision(setting, products):
+    """_tiles, whose DOT every chunk kernel passes to tl.dot, reads torch's float32 matmul precision at each call:
+    three TF32 products (float32's accuracy) at "highest", torch's default, one (mamba_ssm's) at "high" or "medium"."""
+    from scan_lib.ssd import _tiles
+    with float32_matmul_precision(setting):
+        assert _tiles(64, 64, 64)["DOT"] == products
+
+
 def combined_grads(p, chunk, options, dtypes, weights):
     """(y, final and the gradients of <y, w_y> + <final, w_final>) by the op (dtypes given) or, with
     dtypes None, by the float64 reference; {name: tensor}."""
@@ -310,29 +332,33 @@ def combined_grads(p, chunk, options, dtypes, weights):
                           (21, 16, 2, 2, 4, 3, "z bias h0", "float32"), (52, 32, 3, 1, 5, 4, "z", "float32"),
                           (37, 16, 4, 2, 3, 5, "D z bias softplus h0", "bfloat16"), (70, 32, 2, 1, 8, 4, "", "bfloat16"),
                           (37, 16, 4, 2, 3, 5, "D z bias softplus h0 half-dt", "bfloat16"),
-                          (37, 16, 4, 2, 3, 5, "D z bias softplus h0", "float16"), (17, 16, 2, 1, 16, 16, "D", "float16")])
+                          (37, 16, 4, 2, 3, 5, "D z bias softplus h0", "float16"), (17, 16, 2, 1, 16, 16, "D", "float16"),
+                          (37, 16, 4, 2, 3, 5, "D z bias softplus h0", "tf32"), (70, 32, 2, 1, 8, 4, "", "tf32")])
 def test_mamba_chunk_scan_combined_matches_autograd_through_the_chunked_form(length, chunk, heads, groups, head_dim,
                                                                              n_states, options, precision):
     """Every output and gradient of the op (z, dt_bias, softplus, D, the initial state and the final
     state's gradient, each where the case has it: the step with and without its bias and softplus, the
     gate with and without z) against autograd through ssd_chunked in float64 on the same values. float32
     inputs: float32 rounding (A and dt_bias, sums over every position, a little looser); x, z, B and C
-    (and dt with half-dt) in half precision: a few roundings of 2^-8 (bf16) or 2^-11 (fp16)."""
+    (and dt with half-dt) in half precision: a few roundings of 2^-8 (bf16) or 2^-11 (fp16); tf32: float32
+    inputs under torch.set_float32_matmul_precision("high"), one TF32 product (2^-11 per operand) on a GPU."""
     p = combined_problem(length, heads, head_dim, groups, n_states, options, seed=length)
     g = torch.Generator().manual_seed(length + 2)
     weights = [torch.randn(shape, generator=g, dtype=torch.float64)
                for shape in (p["x"].shape, (2, heads, head_dim, n_states))]
-    half = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[precision]
+    half = {"float32": torch.float32, "tf32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[precision]
     dtypes = {k: half for k in ("x", "z", "B", "C", *(["dt"] if "half-dt" in options else []))}
     want = combined_grads(p, chunk, options, None, weights)
-    got = combined_grads(p, chunk, options, dtypes, weights)
+    with float32_matmul_precision("high" if precision == "tf32" else "highest"):
+        got = combined_grads(p, chunk, options, dtypes, weights)
     assert set(got) == set(want)
     assert got["y"].dtype == half and got["final"].dtype == torch.float32
     for name, w in want.items():
         if name not in ("y", "final"):   # each gradient in its input's dtype
             assert got[name].dtype == dtypes.get(name, torch.float32), name
         error = rel(got[name].double().cpu(), w.detach().cpu())
-        bound = {"float32": 5e-5 if name in ("A", "dt_bias") else 1e-5, "bfloat16": 3e-2, "float16": 5e-3}[precision]
+        bound = {"float32": 5e-5 if name in ("A", "dt_bias") else 1e-5, "bfloat16": 3e-2, "float16": 5e-3,
+                 "tf32": 5e-3}[precision]
         assert error < bound, (name, error)
 
 
