@@ -537,8 +537,8 @@ for length, chunk, heads, groups, head_dim, n_states in [(37, 16, 4, 2, 3, 5), (
 # `ssd_chunked`, each checked against the loop; and `ssd_forward`, four Triton kernels, checked in
 # float32.
 #
-# **Going deeper, in brief.** The backward follows chapter 03, the four steps in reverse, each term a
-# product of one chunk's tiles (sections 6, 7). Together they make one differentiable op with
+# **Going deeper, in brief.** The backward follows chapter 03, the steps in reverse, each term a
+# product of one chunk's tiles (sections 6-7). With the forward it makes one differentiable op with
 # `mamba_ssm`'s interface, `scan_lib.mamba_chunk_scan_combined` (section 8), which section 9 times
 # against `mamba_ssm`'s kernels.
 
@@ -629,8 +629,8 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 # refusals.
 #
 # **The steps, once.** Every chunk kernel needs its chunk's steps $\Delta$ (after section 8's bias and
-# softplus) and $a_{\text{cum}}$, and a training step runs five of them: the state and output kernels
-# forward, then the state kernel again, the adjoint and the grad kernel backward. Computed in each, as
+# softplus) and $a_{\text{cum}}$, and a training step runs six of them: the state and output kernels
+# forward, then the state kernel again, the adjoint and the two grad kernels backward. Computed in each, as
 # this chapter first did, the steps cost far more than the $Q$ exponentials and logarithms of a
 # chunk. A program's `(CHUNK,)` vector lives in the layout of the 2-D tile it scales (the rows of the
 # decays, their columns, a product's rows), spread so that each thread holds many of its positions,
@@ -641,20 +641,19 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 # per thread, 1103 of the adjoint kernel's 4128 and 648 of the grad kernel's 3880.
 #
 # So `ssd_chunk_steps_kernel` computes them once per forward and once per backward, as `mamba_ssm`'s
-# `_chunk_cumsum_fwd` does, into two (batch, heads, chunks, `CHUNK`) float32 arrays (the kernels'
-# chunks, of at most `KERNEL_CHUNK`), 0 past $L$, in which a chunk kernel's program finds each of its
-# two rows contiguous. It reads $\Delta$ through chapter
-# 05's `_load_delta` (the bias, the overflow-safe softplus, the mask), one program per batch element,
-# chunk and 32 heads: $(B, L, H)$ keeps the heads last, so one position's 32 heads are 128 contiguous
-# bytes of float32, a whole cache line per load, where a program per (batch, head, chunk) reads 4 bytes
-# of every line it touches. The same counts after the change: the output kernel 1584 instructions, the
-# adjoint 3176, the grad 3480 (its spills 488 bytes a thread, from 548), the state kernel 528 (from
-# 632); the steps kernel has 1040 (1352 in the backward, where it also writes the softplus's slope for
-# the grad kernel, section 8), in 256 programs at (8, 2048, 32 heads) where each chunk kernel runs
-# 8192. The price is memory traffic: two float32 arrays of $B \cdot H \cdot L$ written, and read back
-# by every chunk kernel in place of the raw steps, each about 3 % of a bfloat16 $x$ at $P = 64$.
-# Whether the trade wins on the GPU is for section 9's table to say (`benchmarks/NOTES_ssd.md` has the
-# static profiles).
+# `_chunk_cumsum_fwd` does, into two (batch, heads, chunks, `CHUNK`) float32 arrays (the kernels' chunks, of
+# at most `KERNEL_CHUNK`), 0 past $L$, in which a chunk kernel's program finds each of its two rows
+# contiguous. It reads $\Delta$ through chapter 05's `_load_delta` (the bias, the overflow-safe softplus, the
+# mask), one program per batch element, chunk and 32 heads: $(B, L, H)$ keeps the heads last, so one
+# position's 32 heads are 128 contiguous bytes of float32, a whole cache line per load, where a program per
+# (batch, head, chunk) reads 4 bytes of every line it touches. The same counts after the change: the output
+# kernel 1584 instructions, the adjoint 3176, the grad 3480 (one kernel then; its spills 488 bytes a thread,
+# from 548), the state kernel 528 (from 632); the steps kernel has 1040 (1352 in the backward, where it also
+# writes the softplus's slope for the grad kernel, section 8), in 256 programs at (8, 2048, 32 heads) where
+# each chunk kernel runs 8192. The price is memory traffic: two float32 arrays of $B \cdot H \cdot L$ written,
+# and read back by every chunk kernel in place of the raw steps, each about 3 % of a bfloat16 $x$ at $P = 64$.
+# Whether the trade wins on the GPU is for section 9's table to say (`benchmarks/NOTES_ssd.md` has the static
+# profiles).
 #
 # **The scan over chunks.** Chapter 03's `linear_scan` computes the same recurrence as
 # `ssd_state_passing_kernel` with the state entries as rows, but it wants a gate per row and the
@@ -677,14 +676,16 @@ assert abs(extra_work(64, 64, 128) - 1.75) < 1e-12
 #   `mamba_ssm`'s kernels always do: about a third of the work, each operand rounded to TF32. `_tiles`
 #   reads the setting at each call and hands it to every chunk kernel as the constexpr `DOT`, which
 #   `_mm` passes to `tl.dot` as its `input_precision` (the interpreter computes in float32 either way).
-#   One TF32 product per `tl.dot` also needs less shared memory than three; compiled for sm_90, the
-#   backward's grad kernel fits in the 227 KB a program may have only since section 7 split it in two.
+#   Compiled for sm_90, one TF32 product per `tl.dot` needs more shared memory than three, not less:
+#   at $N = 128$ the grad kernel of before section 7's split would need 288 KB, more than the 227 KB a
+#   program may have; the two grad kernels need 192 and 160 KB
+#   (`benchmarks/sass_lines.py --matmul-precision high`; `benchmarks/NOTES_ssd.md`).
 #
 # **Why chunks of 64.** A program holds a whole chunk: $Q \times Q$ scores and decays, $Q \times P$ and
 # $Q \times N$ tiles, and a $P \times N$ state, all in registers. Compiled for sm_90, the H100's and
 # H200's architecture (`ptxas -v` reports what each thread spills to memory; `benchmarks/NOTES_ssd.md`
 # has the counts), at $Q = 64$ the forward's kernels spill at most about a hundred bytes per thread
-# and the backward's grad kernel the most (section 7 splits it in two for that); at 256 every kernel
+# and the backward's `ssd_chunk_grad_kernel` the most, even after section 7's split; at 256 every kernel
 # spills kilobytes, and at 128, timed on an H200, the forward is a little faster but a training step
 # slower (`benchmarks/results/ssd_tensor_cores_h200_2026-12-03.log`). So the kernels run
 # chunks of 64, and a call with `mamba_ssm`'s 256 gets the same result up to rounding.
@@ -907,7 +908,7 @@ for length, chunk, heads, groups, with_options in [(37, 8, 4, 2, True), (32, 8, 
 #   backward gets only the inputs, so it computes the steps and $a_{\text{cum}}$ once more (and, where
 #   the softplus is on, its slope, section 8), and it needs the state entering each chunk:
 #   recomputing that costs one kernel and one scan, where keeping it would cost $P \times N$ floats per
-#   chunk and head for the whole sequence. The two kernels below read their chunk's rows of the steps
+#   chunk and head for the whole sequence. The kernels below read their chunk's rows of the steps
 #   and $a_{\text{cum}}$, as the forward's do.
 # - `ssd_chunk_adjoint_kernel`, one program per (batch, head, chunk): the local gradient of the
 #   entering state, $\sum_t e^{\gamma_t} \bar y_t C_t^{\top}$, one `tl.dot` ($P \times Q$ by $Q \times N$).
@@ -920,16 +921,17 @@ for length, chunk, heads, groups, with_options in [(37, 8, 4, 2, True), (32, 8, 
 #   the chunk's positions: `ssd_chunk_grad_kernel` computes $\bar x$, $\bar\Delta$ and the chunk's
 #   shares of $\bar A$ and $\bar D$ (five `tl.dot`s on tiles of $Q$, $P$ and $N$, the reverse cumulative
 #   sum within the chunk, `tl.cumsum(..., reverse=True)`, and the chain), `ssd_chunk_grad_bc_kernel`
-#   $\bar B$ and $\bar C$ (five more). Both start from the same loads (`_grad_program`), and two
-#   products, $\bar y_t H$ and $\bar y_t \cdot u_s$, are made in both: one kernel with all eight
-#   products held so many tiles at once that it spilled registers to memory. Compiled for sm_90 by
-#   `benchmarks/sass_lines.py` (bfloat16, $P = N = 64$, with section 8's options; static counts, not
-#   time), the one kernel had 3480 instructions a thread and spilled 488 bytes; the two have 2776 and
-#   1496 and spill 96 and none (in float32: 9312 and 4588 bytes, then 6336 and 4104 with 2180 and 604).
-#   Summed
-#   as section 6 writes it, $\bar a_r = \sum_{t \ge r} \bar\gamma_t$ adds step 1's $E_{ts} = L_{ts} G_{ts}
-#   \pi_{ts}$ once with a plus sign (at $t$) and once with a minus (at $s$), and the two cancel for every
-#   $r \le s$: exact in float64, lost digits in float32. The kernel adds only what survives,
+#   $\bar B$ and $\bar C$ (five more). Both start from the same loads (`_grad_program`), so two
+#   products, $\bar y_t H$ and the $\bar y_t \cdot u_s$, are computed twice. That is the price of the
+#   split: one kernel with all eight products held so many tiles at once that it spilled registers to
+#   memory. Compiled for sm_90 by `benchmarks/sass_lines.py` (bfloat16, $P = N = 64$, with section 8's
+#   options; static counts, not time), the one kernel had 3480 instructions a thread and spilled 488
+#   bytes; the two have 2776 and 1496 instructions and spill 96 bytes and none. In float32 (tf32x3
+#   products) the one kernel had 9312 instructions and spilled 4588 bytes; the two have 6336 and 4104
+#   and spill 2180 and 604. Summed as section 6 writes it, $\bar a_r = \sum_{t \ge r} \bar\gamma_t$
+#   adds step 1's $E_{ts} = L_{ts} G_{ts} \pi_{ts}$ once with a plus sign (at $t$) and once with a minus
+#   (at $s$), and the two cancel for every $r \le s$: exact in float64, lost digits in float32.
+#   `ssd_chunk_grad_kernel` adds only what survives,
 #   $\sum_{t \ge r > s} E_{ts}$, the pairs that straddle $r$ (a cumulative sum along $s$, then a masked
 #   column sum), and step 2's terms the same way, $\sum_{s < r} v_s$ with $v_s = w_s\, u_s^{\top}
 #   \bar{\mathbf{S}}_c B_s$. A
@@ -1083,7 +1085,7 @@ def ssd_chunk_grad_bc_kernel(X, STEPS, A_CUM, B, C, DY, ENTERING, DSTATE, DB, DC
 def ssd_backward(x, dt, A, B, C, chunk_size, dy, dfinal=None, D=None, initial_state=None):
     """The gradients of ssd_forward's (y, final state) given dy (batch, L, heads, P) and dfinal (batch,
     heads, P, N) or None: (dx, d dt, dA, dB, dC, dD, d initial_state), each in its input's dtype (dD and
-    d initial_state None where D and initial_state are). Six kernel launches, the forward's steps and scan
+    d initial_state None where D and initial_state are). Seven kernel launches, the forward's steps and scan
     recomputed (section 7)."""
     _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state)
     check_float_tensor("dy", dy)
@@ -1212,16 +1214,17 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 #
 # - **The step, computed once.** `ssd_chunk_steps_kernel` loads $\Delta^{\text{raw}}$ and computes
 #   $\operatorname{softplus}(\Delta^{\text{raw}} + b)$ (chapter 05's `_load_delta`, its overflow-safe
-#   softplus), 0 past $L$, and the cumulative sums $a_{\text{cum}}$, once per forward and once per
-#   backward, as `mamba_ssm` does with its steps and their cumulative sums; every chunk kernel (state,
-#   output, adjoint, grad) reads its chunk's rows of the two. Computed in each of them instead, as this
-#   chapter first did, the steps cost far more than their exponentials and logarithms, up to 43 % of a
-#   kernel's instructions: "Going deeper: the forward kernels' fine print" has the static counts. The
-#   grad kernel multiplies $\bar\Delta$ by the softplus's slope, $\sigma(\Delta^{\text{raw}} + b)$, which
-#   the backward's steps kernel writes as a third array from the same $\Delta^{\text{raw}} + b$ (cheaper,
-#   compiled for sm_90, than reading the raw steps again in the grad kernel: 3480 instructions a thread
-#   there against 3528, and 488 bytes of spills against 512, before section 7's split), and writes each chunk's sum of the
-#   product, which the launcher adds up into $\bar b$ (as $\bar A$'s shares, no atomics).
+#   softplus), 0 past $L$, and the cumulative sums $a_{\text{cum}}$, once per forward and once per backward,
+#   as `mamba_ssm` does with its steps and their cumulative sums; every chunk kernel (state, output, adjoint,
+#   the two grad kernels) reads its chunk's rows of the two. Computed in each of them instead, as this chapter
+#   first did, the steps cost far more than their exponentials and logarithms, up to 43 % of a kernel's
+#   instructions: "Going deeper: the forward kernels' fine print" has the static counts.
+#   `ssd_chunk_grad_kernel` multiplies $\bar\Delta$ by the softplus's slope,
+#   $\sigma(\Delta^{\text{raw}} + b)$, which the backward's steps kernel writes as a third array from the
+#   same $\Delta^{\text{raw}} + b$ (cheaper, compiled for sm_90, than reading the raw steps again in the
+#   grad kernel: before section 7's split, 3480 instructions a thread there against 3528, and 488 bytes
+#   of spills against 512), and writes each chunk's sum of the product, which the launcher adds up into
+#   $\bar b$ (as $\bar A$'s shares, no atomics).
 # - **The gate.** The output kernel multiplies by $\operatorname{silu}(z)$ before its one store. The
 #   backward needs the output before the gate, $\hat y$, for $\bar z = \bar y \odot \hat y \odot
 #   \operatorname{silu}'(z)$, and the scan's gradient is $\bar y \odot \operatorname{silu}(z)$. `mamba_ssm`
@@ -1229,14 +1232,14 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 #   own. Here nothing is saved: the adjoint kernel recomputes $\hat y$ as the output kernel computes it
 #   (`_scan_outputs`, one definition for both: three more `tl.dot`s on $x$, $B$, $C$, the steps and the
 #   entering state), writes $\bar z$, and writes $\bar y \odot \operatorname{silu}(z)$, which the grad
-#   kernel reads in place of $\bar y$ and $z$. The first version undid the gate in the grad kernel,
+#   kernels read in place of $\bar y$ and $z$. The first version undid the gate in the grad kernel,
 #   where it cost most: compiled for sm_90 (`benchmarks/sass_lines.py`, bfloat16, $P = N = 64$, chunk
 #   64, static counts, not time), Triton computed $\operatorname{silu}(z)$ once for each layout the grad
 #   kernel's products read $\bar y \odot \operatorname{silu}(z)$ in, and the gate's lines were 44 % of
-#   its 6440 instructions a thread, with 1644 bytes of spills; then it had 3480 and 488 bytes (with the
-#   steps of the bullet above), before section 7 split it in two. The price is one more write and read of an $x$-sized
-#   tensor; saving $\hat y$ in the forward instead would add another. Only the GPU can say which costs
-#   less (section 9).
+#   its 6440 instructions a thread, with 1644 bytes of spills; with the gate moved out (and the steps
+#   of the bullet above) it had 3480 and 488 bytes, before section 7 split it in two. The price is one
+#   more write and read of an $x$-sized tensor; saving $\hat y$ in the forward instead would add
+#   another. Only the GPU can say which costs less (section 9).
 # - **The gate's layouts, and a barrier.** A 2-D value in a Triton program has a *layout*: which of
 #   the program's threads holds which element. $\bar y$ and $z$ come in the layout of their loads,
 #   $\hat y$ in that of the `tl.dot` that made it, and $\bar y \odot \operatorname{silu}(z)$ goes into
@@ -1584,11 +1587,11 @@ else:
 #   tf32x3, three tensor-core products that keep float32's accuracy; `mamba_ssm`'s is one TF32
 #   product, whose operands keep 10 bits of mantissa (`make bench` on an H200 finds its float32
 #   results 1.3e-03 to 4.7e-03 off, relative, against our 8.3e-07 to 3.9e-06:
-#   `benchmarks/results/bench_ssd_h200_2026-12-03.log`). Our gradient kernel also holds more than the
-#   registers can, most at $N = 128$: the compiler spills part of it to memory (`ptxas -v`, counted in
-#   `benchmarks/NOTES_ssd.md`, where halving the spills bought nothing in bfloat16). A plain TF32 option
-#   does not fit that kernel in shared memory at $N = 128$; profiling the kernel, then splitting it, is
-#   the next step.
+#   `benchmarks/results/bench_ssd_h200_2026-12-03.log`). Our gradient kernel, one kernel then, also held
+#   more than the registers can, most at $N = 128$: the compiler spilled part of it to memory
+#   (`ptxas -v`, counted in `benchmarks/NOTES_ssd.md`, where halving the spills bought nothing in bfloat16).
+#   This recording predates section 7's split of that kernel and the "float32 tf32" rows (one TF32
+#   product, as `mamba_ssm`'s): both are still to be timed.
 # * Neither op is near the floor: our bfloat16 forward at $N = 64$ takes 353 us on the GPU against a
 #   floor of 69, about 5 times, the forward+backward 2350 against 184, about 13 times; `mamba_ssm`'s
 #   forward, 268 us, about 4 times. The profile in `benchmarks/NOTES_ssd.md` (an H200, 2026-12-03) says
@@ -1600,8 +1603,8 @@ else:
 #   are in `benchmarks/NOTES_device.md`). The forward+backward cannot be compared across the two runs:
 #   the previous run's host was faster (this table's host column is one side of that comparison, the
 #   notes have the other), and the table has no GPU time for the backward alone. So whether the fold
-#   made the backward's kernels faster or slower (the grad kernel now recomputes the ungated output
-#   with three more `tl.dot`s and spills more) is still to be measured, with
+#   made the backward's kernels faster or slower (the backward now recomputes the ungated output, in
+#   the adjoint kernel, with three more `tl.dot`s) is still to be measured, with
 #   `benchmarks/step_split.py --workload ssd`.
 # * Read `mamba_ssm`'s column with care. Its Triton kernels pick their tile sizes by timing candidates
 #   on the first call of each shape (autotuning), and the choice, so its time, changes from run to run:

@@ -549,7 +549,7 @@ def ssd_chunk_grad_bc_kernel(X, STEPS, A_CUM, B, C, DY, ENTERING, DSTATE, DB, DC
 def ssd_backward(x, dt, A, B, C, chunk_size, dy, dfinal=None, D=None, initial_state=None):
     """The gradients of ssd_forward's (y, final state) given dy (batch, L, heads, P) and dfinal (batch,
     heads, P, N) or None: (dx, d dt, dA, dB, dC, dD, d initial_state), each in its input's dtype (dD and
-    d initial_state None where D and initial_state are). Six kernel launches, the forward's steps and scan
+    d initial_state None where D and initial_state are). Seven kernel launches, the forward's steps and scan
     recomputed (section 7)."""
     _check_forward_inputs(x, dt, A, B, C, chunk_size, D, initial_state)
     check_float_tensor("dy", dy)
