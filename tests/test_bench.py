@@ -217,3 +217,41 @@ def test_probe_ssd_variants_finds_two_copies_of_one_version_equal(monkeypatch, c
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith(("a ", "b "))]
     assert [row[0] for row in rows] == ["a", "b"] * 2, rows              # bf16 and float32
     assert all(float(row[4]) == 0.0 for row in rows), rows
+
+
+def test_every_chunk_kernels_float32_products_follow_torchs_matmul_precision(tmp_path):
+    """Chapter 10's chunk kernels compiled for sm_90 (a fresh process, as sass_lines), float32 at a small size:
+    every tt.dot in their TTIR has input precision tf32x3 under torch's default "highest" and tf32 under "high"
+    (the interpreter computes float32 either way, so only the compiled kernels show a DOT that does not reach
+    tl.dot; Triton's tl.dot without input_precision is tf32). Every kernel of scan_lib.ssd but the state
+    passing one (no products) is one of sass_lines' SSD_KERNELS, so a new kernel is checked too."""
+    import json
+    import os
+    import subprocess
+    import sys
+    script = (
+        "import json, re, torch\n"
+        "import sass_lines as s\n"
+        "from scan_lib import ssd\n"
+        "found = {'kernels': sorted(n for n in dir(ssd) if n.endswith('_kernel')), 'dots': {}}\n"
+        "for setting in ('highest', 'high'):\n"
+        "    torch.set_float32_matmul_precision(setting)\n"
+        "    for which in s.SSD_KERNELS:\n"
+        "        kernel, args = s.ssd_args(which, 'fp32', 16, 16, 16, bare=False)\n"
+        "        ttir = s.compile_sm90(kernel, args, 4).asm['ttir']\n"
+        "        dots = [line for line in ttir.splitlines() if 'tt.dot' in line]\n"
+        "        found['dots'][f'{setting} {which}'] = [(re.findall(r'inputPrecision = (\\w+)', d) or [None])[0]\n"
+        "                                            for d in dots]\n"
+        "print(json.dumps(dict(found, names=sorted(s.SSD_KERNELS.values()))))\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
+                         cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    found = json.loads(run.stdout.splitlines()[-1])
+    assert found["kernels"] == sorted(found["names"] + ["ssd_state_passing_kernel"]), found["kernels"]
+    products = {"ssd-state": 1, "ssd-output": 3, "ssd-adjoint": 4, "ssd-grad": 5, "ssd-grad-bc": 5, "ssd-steps": 0}
+    assert len(found["dots"]) == 2 * len(products), found["dots"]
+    for key, precisions in found["dots"].items():
+        setting, which = key.split()
+        assert precisions == [{"highest": "tf32x3", "high": "tf32"}[setting]] * products[which], (key, precisions)
