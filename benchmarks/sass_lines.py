@@ -346,7 +346,7 @@ def main(argv=None):
         num_warps = options.warps
         print(f"{SSD_KERNELS[options.kernel]} at (8, 2048, 32 x {options.head_dim}, N {options.n_states}), chunk "
               f"{args['CHUNK']}, {options.dtype}, {'bare' if options.bare else 'D, z, dt_bias, dt_softplus'}"
-              + (f", float32 products {args['DOT']}" if options.dtype == "fp32" else ""))
+              + (f", float32 products {args['DOT']}" if options.dtype == "fp32" and "DOT" in args else ""))
     elif options.kernel.startswith("scan-"):
         kind = options.kernel.removeprefix("scan-")
         kernel, args, num_warps = scan_args(kind, options.dtype, options.bare)
