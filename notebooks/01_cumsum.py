@@ -1518,10 +1518,10 @@ else:
 # host-bound: in the table below, every size up to $2^{22}$ (all but the two largest), and at
 # $2^{10}$ the host time alone, 50.8 us, is many times `torch.cumsum`'s whole median, 8.2. A call
 # makes one Triton launch (rows of at most 4096 values) or a `torch.zeros` and one launch (the
-# look-back), yet its host time is 50.8 to 82.6 us in this run, several times the host time of one
-# bare launch of `vector_add_kernel` (chapter 00's table, its `host_us` column at $2^{14}$). So most
-# of the host time per call is not the launch itself; it goes to what `cumsum` runs around its
-# launch: the input checks, `apply` (which, when nothing needs a gradient, runs the autograd
+# look-back), yet at those sizes its host time is 50.8 to 82.6 us in this run, several times the
+# host time of one bare launch of `vector_add_kernel` (chapter 00's table, its `host_us` column at
+# $2^{14}$). So most of the host time per call is not the launch itself; it goes to what `cumsum`
+# runs around its launch: the input checks, `apply` (which, when nothing needs a gradient, runs the autograd
 # Function's forward alone), the reshaping in `cumsum_op`, the configuration in `scan_rows`, and a
 # launch that binds more arguments than `vector_add_kernel`'s (the custom op's dispatcher is not
 # among them: for tensors that need no gradient, `EagerFastOp` calls the implementation directly).
