@@ -158,6 +158,21 @@ def test_a_wrong_conv_fails_its_check(bench, monkeypatch):
     assert all(math.isnan(r["gpu_us"]) for r in ours)
 
 
+def compile_in_fresh_process(script, tmp_path):
+    """The stdout of `python -c script tmp_path` in a fresh process run in tmp_path, with Triton's compiler rather
+    than its interpreter (TRITON_INTERPRET unset, as sass_count needs) and the repository and benchmarks/ on
+    PYTHONPATH; the test fails with the process's stderr if it does."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")])
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
+                         timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout
+
+
 def test_sass_lines_charges_every_instruction_to_a_kernel_line(tmp_path):
     """benchmarks/sass_lines.py (a fresh process, as sass_count) on chapter 10's grad kernel at a small size
     (chunk, P and N 16, no options): its rows' counts sum to the kernel's instruction count in cuobjdump's
@@ -165,9 +180,6 @@ def test_sass_lines_charges_every_instruction_to_a_kernel_line(tmp_path):
     and the CLI prints its report."""
     import inspect
     import json
-    import os
-    import subprocess
-    import sys
     import triton
     from scan_lib import ssd
     tools = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -183,12 +195,7 @@ def test_sass_lines_charges_every_instruction_to_a_kernel_line(tmp_path):
         "rows = [(r.file, r.line, r.text, r.count, r.spills) for r in s.line_profile(compiled)]\n"
         "print(json.dumps(dict(total=len(s.INSTRUCTION.findall(sass)), rows=rows)))\n"
         "s.main(['ssd-grad', '--chunk', '16', '--head-dim', '16', '--n-states', '16', '--bare', '--top', '3'])\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True, env=env,
-                         timeout=300)
-    assert run.returncode == 0, run.stderr[-2000:]
-    profile, report = run.stdout.split("\n", 1)
+    profile, report = compile_in_fresh_process(script, tmp_path).split("\n", 1)
     profile = json.loads(profile)
     assert sum(row[3] for row in profile["rows"]) == profile["total"] > 100
     source, first = inspect.getsourcelines(ssd.ssd_chunk_grad_kernel.fn)
@@ -226,9 +233,6 @@ def test_every_chunk_kernels_float32_products_follow_torchs_matmul_precision(tmp
     tl.dot; Triton's tl.dot without input_precision is tf32). Every kernel of scan_lib.ssd but the state
     passing one (no products) is one of sass_lines' SSD_KERNELS, so a new kernel is checked too."""
     import json
-    import os
-    import subprocess
-    import sys
     script = (
         "import json, re, torch\n"
         "import sass_lines as s\n"
@@ -243,12 +247,7 @@ def test_every_chunk_kernels_float32_products_follow_torchs_matmul_precision(tmp
         "        found['dots'][f'{setting} {which}'] = [(re.findall(r'inputPrecision = (\\w+)', d) or [None])[0]\n"
         "                                            for d in dots]\n"
         "print(json.dumps(dict(found, names=sorted(s.SSD_KERNELS.values()))))\n")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300,
-                         cwd=tmp_path)
-    assert run.returncode == 0, run.stderr[-2000:]
-    found = json.loads(run.stdout.splitlines()[-1])
+    found = json.loads(compile_in_fresh_process(script, tmp_path).splitlines()[-1])
     assert found["kernels"] == sorted(found["names"] + ["ssd_state_passing_kernel"]), found["kernels"]
     products = {"ssd-state": 1, "ssd-output": 3, "ssd-adjoint": 4, "ssd-grad": 5, "ssd-grad-bc": 5, "ssd-steps": 0}
     assert len(found["dots"]) == 2 * len(products), found["dots"]
