@@ -928,8 +928,10 @@ for length, chunk, heads, groups, with_options in [(37, 8, 4, 2, True), (32, 8, 
 #   options; static counts, not time), the one kernel had 3480 instructions a thread and spilled 488
 #   bytes; the two have 2776 and 1496 instructions and spill 96 bytes and none. In float32 (tf32x3
 #   products) the one kernel had 9312 instructions and spilled 4588 bytes; the two have 6336 and 4104
-#   and spill 2180 and 604. Summed as section 6 writes it, $\bar a_r = \sum_{t \ge r} \bar\gamma_t$
-#   adds step 1's $E_{ts} = L_{ts} G_{ts} \pi_{ts}$ once with a plus sign (at $t$) and once with a minus
+#   and spill 2180 and 604. Timed on an H100 (`benchmarks/results/probe_ssd_h100_2026-12-07.log`), the
+#   split made the backward faster in each row timed: by 30 % in float32 at $N = 64$, 12 % in bfloat16
+#   at $N = 128$, under 1 % in bfloat16 at $N = 64$. Summed as section 6 writes it,
+#   $\bar a_r = \sum_{t \ge r} \bar\gamma_t$ adds step 1's $E_{ts} = L_{ts} G_{ts} \pi_{ts}$ once with a plus sign (at $t$) and once with a minus
 #   (at $s$), and the two cancel for every $r \le s$: exact in float64, lost digits in float32.
 #   `ssd_chunk_grad_kernel` adds only what survives,
 #   $\sum_{t \ge r > s} E_{ts}$, the pairs that straddle $r$ (a cumulative sum along $s$, then a masked
@@ -1208,9 +1210,9 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 # $z$ anyway, or can, so each option is a few operations on values already in registers, and each
 # pass over memory is saved. (The profile in `benchmarks/NOTES_ssd.md` put the PyTorch work around
 # the kernels, these passes and the sums of the gradients over heads and chunks, at about 270 of a
-# 1415 us training step on an H200. Section 9's table is the first recorded with the folding: its
-# forward is faster on the GPU than before, and what folding saves in the backward is not measured
-# yet.) The choices:
+# 1415 us training step on an H200. The choices below were then timed one at a time on an H100,
+# `benchmarks/results/probe_ssd_h100_2026-12-07.log`: each made the backward faster on the GPU, moving
+# the gate most; section 9 says more.) The choices:
 #
 # - **The step, computed once.** `ssd_chunk_steps_kernel` loads $\Delta^{\text{raw}}$ and computes
 #   $\operatorname{softplus}(\Delta^{\text{raw}} + b)$ (chapter 05's `_load_delta`, its overflow-safe
@@ -1239,7 +1241,8 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 #   its 6440 instructions a thread, with 1644 bytes of spills; with the gate moved out (and the steps
 #   of the bullet above) it had 3480 and 488 bytes, before section 7 split it in two. The price is one
 #   more write and read of an $x$-sized tensor; saving $\hat y$ in the forward instead would add
-#   another. Only the GPU can say which costs less (section 9).
+#   another. On the GPU the move paid: the backward took about two thirds of the time it took with the
+#   gate undone in the grad kernel, in bfloat16 at both sizes of state (the log above).
 # - **The gate's layouts, and a barrier.** A 2-D value in a Triton program has a *layout*: which of
 #   the program's threads holds which element. $\bar y$ and $z$ come in the layout of their loads,
 #   $\hat y$ in that of the `tl.dot` that made it, and $\bar y \odot \operatorname{silu}(z)$ goes into
@@ -1260,7 +1263,8 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 #   is rounded to $\bar y$'s dtype (`mamba_ssm` keeps its saved $\hat y$ in $x$'s), but `DYBAR` is
 #   float32 where $\bar y$ is float16: float16 ends at 65504, which $\hat y$ can pass where
 #   $y = \hat y \odot \operatorname{silu}(z)$ does not. Two more passes over `DYBAR`'s rows, which
-#   the program has just written (likely in the GPU's caches): the GPU will say what they cost.
+#   the program has just written (likely in the GPU's caches): timed, staging made the backward
+#   faster, not slower, by 0.6 to 7 % in the rows of the log above.
 #
 # `y` keeps the dtype PyTorch's `y * silu(z)` gave (x's and z's promoted), and the step's float32.
 #
@@ -1566,53 +1570,50 @@ else:
 # What the recorded table shows (one run on an NVIDIA H100 80GB HBM3; on a machine without a GPU the
 # cell prints nothing to compare):
 #
-# * In bfloat16, the dtype Mamba-2 trains in, our op's calls beat `mamba_ssm`'s at $N = 64$, the
-#   forward (2.07x) and the forward+backward (1.70x; but see the next point), and are slower at
-#   $N = 128$: the forward 0.70x, the forward+backward 0.86x. Both sides run their products on the
-#   tensor cores with bfloat16 operands and float32 sums, so the precision is like for like; the
-#   chunks are not: ours runs chunks of 64 where `mamba_ssm`'s runs the 256 asked for, 1.75 against
-#   4.0 times the loop's flops at $N = 128$ (section 4).
+# * In bfloat16, the dtype Mamba-2 trains in, our op's calls beat `mamba_ssm`'s in the
+#   forward+backward at both sizes of state (2.40x at $N = 64$, 1.55x at $N = 128$; but see the next
+#   point) and in the forward at $N = 64$ (1.25x), and are slower in the forward at $N = 128$ (0.76x).
+#   Both sides run their products on the tensor cores with bfloat16 operands and float32 sums, so the
+#   precision is like for like; the chunks are not: ours runs chunks of 64 where `mamba_ssm`'s runs the
+#   256 asked for, 1.75 against 4.0 times the loop's flops at $N = 128$ (section 4).
 # * Those ratios compare calls, not kernels. On the GPU alone `mamba_ssm`'s bfloat16 forward is the
-#   faster one: 268 us against our 353 at $N = 64$, 348 against 558 at $N = 128$ (0.76x and 0.62x),
-#   while its calls take 758 and 398 us, the difference the host's work. Its forward+backward takes
-#   the host longer to issue than the call lasts (4367 against 3987 us at $N = 64$, 4382 against
-#   4129 at $N = 128$): the host sets its pace. Ours is issued faster than it runs, in the forward (a
-#   366 us call, 353 on the GPU) and in forward+backward (1741 us to issue a 2350 us call at $N = 64$,
-#   1601 to issue 4805 at $N = 128$). So the 2.07x, 1.70x and 0.86x compare its host path with our
-#   kernels.
-# * In float32 the two do different work, and the ratios say so: we are behind in every column, at
-#   $N = 64$ (0.70x for the forward call, 0.70x on the GPU, 0.46x in forward+backward) and at
-#   $N = 128$ (0.86x, 0.48x, 0.36x), further behind on the GPU and in forward+backward; the call's
-#   0.86x is `mamba_ssm`'s host again (1129 us for 618 on the GPU). Each of our float32 products is
-#   tf32x3, three tensor-core products that keep float32's accuracy; `mamba_ssm`'s is one TF32
-#   product, whose operands keep 10 bits of mantissa (`make bench` on an H200 finds its float32
+#   faster one: 269 us against our 324 at $N = 64$, 353 against 548 at $N = 128$ (0.83x and 0.65x),
+#   while its calls take 420 and 423 us, the difference the host's work. Its forward+backward takes
+#   the host longer to issue than the call lasts (4015 against 3799 us at $N = 64$, 5024 against 4390
+#   at $N = 128$): the host sets its pace, so the 2.40x and 1.55x compare its host path with our
+#   kernels. Ours is issued faster than it runs, but barely at $N = 64$: 1534 us to issue a 1582 us
+#   call (1664 to issue 2829 at $N = 128$). There the host nearly sets our pace too: eleven launches of
+#   Triton kernels (four in the forward, seven in the backward), most with many arguments, and the
+#   autograd, allocations and sums around them.
+# * In float32 the two do different work by default, and the ratios say so. At torch's default
+#   precision ("highest") each of our products is tf32x3, three tensor-core products that keep float32's
+#   accuracy, and we are behind in every column: at $N = 64$ 0.77x for the forward call, 0.77x on the
+#   GPU, 0.93x in forward+backward; at $N = 128$ 0.49x, 0.50x and 0.37x. `mamba_ssm`'s product is one
+#   TF32 product, whose operands keep 10 bits of mantissa (`make bench` on an H200 finds its float32
 #   results 1.3e-03 to 4.7e-03 off, relative, against our 8.3e-07 to 3.9e-06:
-#   `benchmarks/results/bench_ssd_h200_2026-12-03.log`). Our gradient kernel, one kernel then, also held
-#   more than the registers can, most at $N = 128$: the compiler spilled part of it to memory
-#   (`ptxas -v`, counted in `benchmarks/NOTES_ssd.md`, where halving the spills bought nothing in bfloat16).
-#   This recording predates section 7's split of that kernel and the "float32 tf32" rows (one TF32
-#   product, as `mamba_ssm`'s): both are still to be timed.
-# * Neither op is near the floor: our bfloat16 forward at $N = 64$ takes 353 us on the GPU against a
-#   floor of 69, about 5 times, the forward+backward 2350 against 184, about 13 times; `mamba_ssm`'s
-#   forward, 268 us, about 4 times. The profile in `benchmarks/NOTES_ssd.md` (an H200, 2026-12-03) says
-#   where ours went: about half of a training step was the gradient kernel, and the PyTorch work around
-#   the kernels (the softplus of the steps, the gate, the sums of gradients over heads and chunks) was
-#   a sizeable share. The softplus and the gate are now inside the kernels (section 8), and this table
-#   is the first recorded with them. Our forward on the GPU is faster than in the previous recording
-#   on the same kind of H100, at every row, while `mamba_ssm`'s stayed within 2 % (both runs' numbers
-#   are in `benchmarks/NOTES_device.md`). The forward+backward cannot be compared across the two runs:
-#   the previous run's host was faster (this table's host column is one side of that comparison, the
-#   notes have the other), and the table has no GPU time for the backward alone. So whether the fold
-#   made the backward's kernels faster or slower (the backward now recomputes the ungated output, in
-#   the adjoint kernel, with three more `tl.dot`s) is still to be measured, with
-#   `benchmarks/step_split.py --workload ssd`.
+#   `benchmarks/results/bench_ssd_h200_2026-12-03.log`). Asked for the same precision ("float32 tf32":
+#   `torch.set_float32_matmul_precision("high")`, one TF32 product), ours is level on the forward at
+#   $N = 64$ (1.02x on the call and on the GPU) and ahead in forward+backward (1.77x, against its
+#   host-bound step), behind at $N = 128$ (0.80x on the GPU, 0.91x in forward+backward). One TF32
+#   product in place of three took our float32 forward+backward from 4550 to 2521 us at $N = 64$ and
+#   from 11509 to 4555 at $N = 128$, where the tf32x3 grad kernels hold the most tiles.
+# * Neither op is near the floor: our bfloat16 forward at $N = 64$ takes 324 us on the GPU against a
+#   floor of 69, about 4.7 times, the forward+backward 1582 against 185, about 8.6 times; `mamba_ssm`'s
+#   forward, 269 us, about 3.9 times. The changes of sections 7 and 8 (the steps computed once, the gate
+#   moved to the adjoint kernel and staged there, the grad kernel split) were timed one at a time,
+#   each version's GPU time beside the one before, on an H100 in the session of this recording:
+#   `benchmarks/results/probe_ssd_h100_2026-12-07.log` (`benchmarks/probe_ssd_variants.py`). Each
+#   made the backward faster in every row it timed; the gate's move did most in bfloat16, the split
+#   most in float32 at $N = 64$ (the probe ran out of time before the split's float32 row at
+#   $N = 128$), and the steps computed once made the forward faster.
 # * Read `mamba_ssm`'s column with care. Its Triton kernels pick their tile sizes by timing candidates
 #   on the first call of each shape (autotuning), and the choice, so its time, changes from run to run:
 #   `make bench` timed the same shapes on an H200 with other results
 #   (`benchmarks/results/bench_ssd_h200_2026-12-03.log`). At longer sequences ($L$ = 8192 and 65536,
-#   the same log) its bfloat16 forward+backward grows far less than the work does and ends faster than
-#   ours: at $L = 2048$ its step is set by the host, as the host column shows here, not by its kernels.
-#   Beating its kernels, at every length, is still open.
+#   the same log, with the kernels of before sections 7 and 8's changes) its bfloat16 forward+backward
+#   grows far less than the work does and ends faster than ours: at $L = 2048$ its step is set by the
+#   host, as the host column shows here, not by its kernels. Beating its kernels, at every length, is
+#   still open.
 
 # %% [markdown]
 # ## References
