@@ -931,7 +931,8 @@ for length, chunk, heads, groups, with_options in [(37, 8, 4, 2, True), (32, 8, 
 #   and spill 2180 and 604. Timed on an H100 (`benchmarks/results/probe_ssd_h100_2026-12-07.log`), the
 #   split made the backward faster in each row timed: by 30 % in float32 at $N = 64$, 12 % in bfloat16
 #   at $N = 128$, under 1 % in bfloat16 at $N = 64$. Summed as section 6 writes it,
-#   $\bar a_r = \sum_{t \ge r} \bar\gamma_t$ adds step 1's $E_{ts} = L_{ts} G_{ts} \pi_{ts}$ once with a plus sign (at $t$) and once with a minus
+#   $\bar a_r = \sum_{t \ge r} \bar\gamma_t$ adds step 1's $E_{ts} = L_{ts} G_{ts} \pi_{ts}$ once with a
+#   plus sign (at $t$) and once with a minus
 #   (at $s$), and the two cancel for every $r \le s$: exact in float64, lost digits in float32.
 #   `ssd_chunk_grad_kernel` adds only what survives,
 #   $\sum_{t \ge r > s} E_{ts}$, the pairs that straddle $r$ (a cumulative sum along $s$, then a masked
