@@ -223,7 +223,7 @@ def ssd_args(which, dtype, n_states, head_dim, chunk, bare, batch=8, length=2048
     """One of chapter 10's chunk kernels (SSD_KERNELS) and its arguments as the launchers pass them for
     contiguous (batch, length, heads, head_dim) inputs of `dtype` ('bf16', 'fp32'), A, D, dt_bias float32,
     with D, z, dt_bias and dt_softplus (bench.py's training step) unless bare."""
-    kernel = getattr(ssd, SSD_KERNELS[which])
+    kernel = getattr(ssd, SSD_KERNELS[which]).kernel   # the @triton.jit kernel inside its RememberedLaunches
     tiles = ssd._tiles(chunk, head_dim, n_states)
     n_chunks = triton.cdiv(length, tiles["CHUNK"])
     x, f32 = f"*{dtype}", "*fp32"

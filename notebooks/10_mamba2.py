@@ -1203,6 +1203,11 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 # - `mamba_chunk_scan_combined`: the checks, then `SSDFn` with the options as they come: the step's
 #   bias and softplus, $\Delta_t = \operatorname{softplus}(\Delta^{\text{raw}}_t + b)$ in float32, and
 #   the gate, $y_t \odot \operatorname{silu}(z_t)$, are computed inside the kernels.
+# - The seven kernels of sections 5 and 7, launched through chapter 08's `RememberedLaunches` ("Going
+#   deeper: the host's share, and launches remembered"). A training step launches eleven of them,
+#   most with many arguments, and Triton's Python launch path works on every argument at every launch;
+#   remembered, each launch after the first with the same key goes straight to the compiled kernel.
+#   Section 9's host column is where this shows.
 #
 # **Why the options are in the kernels.** In PyTorch each option is a pass of its own over memory:
 # the bias and the softplus read and write the $(B, L, H)$ steps (two passes, and a float32 copy), the
@@ -1279,9 +1284,16 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 #| export
 from typing import Optional
 
+from scan_lib.flash_attention import RememberedLaunches   # chapter 08: launches after a key's first skip Triton's path
 from scan_lib.runtime import apply, custom_op
 from scan_lib.selective_scan import _NoSecondDerivative as _SelectiveScanNoSecondDerivative
 from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
+
+# The kernels of sections 5 and 7, remembered (the launchers look them up by name at each call)
+(ssd_chunk_steps_kernel, ssd_chunk_state_kernel, ssd_state_passing_kernel, ssd_chunk_output_kernel,
+ ssd_chunk_adjoint_kernel, ssd_chunk_grad_kernel, ssd_chunk_grad_bc_kernel) = map(RememberedLaunches, (
+    ssd_chunk_steps_kernel, ssd_chunk_state_kernel, ssd_state_passing_kernel, ssd_chunk_output_kernel,
+    ssd_chunk_adjoint_kernel, ssd_chunk_grad_kernel, ssd_chunk_grad_bc_kernel))
 
 _NO_SECOND_DERIVATIVE = ("mamba_chunk_scan_combined has no second derivative: its backward kernels' gradients "
                          "cannot be differentiated again (create_graph=True gives first derivatives only)")

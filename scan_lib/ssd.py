@@ -602,9 +602,16 @@ def _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state, 
 
 from typing import Optional
 
+from scan_lib.flash_attention import RememberedLaunches   # chapter 08: launches after a key's first skip Triton's path
 from scan_lib.runtime import apply, custom_op
 from scan_lib.selective_scan import _NoSecondDerivative as _SelectiveScanNoSecondDerivative
 from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
+
+# The kernels of sections 5 and 7, remembered (the launchers look them up by name at each call)
+(ssd_chunk_steps_kernel, ssd_chunk_state_kernel, ssd_state_passing_kernel, ssd_chunk_output_kernel,
+ ssd_chunk_adjoint_kernel, ssd_chunk_grad_kernel, ssd_chunk_grad_bc_kernel) = map(RememberedLaunches, (
+    ssd_chunk_steps_kernel, ssd_chunk_state_kernel, ssd_state_passing_kernel, ssd_chunk_output_kernel,
+    ssd_chunk_adjoint_kernel, ssd_chunk_grad_kernel, ssd_chunk_grad_bc_kernel))
 
 _NO_SECOND_DERIVATIVE = ("mamba_chunk_scan_combined has no second derivative: its backward kernels' gradients "
                          "cannot be differentiated again (create_graph=True gives first derivatives only)")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import scan_lib  # (first: without a GPU it switches Triton to its interpreter)
-from scan_lib.runtime import DEVICE
+from scan_lib.runtime import DEVICE, ON_GPU
 from scan_lib.ssd import segsum, ssd_backward, ssd_chunked, ssd_chunked_backward, ssd_loop, ssd_quadratic
 
 
@@ -571,3 +571,35 @@ def test_the_gate_gradient_survives_a_float16_ybar_beyond_float16s_range():
     want = combined_reference(x, dt, A, B, C, 16, D, z64, None, None, False)[0]
     (dz_want,) = torch.autograd.grad(want.sum(), [z64])
     assert torch.isfinite(dz).all() and rel(dz.double().cpu(), dz_want) < 5e-3
+
+
+def test_the_op_launches_remembered_kernels():
+    """Every kernel of scan_lib.ssd is launched through chapter 08's RememberedLaunches (the launchers look the
+    names up at each call), so a new kernel is covered too."""
+    from scan_lib import ssd
+    from scan_lib.flash_attention import RememberedLaunches
+    kernels = [name for name in dir(ssd) if name.endswith("_kernel")]
+    assert len(kernels) == 7 and all(isinstance(getattr(ssd, name), RememberedLaunches) for name in kernels), kernels
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: under the interpreter every launch goes through Triton")
+def test_remembered_launches_give_the_same_bits_as_triton(monkeypatch):
+    """A training step with every option at an awkward length: through Triton's launch path, then twice from the
+    remembered launches (the first records the keys, the second launches the compiled kernels): the same bits."""
+    from scan_lib.flash_attention import RememberedLaunches
+    p = {k: v.float().to(DEVICE) for k, v in combined_problem(37, 4, 8, 2, 16, ("D", "z", "bias", "h0", "softplus"),
+                                                               seed=3).items() if v is not None}
+    dy = torch.randn_like(p["x"])
+
+    def step():
+        leaves = {k: v.clone().requires_grad_() for k, v in p.items()}
+        y = scan_lib.mamba_chunk_scan_combined(*[leaves[k] for k in ("x", "dt", "A", "B", "C")], 16, leaves["D"],
+                                               leaves["z"], leaves["dt_bias"], leaves["initial_state"],
+                                               dt_softplus=True)
+        return (y, *torch.autograd.grad(y, list(leaves.values()), dy))
+
+    monkeypatch.setattr(RememberedLaunches, "through_triton", True)
+    want = step()
+    monkeypatch.setattr(RememberedLaunches, "through_triton", False)
+    for _ in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(step(), want))
