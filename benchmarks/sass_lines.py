@@ -216,7 +216,7 @@ def spill_bytes(sass):
 SSD_KERNELS = {"ssd-grad": "ssd_chunk_grad_kernel", "ssd-grad-bc": "ssd_chunk_grad_bc_kernel",
                "ssd-adjoint": "ssd_chunk_adjoint_kernel",
                "ssd-output": "ssd_chunk_output_kernel", "ssd-state": "ssd_chunk_state_kernel",
-               "ssd-steps": "ssd_chunk_steps_kernel"}
+               "ssd-steps": "ssd_chunk_steps_kernel", "ssd-walk": "ssd_chunk_walk_kernel"}
 
 
 def ssd_args(which, dtype, n_states, head_dim, chunk, bare, batch=8, length=2048, heads=32, groups=1):
@@ -225,6 +225,8 @@ def ssd_args(which, dtype, n_states, head_dim, chunk, bare, batch=8, length=2048
     with D, z, dt_bias and dt_softplus (bench.py's training step) unless bare."""
     kernel = getattr(ssd, SSD_KERNELS[which]).kernel   # the @triton.jit kernel inside its RememberedLaunches
     tiles = ssd._tiles(chunk, head_dim, n_states)
+    if which == "ssd-walk":   # its programs hold at most WALK_BLOCK_P rows of P
+        tiles["BLOCK_P"] = min(ssd.WALK_BLOCK_P, tiles["BLOCK_P"])
     n_chunks = triton.cdiv(length, tiles["CHUNK"])
     x, f32 = f"*{dtype}", "*fp32"
     optional = (lambda kind: None) if bare else (lambda kind: kind)
@@ -232,6 +234,7 @@ def ssd_args(which, dtype, n_states, head_dim, chunk, bare, batch=8, length=2048
         X=x, DT=x, DT_BIAS=optional(f32), A=f32, B=x, C=x, D=optional(f32), Z=optional(x), DY=x, ENTERING=f32,
         LOCAL=f32, Y=x, DYBAR=optional(x), DSTATE=f32, DX=x, DDT=x, DB=f32, DC=f32, DZ=optional(x), DA_PART=f32,
         DD_PART=f32, DBIAS_PART=optional(f32), STATES=f32, DECAY=f32, STEPS=f32, A_CUM=f32, SLOPE=optional(f32),
+        START=None, FINAL=f32,
         length=length, heads=heads, groups=groups, head_dim=head_dim, n_states=n_states, n_chunks=n_chunks,
         HAS_D=not bare, HAS_Z=not bare, HAS_DT_BIAS=not bare, DT_SOFTPLUS=not bare,
         BLOCK_H=32, **tiles)   # BLOCK_H: as _scan_chunks launches the steps kernel

@@ -1179,6 +1179,154 @@ print(f"L = 0: d initial_state equals dfinal: {torch.equal(empty[-1], dfinal)}; 
 assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] == 0).all()
 
 # %% [markdown]
+# ## Going deeper: the forward in one walk over the chunks
+#
+# Section 5's forward runs the chunked algorithm step by step, a kernel per step, and between the steps
+# the chunk states go through memory: float32, (batch, heads, chunks, $P$, $N$), written by the state
+# kernel, read and written again by the scan over chunks, read by the output kernel. Four passes over
+# an array that, at the shapes `mamba_ssm`'s Mamba-2 blocks train at, is larger than $x$. The cell
+# counts them beside what a forward must move anyway: $x$, $z$ and $y$ in bfloat16 (the steps, $B$ and
+# $C$ are far smaller).
+
+# %%
+def forward_state_bytes(batch, length, heads, head_dim, n_states, chunk=KERNEL_CHUNK, passes=4):
+    """Bytes of float32 chunk states section 5's forward moves: passes over (batch, heads, chunks, P, N)."""
+    return passes * batch * heads * triton.cdiv(length, chunk) * head_dim * n_states * 4
+
+
+for n_states in (64, 128):
+    xzy = 3 * 8 * 2048 * 32 * 64 * 2                                        # x, z and y in bfloat16
+    states = forward_state_bytes(8, 2048, 32, 64, n_states)
+    print(f"(8, 2048, 32 heads, P 64, N {n_states:3d}): chunk states {states / 2**20:5.0f} MiB over four passes, "
+          f"x, z and y {xzy / 2**20:4.0f} MiB: {states / xzy:.1f}x")
+
+# %% [markdown]
+# So the states, not the inputs, set the forward's memory traffic: 2.7 times what $x$, $z$ and $y$
+# move at $N = 64$, 5.3 times at $N = 128$. They need not leave the chip. One program per (batch,
+# head) can walk its chunks in order, as chapter 02's kernel walks a row chunk by chunk with its
+# state carried in a register (section 4 there), here the state $H$ in registers: for each chunk it
+# computes the outputs from $H$ (steps 1 and 4 of section 3), then folds the chunk into it
+# (steps 2 and 3), $H \leftarrow e^{a_{\text{end}}} H + \sum_s w_s\, u_s B_s^{\top}$, and the final state is
+# $H$ after the last chunk. No state is written but the last. The loop's loads do not depend on $H$,
+# so Triton's compiler can issue the next chunk's loads while this one computes (software pipelining,
+# the loop's `num_stages`).
+#
+# The price is parallelism. Section 5's kernels run a program per (batch, head, chunk); the walk runs
+# one per (batch, head), each a chain of $L/Q$ chunks, so with fewer programs than the GPU has
+# multiprocessors most of them idle for the whole walk. Programs take $P$ in blocks of at most 64
+# (a row of $y$ needs only the same rows of $H$), which also keeps $H$, a $P \times N$ float32 tile, within
+# the registers. `_walks` decides where the walk runs: 16-bit inputs (bfloat16 or float16) and at least
+# as many programs as multiprocessors, the regime where it was measured. On an H100 it made the
+# bfloat16 forward of section 9's shapes faster on the GPU at both sizes of state, ahead of
+# `mamba_ssm`'s forward kernels; in float32, whose tf32x3 products hold three times the tiles, the
+# compiler spilled registers and the walk was slower, so float32 keeps section 5's kernels
+# (`benchmarks/results/probe_ssd_fused_h100_2026-12-07.log`; section 9's table times the op as it
+# runs). Under the interpreter (no multiprocessors) it runs wherever the inputs are 16-bit, so that
+# the CPU checks it.
+
+# %%
+#| export
+from scan_lib.fast_selective_scan import multiprocessor_count   # chapter 07's
+
+
+@triton.jit
+def ssd_chunk_walk_kernel(X, STEPS, A_CUM, B, C, D, Z, START, Y, FINAL, length, heads, groups, head_dim, n_states,
+                          n_chunks, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, CHUNK: tl.constexpr,
+                          BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+    """Program (batch, head, block of P): the chunks in order, the state H (BLOCK_P x N) in registers: each chunk's
+    y = (L o C B^T)(dt x) + exp(a_cum) C H^T (+ D x), times silu(z) if given, stored; then H = exp(a_end) H +
+    sum_s exp(a_end - a_cum_s) dt_s x_s B_s^T. H starts at START (if given) and ends in FINAL, b x h x P x N
+    float32. Other arguments as ssd_chunk_output_kernel's."""
+    b, h, block = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    g = h // (heads // groups)
+    p, n = block * BLOCK_P + tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
+    pn_ok = (p[:, None] < head_dim) & (n[None, :] < n_states)
+    state_at = (b * heads + h) * head_dim * n_states + p[:, None] * n_states + n[None, :]
+    H = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    if START is not None:
+        H = tl.load(START + state_at, pn_ok, other=0.0)
+    for c in range(n_chunks):
+        t = c * CHUNK + tl.arange(0, CHUNK)
+        t_ok = t < length
+        row = ((b * heads + h) * n_chunks + c) * CHUNK
+        dt, a_cum = tl.load(STEPS + row + tl.arange(0, CHUNK)), tl.load(A_CUM + row + tl.arange(0, CHUNK))
+        a_end = tl.load(A_CUM + row + CHUNK - 1)
+        qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, p)         # this block's rows of x, z, y
+        x = tl.load(X + qp, qp_ok, other=0.0).to(tl.float32)                    # CHUNK x BLOCK_P
+        Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
+        Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
+        y = _mm(_mm(Cv, tl.trans(Bv), X, DOT) * _decays(a_cum, CHUNK) * dt[None, :], x, X, DOT)   # step 1
+        y += tl.exp(a_cum)[:, None] * _mm(Cv, tl.trans(H), X, DOT)                                  # step 4
+        if HAS_D:
+            y += tl.load(D + h).to(tl.float32) * x
+        if HAS_Z:
+            z = tl.load(Z + qp, qp_ok, other=0.0).to(tl.float32)
+            y *= z * tl.sigmoid(z)
+        tl.store(Y + qp, y.to(Y.dtype.element_ty), qp_ok)
+        weight = dt * tl.exp(a_end - a_cum)                                                         # steps 2, 3
+        H = tl.exp(a_end) * H + _mm(tl.trans(x * weight[:, None]), Bv, X, DOT)
+    tl.store(FINAL + state_at, H, pn_ok)
+
+
+WALK_BLOCK_P = 64   # the rows of P (and of the state) a walking program holds
+
+
+def _walks(x):
+    """Whether the op's forward walks the chunks (ssd_chunk_walk_kernel): 16-bit x, and on a GPU at least as many
+    programs (batch x heads x blocks of P) as multiprocessors."""
+    if x.element_size() != 2:
+        return False
+    multiprocessors = multiprocessor_count(x.device)
+    programs = x.shape[0] * x.shape[2] * triton.cdiv(x.shape[3], WALK_BLOCK_P)
+    return multiprocessors is None or programs >= multiprocessors
+
+
+def _walk_forward(x, dt, A, B, C, chunk_size, D, initial_state, z=None, dt_bias=None, dt_softplus=False):
+    """_forward_kernels' results from the steps kernel and one walk over the chunks (checked inputs)."""
+    if x.numel() == 0:
+        return _empty_forward(x, B.shape[3], initial_state, z)
+    (batch, length, heads, head_dim), (groups, n_states) = x.shape, B.shape[2:]
+    x, dt, B, C, z = (None if t is None else t.contiguous() for t in (x, dt, B, C, z))
+    A, D, dt_bias = (None if t is None else t.float().contiguous() for t in (A, D, dt_bias))   # indexed by head
+    tiles = _tiles(chunk_size, head_dim, n_states)
+    n_chunks, f32 = triton.cdiv(length, tiles["CHUNK"]), dict(device=x.device, dtype=torch.float32)
+    steps = [torch.empty(batch, heads, n_chunks, tiles["CHUNK"], **f32) for _ in range(2)]   # dt, a_cum
+    ssd_chunk_steps_kernel[(batch, n_chunks, triton.cdiv(heads, 32))](
+        dt, dt_bias, A, *steps, None, length, heads, n_chunks, HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=dt_softplus, CHUNK=tiles["CHUNK"], BLOCK_H=32)
+    y = torch.empty(x.shape, dtype=_output_dtype(x, z), device=x.device)
+    final = torch.empty(batch, heads, head_dim, n_states, **f32)
+    start = None if initial_state is None else initial_state.float().contiguous()
+    block_p = min(WALK_BLOCK_P, tiles["BLOCK_P"])
+    ssd_chunk_walk_kernel[(batch, heads, triton.cdiv(head_dim, block_p))](
+        x, *steps, B, C, D, z, start, y, final, length, heads, groups, head_dim, n_states, n_chunks,
+        HAS_D=D is not None, HAS_Z=z is not None, CHUNK=tiles["CHUNK"], BLOCK_P=block_p, BLOCK_N=tiles["BLOCK_N"],
+        DOT=tiles["DOT"])
+    return y, final
+
+# %% [markdown]
+# The walk against the float64 loop, at awkward sizes: a length that is not a multiple of the chunk,
+# $P = 80$ (two blocks of $P$), groups, the initial state, $D$ and the gate, and beside it section 5's
+# kernels on the same inputs. The loop runs on the inputs as rounded to the dtype, so what remains is the
+# kernels' own rounding: float32's, and in bfloat16 a few roundings of $2^{-8}$ (the products' operands
+# and $y$), the bound the tests use.
+
+# %%
+for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
+    for length, chunk, heads, groups, head_dim, n_states in [(37, 16, 4, 2, 3, 5), (70, 32, 2, 1, 80, 16)]:
+        x, dt, A, B, C, D, h0 = ssd_problem(length=length, heads=heads, head_dim=head_dim, groups=groups,
+                                            n_states=n_states, seed=length, dtype=torch.float32)
+        x, B, C, z = (t.to(dtype) for t in (x, B, C, torch.randn_like(x)))
+        y_want, final_want = ssd_loop(*(t.double() for t in (x, dt, A, B, C, D, h0)))
+        want = (y_want * torch.nn.functional.silu(z.double()), final_want)
+        for name, forward in (("walk", _walk_forward), ("section 5", _forward_kernels)):
+            errors = [((g.double() - w).abs().max() / w.abs().max()).item()
+                      for g, w in zip(forward(x, dt, A, B, C, chunk, D, h0, z), want)]
+            print(f"{str(dtype)[6:]:>8s} L {length:3d} chunk {chunk:2d} P {head_dim:2d} {name:>9s}: y {errors[0]:.1e}, "
+                  f"final state {errors[1]:.1e}")
+            assert max(errors) < bound, (name, errors)
+
+# %% [markdown]
 # ## Going deeper: 8. One differentiable op: `mamba_chunk_scan_combined`
 #
 # The forward and backward launchers joined into the op that training calls: its plumbing, its
@@ -1203,11 +1351,13 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 # - `mamba_chunk_scan_combined`: the checks, then `SSDFn` with the options as they come: the step's
 #   bias and softplus, $\Delta_t = \operatorname{softplus}(\Delta^{\text{raw}}_t + b)$ in float32, and
 #   the gate, $y_t \odot \operatorname{silu}(z_t)$, are computed inside the kernels.
-# - The seven kernels of sections 5 and 7, launched through chapter 08's `RememberedLaunches` ("Going
-#   deeper: the host's share, and launches remembered"). A training step launches eleven of them,
-#   most with many arguments, and Triton's Python launch path works on every argument at every launch;
-#   remembered, each launch after the first with the same key goes straight to the compiled kernel.
-#   Section 9's host column is where this shows.
+# - The forward: the walk over the chunks where `_walks` says so (16-bit inputs, enough programs; the
+#   section before), else section 5's kernels. The backward: section 7's.
+# - The kernels, launched through chapter 08's `RememberedLaunches` ("Going deeper: the host's share,
+#   and launches remembered"). A training step launches nine to eleven of them, most with many
+#   arguments, and Triton's Python launch path works on every argument at every launch; remembered,
+#   each launch after the first with the same key goes straight to the compiled kernel. Section 9's
+#   host column is where this shows.
 #
 # **Why the options are in the kernels.** In PyTorch each option is a pass of its own over memory:
 # the bias and the softplus read and write the $(B, L, H)$ steps (two passes, and a float32 copy), the
@@ -1289,11 +1439,12 @@ from scan_lib.runtime import apply, custom_op
 from scan_lib.selective_scan import _NoSecondDerivative as _SelectiveScanNoSecondDerivative
 from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
 
-# The kernels of sections 5 and 7, remembered (the launchers look them up by name at each call)
+# The kernels of sections 5 and 7 and the walk, remembered (the launchers look them up by name at each call)
 (ssd_chunk_steps_kernel, ssd_chunk_state_kernel, ssd_state_passing_kernel, ssd_chunk_output_kernel,
- ssd_chunk_adjoint_kernel, ssd_chunk_grad_kernel, ssd_chunk_grad_bc_kernel) = map(RememberedLaunches, (
-    ssd_chunk_steps_kernel, ssd_chunk_state_kernel, ssd_state_passing_kernel, ssd_chunk_output_kernel,
-    ssd_chunk_adjoint_kernel, ssd_chunk_grad_kernel, ssd_chunk_grad_bc_kernel))
+ ssd_chunk_adjoint_kernel, ssd_chunk_grad_kernel, ssd_chunk_grad_bc_kernel, ssd_chunk_walk_kernel) = map(
+    RememberedLaunches, (ssd_chunk_steps_kernel, ssd_chunk_state_kernel, ssd_state_passing_kernel,
+                         ssd_chunk_output_kernel, ssd_chunk_adjoint_kernel, ssd_chunk_grad_kernel,
+                         ssd_chunk_grad_bc_kernel, ssd_chunk_walk_kernel))
 
 _NO_SECOND_DERIVATIVE = ("mamba_chunk_scan_combined has no second derivative: its backward kernels' gradients "
                          "cannot be differentiated again (create_graph=True gives first derivatives only)")
@@ -1311,7 +1462,8 @@ def ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     """The forward launcher as a custom op, the step's bias and softplus and the gate z included: y (x's
     shape; x's dtype, promoted with z's where z is given) and the final state (float32), both contiguous
     (the final state is a view of the last chunk's column of the scan: contiguous() copies it)."""
-    y, final = _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state, z, dt_bias, dt_softplus)
+    forward = _walk_forward if _walks(x) else _forward_kernels   # "Going deeper: the forward in one walk"
+    y, final = forward(x, dt, A, B, C, chunk_size, D, initial_state, z, dt_bias, dt_softplus)
     return y.contiguous(), final.contiguous()
 
 

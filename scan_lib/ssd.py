@@ -600,6 +600,84 @@ def _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state, 
             None if D is None else dD_part.sum((0, 2)).to(D.dtype), dh0, dz,
             None if dt_bias is None else dbias_part.sum((0, 2)).to(dt_bias.dtype))
 
+from scan_lib.fast_selective_scan import multiprocessor_count   # chapter 07's
+
+
+@triton.jit
+def ssd_chunk_walk_kernel(X, STEPS, A_CUM, B, C, D, Z, START, Y, FINAL, length, heads, groups, head_dim, n_states,
+                          n_chunks, HAS_D: tl.constexpr, HAS_Z: tl.constexpr, CHUNK: tl.constexpr,
+                          BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr, DOT: tl.constexpr):
+    """Program (batch, head, block of P): the chunks in order, the state H (BLOCK_P x N) in registers: each chunk's
+    y = (L o C B^T)(dt x) + exp(a_cum) C H^T (+ D x), times silu(z) if given, stored; then H = exp(a_end) H +
+    sum_s exp(a_end - a_cum_s) dt_s x_s B_s^T. H starts at START (if given) and ends in FINAL, b x h x P x N
+    float32. Other arguments as ssd_chunk_output_kernel's."""
+    b, h, block = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    g = h // (heads // groups)
+    p, n = block * BLOCK_P + tl.arange(0, BLOCK_P), tl.arange(0, BLOCK_N)
+    pn_ok = (p[:, None] < head_dim) & (n[None, :] < n_states)
+    state_at = (b * heads + h) * head_dim * n_states + p[:, None] * n_states + n[None, :]
+    H = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    if START is not None:
+        H = tl.load(START + state_at, pn_ok, other=0.0)
+    for c in range(n_chunks):
+        t = c * CHUNK + tl.arange(0, CHUNK)
+        t_ok = t < length
+        row = ((b * heads + h) * n_chunks + c) * CHUNK
+        dt, a_cum = tl.load(STEPS + row + tl.arange(0, CHUNK)), tl.load(A_CUM + row + tl.arange(0, CHUNK))
+        a_end = tl.load(A_CUM + row + CHUNK - 1)
+        qp, qp_ok = _head_rows(b, t, t_ok, length, heads, h, head_dim, p)         # this block's rows of x, z, y
+        x = tl.load(X + qp, qp_ok, other=0.0).to(tl.float32)                    # CHUNK x BLOCK_P
+        Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)        # CHUNK x N
+        Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
+        y = _mm(_mm(Cv, tl.trans(Bv), X, DOT) * _decays(a_cum, CHUNK) * dt[None, :], x, X, DOT)   # step 1
+        y += tl.exp(a_cum)[:, None] * _mm(Cv, tl.trans(H), X, DOT)                                  # step 4
+        if HAS_D:
+            y += tl.load(D + h).to(tl.float32) * x
+        if HAS_Z:
+            z = tl.load(Z + qp, qp_ok, other=0.0).to(tl.float32)
+            y *= z * tl.sigmoid(z)
+        tl.store(Y + qp, y.to(Y.dtype.element_ty), qp_ok)
+        weight = dt * tl.exp(a_end - a_cum)                                                         # steps 2, 3
+        H = tl.exp(a_end) * H + _mm(tl.trans(x * weight[:, None]), Bv, X, DOT)
+    tl.store(FINAL + state_at, H, pn_ok)
+
+
+WALK_BLOCK_P = 64   # the rows of P (and of the state) a walking program holds
+
+
+def _walks(x):
+    """Whether the op's forward walks the chunks (ssd_chunk_walk_kernel): 16-bit x, and on a GPU at least as many
+    programs (batch x heads x blocks of P) as multiprocessors."""
+    if x.element_size() != 2:
+        return False
+    multiprocessors = multiprocessor_count(x.device)
+    programs = x.shape[0] * x.shape[2] * triton.cdiv(x.shape[3], WALK_BLOCK_P)
+    return multiprocessors is None or programs >= multiprocessors
+
+
+def _walk_forward(x, dt, A, B, C, chunk_size, D, initial_state, z=None, dt_bias=None, dt_softplus=False):
+    """_forward_kernels' results from the steps kernel and one walk over the chunks (checked inputs)."""
+    if x.numel() == 0:
+        return _empty_forward(x, B.shape[3], initial_state, z)
+    (batch, length, heads, head_dim), (groups, n_states) = x.shape, B.shape[2:]
+    x, dt, B, C, z = (None if t is None else t.contiguous() for t in (x, dt, B, C, z))
+    A, D, dt_bias = (None if t is None else t.float().contiguous() for t in (A, D, dt_bias))   # indexed by head
+    tiles = _tiles(chunk_size, head_dim, n_states)
+    n_chunks, f32 = triton.cdiv(length, tiles["CHUNK"]), dict(device=x.device, dtype=torch.float32)
+    steps = [torch.empty(batch, heads, n_chunks, tiles["CHUNK"], **f32) for _ in range(2)]   # dt, a_cum
+    ssd_chunk_steps_kernel[(batch, n_chunks, triton.cdiv(heads, 32))](
+        dt, dt_bias, A, *steps, None, length, heads, n_chunks, HAS_DT_BIAS=dt_bias is not None,
+        DT_SOFTPLUS=dt_softplus, CHUNK=tiles["CHUNK"], BLOCK_H=32)
+    y = torch.empty(x.shape, dtype=_output_dtype(x, z), device=x.device)
+    final = torch.empty(batch, heads, head_dim, n_states, **f32)
+    start = None if initial_state is None else initial_state.float().contiguous()
+    block_p = min(WALK_BLOCK_P, tiles["BLOCK_P"])
+    ssd_chunk_walk_kernel[(batch, heads, triton.cdiv(head_dim, block_p))](
+        x, *steps, B, C, D, z, start, y, final, length, heads, groups, head_dim, n_states, n_chunks,
+        HAS_D=D is not None, HAS_Z=z is not None, CHUNK=tiles["CHUNK"], BLOCK_P=block_p, BLOCK_N=tiles["BLOCK_N"],
+        DOT=tiles["DOT"])
+    return y, final
+
 from typing import Optional
 
 from scan_lib.flash_attention import RememberedLaunches   # chapter 08: launches after a key's first skip Triton's path
@@ -607,11 +685,12 @@ from scan_lib.runtime import apply, custom_op
 from scan_lib.selective_scan import _NoSecondDerivative as _SelectiveScanNoSecondDerivative
 from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
 
-# The kernels of sections 5 and 7, remembered (the launchers look them up by name at each call)
+# The kernels of sections 5 and 7 and the walk, remembered (the launchers look them up by name at each call)
 (ssd_chunk_steps_kernel, ssd_chunk_state_kernel, ssd_state_passing_kernel, ssd_chunk_output_kernel,
- ssd_chunk_adjoint_kernel, ssd_chunk_grad_kernel, ssd_chunk_grad_bc_kernel) = map(RememberedLaunches, (
-    ssd_chunk_steps_kernel, ssd_chunk_state_kernel, ssd_state_passing_kernel, ssd_chunk_output_kernel,
-    ssd_chunk_adjoint_kernel, ssd_chunk_grad_kernel, ssd_chunk_grad_bc_kernel))
+ ssd_chunk_adjoint_kernel, ssd_chunk_grad_kernel, ssd_chunk_grad_bc_kernel, ssd_chunk_walk_kernel) = map(
+    RememberedLaunches, (ssd_chunk_steps_kernel, ssd_chunk_state_kernel, ssd_state_passing_kernel,
+                         ssd_chunk_output_kernel, ssd_chunk_adjoint_kernel, ssd_chunk_grad_kernel,
+                         ssd_chunk_grad_bc_kernel, ssd_chunk_walk_kernel))
 
 _NO_SECOND_DERIVATIVE = ("mamba_chunk_scan_combined has no second derivative: its backward kernels' gradients "
                          "cannot be differentiated again (create_graph=True gives first derivatives only)")
@@ -629,7 +708,8 @@ def ssd_fwd(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
     """The forward launcher as a custom op, the step's bias and softplus and the gate z included: y (x's
     shape; x's dtype, promoted with z's where z is given) and the final state (float32), both contiguous
     (the final state is a view of the last chunk's column of the scan: contiguous() copies it)."""
-    y, final = _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state, z, dt_bias, dt_softplus)
+    forward = _walk_forward if _walks(x) else _forward_kernels   # "Going deeper: the forward in one walk"
+    y, final = forward(x, dt, A, B, C, chunk_size, D, initial_state, z, dt_bias, dt_softplus)
     return y.contiguous(), final.contiguous()
 
 

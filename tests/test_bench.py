@@ -249,7 +249,8 @@ def test_every_chunk_kernels_float32_products_follow_torchs_matmul_precision(tmp
         "print(json.dumps(dict(found, names=sorted(s.SSD_KERNELS.values()))))\n")
     found = json.loads(compile_in_fresh_process(script, tmp_path).splitlines()[-1])
     assert found["kernels"] == sorted(found["names"] + ["ssd_state_passing_kernel"]), found["kernels"]
-    products = {"ssd-state": 1, "ssd-output": 3, "ssd-adjoint": 4, "ssd-grad": 5, "ssd-grad-bc": 5, "ssd-steps": 0}
+    products = {"ssd-state": 1, "ssd-output": 3, "ssd-adjoint": 4, "ssd-grad": 5, "ssd-grad-bc": 5, "ssd-steps": 0,
+                "ssd-walk": 4}
     assert len(found["dots"]) == 2 * len(products), found["dots"]
     for key, precisions in found["dots"].items():
         setting, which = key.split()

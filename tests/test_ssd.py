@@ -579,7 +579,7 @@ def test_the_op_launches_remembered_kernels():
     from scan_lib import ssd
     from scan_lib.flash_attention import RememberedLaunches
     kernels = [name for name in dir(ssd) if name.endswith("_kernel")]
-    assert len(kernels) == 7 and all(isinstance(getattr(ssd, name), RememberedLaunches) for name in kernels), kernels
+    assert len(kernels) == 8 and all(isinstance(getattr(ssd, name), RememberedLaunches) for name in kernels), kernels
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: under the interpreter every launch goes through Triton")
@@ -603,3 +603,45 @@ def test_remembered_launches_give_the_same_bits_as_triton(monkeypatch):
     monkeypatch.setattr(RememberedLaunches, "through_triton", False)
     for _ in range(2):
         assert all(torch.equal(a, b) for a, b in zip(step(), want))
+
+
+@pytest.mark.parametrize("dtype, bound", [(torch.bfloat16, 3e-2), (torch.float16, 5e-3), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("length, chunk, heads, groups, head_dim, n_states, options", [
+    (37, 16, 4, 2, 3, 5, "D z bias softplus h0"), (70, 32, 2, 1, 80, 16, "z h0"), (5, 16, 2, 2, 4, 4, ""),
+    (130, 64, 2, 1, 16, 8, "D bias softplus")])
+def test_the_walk_over_the_chunks_matches_the_chunked_form(dtype, bound, length, chunk, heads, groups, head_dim,
+                                                          n_states, options):
+    """_walk_forward (one program per batch, head and block of P walking the chunks, the state in registers): y and
+    the final state against the float64 chunked form on the inputs rounded to dtype, at lengths that are not
+    multiples of the chunk, P = 80 (two blocks of 64), groups and every option; bounds as the op's tests'."""
+    from scan_lib.ssd import _walk_forward
+    p = combined_problem(length, heads, head_dim, groups, n_states, options.split())
+    for name in ("x", "B", "C", "z"):
+        if p[name] is not None:
+            p[name] = p[name].to(dtype).double()   # the reference sees the rounded inputs
+    y_want, final_want = combined_reference(p["x"], p["dt"], p["A"], p["B"], p["C"], chunk, p["D"], p["z"],
+                                            p["dt_bias"], p["initial_state"], "softplus" in options)
+    cast = {k: None if v is None else v.to(DEVICE, dtype if k in ("x", "B", "C", "z") else torch.float32)
+            for k, v in p.items()}
+    y, final = _walk_forward(cast["x"], cast["dt"], cast["A"], cast["B"], cast["C"], chunk, cast["D"],
+                             cast["initial_state"], cast["z"], cast["dt_bias"], "softplus" in options)
+    assert y.dtype == dtype and final.dtype == torch.float32 and final.shape == (2, heads, head_dim, n_states)
+    assert rel(y.double().cpu(), y_want) < bound and rel(final.double().cpu(), final_want) < bound
+
+
+def test_the_op_walks_the_chunks_for_16_bit_inputs_with_enough_programs(monkeypatch):
+    """_walks: 16-bit x only; on a GPU, only with at least as many programs (batch x heads x blocks of 64 of P) as
+    multiprocessors; under the interpreter (no multiprocessors) wherever x is 16-bit. The op's forward follows it."""
+    from scan_lib import ssd
+    x = torch.zeros(2, 8, 4, 80, dtype=torch.bfloat16)   # 2 x 4 x 2 programs
+    monkeypatch.setattr(ssd, "multiprocessor_count", lambda device: None)
+    assert ssd._walks(x) and ssd._walks(x.half()) and not ssd._walks(x.float())
+    monkeypatch.setattr(ssd, "multiprocessor_count", lambda device: 16)
+    assert ssd._walks(x) and not ssd._walks(x[:1])
+    monkeypatch.setattr(ssd, "multiprocessor_count", lambda device: None)
+    walked = []
+    monkeypatch.setattr(ssd, "_walk_forward", lambda *args: walked.append(args[0].dtype) or ssd._forward_kernels(*args))
+    p = {k: v.float().to(DEVICE) for k, v in problem(1, 20, 4, 3, 2, 5).items()}
+    for dtype in (torch.bfloat16, torch.float32):
+        scan_lib.mamba_chunk_scan_combined(p["x"].to(dtype), p["dt"], p["A"], p["B"].to(dtype), p["C"].to(dtype), 16)
+    assert walked == [torch.bfloat16]
