@@ -600,6 +600,8 @@ def _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state, 
             None if D is None else dD_part.sum((0, 2)).to(D.dtype), dh0, dz,
             None if dt_bias is None else dbias_part.sum((0, 2)).to(dt_bias.dtype))
 
+from triton.runtime.errors import OutOfResources
+
 from scan_lib.fast_selective_scan import multiprocessor_count   # chapter 07's
 
 
@@ -643,6 +645,7 @@ def ssd_chunk_walk_kernel(X, STEPS, A_CUM, B, C, D, Z, START, Y, FINAL, length, 
 
 
 WALK_BLOCK_P = 64   # the rows of P (and of the state) a walking program holds
+_WALK_REFUSED = set()   # (device, dtypes, tiles) of walks a GPU refused: more shared memory than it has
 
 
 def _walks(x):
@@ -656,13 +659,21 @@ def _walks(x):
 
 
 def _walk_forward(x, dt, A, B, C, chunk_size, D, initial_state, z=None, dt_bias=None, dt_softplus=False):
-    """_forward_kernels' results from the steps kernel and one walk over the chunks (checked inputs)."""
+    """_forward_kernels' results from the steps kernel and one walk over the chunks (checked inputs); from
+    _forward_kernels itself where the GPU refuses the walk for its shared memory (the loop's pipelined tiles of B
+    and C grow with N: N 128 in bfloat16 is more than an sm_89 GPU, an L4's, gives a program; N 512 more than an
+    H100's; section 5's kernels need far less)."""
     if x.numel() == 0:
         return _empty_forward(x, B.shape[3], initial_state, z)
     (batch, length, heads, head_dim), (groups, n_states) = x.shape, B.shape[2:]
+    tiles = _tiles(chunk_size, head_dim, n_states)
+    block_p = min(WALK_BLOCK_P, tiles["BLOCK_P"])
+    refused = (x.device, x.dtype, B.dtype, C.dtype, None if z is None else z.dtype, D is None, block_p,
+               tiles["CHUNK"], tiles["BLOCK_N"])
+    if refused in _WALK_REFUSED:
+        return _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state, z, dt_bias, dt_softplus)
     x, dt, B, C, z = (None if t is None else t.contiguous() for t in (x, dt, B, C, z))
     A, D, dt_bias = (None if t is None else t.float().contiguous() for t in (A, D, dt_bias))   # indexed by head
-    tiles = _tiles(chunk_size, head_dim, n_states)
     n_chunks, f32 = triton.cdiv(length, tiles["CHUNK"]), dict(device=x.device, dtype=torch.float32)
     steps = [torch.empty(batch, heads, n_chunks, tiles["CHUNK"], **f32) for _ in range(2)]   # dt, a_cum
     ssd_chunk_steps_kernel[(batch, n_chunks, triton.cdiv(heads, 32))](
@@ -671,11 +682,14 @@ def _walk_forward(x, dt, A, B, C, chunk_size, D, initial_state, z=None, dt_bias=
     y = torch.empty(x.shape, dtype=_output_dtype(x, z), device=x.device)
     final = torch.empty(batch, heads, head_dim, n_states, **f32)
     start = None if initial_state is None else initial_state.float().contiguous()
-    block_p = min(WALK_BLOCK_P, tiles["BLOCK_P"])
-    ssd_chunk_walk_kernel[(batch, heads, triton.cdiv(head_dim, block_p))](
-        x, *steps, B, C, D, z, start, y, final, length, heads, groups, head_dim, n_states, n_chunks,
-        HAS_D=D is not None, HAS_Z=z is not None, CHUNK=tiles["CHUNK"], BLOCK_P=block_p, BLOCK_N=tiles["BLOCK_N"],
-        DOT=tiles["DOT"])
+    try:   # Triton raises at the launch, before the kernel runs
+        ssd_chunk_walk_kernel[(batch, heads, triton.cdiv(head_dim, block_p))](
+            x, *steps, B, C, D, z, start, y, final, length, heads, groups, head_dim, n_states, n_chunks,
+            HAS_D=D is not None, HAS_Z=z is not None, CHUNK=tiles["CHUNK"], BLOCK_P=block_p,
+            BLOCK_N=tiles["BLOCK_N"], DOT=tiles["DOT"])
+    except OutOfResources:
+        _WALK_REFUSED.add(refused)   # not tried again for this key
+        return _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state, z, dt_bias, dt_softplus)
     return y, final
 
 from typing import Optional

@@ -645,3 +645,33 @@ def test_the_op_walks_the_chunks_for_16_bit_inputs_with_enough_programs(monkeypa
     for dtype in (torch.bfloat16, torch.float32):
         scan_lib.mamba_chunk_scan_combined(p["x"].to(dtype), p["dt"], p["A"], p["B"].to(dtype), p["C"].to(dtype), 16)
     assert walked == [torch.bfloat16]
+
+
+def test_the_walk_falls_back_to_section_5s_kernels_where_the_gpu_refuses_it(monkeypatch):
+    """A GPU whose shared memory cannot hold the walk's pipelined tiles (an L4's at N 128 in bf16) makes Triton raise
+    OutOfResources at the launch: _walk_forward then returns _forward_kernels' results (the same bits) and does not
+    try that walk again; another key still walks. Simulated: the interpreter has no shared memory to run out of."""
+    from triton.runtime.errors import OutOfResources
+    from scan_lib import ssd
+    tries, walk = [], ssd.ssd_chunk_walk_kernel
+
+    class Refusing:
+        def __getitem__(self, grid):
+            def launch(*args, **constexprs):
+                tries.append(constexprs["BLOCK_N"])
+                if constexprs["BLOCK_N"] > 16:
+                    raise OutOfResources(200_000, 101_376, "shared memory")
+                walk[grid](*args, **constexprs)
+            return launch
+
+    monkeypatch.setattr(ssd, "ssd_chunk_walk_kernel", Refusing())
+    monkeypatch.setattr(ssd, "_WALK_REFUSED", set())
+    for n_states in (20, 20, 8):
+        p = {k: v.to(DEVICE, torch.bfloat16 if k in ("x", "B", "C") else torch.float32)
+             for k, v in problem(2, 37, 4, 8, 2, n_states).items()}
+        args = (p["x"], p["dt"], p["A"], p["B"], p["C"], 16, p["D"], p["initial_state"])
+        got, want = ssd._walk_forward(*args), ssd._forward_kernels(*args)
+        assert n_states != 20 or all(torch.equal(g, w) for g, w in zip(got, want))
+        y_want, final_want = ssd_chunked(*(t.double().cpu() for t in args[:5]), 16, *(t.double().cpu() for t in args[6:]))
+        assert rel(got[0].double().cpu(), y_want) < 3e-2 and rel(got[1].double().cpu(), final_want) < 3e-2
+    assert tries == [32, 16], tries   # N 20 (BLOCK_N 32) refused once, then not tried; N 8 walked
