@@ -1214,15 +1214,18 @@ for n_states in (64, 128):
 # The price is parallelism. Section 5's kernels run a program per (batch, head, chunk); the walk runs
 # one per (batch, head), each a chain of $L/Q$ chunks, so with fewer programs than the GPU has
 # multiprocessors most of them idle for the whole walk. Programs take $P$ in blocks of at most 64
-# (a row of $y$ needs only the same rows of $H$), which also keeps $H$, a $P \times N$ float32 tile, within
-# the registers. `_walks` decides where the walk runs: 16-bit inputs (bfloat16 or float16) and at least
-# as many programs as multiprocessors, the regime where it was measured. On an H100 it made the
-# bfloat16 forward of section 9's shapes faster on the GPU at both sizes of state, ahead of
-# `mamba_ssm`'s forward kernels; in float32, whose tf32x3 products hold three times the tiles, the
-# compiler spilled registers and the walk was slower, so float32 keeps section 5's kernels
-# (`benchmarks/results/probe_ssd_fused_h100_2026-12-07.log`; section 9's table times the op as it
-# runs). Under the interpreter (no multiprocessors) it runs wherever the inputs are 16-bit, so that
-# the CPU checks it. The loop's pipelined loads take shared memory, and the tiles of $B$ and $C$ grow
+# (channel $p$ of $y$, a column of the chunk's $Q \times P$ tile, needs only row $p$ of $H$), which also
+# keeps $H$, a $P \times N$ float32 tile, within the registers. `_walks` decides where the walk runs:
+# 16-bit inputs (bfloat16 or float16) and at least as many programs as multiprocessors, the regime of
+# the one measurement (bfloat16, section 9's shapes: $8 \times 32$ programs, $N$ = 64 and 128; float16
+# and larger $N$ were not timed). On an H100 it made that forward faster on the GPU at both sizes of
+# state, 318.2 to 159.3 us at $N = 64$ and 538.5 to 330.4 at $N = 128$
+# (`benchmarks/results/probe_ssd_fused_h100_2026-12-07.log`), below `mamba_ssm`'s forward kernels in
+# section 9's table (269 and 353 us, recorded before the walk). In float32, whose tf32x3 products hold
+# three times the tiles, the walk was slower (the same log), and its compile spills registers (`python
+# benchmarks/sass_lines.py ssd-walk --dtype fp32`), so float32 keeps section 5's kernels. Under the
+# interpreter (no multiprocessors) it runs wherever the inputs are 16-bit, so that the CPU checks it.
+# The loop's pipelined loads take shared memory, and the tiles of $B$ and $C$ grow
 # with $N$: where a GPU refuses the walk for it (Triton's `OutOfResources` at the launch; `python
 # benchmarks/sass_lines.py ssd-walk --n-states 512` prints what sm_90 would need), `_walk_forward`
 # returns section 5's kernels' results instead, and does not try that walk again.
@@ -1374,7 +1377,10 @@ for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
 #   and launches remembered"). A training step launches nine to eleven of them, most with many
 #   arguments, and Triton's Python launch path works on every argument at every launch; remembered,
 #   each launch after the first with the same key goes straight to the compiled kernel. Section 9's
-#   host column is where this shows.
+#   table was recorded before; measured on an H100 (`benchmarks/results/host_ssd_h100_2026-12-07.log`,
+#   the same bits both ways), the host's time per bfloat16 forward+backward went from 1630 to 1504 us
+#   at $N = 64$ and from 1829 to 1480 at $N = 128$; at (2, 512, 32, 64, 64) the forward's host time
+#   rose instead, 222 to 312 us, one sample, not yet explained.
 #
 # **Why the options are in the kernels.** In PyTorch each option is a pass of its own over memory:
 # the bias and the softplus read and write the $(B, L, H)$ steps (two passes, and a float32 copy), the
@@ -1750,7 +1756,9 @@ else:
 
 # %% [markdown]
 # What the recorded table shows (one run on an NVIDIA H100 80GB HBM3; on a machine without a GPU the
-# cell prints nothing to compare):
+# cell prints nothing to compare). It was recorded before the forward walked the chunks and before
+# the remembered launches (the two sections before section 8, and its last bullets), so its
+# bfloat16 forward is section 5's four kernels; the walk's times are in the probe's log cited there:
 #
 # * In bfloat16, the dtype Mamba-2 trains in, our op's calls beat `mamba_ssm`'s in the
 #   forward+backward at both sizes of state (2.40x at $N = 64$, 1.55x at $N = 128$; but see the next
