@@ -2,14 +2,15 @@
 instructions of its H100/H200 compile, their opcodes and the spill instructions (STL, LDL) among them.
 The static counterpart of Nsight Compute's SourceCounters section.
 
-    python benchmarks/sass_lines.py ssd-grad|ssd-grad-bc|ssd-adjoint|ssd-output|ssd-state|ssd-steps [--dtype bf16|fp32]
+    python benchmarks/sass_lines.py ssd-grad|ssd-grad-bc|ssd-adjoint|ssd-output|ssd-state|ssd-steps|ssd-walk [--dtype bf16|fp32]
                                              [--n-states 64] [--head-dim 64] [--chunk 64] [--warps 4] [--top 25] [--by kernel|innermost] [--bare]
     python benchmarks/sass_lines.py scan-fwd|scan-bwd [--dtype bf16|fp32] [--bare] [--top 25] [--by kernel|innermost]
     python benchmarks/sass_lines.py conv-bwd [--dtype bf16|fp32] [--top 25] [--by kernel|innermost]
 
 ssd-grad is chapter 10's `ssd_chunk_grad_kernel` as `_backward_kernels` launches it (ssd-grad-bc, ssd-adjoint,
 ssd-output, ssd-state, ssd-steps: the grad kernel of dB and dC, the adjoint, output, chunk-state and steps kernels;
-ssd-steps as the backward launches it, writing the softplus's slope too) at (8, 2048, 32 heads x P, N, one group),
+ssd-steps as the backward launches it, writing the softplus's slope too; ssd-walk: the forward's walk over the
+chunks, blocks of at most 64 of P, no initial state) at (8, 2048, 32 heads x P, N, one group),
 contiguous inputs, with D, z, dt_bias and dt_softplus as the training step of bench.py passes them (--bare: none of
 them, as `ssd_backward` calls it); scan-fwd and scan-bwd are chapter 07's selective-scan kernels at sass_count's
 base shape (8, 1024, 2048, N 16) with D, z, delta_bias and the softplus (--bare: without); conv-bwd is chapter 06's
