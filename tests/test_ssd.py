@@ -675,3 +675,23 @@ def test_the_walk_falls_back_to_section_5s_kernels_where_the_gpu_refuses_it(monk
         y_want, final_want = ssd_chunked(*(t.double().cpu() for t in args[:5]), 16, *(t.double().cpu() for t in args[6:]))
         assert rel(got[0].double().cpu(), y_want) < 3e-2 and rel(got[1].double().cpu(), final_want) < 3e-2
     assert tries == [32, 16], tries   # N 20 (BLOCK_N 32) refused once, then not tried; N 8 walked
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: under the interpreter the op walks every 16-bit input")
+def test_the_op_walks_the_chunks_on_a_gpu_with_enough_programs():
+    """On a GPU the op's bf16 forward walks the chunks when batch x heads x blocks of P reaches the multiprocessors
+    (here 2 x heads, at least the count, P 16): y and the final state against the float64 chunked form."""
+    from scan_lib import ssd
+    heads = -(-ssd.multiprocessor_count(torch.device(DEVICE)) // 2)
+    p = combined_problem(70, heads, 16, 1, 16, ["D", "z", "h0"], seed=5)
+    for name in ("x", "B", "C", "z"):
+        p[name] = p[name].bfloat16().double()
+    y_want, final_want = combined_reference(p["x"], p["dt"], p["A"], p["B"], p["C"], 32, p["D"], p["z"], None,
+                                            p["initial_state"], False)
+    cast = {k: None if v is None else v.to(DEVICE, torch.bfloat16 if k in ("x", "B", "C", "z") else torch.float32)
+            for k, v in p.items()}
+    assert ssd._walks(cast["x"])
+    y, final = scan_lib.mamba_chunk_scan_combined(cast["x"], cast["dt"], cast["A"], cast["B"], cast["C"], 32,
+                                                  cast["D"], cast["z"], initial_states=cast["initial_state"],
+                                                  return_final_states=True)
+    assert rel(y.double().cpu(), y_want) < 3e-2 and rel(final.double().cpu(), final_want) < 3e-2
