@@ -97,7 +97,7 @@ import triton
 import triton.language as tl
 
 from scan_lib.flash_attention import matmul   # chapter 08: tl.dot, float32 sums, bfloat16 safe under the interpreter
-from scan_lib.runtime import check_float_tensor, check_same_device
+from scan_lib.runtime import cdiv, check_float_tensor, check_same_device, next_power_of_2
 from scan_lib.selective_scan import _load_delta   # chapter 05: steps after their bias and softplus, 0 where masked
 
 
@@ -175,12 +175,11 @@ def _scan_outputs(X, B, C, D, ENTERING, b, h, c, g, t, t_ok, dt, a_cum, length, 
     x = _rows(X, b, t, t_ok, length, heads, h, head_dim, BLOCK_P)
     Bv = _rows(B, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
     Cv = _rows(C, b, t, t_ok, length, groups, g, n_states, BLOCK_N)
-    scores = _mm(Cv, tl.trans(Bv), X, DOT)                                  # CHUNK x CHUNK
-    y = _mm(scores * _decays(a_cum, CHUNK) * dt[None, :], x, X, DOT)        # CHUNK x P
     base = (b * heads + h) * n_chunks + c
     H = tl.load(ENTERING + base * head_dim * n_states + p[:, None] * n_states + n[None, :],
                 (p[:, None] < head_dim) & (n[None, :] < n_states), other=0.0)   # P x N
-    y += tl.exp(a_cum)[:, None] * _mm(Cv, tl.trans(H), X, DOT)              # CHUNK x P
+    y = _mm(_mm(Cv, tl.trans(Bv), X, DOT) * _decays(a_cum, CHUNK) * dt[None, :], x, X, DOT)   # step 1
+    y += tl.exp(a_cum)[:, None] * _mm(Cv, tl.trans(H), X, DOT)                                  # step 4
     if HAS_D:
         y += tl.load(D + h).to(tl.float32) * x
     return y, Cv
@@ -252,8 +251,8 @@ KERNEL_CHUNK = 64   # the longest chunk a program holds: its Q x Q, Q x P and Q 
 
 def _tiles(chunk_size, head_dim, n_states):
     """CHUNK (at most KERNEL_CHUNK), P, N padded to powers of two >= 16 (tl.dot's), float32 products (fine print)."""
-    return dict(CHUNK=min(chunk_size, KERNEL_CHUNK), BLOCK_P=max(16, triton.next_power_of_2(head_dim)),
-                BLOCK_N=max(16, triton.next_power_of_2(n_states)),
+    return dict(CHUNK=min(chunk_size, KERNEL_CHUNK), BLOCK_P=max(16, next_power_of_2(head_dim)),
+                BLOCK_N=max(16, next_power_of_2(n_states)),
                 DOT="tf32x3" if torch.get_float32_matmul_precision() == "highest" else "tf32")
 
 
@@ -282,28 +281,32 @@ def pass_states(local, decay, start, reverse=False, block=1024):
     size = head_dim * n_states
     passed = torch.empty_like(local)
     end = local.new_empty(batch, heads, head_dim, n_states)
-    block = min(block, triton.next_power_of_2(size))
-    ssd_state_passing_kernel[(batch * heads, triton.cdiv(size, block))](
+    block = min(block, next_power_of_2(size))
+    ssd_state_passing_kernel[(batch * heads, cdiv(size, block))](
         local, decay, start, passed, end, n_chunks, size, HAS_START=start is not None, REVERSE=reverse, BLOCK=block)
     return passed, end
 
 
-def _scan_chunks(x, dt, dt_bias, dt_softplus, A, B, tiles, initial_state, slope=None):
-    """The steps kernel, then steps 2 and 3, on contiguous inputs (A, dt_bias float32), all float32: (dt, a_cum), each
-    (batch, heads, chunks, CHUNK; slope, if given, gets sigmoid(dt + dt_bias)), the state entering each chunk (batch,
-    heads, chunks, P, N), the chunks' decays (batch, heads, chunks) and the final state."""
-    (batch, length, heads, head_dim), (groups, n_states) = x.shape, B.shape[2:]
-    n_chunks, f32 = triton.cdiv(length, tiles["CHUNK"]), dict(device=x.device, dtype=torch.float32)
-    steps, a_cum = (torch.empty(batch, heads, n_chunks, tiles["CHUNK"], **f32) for _ in range(2))
-    ssd_chunk_steps_kernel[(batch, n_chunks, triton.cdiv(heads, 32))](   # 32 heads: 128 bytes of float32 steps
+def _launch_steps(dt, dt_bias, dt_softplus, A, tiles, slope=None):
+    """(dt, a_cum) from the steps kernel, (batch, heads, chunks, CHUNK) float32; slope gets sigmoid(dt + dt_bias)."""
+    (batch, length, heads), chunk, n_chunks = dt.shape, tiles["CHUNK"], cdiv(dt.shape[1], tiles["CHUNK"])
+    steps, a_cum = (torch.empty(batch, heads, n_chunks, chunk, device=dt.device, dtype=torch.float32) for _ in range(2))
+    ssd_chunk_steps_kernel[(batch, n_chunks, cdiv(heads, 32))](   # 32 heads: 128 bytes of float32 steps
         dt, dt_bias, A, steps, a_cum, slope, length, heads, n_chunks, HAS_DT_BIAS=dt_bias is not None,
-        DT_SOFTPLUS=dt_softplus, CHUNK=tiles["CHUNK"], BLOCK_H=32)
-    states = torch.empty(batch, heads, n_chunks, head_dim, n_states, **f32)
-    decay = torch.empty(batch, heads, n_chunks, **f32)
+        DT_SOFTPLUS=dt_softplus, CHUNK=chunk, BLOCK_H=32)
+    return steps, a_cum
+
+
+def _scan_chunks(x, dt, dt_bias, dt_softplus, A, B, tiles, initial_state, slope=None):
+    """_launch_steps, then steps 2 and 3 on contiguous inputs (A, dt_bias float32): its (dt, a_cum), the state
+    entering each chunk (batch, heads, chunks, P, N), the decays (batch, heads, chunks), the final state; float32."""
+    (batch, length, heads, head_dim), (groups, n_states) = x.shape, B.shape[2:]
+    steps, a_cum = _launch_steps(dt, dt_bias, dt_softplus, A, tiles, slope)
+    n_chunks, f32 = steps.shape[2], dict(device=x.device, dtype=torch.float32)
+    states, decay = torch.empty(batch, heads, n_chunks, head_dim, n_states, **f32), torch.empty(steps.shape[:3], **f32)
     ssd_chunk_state_kernel[(batch, heads, n_chunks)](x, steps, a_cum, B, states, decay, length, heads, groups,
                                                      head_dim, n_states, n_chunks, **tiles)
-    start = None if initial_state is None else initial_state.float().contiguous()
-    entering, final = pass_states(states, decay, start)
+    entering, final = pass_states(states, decay, None if initial_state is None else initial_state.float().contiguous())
     return (steps, a_cum), entering, decay, final
 
 
@@ -572,7 +575,7 @@ def _backward_kernels(x, dt, A, B, C, chunk_size, dy, dfinal, D, initial_state, 
     z = None if z is None else z.contiguous()
     A32, D32, bias32 = (None if t is None else t.float().contiguous() for t in (A, D, dt_bias))
     tiles = _tiles(chunk_size, head_dim, n_states)
-    n_chunks = triton.cdiv(length, tiles["CHUNK"])
+    n_chunks = cdiv(length, tiles["CHUNK"])
     grid = (batch, heads, n_chunks)
     f32 = dict(device=x.device, dtype=torch.float32)
     slope = torch.empty(batch, heads, n_chunks, tiles["CHUNK"], **f32) if dt_softplus else None
@@ -654,7 +657,7 @@ def _walks(x):
     if x.element_size() != 2:
         return False
     multiprocessors = multiprocessor_count(x.device)
-    programs = x.shape[0] * x.shape[2] * triton.cdiv(x.shape[3], WALK_BLOCK_P)
+    programs = x.shape[0] * x.shape[2] * cdiv(x.shape[3], WALK_BLOCK_P)
     return multiprocessors is None or programs >= multiprocessors
 
 
@@ -674,16 +677,13 @@ def _walk_forward(x, dt, A, B, C, chunk_size, D, initial_state, z=None, dt_bias=
         return _forward_kernels(x, dt, A, B, C, chunk_size, D, initial_state, z, dt_bias, dt_softplus)
     x, dt, B, C, z = (None if t is None else t.contiguous() for t in (x, dt, B, C, z))
     A, D, dt_bias = (None if t is None else t.float().contiguous() for t in (A, D, dt_bias))   # indexed by head
-    n_chunks, f32 = triton.cdiv(length, tiles["CHUNK"]), dict(device=x.device, dtype=torch.float32)
-    steps = [torch.empty(batch, heads, n_chunks, tiles["CHUNK"], **f32) for _ in range(2)]   # dt, a_cum
-    ssd_chunk_steps_kernel[(batch, n_chunks, triton.cdiv(heads, 32))](
-        dt, dt_bias, A, *steps, None, length, heads, n_chunks, HAS_DT_BIAS=dt_bias is not None,
-        DT_SOFTPLUS=dt_softplus, CHUNK=tiles["CHUNK"], BLOCK_H=32)
+    steps = _launch_steps(dt, dt_bias, dt_softplus, A, tiles)   # dt, a_cum
+    n_chunks, f32 = steps[0].shape[2], dict(device=x.device, dtype=torch.float32)
     y = torch.empty(x.shape, dtype=_output_dtype(x, z), device=x.device)
     final = torch.empty(batch, heads, head_dim, n_states, **f32)
     start = None if initial_state is None else initial_state.float().contiguous()
     try:   # Triton raises at the launch, before the kernel runs
-        ssd_chunk_walk_kernel[(batch, heads, triton.cdiv(head_dim, block_p))](
+        ssd_chunk_walk_kernel[(batch, heads, cdiv(head_dim, block_p))](
             x, *steps, B, C, D, z, start, y, final, length, heads, groups, head_dim, n_states, n_chunks,
             HAS_D=D is not None, HAS_Z=z is not None, CHUNK=tiles["CHUNK"], BLOCK_P=block_p,
             BLOCK_N=tiles["BLOCK_N"], DOT=tiles["DOT"])
