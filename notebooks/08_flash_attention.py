@@ -1175,7 +1175,7 @@ else:
     try:
         for through_triton in (True, False):
             RememberedLaunches.through_triton = through_triton
-            results[through_triton] = (forward_h(), *both_h())
+            results[through_triton] = (forward_h().detach(), *both_h())  # no autograd graph kept
             print(f"{'through Triton' if through_triton else 'remembered':>14}: forward {host_us(forward_h):7.1f} / "
                   f"{graph_us(forward_h):7.1f}, forward+backward {host_us(both_h):7.1f} / {graph_us(both_h):7.1f}")
     finally:
