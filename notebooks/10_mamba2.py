@@ -1223,8 +1223,9 @@ for n_states in (64, 128):
 # the one measurement (bfloat16, section 9's shapes: $8 \times 32$ programs, $N$ = 64 and 128; float16
 # and larger $N$ were not timed). On an H100 it made that forward faster on the GPU at both sizes of
 # state, 318.2 to 159.3 us at $N = 64$ and 538.5 to 330.4 at $N = 128$
-# (`benchmarks/results/probe_ssd_fused_h100_2026-12-07.log`), below `mamba_ssm`'s forward kernels in
-# section 9's table (269 and 353 us, recorded before the walk). In float32, whose tf32x3 products hold
+# (`benchmarks/results/probe_ssd_fused_h100_2026-12-07.log`). Section 9's table, recorded with the walk,
+# has the op's bfloat16 forward at 160 and 325 us on the GPU, below `mamba_ssm`'s forward kernels there
+# (267 and 348 us). In float32, whose tf32x3 products hold
 # three times the tiles, the walk was slower (the same log), and its compile spills registers (`python
 # benchmarks/sass_lines.py ssd-walk --dtype fp32`), so float32 keeps section 5's kernels. Under the
 # interpreter (no multiprocessors) it runs wherever the inputs are 16-bit, so that the CPU checks it.
@@ -1377,10 +1378,11 @@ for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
 #   and launches remembered"). A training step launches nine to eleven of them, most with many
 #   arguments, and Triton's Python launch path works on every argument at every launch; remembered,
 #   each launch after the first with the same key goes straight to the compiled kernel. Section 9's
-#   table was recorded before; measured on an H100 (`benchmarks/results/host_ssd_h100_2026-12-07.log`,
-#   the same bits both ways), the host's time per bfloat16 forward+backward went from 1630 to 1504 us
-#   at $N = 64$ and from 1829 to 1480 at $N = 128$; at (2, 512, 32, 64, 64) the forward's host time
-#   rose instead, 222 to 312 us, one sample, not yet explained.
+#   table is recorded with them. Measured both ways on an H100 before the walk
+#   (`benchmarks/results/host_ssd_h100_2026-12-07.log`, the same bits both ways), the host's time per
+#   bfloat16 forward+backward went from 1630 to 1504 us at $N = 64$ and from 1829 to 1480 at $N = 128$;
+#   at (2, 512, 32, 64, 64) the forward's host time rose instead, 222 to 312 us, one sample, not yet
+#   explained.
 #
 # **Why the options are in the kernels.** In PyTorch each option is a pass of its own over memory:
 # the bias and the softplus read and write the $(B, L, H)$ steps (two passes, and a float32 copy), the
@@ -1756,46 +1758,50 @@ else:
 
 # %% [markdown]
 # What the recorded table shows (one run on an NVIDIA H100 80GB HBM3; on a machine without a GPU the
-# cell prints nothing to compare). It was recorded before the forward walked the chunks and before
-# the remembered launches (the two sections before section 8, and its last bullets), so its
-# bfloat16 forward is section 5's four kernels; the walk's times are in the probe's log cited there:
+# cell prints nothing to compare). Its bfloat16 rows run the forward as the walk over the chunks (the
+# section before section 8); the float32 rows, and every backward, run the kernels of sections 5 and 7:
 #
-# * In bfloat16, the dtype Mamba-2 trains in, our op's calls beat `mamba_ssm`'s in the
-#   forward+backward at both sizes of state (2.40x at $N = 64$, 1.55x at $N = 128$; but see the next
-#   point) and in the forward at $N = 64$ (1.25x), and are slower in the forward at $N = 128$ (0.76x).
-#   Both sides run their products on the tensor cores with bfloat16 operands and float32 sums, so the
-#   precision is like for like; the chunks are not: ours runs chunks of 64 where `mamba_ssm`'s runs the
-#   256 asked for, 1.75 against 4.0 times the loop's flops at $N = 128$ (section 4).
-# * Those ratios compare calls, not kernels. On the GPU alone `mamba_ssm`'s bfloat16 forward is the
-#   faster one: 269 us against our 324 at $N = 64$, 353 against 548 at $N = 128$ (0.83x and 0.65x),
-#   while its calls take 420 and 423 us, the difference the host's work. Its forward+backward takes
-#   the host longer to issue than the call lasts (4015 against 3799 us at $N = 64$, 5024 against 4390
-#   at $N = 128$): the host sets its pace, so the 2.40x and 1.55x compare its host path with our
-#   kernels. Ours is issued faster than it runs, but barely at $N = 64$: 1534 us to issue a 1582 us
-#   call (1664 to issue 2829 at $N = 128$). There the host nearly sets our pace too: eleven launches of
-#   Triton kernels (four in the forward, seven in the backward), most with many arguments, and the
-#   autograd, allocations and sums around them.
+# * In bfloat16, the dtype Mamba-2 trains in, our op is ahead of `mamba_ssm`'s in every column at both
+#   sizes of state. On the GPU alone our forward takes 160 us against 267 at $N = 64$ (1.68x) and 325
+#   against 348 at $N = 128$ (1.07x); a forward+backward call takes 1404 us against 3538 (2.52x) and
+#   2571 against 4153 (1.62x). Both sides run their products on the tensor cores with bfloat16 operands
+#   and float32 sums, so the precision is like for like; the chunks are not: ours runs chunks of 64
+#   where `mamba_ssm`'s runs the 256 asked for, 1.75 against 4.0 times the loop's flops at $N = 128$
+#   (section 4).
+# * The calls' ratios say less about the kernels than the GPU's. `mamba_ssm`'s host takes longer to
+#   issue a forward+backward than the call lasts (3519 against 3538 us at $N = 64$, 4369 against 4153
+#   at $N = 128$), and its forward call took 885 us at $N = 64$ for 267 on the GPU: its host path sets
+#   its pace. Ours now does too at $N = 64$: 1445 us to issue a 1404 us forward+backward (1494 to issue
+#   2571 at $N = 128$). Eleven launches of Triton kernels (four in the forward, seven in the backward),
+#   and the autograd, allocations and sums around them, take about as long as the kernels, so a faster
+#   backward kernel at $N = 64$ would not show in the call until the host's path is shorter.
 # * In float32 the two do different work by default, and the ratios say so. At torch's default
 #   precision ("highest") each of our products is tf32x3, three tensor-core products that keep float32's
-#   accuracy, and we are behind in every column: at $N = 64$ 0.77x for the forward call, 0.77x on the
-#   GPU, 0.93x in forward+backward; at $N = 128$ 0.49x, 0.50x and 0.37x. `mamba_ssm`'s product is one
-#   TF32 product, whose operands keep 10 bits of mantissa (`make bench` on an H200 finds its float32
-#   results 1.3e-03 to 4.7e-03 off, relative, against our 8.3e-07 to 3.9e-06:
+#   accuracy, and on the GPU we are behind: at $N = 64$ 0.79x on the forward and 0.90x in
+#   forward+backward (the forward call, 1.39x, is ahead only because `mamba_ssm`'s host is slow); at
+#   $N = 128$ 0.52x on the forward call and on the GPU, 0.47x in forward+backward. `mamba_ssm`'s
+#   product is one TF32 product, whose operands keep 10 bits of mantissa (`make bench` on an H200 finds
+#   its float32 results 1.3e-03 to 4.7e-03 off, relative, against our 8.3e-07 to 3.9e-06:
 #   `benchmarks/results/bench_ssd_h200_2026-12-03.log`). Asked for the same precision ("float32 tf32":
-#   `torch.set_float32_matmul_precision("high")`, one TF32 product), ours is level on the forward at
-#   $N = 64$ (1.02x on the call and on the GPU) and ahead in forward+backward (1.77x, against its
-#   host-bound step), behind at $N = 128$ (0.80x on the GPU, 0.91x in forward+backward). One TF32
-#   product in place of three took our float32 forward+backward from 4550 to 2521 us at $N = 64$ and
-#   from 11509 to 4555 at $N = 128$, where the tf32x3 grad kernels hold the most tiles.
-# * Neither op is near the floor: our bfloat16 forward at $N = 64$ takes 324 us on the GPU against a
-#   floor of 69, about 4.7 times, the forward+backward 1582 against 185, about 8.6 times; `mamba_ssm`'s
-#   forward, 269 us, about 3.9 times. The changes of sections 7 and 8 (the steps computed once, the gate
-#   moved to the adjoint kernel and staged there, the grad kernel split) were timed one at a time,
-#   each version's GPU time beside the one before, on an H100 in the session of this recording:
-#   `benchmarks/results/probe_ssd_h100_2026-12-07.log` (`benchmarks/probe_ssd_variants.py`). Each
-#   made the backward faster in every row it timed; the gate's move did most in bfloat16, the split
-#   most in float32 at $N = 64$ (the probe ran out of time before the split's float32 row at
-#   $N = 128$), and the steps computed once made the forward faster.
+#   `torch.set_float32_matmul_precision("high")`, one TF32 product), ours is ahead at $N = 64$ (1.09x
+#   on the GPU's forward, 1.60x in forward+backward, against its host-bound step) and behind at
+#   $N = 128$ (0.81x on the GPU, 0.88x in forward+backward). One TF32 product in place of three took
+#   our float32 forward+backward from 4459 to 2465 us at $N = 64$ and from 12580 to 4774 at $N = 128$,
+#   where the tf32x3 grad kernels hold the most tiles.
+# * Neither op is near the floor, and the backward is now where ours is far from it: our bfloat16
+#   forward at $N = 64$ takes 160 us on the GPU against a floor of 69, about 2.3 times, the
+#   forward+backward 1404 against 184, about 7.6 times; `mamba_ssm`'s forward, 267 us, about 3.9 times.
+#   The changes of sections 7 and 8 (the steps computed once, the gate moved to the adjoint kernel and
+#   staged there, the grad kernel split) were timed one at a time, each version's GPU time beside the
+#   one before, on an H100: `benchmarks/results/probe_ssd_h100_2026-12-07.log`
+#   (`benchmarks/probe_ssd_variants.py`). Each made the backward faster in every row it timed; the
+#   gate's move did most in bfloat16, the split most in float32 at $N = 64$. A backward that walks the
+#   chunks as the forward does (two walks, one forward to write each chunk's entering state once, one
+#   in reverse carrying the state's gradient) was slower in every row than section 7's kernels
+#   (`benchmarks/results/probe_ssd_sweeps_h100_2026-12-07.log`: bfloat16 at $N = 64$, 1760 against
+#   1204 us on the GPU at best): each walk is a chain of chunks in one program, and the walks hold
+#   more tiles than the registers keep (their compiles spill 128 to 2192 bytes a thread to the stack,
+#   `benchmarks/NOTES_ssd.md`).
 # * Read `mamba_ssm`'s column with care. Its Triton kernels pick their tile sizes by timing candidates
 #   on the first call of each shape (autotuning), and the choice, so its time, changes from run to run:
 #   `make bench` timed the same shapes on an H200 with other results
