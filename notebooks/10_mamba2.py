@@ -17,8 +17,8 @@
 # H100's or H200's arithmetic, sit idle. Mamba-2 (Dao and Gu, "Transformers are SSMs", 2024) changes
 # one thing: the decay $A$ becomes **one number per head**. Then a chunk of the recurrence is a masked
 # matrix product, and the scan is left only *between* chunks: state space duality (SSD), built here in
-# PyTorch, then in Triton. The backward, the differentiable op and its speed are summed up at the end
-# and built in "Going deeper"; the Mamba2 block comes later.
+# PyTorch, then in Triton. The backward, the differentiable op, its speed and the Mamba2 block are
+# summed up at the end and built in "Going deeper".
 
 # %%
 # Setup, the same in every chapter. On Colab, install scan_lib (Colab already has torch and triton).
@@ -255,9 +255,9 @@ for length, chunk, heads, groups, with_h0 in [(37, 8, 4, 2, True), (32, 8, 4, 4,
 #
 # Per position that is about $2Q(N+P) + 4PN$ flops where the loop does $4PN$: **more** work, 1.75 times
 # the loop's with $Q = P = 64$ and $N = 128$, 4.0 times with `mamba_ssm`'s chunks of 256. It can still
-# win: almost all of it is products of tiles of 64 or more, and an H200's dense bfloat16
-# tensor-core rate is many times the scalar float32 rate of the loop and chapter 07's kernels
-# (datasheet peaks: "Going deeper: the cost for other chunks"). So the chunk should be as small as
+# win: almost all of it is products of tiles of 64 or more, and an H200's bfloat16
+# tensor-core rate is many times the scalar float32 rate of chapter 07's kernels (datasheet peaks:
+# "Going deeper: the cost for other chunks"). So the chunk should be as small as
 # still fills the tensor cores.
 
 # %% [markdown]
@@ -543,7 +543,7 @@ for length, chunk, heads, groups, head_dim, n_states in [(37, 16, 4, 2, 3, 5), (
 # **Going deeper, in brief.** The backward follows chapter 03, the steps in reverse, each term a
 # product of one chunk's tiles (sections 6-7). With the forward it makes one differentiable op with
 # `mamba_ssm`'s interface, `scan_lib.mamba_chunk_scan_combined` (section 8), which section 9 times
-# against `mamba_ssm`'s kernels.
+# against `mamba_ssm`'s kernels; section 10 wraps it in `scan_lib.Mamba2`.
 
 # %% [markdown]
 # ## Going deeper: more checks of the reference forms
@@ -1810,6 +1810,455 @@ else:
 #   grows far less than the work does and ends faster than ours: at $L = 2048$ its step is set by the
 #   host, as the host column shows here, not by its kernels. Beating its kernels, at every length, is
 #   still open.
+
+# %% [markdown]
+# ## Going deeper: 10. The Mamba2 block
+#
+# Chapter 06 wrapped Mamba-1's scan in a block; Mamba-2's block (Dao and Gu, section 7;
+# `mamba_ssm.modules.mamba2.Mamba2`) wraps `mamba_chunk_scan_combined` the same way, with three changes:
+#
+# - **One projection makes every input of the scan.** Mamba-1 computed $B$, $C$ and $\Delta$ from the
+#   convolved $x$ (`x_proj`, `dt_proj`); Mamba-2 computes $z$, $x$, $B$, $C$ and the raw step $\Delta$
+#   from the block's input $u$ in one matrix product, `in_proj`, whose output splits as
+#   $[z \mid x \mid B \mid C \mid \Delta]$ of widths $d_{\text{ssm}}$, $d_{\text{ssm}}$, $gN$, $gN$ and $H$
+#   ($g$ groups of $B$ and $C$, $H$ heads of $P$ channels, $d_{\text{ssm}} = HP$). One product is one
+#   launch, and the inputs of the scan no longer wait for the convolution.
+# - **The convolution runs over $x$, $B$ and $C$ together** (`xBC`, $d_{\text{ssm}} + 2gN$ channels),
+#   chapter 06's causal depthwise convolution and SiLU, so that $B$ and $C$ see a few past positions as
+#   $x$ does.
+# - **The output is normalised.** Where Mamba-1 multiplied $y$ by $\operatorname{silu}(z)$, Mamba-2
+#   normalises the gated output per group of $d_{\text{ssm}}/g$ channels (`RMSNormGated`):
+#   $\hat y = y \odot \operatorname{silu}(z)$, then $\hat y / \sqrt{\operatorname{mean}(\hat y^2) + \epsilon}$
+#   times a learned weight. With $N$ = 64 to 256 states (Mamba-1's 16), the paper found the extra
+#   normalisation kept training stable at scale.
+#
+# $A$ is one number per head, $-\exp(A_{\log})$; $D$ one per head (or per channel, `D_has_hdim`); the
+# step is $\operatorname{softplus}(\Delta + b)$, optionally clamped to `dt_limit`. With `d_ssm` below
+# $d_{\text{inner}}$ the remaining channels skip the scan, a gated MLP, $\operatorname{silu}(z_0) \odot x_0$,
+# concatenated before `out_proj`. For generation the block keeps, per layer, the last `d_conv` inputs of
+# the convolution and the $(H, P, N)$ state: a step costs the same at every position, as chapter 06's.
+#
+# `Mamba2` below takes `mamba_ssm`'s constructor arguments, parameter names and shapes (so its
+# `state_dict` loads either way), `forward`, `step` and `allocate_inference_cache`; the scan is
+# `mamba_chunk_scan_combined` on the `"triton"` backend and section 3's `ssd_chunked` in float32 on the
+# `"torch"` one (the default on a CPU, where the interpreter is slow); a float64 block runs `ssd_chunked`
+# on either, since the kernels sum in float32. Where the op lacks an option (`dt_limit`, $D$ per channel)
+# the block applies it around the op in PyTorch. Not supported, with an error that says so: tensor
+# parallelism (`process_group`), packed sequences (`seq_idx`, `cu_seqlens`). The generation step runs in
+# PyTorch (one position is a few small products; `mamba_ssm` launches a Triton kernel there).
+
+# %%
+#| export
+import math
+
+import torch.nn as nn
+import torch.nn.functional as F
+
+from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update   # chapter 06
+from scan_lib.mamba import inverse_softplus   # chapter 06
+from scan_lib.runtime import ON_GPU
+
+
+class RMSNormGated(nn.Module):
+    """mamba_ssm's gated RMSNorm (mamba_ssm.ops.triton.layernorm_gated.RMSNorm), in PyTorch: forward(x, z)
+    is norm(x * silu(z)) (norm_before_gate False) or norm(x) * silu(z) (True), norm(v) = v / sqrt(mean(v^2)
+    + eps) * weight over each group of group_size features (all of them if None), computed in float32 (float64
+    for float64 x) and returned in x's dtype."""
+
+    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
+        super().__init__()
+        group_size = hidden_size if group_size is None else group_size
+        if group_size <= 0 or hidden_size % group_size:
+            raise ValueError(f"group_size must divide hidden_size ({hidden_size}), got {group_size}")
+        self.eps, self.group_size, self.norm_before_gate = eps, group_size, norm_before_gate
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.register_parameter("bias", None)
+
+    def forward(self, x, z=None):
+        f = torch.float64 if x.dtype == torch.float64 else torch.float32
+        v = x.to(f)                                                            # ... x hidden_size
+        gate = None if z is None else F.silu(z.to(f))
+        if gate is not None and not self.norm_before_gate:
+            v = v * gate
+        groups = v.unflatten(-1, (-1, self.group_size))                       # ... x groups x group_size
+        v = (groups * torch.rsqrt(groups.square().mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        v = v * self.weight.to(f)
+        if gate is not None and self.norm_before_gate:
+            v = v * gate
+        return v.to(x.dtype)
+
+
+class Mamba2(nn.Module):
+    """The Mamba-2 block of mamba_ssm.modules.mamba2.Mamba2: the same constructor arguments, parameter names
+    and shapes, forward, step and allocate_inference_cache, on scan_lib's kernels.
+
+    backend: "triton" (scan_lib.mamba_chunk_scan_combined, causal_conv1d, causal_conv1d_update) or "torch"
+    (ssd_chunked in float32 and F.conv1d, for a CPU); None picks "triton" on a GPU and "torch" otherwise. A
+    float64 block scans with ssd_chunked on both. use_mem_eff_path, sequence_parallel and layer_idx are
+    accepted as mamba_ssm's; process_group (tensor parallelism), seq_idx and cu_seqlens are not supported.
+    forward(u, inference_params): as scan_lib.Mamba's, a call at seqlen_offset 0 starts a new prompt from zero
+    states; a later call of one position runs `step`, of several continues from the cached states (a prompt
+    fed in chunks); every call leaves its final states in the cache (a scan_lib.InferenceParams). dt_limit
+    clamps the step in `step` too, so that generation gives forward's outputs (mamba_ssm's step does not)."""
+
+    def __init__(self, d_model, d_state=128, d_conv=4, conv_init=None, expand=2, headdim=64, d_ssm=None,
+                 ngroups=1, A_init_range=(1, 16), D_has_hdim=False, rmsnorm=True, norm_before_gate=False,
+                 dt_min=0.001, dt_max=0.1, dt_init_floor=1e-4, dt_limit=(0.0, float("inf")), bias=False,
+                 conv_bias=True, chunk_size=256, use_mem_eff_path=True, layer_idx=None, process_group=None,
+                 sequence_parallel=True, device=None, dtype=None, backend=None):
+        factory = {"device": device, "dtype": dtype}
+        super().__init__()
+        if process_group is not None:
+            raise NotImplementedError("process_group: scan_lib.Mamba2 has no tensor parallelism")
+        if backend not in (None, "triton", "torch"):
+            raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
+        if not 2 <= d_conv <= 4:
+            raise ValueError(f"d_conv must be 2, 3 or 4 (the convolution kernel's widths), got {d_conv}")
+        self.backend = backend or ("triton" if ON_GPU else "torch")
+        self.d_model, self.d_state, self.d_conv, self.conv_init, self.expand = d_model, d_state, d_conv, conv_init, expand
+        self.d_inner = expand * d_model
+        self.headdim, self.ngroups = headdim, ngroups
+        self.d_ssm = self.d_inner if d_ssm is None else d_ssm
+        if self.d_ssm % headdim or not 0 < self.d_ssm <= self.d_inner:
+            raise ValueError(f"d_ssm ({self.d_ssm}) must be a multiple of headdim ({headdim}) and at most "
+                             f"expand * d_model ({self.d_inner})")
+        self.nheads = self.d_ssm // headdim
+        if ngroups <= 0 or self.nheads % ngroups:
+            raise ValueError(f"ngroups ({ngroups}) must divide the number of heads ({self.nheads})")
+        if not 0 < A_init_range[0] <= A_init_range[1]:
+            raise ValueError(f"A_init_range must be (low, high) with 0 < low <= high, got {A_init_range}")
+        self.D_has_hdim, self.rmsnorm, self.norm_before_gate = D_has_hdim, rmsnorm, norm_before_gate
+        self.dt_limit, self.activation, self.chunk_size = tuple(dt_limit), "silu", chunk_size
+        self.use_mem_eff_path, self.layer_idx, self.sequence_parallel = use_mem_eff_path, layer_idx, sequence_parallel
+        self.d_mlp = self.d_inner - self.d_ssm                                 # channels that skip the scan
+        self.conv_dim = self.d_ssm + 2 * ngroups * d_state                     # x, B and C
+        # in_proj's output: [z0, x0 (d_mlp each), z (d_ssm), xBC (conv_dim), dt (nheads)]
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner + 2 * ngroups * d_state + self.nheads, bias=bias, **factory)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, padding=d_conv - 1,
+                                bias=conv_bias, **factory)
+        if conv_init is not None:
+            nn.init.uniform_(self.conv1d.weight, -conv_init, conv_init)
+        self.act = nn.SiLU()
+        step = torch.exp(torch.rand(self.nheads, **factory) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        self.dt_bias = nn.Parameter(inverse_softplus(step.clamp(min=dt_init_floor)))   # softplus(dt_bias) = step
+        self.dt_bias._no_weight_decay = True
+        A = torch.empty(self.nheads, dtype=torch.float32, device=device).uniform_(*A_init_range)
+        self.A_log = nn.Parameter(torch.log(A).to(dtype))                      # A = -exp(A_log), one per head
+        self.A_log._no_weight_decay = True
+        self.D = nn.Parameter(torch.ones(self.d_ssm if D_has_hdim else self.nheads, device=device))  # float32 always
+        self.D._no_weight_decay = True
+        if rmsnorm:
+            self.norm = RMSNormGated(self.d_ssm, eps=1e-5, group_size=self.d_ssm // ngroups,
+                                     norm_before_gate=norm_before_gate, **factory)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **factory)
+
+    def forward(self, u, seqlen=None, seq_idx=None, cu_seqlens=None, inference_params=None):
+        """u: (batch, L, d_model), or (batch * L, d_model) with seqlen = L. Returns u's shape."""
+        if seq_idx is not None or cu_seqlens is not None:
+            raise NotImplementedError("seq_idx and cu_seqlens (packed sequences) are not supported by scan_lib.Mamba2")
+        if seqlen is not None:
+            if u.dim() != 2 or seqlen <= 0 or u.shape[0] % seqlen:
+                raise ValueError(f"u must have shape (batch * seqlen, d_model) with seqlen={seqlen}, got {tuple(u.shape)}")
+            return self.forward(u.view(-1, seqlen, u.shape[-1]), inference_params=inference_params).flatten(0, 1)
+        self._check_input(u)
+        if inference_params is None:
+            return self._sequence(u)[0]
+        conv_state, ssm_state = self._get_states_from_cache(inference_params, u.shape[0])
+        if inference_params.seqlen_offset > 0 and u.shape[1] == 1:
+            return self.step(u, conv_state, ssm_state)[0]
+        if inference_params.seqlen_offset == 0:   # a new prompt: from zeros, not from an old prompt's states
+            conv_state.zero_()
+            ssm_state.zero_()
+        out, new_conv_state, new_ssm_state = self._sequence(u, conv_state, ssm_state)
+        conv_state.copy_(new_conv_state)
+        ssm_state.copy_(new_ssm_state)
+        return out
+
+    def _split(self, zxbcdt):
+        """in_proj's output (..., d_in_proj) -> z0, x0, z, xBC, dt (views)."""
+        return torch.split(zxbcdt, [self.d_mlp, self.d_mlp, self.d_ssm, self.conv_dim, self.nheads], dim=-1)
+
+    def _finish(self, y, z, z0, x0):
+        """The scan's output y (..., d_ssm) -> the block's output: the norm (or no gate left), the MLP's
+        channels, out_proj."""
+        if self.rmsnorm:
+            y = self.norm(y, z)
+        if self.d_mlp > 0:
+            y = torch.cat([F.silu(z0) * x0, y], dim=-1)
+        return self.out_proj(y)
+
+    def _sequence(self, u, conv_state=None, ssm_state=None):
+        """The whole sequence, or one chunk continuing from conv_state and ssm_state (then also returns
+        the states after it)."""
+        z0, x0, z, xBC, dt = self._split(self.in_proj(u))                     # batch x L x ... each
+        keep = conv_state is not None
+        xBC_t = xBC.transpose(1, 2)                                            # batch x conv_dim x L, a view
+        conv = causal_conv1d if self.backend == "triton" else causal_conv1d_ref
+        xBC = conv(xBC_t, self.conv1d.weight[:, 0], self.conv1d.bias, activation=self.activation,
+                   initial_states=conv_state[..., 1:].to(xBC_t.dtype) if keep else None).transpose(1, 2)
+        x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        y, last_state = self._scan(x, dt, B, C, z, ssm_state)                 # batch x L x d_ssm
+        out = self._finish(y, z, z0, x0)
+        if not keep:
+            return out, None, None
+        new_conv_state = torch.cat([conv_state, xBC_t.to(conv_state.dtype)], dim=-1)[..., -self.d_conv:]
+        return out, new_conv_state, last_state
+
+    def _scan(self, x, dt, B, C, z, initial_state):
+        """x (batch, L, d_ssm), dt (batch, L, heads), B and C (batch, L, groups N), z (batch, L, d_ssm) ->
+        y (batch, L, d_ssm), gated here unless rmsnorm, and the final state (batch, heads, P, N)."""
+        heads = lambda t: t.unflatten(-1, (self.nheads, self.headdim))         # noqa: E731  (..., d_ssm) -> (..., H, P)
+        groups = lambda t: t.unflatten(-1, (self.ngroups, self.d_state))       # noqa: E731  (..., g N) -> (..., g, N)
+        f = torch.float64 if x.dtype == torch.float64 else torch.float32    # the kernels' float32, or float64
+        A = -torch.exp(self.A_log.to(f))
+        gate_in_op = not self.rmsnorm and not self.D_has_hdim                  # the op gates after adding D x
+        D = None if self.D_has_hdim else self.D
+        dt_bias = self.dt_bias
+        if self.dt_limit != (0.0, float("inf")):                               # the op has no clamp: the step here
+            dt, dt_bias = F.softplus(dt.to(f) + dt_bias.to(f)).clamp(*self.dt_limit), None
+        scan = self._chunk_scan_torch if self.backend == "torch" or x.dtype == torch.float64 else mamba_chunk_scan_combined
+        y, final = scan(heads(x), dt, A, groups(B), groups(C), self.chunk_size, D, heads(z) if gate_in_op else None,
+                        dt_bias, initial_state, dt_softplus=dt_bias is not None, return_final_states=True)
+        if self.D_has_hdim:
+            y = y + heads(x) * heads(self.D)
+        y = y.flatten(-2)
+        if not self.rmsnorm and not gate_in_op:
+            y = y * F.silu(z)
+        return y, final
+
+    @staticmethod
+    def _chunk_scan_torch(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, *,
+                          dt_softplus=False, return_final_states=False):
+        """mamba_chunk_scan_combined's computation with section 3's ssd_chunked, in float32 (float64 for
+        float64 x), differentiable by autograd; y in x's dtype, the final state float32 (or float64)."""
+        f = torch.float64 if x.dtype == torch.float64 else torch.float32
+        step = dt.to(f) if dt_bias is None else dt.to(f) + dt_bias.to(f)
+        step = F.softplus(step) if dt_softplus else step
+        y, final = ssd_chunked(x.to(f), step, A.to(f), B.to(f), C.to(f), min(chunk_size, KERNEL_CHUNK),
+                               None if D is None else D.to(f), None if initial_states is None else initial_states.to(f))
+        y = (y if z is None else y * F.silu(z.to(f))).to(x.dtype)
+        return (y, final) if return_final_states else y
+
+    def step(self, hidden_states, conv_state, ssm_state):
+        """One position: hidden_states (batch, 1, d_model); conv_state (batch, conv_dim, d_conv) and ssm_state
+        (batch, heads, P, N) are updated in place. Returns (out, conv_state, ssm_state)."""
+        self._check_input(hidden_states, "hidden_states")
+        if hidden_states.shape[1] != 1:
+            raise ValueError(f"step takes one position: hidden_states of shape (batch, 1, {self.d_model}), "
+                             f"got {tuple(hidden_states.shape)}")
+        self._check_states(hidden_states.shape[0], conv_state, ssm_state)
+        z0, x0, z, xBC, dt = self._split(self.in_proj(hidden_states[:, 0]))  # batch x ... each
+        weight = self.conv1d.weight[:, 0]                                      # conv_dim x d_conv
+        if self.backend == "triton":
+            xBC = causal_conv1d_update(xBC.to(conv_state.dtype), conv_state, weight, self.conv1d.bias,
+                                       self.activation).to(xBC.dtype)
+        else:   # shift the window left by one position, append the input, and apply the filter
+            conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+            conv_state[:, :, -1] = xBC
+            xBC = (conv_state * weight).sum(-1)
+            xBC = F.silu(xBC if self.conv1d.bias is None else xBC + self.conv1d.bias).to(hidden_states.dtype)
+        x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        y = self._ssm_step(x, dt, B, C, z, ssm_state)                          # batch x d_ssm
+        return self._finish(y, z, z0, x0)[:, None], conv_state, ssm_state
+
+    def _ssm_step(self, x, dt, B, C, z, ssm_state):
+        """H <- exp(dt A) H + dt x B^T, y = H C + D x (gated here unless rmsnorm), per head, in float32
+        (float64 for a float64 state); ssm_state updated in place."""
+        f = torch.float64 if ssm_state.dtype == torch.float64 else torch.float32
+        step = F.softplus(dt.to(f) + self.dt_bias.to(f)).clamp(*self.dt_limit)   # batch x H
+        per_head = self.nheads // self.ngroups
+        B, C = (t.to(f).unflatten(-1, (self.ngroups, self.d_state)).repeat_interleave(per_head, dim=1) for t in (B, C))
+        x_h = x.to(f).unflatten(-1, (self.nheads, self.headdim))              # batch x H x P
+        decay = torch.exp(step * -torch.exp(self.A_log.to(f)))                 # batch x H
+        state = decay[..., None, None] * ssm_state.to(f) + (step[..., None] * x_h)[..., None] * B[:, :, None, :]
+        ssm_state.copy_(state)
+        D = self.D.to(f).view(self.nheads, self.headdim) if self.D_has_hdim else self.D.to(f)[:, None]
+        y = (torch.einsum("bhpn,bhn->bhp", state, C) + D * x_h).flatten(1)
+        if not self.rmsnorm:
+            y = y * F.silu(z.to(f))
+        return y.to(x.dtype)
+
+    def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None, **kwargs):
+        """Zero states for generation: conv_state (batch, conv_dim, d_conv) in conv1d.weight's dtype, ssm_state
+        (batch, heads, P, N) in in_proj.weight's, unless dtype is given. Their size does not depend on max_seqlen."""
+        device = self.out_proj.weight.device
+        conv_state = torch.zeros(batch_size, self.conv_dim, self.d_conv, device=device,
+                                 dtype=dtype or self.conv1d.weight.dtype)
+        ssm_state = torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, device=device,
+                                dtype=dtype or self.in_proj.weight.dtype)
+        return conv_state, ssm_state
+
+    def _get_states_from_cache(self, inference_params, batch_size):
+        if self.layer_idx is None:
+            raise ValueError("inference_params needs the block's layer_idx (Mamba2(..., layer_idx=i)): the "
+                             "states are cached under it")
+        cache = inference_params.key_value_memory_dict
+        if self.layer_idx not in cache:
+            cache[self.layer_idx] = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)
+        conv_state, ssm_state = cache[self.layer_idx]
+        self._check_states(batch_size, conv_state, ssm_state)
+        return conv_state, ssm_state
+
+    def _check_input(self, u, name="u"):
+        check_float_tensor(name, u)
+        if u.dim() != 3 or u.shape[-1] != self.d_model:
+            raise ValueError(f"{name} must have shape (batch, L, d_model={self.d_model}), got {tuple(u.shape)}")
+        weight = self.in_proj.weight
+        if u.dtype != weight.dtype and not torch.is_autocast_enabled(u.device.type):
+            raise TypeError(f"{name} must have the block's dtype {weight.dtype} (or run under torch.autocast), "
+                            f"got {u.dtype}")
+        if u.shape[1] == 0:
+            raise ValueError(f"{name} must hold at least one position, got shape {tuple(u.shape)}")
+
+    def _check_states(self, batch_size, conv_state, ssm_state):
+        for name, state, shape in (("conv_state", conv_state, (batch_size, self.conv_dim, self.d_conv)),
+                                   ("ssm_state", ssm_state, (batch_size, self.nheads, self.headdim, self.d_state))):
+            check_float_tensor(name, state)
+            if tuple(state.shape) != shape:
+                raise ValueError(f"{name} must have shape {shape}, got {tuple(state.shape)}")
+
+# %% [markdown]
+# The check: a block with every parameter moved off its initial value, against the computation written
+# out one position at a time in float64 (chapter 06's convolution as a sum over the window, section 1's
+# `ssd_loop`, the norm's formula), on both backends, with groups, the MLP channels and the options that
+# change the path (no norm, $D$ per channel, a clamped step).
+
+# %%
+def mamba2_reference(block, u):
+    """The block's forward in float64 from its parameters, the convolution and the scan position by position."""
+    P = {name: p.detach().double() for name, p in block.named_parameters()}
+    u = u.detach().double()
+    zxbcdt = u @ P["in_proj.weight"].T + P.get("in_proj.bias", 0)
+    z0, x0, z, xBC, dt = block._split(zxbcdt)
+    window = F.pad(xBC, (0, 0, block.d_conv - 1, 0)).unfold(1, block.d_conv, 1)   # batch x L x conv_dim x d_conv
+    xBC = F.silu((window * P["conv1d.weight"][:, 0]).sum(-1) + P.get("conv1d.bias", 0))
+    x, B, C = torch.split(xBC, [block.d_ssm, block.ngroups * block.d_state, block.ngroups * block.d_state], dim=-1)
+    step = F.softplus(dt + P["dt_bias"]).clamp(*block.dt_limit)
+    x_h = x.unflatten(-1, (block.nheads, block.headdim))
+    y, _ = ssd_loop(x_h, step, -torch.exp(P["A_log"]), B.unflatten(-1, (block.ngroups, block.d_state)),
+                    C.unflatten(-1, (block.ngroups, block.d_state)))
+    D = P["D"].view(block.nheads, block.headdim) if block.D_has_hdim else P["D"][:, None]
+    y = (y + D * x_h).flatten(-2)
+    if block.rmsnorm:
+        gated = y * F.silu(z) if not block.norm_before_gate else y
+        groups = gated.unflatten(-1, (block.ngroups, -1))
+        y = (groups / torch.sqrt(groups.square().mean(-1, keepdim=True) + 1e-5)).flatten(-2) * P["norm.weight"]
+        y = y * F.silu(z) if block.norm_before_gate else y
+    else:
+        y = y * F.silu(z)
+    if block.d_mlp:
+        y = torch.cat([F.silu(z0) * x0, y], dim=-1)
+    return y @ P["out_proj.weight"].T + P.get("out_proj.bias", 0)
+
+
+def small_mamba2(backend, dtype, seed=0, **options):
+    """A small block (d_model 16, heads of 8, N 8, chunks of 16) with every parameter perturbed."""
+    torch.manual_seed(seed)
+    block = Mamba2(16, d_state=8, headdim=8, chunk_size=16, backend=backend, device=DEVICE, dtype=dtype, **options)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    return block
+
+
+print(f"{'backend':>7} {'dtype':>8}  {'options':52s} relative error")
+for backend, dtype in (("torch", torch.float64), ("triton", torch.float32)):
+    for options in ({}, {"ngroups": 2, "d_ssm": 16, "bias": True}, {"rmsnorm": False, "conv_bias": False},
+                    {"D_has_hdim": True, "norm_before_gate": True}, {"dt_limit": (0.02, 0.3), "rmsnorm": False, "D_has_hdim": True}):
+        block = small_mamba2(backend, dtype, **options)
+        u = torch.randn(2, 37, 16, device=DEVICE, dtype=dtype)
+        want, got = mamba2_reference(block, u), block(u).double()
+        error = ((got - want).abs().max() / want.abs().max()).item()
+        named = ", ".join(f"{k}={v}" for k, v in options.items()) or "defaults"
+        print(f"{backend:>7} {str(dtype)[6:]:>8}  {named:52s} {error:.1e}")
+        assert error < (1e-12 if dtype == torch.float64 else 1e-5), error
+
+# %% [markdown]
+# Generation: the same prompt fed whole, in two chunks (a prefill continued from the cached states) and one
+# position at a time (`step`) gives the same outputs and leaves the same states; a second prompt on the
+# same cache, from offset 0, starts from zero states.
+
+# %%
+from scan_lib import InferenceParams
+
+
+def run_prompt(block, u, pieces):
+    """The block over u fed in pieces of the given lengths, with one InferenceParams; outputs and states."""
+    params, outs, start = InferenceParams(max_seqlen=u.shape[1], max_batch_size=u.shape[0]), [], 0
+    for length in pieces:
+        outs.append(block(u[:, start:start + length], inference_params=params))
+        params.seqlen_offset, start = start + length, start + length
+    return torch.cat(outs, dim=1), params
+
+
+for backend, dtype in (("torch", torch.float64), ("triton", torch.float32)):
+    block = small_mamba2(backend, dtype, layer_idx=0, ngroups=2)
+    u = torch.randn(2, 21, 16, device=DEVICE, dtype=dtype)
+    whole, whole_params = run_prompt(block, u, [21])
+    errors = []
+    for pieces in ([13, 8], [5] + [1] * 16):
+        out, params = run_prompt(block, u, pieces)
+        errors += [(out - whole).abs().max() / whole.abs().max()] + [
+            (a - b).abs().max() / b.abs().max() for a, b in zip(params.key_value_memory_dict[0], whole_params.key_value_memory_dict[0])]
+    whole_params.seqlen_offset = 0   # a new prompt on the old cache
+    again = block(u, inference_params=whole_params)
+    errors.append((again - whole).abs().max() / whole.abs().max())
+    print(f"{backend:>7}: whole / in two chunks / token by token / a second prompt, largest relative error "
+          f"{max(errors).item():.1e}")
+    assert max(errors) < (1e-12 if dtype == torch.float64 else 1e-5)
+
+# %% [markdown]
+# On a GPU with `mamba_ssm` installed, the same weights in `mamba_ssm`'s own `Mamba2` (its unfused path,
+# `use_mem_eff_path=False`, which needs no causal-conv1d package): outputs and every gradient, float32 and
+# bfloat16, and token-by-token generation.
+
+# %%
+def mamba_ssm_mamba2():
+    """mamba_ssm's Mamba2 class, or None and the reason. As chapter 06's `_mamba_ssm_block`, mamba_ssm's package
+    is entered without its __init__ (which imports far more); huggingface_hub, whose only use in the module is
+    a mixin for saving to the Hub, is replaced by an empty mixin where it is not installed."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+    spec = importlib.util.find_spec("mamba_ssm")
+    if spec is None:
+        return None, "mamba_ssm is not installed"
+    if "mamba_ssm" not in sys.modules:
+        package = types.ModuleType("mamba_ssm")
+        package.__path__, package.__spec__ = list(spec.submodule_search_locations), spec
+        sys.modules["mamba_ssm"] = package
+    if importlib.util.find_spec("huggingface_hub") is None:
+        sys.modules["huggingface_hub"] = types.ModuleType("huggingface_hub")
+        sys.modules["huggingface_hub"].PyTorchModelHubMixin = type("PyTorchModelHubMixin", (), {})
+    try:
+        return importlib.import_module("mamba_ssm.modules.mamba2").Mamba2, None
+    except Exception as error:   # noqa: BLE001 (a missing extension or package shows up as any of several errors)
+        return None, f"mamba_ssm's Mamba2 not importable: {type(error).__name__}: {error}"
+
+
+Theirs, why_not = mamba_ssm_mamba2() if ON_GPU else (None, "needs a GPU")
+if Theirs is None:
+    print(f"skipped the comparison with mamba_ssm's Mamba2 ({why_not})")
+else:
+    for dtype, bound in ((torch.float32, 1e-3), (torch.bfloat16, 3e-2)):
+        ours = Mamba2(256, d_state=64, headdim=64, ngroups=2, layer_idx=0, device=DEVICE, dtype=dtype)
+        theirs = Theirs(256, d_state=64, headdim=64, ngroups=2, layer_idx=0, use_mem_eff_path=False,
+                        device=DEVICE, dtype=dtype)
+        theirs.load_state_dict(ours.state_dict())
+        u = torch.randn(2, 300, 256, device=DEVICE, dtype=dtype, requires_grad=True)
+        grad = torch.randn_like(u)
+        results = []
+        for block in (ours, theirs):
+            out = block(u)
+            grads = torch.autograd.grad(out, [u, *block.parameters()], grad)
+            results.append([out, *grads])
+        names = ["out", "u"] + [name for name, _ in ours.named_parameters()]
+        errors = {n: ((a.float() - b.float()).abs().max() / b.float().abs().max()).item()
+                  for n, a, b in zip(names, *results)}
+        worst = max(errors, key=errors.get)
+        print(f"{str(dtype)[6:]:>8}: ours against mamba_ssm's Mamba2, largest relative error {errors[worst]:.1e} ({worst})")
+        assert errors[worst] < bound, errors
 
 # %% [markdown]
 # ## References

@@ -12,8 +12,8 @@ from .fast_selective_scan import selective_scan  # chapter 07's kernels; chapter
 from .causal_conv1d import causal_conv1d, causal_conv1d_update
 from .mamba import InferenceParams, Mamba, selective_state_update
 from .flash_attention import flash_attention
-from .ssd import mamba_chunk_scan_combined
+from .ssd import Mamba2, RMSNormGated, mamba_chunk_scan_combined
 
 __all__ = ["runtime", "cumsum", "linear_scan", "multistate_scan", "selective_scan", "causal_conv1d",
            "causal_conv1d_update", "Mamba", "InferenceParams", "selective_state_update", "flash_attention",
-           "mamba_chunk_scan_combined"]
+           "mamba_chunk_scan_combined", "Mamba2", "RMSNormGated"]

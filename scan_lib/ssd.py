@@ -812,3 +812,271 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
                           float64_dt=dt_bias is not None or bool(dt_softplus))
     y, final = apply(SSDFn, x, dt, A, B, C, chunk_size, D, z, dt_bias, initial_states, bool(dt_softplus))
     return (y, final) if return_final_states else y
+
+import math
+
+import torch.nn as nn
+import torch.nn.functional as F
+
+from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update   # chapter 06
+from scan_lib.mamba import inverse_softplus   # chapter 06
+from scan_lib.runtime import ON_GPU
+
+
+class RMSNormGated(nn.Module):
+    """mamba_ssm's gated RMSNorm (mamba_ssm.ops.triton.layernorm_gated.RMSNorm), in PyTorch: forward(x, z)
+    is norm(x * silu(z)) (norm_before_gate False) or norm(x) * silu(z) (True), norm(v) = v / sqrt(mean(v^2)
+    + eps) * weight over each group of group_size features (all of them if None), computed in float32 (float64
+    for float64 x) and returned in x's dtype."""
+
+    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
+        super().__init__()
+        group_size = hidden_size if group_size is None else group_size
+        if group_size <= 0 or hidden_size % group_size:
+            raise ValueError(f"group_size must divide hidden_size ({hidden_size}), got {group_size}")
+        self.eps, self.group_size, self.norm_before_gate = eps, group_size, norm_before_gate
+        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.register_parameter("bias", None)
+
+    def forward(self, x, z=None):
+        f = torch.float64 if x.dtype == torch.float64 else torch.float32
+        v = x.to(f)                                                            # ... x hidden_size
+        gate = None if z is None else F.silu(z.to(f))
+        if gate is not None and not self.norm_before_gate:
+            v = v * gate
+        groups = v.unflatten(-1, (-1, self.group_size))                       # ... x groups x group_size
+        v = (groups * torch.rsqrt(groups.square().mean(-1, keepdim=True) + self.eps)).flatten(-2)
+        v = v * self.weight.to(f)
+        if gate is not None and self.norm_before_gate:
+            v = v * gate
+        return v.to(x.dtype)
+
+
+class Mamba2(nn.Module):
+    """The Mamba-2 block of mamba_ssm.modules.mamba2.Mamba2: the same constructor arguments, parameter names
+    and shapes, forward, step and allocate_inference_cache, on scan_lib's kernels.
+
+    backend: "triton" (scan_lib.mamba_chunk_scan_combined, causal_conv1d, causal_conv1d_update) or "torch"
+    (ssd_chunked in float32 and F.conv1d, for a CPU); None picks "triton" on a GPU and "torch" otherwise. A
+    float64 block scans with ssd_chunked on both. use_mem_eff_path, sequence_parallel and layer_idx are
+    accepted as mamba_ssm's; process_group (tensor parallelism), seq_idx and cu_seqlens are not supported.
+    forward(u, inference_params): as scan_lib.Mamba's, a call at seqlen_offset 0 starts a new prompt from zero
+    states; a later call of one position runs `step`, of several continues from the cached states (a prompt
+    fed in chunks); every call leaves its final states in the cache (a scan_lib.InferenceParams). dt_limit
+    clamps the step in `step` too, so that generation gives forward's outputs (mamba_ssm's step does not)."""
+
+    def __init__(self, d_model, d_state=128, d_conv=4, conv_init=None, expand=2, headdim=64, d_ssm=None,
+                 ngroups=1, A_init_range=(1, 16), D_has_hdim=False, rmsnorm=True, norm_before_gate=False,
+                 dt_min=0.001, dt_max=0.1, dt_init_floor=1e-4, dt_limit=(0.0, float("inf")), bias=False,
+                 conv_bias=True, chunk_size=256, use_mem_eff_path=True, layer_idx=None, process_group=None,
+                 sequence_parallel=True, device=None, dtype=None, backend=None):
+        factory = {"device": device, "dtype": dtype}
+        super().__init__()
+        if process_group is not None:
+            raise NotImplementedError("process_group: scan_lib.Mamba2 has no tensor parallelism")
+        if backend not in (None, "triton", "torch"):
+            raise ValueError(f"backend must be None, 'triton' or 'torch', got {backend!r}")
+        if not 2 <= d_conv <= 4:
+            raise ValueError(f"d_conv must be 2, 3 or 4 (the convolution kernel's widths), got {d_conv}")
+        self.backend = backend or ("triton" if ON_GPU else "torch")
+        self.d_model, self.d_state, self.d_conv, self.conv_init, self.expand = d_model, d_state, d_conv, conv_init, expand
+        self.d_inner = expand * d_model
+        self.headdim, self.ngroups = headdim, ngroups
+        self.d_ssm = self.d_inner if d_ssm is None else d_ssm
+        if self.d_ssm % headdim or not 0 < self.d_ssm <= self.d_inner:
+            raise ValueError(f"d_ssm ({self.d_ssm}) must be a multiple of headdim ({headdim}) and at most "
+                             f"expand * d_model ({self.d_inner})")
+        self.nheads = self.d_ssm // headdim
+        if ngroups <= 0 or self.nheads % ngroups:
+            raise ValueError(f"ngroups ({ngroups}) must divide the number of heads ({self.nheads})")
+        if not 0 < A_init_range[0] <= A_init_range[1]:
+            raise ValueError(f"A_init_range must be (low, high) with 0 < low <= high, got {A_init_range}")
+        self.D_has_hdim, self.rmsnorm, self.norm_before_gate = D_has_hdim, rmsnorm, norm_before_gate
+        self.dt_limit, self.activation, self.chunk_size = tuple(dt_limit), "silu", chunk_size
+        self.use_mem_eff_path, self.layer_idx, self.sequence_parallel = use_mem_eff_path, layer_idx, sequence_parallel
+        self.d_mlp = self.d_inner - self.d_ssm                                 # channels that skip the scan
+        self.conv_dim = self.d_ssm + 2 * ngroups * d_state                     # x, B and C
+        # in_proj's output: [z0, x0 (d_mlp each), z (d_ssm), xBC (conv_dim), dt (nheads)]
+        self.in_proj = nn.Linear(d_model, 2 * self.d_inner + 2 * ngroups * d_state + self.nheads, bias=bias, **factory)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, d_conv, groups=self.conv_dim, padding=d_conv - 1,
+                                bias=conv_bias, **factory)
+        if conv_init is not None:
+            nn.init.uniform_(self.conv1d.weight, -conv_init, conv_init)
+        self.act = nn.SiLU()
+        step = torch.exp(torch.rand(self.nheads, **factory) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+        self.dt_bias = nn.Parameter(inverse_softplus(step.clamp(min=dt_init_floor)))   # softplus(dt_bias) = step
+        self.dt_bias._no_weight_decay = True
+        A = torch.empty(self.nheads, dtype=torch.float32, device=device).uniform_(*A_init_range)
+        self.A_log = nn.Parameter(torch.log(A).to(dtype))                      # A = -exp(A_log), one per head
+        self.A_log._no_weight_decay = True
+        self.D = nn.Parameter(torch.ones(self.d_ssm if D_has_hdim else self.nheads, device=device))  # float32 always
+        self.D._no_weight_decay = True
+        if rmsnorm:
+            self.norm = RMSNormGated(self.d_ssm, eps=1e-5, group_size=self.d_ssm // ngroups,
+                                     norm_before_gate=norm_before_gate, **factory)
+        self.out_proj = nn.Linear(self.d_inner, d_model, bias=bias, **factory)
+
+    def forward(self, u, seqlen=None, seq_idx=None, cu_seqlens=None, inference_params=None):
+        """u: (batch, L, d_model), or (batch * L, d_model) with seqlen = L. Returns u's shape."""
+        if seq_idx is not None or cu_seqlens is not None:
+            raise NotImplementedError("seq_idx and cu_seqlens (packed sequences) are not supported by scan_lib.Mamba2")
+        if seqlen is not None:
+            if u.dim() != 2 or seqlen <= 0 or u.shape[0] % seqlen:
+                raise ValueError(f"u must have shape (batch * seqlen, d_model) with seqlen={seqlen}, got {tuple(u.shape)}")
+            return self.forward(u.view(-1, seqlen, u.shape[-1]), inference_params=inference_params).flatten(0, 1)
+        self._check_input(u)
+        if inference_params is None:
+            return self._sequence(u)[0]
+        conv_state, ssm_state = self._get_states_from_cache(inference_params, u.shape[0])
+        if inference_params.seqlen_offset > 0 and u.shape[1] == 1:
+            return self.step(u, conv_state, ssm_state)[0]
+        if inference_params.seqlen_offset == 0:   # a new prompt: from zeros, not from an old prompt's states
+            conv_state.zero_()
+            ssm_state.zero_()
+        out, new_conv_state, new_ssm_state = self._sequence(u, conv_state, ssm_state)
+        conv_state.copy_(new_conv_state)
+        ssm_state.copy_(new_ssm_state)
+        return out
+
+    def _split(self, zxbcdt):
+        """in_proj's output (..., d_in_proj) -> z0, x0, z, xBC, dt (views)."""
+        return torch.split(zxbcdt, [self.d_mlp, self.d_mlp, self.d_ssm, self.conv_dim, self.nheads], dim=-1)
+
+    def _finish(self, y, z, z0, x0):
+        """The scan's output y (..., d_ssm) -> the block's output: the norm (or no gate left), the MLP's
+        channels, out_proj."""
+        if self.rmsnorm:
+            y = self.norm(y, z)
+        if self.d_mlp > 0:
+            y = torch.cat([F.silu(z0) * x0, y], dim=-1)
+        return self.out_proj(y)
+
+    def _sequence(self, u, conv_state=None, ssm_state=None):
+        """The whole sequence, or one chunk continuing from conv_state and ssm_state (then also returns
+        the states after it)."""
+        z0, x0, z, xBC, dt = self._split(self.in_proj(u))                     # batch x L x ... each
+        keep = conv_state is not None
+        xBC_t = xBC.transpose(1, 2)                                            # batch x conv_dim x L, a view
+        conv = causal_conv1d if self.backend == "triton" else causal_conv1d_ref
+        xBC = conv(xBC_t, self.conv1d.weight[:, 0], self.conv1d.bias, activation=self.activation,
+                   initial_states=conv_state[..., 1:].to(xBC_t.dtype) if keep else None).transpose(1, 2)
+        x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        y, last_state = self._scan(x, dt, B, C, z, ssm_state)                 # batch x L x d_ssm
+        out = self._finish(y, z, z0, x0)
+        if not keep:
+            return out, None, None
+        new_conv_state = torch.cat([conv_state, xBC_t.to(conv_state.dtype)], dim=-1)[..., -self.d_conv:]
+        return out, new_conv_state, last_state
+
+    def _scan(self, x, dt, B, C, z, initial_state):
+        """x (batch, L, d_ssm), dt (batch, L, heads), B and C (batch, L, groups N), z (batch, L, d_ssm) ->
+        y (batch, L, d_ssm), gated here unless rmsnorm, and the final state (batch, heads, P, N)."""
+        heads = lambda t: t.unflatten(-1, (self.nheads, self.headdim))         # noqa: E731  (..., d_ssm) -> (..., H, P)
+        groups = lambda t: t.unflatten(-1, (self.ngroups, self.d_state))       # noqa: E731  (..., g N) -> (..., g, N)
+        f = torch.float64 if x.dtype == torch.float64 else torch.float32    # the kernels' float32, or float64
+        A = -torch.exp(self.A_log.to(f))
+        gate_in_op = not self.rmsnorm and not self.D_has_hdim                  # the op gates after adding D x
+        D = None if self.D_has_hdim else self.D
+        dt_bias = self.dt_bias
+        if self.dt_limit != (0.0, float("inf")):                               # the op has no clamp: the step here
+            dt, dt_bias = F.softplus(dt.to(f) + dt_bias.to(f)).clamp(*self.dt_limit), None
+        scan = self._chunk_scan_torch if self.backend == "torch" or x.dtype == torch.float64 else mamba_chunk_scan_combined
+        y, final = scan(heads(x), dt, A, groups(B), groups(C), self.chunk_size, D, heads(z) if gate_in_op else None,
+                        dt_bias, initial_state, dt_softplus=dt_bias is not None, return_final_states=True)
+        if self.D_has_hdim:
+            y = y + heads(x) * heads(self.D)
+        y = y.flatten(-2)
+        if not self.rmsnorm and not gate_in_op:
+            y = y * F.silu(z)
+        return y, final
+
+    @staticmethod
+    def _chunk_scan_torch(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None, *,
+                          dt_softplus=False, return_final_states=False):
+        """mamba_chunk_scan_combined's computation with section 3's ssd_chunked, in float32 (float64 for
+        float64 x), differentiable by autograd; y in x's dtype, the final state float32 (or float64)."""
+        f = torch.float64 if x.dtype == torch.float64 else torch.float32
+        step = dt.to(f) if dt_bias is None else dt.to(f) + dt_bias.to(f)
+        step = F.softplus(step) if dt_softplus else step
+        y, final = ssd_chunked(x.to(f), step, A.to(f), B.to(f), C.to(f), min(chunk_size, KERNEL_CHUNK),
+                               None if D is None else D.to(f), None if initial_states is None else initial_states.to(f))
+        y = (y if z is None else y * F.silu(z.to(f))).to(x.dtype)
+        return (y, final) if return_final_states else y
+
+    def step(self, hidden_states, conv_state, ssm_state):
+        """One position: hidden_states (batch, 1, d_model); conv_state (batch, conv_dim, d_conv) and ssm_state
+        (batch, heads, P, N) are updated in place. Returns (out, conv_state, ssm_state)."""
+        self._check_input(hidden_states, "hidden_states")
+        if hidden_states.shape[1] != 1:
+            raise ValueError(f"step takes one position: hidden_states of shape (batch, 1, {self.d_model}), "
+                             f"got {tuple(hidden_states.shape)}")
+        self._check_states(hidden_states.shape[0], conv_state, ssm_state)
+        z0, x0, z, xBC, dt = self._split(self.in_proj(hidden_states[:, 0]))  # batch x ... each
+        weight = self.conv1d.weight[:, 0]                                      # conv_dim x d_conv
+        if self.backend == "triton":
+            xBC = causal_conv1d_update(xBC.to(conv_state.dtype), conv_state, weight, self.conv1d.bias,
+                                       self.activation).to(xBC.dtype)
+        else:   # shift the window left by one position, append the input, and apply the filter
+            conv_state.copy_(torch.roll(conv_state, shifts=-1, dims=-1))
+            conv_state[:, :, -1] = xBC
+            xBC = (conv_state * weight).sum(-1)
+            xBC = F.silu(xBC if self.conv1d.bias is None else xBC + self.conv1d.bias).to(hidden_states.dtype)
+        x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        y = self._ssm_step(x, dt, B, C, z, ssm_state)                          # batch x d_ssm
+        return self._finish(y, z, z0, x0)[:, None], conv_state, ssm_state
+
+    def _ssm_step(self, x, dt, B, C, z, ssm_state):
+        """H <- exp(dt A) H + dt x B^T, y = H C + D x (gated here unless rmsnorm), per head, in float32
+        (float64 for a float64 state); ssm_state updated in place."""
+        f = torch.float64 if ssm_state.dtype == torch.float64 else torch.float32
+        step = F.softplus(dt.to(f) + self.dt_bias.to(f)).clamp(*self.dt_limit)   # batch x H
+        per_head = self.nheads // self.ngroups
+        B, C = (t.to(f).unflatten(-1, (self.ngroups, self.d_state)).repeat_interleave(per_head, dim=1) for t in (B, C))
+        x_h = x.to(f).unflatten(-1, (self.nheads, self.headdim))              # batch x H x P
+        decay = torch.exp(step * -torch.exp(self.A_log.to(f)))                 # batch x H
+        state = decay[..., None, None] * ssm_state.to(f) + (step[..., None] * x_h)[..., None] * B[:, :, None, :]
+        ssm_state.copy_(state)
+        D = self.D.to(f).view(self.nheads, self.headdim) if self.D_has_hdim else self.D.to(f)[:, None]
+        y = (torch.einsum("bhpn,bhn->bhp", state, C) + D * x_h).flatten(1)
+        if not self.rmsnorm:
+            y = y * F.silu(z.to(f))
+        return y.to(x.dtype)
+
+    def allocate_inference_cache(self, batch_size, max_seqlen, dtype=None, **kwargs):
+        """Zero states for generation: conv_state (batch, conv_dim, d_conv) in conv1d.weight's dtype, ssm_state
+        (batch, heads, P, N) in in_proj.weight's, unless dtype is given. Their size does not depend on max_seqlen."""
+        device = self.out_proj.weight.device
+        conv_state = torch.zeros(batch_size, self.conv_dim, self.d_conv, device=device,
+                                 dtype=dtype or self.conv1d.weight.dtype)
+        ssm_state = torch.zeros(batch_size, self.nheads, self.headdim, self.d_state, device=device,
+                                dtype=dtype or self.in_proj.weight.dtype)
+        return conv_state, ssm_state
+
+    def _get_states_from_cache(self, inference_params, batch_size):
+        if self.layer_idx is None:
+            raise ValueError("inference_params needs the block's layer_idx (Mamba2(..., layer_idx=i)): the "
+                             "states are cached under it")
+        cache = inference_params.key_value_memory_dict
+        if self.layer_idx not in cache:
+            cache[self.layer_idx] = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)
+        conv_state, ssm_state = cache[self.layer_idx]
+        self._check_states(batch_size, conv_state, ssm_state)
+        return conv_state, ssm_state
+
+    def _check_input(self, u, name="u"):
+        check_float_tensor(name, u)
+        if u.dim() != 3 or u.shape[-1] != self.d_model:
+            raise ValueError(f"{name} must have shape (batch, L, d_model={self.d_model}), got {tuple(u.shape)}")
+        weight = self.in_proj.weight
+        if u.dtype != weight.dtype and not torch.is_autocast_enabled(u.device.type):
+            raise TypeError(f"{name} must have the block's dtype {weight.dtype} (or run under torch.autocast), "
+                            f"got {u.dtype}")
+        if u.shape[1] == 0:
+            raise ValueError(f"{name} must hold at least one position, got shape {tuple(u.shape)}")
+
+    def _check_states(self, batch_size, conv_state, ssm_state):
+        for name, state, shape in (("conv_state", conv_state, (batch_size, self.conv_dim, self.d_conv)),
+                                   ("ssm_state", ssm_state, (batch_size, self.nheads, self.headdim, self.d_state))):
+            check_float_tensor(name, state)
+            if tuple(state.shape) != shape:
+                raise ValueError(f"{name} must have shape {shape}, got {tuple(state.shape)}")
