@@ -2214,30 +2214,31 @@ for backend, dtype in (("torch", torch.float64), ("triton", torch.float32)):
 # roundings of the dtype (two implementations that sum in different orders are not bit-equal).
 
 # %%
-def mamba_ssm_mamba2():
-    """mamba_ssm's Mamba2 class, or None and the reason. As chapter 06's `_mamba_ssm_block`, mamba_ssm's package
-    is entered without its __init__ (which imports far more); huggingface_hub, whose only use in the module is
-    a mixin for saving to the Hub, is replaced by an empty mixin where it is not installed."""
+#| export
+from scan_lib.mamba import _mamba_ssm_block   # chapter 06's: mamba_ssm's package entered without its __init__
+
+
+def _mamba_ssm_mamba2():
+    """mamba_ssm's Mamba2 class, or None and the reason. mamba_ssm's package is entered as chapter 06's
+    `_mamba_ssm_block` enters it (without its __init__, which imports far more); huggingface_hub, whose only
+    use in the module is a mixin for saving to the Hub, is replaced by an empty mixin where it is missing."""
     import importlib
     import importlib.util
     import sys
     import types
-    spec = importlib.util.find_spec("mamba_ssm")
-    if spec is None:
-        return None, "mamba_ssm is not installed"
+    _, why_not = _mamba_ssm_block()
     if "mamba_ssm" not in sys.modules:
-        package = types.ModuleType("mamba_ssm")
-        package.__path__, package.__spec__ = list(spec.submodule_search_locations), spec
-        sys.modules["mamba_ssm"] = package
+        return None, why_not
     if importlib.util.find_spec("huggingface_hub") is None:
-        sys.modules["huggingface_hub"] = types.ModuleType("huggingface_hub")
-        sys.modules["huggingface_hub"].PyTorchModelHubMixin = type("PyTorchModelHubMixin", (), {})
+        hub = sys.modules["huggingface_hub"] = types.ModuleType("huggingface_hub")
+        hub.PyTorchModelHubMixin = type("PyTorchModelHubMixin", (), {})
     try:
         return importlib.import_module("mamba_ssm.modules.mamba2").Mamba2, None
     except Exception as error:   # noqa: BLE001 (a missing extension or package shows up as any of several errors)
         return None, f"mamba_ssm's Mamba2 not importable: {type(error).__name__}: {error}"
 
 
+# %%
 def block_results(block, u, grad):
     """The block's output and the gradients of u and of every parameter (by name), in float64."""
     u = u.to(block.in_proj.weight.dtype).requires_grad_()
@@ -2247,7 +2248,7 @@ def block_results(block, u, grad):
     return {"out": out.double(), "u": grads[0].double(), **{n: g.double() for n, g in zip(names, grads[1:])}}
 
 
-Theirs, why_not = mamba_ssm_mamba2() if ON_GPU else (None, "needs a GPU")
+Theirs, why_not = _mamba_ssm_mamba2() if ON_GPU else (None, "needs a GPU")
 if Theirs is None:
     print(f"skipped the comparison with mamba_ssm's Mamba2 ({why_not})")
 else:

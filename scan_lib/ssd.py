@@ -1080,3 +1080,25 @@ class Mamba2(nn.Module):
             check_float_tensor(name, state)
             if tuple(state.shape) != shape:
                 raise ValueError(f"{name} must have shape {shape}, got {tuple(state.shape)}")
+
+from scan_lib.mamba import _mamba_ssm_block   # chapter 06's: mamba_ssm's package entered without its __init__
+
+
+def _mamba_ssm_mamba2():
+    """mamba_ssm's Mamba2 class, or None and the reason. mamba_ssm's package is entered as chapter 06's
+    `_mamba_ssm_block` enters it (without its __init__, which imports far more); huggingface_hub, whose only
+    use in the module is a mixin for saving to the Hub, is replaced by an empty mixin where it is missing."""
+    import importlib
+    import importlib.util
+    import sys
+    import types
+    _, why_not = _mamba_ssm_block()
+    if "mamba_ssm" not in sys.modules:
+        return None, why_not
+    if importlib.util.find_spec("huggingface_hub") is None:
+        hub = sys.modules["huggingface_hub"] = types.ModuleType("huggingface_hub")
+        hub.PyTorchModelHubMixin = type("PyTorchModelHubMixin", (), {})
+    try:
+        return importlib.import_module("mamba_ssm.modules.mamba2").Mamba2, None
+    except Exception as error:   # noqa: BLE001 (a missing extension or package shows up as any of several errors)
+        return None, f"mamba_ssm's Mamba2 not importable: {type(error).__name__}: {error}"
