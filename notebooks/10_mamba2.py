@@ -1821,16 +1821,16 @@ else:
 #   convolved $x$ (`x_proj`, `dt_proj`); Mamba-2 computes $z$, $x$, $B$, $C$ and the raw step $\Delta$
 #   from the block's input $u$ in one matrix product, `in_proj`, whose output splits as
 #   $[z \mid x \mid B \mid C \mid \Delta]$ of widths $d_{\text{ssm}}$, $d_{\text{ssm}}$, $gN$, $gN$ and $H$
-#   ($g$ groups of $B$ and $C$, $H$ heads of $P$ channels, $d_{\text{ssm}} = HP$). One product is one
-#   launch, and the inputs of the scan no longer wait for the convolution.
+#   ($g$ groups of $B$ and $C$, $H$ heads of $P$ channels, $d_{\text{ssm}} = HP$). One product replaces
+#   three in sequence, and (the paper's reason) a block split over GPUs by heads needs no communication
+#   before the scan.
 # - **The convolution runs over $x$, $B$ and $C$ together** (`xBC`, $d_{\text{ssm}} + 2gN$ channels),
 #   chapter 06's causal depthwise convolution and SiLU, so that $B$ and $C$ see a few past positions as
 #   $x$ does.
 # - **The output is normalised.** Where Mamba-1 multiplied $y$ by $\operatorname{silu}(z)$, Mamba-2
 #   normalises the gated output per group of $d_{\text{ssm}}/g$ channels (`RMSNormGated`):
 #   $\hat y = y \odot \operatorname{silu}(z)$, then $\hat y / \sqrt{\operatorname{mean}(\hat y^2) + \epsilon}$
-#   times a learned weight. With $N$ = 64 to 256 states (Mamba-1's 16), the paper found the extra
-#   normalisation kept training stable at scale.
+#   times a learned weight. The paper added it for stability in larger models.
 #
 # $A$ is one number per head, $-\exp(A_{\log})$; $D$ one per head (or per channel, `D_has_hdim`); the
 # step is $\operatorname{softplus}(\Delta + b)$, optionally clamped to `dt_limit`. With `d_ssm` below
@@ -2274,11 +2274,53 @@ else:
         assert all(o <= max(2 * t, floor) for o, t in zip(errors["ours"], errors["theirs"])), errors
 
 # %% [markdown]
+# How fast is the block? On a GPU the cell times a forward and a training step (the forward, then the
+# gradients of the input and of every parameter) of both blocks in bfloat16, at section 9's second shape
+# (`d_model` 1024: 32 heads of 64, $N = 128$, batch 8, $L = 2048$): `mamba_ssm`'s on its fused path
+# (`use_mem_eff_path=True`: `mamba_split_conv1d_scan_combined`, with the convolution, the norm and
+# `out_proj` inside its autograd function) where causal-conv1d's extension is installed, which that path
+# needs, else on the unfused one. Printed, not asserted.
+
+# %%
+def block_times_us(block, u, grad):
+    """Medians of a forward and of a training step (forward, then backward into u and every parameter)."""
+    step = lambda: block(u).backward(grad)   # noqa: E731
+    return (scan_lib.runtime.median_us(lambda: block(u)),
+            scan_lib.runtime.median_us(step, grad_to_none=[u, *block.parameters()]))
+
+
+if Theirs is None:
+    print(f"skipped the block's timing against mamba_ssm's ({why_not})")
+else:
+    import importlib
+
+    fused = getattr(importlib.import_module("mamba_ssm.ops.triton.ssd_combined"), "causal_conv1d_cuda", None) is not None
+    config = dict(d_model=1024, d_state=128, headdim=64, device=DEVICE, dtype=torch.bfloat16)
+    ours = Mamba2(**config)
+    theirs = Theirs(**config, use_mem_eff_path=fused)
+    theirs.load_state_dict(ours.state_dict())
+    u = torch.randn(8, 2048, 1024, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+    grad = torch.randn_like(u)
+    times = {"ours": block_times_us(ours, u, grad), "mamba_ssm": block_times_us(theirs, u, grad)}
+    print(f"{torch.cuda.get_device_name()}, bfloat16, batch 8, L 2048, d_model 1024 (32 heads of 64, N 128); "
+          f"mamba_ssm's {'fused' if fused else 'unfused'} path; us")
+    print(f"{'':>10} {'forward':>8} {'training step':>14}")
+    for name, (forward, step) in times.items():
+        print(f"{name:>10} {forward:8.0f} {step:14.0f}")
+    print(f"{'ratio':>10} {times['mamba_ssm'][0] / times['ours'][0]:8.2f} {times['mamba_ssm'][1] / times['ours'][1]:14.2f}"
+          "   (mamba_ssm / ours: above 1, ours faster)")
+    del ours, theirs, u, grad
+
+# %% [markdown]
 # ## References
 #
 # - Dao and Gu, "Transformers are SSMs: generalized models and efficient algorithms through structured
 #   state space duality", ICML 2024, arXiv:2405.21060 (Mamba-2, SSD, the chunked algorithm).
 # - Gu and Dao, "Mamba: linear-time sequence modeling with selective state spaces", 2023, arXiv:2312.00752.
 # - Blelloch, "Prefix sums and their applications", CMU-CS-90-190, 1990 (the scan over chunks).
+# - Dao and Gu, `mamba_ssm` 2.3.2 (github.com/state-spaces/mamba): `mamba_chunk_scan_combined`'s interface,
+#   and the Mamba2 block and its gated RMSNorm (`modules/mamba2.py`, `ops/triton/layernorm_gated.py`), whose
+#   arguments, parameters and generation cache section 10 follows.
+# - Zhang and Sennrich, "Root mean square layer normalization", NeurIPS 2019, arXiv:1910.07467 (RMSNorm).
 # - NVIDIA H200 Tensor Core GPU datasheet (the tensor-core and scalar rates; the H100 SXM's has the
 #   same two).

@@ -819,3 +819,17 @@ def test_generation_matches_mamba_ssm(dtype, no_tf32):
     errors = {"out": rel_err(outs[0], outs[1]), "conv_state": rel_err(states[0][0], states[1][0]),
               "ssm_state": rel_err(states[0][1], states[1][1])}
     assert max(errors.values()) < MAMBA_SSM_TOL[dtype], errors
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_block_compiles_fullgraph(backend):
+    """torch.compile(fullgraph=True) of the block, output and every gradient as in eager mode."""
+    torch._dynamo.reset()
+    block, _ = make_block(backend, torch.float32, d_model=16, d_state=8, headdim=8, chunk_size=16, ngroups=2)
+    u = torch.randn(2, 21, 16, device=DEVICE, requires_grad=True)
+    leaves = [u, *block.parameters()]
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    got, want = compiled(u), block(u)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(torch.autograd.grad(got.sum(), leaves), torch.autograd.grad(want.sum(), leaves)):
+        torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
