@@ -1859,11 +1859,24 @@ from scan_lib.mamba import inverse_softplus   # chapter 06
 from scan_lib.runtime import ON_GPU
 
 
+def _rms_norm_gated_torch(x, z, weight, eps, group_size, norm_before_gate):
+    """RMSNormGated's computation in PyTorch: float32 (float64 for float64 x), returned in x's dtype;
+    differentiable to any order."""
+    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    v = x.to(f)                                                            # ... x hidden
+    gate = None if z is None else F.silu(z.to(f))
+    if gate is not None and not norm_before_gate:
+        v = v * gate
+    groups = v.unflatten(-1, (-1, group_size))                             # ... x groups x group_size
+    v = (groups * torch.rsqrt(groups.square().mean(-1, keepdim=True) + eps)).flatten(-2) * weight.to(f)
+    return (v if gate is None or not norm_before_gate else v * gate).to(x.dtype)
+
+
 class RMSNormGated(nn.Module):
-    """mamba_ssm's gated RMSNorm (mamba_ssm.ops.triton.layernorm_gated.RMSNorm), in PyTorch: forward(x, z)
-    is norm(x * silu(z)) (norm_before_gate False) or norm(x) * silu(z) (True), norm(v) = v / sqrt(mean(v^2)
+    """mamba_ssm's gated RMSNorm (mamba_ssm.ops.triton.layernorm_gated.RMSNorm): forward(x, z) is
+    norm(x * silu(z)) (norm_before_gate False) or norm(x) * silu(z) (True), norm(v) = v / sqrt(mean(v^2)
     + eps) * weight over each group of group_size features (all of them if None), computed in float32 (float64
-    for float64 x) and returned in x's dtype."""
+    for float64 x) and returned in x's dtype: on a GPU by the fused kernels below, else in PyTorch."""
 
     def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
         super().__init__()
@@ -1875,17 +1888,10 @@ class RMSNormGated(nn.Module):
         self.register_parameter("bias", None)
 
     def forward(self, x, z=None):
-        f = torch.float64 if x.dtype == torch.float64 else torch.float32
-        v = x.to(f)                                                            # ... x hidden_size
-        gate = None if z is None else F.silu(z.to(f))
-        if gate is not None and not self.norm_before_gate:
-            v = v * gate
-        groups = v.unflatten(-1, (-1, self.group_size))                       # ... x groups x group_size
-        v = (groups * torch.rsqrt(groups.square().mean(-1, keepdim=True) + self.eps)).flatten(-2)
-        v = v * self.weight.to(f)
-        if gate is not None and self.norm_before_gate:
-            v = v * gate
-        return v.to(x.dtype)
+        options = (self.eps, self.group_size, self.norm_before_gate)
+        if ON_GPU and x.is_cuda:
+            return apply(RMSNormGatedFn, x, z, self.weight, *options)[0]
+        return _rms_norm_gated_torch(x, z, self.weight, *options)
 
 
 class Mamba2(nn.Module):
@@ -2116,6 +2122,196 @@ class Mamba2(nn.Module):
             check_float_tensor(name, state)
             if tuple(state.shape) != shape:
                 raise ValueError(f"{name} must have shape {shape}, got {tuple(state.shape)}")
+
+# %% [markdown]
+# **The norm, fused.** Written in PyTorch, `RMSNormGated` is about ten passes over $(B, L, d_{\text{ssm}})$
+# (the casts to float32, the gate, the squares, the scaling, the weight, the cast back), each reading and
+# writing the whole tensor, and autograd's backward as many again: at the block's training sizes more
+# memory traffic than the scan's. One Triton program per block of rows and group does the forward in one
+# read of $y$ and $z$ and one write, keeping each row's $1/\mathrm{rms}$ (`rstd`) for the backward. With
+# $v$ the normalised input ($y \odot \operatorname{silu}(z)$, or $y$ when the gate comes after the norm),
+# $n = v \cdot \mathrm{rstd}$, output $n \odot w$ (times $\operatorname{silu}(z)$ after the norm), the
+# backward of a row of $G$ entries is
+#
+# $$\bar n = \bar o \odot w\ [\odot \operatorname{silu}(z)], \qquad
+# \bar v = \mathrm{rstd}\,\Big(\bar n - n \cdot \tfrac{1}{G}\textstyle\sum_j \bar n_j n_j\Big), \qquad
+# \bar w = \textstyle\sum_{\text{rows}} \bar o \odot n\ [\odot \operatorname{silu}(z)],$$
+#
+# and $\bar y$, $\bar z$ from $\bar v$ through the gate (or, after the norm, $\bar z = \bar o \odot n \odot w
+# \odot \operatorname{silu}'(z)$). The backward's programs each walk many rows, summing $\bar w$ in registers,
+# and write one partial sum per program, which PyTorch adds up. A backward asked for a graph
+# (`create_graph=True`) differentiates the PyTorch form instead, so that second derivatives stay exact.
+
+# %%
+#| export
+from scan_lib.ema import accumulator_dtype   # chapter 02: float64 sums for float64 inputs, else float32
+
+
+@triton.jit
+def rms_norm_gated_fwd_kernel(X, Z, W, OUT, RSTD, rows, group_size, n_groups, stride_x, stride_z, stride_out, eps,
+                              HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, ACC: tl.constexpr,
+                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (block of BLOCK_M rows, group g): OUT = norm(X [* silu(Z)]) * W [* silu(Z)] over the group's
+    columns; RSTD[row, g] = 1 / rms. X, Z, OUT: rows x (n_groups * group_size), unit column stride."""
+    row = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col = tl.program_id(1) * group_size + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = row < rows, tl.arange(0, BLOCK_N) < group_size
+    mask, row64 = row_ok[:, None] & col_ok[None, :], row.to(tl.int64)[:, None]
+    v = tl.load(X + row64 * stride_x + col[None, :], mask=mask, other=0.0).to(ACC)      # BLOCK_M x BLOCK_N
+    if HAS_Z:
+        z = tl.load(Z + row64 * stride_z + col[None, :], mask=mask, other=0.0).to(ACC)
+        gate = z * tl.sigmoid(z)
+        if not NORM_BEFORE_GATE:
+            v = v * gate
+    rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / group_size + eps)                       # BLOCK_M
+    out = v * rstd[:, None] * tl.load(W + col, mask=col_ok, other=0.0).to(ACC)[None, :]
+    if HAS_Z and NORM_BEFORE_GATE:
+        out = out * gate
+    tl.store(OUT + row64 * stride_out + col[None, :], out.to(OUT.dtype.element_ty), mask=mask)
+    tl.store(RSTD + row * n_groups + tl.program_id(1), rstd, mask=row_ok)
+
+
+@triton.jit
+def rms_norm_gated_bwd_kernel(X, Z, W, RSTD, DOUT, DX, DZ, DW_PARTS, rows, group_size, n_groups, rows_per_program,
+                              stride_x, stride_z, stride_dout, stride_dx, stride_dz, HAS_Z: tl.constexpr,
+                              NORM_BEFORE_GATE: tl.constexpr, ACC: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr):
+    """Program (p, group g) walks rows [p * rows_per_program, ...) BLOCK_M at a time: DX, DZ, and its share of
+    dW summed over its rows into DW_PARTS[p, the group's columns] (ACC)."""
+    col = tl.program_id(1) * group_size + tl.arange(0, BLOCK_N)
+    col_ok = tl.arange(0, BLOCK_N) < group_size
+    w = tl.load(W + col, mask=col_ok, other=0.0).to(ACC)
+    dw = tl.zeros([BLOCK_N], dtype=ACC)
+    first = tl.program_id(0) * rows_per_program
+    for start in range(first, tl.minimum(first + rows_per_program, rows), BLOCK_M):
+        row = start + tl.arange(0, BLOCK_M)
+        row_ok = (row < rows) & (row < first + rows_per_program)
+        mask, row64 = row_ok[:, None] & col_ok[None, :], row.to(tl.int64)[:, None]
+        x = tl.load(X + row64 * stride_x + col[None, :], mask=mask, other=0.0).to(ACC)
+        dout = tl.load(DOUT + row64 * stride_dout + col[None, :], mask=mask, other=0.0).to(ACC)
+        rstd = tl.load(RSTD + row * n_groups + tl.program_id(1), mask=row_ok, other=0.0).to(ACC)[:, None]
+        v = x
+        if HAS_Z:
+            z = tl.load(Z + row64 * stride_z + col[None, :], mask=mask, other=0.0).to(ACC)
+            sig = tl.sigmoid(z)
+            gate, gate_slope = z * sig, sig * (1.0 + z * (1.0 - sig))      # silu(z) and its derivative
+            if not NORM_BEFORE_GATE:
+                v = x * gate
+        n = v * rstd                                                      # the normalised row
+        dn = dout * w[None, :]
+        if HAS_Z and NORM_BEFORE_GATE:
+            tl.store(DZ + row64 * stride_dz + col[None, :], (dn * n * gate_slope).to(DZ.dtype.element_ty), mask=mask)
+            dw += tl.sum(dout * n * gate, axis=0)
+            dn = dn * gate
+        else:
+            dw += tl.sum(dout * n, axis=0)
+        dv = rstd * (dn - n * (tl.sum(dn * n, axis=1) / group_size)[:, None])
+        if HAS_Z and not NORM_BEFORE_GATE:
+            tl.store(DZ + row64 * stride_dz + col[None, :], (dv * x * gate_slope).to(DZ.dtype.element_ty), mask=mask)
+            dv = dv * gate
+        tl.store(DX + row64 * stride_dx + col[None, :], dv.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PARTS + tl.program_id(0).to(tl.int64) * n_groups * group_size + col, dw, mask=col_ok)
+
+
+def _norm_tiles(group_size):
+    """(BLOCK_M, BLOCK_N): the group's columns in one block, rows up to 4096 entries a program."""
+    block_n = next_power_of_2(group_size)
+    return max(1, min(16, 4096 // block_n)), block_n
+
+
+@custom_op("rms_norm_gated_fwd", __name__)
+def rms_norm_gated_fwd(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Tensor, eps: float, group_size: int,
+                       norm_before_gate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, z: rows x hidden, unit column stride; weight (hidden,). Returns out (rows x hidden, x's dtype) and
+    rstd (rows x groups, the accumulator's dtype)."""
+    rows, hidden = x.shape
+    out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    rstd = torch.empty(rows, hidden // group_size, dtype=acc, device=x.device)
+    block_m, block_n = _norm_tiles(group_size)
+    rms_norm_gated_fwd_kernel[(cdiv(rows, block_m), hidden // group_size)](
+        x, x if z is None else z, weight, out, rstd, rows, group_size, hidden // group_size, x.stride(0),
+        0 if z is None else z.stride(0), out.stride(0), eps, HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate,
+        ACC=accumulator_dtype(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n)
+    return out, rstd
+
+
+@rms_norm_gated_fwd.register_fake
+def _(x, z, weight, eps, group_size, norm_before_gate):
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return x.new_empty(x.shape), x.new_empty(x.shape[0], x.shape[1] // group_size, dtype=acc)
+
+
+@custom_op("rms_norm_gated_bwd", __name__)
+def rms_norm_gated_bwd(dout: torch.Tensor, x: torch.Tensor, z: Optional[torch.Tensor], weight: torch.Tensor,
+                       rstd: torch.Tensor, group_size: int, norm_before_gate: bool) -> list[torch.Tensor]:
+    """Gradients of rms_norm_gated_fwd's out: dx, dz (empty without z), dweight, each in its input's dtype."""
+    rows, hidden = x.shape
+    dx = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
+    dz = torch.empty(0, dtype=x.dtype, device=x.device) if z is None else torch.empty(rows, hidden, dtype=z.dtype,
+                                                                                        device=x.device)
+    block_m, block_n = _norm_tiles(group_size)
+    programs = max(1, min(cdiv(rows, block_m), 4 * (multiprocessor_count(x.device) or 16)))
+    rows_per_program = cdiv(cdiv(rows, programs), block_m) * block_m
+    programs = max(1, cdiv(rows, rows_per_program))
+    dw_parts = torch.empty(programs, hidden, dtype=rstd.dtype, device=x.device)
+    rms_norm_gated_bwd_kernel[(programs, hidden // group_size)](
+        x, x if z is None else z, weight, rstd, dout, dx, x if z is None else dz, dw_parts, rows, group_size,
+        hidden // group_size, rows_per_program, x.stride(0), 0 if z is None else z.stride(0), dout.stride(0),
+        dx.stride(0), 0 if z is None else dz.stride(0), HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate,
+        ACC=accumulator_dtype(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n)
+    return [dx, dz, dw_parts.sum(0).to(weight.dtype)]
+
+
+@rms_norm_gated_bwd.register_fake
+def _(dout, x, z, weight, rstd, group_size, norm_before_gate):
+    return [x.new_empty(x.shape), x.new_empty(0) if z is None else z.new_empty(z.shape), weight.new_empty(weight.shape)]
+
+
+rms_norm_gated_fwd.register_vmap(_vmap_by_loop(rms_norm_gated_fwd))
+rms_norm_gated_bwd.register_vmap(_vmap_by_loop(rms_norm_gated_bwd))
+
+
+def _rows(t):
+    """(..., hidden) -> rows x hidden with unit column stride: a view where the strides allow, else a copy."""
+    if t is None:
+        return None
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+class RMSNormGatedFn(torch.autograd.Function):
+    """rms_norm_gated_fwd over x, z as rows (views of the last dim), differentiable; with create_graph the
+    backward differentiates _rms_norm_gated_torch instead (second derivatives)."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x, z, weight, eps, group_size, norm_before_gate):
+        out, rstd = rms_norm_gated_fwd(_rows(x), _rows(z), weight, eps, group_size, norm_before_gate)
+        return out.view(x.shape), rstd
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, z, weight, eps, group_size, norm_before_gate = inputs
+        ctx.save_for_backward(x, z, weight, output[1])
+        ctx.eps, ctx.group_size, ctx.norm_before_gate = eps, group_size, norm_before_gate
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, dout, _):
+        x, z, weight, rstd = ctx.saved_tensors
+        inputs = (x, z, weight)
+        if torch.is_grad_enabled():   # create_graph: the PyTorch form recomputed and differentiated, a graph kept
+            wanted = [t for t in inputs if t is not None and t.requires_grad]
+            with torch.enable_grad():
+                out = _rms_norm_gated_torch(x, z, weight, ctx.eps, ctx.group_size, ctx.norm_before_gate)
+            found = iter(torch.autograd.grad(out, wanted, dout, create_graph=True))
+            dx, dz, dweight = (next(found) if t is not None and t.requires_grad else None for t in inputs)
+        else:
+            dx, dz, dweight = rms_norm_gated_bwd(_rows(dout), _rows(x), _rows(z), weight, rstd, ctx.group_size,
+                                                 ctx.norm_before_gate)
+            dx, dz = dx.view(x.shape), None if z is None else dz.view(z.shape)
+        return dx, dz, dweight, None, None, None
 
 # %% [markdown]
 # The check: a block with every parameter moved off its initial value, against the computation written

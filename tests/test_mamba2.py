@@ -833,3 +833,55 @@ def test_block_compiles_fullgraph(backend):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     for g, w in zip(torch.autograd.grad(got.sum(), leaves), torch.autograd.grad(want.sum(), leaves)):
         torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------ the fused norm (interpreter on CPU)
+def fused_norm_inputs(dtype, rows_shape, hidden, gated, seed=0):
+    """x (rows_shape x hidden), z a strided slice of a wider tensor (as Mamba2's in_proj output), a weight off 1."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(*rows_shape, hidden, generator=g, dtype=torch.float64).to(DEVICE, dtype)
+    z = torch.randn(*rows_shape, hidden + 5, generator=g, dtype=torch.float64).to(DEVICE, dtype)[..., 2:2 + hidden]
+    weight = (1 + 0.3 * torch.randn(hidden, generator=g, dtype=torch.float64)).to(DEVICE, dtype)
+    return [t.requires_grad_() if t is not None else None for t in (x, z if gated else None, weight)]
+
+
+FUSED_TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16], ids=["fp64", "fp32", "bf16"])
+@pytest.mark.parametrize("gated, norm_before_gate", [(False, False), (True, False), (True, True)],
+                         ids=["no_z", "gate_then_norm", "norm_then_gate"])
+@pytest.mark.parametrize("rows_shape, hidden, group_size", [((2, 7), 12, 4), ((70,), 24, 24), ((3, 50), 10, 5)])
+def test_fused_norm_matches_the_pytorch_form(dtype, gated, norm_before_gate, rows_shape, hidden, group_size):
+    """RMSNormGatedFn (the kernels) against _rms_norm_gated_torch differentiated by autograd: the output and the
+    gradients of x, z and the weight; 70 and 150 rows make the backward's programs walk several blocks of rows."""
+    from scan_lib.ssd import RMSNormGatedFn, _rms_norm_gated_torch
+    x, z, weight = fused_norm_inputs(dtype, rows_shape, hidden, gated)
+    leaves = [t for t in (x, z, weight) if t is not None]
+    dout = torch.randn(x.shape, dtype=torch.float64).to(DEVICE, dtype)
+    got = RMSNormGatedFn.apply(x, z, weight, 1e-5, group_size, norm_before_gate)[0]
+    want = _rms_norm_gated_torch(x, z, weight, 1e-5, group_size, norm_before_gate)
+    assert got.dtype == dtype and rel_err(got, want) < FUSED_TOL[dtype]
+    for g, w in zip(torch.autograd.grad(got, leaves, dout), torch.autograd.grad(want, leaves, dout)):
+        assert g.dtype == w.dtype and rel_err(g, w) < FUSED_TOL[dtype]
+
+
+@pytest.mark.parametrize("norm_before_gate", [False, True])
+def test_fused_norm_gradcheck_and_second_derivatives(norm_before_gate):
+    """gradcheck through the backward kernel; gradgradcheck through the create_graph path (PyTorch's form)."""
+    from scan_lib.ssd import RMSNormGatedFn
+    x, z, weight = fused_norm_inputs(torch.float64, (3,), 8, True, seed=2)
+    f = lambda x, z, w: RMSNormGatedFn.apply(x, z, w, 1e-5, 4, norm_before_gate)[0]   # noqa: E731
+    assert torch.autograd.gradcheck(f, (x, z, weight))
+    assert torch.autograd.gradgradcheck(f, (x, z, weight))
+
+
+def test_fused_norm_compiles_fullgraph():
+    from scan_lib.ssd import RMSNormGatedFn
+    torch._dynamo.reset()
+    x, z, weight = fused_norm_inputs(torch.float32, (2, 5), 8, True)
+    f = lambda x, z, w: RMSNormGatedFn.apply(x, z, w, 1e-5, 4, False)[0]   # noqa: E731
+    got, want = torch.compile(f, fullgraph=True, backend="aot_eager")(x, z, weight), f(x, z, weight)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(torch.autograd.grad(got.sum(), (x, z, weight)), torch.autograd.grad(want.sum(), (x, z, weight))):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
