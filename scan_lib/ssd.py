@@ -1215,7 +1215,7 @@ rms_norm_gated_fwd.register_vmap(_vmap_by_loop(rms_norm_gated_fwd))
 rms_norm_gated_bwd.register_vmap(_vmap_by_loop(rms_norm_gated_bwd))
 
 
-def _rows(t):
+def _as_rows(t):
     """(..., hidden) -> rows x hidden with unit column stride: a view where the strides allow, else a copy."""
     if t is None:
         return None
@@ -1230,7 +1230,7 @@ class RMSNormGatedFn(torch.autograd.Function):
 
     @staticmethod
     def forward(x, z, weight, eps, group_size, norm_before_gate):
-        out, rstd = rms_norm_gated_fwd(_rows(x), _rows(z), weight, eps, group_size, norm_before_gate)
+        out, rstd = rms_norm_gated_fwd(_as_rows(x), _as_rows(z), weight, eps, group_size, norm_before_gate)
         return out.view(x.shape), rstd
 
     @staticmethod
@@ -1251,8 +1251,8 @@ class RMSNormGatedFn(torch.autograd.Function):
             found = iter(torch.autograd.grad(out, wanted, dout, create_graph=True))
             dx, dz, dweight = (next(found) if t is not None and t.requires_grad else None for t in inputs)
         else:
-            dx, dz, dweight = rms_norm_gated_bwd(_rows(dout), _rows(x), _rows(z), weight, rstd, ctx.group_size,
-                                                 ctx.norm_before_gate)
+            dx, dz, dweight = rms_norm_gated_bwd(_as_rows(dout), _as_rows(x), _as_rows(z), weight, rstd,
+                                                 ctx.group_size, ctx.norm_before_gate)
             dx, dz = dx.view(x.shape), None if z is None else dz.view(z.shape)
         return dx, dz, dweight, None, None, None
 
