@@ -819,7 +819,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update   # chapter 06
-from scan_lib.mamba import inverse_softplus   # chapter 06
+from scan_lib.mamba import Mamba, inverse_softplus   # chapter 06
 from scan_lib.runtime import ON_GPU
 
 
@@ -930,19 +930,9 @@ class Mamba2(nn.Module):
             if u.dim() != 2 or seqlen <= 0 or u.shape[0] % seqlen:
                 raise ValueError(f"u must have shape (batch * seqlen, d_model) with seqlen={seqlen}, got {tuple(u.shape)}")
             return self.forward(u.view(-1, seqlen, u.shape[-1]), inference_params=inference_params).flatten(0, 1)
-        self._check_input(u)
-        if inference_params is None:
-            return self._sequence(u)[0]
-        conv_state, ssm_state = self._get_states_from_cache(inference_params, u.shape[0])
-        if inference_params.seqlen_offset > 0 and u.shape[1] == 1:
-            return self.step(u, conv_state, ssm_state)[0]
-        if inference_params.seqlen_offset == 0:   # a new prompt: from zeros, not from an old prompt's states
-            conv_state.zero_()
-            ssm_state.zero_()
-        out, new_conv_state, new_ssm_state = self._sequence(u, conv_state, ssm_state)
-        conv_state.copy_(new_conv_state)
-        ssm_state.copy_(new_ssm_state)
-        return out
+        # chapter 06's flow, on this block's _check_hidden, _sequence, step and cache: the whole sequence, or
+        # with inference_params a new prompt from zero states, a step, or a prompt continued
+        return Mamba.forward(self, u, inference_params)
 
     def _split(self, zxbcdt):
         """in_proj's output (..., d_in_proj) -> z0, x0, z, xBC, dt (views)."""
@@ -1012,7 +1002,7 @@ class Mamba2(nn.Module):
     def step(self, hidden_states, conv_state, ssm_state):
         """One position: hidden_states (batch, 1, d_model); conv_state (batch, conv_dim, d_conv) and ssm_state
         (batch, heads, P, N) are updated in place. Returns (out, conv_state, ssm_state)."""
-        self._check_input(hidden_states, "hidden_states")
+        self._check_hidden(hidden_states, "hidden_states")
         if hidden_states.shape[1] != 1:
             raise ValueError(f"step takes one position: hidden_states of shape (batch, 1, {self.d_model}), "
                              f"got {tuple(hidden_states.shape)}")
@@ -1069,7 +1059,7 @@ class Mamba2(nn.Module):
         self._check_states(batch_size, conv_state, ssm_state)
         return conv_state, ssm_state
 
-    def _check_input(self, u, name="u"):
+    def _check_hidden(self, u, name="u"):
         check_float_tensor(name, u)
         if u.dim() != 3 or u.shape[-1] != self.d_model:
             raise ValueError(f"{name} must have shape (batch, L, d_model={self.d_model}), got {tuple(u.shape)}")
