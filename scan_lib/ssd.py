@@ -88,7 +88,7 @@ def ssd_chunked(x, dt, A, B, C, chunk_size, D=None, initial_state=None):
     y_diag = torch.einsum("bhcts,bcsh,bcshp->bcthp", decay * scores, dtc, xc)
     # 4. the past's contribution, decayed from the chunk's start to each position
     y_off = torch.einsum("bcthn,bchpn,bhct->bcthp", Cc, entering, torch.exp(a_cum))
-    y = (y_diag + y_off).reshape(batch, -1, heads, head_dim)[:, :length]
+    y = (y_diag + y_off).flatten(1, 2)[:, :length]                        # batch x L x heads x P
     if D is not None:
         y = y + D[:, None] * x
     return y, state
@@ -823,10 +823,15 @@ from scan_lib.mamba import Mamba, inverse_softplus   # chapter 06
 from scan_lib.runtime import ON_GPU
 
 
+def _compute_dtype(t):
+    """What the block computes in for t: float64 for float64, else float32 (the kernels' sums)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
 def _rms_norm_gated_torch(x, z, weight, eps, group_size, norm_before_gate):
     """RMSNormGated's computation in PyTorch: float32 (float64 for float64 x), returned in x's dtype;
     differentiable to any order."""
-    f = torch.float64 if x.dtype == torch.float64 else torch.float32
+    f = _compute_dtype(x)
     v = x.to(f)                                                            # ... x hidden
     gate = None if z is None else F.silu(z.to(f))
     if gate is not None and not norm_before_gate:
@@ -844,15 +849,24 @@ class RMSNormGated(nn.Module):
 
     def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
         super().__init__()
-        group_size = hidden_size if group_size is None else group_size
-        if group_size <= 0 or hidden_size % group_size:
+        if group_size is not None and (group_size <= 0 or hidden_size % group_size):
             raise ValueError(f"group_size must divide hidden_size ({hidden_size}), got {group_size}")
         self.eps, self.group_size, self.norm_before_gate = eps, group_size, norm_before_gate
-        self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.weight = nn.Parameter(torch.empty(hidden_size, device=device, dtype=dtype))
         self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        nn.init.ones_(self.weight)
 
     def forward(self, x, z=None):
-        options = (self.eps, self.group_size, self.norm_before_gate)
+        check_float_tensor("x", x)
+        if x.shape[-1] != self.weight.shape[0]:
+            raise ValueError(f"x must have {self.weight.shape[0]} features in its last dim, got shape {tuple(x.shape)}")
+        if z is not None and (not isinstance(z, torch.Tensor) or z.shape != x.shape):
+            raise ValueError(f"z must be a tensor of x's shape {tuple(x.shape)}, got "
+                             f"{tuple(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__}")
+        options = (self.eps, self.group_size or self.weight.shape[0], self.norm_before_gate)
         if ON_GPU and x.is_cuda:
             return apply(RMSNormGatedFn, x, z, self.weight, *options)[0]
         return _rms_norm_gated_torch(x, z, self.weight, *options)
@@ -908,7 +922,7 @@ class Mamba2(nn.Module):
                                 bias=conv_bias, **factory)
         if conv_init is not None:
             nn.init.uniform_(self.conv1d.weight, -conv_init, conv_init)
-        self.act = nn.SiLU()
+        self.act = nn.SiLU()   # mamba_ssm's attribute, kept for code that reads it; the kernels apply SiLU themselves
         step = torch.exp(torch.rand(self.nheads, **factory) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
         self.dt_bias = nn.Parameter(inverse_softplus(step.clamp(min=dt_init_floor)))   # softplus(dt_bias) = step
         self.dt_bias._no_weight_decay = True
@@ -938,6 +952,10 @@ class Mamba2(nn.Module):
         """in_proj's output (..., d_in_proj) -> z0, x0, z, xBC, dt (views)."""
         return torch.split(zxbcdt, [self.d_mlp, self.d_mlp, self.d_ssm, self.conv_dim, self.nheads], dim=-1)
 
+    def _split_xBC(self, xBC):
+        """The convolution's output (..., conv_dim) -> x (..., d_ssm), B and C (..., groups N)."""
+        return torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+
     def _finish(self, y, z, z0, x0):
         """The scan's output y (..., d_ssm) -> the block's output: the norm (or no gate left), the MLP's
         channels, out_proj."""
@@ -956,7 +974,7 @@ class Mamba2(nn.Module):
         conv = causal_conv1d if self.backend == "triton" else causal_conv1d_ref
         xBC = conv(xBC_t, self.conv1d.weight[:, 0], self.conv1d.bias, activation=self.activation,
                    initial_states=conv_state[..., 1:].to(xBC_t.dtype) if keep else None).transpose(1, 2)
-        x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        x, B, C = self._split_xBC(xBC)
         y, last_state = self._scan(x, dt, B, C, z, ssm_state)                 # batch x L x d_ssm
         out = self._finish(y, z, z0, x0)
         if not keep:
@@ -969,7 +987,7 @@ class Mamba2(nn.Module):
         y (batch, L, d_ssm), gated here unless rmsnorm, and the final state (batch, heads, P, N)."""
         heads = lambda t: t.unflatten(-1, (self.nheads, self.headdim))         # noqa: E731  (..., d_ssm) -> (..., H, P)
         groups = lambda t: t.unflatten(-1, (self.ngroups, self.d_state))       # noqa: E731  (..., g N) -> (..., g, N)
-        f = torch.float64 if x.dtype == torch.float64 else torch.float32    # the kernels' float32, or float64
+        f = _compute_dtype(x)
         A = -torch.exp(self.A_log.to(f))
         gate_in_op = not self.rmsnorm and not self.D_has_hdim                  # the op gates after adding D x
         D = None if self.D_has_hdim else self.D
@@ -977,10 +995,11 @@ class Mamba2(nn.Module):
         if self.dt_limit != (0.0, float("inf")):                               # the op has no clamp: the step here
             dt, dt_bias = F.softplus(dt.to(f) + dt_bias.to(f)).clamp(*self.dt_limit), None
         scan = self._chunk_scan_torch if self.backend == "torch" or x.dtype == torch.float64 else mamba_chunk_scan_combined
+        initial_state = None if initial_state is None else initial_state.to(f)   # a cache of any dtype
         y, final = scan(heads(x), dt, A, groups(B), groups(C), self.chunk_size, D, heads(z) if gate_in_op else None,
                         dt_bias, initial_state, dt_softplus=dt_bias is not None, return_final_states=True)
-        if self.D_has_hdim:
-            y = y + heads(x) * heads(self.D)
+        if self.D_has_hdim:   # D is float32: the sum in float32, y back in x's dtype
+            y = (y.to(f) + heads(x).to(f) * heads(self.D).to(f)).to(y.dtype)
         y = y.flatten(-2)
         if not self.rmsnorm and not gate_in_op:
             y = y * F.silu(z)
@@ -991,7 +1010,7 @@ class Mamba2(nn.Module):
                           dt_softplus=False, return_final_states=False):
         """mamba_chunk_scan_combined's computation with section 3's ssd_chunked, in float32 (float64 for
         float64 x), differentiable by autograd; y in x's dtype, the final state float32 (or float64)."""
-        f = torch.float64 if x.dtype == torch.float64 else torch.float32
+        f = _compute_dtype(x)
         step = dt.to(f) if dt_bias is None else dt.to(f) + dt_bias.to(f)
         step = F.softplus(step) if dt_softplus else step
         y, final = ssd_chunked(x.to(f), step, A.to(f), B.to(f), C.to(f), min(chunk_size, KERNEL_CHUNK),
@@ -1017,14 +1036,14 @@ class Mamba2(nn.Module):
             conv_state[:, :, -1] = xBC
             xBC = (conv_state * weight).sum(-1)
             xBC = F.silu(xBC if self.conv1d.bias is None else xBC + self.conv1d.bias).to(hidden_states.dtype)
-        x, B, C = torch.split(xBC, [self.d_ssm, self.ngroups * self.d_state, self.ngroups * self.d_state], dim=-1)
+        x, B, C = self._split_xBC(xBC)
         y = self._ssm_step(x, dt, B, C, z, ssm_state)                          # batch x d_ssm
         return self._finish(y, z, z0, x0)[:, None], conv_state, ssm_state
 
     def _ssm_step(self, x, dt, B, C, z, ssm_state):
         """H <- exp(dt A) H + dt x B^T, y = H C + D x (gated here unless rmsnorm), per head, in float32
         (float64 for a float64 state); ssm_state updated in place."""
-        f = torch.float64 if ssm_state.dtype == torch.float64 else torch.float32
+        f = _compute_dtype(ssm_state)
         step = F.softplus(dt.to(f) + self.dt_bias.to(f)).clamp(*self.dt_limit)   # batch x H
         per_head = self.nheads // self.ngroups
         B, C = (t.to(f).unflatten(-1, (self.ngroups, self.d_state)).repeat_interleave(per_head, dim=1) for t in (B, C))
@@ -1052,12 +1071,7 @@ class Mamba2(nn.Module):
         if self.layer_idx is None:
             raise ValueError("inference_params needs the block's layer_idx (Mamba2(..., layer_idx=i)): the "
                              "states are cached under it")
-        cache = inference_params.key_value_memory_dict
-        if self.layer_idx not in cache:
-            cache[self.layer_idx] = self.allocate_inference_cache(batch_size, inference_params.max_seqlen)
-        conv_state, ssm_state = cache[self.layer_idx]
-        self._check_states(batch_size, conv_state, ssm_state)
-        return conv_state, ssm_state
+        return Mamba._get_states_from_cache(self, inference_params, batch_size)   # chapter 06's, on this block's cache
 
     def _check_hidden(self, u, name="u"):
         check_float_tensor(name, u)
@@ -1146,6 +1160,11 @@ def rms_norm_gated_bwd_kernel(X, Z, W, RSTD, DOUT, DX, DZ, DW_PARTS, rows, group
     tl.store(DW_PARTS + tl.program_id(0).to(tl.int64) * n_groups * group_size + col, dw, mask=col_ok)
 
 
+# remembered, as section 8's kernels: a training step launches both
+rms_norm_gated_fwd_kernel, rms_norm_gated_bwd_kernel = map(RememberedLaunches, (rms_norm_gated_fwd_kernel,
+                                                                               rms_norm_gated_bwd_kernel))
+
+
 def _norm_tiles(group_size):
     """(BLOCK_M, BLOCK_N): the group's columns in one block, rows up to 4096 entries a program."""
     block_n = next_power_of_2(group_size)
@@ -1159,8 +1178,7 @@ def rms_norm_gated_fwd(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch
     rstd (rows x groups, the accumulator's dtype)."""
     rows, hidden = x.shape
     out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    rstd = torch.empty(rows, hidden // group_size, dtype=acc, device=x.device)
+    rstd = torch.empty(rows, hidden // group_size, dtype=_compute_dtype(x), device=x.device)
     block_m, block_n = _norm_tiles(group_size)
     rms_norm_gated_fwd_kernel[(cdiv(rows, block_m), hidden // group_size)](
         x, x if z is None else z, weight, out, rstd, rows, group_size, hidden // group_size, x.stride(0),
@@ -1171,8 +1189,7 @@ def rms_norm_gated_fwd(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch
 
 @rms_norm_gated_fwd.register_fake
 def _(x, z, weight, eps, group_size, norm_before_gate):
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return x.new_empty(x.shape), x.new_empty(x.shape[0], x.shape[1] // group_size, dtype=acc)
+    return x.new_empty(x.shape), x.new_empty(x.shape[0], x.shape[1] // group_size, dtype=_compute_dtype(x))
 
 
 @custom_op("rms_norm_gated_bwd", __name__)
@@ -1260,10 +1277,14 @@ def _mamba_ssm_mamba2():
     _, why_not = _mamba_ssm_block()
     if "mamba_ssm" not in sys.modules:
         return None, why_not
-    if importlib.util.find_spec("huggingface_hub") is None:
+    stand_in = "huggingface_hub" not in sys.modules and importlib.util.find_spec("huggingface_hub") is None
+    if stand_in:
         hub = sys.modules["huggingface_hub"] = types.ModuleType("huggingface_hub")
         hub.PyTorchModelHubMixin = type("PyTorchModelHubMixin", (), {})
     try:
         return importlib.import_module("mamba_ssm.modules.mamba2").Mamba2, None
     except Exception as error:   # noqa: BLE001 (a missing extension or package shows up as any of several errors)
         return None, f"mamba_ssm's Mamba2 not importable: {type(error).__name__}: {error}"
+    finally:
+        if stand_in:   # mamba2 keeps its mixin; nothing else should find the stand-in
+            sys.modules.pop("huggingface_hub")

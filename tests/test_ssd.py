@@ -579,7 +579,7 @@ def test_the_op_launches_remembered_kernels():
     from scan_lib import ssd
     from scan_lib.flash_attention import RememberedLaunches
     kernels = [name for name in dir(ssd) if name.endswith("_kernel")]
-    assert len(kernels) == 8 and all(isinstance(getattr(ssd, name), RememberedLaunches) for name in kernels), kernels
+    assert len(kernels) == 10 and all(isinstance(getattr(ssd, name), RememberedLaunches) for name in kernels), kernels
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a GPU: under the interpreter every launch goes through Triton")
