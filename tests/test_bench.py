@@ -230,8 +230,9 @@ def test_every_chunk_kernels_float32_products_follow_torchs_matmul_precision(tmp
     """Chapter 10's chunk kernels compiled for sm_90 (a fresh process, as sass_lines), float32 at a small size:
     every tt.dot in their TTIR has input precision tf32x3 under torch's default "highest" and tf32 under "high"
     (the interpreter computes float32 either way, so only the compiled kernels show a DOT that does not reach
-    tl.dot; Triton's tl.dot without input_precision is tf32). Every kernel of scan_lib.ssd but the state
-    passing one (no products) is one of sass_lines' SSD_KERNELS, so a new kernel is checked too."""
+    tl.dot; Triton's tl.dot without input_precision is tf32). Every kernel of scan_lib.ssd but those without
+    products (the state passing one, the gated norm's two) is one of sass_lines' SSD_KERNELS, so a new kernel
+    is checked too."""
     import json
     script = (
         "import json, re, torch\n"
@@ -248,7 +249,8 @@ def test_every_chunk_kernels_float32_products_follow_torchs_matmul_precision(tmp
         "                                            for d in dots]\n"
         "print(json.dumps(dict(found, names=sorted(s.SSD_KERNELS.values()))))\n")
     found = json.loads(compile_in_fresh_process(script, tmp_path).splitlines()[-1])
-    assert found["kernels"] == sorted(found["names"] + ["ssd_state_passing_kernel"]), found["kernels"]
+    no_products = ["ssd_state_passing_kernel", "rms_norm_gated_fwd_kernel", "rms_norm_gated_bwd_kernel"]
+    assert found["kernels"] == sorted(found["names"] + no_products), found["kernels"]
     products = {"ssd-state": 1, "ssd-output": 3, "ssd-adjoint": 4, "ssd-grad": 5, "ssd-grad-bc": 5, "ssd-steps": 0,
                 "ssd-walk": 4}
     assert len(found["dots"]) == 2 * len(products), found["dots"]
