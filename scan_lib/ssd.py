@@ -821,17 +821,13 @@ import torch.nn.functional as F
 from scan_lib.causal_conv1d import causal_conv1d, causal_conv1d_ref, causal_conv1d_update   # chapter 06
 from scan_lib.mamba import Mamba, inverse_softplus   # chapter 06
 from scan_lib.runtime import ON_GPU
-
-
-def _compute_dtype(t):
-    """What the block computes in for t: float64 for float64, else float32 (the kernels' sums)."""
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
+from scan_lib.selective_scan import _acc_dtype   # chapter 05: float64 where a tensor is float64, else float32
 
 
 def _rms_norm_gated_torch(x, z, weight, eps, group_size, norm_before_gate):
     """RMSNormGated's computation in PyTorch: float32 (float64 for float64 x), returned in x's dtype;
     differentiable to any order."""
-    f = _compute_dtype(x)
+    f = _acc_dtype(x)
     v = x.to(f)                                                            # ... x hidden
     gate = None if z is None else F.silu(z.to(f))
     if gate is not None and not norm_before_gate:
@@ -987,7 +983,7 @@ class Mamba2(nn.Module):
         y (batch, L, d_ssm), gated here unless rmsnorm, and the final state (batch, heads, P, N)."""
         heads = lambda t: t.unflatten(-1, (self.nheads, self.headdim))         # noqa: E731  (..., d_ssm) -> (..., H, P)
         groups = lambda t: t.unflatten(-1, (self.ngroups, self.d_state))       # noqa: E731  (..., g N) -> (..., g, N)
-        f = _compute_dtype(x)
+        f = _acc_dtype(x)
         A = -torch.exp(self.A_log.to(f))
         gate_in_op = not self.rmsnorm and not self.D_has_hdim                  # the op gates after adding D x
         D = None if self.D_has_hdim else self.D
@@ -1010,7 +1006,7 @@ class Mamba2(nn.Module):
                           dt_softplus=False, return_final_states=False):
         """mamba_chunk_scan_combined's computation with section 3's ssd_chunked, in float32 (float64 for
         float64 x), differentiable by autograd; y in x's dtype, the final state float32 (or float64)."""
-        f = _compute_dtype(x)
+        f = _acc_dtype(x)
         step = dt.to(f) if dt_bias is None else dt.to(f) + dt_bias.to(f)
         step = F.softplus(step) if dt_softplus else step
         y, final = ssd_chunked(x.to(f), step, A.to(f), B.to(f), C.to(f), min(chunk_size, KERNEL_CHUNK),
@@ -1043,7 +1039,7 @@ class Mamba2(nn.Module):
     def _ssm_step(self, x, dt, B, C, z, ssm_state):
         """H <- exp(dt A) H + dt x B^T, y = H C + D x (gated here unless rmsnorm), per head, in float32
         (float64 for a float64 state); ssm_state updated in place."""
-        f = _compute_dtype(ssm_state)
+        f = _acc_dtype(ssm_state)
         step = F.softplus(dt.to(f) + self.dt_bias.to(f)).clamp(*self.dt_limit)   # batch x H
         per_head = self.nheads // self.ngroups
         B, C = (t.to(f).unflatten(-1, (self.ngroups, self.d_state)).repeat_interleave(per_head, dim=1) for t in (B, C))
@@ -1178,7 +1174,9 @@ def rms_norm_gated_fwd(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch
     rstd (rows x groups, the accumulator's dtype)."""
     rows, hidden = x.shape
     out = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
-    rstd = torch.empty(rows, hidden // group_size, dtype=_compute_dtype(x), device=x.device)
+    rstd = torch.empty(rows, hidden // group_size, dtype=_acc_dtype(x), device=x.device)
+    if rows == 0:   # nothing to launch
+        return out, rstd
     block_m, block_n = _norm_tiles(group_size)
     rms_norm_gated_fwd_kernel[(cdiv(rows, block_m), hidden // group_size)](
         x, x if z is None else z, weight, out, rstd, rows, group_size, hidden // group_size, x.stride(0),
@@ -1189,7 +1187,7 @@ def rms_norm_gated_fwd(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch
 
 @rms_norm_gated_fwd.register_fake
 def _(x, z, weight, eps, group_size, norm_before_gate):
-    return x.new_empty(x.shape), x.new_empty(x.shape[0], x.shape[1] // group_size, dtype=_compute_dtype(x))
+    return x.new_empty(x.shape), x.new_empty(x.shape[0], x.shape[1] // group_size, dtype=_acc_dtype(x))
 
 
 @custom_op("rms_norm_gated_bwd", __name__)
@@ -1200,6 +1198,8 @@ def rms_norm_gated_bwd(dout: torch.Tensor, x: torch.Tensor, z: Optional[torch.Te
     dx = torch.empty(rows, hidden, dtype=x.dtype, device=x.device)
     dz = torch.empty(0, dtype=x.dtype, device=x.device) if z is None else torch.empty(rows, hidden, dtype=z.dtype,
                                                                                         device=x.device)
+    if rows == 0:   # no rows: nothing to launch, and no program to sum dW
+        return [dx, dz, torch.zeros_like(weight)]
     block_m, block_n = _norm_tiles(group_size)
     programs = max(1, min(cdiv(rows, block_m), 4 * (multiprocessor_count(x.device) or 16)))
     rows_per_program = cdiv(cdiv(rows, programs), block_m) * block_m

@@ -930,6 +930,15 @@ def test_fused_norm_gradcheck_and_second_derivatives(norm_before_gate):
     assert torch.autograd.gradgradcheck(f, (x, z, weight))
 
 
+def test_fused_norm_of_no_rows():
+    """Empty inputs (a batch of 0) give empty outputs and gradients, and a zero weight gradient."""
+    from scan_lib.ssd import RMSNormGatedFn
+    x, z, weight = fused_norm_inputs(torch.float32, (0, 5), 8, True)
+    out = RMSNormGatedFn.apply(x, z, weight, 1e-5, 4, False)[0]
+    dx, dz, dweight = torch.autograd.grad(out.sum(), (x, z, weight))
+    assert out.shape == dx.shape == dz.shape == (0, 5, 8) and torch.equal(dweight, torch.zeros_like(weight))
+
+
 def test_fused_norm_compiles_fullgraph():
     from scan_lib.ssd import RMSNormGatedFn
     torch._dynamo.reset()
