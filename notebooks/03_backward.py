@@ -414,8 +414,9 @@ print("gradcheck (float64, shape (1, 2, 20), full Jacobian) and gradgradcheck (1
 # **3 tensors** (reads gates and tokens, writes $h$); forward + backward **8** (the backward also reads
 # gates, $h$ and the incoming gradient, and writes two gradients). Ours runs with its default
 # `BWD_CONFIG` and with the backward's loads descending ("Going deeper: launch parameters, and two
-# ways to scan against the memory order"); a peer, accelerated-scan, runs when it is installed. Times
-# are `do_bench` medians.
+# ways to scan against the memory order"); a peer, accelerated-scan's Triton scan, runs when it is
+# installed (`pip install accelerated-scan`): where it is not, the cell says so and times ours alone.
+# Times are `do_bench` medians.
 
 # %%
 if not ON_GPU:

@@ -881,9 +881,13 @@ assert err_subtract > 1e-2 and err_shifted < 1e-7
 # %% [markdown]
 # ## Going deeper: the tolerances
 #
-# Every check of this chapter uses chapter 04's `tolerance(dtype, length)`, derived in its "Going
+# Every check of this chapter uses chapter 04's `tolerance(dtype, length)`, argued in its "Going
 # deeper: the tolerance": one rounding of the output to its dtype, plus $32\sqrt{L}$ float32 roundings
-# ($2^{-53}$ units for float64 inputs).
+# ($2^{-53}$ units for float64 inputs). It is an allowance for the typical case, not a proven bound.
+# The course uses three error models, each fitted to its computation: chapter 01's sums pass a tree,
+# so its tolerance grows like $\log_2 L$; chapters 02 and 03 scan one state, whose rounding
+# `error_bound` bounds element by element from the gates and tokens themselves; chapters 04 and 05
+# carry $N$ states per channel and sum them into $y$, where the $\sqrt{L}$ allowance is what is argued.
 #
 # **Float32 over the length.** The selective scan is chapter 04's recurrence. With positive steps
 # $\Delta$ (softplus makes them so) its gates $e^{\Delta A}$ lie in $(0, 1)$, so chapter 04's argument
@@ -1007,6 +1011,11 @@ for chunk in (1, 4, 8, 37, 64):
 # between warps through shared memory), and finally each thread applies its prefix: close to the
 # scheme `mamba_ssm` writes by hand. This chapter does not time the first version; chapter 07 does
 # (section 9, "All states at once") and finds it slower than the loop.
+#
+# **The loops are `for` loops.** Chapter 00 wrote its loops over runtime bounds as `while`; these
+# kernels use `for ... in range(n)`, which older Triton interpreters cannot run under NumPy 2.4.
+# `scan_lib.runtime` mends those interpreters (chapter 00, "Going deeper: the interpreter and NumPy"),
+# so the loops run under every Triton and NumPy the package admits.
 #
 # **The forward kernel's helpers.** `_load_delta` applies `delta_bias` and the softplus, computed
 # stably ("Going deeper: the fine print" shows how). `_column` reads column $n$ of the carry tile.
