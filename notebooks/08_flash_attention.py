@@ -71,7 +71,6 @@ import triton
 import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype
-from scan_lib.fast_selective_scan import remember  # chapter 07's bounded cache, for RememberedLaunches (Going deeper)
 from scan_lib.runtime import (INTERPRET, ON_GPU, apply, cdiv, check_float_tensor, check_same_device, custom_op,
                               next_power_of_2)
 
@@ -1072,117 +1071,6 @@ grads_eager = torch.autograd.grad(flash_attention(2 * q_c, k_c, v_c, causal=True
 for got, want in zip(grads_compiled, grads_eager):
     torch.testing.assert_close(got, want)
 print("torch.compile(fullgraph=True): the same gradients as eager: ok")
-
-# %% [markdown]
-# ## Going deeper: the host's share, and launches remembered
-#
-# A call `kernel[grid](...)` is Python before it is a launch. Triton binds every argument to its
-# parameter, works out the specialisation of each (a tensor's dtype and whether its address is a
-# multiple of 16 bytes, whether an integer is 1 or a multiple of 16), looks the result up among its
-# compiled kernels, calls the grid function, gathers the launch's metadata and only then calls the
-# compiled kernel's launcher, a C function. `triton.autotune` adds its own pass over the arguments to
-# build its key. Our kernels take every stride of every tensor (they read any layout in place): 27
-# runtime arguments for the forward, 39 and 34 for the two backward kernels, all worked through on every
-# call, though for a given shape, layout and dtype every answer is the same as last time.
-#
-# `RememberedLaunches` wraps a kernel so that the answers are worked out once. Its key is what Triton's
-# answers depend on: the current device, each tensor's dtype and 16-byte alignment, and every other
-# argument and constexpr as it is. The first call with a key goes through Triton (and `triton.autotune`,
-# which searches if its own key is new); the compiled kernel is remembered with the configuration the
-# autotuner picked. Later calls with the key evaluate the grid and call the compiled kernel's launcher
-# directly. Chapter 07's `Launcher` does the same for its selective scan, whose grid is known before the
-# launch; here the grid depends on the autotuner's `BLOCK_M` or `BLOCK_N`, so it is evaluated at each
-# call from the remembered configuration. Under the interpreter every call goes through Triton, as does
-# every call with `through_triton` set (the comparison below).
-#
-# What the key leaves out, and so what it costs: lengths are in it as they are, so a decoding loop, whose
-# $L_k$ grows by one per step, meets a new key at every step and pays Triton's path each time (a key of
-# Triton's own classes, "is 1, is a multiple of 16", would cost a Python test per argument on every call).
-# Triton's debug and instrumentation settings are not in it: changed after a first call, they reach only
-# new keys. And it serves `@triton.jit` kernels and `triton.autotune` over one, not `triton.heuristics`.
-
-# %%
-#| export
-class RememberedLaunches:
-    """A @triton.jit kernel, or triton.autotune over one, whose launches after the first for a key skip Triton's
-    Python path.
-
-    `kernel[grid](*args, **constexprs)` as for the wrapped kernel, every non-constexpr parameter passed
-    positionally. On a GPU the first call for a key (the current device; each tensor argument's dtype and
-    16-byte alignment; every other argument and every constexpr) goes through Triton, which autotunes and
-    compiles where it must; the compiled kernel is kept with the configuration triton.autotune picked, and
-    later calls with the key go straight to its launcher. A grid function sees the constexprs and that
-    configuration; a grid of fewer than three dims is padded with 1s, as Triton does. Under the interpreter,
-    or with `through_triton` set, every call goes through Triton. Anything else (`.cache`, `.fn`, ...) is the
-    wrapped kernel's."""
-    through_triton = False
-
-    def __init__(self, kernel):
-        self.kernel = kernel.kernel if isinstance(kernel, RememberedLaunches) else kernel  # a cell run twice
-        self.compiled = {}  # key -> (compiled kernel, constexprs and configuration, the parameters after args)
-
-    def __getitem__(self, grid):
-        return lambda *args, **constexprs: self.launch(grid, args, constexprs)
-
-    def launch(self, grid, args: tuple, constexprs: dict) -> None:
-        if INTERPRET or self.through_triton:
-            self.kernel[grid](*args, **constexprs)
-            return
-        key = (torch.cuda.current_device(), *constexprs.items(),
-               *[(arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, torch.Tensor) else arg for arg in args])
-        remembered = self.compiled.get(key)
-        if remembered is None:
-            compiled = self.kernel[grid](*args, **constexprs)
-            config = getattr(self.kernel, "best_config", None)  # triton.autotune's pick for this call
-            meta = {**constexprs, **(config.all_kwargs() if config is not None else {})}
-            tail = [meta[name] for name in self.kernel.arg_names[len(args):]]  # the compiled kernel takes them all
-            remember(self.compiled, key, (compiled, meta, tail))
-            return
-        compiled, meta, tail = remembered
-        grid = grid(meta) if callable(grid) else grid
-        compiled[(*grid, 1, 1)[:3]](*args, *tail)  # the compiled kernel's launcher reads three dims
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("kernel", "compiled"):  # not yet set (copy, pickle)
-            raise AttributeError(name)
-        return getattr(self.kernel, name)
-
-
-# The four kernels the op launches, remembered (flash_attention_forward and _backward look them up by name)
-flash_fwd, flash_bwd_dkdv, flash_bwd_dq = map(RememberedLaunches, (flash_fwd, flash_bwd_dkdv, flash_bwd_dq))
-flash_bwd_preprocess_kernel = RememberedLaunches(flash_bwd_preprocess_kernel)
-
-# %% [markdown]
-# On a GPU, the cell below runs forward and forward + backward at $L = 1024$ (bfloat16, head dim 64,
-# batch 4, 32 heads) both ways, checks that the results are the same bits, and times the host's work
-# per call (`host_us`: calls queued back to back, no synchronisation between them) against the GPU's
-# (`graph_us`: the calls replayed from a CUDA graph).
-
-# %%
-if not ON_GPU:
-    print("skipped: needs a GPU (under the interpreter every launch goes through Triton)")
-else:
-    from scan_lib.runtime import graph_us, host_us
-
-    torch.manual_seed(10)
-    q_h, k_h, v_h = [torch.randn(4, 32, 1024, 64, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
-                     for _ in range(3)]
-    grad_h = torch.randn_like(q_h)
-    forward_h = lambda: flash_attention(q_h, k_h, v_h)  # noqa: E731
-    both_h = lambda: torch.autograd.grad(flash_attention(q_h, k_h, v_h), (q_h, k_h, v_h), grad_h)  # noqa: E731
-    results = {}
-    print("L 1024, head_dim 64, bfloat16, us per call: host / GPU (CUDA graph)")
-    try:
-        for through_triton in (True, False):
-            RememberedLaunches.through_triton = through_triton
-            results[through_triton] = (forward_h().detach(), *both_h())  # no autograd graph kept
-            print(f"{'through Triton' if through_triton else 'remembered':>14}: forward {host_us(forward_h):7.1f} / "
-                  f"{graph_us(forward_h):7.1f}, forward+backward {host_us(both_h):7.1f} / {graph_us(both_h):7.1f}")
-    finally:
-        RememberedLaunches.through_triton = False
-    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
-    print("the same output and gradients, bit for bit, both ways: ok")
-    del q_h, k_h, v_h, grad_h, results
 
 # %% [markdown]
 # ## Going deeper: why the merge is associative

@@ -1182,6 +1182,87 @@ print(f"L = 0: d initial_state equals dfinal: {torch.equal(empty[-1], dfinal)}; 
 assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] == 0).all()
 
 # %% [markdown]
+# ## Going deeper: the host's share, and launches remembered
+#
+# A call `kernel[grid](...)` is Python before it is a launch. Triton binds every argument to its
+# parameter, works out the specialisation of each (a tensor's dtype and whether its address is a
+# multiple of 16 bytes, whether an integer is 1 or a multiple of 16), looks the result up among its
+# compiled kernels, calls the grid function, gathers the launch's metadata, and only then calls the
+# compiled kernel's launcher, a C function; `triton.autotune` adds its own pass over the arguments to
+# build its key. This chapter's kernels take every stride of every tensor (they read any layout in
+# place), so most take dozens of runtime arguments, and a training step launches nine to eleven of
+# them: all that work is done at every launch, though for a given shape, layout and dtype every answer
+# is the one of the launch before.
+#
+# `RememberedLaunches` wraps a kernel so that the answers are worked out once. Its key is what Triton's
+# answers depend on: the current device, each tensor's dtype and 16-byte alignment, and every other
+# argument and constexpr as it is. The first call with a key goes through Triton (and through
+# `triton.autotune`, which searches if its own key is new); the compiled kernel is remembered with the
+# configuration the autotuner picked, in chapter 07's bounded cache (`remember`). Later calls with the
+# key evaluate the grid and call the compiled kernel's launcher directly. Chapter 07's `Launcher` does the
+# same for its selective scan with a plan per signature; this wrapper keeps the launch as it reads,
+# `kernel[grid](...)`, for any `@triton.jit` kernel or `triton.autotune` over one, and evaluates a grid
+# function at each call from the remembered configuration. Under the interpreter every call goes through
+# Triton, as does every call with `through_triton` set (section 9 times both ways).
+#
+# What the key leaves out, and so what it costs: lengths are in it as they are, so a new length is a new
+# key and pays Triton's path once (a key of Triton's own classes, "is 1, is a multiple of 16", would cost
+# a Python test per argument on every call). Triton's debug and instrumentation settings are not in it:
+# changed after a first call, they reach only new keys. And it serves `@triton.jit` kernels and
+# `triton.autotune` over one, not `triton.heuristics`.
+
+# %%
+#| export
+from scan_lib.fast_selective_scan import remember  # chapter 07's bounded cache
+from scan_lib.runtime import INTERPRET
+
+
+class RememberedLaunches:
+    """A @triton.jit kernel, or triton.autotune over one, whose launches after the first for a key skip Triton's
+    Python path.
+
+    `kernel[grid](*args, **constexprs)` as for the wrapped kernel, every non-constexpr parameter passed
+    positionally. On a GPU the first call for a key (the current device; each tensor argument's dtype and
+    16-byte alignment; every other argument and every constexpr) goes through Triton, which autotunes and
+    compiles where it must; the compiled kernel is kept with the configuration triton.autotune picked, and
+    later calls with the key go straight to its launcher. A grid function sees the constexprs and that
+    configuration; a grid of fewer than three dims is padded with 1s, as Triton does. Under the interpreter,
+    or with `through_triton` set, every call goes through Triton. Anything else (`.cache`, `.fn`, ...) is the
+    wrapped kernel's."""
+    through_triton = False
+
+    def __init__(self, kernel):
+        self.kernel = kernel.kernel if isinstance(kernel, RememberedLaunches) else kernel  # a cell run twice
+        self.compiled = {}  # key -> (compiled kernel, constexprs and configuration, the parameters after args)
+
+    def __getitem__(self, grid):
+        return lambda *args, **constexprs: self.launch(grid, args, constexprs)
+
+    def launch(self, grid, args: tuple, constexprs: dict) -> None:
+        if INTERPRET or self.through_triton:
+            self.kernel[grid](*args, **constexprs)
+            return
+        key = (torch.cuda.current_device(), *constexprs.items(),
+               *[(arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, torch.Tensor) else arg for arg in args])
+        remembered = self.compiled.get(key)
+        if remembered is None:
+            compiled = self.kernel[grid](*args, **constexprs)
+            config = getattr(self.kernel, "best_config", None)  # triton.autotune's pick for this call
+            meta = {**constexprs, **(config.all_kwargs() if config is not None else {})}
+            tail = [meta[name] for name in self.kernel.arg_names[len(args):]]  # the compiled kernel takes them all
+            remember(self.compiled, key, (compiled, meta, tail))
+            return
+        compiled, meta, tail = remembered
+        grid = grid(meta) if callable(grid) else grid
+        compiled[(*grid, 1, 1)[:3]](*args, *tail)  # the compiled kernel's launcher reads three dims
+
+    def __getattr__(self, name):
+        if name.startswith("__") or name in ("kernel", "compiled"):  # not yet set (copy, pickle)
+            raise AttributeError(name)
+        return getattr(self.kernel, name)
+
+
+# %% [markdown]
 # ## Going deeper: the forward in one walk over the chunks
 #
 # Section 5's forward runs the chunked algorithm step by step, a kernel per step, and between the steps
@@ -1374,8 +1455,8 @@ for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
 #   the gate, $y_t \odot \operatorname{silu}(z_t)$, are computed inside the kernels.
 # - The forward: the walk over the chunks where `_walks` says so (16-bit inputs, enough programs; the
 #   section before), else section 5's kernels. The backward: section 7's.
-# - The kernels, launched through chapter 08's `RememberedLaunches` ("Going deeper: the host's share,
-#   and launches remembered"). A training step launches nine to eleven of them, most with many
+# - The kernels, launched through `RememberedLaunches` ("Going deeper: the host's share, and launches
+#   remembered"). A training step launches nine to eleven of them, most with many
 #   arguments, and Triton's Python launch path works on every argument at every launch; remembered,
 #   each launch after the first with the same key goes straight to the compiled kernel. Section 9's
 #   table is recorded with them. Measured both ways on an H100 before the walk
@@ -1459,7 +1540,6 @@ for dtype, bound in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2)):
 #| export
 from typing import Optional
 
-from scan_lib.flash_attention import RememberedLaunches   # chapter 08: launches after a key's first skip Triton's path
 from scan_lib.runtime import apply, custom_op
 from scan_lib.selective_scan import _NoSecondDerivative as _SelectiveScanNoSecondDerivative
 from scan_lib.selective_scan import _vmap_by_loop   # a vmap rule: one call per vmapped element, stacked
@@ -1810,6 +1890,41 @@ else:
 #   grows far less than the work does and ends faster than ours: at $L = 2048$ its step is set by the
 #   host, as the host column shows here, not by its kernels. Beating its kernels, at every length, is
 #   still open.
+
+# %% [markdown]
+# The host's share, both ways: the table's first bfloat16 row timed again with every launch through
+# Triton's path (`RememberedLaunches.through_triton`) and with the launches remembered ("Going deeper: the
+# host's share, and launches remembered"), after a check that a training step gives the same output and
+# gradients, bit for bit, both ways.
+
+# %%
+def chunk_scan_results(inputs, chunk):
+    """The output of mamba_chunk_scan_combined on inputs (section 9's options) and the gradients of every input."""
+    leaves = {name: t.detach().requires_grad_() for name, t in inputs.items()}
+    y = mamba_chunk_scan_combined(leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk,
+                                  D=leaves["D"], z=leaves["z"], dt_bias=leaves["dt_bias"], dt_softplus=True)
+    return (y.detach(), *torch.autograd.grad(y, list(leaves.values()), torch.ones_like(y)))
+
+
+if not ON_GPU:
+    print("skipped: needs a GPU (under the interpreter every launch goes through Triton)")
+else:
+    inputs = chunk_scan_inputs(*SPEED_SHAPES[0], torch.bfloat16)
+    results = {}
+    print(f"{torch.cuda.get_device_name()}, bfloat16, (batch, L, heads, P, N) = {SPEED_SHAPES[0]}, us")
+    try:
+        for through_triton in (True, False):
+            RememberedLaunches.through_triton = through_triton
+            results[through_triton] = chunk_scan_results(inputs, 256)
+            times = time_chunk_scan(mamba_chunk_scan_combined, inputs, 256)
+            print(f"{'through Triton' if through_triton else 'remembered':>14}: forward call {times['forward']:5.0f}, "
+                  f"on the GPU {times['forward_gpu']:5.0f}; forward+backward call {times['step']:5.0f}, "
+                  f"the host's time to issue one {times['step_host']:5.0f}")
+    finally:
+        RememberedLaunches.through_triton = False
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
+    print("the same output and gradients, bit for bit, both ways: ok")
+    del inputs, results
 
 # %% [markdown]
 # ## Going deeper: 10. The Mamba2 block

@@ -6,7 +6,6 @@ import triton
 import triton.language as tl
 
 from scan_lib.ema import accumulator_dtype
-from scan_lib.fast_selective_scan import remember  # chapter 07's bounded cache, for RememberedLaunches (Going deeper)
 from scan_lib.runtime import (INTERPRET, ON_GPU, apply, cdiv, check_float_tensor, check_same_device, custom_op,
                               next_power_of_2)
 
@@ -577,52 +576,3 @@ def flash_attention(q, k, v, causal=False, sm_scale=None):
     q, k, v = (t if offsets_fit_in_32_bits(t) else t.contiguous() for t in (q, k, v))
     out, _ = apply(FlashAttentionFunction, q, k, v, causal, scale)
     return out
-
-class RememberedLaunches:
-    """A @triton.jit kernel, or triton.autotune over one, whose launches after the first for a key skip Triton's
-    Python path.
-
-    `kernel[grid](*args, **constexprs)` as for the wrapped kernel, every non-constexpr parameter passed
-    positionally. On a GPU the first call for a key (the current device; each tensor argument's dtype and
-    16-byte alignment; every other argument and every constexpr) goes through Triton, which autotunes and
-    compiles where it must; the compiled kernel is kept with the configuration triton.autotune picked, and
-    later calls with the key go straight to its launcher. A grid function sees the constexprs and that
-    configuration; a grid of fewer than three dims is padded with 1s, as Triton does. Under the interpreter,
-    or with `through_triton` set, every call goes through Triton. Anything else (`.cache`, `.fn`, ...) is the
-    wrapped kernel's."""
-    through_triton = False
-
-    def __init__(self, kernel):
-        self.kernel = kernel.kernel if isinstance(kernel, RememberedLaunches) else kernel  # a cell run twice
-        self.compiled = {}  # key -> (compiled kernel, constexprs and configuration, the parameters after args)
-
-    def __getitem__(self, grid):
-        return lambda *args, **constexprs: self.launch(grid, args, constexprs)
-
-    def launch(self, grid, args: tuple, constexprs: dict) -> None:
-        if INTERPRET or self.through_triton:
-            self.kernel[grid](*args, **constexprs)
-            return
-        key = (torch.cuda.current_device(), *constexprs.items(),
-               *[(arg.dtype, arg.data_ptr() % 16 == 0) if isinstance(arg, torch.Tensor) else arg for arg in args])
-        remembered = self.compiled.get(key)
-        if remembered is None:
-            compiled = self.kernel[grid](*args, **constexprs)
-            config = getattr(self.kernel, "best_config", None)  # triton.autotune's pick for this call
-            meta = {**constexprs, **(config.all_kwargs() if config is not None else {})}
-            tail = [meta[name] for name in self.kernel.arg_names[len(args):]]  # the compiled kernel takes them all
-            remember(self.compiled, key, (compiled, meta, tail))
-            return
-        compiled, meta, tail = remembered
-        grid = grid(meta) if callable(grid) else grid
-        compiled[(*grid, 1, 1)[:3]](*args, *tail)  # the compiled kernel's launcher reads three dims
-
-    def __getattr__(self, name):
-        if name.startswith("__") or name in ("kernel", "compiled"):  # not yet set (copy, pickle)
-            raise AttributeError(name)
-        return getattr(self.kernel, name)
-
-
-# The four kernels the op launches, remembered (flash_attention_forward and _backward look them up by name)
-flash_fwd, flash_bwd_dkdv, flash_bwd_dq = map(RememberedLaunches, (flash_fwd, flash_bwd_dkdv, flash_bwd_dq))
-flash_bwd_preprocess_kernel = RememberedLaunches(flash_bwd_preprocess_kernel)

@@ -2,6 +2,7 @@
 float64, at awkward lengths, groups of heads, initial and final states, and gradients through autograd;
 the Triton forward in float32 against the loop, on strided A and D, empty sequences and bad arguments."""
 import contextlib
+import sys
 
 import pytest
 import torch
@@ -573,11 +574,98 @@ def test_the_gate_gradient_survives_a_float16_ybar_beyond_float16s_range():
     assert torch.isfinite(dz).all() and rel(dz.double().cpu(), dz_want) < 5e-3
 
 
+class FakeCompiled:
+    """Stands in for a compiled kernel: compiled[grid](*args) records (grid, args)."""
+    def __init__(self, calls):
+        self.calls = calls
+
+    def __getitem__(self, grid):
+        assert len(grid) == 3, grid  # Triton 3.6's compiled launcher reads grid[0], grid[1] and grid[2]
+        return lambda *args: self.calls.append(("compiled", grid, args))
+
+
+class FakeJit:
+    """Stands in for a @triton.jit kernel K(X, n, SIZE: constexpr): a call through it records ("triton", grid evaluated,
+    args, constexprs) and returns a FakeCompiled."""
+    arg_names = ["X", "n", "SIZE"]
+
+    def __init__(self):
+        self.calls, self.cache = [], {"the kernel's": "cache"}
+
+    def config(self):
+        return {}
+
+    def __getitem__(self, grid):
+        def launch(*args, **constexprs):
+            meta = {**constexprs, **self.config()}
+            self.calls.append(("triton", grid(meta) if callable(grid) else grid, args, constexprs))
+            return FakeCompiled(self.calls)
+        return launch
+
+
+class FakeTuned(FakeJit):
+    """Stands in for triton.autotune over K(X, n, SIZE: constexpr, BLOCK: constexpr): a call picks BLOCK = 32."""
+    arg_names = ["X", "n", "SIZE", "BLOCK"]
+
+    def config(self):
+        import triton
+        self.best_config = triton.Config({"BLOCK": 32}, num_warps=4)
+        return self.best_config.all_kwargs()
+
+
+@pytest.fixture
+def as_on_a_gpu(monkeypatch):
+    """scan_lib.ssd with its launches taken as on a GPU (no interpreter; device 0 current)."""
+    ssd_module = sys.modules["scan_lib.ssd"]
+    monkeypatch.setattr(ssd_module, "INTERPRET", False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    return ssd_module
+
+
+def test_remembered_launches_go_through_triton_once_per_key(as_on_a_gpu, monkeypatch):
+    """The first call for a key goes through Triton; later ones to the compiled kernel with the grid from the remembered
+    configuration and every parameter after the arguments; another dtype, alignment or integer is another key."""
+    ssd_module = as_on_a_gpu
+    tuned = FakeTuned()
+    kernel = ssd_module.RememberedLaunches(tuned)
+    x = torch.zeros(64)
+    grid = lambda meta: (100 // meta["BLOCK"],)  # noqa: E731
+    kernel[grid](x, 100, SIZE=8)
+    kernel[grid](x, 100, SIZE=8)
+    kernel[(5, 2)](x, 100, SIZE=8)  # the grid is evaluated at each call: not part of the key
+    assert tuned.calls == [("triton", (3,), (x, 100), {"SIZE": 8}), ("compiled", (3, 1, 1), (x, 100, 8, 32)),
+                           ("compiled", (5, 2, 1), (x, 100, 8, 32))]
+    tuned.calls.clear()
+    kernel[grid](x[1:], 100, SIZE=8)  # 4 bytes off: not 16-byte aligned
+    kernel[grid](x.double(), 100, SIZE=8)
+    kernel[grid](x, 101, SIZE=8)
+    kernel[grid](x, 100, SIZE=16)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    kernel[grid](x, 100, SIZE=8)
+    assert [call[0] for call in tuned.calls] == ["triton"] * 5
+    assert kernel.cache == {"the kernel's": "cache"}  # the rest is the wrapped kernel's
+    assert ssd_module.RememberedLaunches(kernel).kernel is tuned  # wrapping twice (a cell run again) wraps once
+    monkeypatch.setattr(ssd_module.RememberedLaunches, "through_triton", True)
+    tuned.calls.clear()
+    kernel[grid](x, 100, SIZE=8)
+    assert [call[0] for call in tuned.calls] == ["triton"]
+
+
+def test_remembered_launches_of_a_kernel_not_autotuned(as_on_a_gpu):
+    """A plain @triton.jit kernel has no configuration: the parameters after the arguments are the constexprs."""
+    jit = FakeJit()
+    kernel = as_on_a_gpu.RememberedLaunches(jit)
+    x = torch.zeros(64)
+    for _ in range(2):
+        kernel[(4, 2, 1)](x, 100, SIZE=8)
+    assert jit.calls == [("triton", (4, 2, 1), (x, 100), {"SIZE": 8}), ("compiled", (4, 2, 1), (x, 100, 8))]
+
+
 def test_the_op_launches_remembered_kernels():
-    """Every kernel of scan_lib.ssd is launched through chapter 08's RememberedLaunches (the launchers look the
-    names up at each call), so a new kernel is covered too."""
+    """Every kernel of scan_lib.ssd is launched through RememberedLaunches (the launchers look the names up at each
+    call), so a new kernel is covered too."""
     from scan_lib import ssd
-    from scan_lib.flash_attention import RememberedLaunches
+    from scan_lib.ssd import RememberedLaunches
     kernels = [name for name in dir(ssd) if name.endswith("_kernel")]
     assert len(kernels) == 10 and all(isinstance(getattr(ssd, name), RememberedLaunches) for name in kernels), kernels
 
@@ -586,7 +674,7 @@ def test_the_op_launches_remembered_kernels():
 def test_remembered_launches_give_the_same_bits_as_triton(monkeypatch):
     """A training step with every option at an awkward length: through Triton's launch path, then twice from the
     remembered launches (the first records the keys, the second launches the compiled kernels): the same bits."""
-    from scan_lib.flash_attention import RememberedLaunches
+    from scan_lib.ssd import RememberedLaunches
     p = {k: v.float().to(DEVICE) for k, v in combined_problem(37, 4, 8, 2, 16, ("D", "z", "bias", "h0", "softplus"),
                                                                seed=3).items() if v is not None}
     dy = torch.randn_like(p["x"])
