@@ -1138,8 +1138,8 @@ from scan_lib.ema import accumulator_dtype   # chapter 02: float64 sums for floa
 
 
 @triton.jit
-def rms_norm_gated_fwd_kernel(X, Z, W, OUT, RSTD, rows, group_size, n_groups, stride_x, stride_z, stride_out, eps,
-                              HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, ACC: tl.constexpr,
+def rms_norm_gated_fwd_kernel(X, Z, W, OUT, RSTD, rows, group_size, n_groups, stride_x, stride_z, stride_out,
+                              EPS: tl.constexpr, HAS_Z: tl.constexpr, NORM_BEFORE_GATE: tl.constexpr, ACC: tl.constexpr,
                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Program (block of BLOCK_M rows, group g): OUT = norm(X [* silu(Z)]) * W [* silu(Z)] over the group's
     columns; RSTD[row, g] = 1 / rms. X, Z, OUT: rows x (n_groups * group_size), unit column stride."""
@@ -1153,7 +1153,7 @@ def rms_norm_gated_fwd_kernel(X, Z, W, OUT, RSTD, rows, group_size, n_groups, st
         gate = z * tl.sigmoid(z)
         if not NORM_BEFORE_GATE:
             v = v * gate
-    rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / group_size + eps)                       # BLOCK_M
+    rstd = 1.0 / tl.sqrt(tl.sum(v * v, axis=1) / group_size + EPS)                       # BLOCK_M
     out = v * rstd[:, None] * tl.load(W + col, mask=col_ok, other=0.0).to(ACC)[None, :]
     if HAS_Z and NORM_BEFORE_GATE:
         out = out * gate
@@ -1227,7 +1227,7 @@ def rms_norm_gated_fwd(x: torch.Tensor, z: Optional[torch.Tensor], weight: torch
     block_m, block_n = _norm_tiles(group_size)
     rms_norm_gated_fwd_kernel[(cdiv(rows, block_m), hidden // group_size)](
         x, x if z is None else z, weight, out, rstd, rows, group_size, hidden // group_size, x.stride(0),
-        0 if z is None else z.stride(0), out.stride(0), eps, HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate,
+        0 if z is None else z.stride(0), out.stride(0), EPS=eps, HAS_Z=z is not None, NORM_BEFORE_GATE=norm_before_gate,
         ACC=accumulator_dtype(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n)
     return out, rstd
 

@@ -920,6 +920,18 @@ def test_fused_norm_matches_the_pytorch_form(dtype, gated, norm_before_gate, row
         assert g.dtype == w.dtype and rel_err(g, w) < FUSED_TOL[dtype]
 
 
+def test_fused_norm_keeps_eps_at_float64_precision():
+    """Rows whose mean square is near eps (x of size 1e-3): a float64 eps rounded to float32 (what a Python float
+    passed as a runtime argument becomes in a compiled kernel; the interpreter keeps it whole) moves the output by
+    about 1e-8 relative; the kernels must agree with PyTorch's form."""
+    from scan_lib.ssd import RMSNormGatedFn, _rms_norm_gated_torch
+    x, z, weight = fused_norm_inputs(torch.float64, (4, 9), 16, True, seed=5)
+    small = (x.detach() * 1e-3).requires_grad_()
+    got = RMSNormGatedFn.apply(small, z, weight, 1e-5, 8, False)[0]
+    want = _rms_norm_gated_torch(small, z, weight, 1e-5, 8, False)
+    assert rel_err(got, want) < 1e-14, rel_err(got, want)
+
+
 @pytest.mark.parametrize("norm_before_gate", [False, True])
 def test_fused_norm_gradcheck_and_second_derivatives(norm_before_gate):
     """gradcheck through the backward kernel; gradgradcheck through the create_graph path (PyTorch's form)."""
