@@ -382,7 +382,8 @@ def test_torch_block_lengths_match_float64_reference(length, chunk_size):
     assert within_tolerance(errors, torch.float64), errors
 
 
-def test_torch_block_float32_matches_float64_reference():
+def test_torch_block_float32_matches_float64_reference(no_tf32):
+    """The torch backend convolves with F.conv1d, where cuDNN allows TF32 by default on a GPU: full float32 here."""
     block, sizes = make_block("torch", torch.float32, **SMALL, **EVERYTHING)
     errors = compare_with_reference(block, sizes, 40)
     assert within_tolerance(errors, torch.float32), errors
