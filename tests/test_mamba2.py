@@ -101,9 +101,10 @@ def perturb_(params, sizes, seed=0):
         return (scale * torch.randn(t.shape, generator=g, dtype=torch.float64)).to(t.device)
 
     with torch.no_grad():
-        A = torch.linspace(0.3, 3.0, heads, dtype=torch.float64)
+        device = params["A_log"].device
+        A = torch.linspace(0.3, 3.0, heads, dtype=torch.float64, device=device)
         params["A_log"].copy_(torch.log(A) + noise(params["A_log"], 0.1))
-        dt = torch.logspace(-2, -0.7, heads, dtype=torch.float64)
+        dt = torch.logspace(-2, -0.7, heads, dtype=torch.float64, device=device)
         params["dt_bias"].copy_(inverse_softplus(dt) + noise(params["dt_bias"], 0.1))
         params["in_proj.weight"][-heads:].mul_(3.0)
         params["D"].add_(noise(params["D"], 0.5))
