@@ -1842,35 +1842,35 @@ else:
 # section before section 8); the float32 rows, and every backward, run the kernels of sections 5 and 7:
 #
 # * In bfloat16, the dtype Mamba-2 trains in, our op is ahead of `mamba_ssm`'s in every column at both
-#   sizes of state. On the GPU alone our forward takes 160 us against 267 at $N = 64$ (1.68x) and 325
-#   against 348 at $N = 128$ (1.07x); a forward+backward call takes 1404 us against 3538 (2.52x) and
-#   2571 against 4153 (1.62x). Both sides run their products on the tensor cores with bfloat16 operands
+#   sizes of state. On the GPU alone our forward takes 159 us against 268 at $N = 64$ (1.68x) and 326
+#   against 349 at $N = 128$ (1.07x); a forward+backward call takes 1418 us against 3171 (2.24x) and
+#   2607 against 3987 (1.53x). Both sides run their products on the tensor cores with bfloat16 operands
 #   and float32 sums, so the precision is like for like; the chunks are not: ours runs chunks of 64
 #   where `mamba_ssm`'s runs the 256 asked for, 1.75 against 4.0 times the loop's flops at $N = 128$
 #   (section 4).
-# * The calls' ratios say less about the kernels than the GPU's. `mamba_ssm`'s host takes longer to
-#   issue a forward+backward than the call lasts (3519 against 3538 us at $N = 64$, 4369 against 4153
-#   at $N = 128$), and its forward call took 885 us at $N = 64$ for 267 on the GPU: its host path sets
-#   its pace. Ours now does too at $N = 64$: 1445 us to issue a 1404 us forward+backward (1494 to issue
-#   2571 at $N = 128$). Eleven launches of Triton kernels (four in the forward, seven in the backward),
-#   and the autograd, allocations and sums around them, take about as long as the kernels, so a faster
-#   backward kernel at $N = 64$ would not show in the call until the host's path is shorter.
+# * The calls' ratios say less about the kernels than the GPU's. `mamba_ssm`'s host takes about as long
+#   to issue a forward+backward as the call lasts (3263 against 3171 us at $N = 64$, 4089 against 3987
+#   at $N = 128$), and its forward call took 432 us at $N = 64$ for 268 on the GPU: its host path sets
+#   its pace. Ours takes 950 us to issue a 1418 us forward+backward at $N = 64$ (1046 to issue 2607 at
+#   $N = 128$): eleven launches of Triton kernels (four in the forward, seven in the backward), and the
+#   autograd, allocations and sums around them, take two thirds of the kernels' time, so our GPU sets
+#   the pace, and a faster backward at $N = 64$ would show in the call down to about the host's time.
+#   (The cell below measures what remembering the launches saves.)
 # * In float32 the two do different work by default, and the ratios say so. At torch's default
 #   precision ("highest") each of our products is tf32x3, three tensor-core products that keep float32's
-#   accuracy, and on the GPU we are behind: at $N = 64$ 0.79x on the forward and 0.90x in
-#   forward+backward (the forward call, 1.39x, is ahead only because `mamba_ssm`'s host is slow); at
-#   $N = 128$ 0.52x on the forward call and on the GPU, 0.47x in forward+backward. `mamba_ssm`'s
+#   accuracy, and we are behind: at $N = 64$ 0.80x on the GPU's forward and 0.70x in forward+backward;
+#   at $N = 128$ 0.53x and 0.26x. `mamba_ssm`'s
 #   product is one TF32 product, whose operands keep 10 bits of mantissa (`make bench` on an H200 finds
 #   its float32 results 1.3e-03 to 4.7e-03 off, relative, against our 8.3e-07 to 3.9e-06:
 #   `benchmarks/results/bench_ssd_h200_2026-12-03.log`). Asked for the same precision ("float32 tf32":
-#   `torch.set_float32_matmul_precision("high")`, one TF32 product), ours is ahead at $N = 64$ (1.09x
-#   on the GPU's forward, 1.60x in forward+backward, against its host-bound step) and behind at
-#   $N = 128$ (0.81x on the GPU, 0.88x in forward+backward). One TF32 product in place of three took
-#   our float32 forward+backward from 4459 to 2465 us at $N = 64$ and from 12580 to 4774 at $N = 128$,
-#   where the tf32x3 grad kernels hold the most tiles.
+#   `torch.set_float32_matmul_precision("high")`, one TF32 product), ours is ahead at $N = 64$ (1.08x
+#   on the GPU's forward, 1.21x in forward+backward) and behind at $N = 128$ (0.81x on the GPU, 0.72x in
+#   forward+backward). One TF32 product in place of three took our float32 forward+backward from 4482
+#   to 2487 us at $N = 64$ and from 12642 to 4778 at $N = 128$, where the tf32x3 grad kernels hold the
+#   most tiles.
 # * Neither op is near the floor, and the backward is now where ours is far from it: our bfloat16
-#   forward at $N = 64$ takes 160 us on the GPU against a floor of 69, about 2.3 times, the
-#   forward+backward 1404 against 184, about 7.6 times; `mamba_ssm`'s forward, 267 us, about 3.9 times.
+#   forward at $N = 64$ takes 159 us on the GPU against a floor of 69, about 2.3 times, the
+#   forward+backward 1418 against 185, about 7.7 times; `mamba_ssm`'s forward, 268 us, about 3.9 times.
 #   The changes of sections 7 and 8 (the steps computed once, the gate moved to the adjoint kernel and
 #   staged there, the grad kernel split) were timed one at a time, each version's GPU time beside the
 #   one before, on an H100: `benchmarks/results/probe_ssd_h100_2026-12-07.log`
@@ -1925,6 +1925,14 @@ else:
     assert all(torch.equal(a, b) for a, b in zip(results[True], results[False]))
     print("the same output and gradients, bit for bit, both ways: ok")
     del inputs, results
+
+# %% [markdown]
+# In the recorded run the remembered launches cut the host's time to issue a bfloat16 forward+backward
+# from 1158 to 1003 us, about 13 %, with the same bits; the GPU's time (160 and 159 us for the forward)
+# and the calls' (1409 and 1408 us per forward+backward) did not move, because at this shape the GPU
+# sets the pace. The saving shows in a call only where the host's time is above the GPU's. The host's
+# times are few-call samples and vary from one to the next: the table above, remembered too, measured
+# 950 us for the same step.
 
 # %% [markdown]
 # ## Going deeper: 10. The Mamba2 block
@@ -2604,6 +2612,12 @@ else:
         assert all(o <= max(2 * t, floor) for o, t in zip(errors["ours"], errors["theirs"])), errors
 
 # %% [markdown]
+# In the recorded run, in float32 ours is at worst 1.1e-06 off the float64 block and `mamba_ssm`'s 1.2e-03:
+# its SSD kernels multiply in TF32 (Triton's default for float32, section 9), ours in full float32 precision.
+# In bfloat16 the two are alike, 1.1e-02 at worst each, the largest ratio at the convolution's weight
+# (7.0e-03 against 6.6e-03).
+
+# %% [markdown]
 # How fast is the block? On a GPU the cell times a forward and a training step (the forward, then the
 # gradients of the input and of every parameter) of both blocks in bfloat16, at section 9's second shape
 # (`d_model` 1024: 32 heads of 64, $N = 128$, batch 8, $L = 2048$): `mamba_ssm`'s on its fused path
@@ -2650,6 +2664,13 @@ else:
                                       for backward, w in ((False, 8), (True, 14)))
           + "   (the scan's inputs and outputs moved once, section 9; the block moves more)")
     del ours, theirs, u, grad, scan_inputs
+
+# %% [markdown]
+# In the recorded run our block is ahead of `mamba_ssm`'s on its fused path in both columns: the forward
+# takes 910 us against 1050 (1.15x), the training step 4307 against 6044 (1.40x). Both blocks are far above
+# the scan's floor (71 and 189 us), and the scan is only part of the block: the two projections, the
+# convolution and the norm move more. The cell does not split the time among them; a profile of both
+# blocks, kernel by kernel, is still to be done.
 
 # %% [markdown]
 # ## References
