@@ -1,6 +1,6 @@
 """`make bench` (GPU only): scan_lib against every peer that is importable, correctness first.
 
-    python benchmarks/bench.py [--quick] [--only cumsum,linear_scan,selective_scan,block,ssd,conv,host]
+    python benchmarks/bench.py [--quick] [--only cumsum,linear_scan,selective_scan,block,mamba2,ssd,conv,host]
 
 For every workload it first checks scan_lib (and each peer) against a reference on the same inputs:
 a float64 computation, or the peer itself where a float64 reference would not fit. A check that
@@ -21,7 +21,7 @@ for forward+backward the forward's reads and writes plus the backward's: the for
 the output gradient read again, one gradient per input written) over the copy bandwidth measured in
 the same run. Peers that are not importable are reported missing, never guessed: torch.cumsum and
 torch.compile of associative_scan (always there), accelerated-scan (pip install accelerated-scan),
-mamba_ssm (its CUDA extension built for this GPU), mamba_ssm's Mamba module, mamba_ssm's Triton
+mamba_ssm (its CUDA extension built for this GPU), mamba_ssm's Mamba and Mamba2 modules, mamba_ssm's Triton
 `mamba_chunk_scan_combined` (Mamba-2's chunked scan, beside chapter 10's) and causal-conv1d's
 `causal_conv1d_fn` (its CUDA extension built for this GPU). The `host` workload times each public op's
 Python path on empty inputs (benchmarks/host_time.py's calls, beside torch's op where there is one).
@@ -61,6 +61,7 @@ SIZES = dict(
     selective_lengths=[512, 8192, 32768], selective_states=[4, 64],
     selective_batch=((1, 2, 4), 1536, 8192), selective_long=(1, 1536, 65536, 16),
     block=(8, 2048, 1024), block_check_length=256,                  # (batch, L, d_model)
+    mamba2=(8, 2048, 1024, 64, 128),                                # (batch, L, d_model, head_dim, N)
     ssd=[(8, 2048, 32, 64, 64), (8, 2048, 32, 64, 128)],            # (batch, L, heads, head_dim, N)
     ssd_more=[(8, 8192, 32, 64, 128), (1, 65536, 24, 64, 128)], ssd_chunk=256, ssd_check_heads=2,
     conv=[((8, 2048, 2048), torch.float32), ((8, 2048, 2048), torch.bfloat16)],   # (batch, dim, L), width 4
@@ -324,23 +325,59 @@ def bench_block(bandwidth, quick):
             blocks["mamba_ssm Mamba (unfused) on scan_lib.selective_scan"] = WithScan(
                 blocks["mamba_ssm Mamba (unfused)"], scan_lib.selective_scan)
         hidden = torch.randn(shape, device=DEVICE, dtype=dtype)
-        grad = torch.randn_like(hidden)
-        short, short_grad = hidden[:, :SIZES["block_check_length"]], grad[:, :SIZES["block_check_length"]]
         reference = scan_lib.Mamba(d_model, backend="torch", device=DEVICE, dtype=torch.float32)   # plain PyTorch
         reference.load_state_dict(ours.state_dict())
+        record_blocks("block", hidden, blocks, reference, 1e-3 if dtype == torch.float32 else 5e-2)
+
+
+def record_blocks(workload, hidden, blocks, reference, tol):
+    """Each block's forward (no autograd) and forward+backward (the gradients of its parameters against a random
+    output gradient) on hidden (batch, L, d_model), checked first on the first block_check_length positions
+    against reference's output and parameter gradients (reference: a block of the same parameters in PyTorch,
+    in its own dtype)."""
+    shape, dtype, grad = tuple(hidden.shape), hidden.dtype, torch.randn_like(hidden)
+    short, short_grad = hidden[:, :SIZES["block_check_length"]], grad[:, :SIZES["block_check_length"]]
+    exact = next(reference.parameters()).dtype
+    with torch.no_grad():
+        want = reference(short.to(exact))
+    want_grads = torch.autograd.grad(reference(short.to(exact)), list(reference.parameters()), short_grad.to(exact))
+    for name, block in blocks.items():
+        params = list(block.parameters())   # in the reference's order: the blocks register the same parameters
         with torch.no_grad():
-            want = reference(short.float())
-        want_grads = torch.autograd.grad(reference(short.float()), list(reference.parameters()), short_grad.float())
-        tol = 1e-3 if dtype == torch.float32 else 5e-2
-        for name, block in blocks.items():
-            params = list(block.parameters())
-            with torch.no_grad():
-                record("block", shape, dtype, "fwd", name, lambda b=block: b(hidden),
-                       lambda b=block: rel_err([b(short)], [want]), tol, math.nan)
-            record("block", shape, dtype, "fwd+bwd", name,
-                   lambda b=block, p=params: torch.autograd.grad(b(hidden), p, grad),
-                   lambda b=block, p=params: rel_err(torch.autograd.grad(b(short), p, short_grad), want_grads),
-                   tol, math.nan)
+            record(workload, shape, dtype, "fwd", name, lambda b=block: b(hidden),
+                   lambda b=block: rel_err([b(short)], [want]), tol, math.nan)
+        record(workload, shape, dtype, "fwd+bwd", name,
+               lambda b=block, p=params: torch.autograd.grad(b(hidden), p, grad),
+               lambda b=block, p=params: rel_err(torch.autograd.grad(b(short), p, short_grad), want_grads),
+               tol, math.nan)
+
+
+def bench_mamba2(bandwidth, quick):
+    """scan_lib.Mamba2 against mamba_ssm's Mamba2, unfused and (where causal-conv1d is built) fused, checked against
+    the block in float64 (PyTorch's ssd_chunked); float32 with TF32 off, mamba_ssm's SSD kernels excepted (their
+    products are TF32 whatever torch is told, so float32's tolerance is theirs: about 1e-3)."""
+    Theirs, reason = scan_lib.ssd._mamba_ssm_mamba2()
+    if Theirs is None:
+        missing("mamba2", "mamba_ssm Mamba2", reason)
+    fused = importlib.util.find_spec("causal_conv1d") is not None
+    batch, length, d_model, head_dim, n_states = SIZES["mamba2"]
+    sizes = dict(d_model=d_model, headdim=head_dim, d_state=n_states, device=DEVICE)
+    cudnn_tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False   # the reference's F.conv1d
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            torch.manual_seed(0)
+            ours = scan_lib.Mamba2(**sizes, dtype=dtype)
+            blocks = {"scan_lib.Mamba2": ours}
+            if Theirs is not None:
+                for name, fast in (("mamba_ssm Mamba2 (unfused)", False), ("mamba_ssm Mamba2 (fused)", True))[: 2 if fused else 1]:
+                    blocks[name] = Theirs(**sizes, use_mem_eff_path=fast, dtype=dtype)
+                    blocks[name].load_state_dict(ours.state_dict())
+            hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=dtype)
+            reference = scan_lib.Mamba2(**sizes, backend="torch", dtype=torch.float64)
+            reference.load_state_dict(ours.state_dict())
+            record_blocks("mamba2", hidden, blocks, reference, 5e-3 if dtype == torch.float32 else 5e-2)
+    finally:
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
 
 
 def ssd_inputs(batch, length, heads, head_dim, n_states, dtype, seed=0):
@@ -545,7 +582,7 @@ def print_table():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="the base shapes only")
-    parser.add_argument("--only", default="cumsum,linear_scan,selective_scan,block,ssd,conv,host")
+    parser.add_argument("--only", default="cumsum,linear_scan,selective_scan,block,mamba2,ssd,conv,host")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("make bench needs a CUDA GPU (the interpreter's timings mean nothing)")
@@ -554,7 +591,7 @@ def main():
     bandwidth = copy_bandwidth()
     print(f"{env}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
     benches = dict(cumsum=bench_cumsum, linear_scan=bench_linear_scan, selective_scan=bench_selective_scan,
-                   block=bench_block, ssd=bench_ssd, conv=bench_conv, host=bench_host)
+                   block=bench_block, mamba2=bench_mamba2, ssd=bench_ssd, conv=bench_conv, host=bench_host)
     failed = []
     for name in args.only.split(","):
         print(f"== {name}")

@@ -21,7 +21,7 @@ def bench(monkeypatch, tmp_path):
     module.DEVICE = str(scan_lib.runtime.DEVICE)      # bench.py itself assumes a GPU
     module.ROOT = tmp_path
     (tmp_path / "benchmarks" / "results").mkdir(parents=True)
-    module.SIZES.update(cumsum=[6], linear_scan=(1, 2, 20), selective=(1, 2, 9, 2), block=(1, 5, 4),
+    module.SIZES.update(cumsum=[6], linear_scan=(1, 2, 20), selective=(1, 2, 9, 2), block=(1, 5, 4), mamba2=(1, 5, 16, 8, 4),
                         block_check_length=3, ssd=[(1, 20, 3, 2, 4)], ssd_chunk=16,
                         conv=[((2, 3, 7), torch.float32)], conv_more=[], conv_check_channels=2, host_calls=2)
     monkeypatch.setattr(module, "time_both", lambda fn, graph=True: (fn(), (2.0, 1.0, 0.5))[1])
@@ -32,11 +32,11 @@ def bench(monkeypatch, tmp_path):
 
 
 def test_checks_pass_and_the_report_is_written(bench):
-    for run in (bench.bench_cumsum, bench.bench_linear_scan, bench.bench_selective_scan, bench.bench_block,
+    for run in (bench.bench_cumsum, bench.bench_linear_scan, bench.bench_selective_scan, bench.bench_block, bench.bench_mamba2,
                 bench.bench_ssd, bench.bench_conv, bench.bench_host):
         run(1e11, True)
     ours = [r for r in bench.ROWS if r["impl"].startswith("scan_lib") and not r["workload"].startswith("host")]
-    assert {r["workload"] for r in ours} == {"cumsum", "linear_scan", "selective_scan", "selective_scan full", "block",
+    assert {r["workload"] for r in ours} == {"cumsum", "linear_scan", "selective_scan", "selective_scan full", "block", "mamba2",
                                              "ssd", "causal_conv1d"}
     assert all(r["correct"] is True for r in ours), [r for r in ours if r["correct"] is not True]
     host = {(r["workload"], r["mode"]) for r in bench.ROWS if r["workload"].startswith("host") and r["impl"] == "scan_lib"
