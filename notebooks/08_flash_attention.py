@@ -1610,8 +1610,8 @@ else:
 # batch $\times$ heads blocks fewer than twice the GPU's multiprocessors means the GPU runs at most two
 # partly filled waves (our Triton grid has $L / $ `BLOCK_M` times more programs).
 #
-# **The measurements in detail.** In the recorded run, bfloat16 took our forward from 11656 to 337 us
-# at head dim 64 and from 14972 to 327 us at 128, far more than twice as fast; `PAD = 1` made the naive
+# **The measurements in detail.** In the recorded run, bfloat16 took our forward from 11683 to 334 us
+# at head dim 64 and from 14623 to 314 us at 128, far more than twice as fast; `PAD = 1` made the naive
 # kernel 1.83 and 1.72 times faster. Its 128 and 64 blocks are fewer than twice the 132 multiprocessors
 # (prediction 5), fewer even than once, so at least 132 - 128 = 4 and 132 - 64 = 68 multiprocessors get
 # no block at all.
