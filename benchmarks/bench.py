@@ -32,6 +32,7 @@ ratios, percent of floor) and figures/bench_selective_scan_*.png, and prints the
 import argparse
 import csv
 import datetime
+import importlib
 import importlib.util
 import math
 import statistics
@@ -311,7 +312,6 @@ def bench_block(bandwidth, quick):
     MambaSSM, reason = scan_lib.mamba._mamba_ssm_block()
     if MambaSSM is None:
         missing("block", "mamba_ssm Mamba", reason)
-    import importlib.util
     fused = importlib.util.find_spec("causal_conv1d") is not None
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
@@ -327,14 +327,15 @@ def bench_block(bandwidth, quick):
         hidden = torch.randn(shape, device=DEVICE, dtype=dtype)
         reference = scan_lib.Mamba(d_model, backend="torch", device=DEVICE, dtype=torch.float32)   # plain PyTorch
         reference.load_state_dict(ours.state_dict())
-        record_blocks("block", hidden, blocks, reference, 1e-3 if dtype == torch.float32 else 5e-2)
+        tol = 1e-3 if dtype == torch.float32 else 5e-2
+        record_blocks("block", hidden, blocks, reference, tol, tol)
 
 
-def record_blocks(workload, hidden, blocks, reference, tol):
+def record_blocks(workload, hidden, blocks, reference, tol, peer_tol):
     """Each block's forward (no autograd) and forward+backward (the gradients of its parameters against a random
     output gradient) on hidden (batch, L, d_model), checked first on the first block_check_length positions
     against reference's output and parameter gradients (reference: a block of the same parameters in PyTorch,
-    in its own dtype)."""
+    in its own dtype), within tol for scan_lib's block and peer_tol for the others."""
     shape, dtype, grad = tuple(hidden.shape), hidden.dtype, torch.randn_like(hidden)
     short, short_grad = hidden[:, :SIZES["block_check_length"]], grad[:, :SIZES["block_check_length"]]
     exact = next(reference.parameters()).dtype
@@ -343,23 +344,28 @@ def record_blocks(workload, hidden, blocks, reference, tol):
     want_grads = torch.autograd.grad(reference(short.to(exact)), list(reference.parameters()), short_grad.to(exact))
     for name, block in blocks.items():
         params = list(block.parameters())   # in the reference's order: the blocks register the same parameters
+        tol_here = tol if name.startswith("scan_lib") else peer_tol
         with torch.no_grad():
             record(workload, shape, dtype, "fwd", name, lambda b=block: b(hidden),
-                   lambda b=block: rel_err([b(short)], [want]), tol, math.nan)
+                   lambda b=block: rel_err([b(short)], [want]), tol_here, math.nan)
         record(workload, shape, dtype, "fwd+bwd", name,
                lambda b=block, p=params: torch.autograd.grad(b(hidden), p, grad),
                lambda b=block, p=params: rel_err(torch.autograd.grad(b(short), p, short_grad), want_grads),
-               tol, math.nan)
+               tol_here, math.nan)
 
 
 def bench_mamba2(bandwidth, quick):
     """scan_lib.Mamba2 against mamba_ssm's Mamba2, unfused and (where causal-conv1d is built) fused, checked against
-    the block in float64 (PyTorch's ssd_chunked); float32 with TF32 off, mamba_ssm's SSD kernels excepted (their
-    products are TF32 whatever torch is told, so float32's tolerance is theirs: about 1e-3)."""
+    the block in float64 (PyTorch's ssd_chunked); float32 with TF32 off, mamba_ssm's SSD kernels excepted: their
+    products are TF32 whatever torch is told (chapter 10 measured 1.2e-03 against float64), so in float32 they
+    are held to 5e-3 and ours to 1e-4."""
     Theirs, reason = scan_lib.ssd._mamba_ssm_mamba2()
     if Theirs is None:
         missing("mamba2", "mamba_ssm Mamba2", reason)
-    fused = importlib.util.find_spec("causal_conv1d") is not None
+        fused = False
+    else:   # the fused path calls causal-conv1d's extension, which may be missing where its package is not
+        fused = getattr(importlib.import_module("mamba_ssm.ops.triton.ssd_combined"), "causal_conv1d_fwd_function",
+                        None) is not None
     batch, length, d_model, head_dim, n_states = SIZES["mamba2"]
     sizes = dict(d_model=d_model, headdim=head_dim, d_state=n_states, device=DEVICE)
     cudnn_tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False   # the reference's F.conv1d
@@ -375,7 +381,8 @@ def bench_mamba2(bandwidth, quick):
             hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=dtype)
             reference = scan_lib.Mamba2(**sizes, backend="torch", dtype=torch.float64)
             reference.load_state_dict(ours.state_dict())
-            record_blocks("mamba2", hidden, blocks, reference, 5e-3 if dtype == torch.float32 else 5e-2)
+            float32 = dtype == torch.float32
+            record_blocks("mamba2", hidden, blocks, reference, 1e-4 if float32 else 5e-2, 5e-3 if float32 else 5e-2)
     finally:
         torch.backends.cudnn.allow_tf32 = cudnn_tf32
 

@@ -1189,10 +1189,9 @@ assert torch.equal(empty[-1], dfinal) and (empty[2] == 0).all() and (empty[5] ==
 # multiple of 16 bytes, whether an integer is 1 or a multiple of 16), looks the result up among its
 # compiled kernels, calls the grid function, gathers the launch's metadata, and only then calls the
 # compiled kernel's launcher, a C function; `triton.autotune` adds its own pass over the arguments to
-# build its key. This chapter's kernels take every stride of every tensor (they read any layout in
-# place), so most take dozens of runtime arguments, and a training step launches nine to eleven of
-# them: all that work is done at every launch, though for a given shape, layout and dtype every answer
-# is the one of the launch before.
+# build its key. This chapter's kernels take a pointer per tensor and the sizes, 7 to 22 runtime
+# arguments, and a training step launches nine to eleven of them: all that work is done at every
+# launch, though for a given shape, layout and dtype every answer is the one of the launch before.
 #
 # `RememberedLaunches` wraps a kernel so that the answers are worked out once. Its key is what Triton's
 # answers depend on: the current device, each tensor's dtype and 16-byte alignment, and every other
@@ -1305,8 +1304,8 @@ for n_states in (64, 128):
 # and larger $N$ were not timed). On an H100 it made that forward faster on the GPU at both sizes of
 # state, 318.2 to 159.3 us at $N = 64$ and 538.5 to 330.4 at $N = 128$
 # (`benchmarks/results/probe_ssd_fused_h100_2026-12-07.log`). Section 9's table, recorded with the walk,
-# has the op's bfloat16 forward at 160 and 325 us on the GPU, below `mamba_ssm`'s forward kernels there
-# (267 and 348 us). In float32, whose tf32x3 products hold
+# has the op's bfloat16 forward at 159 and 326 us on the GPU, below `mamba_ssm`'s forward kernels there
+# (268 and 349 us). In float32, whose tf32x3 products hold
 # three times the tiles, the walk was slower (the same log), and its compile spills registers (`python
 # benchmarks/sass_lines.py ssd-walk --dtype fp32`), so float32 keeps section 5's kernels. Under the
 # interpreter (no multiprocessors) it runs wherever the inputs are 16-bit, so that the CPU checks it.
@@ -1852,8 +1851,8 @@ else:
 #   to issue a forward+backward as the call lasts (3263 against 3171 us at $N = 64$, 4089 against 3987
 #   at $N = 128$), and its forward call took 432 us at $N = 64$ for 268 on the GPU: its host path sets
 #   its pace. Ours takes 950 us to issue a 1418 us forward+backward at $N = 64$ (1046 to issue 2607 at
-#   $N = 128$): eleven launches of Triton kernels (four in the forward, seven in the backward), and the
-#   autograd, allocations and sums around them, take two thirds of the kernels' time, so our GPU sets
+#   $N = 128$): nine launches of Triton kernels (two in the forward, the steps kernel and the walk; seven
+#   in the backward), and the autograd, allocations and sums around them, take two thirds of the kernels' time, so our GPU sets
 #   the pace, and a faster backward at $N = 64$ would show in the call down to about the host's time.
 #   (The cell below measures what remembering the launches saves.)
 # * In float32 the two do different work by default, and the ratios say so. At torch's default
@@ -2266,8 +2265,8 @@ class Mamba2(nn.Module):
 # and write one partial sum per program, which PyTorch adds up. A backward asked for a graph
 # (`create_graph=True`) differentiates the PyTorch form instead, so that second derivatives stay exact.
 # The norm's $\epsilon$ is a constexpr, not a runtime argument: Triton passes a Python float as float32, and
-# the rounded $10^{-5}$ moved a float64 block's output by about $10^{-11}$ (relative) on a GPU, against
-# $4 \cdot 10^{-16}$ in PyTorch; as a constexpr it is compiled in at the kernel's precision (one compile
+# the rounded $10^{-5}$ moved a float64 block's output by about $10^{-11}$ (relative) on an H100, against
+# $4 \cdot 10^{-16}$ in PyTorch (a recording's failed check, `benchmarks/NOTES_ssd.md`); as a constexpr it is compiled in at the kernel's precision (one compile
 # per $\epsilon$).
 
 # %%

@@ -925,8 +925,13 @@ def test_fused_norm_matches_the_pytorch_form(dtype, gated, norm_before_gate, row
 def test_fused_norm_keeps_eps_at_float64_precision():
     """Rows whose mean square is near eps (x of size 1e-3): a float64 eps rounded to float32 (what a Python float
     passed as a runtime argument becomes in a compiled kernel; the interpreter keeps it whole) moves the output by
-    about 1e-8 relative; the kernels must agree with PyTorch's form."""
-    from scan_lib.ssd import RMSNormGatedFn, _rms_norm_gated_torch
+    about 1e-8 relative; the kernels must agree with PyTorch's form. Under the interpreter only the first assert
+    can fail: eps must be a constexpr of the forward kernel, compiled in at the kernel's precision."""
+    import inspect
+    import triton.language as tl
+    from scan_lib.ssd import RMSNormGatedFn, _rms_norm_gated_torch, rms_norm_gated_fwd_kernel
+    jitted = rms_norm_gated_fwd_kernel.kernel   # inside its RememberedLaunches
+    assert inspect.signature(jitted.fn).parameters["EPS"].annotation is tl.constexpr
     x, z, weight = fused_norm_inputs(torch.float64, (4, 9), 16, True, seed=5)
     small = (x.detach() * 1e-3).requires_grad_()
     got = RMSNormGatedFn.apply(small, z, weight, 1e-5, 8, False)[0]
