@@ -2266,8 +2266,11 @@ class Mamba2(nn.Module):
 # (`create_graph=True`) differentiates the PyTorch form instead, so that second derivatives stay exact.
 # The norm's $\epsilon$ is a constexpr, not a runtime argument: Triton passes a Python float as float32, and
 # the rounded $10^{-5}$ moved a float64 block's output by about $10^{-11}$ (relative) on an H100, against
-# $4 \cdot 10^{-16}$ in PyTorch (a recording's failed check, `benchmarks/NOTES_ssd.md`); as a constexpr it is compiled in at the kernel's precision (one compile
-# per $\epsilon$).
+# $4 \cdot 10^{-16}$ in PyTorch (a recording's failed check, `benchmarks/NOTES_ssd.md`); as a constexpr it is
+# compiled in at the kernel's precision (one compile per $\epsilon$). Chapter 08 met the same trap with its
+# scale and annotated the parameter `tl.float64` instead, which passes the float whole without a compile per
+# value; either way works, and the next change to this kernel should take chapter 08's, so that the course
+# solves one problem one way.
 
 # %%
 #| export
