@@ -2269,8 +2269,7 @@ class Mamba2(nn.Module):
 # $4 \cdot 10^{-16}$ in PyTorch (a recording's failed check, `benchmarks/NOTES_ssd.md`); as a constexpr it is
 # compiled in at the kernel's precision (one compile per $\epsilon$). Chapter 08 met the same trap with its
 # scale and annotated the parameter `tl.float64` instead, which passes the float whole without a compile per
-# value; either way works, and the next change to this kernel should take chapter 08's, so that the course
-# solves one problem one way.
+# value; both work.
 
 # %%
 #| export
