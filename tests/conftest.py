@@ -182,3 +182,27 @@ def pytest_xdist_make_scheduler(config, log):
             return path if path.endswith(".ipynb") else nodeid
 
     return WholeNotebooks(config, log)
+
+
+@pytest.fixture(scope="module")
+def one_cpu_thread():
+    """For modules of tiny tensors (`pytestmark = pytest.mark.usefixtures("one_cpu_thread")`): the time goes to
+    Python and the interpreter, and several intra-op threads on a shared CPU only wait for each other (a
+    1000-step loop took 100x longer with them). Restored afterwards."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_tf32():
+    """Full float32 in cuBLAS and cuDNN (mamba_ssm's unfused paths and PyTorch's F.conv1d may run TF32 on a GPU,
+    where cuDNN allows it by default). Set by hand: pytest's monkeypatch cannot restore these flags (torch
+    implements them in __setattr__)."""
+    import torch
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -28,14 +28,7 @@ TORCH = dict(d_model=8, d_state=4, batch=2)
 TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """These tensors are tiny and the time goes to Python and the interpreter: several intra-op threads on a
-    shared CPU only wait for each other (a 1000-step loop took 100x longer with them). Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")   # conftest.py: tiny tensors, one intra-op thread
 
 
 def rel_err(x, ref):
@@ -555,16 +548,6 @@ MambaSSM, MISSING = _mamba_ssm_block() if ON_GPU else (None, "needs a GPU")
 needs_mamba_ssm = pytest.mark.skipif(not ON_GPU or MambaSSM is None, reason=MISSING or "needs a GPU")
 # mamba_ssm takes its fused path (mamba_inner_fn) only where the causal-conv1d package imported in mamba_simple
 FAST_PATHS = [False, True] if getattr(sys.modules.get(getattr(MambaSSM, "__module__", "")), "causal_conv1d_fn", None) else [False]
-
-
-@pytest.fixture
-def no_tf32():
-    """Full float32 in cuBLAS and cuDNN (mamba_ssm's unfused path runs nn.Conv1d, where cuDNN allows TF32 by
-    default). Set by hand: pytest's monkeypatch cannot restore these flags (torch implements them in __setattr__)."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def ssm_pair(dtype, fast_path, d_model=64, seed=0):

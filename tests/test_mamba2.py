@@ -44,14 +44,7 @@ EVERYTHING = dict(ngroups=2, D_has_hdim=True, d_ssm=16, bias=True, conv_bias=Fal
                   dt_limit=DT_LIMIT)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_cpu_thread():
-    """Tiny tensors: the time goes to Python and the interpreter, and intra-op threads on a shared CPU only
-    wait for each other. Restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_cpu_thread")   # conftest.py: tiny tensors, one intra-op thread
 
 
 def rel_err(x, ref):
@@ -813,16 +806,6 @@ GPU_OPTIONS = {"groups": dict(ngroups=2),
                "mlp_hdim_no_norm_bias_dt_limit": dict(d_ssm=128, D_has_hdim=True, rmsnorm=False, bias=True,
                                                       conv_bias=False, dt_limit=(0.01, 0.5)),
                "norm_first_groups_mlp": dict(norm_before_gate=True, ngroups=2, d_ssm=192)}   # 6 heads, 3 a group
-
-
-@pytest.fixture
-def no_tf32():
-    """Full float32 in cuBLAS and cuDNN (mamba_ssm's unfused path may run nn.Conv1d, where cuDNN allows TF32
-    by default). Set by hand: monkeypatch cannot restore these flags."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def mamba_ssm_pair(dtype, options):
