@@ -356,9 +356,9 @@ def record_blocks(workload, hidden, blocks, reference, tol, peer_tol):
 
 def bench_mamba2(bandwidth, quick):
     """scan_lib.Mamba2 against mamba_ssm's Mamba2, unfused and (where causal-conv1d is built) fused, checked against
-    the block in float64 (PyTorch's ssd_chunked); float32 with TF32 off, mamba_ssm's SSD kernels excepted: their
-    products are TF32 whatever torch is told (chapter 10 measured 1.2e-03 against float64), so in float32 they
-    are held to 5e-3 and ours to 1e-4."""
+    the block in float64 (PyTorch's ssd_chunked). main turns TF32 off, but mamba_ssm's SSD kernels multiply in TF32
+    whatever torch is told (chapter 10 measured 1.2e-03 against float64): in float32 they are held to 5e-3, ours to
+    1e-4."""
     Theirs, reason = scan_lib.ssd._mamba_ssm_mamba2()
     if Theirs is None:
         missing("mamba2", "mamba_ssm Mamba2", reason)
@@ -368,23 +368,19 @@ def bench_mamba2(bandwidth, quick):
                         None) is not None
     batch, length, d_model, head_dim, n_states = SIZES["mamba2"]
     sizes = dict(d_model=d_model, headdim=head_dim, d_state=n_states, device=DEVICE)
-    cudnn_tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False   # the reference's F.conv1d
-    try:
-        for dtype in (torch.float32, torch.bfloat16):
-            torch.manual_seed(0)
-            ours = scan_lib.Mamba2(**sizes, dtype=dtype)
-            blocks = {"scan_lib.Mamba2": ours}
-            if Theirs is not None:
-                for name, fast in (("mamba_ssm Mamba2 (unfused)", False), ("mamba_ssm Mamba2 (fused)", True))[: 2 if fused else 1]:
-                    blocks[name] = Theirs(**sizes, use_mem_eff_path=fast, dtype=dtype)
-                    blocks[name].load_state_dict(ours.state_dict())
-            hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=dtype)
-            reference = scan_lib.Mamba2(**sizes, backend="torch", dtype=torch.float64)
-            reference.load_state_dict(ours.state_dict())
-            float32 = dtype == torch.float32
-            record_blocks("mamba2", hidden, blocks, reference, 1e-4 if float32 else 5e-2, 5e-3 if float32 else 5e-2)
-    finally:
-        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        ours = scan_lib.Mamba2(**sizes, dtype=dtype)
+        blocks = {"scan_lib.Mamba2": ours}
+        if Theirs is not None:
+            for name, fast in (("mamba_ssm Mamba2 (unfused)", False), ("mamba_ssm Mamba2 (fused)", True))[: 2 if fused else 1]:
+                blocks[name] = Theirs(**sizes, use_mem_eff_path=fast, dtype=dtype)
+                blocks[name].load_state_dict(ours.state_dict())
+        hidden = torch.randn(batch, length, d_model, device=DEVICE, dtype=dtype)
+        reference = scan_lib.Mamba2(**sizes, backend="torch", dtype=torch.float64)
+        reference.load_state_dict(ours.state_dict())
+        float32 = dtype == torch.float32
+        record_blocks("mamba2", hidden, blocks, reference, 1e-4 if float32 else 5e-2, 5e-3 if float32 else 5e-2)
 
 
 def ssd_inputs(batch, length, heads, head_dim, n_states, dtype, seed=0):
@@ -593,7 +589,7 @@ def main():
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("make bench needs a CUDA GPU (the interpreter's timings mean nothing)")
-    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False   # full float32 in cuBLAS and cuDNN (F.conv1d)
     env = environment()
     bandwidth = copy_bandwidth()
     print(f"{env}; copy bandwidth {bandwidth / 1e12:.2f} TB/s")
