@@ -35,6 +35,7 @@ import datetime
 import importlib
 import importlib.util
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -436,8 +437,11 @@ def bench_ssd(bandwidth, quick):
             sliced_leaves = [t.detach().requires_grad_() for t in sliced]
             sliced_grad = grad[:1, :, :heads_checked]
             want_grads = torch.autograd.grad(ssd_reference(*sliced_leaves, chunk), sliced_leaves, sliced_grad.double())
-            tol = 1e-4 if dtype == torch.float32 else 2e-2
             for impl, f in fn.items():
+                # float32: ours multiplies at float32's precision (tf32x3), mamba_ssm in TF32 (section 9 of chapter
+                # 10): its rows are timed within TF32's error, as record_blocks does for the blocks
+                tol = (1e-4 if impl.startswith("scan_lib") else 5e-3) if dtype == torch.float32 else 2e-2
+
                 def call(f=f, args=inputs):
                     x, dt, A, B, C, D, z, dt_bias = args
                     return f(x, dt, A, B, C, chunk, D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
@@ -535,7 +539,9 @@ def add_ratios():
 
 
 def write_csv(env):
-    out = ROOT / "benchmarks" / "results" / f"bench_{env['gpu'].split()[-1].lower()}_{env['date']}.csv"
+    model = re.search(r"[A-Z]+\d{2,}", env["gpu"])   # "NVIDIA H100 80GB HBM3" -> h100, "NVIDIA H200" -> h200
+    name = model.group(0) if model else env["gpu"].split()[-1]
+    out = ROOT / "benchmarks" / "results" / f"bench_{name.lower()}_{env['date']}.csv"
     fields = list(env) + ["workload", "shape", "dtype", "mode", "impl", "correct", "rel_err", "call_us", "gpu_us",
                           "host_us", "floor_us", "pct_of_floor", "ratio_vs_scan_lib", "ratio_basis", "note"]
     with out.open("w", newline="") as handle:
