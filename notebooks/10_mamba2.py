@@ -1884,9 +1884,11 @@ else:
 # * Read `mamba_ssm`'s column with care. Its Triton kernels pick their tile sizes by timing candidates
 #   on the first call of each shape (autotuning), and the choice, so its time, changes from run to run:
 #   `make bench` timed the same shapes on an H200 with other results
-#   (`benchmarks/results/bench_ssd_h200_2026-12-03.log`). At longer sequences ($L$ = 8192 and 65536,
-#   the same log, with the kernels of before sections 7 and 8's changes) its bfloat16 forward+backward
-#   grows far less than the work does and ends faster than ours: at $L = 2048$ its step is set by the
+#   (`benchmarks/results/bench_ssd_h200_2026-12-03.log`). At longer sequences its bfloat16
+#   forward+backward grows far less than the work does and ends faster than ours: `make bench` on an
+#   H100 with this chapter's kernels (`benchmarks/results/bench_h100_2026-12-07_mamba2_ssd.log`, a later
+#   run than this recording) has ours at 0.68x its speed at (8, 8192, 32, 64, 128) and 0.83x at (1, 65536,
+#   24, 64, 128), though ours is ahead on the forward at $L = 8192$. At $L = 2048$ its step is set by the
 #   host, as the host column shows here, not by its kernels. Beating its kernels, at every length, is
 #   still open.
 
@@ -2668,7 +2670,10 @@ else:
 
 # %% [markdown]
 # In the recorded run our block is ahead of `mamba_ssm`'s on its fused path in both columns: the forward
-# takes 910 us against 1050 (1.15x), the training step 4307 against 6044 (1.40x). Both blocks are far above
+# takes 910 us against 1050 (1.15x), the training step 4307 against 6044 (1.40x). In float32 it is behind
+# (`make bench` on an H100, `benchmarks/results/bench_h100_2026-12-07_mamba2_ssd.log`: forward 5824 us
+# against 5057, training step 21036 against 13186), where our op's tf32x3 backward at $N = 128$ takes most
+# of the step (section 9's float32 rows) and `mamba_ssm`'s multiplies in TF32. Both blocks are far above
 # the scan's floor (71 and 189 us), and the scan is only part of the block: the two projections, the
 # convolution and the norm move more. The cell does not split the time among them; a profile of both
 # blocks, kernel by kernel, is still to be done.
