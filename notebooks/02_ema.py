@@ -239,16 +239,14 @@ for length in [1, 7, 129, 1000]:
 # ## 4. Any length: chunks and a carried state
 #
 # One block cannot hold a long row. A block lives in the registers of one program's threads, a fixed
-# budget (chapter 01: 65,536 32-bit registers per multiprocessor, at most 255 per thread), and a scan
-# of pairs keeps several values per element live (the gate, the token, the scanned pair). What does
+# budget (chapter 01 counts it), and a scan of pairs keeps several values per element live (the gate, the token, the scanned pair). What does
 # not fit is spilled by the compiler to local memory, which lives in the GPU's main memory and is
 # slow, and Triton refuses a block of more than $2^{20}$ elements outright. Where between those limits
 # a single block stops being fast, "Going deeper: one chunk per row, measured" times on a GPU: on the
 # H100 of this run, one block per row keeps pace with the default chunk (at most 2048) up to rows of
 # $2^{14}$ (ratios 0.99 to 1.04), then takes 1.61 times as long at $2^{15}$ and 5.82 times at
-# $2^{16}$. Section 3 runs rows of up to 1000 elements in one block, and chapter 03 runs rows of 4097
-# float64 values in one block of 8192 (the next power of two), three scans in one program; that they
-# run says nothing of their speed.
+# $2^{16}$. Chapter 03 runs rows of 4097 float64 values in one block of 8192, three scans in one
+# program: that it runs says nothing of its speed.
 # So one program walks its row **chunk by chunk, in order**, and carries the state in a register: the
 # $h$ at the end of one chunk is the $h^{\text{init}}$ of the next. Inside a chunk `tl.associative_scan`
 # still works in parallel, and every element is read once and written once. The parallelism along
@@ -492,11 +490,9 @@ print("every length, chunk, direction and initial state: error within the bound"
 
 # %% [markdown]
 # Every dtype, with gates drawn in $[0.5, 1)$ (a long memory, the hard case for rounding): float16 and
-# bfloat16 are scanned in float32, so one output rounding dominates their bound. (How large $h$ gets
-# depends on the tokens. For a constant gate $a$ and tokens all equal to 1, $h$ climbs to $1/(1-a)$;
-# but these tokens have mean 0 and variance 1, their terms partly
-# cancel, and $|h|$ is typically of the size of its standard deviation, which for a constant gate $a$
-# tends to $1/\sqrt{1-a^2}$.)
+# bfloat16 are scanned in float32, so one output rounding dominates their bound. (With tokens of mean 0
+# and variance 1 the terms partly cancel: for a constant gate $a$, $|h|$ is typically about
+# $1/\sqrt{1-a^2}$, not the $1/(1-a)$ that tokens all equal to 1 reach.)
 
 # %%
 torch.manual_seed(5)
@@ -548,10 +544,9 @@ else:
 #   is not correctness: the operator with its operands swapped is associative too, and only the
 #   comparison with the steps applied one after another rejects it.
 # - `scan_lib.ema` exports `first_order_op`, `scan_chunk`, `chunk_positions`, `linear_scan_fwd_kernel`
-#   and the launcher `linear_scan_rows` with its launch parameters `FWD_CONFIG`: one program per row,
-#   chunks in order, the state carried in a register and folded into each chunk's first pair in scan
-#   order, with an initial state and the reverse direction; and the checks `linear_scan_loop`,
-#   `error_bound` (with `error_ratio`) and `is_associative`.
+#   and the launcher `linear_scan_rows` with its launch parameters `FWD_CONFIG` (one program per row,
+#   the state carried from chunk to chunk, an initial state, both directions); and the checks
+#   `linear_scan_loop`, `error_bound` (with `error_ratio`) and `is_associative`.
 # - "Going deeper" puts the kernel to work on a noisy signal: the EMA lags behind it, the reverse EMA
 #   leads, and forward then reverse cancels the lag.
 # - Chapter 03 derives the gradients, finds that the backward pass is the same scan run the other way,
