@@ -229,7 +229,8 @@ def selective_scan_loop(u, delta, A, B, C, D=None, z=None, delta_bias=None, delt
 # (`mamba_ssm`'s `selective_state_update`, without heads). A program takes `BLOCK_D` channels of one
 # sequence's state $h$, applies $h \leftarrow e^{\Delta A} h + \Delta B x$ with chapter 05's
 # `discretize`, stores it back in place, and reads out $y = C \cdot h + D x$, gated. Chapter 05's
-# `_load_delta` adds `dt_bias` and applies softplus (its second result is not needed: `delta, _ =`).
+# `_load_delta` adds `dt_bias` and applies softplus (its second result is not needed: `delta, _ =`);
+# chapter 02's `accumulator_dtype` gives the kernel's `ACC`, the Triton type it computes in.
 
 # %%
 #| export
