@@ -257,3 +257,13 @@ def test_main_line_counts_what_comes_before_going_deeper():
     size = nbtools.main_line(jupytext.reads(source, fmt="py:percent"))
     assert size == {"words": 5, "code": 4, "kernel": 3}, size
     assert nbtools.reading_minutes(size) == pytest.approx(5 / 130 + 4 / 12 + 3 / 6)
+
+
+def test_every_chapter_main_line_reads_in_45_minutes():
+    """The course's rule for a chapter's main line (CONTRIBUTING.md): at most 45 minutes at the reading
+    rates above. Kernels placed in the main line cost the most (six lines a minute): a change that adds them there
+    pays for them elsewhere in the main line, or moves what does not carry the idea to "Going deeper"."""
+    import jupytext
+    minutes = {path.stem: nbtools.reading_minutes(nbtools.main_line(jupytext.read(path)))
+               for path in nbtools.chapter_sources()}
+    assert minutes and all(m <= 45.0 for m in minutes.values()), {k: round(m, 2) for k, m in minutes.items() if m > 45}
