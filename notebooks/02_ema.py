@@ -239,8 +239,8 @@ for length in [1, 7, 129, 1000]:
 # ## 4. Any length: chunks and a carried state
 #
 # One block cannot hold a long row. A block lives in the registers of one program's threads, a fixed
-# budget (chapter 01 counts it), and a scan of pairs keeps several values per element live (the gate, the token, the scanned pair). What does
-# not fit is spilled by the compiler to local memory, which lives in the GPU's main memory and is
+# budget (chapter 01 counts it), and a scan of pairs keeps several values per element live (the gate,
+# the token, the scanned pair). What does not fit is spilled by the compiler to local memory, which lives in the GPU's main memory and is
 # slow, and Triton refuses a block of more than $2^{20}$ elements outright. Where between those limits
 # a single block stops being fast, "Going deeper: one chunk per row, measured" times on a GPU: on the
 # H100 of this run, one block per row keeps pace with the default chunk (at most 2048) up to rows of

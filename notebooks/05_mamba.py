@@ -531,9 +531,9 @@ def selective_scan_fwd_kernel(
 # ## 7. Checks
 #
 # `chapter_scan` is checked against autograd through the float64 reference (output, last state, all
-# nine gradients) at lengths 1 to 1000,
-# in every option and half precision ("Going deeper: checking `selective_scan`"), and against
-# `mamba_ssm`'s kernel where installed ("Going deeper: against the official kernel").
+# nine gradients) at lengths 1 to 1000, in every option and half precision ("Going deeper: checking
+# `selective_scan`"), and against `mamba_ssm`'s kernel where installed ("Going deeper: against the
+# official kernel").
 #
 # ## 8. Speed (GPU only)
 #

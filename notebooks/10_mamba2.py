@@ -1887,10 +1887,10 @@ else:
 #   (`benchmarks/results/bench_ssd_h200_2026-12-03.log`). At longer sequences its bfloat16
 #   forward+backward grows far less than the work does and ends faster than ours: `make bench` on an
 #   H100 with this chapter's kernels (`benchmarks/results/bench_h100_2026-12-07_mamba2_ssd.log`, a later
-#   run than this recording) has ours at 0.68x its speed at (8, 8192, 32, 64, 128) and 0.83x at (1, 65536,
-#   24, 64, 128), though ours is ahead on the forward at $L = 8192$. At $L = 2048$ its step is set by the
-#   host, as the host column shows here, not by its kernels. Beating its kernels, at every length, is
-#   still open.
+#   run than this recording) has ours at 0.68x its speed at (8, 8192, 32, 64, 128) and 0.83x at
+#   (1, 65536, 24, 64, 128), though ours is ahead on the forward at $L = 8192$. At $L = 2048$ its step
+#   is set by the host, as the host column shows here, not by its kernels. Beating its kernels, at every
+#   length, is still open.
 
 # %% [markdown]
 # The host's share, both ways: the table's first bfloat16 row timed again with every launch through

@@ -812,10 +812,11 @@ GPU_SIZES = dict(d_model=128, d_state=64, headdim=32, chunk_size=64)     # 8 hea
 # mamba_ssm convolves the in_proj output's xBC columns in place, and causal-conv1d's channel-last kernel wants that
 # output's row stride (its width, 2 d_mlp + 2 d_ssm + 2 ngroups d_state + nheads) a multiple of 8: so 8 heads where
 # there is an MLP beside them (expand 3: d_inner 384, the SSM 256 of it, the MLP 128).
-MLP_GROUPS = dict(expand=3, d_ssm=256, ngroups=2)   # 8 heads of 32, 4 a group
+MLP = dict(expand=3, d_ssm=256)
+MLP_GROUPS = dict(MLP, ngroups=2)   # 8 heads of 32, 4 a group
 GPU_OPTIONS = {"groups": dict(ngroups=2),
-               "mlp_hdim_no_norm_bias_dt_limit": dict(expand=3, d_ssm=256, D_has_hdim=True, rmsnorm=False, bias=True,
-                                                      conv_bias=False, dt_limit=(0.01, 0.5)),
+               "mlp_hdim_no_norm_bias_dt_limit": dict(MLP, D_has_hdim=True, rmsnorm=False, bias=True, conv_bias=False,
+                                                      dt_limit=(0.01, 0.5)),
                "norm_first_groups_mlp": dict(norm_before_gate=True, **MLP_GROUPS)}
 
 
