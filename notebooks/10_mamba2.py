@@ -2670,10 +2670,13 @@ else:
 
 # %% [markdown]
 # In the recorded run our block is ahead of `mamba_ssm`'s on its fused path in both columns: the forward
-# takes 910 us against 1050 (1.15x), the training step 4307 against 6044 (1.40x). In float32 it is behind
-# (`make bench` on an H100, `benchmarks/results/bench_h100_2026-12-07_mamba2_ssd.log`: forward 5824 us
-# against 5057, training step 21036 against 13186), where our op's tf32x3 backward at $N = 128$ takes most
-# of the step (section 9's float32 rows) and `mamba_ssm`'s multiplies in TF32. Both blocks are far above
+# takes 910 us against 1050 (1.15x), the training step 4307 against 6044 (1.40x). These are calls, host
+# included. `make bench` on an H100 (`benchmarks/results/bench_h100_2026-12-07_mamba2_ssd.log`) also times the
+# forward on the GPU alone, replayed from a CUDA graph: there `mamba_ssm`'s fused forward is faster, 747 us
+# against our 881 (0.85x), and its calls are slower because its host is. In float32 ours is behind (the same
+# log: forward on the GPU 5806 us against 5046, training step 21036 against 13186), where our op's tf32x3
+# backward at $N = 128$ takes most of the step (section 9's float32 rows) and `mamba_ssm`'s multiplies in
+# TF32. Both blocks are far above
 # the scan's floor (71 and 189 us), and the scan is only part of the block: the two projections, the
 # convolution and the norm move more. The cell does not split the time among them; a profile of both
 # blocks, kernel by kernel, is still to be done.
