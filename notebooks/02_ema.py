@@ -240,8 +240,8 @@ for length in [1, 7, 129, 1000]:
 #
 # One block cannot hold a long row. A block lives in the registers of one program's threads, a fixed
 # budget (chapter 01 counts it), and a scan of pairs keeps several values per element live (the gate,
-# the token, the scanned pair). What does not fit is spilled by the compiler to local memory, which lives in the GPU's main memory and is
-# slow, and Triton refuses a block of more than $2^{20}$ elements outright. Where between those limits
+# the token, the scanned pair). What does not fit is spilled by the compiler to local memory, which
+# lives in the GPU's main memory and is slow, and Triton refuses a block of more than $2^{20}$ elements outright. Where between those limits
 # a single block stops being fast, "Going deeper: one chunk per row, measured" times on a GPU: on the
 # H100 of this run, one block per row keeps pace with the default chunk (at most 2048) up to rows of
 # $2^{14}$ (ratios 0.99 to 1.04), then takes 1.61 times as long at $2^{15}$ and 5.82 times at

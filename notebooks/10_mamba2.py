@@ -1852,8 +1852,9 @@ else:
 #   at $N = 128$), and its forward call took 432 us at $N = 64$ for 268 on the GPU: its host path sets
 #   its pace. Ours takes 950 us to issue a 1418 us forward+backward at $N = 64$ (1046 to issue 2607 at
 #   $N = 128$): nine launches of Triton kernels (two in the forward, the steps kernel and the walk; seven
-#   in the backward), and the autograd, allocations and sums around them, take two thirds of the kernels' time, so our GPU sets
-#   the pace, and a faster backward at $N = 64$ would show in the call down to about the host's time.
+#   in the backward), and the autograd, allocations and sums around them, take two thirds of the
+#   kernels' time, so our GPU sets the pace, and a faster backward at $N = 64$ would show in the call
+#   down to about the host's time.
 #   (The cell below measures what remembering the launches saves.)
 # * In float32 the two do different work by default, and the ratios say so. At torch's default
 #   precision ("highest") each of our products is tf32x3, three tensor-core products that keep float32's
@@ -2676,9 +2677,8 @@ else:
 # against our 881 (0.85x), and its calls are slower because its host is. In float32 ours is behind (the same
 # log: forward on the GPU 5806 us against 5046, training step 21036 against 13186), where our op's tf32x3
 # backward at $N = 128$ takes most of the step (section 9's float32 rows) and `mamba_ssm`'s multiplies in
-# TF32. Both blocks are far above
-# the scan's floor (71 and 189 us), and the scan is only part of the block: the two projections, the
-# convolution and the norm move more. The cell does not split the time among them; a profile of both
+# TF32. Both blocks are far above the scan's floor (71 and 189 us), and the scan is only part of the
+# block: the two projections, the convolution and the norm move more. The cell does not split the time among them; a profile of both
 # blocks, kernel by kernel, is still to be done.
 
 # %% [markdown]
