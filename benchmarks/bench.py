@@ -62,6 +62,7 @@ SIZES = dict(
     selective=(8, 1024, 2048, 16),                                   # (batch, dim, L, N)
     selective_lengths=[512, 8192, 32768], selective_states=[4, 64],
     selective_batch=((1, 2, 4), 1536, 8192), selective_long=(1, 1536, 65536, 16),
+    selective_groups=2,                                              # B and C of shape (batch, groups, N, L)
     block=(8, 2048, 1024), block_check_length=256,                  # (batch, L, d_model)
     mamba2=(8, 2048, 1024, 64, 128),                                # (batch, L, d_model, head_dim, N)
     ssd=[(8, 2048, 32, 64, 64), (8, 2048, 32, 64, 128)],            # (batch, L, heads, head_dim, N)
@@ -212,10 +213,12 @@ def bench_linear_scan(bandwidth, quick):
                lambda f=f: rel_err(grads_of(f, [gates, tokens], grad)(), ref_grads), 1e-4, 8 * nbytes / bandwidth * 1e6)
 
 
-def selective_inputs(batch, dim, length, n_states, dtype, full, seed=0):
+def selective_inputs(batch, dim, length, n_states, dtype, full, seed=0, groups=1):
     """u, delta, A, B, C, D, z, delta_bias as chapter 06's Mamba block passes them (delta before softplus
     when full): every (batch, ., L) tensor a view of a (features, batch L) matrix, a projection's output
-    (scan_lib.mamba.positions_last: stride 1 along L, not contiguous), B and C rows of one matrix."""
+    (scan_lib.mamba.positions_last: stride 1 along L, not contiguous), B and C rows of one matrix. With
+    groups > 1, B and C of shape (batch, groups, N, L), channel d reading group d // (dim / groups), as
+    mamba_ssm's selective_scan_fn takes them (the same matrix's rows, split in groups)."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
     rand = lambda *s: torch.randn(*s, device=DEVICE, generator=g)  # noqa: E731
     as_block = lambda flat: positions_last(flat.to(dtype), batch, length)  # noqa: E731
@@ -224,7 +227,9 @@ def selective_inputs(batch, dim, length, n_states, dtype, full, seed=0):
     if not full:
         delta = as_block(0.02 + 0.1 * torch.rand(dim, batch * length, device=DEVICE, generator=g))
     A = -(0.5 + torch.rand(dim, n_states, device=DEVICE, generator=g))
-    B, C = as_block(rand(2 * n_states, batch * length)).split(n_states, dim=1)
+    B, C = as_block(rand(2 * groups * n_states, batch * length)).split(groups * n_states, dim=1)
+    if groups > 1:
+        B, C = B.unflatten(1, (groups, n_states)), C.unflatten(1, (groups, n_states))
     D, z, delta_bias = (rand(dim), as_block(rand(dim, batch * length)), rand(dim) * 0.1 - 2.0) if full else (None, None, None)
     return u, delta, A, B, C, D, z, delta_bias
 
@@ -242,16 +247,17 @@ def bench_selective_scan(bandwidth, quick):
     if peer is None:
         missing("selective_scan", "mamba_ssm selective_scan_fn", reason)
     base = batch, dim, length, n_states = SIZES["selective"]
-    cases = [(base, dtype, full) for dtype in (torch.float32, torch.bfloat16) for full in (False, True)]
+    both_dtypes = (torch.float32, torch.bfloat16)
+    cases = [(base, dtype, full, 1) for dtype in both_dtypes for full in (False, True)]
+    cases += [(base, dtype, True, SIZES["selective_groups"]) for dtype in both_dtypes]
     if not quick:
-        cases += [((batch, dim, other, n_states), torch.bfloat16, True) for other in SIZES["selective_lengths"]]
-        cases += [((batch, dim, length, n), dtype, True) for n in SIZES["selective_states"]
-                  for dtype in (torch.float32, torch.bfloat16)]
+        cases += [((batch, dim, other, n_states), torch.bfloat16, True, 1) for other in SIZES["selective_lengths"]]
+        cases += [((batch, dim, length, n), dtype, True, 1) for n in SIZES["selective_states"] for dtype in both_dtypes]
         batches, wide, long = SIZES["selective_batch"]
-        cases += [((b, wide, long, n_states), torch.bfloat16, True) for b in batches]
-        cases += [(SIZES["selective_long"], dtype, True) for dtype in (torch.float32, torch.bfloat16)]
-    for shape, dtype, full in cases:
-        inputs = selective_inputs(*shape, dtype, full)
+        cases += [((b, wide, long, n_states), torch.bfloat16, True, 1) for b in batches]
+        cases += [(SIZES["selective_long"], dtype, True, 1) for dtype in both_dtypes]
+    for shape, dtype, full, groups in cases:
+        inputs = selective_inputs(*shape, dtype, full, groups=groups)
         leaves = [t.detach().requires_grad_() if t is not None else None for t in inputs]
         grad = torch.randn_like(inputs[0])
         options = dict(delta_softplus=full)
@@ -265,7 +271,7 @@ def bench_selective_scan(bandwidth, quick):
         want_grads = torch.autograd.grad(selective_scan_ref(*sliced_leaves, **options),
                                          [t for t in sliced_leaves if t is not None], sliced_grad.double())
         tol = 1e-4 if dtype == torch.float32 else 2e-2
-        workload = "selective_scan" + (" full" if full else "")
+        workload = "selective_scan" + (" full" if full else "") + (f", {groups} groups" if groups > 1 else "")
         for impl, f in fn.items():
             call = lambda f=f: f(*inputs, **options)  # noqa: E731
             with torch.no_grad():
@@ -284,11 +290,16 @@ def bench_selective_scan(bandwidth, quick):
 
 
 def slice_inputs(inputs, channels=16):
-    """The selective scan's inputs for batch element 0 and the first channels, in float64."""
+    """The selective scan's inputs for batch element 0 and the first channels, in float64; B and C of
+    shape (batch, groups, N, L) cut to the groups those channels read (channel d reads group
+    d // (dim / groups))."""
     u, delta, A, B, C, D, z, delta_bias = inputs
     cut = lambda t, rows: None if t is None else t[rows].double()  # noqa: E731
+    kept = min(channels, u.shape[1])
+    groups = slice(0, -(-kept // (u.shape[1] // B.shape[1])) if B.dim() == 4 else None)
     return (cut(u, (slice(0, 1), slice(0, channels))), cut(delta, (slice(0, 1), slice(0, channels))),
-            cut(A, slice(0, channels)), cut(B, slice(0, 1)), cut(C, slice(0, 1)), cut(D, slice(0, channels)),
+            cut(A, slice(0, channels)), cut(B, (slice(0, 1), groups)), cut(C, (slice(0, 1), groups)),
+            cut(D, slice(0, channels)),
             cut(z, (slice(0, 1), slice(0, channels))), cut(delta_bias, slice(0, channels)))
 
 

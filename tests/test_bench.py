@@ -36,7 +36,8 @@ def test_checks_pass_and_the_report_is_written(bench):
                 bench.bench_ssd, bench.bench_conv, bench.bench_host):
         run(1e11, True)
     ours = [r for r in bench.ROWS if r["impl"].startswith("scan_lib") and not r["workload"].startswith("host")]
-    assert {r["workload"] for r in ours} == {"cumsum", "linear_scan", "selective_scan", "selective_scan full", "block", "mamba2",
+    assert {r["workload"] for r in ours} == {"cumsum", "linear_scan", "selective_scan", "selective_scan full",
+                                             "selective_scan full, 2 groups", "block", "mamba2",
                                              "ssd", "causal_conv1d"}
     assert all(r["correct"] is True for r in ours), [r for r in ours if r["correct"] is not True]
     host = {(r["workload"], r["mode"]) for r in bench.ROWS if r["workload"].startswith("host") and r["impl"] == "scan_lib"
