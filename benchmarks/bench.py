@@ -295,10 +295,10 @@ def slice_inputs(inputs, channels=16):
     d // (dim / groups))."""
     u, delta, A, B, C, D, z, delta_bias = inputs
     cut = lambda t, rows: None if t is None else t[rows].double()  # noqa: E731
-    kept = min(channels, u.shape[1])
-    groups = slice(0, -(-kept // (u.shape[1] // B.shape[1])) if B.dim() == 4 else None)
+    per_group = u.shape[1] // B.shape[1] if B.dim() == 4 else None           # channels reading one group
+    read = slice(0, -(-min(channels, u.shape[1]) // per_group) if per_group else None)   # the groups they read
     return (cut(u, (slice(0, 1), slice(0, channels))), cut(delta, (slice(0, 1), slice(0, channels))),
-            cut(A, slice(0, channels)), cut(B, (slice(0, 1), groups)), cut(C, (slice(0, 1), groups)),
+            cut(A, slice(0, channels)), cut(B, (slice(0, 1), read)), cut(C, (slice(0, 1), read)),
             cut(D, slice(0, channels)),
             cut(z, (slice(0, 1), slice(0, channels))), cut(delta_bias, slice(0, channels)))
 
