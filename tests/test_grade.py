@@ -6,8 +6,9 @@ one-wrong-exercise tests add about 60 s). Each chapter 02 case starts a kernel a
 on Triton's interpreter, 5-12 s each: the untouched and partly solved notebooks run in full (their
 later cells fail fast); the solved ones run with --needed-only, up to linear_scan_rows (the full
 solved chapter takes 65-85 s here, so it is graded by hand: `make grade NB=notebooks/02_ema.ipynb`).
-The one-wrong-exercise test of each chapter runs the checks' process alone, 8-16 s; the same notebooks
-graded in full, a kernel each, are slow (`make test-slow`). The solved, off-by-one and forging
+The one-wrong-exercise test of each chapter runs the checks' process alone (`checks_alone`), 8-16 s; the
+same notebooks graded in full, a kernel each, are slow (`make test-slow`). What the checks' process alone
+decides (a library's own solution, a patched torch) is tested with it alone too. The solved, off-by-one and forging
 notebooks are graded once, by test_grade_all_writes_the_gradebook, which checks each one's report too.
 """
 import os
@@ -158,20 +159,24 @@ def _only_the_first_fails(name: str, exercises: list[dict]) -> None:
     assert FIRST_EXERCISE_WRONG[name][2] in exercises[0]["reason"], exercises[0]
 
 
-@pytest.mark.parametrize("name", sorted(FIRST_EXERCISE_WRONG))
-def test_one_wrong_exercise_costs_only_its_own_point(name, tmp_path):
-    """Each chapter solved but for its first exercise: the hidden checks, run on the notebook's definitions
-    as grade.grade runs them once the kernel is done (here without the kernel: every code cell up to the
-    last that the checks need, the cells --needed-only runs), fail that exercise alone, with its own
-    check's reason for the bug: the other checks run with the chapter's solution of it."""
-    notebook = nbformat.read(_first_exercise_wrong(name, tmp_path), as_version=4)
-    checks = grade.CHECKS / f"checks_{name[:2]}.py"
-    last = grade.last_needed_cell(notebook, checks)
-    cells = [i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and i <= last]
-    package = grade.checks_package(notebook, cells, name[:2])
+def checks_alone(notebook, chapter: str) -> list[dict]:
+    """The hidden checks' results (one dict per exercise: passed, reason) on a notebook's definitions, run
+    as grade.grade runs them once the kernel is done, here without the kernel: the definitions of every
+    code cell up to the last that the checks need (the cells --needed-only runs), in the checks' own
+    process. Whatever the checks decide (a library's own solution, a patched torch) they decide there."""
+    checks = grade.CHECKS / f"checks_{chapter}.py"
+    cells = [i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and i <= grade.last_needed_cell(notebook, checks)]
+    package = grade.checks_package(notebook, cells, chapter)
     results, why_not = grade._check_in_own_process(package, checks, 120, 600, dict(os.environ, PYTHONPATH=str(ROOT)))
     assert results is not None, why_not
-    _only_the_first_fails(name, results)
+    return results
+
+
+@pytest.mark.parametrize("name", sorted(FIRST_EXERCISE_WRONG))
+def test_one_wrong_exercise_costs_only_its_own_point(name, tmp_path):
+    """Each chapter solved but for its first exercise: the hidden checks fail that exercise alone, with its
+    own check's reason for the bug: the other checks run with the chapter's solution of it."""
+    _only_the_first_fails(name, checks_alone(nbformat.read(_first_exercise_wrong(name, tmp_path), as_version=4), name[:2]))
 
 
 def test_an_exercise_written_as_a_call_of_another_exercise_s_function_fails(tmp_path):
@@ -183,11 +188,7 @@ def test_an_exercise_written_as_a_call_of_another_exercise_s_function_fails(tmp_
     assert len(holders) == 1 and "def grads_by_formula" in holders[0].source
     stub_line = next(line for line in holders[0].source.split("\n") if "NotImplementedError(\"exercise 03.1" in line)
     holders[0].source = holders[0].source.replace(stub_line, "    return (h, *_backward_by_scan(a, h, dy, h0, reverse, 16))")
-    checks = grade.CHECKS / "checks_03.py"
-    cells = [i for i, c in enumerate(notebook.cells) if c.cell_type == "code" and i <= grade.last_needed_cell(notebook, checks)]
-    package = grade.checks_package(notebook, cells, "03")
-    results, why_not = grade._check_in_own_process(package, checks, 120, 600, dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert results is not None, why_not
+    results = checks_alone(notebook, "03")
     assert [r["passed"] for r in results] == [False, True, True, False], results
 
 
@@ -366,18 +367,19 @@ def _every_exercise_wrong_and(attack: str, tmp_path: Path) -> Path:
 
 def test_a_definition_that_patches_torch_is_caught(tmp_path):
     """A patch hidden in an assignment (which the checks' process does run) changes torch there: every
-    exercise fails, saying so."""
+    exercise fails, saying so. (The checks alone: the kernel's run decides nothing here; a patch at top
+    level, graded in full, is test_grade_all_writes_the_gradebook's cy.)"""
     patch = "import torch\n_ = setattr(torch, 'allclose', lambda *a, **k: True)"
-    report = grade.grade(_every_exercise_wrong_and(patch, tmp_path), needed_only=True)
-    assert report["score"] == 0, grade.text_report(report)
-    assert all("torch.allclose" in e["reason"] and "not graded" in e["reason"] for e in report["exercises"])
+    results = checks_alone(nbformat.read(_every_exercise_wrong_and(patch, tmp_path), as_version=4), "02")
+    assert len(results) == 3 and not any(r["passed"] for r in results), results
+    assert all("torch.allclose" in r["reason"] and "not graded" in r["reason"] for r in results), results
 
 
 def test_a_patch_before_an_import_is_caught_too(tmp_path):
     """The checks' process trusts what imports do to the libraries, not what the definitions before them did."""
     patch = "import torch\n_ = setattr(torch, 'allclose', lambda *a, **k: True)\nimport math"
-    report = grade.grade(_every_exercise_wrong_and(patch, tmp_path), needed_only=True)
-    assert all("torch.allclose" in e["reason"] for e in report["exercises"]), grade.text_report(report)
+    results = checks_alone(nbformat.read(_every_exercise_wrong_and(patch, tmp_path), as_version=4), "02")
+    assert len(results) == 3 and all("torch.allclose" in r["reason"] for r in results), results
 
 
 def test_the_kernel_talks_to_the_grader_over_unix_sockets(tmp_path):
@@ -442,18 +444,19 @@ def _wrong_reverse_positions(tmp_path: Path) -> Path:
 
 def test_the_library_s_own_solution_is_refused(tmp_path):
     """02.1 answered with scan_lib's own first_order_op (imported, or called from the student's function)
-    fails, saying why; the other exercises, written by the student, pass."""
-    for answer in ("    from scan_lib.ema import first_order_op as library_op\n    return library_op.fn(a_left, b_left, a_right, b_right)",
-                   "    import scan_lib\n    return scan_lib.ema.first_order_op.fn(a_left, b_left, a_right, b_right)"):
+    fails, saying why; the other exercises, written by the student, pass. The checks' process decides it
+    (grade._library_objects, borrowed_calls), so the checks alone run each case (graded in full, their
+    reasons reach the report as every check's do: test_grade_all_writes_the_gradebook)."""
+    answers = ("    from scan_lib.ema import first_order_op as library_op\n    return library_op.fn(a_left, b_left, a_right, b_right)",
+               "    import scan_lib\n    return scan_lib.ema.first_order_op.fn(a_left, b_left, a_right, b_right)")
+    for answer in answers:
         path = solved_but("02_ema", {"02.1", "02.2", "02.3"}, tmp_path,
                           "    return a_left * a_right, a_right * b_left + b_right", answer)
-        report = grade.grade(path, needed_only=True)
-        assert _passed(report) == {"02.1": False, "02.2": True, "02.3": True}, grade.text_report(report)
-        assert "library" in report["exercises"][0]["reason"], report["exercises"][0]
+        results = checks_alone(nbformat.read(path, as_version=4), "02")
+        assert [r["passed"] for r in results] == [False, True, True], results
+        assert "library" in results[0]["reason"], results[0]
     notebook = nbformat.read(path, as_version=4)
     cell = next(c for c in notebook.cells if "def first_order_op" in c.source)
     cell.source = "from scan_lib.ema import first_order_op"
-    nbformat.write(notebook, path)
-    report = grade.grade(path, needed_only=True)
-    assert not report["exercises"][0]["passed"] and "scan_lib's own" in report["exercises"][0]["reason"], \
-        grade.text_report(report)
+    results = checks_alone(notebook, "02")
+    assert not results[0]["passed"] and "scan_lib's own" in results[0]["reason"], results[0]
