@@ -247,6 +247,9 @@ def test_every_chapter_with_exercises_has_checks_for_each():
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
         assert [f"{path.name[:2]}.{k}" for k, _ in grade.exercises_of(module)] == ids
+        # the titles the grader reads from the source, without importing it, are the functions' own
+        assert grade.exercise_titles(checks) == {k: (f.__doc__ or "").strip().split("\n")[0]
+                                                 for k, f in grade.exercises_of(module)}
 
 
 @pytest.mark.parametrize("bad", ["### BEGIN SOLUTION\nx = 1", "x = 1\n### END SOLUTION",
