@@ -525,8 +525,8 @@ def selective_scan_fwd_kernel(
 # 3. section 4's gradients, and the next adjoint carry $a_s \delta_s$.
 #
 # Its code: "Going deeper: the chunked backward kernel". This chapter's `selective_scan` (exported to
-# `scan_lib.selective_scan`, `chapter_scan` in "Going deeper") wraps both kernels ("Going deeper: the
-# launchers and autograd").
+# the module `scan_lib/selective_scan.py`, `chapter_scan` in "Going deeper") wraps both kernels ("Going
+# deeper: the launchers and autograd").
 #
 # ## 7. Checks
 #

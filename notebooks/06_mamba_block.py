@@ -826,6 +826,13 @@ for length in (1, 7, 129, 1000) if ON_GPU else (1, 7, 40):
 # it ($m \ge$ `ITEMS`). `_x_at` handles the padding, reading `initial_states` before position 0. The
 # first block of positions also writes the final states, the last $K-1$ columns of
 # `cat(initial_states, x)`: the next piece's `initial_states`.
+#
+# **The imports.** Besides the reference, the module's first cell (the next one) imports what the
+# launchers need: `accumulator_dtype` (chapter 02's map from a torch dtype to the Triton dtype a kernel
+# sums in), `custom_op` and `apply` (the runtime's custom-operator and autograd plumbing, taught in
+# chapter 03's "Going deeper"), `_vmap_by_loop` (chapter 05's vmap rule; below), and from chapter 07's
+# module the helpers its fast kernels share with these (`items_of`, `positions_of`, introduced above;
+# `LOG2E`; `cdiv` and `next_power_of_2` in plain Python, which cost less per call than Triton's).
 
 # %%
 #| export causal_conv1d
@@ -1146,14 +1153,6 @@ for width in (2, 3, 4):
 # (`benchmarks/NOTES_causal_conv1d.md` has the sweep, the earlier kernels' times and the package's at
 # the same problems). Under the interpreter the blocks are
 # larger, because the interpreter runs each program as NumPy array operations.
-#
-# **The imports.** Besides the reference, the module's first cell (at the start of this subsection)
-# imports what the launchers need: `accumulator_dtype` (chapter 02's map from a torch dtype to the
-# Triton dtype a kernel sums in), `custom_op` and `apply` (the runtime's custom-operator and autograd
-# plumbing, taught in chapter 03's "Going deeper"), `_vmap_by_loop` (chapter 05's vmap rule; below),
-# and from chapter 07's module the helpers its fast kernels share with these (`items_of`,
-# `positions_of`, introduced above; `LOG2E`; `cdiv` and `next_power_of_2` in plain Python, which cost
-# less per call than Triton's).
 #
 # **Why runs.** The kernels before these loaded $x$ at $K$ shifted positions (the forward: section 2's
 # kernel) or shifted tiles between threads with `tl.gather` (the backward). On an H200 (2026-12-04)
