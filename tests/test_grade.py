@@ -246,10 +246,11 @@ def test_every_chapter_with_exercises_has_checks_for_each():
         spec = importlib.util.spec_from_file_location("checks", checks)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        assert [f"{path.name[:2]}.{k}" for k, _ in grade.exercises_of(module)] == ids
-        # the titles the grader reads from the source, without importing it, are the functions' own
-        assert grade.exercise_titles(checks) == {k: (f.__doc__ or "").strip().split("\n")[0]
-                                                 for k, f in grade.exercises_of(module)}
+        titles = grade.exercise_titles(checks)   # read from the source, without importing it
+        assert [f"{path.name[:2]}.{k}" for k in titles] == ids
+        defined = sorted(int(name.split("_")[1]) for name in dir(module) if grade.EXERCISE_FUNCTION.match(name))
+        assert list(titles) == defined   # every exercise_K the module defines, none missed by the source's reading
+        assert titles == {k: (getattr(module, f"exercise_{k}").__doc__ or "").strip().split("\n")[0] for k in titles}
 
 
 @pytest.mark.parametrize("bad", ["### BEGIN SOLUTION\nx = 1", "x = 1\n### END SOLUTION",

@@ -144,8 +144,8 @@ def run_checks_isolated(statements_path: str, checks_path: str, check_timeout: f
     spec = importlib.util.spec_from_file_location("_hidden_checks", checks_path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    results = [_grade_exercise(number, function, package, check_timeout)
-               for number, function in exercises_of(module)]
+    results = [_grade_exercise(number, getattr(module, f"exercise_{number}"), package, check_timeout)
+               for number in exercise_titles(Path(checks_path))]
     sys.stdout.write("\n" + token + json.dumps(results) + "\n")
     sys.stdout.flush()
 
@@ -365,16 +365,11 @@ def _defines(node) -> bool:
 
 # ---- in the grader ---------------------------------------------------------------------------
 
-def exercises_of(module) -> list[tuple[int, object]]:
-    """(K, exercise_K) for every check function of a checks module, in order."""
-    found = [(int(m.group(1)), getattr(module, name)) for name in dir(module) if (m := EXERCISE_FUNCTION.match(name))]
-    return sorted(found, key=lambda item: item[0])
-
-
 def exercise_titles(checks_path: Path) -> dict[int, str]:
-    """K -> the first line of exercise_K's docstring, for every check function of a checks file, in order;
-    read from its source, so the grader itself never imports what the checks import (torch, scan_lib:
-    seconds of every grading, which the checks' process spends anyway)."""
+    """K -> the first line of exercise_K's docstring, for every check function (a top-level `def
+    exercise_K`) of a checks file, in order; read from its source, so the grader itself never imports what
+    the checks import (torch, scan_lib: seconds of every grading, which the checks' process spends anyway).
+    The checks' process runs the same functions, in the same order."""
     tree = ast.parse(checks_path.read_text())
     found = [(int(m.group(1)), (ast.get_docstring(node) or "").split("\n")[0]) for node in tree.body
              if isinstance(node, ast.FunctionDef) and (m := EXERCISE_FUNCTION.match(node.name))]
